@@ -1,0 +1,24 @@
+"""pilotfish: an Envoy control plane written in Python.
+
+    from pilotfish import Snapshot, SnapshotCache, XdsServer, serve
+"""
+
+from pilotfish.cache import SnapshotCache
+from pilotfish.errors import ConfigError, PeerError, PilotfishError, Problem
+from pilotfish.server import ServeSettings, XdsServer, serve
+from pilotfish.snapshot import Snapshot
+from pilotfish.sources import load_snapshot
+
+__all__ = [
+    "ConfigError",
+    "PeerError",
+    "PilotfishError",
+    "Problem",
+    "ServeSettings",
+    "Snapshot",
+    "SnapshotCache",
+    "XdsServer",
+    "load_snapshot",
+    "serve",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from pilotfish.cli import main
+
+sys.exit(main())

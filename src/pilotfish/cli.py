@@ -1,0 +1,111 @@
+"""The ``pilotfish`` command: ``serve``, ``validate``, ``bootstrap``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pilotfish.bootstrap import BootstrapSettings, bootstrap_yaml, split_address
+from pilotfish.errors import ConfigError
+
+__all__ = ["main"]
+
+EXIT_OK = 0
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+
+def _address(value: str) -> str:
+    try:
+        split_address(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pilotfish", description="An Envoy control plane (xDS over gRPC).")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: every event)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve a snapshot file over xDS, following its changes")
+    serve.add_argument("--snapshot", type=Path, required=True, metavar="FILE",
+                       help="JSON or YAML file of Envoy resources (clusters, endpoints, listeners, routes, secrets)")
+    serve.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
+                       help="where to serve xDS over gRPC (default: %(default)s)")
+    serve.add_argument("--event-log", type=Path, metavar="FILE",
+                       help="append every xDS request, response and snapshot change here, as JSON lines")
+
+    validate = commands.add_parser("validate", help="check a snapshot file; print every problem")
+    validate.add_argument("file", type=Path, metavar="FILE")
+
+    boot = commands.add_parser("bootstrap", help="print an Envoy bootstrap that gets everything over ADS")
+    boot.add_argument("--node-id", required=True, metavar="ID")
+    boot.add_argument("--cluster", default="pilotfish", metavar="NAME", help="node cluster (default: %(default)s)")
+    boot.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
+                      help="where pilotfish serves xDS (default: %(default)s)")
+    boot.add_argument("--admin-port", type=int, default=9901, metavar="N",
+                      help="Envoy admin port on 127.0.0.1 (default: %(default)s)")
+
+    demo = commands.add_parser("demo", help="run pilotfish, two upstreams and a real Envoy on examples/demo.yaml")
+    demo.add_argument("--snapshot", type=Path, default=Path("examples/demo.yaml"), metavar="FILE")
+    return parser
+
+
+def _validate(path: Path) -> int:
+    from pilotfish.sources import load_snapshot
+
+    try:
+        snapshot = load_snapshot(path)
+    except ConfigError as exc:
+        print(exc.describe(), file=sys.stderr)
+        return EXIT_INVALID
+    counts = ", ".join(f"{len(ts.resources)} {ts.rtype.key}" for ts in snapshot.types.values())
+    print(f"{path}: ok ({counts}; version {snapshot.label()})")
+    return EXIT_OK
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pilotfish.server import ServeSettings, serve
+
+    settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log)
+    try:
+        asyncio.run(serve(settings))
+    except ConfigError as exc:
+        print(f"{exc.describe()}\nfix the file and start again", file=sys.stderr)
+        return EXIT_INVALID
+    except OSError as exc:
+        print(f"pilotfish: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("watchfiles").setLevel(logging.WARNING)
+    if args.command == "validate":
+        return _validate(args.file)
+    if args.command == "bootstrap":
+        settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
+                                     admin_port=args.admin_port)
+        sys.stdout.write(bootstrap_yaml(settings))
+        return EXIT_OK
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "demo":
+        from pilotfish.demo import run_demo
+
+        return run_demo(args.snapshot)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The JSON-lines event log: one object per line, written and flushed as it happens.
+
+Every request a proxy sends (``request``, ``ack``, ``nack``), every response sent (``sent``), and
+the life of the server, its streams and its snapshots are recorded, so an operator can read the
+whole xDS conversation after the fact (``jq`` friendly). Events are also passed to the
+``pilotfish.events`` logger at DEBUG level.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["EventLog"]
+
+_log = logging.getLogger("pilotfish.events")
+
+
+class EventLog:
+    """Appends events to a file (or nowhere, when no path is given)."""
+
+    def __init__(self, path: Path | None = None, *, clock: Any = time.time) -> None:
+        self._file: IO[str] | None = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+        self._clock = clock
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """Record one event; ``fields`` must be JSON-serializable."""
+        record = {"ts": round(self._clock(), 6), "event": event, **fields}
+        line = json.dumps(record, separators=(",", ":"), default=str)
+        if self._file is not None:
+            self._file.write(line + "\n")
+            self._file.flush()
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("%s", line)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

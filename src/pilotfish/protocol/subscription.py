@@ -1,0 +1,74 @@
+"""What a stream subscribes to, per type, and when it needs a response.
+
+The rules follow the xDS protocol
+(https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol#how-the-client-specifies-what-resources-to-return):
+
+- CDS and LDS are wildcard-capable: a stream that has never named a resource and sends no names
+  gets everything; ``*`` among names means everything plus those names; an explicit empty list
+  after names means nothing.
+- EDS, RDS and SDS get only the named resources.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pilotfish.resources import TypeUrl
+from pilotfish.snapshot import TypeSnapshot
+
+__all__ = ["WILDCARD", "Subscription", "Watch", "needs_response", "next_subscription"]
+
+WILDCARD = "*"
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """The resources one stream wants of one type."""
+
+    wildcard: bool
+    names: frozenset[str]
+
+    def names_to_send(self) -> frozenset[str] | None:
+        """The argument for :meth:`TypeSnapshot.response`: None means every resource."""
+        return None if self.wildcard else self.names
+
+
+def next_subscription(
+    requested: Sequence[str], *, wildcard_capable: bool, ever_named: bool
+) -> Subscription:
+    """The subscription after a request naming ``requested``."""
+    names = frozenset(requested)
+    if WILDCARD in names:
+        return Subscription(wildcard=True, names=names - {WILDCARD})
+    if not names and wildcard_capable and not ever_named:
+        return Subscription(wildcard=True, names=frozenset())
+    return Subscription(wildcard=False, names=names)
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """A stream's standing question to the cache: tell me when I need a response of this type."""
+
+    type_url: TypeUrl
+    subscription: Subscription
+    known_version: str | None
+    """The version the proxy has of this type (or was sent and rejected)."""
+    known_names: frozenset[str]
+    """Names the proxy already has at ``known_version``."""
+    known_wildcard: bool
+    """The proxy already has everything at ``known_version``."""
+    force: bool = False
+    """Answer even if nothing changed: a cluster or listener is warming and waits for it."""
+
+
+def needs_response(watch: Watch, current: TypeSnapshot) -> bool:
+    """Whether ``current`` has something for the stream behind ``watch`` (behaviours 7, 10, 13)."""
+    if watch.force or watch.known_version != current.version:
+        return True
+    if watch.subscription.wildcard:
+        return not watch.known_wildcard
+    # Same version: only names the proxy newly asked for, that exist, are worth a response.
+    resources = current.resources
+    known = watch.known_names
+    return any(name in resources and name not in known for name in watch.subscription.names)

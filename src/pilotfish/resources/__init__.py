@@ -1,0 +1,33 @@
+"""Envoy resource types, and Envoy JSON/YAML -> protobuf."""
+
+from pilotfish.resources.parse import ParsedDocument, parse_document, read_document
+from pilotfish.resources.types import (
+    ADS_ORDER,
+    CLUSTER,
+    ENDPOINT,
+    LISTENER,
+    ROUTE,
+    SECRET,
+    TYPES,
+    ResourceType,
+    TypeUrl,
+    type_by_key,
+    type_by_url,
+)
+
+__all__ = [
+    "ADS_ORDER",
+    "CLUSTER",
+    "ENDPOINT",
+    "LISTENER",
+    "ROUTE",
+    "SECRET",
+    "TYPES",
+    "ParsedDocument",
+    "ResourceType",
+    "TypeUrl",
+    "parse_document",
+    "read_document",
+    "type_by_key",
+    "type_by_url",
+]

@@ -1,0 +1,78 @@
+"""Lazy resolution of ``google.protobuf.Any`` type names.
+
+Envoy JSON names the message inside an ``Any`` with ``@type``. The protobuf JSON parser can only
+resolve it when the message's ``_pb2`` module has been imported. Importing the whole Envoy API at
+start-up costs seconds and hundreds of megabytes, so we import on first use: the package part of
+the type name (``envoy.extensions.filters.network.http_connection_manager.v3``) is a Python
+package of xds-protos, and one of its ``_pb2`` modules defines the message.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Iterator
+from typing import Any
+
+from google.protobuf import descriptor_pool
+
+__all__ = ["ensure_type", "ensure_types_in"]
+
+_PREFIX = "type.googleapis.com/"
+_imported_packages: set[str] = set()
+
+
+def _known(full_name: str) -> bool:
+    try:
+        descriptor_pool.Default().FindMessageTypeByName(full_name)
+    except KeyError:
+        return False
+    return True
+
+
+def _import_package(package: str) -> None:
+    if package in _imported_packages:
+        return
+    _imported_packages.add(package)
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        return
+    for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
+        if info.name.endswith("_pb2"):
+            importlib.import_module(f"{package}.{info.name}")
+
+
+def ensure_type(type_url_or_name: str) -> bool:
+    """Import the module defining a message type; True when it is now known."""
+    full_name = type_url_or_name.rsplit("/", 1)[-1]
+    if _known(full_name):
+        return True
+    # Nested messages (pkg.Outer.Inner): try each shorter prefix as the package.
+    parts = full_name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        _import_package(".".join(parts[:cut]))
+        if _known(full_name):
+            return True
+    return False
+
+
+def _type_names(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key == "@type" and isinstance(item, str):
+                yield item
+            else:
+                yield from _type_names(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _type_names(item)
+
+
+def ensure_types_in(value: Any) -> list[str]:
+    """Import every ``@type`` found in a JSON value; return the ones that do not exist."""
+    unknown = []
+    for name in _type_names(value):
+        if not ensure_type(name):
+            unknown.append(name)
+    return unknown

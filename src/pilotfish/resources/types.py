@@ -1,0 +1,87 @@
+"""Type URLs of the xDS resources pilotfish serves, in ADS order.
+
+ADS order (CDS, EDS, LDS, RDS, then SDS) is the order in which responses for one change go out
+on an aggregated stream, so that everything a resource refers to exists before it does
+(https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol#eventual-consistency-considerations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NewType
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
+from google.protobuf.message import Message
+
+__all__ = [
+    "ADS_ORDER",
+    "CLUSTER",
+    "ENDPOINT",
+    "LISTENER",
+    "ROUTE",
+    "SECRET",
+    "TYPES",
+    "ResourceType",
+    "TypeUrl",
+    "type_by_key",
+    "type_by_url",
+]
+
+TypeUrl = NewType("TypeUrl", str)
+"""A resource type URL, e.g. ``type.googleapis.com/envoy.config.cluster.v3.Cluster``."""
+
+_PREFIX = "type.googleapis.com/"
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceType:
+    """One kind of xDS resource and how pilotfish treats it."""
+
+    key: str
+    """Its section name in a snapshot file (``clusters``, ``endpoints``...)."""
+    url: TypeUrl
+    message: type[Message]
+    name_field: str
+    """The field holding the resource's name (``cluster_name`` for endpoints)."""
+    wildcard: bool
+    """CDS and LDS: a stream that names nothing gets everything, and responses are full state."""
+    short: str
+    """CDS, EDS...: for logs and messages."""
+
+
+def _make(key: str, message: type[Message], name_field: str, wildcard: bool, short: str) -> ResourceType:
+    return ResourceType(
+        key=key,
+        url=TypeUrl(_PREFIX + message.DESCRIPTOR.full_name),
+        message=message,
+        name_field=name_field,
+        wildcard=wildcard,
+        short=short,
+    )
+
+
+CLUSTER = _make("clusters", cluster_pb2.Cluster, "name", True, "CDS")
+ENDPOINT = _make("endpoints", endpoint_pb2.ClusterLoadAssignment, "cluster_name", False, "EDS")
+LISTENER = _make("listeners", listener_pb2.Listener, "name", True, "LDS")
+ROUTE = _make("routes", route_pb2.RouteConfiguration, "name", False, "RDS")
+SECRET = _make("secrets", secret_pb2.Secret, "name", False, "SDS")
+
+TYPES: tuple[ResourceType, ...] = (CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET)
+ADS_ORDER: tuple[TypeUrl, ...] = tuple(t.url for t in TYPES)
+
+_BY_URL = {t.url: t for t in TYPES}
+_BY_KEY = {t.key: t for t in TYPES}
+
+
+def type_by_url(url: str) -> ResourceType | None:
+    """The resource type for a type URL, or None when pilotfish does not serve it."""
+    return _BY_URL.get(TypeUrl(url))
+
+
+def type_by_key(key: str) -> ResourceType | None:
+    """The resource type for a snapshot-file section name, or None."""
+    return _BY_KEY.get(key)

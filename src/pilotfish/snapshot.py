@@ -1,0 +1,133 @@
+"""Immutable snapshots of the configuration to serve.
+
+A :class:`Snapshot` holds, per resource type, every resource with its content hash and its
+encoded ``Any`` bytes, and the type's version. Versions are content hashes unless the user set
+one: identical content gives identical versions across restarts and replicas, so a proxy that
+reconnects is not pushed what it already has. Encoded responses are memoized per subscribed
+name set, so N streams cost one serialization.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from google.protobuf.message import Message
+
+from pilotfish.resources import TYPES, ResourceType, TypeUrl, type_by_url
+from pilotfish.resources.wire import any_bytes, discovery_response
+
+__all__ = ["EncodedResponse", "Resource", "Snapshot", "TypeSnapshot"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Resource:
+    """One named resource, encoded once."""
+
+    name: str
+    message: Message
+    hash: str
+    """Hex SHA-256 of the message's deterministic encoding."""
+    encoded: bytes
+    """The resource as an encoded ``google.protobuf.Any``."""
+
+    @classmethod
+    def of(cls, rtype: ResourceType, message: Message) -> Resource:
+        value = message.SerializeToString(deterministic=True)
+        return cls(
+            name=getattr(message, rtype.name_field),
+            message=message,
+            hash=hashlib.sha256(value).hexdigest(),
+            encoded=any_bytes(rtype.url, value),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedResponse:
+    """A DiscoveryResponse body shared by every stream that needs it; streams add a nonce."""
+
+    type_url: TypeUrl
+    version: str
+    names: frozenset[str]
+    """Names of the resources it carries."""
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TypeSnapshot:
+    """The resources of one type and their version."""
+
+    rtype: ResourceType
+    version: str
+    resources: Mapping[str, Resource]
+    _memo: dict[frozenset[str] | None, EncodedResponse] = field(default_factory=dict, repr=False)
+
+    def response(self, names: frozenset[str] | None) -> EncodedResponse:
+        """The encoded response carrying ``names`` (those that exist), or everything for None."""
+        cached = self._memo.get(names)
+        if cached is not None:
+            return cached
+        if names is None:
+            chosen = sorted(self.resources)
+        else:
+            chosen = sorted(n for n in names if n in self.resources)
+        body = discovery_response(self.version, self.rtype.url, (self.resources[n].encoded for n in chosen))
+        encoded = EncodedResponse(self.rtype.url, self.version, frozenset(chosen), body)
+        self._memo[names] = encoded
+        return encoded
+
+
+def _content_version(resources: Mapping[str, Resource]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(resources):
+        digest.update(name.encode())
+        digest.update(b"\0")
+        digest.update(resources[name].hash.encode())
+        digest.update(b"\n")
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything to serve to one group of proxies, at one moment. Never changes once built."""
+
+    types: Mapping[TypeUrl, TypeSnapshot]
+    explicit_version: str | None = None
+
+    @classmethod
+    def build(
+        cls, resources: Mapping[ResourceType, Iterable[Message]], *, version: str | None = None
+    ) -> Snapshot:
+        """Encode and hash ``resources``; ``version`` (if given) becomes every type's version."""
+        types: dict[TypeUrl, TypeSnapshot] = {}
+        for rtype in TYPES:
+            by_name = {}
+            for message in resources.get(rtype, ()):
+                resource = Resource.of(rtype, message)
+                by_name[resource.name] = resource
+            type_version = version if version is not None else _content_version(by_name)
+            types[rtype.url] = TypeSnapshot(rtype, type_version, MappingProxyType(by_name))
+        return cls(types=MappingProxyType(types), explicit_version=version)
+
+    def get(self, type_url: str) -> TypeSnapshot | None:
+        return self.types.get(TypeUrl(type_url))
+
+    def version(self, type_url: str) -> str | None:
+        ts = self.types.get(TypeUrl(type_url))
+        return ts.version if ts is not None else None
+
+    def versions(self) -> dict[str, str]:
+        """Version per type, keyed by the short type name (CDS, EDS...)."""
+        out = {}
+        for url, ts in self.types.items():
+            rtype = type_by_url(url)
+            out[rtype.short if rtype else url] = ts.version
+        return out
+
+    def label(self) -> str:
+        """One string naming this snapshot in logs: the explicit version, or the type hashes."""
+        if self.explicit_version is not None:
+            return self.explicit_version
+        return hashlib.sha256("".join(sorted(ts.version for ts in self.types.values())).encode()).hexdigest()[:16]

