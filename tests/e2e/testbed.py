@@ -25,6 +25,8 @@ WEB = ("web-a", "web-b")
 
 @dataclass
 class Testbed:
+    __test__ = False  # not a test class, whatever its name says to pytest
+
     group: ProcessGroup
     upstreams: dict[str, Upstream]
     listener_port: int

@@ -153,6 +153,7 @@ class SotwStream:
             known_version=known_version,
             known_names=known_names,
             known_wildcard=known_wildcard,
+            full_state=state.wildcard_capable,
             force=force,
         )
         return RequestOutcome(kind, type_url, request.version_info, nonce, error, watch, rejected)

@@ -58,6 +58,8 @@ class Watch:
     """Names the proxy already has at ``known_version``."""
     known_wildcard: bool
     """The proxy already has everything at ``known_version``."""
+    full_state: bool = False
+    """CDS/LDS: every response carries the whole subscribed set, so a smaller set is news too."""
     force: bool = False
     """Answer even if nothing changed: a cluster or listener is warming and waits for it."""
 
@@ -68,7 +70,13 @@ def needs_response(watch: Watch, current: TypeSnapshot) -> bool:
         return True
     if watch.subscription.wildcard:
         return not watch.known_wildcard
-    # Same version: only names the proxy newly asked for, that exist, are worth a response.
     resources = current.resources
     known = watch.known_names
-    return any(name in resources and name not in known for name in watch.subscription.names)
+    wanted = watch.subscription.names
+    if watch.full_state:
+        # The response replaces the proxy's whole set: any difference in it is worth sending.
+        if watch.known_wildcard:
+            return True
+        return {n for n in wanted if n in resources} != {n for n in known if n in resources}
+    # Same version: only names the proxy newly asked for, that exist, are worth a response.
+    return any(name in resources and name not in known for name in wanted)

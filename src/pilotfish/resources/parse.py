@@ -63,13 +63,14 @@ def _short(error: Exception) -> str:
 def parse_resource(rtype: ResourceType, value: Any, where: str) -> tuple[Message | None, list[Problem]]:
     """Parse one resource; return it (or None) and the problems found."""
     if not isinstance(value, dict):
-        return None, [Problem(where, f"expected a mapping (an Envoy {rtype.message.DESCRIPTOR.name}), got {type(value).__name__}")]
+        kind = rtype.message.DESCRIPTOR.name
+        return None, [Problem(where, f"expected a mapping (an Envoy {kind}), got {type(value).__name__}")]
     name = value.get(rtype.name_field)
     label = f"{where} ({rtype.name_field} {name!r})" if isinstance(name, str) else where
     unknown = ensure_types_in(value)
     if unknown:
         return None, [
-            Problem(label, f"unknown @type {t!r}: no such message in the Envoy API (check the spelling and the v3 package)")
+            Problem(label, f"unknown @type {t!r}: no such message in the Envoy API (check spelling and v3 package)")
             for t in unknown
         ]
     message = rtype.message()

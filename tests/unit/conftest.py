@@ -1,0 +1,169 @@
+"""Shared pieces for unit tests: snapshot builders and an in-memory stream pair."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from envoy.service.discovery.v3 import discovery_pb2
+
+from pilotfish.cache import Cancel, SnapshotCache
+from pilotfish.protocol import RequestOutcome, SotwStream, Watch
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
+from pilotfish.resources.parse import parse_resource
+from pilotfish.resources.wire import nonce_field
+from pilotfish.snapshot import EncodedResponse, Snapshot
+
+CDS, EDS, LDS, RDS = CLUSTER.url, ENDPOINT.url, LISTENER.url, ROUTE.url
+
+
+def cluster(name: str, timeout: str = "1s") -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "EDS",
+        "connect_timeout": timeout,
+        "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
+    }
+
+
+def assignment(name: str, *ports: int) -> dict[str, Any]:
+    return {
+        "cluster_name": name,
+        "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+            for p in ports
+        ]}],
+    }
+
+
+HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+
+
+def listener(name: str, route: str, port: int = 10000) -> dict[str, Any]:
+    return {
+        "name": name,
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{
+            "name": "hcm",
+            "typed_config": {
+                "@type": HCM_TYPE,
+                "stat_prefix": name,
+                "rds": {"route_config_name": route, "config_source": {"ads": {}, "resource_api_version": "V3"}},
+                "http_filters": [{"name": "router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+            },
+        }]}],
+    }
+
+
+def route(name: str, cluster_name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+            {"match": {"prefix": "/"}, "route": {"cluster": cluster_name}}]}],
+    }
+
+
+def build(
+    clusters: Iterable[dict[str, Any]] = (),
+    endpoints: Iterable[dict[str, Any]] = (),
+    listeners: Iterable[dict[str, Any]] = (),
+    routes: Iterable[dict[str, Any]] = (),
+    version: str | None = None,
+) -> Snapshot:
+    """A snapshot from resources in Envoy JSON shape."""
+    def parse(rtype: Any, items: Iterable[dict[str, Any]]) -> list[Any]:
+        parsed = [parse_resource(rtype, item, rtype.key) for item in items]
+        assert all(not problems for _, problems in parsed), parsed
+        return [message for message, _ in parsed]
+
+    return Snapshot.build(
+        {CLUSTER: parse(CLUSTER, clusters), ENDPOINT: parse(ENDPOINT, endpoints),
+         LISTENER: parse(LISTENER, listeners), ROUTE: parse(ROUTE, routes)},
+        version=version,
+    )
+
+
+@dataclass
+class Received:
+    """A response as the proxy decodes it."""
+
+    type_url: str
+    version: str
+    nonce: str
+    names: list[str]
+
+
+@dataclass
+class StreamPair:
+    """A proxy's stream and the server side, wired through a real cache, with no I/O.
+
+    Mirrors what ``server/xds.py`` does per stream: each request's watch replaces the previous
+    one of its type; responses get their nonce from the state machine and are decoded here.
+    """
+
+    cache: SnapshotCache
+    stream: SotwStream = field(default_factory=SotwStream)
+    inbox: list[Received] = field(default_factory=list)
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+    _cancels: dict[TypeUrl, Cancel] = field(default_factory=dict)
+
+    def _respond(self, watch: Watch, response: EncodedResponse) -> None:
+        nonce = self.stream.on_response(watch, response)
+        decoded = discovery_pb2.DiscoveryResponse.FromString(response.body + nonce_field(nonce))
+        names = []
+        for any_msg in decoded.resources:
+            message = (CLUSTER if decoded.type_url == CDS else ENDPOINT if decoded.type_url == EDS
+                       else LISTENER if decoded.type_url == LDS else ROUTE).message()
+            any_msg.Unpack(message)
+            names.append(getattr(message, "cluster_name" if decoded.type_url == EDS else "name"))
+        self.inbox.append(Received(decoded.type_url, decoded.version_info, decoded.nonce, names))
+
+    def send(
+        self,
+        type_url: str,
+        names: Sequence[str] = (),
+        *,
+        version: str = "",
+        nonce: str = "",
+        error: str | None = None,
+        node_id: str | None = None,
+    ) -> list[Received]:
+        """Send a request; return the responses it caused at once."""
+        request = discovery_pb2.DiscoveryRequest(
+            type_url=type_url, resource_names=list(names), version_info=version, response_nonce=nonce
+        )
+        if node_id is not None:
+            request.node.id = node_id
+        if error is not None:
+            request.error_detail.message = error
+        outcome = self.stream.on_request(request)
+        self.outcomes.append(outcome)
+        before = len(self.inbox)
+        if outcome.watch is not None:
+            previous = self._cancels.pop(outcome.watch.type_url, None)
+            if previous:
+                previous()
+            self._cancels[outcome.watch.type_url] = self.cache.create_watch(outcome.watch, self._respond)
+        return self.inbox[before:]
+
+    def ack(self, received: Received, names: Sequence[str] = ()) -> list[Received]:
+        return self.send(received.type_url, names, version=received.version, nonce=received.nonce)
+
+    def publish(self, snapshot: Snapshot) -> list[Received]:
+        """Set a new snapshot in the cache; return the responses this stream got."""
+        before = len(self.inbox)
+        self.cache.set_snapshot(snapshot)
+        return self.inbox[before:]
+
+
+@pytest.fixture
+def cache() -> SnapshotCache:
+    return SnapshotCache()
+
+
+@pytest.fixture
+def pair(cache: SnapshotCache) -> StreamPair:
+    return StreamPair(cache)

@@ -1,0 +1,128 @@
+"""Snapshot files are parsed strictly; every problem names the resource and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import assignment, cluster, listener, route
+
+from pilotfish.errors import ConfigError
+from pilotfish.sources import load_snapshot
+
+GOOD = {
+    "clusters": [cluster("web")],
+    "endpoints": [assignment("web", 9001)],
+    "listeners": [listener("http", "local")],
+    "routes": [route("local", "web")],
+}
+
+
+def write(tmp_path: Path, document: object, name: str = "snap.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(document) if isinstance(document, dict) else str(document))
+    return path
+
+
+def problems(tmp_path: Path, document: object, name: str = "snap.yaml") -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        load_snapshot(write(tmp_path, document, name))
+    assert caught.value.source.endswith(name)
+    return [str(p) for p in caught.value.problems]
+
+
+def test_good_file_loads_with_every_type(tmp_path: Path) -> None:
+    snapshot = load_snapshot(write(tmp_path, GOOD))
+    assert {ts.rtype.key: len(ts.resources) for ts in snapshot.types.values()} == {
+        "clusters": 1, "endpoints": 1, "listeners": 1, "routes": 1, "secrets": 0}
+
+
+def test_json_files_are_read_as_json(tmp_path: Path) -> None:
+    import json
+    path = tmp_path / "snap.json"
+    path.write_text(json.dumps({**GOOD, "version": "9"}))
+    assert load_snapshot(path).version("type.googleapis.com/envoy.config.cluster.v3.Cluster") == "9"
+
+
+def test_unknown_field_names_resource_and_field(tmp_path: Path) -> None:
+    bad = {**GOOD, "clusters": [{**cluster("web"), "conect_timeout": "1s"}]}
+    [problem] = problems(tmp_path, bad)
+    assert problem.startswith("clusters[0] (name 'web')")
+    assert "conect_timeout" in problem
+
+
+def test_unknown_nested_field_gives_its_path(tmp_path: Path) -> None:
+    endpoints = assignment("web", 9001)
+    endpoints["endpoints"][0]["lb_endpoints"][0]["weight"] = 3
+    [problem] = problems(tmp_path, {**GOOD, "endpoints": [endpoints]})
+    assert "endpoints[0] (cluster_name 'web')" in problem
+    assert "weight" in problem and "lb_endpoints[0]" in problem
+
+
+def test_unknown_type_is_named(tmp_path: Path) -> None:
+    bad_listener = listener("http", "local")
+    bad_listener["filter_chains"][0]["filters"][0]["typed_config"]["@type"] = (
+        "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConectionManager")
+    [problem] = problems(tmp_path, {**GOOD, "listeners": [bad_listener]})
+    assert problem.startswith("listeners[0] (name 'http')")
+    assert "HttpConectionManager" in problem and "unknown @type" in problem
+
+
+def test_duplicate_names_are_refused(tmp_path: Path) -> None:
+    [problem] = problems(tmp_path, {**GOOD, "clusters": [cluster("web"), cluster("web", "2s")]})
+    assert problem.startswith("clusters[1] (name 'web')") and "duplicate" in problem and "clusters[0]" in problem
+
+
+def test_eds_cluster_without_endpoints_is_refused(tmp_path: Path) -> None:
+    [problem] = problems(tmp_path, {**GOOD, "clusters": [cluster("web"), cluster("api")]})
+    assert problem.startswith("clusters[1] (name 'api')")
+    assert "cluster_name 'api'" in problem
+
+
+def test_listener_without_its_route_configuration_is_refused(tmp_path: Path) -> None:
+    [problem] = problems(tmp_path, {**GOOD, "routes": [route("other", "web")]})
+    assert problem.startswith("listeners[0] (name 'http')")
+    assert "'local'" in problem and "routes" in problem
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    bad = {
+        "version": "1",
+        "clusters": [{**cluster("web"), "x": 1}, {"connect_timeout": "1s"}],
+        "listeners": "not a list",
+        "servces": {},
+    }
+    found = problems(tmp_path, bad)
+    assert len(found) == 4
+    joined = "\n".join(found)
+    assert "servces: unknown section" in joined
+    assert "listeners: must be a list" in joined
+    assert "clusters[1]: name is required" in joined
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("clusters:\n  - name: web\n    connect_timeout: [1s\n", "line"),  # half-written YAML
+        ("- just\n- a list\n", "top level"),
+        ("version: [1]\n", "version"),
+    ],
+)
+def test_malformed_documents_say_where(tmp_path: Path, text: str, where: str) -> None:
+    assert any(where in p for p in problems(tmp_path, text))
+
+
+def test_half_written_json_names_line_and_column(tmp_path: Path) -> None:
+    [problem] = problems(tmp_path, '{"clusters": [{"name": "web"', name="snap.json")
+    assert problem.startswith("line 1, column") and "invalid JSON" in problem
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_snapshot(tmp_path / "absent.yaml")
+
+
+def test_empty_file_is_an_empty_snapshot(tmp_path: Path) -> None:
+    snapshot = load_snapshot(write(tmp_path, ""))
+    assert all(not ts.resources for ts in snapshot.types.values())

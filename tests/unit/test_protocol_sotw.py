@@ -1,0 +1,245 @@
+"""The SotW state machine and cache, driven through DESIGN.md behaviours 2-13 with no I/O."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import CDS, EDS, LDS, RDS, StreamPair, assignment, build, cluster, listener, route
+from envoy.service.discovery.v3 import discovery_pb2
+
+from pilotfish.cache import SnapshotCache
+from pilotfish.errors import PeerError
+from pilotfish.protocol import RequestKind, SotwStream
+
+V1 = build(
+    clusters=[cluster("a"), cluster("b")],
+    endpoints=[assignment("a", 1), assignment("b", 2)],
+    listeners=[listener("l", "r")],
+    routes=[route("r", "a")],
+)
+
+
+@pytest.fixture
+def pair(cache: SnapshotCache) -> StreamPair:
+    cache.set_snapshot(V1)
+    return StreamPair(cache)
+
+
+# 2. type URL and node ---------------------------------------------------------------------
+
+
+def test_ads_request_without_type_url_is_a_protocol_error() -> None:
+    with pytest.raises(PeerError, match="type_url"):
+        SotwStream().on_request(discovery_pb2.DiscoveryRequest())
+
+
+def test_per_type_stream_fills_in_its_type_and_refuses_others() -> None:
+    stream = SotwStream(type_url=CDS)
+    assert stream.on_request(discovery_pb2.DiscoveryRequest()).type_url == CDS
+    with pytest.raises(PeerError, match="serves"):
+        stream.on_request(discovery_pb2.DiscoveryRequest(type_url=LDS))
+
+
+def test_node_comes_from_the_first_request_only(pair: StreamPair) -> None:
+    [cds] = pair.send(CDS, node_id="envoy-1")
+    pair.ack(cds)  # Envoy omits the node after the first message
+    pair.send(EDS, ["a"], node_id="someone-else")
+    assert pair.stream.node is not None and pair.stream.node.id == "envoy-1"
+
+
+def test_two_streams_with_the_same_node_id_are_both_served(cache: SnapshotCache) -> None:
+    cache.set_snapshot(V1)
+    old, new = StreamPair(cache), StreamPair(cache)  # hot restart: two processes, one node id
+    assert old.send(CDS, node_id="n")[0].names == ["a", "b"]
+    assert new.send(CDS, node_id="n")[0].names == ["a", "b"]
+    v2 = build(clusters=[cluster("a")], endpoints=[assignment("a", 1)],
+               listeners=[listener("l", "r")], routes=[route("r", "a")])
+    old.ack(old.inbox[-1])
+    new.ack(new.inbox[-1])
+    cache.set_snapshot(v2)
+    assert old.inbox[-1].names == new.inbox[-1].names == ["a"]
+
+
+# 3. versions per type, nonces unique per stream -----------------------------------------
+
+
+def test_versions_are_per_type_and_nonces_unique(pair: StreamPair) -> None:
+    [cds] = pair.send(CDS)
+    [eds] = pair.send(EDS, ["a", "b"])
+    [lds] = pair.send(LDS)
+    [rds] = pair.send(RDS, ["r"])
+    assert len({cds.version, eds.version, lds.version, rds.version}) == 4
+    assert len({cds.nonce, eds.nonce, lds.nonce, rds.nonce}) == 4
+
+
+def test_explicit_version_is_every_types_version(cache: SnapshotCache) -> None:
+    cache.set_snapshot(build(clusters=[cluster("a")], endpoints=[assignment("a", 1)], version="7"))
+    p = StreamPair(cache)
+    assert p.send(CDS)[0].version == "7"
+    assert p.send(EDS, ["a"])[0].version == "7"
+
+
+# 4-5. ACK and NACK --------------------------------------------------------------------
+
+
+def test_ack_is_recognised_and_nothing_is_resent(pair: StreamPair) -> None:
+    [cds] = pair.send(CDS)
+    assert pair.ack(cds) == []
+    assert pair.outcomes[-1].kind is RequestKind.ACK
+    assert pair.stream.types[CDS].acked_version == cds.version
+
+
+def test_nack_is_recorded_and_the_rejected_content_not_resent(pair: StreamPair, cache: SnapshotCache) -> None:
+    [cds] = pair.send(CDS)
+    pair.ack(cds)
+    bad = build(clusters=[cluster("a", timeout="0s")], endpoints=[assignment("a", 1)])
+    [rejected] = pair.publish(bad)
+    # The proxy keeps running the last version it accepted and says so in version_info.
+    reason = "ConnectTimeout: value must be greater than 0s"
+    again = pair.send(CDS, version=cds.version, nonce=rejected.nonce, error=reason)
+    outcome = pair.outcomes[-1]
+    assert outcome.kind is RequestKind.NACK
+    assert outcome.rejected_version == rejected.version
+    assert outcome.error is not None and "ConnectTimeout" in outcome.error
+    assert again == []  # not resent: no loop
+    fixed = build(clusters=[cluster("a", timeout="2s")], endpoints=[assignment("a", 1)])
+    [resent] = pair.publish(fixed)
+    assert resent.version == fixed.version(CDS) != rejected.version
+
+
+# 6. stale nonces ----------------------------------------------------------------------
+
+
+def test_request_with_a_stale_nonce_is_ignored(pair: StreamPair, cache: SnapshotCache) -> None:
+    [first] = pair.send(CDS)
+    pair.ack(first)
+    v2 = build(clusters=[cluster("a")], endpoints=[assignment("a", 1)])
+    [second] = pair.publish(v2)
+    # A late request answering the first response, even a NACK, changes nothing.
+    assert pair.send(CDS, version=first.version, nonce=first.nonce, error="late") == []
+    assert pair.outcomes[-1].kind is RequestKind.STALE
+    assert pair.stream.types[CDS].acked_version == first.version
+    pair.ack(second)
+    assert pair.stream.types[CDS].acked_version == second.version
+
+
+# 7. respond only on a new version or newly named resources ------------------------------
+
+
+def test_new_names_are_sent_at_an_unchanged_version(pair: StreamPair) -> None:
+    [eds] = pair.send(EDS, ["a"])
+    assert eds.names == ["a"]
+    [more] = pair.ack(eds, names=["a", "b"])
+    assert more.version == eds.version
+    assert more.names == ["a", "b"]
+    assert pair.ack(more, names=["a"]) == []  # dropping a name needs no response
+
+
+# 8. wildcard ------------------------------------------------------------------------
+
+
+def test_wildcard_rules_for_clusters(pair: StreamPair) -> None:
+    [everything] = pair.send(CDS)
+    assert everything.names == ["a", "b"]
+    [named] = pair.ack(everything, names=["a"])
+    assert named.names == ["a"]
+    [empty] = pair.ack(named, names=[])  # empty list after names: nothing
+    assert empty.names == []
+    [star] = pair.ack(empty, names=["*", "zzz"])
+    assert star.names == ["a", "b"]
+
+
+def test_empty_endpoint_request_is_not_a_wildcard(pair: StreamPair) -> None:
+    [eds] = pair.send(EDS, [])
+    assert eds.names == []
+
+
+# 9. full state for CDS/LDS ---------------------------------------------------------------
+
+
+def test_cluster_responses_are_full_state(pair: StreamPair) -> None:
+    [cds] = pair.send(CDS)
+    pair.ack(cds)
+    [after] = pair.publish(build(clusters=[cluster("b")], endpoints=[assignment("b", 2)]))
+    assert after.names == ["b"]  # "a" omitted = removed
+
+
+# 10. names that do not exist yet -----------------------------------------------------------
+
+
+def test_requested_names_are_sent_when_they_appear(pair: StreamPair) -> None:
+    [eds] = pair.send(EDS, ["a", "later"])
+    assert eds.names == ["a"]
+    assert pair.ack(eds, names=["a", "later"]) == []
+    [appeared] = pair.publish(build(clusters=[cluster("a"), cluster("later")],
+                                    endpoints=[assignment("a", 1), assignment("later", 3)]))
+    assert appeared.names == ["a", "later"]
+
+
+# 11. reconnect -----------------------------------------------------------------------------
+
+
+def test_reconnect_at_the_current_version_sends_nothing(cache: SnapshotCache) -> None:
+    cache.set_snapshot(V1)
+    assert StreamPair(cache).send(CDS, version=V1.version(CDS) or "") == []
+    assert StreamPair(cache).send(EDS, ["a"], version=V1.version(EDS) or "") == []
+
+
+def test_reconnect_with_an_older_version_gets_the_current_one(cache: SnapshotCache) -> None:
+    cache.set_snapshot(V1)
+    [cds] = StreamPair(cache).send(CDS, version="old")
+    assert cds.version == V1.version(CDS)
+
+
+# 12. ADS order -------------------------------------------------------------------------------
+
+
+def test_one_change_is_sent_in_ads_order(pair: StreamPair) -> None:
+    # Open watches on every type, in reverse order of ADS, at the current version.
+    for type_url, names in ((RDS, ["r"]), (LDS, []), (EDS, ["a", "b"]), (CDS, [])):
+        [response] = pair.send(type_url, names)
+        pair.ack(response, names)
+    v2 = build(clusters=[cluster("a", "3s"), cluster("b")], endpoints=[assignment("a", 5), assignment("b", 2)],
+               listeners=[listener("l", "r", port=10001)], routes=[route("r", "b")])
+    assert [r.type_url for r in pair.publish(v2)] == [CDS, EDS, LDS, RDS]
+
+
+# 13. warming --------------------------------------------------------------------------------
+
+
+def test_endpoint_request_after_a_cluster_change_is_answered(pair: StreamPair) -> None:
+    [cds] = pair.send(CDS)
+    pair.ack(cds)
+    [eds] = pair.send(EDS, ["a", "b"])
+    pair.ack(eds, ["a", "b"])
+    # Only cluster "a" changes; its endpoints do not.
+    v2 = build(clusters=[cluster("a", "5s"), cluster("b")], endpoints=[assignment("a", 1), assignment("b", 2)],
+               listeners=[listener("l", "r")], routes=[route("r", "a")])
+    [cds2] = pair.publish(v2)
+    pair.ack(cds2)
+    # Envoy re-creates "a" and asks for its endpoints again, repeating the last EDS nonce.
+    [warm] = pair.send(EDS, ["a", "b"], version=eds.version, nonce=eds.nonce)
+    assert warm.version == eds.version and warm.names == ["a", "b"]
+    # Once answered, the same request is an ordinary ACK again.
+    assert pair.ack(warm, ["a", "b"]) == []
+
+
+def test_route_request_after_a_listener_change_is_answered(pair: StreamPair) -> None:
+    [lds] = pair.send(LDS)
+    pair.ack(lds)
+    [rds] = pair.send(RDS, ["r"])
+    pair.ack(rds, ["r"])
+    v2 = build(clusters=[cluster("a"), cluster("b")], endpoints=[assignment("a", 1), assignment("b", 2)],
+               listeners=[listener("l", "r", port=10002)], routes=[route("r", "a")])
+    [lds2] = pair.publish(v2)
+    pair.ack(lds2)
+    [warm] = pair.send(RDS, ["r"], version=rds.version, nonce=rds.nonce)
+    assert warm.names == ["r"]
+
+
+def test_a_watch_is_answered_when_the_snapshot_changes(pair: StreamPair) -> None:
+    [cds] = pair.send(CDS)
+    assert pair.ack(cds) == []
+    assert pair.cache.watch_count() == 1
+    [pushed] = pair.publish(build(clusters=[cluster("c")], endpoints=[assignment("c", 9)]))
+    assert pushed.names == ["c"]
+    assert pair.cache.watch_count() == 0  # answered once; the ACK opens the next one
