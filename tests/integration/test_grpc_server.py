@@ -1,0 +1,180 @@
+"""The xDS gRPC server in-process, spoken to by a gRPC client, serving a watched file."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from envoy.service.cluster.v3 import cds_pb2_grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+
+from pilotfish.server import ServeSettings, serve
+
+CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+TIMEOUT = 10.0
+
+
+def document(version: str | None, *ports: int, timeout: str = "1s") -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "clusters": [{"name": "web", "type": "EDS", "connect_timeout": timeout,
+                      "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}}}],
+        "endpoints": [{"cluster_name": "web", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+            for p in ports]}]}],
+    }
+    if version is not None:
+        doc["version"] = version
+    return doc
+
+
+def replace(path: Path, text: str) -> None:
+    """Write beside the file and rename over it, as deploy tools do."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Events:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def all(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+
+    async def wait_for(self, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                for event in self.all():
+                    if match(event):
+                        return event
+                await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[tuple[str, Path, Events]]:
+    snapshot = tmp_path / "snap.yaml"
+    snapshot.write_text(yaml.safe_dump(document("1", 9001, 9002)))
+    log = tmp_path / "events.jsonl"
+    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(ServeSettings(snapshot=snapshot, xds="127.0.0.1:0", event_log=log),
+                                     started=started))
+    port = await asyncio.wait_for(started, TIMEOUT)
+    events = Events(log)
+    # The file watcher must be running before a test changes the file.
+    await asyncio.sleep(0.3)
+    yield f"127.0.0.1:{port}", snapshot, events
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def read(call: Any) -> discovery_pb2.DiscoveryResponse:
+    response: discovery_pb2.DiscoveryResponse = await asyncio.wait_for(call.read(), TIMEOUT)
+    return response
+
+
+async def test_ads_request_without_type_url_is_invalid_argument(server: tuple[str, Path, Events]) -> None:
+    address, _, _ = server
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+        await call.write(discovery_pb2.DiscoveryRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await read(call)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "type_url" in (caught.value.details() or "")
+
+
+async def test_file_change_is_pushed_and_bad_file_keeps_last_good(server: tuple[str, Path, Events]) -> None:
+    address, snapshot, events = server
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+        request = discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=["web"])
+        request.node.id = "proxy-1"
+        await call.write(request)
+        first = await read(call)
+        assert first.version_info == "1" and len(first.resources) == 1
+        await call.write(discovery_pb2.DiscoveryRequest(
+            type_url=EDS, resource_names=["web"], version_info="1", response_nonce=first.nonce))
+
+        # A broken (half-written) file is reported and not served.
+        replace(snapshot, "endpoints:\n  - cluster_name: web\n    endpoints: [{lb_endpoints: [")
+        error = await events.wait_for(lambda e: e["event"] == "snapshot_error")
+        assert "invalid YAML" in error["reason"]
+
+        # The next good file reaches the open stream without the client asking.
+        replace(snapshot, yaml.safe_dump(document("2", 9001)))
+        pushed = await read(call)
+        assert pushed.version_info == "2" and pushed.nonce != first.nonce
+        await call.write(discovery_pb2.DiscoveryRequest(
+            type_url=EDS, resource_names=["web"], version_info="2", response_nonce=pushed.nonce))
+        ack = await events.wait_for(lambda e: e["event"] == "ack" and e["version_info"] == "2")
+        assert ack["node"] == "proxy-1" and ack["type"] == EDS
+        sent = [e for e in events.all() if e["event"] == "sent"]
+        assert [e["version"] for e in sent] == ["1", "2"]
+        assert all(e["node"] == "proxy-1" and e["resources"] == 1 for e in sent)
+        await call.done_writing()
+
+
+async def test_per_type_cluster_service(server: tuple[str, Path, Events]) -> None:
+    address, _, events = server
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = cds_pb2_grpc.ClusterDiscoveryServiceStub(channel).StreamClusters()
+        await call.write(discovery_pb2.DiscoveryRequest(node={"id": "cds-only"}))  # type_url implied
+        response = await read(call)
+        assert response.type_url == CDS and response.version_info == "1"
+        await call.done_writing()
+    closed = await events.wait_for(lambda e: e["event"] == "stream_closed")
+    assert closed["node"] == "cds-only"
+
+
+async def test_nack_is_logged_and_not_answered_with_the_same_content(server: tuple[str, Path, Events]) -> None:
+    address, snapshot, events = server
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+        await call.write(discovery_pb2.DiscoveryRequest(type_url=CDS, node={"id": "p"}))
+        first = await read(call)
+        nack = discovery_pb2.DiscoveryRequest(type_url=CDS, version_info="", response_nonce=first.nonce)
+        nack.error_detail.message = "Proto constraint validation failed (ClusterValidationError.ConnectTimeout)"
+        await call.write(nack)
+        logged = await events.wait_for(lambda e: e["event"] == "nack")
+        assert logged["error"].endswith("ConnectTimeout)") and logged["response_nonce"] == first.nonce
+        # Nothing more is sent until the content changes.
+        replace(snapshot, yaml.safe_dump(document("2", 9001, 9002, timeout="2s")))
+        second = await read(call)
+        assert second.version_info == "2"
+        assert [e["version"] for e in events.all() if e["event"] == "sent"] == ["1", "2"]
+        await call.done_writing()
+
+
+async def test_rewriting_equal_content_pushes_nothing(tmp_path: Path, server: tuple[str, Path, Events]) -> None:
+    address, snapshot, events = server
+    replace(snapshot, yaml.safe_dump(document(None, 9001, 9002)))
+    await events.wait_for(lambda e: e["event"] == "snapshot_loaded" and e["version"] != "1")
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+        await call.write(discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=["web"], node={"id": "p"}))
+        first = await read(call)
+        await call.write(discovery_pb2.DiscoveryRequest(
+            type_url=EDS, resource_names=["web"], version_info=first.version_info, response_nonce=first.nonce))
+        # The same content with sections and keys in another order, written as JSON: same hashes.
+        reordered = document(None, 9001, 9002)
+        reordered = {"endpoints": reordered["endpoints"], "clusters": reordered["clusters"]}
+        replace(snapshot, json.dumps(reordered, indent=1))
+        await events.wait_for(lambda e: e["event"] == "snapshot_unchanged")
+        # A real change does push, proving the stream was listening.
+        replace(snapshot, yaml.safe_dump(document(None, 9003)))
+        changed = await read(call)
+        assert changed.version_info != first.version_info
+        assert sum(1 for e in events.all() if e["event"] == "sent") == 2
+        await call.done_writing()
