@@ -7,6 +7,12 @@ is answered at most once: immediately if the current snapshot already has someth
 later by :meth:`SnapshotCache.set_snapshot`. Watches are answered type by type in ADS order (CDS,
 EDS, LDS, RDS, SDS), so on an aggregated stream what is referred to arrives before what refers
 to it.
+
+Make before break (behaviour 12): when a new snapshot removes clusters that the previous one's
+listeners or routes used, the cache also keeps a *bridge* cluster set (new clusters plus those).
+A proxy whose ACKed listeners and routes are not yet the new ones gets the bridge, so no route
+points at a missing cluster; once it ACKs the new routing, its cluster watch is re-opened and it
+gets the final set.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from collections.abc import Callable
 from typing import NewType
 
 from pilotfish.protocol import Watch, needs_response
-from pilotfish.resources import ADS_ORDER, TypeUrl
-from pilotfish.snapshot import EncodedResponse, Snapshot
+from pilotfish.resources import ADS_ORDER, CLUSTER, LISTENER, ROUTE, TypeUrl
+from pilotfish.resources.refs import referenced_clusters
+from pilotfish.snapshot import EncodedResponse, Snapshot, TypeSnapshot, with_kept
 
 __all__ = ["DEFAULT_GROUP", "Cancel", "NodeGroup", "Respond", "SnapshotCache"]
 
@@ -43,6 +50,7 @@ class SnapshotCache:
         # group -> type -> watch id -> (watch, respond); dicts keep insertion (arrival) order.
         self._watches: dict[NodeGroup, dict[TypeUrl, dict[int, tuple[Watch, Respond]]]] = {}
         self._ids = itertools.count()
+        self._bridges: dict[NodeGroup, TypeSnapshot] = {}
 
     def snapshot(self, group: NodeGroup = DEFAULT_GROUP) -> Snapshot | None:
         return self._snapshots.get(group)
@@ -58,18 +66,27 @@ class SnapshotCache:
 
         Returns how many watches were answered.
         """
+        previous = self._snapshots.get(group)
         self._snapshots[group] = snapshot
+        bridge = _bridge(previous, snapshot)
+        if bridge is None:
+            self._bridges.pop(group, None)
+        else:
+            self._bridges[group] = bridge
         by_type = self._watches.get(group)
         if not by_type:
             return 0
         answered = 0
         for type_url in ADS_ORDER:
             watches = by_type.get(type_url)
-            current = snapshot.get(type_url)
-            if not watches or current is None:
+            if not watches:
                 continue
-            due = [(wid, w, r) for wid, (w, r) in watches.items() if needs_response(w, current)]
-            for wid, watch, respond in due:
+            due = []
+            for wid, (watch, respond) in watches.items():
+                current = self._current(group, snapshot, watch)
+                if current is not None and needs_response(watch, current):
+                    due.append((wid, watch, respond, current))
+            for wid, watch, respond, current in due:
                 del watches[wid]
                 respond(watch, current.response(watch.subscription.names_to_send()))
             answered += len(due)
@@ -78,7 +95,7 @@ class SnapshotCache:
     def create_watch(self, watch: Watch, respond: Respond, group: NodeGroup = DEFAULT_GROUP) -> Cancel:
         """Answer ``watch`` now if the snapshot has something for it, else when it does."""
         snapshot = self._snapshots.get(group)
-        current = snapshot.get(watch.type_url) if snapshot is not None else None
+        current = self._current(group, snapshot, watch) if snapshot is not None else None
         if current is not None and needs_response(watch, current):
             respond(watch, current.response(watch.subscription.names_to_send()))
             return _nothing
@@ -90,3 +107,34 @@ class SnapshotCache:
             watches.pop(wid, None)
 
         return cancel
+
+    def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch) -> TypeSnapshot | None:
+        """What ``watch`` should be answered from: the snapshot's type, or the cluster bridge."""
+        if watch.routing_acked is not None:
+            bridge = self._bridges.get(group)
+            if bridge is not None:
+                listeners, routes = watch.routing_acked
+                moved = listeners in (None, snapshot.version(LISTENER.url)) and routes in (
+                    None, snapshot.version(ROUTE.url))
+                if not moved:
+                    return bridge
+        return snapshot.get(watch.type_url)
+
+
+def _bridge(previous: Snapshot | None, new: Snapshot) -> TypeSnapshot | None:
+    """The new clusters plus removed ones the previous listeners or routes used; None if none."""
+    if previous is None:
+        return None
+    old, current = previous.get(CLUSTER.url), new.get(CLUSTER.url)
+    if old is None or current is None:
+        return None
+    removed = [name for name in old.resources if name not in current.resources]
+    if not removed:
+        return None
+    old_listeners, old_routes = previous.get(LISTENER.url), previous.get(ROUTE.url)
+    used = referenced_clusters(
+        (r.message for r in old_listeners.resources.values()) if old_listeners else (),
+        (r.message for r in old_routes.resources.values()) if old_routes else (),
+    )
+    kept = {name: old.resources[name] for name in removed if name in used}
+    return with_kept(current, kept) if kept else None

@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 from pilotfish.resources import TYPES, ResourceType, TypeUrl, type_by_url
 from pilotfish.resources.wire import any_bytes, discovery_response
 
-__all__ = ["EncodedResponse", "Resource", "Snapshot", "TypeSnapshot"]
+__all__ = ["EncodedResponse", "Resource", "Snapshot", "TypeSnapshot", "with_kept"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -77,6 +77,12 @@ class TypeSnapshot:
         encoded = EncodedResponse(self.rtype.url, self.version, frozenset(chosen), body)
         self._memo[names] = encoded
         return encoded
+
+
+def with_kept(current: TypeSnapshot, kept: Mapping[str, Resource]) -> TypeSnapshot:
+    """``current`` plus resources ``kept`` from an earlier snapshot, versioned by content."""
+    merged = {**kept, **current.resources}
+    return TypeSnapshot(current.rtype, _content_version(merged), MappingProxyType(merged))
 
 
 def _content_version(resources: Mapping[str, Resource]) -> str:

@@ -8,45 +8,22 @@ refuse such a snapshot up front and name the resource.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import config_source_pb2
 from envoy.config.listener.v3 import listener_pb2
-from envoy.extensions.filters.network.http_connection_manager.v3 import (
-    http_connection_manager_pb2 as hcm_pb2,
-)
-from google.protobuf.any_pb2 import Any as AnyMessage
 from google.protobuf.message import Message
 
 from pilotfish.errors import Problem
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, ResourceType
+from pilotfish.resources.refs import connection_managers
 
 __all__ = ["check_references"]
-
-_HCM_TYPE = hcm_pb2.HttpConnectionManager.DESCRIPTOR.full_name
-
 
 def _served_by_xds(source: config_source_pb2.ConfigSource) -> bool:
     # Resources read from files on the proxy's disk are not ours to provide.
     return source.WhichOneof("config_source_specifier") not in ("path", "path_config_source")
-
-
-def _connection_managers(listener: listener_pb2.Listener) -> Iterator[tuple[str, hcm_pb2.HttpConnectionManager]]:
-    chains = list(listener.filter_chains)
-    if listener.HasField("default_filter_chain"):
-        chains.append(listener.default_filter_chain)
-    for ci, chain in enumerate(chains):
-        for fi, network_filter in enumerate(chain.filters):
-            typed: AnyMessage = network_filter.typed_config
-            if typed.TypeName() == _HCM_TYPE:
-                hcm = hcm_pb2.HttpConnectionManager()
-                typed.Unpack(hcm)
-                yield f"filter_chains[{ci}].filters[{fi}]", hcm
-    if listener.HasField("api_listener") and listener.api_listener.api_listener.TypeName() == _HCM_TYPE:
-        hcm = hcm_pb2.HttpConnectionManager()
-        listener.api_listener.api_listener.Unpack(hcm)
-        yield "api_listener", hcm
 
 
 def check_references(resources: Mapping[ResourceType, tuple[Message, ...]]) -> list[Problem]:
@@ -71,7 +48,7 @@ def check_references(resources: Mapping[ResourceType, tuple[Message, ...]]) -> l
 
     for index, listener in enumerate(resources.get(LISTENER, ())):
         assert isinstance(listener, listener_pb2.Listener)
-        for where, hcm in _connection_managers(listener):
+        for where, hcm in connection_managers(listener):
             if hcm.WhichOneof("route_specifier") != "rds" or not _served_by_xds(hcm.rds.config_source):
                 continue
             wanted = hcm.rds.route_config_name

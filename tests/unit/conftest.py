@@ -142,11 +142,11 @@ class StreamPair:
         outcome = self.stream.on_request(request)
         self.outcomes.append(outcome)
         before = len(self.inbox)
-        if outcome.watch is not None:
-            previous = self._cancels.pop(outcome.watch.type_url, None)
+        for watch in outcome.watches:
+            previous = self._cancels.pop(watch.type_url, None)
             if previous:
                 previous()
-            self._cancels[outcome.watch.type_url] = self.cache.create_watch(outcome.watch, self._respond)
+            self._cancels[watch.type_url] = self.cache.create_watch(watch, self._respond)
         return self.inbox[before:]
 
     def ack(self, received: Received, names: Sequence[str] = ()) -> list[Received]:

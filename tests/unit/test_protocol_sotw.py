@@ -243,3 +243,68 @@ def test_a_watch_is_answered_when_the_snapshot_changes(pair: StreamPair) -> None
     [pushed] = pair.publish(build(clusters=[cluster("c")], endpoints=[assignment("c", 9)]))
     assert pushed.names == ["c"]
     assert pair.cache.watch_count() == 0  # answered once; the ACK opens the next one
+
+
+# 12. make before break --------------------------------------------------------------------
+
+
+def synced(pair: StreamPair) -> None:
+    """Bring every type on the stream to the current snapshot, ACKed."""
+    for type_url, names in ((CDS, []), (EDS, ["a", "b"]), (LDS, []), (RDS, ["r"])):
+        [response] = pair.send(type_url, names)
+        pair.ack(response, names)
+
+
+def test_a_removed_cluster_stays_until_routes_have_moved(pair: StreamPair) -> None:
+    synced(pair)  # route "r" sends traffic to cluster "a"
+    v2 = build(clusters=[cluster("b")], endpoints=[assignment("b", 2)],
+               listeners=[listener("l", "r")], routes=[route("r", "b")])
+    pushed = pair.publish(v2)
+    # The clusters the proxy has ("a" and "b") stay as they are: its routes still use "a".
+    assert [(r.type_url, r.names) for r in pushed] == [(EDS, ["b"]), (RDS, ["r"])]
+    eds, rds = pushed
+    pair.ack(eds, ["a", "b"])
+    # Once the proxy runs the new routes, "a" goes.
+    [final] = pair.ack(rds, ["r"])
+    assert final.type_url == CDS and final.names == ["b"]
+    assert final.version == v2.version(CDS)
+    assert pair.ack(final) == []
+
+
+def test_a_proxy_that_rejects_the_new_routes_keeps_the_cluster(pair: StreamPair) -> None:
+    synced(pair)
+    v2 = build(clusters=[cluster("b")], endpoints=[assignment("b", 2)],
+               listeners=[listener("l", "r")], routes=[route("r", "b")])
+    eds, rds = pair.publish(v2)
+    pair.ack(eds, ["a", "b"])
+    assert pair.send(RDS, ["r"], version=rds.version, nonce=rds.nonce, error="rejected") == []
+    assert [r.names for r in pair.inbox if r.type_url == CDS] == [["a", "b"]]  # only the first
+
+
+def test_unused_clusters_are_removed_at_once(pair: StreamPair) -> None:
+    synced(pair)  # nothing routes to "b"
+    v2 = build(clusters=[cluster("a")], endpoints=[assignment("a", 1)],
+               listeners=[listener("l", "r")], routes=[route("r", "a")])
+    cds, eds = pair.publish(v2)
+    assert (cds.type_url, cds.names) == (CDS, ["a"])
+    assert (eds.type_url, eds.names) == (EDS, ["a"])
+
+
+def test_a_new_proxy_gets_the_final_clusters(cache: SnapshotCache) -> None:
+    cache.set_snapshot(V1)
+    cache.set_snapshot(build(clusters=[cluster("b")], endpoints=[assignment("b", 2)],
+                             listeners=[listener("l", "r")], routes=[route("r", "b")]))
+    [cds] = StreamPair(cache).send(CDS)
+    assert cds.names == ["b"]
+
+
+def test_changed_clusters_arrive_at_once_while_a_used_one_is_kept(pair: StreamPair) -> None:
+    synced(pair)
+    v2 = build(clusters=[cluster("b", "4s")], endpoints=[assignment("b", 2)],
+               listeners=[listener("l", "r")], routes=[route("r", "b")])
+    cds, _eds, rds = pair.publish(v2)
+    assert (cds.type_url, cds.names) == (CDS, ["a", "b"])  # new "b", old "a" kept
+    assert cds.version != v2.version(CDS)
+    pair.ack(cds)
+    [final] = pair.ack(rds, ["r"])
+    assert (final.names, final.version) == (["b"], v2.version(CDS))

@@ -18,6 +18,8 @@ https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol):
 - Nonce and no error: an ACK of what was sent.
 - After a CDS response, the next EDS request is answered even if nothing changed (a re-created
   cluster waits for its endpoints to warm); likewise RDS after LDS.
+- A cluster watch carries the LDS and RDS versions the proxy has ACKed, so the cache can keep a
+  removed cluster until the routes that used it have moved; an ACK of LDS or RDS re-opens it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ Nonce = NewType("Nonce", str)
 
 # After a response of the key type, the value type's next request is answered (behaviour 13).
 _WARMS = {CLUSTER.url: ENDPOINT.url, LISTENER.url: ROUTE.url}
+# ACKs of these types may release clusters held back for make-before-break (behaviour 12).
+_ROUTING = frozenset({LISTENER.url, ROUTE.url})
 
 
 class RequestKind(enum.Enum):
@@ -60,8 +64,8 @@ class RequestOutcome:
     version_info: str
     response_nonce: str
     error: str | None
-    watch: Watch | None
-    """Open this watch, replacing the stream's current one for the type; None: change nothing."""
+    watches: tuple[Watch, ...]
+    """Open these watches, each replacing the stream's current one for its type."""
     rejected_version: str | None = None
     """For a NACK: the version the proxy rejected."""
 
@@ -113,7 +117,7 @@ class SotwStream:
         error = request.error_detail.message if request.HasField("error_detail") else None
 
         if nonce and nonce != state.nonce:
-            return RequestOutcome(RequestKind.STALE, type_url, request.version_info, nonce, error, None)
+            return RequestOutcome(RequestKind.STALE, type_url, request.version_info, nonce, error, ())
 
         subscription = next_subscription(
             request.resource_names, wildcard_capable=state.wildcard_capable, ever_named=state.ever_named
@@ -155,8 +159,33 @@ class SotwStream:
             known_wildcard=known_wildcard,
             full_state=state.wildcard_capable,
             force=force,
+            routing_acked=self._routing_acked() if type_url == CLUSTER.url else None,
         )
-        return RequestOutcome(kind, type_url, request.version_info, nonce, error, watch, rejected)
+        watches: tuple[Watch, ...] = (watch,)
+        if kind is RequestKind.ACK and type_url in _ROUTING:
+            # Routes moved: clusters held back for them (make before break) may now go.
+            clusters = self._rewatch_clusters()
+            if clusters is not None:
+                watches += (clusters,)
+        return RequestOutcome(kind, type_url, request.version_info, nonce, error, watches, rejected)
+
+    def _routing_acked(self) -> tuple[str | None, str | None]:
+        listeners, routes = self.types.get(LISTENER.url), self.types.get(ROUTE.url)
+        return (listeners.acked_version if listeners else None, routes.acked_version if routes else None)
+
+    def _rewatch_clusters(self) -> Watch | None:
+        state = self.types.get(CLUSTER.url)
+        if state is None or state.subscription is None or state.sent_version is None:
+            return None
+        return Watch(
+            type_url=CLUSTER.url,
+            subscription=state.subscription,
+            known_version=state.sent_version,
+            known_names=state.sent_names,
+            known_wildcard=state.sent_wildcard,
+            full_state=True,
+            routing_acked=self._routing_acked(),
+        )
 
     def on_response(self, watch: Watch, response: EncodedResponse) -> Nonce:
         """Record that ``response`` goes out for ``watch``; return its nonce (unique per stream)."""

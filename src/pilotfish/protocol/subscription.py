@@ -62,6 +62,8 @@ class Watch:
     """CDS/LDS: every response carries the whole subscribed set, so a smaller set is news too."""
     force: bool = False
     """Answer even if nothing changed: a cluster or listener is warming and waits for it."""
+    routing_acked: tuple[str | None, str | None] | None = None
+    """CDS only: the LDS and RDS versions the proxy has ACKed (None: never), for make-before-break."""
 
 
 def needs_response(watch: Watch, current: TypeSnapshot) -> bool:

@@ -127,6 +127,18 @@ class XdsServer:
         group = DEFAULT_GROUP
         events = self.events
 
+        def open_watch(watch: Watch) -> None:
+            url = watch.type_url
+            previous = cancels.pop(url, None)
+            if previous is not None:
+                previous()
+            generation = generations[url] = generations.get(url, 0) + 1
+
+            def respond(watch: Watch, response: EncodedResponse) -> None:
+                queue.put_nowait(_Queued(watch, response, generation))
+
+            cancels[url] = self.cache.create_watch(watch, respond, group)
+
         async def read() -> None:
             nonlocal node_id, group
             try:
@@ -153,18 +165,8 @@ class XdsServer:
                         self.status.nacked(node_id, outcome.type_url, outcome.rejected_version, outcome.error or "")
                         _log.warning("%s rejected %s version %s: %s", node_id or f"stream {stream_id}",
                                      outcome.type_url.rsplit(".", 1)[-1], outcome.rejected_version, outcome.error)
-                    if outcome.watch is None:
-                        continue
-                    url = outcome.type_url
-                    previous = cancels.pop(url, None)
-                    if previous is not None:
-                        previous()
-                    generation = generations[url] = generations.get(url, 0) + 1
-
-                    def respond(watch: Watch, response: EncodedResponse, _g: int = generation) -> None:
-                        queue.put_nowait(_Queued(watch, response, _g))
-
-                    cancels[url] = self.cache.create_watch(outcome.watch, respond, group)
+                    for watch in outcome.watches:
+                        open_watch(watch)
             except PeerError as exc:
                 queue.put_nowait(exc)
             except asyncio.CancelledError:
