@@ -422,8 +422,13 @@ class _Demo:
             f"  Envoy log:      {self.envoy_log}",
             "",
             f"edit {self.shown_path} and watch Envoy follow it; Ctrl-C to stop",
-            "",
         ]
+        if self.snapshot.explicit_version is not None:
+            lines.append(
+                f"(the file sets version {self.snapshot.explicit_version!r}: pilotfish sends a change only "
+                "when the version changes, so change it with every edit, or delete it to version by content)"
+            )
+        lines.append("")
         return "\n".join(lines)
 
     async def run(self) -> int:
@@ -457,9 +462,9 @@ class _Demo:
         await self.upstreams.close()
         base_id = _read_stripped(self.base_id_file)
         if base_id is not None and base_id.isdigit():
-            for leftover in Path("/dev/shm").glob(f"envoy_shared_memory_{base_id}*"):
-                with contextlib.suppress(OSError):
-                    leftover.unlink()
+            # Envoy names it after base id x 10 (room for hot-restart epochs); only ours goes.
+            with contextlib.suppress(OSError):
+                Path(f"/dev/shm/envoy_shared_memory_{int(base_id) * 10}").unlink()
 
 
 def _busy_ports(snapshot: Snapshot) -> Iterator[str]:

@@ -24,12 +24,19 @@ TIMEOUT = 10.0
 
 
 def document(version: str | None, *ports: int, timeout: str = "1s") -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "clusters": [{"name": "web", "type": "EDS", "connect_timeout": timeout,
-                      "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}}}],
-        "endpoints": [{"cluster_name": "web", "endpoints": [{"lb_endpoints": [
+    """Clusters "web" (endpoints on ``ports``) and "api" (one endpoint)."""
+    def cluster(name: str) -> dict[str, Any]:
+        return {"name": name, "type": "EDS", "connect_timeout": timeout,
+                "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}}}
+
+    def endpoints(name: str, ports: tuple[int, ...]) -> dict[str, Any]:
+        return {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-            for p in ports]}]}],
+            for p in ports]}]}
+
+    doc: dict[str, Any] = {
+        "clusters": [cluster("web"), cluster("api")],
+        "endpoints": [endpoints("web", ports), endpoints("api", (8000,))],
     }
     if version is not None:
         doc["version"] = version
@@ -167,9 +174,9 @@ async def test_rewriting_equal_content_pushes_nothing(tmp_path: Path, server: tu
         first = await read(call)
         await call.write(discovery_pb2.DiscoveryRequest(
             type_url=EDS, resource_names=["web"], version_info=first.version_info, response_nonce=first.nonce))
-        # The same content with sections and keys in another order, written as JSON: same hashes.
-        reordered = document(None, 9001, 9002)
-        reordered = {"endpoints": reordered["endpoints"], "clusters": reordered["clusters"]}
+        # The same content, resources and sections in another order, written as JSON: same hashes.
+        original = document(None, 9001, 9002)
+        reordered = {"endpoints": original["endpoints"][::-1], "clusters": original["clusters"][::-1]}
         replace(snapshot, json.dumps(reordered, indent=1))
         await events.wait_for(lambda e: e["event"] == "snapshot_unchanged")
         # A real change does push, proving the stream was listening.

@@ -1,8 +1,9 @@
 """Envoy JSON/YAML -> protobuf, strictly.
 
-A snapshot document is a mapping with an optional ``version`` and one list per resource type
-(``clusters``, ``endpoints``, ``listeners``, ``routes``, ``secrets``), each resource written as
-Envoy's API docs and ``config_dump`` write it. Unknown fields, unknown ``@type`` names, duplicate
+A snapshot document is a mapping with an optional ``version``, an optional ``services`` section
+(see :mod:`pilotfish.resources.services`) and one list per resource type (``clusters``,
+``endpoints``, ``listeners``, ``routes``, ``secrets``), each resource written as Envoy's API docs
+and ``config_dump`` write it. Unknown fields, unknown ``@type`` names, duplicate
 names and wrong shapes are all reported together, each naming the resource and field at fault,
 so one run of ``pilotfish validate`` shows everything to fix.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from google.protobuf.message import Message
 
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources.anytypes import ensure_types_in
+from pilotfish.resources.services import Endpoint, ServiceSpec, parse_services
 from pilotfish.resources.types import TYPES, ResourceType, type_by_key
 
 __all__ = ["ParsedDocument", "parse_document", "parse_resource", "read_document"]
@@ -32,6 +34,8 @@ class ParsedDocument:
 
     version: str | None
     resources: Mapping[ResourceType, tuple[Message, ...]]
+    services: Mapping[str, ServiceSpec] = field(default_factory=dict)
+    endpoints: Mapping[str, tuple[Endpoint, ...]] = field(default_factory=dict)
 
 
 def read_document(path: Path) -> Any:
@@ -103,8 +107,10 @@ def parse_document(document: Any, source: str) -> ParsedDocument:
 
     sections = ", ".join(t.key for t in TYPES)
     for key in document:
-        if key != "version" and type_by_key(str(key)) is None:
-            problems.append(Problem(str(key), f"unknown section; expected version, {sections}"))
+        if key not in ("version", "services") and type_by_key(str(key)) is None:
+            problems.append(Problem(str(key), f"unknown section; expected version, services, {sections}"))
+    services, endpoints, service_problems = parse_services(document.get("services"))
+    problems.extend(service_problems)
 
     parsed: dict[ResourceType, tuple[Message, ...]] = {}
     for rtype in TYPES:
@@ -136,4 +142,4 @@ def parse_document(document: Any, source: str) -> ParsedDocument:
 
     if problems:
         raise ConfigError(source, problems)
-    return ParsedDocument(version=version, resources=parsed)
+    return ParsedDocument(version=version, resources=parsed, services=services, endpoints=endpoints)

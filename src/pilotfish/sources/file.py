@@ -1,10 +1,9 @@
-"""The snapshot file source: a JSON or YAML file of Envoy resources, watched for changes.
+"""The snapshot file source: a JSON or YAML file of services and Envoy resources, watched.
 
 The file's directory is watched (inotify through watchfiles), not the file itself, so an editor's
-or deploy tool's write-to-temp-then-rename is seen like an in-place write. Each change is read,
-parsed and checked in full; a half-written or invalid file is reported and ignored, and whatever
-was last good keeps serving. Rewriting the same content gives a snapshot with the same versions,
-which the caller can drop.
+or deploy tool's write-to-temp-then-rename is seen like an in-place write. Each change is read and
+parsed in full; a half-written or invalid file is reported and ignored, and whatever was last
+good keeps serving.
 """
 
 from __future__ import annotations
@@ -14,30 +13,28 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from pilotfish.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.errors import ConfigError
 from pilotfish.resources import parse_document, read_document
 from pilotfish.snapshot import Snapshot
-from pilotfish.validate import check_references
 
-__all__ = ["load_snapshot", "watch_snapshot_file"]
+__all__ = ["load_desired", "load_snapshot", "watch_file", "watch_snapshot_file"]
 
 _log = logging.getLogger("pilotfish.sources.file")
 
 
+def load_desired(path: Path) -> DesiredState:
+    """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem."""
+    return DesiredState.of_document(parse_document(read_document(path), str(path)))
+
+
 def load_snapshot(path: Path) -> Snapshot:
-    """Read, parse and check a snapshot file; raise :class:`ConfigError` naming every problem."""
-    source = str(path)
-    parsed = parse_document(read_document(path), source)
-    problems = check_references(parsed.resources)
-    if problems:
-        raise ConfigError(source, problems)
-    return Snapshot.build(parsed.resources, version=parsed.version)
+    """Read, parse, build and check a snapshot file on its own (``pilotfish validate``)."""
+    return build_snapshot(merge_states({"file": load_desired(path)}), str(path))
 
 
-async def watch_snapshot_file(
-    path: Path, *, quiet_ms: int = 20
-) -> AsyncIterator[Snapshot | ConfigError]:
-    """Yield a new snapshot (or the error that kept it out) each time the file changes.
+async def watch_file(path: Path, *, quiet_ms: int = 20) -> AsyncIterator[DesiredState | ConfigError]:
+    """Yield the file's new desired state (or the error that kept it out) on each change.
 
     ``quiet_ms``: how long the directory must be quiet before a burst of writes is read.
     """
@@ -45,6 +42,7 @@ async def watch_snapshot_file(
 
     path = path.absolute()
     target = str(path)
+
     def only_target(_change: object, changed: str) -> bool:
         return changed == target
 
@@ -54,8 +52,18 @@ async def watch_snapshot_file(
         if not path.exists():
             continue  # deleted or mid-rename; the rename's arrival is another change
         try:
-            snapshot = await asyncio.to_thread(load_snapshot, path)
+            yield await asyncio.to_thread(load_desired, path)
         except ConfigError as exc:
             yield exc
-        else:
-            yield snapshot
+
+
+async def watch_snapshot_file(path: Path, *, quiet_ms: int = 20) -> AsyncIterator[Snapshot | ConfigError]:
+    """Like :func:`watch_file`, but each state built into a snapshot of the file on its own."""
+    async for item in watch_file(path, quiet_ms=quiet_ms):
+        if isinstance(item, ConfigError):
+            yield item
+            continue
+        try:
+            yield build_snapshot(merge_states({"file": item}), str(path))
+        except ConfigError as exc:
+            yield exc

@@ -1,0 +1,266 @@
+"""The reconcile loop: desired state from sources -> checked snapshot in the cache.
+
+Sources report whole views of what they know (:meth:`Reconciler.update`). The reconciler
+
+1. **debounces**: a burst of changes becomes one build. A change whose content differs from what
+   is pending starts (or extends) a window; the build runs once the sources have been quiet for
+   ``quiet`` seconds, or ``max_delay`` after the first change of the burst, whichever is first.
+   Builds never overlap; a change that arrives during a build is picked up right after it. A
+   change that leaves the content as it was costs nothing. Worst case latency: max_delay plus
+   two builds.
+2. **damps flapping endpoints**: an endpoint that disappears is removed at once (traffic must
+   stop going to it); one that comes back soon after is re-added only once it has stayed for
+   ``hold`` seconds, so an endpoint flipping ten times a second makes two pushes, not fifty.
+3. **builds and checks** the snapshot; one that fails keeps the last good snapshot serving and
+   is reported. A snapshot whose content hash equals the current one is not handed over.
+
+The timing logic (:class:`Debouncer`, :class:`FlapDamper`) is pure: it takes ``now`` as an
+argument and never sleeps, so tests drive it with plain numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
+from pilotfish.desired import DesiredState, Merged, build_snapshot, merge_states
+from pilotfish.errors import ConfigError
+from pilotfish.events import EventLog
+from pilotfish.snapshot import Snapshot
+
+__all__ = [
+    "Clock",
+    "DebounceSettings",
+    "Debouncer",
+    "FlapDamper",
+    "MonotonicClock",
+    "Reconciler",
+]
+
+_log = logging.getLogger("pilotfish.reconcile")
+
+
+class Clock(Protocol):
+    """Time, behind a seam so tests can use a fake."""
+
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DebounceSettings:
+    """How changes are batched into builds, and how flapping endpoints are damped."""
+
+    quiet: float = 0.1
+    """Build once no change has arrived for this long (seconds)."""
+    max_delay: float = 1.0
+    """...or once this long has passed since the first change of a burst, whatever comes first."""
+    flap_window: float = 30.0
+    """An endpoint that returns within this long of its removal counts as flapping (seconds)."""
+    hold: float = 1.0
+    """A flapping endpoint is re-added once it has been present this long without a break."""
+
+
+@dataclass(slots=True)
+class Debouncer:
+    """When to build, given when changes arrived. Pure: every method takes ``now``."""
+
+    quiet: float
+    max_delay: float
+    first: float | None = None
+    """When the first change of the pending burst arrived (None: nothing pending)."""
+    last: float | None = None
+    building: bool = False
+
+    def change(self, now: float) -> None:
+        """A change whose content differs from what is pending arrived."""
+        if self.first is None:
+            self.first = now
+        self.last = now
+
+    def deadline(self) -> float | None:
+        """When the pending burst is due to build (None: nothing pending)."""
+        if self.first is None or self.last is None:
+            return None
+        return min(self.last + self.quiet, self.first + self.max_delay)
+
+    def due(self, now: float) -> bool:
+        deadline = self.deadline()
+        return deadline is not None and not self.building and now >= deadline
+
+    def start_build(self) -> None:
+        """Take the pending burst: changes from now on belong to the next one."""
+        self.first = self.last = None
+        self.building = True
+
+    def finish_build(self) -> None:
+        self.building = False
+
+
+EndpointKey = tuple[str, str]
+"""(service, "host:port")."""
+
+
+@dataclass(slots=True)
+class FlapDamper:
+    """Which endpoints to publish, given which are present. Pure: every method takes ``now``."""
+
+    flap_window: float
+    hold: float
+    _removed_at: dict[EndpointKey, float] = field(default_factory=dict)
+    _back_since: dict[EndpointKey, float] = field(default_factory=dict)
+    _published: set[EndpointKey] = field(default_factory=set)
+
+    def apply(self, present: set[EndpointKey], now: float) -> tuple[set[EndpointKey], float | None]:
+        """The endpoints to publish now, and when to ask again (when a held endpoint's hold ends)."""
+        for key in self._published - present:
+            self._removed_at[key] = now  # gone: removed at once
+        for key in [k for k in self._back_since if k not in present]:
+            del self._back_since[key]  # went away again before its hold ended
+        for key, at in list(self._removed_at.items()):
+            if now - at > self.flap_window and key not in self._back_since:
+                del self._removed_at[key]  # long gone: a return is a fresh start
+        published: set[EndpointKey] = set()
+        wake: float | None = None
+        for key in present:
+            if key in self._published or key not in self._removed_at:
+                published.add(key)
+                continue
+            since = self._back_since.setdefault(key, now)
+            if now - since >= self.hold:
+                published.add(key)
+                del self._back_since[key]
+                del self._removed_at[key]
+            else:
+                wake = since + self.hold if wake is None else min(wake, since + self.hold)
+        self._published = published
+        return published, wake
+
+
+def _same_content(a: Snapshot, b: Snapshot) -> bool:
+    return a.explicit_version == b.explicit_version and all(
+        a.version(url) == ts.version for url, ts in b.types.items()
+    )
+
+
+class Reconciler:
+    """Turns the desired state of all sources into the cache's snapshot, debounced and checked."""
+
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        *,
+        settings: DebounceSettings | None = None,
+        clock: Clock | None = None,
+        events: EventLog | None = None,
+        group: NodeGroup = DEFAULT_GROUP,
+    ) -> None:
+        self.cache = cache
+        self.settings = settings or DebounceSettings()
+        self._clock: Clock = clock or MonotonicClock()
+        self._events = events or EventLog()
+        self._group = group
+        self._states: dict[str, DesiredState] = {}
+        self._debouncer = Debouncer(quiet=self.settings.quiet, max_delay=self.settings.max_delay)
+        self._damper = FlapDamper(flap_window=self.settings.flap_window, hold=self.settings.hold)
+        self._hold_until: float | None = None
+        self._wake = asyncio.Event()
+        self.builds = 0
+        """How many builds ran (each may or may not hand over a snapshot)."""
+        self.published = 0
+        """How many snapshots were handed to the cache."""
+        self.last_error: ConfigError | None = None
+        """Why the latest build was refused (None once a build succeeds)."""
+
+    def update(self, source: str, state: DesiredState) -> None:
+        """A source's whole current view. Equal to what it said before: nothing happens."""
+        if self._states.get(source) == state:
+            return
+        self._states[source] = state
+        self._debouncer.change(self._clock.now())
+        self._wake.set()
+
+    def states(self) -> dict[str, DesiredState]:
+        return dict(self._states)
+
+    def build_now(self) -> Snapshot | None:
+        """Build and publish at once, skipping the debounce (at start-up). Returns the snapshot
+        handed over, or None if nothing changed; raises :class:`ConfigError` if it is refused."""
+        self._debouncer.start_build()
+        try:
+            return self._build()
+        finally:
+            self._debouncer.finish_build()
+
+    async def run(self) -> None:
+        """Build whenever the debounce (or a flap hold) says so, until cancelled."""
+        while True:
+            deadline = self._next_deadline()
+            if deadline is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = self._clock.now()
+            if now < deadline:
+                await self._clock.sleep(deadline - now)
+                continue
+            self._hold_until = None
+            self._debouncer.start_build()
+            try:
+                self._build()
+            except ConfigError:
+                pass  # reported in _build; the last good snapshot keeps serving
+            except Exception:
+                _log.exception("building the snapshot failed; keeping the last good one")
+                self._events.emit("snapshot_error", reason="internal error while building (see log)")
+            finally:
+                self._debouncer.finish_build()
+
+    def _next_deadline(self) -> float | None:
+        deadlines = [d for d in (self._debouncer.deadline(), self._hold_until) if d is not None]
+        return min(deadlines) if deadlines else None
+
+    def _damped(self, merged: Merged) -> Merged:
+        present = {(name, e.address) for name, found in merged.endpoints.items() for e in found}
+        published, wake = self._damper.apply(present, self._clock.now())
+        self._hold_until = wake
+        if published == present:
+            return merged
+        endpoints = {name: tuple(e for e in found if (name, e.address) in published)
+                     for name, found in merged.endpoints.items()}
+        return replace(merged, endpoints=endpoints)
+
+    def _build(self) -> Snapshot | None:
+        self.builds += 1
+        merged = self._damped(merge_states(self._states))
+        try:
+            snapshot = build_snapshot(merged, ", ".join(sorted(self._states)) or "no sources")
+        except ConfigError as exc:
+            self.last_error = exc
+            self._events.emit("snapshot_error", reason=exc.describe())
+            _log.error("%s\nstill serving the last good snapshot", exc.describe())
+            raise
+        self.last_error = None
+        current = self.cache.snapshot(self._group)
+        if current is not None and _same_content(current, snapshot):
+            self._events.emit("snapshot_unchanged", version=snapshot.label())
+            return None
+        answered = self.cache.set_snapshot(snapshot, self._group)
+        self.published += 1
+        self._events.emit("snapshot_loaded", version=snapshot.label(), versions=snapshot.versions(),
+                          watches_answered=answered)
+        _log.info("snapshot %s published (%s)", snapshot.label(), snapshot.versions())
+        return snapshot

@@ -1,0 +1,200 @@
+"""Services -> Envoy resources, with production defaults.
+
+For each service: an EDS cluster and its ClusterLoadAssignment; with ``listen``, a listener
+(HTTP: connection manager using RDS plus a route configuration; TCP: tcp_proxy). Defaults, and why:
+
+- ``ignore_health_on_host_removal``: an endpoint removed from EDS leaves at once, even when
+  active health checks still pass it (Envoy otherwise keeps it until a check fails).
+- retries on ``connect-failure,refused-stream,reset-before-request``: a request that never reached
+  an upstream (e.g. an endpoint that just went away) is retried on another; never a request an
+  upstream may have acted on. Circuit-breaker thresholds are raised so retries are not capped at
+  Envoy's default of 3 concurrent retries under load.
+- outlier detection: endpoints returning consecutive 5xx/gateway errors are ejected for a while.
+- one locality with ``load_balancing_weight`` 1: proxyless gRPC clients need a locality weight.
+
+Messages are built directly (no JSON round trip) and endpoints are sorted, so the same services
+always give the same bytes and so the same versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
+from google.protobuf.message import Message
+
+from pilotfish.resources.services import Endpoint, ServiceSpec
+from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, ResourceType
+
+__all__ = ["build_assignment", "build_cluster", "build_service", "build_services"]
+
+_RETRY_ON = "connect-failure,refused-stream,reset-before-request"
+_HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    whole = int(seconds)
+    return duration_pb2.Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
+
+
+def _ads() -> config_source_pb2.ConfigSource:
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(), resource_api_version=config_source_pb2.V3
+    )
+
+
+def _packed(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def _socket(host: str, port: int) -> address_pb2.Address:
+    return address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port))
+
+
+def build_cluster(spec: ServiceSpec) -> cluster_pb2.Cluster:
+    cluster = cluster_pb2.Cluster(
+        name=spec.name,
+        type=cluster_pb2.Cluster.EDS,
+        connect_timeout=_duration(spec.connect_timeout),
+        lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
+        ignore_health_on_host_removal=True,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads()),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[
+            circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                max_connections=wrappers_pb2.UInt32Value(value=100_000),
+                max_pending_requests=wrappers_pb2.UInt32Value(value=100_000),
+                max_requests=wrappers_pb2.UInt32Value(value=100_000),
+                max_retries=wrappers_pb2.UInt32Value(value=1_000),
+            ),
+        ]),
+        outlier_detection=outlier_detection_pb2.OutlierDetection(
+            consecutive_5xx=wrappers_pb2.UInt32Value(value=5),
+            interval=_duration(5),
+            base_ejection_time=_duration(30),
+            max_ejection_percent=wrappers_pb2.UInt32Value(value=50),
+        ),
+    )
+    if spec.protocol == "http" and spec.upstream_protocol == "http2":
+        options = http_protocol_options_pb2.HttpProtocolOptions(
+            explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+                http2_protocol_options={},
+            ),
+        )
+        cluster.typed_extension_protocol_options[_HTTP_OPTIONS_KEY].CopyFrom(_packed(options))
+    if spec.health_check is not None:
+        check = spec.health_check
+        cluster.health_checks.append(health_check_pb2.HealthCheck(
+            timeout=_duration(check.timeout),
+            interval=_duration(check.interval),
+            unhealthy_threshold=wrappers_pb2.UInt32Value(value=check.unhealthy_threshold),
+            healthy_threshold=wrappers_pb2.UInt32Value(value=check.healthy_threshold),
+            http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=check.path),
+        ))
+    return cluster
+
+
+def build_assignment(name: str, endpoints: Iterable[Endpoint]) -> endpoint_pb2.ClusterLoadAssignment:
+    lb_endpoints = []
+    for endpoint in sorted(endpoints):
+        lb_endpoint = endpoint_components_pb2.LbEndpoint(
+            endpoint=endpoint_components_pb2.Endpoint(address=_socket(endpoint.host, endpoint.port)),
+            load_balancing_weight=wrappers_pb2.UInt32Value(value=endpoint.weight),
+        )
+        if endpoint.metadata:
+            fields = struct_pb2.Struct()
+            fields.update(dict(endpoint.metadata))
+            lb_endpoint.metadata.filter_metadata["pilotfish"].CopyFrom(fields)
+        lb_endpoints.append(lb_endpoint)
+    return endpoint_pb2.ClusterLoadAssignment(
+        cluster_name=name,
+        endpoints=[endpoint_components_pb2.LocalityLbEndpoints(
+            locality=base_pb2.Locality(),
+            lb_endpoints=lb_endpoints,
+            load_balancing_weight=wrappers_pb2.UInt32Value(value=1),
+        )],
+    )
+
+
+def _route_config(spec: ServiceSpec) -> route_pb2.RouteConfiguration:
+    action = route_components_pb2.RouteAction(
+        cluster=spec.name,
+        timeout=_duration(spec.timeout),
+    )
+    if spec.retries:
+        action.retry_policy.CopyFrom(route_components_pb2.RetryPolicy(
+            retry_on=_RETRY_ON, num_retries=wrappers_pb2.UInt32Value(value=spec.retries),
+        ))
+    return route_pb2.RouteConfiguration(
+        name=spec.name,
+        virtual_hosts=[route_components_pb2.VirtualHost(
+            name=spec.name,
+            domains=["*"],
+            routes=[route_components_pb2.Route(
+                match=route_components_pb2.RouteMatch(prefix="/"),
+                route=action,
+            )],
+        )],
+    )
+
+
+def _listener(spec: ServiceSpec) -> listener_pb2.Listener:
+    assert spec.listen is not None
+    if spec.protocol == "tcp":
+        network_filter = listener_components_pb2.Filter(
+            name="envoy.filters.network.tcp_proxy",
+            typed_config=_packed(tcp_proxy_pb2.TcpProxy(stat_prefix=spec.name, cluster=spec.name)),
+        )
+    else:
+        manager = hcm_pb2.HttpConnectionManager(
+            stat_prefix=spec.name,
+            rds=hcm_pb2.Rds(route_config_name=spec.name, config_source=_ads()),
+            http_filters=[hcm_pb2.HttpFilter(name="envoy.filters.http.router",
+                                             typed_config=_packed(router_pb2.Router()))],
+        )
+        network_filter = listener_components_pb2.Filter(
+            name="envoy.filters.network.http_connection_manager", typed_config=_packed(manager)
+        )
+    return listener_pb2.Listener(
+        name=spec.name,
+        address=_socket(*spec.listen),
+        filter_chains=[listener_components_pb2.FilterChain(filters=[network_filter])],
+    )
+
+
+def build_service(spec: ServiceSpec, endpoints: Iterable[Endpoint]) -> dict[ResourceType, list[Message]]:
+    """The resources of one service."""
+    out: dict[ResourceType, list[Message]] = {
+        CLUSTER: [build_cluster(spec)],
+        ENDPOINT: [build_assignment(spec.name, endpoints)],
+        LISTENER: [],
+        ROUTE: [],
+    }
+    if spec.listen is not None:
+        out[LISTENER].append(_listener(spec))
+        if spec.protocol == "http":
+            out[ROUTE].append(_route_config(spec))
+    return out
+
+
+def build_services(
+    specs: Mapping[str, ServiceSpec], endpoints: Mapping[str, Iterable[Endpoint]]
+) -> dict[ResourceType, list[Message]]:
+    """The resources of every service, by type."""
+    out: dict[ResourceType, list[Message]] = {CLUSTER: [], ENDPOINT: [], LISTENER: [], ROUTE: []}
+    for name in sorted(specs):
+        for rtype, messages in build_service(specs[name], endpoints.get(name, ())).items():
+            out[rtype].extend(messages)
+    return out

@@ -1,0 +1,258 @@
+"""The services model: what users describe instead of Envoy internals.
+
+A service has a name, optionally an address where Envoy accepts its traffic (``listen``), a
+protocol (``http``: connection manager + router; ``tcp``: tcp_proxy), settings, and endpoints.
+Every source (snapshot file, registry API, etcd) produces this shape; the builders in
+:mod:`pilotfish.resources.builders` turn it into listeners, routes, clusters and endpoints.
+
+Parsing is strict and reports every problem with where it is (``services.web.endpoints[1].port``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pilotfish.errors import Problem
+
+__all__ = [
+    "Endpoint",
+    "HealthCheck",
+    "ServiceSpec",
+    "parse_endpoint",
+    "parse_service",
+    "parse_services",
+]
+
+PROTOCOLS = ("http", "tcp")
+UPSTREAM_PROTOCOLS = ("http1", "http2")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Endpoint:
+    """One instance of a service."""
+
+    host: str
+    port: int
+    weight: int = 1
+    metadata: tuple[tuple[str, str], ...] = ()
+    """Sorted (key, value) pairs, published as Envoy endpoint metadata under ``pilotfish``."""
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheck:
+    """Active HTTP health checking of a service's endpoints."""
+
+    path: str = "/healthz"
+    interval: float = 5.0
+    timeout: float = 1.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServiceSpec:
+    """A service's definition, without its endpoints (they may come from other sources)."""
+
+    name: str
+    listen: tuple[str, int] | None = None
+    """Where Envoy accepts the service's traffic; None: a cluster only (for routes to use)."""
+    protocol: str = "http"
+    connect_timeout: float = 1.0
+    """Seconds to establish an upstream connection."""
+    timeout: float = 15.0
+    """HTTP: seconds for a whole request (0 = no limit)."""
+    retries: int = 2
+    """HTTP: retries of requests that never reached an upstream (connect failure, refused stream)."""
+    upstream_protocol: str = "http1"
+    """HTTP: how Envoy talks to the endpoints: ``http1`` or ``http2`` (h2c)."""
+    health_check: HealthCheck | None = None
+
+
+def _where(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _seconds(value: Any, where: str, problems: list[Problem], *, allow_zero: bool = False) -> float | None:
+    if isinstance(value, str) and value.endswith("ms"):
+        text, scale = value[:-2], 0.001
+    elif isinstance(value, str) and value.endswith("s"):
+        text, scale = value[:-1], 1.0
+    else:
+        text, scale = value, 1.0
+    try:
+        seconds = float(text) * scale
+    except (TypeError, ValueError):
+        problems.append(Problem(where, f"expected a duration such as 250ms, 1.5s or 2, got {value!r}"))
+        return None
+    if seconds < 0 or (seconds == 0 and not allow_zero):
+        problems.append(Problem(where, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}"))
+        return None
+    return seconds
+
+
+def _int(value: Any, where: str, problems: list[Problem], low: int, high: int) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        problems.append(Problem(where, f"expected a whole number from {low} to {high}, got {value!r}"))
+        return None
+    if not low <= value <= high:
+        problems.append(Problem(where, f"must be from {low} to {high}, got {value}"))
+        return None
+    return value
+
+
+def _host(value: Any, where: str, problems: list[Problem]) -> str | None:
+    if not isinstance(value, str) or not value:
+        problems.append(Problem(where, f"expected an IP address, got {value!r}"))
+        return None
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        problems.append(Problem(where, f"expected an IP address (names are not resolved), got {value!r}"))
+        return None
+    return value
+
+
+def _host_port(value: Any, where: str, problems: list[Problem]) -> tuple[str, int] | None:
+    if not isinstance(value, str) or ":" not in value:
+        problems.append(Problem(where, f"expected HOST:PORT such as 127.0.0.1:9001, got {value!r}"))
+        return None
+    host, _, port_text = value.rpartition(":")
+    host = host.strip("[]")
+    found = len(problems)
+    checked_host = _host(host, where, problems)
+    port = _int(int(port_text) if port_text.isdigit() else port_text, where + " port", problems, 1, 65535)
+    if len(problems) > found or checked_host is None or port is None:
+        return None
+    return checked_host, port
+
+
+def parse_endpoint(value: Any, where: str, problems: list[Problem]) -> Endpoint | None:
+    """``"host:port"`` or ``{address, port, weight?, metadata?}``."""
+    if isinstance(value, str):
+        parsed = _host_port(value, where, problems)
+        return Endpoint(*parsed) if parsed else None
+    if not isinstance(value, dict):
+        problems.append(Problem(where, f"expected HOST:PORT or a mapping with address and port, got {value!r}"))
+        return None
+    found = len(problems)
+    unknown = sorted(set(value) - {"address", "port", "weight", "metadata"})
+    if unknown:
+        expected = "address, port, weight, metadata"
+        problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; expected {expected}"))
+    if "address" not in value:
+        problems.append(Problem(_where(where, "address"), "is required"))
+    if "port" not in value:
+        problems.append(Problem(_where(where, "port"), "is required"))
+    host = _host(value.get("address"), _where(where, "address"), problems) if "address" in value else None
+    port = _int(value.get("port"), _where(where, "port"), problems, 1, 65535) if "port" in value else None
+    weight = _int(value.get("weight", 1), _where(where, "weight"), problems, 1, 128)
+    metadata_value = value.get("metadata", {})
+    metadata: tuple[tuple[str, str], ...] = ()
+    if not isinstance(metadata_value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata_value.items()
+    ):
+        problems.append(Problem(_where(where, "metadata"), "expected a mapping of strings to strings"))
+    else:
+        metadata = tuple(sorted(metadata_value.items()))
+    if len(problems) > found or host is None or port is None or weight is None:
+        return None
+    return Endpoint(host, port, weight, metadata)
+
+
+_SERVICE_FIELDS = ("listen", "protocol", "endpoints", "connect_timeout", "timeout", "retries",
+                   "upstream_protocol", "health_check")
+
+
+def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None, tuple[Endpoint, ...], list[Problem]]:
+    """One service: its definition, its endpoints, and the problems found."""
+    problems: list[Problem] = []
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        return None, (), [Problem(where, f"expected a mapping of service settings, got {type(value).__name__}")]
+    unknown = sorted(set(value) - set(_SERVICE_FIELDS))
+    if unknown:
+        problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; expected {', '.join(_SERVICE_FIELDS)}"))
+    if not name or not all(c.isalnum() or c in "-_." for c in name):
+        problems.append(Problem(where, "a service name uses letters, digits, '-', '_' and '.' only"))
+    listen = None
+    if value.get("listen") is not None:
+        listen = _host_port(value["listen"], _where(where, "listen"), problems)
+    protocol = value.get("protocol", "http")
+    if protocol not in PROTOCOLS:
+        problems.append(Problem(_where(where, "protocol"), f"must be one of {', '.join(PROTOCOLS)}, got {protocol!r}"))
+    upstream = value.get("upstream_protocol", "http1")
+    if upstream not in UPSTREAM_PROTOCOLS:
+        problems.append(Problem(_where(where, "upstream_protocol"),
+                                f"must be one of {', '.join(UPSTREAM_PROTOCOLS)}, got {upstream!r}"))
+    connect_timeout = _seconds(value.get("connect_timeout", 1.0), _where(where, "connect_timeout"), problems)
+    timeout = _seconds(value.get("timeout", 15.0), _where(where, "timeout"), problems, allow_zero=True)
+    retries = _int(value.get("retries", 2), _where(where, "retries"), problems, 0, 10)
+    health = None
+    if value.get("health_check") is not None:
+        health = _health_check(value["health_check"], _where(where, "health_check"), problems)
+    endpoints: list[Endpoint] = []
+    raw_endpoints = value.get("endpoints", [])
+    if not isinstance(raw_endpoints, list):
+        problems.append(Problem(_where(where, "endpoints"), "must be a list of HOST:PORT or mappings"))
+        raw_endpoints = []
+    seen: dict[str, int] = {}
+    for index, item in enumerate(raw_endpoints):
+        endpoint = parse_endpoint(item, f"{where}.endpoints[{index}]", problems)
+        if endpoint is None:
+            continue
+        if endpoint.address in seen:
+            first = seen[endpoint.address]
+            problems.append(Problem(f"{where}.endpoints[{index}]",
+                                    f"{endpoint.address} is listed twice (first at endpoints[{first}])"))
+            continue
+        seen[endpoint.address] = index
+        endpoints.append(endpoint)
+    if problems or connect_timeout is None or timeout is None or retries is None:
+        return None, (), problems
+    spec = ServiceSpec(name=name, listen=listen, protocol=protocol, connect_timeout=connect_timeout,
+                       timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health)
+    return spec, tuple(sorted(endpoints)), problems
+
+
+def _health_check(value: Any, where: str, problems: list[Problem]) -> HealthCheck | None:
+    if value is True:
+        return HealthCheck()
+    if not isinstance(value, dict):
+        problems.append(Problem(where, "expected true or a mapping with path, interval, timeout"))
+        return None
+    path = value.get("path", "/healthz")
+    if not isinstance(path, str) or not path.startswith("/"):
+        problems.append(Problem(_where(where, "path"), f"must start with '/', got {path!r}"))
+    interval = _seconds(value.get("interval", 5.0), _where(where, "interval"), problems)
+    timeout = _seconds(value.get("timeout", 1.0), _where(where, "timeout"), problems)
+    if interval is None or timeout is None or not isinstance(path, str):
+        return None
+    return HealthCheck(path=path, interval=interval, timeout=timeout)
+
+
+def parse_services(
+    section: Any, prefix: str = "services"
+) -> tuple[dict[str, ServiceSpec], dict[str, tuple[Endpoint, ...]], list[Problem]]:
+    """A ``services:`` mapping: definitions and endpoints by service name, and problems."""
+    if section is None:
+        return {}, {}, []
+    if not isinstance(section, Mapping):
+        return {}, {}, [Problem(prefix, f"must be a mapping of service name to settings, got {type(section).__name__}")]
+    specs: dict[str, ServiceSpec] = {}
+    endpoints: dict[str, tuple[Endpoint, ...]] = {}
+    problems: list[Problem] = []
+    for name, value in section.items():
+        spec, found, service_problems = parse_service(str(name), value, f"{prefix}.{name}")
+        problems.extend(service_problems)
+        if spec is not None:
+            specs[spec.name] = spec
+            endpoints[spec.name] = found
+    return specs, endpoints, problems

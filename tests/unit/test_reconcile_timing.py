@@ -1,0 +1,95 @@
+"""Debounce and flap damping, with time as plain numbers (no sleeping)."""
+
+from __future__ import annotations
+
+from pilotfish.reconcile import Debouncer, FlapDamper
+
+
+def run_debounce(change_times: list[float], quiet: float = 0.1, max_delay: float = 1.0,
+                 build_time: float = 0.0, until: float = 10.0, step: float = 0.001) -> list[float]:
+    """Feed changes at the given times; return when builds started."""
+    debouncer = Debouncer(quiet=quiet, max_delay=max_delay)
+    builds: list[float] = []
+    pending = sorted(change_times)
+    busy_until = -1.0
+    t = 0.0
+    while t <= until:
+        while pending and pending[0] <= t:
+            debouncer.change(pending.pop(0))
+        if debouncer.building and t >= busy_until:
+            debouncer.finish_build()
+        if debouncer.due(t):
+            debouncer.start_build()
+            builds.append(round(t, 3))
+            busy_until = round(t + build_time, 6)
+        t = round(t + step, 6)
+    return builds
+
+
+def test_one_change_builds_after_the_quiet_period() -> None:
+    assert run_debounce([1.0]) == [1.1]
+
+
+def test_a_hundred_changes_within_50ms_make_one_build() -> None:
+    assert run_debounce([1.0 + i * 0.0005 for i in range(100)]) == [1.15]
+
+
+def test_a_steady_stream_of_changes_builds_every_max_delay() -> None:
+    builds = run_debounce([i * 0.05 for i in range(1, 61)], until=4.0)  # every 50 ms for 3 s
+    # Max delay 1 s after each burst's first change (the change at a build's instant joins it).
+    assert builds == [1.05, 2.1, 3.1]
+
+
+def test_a_change_during_a_build_is_built_right_after() -> None:
+    builds = run_debounce([1.0, 1.15], build_time=0.3)
+    assert builds == [1.1, 1.4]  # 1.15 arrived mid-build; its quiet period ended at 1.25
+
+
+def test_nothing_pending_means_no_build() -> None:
+    debouncer = Debouncer(quiet=0.1, max_delay=1.0)
+    assert debouncer.deadline() is None and not debouncer.due(100.0)
+
+
+A = ("web", "127.0.0.1:9001")
+B = ("web", "127.0.0.1:9002")
+
+
+def test_new_endpoints_are_published_at_once_and_removed_at_once() -> None:
+    damper = FlapDamper(flap_window=30.0, hold=1.0)
+    assert damper.apply({A, B}, 0.0) == ({A, B}, None)
+    assert damper.apply({A}, 1.0) == ({A}, None)
+
+
+def test_a_returning_endpoint_waits_for_its_hold() -> None:
+    damper = FlapDamper(flap_window=30.0, hold=1.0)
+    damper.apply({A, B}, 0.0)
+    damper.apply({A}, 1.0)
+    assert damper.apply({A, B}, 1.5) == ({A}, 2.5)
+    assert damper.apply({A, B}, 2.4) == ({A}, 2.5)
+    assert damper.apply({A, B}, 2.5) == ({A, B}, None)
+
+
+def test_flapping_10_times_a_second_for_5_seconds_publishes_twice() -> None:
+    damper = FlapDamper(flap_window=30.0, hold=1.0)
+    published = [frozenset(damper.apply({A, B}, 0.0)[0])]
+    t = 0.0
+    for flip in range(50):  # B flips every 100 ms
+        t = round(t + 0.1, 3)
+        state, _ = damper.apply({A, B} if flip % 2 else {A}, t)
+        if frozenset(state) != published[-1]:
+            published.append(frozenset(state))
+    # Flapping ends with B present; it is re-added after the hold.
+    while t < 8.0:
+        t = round(t + 0.1, 3)
+        state, _ = damper.apply({A, B}, t)
+        if frozenset(state) != published[-1]:
+            published.append(frozenset(state))
+    # One removal at the first flip, one re-add after it settled: 2 changes, not 50.
+    assert published == [frozenset({A, B}), frozenset({A}), frozenset({A, B})]
+
+
+def test_an_endpoint_returning_after_the_window_is_new_again() -> None:
+    damper = FlapDamper(flap_window=5.0, hold=1.0)
+    damper.apply({A}, 0.0)
+    damper.apply(set(), 1.0)
+    assert damper.apply({A}, 7.0) == ({A}, None)
