@@ -86,9 +86,7 @@ class EventLog:
                 return i
         raise ValueError("event not in this log")
 
-    def wait_for(
-        self, predicate: Predicate, *, what: str, after: int = 0, timeout: float = 10.0
-    ) -> Event:
+    def wait_for(self, predicate: Predicate, *, what: str, after: int = 0, timeout: float = 10.0) -> Event:
         """The first event (from index ``after``) matching ``predicate``; fail after ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
@@ -97,8 +95,7 @@ class EventLog:
                 return event
             if time.monotonic() >= deadline:
                 pytest.fail(
-                    f"timed out after {timeout:g}s waiting for event: {what}\n"
-                    + self.describe(after=after),
+                    f"timed out after {timeout:g}s waiting for event: {what}\n" + self.describe(after=after),
                     pytrace=False,
                 )
             time.sleep(0.05)

@@ -76,7 +76,7 @@ def wait_until(
     while True:
         try:
             result = condition()
-        except Exception as exc:  # noqa: BLE001 - "not ready yet" takes many shapes
+        except Exception as exc:
             last_error = exc
         else:
             if result:
@@ -312,8 +312,10 @@ class ControlPlane:
         process = self.group.start("pilotfish", argv, env=pilotfish_env())
         self.runs.append((process, events))
         wait_until(
-            lambda: (port_accepts(self.port) or _raise_if_dead(process))
-            and events.find(lambda e: e["event"] == "server_started"),
+            lambda: (
+                (port_accepts(self.port) or _raise_if_dead(process))
+                and events.find(lambda e: e["event"] == "server_started")
+            ),
             timeout=timeout,
             what=f"pilotfish serve to listen on {self.address} and log server_started",
             details=lambda: process.output_tail() + "\n" + events.describe(),

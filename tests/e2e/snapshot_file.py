@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ROUTE_NAME", "LISTENER_NAME", "snapshot_document", "write_snapshot"]
+__all__ = ["LISTENER_NAME", "ROUTE_NAME", "snapshot_document", "write_snapshot"]
 
 LISTENER_NAME = "ingress"
 ROUTE_NAME = "local_route"
@@ -60,13 +60,7 @@ def snapshot_document(
     assignments = [
         {
             "cluster_name": name,
-            "endpoints": [
-                {
-                    "lb_endpoints": [
-                        {"endpoint": {"address": _address(port)}} for port in ports
-                    ]
-                }
-            ],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(port)}} for port in ports]}],
         }
         for name, ports in endpoints.items()
     ]
@@ -82,9 +76,7 @@ def snapshot_document(
                             "@type": _HCM,
                             "stat_prefix": stat_prefix,
                             "rds": {"route_config_name": ROUTE_NAME, "config_source": _ads()},
-                            "http_filters": [
-                                {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}
-                            ],
+                            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
                         },
                     }
                 ]

@@ -42,9 +42,7 @@ def sent_then_acked(testbed: Testbed, type_url: str, version: str, *, after: int
         after=after,
     )
     events.wait_for(
-        is_event(
-            "ack", node=NODE, type=type_url, version_info=version, response_nonce=sent["nonce"]
-        ),
+        is_event("ack", node=NODE, type=type_url, version_info=version, response_nonce=sent["nonce"]),
         what=f"ack of the response {sent['nonce']!r} ({type_url} at version {version!r})",
         after=events.index_of(sent) + 1,
     )
@@ -70,9 +68,7 @@ def test_envoy_acks_every_type_and_routes_requests(testbed: Testbed) -> None:
     assert envoy.stat("cluster_manager.cds.version_text") == "1"
     assert envoy.stat("listener_manager.lds.version_text") == "1"
 
-    assert envoy.cluster_endpoints("web") == sorted(
-        [testbed.address_of("web-a"), testbed.address_of("web-b")]
-    )
+    assert envoy.cluster_endpoints("web") == sorted([testbed.address_of("web-a"), testbed.address_of("web-b")])
     bodies = {testbed.request("/") for _ in range(8)}
     assert bodies == {(200, "web-a"), (200, "web-b")}, "round robin over both endpoints of web"
     assert testbed.request("/api") == (200, "api")
@@ -110,9 +106,7 @@ def test_rejected_clusters_keep_last_good_version(testbed: Testbed) -> None:
 
     testbed.write_snapshot(**V3)
 
-    nack = events.wait_for(
-        is_event("nack", node=NODE, type=CDS), what="Envoy's NACK of the clusters", after=mark
-    )
+    nack = events.wait_for(is_event("nack", node=NODE, type=CDS), what="Envoy's NACK of the clusters", after=mark)
     assert nack["version_info"] == "2", "a NACK carries the last version Envoy accepted"
     assert "ConnectTimeout" in (nack["error"] or ""), nack["error"]
     wait_for_acks(events, node=NODE, what="the changed listener", types=[LDS], version="3", after=mark)
@@ -126,8 +120,7 @@ def test_rejected_clusters_keep_last_good_version(testbed: Testbed) -> None:
     assert envoy.stat("cluster_manager.cds.update_rejected") == 1
     # The new listener (stat prefix ingress_v3) routes over the clusters of version 2.
     wait_until(
-        lambda: testbed.request("/") == (200, "web-a")
-        and envoy.stat("http.ingress_v3.downstream_rq_completed"),
+        lambda: testbed.request("/") == (200, "web-a") and envoy.stat("http.ingress_v3.downstream_rq_completed"),
         timeout=10,
         what="a request through the listener of version 3",
     )
@@ -142,9 +135,7 @@ def test_rejected_clusters_keep_last_good_version(testbed: Testbed) -> None:
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
-def test_envoy_keeps_serving_and_reconnects_across_server_restart(
-    testbed: Testbed, kill: bool
-) -> None:
+def test_envoy_keeps_serving_and_reconnects_across_server_restart(testbed: Testbed, kill: bool) -> None:
     envoy = testbed.start(**V2)
     mark = testbed.events.mark()
     testbed.write_snapshot(**V3)
@@ -173,9 +164,11 @@ def test_envoy_keeps_serving_and_reconnects_across_server_restart(
     assert acks[CDS]["stream"] == first_cds["stream"]
 
     wait_until(
-        lambda: envoy.stat("cluster_manager.cds.version_text") == "4"
-        and envoy.stat("listener_manager.lds.version_text") == "4"
-        and envoy.stat("control_plane.connected_state") == 1,
+        lambda: (
+            envoy.stat("cluster_manager.cds.version_text") == "4"
+            and envoy.stat("listener_manager.lds.version_text") == "4"
+            and envoy.stat("control_plane.connected_state") == 1
+        ),
         timeout=10,
         what="cds and lds version_text '4' and connected_state 1",
     )
@@ -200,7 +193,7 @@ def test_hot_restart_finishes_in_flight_request_and_child_gets_everything(
     def slow_request() -> None:
         try:
             result["response"] = testbed.request("/slow?ms=3000", timeout=20)
-        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+        except Exception as exc:
             result["error"] = exc
 
     client = threading.Thread(target=slow_request, name="slow-request")
@@ -228,9 +221,7 @@ def test_hot_restart_finishes_in_flight_request_and_child_gets_everything(
 
     stream = wait_until(new_stream, timeout=10, what="the child's own ADS stream")
     first_cds = events.wait_for(
-        lambda e: e.get("stream") == stream
-        and e.get("event") in ("request", "ack", "nack")
-        and e.get("type") == CDS,
+        lambda e: e.get("stream") == stream and e.get("event") in ("request", "ack", "nack") and e.get("type") == CDS,
         what="the child's first CDS request",
         after=mark,
     )
@@ -258,9 +249,7 @@ def test_equal_content_without_version_sends_nothing(testbed: Testbed) -> None:
     # A real change is pushed: this is what the test would see if equal content were pushed too.
     mark = events.mark()
     testbed.write_snapshot(version=None, direct_body="direct changed")
-    sent = events.wait_for(
-        is_event("sent", node=NODE, type=RDS), what="the changed route pushed", after=mark
-    )
+    sent = events.wait_for(is_event("sent", node=NODE, type=RDS), what="the changed route pushed", after=mark)
     assert sent["version"], "an unversioned snapshot still gets a (content) version"
     wait_until(
         lambda: testbed.request("/direct") == (200, "direct changed"),

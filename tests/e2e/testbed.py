@@ -59,9 +59,7 @@ class Testbed:
             "web": [self.upstreams[name].port for name in web],
             "api": [self.upstreams["api"].port],
         }
-        return write_snapshot(
-            self.snapshot_path, listener_port=self.listener_port, endpoints=endpoints, **params
-        )
+        return write_snapshot(self.snapshot_path, listener_port=self.listener_port, endpoints=endpoints, **params)
 
     def start_envoy(self, *, name: str = "envoy", node_id: str = "edge-1", **options: Any) -> Envoy:
         envoy = Envoy.start(

@@ -42,7 +42,7 @@ def _handler_for(name: str) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(payload)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             pass  # quiet: the tests read Envoy's and pilotfish's logs, not this one
 
     return Handler

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pilotfish.cache import SnapshotCache
@@ -31,7 +31,7 @@ class ServeSettings:
     """``host:port`` the xDS gRPC server listens on (port 0: any free port)."""
     event_log: Path | None = None
     """Where to append the JSON-lines event log; None: no event log."""
-    debounce: DebounceSettings = DebounceSettings()
+    debounce: DebounceSettings = field(default_factory=DebounceSettings)
     """How bursts of changes are batched and flapping endpoints damped."""
     grace_seconds: float = 1.0
     """On shutdown, how long open streams get to finish."""
