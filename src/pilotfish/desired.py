@@ -42,6 +42,11 @@ class DesiredState:
     version: str | None = None
     """An explicit version for every type (snapshot files only)."""
 
+    def __post_init__(self) -> None:
+        # Endpoint order carries no meaning: normalize it so equal sets compare equal.
+        ordered = {name: tuple(sorted(found)) for name, found in self.endpoints.items()}
+        object.__setattr__(self, "endpoints", ordered)
+
     @classmethod
     def of_document(cls, document: ParsedDocument) -> DesiredState:
         return cls(services=dict(document.services), endpoints=dict(document.endpoints),

@@ -116,38 +116,60 @@ EndpointKey = tuple[str, str]
 
 @dataclass(slots=True)
 class FlapDamper:
-    """Which endpoints to publish, given which are present. Pure: every method takes ``now``."""
+    """Which endpoints to publish, given every change in which are present. Pure: takes ``now``.
+
+    :meth:`observe` sees every change a source reports (not just what a build samples), so an
+    endpoint that leaves and comes back between two builds still counts as flapping.
+    """
 
     flap_window: float
     hold: float
+    _present: set[EndpointKey] = field(default_factory=set)
     _removed_at: dict[EndpointKey, float] = field(default_factory=dict)
+    """When an endpoint last disappeared."""
     _back_since: dict[EndpointKey, float] = field(default_factory=dict)
-    _published: set[EndpointKey] = field(default_factory=set)
+    """When a recently removed endpoint came back (it is held until ``hold`` has passed)."""
 
-    def apply(self, present: set[EndpointKey], now: float) -> tuple[set[EndpointKey], float | None]:
-        """The endpoints to publish now, and when to ask again (when a held endpoint's hold ends)."""
-        for key in self._published - present:
-            self._removed_at[key] = now  # gone: removed at once
-        for key in [k for k in self._back_since if k not in present]:
-            del self._back_since[key]  # went away again before its hold ended
+    def observe(self, present: set[EndpointKey], now: float) -> None:
+        """The sources now report exactly ``present``."""
+        for key in self._present - present:
+            self._removed_at[key] = now
+            self._back_since.pop(key, None)
+        for key in present - self._present:
+            removed = self._removed_at.get(key)
+            if removed is not None and now - removed <= self.flap_window:
+                self._back_since[key] = now  # back soon after leaving: flapping, hold it
+            elif removed is not None:
+                del self._removed_at[key]
+        self._present = set(present)
+
+    def publishable(self, now: float) -> tuple[set[EndpointKey], float | None]:
+        """The endpoints to publish now, and when to ask again (when a hold ends)."""
         for key, at in list(self._removed_at.items()):
-            if now - at > self.flap_window and key not in self._back_since:
+            if key not in self._back_since and now - at > self.flap_window:
                 del self._removed_at[key]  # long gone: a return is a fresh start
         published: set[EndpointKey] = set()
         wake: float | None = None
-        for key in present:
-            if key in self._published or key not in self._removed_at:
+        for key in self._present:
+            since = self._back_since.get(key)
+            if since is None:
                 published.add(key)
-                continue
-            since = self._back_since.setdefault(key, now)
-            if now - since >= self.hold:
+            elif now - since >= self.hold:
                 published.add(key)
                 del self._back_since[key]
                 del self._removed_at[key]
             else:
                 wake = since + self.hold if wake is None else min(wake, since + self.hold)
-        self._published = published
         return published, wake
+
+    def apply(self, present: set[EndpointKey], now: float) -> tuple[set[EndpointKey], float | None]:
+        """:meth:`observe` then :meth:`publishable`."""
+        self.observe(present, now)
+        return self.publishable(now)
+
+
+def _endpoint_keys(merged: Merged) -> set[EndpointKey]:
+    return {(name, e.address) for name, found in merged.endpoints.items() for e in found}
 
 
 def _same_content(a: Snapshot, b: Snapshot) -> bool:
@@ -190,7 +212,9 @@ class Reconciler:
         if self._states.get(source) == state:
             return
         self._states[source] = state
-        self._debouncer.change(self._clock.now())
+        now = self._clock.now()
+        self._damper.observe(_endpoint_keys(merge_states(self._states)), now)
+        self._debouncer.change(now)
         self._wake.set()
 
     def states(self) -> dict[str, DesiredState]:
@@ -234,8 +258,9 @@ class Reconciler:
         return min(deadlines) if deadlines else None
 
     def _damped(self, merged: Merged) -> Merged:
-        present = {(name, e.address) for name, found in merged.endpoints.items() for e in found}
-        published, wake = self._damper.apply(present, self._clock.now())
+        present = _endpoint_keys(merged)
+        published, wake = self._damper.publishable(self._clock.now())
+        published &= present
         self._hold_until = wake
         if published == present:
             return merged

@@ -1,0 +1,143 @@
+"""The reconciler end to end on a fake clock: sources in, snapshots out, nothing sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+from collections.abc import AsyncIterator
+
+import pytest
+
+from pilotfish.cache import SnapshotCache
+from pilotfish.desired import DesiredState
+from pilotfish.reconcile import DebounceSettings, Reconciler
+from pilotfish.resources import ENDPOINT
+from pilotfish.resources.services import Endpoint, ServiceSpec
+
+
+class FakeClock:
+    """Virtual time: ``sleep`` waits until a test ``advance``s past its deadline."""
+
+    def __init__(self) -> None:
+        self.time = 1000.0
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    def now(self) -> float:
+        return self.time
+
+    async def sleep(self, seconds: float) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self.time + seconds, next(self._order), future))
+        await future
+
+    async def advance(self, seconds: float) -> None:
+        target = self.time + seconds
+        await settle()
+        while self._sleepers and self._sleepers[0][0] <= target:
+            deadline, _, future = heapq.heappop(self._sleepers)
+            self.time = max(self.time, deadline)
+            if not future.done():
+                future.set_result(None)
+            await settle()
+        self.time = target
+        await settle()
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+WEB = ServiceSpec(name="web", listen=("127.0.0.1", 10000))
+
+
+def state(*ports: int) -> DesiredState:
+    return DesiredState(services={"web": WEB},
+                        endpoints={"web": tuple(Endpoint("127.0.0.1", p) for p in ports)})
+
+
+def published_ports(cache: SnapshotCache) -> list[int]:
+    snapshot = cache.snapshot()
+    assert snapshot is not None
+    eds = snapshot.get(ENDPOINT.url)
+    assert eds is not None
+    assignment = eds.resources["web"].message
+    return sorted(lb.endpoint.address.socket_address.port_value
+                  for group in assignment.endpoints for lb in group.lb_endpoints)  # type: ignore[attr-defined]
+
+
+Running = tuple[Reconciler, FakeClock, SnapshotCache]
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Running]:
+    clock = FakeClock()
+    cache = SnapshotCache()
+    reconciler = Reconciler(cache, clock=clock,
+                            settings=DebounceSettings(quiet=0.1, max_delay=1.0, hold=1.0))
+    reconciler.update("registry", state(9001, 9002))
+    reconciler.build_now()
+    task = asyncio.create_task(reconciler.run())
+    await settle()
+    yield reconciler, clock, cache
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_a_change_is_published_after_the_quiet_period(running: Running) -> None:
+    reconciler, clock, cache = running
+    reconciler.update("registry", state(9001))
+    await clock.advance(0.09)
+    assert published_ports(cache) == [9001, 9002]
+    await clock.advance(0.02)
+    assert published_ports(cache) == [9001]
+    assert reconciler.published == 2
+
+
+async def test_100_changes_within_50ms_make_one_push(running: Running) -> None:
+    reconciler, clock, cache = running
+    for i in range(100):
+        reconciler.update("registry", state(9001, 9100 + i))
+        await clock.advance(0.0005)
+    await clock.advance(0.2)
+    assert reconciler.published == 2  # the start-up snapshot, then one for the whole burst
+    assert published_ports(cache) == [9001, 9199]
+
+
+async def test_the_same_state_again_builds_nothing(running: Running) -> None:
+    reconciler, clock, _ = running
+    reconciler.update("registry", state(9002, 9001))
+    await clock.advance(2.0)
+    assert (reconciler.builds, reconciler.published) == (1, 1)
+
+
+async def test_a_flapping_endpoint_makes_a_bounded_number_of_pushes(running: Running) -> None:
+    reconciler, clock, cache = running
+    for flip in range(50):  # 10 flips a second for 5 seconds
+        reconciler.update("registry", state(9001) if flip % 2 == 0 else state(9001, 9002))
+        await clock.advance(0.1)
+    reconciler.update("registry", state(9001, 9002))
+    await clock.advance(3.0)
+    # Removal at once (1), re-added once it stayed for the hold (1): 2 pushes after start-up.
+    assert reconciler.published - 1 <= 2
+    assert published_ports(cache) == [9001, 9002]
+
+
+async def test_a_bad_state_keeps_the_last_good_snapshot(running: Running) -> None:
+    reconciler, clock, cache = running
+    before = cache.snapshot()
+    clash = DesiredState(services={"api": ServiceSpec(name="api", listen=("127.0.0.1", 10000))})
+    reconciler.update("file", clash)
+    await clock.advance(0.5)
+    assert cache.snapshot() is before
+    assert reconciler.last_error is not None
+    assert "127.0.0.1:10000 is already used by services.api" in reconciler.last_error.describe()
+    reconciler.update("file", DesiredState())
+    reconciler.update("registry", state(9003))
+    await clock.advance(0.5)
+    assert published_ports(cache) == [9003]
+    assert reconciler.last_error is None
