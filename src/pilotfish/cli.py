@@ -27,14 +27,30 @@ def _address(value: str) -> str:
     return value
 
 
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
+    return int(value)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pilotfish", description="An Envoy control plane (xDS over gRPC).")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: every event)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="serve a snapshot file over xDS, following its changes")
-    serve.add_argument("--snapshot", type=Path, required=True, metavar="FILE",
-                       help="JSON or YAML file of Envoy resources (clusters, endpoints, listeners, routes, secrets)")
+    serve.add_argument("--snapshot", type=Path, metavar="FILE",
+                       help="JSON or YAML file of services and Envoy resources (clusters, endpoints, listeners, "
+                            "routes, secrets), watched for changes")
+    serve.add_argument("--registry", type=_address, metavar="HOST:PORT",
+                       help="serve the registry HTTP API here (register instances, heartbeats, TTLs)")
+    serve.add_argument("--quiet-ms", type=_positive_int, default=100, metavar="MS",
+                       help="debounce: build once changes have been quiet this long (default: %(default)s)")
+    serve.add_argument("--max-delay-ms", type=_positive_int, default=1000, metavar="MS",
+                       help="debounce: build at the latest this long after a burst began (default: %(default)s)")
+    serve.add_argument("--flap-hold-ms", type=_positive_int, default=1000, metavar="MS",
+                       help="an endpoint that comes back soon after leaving is re-added after staying this "
+                            "long (default: %(default)s)")
     serve.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
                        help="where to serve xDS over gRPC (default: %(default)s)")
     serve.add_argument("--event-log", type=Path, metavar="FILE",
@@ -70,9 +86,16 @@ def _validate(path: Path) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from pilotfish.reconcile import DebounceSettings
     from pilotfish.server import ServeSettings, serve
 
-    settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log)
+    if args.snapshot is None and args.registry is None:
+        print("pilotfish serve: give at least one source: --snapshot FILE or --registry HOST:PORT", file=sys.stderr)
+        return EXIT_USAGE
+    debounce = DebounceSettings(quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000,
+                                hold=args.flap_hold_ms / 1000)
+    settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
+                             registry=args.registry, debounce=debounce)
     try:
         asyncio.run(serve(settings))
     except ConfigError as exc:

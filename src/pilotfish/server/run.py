@@ -6,15 +6,23 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiohttp import web
+
+from pilotfish.bootstrap import split_address
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError
 from pilotfish.events import EventLog
 from pilotfish.reconcile import DebounceSettings, Reconciler
+from pilotfish.server.registry_api import RegistryApi
 from pilotfish.server.xds import XdsServer, start_grpc_server
 from pilotfish.sources import load_desired, watch_file
+from pilotfish.sources.registry import Registry
 
 __all__ = ["ServeSettings", "serve"]
 
@@ -31,6 +39,8 @@ class ServeSettings:
     """``host:port`` the xDS gRPC server listens on (port 0: any free port)."""
     event_log: Path | None = None
     """Where to append the JSON-lines event log; None: no event log."""
+    registry: str | None = None
+    """``host:port`` for the registry HTTP API (port 0: any free port); None: no registry."""
     debounce: DebounceSettings = field(default_factory=DebounceSettings)
     """How bursts of changes are batched and flapping endpoints damped."""
     grace_seconds: float = 1.0
@@ -47,6 +57,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     cache = SnapshotCache()
     reconciler = Reconciler(cache, settings=settings.debounce, events=events)
     tasks: list[asyncio.Task[None]] = []
+    cleanups: list[Callable[[], Awaitable[None]]] = []
     try:
         if settings.snapshot is not None:
             try:
@@ -59,9 +70,21 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         xds = XdsServer(cache, events=events)
         server, port = await start_grpc_server(xds, settings.xds)
         host = settings.xds.rsplit(":", 1)[0]
-        events.emit("server_started", xds=f"{host}:{port}",
+        registry_address = None
+        if settings.registry is not None:
+            api = RegistryApi(Registry(clock=time.monotonic), reconciler, events=events)
+            runner = web.AppRunner(api.app(), access_log=None)
+            await runner.setup()
+            cleanups.append(runner.cleanup)
+            reg_host, reg_port = split_address(settings.registry)
+            sock = socket.create_server((reg_host, reg_port), reuse_port=False)
+            await web.SockSite(runner, sock).start()
+            registry_address = f"{reg_host}:{sock.getsockname()[1]}"
+            tasks.append(asyncio.create_task(api.expire_forever(), name="registry-expiry"))
+        events.emit("server_started", xds=f"{host}:{port}", registry=registry_address,
                     snapshot=str(settings.snapshot) if settings.snapshot else None)
-        _log.info("serving xDS on %s:%d", host, port)
+        _log.info("serving xDS on %s:%d%s", host, port,
+                  f", registry API on http://{registry_address}" if registry_address else "")
 
         async def follow_file(path: Path) -> None:
             async for item in watch_file(path):
@@ -96,4 +119,6 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for cleanup in cleanups:
+            await cleanup()
         events.close()
