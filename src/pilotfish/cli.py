@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
                             "routes, secrets), watched for changes")
     serve.add_argument("--registry", type=_address, metavar="HOST:PORT",
                        help="serve the registry HTTP API here (register instances, heartbeats, TTLs)")
+    serve.add_argument("--etcd", type=_address, metavar="HOST:PORT",
+                       help="read services and instances from etcd's client API here, watched")
+    serve.add_argument("--etcd-prefix", default="/pilotfish/", metavar="PREFIX",
+                       help="etcd key prefix: PREFIX/services/NAME, PREFIX/instances/SERVICE/ID (default: %(default)s)")
     serve.add_argument("--quiet-ms", type=_positive_int, default=100, metavar="MS",
                        help="debounce: build once changes have been quiet this long (default: %(default)s)")
     serve.add_argument("--max-delay-ms", type=_positive_int, default=1000, metavar="MS",
@@ -89,13 +93,15 @@ def _serve(args: argparse.Namespace) -> int:
     from pilotfish.reconcile import DebounceSettings
     from pilotfish.server import ServeSettings, serve
 
-    if args.snapshot is None and args.registry is None:
-        print("pilotfish serve: give at least one source: --snapshot FILE or --registry HOST:PORT", file=sys.stderr)
+    if args.snapshot is None and args.registry is None and args.etcd is None:
+        print("pilotfish serve: give at least one source: --snapshot FILE, --registry HOST:PORT or --etcd HOST:PORT",
+              file=sys.stderr)
         return EXIT_USAGE
     debounce = DebounceSettings(quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000,
                                 hold=args.flap_hold_ms / 1000)
     settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
-                             registry=args.registry, debounce=debounce)
+                             registry=args.registry, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
+                             debounce=debounce)
     try:
         asyncio.run(serve(settings))
     except ConfigError as exc:

@@ -225,20 +225,22 @@ def _parent_death_signal() -> Callable[[], None]:
 class _Child:
     name: str
     process: subprocess.Popen[bytes]
-    log: Path | None
-    """Where its output goes (shown when it fails); None: the terminal."""
+    logs: tuple[Path, ...] = ()
+    """Files it writes its output to, shown when it fails (they go with the temp dir)."""
 
     def failure(self, what: str) -> str:
         lines = [f"{self.name} {what}"]
-        if self.log is not None:
+        for log in self.logs:
             with contextlib.suppress(OSError):
-                tail = self.log.read_text(errors="replace").splitlines()[-15:]
-                lines += [f"--- last lines of {self.log}:", *tail]
+                tail = log.read_text(errors="replace").splitlines()[-20:]
+                if tail:
+                    lines += [f"--- the end of its {log.name}:", *tail]
         return "\n".join(lines)
 
 
-def _spawn(name: str, argv: list[str], *, log: Path | None) -> _Child:
-    output = open(log, "ab") if log is not None else None  # noqa: SIM115 - the child owns it
+def _spawn(name: str, argv: list[str], *, output_to: Path | None, logs: tuple[Path, ...] = ()) -> _Child:
+    """Start ``argv``; its stdout and stderr go to ``output_to`` (None: stderr to the terminal)."""
+    output = open(output_to, "ab") if output_to is not None else None  # noqa: SIM115 - the child owns it
     try:
         process = subprocess.Popen(
             argv,
@@ -253,7 +255,7 @@ def _spawn(name: str, argv: list[str], *, log: Path | None) -> _Child:
     finally:
         if output is not None:
             output.close()
-    return _Child(name, process, log)
+    return _Child(name, process, (*((output_to,) if output_to else ()), *logs))
 
 
 def _stop(child: _Child) -> None:
@@ -349,7 +351,7 @@ class _Demo:
     async def start_pilotfish(self) -> str:
         argv = [sys.executable, "-m", "pilotfish", "-v", "serve", "--snapshot", str(self.snapshot_path),
                 "--xds", "127.0.0.1:0", "--event-log", str(self.event_log)]
-        self.children.append(_spawn("pilotfish serve", argv, log=None))
+        self.children.append(_spawn("pilotfish serve", argv, output_to=None))
 
         async def started() -> str | None:
             return _server_address(self.event_log)
@@ -365,7 +367,7 @@ class _Demo:
                 "--admin-address-path", str(self.admin_address_file),
                 "--log-path", str(self.envoy_log), "--file-flush-interval-msec", "500",
                 "--concurrency", "2"]
-        self.children.append(_spawn("envoy", argv, log=self.workdir / "envoy.out"))
+        self.children.append(_spawn("envoy", argv, output_to=self.workdir / "envoy.out", logs=(self.envoy_log,)))
 
         async def admin() -> str | None:
             return _read_stripped(self.admin_address_file)

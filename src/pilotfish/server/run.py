@@ -22,6 +22,7 @@ from pilotfish.reconcile import DebounceSettings, Reconciler
 from pilotfish.server.registry_api import RegistryApi
 from pilotfish.server.xds import XdsServer, start_grpc_server
 from pilotfish.sources import load_desired, watch_file
+from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry
 
 __all__ = ["ServeSettings", "serve"]
@@ -41,6 +42,10 @@ class ServeSettings:
     """Where to append the JSON-lines event log; None: no event log."""
     registry: str | None = None
     """``host:port`` for the registry HTTP API (port 0: any free port); None: no registry."""
+    etcd: str | None = None
+    """``host:port`` of etcd's client API to read services and instances from; None: no etcd."""
+    etcd_prefix: str = "/pilotfish/"
+    """The etcd key prefix (see :mod:`pilotfish.sources.etcd` for the layout)."""
     debounce: DebounceSettings = field(default_factory=DebounceSettings)
     """How bursts of changes are batched and flapping endpoints damped."""
     grace_seconds: float = 1.0
@@ -94,6 +99,10 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 else:
                     reconciler.update("file", item)
 
+        if settings.etcd is not None:
+            etcd = EtcdSource(settings.etcd, settings.etcd_prefix, on_event=events.emit,
+                              on_state=lambda state: reconciler.update("etcd", state))
+            tasks.append(asyncio.create_task(etcd.run(), name="etcd-source"))
         tasks.append(asyncio.create_task(reconciler.run(), name="reconciler"))
         if settings.snapshot is not None:
             tasks.append(asyncio.create_task(follow_file(settings.snapshot), name="file-source"))
