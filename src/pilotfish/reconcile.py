@@ -28,7 +28,7 @@ from typing import Protocol
 
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.desired import DesiredState, Merged, build_snapshot, merge_states
-from pilotfish.errors import ConfigError
+from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.snapshot import Snapshot
 
@@ -172,12 +172,6 @@ def _endpoint_keys(merged: Merged) -> set[EndpointKey]:
     return {(name, e.address) for name, found in merged.endpoints.items() for e in found}
 
 
-def _same_content(a: Snapshot, b: Snapshot) -> bool:
-    return a.explicit_version == b.explicit_version and all(
-        a.version(url) == ts.version for url, ts in b.types.items()
-    )
-
-
 class Reconciler:
     """Turns the desired state of all sources into the cache's snapshot, debounced and checked."""
 
@@ -268,21 +262,35 @@ class Reconciler:
                      for name, found in merged.endpoints.items()}
         return replace(merged, endpoints=endpoints)
 
+    def _source_names(self) -> str:
+        return ", ".join(sorted(self._states)) or "no sources"
+
     def _build(self) -> Snapshot | None:
         self.builds += 1
         merged = self._damped(merge_states(self._states))
         try:
-            snapshot = build_snapshot(merged, ", ".join(sorted(self._states)) or "no sources")
+            snapshot = build_snapshot(merged, self._source_names())
         except ConfigError as exc:
             self.last_error = exc
             self._events.emit("snapshot_error", reason=exc.describe())
             _log.error("%s\nstill serving the last good snapshot", exc.describe())
             raise
-        self.last_error = None
         current = self.cache.snapshot(self._group)
-        if current is not None and _same_content(current, snapshot):
+        same_version = current is not None and current.explicit_version == snapshot.explicit_version
+        if current is not None and same_version and current.same_content(snapshot):
+            self.last_error = None
             self._events.emit("snapshot_unchanged", version=snapshot.label())
             return None
+        if same_version and snapshot.explicit_version is not None:
+            # Proxies at that version would never be sent the new content: refuse, loudly.
+            error = ConfigError(self._source_names(), [Problem(
+                "version", f"the content changed but the version is still {snapshot.explicit_version!r}: "
+                           "set a new version, or remove it to version by content")])
+            self.last_error = error
+            self._events.emit("snapshot_error", reason=error.describe())
+            _log.error("%s\nstill serving the last good snapshot", error.describe())
+            raise error
+        self.last_error = None
         answered = self.cache.set_snapshot(snapshot, self._group)
         self.published += 1
         self._events.emit("snapshot_loaded", version=snapshot.label(), versions=snapshot.versions(),

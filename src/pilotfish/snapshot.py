@@ -62,6 +62,8 @@ class TypeSnapshot:
     rtype: ResourceType
     version: str
     resources: Mapping[str, Resource]
+    content_hash: str = ""
+    """Hash of the resources alone (equal to ``version`` unless the user set a version)."""
     _memo: dict[frozenset[str] | None, EncodedResponse] = field(default_factory=dict, repr=False)
 
     def response(self, names: frozenset[str] | None) -> EncodedResponse:
@@ -82,7 +84,8 @@ class TypeSnapshot:
 def with_kept(current: TypeSnapshot, kept: Mapping[str, Resource]) -> TypeSnapshot:
     """``current`` plus resources ``kept`` from an earlier snapshot, versioned by content."""
     merged = {**kept, **current.resources}
-    return TypeSnapshot(current.rtype, _content_version(merged), MappingProxyType(merged))
+    content = _content_version(merged)
+    return TypeSnapshot(current.rtype, content, MappingProxyType(merged), content)
 
 
 def _content_version(resources: Mapping[str, Resource]) -> str:
@@ -113,9 +116,17 @@ class Snapshot:
             for message in resources.get(rtype, ()):
                 resource = Resource.of(rtype, message)
                 by_name[resource.name] = resource
-            type_version = version if version is not None else _content_version(by_name)
-            types[rtype.url] = TypeSnapshot(rtype, type_version, MappingProxyType(by_name))
+            content = _content_version(by_name)
+            type_version = version if version is not None else content
+            types[rtype.url] = TypeSnapshot(rtype, type_version, MappingProxyType(by_name), content)
         return cls(types=MappingProxyType(types), explicit_version=version)
+
+    def same_content(self, other: Snapshot) -> bool:
+        """Whether both hold exactly the same resources (whatever their versions say)."""
+        return all(
+            other.types.get(url) is not None and other.types[url].content_hash == ts.content_hash
+            for url, ts in self.types.items()
+        )
 
     def get(self, type_url: str) -> TypeSnapshot | None:
         return self.types.get(TypeUrl(type_url))

@@ -117,7 +117,10 @@ def _one_line(event: Event) -> str:
         if key == "type" and isinstance(value, str):
             value = short_type(value)
         text = json.dumps(value)
-        fields.append(f"{key}={text if len(text) <= 120 else text[:117] + '...'}")
+        if len(text) > 120:
+            # Envoy's NACK message starts with a dump of the resource and ends with the reason.
+            text = "..." + text[-117:] if key == "error" else text[:117] + "..."
+        fields.append(f"{key}={text}")
     return " ".join(fields)
 
 

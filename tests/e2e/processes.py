@@ -76,7 +76,7 @@ def wait_until(
     while True:
         try:
             result = condition()
-        except Exception as exc:
+        except Exception as exc:  # pytest.fail() is a BaseException: a dead process still fails at once
             last_error = exc
         else:
             if result:
@@ -444,7 +444,9 @@ class Envoy:
                 text = base_id_path.read_text().strip() if base_id_path.exists() else ""
                 return int(text) if text else None
 
-            base_id = wait_until(chosen_base_id, timeout=timeout, what=f"{name} to pick a base id", details=details)
+            chosen = wait_until(chosen_base_id, timeout=timeout, what=f"{name} to pick a base id", details=details)
+            assert chosen is not None  # wait_until returns only a truthy result
+            base_id = chosen
             group.envoy_base_ids.add(base_id)
 
         envoy = cls(name, process, admin_port, base_id, log_path, bootstrap_path)

