@@ -69,8 +69,8 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
                     },
                 }],
             },
-            "cds_config": ads_source,
-            "lds_config": ads_source,
+            "cds_config": dict(ads_source),
+            "lds_config": dict(ads_source),
         },
         "static_resources": {
             "clusters": [{
