@@ -53,7 +53,6 @@ class BootstrapSettings:
 def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     """The bootstrap as plain values (Envoy's JSON shape)."""
     host, port = split_address(settings.xds)
-    ads_source = {"ads": {}, "resource_api_version": "V3"}
     return {
         "node": {"id": settings.node_id, "cluster": settings.cluster},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": settings.admin_port}}},
@@ -69,8 +68,8 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
                     },
                 }],
             },
-            "cds_config": dict(ads_source),
-            "lds_config": dict(ads_source),
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3"},
         },
         "static_resources": {
             "clusters": [{
