@@ -21,10 +21,10 @@ from google.protobuf.message import Message
 
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType
-from pilotfish.resources.builders import build_services
-from pilotfish.resources.services import Endpoint, ServiceSpec
-from pilotfish.resources.types import LISTENER
-from pilotfish.snapshot import Snapshot
+from pilotfish.resources.builders import ResourceMemo, encode_services
+from pilotfish.resources.services import Endpoint, ServiceSpec, endpoint_order
+from pilotfish.resources.types import ENDPOINT, LISTENER, ROUTE
+from pilotfish.snapshot import Resource, Snapshot
 from pilotfish.validate import check_references
 
 __all__ = ["DesiredState", "Merged", "build_snapshot", "merge_states"]
@@ -44,7 +44,7 @@ class DesiredState:
 
     def __post_init__(self) -> None:
         # Endpoint order carries no meaning: normalize it so equal sets compare equal.
-        ordered = {name: tuple(sorted(found)) for name, found in self.endpoints.items()}
+        ordered = {name: tuple(sorted(found, key=endpoint_order)) for name, found in self.endpoints.items()}
         object.__setattr__(self, "endpoints", ordered)
 
     @classmethod
@@ -98,7 +98,7 @@ def merge_states(states: Mapping[str, DesiredState]) -> Merged:
     version = versions.pop() if len(contributing) == 1 and len(versions) == 1 else None
     return Merged(
         services=services,
-        endpoints={name: tuple(sorted(by.values())) for name, by in endpoints.items()},
+        endpoints={name: tuple(sorted(by.values(), key=endpoint_order)) for name, by in endpoints.items()},
         resources={t: tuple(m) for t, m in resources.items()},
         version=version,
         problems=tuple(problems),
@@ -111,30 +111,25 @@ def _listen_address(listener: Message) -> str | None:
     return f"{socket.address}:{socket.port_value}" if socket.address else None
 
 
-def build_snapshot(merged: Merged, source: str) -> Snapshot:
-    """Build the snapshot of merged desired state; raise :class:`ConfigError` naming every problem."""
+def build_snapshot(merged: Merged, source: str, *, memo: ResourceMemo | None = None) -> Snapshot:
+    """Build the snapshot of merged desired state; raise :class:`ConfigError` naming every problem.
+
+    ``memo`` carries encoded resources of unchanged services over from the previous build.
+    """
     problems = list(merged.problems)
-    built = build_services(merged.services, merged.endpoints)
-    combined: dict[ResourceType, tuple[Message, ...]] = {}
+    built = encode_services(merged.services, merged.endpoints, memo)
+    combined: dict[ResourceType, tuple[Message | Resource, ...]] = {}
     for rtype in TYPES:
         raw = merged.resources.get(rtype, ())
         raw_names = {getattr(m, rtype.name_field): i for i, m in enumerate(raw)}
         ours = built.get(rtype, [])
-        for message in ours:
-            name = getattr(message, rtype.name_field)
-            if name in raw_names:
-                problems.append(Problem(f"services.{name}",
-                                        f"its {rtype.key[:-1]} {name!r} clashes with {rtype.key}[{raw_names[name]}]; "
-                                        "rename the service or the resource"))
-        seen = set()
-        unique = []
-        for message in (*raw, *ours):
-            name = getattr(message, rtype.name_field)
-            if name in seen:
-                continue
-            seen.add(name)
-            unique.append(message)
-        combined[rtype] = tuple(unique)
+        for resource in ours:
+            if resource.name in raw_names:
+                problems.append(Problem(
+                    f"services.{resource.name}",
+                    f"its {rtype.key[:-1]} {resource.name!r} clashes with {rtype.key}[{raw_names[resource.name]}]; "
+                    "rename the service or the resource"))
+        combined[rtype] = (*raw, *(r for r in ours if r.name not in raw_names))
 
     owners: dict[str, str] = {}
     for index, listener in enumerate(merged.resources.get(LISTENER, ())):
@@ -152,7 +147,11 @@ def build_snapshot(merged: Merged, source: str) -> Snapshot:
         else:
             owners[address] = f"services.{name}"
 
-    problems.extend(check_references(combined))
+    problems.extend(check_references(
+        merged.resources,
+        more_endpoints=(r.name for r in built.get(ENDPOINT, [])),
+        more_routes=(r.name for r in built.get(ROUTE, [])),
+    ))
     if problems:
         raise ConfigError(source, problems)
     return Snapshot.build(combined, version=merged.version)

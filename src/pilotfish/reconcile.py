@@ -30,6 +30,7 @@ from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.desired import DesiredState, Merged, build_snapshot, merge_states
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
+from pilotfish.resources.builders import ResourceMemo
 from pilotfish.snapshot import Snapshot
 
 __all__ = [
@@ -194,6 +195,7 @@ class Reconciler:
         self._damper = FlapDamper(flap_window=self.settings.flap_window, hold=self.settings.hold)
         self._hold_until: float | None = None
         self._wake = asyncio.Event()
+        self._memo = ResourceMemo()
         self.builds = 0
         """How many builds ran (each may or may not hand over a snapshot)."""
         self.published = 0
@@ -269,7 +271,7 @@ class Reconciler:
         self.builds += 1
         merged = self._damped(merge_states(self._states))
         try:
-            snapshot = build_snapshot(merged, self._source_names())
+            snapshot = build_snapshot(merged, self._source_names(), memo=self._memo)
         except ConfigError as exc:
             self.last_error = exc
             self._events.emit("snapshot_error", reason=exc.describe())

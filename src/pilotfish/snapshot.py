@@ -22,26 +22,37 @@ from pilotfish.resources.wire import any_bytes, discovery_response
 __all__ = ["EncodedResponse", "Resource", "Snapshot", "TypeSnapshot", "with_kept"]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
 class Resource:
-    """One named resource, encoded once."""
+    """One named resource, encoded once; its message is decoded only if someone asks for it."""
 
-    name: str
-    message: Message
-    hash: str
-    """Hex SHA-256 of the message's deterministic encoding."""
-    encoded: bytes
-    """The resource as an encoded ``google.protobuf.Any``."""
+    __slots__ = ("_message", "_rtype", "_value", "encoded", "hash", "name")
+
+    def __init__(self, rtype: ResourceType, name: str, value: bytes, message: Message | None = None) -> None:
+        self.name = name
+        self.hash = hashlib.sha256(value).hexdigest()
+        """Hex SHA-256 of the resource's encoding."""
+        self.encoded = any_bytes(rtype.url, value)
+        """The resource as an encoded ``google.protobuf.Any``."""
+        self._rtype = rtype
+        self._value = value
+        self._message = message
 
     @classmethod
     def of(cls, rtype: ResourceType, message: Message) -> Resource:
+        """A resource from a message (encoded deterministically)."""
         value = message.SerializeToString(deterministic=True)
-        return cls(
-            name=getattr(message, rtype.name_field),
-            message=message,
-            hash=hashlib.sha256(value).hexdigest(),
-            encoded=any_bytes(rtype.url, value),
-        )
+        return cls(rtype, getattr(message, rtype.name_field), value, message)
+
+    @property
+    def message(self) -> Message:
+        if self._message is None:
+            self._message = self._rtype.message.FromString(self._value)
+        return self._message
+
+    @property
+    def value(self) -> bytes:
+        """The resource's own encoding (without the Any wrapper)."""
+        return self._value
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,14 +118,14 @@ class Snapshot:
 
     @classmethod
     def build(
-        cls, resources: Mapping[ResourceType, Iterable[Message]], *, version: str | None = None
+        cls, resources: Mapping[ResourceType, Iterable[Message | Resource]], *, version: str | None = None
     ) -> Snapshot:
         """Encode and hash ``resources``; ``version`` (if given) becomes every type's version."""
         types: dict[TypeUrl, TypeSnapshot] = {}
         for rtype in TYPES:
             by_name = {}
-            for message in resources.get(rtype, ()):
-                resource = Resource.of(rtype, message)
+            for item in resources.get(rtype, ()):
+                resource = item if isinstance(item, Resource) else Resource.of(rtype, item)
                 by_name[resource.name] = resource
             content = _content_version(by_name)
             type_version = version if version is not None else content

@@ -8,7 +8,7 @@ refuse such a snapshot up front and name the resource.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import config_source_pb2
@@ -26,11 +26,22 @@ def _served_by_xds(source: config_source_pb2.ConfigSource) -> bool:
     return source.WhichOneof("config_source_specifier") not in ("path", "path_config_source")
 
 
-def check_references(resources: Mapping[ResourceType, tuple[Message, ...]]) -> list[Problem]:
-    """Problems with references between resources (missing endpoints or route configs)."""
+def check_references(
+    resources: Mapping[ResourceType, tuple[Message, ...]],
+    *,
+    more_endpoints: Iterable[str] = (),
+    more_routes: Iterable[str] = (),
+) -> list[Problem]:
+    """Problems with references between resources (missing endpoints or route configs).
+
+    ``more_endpoints`` and ``more_routes`` name resources that exist besides ``resources``
+    (built from services, whose own references are right by construction).
+    """
     problems: list[Problem] = []
     endpoint_names = {m.cluster_name for m in resources.get(ENDPOINT, ())}  # type: ignore[attr-defined]
+    endpoint_names.update(more_endpoints)
     route_names = {m.name for m in resources.get(ROUTE, ())}  # type: ignore[attr-defined]
+    route_names.update(more_routes)
 
     for index, cluster in enumerate(resources.get(CLUSTER, ())):
         assert isinstance(cluster, cluster_pb2.Cluster)

@@ -125,3 +125,17 @@ def test_etcd_view_parses_keys_and_reports_bad_values() -> None:
 
 def test_prefix_end() -> None:
     assert prefix_end("/pilotfish/") == "/pilotfish0"
+
+
+def test_hand_encoded_resources_match_protobuf_encoding() -> None:
+    from pilotfish.resources.builders import build_assignment, build_cluster, encode_assignment, encode_cluster
+    from pilotfish.resources.services import HealthCheck
+
+    endpoints = (Endpoint("10.1.2.3", 65535, 128), Endpoint("127.0.0.1", 9001), Endpoint("::1", 80, 3))
+    assert encode_assignment("web" * 50, endpoints) == build_assignment("web" * 50, endpoints).SerializeToString(
+        deterministic=True)
+    with_metadata = (Endpoint("127.0.0.1", 1, 1, (("zone", "a"),)),)
+    assert encode_assignment("w", with_metadata) == build_assignment("w", with_metadata).SerializeToString(
+        deterministic=True)
+    for spec in (WEB, ServiceSpec(name="h2", upstream_protocol="http2", health_check=HealthCheck(path="/ok"))):
+        assert encode_cluster(spec) == build_cluster(spec).SerializeToString(deterministic=True)

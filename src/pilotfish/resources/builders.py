@@ -13,12 +13,18 @@ For each service: an EDS cluster and its ClusterLoadAssignment; with ``listen``,
 - one locality with ``load_balancing_weight`` 1: proxyless gRPC clients need a locality weight.
 
 Messages are built directly (no JSON round trip) and endpoints are sorted, so the same services
-always give the same bytes and so the same versions.
+always give the same bytes and so the same versions. :func:`encode_services` goes further for
+large fleets: endpoints are wire-encoded by hand (:mod:`pilotfish.resources.wire`), a cluster is a
+cached per-settings template with its name prepended, and a :class:`ResourceMemo` carries the
+encoded resources of unchanged services from one build to the next.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+import functools
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, health_check_pb2
@@ -34,10 +40,14 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
-from pilotfish.resources.services import Endpoint, ServiceSpec
+from pilotfish.resources.services import Endpoint, ServiceSpec, endpoint_order
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, ResourceType
+from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, length_delimited
 
-__all__ = ["build_assignment", "build_cluster", "build_service", "build_services"]
+if TYPE_CHECKING:
+    from pilotfish.snapshot import Resource
+
+__all__ = ["ResourceMemo", "build_assignment", "build_cluster", "build_service", "build_services", "encode_services"]
 
 _RETRY_ON = "connect-failure,refused-stream,reset-before-request"
 _HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -108,7 +118,7 @@ def build_cluster(spec: ServiceSpec) -> cluster_pb2.Cluster:
 
 def build_assignment(name: str, endpoints: Iterable[Endpoint]) -> endpoint_pb2.ClusterLoadAssignment:
     lb_endpoints = []
-    for endpoint in sorted(endpoints):
+    for endpoint in sorted(endpoints, key=endpoint_order):
         lb_endpoint = endpoint_components_pb2.LbEndpoint(
             endpoint=endpoint_components_pb2.Endpoint(address=_socket(endpoint.host, endpoint.port)),
             load_balancing_weight=wrappers_pb2.UInt32Value(value=endpoint.weight),
@@ -197,4 +207,84 @@ def build_services(
     for name in sorted(specs):
         for rtype, messages in build_service(specs[name], endpoints.get(name, ())).items():
             out[rtype].extend(messages)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _cluster_template(settings: ServiceSpec) -> bytes:
+    # ``settings`` has an empty name; the name (field 1) is prepended per cluster, which is
+    # exactly where deterministic serialization puts it.
+    encoded: bytes = build_cluster(settings).SerializeToString(deterministic=True)
+    return encoded
+
+
+def encode_cluster(spec: ServiceSpec) -> bytes:
+    return length_delimited(1, spec.name.encode()) + _cluster_template(dataclasses.replace(spec, name=""))
+
+
+def encode_assignment(name: str, endpoints: Iterable[Endpoint]) -> bytes:
+    ordered = sorted(endpoints, key=endpoint_order)
+    if any(e.metadata for e in ordered):
+        encoded: bytes = build_assignment(name, ordered).SerializeToString(deterministic=True)
+        return encoded
+    return cluster_load_assignment(name, [lb_endpoint(e.host, e.port, e.weight) for e in ordered])
+
+
+class ResourceMemo:
+    """Encoded resources of the last build, reused by the next one when their input is equal.
+
+    Only entries used by the latest build are kept, so memory follows the current configuration.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[Hashable, Resource] = {}
+        self._current: dict[Hashable, Resource] = {}
+
+    def get(self, key: Hashable, make: Callable[..., Resource], *args: Any) -> Resource:
+        """The resource for ``key``, made by ``make(*args)`` if the last build did not have it."""
+        resource = self._current.get(key)
+        if resource is None:
+            resource = self._previous.get(key)
+            if resource is None:
+                resource = make(*args)
+            self._current[key] = resource
+        return resource
+
+    def finish(self) -> None:
+        """End a build: what it did not use is forgotten."""
+        self._previous, self._current = self._current, {}
+
+
+def encode_services(
+    specs: Mapping[str, ServiceSpec],
+    endpoints: Mapping[str, Iterable[Endpoint]],
+    memo: ResourceMemo | None = None,
+) -> dict[ResourceType, list[Resource]]:
+    """The encoded resources of every service, by type (same bytes as :func:`build_services`)."""
+    from pilotfish.snapshot import Resource
+
+    memo = memo or ResourceMemo()
+    out: dict[ResourceType, list[Resource]] = {CLUSTER: [], ENDPOINT: [], LISTENER: [], ROUTE: []}
+    def cluster(spec: ServiceSpec) -> Resource:
+        return Resource(CLUSTER, spec.name, encode_cluster(spec))
+
+    def assignment(name: str, found: tuple[Endpoint, ...]) -> Resource:
+        return Resource(ENDPOINT, name, encode_assignment(name, found))
+
+    def listener(spec: ServiceSpec) -> Resource:
+        return Resource.of(LISTENER, _listener(spec))
+
+    def route(spec: ServiceSpec) -> Resource:
+        return Resource.of(ROUTE, _route_config(spec))
+
+    for name in sorted(specs):
+        spec = specs[name]
+        found = tuple(sorted(endpoints.get(name, ()), key=endpoint_order))
+        out[CLUSTER].append(memo.get(("cluster", spec), cluster, spec))
+        out[ENDPOINT].append(memo.get(("endpoints", name, found), assignment, name, found))
+        if spec.listen is not None:
+            out[LISTENER].append(memo.get(("listener", spec), listener, spec))
+            if spec.protocol == "http":
+                out[ROUTE].append(memo.get(("route", spec), route, spec))
+    memo.finish()
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pilotfish.errors import Problem
 
@@ -21,6 +21,7 @@ __all__ = [
     "Endpoint",
     "HealthCheck",
     "ServiceSpec",
+    "endpoint_order",
     "parse_endpoint",
     "parse_service",
     "parse_services",
@@ -30,9 +31,12 @@ PROTOCOLS = ("http", "tcp")
 UPSTREAM_PROTOCOLS = ("http1", "http2")
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Endpoint:
-    """One instance of a service."""
+class Endpoint(NamedTuple):
+    """One instance of a service.
+
+    A named tuple rather than a dataclass: fleets have hundreds of thousands of endpoints, and
+    tuple hashing, equality and ordering run in C.
+    """
 
     host: str
     port: int
@@ -43,6 +47,11 @@ class Endpoint:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+def endpoint_order(endpoint: Endpoint) -> tuple[str, int]:
+    """Sort key: endpoints are ordered by address (unique within a service)."""
+    return (endpoint.host, endpoint.port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +228,7 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
         return None, (), problems
     spec = ServiceSpec(name=name, listen=listen, protocol=protocol, connect_timeout=connect_timeout,
                        timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health)
-    return spec, tuple(sorted(endpoints)), problems
+    return spec, tuple(sorted(endpoints, key=endpoint_order)), problems
 
 
 def _health_check(value: Any, where: str, problems: list[Problem]) -> HealthCheck | None:
