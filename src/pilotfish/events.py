@@ -28,6 +28,8 @@ class EventLog:
 
     def emit(self, event: str, **fields: Any) -> None:
         """Record one event; ``fields`` must be JSON-serializable."""
+        if self._file is None and not _log.isEnabledFor(logging.DEBUG):
+            return
         record = {"ts": round(self._clock(), 6), "event": event, **fields}
         line = json.dumps(record, separators=(",", ":"), default=str)
         if self._file is not None:

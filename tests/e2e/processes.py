@@ -25,10 +25,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -43,6 +43,7 @@ __all__ = [
     "envoy_binary",
     "free_port",
     "http_get",
+    "http_json",
     "pilotfish",
     "wait_until",
 ]
@@ -120,6 +121,24 @@ def http_get(url: str, *, timeout: float = 5.0) -> tuple[int, str]:
     except urllib.error.HTTPError as error:
         with error:
             return error.code, error.read().decode(errors="replace")
+
+
+def http_json(method: str, url: str, body: Any = None, *, timeout: float = 5.0) -> tuple[int, Any]:
+    """Send ``body`` as JSON (none when None); return (status, decoded JSON body or None).
+
+    Any HTTP status is returned, not raised: a test asserts on a 400 as readily as on a 201.
+    """
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with _OPENER.open(request, timeout=timeout) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        with error:
+            status, raw = error.code, error.read()
+    return status, json.loads(raw) if raw.strip() else None
 
 
 # -- processes ------------------------------------------------------------------------------------
@@ -276,18 +295,43 @@ def pilotfish(*args: str, check: bool = True, timeout: float = 30.0) -> subproce
 class ControlPlane:
     """``pilotfish serve`` on a fixed port, which can be stopped and started again on it.
 
+    Its sources are the snapshot file (``snapshot_path``), the registry API (served on
+    ``registry_port``) and etcd (``etcd``, ``host:port``), any of them or several; ``options`` are
+    further ``serve`` arguments (``--quiet-ms 50``, ...). A restart keeps all of them, ports
+    included, as a restarted deployment would.
+
     Each run writes its own event log (``events.<run>.jsonl``), so a test reads what the current
     run saw without caring whether the server appends to or truncates an existing file.
     """
 
     group: ProcessGroup
-    snapshot_path: Path
+    snapshot_path: Path | None
     port: int
+    registry_port: int | None = None
+    etcd: str | None = None
+    options: tuple[str, ...] = ()
     runs: list[tuple[Process, EventLog]] = field(default_factory=list)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def registry_url(self) -> str:
+        """The registry API's base URL (``http://127.0.0.1:<registry_port>``)."""
+        if self.registry_port is None:
+            raise RuntimeError("this control plane serves no registry API (no registry_port)")
+        return f"http://127.0.0.1:{self.registry_port}"
+
+    def _argv(self, event_log: Path) -> list[str]:
+        args = ["serve", "--xds", self.address, "--event-log", str(event_log)]
+        if self.snapshot_path is not None:
+            args += ["--snapshot", str(self.snapshot_path)]
+        if self.registry_port is not None:
+            args += ["--registry", f"127.0.0.1:{self.registry_port}"]
+        if self.etcd is not None:
+            args += ["--etcd", self.etcd]
+        return pilotfish_argv(*args, *self.options)
 
     @property
     def process(self) -> Process:
@@ -303,13 +347,7 @@ class ControlPlane:
         if self.runs and self.process.alive():
             raise RuntimeError("pilotfish serve is already running")
         events = EventLog(self.group.workdir / f"events.{len(self.runs)}.jsonl")
-        argv = pilotfish_argv(
-            "serve",
-            "--snapshot", str(self.snapshot_path),
-            "--xds", self.address,
-            "--event-log", str(events.path),
-        )  # fmt: skip
-        process = self.group.start("pilotfish", argv, env=pilotfish_env())
+        process = self.group.start("pilotfish", self._argv(events.path), env=pilotfish_env())
         self.runs.append((process, events))
         wait_until(
             lambda: (
@@ -488,6 +526,35 @@ class Envoy:
                     for h in hosts
                 )
         return []
+
+    def host_requests(self, cluster: str) -> dict[str, int]:
+        """``host:port`` -> requests Envoy sent to that endpoint of ``cluster`` (admin /clusters)."""
+        data = json.loads(self.admin("/clusters?format=json"))
+        counts: dict[str, int] = {}
+        for status in data.get("cluster_statuses", []):
+            if status["name"] != cluster:
+                continue
+            for host in status.get("host_statuses", []):
+                address = host["address"]["socket_address"]
+                stats = {s["name"]: int(s.get("value", 0)) for s in host.get("stats", [])}
+                counts[f"{address['address']}:{address['port_value']}"] = stats.get("rq_total", 0)
+        return counts
+
+    def wait_for_endpoints(self, cluster: str, expected: Iterable[str], *, timeout: float = 10.0) -> None:
+        """Wait until Envoy's /clusters lists exactly ``expected`` (``host:port``) for ``cluster``."""
+        want = sorted(expected)
+        seen: list[list[str]] = [[]]
+
+        def matches() -> bool:
+            seen[0] = self.cluster_endpoints(cluster)
+            return seen[0] == want
+
+        wait_until(
+            matches,
+            timeout=timeout,
+            what=f"{self.name}'s cluster {cluster!r} to have endpoints {want}",
+            details=lambda: f"last seen: {seen[0]}\n--- envoy log tail ---\n{self.log_tail()}",
+        )
 
     def is_live(self) -> bool:
         status, _ = http_get(f"http://127.0.0.1:{self.admin_port}/ready")

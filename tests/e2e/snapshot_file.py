@@ -1,7 +1,10 @@
 """The snapshot files the end-to-end tests feed to ``pilotfish serve``.
 
-One builder makes every file the tests use, from a few parameters, so that each test states only
-what it changes (an endpoint removed, a body, a version, a bad ``connect_timeout``). The
+Two kinds: raw Envoy resources (:func:`write_snapshot`, below) and a ``services:`` section from
+which pilotfish builds them (:func:`write_services`).
+
+For raw resources, one builder makes every file the tests use, from a few parameters, so that
+each test states only what it changes (an endpoint removed, a body, a version, a bad ``connect_timeout``). The
 configuration is the smallest that exercises all four ADS types:
 
 - listener ``ingress`` on 127.0.0.1:<listener_port>, HTTP connection manager using RDS
@@ -23,7 +26,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["LISTENER_NAME", "ROUTE_NAME", "snapshot_document", "write_snapshot"]
+__all__ = ["LISTENER_NAME", "ROUTE_NAME", "snapshot_document", "write_services", "write_snapshot"]
 
 LISTENER_NAME = "ingress"
 ROUTE_NAME = "local_route"
@@ -119,10 +122,25 @@ def snapshot_document(
 def write_snapshot(path: Path, **params: Any) -> dict[str, Any]:
     """Build the snapshot (see :func:`snapshot_document`) and replace ``path`` with it by rename."""
     document = snapshot_document(**params)
+    _replace(path, document)
+    return document
+
+
+def write_services(path: Path, services: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Replace ``path`` (by rename) with a file holding only a ``services:`` section.
+
+    ``services`` maps each service name to its settings as the file spells them (``listen``,
+    ``protocol``, ``endpoints``, ...); pilotfish builds the Envoy resources from them.
+    """
+    document = {"services": {name: dict(spec) for name, spec in services.items()}}
+    _replace(path, document)
+    return document
+
+
+def _replace(path: Path, document: Mapping[str, Any]) -> None:
     temp = path.with_name(f".{path.name}.tmp")
     temp.write_text(yaml.safe_dump(document, sort_keys=False))
     os.replace(temp, path)
-    return document
 
 
 def _ads() -> dict[str, Any]:

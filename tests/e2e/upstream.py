@@ -48,6 +48,13 @@ def _handler_for(name: str) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    # socketserver's listen backlog is 5. An endpoint added under load gets a burst of new
+    # connections from Envoy at once (one per concurrent request); with a backlog of 5 the
+    # kernel drops SYNs, the client retries after 1 s, and Envoy's 1 s connect timeout fires.
+    request_queue_size = 256
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
@@ -55,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
 
-    server = ThreadingHTTPServer((args.host, args.port), _handler_for(args.name))
+    server = _Server((args.host, args.port), _handler_for(args.name))
     server.daemon_threads = True
     # SIGTERM ends serve_forever() through KeyboardInterrupt, so the socket is closed cleanly.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
