@@ -5,7 +5,13 @@
 in flight while it changes something (a hot restart, an endpoint removal). Only the standard
 library is used, so that starting one costs a few tens of milliseconds.
 
-Usage: ``python upstream.py --port N --name NAME``
+SIGTERM stops it gracefully, as a real service stops: it closes its listening socket, then waits
+(at most ``--drain-s`` seconds) until its clients have closed their connections, so a request in
+flight still gets its answer. Envoy closes its connections to an endpoint once EDS has removed it
+and the requests on them are done, so an upstream stopped after its removal drops nothing. Stopping
+at once instead would reset requests Envoy sent just before the removal (503s under load).
+
+Usage: ``python upstream.py --port N --name NAME [--drain-s S]``
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 
@@ -49,10 +57,36 @@ def _handler_for(name: str) -> type[BaseHTTPRequestHandler]:
 
 
 class _Server(ThreadingHTTPServer):
+    """A thread per connection, counting open connections so a stop can wait for them."""
+
     # socketserver's listen backlog is 5. An endpoint added under load gets a burst of new
     # connections from Envoy at once (one per concurrent request); with a backlog of 5 the
     # kernel drops SYNs, the client retries after 1 s, and Envoy's 1 s connect timeout fires.
     request_queue_size = 256
+    daemon_threads = True  # a connection still open after the drain must not keep the process
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._open = 0
+        self._changed = threading.Condition()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._changed:  # counted before its thread starts: a drain cannot miss it
+            self._open += 1
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._changed:
+                self._open -= 1
+                self._changed.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every connection is closed; False if some are still open after timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._open == 0, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,18 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--drain-s", type=float, default=5.0,
+                        help="on SIGTERM, wait at most this long for open connections to close")
     args = parser.parse_args(argv)
 
     server = _Server((args.host, args.port), _handler_for(args.name))
-    server.daemon_threads = True
-    # SIGTERM ends serve_forever() through KeyboardInterrupt, so the socket is closed cleanly.
+    # SIGTERM ends serve_forever() through KeyboardInterrupt; then the listening socket is closed
+    # (no new connections) and the open ones are given time to finish.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.serve_forever(poll_interval=0.1)
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the drain
         server.server_close()
+        server.drain(args.drain_s)
     return 0
 
 
