@@ -1,11 +1,12 @@
 """xDS over gRPC (grpc.aio): the aggregated service and the per-type services, SotW.
 
 This layer only moves bytes. Each stream pairs a :class:`~pilotfish.protocol.SotwStream` (what the
-stream has seen) with watches on the :class:`~pilotfish.cache.SnapshotCache` (what exists). A
-reader task feeds requests to the state machine and opens the watches it asks for; the handler
-itself writes the responses the cache hands back, in the order they were produced (ADS order for
-one change). Responses are shared pre-encoded bytes; a stream appends only its nonce, which is why
-the methods are registered with a pass-through response serializer.
+stream has seen) with watches on the :class:`~pilotfish.cache.SnapshotCache` (what exists). The
+handler reads requests, feeds them to the state machine and opens the watches it asks for; the
+responses the cache hands back are written in the order they were produced (ADS order for one
+change) by a writer task that lives only while something is queued. Responses are shared
+pre-encoded bytes; a stream appends only its nonce, which is why the methods are registered with
+a pass-through response serializer.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -65,13 +66,6 @@ def _default_group(node: base_pb2.Node) -> NodeGroup:
     return DEFAULT_GROUP
 
 
-@dataclass(frozen=True, slots=True)
-class _Queued:
-    watch: Watch
-    response: EncodedResponse
-    generation: int
-
-
 class XdsServer:
     """Serves the cache's snapshots to xDS streams and records the conversation."""
 
@@ -103,111 +97,120 @@ class XdsServer:
 
     def _sotw_handler(
         self, type_url: TypeUrl | None
-    ) -> Callable[[AsyncIterator[discovery_pb2.DiscoveryRequest], grpc.aio.ServicerContext], AsyncIterator[bytes]]:
+    ) -> Callable[[AsyncIterator[discovery_pb2.DiscoveryRequest], grpc.aio.ServicerContext], Awaitable[None]]:
         async def handler(
             requests: AsyncIterator[discovery_pb2.DiscoveryRequest], context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[bytes]:
-            async for chunk in self._sotw_stream(requests, context, type_url):
-                yield chunk
+        ) -> None:
+            await _SotwConnection(self, context, type_url).run(requests)
 
         return handler
 
-    async def _sotw_stream(
-        self,
-        requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
-        context: grpc.aio.ServicerContext,
-        type_url: TypeUrl | None,
-    ) -> AsyncIterator[bytes]:
-        stream_id = next(self._stream_ids)
-        state = SotwStream(type_url=type_url)
-        queue: asyncio.Queue[_Queued | BaseException | None] = asyncio.Queue()
-        cancels: dict[TypeUrl, Cancel] = {}
-        generations: dict[TypeUrl, int] = {}
-        node_id = ""
-        group = DEFAULT_GROUP
-        events = self.events
 
-        def open_watch(watch: Watch) -> None:
-            url = watch.type_url
-            previous = cancels.pop(url, None)
-            if previous is not None:
-                previous()
-            generation = generations[url] = generations.get(url, 0) + 1
+class _SotwConnection:
+    """One SotW stream: requests are read in the handler's own coroutine; responses are written
+    by a task that exists only while there is something to write, so an idle stream costs one
+    suspended coroutine and this object."""
 
-            def respond(watch: Watch, response: EncodedResponse) -> None:
-                queue.put_nowait(_Queued(watch, response, generation))
+    __slots__ = (
+        "_cancels", "_context", "_current", "_pending", "_respond", "_server", "_writer",
+        "group", "id", "node_id", "reason", "state", "type_url",
+    )
 
-            cancels[url] = self.cache.create_watch(watch, respond, group)
+    def __init__(self, server: XdsServer, context: grpc.aio.ServicerContext, type_url: TypeUrl | None) -> None:
+        self._server = server
+        self._context = context
+        self.type_url = type_url
+        self.id = next(server._stream_ids)
+        self.state = SotwStream(type_url=type_url)
+        self.node_id = ""
+        self.group = DEFAULT_GROUP
+        self.reason = "closed by client"
+        self._cancels: dict[TypeUrl, Cancel] = {}
+        self._current: dict[TypeUrl, Watch] = {}
+        """The newest watch per type: a response to an older one is dropped unsent."""
+        self._pending: deque[tuple[Watch, EncodedResponse]] = deque()
+        self._writer: asyncio.Task[None] | None = None
+        self._respond = self._queue  # one bound method for every watch of the stream
 
-        async def read() -> None:
-            nonlocal node_id, group
-            try:
-                async for request in requests:
-                    first = state.node is None
-                    outcome = state.on_request(request)
-                    if first:
-                        assert state.node is not None
-                        node_id = state.node.id
-                        group = self._group_of(state.node)
-                        self.status.stream_opened(node_id)
-                        events.emit("stream_open", stream=stream_id, node=node_id, peer=context.peer(),
-                                    service="ads" if type_url is None else type_url)
-                    kind = outcome.kind
-                    events.emit(
-                        "stale" if kind is RequestKind.STALE else kind.value,
-                        stream=stream_id, node=node_id, type=outcome.type_url,
-                        version_info=outcome.version_info, response_nonce=outcome.response_nonce,
-                        error=outcome.error, resource_names=list(request.resource_names),
-                    )
-                    if kind is RequestKind.ACK:
-                        self.status.acked(node_id, outcome.type_url, outcome.version_info)
-                    elif kind is RequestKind.NACK:
-                        self.status.nacked(node_id, outcome.type_url, outcome.rejected_version, outcome.error or "")
-                        _log.warning("%s rejected %s version %s: %s", node_id or f"stream {stream_id}",
-                                     outcome.type_url.rsplit(".", 1)[-1], outcome.rejected_version, outcome.error)
-                    for watch in outcome.watches:
-                        open_watch(watch)
-            except PeerError as exc:
-                queue.put_nowait(exc)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the stream broke (peer gone, malformed message)
-                queue.put_nowait(exc)
-            else:
-                queue.put_nowait(None)
-
-        self.open_streams += 1
-        reader = asyncio.create_task(read(), name=f"xds-reader-{stream_id}")
-        reason = "closed by client"
+    async def run(self, requests: AsyncIterator[discovery_pb2.DiscoveryRequest]) -> None:
+        server = self._server
+        server.open_streams += 1
         try:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                if isinstance(item, PeerError):
-                    reason = f"protocol error: {item}"
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-                if isinstance(item, BaseException):
-                    reason = f"stream error: {item!r}"
-                    return
-                if generations.get(item.response.type_url) != item.generation:
-                    continue  # a newer request superseded the watch this answered
-                nonce = state.on_response(item.watch, item.response)
-                yield item.response.body + nonce_field(nonce)
-                self.status.sent(node_id, item.response.type_url, item.response.version)
-                events.emit("sent", stream=stream_id, node=node_id, type=item.response.type_url,
-                            version=item.response.version, nonce=nonce, resources=len(item.response.names))
+            async for request in requests:
+                self._on_request(request)
+        except PeerError as exc:
+            self.reason = f"protocol error: {exc}"
+            await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except asyncio.CancelledError:
-            reason = "cancelled"
+            self.reason = "cancelled"
             raise
         finally:
-            self.open_streams -= 1
-            reader.cancel()
-            for cancel in cancels.values():
+            server.open_streams -= 1
+            if self._writer is not None:
+                self._writer.cancel()
+            for cancel in self._cancels.values():
                 cancel()
-            if state.node is not None:
-                self.status.stream_closed(node_id)
-            events.emit("stream_closed", stream=stream_id, node=node_id, reason=reason)
+            if self.state.node is not None:
+                server.status.stream_closed(self.node_id)
+            server.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=self.reason)
+
+    def _on_request(self, request: discovery_pb2.DiscoveryRequest) -> None:
+        server, state = self._server, self.state
+        first = state.node is None
+        outcome = state.on_request(request)
+        if first:
+            assert state.node is not None
+            self.node_id = state.node.id
+            self.group = server._group_of(state.node)
+            server.status.stream_opened(self.node_id)
+            server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._context.peer(),
+                               service="ads" if self.type_url is None else self.type_url)
+        kind = outcome.kind
+        server.events.emit(
+            "stale" if kind is RequestKind.STALE else kind.value,
+            stream=self.id, node=self.node_id, type=outcome.type_url,
+            version_info=outcome.version_info, response_nonce=outcome.response_nonce,
+            error=outcome.error, resource_names=list(request.resource_names),
+        )
+        if kind is RequestKind.ACK:
+            server.status.acked(self.node_id, outcome.type_url, outcome.version_info)
+        elif kind is RequestKind.NACK:
+            server.status.nacked(self.node_id, outcome.type_url, outcome.rejected_version, outcome.error or "")
+            _log.warning("%s rejected %s version %s: %s", self.node_id or f"stream {self.id}",
+                         outcome.type_url.rsplit(".", 1)[-1], outcome.rejected_version, outcome.error)
+        for watch in outcome.watches:
+            url = watch.type_url
+            previous = self._cancels.pop(url, None)
+            if previous is not None:
+                previous()
+            self._current[url] = watch
+            self._cancels[url] = server.cache.create_watch(watch, self._respond, self.group)
+
+    def _queue(self, watch: Watch, response: EncodedResponse) -> None:
+        """The cache's callback (synchronous): queue the response, start a writer if none runs."""
+        self._pending.append((watch, response))
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write())
+
+    async def _write(self) -> None:
+        server, state, pending, current = self._server, self.state, self._pending, self._current
+        try:
+            while pending:
+                watch, response = pending.popleft()
+                if current.get(response.type_url) is not watch:
+                    continue  # a newer request superseded the watch this answered
+                nonce = state.on_response(watch, response)
+                await self._context.write(response.body + nonce_field(nonce))
+                server.status.sent(self.node_id, response.type_url, response.version)
+                server.events.emit("sent", stream=self.id, node=self.node_id, type=response.type_url,
+                                   version=response.version, nonce=nonce, resources=len(response.names))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the stream is gone (peer reset, cancelled RPC)
+            self.reason = f"write failed: {exc!r}"
+            pending.clear()
+        finally:
+            self._writer = None
 
 
 async def start_grpc_server(xds: XdsServer, address: str) -> tuple[grpc.aio.Server, int]:
