@@ -13,7 +13,9 @@ STAMP := $(VENV)/.installed
 SNAPSHOT ?= examples/demo.yaml
 PYTEST_ARGS ?=
 # Fast tests first; a suite directory that does not exist yet is skipped.
-TEST_DIRS := $(wildcard tests/unit tests/integration tests/e2e)
+TEST_DIRS := $(wildcard tests/unit tests/integration tests/bench tests/e2e)
+# Sovereign (a REST-polling control plane the benchmarks compare with) gets a venv of its own.
+SOVEREIGN_VENV := bench/.venv-sovereign
 
 # Debian packages to install, each named only when what it provides is missing. Recursive `=`:
 # the checks run only when system-packages runs.
@@ -22,7 +24,7 @@ missing_packages = $(strip \
 	$(if $(shell command -v etcd),,etcd-server) \
 	$(if $(wildcard $(BIN)/pip),,$(if $(shell python3 -c 'import ensurepip' 2>/dev/null && echo ok),,python3-venv)))
 
-.PHONY: setup system-packages run test lint
+.PHONY: setup system-packages run test lint bench
 
 setup: $(STAMP)
 
@@ -62,3 +64,15 @@ test: setup
 lint: setup
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
+
+# The full benchmarks of issue 4 (fleet simulator fan-out to 100 / 1,000 / 10,000 proxies, snapshot
+# build, reconnect storm, real Envoy, the naive baseline and Sovereign side by side); writes
+# BENCHMARKS.md. About 10 minutes on 2 cores. py-spy (profiles) goes into .venv, Sovereign into its own.
+bench: setup $(SOVEREIGN_VENV)/.installed
+	@$(BIN)/py-spy --version >/dev/null 2>&1 || $(BIN)/pip install --quiet --disable-pip-version-check py-spy
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(PYTHON) -m bench.run_all --out BENCHMARKS.md
+
+$(SOVEREIGN_VENV)/.installed:
+	python3 -m venv $(SOVEREIGN_VENV)
+	$(SOVEREIGN_VENV)/bin/pip install --quiet --disable-pip-version-check sovereign
+	@touch $@

@@ -1,0 +1,140 @@
+"""Snapshot build: source state -> merged -> built, checked snapshot -> one encoded response per type.
+
+In-process (no gRPC): a registry-like :class:`~pilotfish.desired.DesiredState` with C services
+(ServiceSpec) and E endpoints spread evenly over them is merged (``merge_states``), built
+(``build_snapshot``: builders, cross-reference checks, per-resource encoding and hashing) and
+encoded into one full response per type (``TypeSnapshot.response(None)``, what the first proxy
+to ask costs). Each phase is timed ``--repeat`` times; the table shows the median.
+
+Also measured, because it is what an operator's registry sees on every call at this size:
+
+- rebuild after one endpoint changed (the same path again, with one more endpoint, from scratch);
+- ``Reconciler.update`` alone: what one registry API call costs before any build (it merges all
+  sources' states and observes every endpoint for flap damping);
+- the reconciler's rebuild after that change (``build_now``, reusing the previous build's encoded
+  resources through its memo) plus encoding the responses: what the server does per change.
+
+``--profile FILE`` writes a cProfile of one full build + encode (``pstats`` format) and prints the
+top functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pilotfish.cache import SnapshotCache
+from pilotfish.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.reconcile import Reconciler
+from pilotfish.resources.services import Endpoint, ServiceSpec
+from pilotfish.snapshot import Snapshot
+
+__all__ = ["BUILD_COLUMNS", "make_state", "run_build"]
+
+BUILD_COLUMNS = ["clusters", "endpoints", "merge s", "build_snapshot s",
+                 "encode responses s", "total s", "response bytes (CDS / EDS)", "rebuild after 1 change s",
+                 "Reconciler.update s", "Reconciler rebuild after 1 change s"]
+
+
+def make_state(clusters: int, endpoints: int, *, extra: int = 0) -> DesiredState:
+    """C services, E endpoints spread evenly; ``extra`` more endpoints on the first service."""
+    per, rest = divmod(endpoints, clusters)
+    services = {}
+    found: dict[str, tuple[Endpoint, ...]] = {}
+    for i in range(clusters):
+        name = f"svc-{i:05d}"
+        services[name] = ServiceSpec(name=name)
+        count = per + (1 if i < rest else 0) + (extra if i == 0 else 0)
+        found[name] = tuple(Endpoint(f"10.{(i >> 8) & 255}.{i & 255}.{1 + e % 250}", 8000 + e // 250)
+                            for e in range(count))
+    return DesiredState(services=services, endpoints=found)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    gc.collect()
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def _encode_all(snapshot: Snapshot) -> dict[str, int]:
+    return {ts.rtype.short: len(ts.response(None).body) for ts in snapshot.types.values()}
+
+
+def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path | None = None) -> list[Any]:
+    """One table row (see :data:`BUILD_COLUMNS`)."""
+    state = make_state(clusters, endpoints)
+    changed = make_state(clusters, endpoints, extra=1)
+    merge_t, build_t, encode_t, total_t, rebuild_t, update_t, incremental_t = ([] for _ in range(7))
+    sizes: dict[str, int] = {}
+    for _ in range(repeat):
+        t_merge, merged = _timed(lambda: merge_states({"registry": state}))
+        t_build, snapshot = _timed(lambda m=merged: build_snapshot(m, "bench"))
+        t_encode, sizes = _timed(lambda s=snapshot: _encode_all(s))
+        merge_t.append(t_merge)
+        build_t.append(t_build)
+        encode_t.append(t_encode)
+        total_t.append(t_merge + t_build + t_encode)
+        t_rebuild, _ = _timed(lambda: _encode_all(build_snapshot(merge_states({"registry": changed}), "bench")))
+        rebuild_t.append(t_rebuild)
+        reconciler = Reconciler(SnapshotCache())
+        reconciler.update("registry", state)
+        reconciler.build_now()
+        t_update, _ = _timed(lambda r=reconciler: r.update("registry", changed))
+        update_t.append(t_update)
+        # What the server does next: build with the reconciler's memo of the previous build's
+        # resources, then encode the responses the first proxy asks for.
+        t_incremental, built = _timed(lambda r=reconciler: _encode_all(r.build_now()))
+        assert built is not None
+        incremental_t.append(t_incremental)
+    if profile is not None:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        _encode_all(build_snapshot(merge_states({"registry": state}), "bench"))
+        profiler.disable()
+        profiler.dump_stats(profile)
+    med = statistics.median
+    return [clusters, endpoints, round(med(merge_t), 3), round(med(build_t), 3),
+            round(med(encode_t), 3), round(med(total_t), 3), f"{sizes.get('CDS', 0):,} / {sizes.get('EDS', 0):,}",
+            round(med(rebuild_t), 3), round(med(update_t), 3), round(med(incremental_t), 3)]
+
+
+def top_functions(profile: Path, limit: int = 15) -> str:
+    """The top functions of a cProfile dump by own time, with cumulative time, as text."""
+    out = io.StringIO()
+    stats = pstats.Stats(str(profile), stream=out)
+    stats.sort_stats("tottime").print_stats(limit)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.report import print_table
+
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["1000:10000", "10000:100000"],
+                        help="CLUSTERS:ENDPOINTS pairs (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--profile", type=Path, help="cProfile dump of the largest size's build + encode")
+    args = parser.parse_args(argv)
+    rows = []
+    for n, size in enumerate(args.sizes):
+        clusters, endpoints = (int(x) for x in size.split(":"))
+        last = n == len(args.sizes) - 1
+        rows.append(run_build(clusters, endpoints, repeat=args.repeat, profile=args.profile if last else None))
+    print_table(BUILD_COLUMNS, rows)
+    if args.profile is not None:
+        print(top_functions(args.profile))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Fan-out: one endpoint change, timed until every connected proxy has ACKed the new EDS version.
+
+One run: write the snapshot file, start the server (pilotfish, or the naive baseline) in its own
+process, read its RSS, connect N simulated proxies and wait until all are synced, read the RSS
+again (RSS per idle stream), then make ``changes`` endpoint changes one after another. For each:
+
+- t0 = just before the change is made (the registry API call, or the file's rename);
+- the server's ``snapshot_loaded`` event names the new EDS version (and when it was published);
+- each proxy's time = when it sent its ACK of that version (client side) minus t0;
+- server CPU seconds = /proc/<pid>/stat utime+stime after the server has gone quiet, minus before.
+
+Latencies of all proxies over all changes are pooled for p50/p99/max; "failures" counts proxies
+that never ACKed a change within the timeout, "stream errors" every stream that broke.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.fleet import EDS, Fleet, percentile
+from bench.procs import REPO, ServerProcess, start_pilotfish
+from bench.report import fmt_ms
+from bench.workload import Workload
+
+__all__ = ["FANOUT_COLUMNS", "FanoutResult", "run_fanout", "start_naive"]
+
+FANOUT_COLUMNS = ["server", "proxies", "change", "quiet ms", "all synced s", "p50 ms", "p99 ms", "max ms",
+                  "p99 after publish ms", "CPU s / push", "simulator CPU s / push", "RSS KB / idle stream", "failures",
+                  "stream errors"]
+
+
+@dataclass
+class FanoutResult:
+    server: str
+    proxies: int
+    change: str
+    quiet_ms: int
+    sync_seconds: float
+    latencies: list[float] = field(default_factory=list)
+    after_publish: list[float] = field(default_factory=list)
+    cpu_per_push: list[float] = field(default_factory=list)
+    client_cpu_per_push: list[float] = field(default_factory=list)
+    """CPU seconds of the simulator's processes per change (same cores as the server)."""
+    rss_per_stream_kb: float = 0.0
+    rss_idle_kb: int = 0
+    rss_base_kb: int = 0
+    failures: int = 0
+    stream_errors: dict[str, int] = field(default_factory=dict)
+    """Streams that broke, by gRPC status (while connecting and syncing included)."""
+    errors_during_changes: dict[str, int] = field(default_factory=dict)
+    error_examples: dict[str, str] = field(default_factory=dict)
+
+    def p(self, q: float) -> float:
+        return percentile(self.latencies, q)
+
+    @property
+    def cpu(self) -> float:
+        return sum(self.cpu_per_push) / len(self.cpu_per_push) if self.cpu_per_push else float("nan")
+
+    def row(self) -> list[object]:
+        errors = sum(self.stream_errors.values())
+        return [self.server, self.proxies, self.change, self.quiet_ms, round(self.sync_seconds, 2),
+                fmt_ms(self.p(50)), fmt_ms(self.p(99)), fmt_ms(max(self.latencies, default=float("nan"))),
+                fmt_ms(percentile(self.after_publish, 99)), round(self.cpu, 3),
+                round(sum(self.client_cpu_per_push) / max(1, len(self.client_cpu_per_push)), 3),
+                round(self.rss_per_stream_kb, 1),
+                self.failures, errors if not errors else f"{errors} {self.stream_errors}"]
+
+
+def start_naive(workdir: Path, *, snapshot: Path, xds_port: int = 0, name: str = "naive") -> ServerProcess:
+    """The naive baseline server (bench/naive_server.py) in its own process."""
+    event_log = workdir / f"{name}-events.jsonl"
+    argv = [sys.executable, "-m", "bench.naive_server", "--snapshot", str(snapshot),
+            "--xds", f"127.0.0.1:{xds_port}", "--event-log", str(event_log)]
+    server = ServerProcess(name=name, argv=argv, workdir=workdir, event_log=event_log)
+    server.start()
+    return server
+
+
+class _Changer:
+    """Makes one endpoint change at a time: through the registry API, or by rewriting the file."""
+
+    def __init__(self, how: str, server: ServerProcess, workload: Workload, snapshot: Path) -> None:
+        self.how, self.server, self.workload, self.snapshot = how, server, workload, snapshot
+        self.count = 0
+        self.registered: str | None = None
+
+    def change(self) -> None:
+        self.count += 1
+        if self.how == "file":
+            # A fresh endpoint each time, so each change is new content.
+            self.workload.write(self.snapshot, extra_endpoint=("10.255.0.1", 9000 + self.count))
+            return
+        base = f"http://{self.server.registry}/v1/services/svc-00000/instances"
+        if self.registered is None:
+            body = json.dumps({"address": "10.255.0.1", "port": 9000 + self.count}).encode()
+            request = urllib.request.Request(base, data=body, method="POST",
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                self.registered = json.loads(response.read())["id"]
+        else:
+            request = urllib.request.Request(f"{base}/{self.registered}", method="DELETE")
+            with urllib.request.urlopen(request, timeout=10):
+                self.registered = None
+
+
+def _py_spy(pid: int, output: Path, rate: int = 250) -> subprocess.Popen[bytes]:
+    spy = Path(sys.executable).with_name("py-spy")
+    return subprocess.Popen([str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", str(rate),
+                             "--output", str(output), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, workload: Workload,
+               quiet_ms: int = 100, change: str = "registry", workers: int = 0, workdir: str | Path | None = None,
+               profile: Path | None = None, change_timeout: float = 60.0, gap: float = 0.3) -> FanoutResult:
+    """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
+    during the changes."""
+    if server == "naive" and change != "file":
+        change = "file"  # the naive server has no registry
+    with ExitStack() as stack:
+        if workdir is None:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-bench-"))
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        snapshot = workdir / "snapshot.json"
+        workload.write(snapshot)
+        if server == "pilotfish":
+            proc = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry")
+        else:
+            proc = start_naive(workdir, snapshot=snapshot)
+        stack.callback(proc.stop)
+        time.sleep(0.5)
+        base_rss = proc.rss_kb()
+        fleet = Fleet(target=proc.xds, proxies=proxies, workers=workers, rate=0)
+        started = time.time()
+        fleet.start()
+        stack.callback(fleet.close)
+        synced = fleet.wait_synced(timeout=max(60.0, proxies / 100))
+        result = FanoutResult(server=server, proxies=proxies, change=change,
+                              quiet_ms=quiet_ms if server == "pilotfish" else 0,
+                              sync_seconds=max(synced.latencies(started), default=float("nan")))
+        if synced.failures:
+            result.failures = synced.failures
+            result.stream_errors = fleet.errors()
+            result.error_examples = dict(fleet.error_examples)
+            return result
+        proc.settle_cpu(quiet=0.3, limit=5)
+        result.rss_idle_kb = proc.rss_kb()
+        result.rss_base_kb = base_rss
+        result.rss_per_stream_kb = (result.rss_idle_kb - base_rss) / proxies
+        changes_started = time.time()
+        changer = _Changer(change, proc, workload, snapshot)
+        assert proc.tail is not None
+        spy = _py_spy(proc.pid, profile) if profile is not None else None
+        for _ in range(changes):
+            proc.tail.skip_to_end()
+            cpu_before = proc.cpu_seconds()
+            client_before = fleet.cpu_seconds()
+            t0 = time.time()
+            changer.change()
+            loaded = proc.tail.wait_for("snapshot_loaded", timeout=30, alive=proc.alive)
+            acked = fleet.wait_acked({EDS: loaded["versions"]["EDS"]}, since=t0, timeout=change_timeout)
+            cpu_after = proc.settle_cpu()
+            result.client_cpu_per_push.append(fleet.cpu_seconds() - client_before)
+            result.latencies += acked.latencies(t0)
+            result.after_publish += acked.latencies(float(loaded["ts"]))
+            result.failures = max(result.failures, acked.failures)
+            result.cpu_per_push.append(cpu_after - cpu_before)
+            time.sleep(gap)
+        if spy is not None:
+            os.kill(spy.pid, signal.SIGINT)
+            spy.wait(30)
+        result.stream_errors = fleet.errors()
+        result.errors_during_changes = fleet.errors(since=changes_started)
+        result.error_examples = dict(fleet.error_examples)
+        return result
+
+
+def main() -> int:
+    import argparse
+
+    from bench.report import print_table
+
+    parser = argparse.ArgumentParser(prog="python -m bench.fanout", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--proxies", type=int, nargs="+", default=[100, 1000, 10000])
+    parser.add_argument("--changes", type=int, default=5)
+    parser.add_argument("--services", type=int, default=100)
+    parser.add_argument("--endpoints", type=int, default=4)
+    parser.add_argument("--listeners", type=int, default=10)
+    parser.add_argument("--quiet-ms", type=int, default=100)
+    parser.add_argument("--server", choices=("pilotfish", "naive"), default="pilotfish")
+    parser.add_argument("--change", choices=("registry", "file"), default="registry")
+    args = parser.parse_args()
+    workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
+    rows = []
+    for n in args.proxies:
+        result = run_fanout(server=args.server, proxies=n, changes=args.changes, workload=workload,
+                            quiet_ms=args.quiet_ms, change=args.change)
+        rows.append(result.row())
+        print_table(FANOUT_COLUMNS, [rows[-1]])
+    print(f"\nworkload: {workload.describe()}")
+    print_table(FANOUT_COLUMNS, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    sys.exit(main())

@@ -1,0 +1,567 @@
+"""The fleet simulator: N simulated Envoy proxies, each with its own ADS stream, against a control
+plane running in another process.
+
+Theory of operation
+-------------------
+Each simulated proxy owns a gRPC channel (its own TCP connection, as each Envoy has) and one
+``StreamAggregatedResources`` stream on it, and talks like Envoy does:
+
+1. it opens the stream with a wildcard CDS request carrying its node (only on the first message,
+   as with ``set_node_on_first_message_only``);
+2. on a CDS response it subscribes to EDS for the EDS clusters it got, then ACKs the CDS response,
+   then (the first time) requests LDS; on an LDS response it subscribes to RDS for the route names
+   in the listeners' HTTP connection managers (``rds.route_config_name``) and ACKs; EDS and RDS
+   responses are ACKed (``version_info`` + ``response_nonce`` of the response);
+3. when the stream breaks it reconnects after a jittered exponential backoff (0.1 s doubling to
+   1 s, Envoy's ``retry_back_off`` in pilotfish's bootstrap) and re-sends every subscription with
+   the last version it ACKed, as Envoy does.
+
+Each ACK's send time (``time.time()``, just after the write was handed to gRPC) is recorded per
+type and version, so the coordinator can ask "when had every proxy ACKed EDS version V?" after a
+change it made at time t0. Clocks are epoch seconds so they compare with the server's event log.
+
+One Python process cannot drive 10,000 streams quickly, so proxies are sharded over worker
+processes (``python -m bench.fleet --worker FD``, one socketpair each). The coordinator
+(:class:`Fleet`, synchronous) sends each worker a command over its socket and gathers the
+answers; workers never poll their proxies, they are told by each ACK (a :class:`_Waiter` counts
+down).
+
+Command line: ``python -m bench.fleet --proxies N`` starts a pilotfish server, connects N proxies,
+makes ``--changes`` endpoint changes through the registry API and prints the results table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from bench.procs import REPO, cpu_seconds, raise_fd_limit
+
+__all__ = ["CDS", "EDS", "LDS", "RDS", "Fleet", "FleetError", "main"]
+
+CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
+RDS = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+SHORT = {CDS: "CDS", EDS: "EDS", LDS: "LDS", RDS: "RDS"}
+BY_SHORT = {v: k for k, v in SHORT.items()}
+ADS_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
+_HCM_URL = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+            "HttpConnectionManager")
+_MB = 1024 * 1024
+
+# Each channel gets its own connection (grpc shares subchannels between channels by default) and
+# reconnects as fast as Envoy with pilotfish's bootstrap would.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # Not grpc.min_reconnect_backoff_ms: grpc also uses it as the connect timeout (default 20 s),
+    # and a 100 ms one fails handshakes that a busy server answers a little later.
+    ("grpc.max_receive_message_length", 512 * _MB),
+    ("grpc.enable_retries", 0),
+]
+BACKOFF_BASE = 0.1
+BACKOFF_MAX = 1.0
+MAX_PER_WORKER = 2500
+
+
+class FleetError(RuntimeError):
+    """A worker process failed."""
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side: simulated proxies (imports grpc; runs only in worker processes)
+# --------------------------------------------------------------------------------------------
+
+
+class _Names:
+    """What a CDS / LDS version names (EDS clusters / RDS route configs), parsed once per worker."""
+
+    def __init__(self) -> None:
+        self._by_version: dict[tuple[str, str], frozenset[str]] = {}
+
+    def eds(self, response: Any) -> frozenset[str]:
+        key = (CDS, response.version_info)
+        found = self._by_version.get(key)
+        if found is None:
+            from envoy.config.cluster.v3 import cluster_pb2
+
+            names = set()
+            for resource in response.resources:
+                cluster = cluster_pb2.Cluster.FromString(resource.value)
+                if cluster.type == cluster_pb2.Cluster.EDS:
+                    names.add(cluster.eds_cluster_config.service_name or cluster.name)
+            found = self._by_version[key] = frozenset(names)
+        return found
+
+    def rds(self, response: Any) -> frozenset[str]:
+        key = (LDS, response.version_info)
+        found = self._by_version.get(key)
+        if found is None:
+            from envoy.config.listener.v3 import listener_pb2
+            from envoy.extensions.filters.network.http_connection_manager.v3 import (
+                http_connection_manager_pb2 as hcm_pb2,
+            )
+
+            names = set()
+            for resource in response.resources:
+                listener = listener_pb2.Listener.FromString(resource.value)
+                chains = [*listener.filter_chains]
+                if listener.HasField("default_filter_chain"):
+                    chains.append(listener.default_filter_chain)
+                configs = [f.typed_config for chain in chains for f in chain.filters]
+                if listener.HasField("api_listener"):
+                    configs.append(listener.api_listener.api_listener)
+                for config in configs:
+                    if config.type_url == _HCM_URL:
+                        manager = hcm_pb2.HttpConnectionManager.FromString(config.value)
+                        if manager.HasField("rds"):
+                            names.add(manager.rds.route_config_name)
+            found = self._by_version[key] = frozenset(names)
+        return found
+
+
+class _Waiter:
+    """Counts down proxies until each has ACKed ``versions`` (or is synced, when None)."""
+
+    def __init__(self, versions: dict[str, str] | None, since: float, proxies: Iterable[_Proxy]) -> None:
+        self.versions = versions
+        self.since = since
+        self.remaining = {p.index for p in proxies if not self.done(p)}
+        self.event = asyncio.Event()
+        if not self.remaining:
+            self.event.set()
+
+    def done(self, proxy: _Proxy) -> bool:
+        return self.time_of(proxy) is not None
+
+    def time_of(self, proxy: _Proxy) -> float | None:
+        if self.versions is None:
+            return proxy.synced_at
+        times = [proxy.acks.get(t, {}).get(v) for t, v in self.versions.items()]
+        if any(t is None or t < self.since for t in times):
+            return None
+        return max(t for t in times if t is not None)
+
+    def on_ack(self, proxy: _Proxy) -> None:
+        if proxy.index in self.remaining and self.done(proxy):
+            self.remaining.discard(proxy.index)
+            if not self.remaining:
+                self.event.set()
+
+
+class _Proxy:
+    """One simulated Envoy: one channel, one ADS stream at a time, reconnecting forever."""
+
+    def __init__(self, index: int, node_id: str, worker: _Worker) -> None:
+        from envoy.config.core.v3 import base_pb2
+
+        self.index = index
+        self.node = base_pb2.Node(id=node_id, cluster="bench-fleet", user_agent_name="pilotfish-fleet-sim")
+        self.worker = worker
+        self.versions: dict[str, str] = {}
+        """Last ACKed version per type."""
+        self.nonces: dict[str, str] = {}
+        self.names: dict[str, frozenset[str] | None] = {EDS: None, RDS: None}
+        self.acks: dict[str, dict[str, float]] = {}
+        """type -> version -> when its first ACK was sent (the latest few versions)."""
+        self.synced_at: float | None = None
+        self.errors: list[tuple[float, str]] = []
+        """(when the failed stream was opened, its gRPC status)."""
+        self.streams = 0
+        self.responses = 0
+
+    def synced(self) -> bool:
+        v = self.versions
+        return (CDS in v and LDS in v and (not self.names[EDS] or EDS in v)
+                and (not self.names[RDS] or RDS in v))
+
+    async def run(self, target: str) -> None:
+        import grpc
+        from envoy.service.discovery.v3 import discovery_pb2
+
+        request_cls = discovery_pb2.DiscoveryRequest
+        channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        method = channel.stream_stream(ADS_METHOD, request_serializer=request_cls.SerializeToString,
+                                       response_deserializer=discovery_pb2.DiscoveryResponse.FromString)
+        attempt = 0
+        try:
+            while True:
+                opened = time.time()
+                call = method()
+                self.streams += 1
+                before = self.responses
+                try:
+                    await self._converse(call, request_cls)
+                    self.errors.append((opened, "CLOSED_BY_SERVER"))
+                except grpc.aio.AioRpcError as exc:
+                    self.errors.append((opened, exc.code().name))
+                    self.worker.error_details.setdefault(exc.code().name, str(exc.details())[:300])
+                except asyncio.CancelledError:
+                    call.cancel()
+                    raise
+                if self.responses > before:
+                    attempt = 0
+                interval = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** attempt)
+                attempt += 1
+                await asyncio.sleep(random.uniform(0, interval))
+        finally:
+            await channel.close(None)
+
+    async def _converse(self, call: Any, request_cls: Any) -> None:
+        first = True
+        names = self.names
+        self.nonces = {}  # nonces belong to a stream
+
+        async def send(type_url: str, version: str, nonce: str, resource_names: Iterable[str] = ()) -> None:
+            nonlocal first
+            request = request_cls(type_url=type_url, version_info=version, response_nonce=nonce,
+                                  resource_names=resource_names)
+            if first:
+                request.node.CopyFrom(self.node)
+                first = False
+            await call.write(request)
+
+        # A new stream (re)subscribes to everything it had, with the versions it has (no nonces).
+        await send(CDS, self.versions.get(CDS, ""), "")
+        if names[EDS]:
+            await send(EDS, self.versions.get(EDS, ""), "", sorted(names[EDS] or ()))
+        lds_requested = LDS in self.versions
+        if lds_requested:
+            await send(LDS, self.versions.get(LDS, ""), "")
+        if names[RDS]:
+            await send(RDS, self.versions.get(RDS, ""), "", sorted(names[RDS] or ()))
+        shared = self.worker.names
+        eof = _eof()
+        while True:
+            response = await call.read()
+            if response is eof:
+                return
+            self.responses += 1
+            type_url, version, nonce = response.type_url, response.version_info, response.nonce
+            self.nonces[type_url] = nonce
+            if type_url == CDS:
+                wanted = shared.eds(response)
+                if wanted != names[EDS]:
+                    names[EDS] = wanted
+                    await send(EDS, self.versions.get(EDS, ""), self.nonces.get(EDS, ""), sorted(wanted))
+                await self._ack(send, CDS, version, nonce, ())
+                if not lds_requested:
+                    lds_requested = True
+                    await send(LDS, "", "")
+            elif type_url == LDS:
+                wanted = shared.rds(response)
+                if wanted != names[RDS]:
+                    names[RDS] = wanted
+                    await send(RDS, self.versions.get(RDS, ""), self.nonces.get(RDS, ""), sorted(wanted))
+                await self._ack(send, LDS, version, nonce, ())
+            else:
+                await self._ack(send, type_url, version, nonce, sorted(names.get(type_url) or ()))
+
+    async def _ack(self, send: Any, type_url: str, version: str, nonce: str, resource_names: Iterable[str]) -> None:
+        await send(type_url, version, nonce, resource_names)
+        now = time.time()
+        seen = self.acks.setdefault(type_url, {})
+        if self.versions.get(type_url) != version or version not in seen:
+            # A version ACKed again after another one (e.g. an endpoint added, then removed) counts anew.
+            seen.pop(version, None)
+            seen[version] = now
+            if len(seen) > 8:
+                del seen[next(iter(seen))]
+        self.versions[type_url] = version
+        if self.synced_at is None and self.synced():
+            self.synced_at = now
+        self.worker.on_ack(self)
+
+
+def _eof() -> Any:
+    import grpc
+
+    return grpc.aio.EOF
+
+
+class _Worker:
+    """A worker process: some proxies, driven by commands from the coordinator's pipe."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.proxies: list[_Proxy] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.names = _Names()
+        self.waiters: list[_Waiter] = []
+        self.error_details: dict[str, str] = {}
+        """One example message per gRPC status seen."""
+
+    def on_ack(self, proxy: _Proxy) -> None:
+        for waiter in self.waiters:
+            waiter.on_ack(proxy)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[Any] = asyncio.Queue()
+
+        def receive() -> None:
+            try:
+                inbox.put_nowait(self.conn.recv())
+            except (EOFError, OSError):  # the coordinator is gone: stop
+                loop.remove_reader(self.conn.fileno())
+                inbox.put_nowait(("stop", {}))
+
+        loop.add_reader(self.conn.fileno(), receive)
+        while True:
+            command, args = await inbox.get()
+            try:
+                if command == "stop":
+                    await self.stop()
+                    with contextlib.suppress(OSError):
+                        self.conn.send(("ok", None))
+                    return
+                result = await getattr(self, "cmd_" + command)(**args)
+                self.conn.send(("ok", result))
+            except Exception as exc:
+                self.conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+    async def cmd_start(self, target: str, ids: list[tuple[int, str]], rate: float) -> int:
+        """Start proxies ``ids`` (index, node id); ``rate`` proxies per second (0: all at once)."""
+        async def launch() -> None:
+            for n, (index, node_id) in enumerate(ids):
+                proxy = _Proxy(index, node_id, self)
+                self.proxies.append(proxy)
+                self.tasks.append(asyncio.create_task(proxy.run(target)))
+                if rate > 0 and n % 50 == 49:
+                    await asyncio.sleep(50 / rate)
+
+        await launch()
+        return len(ids)
+
+    async def cmd_wait(self, versions: dict[str, str] | None, since: float,
+                       timeout: float) -> list[tuple[int, float | None]]:
+        """Wait until every proxy ACKed ``versions`` at or after ``since`` (None: is synced);
+        (index, when) per proxy."""
+        waiter = _Waiter(versions, since, self.proxies)
+        self.waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter.event.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self.waiters.remove(waiter)
+        return [(p.index, waiter.time_of(p)) for p in self.proxies]
+
+    async def cmd_errors(self, since: float) -> dict[str, int]:
+        """Errors (by gRPC status) of streams opened since ``since`` (epoch seconds), over all proxies."""
+        counts: Counter[str] = Counter()
+        for proxy in self.proxies:
+            counts.update(code for at, code in proxy.errors if at >= since)
+        return {"counts": dict(counts), "examples": self.error_details}
+
+    async def cmd_streams(self) -> dict[str, int]:
+        return {"streams": sum(p.streams for p in self.proxies), "proxies": len(self.proxies)}
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _worker_main(fd: int) -> None:
+    raise_fd_limit()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_Worker(Connection(fd)).run())
+
+
+# --------------------------------------------------------------------------------------------
+# Coordinator side (no grpc in this process)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WaitResult:
+    """When each proxy reached what was waited for (epoch seconds; None: never, within the timeout)."""
+
+    times: list[float | None]
+
+    @property
+    def failures(self) -> int:
+        return sum(1 for t in self.times if t is None)
+
+    def latencies(self, since: float) -> list[float]:
+        return sorted(t - since for t in self.times if t is not None)
+
+
+@dataclass
+class Fleet:
+    """N simulated proxies spread over worker processes."""
+
+    target: str
+    proxies: int
+    workers: int = 0
+    """0: one per :data:`MAX_PER_WORKER` proxies (at least one)."""
+    rate: float = 0.0
+    """Proxies started per second in each worker (0: all at once)."""
+    node_prefix: str = "sim"
+    error_examples: dict[str, str] = field(default_factory=dict)
+    """One example message per gRPC status seen (filled by :meth:`errors`)."""
+    _conns: list[Connection] = field(default_factory=list)
+    _procs: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.workers <= 0:
+            self.workers = max(1, math.ceil(self.proxies / MAX_PER_WORKER))
+        self.workers = min(self.workers, max(1, self.proxies))
+
+    def start(self) -> None:
+        # Workers are fresh interpreters (``python -m bench.fleet --worker FD``) talking over a
+        # socketpair: no fork of a process with threads, no dependence on how __main__ was run.
+        for _ in range(self.workers):
+            ours, theirs = socket.socketpair()
+            fd = theirs.detach()
+            proc = subprocess.Popen([sys.executable, "-m", "bench.fleet", "--worker", str(fd)], pass_fds=(fd,),
+                                    cwd=REPO, stdin=subprocess.DEVNULL)
+            os.close(fd)
+            self._conns.append(Connection(ours.detach()))
+            self._procs.append(proc)
+        shards: list[list[tuple[int, str]]] = [[] for _ in range(self.workers)]
+        for i in range(self.proxies):
+            shards[i % self.workers].append((i, f"{self.node_prefix}-{i:05d}"))
+        self._all("start", per_worker=[{"target": self.target, "ids": s, "rate": self.rate} for s in shards])
+
+    def _all(self, command: str, *, per_worker: list[dict[str, Any]] | None = None, **args: Any) -> list[Any]:
+        for n, conn in enumerate(self._conns):
+            conn.send((command, per_worker[n] if per_worker is not None else args))
+        results = []
+        for n, conn in enumerate(self._conns):
+            if not conn.poll(args.get("timeout", 60) + 60):
+                raise FleetError(f"worker {n} did not answer {command!r}")
+            status, result = conn.recv()
+            if status != "ok":
+                raise FleetError(f"worker {n}: {command}: {result}")
+            results.append(result)
+        return results
+
+    def _gather(self, results: list[list[tuple[int, float | None]]]) -> WaitResult:
+        times: list[float | None] = [None] * self.proxies
+        for shard in results:
+            for index, at in shard:
+                times[index] = at
+        return WaitResult(times)
+
+    def wait_synced(self, timeout: float) -> WaitResult:
+        """Until every proxy has ACKed CDS, EDS, LDS and RDS at least once."""
+        return self._gather(self._all("wait", versions=None, since=0.0, timeout=timeout))
+
+    def wait_acked(self, versions: dict[str, str], *, since: float, timeout: float) -> WaitResult:
+        """Until every proxy has ACKed these versions (type URL -> version) at or after ``since``."""
+        return self._gather(self._all("wait", versions=versions, since=since, timeout=timeout))
+
+    def errors(self, since: float = 0.0) -> dict[str, int]:
+        """Errors, by gRPC status code, of streams opened since ``since`` (epoch seconds)."""
+        total: Counter[str] = Counter()
+        for result in self._all("errors", since=since):
+            total.update(result["counts"])
+            self.error_examples.update(result["examples"])
+        return dict(total)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the simulator's worker processes have used (they share the server's cores)."""
+        return sum(cpu_seconds(proc.pid) for proc in self._procs)
+
+    def streams_opened(self) -> int:
+        return sum(r["streams"] for r in self._all("streams"))
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(("stop", {}))
+            except (BrokenPipeError, OSError):
+                continue
+        for conn in self._conns:
+            try:
+                if conn.poll(20):
+                    conn.recv()
+            except (EOFError, OSError):
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # by its PID
+                proc.wait(5)
+        self._conns.clear()
+        self._procs.clear()
+
+    def __enter__(self) -> Fleet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+# --------------------------------------------------------------------------------------------
+# Command line: one fan-out run
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        _worker_main(int(argv[1]))
+        return 0
+    from bench import fanout
+    from bench.report import print_table
+    from bench.workload import Workload
+
+    parser = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--proxies", type=int, default=100, help="simulated proxies (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help=f"client processes (default: one per {MAX_PER_WORKER} proxies)")
+    parser.add_argument("--changes", type=int, default=5, help="endpoint changes to time (default: %(default)s)")
+    parser.add_argument("--services", type=int, default=100, help="clusters in the snapshot (default: %(default)s)")
+    parser.add_argument("--endpoints", type=int, default=4, help="endpoints per cluster (default: %(default)s)")
+    parser.add_argument("--listeners", type=int, default=10,
+                        help="services with an HTTP listener + route config (default: %(default)s)")
+    parser.add_argument("--quiet-ms", type=int, default=100, help="server debounce (default: %(default)s)")
+    parser.add_argument("--server", choices=("pilotfish", "naive"), default="pilotfish")
+    parser.add_argument("--change", choices=("registry", "file"), default="registry",
+                        help="how the change is made (naive: file only)")
+    parser.add_argument("--workdir", default=None, help="keep the server's files here (default: a temp dir)")
+    args = parser.parse_args(argv)
+    workload = Workload(services=args.services, endpoints=args.endpoints, listeners=min(args.listeners, args.services))
+    result = fanout.run_fanout(server=args.server, proxies=args.proxies, changes=args.changes, workload=workload,
+                               quiet_ms=args.quiet_ms, change=args.change, workers=args.workers,
+                               workdir=args.workdir)
+    print(f"workload: {workload.describe()}; change: {result.change}; load before: {os.getloadavg()[0]:.2f}")
+    print_table(fanout.FANOUT_COLUMNS, [result.row()])
+    if result.error_examples:
+        print(f"stream errors during the changes: {result.errors_during_changes or 'none'}")
+        for code, example in result.error_examples.items():
+            print(f"  e.g. {code}: {example}")
+    return 0 if result.failures == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Processes the benchmarks start: the control plane under test, read through /proc and its event log.
+
+The server always runs in a process of its own (never in the benchmark's), so its CPU time and
+memory are its own: CPU seconds are ``utime + stime`` from ``/proc/<pid>/stat``, memory is
+``VmRSS`` from ``/proc/<pid>/status``. Everything started here is stopped by its PID.
+
+Both servers (pilotfish and the naive baseline) write the same JSON-lines events the benchmarks
+need: ``server_started`` (with ``xds`` and ``registry`` addresses) and ``snapshot_loaded`` (with
+``versions`` per type). :class:`EventTail` follows such a file from an offset, so a 10,000-proxy
+run that writes megabytes of ``sent``/``ack`` lines is read once, incrementally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "REPO",
+    "EventTail",
+    "ServerProcess",
+    "cpu_seconds",
+    "free_port",
+    "raise_fd_limit",
+    "rss_kb",
+    "start_pilotfish",
+]
+
+REPO = Path(__file__).resolve().parent.parent
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def raise_fd_limit() -> None:
+    """Raise this process's open-file limit to its hard limit (10,000 streams need 10,000 fds)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process has used so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime are fields 14 and 15
+
+
+def rss_kb(pid: int) -> int:
+    """Resident set size in KiB (``VmRSS``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+class EventTail:
+    """Follows a JSON-lines event log from where it was last read.
+
+    Lines read from the file but not yet consumed (those after an event :meth:`wait_for` returned)
+    are kept for the next call, so events that arrive in one read are never lost.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+        self._pending: list[bytes] = []
+
+    def _fill(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        self._pending.extend(line for line in lines if line)
+
+    def skip_to_end(self) -> None:
+        """Forget everything written so far."""
+        self._fill()
+        self._pending.clear()
+
+    def read(self, contains: bytes | None = None) -> list[dict[str, Any]]:
+        """Every line not consumed yet (only those containing ``contains``), parsed; consumes them all."""
+        self._fill()
+        lines, self._pending = self._pending, []
+        return [json.loads(line) for line in lines if contains is None or contains in line]
+
+    def wait_for(self, event: str, *, timeout: float, where: Callable[[dict[str, Any]], bool] | None = None,
+                 alive: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """The next event named ``event`` (matching ``where``), consuming the lines up to it;
+        TimeoutError after ``timeout`` seconds."""
+        needle = f'"event":"{event}"'.encode()
+        deadline = time.monotonic() + timeout
+        scanned = 0
+        while True:
+            self._fill()
+            for index in range(scanned, len(self._pending)):
+                line = self._pending[index]
+                if needle in line:
+                    record = json.loads(line)
+                    if where is None or where(record):
+                        del self._pending[:index + 1]
+                        return record
+            scanned = len(self._pending)
+            if alive is not None and not alive():
+                raise RuntimeError(f"the server exited while waiting for {event!r} in {self.path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {event!r} event in {self.path} within {timeout}s")
+            time.sleep(0.005)
+
+
+@dataclass
+class ServerProcess:
+    """A control plane running in its own process, stopped by PID."""
+
+    name: str
+    argv: list[str]
+    workdir: Path
+    event_log: Path
+    xds: str = ""
+    registry: str | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    started: dict[str, Any] = field(default_factory=dict)
+    tail: EventTail | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, *, timeout: float = 60.0) -> None:
+        """Start the process and wait for its ``server_started`` event."""
+        self.tail = EventTail(self.event_log)
+        self.tail.skip_to_end()
+        log = open(self.workdir / f"{self.name}.log", "ab")  # noqa: SIM115 (the child keeps it)
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     cwd=REPO, preexec_fn=raise_fd_limit)
+        log.close()
+        try:
+            self.started = self.tail.wait_for("server_started", timeout=timeout, alive=self.alive)
+        except (TimeoutError, RuntimeError) as exc:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not start: {exc}\n{self.log_tail()}") from exc
+        self.xds = self.started["xds"]
+        self.registry = self.started.get("registry")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def rss_kb(self) -> int:
+        return rss_kb(self.pid)
+
+    def settle_cpu(self, *, quiet: float = 0.15, limit: float = 3.0) -> float:
+        """Wait until the process has used no CPU for ``quiet`` seconds (at most ``limit``); its CPU seconds."""
+        deadline = time.monotonic() + limit
+        last = self.cpu_seconds()
+        while time.monotonic() < deadline:
+            time.sleep(quiet)
+            now = self.cpu_seconds()
+            if now - last < 1.5 / _TICKS:
+                return now
+            last = now
+        return last
+
+    def log_tail(self, lines: int = 30) -> str:
+        path = self.workdir / f"{self.name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, *, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
+def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100, xds_port: int = 0,
+                    registry: bool = True, extra: Sequence[str] = (), name: str = "pilotfish",
+                    python: str = sys.executable, wrapper: Sequence[str] = ()) -> ServerProcess:
+    """``python -m pilotfish serve`` with an event log in ``workdir``; started and ready.
+
+    ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``).
+    """
+    event_log = workdir / f"{name}-events.jsonl"
+    argv = [*wrapper, python, "-m", "pilotfish", "serve", "--xds", f"127.0.0.1:{xds_port}",
+            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), *extra]
+    if snapshot is not None:
+        argv += ["--snapshot", str(snapshot)]
+    if registry:
+        argv += ["--registry", "127.0.0.1:0"]
+    server = ServerProcess(name=name, argv=argv, workdir=workdir, event_log=event_log)
+    server.start()
+    return server

@@ -1,0 +1,395 @@
+"""Run every benchmark of issue 4 and write BENCHMARKS.md (``make bench``).
+
+Each section prints its table as it finishes and names the standalone command that makes it.
+``--quick`` runs everything at smoke scale (a few proxies, a small snapshot), which is what
+tests/bench/test_bench_smoke.py does so the harness cannot rot; it never skips a section, except
+Sovereign, which only the full run includes (``--no-sovereign`` leaves it out there too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import bench_build, bench_envoy, bench_storm, fanout
+from bench.fleet import percentile
+from bench.procs import REPO
+from bench.profiles import summary_table
+from bench.report import machine_facts, markdown_table, print_table
+from bench.workload import Workload
+
+__all__ = ["Scale", "main", "run_all"]
+
+
+@dataclass(frozen=True, slots=True)
+class Scale:
+    fanout_proxies: tuple[int, ...] = (100, 1000, 10000)
+    changes: int = 5
+    workload: Workload = field(default_factory=Workload)
+    build_sizes: tuple[tuple[int, int], ...] = ((1000, 10000), (10000, 100000))
+    build_repeat: int = 3
+    storm_proxies: int = 10000
+    envoy_changes: int = 20
+    envoy_quiet_ms: tuple[int, ...] = (100, 20)
+    baseline_proxies: tuple[int, ...] = (100, 1000)
+    profile_proxies: int = 1000
+    sovereign: bool = True
+
+
+FULL = Scale()
+QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, endpoints=2, listeners=5),
+              build_sizes=((50, 200),), build_repeat=1, storm_proxies=5, envoy_changes=2, envoy_quiet_ms=(20,),
+              baseline_proxies=(5,), profile_proxies=0, sovereign=False)
+
+
+@dataclass
+class Section:
+    title: str
+    command: str
+    columns: list[str]
+    rows: list[list[Any]]
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    commit: str = ""
+    """What pilotfish was when the section started (servers start fresh from the working tree)."""
+
+
+@dataclass
+class Results:
+    sections: list[Section] = field(default_factory=list)
+    fanouts: dict[tuple[str, int], fanout.FanoutResult] = field(default_factory=dict)
+    build_rows: list[list[Any]] = field(default_factory=list)
+    storm_rows: list[list[Any]] = field(default_factory=list)
+    envoy: list[bench_envoy.PropagationResult] = field(default_factory=list)
+    profiles: list[tuple[str, str]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _cmd(*args: Any) -> str:
+    return ".venv/bin/python -m " + " ".join(shlex.quote(str(a)) for a in args)
+
+
+def _wl(workload: Workload) -> list[str]:
+    return ["--services", str(workload.services), "--endpoints", str(workload.endpoints),
+            "--listeners", str(workload.listeners)]
+
+
+def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
+    results = Results()
+    wl = scale.workload
+
+    def section(title: str, command: str, columns: list[str], body: Callable[[], list[list[Any]]],
+                notes: list[str] | None = None) -> None:
+        print(f"\n## {title}\n$ {command}", flush=True)
+        commit = _git_describe()
+        started = time.monotonic()
+        try:
+            rows = body()
+        except Exception as exc:
+            traceback.print_exc()
+            results.errors.append(f"{title}: {type(exc).__name__}: {exc}")
+            rows = []
+            notes = [*(notes or []), f"**failed**: `{type(exc).__name__}: {exc}`"]
+        item = Section(title, command, columns, rows, notes or [], time.monotonic() - started, commit)
+        results.sections.append(item)
+        print_table(columns, rows)
+
+    # 1. fan-out through the registry API, pilotfish defaults.
+    def fan() -> list[list[Any]]:
+        rows = []
+        for n in scale.fanout_proxies:
+            r = fanout.run_fanout(proxies=n, changes=scale.changes, workload=wl, quiet_ms=100, change="registry")
+            results.fanouts[("pilotfish", n)] = r
+            rows.append(r.row())
+            print_table(fanout.FANOUT_COLUMNS, [rows[-1]])
+            fan_notes.extend(_error_notes(r))
+        return rows
+
+    fan_notes: list[str] = []
+
+    section("Fan-out: one endpoint change (registry API) to N connected proxies",
+            _cmd("bench.fanout", "--proxies", *scale.fanout_proxies, "--changes", scale.changes, *_wl(wl)),
+            fanout.FANOUT_COLUMNS, fan,
+            [f"Snapshot: {wl.describe()}. Each change registers (or deregisters) one instance of `svc-00000` "
+             "through `POST/DELETE /v1/services/svc-00000/instances`; t0 is just before the HTTP call, so the "
+             "latencies include the debounce quiet period (`quiet ms`). `p99 after publish` is measured from the "
+             "server's `snapshot_loaded` event instead. Latencies of all proxies over all changes are pooled. "
+             "CPU s / push: server utime+stime per change, until it is idle again. `all synced s`: N proxies "
+             "connecting at once until each has ACKed CDS, EDS, LDS, RDS. The simulator's client processes run "
+             "on the same 2 cores as the server."])
+    results.sections[-1].notes.extend(fan_notes)
+
+    # 2. memory, from the fan-out runs.
+    def memory() -> list[list[Any]]:
+        return [[n, round(r.rss_base_kb / 1024, 1), round(r.rss_idle_kb / 1024, 1), round(r.rss_per_stream_kb, 1)]
+                for (server, n), r in sorted(results.fanouts.items()) if server == "pilotfish"]
+
+    section("Memory: server RSS per idle stream", "(from the fan-out runs above)",
+            ["proxies", "RSS before any stream MB", "RSS with N idle synced streams MB", "KB per stream"], memory,
+            ["(RSS with N idle streams - RSS with none) / N, VmRSS of the server process, read after all N "
+             "proxies synced and the server went idle."])
+
+    # 3. snapshot build.
+    def build() -> list[list[Any]]:
+        rows = []
+        for n, (clusters, endpoints) in enumerate(scale.build_sizes):
+            last = n == len(scale.build_sizes) - 1
+            profile = workdir / "build.prof" if last else None
+            rows.append(bench_build.run_build(clusters, endpoints, repeat=scale.build_repeat, profile=profile))
+            print_table(bench_build.BUILD_COLUMNS, [rows[-1]])
+            if profile is not None and profile.exists():
+                results.profiles.append((f"cProfile: build + encode of {clusters} clusters / {endpoints} endpoints "
+                                         "(top 20 by own time)",
+                                         "```\n" + bench_build.top_functions(profile, 20).strip() + "\n```"))
+        results.build_rows = rows
+        return rows
+
+    section("Snapshot build: source state to encoded responses (in-process)",
+            _cmd("bench.bench_build", "--sizes", *(f"{c}:{e}" for c, e in scale.build_sizes),
+                 "--repeat", scale.build_repeat),
+            bench_build.BUILD_COLUMNS, build,
+            ["Registry-like DesiredState (one ServiceSpec per cluster, endpoints spread evenly) -> "
+             "`merge_states` -> `build_snapshot` (builders, reference checks, per-resource encode + sha256) -> "
+             "`TypeSnapshot.response(None)` for every type. Median of the repeats. `rebuild after 1 change`: the "
+             "same path from scratch for the state with one more endpoint. `Reconciler.update`: what one "
+             "registry API call costs synchronously before any build (merge + flap-damper observe). "
+             "`Reconciler rebuild after 1 change`: the reconciler's `build_now()` after that update (reusing "
+             "the previous build's encoded resources) plus encoding the responses: the server's cost per change."])
+
+    # 4. reconnect storm.
+    def storm() -> list[list[Any]]:
+        rows, examples = bench_storm.run_storm(proxies=scale.storm_proxies, workload=wl, workdir=workdir / "storm")
+        results.storm_rows = rows
+        if examples:
+            print("examples:", examples)
+        return rows
+
+    section(f"Reconnect storm: {scale.storm_proxies} proxies at once",
+            _cmd("bench.bench_storm", "--proxies", scale.storm_proxies, *_wl(wl)),
+            bench_storm.STORM_COLUMNS, storm, [bench_storm.__doc__.split("\n\n", 1)[1].strip().replace("\n", " ")])
+
+    # 5. real Envoy: pilotfish, and Sovereign.
+    def envoy() -> list[list[Any]]:
+        rows = []
+        for q in scale.envoy_quiet_ms:
+            r = bench_envoy.run_pilotfish_envoy(changes=scale.envoy_changes, quiet_ms=q)
+            results.envoy.append(r)
+            rows.append(r.row())
+        if scale.sovereign:
+            r = bench_envoy.run_sovereign_envoy(changes=scale.envoy_changes)
+            results.envoy.append(r)
+            rows.append(r.row())
+        return rows
+
+    sovereign_flag = ["--sovereign"] if scale.sovereign else []
+    section("File change to a real Envoy (pilotfish ADS vs Sovereign REST)",
+            _cmd("bench.bench_envoy", "--changes", scale.envoy_changes, "--quiet-ms", *scale.envoy_quiet_ms,
+                 *sovereign_flag),
+            bench_envoy.ENVOY_COLUMNS, envoy,
+            ["One Envoy 1.40 per control plane, 10 EDS clusters x 2 endpoints. A change renames a new snapshot "
+             "file into place with one more endpoint in `svc-00000`. ACK = the event log's `ack` of the new EDS "
+             "version (ts) - t0. applied = Envoy admin `/clusters` lists the new endpoint (polled every 5 ms) - t0. "
+             "Sovereign's file source refresh is whole seconds (1 s is its minimum), and Envoy polls it over REST "
+             "every `refresh_delay` (1 s): its latency is bounded by those two periods, not by its speed."])
+
+    # 6. side by side: pilotfish vs the naive baseline.
+    def baseline() -> list[list[Any]]:
+        rows = []
+        for n in scale.baseline_proxies:
+            p = fanout.run_fanout(server="pilotfish", proxies=n, changes=scale.changes, workload=wl, quiet_ms=1,
+                                  change="file")
+            b = fanout.run_fanout(server="naive", proxies=n, changes=scale.changes, workload=wl, change="file")
+            results.fanouts[("pilotfish-file", n)] = p
+            results.fanouts[("naive", n)] = b
+            rows += [p.row(), b.row()]
+            side_notes.extend(_error_notes(p) + _error_notes(b))
+            print_table(fanout.FANOUT_COLUMNS, rows[-2:])
+        return rows
+
+    side_notes: list[str] = []
+    section("Side by side: pilotfish vs a naive sync-grpcio server (same snapshot, file change)",
+            _cmd("bench.fanout", "--server", "pilotfish", "--change", "file", "--quiet-ms", 1, "--proxies",
+                 *scale.baseline_proxies, *_wl(wl)) + "  and  " +
+            _cmd("bench.fanout", "--server", "naive", "--proxies", *scale.baseline_proxies, *_wl(wl)),
+            fanout.FANOUT_COLUMNS, baseline,
+            ["The naive server (bench/naive_server.py): sync grpcio, a thread per stream, every response built "
+             "and serialized per stream, file polled every 20 ms, no debounce. pilotfish runs with "
+             "`--quiet-ms 1` here so neither waits on purpose; both see the same file rename."])
+    results.sections[-1].notes.extend(side_notes)
+
+    def ratios() -> list[list[Any]]:
+        rows = []
+        for n in scale.baseline_proxies:
+            p, b = results.fanouts.get(("pilotfish-file", n)), results.fanouts.get(("naive", n))
+            if p is None or b is None:
+                continue
+            rows.append([n, _ratio(b.p(99), p.p(99)),
+                         _ratio(percentile(b.after_publish, 99), percentile(p.after_publish, 99)),
+                         _ratio(b.cpu, p.cpu), _ratio(b.rss_per_stream_kb, p.rss_per_stream_kb)])
+        envoy_p = next((r for r in results.envoy if r.control_plane == "pilotfish"), None)
+        envoy_s = next((r for r in results.envoy if r.control_plane == "Sovereign"), None)
+        if envoy_p is not None and envoy_s is not None:
+            rows.append(["1 Envoy (vs Sovereign)", "-", "-", "-", "-",
+                         _ratio(percentile(envoy_s.applied, 50), percentile(envoy_p.applied, 50))])
+        return rows
+
+    section("Ratios (how many times better pilotfish is)", "(from the tables above)",
+            ["proxies", "naive / pilotfish p99 (from change)", "naive / pilotfish p99 (after publish)",
+             "naive / pilotfish CPU per push", "naive / pilotfish RSS per stream",
+             "Sovereign / pilotfish applied p50"], lambda: [r + ["-"] * (6 - len(r)) for r in ratios()])
+
+    # 7. profile of the server under the 1,000-proxy fan-out (py-spy).
+    if scale.profile_proxies:
+        def profile() -> list[list[Any]]:
+            raw = workdir / f"py-spy-fanout-{scale.profile_proxies}.txt"
+            r = fanout.run_fanout(proxies=scale.profile_proxies, changes=scale.changes, workload=wl, quiet_ms=100,
+                                  change="registry", profile=raw)
+            results.profiles.insert(0, (f"py-spy: pilotfish server during {scale.changes} endpoint changes to "
+                                        f"{scale.profile_proxies} proxies (sampled at 250 Hz, Python frames only; "
+                                        "time in grpc's Cython/C code is charged to the calling Python frame, "
+                                        "mostly `Handle._run`)", summary_table(raw, 20)))
+            return [r.row()]
+
+        section(f"Profiled fan-out run ({scale.profile_proxies} proxies, py-spy attached)",
+                f".venv/bin/py-spy record --pid <server pid> --format raw --rate 250 (during "
+                f"{_cmd('bench.fanout', '--proxies', scale.profile_proxies)})",
+                fanout.FANOUT_COLUMNS, profile, ["py-spy slows the server; these numbers are not the benchmark."])
+
+    with open(workdir / "results.pickle", "wb") as f:
+        pickle.dump((results, scale), f)
+    if out is not None:
+        out.write_text(render(results, scale))
+        print(f"\nwrote {out}")
+    return results
+
+
+def _error_notes(r: fanout.FanoutResult) -> list[str]:
+    """One line per gRPC status the proxies saw, with an example message."""
+    return [f"Stream errors with {r.proxies} proxies ({r.server}): {n} x {code}, e.g. "
+            f"`{r.error_examples.get(code, '?')}`; during the changes: {r.errors_during_changes.get(code, 0)}."
+            for code, n in r.stream_errors.items()]
+
+
+def _ratio(a: float, b: float) -> str:
+    if not a or not b or a != a or b != b:
+        return "-"
+    return f"{a / b:.1f}x"
+
+
+def targets(results: Results) -> list[list[Any]]:
+    rows: list[list[Any]] = []
+
+    def add(what: str, target: str, measured: str, ok: bool | None) -> None:
+        rows.append([what, target, measured, "-" if ok is None else ("met" if ok else "NOT met")])
+
+    for n, limit in ((1000, 0.25), (10000, 3.0)):
+        r = results.fanouts.get(("pilotfish", n))
+        if r is not None:
+            p99 = r.p(99)
+            add(f"endpoint change ACKed by {n:,} proxies", f"p99 <= {limit * 1000:.0f} ms",
+                f"p99 {p99 * 1000:.0f} ms (after publish {percentile(r.after_publish, 99) * 1000:.0f} ms), "
+                f"failures {r.failures}", p99 <= limit and r.failures == 0)
+    big = max((n for s, n in results.fanouts if s == "pilotfish"), default=None)
+    if big is not None:
+        r = results.fanouts[("pilotfish", big)]
+        add("idle stream memory", "<= 50 KB RSS each", f"{r.rss_per_stream_kb:.1f} KB (at {big:,} streams)",
+            r.rss_per_stream_kb <= 50)
+    if results.storm_rows:
+        col = bench_storm.STORM_COLUMNS.index
+        row = results.storm_rows[-1]
+        synced, failures = row[col("all synced s")], row[col("failures")]
+        broken = row[col("streams broken by the server")]
+        add(f"{row[col('proxies')]:,} proxies reconnecting at once (after a restart)",
+            "0 failures, all synced within 30 s",
+            f"{failures} never synced, {broken} streams broken by the server, last synced after {synced} s",
+            failures == 0 and broken == 0 and synced <= 30)
+    if results.build_rows:
+        col = bench_build.BUILD_COLUMNS.index
+        row = max(results.build_rows, key=lambda r: r[col("endpoints")])
+        clusters, endpoints, total = row[col("clusters")], row[col("endpoints")], row[col("total s")]
+        at_target = (clusters, endpoints) == (10000, 100000)
+        add(f"{clusters:,} clusters / {endpoints:,} endpoints built and encoded",
+            "<= 1 s" if at_target else "<= 1 s (at 10,000 / 100,000)", f"{total} s",
+            total <= 1.0 if at_target else None)
+    for r in results.envoy:
+        if r.control_plane == "pilotfish" and r.acks and r.target_ms is not None:
+            p50 = percentile(r.acks, 50) * 1000
+            add(f"file change to real Envoy ACK ({r.settings})", f"p50 <= {r.target_ms:.0f} ms", f"p50 {p50:.0f} ms",
+                p50 <= r.target_ms)
+    return rows
+
+
+def _git_describe() -> str:
+    """The commit the run measured, and whether src/ had uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=REPO, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"commit {head}" + (" with uncommitted changes in src/" if dirty else "")
+
+
+def render(results: Results, scale: Scale) -> str:
+    facts = machine_facts()
+    lines = ["# Benchmarks", "",
+             "Made by `make bench` (`.venv/bin/python -m bench.run_all`); each table names the standalone command "
+             "that makes it. The fleet simulator and the benchmarks live in `bench/` (see `bench/README.md`). "
+             "Server and simulated proxies share this machine's cores.", "",
+             f"Run finished {time.strftime('%Y-%m-%d %H:%M:%S %Z')}.", "", "## Machine", ""]
+    lines += [f"- {k}: {v}" for k, v in facts.items()]
+    lines += [f"- pilotfish at the end of the run: {_git_describe()} (each section names the commit it started on)"]
+    lines += ["", "Another process may have been loading the machine during the run; the load average above was "
+              "read at the end of it.", "", "## Targets (issue 4)", "",
+              markdown_table(["measure", "target", "measured", "status"], targets(results)), ""]
+    for s in results.sections:
+        lines += [f"## {s.title}", "", f"`{s.command}`" if s.command.startswith(".venv") else s.command, "",
+                  markdown_table(s.columns, s.rows) if s.rows else "(no rows)", ""]
+        if s.commit:
+            lines += [f"pilotfish: {s.commit} (at the start of this section; {s.seconds:.0f} s)", ""]
+        lines += [*s.notes, ""] if s.notes else []
+    if results.profiles:
+        lines += ["## Profiles", ""]
+        for title, body in results.profiles:
+            lines += [f"### {title}", "", body, ""]
+    if results.errors:
+        lines += ["## Errors during the run", ""] + [f"- {e}" for e in results.errors] + [""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run_all", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md")
+    parser.add_argument("--quick", action="store_true", help="smoke scale (seconds, not minutes)")
+    parser.add_argument("--no-sovereign", action="store_true")
+    parser.add_argument("--workdir", type=Path, help="keep profiles and server files here (default: a temp dir)")
+    args = parser.parse_args(argv)
+    scale = QUICK if args.quick else FULL
+    if args.no_sovereign:
+        from dataclasses import replace
+
+        scale = replace(scale, sovereign=False)
+    os.chdir(REPO)
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        results = run_all(scale, out=args.out, workdir=args.workdir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="pilotfish-bench-all-") as tmp:
+            results = run_all(scale, out=args.out, workdir=Path(tmp))
+    return 1 if results.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The configuration the benchmarks serve: N services with M endpoints each, some with a listener.
+
+Every benchmark (pilotfish, the naive baseline, Sovereign) serves content made here, so they all
+serve the same clusters and endpoints. A snapshot file is written as JSON (fast to parse) and
+replaced atomically (write to a temp file, then rename), as a deploy tool would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Workload", "endpoint_address", "service_name", "write_atomically"]
+
+
+def service_name(index: int) -> str:
+    return f"svc-{index:05d}"
+
+
+def endpoint_address(service: int, endpoint: int) -> tuple[str, int]:
+    """A distinct address per (service, endpoint); never dialled by simulated proxies."""
+    return f"10.{(service >> 8) & 255}.{service & 255}.{1 + endpoint % 250}", 8000 + endpoint // 250
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    services: int = 100
+    """Clusters (one per service)."""
+    endpoints: int = 4
+    """Endpoints per service."""
+    listeners: int = 10
+    """How many of the services get an HTTP listener (and so a route configuration)."""
+    listen_base_port: int = 20000
+    """Listener i listens on 127.0.0.1:(base + i); simulated proxies bind nothing."""
+
+    def describe(self) -> str:
+        return (f"{self.services} clusters x {self.endpoints} endpoints, {self.listeners} HTTP listeners "
+                f"(+ {self.listeners} route configs)")
+
+    def services_section(self, *, extra_endpoint: tuple[str, int] | None = None,
+                         extra_services: int = 0) -> dict[str, Any]:
+        """The ``services:`` mapping; ``extra_endpoint`` is added to the first service."""
+        out: dict[str, Any] = {}
+        for i in range(self.services + extra_services):
+            endpoints: list[Any] = [f"{h}:{p}" for h, p in (endpoint_address(i, e) for e in range(self.endpoints))]
+            if i == 0 and extra_endpoint is not None:
+                endpoints.append(f"{extra_endpoint[0]}:{extra_endpoint[1]}")
+            service: dict[str, Any] = {"endpoints": endpoints}
+            if i < self.listeners or i >= self.services:
+                service["listen"] = f"127.0.0.1:{self.listen_base_port + i}"
+            out[service_name(i)] = service
+        return out
+
+    def document(self, **kwargs: Any) -> dict[str, Any]:
+        return {"services": self.services_section(**kwargs)}
+
+    def write(self, path: Path, **kwargs: Any) -> None:
+        write_atomically(path, json.dumps(self.document(**kwargs)))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write to a temp file beside ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

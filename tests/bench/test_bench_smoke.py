@@ -1,0 +1,80 @@
+"""A tiny run of the fleet simulator and of every benchmark, so the harness cannot rot.
+
+These assert behaviour (every simulated proxy converged, nothing failed, each table has the
+columns it promises), never how fast anything was: timings belong in BENCHMARKS.md. Sovereign is
+left out (it lives in its own venv, installed by `make bench`); a real Envoy is not.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# bench/ lives at the repository root (not a conftest.py: tests/unit imports its own as `conftest`).
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from bench.procs import REPO  # noqa: E402
+from bench.run_all import QUICK, run_all  # noqa: E402
+
+from bench import bench_build, bench_envoy, bench_storm, fanout  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def _header(columns: list[str]) -> str:
+    return "| " + " | ".join(columns) + " |"
+
+
+def test_fleet_command_converges_every_proxy_and_prints_its_table() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.fleet", "--proxies", "5", "--changes", "2", "--services", "20",
+         "--listeners", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert _header(fanout.FANOUT_COLUMNS) in lines
+    row = next(line for line in lines if line.startswith("| pilotfish | 5 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[fanout.FANOUT_COLUMNS.index("failures")] == "0"
+    assert cells[fanout.FANOUT_COLUMNS.index("stream errors")] == "0"
+
+
+def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
+    out = tmp_path / "BENCHMARKS.md"
+    results = run_all(QUICK, out=out, workdir=tmp_path)
+
+    assert results.errors == []
+    # Fan-out (pilotfish through the registry; pilotfish and the naive server through the file):
+    # every proxy ACKed every change, and nothing broke.
+    assert set(results.fanouts) == {("pilotfish", 5), ("pilotfish-file", 5), ("naive", 5)}
+    for result in results.fanouts.values():
+        assert result.failures == 0
+        assert len(result.latencies) == 5 * QUICK.changes
+        assert len(result.cpu_per_push) == QUICK.changes
+        assert sum(result.errors_during_changes.values()) == 0
+    # Reconnect storm: both phases synced every proxy; the server broke no stream.
+    assert [row[0] for row in results.storm_rows] == ["cold connect", "restart (all 4 types changed)"]
+    for row in results.storm_rows:
+        assert row[bench_storm.STORM_COLUMNS.index("failures")] == 0
+        assert row[bench_storm.STORM_COLUMNS.index("streams broken by the server")] == 0
+    # Build: one row per size.
+    assert [row[:2] for row in results.build_rows] == [list(size) for size in QUICK.build_sizes]
+    # Real Envoy: every change applied and ACKed.
+    (envoy,) = results.envoy
+    assert envoy.missed == 0
+    assert len(envoy.acks) == len(envoy.applied) == QUICK.envoy_changes
+
+    text = out.read_text()
+    for columns in (fanout.FANOUT_COLUMNS, bench_build.BUILD_COLUMNS, bench_storm.STORM_COLUMNS,
+                    bench_envoy.ENVOY_COLUMNS):
+        assert _header(columns) in text
+    for heading in ("## Machine", "## Targets (issue 4)", "## Fan-out", "## Memory", "## Snapshot build",
+                    "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios"):
+        assert heading in text
+    assert "- nproc: " in text and "- grpcio: " in text and "- CPU model: " in text
