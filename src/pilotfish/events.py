@@ -34,6 +34,11 @@ class EventLog:
         self._lines: list[str] = []
         self._flush_scheduled = False
 
+    @property
+    def enabled(self) -> bool:
+        """Whether events go anywhere (callers may skip building costly fields if not)."""
+        return self._file is not None or _log.isEnabledFor(logging.DEBUG)
+
     def emit(self, event: str, **fields: Any) -> None:
         """Record one event; ``fields`` must be JSON-serializable."""
         if self._file is None and not _log.isEnabledFor(logging.DEBUG):

@@ -87,7 +87,9 @@ class TypeSnapshot:
         else:
             chosen = sorted(n for n in names if n in self.resources)
         body = discovery_response(self.version, self.rtype.url, (self.resources[n].encoded for n in chosen))
-        encoded = EncodedResponse(self.rtype.url, self.version, frozenset(chosen), body)
+        # Keep the caller's set when it is exactly what was sent: streams can then compare by identity.
+        carried = names if names is not None and len(chosen) == len(names) else frozenset(chosen)
+        encoded = EncodedResponse(self.rtype.url, self.version, carried, body)
         self._memo[names] = encoded
         return encoded
 

@@ -68,6 +68,8 @@ class RequestOutcome:
     """Open these watches, each replacing the stream's current one for its type."""
     rejected_version: str | None = None
     """For a NACK: the version the proxy rejected."""
+    subscription_changed: bool = False
+    """The request named other resources than the stream's previous request of its type."""
 
 
 @dataclass(slots=True)
@@ -143,6 +145,7 @@ class SotwStream:
             # resources depending on this type changed: the proxy is warming and waits.
             force = nonce == state.last_acked_nonce or subscription != state.subscription
 
+        changed = subscription != state.subscription
         rejected = None
         if kind is RequestKind.ACK:
             state.acked_version = request.version_info
@@ -167,7 +170,7 @@ class SotwStream:
             clusters = self._rewatch_clusters()
             if clusters is not None:
                 watches += (clusters,)
-        return RequestOutcome(kind, type_url, request.version_info, nonce, error, watches, rejected)
+        return RequestOutcome(kind, type_url, request.version_info, nonce, error, watches, rejected, changed)
 
     def _routing_acked(self) -> tuple[str | None, str | None]:
         listeners, routes = self.types.get(LISTENER.url), self.types.get(ROUTE.url)

@@ -34,11 +34,27 @@ class Subscription:
         return None if self.wildcard else self.names
 
 
+_NAME_SETS: dict[tuple[str, ...], frozenset[str]] = {}
+_NAME_SETS_MAX = 4096
+
+
+def _name_set(requested: Sequence[str]) -> frozenset[str]:
+    # Thousands of proxies ask for the same names: share one frozenset per distinct list, which
+    # saves memory per stream and lets needs_response compare sets by identity.
+    key = tuple(requested)
+    names = _NAME_SETS.get(key)
+    if names is None:
+        if len(_NAME_SETS) >= _NAME_SETS_MAX:
+            _NAME_SETS.clear()
+        names = _NAME_SETS[key] = frozenset(key)
+    return names
+
+
 def next_subscription(
     requested: Sequence[str], *, wildcard_capable: bool, ever_named: bool
 ) -> Subscription:
     """The subscription after a request naming ``requested``."""
-    names = frozenset(requested)
+    names = _name_set(requested)
     if WILDCARD in names:
         return Subscription(wildcard=True, names=names - {WILDCARD})
     if not names and wildcard_capable and not ever_named:
@@ -75,10 +91,12 @@ def needs_response(watch: Watch, current: TypeSnapshot) -> bool:
     resources = current.resources
     known = watch.known_names
     wanted = watch.subscription.names
+    if wanted is known:
+        return False
     if watch.full_state:
         # The response replaces the proxy's whole set: any difference in it is worth sending.
         if watch.known_wildcard:
             return True
         return {n for n in wanted if n in resources} != {n for n in known if n in resources}
     # Same version: only names the proxy newly asked for, that exist, are worth a response.
-    return any(name in resources and name not in known for name in wanted)
+    return any(name in resources for name in wanted - known)

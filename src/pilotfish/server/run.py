@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -112,6 +113,10 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
+        # Long-lived objects (the API modules, snapshots, streams) need no cyclic collection; a
+        # fan-out allocates many short-lived ones, so collect the young generation less often.
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
         if started is not None and not started.done():
             started.set_result(port)
         try:

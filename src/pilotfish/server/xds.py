@@ -166,12 +166,16 @@ class _SotwConnection:
             server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._context.peer(),
                                service="ads" if self.type_url is None else self.type_url)
         kind = outcome.kind
-        server.events.emit(
-            "stale" if kind is RequestKind.STALE else kind.value,
-            stream=self.id, node=self.node_id, type=outcome.type_url,
-            version_info=outcome.version_info, response_nonce=outcome.response_nonce,
-            error=outcome.error, resource_names=list(request.resource_names),
-        )
+        if server.events.enabled:
+            # Names only when they say something new: an ACK repeats the names it subscribed to.
+            names = (list(request.resource_names)
+                     if kind is not RequestKind.ACK or outcome.subscription_changed else None)
+            server.events.emit(
+                "stale" if kind is RequestKind.STALE else kind.value,
+                stream=self.id, node=self.node_id, type=outcome.type_url,
+                version_info=outcome.version_info, response_nonce=outcome.response_nonce,
+                error=outcome.error, **({"resource_names": names} if names is not None else {}),
+            )
         if kind is RequestKind.ACK:
             server.status.acked(self.node_id, outcome.type_url, outcome.version_info)
         elif kind is RequestKind.NACK:
