@@ -69,7 +69,6 @@ lint: setup
 # build, reconnect storm, real Envoy, the naive baseline and Sovereign side by side); writes
 # BENCHMARKS.md. About 10 minutes on 2 cores. py-spy (profiles) goes into .venv, Sovereign into its own.
 bench: setup $(SOVEREIGN_VENV)/.installed
-	@$(BIN)/py-spy --version >/dev/null 2>&1 || $(BIN)/pip install --quiet --disable-pip-version-check py-spy
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(PYTHON) -m bench.run_all --out BENCHMARKS.md
 
 $(SOVEREIGN_VENV)/.installed:
