@@ -130,6 +130,22 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "on the same 2 cores as the server."])
     results.sections[-1].notes.extend(fan_notes)
 
+    # 1b. what bare grpc.aio costs on this machine: the floor under any Python gRPC fan-out.
+    floor_n = 1000 if 1000 in scale.fanout_proxies else scale.fanout_proxies[0]
+
+    def floor() -> list[list[Any]]:
+        done = subprocess.run([sys.executable, "-m", "bench.grpc_floor", "--proxies", str(floor_n), "--rounds", "5"],
+                              cwd=REPO, capture_output=True, text=True, timeout=600, check=True)
+        return [[cell.strip() for cell in line.strip("|").split("|")]
+                for line in done.stdout.splitlines() if line.startswith(f"| {floor_n} |")]
+
+    section("The grpc.aio floor: a bare server sends N streams 4 KB and reads N answers",
+            _cmd("bench.grpc_floor", "--proxies", floor_n, "--rounds", 5),
+            ["streams", "round", "all answered ms", "server CPU s"], floor,
+            ["No xDS at all: a grpc.aio server with N streams (each on its own connection) writes one 4 KB "
+             "message to every stream and waits until each has written back. What pilotfish's fan-out costs "
+             "above this is its own; below it, no grpc.aio server on this machine can go."])
+
     # 2. memory, from the fan-out runs.
     def memory() -> list[list[Any]]:
         return [[n, round(r.rss_base_kb / 1024, 1), round(r.rss_idle_kb / 1024, 1), round(r.rss_per_stream_kb, 1)]

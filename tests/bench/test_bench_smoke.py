@@ -78,3 +78,11 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
                     "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios"):
         assert heading in text
     assert "- nproc: " in text and "- grpcio: " in text and "- CPU model: " in text
+
+
+def test_grpc_floor_runs_every_round_to_completion() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.grpc_floor", "--proxies", "5", "--rounds", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 5 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]  # both rounds: every stream answered

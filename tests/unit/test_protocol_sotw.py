@@ -308,3 +308,16 @@ def test_changed_clusters_arrive_at_once_while_a_used_one_is_kept(pair: StreamPa
     pair.ack(cds)
     [final] = pair.ack(rds, ["r"])
     assert (final.names, final.version) == (["b"], v2.version(CDS))
+
+
+def test_the_stream_keeps_the_nodes_identity_not_its_extension_list() -> None:
+    request = discovery_pb2.DiscoveryRequest(type_url=CDS)
+    request.node.id, request.node.cluster = "edge-1", "edge"
+    request.node.metadata.update({"zone": "a"})
+    for i in range(500):  # Envoy lists every extension it was built with
+        request.node.extensions.add(name=f"envoy.extension.{i}", category="envoy.filters")
+    stream = SotwStream()
+    stream.on_request(request)
+    assert stream.node is not None
+    assert (stream.node.id, stream.node.cluster, stream.node.metadata["zone"]) == ("edge-1", "edge", "a")
+    assert len(stream.node.extensions) == 0

@@ -46,6 +46,19 @@ _WARMS = {CLUSTER.url: ENDPOINT.url, LISTENER.url: ROUTE.url}
 _ROUTING = frozenset({LISTENER.url, ROUTE.url})
 
 
+def _identity(node: base_pb2.Node) -> base_pb2.Node:
+    """What identifies a proxy, without the rest: Envoy's node lists every extension it was built
+    with (tens of KB), which would otherwise be kept for the life of every stream."""
+    kept = base_pb2.Node(id=node.id, cluster=node.cluster, user_agent_name=node.user_agent_name)
+    if node.HasField("metadata"):
+        kept.metadata.CopyFrom(node.metadata)
+    if node.HasField("locality"):
+        kept.locality.CopyFrom(node.locality)
+    if node.WhichOneof("user_agent_version_type") == "user_agent_version":
+        kept.user_agent_version = node.user_agent_version
+    return kept
+
+
 class RequestKind(enum.Enum):
     REQUEST = "request"
     """No response_nonce: the first request of this type on the stream."""
@@ -110,7 +123,7 @@ class SotwStream:
             raise PeerError(f"unsupported type_url {type_url!r}")
         if self.node is None:
             # Envoy may send the node only on a stream's first request.
-            self.node = request.node if request.HasField("node") else base_pb2.Node()
+            self.node = _identity(request.node) if request.HasField("node") else base_pb2.Node()
 
         state = self.types.get(type_url)
         if state is None:
