@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import resource
 import signal
@@ -89,6 +90,10 @@ async def _proxies(port: int, proxies: int, rounds: int) -> None:
             if response is grpc.aio.EOF:
                 return
             await call.write(discovery_pb2.DiscoveryRequest(type_url="floor", response_nonce="1"))
+        # Keep the stream open until the server ends it, so the last answer is surely delivered.
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await call.read()
+        await channel.close()
 
     tasks = [asyncio.create_task(proxy()) for _ in range(proxies)]
     async with asyncio.timeout(120):

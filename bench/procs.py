@@ -154,8 +154,11 @@ class ServerProcess:
         self.tail = EventTail(self.event_log)
         self.tail.skip_to_end()
         log = open(self.workdir / f"{self.name}.log", "ab")  # noqa: SIM115 (the child keeps it)
+        # The child inherits the raised limit. (Not a preexec_fn: that runs Python between fork and
+        # exec in a process whose gRPC threads are running, which can break the child.)
+        raise_fd_limit()
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=REPO, preexec_fn=raise_fd_limit)
+                                     cwd=REPO)
         log.close()
         try:
             self.started = self.tail.wait_for("server_started", timeout=timeout, alive=self.alive)
