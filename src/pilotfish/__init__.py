@@ -4,17 +4,25 @@
 """
 
 from pilotfish.cache import SnapshotCache
+from pilotfish.desired import DesiredState
 from pilotfish.errors import ConfigError, PeerError, PilotfishError, Problem
+from pilotfish.reconcile import DebounceSettings, Reconciler
+from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.server import ServeSettings, XdsServer, serve
 from pilotfish.snapshot import Snapshot
 from pilotfish.sources import load_snapshot
 
 __all__ = [
     "ConfigError",
+    "DebounceSettings",
+    "DesiredState",
+    "Endpoint",
     "PeerError",
     "PilotfishError",
     "Problem",
+    "Reconciler",
     "ServeSettings",
+    "ServiceSpec",
     "Snapshot",
     "SnapshotCache",
     "XdsServer",
