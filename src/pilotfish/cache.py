@@ -42,6 +42,19 @@ def _nothing() -> None:
     return None
 
 
+class _Cancel:
+    """Cancels one open watch (an object rather than a closure: one per open watch, so small)."""
+
+    __slots__ = ("_watches", "_wid")
+
+    def __init__(self, watches: dict[int, tuple[Watch, Respond]], wid: int) -> None:
+        self._watches = watches
+        self._wid = wid
+
+    def __call__(self) -> None:
+        self._watches.pop(self._wid, None)
+
+
 class SnapshotCache:
     """The current snapshot of each node group, and the open watches on it."""
 
@@ -102,11 +115,7 @@ class SnapshotCache:
         watches = self._watches.setdefault(group, {}).setdefault(watch.type_url, {})
         wid = next(self._ids)
         watches[wid] = (watch, respond)
-
-        def cancel() -> None:
-            watches.pop(wid, None)
-
-        return cancel
+        return _Cancel(watches, wid)
 
     def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch) -> TypeSnapshot | None:
         """What ``watch`` should be answered from: the snapshot's type, or the cluster bridge."""

@@ -128,7 +128,8 @@ class _SotwConnection:
         self._cancels: dict[TypeUrl, Cancel] = {}
         self._current: dict[TypeUrl, Watch] = {}
         """The newest watch per type: a response to an older one is dropped unsent."""
-        self._pending: deque[tuple[Watch, EncodedResponse]] = deque()
+        # Made when something is queued and dropped when drained: an idle stream holds none.
+        self._pending: deque[tuple[Watch, EncodedResponse]] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._respond = self._queue  # one bound method for every watch of the stream
 
@@ -192,15 +193,17 @@ class _SotwConnection:
 
     def _queue(self, watch: Watch, response: EncodedResponse) -> None:
         """The cache's callback (synchronous): queue the response, start a writer if none runs."""
+        if self._pending is None:
+            self._pending = deque()
         self._pending.append((watch, response))
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write())
 
     async def _write(self) -> None:
-        server, state, pending, current = self._server, self.state, self._pending, self._current
+        server, state, current = self._server, self.state, self._current
         try:
-            while pending:
-                watch, response = pending.popleft()
+            while self._pending:
+                watch, response = self._pending.popleft()
                 if current.get(response.type_url) is not watch:
                     continue  # a newer request superseded the watch this answered
                 nonce = state.on_response(watch, response)
@@ -212,9 +215,9 @@ class _SotwConnection:
             raise
         except Exception as exc:  # the stream is gone (peer reset, cancelled RPC)
             self.reason = f"write failed: {exc!r}"
-            pending.clear()
         finally:
             self._writer = None
+            self._pending = None
 
 
 async def start_grpc_server(xds: XdsServer, address: str) -> tuple[grpc.aio.Server, int]:
