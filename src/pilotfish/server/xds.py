@@ -40,6 +40,9 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
     # streams past a few thousand pending calls.
     ("grpc.server.max_pending_requests", 100_000),
     ("grpc.server.max_pending_requests_hard_limit", 200_000),
+    # ...and calls the application has not picked up within 30 s (the default) are cancelled,
+    # which a storm of 10,000 reconnecting proxies reaches: they would only retry and add load.
+    ("grpc.server_max_unrequested_time_in_server", 600),
     ("grpc.max_concurrent_streams", 1_000_000),
     ("grpc.max_send_message_length", 512 * _MB),
     ("grpc.max_receive_message_length", 64 * _MB),
