@@ -209,12 +209,12 @@ class Reconciler:
             return
         self._states[source] = state
         now = self._clock.now()
-        self._damper.observe(_endpoint_keys(merge_states(self._states)), now)
+        # Only which endpoints are present matters here: no full merge on every registry call.
+        present = {(name, endpoint.address) for each in self._states.values()
+                   for name, found in each.endpoints.items() for endpoint in found}
+        self._damper.observe(present, now)
         self._debouncer.change(now)
         self._wake.set()
-
-    def states(self) -> dict[str, DesiredState]:
-        return dict(self._states)
 
     def build_now(self) -> Snapshot | None:
         """Build and publish at once, skipping the debounce (at start-up). Returns the snapshot

@@ -152,13 +152,12 @@ class SotwStream:
             known_names = state.sent_names
             known_wildcard = state.sent_wildcard
 
+        changed = subscription != state.subscription
         force = False
         if state.warm_pending and nonce:
             # A repeated request for the same response (or a changed subscription) after the
             # resources depending on this type changed: the proxy is warming and waits.
-            force = nonce == state.last_acked_nonce or subscription != state.subscription
-
-        changed = subscription != state.subscription
+            force = nonce == state.last_acked_nonce or changed
         rejected = None
         if kind is RequestKind.ACK:
             state.acked_version = request.version_info

@@ -47,7 +47,7 @@ from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, lengt
 if TYPE_CHECKING:
     from pilotfish.snapshot import Resource
 
-__all__ = ["ResourceMemo", "build_assignment", "build_cluster", "build_service", "build_services", "encode_services"]
+__all__ = ["ResourceMemo", "build_assignment", "build_cluster", "encode_services"]
 
 _RETRY_ON = "connect-failure,refused-stream,reset-before-request"
 _HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -184,32 +184,6 @@ def _listener(spec: ServiceSpec) -> listener_pb2.Listener:
     )
 
 
-def build_service(spec: ServiceSpec, endpoints: Iterable[Endpoint]) -> dict[ResourceType, list[Message]]:
-    """The resources of one service."""
-    out: dict[ResourceType, list[Message]] = {
-        CLUSTER: [build_cluster(spec)],
-        ENDPOINT: [build_assignment(spec.name, endpoints)],
-        LISTENER: [],
-        ROUTE: [],
-    }
-    if spec.listen is not None:
-        out[LISTENER].append(_listener(spec))
-        if spec.protocol == "http":
-            out[ROUTE].append(_route_config(spec))
-    return out
-
-
-def build_services(
-    specs: Mapping[str, ServiceSpec], endpoints: Mapping[str, Iterable[Endpoint]]
-) -> dict[ResourceType, list[Message]]:
-    """The resources of every service, by type."""
-    out: dict[ResourceType, list[Message]] = {CLUSTER: [], ENDPOINT: [], LISTENER: [], ROUTE: []}
-    for name in sorted(specs):
-        for rtype, messages in build_service(specs[name], endpoints.get(name, ())).items():
-            out[rtype].extend(messages)
-    return out
-
-
 @functools.lru_cache(maxsize=256)
 def _cluster_template(settings: ServiceSpec) -> bytes:
     # ``settings`` has an empty name; the name (field 1) is prepended per cluster, which is
@@ -260,7 +234,8 @@ def encode_services(
     endpoints: Mapping[str, Iterable[Endpoint]],
     memo: ResourceMemo | None = None,
 ) -> dict[ResourceType, list[Resource]]:
-    """The encoded resources of every service, by type (same bytes as :func:`build_services`)."""
+    """The encoded resources of every service, by type (the bytes protobuf would give the messages
+    :func:`build_cluster`, :func:`build_assignment` and the listener/route builders make)."""
     from pilotfish.snapshot import Resource
 
     memo = memo or ResourceMemo()

@@ -9,7 +9,6 @@ good keeps serving.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,9 +18,6 @@ from pilotfish.resources import parse_document, read_document
 from pilotfish.snapshot import Snapshot
 
 __all__ = ["load_desired", "load_snapshot", "watch_file", "watch_snapshot_file"]
-
-_log = logging.getLogger("pilotfish.sources.file")
-
 
 def load_desired(path: Path) -> DesiredState:
     """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem."""
