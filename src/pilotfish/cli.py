@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pilotfish.bootstrap import BootstrapSettings, bootstrap_yaml, split_address
@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="where to serve xDS over gRPC (default: %(default)s)")
     serve.add_argument("--event-log", type=Path, metavar="FILE",
                        help="append every xDS request, response and snapshot change here, as JSON lines")
+    serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
+                       help="uvloop (libuv, faster sockets) or Python's own asyncio loop (default: %(default)s)")
 
     validate = commands.add_parser("validate", help="check a snapshot file; print every problem")
     validate.add_argument("file", type=Path, metavar="FILE")
@@ -89,6 +91,14 @@ def _validate(path: Path) -> int:
     return EXIT_OK
 
 
+def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if name == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from pilotfish.reconcile import DebounceSettings
     from pilotfish.server import ServeSettings, serve
@@ -103,7 +113,8 @@ def _serve(args: argparse.Namespace) -> int:
                              registry=args.registry, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
                              debounce=debounce)
     try:
-        asyncio.run(serve(settings))
+        with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
+            runner.run(serve(settings))
     except ConfigError as exc:
         print(f"{exc.describe()}\nfix the file and start again", file=sys.stderr)
         return EXIT_INVALID

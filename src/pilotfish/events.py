@@ -9,11 +9,12 @@ whole xDS conversation after the fact (``jq`` friendly). Events are also passed 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from pathlib import Path
 from typing import IO, Any
+
+import orjson
 
 __all__ = ["EventLog"]
 
@@ -29,9 +30,9 @@ class EventLog:
     """
 
     def __init__(self, path: Path | None = None, *, clock: Any = time.time) -> None:
-        self._file: IO[str] | None = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+        self._file: IO[bytes] | None = open(path, "ab") if path else None  # noqa: SIM115
         self._clock = clock
-        self._lines: list[str] = []
+        self._lines: list[bytes] = []
         self._flush_scheduled = False
 
     @property
@@ -44,7 +45,8 @@ class EventLog:
         if self._file is None and not _log.isEnabledFor(logging.DEBUG):
             return
         record = {"ts": round(self._clock(), 6), "event": event, **fields}
-        line = json.dumps(record, separators=(",", ":"), default=str)
+        # orjson: a fan-out to 10,000 proxies logs 20,000 lines, and the json module spends ~10x longer.
+        line = orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE)
         if self._file is not None:
             self._lines.append(line)
             if not self._flush_scheduled:
@@ -54,14 +56,13 @@ class EventLog:
                 except RuntimeError:
                     self.flush()
         if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("%s", line)
+            _log.debug("%s", line.decode().rstrip())
 
     def flush(self) -> None:
         """Write out the buffered lines."""
         self._flush_scheduled = False
         if self._file is not None and self._lines:
-            self._lines.append("")
-            self._file.write("\n".join(self._lines))
+            self._file.write(b"".join(self._lines))
             self._file.flush()
         self._lines.clear()
 

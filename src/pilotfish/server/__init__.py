@@ -1,6 +1,6 @@
 """gRPC xDS services and the ``serve`` entry point."""
 
 from pilotfish.server.run import ServeSettings, serve
-from pilotfish.server.xds import GRPC_OPTIONS, XdsServer, start_grpc_server
+from pilotfish.server.xds import XdsServer, start_xds_server
 
-__all__ = ["GRPC_OPTIONS", "ServeSettings", "XdsServer", "serve", "start_grpc_server"]
+__all__ = ["ServeSettings", "XdsServer", "serve", "start_xds_server"]

@@ -21,7 +21,7 @@ from pilotfish.errors import ConfigError
 from pilotfish.events import EventLog
 from pilotfish.reconcile import DebounceSettings, Reconciler
 from pilotfish.server.registry_api import RegistryApi
-from pilotfish.server.xds import XdsServer, start_grpc_server
+from pilotfish.server.xds import XdsServer, start_xds_server
 from pilotfish.sources import load_desired, watch_file
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry
@@ -74,7 +74,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         reconciler.build_now()  # the first snapshot, before any proxy can connect
 
         xds = XdsServer(cache, events=events)
-        server, port = await start_grpc_server(xds, settings.xds)
+        server, port = await start_xds_server(xds, settings.xds)
         host = settings.xds.rsplit(":", 1)[0]
         registry_address = None
         if settings.registry is not None:

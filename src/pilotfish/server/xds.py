@@ -1,25 +1,23 @@
-"""xDS over gRPC (grpc.aio): the aggregated service and the per-type services, SotW.
+"""xDS over gRPC: the aggregated service and the per-type services, SotW.
 
 This layer only moves bytes. Each stream pairs a :class:`~pilotfish.protocol.SotwStream` (what the
-stream has seen) with watches on the :class:`~pilotfish.cache.SnapshotCache` (what exists). The
-handler reads requests, feeds them to the state machine and opens the watches it asks for; the
-responses the cache hands back are written in the order they were produced (ADS order for one
-change) by a writer task that lives only while something is queued. Responses are shared
-pre-encoded bytes; a stream appends only its nonce, which is why the methods are registered with
-a pass-through response serializer.
+stream has seen) with watches on the :class:`~pilotfish.cache.SnapshotCache` (what exists). A
+request is parsed and fed to the state machine as it arrives, and the watches it asks for are
+opened; a response the cache hands back is written at once (the cache hands them over in ADS order).
+Responses are shared pre-encoded bytes; a stream appends only its nonce. Everything runs in the
+callbacks of pilotfish's own gRPC transport (:mod:`pilotfish.server.grpc_server`): an idle stream
+is this object and its watches, with no task or coroutine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf.message import DecodeError
 
 from pilotfish.cache import DEFAULT_GROUP, Cancel, NodeGroup, SnapshotCache
 from pilotfish.errors import PeerError
@@ -27,32 +25,14 @@ from pilotfish.events import EventLog
 from pilotfish.protocol import RequestKind, SotwStream, Watch
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field
+from pilotfish.server.grpc_server import Call, GrpcServer, MethodFactory, RpcError
+from pilotfish.server.http2 import GrpcStatus
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.status import SyncStatus
 
-__all__ = ["GRPC_OPTIONS", "XdsServer", "start_grpc_server"]
+__all__ = ["XdsServer", "start_xds_server"]
 
 _log = logging.getLogger("pilotfish.server")
-
-_MB = 1024 * 1024
-GRPC_OPTIONS: list[tuple[str, int]] = [
-    # A control-plane restart makes every proxy reconnect at once; the defaults cancel new
-    # streams past a few thousand pending calls.
-    ("grpc.server.max_pending_requests", 100_000),
-    ("grpc.server.max_pending_requests_hard_limit", 200_000),
-    # ...and calls the application has not picked up within 30 s (the default) are cancelled,
-    # which a storm of 10,000 reconnecting proxies reaches: they would only retry and add load.
-    ("grpc.server_max_unrequested_time_in_server", 600),
-    ("grpc.max_concurrent_streams", 1_000_000),
-    ("grpc.max_send_message_length", 512 * _MB),
-    ("grpc.max_receive_message_length", 64 * _MB),
-    # Find dead peers; let Envoy ping as its own keepalive settings say.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
 
 # (service, method, type served; None = any, i.e. aggregated)
 _SOTW_METHODS: tuple[tuple[str, str, TypeUrl | None], ...] = (
@@ -87,76 +67,59 @@ class XdsServer:
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
 
-    def handlers(self) -> list[grpc.GenericRpcHandler]:
-        """Generic handlers for every xDS service pilotfish serves."""
-        by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
-        for service, method, type_url in _SOTW_METHODS:
-            by_service.setdefault(service, {})[method] = grpc.stream_stream_rpc_method_handler(
-                self._sotw_handler(type_url),
-                request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
-                response_serializer=None,  # the handler yields encoded bytes
-            )
-        return [grpc.method_handlers_generic_handler(s, m) for s, m in by_service.items()]
+    def methods(self) -> dict[str, MethodFactory]:
+        """``{path: factory}`` for every xDS method pilotfish serves."""
+        def factory(type_url: TypeUrl | None) -> MethodFactory:
+            return lambda call: _SotwConnection(self, call, type_url)
 
-    def _sotw_handler(
-        self, type_url: TypeUrl | None
-    ) -> Callable[[AsyncIterator[discovery_pb2.DiscoveryRequest], grpc.aio.ServicerContext], Awaitable[None]]:
-        async def handler(
-            requests: AsyncIterator[discovery_pb2.DiscoveryRequest], context: grpc.aio.ServicerContext
-        ) -> None:
-            await _SotwConnection(self, context, type_url).run(requests)
-
-        return handler
+        return {f"/{service}/{method}": factory(type_url) for service, method, type_url in _SOTW_METHODS}
 
 
 class _SotwConnection:
-    """One SotW stream: requests are read in the handler's own coroutine; responses are written
-    by a task that exists only while there is something to write, so an idle stream costs one
-    suspended coroutine and this object."""
+    """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
+    the cache's responses are written as it hands them over."""
 
-    __slots__ = (
-        "_cancels", "_context", "_current", "_pending", "_respond", "_server", "_writer",
-        "group", "id", "node_id", "reason", "state", "type_url",
-    )
+    __slots__ = ("_call", "_cancels", "_current", "_respond", "_server", "closed", "group", "id",
+                 "node_id", "state", "type_url")
 
-    def __init__(self, server: XdsServer, context: grpc.aio.ServicerContext, type_url: TypeUrl | None) -> None:
+    def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
         self._server = server
-        self._context = context
+        self._call = call
         self.type_url = type_url
         self.id = next(server._stream_ids)
         self.state = SotwStream(type_url=type_url)
         self.node_id = ""
         self.group = DEFAULT_GROUP
-        self.reason = "closed by client"
+        self.closed = False
         self._cancels: dict[TypeUrl, Cancel] = {}
         self._current: dict[TypeUrl, Watch] = {}
         """The newest watch per type: a response to an older one is dropped unsent."""
-        # Made when something is queued and dropped when drained: an idle stream holds none.
-        self._pending: deque[tuple[Watch, EncodedResponse]] | None = None
-        self._writer: asyncio.Task[None] | None = None
-        self._respond = self._queue  # one bound method for every watch of the stream
-
-    async def run(self, requests: AsyncIterator[discovery_pb2.DiscoveryRequest]) -> None:
-        server = self._server
+        self._respond = self._send  # one bound method for every watch of the stream
         server.open_streams += 1
+
+    # -- the call's callbacks -------------------------------------------------------------------
+
+    def on_message(self, data: bytes) -> None:
+        if self.closed:
+            return
         try:
-            async for request in requests:
-                self._on_request(request)
+            request = discovery_pb2.DiscoveryRequest.FromString(data)
+        except DecodeError as exc:
+            self._close(f"protocol error: undecodable DiscoveryRequest: {exc}")
+            raise RpcError(GrpcStatus.INVALID_ARGUMENT, f"undecodable DiscoveryRequest: {exc}") from None
+        try:
+            self._on_request(request)
         except PeerError as exc:
-            self.reason = f"protocol error: {exc}"
-            await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except asyncio.CancelledError:
-            self.reason = "cancelled"
-            raise
-        finally:
-            server.open_streams -= 1
-            if self._writer is not None:
-                self._writer.cancel()
-            for cancel in self._cancels.values():
-                cancel()
-            if self.state.node is not None:
-                server.status.stream_closed(self.node_id)
-            server.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=self.reason)
+            self._close(f"protocol error: {exc}")
+            raise RpcError(GrpcStatus.INVALID_ARGUMENT, str(exc)) from None
+
+    def on_half_close(self) -> None:
+        self._close("closed by client")
+
+    def on_cancel(self, reason: str) -> None:
+        self._close(reason)
+
+    # -- requests and responses -----------------------------------------------------------------
 
     def _on_request(self, request: discovery_pb2.DiscoveryRequest) -> None:
         server, state = self._server, self.state
@@ -167,7 +130,7 @@ class _SotwConnection:
             self.node_id = state.node.id
             self.group = server._group_of(state.node)
             server.status.stream_opened(self.node_id)
-            server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._context.peer(),
+            server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
                                service="ads" if self.type_url is None else self.type_url)
         kind = outcome.kind
         if server.events.enabled:
@@ -194,41 +157,36 @@ class _SotwConnection:
             self._current[url] = watch
             self._cancels[url] = server.cache.create_watch(watch, self._respond, self.group)
 
-    def _queue(self, watch: Watch, response: EncodedResponse) -> None:
-        """The cache's callback (synchronous): queue the response, start a writer if none runs."""
-        if self._pending is None:
-            self._pending = deque()
-        self._pending.append((watch, response))
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(self._write())
+    def _send(self, watch: Watch, response: EncodedResponse) -> None:
+        """The cache's callback: write the response now (the transport queues what flow control
+        holds back), unless a newer request superseded the watch it answers."""
+        if self.closed or self._current.get(response.type_url) is not watch:
+            return
+        server = self._server
+        nonce = self.state.on_response(watch, response)
+        self._call.send(response.body, nonce_field(nonce))
+        server.status.sent(self.node_id, response.type_url, response.version)
+        server.events.emit("sent", stream=self.id, node=self.node_id, type=response.type_url,
+                           version=response.version, nonce=nonce, resources=len(response.names))
 
-    async def _write(self) -> None:
-        server, state, current = self._server, self.state, self._current
-        try:
-            while self._pending:
-                watch, response = self._pending.popleft()
-                if current.get(response.type_url) is not watch:
-                    continue  # a newer request superseded the watch this answered
-                nonce = state.on_response(watch, response)
-                await self._context.write(response.body + nonce_field(nonce))
-                server.status.sent(self.node_id, response.type_url, response.version)
-                server.events.emit("sent", stream=self.id, node=self.node_id, type=response.type_url,
-                                   version=response.version, nonce=nonce, resources=len(response.names))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the stream is gone (peer reset, cancelled RPC)
-            self.reason = f"write failed: {exc!r}"
-        finally:
-            self._writer = None
-            self._pending = None
+    def _close(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        server = self._server
+        server.open_streams -= 1
+        for cancel in self._cancels.values():
+            cancel()
+        self._cancels.clear()
+        self._current.clear()
+        if self.state.node is not None:
+            server.status.stream_closed(self.node_id)
+        server.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=reason)
 
 
-async def start_grpc_server(xds: XdsServer, address: str) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server for ``xds`` on ``address`` (``host:port``; port 0 = any free)."""
-    server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=None)
-    server.add_generic_rpc_handlers(xds.handlers())
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot listen on {address}")
-    await server.start()
-    return server, port
+async def start_xds_server(xds: XdsServer, address: str) -> tuple[GrpcServer, int]:
+    """Serve ``xds`` on ``address`` (``host:port``; port 0 = any free); returns (server, port)."""
+    host, _, port = address.rpartition(":")
+    server = GrpcServer(xds.methods())
+    bound = await server.start(host.strip("[]"), int(port))
+    return server, bound
