@@ -8,6 +8,7 @@ goes away frees its stream, and a stopping server tells its clients to come back
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -113,11 +114,12 @@ async def test_unknown_method_is_unimplemented_and_names_it(running: Running) ->
 async def test_compressed_messages_are_refused_with_a_reason(running: Running) -> None:
     async with grpc.aio.insecure_channel(running.address, compression=grpc.Compression.Gzip) as channel:
         call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
-        await call.write(cds_request())
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await asyncio.wait_for(call.read(), TIMEOUT)
-        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "uncompressed" in (caught.value.details() or "")
+        request = cds_request()
+        request.node.user_agent_name = "a" * 10_000  # grpc core leaves messages it cannot shrink alone
+        with contextlib.suppress(grpc.aio.AioRpcError):  # the answer may come before the write is done
+            await call.write(request)
+        assert await asyncio.wait_for(call.code(), TIMEOUT) == grpc.StatusCode.UNIMPLEMENTED
+        assert "uncompressed" in (await call.details() or "")
 
 
 async def test_a_cancelled_client_frees_its_stream_and_watches(running: Running) -> None:

@@ -412,8 +412,6 @@ class _Connection(asyncio.Protocol):
         elif method is None:
             path = headers.get(b":path", b"").decode(errors="replace")
             call.finish(GrpcStatus.UNIMPLEMENTED, f"unknown method {path}")
-        elif headers.get(b"grpc-encoding", b"identity") != b"identity":
-            call.finish(GrpcStatus.UNIMPLEMENTED, "pilotfish accepts uncompressed messages only")
         else:
             try:
                 call.handler = method(call)
