@@ -255,36 +255,36 @@ class _Connection(asyncio.Protocol):
         self._drain_waiting()
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
+        if self._buffer:  # a frame (or the preface) was cut short by the previous read
+            data = bytes(self._buffer) + data
+            self._buffer.clear()
+        offset, end = 0, len(data)
         if not self._preface_seen:
-            if len(buffer) < len(h2.CONNECTION_PREFACE):
-                if not h2.CONNECTION_PREFACE.startswith(bytes(buffer)):
-                    self._fail(ErrorCode.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                return
-            if not buffer.startswith(h2.CONNECTION_PREFACE):
+            size = len(h2.CONNECTION_PREFACE)
+            if not h2.CONNECTION_PREFACE.startswith(data[:size]):
                 self._fail(ErrorCode.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
                 return
-            del buffer[: len(h2.CONNECTION_PREFACE)]
+            if end < size:
+                self._buffer += data
+                return
             self._preface_seen = True
-        offset, end = 0, len(buffer)
-        view = memoryview(buffer)
-        try:
-            while end - offset >= 9:
-                length, kind, flags, stream_id = h2.parse_frame_header(buffer, offset)
-                if length > h2.DEFAULT_MAX_FRAME:  # we never raise SETTINGS_MAX_FRAME_SIZE
-                    self._fail(ErrorCode.FRAME_SIZE_ERROR, f"frame of {length} bytes")
-                    return
-                if end - offset < 9 + length:
-                    break
-                start = offset + 9
-                offset = start + length
-                self._on_frame(kind, flags, stream_id, view[start:offset])
-                if self.transport.is_closing():
-                    return
-        finally:
-            view.release()
-        del buffer[:offset]
+            offset = size
+        view = memoryview(data)
+        on_frame, parse = self._on_frame, h2.parse_frame_header
+        while end - offset >= 9:
+            length, kind, flags, stream_id = parse(data, offset)
+            if length > h2.DEFAULT_MAX_FRAME:  # we never raise SETTINGS_MAX_FRAME_SIZE
+                self._fail(ErrorCode.FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                return
+            if end - offset < 9 + length:
+                break
+            start = offset + 9
+            offset = start + length
+            on_frame(kind, flags, stream_id, view[start:offset])
+            if self.transport.is_closing():
+                return
+        if offset < end:
+            self._buffer += view[offset:]
 
     # -- frames -------------------------------------------------------------------------------
 

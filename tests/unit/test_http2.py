@@ -1,0 +1,148 @@
+"""The HTTP/2 server connection's parser, fed bytes the way TCP may deliver them: whole, or cut
+anywhere. The transport under it is a recorder (named as such): these tests are about framing,
+and tests/integration/test_grpc_transport.py runs the same code over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import hpack
+import pytest
+
+from pilotfish.server import http2 as h2
+from pilotfish.server.grpc_server import Call, GrpcServer, _Connection
+
+
+class RecordingTransport:
+    """Stands in for a socket transport: keeps what is written."""
+
+    def __init__(self) -> None:
+        self.written = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 5555) if name == "peername" else default
+
+
+class Recorder:
+    """A method handler that records its callbacks."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.messages: list[bytes] = []
+        self.half_closed = False
+        self.cancelled: str | None = None
+        calls.append(self)
+
+    def on_message(self, data: bytes) -> None:
+        self.messages.append(data)
+        if data == b"echo":
+            self.call.send(b"echo", b"ed")
+
+    def on_half_close(self) -> None:
+        self.half_closed = True
+
+    def on_cancel(self, reason: str) -> None:
+        self.cancelled = reason
+
+
+calls: list[Recorder] = []
+
+
+def message(body: bytes) -> bytes:
+    return h2.grpc_prefix(len(body)) + body
+
+
+def client_bytes() -> bytes:
+    """A client conversation using what grpc core seldom does: Huffman-coded and indexed headers
+    split over CONTINUATION, padding, several messages in one frame, a message over two frames."""
+    block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", "/svc/Method"),
+                                    (":authority", "localhost"), ("content-type", "application/grpc"),
+                                    ("te", "trailers")], huffman=True)
+    first, rest = block[:10], block[10:]
+    two = message(b"one") + message(b"two")
+    big = message(b"x" * 30_000)
+    padded = bytes([7]) + two + b"\0" * 7
+    return (h2.CONNECTION_PREFACE + h2.settings({h2.Setting.INITIAL_WINDOW_SIZE: 1 << 20})
+            + h2.frame(h2.HEADERS, 0, 1, first) + h2.frame(h2.CONTINUATION, h2.END_HEADERS, 1, rest)
+            + h2.frame(h2.DATA, h2.PADDED, 1, padded)
+            + h2.frame(h2.DATA, 0, 1, big[:16_000]) + h2.frame(h2.DATA, 0, 1, big[16_000:])
+            + h2.frame(h2.PING, 0, 0, b"pingpong")
+            + h2.frame(h2.DATA, h2.END_STREAM, 1, message(b"echo")))
+
+
+def frames(data: bytes | bytearray) -> list[tuple[int, int, int, bytes]]:
+    out, offset = [], 0
+    while offset < len(data):
+        length, kind, flags, stream = h2.parse_frame_header(data, offset)
+        out.append((kind, flags, stream, bytes(data[offset + 9: offset + 9 + length])))
+        offset += 9 + length
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20], ids=["1 byte", "7 bytes", "4 KB", "all at once"])
+async def test_messages_arrive_whole_however_the_bytes_are_cut(chunk: int) -> None:
+    calls.clear()
+    server = GrpcServer({"/svc/Method": Recorder})
+    conn = _Connection(server)
+    transport = RecordingTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    data = client_bytes()
+    for offset in range(0, len(data), chunk):
+        conn.data_received(data[offset: offset + chunk])
+    await asyncio.sleep(0)  # writes go out at the end of the loop turn
+    [handler] = calls
+    assert handler.messages == [b"one", b"two", b"x" * 30_000, b"echo"]
+    assert handler.half_closed and handler.cancelled is None
+    sent = frames(transport.written)
+    kinds = [(kind, flags, stream) for kind, flags, stream, _ in sent]
+    assert (h2.SETTINGS, h2.ACK, 0) in kinds
+    assert (h2.PING, h2.ACK, 0, b"pingpong") in sent
+    [data_frame] = [payload for kind, _, stream, payload in sent if kind == h2.DATA]
+    assert data_frame == message(b"echoed")
+    # the call ended OK after the client half-closed: trailers with END_STREAM
+    last = [f for f in sent if f[0] == h2.HEADERS][-1]
+    assert last[1] & h2.END_STREAM
+    assert (b"grpc-status", b"0") in hpack.Decoder().decode(last[3], raw=True)
+
+
+async def test_a_response_waits_for_window_and_goes_out_in_peer_sized_frames() -> None:
+    calls.clear()
+    server = GrpcServer({"/svc/Method": Recorder})
+    conn = _Connection(server)
+    transport = RecordingTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.data_received(client_bytes()[: len(client_bytes()) - 9 - len(message(b"echo"))])
+    [handler] = calls
+    conn.flush_out()
+    transport.written.clear()
+    body = bytes(range(256)) * 400  # 102,400 bytes; the connection window is 65,535
+    handler.call.send(body)
+    conn.flush_out()
+    first = [p for kind, _, _, p in frames(transport.written) if kind == h2.DATA]
+    assert sum(map(len, first)) == h2.DEFAULT_WINDOW and max(map(len, first)) <= h2.DEFAULT_MAX_FRAME
+    transport.written.clear()
+    conn.data_received(h2.window_update(0, 1 << 20))
+    conn.flush_out()
+    rest = [p for kind, _, _, p in frames(transport.written) if kind == h2.DATA]
+    assert b"".join(first + rest) == message(body)
+
+
+async def test_a_bad_preface_is_a_connection_error() -> None:
+    conn = _Connection(GrpcServer({}))
+    transport = RecordingTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.data_received(b"GET / HTTP/1.1\r\n")
+    assert transport.closed
+    goaway = [p for kind, _, _, p in frames(transport.written) if kind == h2.GOAWAY]
+    assert goaway and h2.unpack_u32(goaway[0], 4) == h2.ErrorCode.PROTOCOL_ERROR
