@@ -17,6 +17,7 @@ from envoy.service.cluster.v3 import cds_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from pilotfish.server import ServeSettings, serve
+from pilotfish.sources import file_signature, load_desired, watch_file
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -185,3 +186,17 @@ async def test_rewriting_equal_content_pushes_nothing(tmp_path: Path, server: tu
         assert changed.version_info != first.version_info
         assert sum(1 for e in events.all() if e["event"] == "sent") == 2
         await call.done_writing()
+
+
+
+async def test_a_change_between_the_first_read_and_the_watch_is_not_lost(tmp_path: Path) -> None:
+    # serve() reads the file, then starts watching it: a change in between must still be seen.
+    snapshot = tmp_path / "snap.yaml"
+    snapshot.write_text(yaml.safe_dump(document("1", 9001)))
+    loaded = file_signature(snapshot)
+    assert load_desired(snapshot) is not None
+    replace(snapshot, yaml.safe_dump(document("2", 9001, 9002)))
+    watch = watch_file(snapshot, loaded=loaded)
+    state = await asyncio.wait_for(anext(watch), TIMEOUT)
+    assert not isinstance(state, Exception) and state.version == "2"
+    await watch.aclose()

@@ -22,7 +22,7 @@ from pilotfish.events import EventLog
 from pilotfish.reconcile import DebounceSettings, Reconciler
 from pilotfish.server.registry_api import RegistryApi
 from pilotfish.server.xds import XdsServer, start_xds_server
-from pilotfish.sources import load_desired, watch_file
+from pilotfish.sources import file_signature, load_desired, watch_file
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry
 
@@ -65,7 +65,9 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     tasks: list[asyncio.Task[None]] = []
     cleanups: list[Callable[[], Awaitable[None]]] = []
     try:
+        loaded = None
         if settings.snapshot is not None:
+            loaded = file_signature(settings.snapshot)
             try:
                 reconciler.update("file", load_desired(settings.snapshot))
             except ConfigError as exc:
@@ -93,7 +95,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                   f", registry API on http://{registry_address}" if registry_address else "")
 
         async def follow_file(path: Path) -> None:
-            async for item in watch_file(path):
+            async for item in watch_file(path, loaded=loaded):
                 if isinstance(item, ConfigError):
                     events.emit("snapshot_error", file=str(path), reason=item.describe())
                     _log.error("%s\nstill serving the last good snapshot", item.describe())

@@ -17,7 +17,7 @@ from pilotfish.errors import ConfigError
 from pilotfish.resources import parse_document, read_document
 from pilotfish.snapshot import Snapshot
 
-__all__ = ["load_desired", "load_snapshot", "watch_file", "watch_snapshot_file"]
+__all__ = ["FileSignature", "file_signature", "load_desired", "load_snapshot", "watch_file", "watch_snapshot_file"]
 
 def load_desired(path: Path) -> DesiredState:
     """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem."""
@@ -29,22 +29,50 @@ def load_snapshot(path: Path) -> Snapshot:
     return build_snapshot(merge_states({"file": load_desired(path)}), str(path))
 
 
-async def watch_file(path: Path, *, quiet_ms: int = 20) -> AsyncIterator[DesiredState | ConfigError]:
+FileSignature = tuple[int, int, int]
+"""(inode, mtime in ns, size): what tells a changed file from the one read before."""
+
+
+def file_signature(path: Path) -> FileSignature | None:
+    """The file's signature now (None if it does not exist). Take it *before* reading the file:
+    a change during the read then shows as a difference later."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+async def watch_file(path: Path, *, quiet_ms: int = 20,
+                     loaded: FileSignature | None = None) -> AsyncIterator[DesiredState | ConfigError]:
     """Yield the file's new desired state (or the error that kept it out) on each change.
 
     ``quiet_ms``: how long the directory must be quiet before a burst of writes is read.
+    ``loaded``: the :func:`file_signature` of the file the caller already read. Once the watch is
+    in place, a file that differs from it is read at once: a change made between the caller's read
+    and the start of the watch is not lost.
     """
     from watchfiles import awatch  # imported here: only the file source needs it
 
     path = path.absolute()
     target = str(path)
+    caught_up = loaded is None
 
     def only_target(_change: object, changed: str) -> bool:
         return changed == target
 
-    async for _changes in awatch(
-        path.parent, watch_filter=only_target, step=quiet_ms, debounce=1_000, recursive=False
+    # With yield_on_timeout, an (empty) batch arrives each second without changes: the first one
+    # says the watch is in place.
+    async for changes in awatch(
+        path.parent, watch_filter=only_target, step=quiet_ms, debounce=1_000, recursive=False,
+        rust_timeout=1_000, yield_on_timeout=not caught_up,
     ):
+        if not caught_up:
+            caught_up = True
+            if not changes and file_signature(path) == loaded:
+                continue
+        elif not changes:
+            continue
         if not path.exists():
             continue  # deleted or mid-rename; the rename's arrival is another change
         try:
