@@ -40,7 +40,9 @@ class SyncStatus:
         self._proxies: dict[str, ProxyStatus] = {}
 
     def _type(self, node_id: str, type_url: str) -> TypeStatus:
-        proxy = self._proxies.setdefault(node_id, ProxyStatus(node_id))
+        proxy = self._proxies.get(node_id)
+        if proxy is None:
+            proxy = self._proxies[node_id] = ProxyStatus(node_id)
         status = proxy.types.get(type_url)
         if status is None:
             status = proxy.types[type_url] = TypeStatus()
