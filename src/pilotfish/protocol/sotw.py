@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import NamedTuple, NewType
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
@@ -68,8 +68,7 @@ class RequestKind(enum.Enum):
     """A response_nonce that is not the latest sent: ignored."""
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutcome:
+class RequestOutcome(NamedTuple):
     """What a request meant, and what the server should do about it."""
 
     kind: RequestKind
@@ -111,8 +110,11 @@ class SotwStream:
     types: dict[TypeUrl, TypeState] = field(default_factory=dict)
     _sent: int = 0
 
-    def on_request(self, request: discovery_pb2.DiscoveryRequest) -> RequestOutcome:
-        """Classify a request and decide what to watch. Raises :class:`PeerError` on bad input."""
+    def on_request(self, request: discovery_pb2.DiscoveryRequest, *, names_wire: bytes | None = None) -> RequestOutcome:
+        """Classify a request and decide what to watch. Raises :class:`PeerError` on bad input.
+
+        ``names_wire``: the encoded bytes of the request's ``resource_names``, if the caller has
+        them (:func:`~pilotfish.resources.wire.request_names_span`): a shortcut, same result."""
         type_url = TypeUrl(request.type_url or (self.type_url or ""))
         if not type_url:
             raise PeerError("an aggregated (ADS) request must carry type_url")
@@ -135,7 +137,8 @@ class SotwStream:
             return RequestOutcome(RequestKind.STALE, type_url, request.version_info, nonce, error, ())
 
         subscription = next_subscription(
-            request.resource_names, wildcard_capable=state.wildcard_capable, ever_named=state.ever_named
+            request.resource_names, wildcard_capable=state.wildcard_capable, ever_named=state.ever_named,
+            wire=names_wire,
         )
         if subscription.names:
             state.ever_named = True
@@ -152,7 +155,7 @@ class SotwStream:
             known_names = state.sent_names
             known_wildcard = state.sent_wildcard
 
-        changed = subscription != state.subscription
+        changed = subscription is not state.subscription and subscription != state.subscription
         force = False
         if state.warm_pending and nonce:
             # A repeated request for the same response (or a changed subscription) after the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pilotfish.resources import TypeUrl
 from pilotfish.snapshot import TypeSnapshot
@@ -35,36 +36,59 @@ class Subscription:
 
 
 _NAME_SETS: dict[tuple[str, ...], frozenset[str]] = {}
-_NAME_SETS_MAX = 4096
+_BY_WIRE: dict[bytes, tuple[frozenset[str], int]] = {}
+_SUBSCRIPTIONS: dict[tuple[bool, frozenset[str]], Subscription] = {}
+_INTERNED_MAX = 4096
 
 
-def _name_set(requested: Sequence[str]) -> frozenset[str]:
+def _name_set(requested: Sequence[str], wire: bytes | None) -> frozenset[str]:
     # Thousands of proxies ask for the same names: share one frozenset per distinct list, which
-    # saves memory per stream and lets needs_response compare sets by identity.
+    # saves memory per stream and lets needs_response compare sets by identity. ``wire`` (the
+    # names' encoded bytes, when the transport has them) finds the set without decoding a name:
+    # for 100 names that is 1 us instead of 15.
+    if wire is not None:
+        found = _BY_WIRE.get(wire)
+        if found is not None and found[1] == len(requested):
+            return found[0]
     key = tuple(requested)
     names = _NAME_SETS.get(key)
     if names is None:
-        if len(_NAME_SETS) >= _NAME_SETS_MAX:
+        if len(_NAME_SETS) >= _INTERNED_MAX:
             _NAME_SETS.clear()
         names = _NAME_SETS[key] = frozenset(key)
+    if wire is not None:
+        if len(_BY_WIRE) >= _INTERNED_MAX:
+            _BY_WIRE.clear()
+        _BY_WIRE[wire] = (names, len(key))
     return names
 
 
+def _subscription(wildcard: bool, names: frozenset[str]) -> Subscription:
+    found = _SUBSCRIPTIONS.get((wildcard, names))
+    if found is None:
+        if len(_SUBSCRIPTIONS) >= _INTERNED_MAX:
+            _SUBSCRIPTIONS.clear()
+        found = _SUBSCRIPTIONS[(wildcard, names)] = Subscription(wildcard, names)
+    return found
+
+
 def next_subscription(
-    requested: Sequence[str], *, wildcard_capable: bool, ever_named: bool
+    requested: Sequence[str], *, wildcard_capable: bool, ever_named: bool, wire: bytes | None = None
 ) -> Subscription:
-    """The subscription after a request naming ``requested``."""
-    names = _name_set(requested)
+    """The subscription after a request naming ``requested`` (``wire``: those names' encoded
+    bytes, if known; equal bytes mean equal names). Equal subscriptions are usually the same
+    object."""
+    names = _name_set(requested, wire)
     if WILDCARD in names:
-        return Subscription(wildcard=True, names=names - {WILDCARD})
+        return _subscription(True, names - {WILDCARD})
     if not names and wildcard_capable and not ever_named:
-        return Subscription(wildcard=True, names=frozenset())
-    return Subscription(wildcard=False, names=names)
+        return _subscription(True, frozenset())
+    return _subscription(False, names)
 
 
-@dataclass(frozen=True, slots=True)
-class Watch:
-    """A stream's standing question to the cache: tell me when I need a response of this type."""
+class Watch(NamedTuple):
+    """A stream's standing question to the cache: tell me when I need a response of this type.
+    (A NamedTuple: made for every request, and it is quicker to build than a frozen dataclass.)"""
 
     type_url: TypeUrl
     subscription: Subscription

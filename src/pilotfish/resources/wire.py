@@ -16,6 +16,7 @@ __all__ = [
     "lb_endpoint",
     "length_delimited",
     "nonce_field",
+    "request_names_span",
 ]
 
 # DiscoveryResponse field numbers (envoy/service/discovery/v3/discovery.proto).
@@ -97,3 +98,50 @@ def cluster_load_assignment(name: str, lb_endpoints: Iterable[bytes]) -> bytes:
     """
     group = _EMPTY_LOCALITY + b"".join(length_delimited(2, e) for e in lb_endpoints) + _LOCALITY_WEIGHT_1
     return length_delimited(1, name.encode()) + length_delimited(2, group)
+
+
+_REQUEST_VERSION_TAG = 0x0A  # DiscoveryRequest.version_info (field 1, length-delimited)
+_REQUEST_NAMES_TAG = 0x1A  # DiscoveryRequest.resource_names (field 3)
+
+
+_TYPE_URL_FIELDS: dict[str, bytes] = {}
+
+
+def request_names_span(data: bytes, type_url: str, nonce: str) -> bytes | None:
+    """The encoded ``resource_names`` of a DiscoveryRequest, found without decoding them.
+
+    Only for the layout serializers write for an ACK or a plain request: ``version_info``, then
+    the names, then ``type_url`` and ``response_nonce`` (the parsed request's values, given here)
+    and nothing else. Equal spans then mean equal name lists. None for any other layout (a node, an
+    error detail, other fields): the caller decodes the names instead.
+    """
+    start = 0
+    if data and data[0] == _REQUEST_VERSION_TAG:
+        length, start = _decode_varint(data, 1)
+        start += length
+    tail = _TYPE_URL_FIELDS.get(type_url) if type_url else b""
+    if tail is None:
+        tail = length_delimited(_TYPE_URL, type_url.encode())
+        if len(_TYPE_URL_FIELDS) < 64:
+            _TYPE_URL_FIELDS[type_url] = tail
+    if nonce:
+        tail += length_delimited(_NONCE, nonce.encode())
+    end = len(data) - len(tail)
+    if end < start or not data.endswith(tail):
+        return None
+    if end > start and data[start] != _REQUEST_NAMES_TAG:
+        return None
+    return data[start:end]
+
+
+def _decode_varint(data: bytes, offset: int) -> tuple[int, int]:
+    """(value, offset after it) of the varint at ``offset``."""
+    value = shift = 0
+    while True:
+        byte = data[offset]
+        offset += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, offset
+        shift += 7
+

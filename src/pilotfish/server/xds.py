@@ -24,7 +24,7 @@ from pilotfish.errors import PeerError
 from pilotfish.events import EventLog
 from pilotfish.protocol import RequestKind, SotwStream, Watch
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
-from pilotfish.resources.wire import nonce_field
+from pilotfish.resources.wire import nonce_field, request_names_span
 from pilotfish.server.grpc_server import Call, GrpcServer, MethodFactory, RpcError
 from pilotfish.server.http2 import GrpcStatus
 from pilotfish.snapshot import EncodedResponse
@@ -108,7 +108,7 @@ class _SotwConnection:
             self._close(f"protocol error: undecodable DiscoveryRequest: {exc}")
             raise RpcError(GrpcStatus.INVALID_ARGUMENT, f"undecodable DiscoveryRequest: {exc}") from None
         try:
-            self._on_request(request)
+            self._on_request(request, request_names_span(data, request.type_url, request.response_nonce))
         except PeerError as exc:
             self._close(f"protocol error: {exc}")
             raise RpcError(GrpcStatus.INVALID_ARGUMENT, str(exc)) from None
@@ -121,10 +121,10 @@ class _SotwConnection:
 
     # -- requests and responses -----------------------------------------------------------------
 
-    def _on_request(self, request: discovery_pb2.DiscoveryRequest) -> None:
+    def _on_request(self, request: discovery_pb2.DiscoveryRequest, names_wire: bytes | None) -> None:
         server, state = self._server, self.state
         first = state.node is None
-        outcome = state.on_request(request)
+        outcome = state.on_request(request, names_wire=names_wire)
         if first:
             assert state.node is not None
             self.node_id = state.node.id
