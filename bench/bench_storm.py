@@ -26,7 +26,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import BY_SHORT, Fleet, percentile
+from bench.fleet import BY_SHORT, CLIENTS, Fleet, percentile
 from bench.procs import EventTail, free_port, start_pilotfish
 from bench.workload import Workload
 
@@ -47,8 +47,9 @@ def _errors_text(errors: dict[str, int]) -> str:
 
 
 def run_storm(*, proxies: int, workload: Workload, workers: int = 0, timeout: float = 120.0,
-              workdir: str | Path | None = None) -> tuple[list[list[Any]], dict[str, str]]:
-    """Both phases; table rows and one example message per stream error status."""
+              workdir: str | Path | None = None, client: str = "h2") -> tuple[list[list[Any]], dict[str, str]]:
+    """Both phases; table rows and one example message per stream error status. ``client``: the
+    simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`)."""
     rows: list[list[Any]] = []
     with ExitStack() as stack:
         if workdir is None:
@@ -61,7 +62,7 @@ def run_storm(*, proxies: int, workload: Workload, workers: int = 0, timeout: fl
         first = start_pilotfish(workdir, snapshot=snapshot, xds_port=port, registry=False, name="pilotfish-a")
         stack.callback(first.stop)
         cpu0 = first.cpu_seconds()
-        fleet = Fleet(target=f"127.0.0.1:{port}", proxies=proxies, workers=workers)
+        fleet = Fleet(target=f"127.0.0.1:{port}", proxies=proxies, workers=workers, client=client)
         started = time.time()
         fleet.start()
         stack.callback(fleet.close)
@@ -101,10 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoints", type=int, default=4)
     parser.add_argument("--listeners", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--client", choices=CLIENTS, default="h2",
+                        help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
-    rows, examples = run_storm(proxies=args.proxies, workload=workload, workers=args.workers, timeout=args.timeout)
-    print(f"workload: {workload.describe()}")
+    rows, examples = run_storm(proxies=args.proxies, workload=workload, workers=args.workers, timeout=args.timeout,
+                               client=args.client)
+    print(f"workload: {workload.describe()}; client: {args.client}")
     print_table(STORM_COLUMNS, rows)
     for code, example in examples.items():
         print(f"  e.g. {code}: {example}")

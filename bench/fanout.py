@@ -27,7 +27,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.fleet import EDS, Fleet, percentile
+from bench.fleet import CLIENTS, EDS, Fleet, percentile
 from bench.procs import REPO, ServerProcess, start_pilotfish
 from bench.report import fmt_ms
 from bench.workload import Workload
@@ -123,9 +123,10 @@ def _py_spy(pid: int, output: Path, rate: int = 250) -> subprocess.Popen[bytes]:
 
 def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, workload: Workload,
                quiet_ms: int = 100, change: str = "registry", workers: int = 0, workdir: str | Path | None = None,
-               profile: Path | None = None, change_timeout: float = 60.0, gap: float = 0.3) -> FanoutResult:
+               profile: Path | None = None, change_timeout: float = 60.0, gap: float = 0.3,
+               client: str = "h2") -> FanoutResult:
     """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
-    during the changes."""
+    during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`)."""
     if server == "naive" and change != "file":
         change = "file"  # the naive server has no registry
     with ExitStack() as stack:
@@ -142,7 +143,7 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         stack.callback(proc.stop)
         time.sleep(0.5)
         base_rss = proc.rss_kb()
-        fleet = Fleet(target=proc.xds, proxies=proxies, workers=workers, rate=0)
+        fleet = Fleet(target=proc.xds, proxies=proxies, workers=workers, rate=0, client=client)
         started = time.time()
         fleet.start()
         stack.callback(fleet.close)
@@ -201,15 +202,17 @@ def main() -> int:
     parser.add_argument("--quiet-ms", type=int, default=100)
     parser.add_argument("--server", choices=("pilotfish", "naive"), default="pilotfish")
     parser.add_argument("--change", choices=("registry", "file"), default="registry")
+    parser.add_argument("--client", choices=CLIENTS, default="h2",
+                        help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
     args = parser.parse_args()
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     rows = []
     for n in args.proxies:
         result = run_fanout(server=args.server, proxies=n, changes=args.changes, workload=workload,
-                            quiet_ms=args.quiet_ms, change=args.change)
+                            quiet_ms=args.quiet_ms, change=args.change, client=args.client)
         rows.append(result.row())
         print_table(FANOUT_COLUMNS, [rows[-1]])
-    print(f"\nworkload: {workload.describe()}")
+    print(f"\nworkload: {workload.describe()}; client: {args.client}")
     print_table(FANOUT_COLUMNS, rows)
     return 0
 

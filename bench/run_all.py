@@ -18,12 +18,12 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bench import bench_build, bench_envoy, bench_storm, fanout
-from bench.fleet import percentile
+from bench.fleet import CLIENTS, percentile
 from bench.procs import REPO
 from bench.profiles import summary_table
 from bench.report import machine_facts, markdown_table, print_table
@@ -45,6 +45,8 @@ class Scale:
     baseline_proxies: tuple[int, ...] = (100, 1000)
     profile_proxies: int = 1000
     sovereign: bool = True
+    client: str = "h2"
+    """The simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`)."""
 
 
 FULL = Scale()
@@ -88,6 +90,9 @@ def _wl(workload: Workload) -> list[str]:
 def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     results = Results()
     wl = scale.workload
+    client = scale.client
+    # Commands name the client only when it is not the default.
+    cl = [] if client == "h2" else ["--client", client]
 
     def section(title: str, command: str, columns: list[str], body: Callable[[], list[list[Any]]],
                 notes: list[str] | None = None) -> None:
@@ -109,7 +114,8 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     def fan() -> list[list[Any]]:
         rows = []
         for n in scale.fanout_proxies:
-            r = fanout.run_fanout(proxies=n, changes=scale.changes, workload=wl, quiet_ms=100, change="registry")
+            r = fanout.run_fanout(proxies=n, changes=scale.changes, workload=wl, quiet_ms=100, change="registry",
+                                  client=client)
             results.fanouts[("pilotfish", n)] = r
             rows.append(r.row())
             print_table(fanout.FANOUT_COLUMNS, [rows[-1]])
@@ -119,7 +125,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     fan_notes: list[str] = []
 
     section("Fan-out: one endpoint change (registry API) to N connected proxies",
-            _cmd("bench.fanout", "--proxies", *scale.fanout_proxies, "--changes", scale.changes, *_wl(wl)),
+            _cmd("bench.fanout", "--proxies", *scale.fanout_proxies, "--changes", scale.changes, *_wl(wl), *cl),
             fanout.FANOUT_COLUMNS, fan,
             [f"Snapshot: {wl.describe()}. Each change registers (or deregisters) one instance of `svc-00000` "
              "through `POST/DELETE /v1/services/svc-00000/instances`; t0 is just before the HTTP call, so the "
@@ -127,7 +133,9 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "server's `snapshot_loaded` event instead. Latencies of all proxies over all changes are pooled. "
              "CPU s / push: server utime+stime per change, until it is idle again. `all synced s`: N proxies "
              "connecting at once until each has ACKed CDS, EDS, LDS, RDS. The simulator's client processes run "
-             "on the same 2 cores as the server."])
+             "on the same 2 cores as the server (`simulator CPU s / push`); its proxies use "
+             + ("bench/h2client.py, a lean HTTP/2 gRPC client (`--client grpc`: grpc.aio channels)."
+                if client == "h2" else "grpc.aio channels (`--client grpc`).")])
     results.sections[-1].notes.extend(fan_notes)
 
     # 1b. what bare grpc.aio costs on this machine: the floor under any Python gRPC fan-out.
@@ -185,14 +193,15 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
 
     # 4. reconnect storm.
     def storm() -> list[list[Any]]:
-        rows, examples = bench_storm.run_storm(proxies=scale.storm_proxies, workload=wl, workdir=workdir / "storm")
+        rows, examples = bench_storm.run_storm(proxies=scale.storm_proxies, workload=wl, workdir=workdir / "storm",
+                                               client=client)
         results.storm_rows = rows
         if examples:
             print("examples:", examples)
         return rows
 
     section(f"Reconnect storm: {scale.storm_proxies} proxies at once",
-            _cmd("bench.bench_storm", "--proxies", scale.storm_proxies, *_wl(wl)),
+            _cmd("bench.bench_storm", "--proxies", scale.storm_proxies, *_wl(wl), *cl),
             bench_storm.STORM_COLUMNS, storm, [bench_storm.__doc__.split("\n\n", 1)[1].strip().replace("\n", " ")])
 
     # 5. real Envoy: pilotfish, and Sovereign.
@@ -224,8 +233,9 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         rows = []
         for n in scale.baseline_proxies:
             p = fanout.run_fanout(server="pilotfish", proxies=n, changes=scale.changes, workload=wl, quiet_ms=1,
-                                  change="file")
-            b = fanout.run_fanout(server="naive", proxies=n, changes=scale.changes, workload=wl, change="file")
+                                  change="file", client=client)
+            b = fanout.run_fanout(server="naive", proxies=n, changes=scale.changes, workload=wl, change="file",
+                                  client=client)
             results.fanouts[("pilotfish-file", n)] = p
             results.fanouts[("naive", n)] = b
             rows += [p.row(), b.row()]
@@ -236,8 +246,8 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     side_notes: list[str] = []
     section("Side by side: pilotfish vs a naive sync-grpcio server (same snapshot, file change)",
             _cmd("bench.fanout", "--server", "pilotfish", "--change", "file", "--quiet-ms", 1, "--proxies",
-                 *scale.baseline_proxies, *_wl(wl)) + "  and  " +
-            _cmd("bench.fanout", "--server", "naive", "--proxies", *scale.baseline_proxies, *_wl(wl)),
+                 *scale.baseline_proxies, *_wl(wl), *cl) + "  and  " +
+            _cmd("bench.fanout", "--server", "naive", "--proxies", *scale.baseline_proxies, *_wl(wl), *cl),
             fanout.FANOUT_COLUMNS, baseline,
             ["The naive server (bench/naive_server.py): sync grpcio, a thread per stream, every response built "
              "and serialized per stream, file polled every 20 ms, no debounce. pilotfish runs with "
@@ -270,7 +280,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         def profile() -> list[list[Any]]:
             raw = workdir / f"py-spy-fanout-{scale.profile_proxies}.txt"
             r = fanout.run_fanout(proxies=scale.profile_proxies, changes=scale.changes, workload=wl, quiet_ms=100,
-                                  change="registry", profile=raw)
+                                  change="registry", profile=raw, client=client)
             results.profiles.insert(0, (f"py-spy: pilotfish server during {scale.changes} endpoint changes to "
                                         f"{scale.profile_proxies} proxies (sampled at 250 Hz, Python frames only; "
                                         "time in grpc's Cython/C code is charged to the calling Python frame, "
@@ -279,7 +289,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
 
         section(f"Profiled fan-out run ({scale.profile_proxies} proxies, py-spy attached)",
                 f".venv/bin/py-spy record --pid <server pid> --format raw --rate 250 (during "
-                f"{_cmd('bench.fanout', '--proxies', scale.profile_proxies)})",
+                f"{_cmd('bench.fanout', '--proxies', scale.profile_proxies, *cl)})",
                 fanout.FANOUT_COLUMNS, profile, ["py-spy slows the server; these numbers are not the benchmark."])
 
     with open(workdir / "results.pickle", "wb") as f:
@@ -390,12 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md")
     parser.add_argument("--quick", action="store_true", help="smoke scale (seconds, not minutes)")
     parser.add_argument("--no-sovereign", action="store_true")
+    parser.add_argument("--client", choices=CLIENTS, default="h2",
+                        help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
     parser.add_argument("--workdir", type=Path, help="keep profiles and server files here (default: a temp dir)")
     args = parser.parse_args(argv)
-    scale = QUICK if args.quick else FULL
+    scale = replace(QUICK if args.quick else FULL, client=args.client)
     if args.no_sovereign:
-        from dataclasses import replace
-
         scale = replace(scale, sovereign=False)
     os.chdir(REPO)
     if args.workdir is not None:

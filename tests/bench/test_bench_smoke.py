@@ -30,10 +30,11 @@ def _header(columns: list[str]) -> str:
     return "| " + " | ".join(columns) + " |"
 
 
-def test_fleet_command_converges_every_proxy_and_prints_its_table() -> None:
+@pytest.mark.parametrize("client", ["h2", "grpc"])
+def test_fleet_command_converges_every_proxy_and_prints_its_table(client: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench.fleet", "--proxies", "5", "--changes", "2", "--services", "20",
-         "--listeners", "3"],
+         "--listeners", "3", "--client", client],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr

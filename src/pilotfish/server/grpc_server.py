@@ -173,19 +173,26 @@ class Call:
             return True
         write, header, max_frame = conn.write, h2.frame_header, conn.peer_max_frame
         while pending:
-            if conn.paused or conn.window <= 0 or self.window <= 0:
+            budget = min(self.window, conn.window, max_frame)
+            if conn.paused or budget <= 0:
                 return False
-            chunk = pending[0]
-            n = min(len(chunk), self.window, conn.window, max_frame)
-            write(header(n, h2.DATA, 0, self.id))
-            if n == len(chunk):
-                write(chunk)
-                pending.popleft()
-            else:
-                write(chunk[:n])
-                pending[0] = chunk[n:]
-            self.window -= n
-            conn.window -= n
+            size = 0
+            parts = []
+            while pending and size < budget:  # one frame may carry several pieces
+                chunk = pending[0]
+                take = min(len(chunk), budget - size)
+                if take == len(chunk):
+                    parts.append(chunk)
+                    pending.popleft()
+                else:
+                    parts.append(chunk[:take])
+                    pending[0] = chunk[take:]
+                size += take
+            write(header(size, h2.DATA, 0, self.id))
+            for part in parts:
+                write(part)
+            self.window -= size
+            conn.window -= size
         self._pending = None
         if self._trailers is not None:
             block, self._trailers = self._trailers, None
@@ -393,9 +400,11 @@ class _Connection(asyncio.Protocol):
             if flags & h2.END_STREAM:
                 self._on_remote_end(call)
             return
-        if stream_id <= self._last_stream or not stream_id % 2:
-            self._fail(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id} cannot be opened now")
+        if not stream_id % 2:
+            self._fail(ErrorCode.PROTOCOL_ERROR, f"a client cannot open even-numbered stream {stream_id}")
             return
+        if stream_id <= self._last_stream:
+            return  # a stream that has ended (decoding its headers kept HPACK in step)
         self._last_stream = stream_id
         self._open_call(stream_id, flags, {name: value for name, value in headers})
 
