@@ -10,10 +10,12 @@
 
 "failures" = proxies that never synced within the timeout. "streams broken by the server" = streams
 the server's event log shows closing while the fleet still ran (refused, cancelled, errored).
-"client stream errors" = streams the proxies opened after the server was up that failed; after a
-restart these are mostly UNAVAILABLE from a channel still in its reconnect backoff (gRPC fails a
-call at once in that state, carrying the old server's GOAWAY message "Cancelling all calls"), which
-the proxy retries, as Envoy does.
+"client stream errors" = streams the proxies opened after the server was up that failed. With the
+default client (bench/h2client.py, a new connection per stream) there are normally none: a stream
+opened while the server was down fails to connect (UNAVAILABLE) before ``up``. With ``--client
+grpc`` a restart leaves some UNAVAILABLE from a channel still in its reconnect backoff (gRPC fails
+a call at once in that state, carrying the old server's last message), which the proxy retries, as
+Envoy does.
 """
 
 from __future__ import annotations

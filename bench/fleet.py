@@ -3,8 +3,8 @@ plane running in another process.
 
 Theory of operation
 -------------------
-Each simulated proxy owns a gRPC channel (its own TCP connection, as each Envoy has) and one
-``StreamAggregatedResources`` stream on it, and talks like Envoy does:
+Each simulated proxy owns a TCP connection (as each Envoy has) and one ``StreamAggregatedResources``
+stream on it, and talks like Envoy does:
 
 1. it opens the stream with a wildcard CDS request carrying its node (only on the first message,
    as with ``set_node_on_first_message_only``);
@@ -16,7 +16,16 @@ Each simulated proxy owns a gRPC channel (its own TCP connection, as each Envoy 
    1 s, Envoy's ``retry_back_off`` in pilotfish's bootstrap) and re-sends every subscription with
    the last version it ACKed, as Envoy does.
 
-Each ACK's send time (``time.time()``, just after the write was handed to gRPC) is recorded per
+The conversation (:meth:`_Proxy.open_stream`, :meth:`_Proxy.on_response`) does no I/O; one of two
+clients carries it (``--client``):
+
+- ``h2`` (default): bench/h2client.py, a lean HTTP/2 gRPC client on an asyncio Protocol. Each
+  response is decoded and answered inside the connection's data callback; each stream gets a new
+  connection, as Envoy makes one per reconnect. It costs about a third of grpc.aio's CPU per push,
+  so the simulator (on the server's cores) distorts the measurement less.
+- ``grpc``: a grpc.aio channel per proxy (one subchannel each), which reconnects by itself.
+
+Each ACK's send time (``time.time()``, just after the write was handed to the client) is recorded per
 type and version, so the coordinator can ask "when had every proxy ACKed EDS version V?" after a
 change it made at time t0. Clocks are epoch seconds so they compare with the server's event log.
 
@@ -87,7 +96,7 @@ class FleetError(RuntimeError):
 
 
 # --------------------------------------------------------------------------------------------
-# Worker side: simulated proxies (imports grpc; runs only in worker processes)
+# Worker side: simulated proxies (runs only in worker processes; imports grpc only for --client grpc)
 # --------------------------------------------------------------------------------------------
 
 
