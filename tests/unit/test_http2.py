@@ -24,6 +24,10 @@ class RecordingTransport:
     def write(self, data: bytes) -> None:
         self.written += data
 
+    def writelines(self, data: list[bytes]) -> None:
+        for piece in data:
+            self.written += piece
+
     def is_closing(self) -> bool:
         return self.closed
 
@@ -146,3 +150,21 @@ async def test_a_bad_preface_is_a_connection_error() -> None:
     assert transport.closed
     goaway = [p for kind, _, _, p in frames(transport.written) if kind == h2.GOAWAY]
     assert goaway and h2.unpack_u32(goaway[0], 4) == h2.ErrorCode.PROTOCOL_ERROR
+
+
+async def test_a_large_response_within_the_windows_is_cut_at_the_peer_frame_size() -> None:
+    calls.clear()
+    conn = _Connection(GrpcServer({"/svc/Method": Recorder}))
+    transport = RecordingTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    opening = client_bytes()[: len(client_bytes()) - 9 - len(message(b"echo"))]
+    conn.data_received(opening + h2.window_update(0, 1 << 24))
+    [handler] = calls
+    conn.flush_out()
+    transport.written.clear()
+    first, second = bytes(range(256)) * 70, b"\x07" * 20_000  # 17,920 + 20,000 bytes, two parts
+    handler.call.send(first, second)
+    conn.flush_out()
+    data = [(flags, p) for kind, flags, _, p in frames(transport.written) if kind == h2.DATA]
+    assert [len(p) for _, p in data] == [16_384, 16_384, 17_920 + 20_000 + 5 - 2 * 16_384]
+    assert b"".join(p for _, p in data) == message(first + second)
