@@ -120,6 +120,8 @@ async def test_compressed_messages_are_refused_with_a_reason(running: Running) -
             await call.write(request)
         assert await asyncio.wait_for(call.code(), TIMEOUT) == grpc.StatusCode.UNIMPLEMENTED
         assert "uncompressed" in (await call.details() or "")
+    # the transport ended the call: the xDS stream behind it is closed too, its watches gone
+    await wait_until(lambda: running.xds.open_streams == 0)
 
 
 async def test_a_cancelled_client_frees_its_stream_and_watches(running: Running) -> None:

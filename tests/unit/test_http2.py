@@ -45,7 +45,7 @@ class Recorder:
         self.call = call
         self.messages: list[bytes] = []
         self.half_closed = False
-        self.cancelled: str | None = None
+        self.closed_reason: str | None = None
         calls.append(self)
 
     def on_message(self, data: bytes) -> None:
@@ -56,8 +56,8 @@ class Recorder:
     def on_half_close(self) -> None:
         self.half_closed = True
 
-    def on_cancel(self, reason: str) -> None:
-        self.cancelled = reason
+    def on_closed(self, reason: str) -> None:
+        self.closed_reason = reason
 
 
 calls: list[Recorder] = []
@@ -107,7 +107,7 @@ async def test_messages_arrive_whole_however_the_bytes_are_cut(chunk: int) -> No
     await asyncio.sleep(0)  # writes go out at the end of the loop turn
     [handler] = calls
     assert handler.messages == [b"one", b"two", b"x" * 30_000, b"echo"]
-    assert handler.half_closed and handler.cancelled is None
+    assert handler.half_closed and handler.closed_reason == "finished"
     sent = frames(transport.written)
     kinds = [(kind, flags, stream) for kind, flags, stream, _ in sent]
     assert (h2.SETTINGS, h2.ACK, 0) in kinds

@@ -18,7 +18,7 @@ dead peers at no Python cost.
 
 Applications register *methods*: ``path -> factory(call) -> handler``. A handler is called back
 synchronously: ``on_message(bytes)``, ``on_half_close()`` (the client has sent all it will),
-``on_cancel(reason)`` (the stream is gone). It answers through the :class:`Call`: ``send(*parts)``
+``on_closed(reason)`` (the call is over, however it ended: exactly once). It answers through the :class:`Call`: ``send(*parts)``
 writes one message made of ``parts``, ``finish(code, message)`` ends the call with trailers.
 """
 
@@ -81,7 +81,7 @@ class Handler(Protocol):
 
     def on_half_close(self) -> None: ...
 
-    def on_cancel(self, reason: str) -> None: ...
+    def on_closed(self, reason: str) -> None: ...
 
 
 MethodFactory = Callable[["Call"], Handler]
@@ -116,8 +116,8 @@ class Call:
         """DATA waiting for flow-control window (views of shared bytes: nothing is copied)."""
         self._received: bytearray | None = None
         """A message's bytes so far, when one spans DATA frames."""
-        self._trailers: bytes | None = None
-        """The trailers' header block, when they wait behind pending DATA."""
+        self._trailers: tuple[bytes, str] | None = None
+        """The trailers' header block (and why the call ends), when they wait behind pending DATA."""
 
     @property
     def peer(self) -> str:
@@ -181,10 +181,11 @@ class Call:
         else:  # trailers-only response
             block = _RESPONSE_HEADERS + h2.header_block(_trailers(code, message))
             self._headers_sent = True
+        reason = "finished" if code == GrpcStatus.OK else f"finished with gRPC status {code}: {message}"
         if self._pending:
-            self._trailers = block
+            self._trailers = (block, reason)
         else:
-            self._conn.end_call(self, block)
+            self._conn.end_call(self, block, reason)
 
     def drain(self) -> bool:
         """Send what flow control allows of the pending DATA. True when all of it has gone."""
@@ -215,8 +216,8 @@ class Call:
             conn.window -= size
         self._pending = None
         if self._trailers is not None:
-            block, self._trailers = self._trailers, None
-            conn.end_call(self, block)
+            (block, reason), self._trailers = self._trailers, None
+            conn.end_call(self, block, reason)
         return True
 
 
@@ -543,13 +544,18 @@ class _Connection(asyncio.Protocol):
         flags = h2.END_HEADERS | (h2.END_STREAM if end_stream else 0)
         self.write(h2.frame(h2.HEADERS, flags, stream_id, block))
 
-    def end_call(self, call: Call, block: bytes) -> None:
+    def end_call(self, call: Call, block: bytes, reason: str) -> None:
         """Write ``call``'s final header block; the stream is done on our side."""
         if self._calls.get(call.id) is not call or self.transport.is_closing():
             return
         self.write_headers(call.id, block, end_stream=True)
         del self._calls[call.id]
         self._waiting.pop(call, None)
+        # Tell a handler that did not end the call itself (a no-op for one that did), and drop
+        # it: the handler holds the call, and no cycle is left for the GC to find.
+        handler, call.handler = call.handler, None
+        if handler is not None:
+            handler.on_closed(reason)
         if not call.remote_closed:  # tell the client to stop sending (RFC 9113 section 8.1)
             self.write(h2.rst_stream(call.id, ErrorCode.NO_ERROR))
 
@@ -573,9 +579,9 @@ class _Connection(asyncio.Protocol):
         handler, call.handler = call.handler, None
         if handler is not None:
             try:
-                handler.on_cancel(reason)
+                handler.on_closed(reason)
             except Exception:
-                _log.exception("on_cancel of stream %d failed", call.id)
+                _log.exception("on_closed of stream %d failed", call.id)
 
     def _fail(self, code: int, reason: str) -> None:
         """A connection error: GOAWAY, then close (every call is cancelled in connection_lost)."""
@@ -596,7 +602,7 @@ class _Connection(asyncio.Protocol):
             handler, call.handler = call.handler, None
             call.finish(GrpcStatus.UNAVAILABLE, message)
             if handler is not None:
-                handler.on_cancel(message)
+                handler.on_closed(message)
         self.write(h2.goaway(self._last_stream, ErrorCode.NO_ERROR, message.encode()))
         self.flush_out()
         self.transport.close()

@@ -79,7 +79,7 @@ class _SotwConnection:
     """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
     the cache's responses are written as it hands them over."""
 
-    __slots__ = ("_call", "_cancels", "_current", "_respond", "_server", "closed", "group", "id",
+    __slots__ = ("_call", "_cancels", "_current", "_server", "closed", "group", "id",
                  "node_id", "state", "type_url")
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
@@ -94,7 +94,6 @@ class _SotwConnection:
         self._cancels: dict[TypeUrl, Cancel] = {}
         self._current: dict[TypeUrl, Watch] = {}
         """The newest watch per type: a response to an older one is dropped unsent."""
-        self._respond = self._send  # one bound method for every watch of the stream
         server.open_streams += 1
 
     # -- the call's callbacks -------------------------------------------------------------------
@@ -116,7 +115,7 @@ class _SotwConnection:
     def on_half_close(self) -> None:
         self._close("closed by client")
 
-    def on_cancel(self, reason: str) -> None:
+    def on_closed(self, reason: str) -> None:
         self._close(reason)
 
     # -- requests and responses -----------------------------------------------------------------
@@ -155,7 +154,7 @@ class _SotwConnection:
             if previous is not None:
                 previous()
             self._current[url] = watch
-            self._cancels[url] = server.cache.create_watch(watch, self._respond, self.group)
+            self._cancels[url] = server.cache.create_watch(watch, self._send, self.group)
 
     def _send(self, watch: Watch, response: EncodedResponse) -> None:
         """The cache's callback: write the response now (the transport queues what flow control
