@@ -18,8 +18,9 @@ dead peers at no Python cost.
 
 Applications register *methods*: ``path -> factory(call) -> handler``. A handler is called back
 synchronously: ``on_message(bytes)``, ``on_half_close()`` (the client has sent all it will),
-``on_closed(reason)`` (the call is over, however it ended: exactly once). It answers through the :class:`Call`: ``send(*parts)``
-writes one message made of ``parts``, ``finish(code, message)`` ends the call with trailers.
+``on_closed(reason)`` (the call is over, however it ended: exactly once). It answers through the
+:class:`Call`: ``send(*parts)`` writes one message made of ``parts``, ``finish(code, message)``
+ends the call with trailers.
 """
 
 from __future__ import annotations
