@@ -249,6 +249,11 @@ class Reconciler:
             finally:
                 self._debouncer.finish_build()
 
+    @property
+    def idle(self) -> bool:
+        """Nothing is waiting to be built (no debounce or flap-hold deadline pending)."""
+        return self._next_deadline() is None
+
     def _next_deadline(self) -> float | None:
         deadlines = [d for d in (self._debouncer.deadline(), self._hold_until) if d is not None]
         return min(deadlines) if deadlines else None

@@ -107,6 +107,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                               on_state=lambda state: reconciler.update("etcd", state))
             tasks.append(asyncio.create_task(etcd.run(), name="etcd-source"))
         tasks.append(asyncio.create_task(reconciler.run(), name="reconciler"))
+        tasks.append(asyncio.create_task(_tidy_heap_when_idle(lambda: reconciler.idle), name="gc"))
         if settings.snapshot is not None:
             tasks.append(asyncio.create_task(follow_file(settings.snapshot), name="file-source"))
 
@@ -117,6 +118,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 loop.add_signal_handler(sig, stop.set)
         # Long-lived objects (the API modules, snapshots, streams) need no cyclic collection; a
         # fan-out allocates many short-lived ones, so collect the young generation less often.
+        # _tidy_heap_when_idle keeps freezing what lives on.
         gc.freeze()
         gc.set_threshold(50_000, 20, 100)
         if started is not None and not started.done():
@@ -138,3 +140,33 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         for cleanup in cleanups:
             await cleanup()
         events.close()
+
+
+async def _tidy_heap_when_idle(idle: Callable[[], bool], *, every: float = 1.0, young_limit: int = 20_000,
+                               full_every: float = 3600.0) -> None:
+    """Keep cyclic GC pauses off the path of a change.
+
+    A GC pass costs time in proportion to the objects it looks at, and thousands of streams are
+    hundreds of thousands of long-lived objects: left to itself, a collection that happens to
+    start during a fan-out stalls it for tens of milliseconds (measured: 40 ms at 1,000 proxies).
+    So when nothing is waiting to be built and the event loop is not busy, collect what is new
+    (cheap: frozen objects are not looked at) and freeze what survives. Once every
+    ``full_every`` seconds, at such a moment, unfreeze and collect everything, so that no cyclic
+    garbage stays frozen for long.
+    """
+    loop = asyncio.get_running_loop()
+    last_full = loop.time()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(every)
+        if loop.time() - start > every + 0.02 or not idle():
+            continue  # the loop is busy, or a build is coming: not now
+        if loop.time() - last_full >= full_every:
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+            last_full = loop.time()
+        elif sum(len(gc.get_objects(generation)) for generation in range(3)) > young_limit:
+            gc.collect()
+            gc.freeze()
+
