@@ -56,7 +56,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.procs import REPO, cpu_seconds, raise_fd_limit
 
@@ -187,8 +187,61 @@ def _in_order(names: frozenset[str] | None) -> tuple[str, ...]:
     return tuple(sorted(names or ()))
 
 
-_Send = tuple[Any, bool]
+class _Req(NamedTuple):
+    """A DiscoveryRequest to send, before encoding."""
+
+    type_url: str
+    version_info: str
+    response_nonce: str
+    resource_names: tuple[str, ...]
+    node: Any
+    """The proxy's node on a stream's first request, else None."""
+
+
+_Send = tuple[_Req, bool]
 """A request to write, and whether it is an ACK (its send time is then recorded)."""
+
+_PREFIXES: dict[tuple[str, str, tuple[str, ...]], bytes] = {}
+
+
+def _encode(request: _Req) -> bytes:
+    """The request's bytes, as protobuf lays them out (field order: version_info, node,
+    resource_names, type_url, response_nonce). A worker's proxies send the same ACK but for the
+    nonce, so all but the nonce is encoded once per (type, version, names)."""
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    if request.node is not None:
+        return _message(request).SerializeToString()
+    key = (request.type_url, request.version_info, request.resource_names)
+    prefix = _PREFIXES.get(key)
+    if prefix is None:
+        if len(_PREFIXES) > 4096:
+            _PREFIXES.clear()
+        prefix = _PREFIXES[key] = discovery_pb2.DiscoveryRequest(
+            type_url=request.type_url, version_info=request.version_info,
+            resource_names=request.resource_names).SerializeToString()
+    nonce = request.response_nonce.encode()
+    return prefix + b"\x2a" + _varint(len(nonce)) + nonce if nonce else prefix
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _message(request: _Req) -> Any:
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    message = discovery_pb2.DiscoveryRequest(type_url=request.type_url, version_info=request.version_info,
+                                             response_nonce=request.response_nonce,
+                                             resource_names=request.resource_names)
+    if request.node is not None:
+        message.node.CopyFrom(request.node)
+    return message
 
 
 class _Proxy:
@@ -228,14 +281,13 @@ class _Proxy:
 
     # -- the xDS conversation ------------------------------------------------------------------
 
-    def _request(self, type_url: str, version: str, nonce: str, resource_names: Iterable[str] = (),
+    def _request(self, type_url: str, version: str, nonce: str, resource_names: tuple[str, ...] = (),
                  ack: bool = False) -> _Send:
-        request = self._request_cls(type_url=type_url, version_info=version, response_nonce=nonce,
-                                    resource_names=resource_names)
+        node = None
         if self._first:
-            request.node.CopyFrom(self.node)
+            node = self.node
             self._first = False
-        return request, ack
+        return _Req(type_url, version, nonce, resource_names, node), ack
 
     def open_stream(self) -> list[_Send]:
         """A new stream (re)subscribes to everything it had, with the versions it has (no nonces)."""
@@ -351,14 +403,14 @@ class _Proxy:
 
         def on_message(data: bytes) -> None:
             for request, ack in self.on_response(decode(data)):
-                call.write(request.SerializeToString())
+                call.write(_encode(request))
                 if ack:
                     self.acked(request)
 
         try:
             call = channel.call(ADS_METHOD, on_message=on_message)
             for request, _ in self.open_stream():
-                call.write(request.SerializeToString())
+                call.write(_encode(request))
             await call.wait_closed()
             return "CLOSED_BY_SERVER", ""
         except H2Error as exc:
@@ -373,13 +425,13 @@ class _Proxy:
         call = method()
         try:
             for request, _ in self.open_stream():
-                await call.write(request)
+                await call.write(_message(request))
             while True:
                 response = await call.read()
                 if response is grpc.aio.EOF:
                     return "CLOSED_BY_SERVER", ""
                 for request, ack in self.on_response(response):
-                    await call.write(request)  # the ACK's time is taken once grpc has it
+                    await call.write(_message(request))  # the ACK's time is taken once grpc has it
                     if ack:
                         self.acked(request)
         except grpc.aio.AioRpcError as exc:
@@ -508,7 +560,7 @@ class Fleet:
     target: str
     proxies: int
     workers: int = 0
-    """0: one per :data:`MAX_PER_WORKER` proxies (at least one)."""
+    """0: one per :data:`MAX_PER_WORKER` proxies, and at least one per core for 250 proxies or more."""
     rate: float = 0.0
     """Proxies started per second in each worker (0: all at once)."""
     client: str = "h2"
@@ -523,7 +575,9 @@ class Fleet:
         if self.client not in CLIENTS:
             raise ValueError(f"client {self.client!r}: one of {', '.join(CLIENTS)}")
         if self.workers <= 0:
-            self.workers = max(1, math.ceil(self.proxies / MAX_PER_WORKER))
+            # Real proxies run in parallel: use every core for a fleet big enough to keep them busy.
+            self.workers = max(min(os.cpu_count() or 1, math.ceil(self.proxies / 250)),
+                               math.ceil(self.proxies / MAX_PER_WORKER), 1)
         self.workers = min(self.workers, max(1, self.proxies))
 
     def start(self) -> None:

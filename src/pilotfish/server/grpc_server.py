@@ -50,6 +50,8 @@ CONNECTION_WINDOW = 64 * _MB
 MAX_CONCURRENT_STREAMS = 256
 MAX_HEADER_LIST = 64 * 1024
 MAX_RECEIVE_MESSAGE = 64 * _MB
+FLUSH_BATCH = 128
+"""Connections with output that wait for one flush, at most (see :meth:`GrpcServer.mark_dirty`)."""
 LISTEN_BACKLOG = 65_535  # the kernel caps it at net.core.somaxconn; a reconnect storm needs it
 # TCP keepalive: an idle peer that vanished (no FIN, no RST) is found within ~60 s.
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
@@ -620,10 +622,19 @@ class GrpcServer:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def mark_dirty(self, conn: _Connection) -> None:
-        """``conn`` has output this turn: flush it (with every other such one) at the turn's end."""
-        if not self._dirty:
+        """``conn`` has output this turn: flush it (with every other such one) at the turn's end,
+        or sooner once :data:`FLUSH_BATCH` connections wait, so that in a fan-out to thousands the
+        first proxies get their response while the rest are still being written."""
+        dirty = self._dirty
+        if not dirty:
             (self._loop or asyncio.get_running_loop()).call_soon(self._flush)
-        self._dirty.append(conn)
+        elif len(dirty) >= FLUSH_BATCH:
+            self._dirty = []
+            for waiting in dirty:
+                waiting.flush_out()
+            self._dirty.append(conn)
+            return
+        dirty.append(conn)
 
     def _flush(self) -> None:
         dirty, self._dirty = self._dirty, []
