@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType
 from pilotfish.resources.builders import ResourceMemo, encode_services
-from pilotfish.resources.services import Endpoint, ServiceSpec, endpoint_order
+from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import ENDPOINT, LISTENER, ROUTE
 from pilotfish.snapshot import Resource, Snapshot
 from pilotfish.validate import check_references
@@ -44,7 +44,7 @@ class DesiredState:
 
     def __post_init__(self) -> None:
         # Endpoint order carries no meaning: normalize it so equal sets compare equal.
-        ordered = {name: tuple(sorted(found, key=endpoint_order)) for name, found in self.endpoints.items()}
+        ordered = {name: tuple(sorted(found)) for name, found in self.endpoints.items()}
         object.__setattr__(self, "endpoints", ordered)
 
     @classmethod
@@ -98,7 +98,7 @@ def merge_states(states: Mapping[str, DesiredState]) -> Merged:
     version = versions.pop() if len(contributing) == 1 and len(versions) == 1 else None
     return Merged(
         services=services,
-        endpoints={name: tuple(sorted(by.values(), key=endpoint_order)) for name, by in endpoints.items()},
+        endpoints={name: tuple(sorted(by.values())) for name, by in endpoints.items()},
         resources={t: tuple(m) for t, m in resources.items()},
         version=version,
         problems=tuple(problems),

@@ -298,9 +298,11 @@ class Reconciler:
             _log.error("%s\nstill serving the last good snapshot", error.describe())
             raise error
         self.last_error = None
+        started = time.perf_counter()
         answered = self.cache.set_snapshot(snapshot, self._group)
+        pushed_ms = round((time.perf_counter() - started) * 1000, 3)
         self.published += 1
         self._events.emit("snapshot_loaded", version=snapshot.label(), versions=snapshot.versions(),
-                          watches_answered=answered)
+                          watches_answered=answered, push_ms=pushed_ms)
         _log.info("snapshot %s published (%s)", snapshot.label(), snapshot.versions())
         return snapshot

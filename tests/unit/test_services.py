@@ -131,7 +131,8 @@ def test_hand_encoded_resources_match_protobuf_encoding() -> None:
     from pilotfish.resources.builders import build_assignment, build_cluster, encode_assignment, encode_cluster
     from pilotfish.resources.services import HealthCheck
 
-    endpoints = (Endpoint("10.1.2.3", 65535, 128), Endpoint("127.0.0.1", 9001), Endpoint("::1", 80, 3))
+    endpoints = (Endpoint("10.1.2.3", 65535, 128), Endpoint("127.0.0.1", 9001), Endpoint("::1", 80, 3),
+                 Endpoint("h" * 119, 1, 1), Endpoint("h" * 120, 1, 1), Endpoint("host-" * 30, 8080, 70_000))
     assert encode_assignment("web" * 50, endpoints) == build_assignment("web" * 50, endpoints).SerializeToString(
         deterministic=True)
     with_metadata = (Endpoint("127.0.0.1", 1, 1, (("zone", "a"),)),)

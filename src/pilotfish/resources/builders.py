@@ -40,7 +40,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
-from pilotfish.resources.services import Endpoint, ServiceSpec, endpoint_order
+from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, ResourceType
 from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, length_delimited
 
@@ -118,7 +118,7 @@ def build_cluster(spec: ServiceSpec) -> cluster_pb2.Cluster:
 
 def build_assignment(name: str, endpoints: Iterable[Endpoint]) -> endpoint_pb2.ClusterLoadAssignment:
     lb_endpoints = []
-    for endpoint in sorted(endpoints, key=endpoint_order):
+    for endpoint in sorted(endpoints):
         lb_endpoint = endpoint_components_pb2.LbEndpoint(
             endpoint=endpoint_components_pb2.Endpoint(address=_socket(endpoint.host, endpoint.port)),
             load_balancing_weight=wrappers_pb2.UInt32Value(value=endpoint.weight),
@@ -197,7 +197,7 @@ def encode_cluster(spec: ServiceSpec) -> bytes:
 
 
 def encode_assignment(name: str, endpoints: Iterable[Endpoint]) -> bytes:
-    ordered = sorted(endpoints, key=endpoint_order)
+    ordered = sorted(endpoints)
     if any(e.metadata for e in ordered):
         encoded: bytes = build_assignment(name, ordered).SerializeToString(deterministic=True)
         return encoded
@@ -254,7 +254,7 @@ def encode_services(
 
     for name in sorted(specs):
         spec = specs[name]
-        found = tuple(sorted(endpoints.get(name, ()), key=endpoint_order))
+        found = tuple(sorted(endpoints.get(name, ())))
         out[CLUSTER].append(memo.get(("cluster", spec), cluster, spec))
         out[ENDPOINT].append(memo.get(("endpoints", name, found), assignment, name, found))
         if spec.listen is not None:

@@ -50,7 +50,9 @@ class Endpoint(NamedTuple):
 
 
 def endpoint_order(endpoint: Endpoint) -> tuple[str, int]:
-    """Sort key: endpoints are ordered by address (unique within a service)."""
+    """Sort key: endpoints are ordered by address (unique within a service). Since an Endpoint is
+    a tuple starting (host, port), plain ``sorted(endpoints)`` gives the same order, faster: that
+    is what pilotfish itself uses."""
     return (endpoint.host, endpoint.port)
 
 
@@ -228,7 +230,7 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
         return None, (), problems
     spec = ServiceSpec(name=name, listen=listen, protocol=protocol, connect_timeout=connect_timeout,
                        timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health)
-    return spec, tuple(sorted(endpoints, key=endpoint_order)), problems
+    return spec, tuple(sorted(endpoints)), problems
 
 
 def _health_check(value: Any, where: str, problems: list[Problem]) -> HealthCheck | None:

@@ -77,16 +77,24 @@ _EMPTY_LOCALITY = length_delimited(1, b"")
 _LOCALITY_WEIGHT_1 = length_delimited(3, _varint_field(1, 1))
 
 
+_LB_ENDPOINT = b"\x0a%c\x0a%c\x0a%c\x12%c%b\x18%b\x22%c\x08%b"
+
+
 def lb_endpoint(host: str, port: int, weight: int) -> bytes:
     """An encoded ``LbEndpoint`` with a socket address and a load-balancing weight."""
     # Written out (tags as literals) because a large fleet has hundreds of thousands of these:
     # LbEndpoint{1: Endpoint{1: Address{1: SocketAddress{2: host, 3: port}}}, 4: UInt32Value{1: weight}}
     small = _SMALL
     raw_host = host.encode()
-    socket = b"\x12" + small[len(raw_host)] + raw_host + b"\x18" + _varint(port)
+    port_bytes, weight_bytes = _varint(port), _varint(weight)
+    size = 3 + len(raw_host) + len(port_bytes)  # of the SocketAddress
+    if size < 124:  # every length below fits one byte: one formatting, no intermediate bytes
+        return _LB_ENDPOINT % (size + 4, size + 2, size, len(raw_host), raw_host, port_bytes,
+                               len(weight_bytes) + 1, weight_bytes)
+    socket = b"\x12" + small[len(raw_host)] + raw_host + b"\x18" + port_bytes
     address = b"\x0a" + small[len(socket)] + socket
     endpoint = b"\x0a" + small[len(address)] + address
-    weight_value = b"\x08" + _varint(weight)
+    weight_value = b"\x08" + weight_bytes
     return b"\x0a" + small[len(endpoint)] + endpoint + b"\x22" + small[len(weight_value)] + weight_value
 
 
