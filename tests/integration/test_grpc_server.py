@@ -200,3 +200,25 @@ async def test_a_change_between_the_first_read_and_the_watch_is_not_lost(tmp_pat
     state = await asyncio.wait_for(anext(watch), TIMEOUT)
     assert not isinstance(state, Exception) and state.version == "2"
     await watch.aclose()
+
+
+async def test_an_idle_server_freezes_what_lives_on_and_a_busy_one_does_not() -> None:
+    import gc
+
+    from pilotfish.server.run import _tidy_heap_when_idle
+
+    keep = [{"n": n} for n in range(5_000)]  # long-lived objects the GC would keep looking at
+    idle = False
+    task = asyncio.create_task(_tidy_heap_when_idle(lambda: idle, every=0.02, young_limit=1_000))
+    try:
+        frozen = gc.get_freeze_count()
+        await asyncio.sleep(0.2)
+        assert gc.get_freeze_count() == frozen  # a build is pending: leave the heap alone
+        idle = True
+        async with asyncio.timeout(TIMEOUT):
+            while gc.get_freeze_count() < frozen + len(keep):
+                await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+        gc.unfreeze()
+    assert keep

@@ -199,3 +199,4 @@ async def test_a_refused_port_is_reported(tmp_path: Path) -> None:
             await start_xds_server(XdsServer(SnapshotCache()), f"127.0.0.1:{taken.getsockname()[1]}")
     finally:
         taken.close()
+
