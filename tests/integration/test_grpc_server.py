@@ -207,7 +207,7 @@ async def test_an_idle_server_freezes_what_lives_on_and_a_busy_one_does_not() ->
 
     from pilotfish.server.run import _tidy_heap_when_idle
 
-    keep = [{"n": n} for n in range(5_000)]  # long-lived objects the GC would keep looking at
+    keep = [[n] for n in range(5_000)]  # long-lived containers the GC would keep looking at
     idle = False
     task = asyncio.create_task(_tidy_heap_when_idle(lambda: idle, every=0.02, young_limit=1_000))
     try:
