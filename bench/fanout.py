@@ -34,7 +34,7 @@ from bench.workload import Workload
 
 __all__ = ["FANOUT_COLUMNS", "FanoutResult", "run_fanout", "start_naive"]
 
-FANOUT_COLUMNS = ["server", "proxies", "change", "quiet ms", "all synced s", "p50 ms", "p99 ms", "max ms",
+FANOUT_COLUMNS = ["server", "proxies", "change", "quiet ms", "event log", "all synced s", "p50 ms", "p99 ms", "max ms",
                   "p99 after publish ms", "CPU s / push", "simulator CPU s / push", "RSS KB / idle stream", "failures",
                   "stream errors"]
 
@@ -46,6 +46,8 @@ class FanoutResult:
     change: str
     quiet_ms: int
     sync_seconds: float
+    event_log: str = "all"
+    """The server's ``--event-log-level`` (``-``: a server without one)."""
     latencies: list[float] = field(default_factory=list)
     after_publish: list[float] = field(default_factory=list)
     cpu_per_push: list[float] = field(default_factory=list)
@@ -69,7 +71,7 @@ class FanoutResult:
 
     def row(self) -> list[object]:
         errors = sum(self.stream_errors.values())
-        return [self.server, self.proxies, self.change, self.quiet_ms, round(self.sync_seconds, 2),
+        return [self.server, self.proxies, self.change, self.quiet_ms, self.event_log, round(self.sync_seconds, 2),
                 fmt_ms(self.p(50)), fmt_ms(self.p(99)), fmt_ms(max(self.latencies, default=float("nan"))),
                 fmt_ms(percentile(self.after_publish, 99)), round(self.cpu, 3),
                 round(sum(self.client_cpu_per_push) / max(1, len(self.client_cpu_per_push)), 3),
@@ -124,9 +126,11 @@ def _py_spy(pid: int, output: Path, rate: int = 250) -> subprocess.Popen[bytes]:
 def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, workload: Workload,
                quiet_ms: int = 100, change: str = "registry", workers: int = 0, workdir: str | Path | None = None,
                profile: Path | None = None, change_timeout: float = 60.0, gap: float = 0.3,
-               client: str = "h2") -> FanoutResult:
+               client: str = "h2", event_log_level: str = "all") -> FanoutResult:
     """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
-    during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`)."""
+    during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`);
+    ``event_log_level``: pilotfish's ``--event-log-level`` (``changes`` leaves out the lines of
+    every request and response)."""
     if server == "naive" and change != "file":
         change = "file"  # the naive server has no registry
     with ExitStack() as stack:
@@ -137,7 +141,8 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         snapshot = workdir / "snapshot.json"
         workload.write(snapshot)
         if server == "pilotfish":
-            proc = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry")
+            proc = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry",
+                                   extra=("--event-log-level", event_log_level))
         else:
             proc = start_naive(workdir, snapshot=snapshot)
         stack.callback(proc.stop)
@@ -150,7 +155,8 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         synced = fleet.wait_synced(timeout=max(60.0, proxies / 100))
         result = FanoutResult(server=server, proxies=proxies, change=change,
                               quiet_ms=quiet_ms if server == "pilotfish" else 0,
-                              sync_seconds=max(synced.latencies(started), default=float("nan")))
+                              sync_seconds=max(synced.latencies(started), default=float("nan")),
+                              event_log=event_log_level if server == "pilotfish" else "-")
         if synced.failures:
             result.failures = synced.failures
             result.stream_errors = fleet.errors()
@@ -207,12 +213,15 @@ def main() -> int:
     parser.add_argument("--change", choices=("registry", "file"), default="registry")
     parser.add_argument("--client", choices=CLIENTS, default="h2",
                         help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
+    parser.add_argument("--event-log-level", choices=("all", "changes"), default="all",
+                        help="pilotfish's --event-log-level (default: %(default)s)")
     args = parser.parse_args()
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     rows = []
     for n in args.proxies:
         result = run_fanout(server=args.server, proxies=n, changes=args.changes, workload=workload,
-                            quiet_ms=args.quiet_ms, change=args.change, client=args.client)
+                            quiet_ms=args.quiet_ms, change=args.change, client=args.client,
+                            event_log_level=args.event_log_level)
         rows.append(result.row())
         print_table(FANOUT_COLUMNS, [rows[-1]])
     print(f"\nworkload: {workload.describe()}; client: {args.client}")

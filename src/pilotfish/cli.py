@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="where to serve xDS over gRPC (default: %(default)s)")
     serve.add_argument("--event-log", type=Path, metavar="FILE",
                        help="append every xDS request, response and snapshot change here, as JSON lines")
+    serve.add_argument("--event-log-level", choices=("all", "changes"), default="all",
+                       help="all: every request and response too; changes: only snapshots, NACKs, streams and "
+                            "sources, for large fleets (default: %(default)s)")
     serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
                        help="uvloop (libuv, faster sockets) or Python's own asyncio loop (default: %(default)s)")
 
@@ -110,6 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
     debounce = DebounceSettings(quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000,
                                 hold=args.flap_hold_ms / 1000)
     settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
+                             event_log_level=args.event_log_level,
                              registry=args.registry, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
                              debounce=debounce)
     try:

@@ -16,7 +16,12 @@ from typing import IO, Any
 
 import orjson
 
-__all__ = ["EventLog"]
+__all__ = ["CONVERSATION", "EventLog"]
+
+CONVERSATION = frozenset({"request", "ack", "sent", "stale"})
+"""Events of the routine xDS conversation: a line per request and response of every proxy.
+``level="changes"`` leaves them out and keeps the rest (snapshots, NACKs, streams, sources)."""
+LEVELS = ("all", "changes")
 
 _log = logging.getLogger("pilotfish.events")
 
@@ -29,8 +34,11 @@ class EventLog:
     write, not thousands. Without a running loop every line is flushed at once.
     """
 
-    def __init__(self, path: Path | None = None, *, clock: Any = time.time) -> None:
+    def __init__(self, path: Path | None = None, *, level: str = "all", clock: Any = time.time) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"event log level must be one of {', '.join(LEVELS)}, not {level!r}")
         self._file: IO[bytes] | None = open(path, "ab") if path else None  # noqa: SIM115
+        self._skip = CONVERSATION if level == "changes" else frozenset()
         self._clock = clock
         self._lines: list[bytes] = []
         self._flush_scheduled = False
@@ -40,9 +48,14 @@ class EventLog:
         """Whether events go anywhere (callers may skip building costly fields if not)."""
         return self._file is not None or _log.isEnabledFor(logging.DEBUG)
 
+    @property
+    def conversation(self) -> bool:
+        """Whether the routine request and response events (:data:`CONVERSATION`) are recorded."""
+        return not self._skip and self.enabled
+
     def emit(self, event: str, **fields: Any) -> None:
         """Record one event; ``fields`` must be JSON-serializable."""
-        if self._file is None and not _log.isEnabledFor(logging.DEBUG):
+        if event in self._skip or (self._file is None and not _log.isEnabledFor(logging.DEBUG)):
             return
         record = {"ts": self._clock(), "event": event, **fields}
         # orjson: a fan-out to 10,000 proxies logs 20,000 lines, and the json module spends ~10x longer.

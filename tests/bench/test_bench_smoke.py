@@ -51,9 +51,10 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     results = run_all(QUICK, out=out, workdir=tmp_path)
 
     assert results.errors == []
-    # Fan-out (pilotfish through the registry; pilotfish and the naive server through the file):
-    # every proxy ACKed every change, and nothing broke.
-    assert set(results.fanouts) == {("pilotfish", 5), ("pilotfish-file", 5), ("naive", 5)}
+    # Fan-out (pilotfish through the registry, with either event log level; pilotfish and the
+    # naive server through the file): every proxy ACKed every change, and nothing broke.
+    assert set(results.fanouts) == {("pilotfish", 5), ("pilotfish-changes", 5), ("pilotfish-file", 5),
+                                    ("naive", 5)}
     for result in results.fanouts.values():
         assert result.failures == 0
         assert len(result.latencies) == 5 * QUICK.changes

@@ -41,6 +41,8 @@ class ServeSettings:
     """``host:port`` the xDS gRPC server listens on (port 0: any free port)."""
     event_log: Path | None = None
     """Where to append the JSON-lines event log; None: no event log."""
+    event_log_level: str = "all"
+    """``all``: every request and response too; ``changes``: snapshots, NACKs, streams, sources."""
     registry: str | None = None
     """``host:port`` for the registry HTTP API (port 0: any free port); None: no registry."""
     etcd: str | None = None
@@ -59,7 +61,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     Raises :class:`ConfigError` if the snapshot file is invalid at start-up: there is no last
     good configuration to fall back on yet.
     """
-    events = EventLog(settings.event_log)
+    events = EventLog(settings.event_log, level=settings.event_log_level)
     cache = SnapshotCache()
     reconciler = Reconciler(cache, settings=settings.debounce, events=events)
     tasks: list[asyncio.Task[None]] = []

@@ -132,7 +132,7 @@ class _SotwConnection:
             server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
                                service="ads" if self.type_url is None else self.type_url)
         kind = outcome.kind
-        if server.events.enabled:
+        if kind is RequestKind.NACK or server.events.conversation:
             # Names only when they say something new: an ACK repeats the names it subscribed to.
             names = (list(request.resource_names)
                      if kind is not RequestKind.ACK or outcome.subscription_changed else None)
@@ -165,8 +165,9 @@ class _SotwConnection:
         nonce = self.state.on_response(watch, response)
         self._call.send(response.body, nonce_field(nonce))
         server.status.sent(self.node_id, response.type_url, response.version)
-        server.events.emit("sent", stream=self.id, node=self.node_id, type=response.type_url,
-                           version=response.version, nonce=nonce, resources=len(response.names))
+        if server.events.conversation:
+            server.events.emit("sent", stream=self.id, node=self.node_id, type=response.type_url,
+                               version=response.version, nonce=nonce, resources=len(response.names))
 
     def _close(self, reason: str) -> None:
         if self.closed:
