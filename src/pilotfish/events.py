@@ -55,7 +55,8 @@ class EventLog:
 
     def emit(self, event: str, **fields: Any) -> None:
         """Record one event; ``fields`` must be JSON-serializable."""
-        if event in self._skip or (self._file is None and not _log.isEnabledFor(logging.DEBUG)):
+        debug = _log.isEnabledFor(logging.DEBUG)
+        if event in self._skip or (self._file is None and not debug):
             return
         record = {"ts": self._clock(), "event": event, **fields}
         # orjson: a fan-out to 10,000 proxies logs 20,000 lines, and the json module spends ~10x longer.
@@ -68,7 +69,7 @@ class EventLog:
                     self._flush_scheduled = True
                 except RuntimeError:
                     self.flush()
-        if _log.isEnabledFor(logging.DEBUG):
+        if debug:
             _log.debug("%s", line.decode().rstrip())
 
     def flush(self) -> None:

@@ -145,10 +145,7 @@ class Call:
             conn.window -= size
             write, max_frame = conn.write, conn.peer_max_frame
             if size <= max_frame:
-                write(h2.frame_header(size, h2.DATA, 0, self.id))
-                write(h2.grpc_prefix(length))
-                for part in parts:
-                    write(part)
+                conn.write_all((h2.frame_header(size, h2.DATA, 0, self.id), h2.grpc_prefix(length), *parts))
                 return
             # Frames cut from views of the shared parts: no copy of the response per stream.
             room = min(size, max_frame)
@@ -480,6 +477,16 @@ class _Connection(asyncio.Protocol):
 
     def _on_messages(self, call: Call, payload: memoryview) -> None:
         """Hand the handler every whole message in ``payload`` (after what an earlier frame left)."""
+        if call._received is None and len(payload) >= 5:
+            compressed, length = h2.parse_grpc_prefix(payload, 0)
+            if not compressed and length + 5 == len(payload):  # the usual: one whole message
+                handler = call.handler
+                assert handler is not None
+                try:
+                    handler.on_message(bytes(payload[5:]))
+                except RpcError as exc:
+                    call.finish(exc.code, exc.message)
+                return
         if call._received is not None:
             call._received += payload
             data: bytes | bytearray | memoryview = call._received
@@ -535,6 +542,15 @@ class _Connection(asyncio.Protocol):
             self._server.mark_dirty(self)
         else:
             out.append(data)
+
+    def write_all(self, pieces: tuple[bytes | memoryview, ...]) -> None:
+        """:meth:`write` each of ``pieces``, in order."""
+        out = self._out
+        if out is None:
+            self._out = list(pieces)
+            self._server.mark_dirty(self)
+        else:
+            out.extend(pieces)
 
     def flush_out(self) -> None:
         out, self._out = self._out, None
