@@ -151,10 +151,12 @@ async def _tidy_heap_when_idle(idle: Callable[[], bool], *, every: float = 1.0, 
     A GC pass costs time in proportion to the objects it looks at, and thousands of streams are
     hundreds of thousands of long-lived objects: left to itself, a collection that happens to
     start during a fan-out stalls it for tens of milliseconds (measured: 40 ms at 1,000 proxies).
-    So when nothing is waiting to be built and the event loop is not busy, collect what is new
-    (cheap: frozen objects are not looked at) and freeze what survives. Once every
-    ``full_every`` seconds, at such a moment, unfreeze and collect everything, so that no cyclic
-    garbage stays frozen for long.
+    So when nothing is waiting to be built and the event loop is not busy, freeze what exists
+    (``gc.freeze``: constant time), so that later passes look only at newer objects; first, if
+    the youngest generation is small enough for it to be quick, collect it. Streams leave no
+    reference cycles behind, so little garbage is frozen; once every ``full_every`` seconds, at
+    such a moment, everything is unfrozen and collected (at 10,000 streams, a pause of a few
+    hundred milliseconds), so none stays for long.
     """
     loop = asyncio.get_running_loop()
     last_full = loop.time()
@@ -166,9 +168,7 @@ async def _tidy_heap_when_idle(idle: Callable[[], bool], *, every: float = 1.0, 
         if loop.time() - last_full >= full_every:
             gc.unfreeze()
             gc.collect()
-            gc.freeze()
             last_full = loop.time()
-        elif sum(len(gc.get_objects(generation)) for generation in range(3)) > young_limit:
-            gc.collect()
-            gc.freeze()
-
+        elif gc.get_count()[0] <= young_limit:  # about the size of the youngest generation
+            gc.collect(0)
+        gc.freeze()
