@@ -50,8 +50,9 @@ CONNECTION_WINDOW = 64 * _MB
 MAX_CONCURRENT_STREAMS = 256
 MAX_HEADER_LIST = 64 * 1024
 MAX_RECEIVE_MESSAGE = 64 * _MB
-FLUSH_BATCH = 128
-"""Connections with output that wait for one flush, at most (see :meth:`GrpcServer.mark_dirty`)."""
+FLUSH_BATCH = 32
+"""Connections with output that wait for one flush, at most (see :meth:`GrpcServer.mark_dirty`).
+Measured at 1,000 proxies (p99 of an endpoint change): 8-32 ~210-230 ms, 128 ~265 ms, 512 ~255 ms."""
 LISTEN_BACKLOG = 65_535  # the kernel caps it at net.core.somaxconn; a reconnect storm needs it
 # TCP keepalive: an idle peer that vanished (no FIN, no RST) is found within ~60 s.
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
