@@ -125,11 +125,8 @@ def request_names_span(data: bytes, type_url: str, nonce: str) -> bytes | None:
     """
     start = 0
     if data and data[0] == _REQUEST_VERSION_TAG:
-        if len(data) > 1 and data[1] < 0x80:  # the usual: a version shorter than 128 bytes
-            start = 2 + data[1]
-        else:
-            length, start = _decode_varint(data, 1)
-            start += length
+        length, start = _decode_varint(data, 1)
+        start += length
     tail = _TYPE_URL_FIELDS.get(type_url) if type_url else b""
     if tail is None:
         tail = length_delimited(_TYPE_URL, type_url.encode())

@@ -140,32 +140,19 @@ class Call:
         for part in parts:
             length += len(part)
         size = length + 5
-        if self._pending is None and size <= self.window and size <= conn.window and not conn.paused:
-            # The usual case: the peer's windows take it all (Envoy opens 256 MiB ones).
+        if (self._pending is None and size <= self.window and size <= conn.window
+                and size <= conn.peer_max_frame and not conn.paused):
+            # The usual case: one frame the peer's windows take whole (Envoy opens 256 MiB ones).
             self.window -= size
             conn.window -= size
-            write, max_frame = conn.write, conn.peer_max_frame
-            if size <= max_frame:
-                conn.write_all((h2.frame_header(size, h2.DATA, 0, self.id), h2.grpc_prefix(length), *parts))
-                return
-            # Frames cut from views of the shared parts: no copy of the response per stream.
-            room = min(size, max_frame)
-            write(h2.frame_header(room, h2.DATA, 0, self.id))
+            write = conn.write
+            write(h2.frame_header(size, h2.DATA, 0, self.id))
             write(h2.grpc_prefix(length))
-            room -= 5
-            left = size - 5
             for part in parts:
-                view, offset, end = memoryview(part), 0, len(part)
-                while offset < end:
-                    if not room:
-                        room = min(left, max_frame)
-                        write(h2.frame_header(room, h2.DATA, 0, self.id))
-                    take = min(room, end - offset)
-                    write(view[offset:offset + take])
-                    offset += take
-                    room -= take
-                    left -= take
+                write(part)
             return
+        # Larger, or held back by flow control: frames cut from views of the shared parts (no
+        # copy of the response per stream), as many as the windows allow now.
         if self._pending is None:
             self._pending = deque()
         self._pending.append(memoryview(h2.grpc_prefix(length)))
@@ -187,6 +174,16 @@ class Call:
             self._trailers = (block, reason)
         else:
             self._conn.end_call(self, block, reason)
+
+    def release_handler(self, reason: str) -> None:
+        """Tell the handler, once, that the call is over, and drop it: the handler holds the
+        call, so no reference cycle is left for the GC to find."""
+        handler, self.handler = self.handler, None
+        if handler is not None:
+            try:
+                handler.on_closed(reason)
+            except Exception:
+                _log.exception("on_closed of stream %d failed", self.id)
 
     def drain(self) -> bool:
         """Send what flow control allows of the pending DATA. True when all of it has gone."""
@@ -431,11 +428,10 @@ class _Connection(asyncio.Protocol):
         self._open_call(stream_id, flags, {name: value for name, value in headers})
 
     def _open_call(self, stream_id: int, flags: int, headers: Mapping[bytes, bytes]) -> None:
-        call = Call(self, stream_id)
         if self.closing or len(self._calls) >= MAX_CONCURRENT_STREAMS:
             self.write(h2.rst_stream(stream_id, ErrorCode.REFUSED_STREAM))
             return
-        self._calls[stream_id] = call
+        call = self._calls[stream_id] = Call(self, stream_id)
         method = self._server.methods.get(headers.get(b":path", b""))
         content_type = headers.get(b"content-type", b"")
         if headers.get(b":method") != b"POST" or not content_type.startswith(b"application/grpc"):
@@ -478,16 +474,6 @@ class _Connection(asyncio.Protocol):
 
     def _on_messages(self, call: Call, payload: memoryview) -> None:
         """Hand the handler every whole message in ``payload`` (after what an earlier frame left)."""
-        if call._received is None and len(payload) >= 5:
-            compressed, length = h2.parse_grpc_prefix(payload, 0)
-            if not compressed and length + 5 == len(payload):  # the usual: one whole message
-                handler = call.handler
-                assert handler is not None
-                try:
-                    handler.on_message(bytes(payload[5:]))
-                except RpcError as exc:
-                    call.finish(exc.code, exc.message)
-                return
         if call._received is not None:
             call._received += payload
             data: bytes | bytearray | memoryview = call._received
@@ -544,15 +530,6 @@ class _Connection(asyncio.Protocol):
         else:
             out.append(data)
 
-    def write_all(self, pieces: tuple[bytes | memoryview, ...]) -> None:
-        """:meth:`write` each of ``pieces``, in order."""
-        out = self._out
-        if out is None:
-            self._out = list(pieces)
-            self._server.mark_dirty(self)
-        else:
-            out.extend(pieces)
-
     def flush_out(self) -> None:
         out, self._out = self._out, None
         if out and not self.transport.is_closing():
@@ -571,11 +548,8 @@ class _Connection(asyncio.Protocol):
         self.write_headers(call.id, block, end_stream=True)
         del self._calls[call.id]
         self._waiting.pop(call, None)
-        # Tell a handler that did not end the call itself (a no-op for one that did), and drop
-        # it: the handler holds the call, and no cycle is left for the GC to find.
-        handler, call.handler = call.handler, None
-        if handler is not None:
-            handler.on_closed(reason)
+        # Tell a handler that did not end the call itself (a no-op for one that did).
+        call.release_handler(reason)
         if not call.remote_closed:  # tell the client to stop sending (RFC 9113 section 8.1)
             self.write(h2.rst_stream(call.id, ErrorCode.NO_ERROR))
 
@@ -596,12 +570,7 @@ class _Connection(asyncio.Protocol):
     def _cancel(self, call: Call, reason: str) -> None:
         call.closed = True
         call._pending = None
-        handler, call.handler = call.handler, None
-        if handler is not None:
-            try:
-                handler.on_closed(reason)
-            except Exception:
-                _log.exception("on_closed of stream %d failed", call.id)
+        call.release_handler(reason)
 
     def _fail(self, code: int, reason: str) -> None:
         """A connection error: GOAWAY, then close (every call is cancelled in connection_lost)."""
@@ -619,10 +588,8 @@ class _Connection(asyncio.Protocol):
         for call in list(self._calls.values()):
             call._pending = None
             call._trailers = None
-            handler, call.handler = call.handler, None
+            call.release_handler(message)
             call.finish(GrpcStatus.UNAVAILABLE, message)
-            if handler is not None:
-                handler.on_closed(message)
         self.write(h2.goaway(self._last_stream, ErrorCode.NO_ERROR, message.encode()))
         self.flush_out()
         self.transport.close()
