@@ -28,8 +28,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import BY_SHORT, CLIENTS, Fleet, percentile
-from bench.procs import EventTail, free_port, start_pilotfish
+from bench.fleet import BY_SHORT, CLIENTS, Fleet, WaitResult, percentile
+from bench.procs import EventTail, ServerProcess, free_port, start_pilotfish
 from bench.workload import Workload
 
 __all__ = ["STORM_COLUMNS", "run_storm"]
@@ -69,12 +69,7 @@ def run_storm(*, proxies: int, workload: Workload, workers: int = 0, timeout: fl
         fleet.start()
         stack.callback(fleet.close)
         cold = fleet.wait_synced(timeout=timeout)
-        cold_lat = cold.latencies(started)
-        rows.append(["cold connect", proxies, round(max(cold_lat, default=float("nan")), 2),
-                     round(percentile(cold_lat, 50), 2), round(percentile(cold_lat, 99), 2), cold.failures,
-                     _broken_streams(first.event_log), _errors_text(fleet.errors(since=started)),
-                     round(first.cpu_seconds() - cpu0, 2),
-                     round(first.rss_kb() / 1024)])
+        rows.append(_row("cold connect", cold, started, first, cpu0, fleet))
 
         first.stop()
         workload.write(snapshot, extra_services=1)
@@ -85,13 +80,18 @@ def run_storm(*, proxies: int, workload: Workload, workers: int = 0, timeout: fl
         versions = {BY_SHORT[short]: v for short, v in loaded["versions"].items() if short in BY_SHORT}
         cpu1 = second.cpu_seconds()
         restart = fleet.wait_acked(versions, since=up - 5, timeout=timeout)
-        lat = restart.latencies(up)
-        rows.append(["restart (all 4 types changed)", proxies, round(max(lat, default=float("nan")), 2),
-                     round(percentile(lat, 50), 2), round(percentile(lat, 99), 2), restart.failures,
-                     _broken_streams(second.event_log), _errors_text(fleet.errors(since=up)),
-                     round(second.cpu_seconds() - cpu1, 2),
-                     round(second.rss_kb() / 1024)])
+        rows.append(_row("restart (all 4 types changed)", restart, up, second, cpu1, fleet))
         return rows, dict(fleet.error_examples)
+
+
+def _row(phase: str, result: WaitResult, since: float, server: ServerProcess, cpu_before: float,
+         fleet: Fleet) -> list[Any]:
+    """One table row: a phase's sync times from ``since``, and what it cost ``server``."""
+    lat = result.latencies(since)
+    return [phase, fleet.proxies, round(max(lat, default=float("nan")), 2), round(percentile(lat, 50), 2),
+            round(percentile(lat, 99), 2), result.failures, _broken_streams(server.event_log),
+            _errors_text(fleet.errors(since=since)), round(server.cpu_seconds() - cpu_before, 2),
+            round(server.rss_kb() / 1024)]
 
 
 def main(argv: list[str] | None = None) -> int:

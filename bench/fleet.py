@@ -210,6 +210,8 @@ def _encode(request: _Req) -> bytes:
     nonce, so all but the nonce is encoded once per (type, version, names)."""
     from envoy.service.discovery.v3 import discovery_pb2
 
+    from pilotfish.resources.wire import nonce_field  # DiscoveryRequest's nonce is field 5 too
+
     if request.node is not None:
         return _message(request).SerializeToString()
     key = (request.type_url, request.version_info, request.resource_names)
@@ -220,17 +222,7 @@ def _encode(request: _Req) -> bytes:
         prefix = _PREFIXES[key] = discovery_pb2.DiscoveryRequest(
             type_url=request.type_url, version_info=request.version_info,
             resource_names=request.resource_names).SerializeToString()
-    nonce = request.response_nonce.encode()
-    return prefix + b"\x2a" + _varint(len(nonce)) + nonce if nonce else prefix
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    return prefix + nonce_field(request.response_nonce) if request.response_nonce else prefix
 
 
 def _message(request: _Req) -> Any:
@@ -312,21 +304,19 @@ class _Proxy:
         type_url, version, nonce = response.type_url, response.version_info, response.nonce
         nonces[type_url] = nonce
         sends = []
-        if type_url == CDS:
-            wanted = self.worker.names.eds(response)
-            if wanted != names[EDS]:
-                names[EDS] = wanted
-                sends.append(self._request(EDS, versions.get(EDS, ""), nonces.get(EDS, ""), _in_order(wanted)))
-            sends.append(self._request(CDS, version, nonce, ack=True))
-            if not self._lds_requested:
+        if type_url in (CDS, LDS):
+            # The clusters name their EDS resources, the listeners their RDS ones: subscribe to
+            # what changed before ACKing, as Envoy does.
+            dependent = EDS if type_url == CDS else RDS
+            wanted = self.worker.names.eds(response) if type_url == CDS else self.worker.names.rds(response)
+            if wanted != names[dependent]:
+                names[dependent] = wanted
+                sends.append(self._request(dependent, versions.get(dependent, ""), nonces.get(dependent, ""),
+                                           _in_order(wanted)))
+            sends.append(self._request(type_url, version, nonce, ack=True))
+            if type_url == CDS and not self._lds_requested:
                 self._lds_requested = True
                 sends.append(self._request(LDS, "", ""))
-        elif type_url == LDS:
-            wanted = self.worker.names.rds(response)
-            if wanted != names[RDS]:
-                names[RDS] = wanted
-                sends.append(self._request(RDS, versions.get(RDS, ""), nonces.get(RDS, ""), _in_order(wanted)))
-            sends.append(self._request(LDS, version, nonce, ack=True))
         else:
             sends.append(self._request(type_url, version, nonce, _in_order(names.get(type_url)), ack=True))
         return sends

@@ -21,7 +21,6 @@ __all__ = [
     "Endpoint",
     "HealthCheck",
     "ServiceSpec",
-    "endpoint_order",
     "parse_endpoint",
     "parse_service",
     "parse_services",
@@ -35,7 +34,8 @@ class Endpoint(NamedTuple):
     """One instance of a service.
 
     A named tuple rather than a dataclass: fleets have hundreds of thousands of endpoints, and
-    tuple hashing, equality and ordering run in C.
+    tuple hashing, equality and ordering run in C. Endpoints are kept sorted as tuples: by host,
+    then port (an address is unique within a service).
     """
 
     host: str
@@ -47,13 +47,6 @@ class Endpoint(NamedTuple):
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
-
-
-def endpoint_order(endpoint: Endpoint) -> tuple[str, int]:
-    """Sort key: endpoints are ordered by address (unique within a service). Since an Endpoint is
-    a tuple starting (host, port), plain ``sorted(endpoints)`` gives the same order, faster: that
-    is what pilotfish itself uses."""
-    return (endpoint.host, endpoint.port)
 
 
 @dataclass(frozen=True, slots=True)
