@@ -62,7 +62,6 @@ from pilotfish.server.http2 import (
     PADDED,
     PING,
     PRIORITY,
-    PRIORITY_FLAG,
     PUSH_PROMISE,
     RST_STREAM,
     SETTINGS,
@@ -70,6 +69,7 @@ from pilotfish.server.http2 import (
     ErrorCode,
     Setting,
     frame,
+    frame_content,
     frame_header,
     goaway,
     grpc_prefix,
@@ -276,14 +276,10 @@ class H2Channel(asyncio.Protocol):
             call._on_data(flags, payload)
 
     def _on_headers(self, flags: int, stream_id: int, payload: memoryview) -> None:
-        start, stop = 0, len(payload)
-        if flags & PADDED:
-            start, stop = 1, stop - (payload[0] if stop else 0)
-        if flags & PRIORITY_FLAG:
-            start += 5
-        if stream_id == 0 or start > stop:
+        content = frame_content(HEADERS, flags, payload)
+        if stream_id == 0 or content is None:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a malformed HEADERS frame")
-        self._block = bytearray(payload[start:stop])
+        self._block = bytearray(content)
         self._block_stream = stream_id
         self._block_end_stream = bool(flags & END_STREAM)
         if flags & END_HEADERS:
@@ -528,9 +524,10 @@ class H2Call:
         if self.recv_window < 0:
             return self._stream_error(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the stream window")
         if flags & PADDED:
-            if not size or payload[0] >= size:
+            content = frame_content(DATA, flags, payload)
+            if content is None:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "padding longer than the frame")
-            payload = payload[1:size - payload[0]]
+            payload = content
         if payload:
             if not self._headers_seen:
                 return self._stream_error(ErrorCode.PROTOCOL_ERROR, "DATA before the response headers")

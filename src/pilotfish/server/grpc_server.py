@@ -393,16 +393,11 @@ class _Connection(asyncio.Protocol):
         if not stream_id:
             self._fail(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
             return
-        start, end = 0, len(payload)
-        if flags & h2.PADDED:
-            end -= payload[0]
-            start = 1
-        if flags & h2.PRIORITY_FLAG:
-            start += 5
-        if start > end:
+        content = h2.frame_content(h2.HEADERS, flags, payload)
+        if content is None:
             self._fail(ErrorCode.PROTOCOL_ERROR, "HEADERS padding too long")
             return
-        fragment = bytes(payload[start:end])
+        fragment = bytes(content)
         if flags & h2.END_HEADERS:
             self._on_header_block(stream_id, flags, fragment)
         else:
@@ -463,10 +458,11 @@ class _Connection(asyncio.Protocol):
             self.write(h2.window_update(stream_id, call.unacked))
             call.unacked = 0
         if flags & h2.PADDED:
-            if not size or payload[0] >= size:
+            content = h2.frame_content(h2.DATA, flags, payload)
+            if content is None:
                 self._fail(ErrorCode.PROTOCOL_ERROR, "DATA padding too long")
                 return
-            payload = payload[1:size - payload[0]]
+            payload = content
         if payload and call.handler is not None and not call.closed:
             self._on_messages(call, payload)
         if flags & h2.END_STREAM and not call.remote_closed:

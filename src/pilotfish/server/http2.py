@@ -17,8 +17,8 @@ __all__ = [
     "ACK", "CONNECTION_PREFACE", "CONTINUATION", "DATA", "DEFAULT_MAX_FRAME", "DEFAULT_WINDOW", "END_HEADERS",
     "END_STREAM", "GOAWAY", "HEADERS", "MAX_WINDOW", "PADDED", "PING", "PRIORITY", "PRIORITY_FLAG",
     "PUSH_PROMISE", "RST_STREAM", "SETTINGS", "WINDOW_UPDATE", "ErrorCode", "GrpcStatus", "Setting",
-    "frame", "frame_header", "goaway", "grpc_prefix", "header_block", "hpack_int", "parse_frame_header",
-    "percent_encode", "rst_stream", "settings", "window_update",
+    "frame", "frame_content", "frame_header", "goaway", "grpc_prefix", "header_block", "hpack_int",
+    "parse_frame_header", "percent_encode", "rst_stream", "settings", "window_update",
 ]
 
 CONNECTION_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -136,6 +136,20 @@ def unpack_u32(payload: bytes | memoryview, offset: int = 0) -> int:
     """A 32-bit big-endian value (a WINDOW_UPDATE increment, an error code, a GOAWAY stream id)."""
     value: int = _U32.unpack_from(payload, offset)[0]
     return value
+
+
+def frame_content(kind: int, flags: int, payload: memoryview) -> memoryview | None:
+    """A DATA or HEADERS frame's content: ``payload`` without its padding (PADDED) and, for
+    HEADERS, its priority fields (PRIORITY). None when the padding is longer than the frame:
+    a connection error (PROTOCOL_ERROR)."""
+    start, end = 0, len(payload)
+    if flags & PADDED:
+        if not end:
+            return None
+        start, end = 1, end - payload[0]
+    if kind == HEADERS and flags & PRIORITY_FLAG:
+        start += 5
+    return payload[start:end] if start <= end else None
 
 
 def grpc_prefix(length: int, compressed: bool = False) -> bytes:
