@@ -33,6 +33,16 @@ def _positive_int(value: str) -> int:
     return int(value)
 
 
+def _share(value: str) -> float:
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a share between 0 and 1 (e.g. 0.5)")
+    return share
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pilotfish", description="An Envoy control plane (xDS over gRPC).")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: every event)")
@@ -55,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--flap-hold-ms", type=_positive_int, default=1000, metavar="MS",
                        help="an endpoint that comes back soon after leaving is re-added after staying this "
                             "long (default: %(default)s)")
+    serve.add_argument("--guard", choices=("on", "off"), default="on",
+                       help="hold a snapshot that removes every listener or cluster, or too much at once, until "
+                            "confirmed with SIGUSR1 (default: %(default)s)")
+    serve.add_argument("--guard-max-removed", type=_share, default=0.5, metavar="SHARE",
+                       help="the guard holds a snapshot removing more than this share of a type's resources or of "
+                            "a service's endpoints at once (default: %(default)s)")
+    serve.add_argument("--guard-min-count", type=_positive_int, default=10, metavar="N",
+                       help="...of a type or service that had at least N of them (default: %(default)s)")
     serve.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
                        help="where to serve xDS over gRPC (default: %(default)s)")
     serve.add_argument("--event-log", type=Path, metavar="FILE",
@@ -89,6 +107,9 @@ def _validate(path: Path) -> int:
     except ConfigError as exc:
         print(exc.describe(), file=sys.stderr)
         return EXIT_INVALID
+    except Exception as exc:  # our bug, not the file's: say so in one line, no traceback
+        print(f"{path}: pilotfish failed to check this file ({exc!r}); please report it", file=sys.stderr)
+        return EXIT_INVALID
     counts = ", ".join(f"{len(ts.resources)} {ts.rtype.key}" for ts in snapshot.types.values())
     print(f"{path}: ok ({counts}; version {snapshot.label()})")
     return EXIT_OK
@@ -103,7 +124,7 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pilotfish.reconcile import DebounceSettings
+    from pilotfish.reconcile import DebounceSettings, GuardSettings
     from pilotfish.server import ServeSettings, serve
 
     if args.snapshot is None and args.registry is None and args.etcd is None:
@@ -115,7 +136,9 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
                              event_log_level=args.event_log_level,
                              registry=args.registry, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
-                             debounce=debounce)
+                             debounce=debounce,
+                             guard=GuardSettings(enabled=args.guard == "on", max_removed_share=args.guard_max_removed,
+                                                 min_count=args.guard_min_count))
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))

@@ -13,6 +13,13 @@ Sources report whole views of what they know (:meth:`Reconciler.update`). The re
    ``hold`` seconds, so an endpoint flipping ten times a second makes two pushes, not fifty.
 3. **builds and checks** the snapshot; one that fails keeps the last good snapshot serving and
    is reported. A snapshot whose content hash equals the current one is not handed over.
+4. **waits for every source** named in ``expect`` to report its first complete state before
+   anything is published: a snapshot built while etcd is still unreachable would be "empty
+   because not yet known", and would take every proxy's configuration away.
+5. **guards the blast radius** (:func:`blast_radius`): a snapshot that would remove every
+   listener or every cluster, or more than a set share of a type's resources or of a service's
+   endpoints at once, is held, reported loudly, and published only once the operator confirms
+   (:meth:`Reconciler.confirm`) or a later change makes it harmless.
 
 The timing logic (:class:`Debouncer`, :class:`FlapDamper`) is pure: it takes ``now`` as an
 argument and never sleeps, so tests drive it with plain numbers.
@@ -23,13 +30,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NoReturn, Protocol
+
+from envoy.config.endpoint.v3 import endpoint_pb2
 
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.desired import DesiredState, Merged, build_snapshot, merge_states
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, TYPES
 from pilotfish.resources.builders import ResourceMemo
 from pilotfish.snapshot import Snapshot
 
@@ -38,8 +49,11 @@ __all__ = [
     "DebounceSettings",
     "Debouncer",
     "FlapDamper",
+    "GuardSettings",
+    "Held",
     "MonotonicClock",
     "Reconciler",
+    "blast_radius",
 ]
 
 _log = logging.getLogger("pilotfish.reconcile")
@@ -169,6 +183,69 @@ class FlapDamper:
         return self.publishable(now)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GuardSettings:
+    """Which changes are too big to publish without the operator's say-so."""
+
+    enabled: bool = True
+    """False: publish every valid snapshot, however much it removes."""
+    max_removed_share: float = 0.5
+    """Hold a snapshot that removes more than this share of a type's resources, or of one service's
+    endpoints, at once. Removing every listener or every cluster is always held."""
+    min_count: int = 10
+    """The share rule applies to types and services that had at least this many resources or
+    endpoints (removing 2 of 3 endpoints is everyday churn, not a blast)."""
+
+
+def endpoint_counts(merged: Merged) -> dict[str, int]:
+    """Endpoints per cluster: the services' and those of raw ClusterLoadAssignments."""
+    counts = {name: len(found) for name, found in merged.endpoints.items()}
+    for assignment in merged.resources.get(ENDPOINT, ()):
+        assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
+        total = sum(len(group.lb_endpoints) for group in assignment.endpoints)
+        counts[assignment.cluster_name] = counts.get(assignment.cluster_name, 0) + total
+    return counts
+
+
+def blast_radius(previous: Snapshot, new: Snapshot, previous_endpoints: dict[str, int],
+                 new_endpoints: dict[str, int], settings: GuardSettings) -> tuple[list[str], dict[str, dict[str, int]]]:
+    """Why publishing ``new`` over ``previous`` removes too much (empty: it does not), and the
+    counts before and after of what it removes. Pure."""
+    reasons: list[str] = []
+    counts: dict[str, dict[str, int]] = {}
+    for rtype in TYPES:
+        old, current = previous.get(rtype.url), new.get(rtype.url)
+        before = len(old.resources) if old is not None else 0
+        after = len(current.resources) if current is not None else 0
+        removed = sum(1 for name in old.resources if current is None or name not in current.resources) if old else 0
+        if not removed:
+            continue
+        counts[rtype.key] = {"before": before, "after": after, "removed": removed}
+        if after == 0 and rtype in (LISTENER, CLUSTER):
+            reasons.append(f"it removes every {rtype.key[:-1]} ({before})")
+        elif before >= settings.min_count and removed > settings.max_removed_share * before:
+            reasons.append(f"it removes {removed} of {before} {rtype.key} "
+                           f"(more than {settings.max_removed_share:.0%} at once)")
+    for name in sorted(previous_endpoints):
+        before = previous_endpoints[name]
+        after = new_endpoints.get(name, 0)
+        if before >= settings.min_count and before - after > settings.max_removed_share * before:
+            counts[f"endpoints of {name}"] = {"before": before, "after": after, "removed": before - after}
+            reasons.append(f"it removes {before - after} of the {before} endpoints of {name!r} "
+                           f"(more than {settings.max_removed_share:.0%} at once)")
+    return reasons, counts
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A snapshot the guard keeps from the proxies until the operator confirms it."""
+
+    snapshot: Snapshot
+    reasons: tuple[str, ...]
+    endpoints: dict[str, int]
+    since: float
+
+
 def _endpoint_keys(merged: Merged) -> set[EndpointKey]:
     return {(name, e.address) for name, found in merged.endpoints.items() for e in found}
 
@@ -184,9 +261,19 @@ class Reconciler:
         clock: Clock | None = None,
         events: EventLog | None = None,
         group: NodeGroup = DEFAULT_GROUP,
+        expect: Iterable[str] = (),
+        guard: GuardSettings | None = None,
+        confirm_hint: str = "",
     ) -> None:
         self.cache = cache
         self.settings = settings or DebounceSettings()
+        self.guard = guard or GuardSettings()
+        self._confirm_hint = confirm_hint
+        """How the operator confirms a held snapshot (printed with it)."""
+        self._expected = frozenset(expect)
+        self._published_endpoints: dict[str, int] = {}
+        self.held: Held | None = None
+        """The snapshot the blast-radius guard is holding back (None: nothing held)."""
         self._clock: Clock = clock or MonotonicClock()
         self._events = events or EventLog()
         self._group = group
@@ -216,9 +303,26 @@ class Reconciler:
         self._debouncer.change(now)
         self._wake.set()
 
+    def waiting_for(self) -> list[str]:
+        """The expected sources that have not reported their first complete state yet."""
+        return sorted(self._expected - self._states.keys())
+
+    def confirm(self) -> Snapshot | None:
+        """The operator says the held snapshot is meant: publish it. Returns it (None: nothing held)."""
+        held = self.held
+        if held is None:
+            return None
+        self.held = None
+        self._events.emit("snapshot_confirmed", version=held.snapshot.label(), reasons=list(held.reasons))
+        _log.warning("publishing snapshot %s as confirmed by the operator (%s)", held.snapshot.label(),
+                     "; ".join(held.reasons))
+        self._publish(held.snapshot, held.endpoints)
+        return held.snapshot
+
     def build_now(self) -> Snapshot | None:
         """Build and publish at once, skipping the debounce (at start-up). Returns the snapshot
-        handed over, or None if nothing changed; raises :class:`ConfigError` if it is refused."""
+        handed over, or None if nothing changed or a source has not reported yet; raises
+        :class:`ConfigError` if it is refused."""
         self._debouncer.start_build()
         try:
             return self._build()
@@ -273,36 +377,65 @@ class Reconciler:
         return ", ".join(sorted(self._states)) or "no sources"
 
     def _build(self) -> Snapshot | None:
+        if self.waiting_for():
+            return None  # publishing now would serve "empty because not yet known"
         self.builds += 1
         merged = self._damped(merge_states(self._states))
         try:
             snapshot = build_snapshot(merged, self._source_names(), memo=self._memo)
         except ConfigError as exc:
-            self.last_error = exc
-            self._events.emit("snapshot_error", reason=exc.describe())
-            _log.error("%s\nstill serving the last good snapshot", exc.describe())
-            raise
+            self._refuse(exc)
         current = self.cache.snapshot(self._group)
         same_version = current is not None and current.explicit_version == snapshot.explicit_version
         if current is not None and same_version and current.same_content(snapshot):
             self.last_error = None
+            self._release_hold("the sources are back to what is served")
             self._events.emit("snapshot_unchanged", version=snapshot.label())
             return None
         if same_version and snapshot.explicit_version is not None:
             # Proxies at that version would never be sent the new content: refuse, loudly.
-            error = ConfigError(self._source_names(), [Problem(
+            self._refuse(ConfigError(self._source_names(), [Problem(
                 "version", f"the content changed but the version is still {snapshot.explicit_version!r}: "
-                           "set a new version, or remove it to version by content")])
-            self.last_error = error
-            self._events.emit("snapshot_error", reason=error.describe())
-            _log.error("%s\nstill serving the last good snapshot", error.describe())
-            raise error
+                           "set a new version, or remove it to version by content")]))
         self.last_error = None
+        endpoints = endpoint_counts(merged)
+        if current is not None and self.guard.enabled:
+            reasons, counts = blast_radius(current, snapshot, self._published_endpoints, endpoints, self.guard)
+            if reasons:
+                self._hold(snapshot, reasons, counts, endpoints)
+                return None
+        self._release_hold("a later change replaced it")
+        self._publish(snapshot, endpoints)
+        return snapshot
+
+    def _refuse(self, error: ConfigError) -> NoReturn:
+        self.last_error = error
+        self._events.emit("snapshot_error", reason=error.describe())
+        _log.error("%s\nstill serving the last good snapshot", error.describe())
+        raise error
+
+    def _hold(self, snapshot: Snapshot, reasons: list[str], counts: dict[str, dict[str, int]],
+              endpoints: dict[str, int]) -> None:
+        if self.held is not None and self.held.snapshot.same_content(snapshot):
+            return  # already held and reported
+        self.held = Held(snapshot, tuple(reasons), endpoints, self._clock.now())
+        self._events.emit("snapshot_held", version=snapshot.label(), reasons=reasons, counts=counts)
+        hint = f"\nto publish it anyway: {self._confirm_hint}" if self._confirm_hint else ""
+        _log.error("snapshot %s is HELD, not published: %s.\nstill serving the last good snapshot; if this is "
+                   "a mistake, fix the source and it is dropped%s", snapshot.label(), "; ".join(reasons), hint)
+
+    def _release_hold(self, why: str) -> None:
+        if self.held is not None:
+            self._events.emit("snapshot_hold_released", version=self.held.snapshot.label(), reason=why)
+            _log.warning("held snapshot %s dropped: %s", self.held.snapshot.label(), why)
+            self.held = None
+
+    def _publish(self, snapshot: Snapshot, endpoints: dict[str, int]) -> None:
         started = time.perf_counter()
         answered = self.cache.set_snapshot(snapshot, self._group)
         pushed_ms = round((time.perf_counter() - started) * 1000, 3)
+        self._published_endpoints = endpoints
         self.published += 1
         self._events.emit("snapshot_loaded", version=snapshot.label(), versions=snapshot.versions(),
                           watches_answered=answered, push_ms=pushed_ms)
         _log.info("snapshot %s published (%s)", snapshot.label(), snapshot.versions())
-        return snapshot

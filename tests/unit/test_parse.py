@@ -123,6 +123,39 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
         load_snapshot(tmp_path / "absent.yaml")
 
 
-def test_empty_file_is_an_empty_snapshot(tmp_path: Path) -> None:
-    snapshot = load_snapshot(write(tmp_path, ""))
+@pytest.mark.parametrize(
+    ("text", "name", "words"),
+    [
+        ("", "snap.yaml", "the file is empty"),
+        ("\n  \n", "snap.yaml", "the file is empty"),
+        ("", "snap.json", "the file is empty"),
+        ("# everything moved elsewhere\n# clusters: []\n", "snap.yaml", "only comments"),
+        ("{}", "snap.json", "no section to serve"),
+        ("version: '3'\n", "snap.yaml", "no section to serve"),
+    ],
+)
+def test_an_empty_file_is_an_error_not_remove_everything(tmp_path: Path, text: str, name: str, words: str) -> None:
+    [problem] = problems(tmp_path, text, name)
+    assert words in problem and "clusters: []" in problem
+
+
+def test_explicit_empty_sections_are_an_empty_snapshot(tmp_path: Path) -> None:
+    snapshot = load_snapshot(write(tmp_path, "clusters: []\nlisteners: []\n"))
     assert all(not ts.resources for ts in snapshot.types.values())
+
+
+def test_a_byte_that_is_not_utf8_names_its_offset(tmp_path: Path) -> None:
+    path = tmp_path / "snap.yaml"
+    data = b"clusters: []\nlisteners: [] # caf\xe9\n"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError) as caught:
+        load_snapshot(path)
+    [problem] = caught.value.problems
+    assert problem.where == f"byte {data.index(0xE9)} (line 2)" and "not UTF-8 (byte 0xe9)" in problem.message
+
+
+def test_unknown_keys_inside_health_check_are_errors(tmp_path: Path) -> None:
+    document = {"services": {"web": {"endpoints": ["127.0.0.1:9001"],
+                                     "health_check": {"path": "/ready", "intervall": "2s"}}}}
+    [problem] = problems(tmp_path, document)
+    assert problem.startswith("services.web.health_check: unknown field(s) intervall")

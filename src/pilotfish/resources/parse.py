@@ -38,24 +38,54 @@ class ParsedDocument:
     endpoints: Mapping[str, tuple[Endpoint, ...]] = field(default_factory=dict)
 
 
+MAX_FILE_BYTES = 256 * 1024 * 1024
+"""A snapshot file larger than this is refused rather than read into memory."""
+
+
 def read_document(path: Path) -> Any:
-    """Read a JSON or YAML file into plain values; errors name the file and line."""
+    """Read a JSON or YAML file into plain values; errors name the file and where in it.
+
+    Fails closed: a file that cannot be read or decoded (not UTF-8), is empty or holds only
+    comments, or nests too deeply is a :class:`ConfigError`, never "nothing to serve". A file that
+    means to serve nothing writes the empty lists explicitly (``clusters: []``).
+    """
+    source = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise ConfigError(source, [Problem("", f"the file is {size} bytes; the most pilotfish reads is "
+                                                   f"{MAX_FILE_BYTES} (split the configuration across sources)")])
+        data = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(str(path), [Problem("", f"cannot read: {exc.strerror or exc}")]) from exc
+        raise ConfigError(source, [Problem("", f"cannot read: {exc.strerror or exc}")]) from exc
     try:
-        if path.suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(source, [Problem(
+            f"byte {exc.start} (line {line})",
+            f"not UTF-8 (byte 0x{data[exc.start]:02x}): save the file as UTF-8")]) from exc
+    if not text.strip():
+        raise ConfigError(source, [Problem("", _EMPTY.format(what="empty"))])
+    try:
+        document = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as exc:
         where = f"line {exc.lineno}, column {exc.colno}"
-        raise ConfigError(str(path), [Problem(where, f"invalid JSON: {exc.msg}")]) from exc
+        raise ConfigError(source, [Problem(where, f"invalid JSON: {exc.msg}")]) from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         reason = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(str(path), [Problem(where, f"invalid YAML: {reason}")]) from exc
+        raise ConfigError(source, [Problem(where, f"invalid YAML: {reason}")]) from exc
+    except RecursionError as exc:
+        raise ConfigError(source, [Problem("", "nested too deeply to read")]) from exc
+    if document is None:
+        raise ConfigError(source, [Problem("", _EMPTY.format(what="only comments (or null)"))])
+    return document
+
+
+_EMPTY = ("the file is {what}: refusing to read that as 'remove everything'. To serve nothing, write "
+          "the empty sections explicitly, e.g. 'clusters: []' and 'listeners: []'")
 
 
 def _short(error: Exception) -> str:
@@ -82,6 +112,8 @@ def parse_resource(rtype: ResourceType, value: Any, where: str) -> tuple[Message
         json_format.ParseDict(value, message)
     except (json_format.ParseError, TypeError, ValueError) as exc:
         return None, [Problem(label, _short(exc))]
+    except RecursionError:
+        return None, [Problem(label, "nested too deeply")]
     if not getattr(message, rtype.name_field):
         return None, [Problem(label, f"{rtype.name_field} is required and must not be empty")]
     return message, []
@@ -90,8 +122,6 @@ def parse_resource(rtype: ResourceType, value: Any, where: str) -> tuple[Message
 def parse_document(document: Any, source: str) -> ParsedDocument:
     """Parse a whole snapshot document; raise :class:`ConfigError` listing every problem."""
     problems: list[Problem] = []
-    if document is None:
-        document = {}
     if not isinstance(document, dict):
         raise ConfigError(source, [Problem("", f"the top level must be a mapping, got {type(document).__name__}")])
 
@@ -106,6 +136,9 @@ def parse_document(document: Any, source: str) -> ParsedDocument:
                 problems.append(Problem("version", "must not be empty (omit it to use content hashes)"))
 
     sections = ", ".join(t.key for t in TYPES)
+    if not any(key == "services" or type_by_key(str(key)) is not None for key in document):
+        problems.append(Problem("", f"no section to serve: expected services or {sections} (to serve nothing, "
+                                    "write the empty sections explicitly, e.g. 'clusters: []')"))
     for key in document:
         if key not in ("version", "services") and type_by_key(str(key)) is None:
             problems.append(Problem(str(key), f"unknown section; expected version, services, {sections}"))

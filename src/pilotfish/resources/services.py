@@ -11,6 +11,7 @@ Parsing is strict and reports every problem with where it is (``services.web.end
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -27,6 +28,8 @@ __all__ = [
 ]
 
 PROTOCOLS = ("http", "tcp")
+MAX_SECONDS = 86400.0
+"""The longest duration a setting accepts."""
 UPSTREAM_PROTOCOLS = ("http1", "http2")
 
 
@@ -92,8 +95,13 @@ def _seconds(value: Any, where: str, problems: list[Problem], *, allow_zero: boo
         text, scale = value, 1.0
     try:
         seconds = float(text) * scale
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds):
         problems.append(Problem(where, f"expected a duration such as 250ms, 1.5s or 2, got {value!r}"))
+        return None
+    if seconds > MAX_SECONDS:
+        problems.append(Problem(where, f"must be at most {MAX_SECONDS:.0f}s (a day), got {value!r}"))
         return None
     if seconds < 0 or (seconds == 0 and not allow_zero):
         problems.append(Problem(where, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}"))
@@ -146,7 +154,7 @@ def parse_endpoint(value: Any, where: str, problems: list[Problem]) -> Endpoint 
         problems.append(Problem(where, f"expected HOST:PORT or a mapping with address and port, got {value!r}"))
         return None
     found = len(problems)
-    unknown = sorted(set(value) - {"address", "port", "weight", "metadata"})
+    unknown = sorted(set(map(str, value)) - {"address", "port", "weight", "metadata"})
     if unknown:
         expected = "address, port, weight, metadata"
         problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; expected {expected}"))
@@ -181,7 +189,7 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
         value = {}
     if not isinstance(value, dict):
         return None, (), [Problem(where, f"expected a mapping of service settings, got {type(value).__name__}")]
-    unknown = sorted(set(value) - set(_SERVICE_FIELDS))
+    unknown = sorted(set(map(str, value)) - set(_SERVICE_FIELDS))
     if unknown:
         problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; expected {', '.join(_SERVICE_FIELDS)}"))
     if not name or not all(c.isalnum() or c in "-_." for c in name):
@@ -226,11 +234,19 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     return spec, tuple(sorted(endpoints)), problems
 
 
+_HEALTH_CHECK_FIELDS = ("path", "interval", "timeout")
+
+
 def _health_check(value: Any, where: str, problems: list[Problem]) -> HealthCheck | None:
     if value is True:
         return HealthCheck()
     if not isinstance(value, dict):
-        problems.append(Problem(where, "expected true or a mapping with path, interval, timeout"))
+        problems.append(Problem(where, f"expected true or a mapping with {', '.join(_HEALTH_CHECK_FIELDS)}"))
+        return None
+    unknown = sorted(set(map(str, value)) - set(_HEALTH_CHECK_FIELDS))
+    if unknown:
+        problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; "
+                                       f"expected {', '.join(_HEALTH_CHECK_FIELDS)}"))
         return None
     path = value.get("path", "/healthz")
     if not isinstance(path, str) or not path.startswith("/"):

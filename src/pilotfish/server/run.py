@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import socket
 import time
@@ -19,10 +20,10 @@ from pilotfish.bootstrap import split_address
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError
 from pilotfish.events import EventLog
-from pilotfish.reconcile import DebounceSettings, Reconciler
+from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.server.registry_api import RegistryApi
 from pilotfish.server.xds import XdsServer, start_xds_server
-from pilotfish.sources import file_signature, load_desired, watch_file
+from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry
 
@@ -51,6 +52,10 @@ class ServeSettings:
     """The etcd key prefix (see :mod:`pilotfish.sources.etcd` for the layout)."""
     debounce: DebounceSettings = field(default_factory=DebounceSettings)
     """How bursts of changes are batched and flapping endpoints damped."""
+    guard: GuardSettings = field(default_factory=GuardSettings)
+    """Which snapshots remove too much at once to publish without the operator's confirmation."""
+    waiting_log_every: float = 10.0
+    """While a source has not reported its first state, say which and why this often (seconds)."""
     grace_seconds: float = 1.0
     """On shutdown, how long open streams get to finish."""
 
@@ -63,7 +68,9 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     """
     events = EventLog(settings.event_log, level=settings.event_log_level)
     cache = SnapshotCache()
-    reconciler = Reconciler(cache, settings=settings.debounce, events=events)
+    expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
+    reconciler = Reconciler(cache, settings=settings.debounce, events=events, expect=expected,
+                            guard=settings.guard, confirm_hint=f"kill -USR1 {os.getpid()}")
     tasks: list[asyncio.Task[None]] = []
     cleanups: list[Callable[[], Awaitable[None]]] = []
     try:
@@ -75,7 +82,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             except ConfigError as exc:
                 events.emit("snapshot_error", file=str(settings.snapshot), reason=exc.describe())
                 raise
-        reconciler.build_now()  # the first snapshot, before any proxy can connect
+        reconciler.build_now()  # the first snapshot, before any proxy can connect (if every source is in)
 
         xds = XdsServer(cache, events=events)
         server, port = await start_xds_server(xds, settings.xds)
@@ -96,14 +103,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         _log.info("serving xDS on %s:%d%s", host, port,
                   f", registry API on http://{registry_address}" if registry_address else "")
 
-        async def follow_file(path: Path) -> None:
-            async for item in watch_file(path, loaded=loaded):
-                if isinstance(item, ConfigError):
-                    events.emit("snapshot_error", file=str(path), reason=item.describe())
-                    _log.error("%s\nstill serving the last good snapshot", item.describe())
-                else:
-                    reconciler.update("file", item)
-
+        etcd = None
         if settings.etcd is not None:
             etcd = EtcdSource(settings.etcd, settings.etcd_prefix, on_event=events.emit,
                               on_state=lambda state: reconciler.update("etcd", state))
@@ -111,13 +111,21 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         tasks.append(asyncio.create_task(reconciler.run(), name="reconciler"))
         tasks.append(asyncio.create_task(_tidy_heap_when_idle(lambda: reconciler.idle), name="gc"))
         if settings.snapshot is not None:
-            tasks.append(asyncio.create_task(follow_file(settings.snapshot), name="file-source"))
+            tasks.append(asyncio.create_task(_follow_file(settings.snapshot, loaded, reconciler, events),
+                                             name="file-source"))
+        if reconciler.waiting_for():
+            reasons = {"etcd": lambda: f"etcd at {settings.etcd}: {etcd.problem or 'listing'}" if etcd else ""}
+            tasks.append(asyncio.create_task(_say_what_we_wait_for(reconciler, reasons, events,
+                                                                   every=settings.waiting_log_every),
+                                             name="waiting"))
 
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGUSR1, _confirm_held, reconciler)
         # Long-lived objects (the API modules, snapshots, streams) need no cyclic collection; a
         # fan-out allocates many short-lived ones, so collect the young generation less often.
         # _tidy_heap_when_idle keeps freezing what lives on.
@@ -128,7 +136,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         try:
             await stop.wait()
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.remove_signal_handler(sig)
             await server.stop(settings.grace_seconds)
@@ -142,6 +150,53 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         for cleanup in cleanups:
             await cleanup()
         events.close()
+
+
+def _confirm_held(reconciler: Reconciler) -> None:
+    """SIGUSR1: the operator confirms the snapshot the blast-radius guard holds."""
+    if reconciler.confirm() is None:
+        _log.warning("SIGUSR1: no snapshot is held, nothing to confirm")
+
+
+async def _follow_file(path: Path, loaded: FileSignature | None, reconciler: Reconciler, events: EventLog,
+                       *, retry: float = 1.0) -> None:
+    """Feed the file's changes to the reconciler; report every bad one. Supervised: if the watch
+    itself fails (e.g. the directory went away), say so and start it again; nothing ends it."""
+    while True:
+        try:
+            async for item in watch_file(path, loaded=loaded):
+                if isinstance(item, ConfigError):
+                    events.emit("snapshot_error", file=str(path), reason=item.describe())
+                    _log.error("%s\nstill serving the last good snapshot", item.describe())
+                else:
+                    loaded = None
+                    reconciler.update("file", item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            events.emit("snapshot_error", file=str(path), reason=f"watching the file failed: {exc!r}")
+            _log.error("watching %s failed (%r); still serving the last good snapshot, watching again in %.0f s",
+                       path, exc, retry)
+        loaded = None  # a restarted watch reads the file at once
+        await asyncio.sleep(retry)
+
+
+async def _say_what_we_wait_for(reconciler: Reconciler, reasons: dict[str, Callable[[], str]], events: EventLog,
+                                *, first: float = 0.5, every: float = 10.0) -> None:
+    """Until every source has reported, say which ones are awaited and why: soon after start,
+    then every ``every`` seconds. Proxies that connect meanwhile are held (they keep what they have)."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(first)
+    said_at: float | None = None
+    while waiting := reconciler.waiting_for():
+        if said_at is None or loop.time() - said_at >= every:
+            why = [reasons[name]() if name in reasons else name for name in waiting]
+            events.emit("waiting_for_sources", sources=waiting, reasons=why)
+            _log.warning("not serving any configuration yet: waiting for %s", "; ".join(why))
+            said_at = loop.time()
+        await asyncio.sleep(0.1)
+    if said_at is not None:
+        _log.warning("every source has reported: serving")
 
 
 async def _tidy_heap_when_idle(idle: Callable[[], bool], *, every: float = 1.0, young_limit: int = 20_000,

@@ -135,6 +135,10 @@ class EtcdSource:
         self.view = EtcdView(prefix)
         self.connected = asyncio.Event()
         self.resyncs = 0
+        self.listed = False
+        """Whether a first complete list of the prefix has been reported."""
+        self.problem: str | None = "not contacted yet"
+        """Why etcd is not being followed right now (None: it is)."""
 
     async def run(self) -> None:
         """List and watch until cancelled; on any failure, wait a little and start over."""
@@ -148,10 +152,15 @@ class EtcdSource:
                     await self._watch(http, revision + 1)
                 except asyncio.CancelledError:
                     raise
-                except (aiohttp.ClientError, OSError, ValueError, KeyError, TimeoutError) as exc:
+                except Exception as exc:
+                    expected = isinstance(exc, aiohttp.ClientError | OSError | ValueError | KeyError | TimeoutError)
+                    reason = (str(exc) or type(exc).__name__) if expected else f"internal error: {exc!r}"
+                    if not expected:
+                        _log.exception("etcd at %s: unexpected error; retrying", self.base)
                     if self.connected.is_set():
-                        _log.warning("etcd at %s: %s; serving the last good state and retrying", self.base, exc)
-                        self._emit("etcd_disconnected", reason=str(exc) or type(exc).__name__)
+                        _log.warning("etcd at %s: %s; serving the last good state and retrying", self.base, reason)
+                        self._emit("etcd_disconnected", reason=reason)
+                    self.problem = reason
                     self.connected.clear()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._backoff[1])
@@ -170,9 +179,11 @@ class EtcdSource:
             problem = view.put(key, _unb64(kv.get("value", "")))
             if problem:
                 self._report_bad(key, problem)
+        revision = int(answer["header"]["revision"])
         self.view = view
         self.resyncs += 1
-        revision = int(answer["header"]["revision"])
+        self.listed = True
+        self.problem = None
         self.connected.set()
         self._emit("etcd_synced", revision=revision, keys=len(answer.get("kvs", [])), bad=len(view.bad))
         self._on_state(view.state())

@@ -2,22 +2,28 @@
 
 The file's directory is watched (inotify through watchfiles), not the file itself, so an editor's
 or deploy tool's write-to-temp-then-rename is seen like an in-place write. Each change is read and
-parsed in full; a half-written or invalid file is reported and ignored, and whatever was last
-good keeps serving.
+parsed in full; a half-written, undecodable, empty or invalid file is reported and ignored, and
+whatever was last good keeps serving. So is a deleted file: deleting the file is not a way to
+remove everything (write the empty sections for that). Reading never ends the watch: any error
+while reading, decoding or parsing becomes a reported :class:`ConfigError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from pilotfish.desired import DesiredState, build_snapshot, merge_states
-from pilotfish.errors import ConfigError
+from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import parse_document, read_document
 from pilotfish.snapshot import Snapshot
 
-__all__ = ["FileSignature", "file_signature", "load_desired", "load_snapshot", "watch_file", "watch_snapshot_file"]
+__all__ = ["FileSignature", "file_signature", "load_desired", "load_snapshot", "read_desired", "watch_file",
+           "watch_snapshot_file"]
+
+_log = logging.getLogger("pilotfish.sources.file")
 
 def load_desired(path: Path) -> DesiredState:
     """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem."""
@@ -74,11 +80,24 @@ async def watch_file(path: Path, *, quiet_ms: int = 20,
         elif not changes:
             continue
         if not path.exists():
-            continue  # deleted or mid-rename; the rename's arrival is another change
-        try:
-            yield await asyncio.to_thread(load_desired, path)
-        except ConfigError as exc:
-            yield exc
+            yield ConfigError(target, [Problem("", (
+                "the file was deleted or moved away; still serving its last good content. Put it back to "
+                "change what is served (to serve nothing, write the empty sections, e.g. 'clusters: []')"))])
+            continue
+        yield await asyncio.to_thread(read_desired, path)
+
+
+def read_desired(path: Path) -> DesiredState | ConfigError:
+    """:func:`load_desired`, with every failure returned as a :class:`ConfigError`: a bug in a
+    parser must not end the watch (it is logged with its traceback, and reported)."""
+    try:
+        return load_desired(path)
+    except ConfigError as exc:
+        return exc
+    except Exception as exc:
+        _log.exception("reading %s failed unexpectedly", path)
+        return ConfigError(str(path), [Problem("", f"internal error while reading the file ({exc!r}); "
+                                                   "still serving the last good content")])
 
 
 async def watch_snapshot_file(path: Path, *, quiet_ms: int = 20) -> AsyncIterator[Snapshot | ConfigError]:

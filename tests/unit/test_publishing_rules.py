@@ -1,0 +1,168 @@
+"""Publishing rules 1 and 3 of DESIGN.md: nothing is published before every source has reported,
+and a snapshot that removes too much at once is held until the operator confirms it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pilotfish.cache import SnapshotCache
+from pilotfish.desired import DesiredState
+from pilotfish.events import EventLog
+from pilotfish.reconcile import GuardSettings, Reconciler
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER
+from pilotfish.resources.services import Endpoint, ServiceSpec
+
+
+class Recorder(EventLog):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[dict[str, object]] = []
+
+    def emit(self, event: str, **fields: object) -> None:
+        self.records.append({"event": event, **fields})
+
+    def named(self, event: str) -> list[dict[str, object]]:
+        return [r for r in self.records if r["event"] == event]
+
+
+def services(*names: str, ports: int = 1, listen: bool = True) -> DesiredState:
+    specs = {n: ServiceSpec(name=n, listen=("127.0.0.1", 10000 + i) if listen else None)
+             for i, n in enumerate(names)}
+    return DesiredState(services=specs,
+                        endpoints={n: tuple(Endpoint("127.0.0.1", 9000 + p) for p in range(ports)) for n in names})
+
+
+def reconciler(**kwargs: object) -> tuple[Reconciler, SnapshotCache, Recorder]:
+    cache, events = SnapshotCache(), Recorder()
+    return Reconciler(cache, events=events, **kwargs), cache, events  # type: ignore[arg-type]
+
+
+def names(cache: SnapshotCache, url: str) -> set[str]:
+    snapshot = cache.snapshot()
+    assert snapshot is not None
+    found = snapshot.get(url)
+    return set(found.resources) if found else set()
+
+
+# -- every source first -----------------------------------------------------------------------
+
+def test_nothing_is_published_until_every_expected_source_has_reported() -> None:
+    rec, cache, _ = reconciler(expect=("etcd", "file"))
+    rec.update("file", services("web"))
+    assert rec.waiting_for() == ["etcd"]
+    assert rec.build_now() is None and cache.snapshot() is None, "etcd's part is not known yet"
+    rec.update("etcd", services("api", listen=False))
+    assert rec.waiting_for() == []
+    assert rec.build_now() is not None
+    assert names(cache, CLUSTER.url) == {"web", "api"}
+
+
+def test_an_empty_first_report_counts_as_reported() -> None:
+    rec, cache, _ = reconciler(expect=("etcd",))
+    rec.update("etcd", DesiredState())
+    assert rec.build_now() is not None and names(cache, CLUSTER.url) == set()
+
+
+# -- the blast-radius guard -------------------------------------------------------------------
+
+def test_removing_every_listener_is_held_and_reported() -> None:
+    rec, cache, events = reconciler(confirm_hint="kill -USR1 1234")
+    rec.update("file", services("web", "api"))
+    first = rec.build_now()
+    rec.update("file", services("web", "api", listen=False))
+    assert rec.build_now() is None
+    assert cache.snapshot() is first, "the last good snapshot keeps serving"
+    assert rec.held is not None and rec.held.reasons == ("it removes every listener (2)",)
+    [held] = events.named("snapshot_held")
+    assert held["counts"] == {"listeners": {"before": 2, "after": 0, "removed": 2},
+                              "routes": {"before": 2, "after": 0, "removed": 2}}
+    # The same content again is not reported again.
+    rec.update("file", services("web", "api", listen=False, ports=1))
+    rec.build_now()
+    assert len(events.named("snapshot_held")) == 1
+
+
+def test_removing_every_cluster_is_held() -> None:
+    rec, cache, _ = reconciler()
+    rec.update("file", services("web"))
+    rec.build_now()
+    rec.update("file", DesiredState(resources={}))
+    rec.build_now()
+    assert rec.held is not None and "it removes every cluster (1)" in rec.held.reasons
+    assert names(cache, LISTENER.url) == {"web"}
+
+
+def test_a_confirmed_hold_is_published() -> None:
+    rec, cache, events = reconciler()
+    rec.update("file", services("web"))
+    rec.build_now()
+    rec.update("file", services("web", listen=False))
+    rec.build_now()
+    held = rec.held
+    assert held is not None
+    assert rec.confirm() is held.snapshot
+    assert cache.snapshot() is held.snapshot and rec.held is None
+    assert names(cache, LISTENER.url) == set()
+    assert [e["event"] for e in events.records][-2:] == ["snapshot_confirmed", "snapshot_loaded"]
+    assert rec.confirm() is None, "nothing left to confirm"
+
+
+def test_a_hold_is_dropped_when_the_source_goes_back() -> None:
+    rec, cache, events = reconciler()
+    rec.update("file", services("web"))
+    first = rec.build_now()
+    rec.update("file", services("web", listen=False))
+    rec.build_now()
+    assert rec.held is not None
+    rec.update("file", services("web"))
+    assert rec.build_now() is None and rec.held is None and cache.snapshot() is first
+    assert events.named("snapshot_hold_released")
+
+
+def test_a_hold_is_replaced_by_a_harmless_change() -> None:
+    rec, cache, _ = reconciler()
+    rec.update("file", services("web", "api"))
+    rec.build_now()
+    rec.update("file", services("web", "api", listen=False))
+    rec.build_now()
+    rec.update("file", services("web"))  # drops api, keeps web's listener: allowed
+    assert rec.build_now() is not None and rec.held is None
+    assert names(cache, LISTENER.url) == {"web"}
+
+
+@pytest.mark.parametrize(("before", "after", "held"), [(20, 10, False), (20, 9, True), (9, 1, False), (10, 4, True)])
+def test_removing_more_than_the_share_of_a_type_is_held(before: int, after: int, held: bool) -> None:
+    rec, _, _ = reconciler(guard=GuardSettings(max_removed_share=0.5, min_count=10))
+    rec.update("file", services(*(f"s{i}" for i in range(before)), listen=False))
+    rec.build_now()
+    rec.update("file", services(*(f"s{i}" for i in range(after)), listen=False))
+    try:
+        rec.build_now()
+    finally:
+        assert (rec.held is not None) is held
+    if held:
+        assert rec.held is not None
+        assert f"it removes {before - after} of {before} clusters (more than 50% at once)" in rec.held.reasons
+
+
+@pytest.mark.parametrize(("after", "held"), [(5, True), (6, False)])
+def test_removing_most_endpoints_of_a_service_is_held(after: int, held: bool) -> None:
+    rec, _, _ = reconciler()
+    rec.update("registry", services("web", ports=12))
+    rec.build_now()
+    rec.update("registry", services("web", ports=after))
+    published = rec.build_now()
+    if held:
+        assert published is None and rec.held is not None
+        assert rec.held.reasons == ("it removes 7 of the 12 endpoints of 'web' (more than 50% at once)",)
+    else:
+        assert published is not None and rec.held is None, "removing half is not more than half"
+
+
+def test_the_guard_can_be_turned_off() -> None:
+    rec, cache, events = reconciler(guard=GuardSettings(enabled=False))
+    rec.update("file", services("web"))
+    rec.build_now()
+    rec.update("file", services("web", listen=False))
+    assert rec.build_now() is not None and names(cache, LISTENER.url) == set()
+    assert not events.named("snapshot_held")
