@@ -17,42 +17,10 @@ from types import MappingProxyType
 from google.protobuf.message import Message
 
 from pilotfish.resources import TYPES, ResourceType, TypeUrl, type_by_url
-from pilotfish.resources.wire import any_bytes, discovery_response
+from pilotfish.resources.encoded import Resource  # re-exported: resources/ encodes, snapshots hold
+from pilotfish.resources.wire import discovery_response
 
 __all__ = ["EncodedResponse", "Resource", "Snapshot", "TypeSnapshot", "with_kept"]
-
-
-class Resource:
-    """One named resource, encoded once; its message is decoded only if someone asks for it."""
-
-    __slots__ = ("_message", "_rtype", "_value", "encoded", "hash", "name")
-
-    def __init__(self, rtype: ResourceType, name: str, value: bytes, message: Message | None = None) -> None:
-        self.name = name
-        self.hash = hashlib.sha256(value).hexdigest()
-        """Hex SHA-256 of the resource's encoding."""
-        self.encoded = any_bytes(rtype.url, value)
-        """The resource as an encoded ``google.protobuf.Any``."""
-        self._rtype = rtype
-        self._value = value
-        self._message = message
-
-    @classmethod
-    def of(cls, rtype: ResourceType, message: Message) -> Resource:
-        """A resource from a message (encoded deterministically)."""
-        value = message.SerializeToString(deterministic=True)
-        return cls(rtype, getattr(message, rtype.name_field), value, message)
-
-    @property
-    def message(self) -> Message:
-        if self._message is None:
-            self._message = self._rtype.message.FromString(self._value)
-        return self._message
-
-    @property
-    def value(self) -> bytes:
-        """The resource's own encoding (without the Any wrapper)."""
-        return self._value
 
 
 @dataclass(frozen=True, slots=True)

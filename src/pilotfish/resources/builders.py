@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, health_check_pb2
@@ -40,12 +40,10 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
+from pilotfish.resources.encoded import Resource
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, ResourceType
 from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, length_delimited
-
-if TYPE_CHECKING:
-    from pilotfish.snapshot import Resource
 
 __all__ = ["ResourceMemo", "build_assignment", "build_cluster", "encode_services"]
 
@@ -236,8 +234,6 @@ def encode_services(
 ) -> dict[ResourceType, list[Resource]]:
     """The encoded resources of every service, by type (the bytes protobuf would give the messages
     :func:`build_cluster`, :func:`build_assignment` and the listener/route builders make)."""
-    from pilotfish.snapshot import Resource
-
     memo = memo or ResourceMemo()
     out: dict[ResourceType, list[Resource]] = {CLUSTER: [], ENDPOINT: [], LISTENER: [], ROUTE: []}
     def cluster(spec: ServiceSpec) -> Resource:
