@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import io
 import pstats
@@ -30,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pilotfish.cache import SnapshotCache
 from pilotfish.desired import DesiredState, build_snapshot, merge_states
@@ -59,7 +60,10 @@ def make_state(clusters: int, endpoints: int, *, extra: int = 0) -> DesiredState
     return DesiredState(services=services, endpoints=found)
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+_T = TypeVar("_T")
+
+
+def _timed(fn: Callable[[], _T]) -> tuple[float, _T]:
     gc.collect()
     start = time.perf_counter()
     value = fn()
@@ -70,6 +74,15 @@ def _encode_all(snapshot: Snapshot) -> dict[str, int]:
     return {ts.rtype.short: len(ts.response(None).body) for ts in snapshot.types.values()}
 
 
+def _rebuild_and_encode(reconciler: Reconciler) -> dict[str, int]:
+    """The reconciler's rebuild after a change, then the responses the first proxy asks for."""
+    snapshot = reconciler.build_now()
+    if snapshot is None:
+        raise RuntimeError("the reconciler published nothing after an endpoint change: "
+                           "make_state(extra=1) no longer changes the snapshot")
+    return _encode_all(snapshot)
+
+
 def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path | None = None) -> list[Any]:
     """One table row (see :data:`BUILD_COLUMNS`)."""
     state = make_state(clusters, endpoints)
@@ -78,8 +91,8 @@ def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path |
     sizes: dict[str, int] = {}
     for _ in range(repeat):
         t_merge, merged = _timed(lambda: merge_states({"registry": state}))
-        t_build, snapshot = _timed(lambda m=merged: build_snapshot(m, "bench"))
-        t_encode, sizes = _timed(lambda s=snapshot: _encode_all(s))
+        t_build, snapshot = _timed(functools.partial(build_snapshot, merged, "bench"))
+        t_encode, sizes = _timed(functools.partial(_encode_all, snapshot))
         merge_t.append(t_merge)
         build_t.append(t_build)
         encode_t.append(t_encode)
@@ -89,12 +102,11 @@ def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path |
         reconciler = Reconciler(SnapshotCache())
         reconciler.update("registry", state)
         reconciler.build_now()
-        t_update, _ = _timed(lambda r=reconciler: r.update("registry", changed))
+        t_update, _ = _timed(functools.partial(reconciler.update, "registry", changed))
         update_t.append(t_update)
         # What the server does next: build with the reconciler's memo of the previous build's
         # resources, then encode the responses the first proxy asks for.
-        t_incremental, built = _timed(lambda r=reconciler: _encode_all(r.build_now()))
-        assert built is not None
+        t_incremental, _ = _timed(functools.partial(_rebuild_and_encode, reconciler))
         incremental_t.append(t_incremental)
     if profile is not None:
         profiler = cProfile.Profile()

@@ -29,6 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,14 @@ def _visible(extra: tuple[str, int]) -> str:
     return f"{service_name(0)}::{extra[0]}:{extra[1]}::"
 
 
+def _ack_of(type_url: str, version: str) -> Callable[[dict[str, Any]], bool]:
+    """Matches the event log's ``ack`` record of ``version`` of ``type_url``."""
+    def matches(event: dict[str, Any]) -> bool:
+        return event.get("type") == type_url and event.get("version_info") == version
+
+    return matches
+
+
 def run_pilotfish_envoy(*, changes: int = 20, quiet_ms: int = 100, services: int = 10,
                         workdir: str | Path | None = None, gap: float = 0.25) -> PropagationResult:
     from pilotfish.bootstrap import BootstrapSettings, bootstrap
@@ -179,9 +188,8 @@ def run_pilotfish_envoy(*, changes: int = 20, quiet_ms: int = 100, services: int
                 continue
             result.applied.append(applied - t0)
             loaded = tail.wait_for("snapshot_loaded", timeout=10)
-            eds = loaded["versions"]["EDS"]
-            ack = tail.wait_for("ack", timeout=10,
-                                where=lambda e, v=eds: e.get("type") == _CLA_URL and e.get("version_info") == v)
+            eds: str = loaded["versions"]["EDS"]
+            ack = tail.wait_for("ack", timeout=10, where=_ack_of(_CLA_URL, eds))
             result.acks.append(float(ack["ts"]) - t0)
     return result
 

@@ -56,9 +56,12 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from bench.procs import REPO, cpu_seconds, raise_fd_limit
+
+if TYPE_CHECKING:  # for annotations only: the workers import protobuf where they use it
+    from google.protobuf.message import Message
 
 __all__ = ["CDS", "EDS", "LDS", "RDS", "Fleet", "FleetError", "main"]
 
@@ -194,7 +197,7 @@ class _Req(NamedTuple):
     version_info: str
     response_nonce: str
     resource_names: tuple[str, ...]
-    node: Any
+    node: Message | None
     """The proxy's node on a stream's first request, else None."""
 
 
@@ -225,14 +228,13 @@ def _encode(request: _Req) -> bytes:
     return prefix + nonce_field(request.response_nonce) if request.response_nonce else prefix
 
 
-def _message(request: _Req) -> Any:
+def _message(request: _Req) -> Message:
     from envoy.service.discovery.v3 import discovery_pb2
 
-    message = discovery_pb2.DiscoveryRequest(type_url=request.type_url, version_info=request.version_info,
-                                             response_nonce=request.response_nonce,
-                                             resource_names=request.resource_names)
-    if request.node is not None:
-        message.node.CopyFrom(request.node)
+    # xds-protos ships no type stubs: name the message's type here (node=None leaves it unset).
+    message: Message = discovery_pb2.DiscoveryRequest(
+        type_url=request.type_url, version_info=request.version_info, response_nonce=request.response_nonce,
+        resource_names=request.resource_names, node=request.node)
     return message
 
 
@@ -431,6 +433,23 @@ class _Proxy:
             raise
 
 
+class _ErrorReport(TypedDict):
+    """A worker's answer to ``errors``."""
+
+    counts: dict[str, int]
+    """Streams that broke, by gRPC status."""
+    examples: dict[str, str]
+    """One example message per gRPC status seen."""
+
+
+class _StreamReport(TypedDict):
+    """A worker's answer to ``streams``."""
+
+    streams: int
+    """Streams its proxies opened (reconnects included)."""
+    proxies: int
+
+
 class _Worker:
     """A worker process: some proxies, driven by commands from the coordinator's pipe."""
 
@@ -449,7 +468,7 @@ class _Worker:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[Any] = asyncio.Queue()
+        inbox: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
 
         def receive() -> None:
             try:
@@ -500,14 +519,14 @@ class _Worker:
             self.waiters.remove(waiter)
         return [(p.index, waiter.time_of(p)) for p in self.proxies]
 
-    async def cmd_errors(self, since: float) -> dict[str, int]:
+    async def cmd_errors(self, since: float) -> _ErrorReport:
         """Errors (by gRPC status) of streams opened since ``since`` (epoch seconds), over all proxies."""
         counts: Counter[str] = Counter()
         for proxy in self.proxies:
             counts.update(code for at, code in proxy.errors if at >= since)
         return {"counts": dict(counts), "examples": self.error_details}
 
-    async def cmd_streams(self) -> dict[str, int]:
+    async def cmd_streams(self) -> _StreamReport:
         return {"streams": sum(p.streams for p in self.proxies), "proxies": len(self.proxies)}
 
     async def stop(self) -> None:
@@ -559,7 +578,7 @@ class Fleet:
     error_examples: dict[str, str] = field(default_factory=dict)
     """One example message per gRPC status seen (filled by :meth:`errors`)."""
     _conns: list[Connection] = field(default_factory=list)
-    _procs: list[Any] = field(default_factory=list)
+    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.client not in CLIENTS:
@@ -618,7 +637,8 @@ class Fleet:
     def errors(self, since: float = 0.0) -> dict[str, int]:
         """Errors, by gRPC status code, of streams opened since ``since`` (epoch seconds)."""
         total: Counter[str] = Counter()
-        for result in self._all("errors", since=since):
+        reports: list[_ErrorReport] = self._all("errors", since=since)
+        for result in reports:
             total.update(result["counts"])
             self.error_examples.update(result["examples"])
         return dict(total)
@@ -628,7 +648,8 @@ class Fleet:
         return sum(cpu_seconds(proc.pid) for proc in self._procs)
 
     def streams_opened(self) -> int:
-        return sum(r["streams"] for r in self._all("streams"))
+        reports: list[_StreamReport] = self._all("streams")
+        return sum(r["streams"] for r in reports)
 
     def close(self) -> None:
         for conn in self._conns:

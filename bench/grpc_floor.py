@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
@@ -42,9 +44,9 @@ async def _serve(port: int, proxies: int, rounds: int) -> None:
     all_answered = asyncio.Event()
     finished = asyncio.Event()
 
-    async def handler(requests: object, context: grpc.aio.ServicerContext) -> None:
+    async def handler(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
         nonlocal answered
-        async for request in requests:  # type: ignore[attr-defined]
+        async for request in requests:  # DiscoveryRequest (xds-protos has no type stubs)
             if request.type_url == "go":
                 for number in range(rounds):
                     answered = 0

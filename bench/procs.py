@@ -118,7 +118,7 @@ class EventTail:
             for index in range(scanned, len(self._pending)):
                 line = self._pending[index]
                 if needle in line:
-                    record = json.loads(line)
+                    record: dict[str, Any] = json.loads(line)
                     if where is None or where(record):
                         del self._pending[:index + 1]
                         return record
