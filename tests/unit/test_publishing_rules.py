@@ -9,7 +9,7 @@ from pilotfish.cache import SnapshotCache
 from pilotfish.desired import DesiredState
 from pilotfish.events import EventLog
 from pilotfish.reconcile import GuardSettings, Reconciler
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER
+from pilotfish.resources import CLUSTER, LISTENER
 from pilotfish.resources.services import Endpoint, ServiceSpec
 
 
