@@ -8,7 +8,8 @@ states of all sources and builds the snapshot, refusing anything ambiguous:
 - a built resource whose name clashes with a raw resource;
 - two listeners on the same address (Envoy would refuse one, or with SO_REUSEPORT silently split
   traffic between them);
-- the cross-reference problems of :func:`pilotfish.validate.check_references`.
+- the cross-reference problems of :func:`pilotfish.validate.check_references`;
+- any resource breaking Envoy's own ``validate.rules`` (:func:`pilotfish.validate.check_rules`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType
 from pilotfish.resources.builders import ResourceMemo, encode_services
 from pilotfish.resources.services import Endpoint, ServiceSpec
-from pilotfish.resources.types import ENDPOINT, LISTENER, ROUTE
+from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.snapshot import Resource, Snapshot
-from pilotfish.validate import check_references
+from pilotfish.validate import check_references, check_rules
 
 __all__ = ["DesiredState", "Merged", "build_snapshot", "merge_states"]
 
@@ -111,17 +112,23 @@ def _listen_address(listener: Message) -> str | None:
     return f"{socket.address}:{socket.port_value}" if socket.address else None
 
 
-def build_snapshot(merged: Merged, source: str, *, memo: ResourceMemo | None = None) -> Snapshot:
+def build_snapshot(
+    merged: Merged, source: str, *, memo: ResourceMemo | None = None, rules: bool = True
+) -> Snapshot:
     """Build the snapshot of merged desired state; raise :class:`ConfigError` naming every problem.
 
     ``memo`` carries encoded resources of unchanged services over from the previous build.
+    ``rules``: check every resource, raw or built, against Envoy's ``validate.rules``
+    (:func:`pilotfish.validate.check_rules`); off, such content goes out as it is (for Envoy to NACK).
     """
     problems = list(merged.problems)
     built = encode_services(merged.services, merged.endpoints, memo)
-    combined: dict[ResourceType, tuple[Message | Resource, ...]] = {}
+    combined: dict[ResourceType, tuple[Resource, ...]] = {}
+    raw_encoded: dict[ResourceType, list[tuple[Resource, Message]]] = {}
     for rtype in TYPES:
-        raw = merged.resources.get(rtype, ())
-        raw_names = {getattr(m, rtype.name_field): i for i, m in enumerate(raw)}
+        raw = tuple(Resource.of(rtype, m) for m in merged.resources.get(rtype, ()))
+        raw_encoded[rtype] = list(zip(raw, merged.resources.get(rtype, ()), strict=True))
+        raw_names = {r.name: i for i, r in enumerate(raw)}
         ours = built.get(rtype, [])
         for resource in ours:
             if resource.name in raw_names:
@@ -151,7 +158,10 @@ def build_snapshot(merged: Merged, source: str, *, memo: ResourceMemo | None = N
         merged.resources,
         more_endpoints=(r.name for r in built.get(ENDPOINT, [])),
         more_routes=(r.name for r in built.get(ROUTE, [])),
+        more_clusters=(r.name for r in built.get(CLUSTER, [])),
     ))
+    if rules:
+        problems.extend(check_rules(raw_encoded, built))
     if problems:
         raise ConfigError(source, problems)
     return Snapshot.build(combined, version=merged.version)
