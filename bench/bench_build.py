@@ -2,13 +2,18 @@
 
 In-process (no gRPC): a registry-like :class:`~pilotfish.desired.DesiredState` with C services
 (ServiceSpec) and E endpoints spread evenly over them is merged (``merge_states``), built
-(``build_snapshot``: builders, cross-reference checks, per-resource encoding and hashing) and
-encoded into one full response per type (``TypeSnapshot.response(None)``, what the first proxy
-to ask costs). Each phase is timed ``--repeat`` times; the table shows the median.
+(``build_snapshot``: builders, cross-reference checks, Envoy's ``validate.rules``, per-resource
+encoding and hashing) and encoded into one full response per type (``TypeSnapshot.response(None)``,
+what the first proxy to ask costs). Each phase is timed ``--repeat`` times; the table shows the
+median. ``build_snapshot`` is a first build of the content (the rule checker remembers no result:
+every resource is decoded and checked; its per-type plans are compiled before timing); ``rules
+off`` is the same build without the rule checks, side by side.
 
 Also measured, because it is what an operator's registry sees on every call at this size:
 
-- rebuild after one endpoint changed (the same path again, with one more endpoint, from scratch);
+- rebuild after one endpoint changed (the same path again, with one more endpoint, from scratch;
+  the rule checker remembers unchanged resources by content hash, so only the changed one is
+  checked), with and without the rule checks;
 - ``Reconciler.update`` alone: what one registry API call costs before any build (it merges all
   sources' states and observes every endpoint for flap damping);
 - the reconciler's rebuild after that change (``build_now``, reusing the previous build's encoded
@@ -36,14 +41,16 @@ from typing import Any, TypeVar
 from pilotfish.cache import SnapshotCache
 from pilotfish.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.reconcile import Reconciler
+from pilotfish.resources import TYPES
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.snapshot import Snapshot
+from pilotfish.validate import default_checker
 
 __all__ = ["BUILD_COLUMNS", "make_state", "run_build"]
 
-BUILD_COLUMNS = ["clusters", "endpoints", "merge s", "build_snapshot s",
+BUILD_COLUMNS = ["clusters", "endpoints", "merge s", "build_snapshot s", "build_snapshot, rules off s",
                  "encode responses s", "total s", "response bytes (CDS / EDS)", "rebuild after 1 change s",
-                 "Reconciler.update s", "Reconciler rebuild after 1 change s"]
+                 "rebuild after 1 change, rules off s", "Reconciler.update s", "Reconciler rebuild after 1 change s"]
 
 
 def make_state(clusters: int, endpoints: int, *, extra: int = 0) -> DesiredState:
@@ -88,15 +95,27 @@ def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path |
     state = make_state(clusters, endpoints)
     changed = make_state(clusters, endpoints, extra=1)
     merge_t, build_t, encode_t, total_t, rebuild_t, update_t, incremental_t = ([] for _ in range(7))
+    bare_t: list[float] = []
+    bare_rebuild_t: list[float] = []
     sizes: dict[str, int] = {}
+    # The rule checker's plans (compiled once per message type and process) are made before
+    # timing: the columns show checking, not compiling.
+    for rtype in TYPES:
+        default_checker().compile(rtype.message.DESCRIPTOR)
     for _ in range(repeat):
         t_merge, merged = _timed(lambda: merge_states({"registry": state}))
+        t_bare, _ = _timed(functools.partial(build_snapshot, merged, "bench", rules=False))
+        default_checker().forget()  # a first build of this content: no result remembered
         t_build, snapshot = _timed(functools.partial(build_snapshot, merged, "bench"))
         t_encode, sizes = _timed(functools.partial(_encode_all, snapshot))
         merge_t.append(t_merge)
+        bare_t.append(t_bare)
         build_t.append(t_build)
         encode_t.append(t_encode)
         total_t.append(t_merge + t_build + t_encode)
+        t_bare_rebuild, _ = _timed(
+            lambda: _encode_all(build_snapshot(merge_states({"registry": changed}), "bench", rules=False)))
+        bare_rebuild_t.append(t_bare_rebuild)
         t_rebuild, _ = _timed(lambda: _encode_all(build_snapshot(merge_states({"registry": changed}), "bench")))
         rebuild_t.append(t_rebuild)
         reconciler = Reconciler(SnapshotCache())
@@ -115,9 +134,10 @@ def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path |
         profiler.disable()
         profiler.dump_stats(profile)
     med = statistics.median
-    return [clusters, endpoints, round(med(merge_t), 3), round(med(build_t), 3),
+    return [clusters, endpoints, round(med(merge_t), 3), round(med(build_t), 3), round(med(bare_t), 3),
             round(med(encode_t), 3), round(med(total_t), 3), f"{sizes.get('CDS', 0):,} / {sizes.get('EDS', 0):,}",
-            round(med(rebuild_t), 3), round(med(update_t), 3), round(med(incremental_t), 3)]
+            round(med(rebuild_t), 3), round(med(bare_rebuild_t), 3), round(med(update_t), 3),
+            round(med(incremental_t), 3)]
 
 
 def top_functions(profile: Path, limit: int = 15) -> str:
