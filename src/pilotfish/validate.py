@@ -1338,6 +1338,14 @@ def _filter_type(network_filter: Any) -> str | None:
     return None  # config_discovery (ECDS): the type arrives later; not ours to check here
 
 
+_UNTYPED = ("has neither typed_config nor config_discovery: Envoy finds a filter by the @type of its "
+            "typed_config (the name alone is not enough) and would reject the listener")
+
+
+def _untyped(any_filter: Any) -> bool:
+    return not any_filter.HasField("typed_config") and not any_filter.HasField("config_discovery")
+
+
 def _check_chain(where: str, chain: listener_components_pb2.FilterChain) -> Iterator[Problem]:
     if not chain.filters:
         # Envoy accepts it, then closes every connection the chain matches.
@@ -1347,6 +1355,9 @@ def _check_chain(where: str, chain: listener_components_pb2.FilterChain) -> Iter
         return
     last = len(chain.filters) - 1
     for index, network_filter in enumerate(chain.filters):
+        if _untyped(network_filter):
+            yield Problem(f"{where}.filters[{index}] (name {network_filter.name!r})", _UNTYPED)
+            continue
         kind = _filter_type(network_filter)
         if kind is None:
             continue
@@ -1365,6 +1376,9 @@ def _check_http_filters(where: str, hcm: hcm_pb2.HttpConnectionManager) -> Itera
     filters = hcm.http_filters  # none at all is fine: Envoy then uses the router
     last = len(filters) - 1
     for index, http_filter in enumerate(filters):
+        if _untyped(http_filter) and not http_filter.is_optional:
+            yield Problem(f"{where}.http_filters[{index}] (name {http_filter.name!r})", _UNTYPED)
+            continue
         kind = _filter_type(http_filter)
         if kind is None or http_filter.is_optional:
             continue

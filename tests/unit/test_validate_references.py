@@ -168,3 +168,19 @@ def test_http_filters_must_end_in_the_router() -> None:
         "listeners[0] (name 'in').filter_chains[0].filters[0].typed_config.http_filters[1] (name "
         "'envoy.filters.http.buffer'): the last HTTP filter must be the router (envoy.filters.http.router), got "
         "envoy.extensions.filters.http.buffer.v3.Buffer: Envoy would reject the listener"]
+
+
+def test_a_filter_without_typed_config_is_refused() -> None:
+    # What a half-written file can leave: a name and nothing else (Envoy: "Didn't find a
+    # registered implementation for 'envoy.fil' with type URL: ''").
+    untyped = {"name": "envoy.fil"}
+    assert problems(listeners=[listener(untyped)]) == [
+        "listeners[0] (name 'in').filter_chains[0].filters[0] (name 'envoy.fil'): has neither typed_config nor "
+        "config_discovery: Envoy finds a filter by the @type of its typed_config (the name alone is not enough) "
+        "and would reject the listener"]
+    inline = {"name": "r", "virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
+        {"match": {"prefix": "/"}, "direct_response": {"status": 200}}]}]}
+    assert problems(listeners=[listener(hcm(inline, [{"name": "envoy.filters.http.rou"}]))]) == [
+        "listeners[0] (name 'in').filter_chains[0].filters[0].typed_config.http_filters[0] (name "
+        "'envoy.filters.http.rou'): has neither typed_config nor config_discovery: Envoy finds a filter by the "
+        "@type of its typed_config (the name alone is not enough) and would reject the listener"]
