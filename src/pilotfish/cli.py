@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--flap-hold-ms", type=_positive_int, default=1000, metavar="MS",
                        help="an endpoint that comes back soon after leaving is re-added after staying this "
                             "long (default: %(default)s)")
+    serve.add_argument("--validate", choices=("on", "off"), default="on",
+                       help="check every resource against Envoy's own proto rules (validate.rules) before it is "
+                            "served; off lets it through for Envoy to NACK (default: %(default)s)")
     serve.add_argument("--guard", choices=("on", "off"), default="on",
                        help="hold a snapshot that removes every listener or cluster, or too much at once, until "
                             "confirmed with SIGUSR1 (default: %(default)s)")
@@ -136,7 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
                              event_log_level=args.event_log_level,
                              registry=args.registry, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
-                             debounce=debounce,
+                             debounce=debounce, validate=args.validate == "on",
                              guard=GuardSettings(enabled=args.guard == "on", max_removed_share=args.guard_max_removed,
                                                  min_count=args.guard_min_count))
     try:

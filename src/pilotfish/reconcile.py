@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NoReturn, Protocol
 
@@ -264,6 +264,8 @@ class Reconciler:
         expect: Iterable[str] = (),
         guard: GuardSettings | None = None,
         confirm_hint: str = "",
+        rules: bool = True,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.cache = cache
         self.settings = settings or DebounceSettings()
@@ -271,6 +273,10 @@ class Reconciler:
         self._confirm_hint = confirm_hint
         """How the operator confirms a held snapshot (printed with it)."""
         self._expected = frozenset(expect)
+        self._rules = rules
+        """Check Envoy's validate.rules before publishing (off: let Envoy NACK what breaks them)."""
+        self._labels = dict(labels or {})
+        """How errors name each source (e.g. "file" -> the file's path)."""
         self._published_endpoints: dict[str, int] = {}
         self.held: Held | None = None
         """The snapshot the blast-radius guard is holding back (None: nothing held)."""
@@ -374,7 +380,7 @@ class Reconciler:
         return replace(merged, endpoints=endpoints)
 
     def _source_names(self) -> str:
-        return ", ".join(sorted(self._states)) or "no sources"
+        return " + ".join(self._labels.get(name, name) for name in sorted(self._states)) or "no sources"
 
     def _build(self) -> Snapshot | None:
         if self.waiting_for():
@@ -382,7 +388,7 @@ class Reconciler:
         self.builds += 1
         merged = self._damped(merge_states(self._states))
         try:
-            snapshot = build_snapshot(merged, self._source_names(), memo=self._memo)
+            snapshot = build_snapshot(merged, self._source_names(), memo=self._memo, rules=self._rules)
         except ConfigError as exc:
             self._refuse(exc)
         current = self.cache.snapshot(self._group)

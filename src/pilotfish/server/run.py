@@ -52,6 +52,9 @@ class ServeSettings:
     """The etcd key prefix (see :mod:`pilotfish.sources.etcd` for the layout)."""
     debounce: DebounceSettings = field(default_factory=DebounceSettings)
     """How bursts of changes are batched and flapping endpoints damped."""
+    validate: bool = True
+    """Check every resource against Envoy's own validate.rules before publishing; False lets such
+    content through, for Envoy to NACK."""
     guard: GuardSettings = field(default_factory=GuardSettings)
     """Which snapshots remove too much at once to publish without the operator's confirmation."""
     waiting_log_every: float = 10.0
@@ -70,7 +73,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     cache = SnapshotCache()
     expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
     reconciler = Reconciler(cache, settings=settings.debounce, events=events, expect=expected,
-                            guard=settings.guard, confirm_hint=f"kill -USR1 {os.getpid()}")
+                            guard=settings.guard, confirm_hint=f"kill -USR1 {os.getpid()}",
+                            rules=settings.validate, labels=_source_labels(settings))
     tasks: list[asyncio.Task[None]] = []
     cleanups: list[Callable[[], Awaitable[None]]] = []
     try:
@@ -150,6 +154,15 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         for cleanup in cleanups:
             await cleanup()
         events.close()
+
+
+def _source_labels(settings: ServeSettings) -> dict[str, str]:
+    labels = {"registry": "the registry"}
+    if settings.snapshot is not None:
+        labels["file"] = str(settings.snapshot)
+    if settings.etcd is not None:
+        labels["etcd"] = f"etcd at {settings.etcd}"
+    return labels
 
 
 def _confirm_held(reconciler: Reconciler) -> None:
