@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -445,3 +446,82 @@ class Reconciler:
         self._events.emit("snapshot_loaded", version=snapshot.label(), versions=snapshot.versions(),
                           watches_answered=answered, push_ms=pushed_ms)
         _log.info("snapshot %s published (%s)", snapshot.label(), snapshot.versions())
+
+    # -- checking a change before a source accepts it ------------------------------------------
+
+    def check(self, source: str, state: DesiredState) -> list[Problem]:
+        """The problems ``state`` would add if ``source`` reported it now; empty: safe to accept.
+
+        The state is merged with every other source's current state and built, without
+        publishing anything (encoded resources come from the reconciler's memo, so a build that
+        changes little costs little). Only problems the change *introduces* are returned: when the
+        merged state is already invalid because of another source (a clash between the file and
+        etcd, say), a change that adds nothing new is still acceptable, so one broken source
+        cannot freeze the others. Each problem says which source each service and raw resource it
+        names comes from.
+
+        A change to the endpoint lists alone (the same service definitions and raw resources,
+        the same service names with endpoints) is accepted without a build: endpoints were
+        checked when they were parsed, and which endpoints a service has cannot make a build
+        fail; so registering and deregistering instances of known services stays cheap in large
+        fleets. Unexpected exceptions (our bugs) propagate: the caller must then accept nothing.
+        """
+        current = self._states.get(source, DesiredState())
+        if _same_shape(current, state):
+            return []
+        after = self._problems_with(source, state)
+        if not after:
+            return []
+        before = set(self._problems_with(source, current))
+        new = list(dict.fromkeys(p for p in after if p not in before))
+        states = {**self._states, source: state}
+        return [_attributed(problem, states) for problem in new]
+
+    def _problems_with(self, source: str, state: DesiredState) -> list[Problem]:
+        states = {**self._states, source: state}
+        try:
+            build_snapshot(merge_states(states), ", ".join(sorted(states)), memo=self._memo)
+        except ConfigError as exc:
+            return list(exc.problems)
+        return []
+
+
+def _same_shape(a: DesiredState, b: DesiredState) -> bool:
+    """Whether two states differ at most in which endpoints their services have."""
+    return (a.endpoints.keys() == b.endpoints.keys() and a.services == b.services
+            and a.version == b.version and a.resources == b.resources)
+
+
+_SERVICE_MENTION = re.compile(r"services\.([\w.-]+)")
+_RESOURCE_MENTION = re.compile(r"\b(" + "|".join(t.key for t in TYPES) + r")\[(\d+)\]")
+
+
+def _attributed(problem: Problem, states: Mapping[str, DesiredState]) -> Problem:
+    """``problem`` with the sources of the services and raw resources it names appended."""
+    text = f"{problem.where} {problem.message}"
+    notes: dict[str, str] = {}
+    for match in _SERVICE_MENTION.finditer(text):
+        # Service names may hold dots ("services.a.b.listen"): take the longest known prefix.
+        parts = match.group(1).split(".")
+        for end in range(len(parts), 0, -1):
+            name = ".".join(parts[:end])
+            defined = [s for s in sorted(states) if name in states[s].services]
+            listed = [s for s in sorted(states) if name in states[s].endpoints]
+            if defined or listed:
+                origin = f"defined by {', '.join(defined)}" if defined else f"endpoints from {', '.join(listed)}"
+                notes.setdefault(f"services.{name}", origin)
+                break
+    by_key = {t.key: t for t in TYPES}
+    for match in _RESOURCE_MENTION.finditer(text):
+        rtype, index = by_key[match.group(1)], int(match.group(2))
+        # merge_states concatenates raw resources source by source, in name order.
+        for name in sorted(states):
+            count = len(states[name].resources.get(rtype, ()))
+            if index < count:
+                notes.setdefault(match.group(0), f"{name}'s {rtype.key}[{index}]")
+                break
+            index -= count
+    if not notes:
+        return problem
+    origins = "; ".join(f"{what}: {origin}" for what, origin in notes.items())
+    return Problem(problem.where, f"{problem.message} [{origins}]")
