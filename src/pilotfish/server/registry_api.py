@@ -8,11 +8,33 @@ DELETE   /v1/services/{service}                     forget a service and its ins
 POST     /v1/services/{service}/instances           register: address, port, weight?, metadata?, ttl?
 PUT      /v1/services/{service}/instances/{id}/heartbeat  keep a TTL instance alive
 DELETE   /v1/services/{service}/instances/{id}      deregister (id is ``address:port``)
+GET      /v1/self-preservation                      whether TTL expiry is paused, and why
+PUT      /v1/self-preservation                      ``{"enabled": false}``: let every lapsed instance expire
 GET      /healthz                                   200 when serving
 =======  =========================================  =============================================
 
-A bad request gets a 4xx with ``{"error": ..., "problems": [{"field": ..., "message": ...}]}``
-and changes nothing. Every change is handed to the reconciler as the registry's whole state.
+Every answer to a refused request is ``{"error": ..., "problems": [{"field": ..., "message": ...}]}``
+and the request changed nothing:
+
+- **400**: the request itself is wrong (a bad field, a body that is not JSON or is nested deeper
+  than ``max_depth``); **413**: the body is larger than ``max_body`` bytes;
+- **409**: the request is fine on its own but conflicts with the state pilotfish serves. Before
+  answering, a change is applied to the registry, and the merged state of *every* source (the
+  snapshot file, etcd, the registry) is built with it, without publishing
+  (:meth:`pilotfish.reconcile.Reconciler.check`). If the build has a problem the change
+  introduced (a ``listen`` address another service uses, a service another source defines
+  differently, a cluster name a raw resource uses...), the change is taken back and the problems
+  are returned, each naming the field and where the other party comes from. Problems the merged
+  state already had (another source is broken) do not refuse a change. So the registry never
+  holds a state that blocks every later change from being served.
+- **500**: our bug; the traceback is logged, the answer is still JSON, nothing changed.
+
+Accepted changes are handed to the reconciler as the registry's whole state. TTL expiry runs
+in :meth:`RegistryApi.expire_forever`, with self-preservation (see
+:mod:`pilotfish.sources.registry`): entering and leaving it is logged as a warning and recorded
+as the event ``registry_self_preservation``. An expiry that would leave the merged state broken
+(a route of another source pointing at a service whose last instance lapsed) keeps the service
+known with no instances, so its cluster stays, empty.
 """
 
 from __future__ import annotations
@@ -22,37 +44,83 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
-from pilotfish.sources.registry import Registry, UnknownInstance
+from pilotfish.sources.registry import Registry, RegistryFull, UnknownInstance
 
-__all__ = ["RegistryApi"]
+__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_MAX_DEPTH", "Conflict", "RegistryApi"]
 
 _log = logging.getLogger("pilotfish.registry")
 _SOURCE = "registry"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
+
+DEFAULT_MAX_BODY = 1 << 20
+"""Bytes a request body may have (1 MiB: a service definition or an instance is well under 4 KiB)."""
+DEFAULT_MAX_DEPTH = 32
+"""How deeply a JSON body may nest arrays and objects (the registry's own bodies need 3)."""
+
+
+class Conflict(Exception):
+    """The request is well formed but would make the merged state of all sources invalid."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
 
 
 def _error(status: int, message: str, problems: list[dict[str, str]] | None = None) -> web.Response:
     return web.json_response({"error": message, "problems": problems or []}, status=status)
 
 
-class RegistryApi:
-    """Serves a :class:`Registry` over HTTP and reports its changes to the reconciler."""
+def _problems(problems: tuple[Problem, ...] | list[Problem]) -> list[dict[str, str]]:
+    return [{"field": p.where, "message": p.message} for p in problems]
 
-    def __init__(self, registry: Registry, reconciler: Reconciler, *, events: EventLog | None = None) -> None:
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; use a finite number")
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and dicts more than ``limit`` deep (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+class RegistryApi:
+    """Serves a :class:`Registry` over HTTP; checks changes with the reconciler, then reports them."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        reconciler: Reconciler,
+        *,
+        events: EventLog | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+    ) -> None:
         self.registry = registry
         self.reconciler = reconciler
         self.events = events or EventLog()
+        self.max_body = max_body
+        self.max_depth = max_depth
         self._expiry_wake = asyncio.Event()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors])
+        app = web.Application(middlewares=[self._errors], client_max_size=self.max_body)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/v1/services", self._list)
         app.router.add_get("/v1/services/{service}", self._get)
@@ -61,7 +129,26 @@ class RegistryApi:
         app.router.add_post("/v1/services/{service}/instances", self._register)
         app.router.add_put("/v1/services/{service}/instances/{id}/heartbeat", self._heartbeat)
         app.router.add_delete("/v1/services/{service}/instances/{id}", self._deregister)
+        app.router.add_get("/v1/self-preservation", self._preservation)
+        app.router.add_put("/v1/self-preservation", self._set_preservation)
         return app
+
+    def _apply(self, service: str, change: Callable[[], T]) -> T:
+        """Make ``change`` (to ``service`` only) if the merged state stays valid; else take it back
+        and raise :class:`Conflict`. The caller reports the change (:meth:`_changed`) with no await
+        in between, so nothing else runs between the check and the update.
+        """
+        undo = self.registry.undo_point(service)
+        try:
+            result = change()
+            problems = self.reconciler.check(_SOURCE, self.registry.state())
+        except BaseException:
+            undo()
+            raise
+        if problems:
+            undo()
+            raise Conflict(problems)
+        return result
 
     def _changed(self, what: str, **fields: Any) -> None:
         self.events.emit("registry_" + what, **fields)
@@ -69,7 +156,7 @@ class RegistryApi:
         self._expiry_wake.set()
 
     async def expire_forever(self) -> None:
-        """Remove instances whose TTL lapsed, as they lapse."""
+        """Remove instances whose TTL lapsed, as they lapse (self-preservation permitting)."""
         while True:
             self._expiry_wake.clear()
             due = self.registry.next_expiry()
@@ -81,32 +168,92 @@ class RegistryApi:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._expiry_wake.wait(), delay)
                 continue
-            for instance in self.registry.expire():
-                _log.info("instance %s of %s expired (no heartbeat within %ss)",
-                          instance.id, instance.service, instance.ttl)
-                self._changed("expired", service=instance.service, instance=instance.id)
+            try:
+                self.expire_once()
+            except Exception:
+                _log.exception("registry expiry failed (our bug); retrying in a second")
+                self.events.emit("registry_error", reason="internal error during TTL expiry (see log)")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._expiry_wake.wait(), 1.0)
+
+    def expire_once(self) -> None:
+        """One expiry pass: remove lapsed instances and report it (what :meth:`expire_forever` runs)."""
+        done = self.registry.expire()
+        if done.entered and done.preservation is not None:
+            kept = done.preservation
+            _log.warning(
+                "registry self-preservation: %d of %d TTL instances stopped heartbeating within %.0fs; "
+                "keeping %d lapsed instance(s) of %s instead of expiring them (a network partition is likelier "
+                "than a dead fleet). Expiry resumes when heartbeats come back; PUT /v1/self-preservation "
+                '{"enabled": false} lets them expire now',
+                kept.lost_in_window, kept.ttl_instances, self.registry.self_preservation.window, kept.lapsed,
+                "every service" if kept.everywhere else ", ".join(kept.services[:20]))
+            self.events.emit("registry_self_preservation", state="entered", **kept.describe())
+        if done.exited:
+            _log.warning("registry self-preservation over: TTL expiry resumed")
+            self.events.emit("registry_self_preservation", state="exited", expired_now=len(done.expired))
+        if not done.expired:
+            return
+        gone = sorted({i.service for i in done.expired} - set(self.registry.state().endpoints))
+        problems: list[Problem] = []
+        if gone:
+            try:
+                problems = self.reconciler.check(_SOURCE, self.registry.state())
+            except Exception:
+                _log.exception("checking the registry after expiry failed (our bug); the build will report it")
+        if problems:
+            # The instances are gone either way; keep their services' clusters (empty) so that
+            # what refers to them stays valid, and say why.
+            for service in gone:
+                self.registry.keep_known(service)
+            _log.warning("kept service(s) %s with no instances after their last instance expired, because "
+                         "removing them would break the merged state:\n  %s\nDELETE /v1/services/NAME once "
+                         "nothing refers to them", ", ".join(gone), "\n  ".join(str(p) for p in problems))
+        for instance in done.expired:
+            _log.info("instance %s of %s expired (no heartbeat within %ss)",
+                      instance.id, instance.service, instance.ttl)
+            self.events.emit("registry_expired", service=instance.service, instance=instance.id)
+        self.reconciler.update(_SOURCE, self.registry.state())
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except ConfigError as exc:
-            problems = [{"field": p.where, "message": p.message} for p in exc.problems]
-            return _error(400, "; ".join(str(p) for p in exc.problems), problems)
+            return _error(400, "; ".join(str(p) for p in exc.problems), _problems(exc.problems))
+        except Conflict as exc:
+            return _error(409, f"{request.method} {request.path} conflicts with the state pilotfish serves; "
+                               f"nothing was changed: {exc}", _problems(exc.problems))
+        except RegistryFull as exc:
+            return _error(409, str(exc))
         except UnknownInstance as exc:
             return _error(404, str(exc))
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the body of {request.method} {request.path} is larger than {self.max_body} bytes")
         except web.HTTPException as exc:
             if exc.status >= 400:
                 return _error(exc.status, exc.reason)
             raise
+        except Exception as exc:
+            _log.exception("%s %s failed (our bug; nothing was changed)", request.method, request.path)
+            return _error(500, f"internal error handling {request.method} {request.path}: "
+                               f"{type(exc).__name__}; nothing was changed, see the server log")
 
     async def _body(self, request: web.Request) -> Any:
         if not request.can_read_body:
             return {}
+        raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
         try:
-            return json.loads(await request.read())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            value = json.loads(raw, parse_constant=_reject_constant)
+        except RecursionError as exc:
+            raise ConfigError("request", [Problem("", f"the body nests arrays or objects too deeply "
+                                                      f"(at most {self.max_depth} levels)")]) from exc
+        except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
             raise ConfigError("request", [Problem("", f"the body is not valid JSON: {exc}")]) from exc
+        if _too_deep(value, self.max_depth):
+            raise ConfigError("request", [Problem("", f"the body nests arrays or objects too deeply "
+                                                      f"(at most {self.max_depth} levels)")])
+        return value
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "serving"})
@@ -122,20 +269,23 @@ class RegistryApi:
 
     async def _define(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
-        self.registry.define(name, await self._body(request))
+        body = await self._body(request)
+        self._apply(name, lambda: self.registry.define(name, body))
         self._changed("service_defined", service=name)
         return web.json_response(self.registry.describe(name)[name])
 
     async def _undefine(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
-        if not self.registry.undefine(name):
+        if not self.registry.knows(name):
             return _error(404, f"no service {name!r}")
+        self._apply(name, lambda: self.registry.undefine(name))
         self._changed("service_removed", service=name)
         return web.Response(status=204)
 
     async def _register(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
-        instance = self.registry.register(name, await self._body(request))
+        body = await self._body(request)
+        instance = self._apply(name, lambda: self.registry.register(name, body))
         self._changed("registered", service=name, instance=instance.id, ttl=instance.ttl)
         return web.json_response(instance.describe(self.registry.now()), status=201)
 
@@ -146,7 +296,24 @@ class RegistryApi:
 
     async def _deregister(self, request: web.Request) -> web.Response:
         name, instance_id = request.match_info["service"], request.match_info["id"]
-        self.registry.deregister(name, instance_id)
+        self._apply(name, lambda: self.registry.deregister(name, instance_id))
         self._changed("deregistered", service=name, instance=instance_id)
         return web.Response(status=204)
 
+    async def _preservation(self, request: web.Request) -> web.Response:
+        return web.json_response(self._preservation_view())
+
+    async def _set_preservation(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if not isinstance(body, dict) or set(body) != {"enabled"} or not isinstance(body["enabled"], bool):
+            raise ConfigError("request", [Problem("enabled", 'send {"enabled": true} or {"enabled": false}')])
+        self.registry.set_self_preservation(body["enabled"])
+        _log.warning("registry self-preservation turned %s through the API", "on" if body["enabled"] else "off")
+        self.events.emit("registry_self_preservation", state="enabled" if body["enabled"] else "disabled")
+        self._expiry_wake.set()
+        return web.json_response(self._preservation_view())
+
+    def _preservation_view(self) -> dict[str, Any]:
+        kept = self.registry.preservation
+        return {"enabled": self.registry.self_preservation.enabled, "active": kept is not None,
+                **({"kept": kept.describe()} if kept is not None else {})}

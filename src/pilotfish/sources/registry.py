@@ -1,30 +1,92 @@
 """The service registry: instances registered over an API, kept alive by heartbeats.
 
 This module is the registry's state, without I/O (the HTTP API lives in
-:mod:`pilotfish.server.registry_api`). Services may be defined here (listen address, protocol,
-settings) or elsewhere (the snapshot file); instances may be registered for either. An instance
-registered with a TTL must heartbeat within it or it is removed; one without a TTL stays until
-deregistered. Instance ids are ``address:port``, so registering again is idempotent (it updates
-weight, metadata and TTL).
+:mod:`pilotfish.server.registry_api`, which also checks every change against the merged state of
+all sources before it accepts it: :meth:`Registry.undo_point` lets it take a change back).
+Services may be defined here (listen address, protocol, settings) or elsewhere (the snapshot
+file); instances may be registered for either. An instance registered with a TTL must heartbeat
+within it or it is removed; one without a TTL stays until deregistered. Instance ids are
+``address:port``, so registering again is idempotent (it updates weight, metadata and TTL). The
+numbers of services and instances are bounded (:class:`RegistryLimits`).
+
+**Self-preservation** (after Eureka's). Instances that stop heartbeating one at a time are
+normal churn, and they expire. But when many stop at once, the likelier cause is a network
+partition between them and pilotfish, not a fleet that died; emptying their services would turn
+a partition into an outage. So an expiry pass (:meth:`Registry.expire`) counts the instances
+*lost within one window*: those lapsed now (TTL passed, not yet removed) plus those expired in the
+last ``window`` seconds. If that count is at least ``min_lapsed`` and more than ``share`` of all
+TTL instances (current plus those expired in the window), expiry pauses for every service; if it
+is so only within one service (its lapsed plus recently expired, against its TTL instances plus
+recently expired), expiry pauses for that service. Paused instances stay registered and served;
+a heartbeat renews them as usual. Expiry resumes by itself once the rule no longer holds
+(heartbeats came back, or the window passed with the share below the limit), and at once when
+the operator turns self-preservation off. Consequences worth knowing: in a partition, up to
+``share`` of the instances may expire before the pause starts (each looked like churn), and a
+service with fewer than ``min_lapsed`` instances is never preserved. Entering and leaving the
+mode is reported by the API (log warning, event ``registry_self_preservation``).
 """
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pilotfish.desired import DesiredState
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_endpoint, parse_service
 
-__all__ = ["Instance", "Registry", "UnknownInstance"]
+__all__ = [
+    "ExpiryPass",
+    "Instance",
+    "Preservation",
+    "Registry",
+    "RegistryFull",
+    "RegistryLimits",
+    "SelfPreservation",
+    "UnknownInstance",
+]
 
 MAX_TTL = 24 * 3600.0
+MAX_METADATA_CHARS = 4096
+"""An instance's metadata keys and values together, in characters."""
 
 
 class UnknownInstance(LookupError):
     """No such instance (never registered, deregistered, or expired): register it again."""
+
+
+class RegistryFull(Exception):
+    """The registry holds as many services or instances as its limits allow."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SelfPreservation:
+    """When TTL expiry pauses because too many instances lapse at once (see the module docstring)."""
+
+    enabled: bool = True
+    """Off: every lapsed instance expires, however many lapse together."""
+    share: float = 0.5
+    """Pause when more than this share of the TTL instances (overall, or of one service) is lost
+    within one window."""
+    window: float = 30.0
+    """Seconds within which lapsing instances count as lapsing at once. Make it longer than the
+    clients' heartbeat interval: in a partition, instances lapse spread over that interval."""
+    min_lapsed: int = 3
+    """Never pause for fewer lost instances than this: one or two instances going is churn."""
+    recheck: float = 1.0
+    """While paused, look again this often (seconds), besides on every heartbeat and change."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistryLimits:
+    """Bounds on what clients of the registry API can make it hold."""
+
+    max_services: int = 20_000
+    """Services defined or holding instances."""
+    max_instances: int = 200_000
+    """Instances, over all services."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +113,40 @@ class Instance:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class Preservation:
+    """Self-preservation in force: lapsed instances kept instead of expired."""
+
+    everywhere: bool
+    """True: expiry paused for every service; False: only for ``services``."""
+    services: tuple[str, ...]
+    """The services whose lapsed instances are kept."""
+    lapsed: int
+    """Lapsed instances kept."""
+    lost_in_window: int
+    """Lapsed plus expired within the window (overall)."""
+    ttl_instances: int
+    """TTL instances, current plus expired within the window (overall)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"everywhere": self.everywhere, "services": list(self.services[:20]),
+                "service_count": len(self.services), "lapsed": self.lapsed,
+                "lost_in_window": self.lost_in_window, "ttl_instances": self.ttl_instances}
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiryPass:
+    """What one :meth:`Registry.expire` did."""
+
+    expired: list[Instance] = field(default_factory=list)
+    preservation: Preservation | None = None
+    """Self-preservation in force after the pass (None: not in force)."""
+    entered: bool = False
+    """Self-preservation started with this pass."""
+    exited: bool = False
+    """Self-preservation ended with this pass."""
+
+
 def _spec_fields(spec: ServiceSpec) -> dict[str, Any]:
     return {
         "listen": f"{spec.listen[0]}:{spec.listen[1]}" if spec.listen else None,
@@ -66,12 +162,24 @@ def _spec_fields(spec: ServiceSpec) -> dict[str, Any]:
 
 
 class Registry:
-    """Registered services and instances. Every mutation returns whether the state changed."""
+    """Registered services and instances."""
 
-    def __init__(self, *, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        self_preservation: SelfPreservation | None = None,
+        limits: RegistryLimits | None = None,
+    ) -> None:
         self._clock = clock
+        self.self_preservation = self_preservation or SelfPreservation()
+        self.limits = limits or RegistryLimits()
         self._specs: dict[str, ServiceSpec] = {}
         self._instances: dict[str, dict[str, Instance]] = {}
+        self._instance_count = 0
+        self._recent: deque[tuple[float, str]] = deque(maxlen=self.limits.max_instances)
+        """(when, service) of each expiry within the self-preservation window, oldest first."""
+        self._preservation: Preservation | None = None
 
     def now(self) -> float:
         return self._clock()
@@ -85,6 +193,7 @@ class Registry:
         spec, _, problems = parse_service(name, body, "")
         if problems or spec is None:
             raise ConfigError("request", [Problem(p.where.lstrip("."), p.message) for p in problems])
+        self._make_room_for_service(name)
         self._specs[name] = spec
         return spec
 
@@ -92,8 +201,13 @@ class Registry:
         """Forget a service's definition and its instances; False if it was unknown."""
         known = name in self._specs or name in self._instances
         self._specs.pop(name, None)
-        self._instances.pop(name, None)
+        self._instance_count -= len(self._instances.pop(name, {}))
         return known
+
+    def _make_room_for_service(self, name: str) -> None:
+        if not self.knows(name) and len(set(self._specs) | set(self._instances)) >= self.limits.max_services:
+            raise RegistryFull(f"the registry holds its limit of {self.limits.max_services} services "
+                               "(max_services): remove unused services or raise the limit")
 
     # -- instances -------------------------------------------------------------------------
 
@@ -112,6 +226,11 @@ class Registry:
                     problems.append(Problem("ttl", f"must be a number of seconds from 0 to {MAX_TTL:.0f}"))
                 else:
                     ttl = float(raw_ttl)
+            metadata = body.get("metadata")
+            if isinstance(metadata, dict) and sum(len(str(k)) + len(str(v)) for k, v in metadata.items()) > \
+                    MAX_METADATA_CHARS:
+                problems.append(Problem("metadata", f"keys and values may hold {MAX_METADATA_CHARS} characters "
+                                                    "in all; keep large data elsewhere"))
         if not isinstance(body, dict):
             problems.append(Problem("", "the body must be a JSON object with address and port"))
             endpoint = None
@@ -119,9 +238,15 @@ class Registry:
             endpoint = parse_endpoint(fields, "", problems)
         if problems or endpoint is None:
             raise ConfigError("request", [Problem(p.where.lstrip("."), p.message) for p in problems])
+        by_id = self._instances.get(service, {})
+        if endpoint.address not in by_id:
+            self._make_room_for_service(service)
+            if self._instance_count >= self.limits.max_instances:
+                raise RegistryFull(f"the registry holds its limit of {self.limits.max_instances} instances "
+                                   "(max_instances): deregister unused instances or raise the limit")
         now = self._clock()
         instance = Instance(service, endpoint, ttl, None if ttl is None else now + ttl)
-        self._instances.setdefault(service, {})[instance.id] = instance
+        self._put(instance)
         return instance
 
     def heartbeat(self, service: str, instance_id: str) -> Instance:
@@ -129,7 +254,7 @@ class Registry:
         if instance is None:
             raise UnknownInstance(f"no instance {instance_id} of service {service!r}: register it again")
         if instance.ttl is not None:
-            instance = Instance(instance.service, instance.endpoint, instance.ttl, self._clock() + instance.ttl)
+            instance = replace(instance, expires=self._clock() + instance.ttl)
             self._instances[service][instance_id] = instance
         return instance
 
@@ -138,20 +263,106 @@ class Registry:
         if instance_id not in instances:
             raise UnknownInstance(f"no instance {instance_id} of service {service!r}")
         del instances[instance_id]
+        self._instance_count -= 1
         if not instances:
             del self._instances[service]
 
-    def expire(self) -> list[Instance]:
-        """Remove instances whose TTL lapsed; return them."""
+    def keep_known(self, service: str) -> None:
+        """Keep ``service`` in the registry's state with no instances (its cluster stays, empty)."""
+        self._instances.setdefault(service, {})
+
+    def _put(self, instance: Instance) -> None:
+        by_id = self._instances.setdefault(instance.service, {})
+        if instance.id not in by_id:
+            self._instance_count += 1
+        by_id[instance.id] = instance
+
+    def undo_point(self, service: str) -> Callable[[], None]:
+        """A function that puts ``service`` (definition and instances) back as it is now.
+
+        Every change through this class touches one service, so this is what taking a change
+        back needs; it costs a copy of that service's instances.
+        """
+        spec = self._specs.get(service)
+        instances = self._instances.get(service)
+        saved = None if instances is None else dict(instances)
+
+        def undo() -> None:
+            if spec is None:
+                self._specs.pop(service, None)
+            else:
+                self._specs[service] = spec
+            self._instance_count -= len(self._instances.pop(service, {}))
+            if saved is not None:
+                self._instances[service] = dict(saved)
+                self._instance_count += len(saved)
+
+        return undo
+
+    # -- expiry ----------------------------------------------------------------------------
+
+    def set_self_preservation(self, enabled: bool) -> None:
+        """Turn self-preservation on or off (the next :meth:`expire` applies it)."""
+        self.self_preservation = replace(self.self_preservation, enabled=enabled)
+
+    @property
+    def preservation(self) -> Preservation | None:
+        """Self-preservation in force since the last :meth:`expire` (None: not in force)."""
+        return self._preservation
+
+    def expire(self) -> ExpiryPass:
+        """Remove instances whose TTL lapsed, unless self-preservation keeps them (module docstring)."""
         now = self._clock()
-        expired = [i for by_id in self._instances.values() for i in by_id.values()
-                   if i.expires is not None and i.expires <= now]
-        for instance in expired:
-            self.deregister(instance.service, instance.id)
-        return expired
+        rule = self.self_preservation
+        while self._recent and self._recent[0][0] <= now - rule.window:
+            self._recent.popleft()
+        lapsed: dict[str, list[Instance]] = {}
+        ttl_per_service: Counter[str] = Counter()
+        for service, by_id in self._instances.items():
+            for instance in by_id.values():
+                if instance.expires is not None:
+                    ttl_per_service[service] += 1
+                    if instance.expires <= now:
+                        lapsed.setdefault(service, []).append(instance)
+        held: list[str] = []
+        everywhere = False
+        lost = ttl_total = 0
+        if rule.enabled and lapsed:
+            recent = Counter(service for _, service in self._recent)
+            lost = sum(len(found) for found in lapsed.values()) + len(self._recent)
+            ttl_total = sum(ttl_per_service.values()) + len(self._recent)
+            if lost >= rule.min_lapsed and lost > rule.share * ttl_total:
+                everywhere, held = True, sorted(lapsed)
+            else:
+                for service, found in lapsed.items():
+                    lost_here = len(found) + recent[service]
+                    if lost_here >= rule.min_lapsed and lost_here > rule.share * (ttl_per_service[service] +
+                                                                                   recent[service]):
+                        held.append(service)
+                held.sort()
+        expired: list[Instance] = []
+        for service, found in lapsed.items():
+            if service in held:
+                continue
+            for instance in found:
+                self.deregister(service, instance.id)
+                self._recent.append((now, service))
+                expired.append(instance)
+        before = self._preservation
+        self._preservation = None if not held else Preservation(
+            everywhere=everywhere, services=tuple(held), lapsed=sum(len(lapsed[s]) for s in held),
+            lost_in_window=lost, ttl_instances=ttl_total)
+        return ExpiryPass(expired, self._preservation,
+                          entered=before is None and self._preservation is not None,
+                          exited=before is not None and self._preservation is None)
 
     def next_expiry(self) -> float | None:
-        times = [i.expires for by_id in self._instances.values() for i in by_id.values() if i.expires is not None]
+        """When :meth:`expire` next has something to do (None: nothing until a change)."""
+        now = self._clock()
+        times = [i.expires for by_id in self._instances.values() for i in by_id.values()
+                 if i.expires is not None and (self._preservation is None or i.expires > now)]
+        if self._preservation is not None:
+            times.append(now + self.self_preservation.recheck)
         return min(times) if times else None
 
     # -- views -----------------------------------------------------------------------------
