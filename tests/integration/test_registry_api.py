@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,11 +15,16 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
+from aiohttp import web
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from pilotfish.reconcile import DebounceSettings
+from pilotfish.cache import SnapshotCache
+from pilotfish.desired import DesiredState
+from pilotfish.reconcile import DebounceSettings, Reconciler
 from pilotfish.server import ServeSettings, serve
+from pilotfish.server.registry_api import RegistryApi
+from pilotfish.sources.registry import Registry
 
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 TIMEOUT = 10.0
@@ -33,19 +40,27 @@ class Running:
         return f"http://{self.registry}{path}"
 
 
-@pytest.fixture
-async def running(tmp_path: Path) -> AsyncIterator[Running]:
+@contextlib.asynccontextmanager
+async def serving(tmp_path: Path, snapshot: Path | None = None) -> AsyncIterator[Running]:
     log = tmp_path / "events.jsonl"
-    settings = ServeSettings(xds="127.0.0.1:0", registry="127.0.0.1:0", event_log=log,
+    settings = ServeSettings(xds="127.0.0.1:0", registry="127.0.0.1:0", event_log=log, snapshot=snapshot,
                              debounce=DebounceSettings(quiet=0.02, max_delay=0.2))
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(settings, started=started))
     port = await asyncio.wait_for(started, TIMEOUT)
     line = next(json.loads(x) for x in log.read_text().splitlines() if '"server_started"' in x)
-    yield Running(f"127.0.0.1:{port}", line["registry"], log)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    try:
+        yield Running(f"127.0.0.1:{port}", line["registry"], log)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[Running]:
+    async with serving(tmp_path) as server:
+        yield server
 
 
 class EdsWatcher:
@@ -158,3 +173,162 @@ async def test_an_instance_without_heartbeats_expires_after_its_ttl(running: Run
             assert (await eds.until([9001])) == [[9001]]
         expired = [json.loads(x) for x in running.events.read_text().splitlines() if "registry_expired" in x]
         assert [e["instance"] for e in expired] == ["127.0.0.1:9002"]
+
+
+# -- a request that would break the merged state is refused, and breaks nothing -------------------
+
+
+def events_named(log: Path, name: str) -> list[dict[str, Any]]:
+    return [event for line in log.read_text().splitlines() if (event := json.loads(line))["event"] == name]
+
+
+async def test_a_listen_address_in_use_is_refused_and_later_changes_are_served(tmp_path: Path) -> None:
+    snapshot = tmp_path / "snapshot.yaml"
+    snapshot.write_text("services:\n  web:\n    listen: 127.0.0.1:10000\n    endpoints: ['127.0.0.1:9001']\n")
+    async with serving(tmp_path, snapshot) as running, aiohttp.ClientSession() as http:
+        # The address a service of the snapshot file listens on.
+        clash = await http.put(running.url("/v1/services/web2"), json={"listen": "127.0.0.1:10000"})
+        assert clash.status == 409
+        error = await clash.json()
+        assert [p["field"] for p in error["problems"]] == ["services.web2.listen"], error
+        assert "already used by services.web" in error["error"] and "defined by file" in error["error"]
+        assert (await http.get(running.url("/v1/services/web2"))).status == 404  # nothing was changed
+        # The address a service defined through the registry itself listens on.
+        api = await http.put(running.url("/v1/services/api"), json={"listen": "127.0.0.1:10001"})
+        assert api.status == 200
+        clash = await http.put(running.url("/v1/services/api2"), json={"listen": "127.0.0.1:10001"})
+        assert clash.status == 409
+        assert "services.api: defined by registry" in (await clash.json())["error"]
+        # A definition differing from the file's, and instances for it, are refused too...
+        redefined = await http.put(running.url("/v1/services/web"), json={"listen": "127.0.0.1:10002"})
+        assert redefined.status == 409 and "defined by both file and registry" in (await redefined.json())["error"]
+        # ...while every valid change after the refused ones is served.
+        async with eds_watch(running.xds, "web") as eds:
+            await eds.until([9001])
+            created = await http.post(running.url("/v1/services/web/instances"),
+                                      json={"address": "127.0.0.1", "port": 9002})
+            assert created.status == 201
+            assert (await eds.until([9001, 9002]))[-1] == [9001, 9002]
+        assert events_named(running.events, "snapshot_error") == []
+
+
+async def test_a_redefinition_that_moves_a_listener_onto_another_is_refused_and_kept(running: Running) -> None:
+    async with aiohttp.ClientSession() as http:
+        for name, port in (("a", 10010), ("b", 10011)):
+            assert (await http.put(running.url(f"/v1/services/{name}"),
+                                   json={"listen": f"127.0.0.1:{port}"})).status == 200
+        moved = await http.put(running.url("/v1/services/b"), json={"listen": "127.0.0.1:10010"})
+        assert moved.status == 409
+        kept = await (await http.get(running.url("/v1/services/b"))).json()
+        assert kept["listen"] == "127.0.0.1:10011"
+
+
+# -- bodies that are too big, too deep or not JSON get a 4xx, never a 500 ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        (b'{"listen": "' + b"x" * (2 << 20) + b'"}', 413, "larger than"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "too deeply"),
+        (b'{"a":' * 40 + b"1" + b"}" * 40, 400, "too deeply"),
+        (b'{"listen": "127.0.0.1:10000", "connect_timeout": NaN}', 400, "NaN"),
+        (b'{"retries": ' + b"7" * 5000 + b"}", 400, "not valid JSON"),
+        (b"\xff\xfe\x00", 400, "not valid JSON"),
+    ],
+    ids=["2MiB", "nested-100000", "nested-40", "NaN", "5000-digits", "not-utf8"],
+)
+async def test_bad_bodies_get_a_4xx_and_the_server_goes_on(
+    running: Running, caplog: pytest.LogCaptureFixture, body: bytes, status: int, words: str
+) -> None:
+    async with aiohttp.ClientSession() as http:
+        bad = await http.put(running.url("/v1/services/web"), data=io.BytesIO(body),
+                             headers={"Content-Type": "application/json"})
+        assert bad.status == status
+        assert words in (await bad.json())["error"]
+        assert (await http.put(running.url("/v1/services/web"), json={"listen": "127.0.0.1:10000"})).status == 200
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+# -- our own bugs: a JSON 500, a logged traceback, the change taken back ---------------------------
+
+
+class RegistryWithABug(Registry):
+    """A real registry whose state view fails once asked to: stands in for a bug of ours."""
+
+    fail = False
+
+    def state(self) -> DesiredState:
+        if self.fail:
+            raise RuntimeError("a bug")
+        return super().state()
+
+
+async def test_an_internal_error_is_a_json_500_and_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    registry = RegistryWithABug(clock=time.monotonic)
+    api = RegistryApi(registry, Reconciler(SnapshotCache()))
+    async with api_server(api) as base, aiohttp.ClientSession() as http:
+        registry.fail = True
+        failed = await http.post(f"{base}/v1/services/web/instances", json={"address": "127.0.0.1", "port": 9001})
+        assert failed.status == 500
+        assert "RuntimeError" in (await failed.json())["error"]
+        registry.fail = False
+        assert (await http.get(f"{base}/v1/services/web")).status == 404  # the registration was taken back
+    logged = [r for r in caplog.records if r.levelname == "ERROR" and r.exc_info]
+    assert logged and "POST /v1/services/web/instances" in logged[0].getMessage()
+
+
+@contextlib.asynccontextmanager
+async def api_server(api: RegistryApi) -> AsyncIterator[str]:
+    runner = web.AppRunner(api.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+# -- self-preservation ----------------------------------------------------------------------------
+
+
+async def wait_for_event(log: Path, name: str, **fields: Any) -> dict[str, Any]:
+    async with asyncio.timeout(TIMEOUT):
+        while True:
+            for event in events_named(log, name):
+                if all(event.get(k) == v for k, v in fields.items()):
+                    return event
+            await asyncio.sleep(0.02)
+
+
+async def test_when_every_instance_stops_heartbeating_expiry_pauses_until_turned_off(running: Running) -> None:
+    ports = list(range(9001, 9011))
+    async with aiohttp.ClientSession() as http:
+        for port in ports:
+            created = await http.post(running.url("/v1/services/web/instances"),
+                                      json={"address": "127.0.0.1", "port": port, "ttl": 0.5})
+            assert created.status == 201
+        entered = await wait_for_event(running.events, "registry_self_preservation", state="entered")
+        assert entered["everywhere"] and entered["ttl_instances"] == 10
+        # At most half can go first, each looking like churn (they lapse milliseconds apart);
+        # the rest are kept: a partition is likelier than a dead fleet.
+        listing = await (await http.get(running.url("/v1/services/web"))).json()
+        kept = sorted(i["port"] for i in listing["instances"])
+        assert len(kept) >= 5 and entered["lost_in_window"] > 5
+        async with asyncio.timeout(TIMEOUT):  # the kept ones lapse too, and stay
+            while (status := await (await http.get(running.url("/v1/self-preservation"))).json())[
+                    "kept"]["lapsed"] < len(kept):
+                await asyncio.sleep(0.02)
+        assert status["active"] and status["kept"]["lapsed"] == len(kept)
+        listing = await (await http.get(running.url("/v1/services/web"))).json()
+        assert sorted(i["port"] for i in listing["instances"]) == kept
+        async with eds_watch(running.xds, "web") as eds:
+            await eds.until(kept)
+            off = await http.put(running.url("/v1/self-preservation"), json={"enabled": False})
+            assert off.status == 200 and not (await off.json())["enabled"]
+            await wait_for_event(running.events, "registry_self_preservation", state="exited")
+            assert (await eds.until([]))[-1] == []
+        assert sorted(int(e["instance"].rsplit(":", 1)[1])
+                      for e in events_named(running.events, "registry_expired")) == ports

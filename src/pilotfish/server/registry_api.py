@@ -27,7 +27,8 @@ and the request changed nothing:
   are returned, each naming the field and where the other party comes from. Problems the merged
   state already had (another source is broken) do not refuse a change. So the registry never
   holds a state that blocks every later change from being served.
-- **500**: our bug; the traceback is logged, the answer is still JSON, nothing changed.
+- **500**: our bug; the traceback is logged and the answer is still JSON. A change that fails
+  before it is accepted is taken back.
 
 Accepted changes are handed to the reconciler as the registry's whole state. TTL expiry runs
 in :meth:`RegistryApi.expire_forever`, with self-preservation (see
@@ -235,9 +236,9 @@ class RegistryApi:
                 return _error(exc.status, exc.reason)
             raise
         except Exception as exc:
-            _log.exception("%s %s failed (our bug; nothing was changed)", request.method, request.path)
+            _log.exception("%s %s failed: a bug in pilotfish, please report it", request.method, request.path)
             return _error(500, f"internal error handling {request.method} {request.path}: "
-                               f"{type(exc).__name__}; nothing was changed, see the server log")
+                               f"{type(exc).__name__} (a bug in pilotfish; the server log has the details)")
 
     async def _body(self, request: web.Request) -> Any:
         if not request.can_read_body:

@@ -180,6 +180,8 @@ class Registry:
         self._recent: deque[tuple[float, str]] = deque(maxlen=self.limits.max_instances)
         """(when, service) of each expiry within the self-preservation window, oldest first."""
         self._preservation: Preservation | None = None
+        self._recheck_at = 0.0
+        """While self-preservation is in force: when to look again."""
 
     def now(self) -> float:
         return self._clock()
@@ -349,6 +351,7 @@ class Registry:
                 self._recent.append((now, service))
                 expired.append(instance)
         before = self._preservation
+        self._recheck_at = now + rule.recheck
         self._preservation = None if not held else Preservation(
             everywhere=everywhere, services=tuple(held), lapsed=sum(len(lapsed[s]) for s in held),
             lost_in_window=lost, ttl_instances=ttl_total)
@@ -362,7 +365,7 @@ class Registry:
         times = [i.expires for by_id in self._instances.values() for i in by_id.values()
                  if i.expires is not None and (self._preservation is None or i.expires > now)]
         if self._preservation is not None:
-            times.append(now + self.self_preservation.recheck)
+            times.append(self._recheck_at)
         return min(times) if times else None
 
     # -- views -----------------------------------------------------------------------------
