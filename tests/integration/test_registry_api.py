@@ -18,10 +18,14 @@ import pytest
 from aiohttp import web
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pilotfish.cache import SnapshotCache
 from pilotfish.desired import DesiredState
 from pilotfish.reconcile import DebounceSettings, Reconciler
+from pilotfish.resources.parse import parse_document
+from pilotfish.resources.services import ServiceSpec
 from pilotfish.server import ServeSettings, serve
 from pilotfish.server.registry_api import RegistryApi
 from pilotfish.sources.registry import Registry
@@ -332,3 +336,92 @@ async def test_when_every_instance_stops_heartbeating_expiry_pauses_until_turned
             assert (await eds.until([]))[-1] == []
         assert sorted(int(e["instance"].rsplit(":", 1)[1])
                       for e in events_named(running.events, "registry_expired")) == ports
+
+
+# -- property: any sequence of requests gets 2xx/4xx answers and leaves a state that builds --------
+
+FILE_DOCUMENT = {
+    "services": {"shared": {"listen": "127.0.0.1:10003", "endpoints": ["127.0.0.1:9100"]}},
+    "clusters": [{"name": "legacy", "type": "STATIC", "connect_timeout": "1s", "load_assignment": {
+        "cluster_name": "legacy", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9200}}}}]}]}}],
+    "listeners": [{
+        "name": "edge", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10002}},
+        "filter_chains": [{"filters": [{"name": "tcp", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+            "stat_prefix": "edge", "cluster": "legacy"}}]}],
+    }],
+}
+ETCD_STATE = DesiredState(services={"api": ServiceSpec(name="api", listen=("127.0.0.1", 10001))})
+
+NAMES = st.sampled_from(["web", "web2", "api", "shared", "legacy", "edge", "x.y", "bad name", "é"])
+LISTEN = st.sampled_from(["127.0.0.1:10000", "127.0.0.1:10001", "127.0.0.1:10002", "127.0.0.1:10003",
+                          "127.0.0.1:10004", "[::1]:10000", "nowhere", 7, None])
+SERVICE_BODIES = st.fixed_dictionaries({}, optional={
+    "listen": LISTEN,
+    "protocol": st.sampled_from(["http", "tcp", "udp"]),
+    "connect_timeout": st.sampled_from([1, "250ms", 0, -1, "x", 1e300, "nans", True]),
+    "timeout": st.sampled_from([0, "15s", -3]),
+    "retries": st.sampled_from([0, 3, 11, True, 2.5]),
+    "upstream_protocol": st.sampled_from(["http1", "http2", "h3"]),
+    "health_check": st.sampled_from([True, {"path": "/h"}, {"path": "h"}, {"interval": "1s", "timeout": 0}, 5]),
+    "endpoints": st.just(["127.0.0.1:1"]),
+    "colour": st.just("red"),
+}) | st.sampled_from([None, [], "x", 3, {"listen": {"deep": [1]}}])
+INSTANCE_BODIES = st.fixed_dictionaries({}, optional={
+    "address": st.sampled_from(["127.0.0.1", "10.0.0.2", "::1", "host", ""]),
+    "port": st.sampled_from([9001, 9002, 0, 70000, "80"]),
+    "weight": st.sampled_from([1, 128, 0, 1.5]),
+    "metadata": st.sampled_from([{}, {"zone": "a"}, {"k": 1}, []]),
+    "ttl": st.sampled_from([None, 5, 30, 0, -1, "x"]),
+}) | st.sampled_from([None, [], "127.0.0.1:9001"])
+IDS = st.sampled_from(["127.0.0.1:9001", "127.0.0.1:9002", "10.0.0.2:9001", "nope"])
+RAW_BODIES = st.binary(max_size=64) | st.sampled_from([b"[" * 5000, b'{"listen": NaN}', b"\xff", b""])
+
+Request = tuple[str, str, Any]
+"""(method, path, body): a JSON-able body, raw bytes, or None; ("TICK", "", seconds) advances time."""
+REQUESTS: st.SearchStrategy[Request] = st.one_of(
+    st.tuples(st.just("PUT"), NAMES.map("/v1/services/{}".format), SERVICE_BODIES),
+    st.tuples(st.just("DELETE"), NAMES.map("/v1/services/{}".format), st.none()),
+    st.tuples(st.just("POST"), NAMES.map("/v1/services/{}/instances".format), INSTANCE_BODIES),
+    st.tuples(st.just("PUT"), st.builds("/v1/services/{}/instances/{}/heartbeat".format, NAMES, IDS), st.none()),
+    st.tuples(st.just("DELETE"), st.builds("/v1/services/{}/instances/{}".format, NAMES, IDS), st.none()),
+    st.tuples(st.sampled_from(["PUT", "POST"]), st.sampled_from(["/v1/services/web", "/v1/services/web/instances",
+                                                                 "/v1/self-preservation"]), RAW_BODIES),
+    st.tuples(st.just("TICK"), st.just(""), st.sampled_from([1.0, 6.0, 40.0])),
+)
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.time = 1000.0
+
+    def __call__(self) -> float:
+        return self.time
+
+
+async def play(requests: list[Request]) -> None:
+    reconciler = Reconciler(SnapshotCache())
+    reconciler.update("file", DesiredState.of_document(parse_document(FILE_DOCUMENT, "snapshot.yaml")))
+    reconciler.update("etcd", ETCD_STATE)
+    reconciler.build_now()
+    clock = FakeTime()
+    api = RegistryApi(Registry(clock=clock), reconciler)
+    async with api_server(api) as base, aiohttp.ClientSession() as http:
+        for method, path, body in requests:
+            if method == "TICK":
+                clock.time += body
+                api.expire_once()
+            else:
+                sent = {"data": body} if isinstance(body, bytes) else {"json": body}
+                async with http.request(method, base + path, **sent) as response:
+                    assert response.status < 500, (method, path, body, await response.text())
+                    assert response.status < 300 or "error" in await response.json()
+            reconciler.build_now()  # raises ConfigError if the merged state does not build
+            assert reconciler.last_error is None
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(REQUESTS, max_size=25))
+def test_random_request_sequences_get_no_5xx_and_always_build(requests: list[Request]) -> None:
+    asyncio.run(play(requests))
