@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from pilotfish.cache import SnapshotCache
+from pilotfish.desired import DesiredState
 from pilotfish.errors import ConfigError
+from pilotfish.reconcile import Reconciler
+from pilotfish.resources.parse import parse_document
+from pilotfish.server.registry_api import RegistryApi
 from pilotfish.sources.registry import Registry, RegistryFull, RegistryLimits, SelfPreservation
 
 
@@ -190,3 +195,24 @@ def test_an_undo_point_puts_a_service_back(clock: Clock) -> None:
     limited.register("x", {"address": "127.0.0.1", "port": 1})
     undo()
     limited.register("y", {"address": "127.0.0.1", "port": 1})
+
+
+def test_a_last_instance_whose_expiry_would_break_the_merged_state_leaves_its_cluster_empty(clock: Clock) -> None:
+    # The file's cluster takes its endpoints (EDS service name "web") from the registry.
+    document = parse_document({"clusters": [{
+        "name": "legacy-web", "type": "EDS", "connect_timeout": "1s",
+        "eds_cluster_config": {"service_name": "web", "eds_config": {"ads": {}, "resource_api_version": "V3"}},
+    }]}, "snapshot.yaml")
+    reconciler = Reconciler(SnapshotCache())
+    reconciler.update("file", DesiredState.of_document(document))
+    registry = Registry(clock=clock)
+    api = RegistryApi(registry, reconciler)
+    instance, state = api._apply("web", lambda: registry.register("web", {"address": "127.0.0.1", "port": 1,
+                                                                           "ttl": 5}))
+    api._changed("registered", state, service="web", instance=instance.id)
+    assert reconciler.build_now() is not None
+    clock.time += 6
+    api.expire_once()
+    assert registry.describe("web")["web"]["instances"] == []  # the instance is gone...
+    published = reconciler.build_now()  # ...and the merged state still builds: "web" has no endpoints
+    assert published is not None and reconciler.last_error is None

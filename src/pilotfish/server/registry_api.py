@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from pilotfish.desired import DesiredState
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
@@ -134,7 +135,7 @@ class RegistryApi:
         app.router.add_put("/v1/self-preservation", self._set_preservation)
         return app
 
-    def _apply(self, service: str, change: Callable[[], T]) -> T:
+    def _apply(self, service: str, change: Callable[[], T]) -> tuple[T, DesiredState]:
         """Make ``change`` (to ``service`` only) if the merged state stays valid; else take it back
         and raise :class:`Conflict`. The caller reports the change (:meth:`_changed`) with no await
         in between, so nothing else runs between the check and the update.
@@ -142,18 +143,19 @@ class RegistryApi:
         undo = self.registry.undo_point(service)
         try:
             result = change()
-            problems = self.reconciler.check(_SOURCE, self.registry.state())
+            state = self.registry.state()
+            problems = self.reconciler.check(_SOURCE, state)
         except BaseException:
             undo()
             raise
         if problems:
             undo()
             raise Conflict(problems)
-        return result
+        return result, state
 
-    def _changed(self, what: str, **fields: Any) -> None:
+    def _changed(self, what: str, state: DesiredState, **fields: Any) -> None:
         self.events.emit("registry_" + what, **fields)
-        self.reconciler.update(_SOURCE, self.registry.state())
+        self.reconciler.update(_SOURCE, state)
         self._expiry_wake.set()
 
     async def expire_forever(self) -> None:
@@ -195,7 +197,7 @@ class RegistryApi:
             self.events.emit("registry_self_preservation", state="exited", expired_now=len(done.expired))
         if not done.expired:
             return
-        gone = sorted({i.service for i in done.expired} - set(self.registry.state().endpoints))
+        gone = sorted({i.service for i in done.expired if not self.registry.knows(i.service)})
         problems: list[Problem] = []
         if gone:
             try:
@@ -271,23 +273,23 @@ class RegistryApi:
     async def _define(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
         body = await self._body(request)
-        self._apply(name, lambda: self.registry.define(name, body))
-        self._changed("service_defined", service=name)
+        _, state = self._apply(name, lambda: self.registry.define(name, body))
+        self._changed("service_defined", state, service=name)
         return web.json_response(self.registry.describe(name)[name])
 
     async def _undefine(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
         if not self.registry.knows(name):
             return _error(404, f"no service {name!r}")
-        self._apply(name, lambda: self.registry.undefine(name))
-        self._changed("service_removed", service=name)
+        _, state = self._apply(name, lambda: self.registry.undefine(name))
+        self._changed("service_removed", state, service=name)
         return web.Response(status=204)
 
     async def _register(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
         body = await self._body(request)
-        instance = self._apply(name, lambda: self.registry.register(name, body))
-        self._changed("registered", service=name, instance=instance.id, ttl=instance.ttl)
+        instance, state = self._apply(name, lambda: self.registry.register(name, body))
+        self._changed("registered", state, service=name, instance=instance.id, ttl=instance.ttl)
         return web.json_response(instance.describe(self.registry.now()), status=201)
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
@@ -297,8 +299,8 @@ class RegistryApi:
 
     async def _deregister(self, request: web.Request) -> web.Response:
         name, instance_id = request.match_info["service"], request.match_info["id"]
-        self._apply(name, lambda: self.registry.deregister(name, instance_id))
-        self._changed("deregistered", service=name, instance=instance_id)
+        _, state = self._apply(name, lambda: self.registry.deregister(name, instance_id))
+        self._changed("deregistered", state, service=name, instance=instance_id)
         return web.Response(status=204)
 
     async def _preservation(self, request: web.Request) -> web.Response:

@@ -177,6 +177,8 @@ class Registry:
         self._specs: dict[str, ServiceSpec] = {}
         self._instances: dict[str, dict[str, Instance]] = {}
         self._instance_count = 0
+        self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
+        """Each service's endpoints as :meth:`state` reports them; a changed service's entry is dropped."""
         self._recent: deque[tuple[float, str]] = deque(maxlen=self.limits.max_instances)
         """(when, service) of each expiry within the self-preservation window, oldest first."""
         self._preservation: Preservation | None = None
@@ -204,6 +206,7 @@ class Registry:
         known = name in self._specs or name in self._instances
         self._specs.pop(name, None)
         self._instance_count -= len(self._instances.pop(name, {}))
+        self._endpoints.pop(name, None)
         return known
 
     def _make_room_for_service(self, name: str) -> None:
@@ -266,18 +269,21 @@ class Registry:
             raise UnknownInstance(f"no instance {instance_id} of service {service!r}")
         del instances[instance_id]
         self._instance_count -= 1
+        self._endpoints.pop(service, None)
         if not instances:
             del self._instances[service]
 
     def keep_known(self, service: str) -> None:
         """Keep ``service`` in the registry's state with no instances (its cluster stays, empty)."""
         self._instances.setdefault(service, {})
+        self._endpoints.pop(service, None)
 
     def _put(self, instance: Instance) -> None:
         by_id = self._instances.setdefault(instance.service, {})
         if instance.id not in by_id:
             self._instance_count += 1
         by_id[instance.id] = instance
+        self._endpoints.pop(instance.service, None)
 
     def undo_point(self, service: str) -> Callable[[], None]:
         """A function that puts ``service`` (definition and instances) back as it is now.
@@ -295,6 +301,7 @@ class Registry:
             else:
                 self._specs[service] = spec
             self._instance_count -= len(self._instances.pop(service, {}))
+            self._endpoints.pop(service, None)
             if saved is not None:
                 self._instances[service] = dict(saved)
                 self._instance_count += len(saved)
@@ -371,10 +378,12 @@ class Registry:
     # -- views -----------------------------------------------------------------------------
 
     def state(self) -> DesiredState:
-        return DesiredState(
-            services=dict(self._specs),
-            endpoints={name: tuple(i.endpoint for i in by_id.values()) for name, by_id in self._instances.items()},
-        )
+        """The registry's whole desired state (the endpoint lists of unchanged services are reused)."""
+        cached = self._endpoints
+        for name, by_id in self._instances.items():
+            if name not in cached:
+                cached[name] = tuple(sorted(i.endpoint for i in by_id.values()))
+        return DesiredState(services=dict(self._specs), endpoints=dict(cached))
 
     def describe(self, name: str | None = None) -> dict[str, Any]:
         now = self._clock()
