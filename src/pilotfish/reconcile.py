@@ -460,14 +460,15 @@ class Reconciler:
         cannot freeze the others. Each problem says which source each service and raw resource it
         names comes from.
 
-        A change to the endpoint lists alone (the same service definitions and raw resources,
-        the same service names with endpoints) is accepted without a build: endpoints were
-        checked when they were parsed, and which endpoints a service has cannot make a build
-        fail; so registering and deregistering instances of known services stays cheap in large
-        fleets. Unexpected exceptions (our bugs) propagate: the caller must then accept nothing.
+        A change to the endpoint lists alone that leaves the merged set of services as it was
+        (the same definitions and raw resources; endpoints only for services that exist anyway)
+        is accepted without a build: endpoints were checked when they were parsed, and which
+        endpoints a service has cannot make a build fail; so registering and deregistering
+        instances of known services stays cheap in large fleets. Unexpected exceptions (our
+        bugs) propagate: the caller must then accept nothing.
         """
         current = self._states.get(source, DesiredState())
-        if _same_shape(current, state):
+        if self._only_endpoints_differ(source, current, state):
             return []
         after = self._problems_with(source, state)
         if not after:
@@ -476,6 +477,15 @@ class Reconciler:
         new = list(dict.fromkeys(p for p in after if p not in before))
         states = {**self._states, source: state}
         return [_attributed(problem, states) for problem in new]
+
+    def _only_endpoints_differ(self, source: str, a: DesiredState, b: DesiredState) -> bool:
+        """Whether ``source`` going from ``a`` to ``b`` changes endpoints only, not which services
+        the merge has (a service gets a cluster if any source defines it or lists endpoints for it)."""
+        if a.services != b.services or a.version != b.version or a.resources != b.resources:
+            return False
+        others = [state for name, state in self._states.items() if name != source]
+        return all(name in b.services or any(name in o.services or name in o.endpoints for o in others)
+                   for name in a.endpoints.keys() ^ b.endpoints.keys())
 
     def _problems_with(self, source: str, state: DesiredState) -> list[Problem]:
         states = {**self._states, source: state}
@@ -486,10 +496,6 @@ class Reconciler:
         return []
 
 
-def _same_shape(a: DesiredState, b: DesiredState) -> bool:
-    """Whether two states differ at most in which endpoints their services have."""
-    return (a.endpoints.keys() == b.endpoints.keys() and a.services == b.services
-            and a.version == b.version and a.resources == b.resources)
 
 
 _SERVICE_MENTION = re.compile(r"services\.([\w.-]+)")
