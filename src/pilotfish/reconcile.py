@@ -476,7 +476,7 @@ class Reconciler:
         before = set(self._problems_with(source, current))
         new = list(dict.fromkeys(p for p in after if p not in before))
         states = {**self._states, source: state}
-        return [_attributed(problem, states) for problem in new]
+        return [_attributed(problem, states, self._labels) for problem in new]
 
     def _only_endpoints_differ(self, source: str, a: DesiredState, b: DesiredState) -> bool:
         """Whether ``source`` going from ``a`` to ``b`` changes endpoints only, not which services
@@ -490,7 +490,7 @@ class Reconciler:
     def _problems_with(self, source: str, state: DesiredState) -> list[Problem]:
         states = {**self._states, source: state}
         try:
-            build_snapshot(merge_states(states), ", ".join(sorted(states)), memo=self._memo)
+            build_snapshot(merge_states(states), ", ".join(sorted(states)), memo=self._memo, rules=self._rules)
         except ConfigError as exc:
             return list(exc.problems)
         return []
@@ -502,8 +502,11 @@ _SERVICE_MENTION = re.compile(r"services\.([\w.-]+)")
 _RESOURCE_MENTION = re.compile(r"\b(" + "|".join(t.key for t in TYPES) + r")\[(\d+)\]")
 
 
-def _attributed(problem: Problem, states: Mapping[str, DesiredState]) -> Problem:
+def _attributed(problem: Problem, states: Mapping[str, DesiredState], labels: Mapping[str, str]) -> Problem:
     """``problem`` with the sources of the services and raw resources it names appended."""
+    def label(source: str) -> str:
+        return labels.get(source, source)
+
     text = f"{problem.where} {problem.message}"
     notes: dict[str, str] = {}
     for match in _SERVICE_MENTION.finditer(text):
@@ -511,8 +514,8 @@ def _attributed(problem: Problem, states: Mapping[str, DesiredState]) -> Problem
         parts = match.group(1).split(".")
         for end in range(len(parts), 0, -1):
             name = ".".join(parts[:end])
-            defined = [s for s in sorted(states) if name in states[s].services]
-            listed = [s for s in sorted(states) if name in states[s].endpoints]
+            defined = [label(s) for s in sorted(states) if name in states[s].services]
+            listed = [label(s) for s in sorted(states) if name in states[s].endpoints]
             if defined or listed:
                 origin = f"defined by {', '.join(defined)}" if defined else f"endpoints from {', '.join(listed)}"
                 notes.setdefault(f"services.{name}", origin)
@@ -524,7 +527,7 @@ def _attributed(problem: Problem, states: Mapping[str, DesiredState]) -> Problem
         for name in sorted(states):
             count = len(states[name].resources.get(rtype, ()))
             if index < count:
-                notes.setdefault(match.group(0), f"{name}'s {rtype.key}[{index}]")
+                notes.setdefault(match.group(0), f"{rtype.key}[{index}] of {label(name)}")
                 break
             index -= count
     if not notes:

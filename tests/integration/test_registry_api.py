@@ -195,14 +195,14 @@ async def test_a_listen_address_in_use_is_refused_and_later_changes_are_served(t
         assert clash.status == 409
         error = await clash.json()
         assert [p["field"] for p in error["problems"]] == ["services.web2.listen"], error
-        assert "already used by services.web" in error["error"] and "defined by file" in error["error"]
+        assert "already used by services.web" in error["error"] and f"defined by {snapshot}" in error["error"]
         assert (await http.get(running.url("/v1/services/web2"))).status == 404  # nothing was changed
         # The address a service defined through the registry itself listens on.
         api = await http.put(running.url("/v1/services/api"), json={"listen": "127.0.0.1:10001"})
         assert api.status == 200
         clash = await http.put(running.url("/v1/services/api2"), json={"listen": "127.0.0.1:10001"})
         assert clash.status == 409
-        assert "services.api: defined by registry" in (await clash.json())["error"]
+        assert "services.api: defined by the registry" in (await clash.json())["error"]
         # A definition differing from the file's, and instances for it, are refused too...
         redefined = await http.put(running.url("/v1/services/web"), json={"listen": "127.0.0.1:10002"})
         assert redefined.status == 409 and "defined by both file and registry" in (await redefined.json())["error"]

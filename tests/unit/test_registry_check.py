@@ -74,7 +74,7 @@ def test_instances_for_a_cluster_name_a_raw_resource_uses_are_refused() -> None:
     problems = checker.check("registry", defines(endpoints={"legacy": (Endpoint("127.0.0.1", 9001),)}))
     assert [p.where for p in problems] == ["services.legacy"]
     assert "clashes with clusters[0]" in problems[0].message
-    assert "clusters[0]: file's clusters[0]" in problems[0].message
+    assert "clusters[0]: clusters[0] of file" in problems[0].message
 
 
 def test_a_listen_address_of_a_raw_listener_names_the_listener_and_its_source() -> None:
@@ -88,5 +88,5 @@ def test_a_listen_address_of_a_raw_listener_names_the_listener_and_its_source() 
     problems = checker.check("registry", defines(service("web", 10000)))
     assert len(problems) == 1
     assert "listeners[0] (name 'edge')" in problems[0].message
-    assert "file's listeners[0]" in problems[0].message
+    assert "listeners[0] of file" in problems[0].message
 
