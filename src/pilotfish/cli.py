@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
                             "routes, secrets), watched for changes")
     serve.add_argument("--registry", type=_address, metavar="HOST:PORT",
                        help="serve the registry HTTP API here (register instances, heartbeats, TTLs)")
+    serve.add_argument("--registry-self-preservation", choices=("on", "off"), default="on",
+                       help="pause TTL expiry when more than --registry-self-preservation-share of the instances "
+                            "lapse at once, as in a network partition (default: %(default)s)")
+    serve.add_argument("--registry-self-preservation-share", type=_share, default=0.5, metavar="SHARE",
+                       help="(default: %(default)s)")
     serve.add_argument("--etcd", type=_address, metavar="HOST:PORT",
                        help="read services and instances from etcd's client API here, watched")
     serve.add_argument("--etcd-prefix", default="/pilotfish/", metavar="PREFIX",
@@ -129,6 +134,7 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 def _serve(args: argparse.Namespace) -> int:
     from pilotfish.reconcile import DebounceSettings, GuardSettings
     from pilotfish.server import ServeSettings, serve
+    from pilotfish.sources.registry import SelfPreservation
 
     if args.snapshot is None and args.registry is None and args.etcd is None:
         print("pilotfish serve: give at least one source: --snapshot FILE, --registry HOST:PORT or --etcd HOST:PORT",
@@ -140,6 +146,9 @@ def _serve(args: argparse.Namespace) -> int:
                              event_log_level=args.event_log_level,
                              registry=args.registry, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
                              debounce=debounce, validate=args.validate == "on",
+                             registry_self_preservation=SelfPreservation(
+                                 enabled=args.registry_self_preservation == "on",
+                                 share=args.registry_self_preservation_share),
                              guard=GuardSettings(enabled=args.guard == "on", max_removed_share=args.guard_max_removed,
                                                  min_count=args.guard_min_count))
     try:

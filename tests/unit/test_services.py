@@ -140,3 +140,13 @@ def test_hand_encoded_resources_match_protobuf_encoding() -> None:
         deterministic=True)
     for spec in (WEB, ServiceSpec(name="h2", upstream_protocol="http2", health_check=HealthCheck(path="/ok"))):
         assert encode_cluster(spec) == build_cluster(spec).SerializeToString(deterministic=True)
+
+
+@pytest.mark.parametrize(("seconds", "expected"),
+                         [(0.9999999999, (1, 0)), (1.5, (1, 500_000_000)), (0.25, (0, 250_000_000))])
+def test_durations_are_built_in_range(seconds: float, expected: tuple[int, int]) -> None:
+    spec = ServiceSpec(name="web", connect_timeout=seconds)
+    snapshot = build_snapshot(merge_states({"file": DesiredState(services={"web": spec})}), "test")
+    cluster = snapshot.get(CLUSTER.url).resources["web"].message  # type: ignore[union-attr]
+    assert isinstance(cluster, cluster_pb2.Cluster)
+    assert (cluster.connect_timeout.seconds, cluster.connect_timeout.nanos) == expected

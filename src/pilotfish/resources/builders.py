@@ -52,8 +52,9 @@ _HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
-    whole = int(seconds)
-    return duration_pb2.Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
+    # Round to whole nanoseconds first: 0.9999999999 s is 1 s, not 0 s and 10^9 ns (invalid).
+    whole, nanos = divmod(round(seconds * 1e9), 1_000_000_000)
+    return duration_pb2.Duration(seconds=whole, nanos=nanos)
 
 
 def _ads() -> config_source_pb2.ConfigSource:

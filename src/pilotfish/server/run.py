@@ -21,11 +21,11 @@ from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError
 from pilotfish.events import EventLog
 from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
-from pilotfish.server.registry_api import RegistryApi
+from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.xds import XdsServer, start_xds_server
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.sources.etcd import EtcdSource
-from pilotfish.sources.registry import Registry
+from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
 
 __all__ = ["ServeSettings", "serve"]
 
@@ -56,6 +56,12 @@ class ServeSettings:
     """Check every resource against Envoy's own validate.rules before publishing; False lets such
     content through, for Envoy to NACK."""
     guard: GuardSettings = field(default_factory=GuardSettings)
+    registry_self_preservation: SelfPreservation = field(default_factory=SelfPreservation)
+    """When the registry's TTL expiry pauses because too many instances lapse at once."""
+    registry_limits: RegistryLimits = field(default_factory=RegistryLimits)
+    """How many services and instances the registry API accepts."""
+    registry_max_body: int = DEFAULT_MAX_BODY
+    """The largest registry API request body accepted (bytes)."""
     """Which snapshots remove too much at once to publish without the operator's confirmation."""
     waiting_log_every: float = 10.0
     """While a source has not reported its first state, say which and why this often (seconds)."""
@@ -93,7 +99,9 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         host = settings.xds.rsplit(":", 1)[0]
         registry_address = None
         if settings.registry is not None:
-            api = RegistryApi(Registry(clock=time.monotonic), reconciler, events=events)
+            registry = Registry(clock=time.monotonic, self_preservation=settings.registry_self_preservation,
+                                limits=settings.registry_limits)
+            api = RegistryApi(registry, reconciler, events=events, max_body=settings.registry_max_body)
             runner = web.AppRunner(api.app(), access_log=None)
             await runner.setup()
             cleanups.append(runner.cleanup)
