@@ -24,7 +24,7 @@ V1 = build(
     listeners=[listener("l", "r"), listener("m", "s", port=10001)],
     routes=[route("r", "a"), route("s", "b")],
 )
-NAMES = {EDS: ["a", "b"], RDS: ["r", "s"]}
+NAMES: dict[str, list[str]] = {EDS: ["a", "b"], RDS: ["r", "s"]}
 """Per type, two resources of V1: the proxy keeps the first and drops and re-adds the second."""
 
 TYPES = pytest.mark.parametrize("type_url", [EDS, RDS], ids=["eds", "rds"])

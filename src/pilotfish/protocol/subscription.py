@@ -112,18 +112,18 @@ def needs_response(watch: Watch, current: TypeSnapshot) -> bool:
     """Whether ``current`` has something for the stream behind ``watch`` (behaviours 7, 10, 13)."""
     if watch.force or watch.known_version != current.version:
         return True
-    if watch.subscription.wildcard:
-        return not watch.known_wildcard
     resources = current.resources
     known = watch.known_names
+    if watch.subscription.wildcard:
+        # Everything is wanted: news unless the proxy already holds every resource.
+        return not watch.known_wildcard and not known.issuperset(resources)
     wanted = watch.subscription.names
     if wanted is known:
         return False
     if watch.full_state:
         # The response replaces the proxy's whole set: any difference in it is worth sending.
-        if watch.known_wildcard:
-            return True
-        return {n for n in wanted if n in resources} != {n for n in known if n in resources}
+        held = resources.keys() if watch.known_wildcard else {n for n in known if n in resources}
+        return {n for n in wanted if n in resources} != held
     # Same version: only names the proxy asks for and does not hold (newly named, or named again
     # after it dropped them), that exist, are worth a response.
     return any(name in resources for name in wanted - known)
