@@ -249,7 +249,8 @@ class SotwStream:
             warmed_state = self.types.get(warmed)
             if warmed_state is None and self.type_url is None:
                 # ADS: the proxy's first request of the warmed type may still be on its way,
-                # stating what it held before it saw this response.
+                # stating what it held before it saw this response. (EDS and RDS are never
+                # wildcard-capable.)
                 warmed_state = self.types[warmed] = TypeState(warmed, wildcard_capable=False)
             if warmed_state is not None:
                 warmed_state.warm_pending = True
