@@ -148,6 +148,19 @@ def test_wildcard_rules_for_clusters(pair: StreamPair) -> None:
     assert star.names == ["a", "b"]
 
 
+def test_a_wildcard_after_names_that_already_cover_everything_sends_nothing(pair: StreamPair) -> None:
+    [named] = pair.send(CDS, ["a", "b"])
+    assert named.names == ["a", "b"]
+    # The proxy holds every cluster there is: switching to the wildcard changes nothing it holds,
+    # and resending would repeat the very response (one it may have rejected).
+    assert pair.ack(named, names=["*"]) == []
+    assert pair.ack(named, names=["*", "a"]) == []
+    v2 = build(clusters=[cluster("a"), cluster("b"), cluster("c")],
+               endpoints=[assignment("a", 1), assignment("b", 2), assignment("c", 3)])
+    [everything] = pair.publish(v2)
+    assert everything.names == ["a", "b", "c"]
+
+
 def test_empty_endpoint_request_is_not_a_wildcard(pair: StreamPair) -> None:
     [eds] = pair.send(EDS, [])
     assert eds.names == []

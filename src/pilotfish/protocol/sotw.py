@@ -6,18 +6,29 @@ a :class:`~envoy.service.discovery.v3.discovery_pb2.DiscoveryRequest` goes in th
 and which :class:`Watch` to open); a response the cache produced goes through
 :meth:`SotwStream.on_response`, which gives it its nonce.
 
-Per type, a stream remembers the last nonce it sent, the version and names that response
-carried, and the subscription. The rules (DESIGN.md behaviours 2-13,
-https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol):
+Per type, a stream remembers the last nonce it sent, the subscription, and what the proxy *holds*:
+a version and the names it has at that version. That is the heart of deciding whether to answer.
+The rules (DESIGN.md behaviours 2-13, https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol):
 
 - A request whose ``response_nonce`` is not the latest nonce sent for its type is stale: ignored.
-- No nonce: a first request; the proxy has ``version_info`` (empty on a fresh start). A proxy
-  reconnecting with the current version is sent nothing it already has.
-- Nonce and ``error_detail``: a NACK. The proxy still runs the version in ``version_info``; the
-  rejected content is not re-sent, only newer content is.
+- No nonce: the proxy has not seen a response of this type on this stream. On its first request
+  of the type it states what it holds: ``version_info`` (empty on a fresh start) and, at that
+  version, the names it requests. A proxy reconnecting with the current version is sent nothing.
+- A response replaces what the proxy holds: the version and the names it carried (sent and
+  rejected counts as held: a NACKed response is not re-sent, only newer content is).
+- Every later request narrows it for EDS/RDS/SDS: a proxy drops a resource it unsubscribes from
+  (Envoy does), so what it holds is the names of the last response (or of the first request)
+  intersected with every subscription since. A name it requests and does not hold is sent, even
+  at an unchanged version ("the server must resend any newly requested resources"), whether or
+  not the stream has had a response yet. CDS and LDS responses are full state: the proxy's set
+  changes only with a response, so theirs is not narrowed (a narrower subscription is answered
+  with the narrower set instead).
+- Nonce and ``error_detail``: a NACK. The proxy still runs the version in ``version_info``.
 - Nonce and no error: an ACK of what was sent.
 - After a CDS response, the next EDS request is answered even if nothing changed (a re-created
-  cluster waits for its endpoints to warm); likewise RDS after LDS.
+  cluster waits for its endpoints to warm); likewise RDS after LDS. This holds for a request with
+  no nonce too: a proxy that reconnected and was sent new clusters asks again, nonce-less, for
+  endpoints it already stated it holds.
 - A cluster watch carries the LDS and RDS versions the proxy has ACKed, so the cache can keep a
   removed cluster until the routes that used it have moved; an ACK of LDS or RDS re-opens it.
 """
@@ -91,14 +102,22 @@ class TypeState:
     type_url: TypeUrl
     wildcard_capable: bool
     subscription: Subscription | None = None
+    """The latest request's subscription; None before the first request of this type."""
     ever_named: bool = False
     nonce: Nonce | None = None
     sent_version: str | None = None
-    sent_names: frozenset[str] = frozenset()
-    sent_wildcard: bool = False
+    """The version of the last response: what a NACK rejects."""
+    held_version: str | None = None
+    """The version the proxy holds (or was sent and rejected); None: nothing."""
+    held_names: frozenset[str] = frozenset()
+    """Names the proxy holds at ``held_version``. For EDS/RDS/SDS always within the subscription
+    (and usually the very subscription set, so an ACK compares them by identity)."""
+    held_wildcard: bool = False
+    """The proxy holds everything there was at ``held_version``."""
     acked_version: str | None = None
     last_acked_nonce: Nonce | None = None
     warm_pending: bool = False
+    """A CDS (for EDS) or LDS (for RDS) response went out since this type's last response."""
 
 
 @dataclass(slots=True)
@@ -142,25 +161,35 @@ class SotwStream:
         )
         if subscription.names:
             state.ever_named = True
+        previous = state.subscription
+        changed = subscription is not previous and subscription != previous
 
-        if not nonce:
-            kind = RequestKind.REQUEST
-            # The proxy has version_info (e.g. after reconnecting); assume it has what it names.
-            known_version = request.version_info or None
-            known_names = subscription.names
-            known_wildcard = subscription.wildcard
-        else:
+        stated = False
+        if nonce:
             kind = RequestKind.NACK if error is not None else RequestKind.ACK
-            known_version = state.sent_version
-            known_names = state.sent_names
-            known_wildcard = state.sent_wildcard
+        else:
+            kind = RequestKind.REQUEST
+            if state.nonce is None:
+                # Nothing sent on this stream yet: the proxy states what it holds (after
+                # reconnecting, the names it asks for at version_info). A later request stating
+                # another version is not trusted with names: it holds none that we know of.
+                version = request.version_info or None
+                if previous is None or version != state.held_version:
+                    _held_from_request(state, subscription, version, first=previous is None)
+                    stated = True
+        if changed and not stated and not state.wildcard_capable:
+            _narrow(state, subscription)
 
-        changed = subscription is not state.subscription and subscription != state.subscription
         force = False
-        if state.warm_pending and nonce:
-            # A repeated request for the same response (or a changed subscription) after the
-            # resources depending on this type changed: the proxy is warming and waits.
-            force = nonce == state.last_acked_nonce or changed
+        if state.warm_pending:
+            # The resources depending on this type changed: the proxy is warming and waits. Answer
+            # a changed subscription or a repeated request: the same nonce again, or (before any
+            # response of this type on the stream) a request without one. Once a response is on
+            # its way, a nonce-less request needs nothing more: that response answers it.
+            if nonce:
+                force = changed or nonce == state.last_acked_nonce
+            elif state.nonce is None:
+                force = True
         rejected = None
         if kind is RequestKind.ACK:
             state.acked_version = request.version_info
@@ -172,9 +201,9 @@ class SotwStream:
         watch = Watch(
             type_url=type_url,
             subscription=subscription,
-            known_version=known_version,
-            known_names=known_names,
-            known_wildcard=known_wildcard,
+            known_version=state.held_version,
+            known_names=state.held_names,
+            known_wildcard=state.held_wildcard,
             full_state=state.wildcard_capable,
             force=force,
             routing_acked=self._routing_acked() if type_url == CLUSTER.url else None,
@@ -193,14 +222,14 @@ class SotwStream:
 
     def _rewatch_clusters(self) -> Watch | None:
         state = self.types.get(CLUSTER.url)
-        if state is None or state.subscription is None or state.sent_version is None:
+        if state is None or state.subscription is None or state.held_version is None:
             return None
         return Watch(
             type_url=CLUSTER.url,
             subscription=state.subscription,
-            known_version=state.sent_version,
-            known_names=state.sent_names,
-            known_wildcard=state.sent_wildcard,
+            known_version=state.held_version,
+            known_names=state.held_names,
+            known_wildcard=state.held_wildcard,
             full_state=True,
             routing_acked=self._routing_acked(),
         )
@@ -211,11 +240,39 @@ class SotwStream:
         self._sent += 1
         nonce = Nonce(str(self._sent))
         state.nonce = nonce
-        state.sent_version = response.version
-        state.sent_names = response.names
-        state.sent_wildcard = watch.subscription.wildcard
+        state.sent_version = state.held_version = response.version
+        state.held_names = response.names
+        state.held_wildcard = watch.subscription.wildcard
         state.warm_pending = False
         warmed = _WARMS.get(response.type_url)
-        if warmed is not None and warmed in self.types:
-            self.types[warmed].warm_pending = True
+        if warmed is not None:
+            warmed_state = self.types.get(warmed)
+            if warmed_state is None and self.type_url is None:
+                # ADS: the proxy's first request of the warmed type may still be on its way,
+                # stating what it held before it saw this response. (EDS and RDS are never
+                # wildcard-capable.)
+                warmed_state = self.types[warmed] = TypeState(warmed, wildcard_capable=False)
+            if warmed_state is not None:
+                warmed_state.warm_pending = True
         return nonce
+
+
+def _held_from_request(state: TypeState, subscription: Subscription, version: str | None, *, first: bool) -> None:
+    """What a proxy holds by its own statement, before any response on this stream."""
+    state.held_version = version
+    trusted = first and version is not None
+    state.held_names = subscription.names if trusted else frozenset()
+    state.held_wildcard = trusted and subscription.wildcard
+
+
+def _narrow(state: TypeState, subscription: Subscription) -> None:
+    """EDS/RDS/SDS: the proxy dropped what it no longer subscribes to."""
+    if subscription.wildcard:
+        return  # everything is wanted: nothing dropped
+    state.held_wildcard = False
+    held, names = state.held_names, subscription.names
+    if held is names or not held:
+        return
+    kept = held & names
+    # Equal to the subscription: keep the subscription's own (interned) set, compared by identity.
+    state.held_names = names if len(kept) == len(names) else kept

@@ -93,11 +93,13 @@ class Watch(NamedTuple):
     type_url: TypeUrl
     subscription: Subscription
     known_version: str | None
-    """The version the proxy has of this type (or was sent and rejected)."""
+    """The version the proxy holds of this type (or was sent and rejected); None: nothing."""
     known_names: frozenset[str]
-    """Names the proxy already has at ``known_version``."""
+    """Names the proxy holds at ``known_version``: for EDS/RDS/SDS, those of the last response (or
+    that the proxy stated on its first request) it has stayed subscribed to since. Usually the
+    subscription's own set when it holds all of them, so the check below is one identity test."""
     known_wildcard: bool
-    """The proxy already has everything at ``known_version``."""
+    """The proxy holds everything there was at ``known_version``."""
     full_state: bool = False
     """CDS/LDS: every response carries the whole subscribed set, so a smaller set is news too."""
     force: bool = False
@@ -110,17 +112,18 @@ def needs_response(watch: Watch, current: TypeSnapshot) -> bool:
     """Whether ``current`` has something for the stream behind ``watch`` (behaviours 7, 10, 13)."""
     if watch.force or watch.known_version != current.version:
         return True
-    if watch.subscription.wildcard:
-        return not watch.known_wildcard
     resources = current.resources
     known = watch.known_names
+    if watch.subscription.wildcard:
+        # Everything is wanted: news unless the proxy already holds every resource.
+        return not watch.known_wildcard and not known.issuperset(resources)
     wanted = watch.subscription.names
     if wanted is known:
         return False
     if watch.full_state:
         # The response replaces the proxy's whole set: any difference in it is worth sending.
-        if watch.known_wildcard:
-            return True
-        return {n for n in wanted if n in resources} != {n for n in known if n in resources}
-    # Same version: only names the proxy newly asked for, that exist, are worth a response.
+        held = resources.keys() if watch.known_wildcard else {n for n in known if n in resources}
+        return {n for n in wanted if n in resources} != held
+    # Same version: only names the proxy asks for and does not hold (newly named, or named again
+    # after it dropped them), that exist, are worth a response.
     return any(name in resources for name in wanted - known)
