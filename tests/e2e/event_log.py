@@ -4,6 +4,13 @@ The server flushes one JSON object per line. :class:`EventLog` reads the file in
 keeps only complete lines, so a line caught half-written is parsed on the next read. Events are
 kept in file order and addressed by their index, which lets a test take a :meth:`EventLog.mark`
 before an action and then look only at what came after it.
+
+Never read the log straight after an action to see what it caused: pilotfish writes an event on
+the turn of its event loop after the one that caused it, so an HTTP answer (or Envoy's reaction)
+can reach the test first. Wait for the event (:meth:`EventLog.wait_for`,
+:meth:`EventLog.wait_for_count`). To show that something did NOT happen, wait for a later event
+that proves the server is past the point where it would have happened (a ``snapshot_unchanged``,
+or the event of a marker change made afterwards), then look at what lies before it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ __all__ = [
     "TYPE_URLS",
     "Event",
     "EventLog",
+    "Predicate",
     "is_event",
     "short_type",
     "streams_of",
@@ -99,6 +107,33 @@ class EventLog:
                     pytrace=False,
                 )
             time.sleep(0.05)
+
+    def wait_for_count(
+        self, predicate: Predicate, count: int, *, what: str, after: int = 0, timeout: float = 10.0
+    ) -> list[Event]:
+        """The first ``count`` events (from index ``after``) matching ``predicate``, once that many
+        are logged; fail after ``timeout``.
+
+        The server writes its log on the turn of its event loop after the one that caused the
+        events, so an HTTP answer can reach the test before the event the request caused is on
+        disk: wait for it, never read straight after the answer.
+        """
+        found: list[Event] = []
+
+        def enough() -> bool:
+            found[:] = self.select(predicate, after=after)[:count]
+            return len(found) >= count
+
+        deadline = time.monotonic() + timeout
+        while not enough():
+            if time.monotonic() >= deadline:
+                pytest.fail(
+                    f"timed out after {timeout:g}s waiting for {count} events ({len(found)} so far): {what}\n"
+                    + self.describe(after=after),
+                    pytrace=False,
+                )
+            time.sleep(0.05)
+        return found
 
     def describe(self, *, after: int = 0, limit: int = 60) -> str:
         """The events (from ``after``) one short line each, for failure messages."""

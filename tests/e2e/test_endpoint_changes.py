@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 
 from .etcd import Etcd
-from .event_log import TYPE_URLS, EventLog, is_event, short_type
+from .event_log import TYPE_URLS, Event, EventLog, Predicate, is_event, short_type
 from .processes import (
     ControlPlane,
     Envoy,
@@ -59,9 +59,8 @@ CHANGE_EVERY_S = 2.5
 CHANGE_TIMEOUT_S = 5.0
 """How long Envoy may take to show an endpoint change: one debounce window (at most 1 s), a push
 and Envoy applying it take well under 2 s; the rest is slack for a machine busy with wrk."""
-SETTLE_S = 1.5
-"""How long to wait before asserting that something did NOT happen: longer than the debounce
-(quiet 100 ms, at most 1 s) plus a round trip to Envoy."""
+MAX_DELAY_S = 1.0
+"""The server's default debounce max delay: a change is built at most this long after it arrived."""
 SLOW_MS = 3000
 """The request kept in flight across the removal of its endpoint."""
 
@@ -413,11 +412,16 @@ def test_etcd_endpoint_changes_under_load_across_an_etcd_restart(processes: Proc
     assert events.find(is_event("etcd_disconnected"), after=mark), "the broken watch is reported"
     assert resynced["keys"] == 3 and resynced["bad"] == 0, resynced  # the service, u1, u2
     assert envoy.cluster_endpoints(SERVICE) == deployment.expected(), "nothing was lost across the restart"
-    assert not events.select(is_event("snapshot_loaded"), after=mark), "the relist found nothing new to push"
     deployment.note("etcd restarted and listed again")
     pacer.next()
 
+    before_u3 = events.mark()
     deployment.add("u3", put)  # the watch resumed after the relist
+    # u3's is the only snapshot since the restart: the relist found nothing to push (had it pushed,
+    # that would be logged before u3's snapshot).
+    u3 = events.wait_for(is_event("snapshot_loaded"), what="the snapshot with u3", after=before_u3)
+    loaded = events.select(is_event("snapshot_loaded"), after=mark)
+    assert loaded == [u3], "the relist found nothing new to push\n" + events.describe(after=mark)
     deployment.wait_for_traffic_to("u3")
     pacer.next()
     deployment.remove("u1", delete)
@@ -439,10 +443,16 @@ def test_control_plane_sigkill_under_load_then_restart_sends_nothing(processes: 
     wrk_binary()
     snapshot = processes.workdir / "services.yaml"
     deployment = services_deployment(processes, snapshot_path=snapshot)
-    upstreams = [deployment.upstream(name) for name in ("u0", "u1")]
+    for name in ("u0", "u1", "u2"):  # u2 for the marker change, started early: the load run is short
+        deployment.upstream(name)
     deployment.serving += ["u0", "u1"]
-    write_services(snapshot, {SERVICE: {
-        "listen": deployment.listen, "protocol": "http", "endpoints": [address(u) for u in upstreams]}})
+
+    def write_file(upstream: Upstream | None = None) -> None:
+        serving = [*(deployment.upstreams[name] for name in deployment.serving), *([upstream] if upstream else [])]
+        write_services(snapshot, {SERVICE: {
+            "listen": deployment.listen, "protocol": "http", "endpoints": [address(u) for u in serving]}})
+
+    write_file()
     control_plane = deployment.control_plane
     first = control_plane.start()
     envoy = deployment.start_envoy()
@@ -469,10 +479,19 @@ def test_control_plane_sigkill_under_load_then_restart_sends_nothing(processes: 
     assert {kind: r["version_info"] for kind, r in requests.items()} == acked, (
         "Envoy reconnects with the versions it ACKed before"
     )
-    time.sleep(SETTLE_S)  # give the new server every chance to (wrongly) send something
+    # A marker change, made after Envoy's reconnect requests were logged: whatever the new server
+    # (wrongly) sent in answer to them is logged before the marker's own pushes, and carries a
+    # version Envoy already had.
+    mark = second.mark()
+    deployment.add("u2", write_file)
+    second.wait_for(is_event("snapshot_loaded"), what="the marker change (u2 added)", after=mark)
     assert wrk.running(), "the restart took longer than the load run"
     sent = second.select(is_event("sent"))
-    assert sent == [], "a restarted server re-sent what Envoy already had:\n" + second.describe()
+    resent = [e for e in sent if e["version"] == acked[short_type(e["type"])]]
+    assert resent == [], "a restarted server re-sent what Envoy already had:\n" + second.describe()
+    assert [short_type(e["type"]) for e in sent] == ["EDS"], (
+        "only the marker's endpoints were pushed\n" + second.describe()
+    )
     assert not second.select(is_event("nack"))
 
     check_clean(wrk.result(), "control plane SIGKILL under load", [], envoy)
@@ -485,12 +504,15 @@ def test_control_plane_sigkill_under_load_then_restart_sends_nothing(processes: 
 def start_registry_only(
     processes: ProcessGroup, *options: str
 ) -> tuple[RegistryClient, EventLog, str]:
-    """pilotfish with only the registry as source and service ``web`` defined through it."""
+    """pilotfish with only the registry as source and service ``web`` defined through it, and
+    served: the definition's snapshot is loaded."""
     control_plane = ControlPlane(processes, None, free_port(), registry_port=free_port(), options=options)
     events = control_plane.start()
     registry = RegistryClient(control_plane.registry_url)
     listen = f"127.0.0.1:{free_port()}"
+    mark = events.mark()
     registry.define(SERVICE, listen=listen, protocol="http")
+    wait_until_built(events, changes=1, after=mark, what="the service definition")
     return registry, events, listen
 
 
@@ -500,26 +522,82 @@ def registry_only(processes: ProcessGroup) -> tuple[RegistryClient, EventLog, st
     return start_registry_only(processes)
 
 
-def wait_until_built(events: EventLog, *, what: str) -> None:
-    """Wait until the latest registry change has been built into a served snapshot."""
-    last_change = max(i for i, e in enumerate(events.read()) if e["event"].startswith("registry_"))
-    events.wait_for(is_event("snapshot_loaded"), what=what, after=last_change + 1)
+def is_registry_change(event: Event) -> bool:
+    return str(event["event"]).startswith("registry_")
+
+
+def wait_until_built(events: EventLog, *, changes: int, after: int, what: str) -> Event:
+    """Wait until the first ``changes`` registry changes logged from index ``after`` are built into
+    a served snapshot; return its ``snapshot_loaded``.
+
+    A 2xx from the registry API comes before the server has written the change's event (it writes
+    its log on the next turn of its event loop), so the changes are waited for by count.
+    """
+    logged = events.wait_for_count(is_registry_change, changes, what=f"{what}: the registry changes", after=after)
+    return events.wait_for(is_event("snapshot_loaded"), what=what, after=events.index_of(logged[-1]) + 1)
+
+
+def wait_for_server_clock(
+    events: EventLog, poke: Callable[[], object], poked: Predicate, *, past: float, what: str, timeout: float = 15.0
+) -> None:
+    """Repeat ``poke`` (an action that logs one event matching ``poked``, one request at a time)
+    until pilotfish stamps that event at or after ``past`` (its own ``time.time()``), then poke
+    twice more.
+
+    For showing that something did NOT happen when the server's right answer is silence, so no
+    event of its own can say it is past the point. A timer of the server due before ``past`` has
+    fired on the turn of its event loop after the one that logged a poke at ``past`` at the latest,
+    and the task it wakes runs on the turn after that; a request sent once the answer to the next
+    poke is back is handled later still. So anything the server had due before ``past`` is logged
+    before the last poke's event. The server's clock, not the test's, decides: a server starved of
+    CPU is waited for.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        mark = events.mark()
+        poke()
+        event = events.wait_for(poked, what=f"{what}: the poke's event", after=mark)
+        if event["ts"] >= past:
+            break
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}: pilotfish's clock did not reach "
+                        f"{past:.3f} (last event at {event['ts']:.3f})", pytrace=False)
+        time.sleep(0.1)  # the poll interval: each poke is a request to the server
+    for _ in range(2):
+        mark = events.mark()
+        poke()
+        events.wait_for(poked, what=f"{what}: the last pokes' events", after=mark)
 
 
 def test_the_same_endpoints_again_push_nothing(registry_only: tuple[RegistryClient, EventLog, str]) -> None:
     registry, events, listen = registry_only
+    mark = events.mark()
     registry.register(SERVICE, "127.0.0.1", 9001)
     registry.register(SERVICE, "127.0.0.1", 9002, weight=2)
-    wait_until_built(events, what="the two instances")
+    wait_until_built(events, changes=2, after=mark, what="the two instances")
 
     mark = events.mark()
     registry.define(SERVICE, listen=listen, protocol="http")  # the same definition
     registry.register(SERVICE, "127.0.0.1", 9002, weight=2)  # the same instances, other order
     registry.register(SERVICE, "127.0.0.1", 9001)
-    wait_until(lambda: len(events.select(lambda e: e["event"].startswith("registry_"), after=mark)) == 3,
-               timeout=5, what="the three registry changes to be logged")
-    time.sleep(SETTLE_S)
+    first = events.wait_for_count(is_registry_change, 3, what="the three registry changes", after=mark)[0]
+    # Had they started a build, it would run within the max delay of the first of them. The right
+    # answer is to do nothing, which logs nothing, so wait until the server's own clock is past
+    # that (with a margin), re-registering 9001 (one more no-op) to see its clock.
+    wait_for_server_clock(
+        events,
+        lambda: registry.register(SERVICE, "127.0.0.1", 9001),
+        is_event("registry_registered", instance="127.0.0.1:9001"),
+        past=first["ts"] + MAX_DELAY_S + 0.5,
+        what="the debounce's max delay to pass on pilotfish's clock",
+    )
     assert not events.select(is_event("snapshot_loaded"), after=mark), events.describe(after=mark)
+
+    # A real change is pushed: the silence above was not a reconciler that had stopped.
+    changed = events.mark()
+    registry.register(SERVICE, "127.0.0.1", 9003)
+    loaded = wait_until_built(events, changes=1, after=changed, what="a new instance")
+    assert events.select(is_event("snapshot_loaded"), after=mark) == [loaded], events.describe(after=mark)
 
 
 async def register_concurrently(base_url: str, ports: list[int]) -> tuple[list[int], float]:
@@ -550,25 +628,28 @@ def test_a_burst_of_registrations_is_one_snapshot(processes: ProcessGroup) -> No
     # take a few hundred ms to arrive, and this test is about batching, not about this machine's
     # speed (the 50 ms case runs on a fake clock in tests/unit/test_reconciler.py).
     registry, events, _ = start_registry_only(processes, "--quiet-ms", "1500", "--max-delay-ms", "5000")
-    wait_until_built(events, what="the service definition")
     mark = events.mark()
 
     statuses, took = asyncio.run(register_concurrently(registry.base_url, list(range(20000, 20100))))
     assert statuses == [201] * 100
-    registered = events.select(is_event("registry_registered"), after=mark)
-    assert len(registered) == 100
+    # The 201s can arrive before the server has written the events of the last registrations.
+    registered = events.wait_for_count(is_event("registry_registered"), 100, what="the 100 registrations",
+                                       after=mark)
     spread = registered[-1]["ts"] - registered[0]["ts"]
     print(f"\n100 registrations: {took * 1e3:.0f} ms on the client, {spread * 1e3:.0f} ms between the first "
           "and last registered on the server")
 
-    events.wait_for(is_event("snapshot_loaded"), what="the burst's snapshot", after=mark)
-    time.sleep(SETTLE_S)
-    loaded = events.select(is_event("snapshot_loaded"), after=mark)
-    assert len(loaded) == 1, (
-        f"one burst, one snapshot (registrations spread over {spread * 1e3:.0f} ms)\n" + events.describe(after=mark)
+    burst = events.wait_for(is_event("snapshot_loaded"), what="the burst's snapshot", after=mark)
+    assert events.index_of(burst) > events.index_of(registered[-1]), (
+        f"the first snapshot after the burst holds all 100 registrations (spread over {spread * 1e3:.0f} ms)\n"
+        + events.describe(after=mark)
     )
-    last_registration = events.index_of(registered[-1])
-    assert events.index_of(loaded[0]) > last_registration, "the one snapshot holds all 100 registrations"
+    # A marker registration after the burst: no snapshot but the burst's comes before its own.
+    marker_mark = events.mark()
+    registry.register(SERVICE, "127.0.0.1", 20100)
+    marker = wait_until_built(events, changes=1, after=marker_mark, what="the marker registration")
+    loaded = events.select(is_event("snapshot_loaded"), after=mark)
+    assert loaded == [burst, marker], "one burst, one snapshot\n" + events.describe(after=mark)
 
 
 FLAP_SECONDS = 5.0
@@ -592,10 +673,10 @@ def test_a_flapping_endpoint_makes_a_bounded_number_of_pushes(
     registry_only: tuple[RegistryClient, EventLog, str],
 ) -> None:
     registry, events, _ = registry_only
+    mark = events.mark()
     registry.register(SERVICE, "127.0.0.1", 9001)
     flapping = registry.register(SERVICE, "127.0.0.1", 9002)
-    wait_until_built(events, what="the two instances")
-    stable = events.select(is_event("snapshot_loaded"))[-1]["versions"]
+    stable = wait_until_built(events, changes=2, after=mark, what="the two instances")["versions"]
 
     mark = events.mark()
     start = time.monotonic()
@@ -614,13 +695,18 @@ def test_a_flapping_endpoint_makes_a_bounded_number_of_pushes(
     # Once it has stayed for the hold, the endpoint is back: the very content from before.
     back = events.wait_for(lambda e: e["event"] == "snapshot_loaded" and e["versions"] == stable,
                            what="the endpoint re-added after the hold", after=mark, timeout=5)
-    time.sleep(SETTLE_S)
+    # A marker registration once the endpoint is back: nothing the flapping caused comes after it.
+    marker_mark = events.mark()
+    registry.register(SERVICE, "127.0.0.1", 9003)
+    marker = wait_until_built(events, changes=1, after=marker_mark, what="the marker registration")
     loaded = events.select(is_event("snapshot_loaded"), after=mark)
+    assert loaded[-1] is marker, events.describe(after=mark)
+    loaded = loaded[:-1]
     print(f"\nflapping {flips} times in {flapped_for:.2f}s: {len(loaded)} snapshots pushed "
           f"({len(events.select(is_event('snapshot_unchanged'), after=mark))} builds changed nothing)")
     assert 1 <= len(loaded) <= FLAP_PUSH_BOUND, events.describe(after=mark)
     assert loaded[0]["versions"] != stable, "the first push removes the flapping endpoint"
-    assert loaded[-1] is back
+    assert loaded[-1] is back, "nothing was pushed after the endpoint came back"
 
 
 # -- TTL ------------------------------------------------------------------------------------------
@@ -671,6 +757,8 @@ def test_bad_etcd_values_are_reported_and_left_out(processes: ProcessGroup) -> N
     etcd.put_json(instance_key("u1"), {"address": "127.0.0.1", "port": good[1].port})
     envoy.wait_for_endpoints(SERVICE, [address(u) for u in good], timeout=CHANGE_TIMEOUT_S)
 
+    for name in ("no-port", "port-70000"):
+        events.wait_for(is_event("etcd_bad_value", key=instance_key(name)), what=f"{name} reported", after=mark)
     bad = {e["key"]: e["reason"] for e in events.select(is_event("etcd_bad_value"))}
     assert set(bad) == {instance_key(k) for k in ("cut-short", "no-port", "port-70000")}, bad
     assert "JSON" in bad[instance_key("cut-short")]

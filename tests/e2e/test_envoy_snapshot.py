@@ -10,14 +10,13 @@ instead of replaying the story, so each stays short and independent.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .event_log import CDS, EDS, LDS, RDS, TYPE_URLS, is_event, streams_of
+from .event_log import CDS, EDS, LDS, RDS, TYPE_URLS, is_event, short_type, streams_of
 from .processes import free_port, http_get, pilotfish, random_base_id, wait_until
 from .snapshot_file import write_snapshot
 from .testbed import Testbed, wait_for_acks
@@ -29,11 +28,6 @@ NODE = "edge-1"
 V2: dict[str, Any] = {"version": "2", "web": ["web-a"], "direct_body": "direct v2"}
 V3: dict[str, Any] = V2 | {"version": "3", "connect_timeout": "0s", "stat_prefix": "ingress_v3"}
 V4: dict[str, Any] = V3 | {"version": "4", "connect_timeout": "1s", "direct_body": "direct v4"}
-
-SETTLE_S = 1.5
-"""How long to wait before asserting that something did NOT happen: longer than the server's
-debounce (quiet 100 ms, at most 1 s) plus a round trip to Envoy."""
-
 
 def sent_then_acked(testbed: Testbed, type_url: str, version: str, *, after: int) -> None:
     """The server sent ``type_url`` at ``version`` and Envoy ACKed that very response."""
@@ -79,7 +73,7 @@ def test_envoy_acks_every_type_and_routes_requests(testbed: Testbed) -> None:
     assert envoy.stat("cluster_manager.cds.version_text") == "1"
     assert envoy.stat("listener_manager.lds.version_text") == "1"
 
-    assert envoy.cluster_endpoints("web") == sorted([testbed.address_of("web-a"), testbed.address_of("web-b")])
+    envoy.wait_for_endpoints("web", [testbed.address_of("web-a"), testbed.address_of("web-b")])
     bodies = {testbed.request("/") for _ in range(8)}
     assert bodies == {(200, "web-a"), (200, "web-b")}, "round robin over both endpoints of web"
     assert testbed.request("/api") == (200, "api")
@@ -136,13 +130,21 @@ def test_rejected_clusters_keep_last_good_version(testbed: Testbed) -> None:
         what="a request through the listener of version 3",
     )
 
-    time.sleep(SETTLE_S)  # give a wrongly resent response time to show up
+    # A marker: fixed clusters (version 4). A resend of the rejected ones after the NACK would be
+    # logged before the marker is sent.
+    marker_mark = events.mark()
+    testbed.write_snapshot(**V4)
+    sent_then_acked(testbed, CDS, "4", after=marker_mark)
+    fixed = events.find(is_event("sent", type=CDS, version="4"), after=marker_mark)
+    assert fixed is not None
     sent_v3 = events.select(is_event("sent", type=CDS, version="3"), after=mark)
     per_stream = Counter(event["stream"] for event in sent_v3)
-    assert list(per_stream.values()) == [1], (
+    assert list(per_stream.values()) == [1] and events.index_of(sent_v3[0]) < events.index_of(fixed), (
         "the rejected clusters are sent once on Envoy's one stream, not again after the NACK\n"
         + events.describe(after=mark)
     )
+    wait_until(lambda: envoy.stat("cluster_manager.cds.version_text") == "4", timeout=10,
+               what="Envoy to accept the fixed clusters")
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
@@ -280,7 +282,19 @@ def test_equal_content_without_version_sends_nothing(testbed: Testbed) -> None:
     # The server read the new file (so the silence below is not a watcher that missed it)...
     unchanged = events.wait_for(is_event("snapshot_unchanged"), what="the rewritten file read as unchanged", after=mark)
     assert unchanged["version"] == loaded["version"]
-    time.sleep(SETTLE_S)  # ...and pushes nothing, even after its debounce.
-    assert events.select(is_event("sent"), after=mark) == [], events.describe(after=mark)
-    assert events.select(is_event("snapshot_error"), after=mark) == [], events.describe(after=mark)
     assert testbed.request("/direct") == (200, "direct changed")
+    # ...and pushes nothing. A marker change after it: whatever the rewrite (wrongly) caused is
+    # logged before the marker's own pushes, which carry the marker's new route version.
+    marker_mark = events.mark()
+    testbed.write_snapshot(version=None, direct_body="direct marker")
+    marker = events.wait_for(is_event("snapshot_loaded"), what="the marker change loaded", after=marker_mark)
+    assert events.select(is_event("snapshot_loaded"), after=mark) == [marker], events.describe(after=mark)
+    assert events.select(is_event("snapshot_error"), after=mark) == [], events.describe(after=mark)
+    resent = [e for e in events.select(is_event("sent"), after=mark)
+              if e["version"] == loaded["versions"][short_type(e["type"])]]
+    assert resent == [], "equal content was pushed again\n" + events.describe(after=mark)
+    wait_until(
+        lambda: testbed.request("/direct") == (200, "direct marker"),
+        timeout=10,
+        what="the marker's direct response",
+    )

@@ -52,13 +52,19 @@ def replace(path: Path, text: str) -> None:
 
 
 class Events:
+    """The server's event log. It is written on the turn of the event loop after the one that
+    caused an event, so a test waits for the event it needs (:meth:`wait_for`) rather than read
+    the log straight after an action."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def all(self) -> list[dict[str, Any]]:
+        """Every complete line so far."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        text = self.path.read_text()
+        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line]
 
     async def wait_for(self, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         async with asyncio.timeout(TIMEOUT):
@@ -79,8 +85,8 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[str, Path, Events]]:
                                      started=started))
     port = await asyncio.wait_for(started, TIMEOUT)
     events = Events(log)
-    # The file watcher must be running before a test changes the file.
-    await asyncio.sleep(0.3)
+    # No wait for the file watcher: a change made before it is in place is still seen, as the
+    # watcher compares the file with the one serve() read (test_a_change_between_...).
     yield f"127.0.0.1:{port}", snapshot, events
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -128,7 +134,7 @@ async def test_file_change_is_pushed_and_bad_file_keeps_last_good(server: tuple[
             type_url=EDS, resource_names=["web"], version_info="2", response_nonce=pushed.nonce))
         ack = await events.wait_for(lambda e: e["event"] == "ack" and e["version_info"] == "2")
         assert ack["node"] == "proxy-1" and ack["type"] == EDS
-        sent = [e for e in events.all() if e["event"] == "sent"]
+        sent = [e for e in events.all() if e["event"] == "sent"]  # logged before the ack of the last
         assert [e["version"] for e in sent] == ["1", "2"]
         assert all(e["node"] == "proxy-1" and e["resources"] == 1 for e in sent)
         await call.done_writing()
@@ -160,7 +166,8 @@ async def test_nack_is_logged_and_not_answered_with_the_same_content(server: tup
         # Nothing more is sent until the content changes.
         replace(snapshot, yaml.safe_dump(document("2", 9001, 9002, timeout="2s")))
         second = await read(call)
-        assert second.version_info == "2"
+        assert second.version_info == "2"  # the next message on the stream: nothing was resent before it
+        await events.wait_for(lambda e: e["event"] == "sent" and e["version"] == "2")
         assert [e["version"] for e in events.all() if e["event"] == "sent"] == ["1", "2"]
         await call.done_writing()
 
@@ -182,8 +189,9 @@ async def test_rewriting_equal_content_pushes_nothing(tmp_path: Path, server: tu
         await events.wait_for(lambda e: e["event"] == "snapshot_unchanged")
         # A real change does push, proving the stream was listening.
         replace(snapshot, yaml.safe_dump(document(None, 9003)))
-        changed = await read(call)
+        changed = await read(call)  # the next message on the stream: nothing was pushed before it
         assert changed.version_info != first.version_info
+        await events.wait_for(lambda e: e["event"] == "sent" and e["version"] == changed.version_info)
         assert sum(1 for e in events.all() if e["event"] == "sent") == 2
         await call.done_writing()
 
@@ -209,13 +217,26 @@ async def test_an_idle_server_freezes_what_lives_on_and_a_busy_one_does_not() ->
 
     keep = [[n] for n in range(5_000)]  # long-lived containers the GC would keep looking at
     idle = False
-    task = asyncio.create_task(_tidy_heap_when_idle(lambda: idle, every=0.02, young_limit=1_000))
+    asked = 0
+
+    def is_idle() -> bool:
+        nonlocal asked
+        asked += 1
+        return idle
+
+    # The tidier only asks idle() when its sleep did not overshoot by more than 20 ms (else the loop
+    # is busy): on a machine short of CPU that can take a while, hence the longer timeout.
+    patience = 3 * TIMEOUT
+    task = asyncio.create_task(_tidy_heap_when_idle(is_idle, every=0.02, young_limit=1_000))
     try:
         frozen = gc.get_freeze_count()
-        await asyncio.sleep(0.2)
-        assert gc.get_freeze_count() == frozen  # a build is pending: leave the heap alone
+        # It looked (more than once) and found a build pending: it must leave the heap alone.
+        async with asyncio.timeout(patience):
+            while asked < 2:
+                await asyncio.sleep(0.02)
+        assert gc.get_freeze_count() == frozen
         idle = True
-        async with asyncio.timeout(TIMEOUT):
+        async with asyncio.timeout(patience):
             while gc.get_freeze_count() < frozen + len(keep):
                 await asyncio.sleep(0.02)
     finally:
