@@ -1059,9 +1059,55 @@ class _Writer:
                      f"must be within {_duration_text(window)} of now", _timestamp_text, nanos)
 
     def string(self, own: pgv.StringRules, var: str, parent: str, seg: str, indent: int) -> None:
+        def more(check: Callable[[str, str, str], None]) -> None:
+            if own.HasField("len_bytes") or own.HasField("min_bytes") or own.HasField("max_bytes"):
+                size = self.fresh("b")
+                self.emit(indent, f"{size} = len({var}) if {var}.isascii() else len({var}.encode())")
+                if own.HasField("len_bytes"):
+                    check(f"{size} != {own.len_bytes}", "len_bytes", f"must be exactly {own.len_bytes} bytes long")
+                if own.HasField("min_bytes") and own.min_bytes:
+                    check(f"{size} < {own.min_bytes}", "min_bytes", "must not be empty" if own.min_bytes == 1
+                          else f"must be at least {own.min_bytes} bytes long")
+                if own.HasField("max_bytes"):
+                    check(f"{size} > {own.max_bytes}", "max_bytes", f"must be at most {own.max_bytes} bytes long")
+            if own.HasField("not_contains"):
+                check(f"{self.const(own.not_contains)} in {var}", "not_contains",
+                      f"must not contain {own.not_contains!r}")
+            well_known = own.WhichOneof("well_known")
+            if well_known == "well_known_regex":
+                if own.well_known_regex == pgv.HTTP_HEADER_NAME:
+                    pattern, text = (_HEADER_NAME, "must be a valid HTTP header name") if own.strict else (
+                        _HEADER_STRING, "must not contain NUL, CR or LF")
+                elif own.well_known_regex == pgv.HTTP_HEADER_VALUE:
+                    pattern, text = (_HEADER_VALUE, "must be a valid HTTP header value (no control characters)") \
+                        if own.strict else (_HEADER_STRING, "must not contain NUL, CR or LF")
+                else:
+                    raise RuleNotUnderstood(f"well_known_regex {own.well_known_regex} is not understood")
+                check(f"{self.const(pattern)}.fullmatch({var}) is None", "well_known_regex", text)
+            elif well_known is not None and getattr(own, well_known):
+                test, text = _WELL_KNOWN[well_known]
+                check(f"not {self.const(test)}({var})", well_known, text)
+
+        self._sized(own, "string.", "characters", str, var, parent, seg, indent, more)
+
+    def bytes_(self, own: pgv.BytesRules, var: str, parent: str, seg: str, indent: int) -> None:
+        def more(check: Callable[[str, str, str], None]) -> None:
+            well_known = own.WhichOneof("well_known")
+            if well_known is not None and getattr(own, well_known):
+                sizes, text = {"ip": ((4, 16), "must be an IP address (4 or 16 bytes)"),
+                               "ipv4": ((4,), "must be an IPv4 address (4 bytes)"),
+                               "ipv6": ((16,), "must be an IPv6 address (16 bytes)")}[well_known]
+                check(f"len({var}) not in {sizes!r}", well_known, text)
+
+        self._sized(own, "bytes.", "bytes", bytes, var, parent, seg, indent, more)
+
+    def _sized(self, own: pgv.StringRules | pgv.BytesRules, rule: str, unit: str, kind: type[str] | type[bytes],
+               var: str, parent: str, seg: str, indent: int, more: Callable[[Callable[[str, str, str], None]], None],
+               ) -> None:
+        """The rules strings and bytes share (const, in, lengths, affixes, pattern), then ``more``;
+        all of them skipped for an empty value under ``ignore_empty``."""
         body: list[str] = []
         saved, self.lines = self.lines, body
-        rule = "string."
 
         def check(condition: str, name: str, text: str) -> None:
             self.emit(indent, f"if {condition}:")
@@ -1075,82 +1121,12 @@ class _Writer:
         if own.not_in:
             check(f"{var} in {self.const(frozenset(own.not_in))}", "not_in", f"must not be any of {list(own.not_in)}")
         if own.HasField("len"):
-            check(f"len({var}) != {own.len}", "len", f"must be exactly {own.len} characters long")
+            check(f"len({var}) != {own.len}", "len", f"must be exactly {own.len} {unit} long")
         if own.HasField("min_len") and own.min_len:
             check(f"len({var}) < {own.min_len}", "min_len",
-                  "must not be empty" if own.min_len == 1 else f"must be at least {own.min_len} characters long")
+                  "must not be empty" if own.min_len == 1 else f"must be at least {own.min_len} {unit} long")
         if own.HasField("max_len"):
-            check(f"len({var}) > {own.max_len}", "max_len", f"must be at most {own.max_len} characters long")
-        if any(own.HasField(n) for n in ("len_bytes", "min_bytes", "max_bytes")):
-            size = self.fresh("b")
-            self.emit(indent, f"{size} = len({var}) if {var}.isascii() else len({var}.encode())")
-            if own.HasField("len_bytes"):
-                check(f"{size} != {own.len_bytes}", "len_bytes", f"must be exactly {own.len_bytes} bytes long")
-            if own.HasField("min_bytes") and own.min_bytes:
-                check(f"{size} < {own.min_bytes}", "min_bytes",
-                      "must not be empty" if own.min_bytes == 1 else f"must be at least {own.min_bytes} bytes long")
-            if own.HasField("max_bytes"):
-                check(f"{size} > {own.max_bytes}", "max_bytes", f"must be at most {own.max_bytes} bytes long")
-        if own.HasField("prefix"):
-            check(f"not {var}.startswith({self.const(own.prefix)})", "prefix", f"must start with {own.prefix!r}")
-        if own.HasField("suffix"):
-            check(f"not {var}.endswith({self.const(own.suffix)})", "suffix", f"must end with {own.suffix!r}")
-        if own.HasField("contains"):
-            check(f"{self.const(own.contains)} not in {var}", "contains", f"must contain {own.contains!r}")
-        if own.HasField("not_contains"):
-            check(f"{self.const(own.not_contains)} in {var}", "not_contains",
-                  f"must not contain {own.not_contains!r}")
-        if own.HasField("pattern"):
-            try:
-                compiled = re.compile(_re2(own.pattern))
-            except re.error as exc:
-                raise RuleNotUnderstood(f"pattern {own.pattern!r} cannot be checked: {exc}") from exc
-            check(f"{self.const(compiled)}.fullmatch({var}) is None", "pattern",
-                  f"must match the regular expression {own.pattern!r}")
-        well_known = own.WhichOneof("well_known")
-        if well_known == "well_known_regex":
-            if own.well_known_regex == pgv.HTTP_HEADER_NAME:
-                pattern, text = (_HEADER_NAME, "must be a valid HTTP header name") if own.strict else (
-                    _HEADER_STRING, "must not contain NUL, CR or LF")
-            elif own.well_known_regex == pgv.HTTP_HEADER_VALUE:
-                pattern, text = (_HEADER_VALUE, "must be a valid HTTP header value (no control characters)") \
-                    if own.strict else (_HEADER_STRING, "must not contain NUL, CR or LF")
-            else:
-                raise RuleNotUnderstood(f"well_known_regex {own.well_known_regex} is not understood")
-            check(f"{self.const(pattern)}.fullmatch({var}) is None", "well_known_regex", text)
-        elif well_known is not None and getattr(own, well_known):
-            test, text = _WELL_KNOWN[well_known]
-            check(f"not {self.const(test)}({var})", well_known, text)
-        self.lines = saved
-        if body:
-            if own.ignore_empty:
-                self.emit(indent, f"if {var}:")
-                self.lines.extend("    " + line for line in body)
-            else:
-                self.lines.extend(body)
-
-    def bytes_(self, own: pgv.BytesRules, var: str, parent: str, seg: str, indent: int) -> None:
-        body: list[str] = []
-        saved, self.lines = self.lines, body
-
-        def check(condition: str, name: str, text: str) -> None:
-            self.emit(indent, f"if {condition}:")
-            self.bad(indent + 1, parent, seg, "bytes." + name, text, _text, var)
-
-        if own.HasField("const"):
-            check(f"{var} != {self.const(own.const)}", "const", f"must equal {own.const!r}")
-        if getattr(own, "in"):
-            members = list(getattr(own, "in"))
-            check(f"{var} not in {self.const(frozenset(members))}", "in", f"must be one of {members}")
-        if own.not_in:
-            check(f"{var} in {self.const(frozenset(own.not_in))}", "not_in", f"must not be any of {list(own.not_in)}")
-        if own.HasField("len"):
-            check(f"len({var}) != {own.len}", "len", f"must be exactly {own.len} bytes long")
-        if own.HasField("min_len") and own.min_len:
-            check(f"len({var}) < {own.min_len}", "min_len",
-                  "must not be empty" if own.min_len == 1 else f"must be at least {own.min_len} bytes long")
-        if own.HasField("max_len"):
-            check(f"len({var}) > {own.max_len}", "max_len", f"must be at most {own.max_len} bytes long")
+            check(f"len({var}) > {own.max_len}", "max_len", f"must be at most {own.max_len} {unit} long")
         if own.HasField("prefix"):
             check(f"not {var}.startswith({self.const(own.prefix)})", "prefix", f"must start with {own.prefix!r}")
         if own.HasField("suffix"):
@@ -1158,18 +1134,14 @@ class _Writer:
         if own.HasField("contains"):
             check(f"{self.const(own.contains)} not in {var}", "contains", f"must contain {own.contains!r}")
         if own.HasField("pattern"):
+            source = _re2(own.pattern)
             try:
-                compiled = re.compile(_re2(own.pattern).encode())
+                compiled = re.compile(source if kind is str else source.encode())
             except re.error as exc:
                 raise RuleNotUnderstood(f"pattern {own.pattern!r} cannot be checked: {exc}") from exc
             check(f"{self.const(compiled)}.fullmatch({var}) is None", "pattern",
                   f"must match the regular expression {own.pattern!r}")
-        well_known = own.WhichOneof("well_known")
-        if well_known is not None and getattr(own, well_known):
-            sizes, text = {"ip": ((4, 16), "must be an IP address (4 or 16 bytes)"),
-                           "ipv4": ((4,), "must be an IPv4 address (4 bytes)"),
-                           "ipv6": ((16,), "must be an IPv6 address (16 bytes)")}[well_known]
-            check(f"len({var}) not in {sizes!r}", well_known, text)
+        more(check)
         self.lines = saved
         if body:
             if own.ignore_empty:

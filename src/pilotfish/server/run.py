@@ -221,7 +221,7 @@ async def _say_what_we_wait_for(reconciler: Reconciler, reasons: dict[str, Calla
 
 
 async def _tidy_heap_when_idle(idle: Callable[[], bool], *, every: float = 1.0, young_limit: int = 20_000,
-                               full_every: float = 3600.0) -> None:
+                               full_every: float = 3600.0, busy_after: float = 0.02) -> None:
     """Keep cyclic GC pauses off the path of a change.
 
     A GC pass costs time in proportion to the objects it looks at, and thousands of streams are
@@ -232,14 +232,15 @@ async def _tidy_heap_when_idle(idle: Callable[[], bool], *, every: float = 1.0, 
     the youngest generation is small enough for it to be quick, collect it. Streams leave no
     reference cycles behind, so little garbage is frozen; once every ``full_every`` seconds, at
     such a moment, everything is unfrozen and collected (at 10,000 streams, a pause of a few
-    hundred milliseconds), so none stays for long.
+    hundred milliseconds), so none stays for long. The loop counts as busy when a sleep of
+    ``every`` overshot by more than ``busy_after``.
     """
     loop = asyncio.get_running_loop()
     last_full = loop.time()
     while True:
         start = loop.time()
         await asyncio.sleep(every)
-        if loop.time() - start > every + 0.02 or not idle():
+        if loop.time() - start > every + busy_after or not idle():
             continue  # the loop is busy, or a build is coming: not now
         if loop.time() - last_full >= full_every:
             gc.unfreeze()
