@@ -44,8 +44,12 @@ class DesiredState:
     """An explicit version for every type (snapshot files only)."""
 
     def __post_init__(self) -> None:
-        # Endpoint order carries no meaning: normalize it so equal sets compare equal.
-        ordered = {name: tuple(sorted(found)) for name, found in self.endpoints.items()}
+        # Endpoint order carries no meaning: normalize it so equal sets compare equal. A tuple that is
+        # sorted already is kept as it is: consumers tell unchanged services by identity.
+        ordered = {}
+        for name, found in self.endpoints.items():
+            in_order = sorted(found)
+            ordered[name] = found if type(found) is tuple and list(found) == in_order else tuple(in_order)
         object.__setattr__(self, "endpoints", ordered)
 
     @classmethod

@@ -148,16 +148,22 @@ class FlapDamper:
 
     def observe(self, present: set[EndpointKey], now: float) -> None:
         """The sources now report exactly ``present``."""
-        for key in self._present - present:
+        self.change(present - self._present, self._present - present, now)
+
+    def change(self, appeared: Iterable[EndpointKey], disappeared: Iterable[EndpointKey], now: float) -> None:
+        """Endpoints ``appeared`` and ``disappeared`` since the last observation (a diff costs what
+        changed, where :meth:`observe` costs every endpoint)."""
+        for key in disappeared:
+            self._present.discard(key)
             self._removed_at[key] = now
             self._back_since.pop(key, None)
-        for key in present - self._present:
+        for key in appeared:
+            self._present.add(key)
             removed = self._removed_at.get(key)
             if removed is not None and now - removed <= self.flap_window:
                 self._back_since[key] = now  # back soon after leaving: flapping, hold it
             elif removed is not None:
                 del self._removed_at[key]
-        self._present = set(present)
 
     def publishable(self, now: float) -> tuple[set[EndpointKey], float | None]:
         """The endpoints to publish now, and when to ask again (when a hold ends)."""
@@ -287,6 +293,8 @@ class Reconciler:
         self._states: dict[str, DesiredState] = {}
         self._debouncer = Debouncer(quiet=self.settings.quiet, max_delay=self.settings.max_delay)
         self._damper = FlapDamper(flap_window=self.settings.flap_window, hold=self.settings.hold)
+        self._providers: dict[EndpointKey, int] = {}
+        """How many sources report each endpoint (it is present while one does)."""
         self._hold_until: float | None = None
         self._wake = asyncio.Event()
         self._memo = ResourceMemo()
@@ -299,14 +307,34 @@ class Reconciler:
 
     def update(self, source: str, state: DesiredState) -> None:
         """A source's whole current view. Equal to what it said before: nothing happens."""
-        if self._states.get(source) == state:
+        previous = self._states.get(source)
+        if previous == state:
             return
         self._states[source] = state
         now = self._clock.now()
-        # Only which endpoints are present matters here: no full merge on every registry call.
-        present = {(name, endpoint.address) for each in self._states.values()
-                   for name, found in each.endpoints.items() for endpoint in found}
-        self._damper.observe(present, now)
+        # Only which endpoints appeared or disappeared matters here, and only for the services whose
+        # endpoints changed (sources reuse the tuples of unchanged ones): no full merge or scan of
+        # every endpoint on each registry call.
+        appeared, disappeared = [], []
+        before_all = previous.endpoints if previous is not None else {}
+        for name in before_all.keys() | state.endpoints.keys():
+            before, after = before_all.get(name, ()), state.endpoints.get(name, ())
+            if before is after or before == after:
+                continue
+            old_addresses = {e.address for e in before}
+            new_addresses = {e.address for e in after}
+            for address in new_addresses - old_addresses:
+                key = (name, address)
+                self._providers[key] = self._providers.get(key, 0) + 1
+                if self._providers[key] == 1:
+                    appeared.append(key)
+            for address in old_addresses - new_addresses:
+                key = (name, address)
+                self._providers[key] -= 1
+                if not self._providers[key]:
+                    del self._providers[key]
+                    disappeared.append(key)
+        self._damper.change(appeared, disappeared, now)
         self._debouncer.change(now)
         self._wake.set()
 

@@ -156,3 +156,25 @@ async def test_changed_content_under_an_unchanged_explicit_version_is_refused(ru
     await clock.advance(0.5)
     assert cache.snapshot() is first  # proxies at "7" would never get it: kept out, and said so
     assert reconciler.last_error is not None and "still '7'" in reconciler.last_error.describe()
+
+
+def endpoints_only(*ports: int) -> DesiredState:
+    return DesiredState(endpoints={"web": tuple(Endpoint("127.0.0.1", p) for p in ports)})
+
+
+async def test_an_endpoint_two_sources_report_stays_while_either_does(running: Running) -> None:
+    reconciler, clock, cache = running  # the registry reports 9001 and 9002
+    reconciler.update("file", endpoints_only(9002, 9003))
+    await clock.advance(0.2)
+    assert published_ports(cache) == [9001, 9002, 9003]
+    reconciler.update("registry", state(9001))  # 9002: the file still reports it
+    await clock.advance(0.2)
+    assert published_ports(cache) == [9001, 9002, 9003]
+    reconciler.update("file", endpoints_only(9003))  # now nobody does
+    await clock.advance(0.2)
+    assert published_ports(cache) == [9001, 9003]
+    reconciler.update("registry", state(9001, 9002))  # back soon after it left: held for a while
+    await clock.advance(0.2)
+    assert published_ports(cache) == [9001, 9003]
+    await clock.advance(1.0)
+    assert published_ports(cache) == [9001, 9002, 9003]
