@@ -195,10 +195,13 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
                  "--repeat", scale.build_repeat),
             bench_build.BUILD_COLUMNS, build,
             ["Registry-like DesiredState (one ServiceSpec per cluster, endpoints spread evenly) -> "
-             "`merge_states` -> `build_snapshot` (builders, reference checks, per-resource encode + sha256) -> "
+             "`merge_states` -> `build_snapshot` (builders, reference checks, Envoy's validate.rules, per-resource "
+             "encode + sha256) -> "
              "`TypeSnapshot.response(None)` for every type. Median of the repeats. `rebuild after 1 change`: the "
              "same path from scratch for the state with one more endpoint. `Reconciler.update`: what one "
-             "registry API call costs synchronously before any build (merge + flap-damper observe). "
+             "registry API call costs synchronously before any build (which endpoints appeared or disappeared, for "
+             "the flap damper; here every service's endpoint tuple is new, so all are compared, where a registry "
+             "call that changes one service compares that one). `rules off`: the same with `serve --validate off`. "
              "`Reconciler rebuild after 1 change`: the reconciler's `build_now()` after that update (reusing "
              "the previous build's encoded resources) plus encoding the responses: the server's cost per change."])
 

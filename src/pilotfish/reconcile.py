@@ -524,8 +524,6 @@ class Reconciler:
         return []
 
 
-
-
 _SERVICE_MENTION = re.compile(r"services\.([\w.-]+)")
 _RESOURCE_MENTION = re.compile(r"\b(" + "|".join(t.key for t in TYPES) + r")\[(\d+)\]")
 
