@@ -1,4 +1,4 @@
-"""The ``pilotfish`` command: ``serve``, ``validate``, ``bootstrap``, ``demo``."""
+"""The ``pilotfish`` command: ``serve``, ``validate``, ``bootstrap``, ``token``, ``demo``."""
 
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                             "routes, secrets), watched for changes")
     serve.add_argument("--registry", type=_address, metavar="HOST:PORT",
                        help="serve the registry HTTP API here (register instances, heartbeats, TTLs)")
+    serve.add_argument("--registry-tokens", type=Path, metavar="FILE",
+                       help="require bearer tokens on the registry API, with the scopes this file gives them "
+                            "(followed as it changes; see `pilotfish token`)")
     serve.add_argument("--registry-self-preservation", choices=("on", "off"), default="on",
                        help="pause TTL expiry when more than --registry-self-preservation-share of the instances "
                             "lapse at once, as in a network partition (default: %(default)s)")
@@ -102,6 +105,11 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--admin-port", type=int, default=9901, metavar="N",
                       help="Envoy admin port on 127.0.0.1 (default: %(default)s)")
 
+    token = commands.add_parser("token", help="make a registry API token, or hash one for --registry-tokens")
+    token.add_argument("action", choices=("new", "hash"),
+                       help="new: print a fresh token and its tokens-file entry; hash: print the sha256 of the "
+                            "token read from stdin (one line)")
+
     demo = commands.add_parser("demo", help="run pilotfish, two upstreams and a real Envoy on examples/demo.yaml")
     demo.add_argument("--snapshot", type=Path, default=Path("examples/demo.yaml"), metavar="FILE")
     return parser
@@ -145,6 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
                              event_log_level=args.event_log_level,
                              registry=args.registry, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
+                             registry_tokens=args.registry_tokens,
                              debounce=debounce, validate=args.validate == "on",
                              registry_self_preservation=SelfPreservation(
                                  enabled=args.registry_self_preservation == "on",
@@ -179,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     if args.command == "serve":
         return _serve(args)
+    if args.command == "token":
+        from pilotfish.server.registry_auth import token_command
+
+        return token_command(args.action, sys.stdin, sys.stdout)
     if args.command == "demo":
         from pilotfish.demo import run_demo
 

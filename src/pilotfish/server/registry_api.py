@@ -13,6 +13,14 @@ PUT      /v1/self-preservation                      ``{"enabled": false}``: let 
 GET      /healthz                                   200 when serving
 =======  =========================================  =============================================
 
+With a tokens file (:class:`~pilotfish.server.registry_auth.TokenFile`), the ``_auth`` middleware
+decides every request before its handler runs (and before its body is read): each route is
+classed in :data:`ROUTES` as open, read, write (to the ``{service}`` of its path) or admin, and
+:func:`~pilotfish.server.registry_auth.authorize` answers 401 or 403 in the error shape below, with
+``WWW-Authenticate: Bearer``. Refusals are logged and recorded (event ``registry_denied``) at
+most once per ``deny_report_every`` seconds, with the count of those left out, so a client
+guessing tokens cannot fill the log.
+
 Every answer to a refused request is ``{"error": ..., "problems": [{"field": ..., "message": ...}]}``
 and the request changed nothing:
 
@@ -53,9 +61,10 @@ from pilotfish.desired import DesiredState
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
+from pilotfish.server.registry_auth import Access, Denied, TokenFile, authorize
 from pilotfish.sources.registry import Registry, RegistryFull, UnknownInstance
 
-__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_MAX_DEPTH", "Conflict", "RegistryApi"]
+__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_MAX_DEPTH", "ROUTES", "Conflict", "RegistryApi"]
 
 _log = logging.getLogger("pilotfish.registry")
 _SOURCE = "registry"
@@ -66,6 +75,21 @@ DEFAULT_MAX_BODY = 1 << 20
 """Bytes a request body may have (1 MiB: a service definition or an instance is well under 4 KiB)."""
 DEFAULT_MAX_DEPTH = 32
 """How deeply a JSON body may nest arrays and objects (the registry's own bodies need 3)."""
+
+ROUTES: tuple[tuple[str, str, str, Access], ...] = (
+    ("GET", "/healthz", "_healthz", Access.OPEN),
+    ("GET", "/v1/services", "_list", Access.READ),
+    ("GET", "/v1/services/{service}", "_get", Access.READ),
+    ("PUT", "/v1/services/{service}", "_define", Access.WRITE),
+    ("DELETE", "/v1/services/{service}", "_undefine", Access.WRITE),
+    ("POST", "/v1/services/{service}/instances", "_register", Access.WRITE),
+    ("PUT", "/v1/services/{service}/instances/{id}/heartbeat", "_heartbeat", Access.WRITE),
+    ("DELETE", "/v1/services/{service}/instances/{id}", "_deregister", Access.WRITE),
+    ("GET", "/v1/self-preservation", "_preservation", Access.READ),
+    ("PUT", "/v1/self-preservation", "_set_preservation", Access.ADMIN),
+)
+"""Every route: method, path, handler (a method of :class:`RegistryApi`) and what it needs when
+there is a tokens file. A write needs a token whose scope covers the ``{service}`` of the path."""
 
 
 class Conflict(Exception):
@@ -113,6 +137,8 @@ class RegistryApi:
         events: EventLog | None = None,
         max_body: int = DEFAULT_MAX_BODY,
         max_depth: int = DEFAULT_MAX_DEPTH,
+        tokens: TokenFile | None = None,
+        deny_report_every: float = 10.0,
     ) -> None:
         self.registry = registry
         self.reconciler = reconciler
@@ -120,19 +146,20 @@ class RegistryApi:
         self.max_body = max_body
         self.max_depth = max_depth
         self._expiry_wake = asyncio.Event()
+        self.tokens = tokens
+        """Who may do what; None: anyone may do anything (the API without ``--registry-tokens``)."""
+        self.deny_report_every = deny_report_every
+        self._access: dict[tuple[str, str], Access] = {(method, path): access for method, path, _, access in ROUTES}
+        self._denied_reported_at: float | None = None
+        self._denied_unreported = 0
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=self.max_body)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/v1/services", self._list)
-        app.router.add_get("/v1/services/{service}", self._get)
-        app.router.add_put("/v1/services/{service}", self._define)
-        app.router.add_delete("/v1/services/{service}", self._undefine)
-        app.router.add_post("/v1/services/{service}/instances", self._register)
-        app.router.add_put("/v1/services/{service}/instances/{id}/heartbeat", self._heartbeat)
-        app.router.add_delete("/v1/services/{service}/instances/{id}", self._deregister)
-        app.router.add_get("/v1/self-preservation", self._preservation)
-        app.router.add_put("/v1/self-preservation", self._set_preservation)
+        middlewares = [self._errors] if self.tokens is None else [self._errors, self._auth]
+        app = web.Application(middlewares=middlewares, client_max_size=self.max_body)
+        for method, path, handler, _ in ROUTES:
+            app.router.add_route(method, path, getattr(self, handler))
+            if method == "GET":
+                app.router.add_route("HEAD", path, getattr(self, handler))
         return app
 
     def _apply(self, service: str, change: Callable[[], T]) -> tuple[T, DesiredState]:
@@ -241,6 +268,38 @@ class RegistryApi:
             _log.exception("%s %s failed: a bug in pilotfish, please report it", request.method, request.path)
             return _error(500, f"internal error handling {request.method} {request.path}: "
                                f"{type(exc).__name__} (a bug in pilotfish; the server log has the details)")
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        assert self.tokens is not None
+        route = request.match_info.route
+        if request.match_info.http_exception is not None or route.resource is None:
+            return await handler(request)  # no such route (404/405): nothing to protect
+        method = "GET" if request.method == "HEAD" else request.method
+        # A route missing from ROUTES (a bug) needs the most there is.
+        access = self._access.get((method, route.resource.canonical), Access.ADMIN)
+        decision = authorize(self.tokens.current(), access, request.match_info.get("service"),
+                             request.headers.get("Authorization"), request=f"{request.method} {request.path}")
+        if isinstance(decision, Denied):
+            self._report_denied(request, decision)
+            response = _error(decision.status, decision.message,
+                              [{"field": "Authorization", "message": decision.message}])
+            response.headers["WWW-Authenticate"] = decision.challenge
+            return response
+        return await handler(request)
+
+    def _report_denied(self, request: web.Request, denied: Denied) -> None:
+        """Log and record a refusal, at most once per ``deny_report_every`` seconds."""
+        now = asyncio.get_running_loop().time()
+        if self._denied_reported_at is not None and now - self._denied_reported_at < self.deny_report_every:
+            self._denied_unreported += 1
+            return
+        left_out, self._denied_unreported, self._denied_reported_at = self._denied_unreported, 0, now
+        _log.warning("registry API refused %s %s from %s: %d %s%s", request.method, request.path[:200], request.remote,
+                     denied.status, denied.message,
+                     f" ({left_out} more refusal(s) since the last one logged)" if left_out else "")
+        self.events.emit("registry_denied", method=request.method, path=request.path[:200], status=denied.status,
+                         token=denied.token, peer=request.remote, unreported_before=left_out)
 
     async def _body(self, request: web.Request) -> Any:
         if not request.can_read_body:

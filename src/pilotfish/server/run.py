@@ -22,6 +22,7 @@ from pilotfish.errors import ConfigError
 from pilotfish.events import EventLog
 from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
+from pilotfish.server.registry_auth import TokenFile, warn_if_open
 from pilotfish.server.xds import XdsServer, start_xds_server
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.sources.etcd import EtcdSource
@@ -63,6 +64,9 @@ class ServeSettings:
     registry_max_body: int = DEFAULT_MAX_BODY
     """The largest registry API request body accepted (bytes)."""
     """Which snapshots remove too much at once to publish without the operator's confirmation."""
+    registry_tokens: Path | None = None
+    """The registry API's tokens file (see :mod:`pilotfish.server.registry_auth`), followed as it
+    changes; None: the API takes reads and writes from anyone who can reach it."""
     waiting_log_every: float = 10.0
     """While a source has not reported its first state, say which and why this often (seconds)."""
     grace_seconds: float = 1.0
@@ -84,6 +88,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     tasks: list[asyncio.Task[None]] = []
     cleanups: list[Callable[[], Awaitable[None]]] = []
     try:
+        # A bad tokens file is an error before anything listens (there is no last good one yet).
+        tokens = None if settings.registry_tokens is None else TokenFile(settings.registry_tokens, events=events)
         loaded = None
         if settings.snapshot is not None:
             loaded = file_signature(settings.snapshot)
@@ -101,15 +107,19 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         if settings.registry is not None:
             registry = Registry(clock=time.monotonic, self_preservation=settings.registry_self_preservation,
                                 limits=settings.registry_limits)
-            api = RegistryApi(registry, reconciler, events=events, max_body=settings.registry_max_body)
+            api = RegistryApi(registry, reconciler, events=events, max_body=settings.registry_max_body, tokens=tokens)
             runner = web.AppRunner(api.app(), access_log=None)
             await runner.setup()
             cleanups.append(runner.cleanup)
             reg_host, reg_port = split_address(settings.registry)
+            if tokens is None:
+                warn_if_open(reg_host)
             sock = socket.create_server((reg_host, reg_port), reuse_port=False)
             await web.SockSite(runner, sock).start()
             registry_address = f"{reg_host}:{sock.getsockname()[1]}"
             tasks.append(asyncio.create_task(api.expire_forever(), name="registry-expiry"))
+            if tokens is not None:
+                tasks.append(asyncio.create_task(tokens.follow(), name="registry-tokens"))
         events.emit("server_started", xds=f"{host}:{port}", registry=registry_address,
                     snapshot=str(settings.snapshot) if settings.snapshot else None)
         _log.info("serving xDS on %s:%d%s", host, port,

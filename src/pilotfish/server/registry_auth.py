@@ -1,0 +1,430 @@
+"""Who may change the registry: bearer tokens with scopes, read from a file that is followed.
+
+The registry API (:mod:`pilotfish.server.registry_api`) puts every route in one of four classes
+(:class:`Access`): ``/healthz`` is open; listing and reading services is a *read*; defining,
+removing, registering, deregistering and heartbeating is a *write* to one named service; turning
+self-preservation on or off is *admin*. With a tokens file (``serve --registry-tokens FILE``), a
+request that is not open carries ``Authorization: Bearer <token>``, and :func:`authorize` decides:
+
+- no token, a malformed header, or a token the file does not list: **401** with
+  ``WWW-Authenticate: Bearer`` (a read is let through without a token when the file says
+  ``reads: open``: then the header is not looked at);
+- a listed token whose scope does not cover the request: **403** (``error="insufficient_scope"``).
+
+The file (YAML, or JSON when it ends in ``.json``) lists tokens by name, each by the SHA-256 of
+the token (hex), so the file itself grants nothing to whoever reads it::
+
+    reads: scoped            # open: reads need no token; scoped (the default): a token with read
+    tokens:
+      deploy-web:
+        sha256: 3f2a...      # printf %s "$TOKEN" | sha256sum; or `pilotfish token new`
+        write: [web, "web-*"]   # services it may define, remove, (de)register and heartbeat
+        read: true           # may read every service (default false)
+      ops:
+        sha256: 9b1c...
+        admin: true          # may turn self-preservation on and off (default false)
+
+A presented token is hashed and compared with *every* listed digest with
+:func:`hmac.compare_digest`, with no early exit, so the answer's timing says nothing about how
+close a guess came. Write scopes are service names and glob patterns (``*`` any run of characters,
+``?`` one), matched against the whole name.
+
+:class:`TokenFile` keeps the last good token set of the file and looks at the file at most once a
+second (a ``stat``; the file is read only when its inode, mtime or size changed, or while its
+mtime is too recent to tell two writes apart). A file that became unreadable or invalid keeps the
+last good set: the problem is logged once per version of the file, naming the file and field,
+and recorded as the event ``registry_tokens_error``. At start-up there is no last good set, so a
+bad file is a :class:`ConfigError`.
+
+Without a tokens file the API is open, as it always was; :func:`warn_if_open` says so once when
+it listens beyond loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import re
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from pilotfish.errors import ConfigError, Problem
+from pilotfish.events import EventLog
+
+__all__ = ["MAX_TOKENS", "MAX_TOKENS_FILE_BYTES", "Access", "Allowed", "Denied", "TokenFile", "TokenScope",
+           "TokenSet", "authorize", "hash_token", "load_tokens", "new_token", "parse_tokens", "token_command",
+           "warn_if_open"]
+
+_log = logging.getLogger("pilotfish.registry")
+
+MAX_TOKENS_FILE_BYTES = 1 << 20
+"""A tokens file larger than this (1 MiB) is refused: it would be tens of thousands of tokens."""
+MAX_TOKENS = 10_000
+"""Tokens a file may list: each request compares its token with every one (about 0.1 us each)."""
+
+_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
+_PATTERN = re.compile(r"[A-Za-z0-9._\-*?]+")
+_TOKEN_KEYS = {"sha256", "write", "read", "admin"}
+_RECENT_NS = 2_000_000_000
+"""A file modified less than this before it was read is read again at the next look: a second
+write within the file system's timestamp granularity may leave inode, mtime and size unchanged."""
+
+
+class Access(enum.Enum):
+    """What a registry API route needs."""
+
+    OPEN = "open"
+    """Anyone (``/healthz``)."""
+    READ = "read"
+    """A token with ``read: true``, or nobody's when reads are open."""
+    WRITE = "write"
+    """A token whose ``write`` scope covers the service named in the path."""
+    ADMIN = "admin"
+    """A token with ``admin: true`` (turning self-preservation on or off)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenScope:
+    """One named token of the file: its digest and what it may do."""
+
+    name: str
+    """The token's name in the file: what logs and events say (never the token itself)."""
+    digest: bytes
+    """SHA-256 of the token's UTF-8 bytes."""
+    write: tuple[str, ...] = ()
+    """Service names and glob patterns it may write, as written in the file."""
+    read: bool = False
+    """Whether it may read when reads are scoped."""
+    admin: bool = False
+    """Whether it may turn self-preservation on and off."""
+
+    _matcher: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The globs, as one anchored regex: '*' any run of characters, '?' one, the rest literal.
+        globs = ["".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in p) for p in self.write]
+        object.__setattr__(self, "_matcher", re.compile("|".join(f"(?:{g})" for g in globs) or r"(?!)", re.DOTALL))
+
+    def may_write(self, service: str) -> bool:
+        """Whether ``service`` is one of the names, or matches one of the patterns, of ``write``."""
+        return self._matcher.fullmatch(service) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSet:
+    """The tokens of one version of the file."""
+
+    tokens: tuple[TokenScope, ...] = ()
+    reads_open: bool = False
+    """``reads: open``: reads need no token."""
+
+    def find(self, token: str) -> TokenScope | None:
+        """The listed token ``token`` is, compared in constant time with every digest."""
+        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        found = None
+        for scope in self.tokens:
+            if hmac.compare_digest(digest, scope.digest):
+                found = scope  # no break: the time taken does not depend on which one matched
+        return found
+
+
+def hash_token(token: str) -> str:
+    """The hex SHA-256 of ``token``: what the file's ``sha256`` field holds."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    """A fresh random token (256 bits, URL-safe base64)."""
+    return secrets.token_urlsafe(32)
+
+
+def token_command(action: str, stdin: IO[str], stdout: IO[str]) -> int:
+    """``pilotfish token new|hash``: a fresh token with its file entry, or the digest of one read
+    from ``stdin`` (its line ending is not part of it). The exit status."""
+    if action == "new":
+        token = new_token()
+        stdout.write(f"token (give it to the client; it is not stored anywhere): {token}\n"
+                     f"its entry under 'tokens:' in the tokens file (name it, and set its scope):\n"
+                     f"  NAME:\n    sha256: {hash_token(token)}\n    write: []\n    read: false\n")
+        return 0
+    token = stdin.readline().rstrip("\r\n")
+    if not token:
+        sys.stderr.write('pilotfish token hash: give the token on stdin: printf %s "$TOKEN" | pilotfish token hash\n')
+        return 2
+    stdout.write(hash_token(token) + "\n")
+    return 0
+
+
+# -- the file --------------------------------------------------------------------------------------
+
+
+def parse_tokens(document: Any, source: str) -> TokenSet:
+    """A :class:`TokenSet` from the file's plain values; :class:`ConfigError` naming every problem."""
+    problems: list[Problem] = []
+    if not isinstance(document, dict):
+        raise ConfigError(source, [Problem("", "the file must be a mapping with 'tokens' (and 'reads'); "
+                                               f"found {type(document).__name__}")])
+    for key in sorted(set(document) - {"reads", "tokens"}, key=str):
+        problems.append(Problem(str(key), "unknown setting; the file has 'reads' and 'tokens'"))
+    reads = document.get("reads", "scoped")
+    if reads not in ("open", "scoped"):
+        problems.append(Problem("reads", f"{reads!r} is neither 'open' (reads need no token) nor 'scoped' "
+                                         "(reads need a token with read: true)"))
+    listed = document.get("tokens")
+    if not isinstance(listed, dict):
+        problems.append(Problem("tokens", "a mapping of token names to {sha256, write, read, admin} is required "
+                                          "(an empty mapping {} lets no one write)"))
+        listed = {}
+    elif len(listed) > MAX_TOKENS:
+        problems.append(Problem("tokens", f"{len(listed)} tokens; at most {MAX_TOKENS} are read"))
+        listed = {}
+    tokens: list[TokenScope] = []
+    seen: dict[bytes, str] = {}
+    for name, entry in listed.items():
+        where = f"tokens.{name}"
+        scope = _parse_token(str(name), entry, where, problems)
+        if scope is None:
+            continue
+        if scope.digest in seen:
+            problems.append(Problem(f"{where}.sha256", f"the same digest as tokens.{seen[scope.digest]}: one token "
+                                                       "must have one scope; merge the two entries"))
+            continue
+        seen[scope.digest] = scope.name
+        tokens.append(scope)
+    if problems:
+        raise ConfigError(source, problems)
+    return TokenSet(tokens=tuple(tokens), reads_open=reads == "open")
+
+
+def _parse_token(name: str, entry: Any, where: str, problems: list[Problem]) -> TokenScope | None:
+    if not isinstance(entry, dict):
+        problems.append(Problem(where, "a mapping with sha256 and write/read/admin is required"))
+        return None
+    before = len(problems)
+    for key in sorted(set(entry) - _TOKEN_KEYS, key=str):
+        problems.append(Problem(f"{where}.{key}", "unknown field; a token has sha256, write, read and admin"))
+    digest = entry.get("sha256")
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        problems.append(Problem(f"{where}.sha256", "64 hexadecimal digits are required: the SHA-256 of the token "
+                                                   "(printf %s \"$TOKEN\" | sha256sum, or pilotfish token new); "
+                                                   "the token itself never goes in the file"))
+    write = entry.get("write", [])
+    if not isinstance(write, list):
+        problems.append(Problem(f"{where}.write", f"a list of service names or patterns is required, "
+                                                  f"e.g. [web, 'web-*']; found {type(write).__name__}"))
+        write = []
+    for i, pattern in enumerate(write):
+        if not isinstance(pattern, str) or not _PATTERN.fullmatch(pattern):
+            problems.append(Problem(f"{where}.write[{i}]", f"{pattern!r} is not a service name or pattern: "
+                                                           "letters, digits, '-', '_', '.', and '*' or '?'"))
+    flags = {}
+    for key in ("read", "admin"):
+        value = entry.get(key, False)
+        if not isinstance(value, bool):
+            problems.append(Problem(f"{where}.{key}", f"true or false is required, not {value!r}"))
+        flags[key] = value is True
+    if len(problems) > before:
+        return None
+    assert isinstance(digest, str)
+    return TokenScope(name=name, digest=bytes.fromhex(digest), write=tuple(write), **flags)
+
+
+def load_tokens(path: Path) -> TokenSet:
+    """Read and parse a tokens file; :class:`ConfigError` naming the file, and line or field."""
+    source = str(path)
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_TOKENS_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(source, [Problem("", f"cannot read: {exc.strerror or exc}")]) from exc
+    if len(data) > MAX_TOKENS_FILE_BYTES:
+        raise ConfigError(source, [Problem("", f"larger than {MAX_TOKENS_FILE_BYTES} bytes: not a tokens file?")])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, [Problem(f"byte {exc.start}", "not UTF-8: save the file as UTF-8")]) from exc
+    try:
+        document = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(source, [Problem(f"line {exc.lineno}, column {exc.colno}",
+                                           f"invalid JSON: {exc.msg}")]) from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(source, [Problem(where, f"invalid YAML: {getattr(exc, 'problem', None) or exc}")]) from exc
+    except RecursionError as exc:
+        raise ConfigError(source, [Problem("", "nested too deeply to read")]) from exc
+    if document is None:
+        raise ConfigError(source, [Problem("", "the file is empty; write 'tokens: {}' to let no one write")])
+    return parse_tokens(document, source)
+
+
+Signature = tuple[int, int, int]
+
+
+def _signature(path: Path) -> Signature | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+class TokenFile:
+    """The last good :class:`TokenSet` of a file, re-read when the file changes.
+
+    :meth:`current` looks at the file at most once per ``every`` seconds (of ``clock``), so a
+    changed or removed token takes effect within about that long, and a request costs a clock
+    read. A bad version of the file is reported once and leaves the last good set in place.
+    """
+
+    def __init__(self, path: Path, *, events: EventLog | None = None, every: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.events = events or EventLog()
+        self.every = every
+        self.clock = clock
+        signature = _signature(path)
+        self.tokens = load_tokens(path)  # at start-up, a bad file is an error: nothing good to fall back on
+        self._read_as = signature
+        self._read_at_ns = time.time_ns()
+        self._looked_at = clock()
+        self.problem: ConfigError | None = None
+        """Why the file's current version is not in use (None when it is)."""
+        _log.info("registry tokens: %d token(s) from %s, reads %s", len(self.tokens.tokens), path,
+                  "open" if self.tokens.reads_open else "scoped")
+
+    def current(self) -> TokenSet:
+        """The token set to decide with now (looking at the file if ``every`` has passed)."""
+        now = self.clock()
+        if now - self._looked_at >= self.every:
+            self._looked_at = now
+            self.refresh()
+        return self.tokens
+
+    def refresh(self) -> bool:
+        """Look at the file now; re-read it if it changed. Whether the token set changed."""
+        signature = _signature(self.path)
+        racy = signature is not None and self._read_at_ns - signature[1] < _RECENT_NS
+        if signature == self._read_as and not racy:
+            return False
+        read_at = time.time_ns()
+        try:
+            tokens = load_tokens(self.path)
+        except ConfigError as exc:
+            if signature != self._read_as or self.problem is None:
+                self._report(exc)
+            self._read_as, self._read_at_ns = signature, read_at
+            return False
+        except Exception as exc:  # our bug: keep the last good set, and say so
+            _log.exception("reading %s failed unexpectedly", self.path)
+            self._report(ConfigError(str(self.path), [Problem("", f"internal error while reading ({exc!r})")]))
+            self._read_as, self._read_at_ns = signature, read_at
+            return False
+        self._read_as, self._read_at_ns = signature, read_at
+        if self.problem is not None:
+            _log.warning("registry tokens file %s is valid again", self.path)
+            self.problem = None
+        if tokens == self.tokens:
+            return False
+        self.tokens = tokens
+        _log.warning("registry tokens reloaded from %s: %d token(s), reads %s", self.path, len(tokens.tokens),
+                     "open" if tokens.reads_open else "scoped")
+        self.events.emit("registry_tokens_loaded", file=str(self.path), tokens=len(tokens.tokens),
+                         reads="open" if tokens.reads_open else "scoped")
+        return True
+
+    async def follow(self) -> None:
+        """Look at the file every ``every`` seconds, so a bad version is reported even while no
+        request comes (requests look too: :meth:`current`)."""
+        while True:
+            await asyncio.sleep(self.every)
+            self.current()
+
+    def _report(self, exc: ConfigError) -> None:
+        self.problem = exc
+        _log.error("%s\nthe registry API keeps the last good tokens (%d token(s)) until the file is fixed",
+                   exc.describe(), len(self.tokens.tokens))
+        self.events.emit("registry_tokens_error", file=str(self.path), reason=exc.describe())
+
+
+# -- deciding --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    token: str | None
+    """The name of the token that allowed it (None: the request needed none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Denied:
+    status: int
+    """401 (no usable token) or 403 (the token's scope does not cover the request)."""
+    message: str
+    challenge: str
+    """The ``WWW-Authenticate`` header to send (RFC 6750 section 3)."""
+    token: str | None = None
+    """The name of the token presented, when it is a listed one."""
+
+
+_REALM = 'Bearer realm="pilotfish registry"'
+
+
+def authorize(tokens: TokenSet, access: Access, service: str | None, header: str | None,
+              *, request: str) -> Allowed | Denied:
+    """Whether a request needing ``access`` (to ``service``, for writes) may go ahead with the
+    ``Authorization`` header ``header``. ``request`` (e.g. ``PUT /v1/services/web``) is named in
+    the messages."""
+    if access is Access.OPEN or (access is Access.READ and tokens.reads_open):
+        return Allowed(None)
+    if header is None or not header.strip():
+        return Denied(401, f"{request} needs a token: send the header 'Authorization: Bearer <token>'", _REALM)
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return Denied(401, f"{request}: the Authorization header must be 'Bearer <token>'",
+                      f'{_REALM}, error="invalid_request"')
+    scope = tokens.find(token)
+    if scope is None:
+        return Denied(401, f"{request}: the bearer token is not one the registry knows (revoked, or mistyped?)",
+                      f'{_REALM}, error="invalid_token"')
+    if access is Access.READ:
+        ok, needs = scope.read, "read (read: true)"
+    elif access is Access.ADMIN:
+        ok, needs = scope.admin, "change self-preservation (admin: true)"
+    else:
+        ok, needs = service is not None and scope.may_write(service), f"write service {service!r}"
+    if ok:
+        return Allowed(scope.name)
+    held = ", ".join(scope.write) or "no service"
+    return Denied(403, f"{request}: token {scope.name!r} may not {needs}; it may write {held}"
+                       f"{', read' if scope.read else ''}{', admin' if scope.admin else ''}. "
+                       "Use a token whose scope covers this, or widen this one in the tokens file",
+                  f'{_REALM}, error="insufficient_scope"', scope.name)
+
+
+def warn_if_open(host: str) -> bool:
+    """Warn (once, at start) that the registry API takes writes from anyone who can reach it,
+    unless ``host`` is loopback only. Whether it warned."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return False
+    _log.warning("the registry API on %s accepts writes from anyone who can reach it: give --registry-tokens "
+                 "FILE to require bearer tokens (see the README, 'Registry API tokens')", host or "every address")
+    return True
