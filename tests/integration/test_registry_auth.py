@@ -162,6 +162,8 @@ async def test_self_preservation_is_changed_only_with_an_admin_token(running: Ru
         assert (await (await http.get(url, headers=bearer(READER))).json())["enabled"] is True
         changed = await http.put(url, json={"enabled": False}, headers=bearer(ADMIN))
         assert changed.status == 200 and (await changed.json())["enabled"] is False
+        seen = await http.get(url, headers=bearer(ADMIN))  # an admin token reads what it changes
+        assert seen.status == 200 and (await seen.json())["enabled"] is False
 
 
 async def test_the_token_is_checked_before_the_body_is_read(running: Running) -> None:

@@ -22,7 +22,7 @@ the token (hex), so the file itself grants nothing to whoever reads it::
         read: true           # may read every service (default false)
       ops:
         sha256: 9b1c...
-        admin: true          # may turn self-preservation on and off (default false)
+        admin: true          # may turn self-preservation on and off, and read (default false)
 
 A presented token is hashed, looked up by its digest and confirmed with
 :func:`hmac.compare_digest`: the timing of a refusal depends only on the digest of the guess,
@@ -89,7 +89,7 @@ class Access(enum.Enum):
     OPEN = "open"
     """Anyone (``/healthz``)."""
     READ = "read"
-    """A token with ``read: true``, or nobody's when reads are open."""
+    """A token with ``read: true`` (or ``admin: true``), or none when reads are open."""
     WRITE = "write"
     """A token whose ``write`` scope covers the service named in the path."""
     ADMIN = "admin"
@@ -109,7 +109,7 @@ class TokenScope:
     read: bool = False
     """Whether it may read when reads are scoped."""
     admin: bool = False
-    """Whether it may turn self-preservation on and off."""
+    """Whether it may turn self-preservation on and off (and read: an operator's token)."""
 
     _matcher: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
@@ -411,7 +411,7 @@ def authorize(tokens: TokenSet, access: Access, service: str | None, header: str
         return Denied(401, f"{request}: the bearer token is not one the registry knows (revoked, or mistyped?)",
                       f'{_REALM}, error="invalid_token"')
     if access is Access.READ:
-        ok, needs = scope.read, "read (read: true)"
+        ok, needs = scope.read or scope.admin, "read (read: true)"
     elif access is Access.ADMIN:
         ok, needs = scope.admin, "change self-preservation (admin: true)"
     else:
