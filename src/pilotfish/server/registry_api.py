@@ -295,8 +295,8 @@ class RegistryApi:
             self._denied_unreported += 1
             return
         left_out, self._denied_unreported, self._denied_reported_at = self._denied_unreported, 0, now
-        _log.warning("registry API refused %s %s from %s: %d %s%s", request.method, request.path[:200], request.remote,
-                     denied.status, denied.message,
+        _log.warning("registry API refused a request from %s: %d %s%s", request.remote, denied.status,
+                     denied.message[:400],
                      f" ({left_out} more refusal(s) since the last one logged)" if left_out else "")
         self.events.emit("registry_denied", method=request.method, path=request.path[:200], status=denied.status,
                          token=denied.token, peer=request.remote, unreported_before=left_out)
