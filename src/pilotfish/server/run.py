@@ -57,13 +57,13 @@ class ServeSettings:
     """Check every resource against Envoy's own validate.rules before publishing; False lets such
     content through, for Envoy to NACK."""
     guard: GuardSettings = field(default_factory=GuardSettings)
+    """Which snapshots remove too much at once to publish without the operator's confirmation."""
     registry_self_preservation: SelfPreservation = field(default_factory=SelfPreservation)
     """When the registry's TTL expiry pauses because too many instances lapse at once."""
     registry_limits: RegistryLimits = field(default_factory=RegistryLimits)
     """How many services and instances the registry API accepts."""
     registry_max_body: int = DEFAULT_MAX_BODY
     """The largest registry API request body accepted (bytes)."""
-    """Which snapshots remove too much at once to publish without the operator's confirmation."""
     registry_tokens: Path | None = None
     """The registry API's tokens file (see :mod:`pilotfish.server.registry_auth`), followed as it
     changes; None: the API takes reads and writes from anyone who can reach it."""
