@@ -88,6 +88,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--event-log-level", choices=("all", "changes"), default="all",
                        help="all: every request and response too; changes: only snapshots, NACKs, streams and "
                             "sources, for large fleets (default: %(default)s)")
+    tls = serve.add_argument_group(
+        "TLS", "serve xDS (and the registry API) over TLS; the files are reloaded when they change, without "
+               "dropping open streams")
+    tls.add_argument("--tls-cert", type=Path, metavar="FILE",
+                     help="PEM certificate chain the server presents (with --tls-key: TLS only, ALPN h2, TLS 1.2+)")
+    tls.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key of --tls-cert")
+    tls.add_argument("--client-ca", type=Path, metavar="FILE",
+                     help="mTLS on xDS: proxies must present a certificate issued by this PEM CA bundle")
+    tls.add_argument("--registry-client-ca", type=Path, metavar="FILE",
+                     help="mTLS on the registry API: its clients must present a certificate issued by this CA")
+    tls.add_argument("--tls-reload-ms", type=_positive_int, default=1000, metavar="MS",
+                     help="check the certificate, key and CA files for changes this often (default: %(default)s)")
     serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
                        help="uvloop (libuv, faster sockets) or Python's own asyncio loop (default: %(default)s)")
 
@@ -140,6 +152,13 @@ def _serve(args: argparse.Namespace) -> int:
         print("pilotfish serve: give at least one source: --snapshot FILE, --registry HOST:PORT or --etcd HOST:PORT",
               file=sys.stderr)
         return EXIT_USAGE
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("pilotfish serve: give both --tls-cert FILE and --tls-key FILE, or neither", file=sys.stderr)
+        return EXIT_USAGE
+    if args.tls_cert is None and (args.client_ca is not None or args.registry_client_ca is not None):
+        print("pilotfish serve: --client-ca and --registry-client-ca need TLS: give --tls-cert and --tls-key too",
+              file=sys.stderr)
+        return EXIT_USAGE
     debounce = DebounceSettings(quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000,
                                 hold=args.flap_hold_ms / 1000)
     settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
@@ -150,7 +169,9 @@ def _serve(args: argparse.Namespace) -> int:
                                  enabled=args.registry_self_preservation == "on",
                                  share=args.registry_self_preservation_share),
                              guard=GuardSettings(enabled=args.guard == "on", max_removed_share=args.guard_max_removed,
-                                                 min_count=args.guard_min_count))
+                                                 min_count=args.guard_min_count),
+                             tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.client_ca,
+                             registry_client_ca=args.registry_client_ca, tls_reload_every=args.tls_reload_ms / 1000)
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))

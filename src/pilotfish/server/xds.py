@@ -129,8 +129,10 @@ class _SotwConnection:
             self.node_id = state.node.id
             self.group = server._group_of(state.node)
             server.status.stream_opened(self.node_id)
+            identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
             server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
-                               service="ads" if self.type_url is None else self.type_url)
+                               service="ads" if self.type_url is None else self.type_url,
+                               **({"identity": identity} if identity else {}))
         kind = outcome.kind
         if kind is RequestKind.NACK or server.events.conversation:
             # Names only when they say something new: an ACK repeats the names it subscribed to.
