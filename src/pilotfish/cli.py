@@ -113,6 +113,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="where pilotfish serves xDS (default: %(default)s)")
     boot.add_argument("--admin-port", type=int, default=9901, metavar="N",
                       help="Envoy admin port on 127.0.0.1 (default: %(default)s)")
+    boot.add_argument("--tls-ca", metavar="FILE",
+                      help="reach pilotfish over TLS, trusting this PEM CA bundle for its certificate "
+                           "(path as Envoy sees it)")
+    boot.add_argument("--tls-cert", metavar="FILE", help="mTLS: the PEM certificate chain Envoy presents")
+    boot.add_argument("--tls-key", metavar="FILE", help="mTLS: the PEM private key of --tls-cert")
+    boot.add_argument("--tls-server-name", metavar="NAME",
+                      help="SNI, and the name pilotfish's certificate must carry (default: the host of --xds)")
 
     demo = commands.add_parser("demo", help="run pilotfish, two upstreams and a real Envoy on examples/demo.yaml")
     demo.add_argument("--snapshot", type=Path, default=Path("examples/demo.yaml"), metavar="FILE")
@@ -194,8 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "validate":
         return _validate(args.file)
     if args.command == "bootstrap":
-        settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
-                                     admin_port=args.admin_port)
+        try:
+            settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
+                                         admin_port=args.admin_port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                                         tls_key=args.tls_key, tls_server_name=args.tls_server_name)
+        except ValueError as exc:
+            print(f"pilotfish bootstrap: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         sys.stdout.write(bootstrap_yaml(settings))
         return EXIT_OK
     if args.command == "serve":
