@@ -7,8 +7,8 @@ certificate from that CA (mTLS). The registry API can use the same certificate.
 Reloading without dropping anything: a listener is created once with one :class:`ssl.SSLContext`
 (the *front* context), whose ``sni_callback`` runs on every ClientHello, SNI or not (OpenSSL's
 servername callback). The callback points the handshake's ``SSLObject`` at the *current*
-context, a complete one built from the files. When a file changes (polled by size, mtime and
-inode: a deploy tool's rename-over counts), a fresh context is built off to the side; only if
+context, a complete one built from the files. When a file's content changes (polled: a digest of
+each file, a few KiB read per poll), a fresh context is built off to the side; only if
 the certificate, key and CA load and match does it become current. New handshakes then use it;
 established connections keep the session they have, so no stream is dropped. A bad file (a
 certificate written before its key, a typo) is reported and the previous context keeps serving.
@@ -22,8 +22,8 @@ first DNS SAN. A connection that verified no certificate has the identity ``""``
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-import os
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -88,16 +88,15 @@ def build_context(files: TlsFiles) -> ssl.SSLContext:
     return context
 
 
-def _signature(paths: tuple[Path, ...]) -> tuple[tuple[int, int, int, int], ...]:
-    """What changes when a file is rewritten or replaced: (inode, size, mtime_ns, ctime_ns) each."""
+def _signature(paths: tuple[Path, ...]) -> tuple[bytes, ...]:
+    """A digest of each file's content (b"" when it cannot be read). Content, not mtime: a file
+    rewritten in place within one tick of the kernel's coarse clock keeps its mtime and size."""
     out = []
     for path in paths:
         try:
-            st = os.stat(path)
+            out.append(hashlib.blake2b(path.read_bytes(), digest_size=16).digest())
         except OSError:
-            out.append((-1, -1, -1, -1))
-        else:
-            out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+            out.append(b"")
     return tuple(out)
 
 
