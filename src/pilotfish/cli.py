@@ -8,9 +8,13 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pilotfish.bootstrap import BootstrapSettings, bootstrap_yaml, split_address
 from pilotfish.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pilotfish.server.authorize import NodeRule
 
 __all__ = ["main"]
 
@@ -41,6 +45,15 @@ def _share(value: str) -> float:
     if not 0 < share <= 1:
         raise argparse.ArgumentTypeError(f"{value!r} is not a share between 0 and 1 (e.g. 0.5)")
     return share
+
+
+def _node_rule(value: str) -> NodeRule:
+    from pilotfish.server.authorize import parse_rule  # the server package is heavy to import: only for serve
+
+    try:
+        return parse_rule(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="mTLS on xDS: proxies must present a certificate issued by this PEM CA bundle")
     tls.add_argument("--registry-client-ca", type=Path, metavar="FILE",
                      help="mTLS on the registry API: its clients must present a certificate issued by this CA")
+    tls.add_argument("--authorize-node", type=_node_rule, action="append", default=[], metavar="IDENTITY=NODE",
+                     help="with --client-ca: a proxy whose certificate identity (SPIFFE URI SAN, else DNS SAN) "
+                          "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'); "
+                          "repeatable; once given, any other claim is refused (PERMISSION_DENIED)")
     tls.add_argument("--tls-reload-ms", type=_positive_int, default=1000, metavar="MS",
                      help="check the certificate, key and CA files for changes this often (default: %(default)s)")
     serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
@@ -162,6 +179,10 @@ def _serve(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         print("pilotfish serve: give both --tls-cert FILE and --tls-key FILE, or neither", file=sys.stderr)
         return EXIT_USAGE
+    if args.authorize_node and args.client_ca is None:
+        print("pilotfish serve: --authorize-node binds certificate identities to node ids: it needs mTLS, "
+              "give --client-ca FILE (and --tls-cert, --tls-key) too", file=sys.stderr)
+        return EXIT_USAGE
     if args.tls_cert is None and (args.client_ca is not None or args.registry_client_ca is not None):
         print("pilotfish serve: --client-ca and --registry-client-ca need TLS: give --tls-cert and --tls-key too",
               file=sys.stderr)
@@ -178,7 +199,8 @@ def _serve(args: argparse.Namespace) -> int:
                              guard=GuardSettings(enabled=args.guard == "on", max_removed_share=args.guard_max_removed,
                                                  min_count=args.guard_min_count),
                              tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.client_ca,
-                             registry_client_ca=args.registry_client_ca, tls_reload_every=args.tls_reload_ms / 1000)
+                             registry_client_ca=args.registry_client_ca, tls_reload_every=args.tls_reload_ms / 1000,
+                             authorize_nodes=tuple(args.authorize_node))
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))

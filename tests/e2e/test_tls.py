@@ -138,3 +138,22 @@ def test_rotating_the_server_certificate_under_load_drops_nothing(testbed: Testb
         "--tls-ca", str(tmp_path / "new-ca.pem"), "--tls-cert", str(tmp_path / "edge-2.pem"),
         "--tls-key", str(tmp_path / "edge-2.key")))
     wait_for_acks(events, node="edge-2", types=TYPE_URLS, what="an Envoy trusting only the new CA")
+
+
+def test_an_envoy_claiming_a_node_id_its_certificate_is_not_granted_is_refused(testbed: Testbed,
+                                                                               tmp_path: Path) -> None:
+    pki = Pki(tmp_path)
+    testbed.control_plane.options = (*pki.serve_options(mtls=True),
+                                     "--authorize-node", "edge-1.pilotfish.test=edge-1")
+    testbed.start(envoy_options={"bootstrap_options": pki.client("edge-1", "edge-1.pilotfish.test")})
+    # A valid certificate from the same CA, for another identity, claiming edge-1's node id.
+    impostor = testbed.start_envoy(name="impostor", node_id="edge-1",
+                                   bootstrap_options=pki.client("edge-2", "edge-2.pilotfish.test"))
+    refusal = testbed.events.wait_for(is_event("node_refused", identity="edge-2.pilotfish.test"),
+                                      what="pilotfish to refuse the impostor's claim to node edge-1")
+    assert "'edge-1'" in refusal["reason"]
+    # Envoy sees gRPC status 7 (PERMISSION_DENIED) and the reason.
+    wait_until(lambda: "closed: 7, node id 'edge-1' refused" in impostor.log_tail(200), timeout=10,
+               what="the impostor to log the refusal", details=impostor.log_tail)
+    assert impostor.cluster_endpoints("web") == []
+    assert len(testbed.events.select(is_event("stream_open", node="edge-1"))) == 1

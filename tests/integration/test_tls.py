@@ -29,6 +29,7 @@ from cryptography.x509.oid import NameOID
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from pilotfish.server import ServeSettings, serve
+from pilotfish.server.authorize import NodeRule, parse_rule
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 TIMEOUT = 10.0
@@ -103,7 +104,8 @@ def ca() -> trustme.CA:
 
 @contextlib.asynccontextmanager
 async def serving(tmp_path: Path, ca: trustme.CA, *, client_ca: trustme.CA | None = None,
-                  registry_client_ca: trustme.CA | None = None) -> AsyncIterator[Running]:
+                  registry_client_ca: trustme.CA | None = None,
+                  authorize_nodes: tuple[NodeRule, ...] = ()) -> AsyncIterator[Running]:
     snapshot = tmp_path / "snap.yaml"
     snapshot.write_text(yaml.safe_dump(snapshot_doc("web")))
     cert, key = write_pair(tmp_path, ca.issue_cert("127.0.0.1", "localhost"))
@@ -115,7 +117,8 @@ async def serving(tmp_path: Path, ca: trustme.CA, *, client_ca: trustme.CA | Non
     log = tmp_path / "events.jsonl"
     settings = ServeSettings(snapshot=snapshot, xds="127.0.0.1:0", registry="127.0.0.1:0", event_log=log,
                              tls_cert=cert, tls_key=key, client_ca=files.get("client-ca.pem"),
-                             registry_client_ca=files.get("registry-ca.pem"), tls_reload_every=0.05)
+                             registry_client_ca=files.get("registry-ca.pem"), tls_reload_every=0.05,
+                             authorize_nodes=authorize_nodes)
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(settings, started=started))
     try:
@@ -255,3 +258,23 @@ async def test_registry_api_over_https_and_mtls(tmp_path: Path, ca: trustme.CA) 
                     await response.read()
         # The xDS port did not get the registry's client CA: proxies need no certificate there.
         await first_response(server.xds, credentials(ca))
+
+
+async def test_a_certificate_may_claim_only_the_node_ids_a_rule_grants_it(tmp_path: Path, ca: trustme.CA) -> None:
+    rules = (parse_rule("spiffe://pilotfish.test/ns/*/sa/edge=edge-*"),)
+    async with serving(tmp_path, ca, client_ca=ca, authorize_nodes=rules) as server:
+        edge = credentials(ca, spiffe_cert(ca, SPIFFE_ID))
+        assert len((await first_response(server.xds, edge, "edge-7")).resources) == 1
+        for creds, node, why in (
+            (edge, "api-1", "may not claim it"),  # the right identity, a node id it is not granted
+            (credentials(ca, spiffe_cert(ca, "spiffe://pilotfish.test/ns/edge/sa/api")), "edge-8", "no --authorize"),
+            (credentials(ca, leaf_pems(ca.issue_cert("edge-9.pilotfish.test"))), "edge-9", "no --authorize"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await first_response(server.xds, creds, node)
+            assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert why in (caught.value.details() or "")
+            refused_event = await server.wait_for("node_refused", reason=caught.value.details())
+            assert refused_event["identity"] and node in refused_event["reason"]
+        opened = [e["node"] for e in server.events() if e["event"] == "stream_open"]
+        assert opened == ["edge-7"]

@@ -11,6 +11,7 @@ import yaml
 from pilotfish.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.cli import main
 from pilotfish.errors import ConfigError
+from pilotfish.server.authorize import NodeAuthorizer, parse_rule
 from pilotfish.server.tls import ReloadingServerContext, TlsFiles, build_context, peer_identity
 
 
@@ -96,3 +97,24 @@ def test_cli_refuses_incomplete_tls_options(tmp_path: Path, capsys: pytest.Captu
     assert main(["serve", "--snapshot", str(snapshot), "--xds", "127.0.0.1:0", "--event-loop", "asyncio",
                  "--tls-cert", absent, "--tls-key", absent]) == 1
     assert f"{absent}: 1 problem(s)\n  no such file" in capsys.readouterr().err
+
+
+def test_node_rules_bind_identities_to_node_ids() -> None:
+    authorizer = NodeAuthorizer([parse_rule("spiffe://mesh/ns/*/sa/edge=edge-*"),
+                                 parse_rule("ingress.mesh.example=ingress")])
+    assert authorizer.refusal("spiffe://mesh/ns/prod/sa/edge", "edge-1") is None
+    assert authorizer.refusal("ingress.mesh.example", "ingress") is None
+    refused = {
+        ("spiffe://mesh/ns/prod/sa/edge", "ingress"): "may not claim it",
+        ("spiffe://mesh/ns/prod/extra/sa/edge", "edge-1"): "no --authorize-node rule",  # '*' stops at '/'
+        ("spiffe://mesh/ns/prod/sa/edge", "edge-1/x"): "may not claim it",
+        ("ingress.mesh.example", "ingress-2"): "may not claim it",
+        ("", "edge-1"): "no verified client certificate",
+    }
+    for (identity, node), why in refused.items():
+        reason = authorizer.refusal(identity, node)
+        assert reason is not None and why in reason, (identity, node, reason)
+    assert len(authorizer.refusal("", "n" * 100_000) or "") < 400  # a peer's long node id is not echoed whole
+    for bad in ("no-equals", "=node", "identity="):
+        with pytest.raises(ValueError, match="IDENTITY=NODE"):
+            parse_rule(bad)

@@ -21,6 +21,7 @@ from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
+from pilotfish.server.authorize import NodeAuthorizer, NodeRule
 from pilotfish.server.grpc_server import GrpcServer
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
@@ -81,6 +82,8 @@ class ServeSettings:
     Separate from :attr:`client_ca`: the registry's clients (deploy tools, agents) are not proxies."""
     tls_reload_every: float = 1.0
     """How often the certificate, key and CA files are checked for changes (seconds)."""
+    authorize_nodes: tuple[NodeRule, ...] = ()
+    """Which node ids each certificate identity may claim (needs :attr:`client_ca`); empty: any."""
 
     def tls_files(self, *, client_ca: Path | None, alpn: tuple[str, ...]) -> TlsFiles | None:
         """The TLS files of one listener, or None for plaintext. Raises :class:`ConfigError` when
@@ -124,7 +127,11 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         registry_tls_files = settings.tls_files(client_ca=settings.registry_client_ca, alpn=("http/1.1",))
         xds_tls = None if xds_tls_files is None else ReloadingServerContext(xds_tls_files, on_event=events.emit,
                                                                             name="xds")
-        xds = XdsServer(cache, events=events)
+        if settings.authorize_nodes and settings.client_ca is None:
+            raise ConfigError("--authorize-node", [Problem("", "node rules bind certificate identities to node "
+                                                               "ids: they need mTLS, give --client-ca FILE too")])
+        authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
+        xds = XdsServer(cache, events=events, authorize=authorize)
         server = GrpcServer(xds.methods())
         xds_host, xds_port = split_address(settings.xds)
         port = await server.start(xds_host, xds_port, tls=None if xds_tls is None else xds_tls.context)
