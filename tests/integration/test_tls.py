@@ -278,3 +278,15 @@ async def test_a_certificate_may_claim_only_the_node_ids_a_rule_grants_it(tmp_pa
             assert refused_event["identity"] and node in refused_event["reason"]
         opened = [e["node"] for e in server.events() if e["event"] == "stream_open"]
         assert opened == ["edge-7"]
+
+
+async def test_a_new_client_ca_is_used_for_new_connections(tmp_path: Path, ca: trustme.CA) -> None:
+    new_ca = trustme.CA()
+    async with serving(tmp_path, ca, client_ca=ca) as server:
+        old_client, new_client = spiffe_cert(ca, SPIFFE_ID), spiffe_cert(new_ca, SPIFFE_ID)
+        await first_response(server.xds, credentials(ca, old_client))
+        await refused(server.xds, credentials(ca, new_client))
+        new_ca.cert_pem.write_to_path(str(tmp_path / "client-ca.pem"))
+        await server.wait_for("tls_reloaded", listener="xds")
+        await first_response(server.xds, credentials(ca, new_client))
+        await refused(server.xds, credentials(ca, old_client))
