@@ -6,6 +6,13 @@ static ``xds_cluster`` that reaches pilotfish. Two settings matter in production
 sent on every request), and a short ``retry_back_off`` on the gRPC service, so a restarted
 control plane is found again within about a second instead of Envoy's default backoff of up to
 ~30 s.
+
+With ``tls_ca`` the ``xds_cluster`` speaks TLS (an ``UpstreamTlsContext`` on its transport socket:
+ALPN ``h2``, TLS 1.2+, SNI) and checks pilotfish's certificate against that CA *and* its name: a
+SAN equal to ``tls_server_name`` (default: the host of ``xds``; an IP address is matched as an IP
+SAN). Without the name check any certificate from the CA would do, e.g. another service's. With
+``tls_cert`` and ``tls_key`` Envoy presents its own certificate (mTLS). The files are read by Envoy
+at start-up: restart (or hot-restart) Envoy to rotate them.
 """
 
 from __future__ import annotations
@@ -48,12 +55,54 @@ class BootstrapSettings:
     """Where pilotfish serves xDS."""
     admin_port: int = 9901
     """Envoy's admin interface port, on 127.0.0.1."""
+    tls_ca: str | None = None
+    """PEM CA bundle that pilotfish's certificate must chain to; None: plaintext xDS."""
+    tls_cert: str | None = None
+    """PEM certificate chain Envoy presents to pilotfish (mTLS); needs :attr:`tls_key`."""
+    tls_key: str | None = None
+    """PEM private key of :attr:`tls_cert`."""
+    tls_server_name: str | None = None
+    """SNI sent, and the SAN pilotfish's certificate must carry; None: the host of :attr:`xds`."""
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both a TLS certificate and key (--tls-cert, --tls-key), or neither")
+        if self.tls_ca is None and (self.tls_cert is not None or self.tls_server_name is not None):
+            raise ValueError("a client certificate or server name needs TLS: give --tls-ca FILE (the CA of "
+                             "pilotfish's certificate) too")
+
+
+def _tls_transport_socket(settings: BootstrapSettings, host: str) -> dict[str, Any]:
+    name = settings.tls_server_name or host
+    common: dict[str, Any] = {
+        "alpn_protocols": ["h2"],
+        "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+        "validation_context": {
+            "trusted_ca": {"filename": settings.tls_ca},
+            "match_typed_subject_alt_names": [{
+                "san_type": "IP_ADDRESS" if _is_ip(name) else "DNS",
+                "matcher": {"exact": name},
+            }],
+        },
+    }
+    if settings.tls_cert is not None:
+        common["tls_certificates"] = [{
+            "certificate_chain": {"filename": settings.tls_cert},
+            "private_key": {"filename": settings.tls_key},
+        }]
+    tls: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": common,
+    }
+    if not _is_ip(name):  # SNI carries host names only (RFC 6066 section 3)
+        tls["sni"] = name
+    return {"name": "envoy.transport_sockets.tls", "typed_config": tls}
 
 
 def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     """The bootstrap as plain values (Envoy's JSON shape)."""
     host, port = split_address(settings.xds)
-    return {
+    config: dict[str, Any] = {
         "node": {"id": settings.node_id, "cluster": settings.cluster},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": settings.admin_port}}},
         "dynamic_resources": {
@@ -95,6 +144,9 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
             }],
         },
     }
+    if settings.tls_ca is not None:
+        config["static_resources"]["clusters"][0]["transport_socket"] = _tls_transport_socket(settings, host)
+    return config
 
 
 def bootstrap_yaml(settings: BootstrapSettings) -> str:

@@ -8,9 +8,13 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pilotfish.bootstrap import BootstrapSettings, bootstrap_yaml, split_address
 from pilotfish.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pilotfish.server.authorize import NodeRule
 
 __all__ = ["main"]
 
@@ -41,6 +45,15 @@ def _share(value: str) -> float:
     if not 0 < share <= 1:
         raise argparse.ArgumentTypeError(f"{value!r} is not a share between 0 and 1 (e.g. 0.5)")
     return share
+
+
+def _node_rule(value: str) -> NodeRule:
+    from pilotfish.server.authorize import parse_rule  # the server package is heavy to import: only for serve
+
+    try:
+        return parse_rule(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,6 +104,22 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--event-log-level", choices=("all", "changes"), default="all",
                        help="all: every request and response too; changes: only snapshots, NACKs, streams and "
                             "sources, for large fleets (default: %(default)s)")
+    tls = serve.add_argument_group(
+        "TLS", "serve xDS (and the registry API) over TLS; the files are reloaded when they change, without "
+               "dropping open streams")
+    tls.add_argument("--tls-cert", type=Path, metavar="FILE",
+                     help="PEM certificate chain the server presents (with --tls-key: TLS only, ALPN h2, TLS 1.2+)")
+    tls.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key of --tls-cert")
+    tls.add_argument("--client-ca", type=Path, metavar="FILE",
+                     help="mTLS on xDS: proxies must present a certificate issued by this PEM CA bundle")
+    tls.add_argument("--registry-client-ca", type=Path, metavar="FILE",
+                     help="mTLS on the registry API: its clients must present a certificate issued by this CA")
+    tls.add_argument("--authorize-node", type=_node_rule, action="append", default=[], metavar="IDENTITY=NODE",
+                     help="with --client-ca: a proxy whose certificate identity (SPIFFE URI SAN, else DNS SAN) "
+                          "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'); "
+                          "repeatable; once given, any other claim is refused (PERMISSION_DENIED)")
+    tls.add_argument("--tls-reload-ms", type=_positive_int, default=1000, metavar="MS",
+                     help="check the certificate, key and CA files for changes this often (default: %(default)s)")
     serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
                        help="uvloop (libuv, faster sockets) or Python's own asyncio loop (default: %(default)s)")
 
@@ -104,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="where pilotfish serves xDS (default: %(default)s)")
     boot.add_argument("--admin-port", type=int, default=9901, metavar="N",
                       help="Envoy admin port on 127.0.0.1 (default: %(default)s)")
+    boot.add_argument("--tls-ca", metavar="FILE",
+                      help="reach pilotfish over TLS, trusting this PEM CA bundle for its certificate "
+                           "(path as Envoy sees it)")
+    boot.add_argument("--tls-cert", metavar="FILE", help="mTLS: the PEM certificate chain Envoy presents")
+    boot.add_argument("--tls-key", metavar="FILE", help="mTLS: the PEM private key of --tls-cert")
+    boot.add_argument("--tls-server-name", metavar="NAME",
+                      help="SNI, and the name pilotfish's certificate must carry (default: the host of --xds)")
 
     token = commands.add_parser("token", help="make a registry API token, or hash one for --registry-tokens")
     token.add_argument("action", choices=("new", "hash"),
@@ -148,6 +184,17 @@ def _serve(args: argparse.Namespace) -> int:
         print("pilotfish serve: give at least one source: --snapshot FILE, --registry HOST:PORT or --etcd HOST:PORT",
               file=sys.stderr)
         return EXIT_USAGE
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("pilotfish serve: give both --tls-cert FILE and --tls-key FILE, or neither", file=sys.stderr)
+        return EXIT_USAGE
+    if args.authorize_node and args.client_ca is None:
+        print("pilotfish serve: --authorize-node binds certificate identities to node ids: it needs mTLS, "
+              "give --client-ca FILE (and --tls-cert, --tls-key) too", file=sys.stderr)
+        return EXIT_USAGE
+    if args.tls_cert is None and (args.client_ca is not None or args.registry_client_ca is not None):
+        print("pilotfish serve: --client-ca and --registry-client-ca need TLS: give --tls-cert and --tls-key too",
+              file=sys.stderr)
+        return EXIT_USAGE
     debounce = DebounceSettings(quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000,
                                 hold=args.flap_hold_ms / 1000)
     settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
@@ -159,7 +206,10 @@ def _serve(args: argparse.Namespace) -> int:
                                  enabled=args.registry_self_preservation == "on",
                                  share=args.registry_self_preservation_share),
                              guard=GuardSettings(enabled=args.guard == "on", max_removed_share=args.guard_max_removed,
-                                                 min_count=args.guard_min_count))
+                                                 min_count=args.guard_min_count),
+                             tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.client_ca,
+                             registry_client_ca=args.registry_client_ca, tls_reload_every=args.tls_reload_ms / 1000,
+                             authorize_nodes=tuple(args.authorize_node))
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))
@@ -182,8 +232,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "validate":
         return _validate(args.file)
     if args.command == "bootstrap":
-        settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
-                                     admin_port=args.admin_port)
+        try:
+            settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
+                                         admin_port=args.admin_port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                                         tls_key=args.tls_key, tls_server_name=args.tls_server_name)
+        except ValueError as exc:
+            print(f"pilotfish bootstrap: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         sys.stdout.write(bootstrap_yaml(settings))
         return EXIT_OK
     if args.command == "serve":

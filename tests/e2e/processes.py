@@ -432,13 +432,15 @@ class Envoy:
         restart_epoch: int = 0,
         drain_time_s: int = 1,
         parent_shutdown_time_s: int = 3,
+        bootstrap_options: tuple[str, ...] = (),
         timeout: float = 20.0,
     ) -> Envoy:
         """Start Envoy from ``pilotfish bootstrap`` and wait until its admin API answers.
 
         Without ``base_id`` Envoy picks one (``--use-dynamic-base-id``) and writes it to a file,
         so teardown knows which shared-memory file is its own. A hot-restart child passes the
-        parent's base id and ``restart_epoch`` + 1.
+        parent's base id and ``restart_epoch`` + 1. ``bootstrap_options`` are further
+        ``pilotfish bootstrap`` arguments (``--tls-ca FILE``, ...).
         """
         binary = envoy_binary()
         workdir = group.workdir
@@ -449,6 +451,7 @@ class Envoy:
             "--cluster", cluster,
             "--xds", xds_address,
             "--admin-port", str(admin_port),
+            *bootstrap_options,
         ).stdout  # fmt: skip
         bootstrap_path = workdir / f"{name}.bootstrap.yaml"
         bootstrap_path.write_text(bootstrap)

@@ -12,9 +12,10 @@ message or per stream.
 What is implemented (RFC 9113, and gRPC over HTTP/2): connection preface and SETTINGS, HPACK
 header decoding (the ``hpack`` package), streams with both directions of flow control, DATA
 split at the peer's max frame size, PING answers, RST_STREAM, GOAWAY, trailers-only responses for
-unknown methods and refused streams, graceful stop. Not implemented: TLS, server push (gRPC never
-uses it), compression (a compressed message is answered with UNIMPLEMENTED). TCP keepalive finds
-dead peers at no Python cost.
+unknown methods and refused streams, graceful stop, TLS and mTLS (an ``ssl.SSLContext`` given to
+:meth:`GrpcServer.start`; the peer's verified identity is :attr:`Call.peer_identity`, see
+:mod:`pilotfish.server.tls`). Not implemented: server push (gRPC never uses it), compression (a
+compressed message is answered with UNIMPLEMENTED). TCP keepalive finds dead peers at no Python cost.
 
 Applications register *methods*: ``path -> factory(call) -> handler``. A handler is called back
 synchronously: ``on_message(bytes)``, ``on_half_close()`` (the client has sent all it will),
@@ -29,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
@@ -37,6 +39,7 @@ import hpack
 
 from pilotfish.server import http2 as h2
 from pilotfish.server.http2 import ErrorCode, GrpcStatus, Setting
+from pilotfish.server.tls import peer_identity
 
 __all__ = ["Call", "GrpcServer", "Handler", "MethodFactory", "RpcError"]
 
@@ -53,6 +56,7 @@ MAX_RECEIVE_MESSAGE = 64 * _MB
 FLUSH_BATCH = 32
 """Connections with output that wait for one flush, at most (see :meth:`GrpcServer.mark_dirty`).
 Measured at 1,000 proxies (p99 of an endpoint change): 8-32 ~210-230 ms, 128 ~265 ms, 512 ~255 ms."""
+TLS_HANDSHAKE_TIMEOUT = 10.0  # seconds a TLS client gets to finish its handshake
 LISTEN_BACKLOG = 65_535  # the kernel caps it at net.core.somaxconn; a reconnect storm needs it
 # TCP keepalive: an idle peer that vanished (no FIN, no RST) is found within ~60 s.
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
@@ -126,6 +130,12 @@ class Call:
     @property
     def peer(self) -> str:
         return self._conn.peer
+
+    @property
+    def peer_identity(self) -> str:
+        """The identity in the client's verified TLS certificate (SPIFFE URI SAN, else DNS SAN);
+        ``""`` without mTLS."""
+        return self._conn.identity
 
     def send(self, *parts: bytes) -> None:
         """Send one message, the concatenation of ``parts``. Never blocks: what flow control does
@@ -226,6 +236,8 @@ class _Connection(asyncio.Protocol):
         self._server = server
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set in connection_made
         self.peer = ""
+        self.identity = ""
+        """The client's identity from its verified certificate (mTLS), else ``""``."""
         self._buffer = bytearray()
         self._preface_seen = False
         self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
@@ -262,6 +274,7 @@ class _Connection(asyncio.Protocol):
         if isinstance(peer, tuple):
             family = "ipv6" if ":" in peer[0] else "ipv4"
             self.peer = f"{family}:{peer[0]}:{peer[1]}"
+        self.identity = peer_identity(transport.get_extra_info("peercert"))
         self._server.connections.add(self)
         self.write(_OPENING)
 
@@ -621,11 +634,13 @@ class GrpcServer:
         for conn in dirty:
             conn.flush_out()
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: any free port); returns the port."""
+    async def start(self, host: str, port: int, *, tls: ssl.SSLContext | None = None) -> int:
+        """Listen on ``host:port`` (0: any free port); returns the port. With ``tls``, only TLS
+        connections are served (the context should offer ALPN ``h2``)."""
         loop = self._loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                                backlog=LISTEN_BACKLOG, reuse_address=True)
+                                                backlog=LISTEN_BACKLOG, reuse_address=True, ssl=tls,
+                                                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if tls else None)
         bound: int = self._server.sockets[0].getsockname()[1]
         return bound
 

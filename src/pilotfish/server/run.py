@@ -18,12 +18,15 @@ from aiohttp import web
 
 from pilotfish.bootstrap import split_address
 from pilotfish.cache import SnapshotCache
-from pilotfish.errors import ConfigError
+from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
+from pilotfish.server.authorize import NodeAuthorizer, NodeRule
+from pilotfish.server.grpc_server import GrpcServer
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
-from pilotfish.server.xds import XdsServer, start_xds_server
+from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
+from pilotfish.server.xds import XdsServer
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
@@ -71,6 +74,32 @@ class ServeSettings:
     """While a source has not reported its first state, say which and why this often (seconds)."""
     grace_seconds: float = 1.0
     """On shutdown, how long open streams get to finish."""
+    tls_cert: Path | None = None
+    """PEM certificate chain: with :attr:`tls_key`, xDS (and the registry API) are served over TLS
+    only. None: plaintext."""
+    tls_key: Path | None = None
+    """PEM private key of :attr:`tls_cert`."""
+    client_ca: Path | None = None
+    """PEM CA bundle: xDS clients must present a certificate from it (mTLS); None: not asked for."""
+    registry_client_ca: Path | None = None
+    """PEM CA bundle: registry API clients must present a certificate from it; None: not asked for.
+    Separate from :attr:`client_ca`: the registry's clients (deploy tools, agents) are not proxies."""
+    tls_reload_every: float = 1.0
+    """How often the certificate, key and CA files are checked for changes (seconds)."""
+    authorize_nodes: tuple[NodeRule, ...] = ()
+    """Which node ids each certificate identity may claim (needs :attr:`client_ca`); empty: any."""
+
+    def tls_files(self, *, client_ca: Path | None, alpn: tuple[str, ...]) -> TlsFiles | None:
+        """The TLS files of one listener, or None for plaintext. Raises :class:`ConfigError` when
+        the settings are incomplete."""
+        if self.tls_cert is None and self.tls_key is None:
+            if client_ca is not None:
+                raise ConfigError(str(client_ca), [Problem("", "a client CA needs TLS: give --tls-cert and "
+                                                               "--tls-key too")])
+            return None
+        if self.tls_cert is None or self.tls_key is None:
+            raise ConfigError("TLS settings", [Problem("", "give both --tls-cert and --tls-key, or neither")])
+        return TlsFiles(cert=self.tls_cert, key=self.tls_key, client_ca=client_ca, alpn=alpn)
 
 
 async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None = None) -> None:
@@ -100,9 +129,21 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 raise
         reconciler.build_now()  # the first snapshot, before any proxy can connect (if every source is in)
 
-        xds = XdsServer(cache, events=events)
-        server, port = await start_xds_server(xds, settings.xds)
+        xds_tls_files = settings.tls_files(client_ca=settings.client_ca, alpn=(ALPN_H2,))
+        registry_tls_files = settings.tls_files(client_ca=settings.registry_client_ca, alpn=("http/1.1",))
+        xds_tls = None if xds_tls_files is None else ReloadingServerContext(xds_tls_files, on_event=events.emit,
+                                                                            name="xds")
+        if settings.authorize_nodes and settings.client_ca is None:
+            raise ConfigError("--authorize-node", [Problem("", "node rules bind certificate identities to node "
+                                                               "ids: they need mTLS, give --client-ca FILE too")])
+        authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
+        xds = XdsServer(cache, events=events, authorize=authorize)
+        server = GrpcServer(xds.methods())
+        xds_host, xds_port = split_address(settings.xds)
+        port = await server.start(xds_host, xds_port, tls=None if xds_tls is None else xds_tls.context)
         host = settings.xds.rsplit(":", 1)[0]
+        if xds_tls is not None:
+            tasks.append(asyncio.create_task(xds_tls.run(every=settings.tls_reload_every), name="xds-tls-reload"))
         registry_address = None
         if settings.registry is not None:
             registry = Registry(clock=time.monotonic, self_preservation=settings.registry_self_preservation,
@@ -114,16 +155,23 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             reg_host, reg_port = split_address(settings.registry)
             if tokens is None:
                 warn_if_open(reg_host)
+            registry_tls = None
+            if registry_tls_files is not None:
+                registry_tls = ReloadingServerContext(registry_tls_files, on_event=events.emit, name="registry")
+                tasks.append(asyncio.create_task(registry_tls.run(every=settings.tls_reload_every),
+                                                 name="registry-tls-reload"))
             sock = socket.create_server((reg_host, reg_port), reuse_port=False)
-            await web.SockSite(runner, sock).start()
+            await web.SockSite(runner, sock, ssl_context=None if registry_tls is None else registry_tls.context).start()
             registry_address = f"{reg_host}:{sock.getsockname()[1]}"
             tasks.append(asyncio.create_task(api.expire_forever(), name="registry-expiry"))
             if tokens is not None:
                 tasks.append(asyncio.create_task(tokens.follow(), name="registry-tokens"))
+        tls = "off" if xds_tls_files is None else "mtls" if settings.client_ca is not None else "tls"
         events.emit("server_started", xds=f"{host}:{port}", registry=registry_address,
-                    snapshot=str(settings.snapshot) if settings.snapshot else None)
-        _log.info("serving xDS on %s:%d%s", host, port,
-                  f", registry API on http://{registry_address}" if registry_address else "")
+                    snapshot=str(settings.snapshot) if settings.snapshot else None, tls=tls)
+        scheme = "http" if registry_tls_files is None else "https"
+        _log.info("serving xDS on %s:%d (TLS: %s)%s", host, port, tls,
+                  f", registry API on {scheme}://{registry_address}" if registry_address else "")
 
         etcd = None
         if settings.etcd is not None:

@@ -25,6 +25,7 @@ from pilotfish.events import EventLog
 from pilotfish.protocol import RequestKind, SotwStream, Watch
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field, request_names_span
+from pilotfish.server.authorize import PERMISSION_DENIED
 from pilotfish.server.grpc_server import Call, GrpcServer, MethodFactory, RpcError
 from pilotfish.server.http2 import GrpcStatus
 from pilotfish.snapshot import EncodedResponse
@@ -59,11 +60,14 @@ class XdsServer:
         events: EventLog | None = None,
         status: SyncStatus | None = None,
         group_of: Callable[[base_pb2.Node], NodeGroup] = _default_group,
+        authorize: Callable[[str, str], str | None] | None = None,
     ) -> None:
         self.cache = cache
         self.events = events or EventLog()
         self.status = status or SyncStatus()
         self._group_of = group_of
+        self.authorize = authorize
+        """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.server.authorize`)."""
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
 
@@ -123,14 +127,24 @@ class _SotwConnection:
     def _on_request(self, request: discovery_pb2.DiscoveryRequest, names_wire: bytes | None) -> None:
         server, state = self._server, self.state
         first = state.node is None
+        if first and server.authorize is not None:
+            refusal = server.authorize(self._call.peer_identity, request.node.id)
+            if refusal is not None:
+                server.events.emit("node_refused", stream=self.id, identity=self._call.peer_identity,
+                                   peer=self._call.peer, reason=refusal)
+                _log.warning("%s: %s", self._call.peer, refusal)
+                self._close(f"permission denied: {refusal}")
+                raise RpcError(PERMISSION_DENIED, refusal)
         outcome = state.on_request(request, names_wire=names_wire)
         if first:
             assert state.node is not None
             self.node_id = state.node.id
             self.group = server._group_of(state.node)
             server.status.stream_opened(self.node_id)
+            identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
             server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
-                               service="ads" if self.type_url is None else self.type_url)
+                               service="ads" if self.type_url is None else self.type_url,
+                               **({"identity": identity} if identity else {}))
         kind = outcome.kind
         if kind is RequestKind.NACK or server.events.conversation:
             # Names only when they say something new: an ACK repeats the names it subscribed to.
