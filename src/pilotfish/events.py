@@ -41,7 +41,8 @@ MAX_ITEMS = 100
 def shorten(text: str, limit: int = 200) -> str:
     """``text`` if at most ``limit`` characters, else its start and end around its length:
     ``"type.googleapis.com/xx... (17,000,000 characters) ...xx"``. For repeating a peer's value
-    in an error message or a log line without repeating megabytes."""
+    in an error message or a log line without repeating megabytes. (protocol/ has the same in
+    :mod:`pilotfish.protocol.limits`: it may not import this module, which uses asyncio.)"""
     if len(text) <= limit:
         return text
     tail = limit // 4

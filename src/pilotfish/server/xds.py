@@ -7,13 +7,20 @@ opened; a response the cache hands back is written at once (the cache hands them
 Responses are shared pre-encoded bytes; a stream appends only its nonce. Everything runs in the
 callbacks of pilotfish's own gRPC transport (:mod:`pilotfish.server.grpc_server`): an idle stream
 is this object and its watches, with no task or coroutine.
+
+A request a peer should not have sent ends its stream, never the server: a protocol error with
+INVALID_ARGUMENT, a request over :class:`~pilotfish.protocol.XdsLimits` with RESOURCE_EXHAUSTED,
+each with a short message (a peer's values are repeated shortened), a ``stream_closed`` event
+and a warning logged at most once per :data:`WARN_EVERY` seconds (with how many were not).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
@@ -22,8 +29,9 @@ from google.protobuf.message import DecodeError
 from pilotfish.cache import DEFAULT_GROUP, Cancel, NodeGroup, SnapshotCache
 from pilotfish.errors import PeerError
 from pilotfish.events import EventLog
-from pilotfish.protocol import RequestKind, SotwStream, Watch
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
+from pilotfish.protocol import DEFAULT_LIMITS, PeerOverLimit, RequestKind, SotwStream, Watch, XdsLimits
+from pilotfish.protocol.limits import shorten
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl, type_by_url
 from pilotfish.resources.wire import nonce_field, request_names_span
 from pilotfish.server.authorize import PERMISSION_DENIED
 from pilotfish.server.grpc_server import Call, GrpcServer, MethodFactory, RpcError
@@ -31,7 +39,7 @@ from pilotfish.server.http2 import GrpcStatus
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.status import SyncStatus
 
-__all__ = ["XdsServer", "start_xds_server"]
+__all__ = ["WARN_EVERY", "XdsLimits", "XdsServer", "start_xds_server"]
 
 _log = logging.getLogger("pilotfish.server")
 
@@ -50,6 +58,36 @@ def _default_group(node: base_pb2.Node) -> NodeGroup:
     return DEFAULT_GROUP
 
 
+WARN_EVERY = 10.0
+"""Seconds between two warnings about peers that broke the protocol or a limit."""
+_MESSAGE_CHARS = 1024
+"""A gRPC status message is at most about this long (the limits' messages are shorter)."""
+
+
+class _Warnings:
+    """A warning per :data:`WARN_EVERY` seconds at most: a peer that breaks the rules in a loop
+    must not fill the log (the event log has a ``stream_closed`` line per stream)."""
+
+    __slots__ = ("_clock", "_next", "_suppressed")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._next = 0.0
+        self._suppressed = 0
+
+    def warn(self, message: str, *args: object) -> None:
+        now = self._clock()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        self._next = now + WARN_EVERY
+        if self._suppressed:
+            message += " (and %d more such streams since the last warning)"
+            args += (self._suppressed,)
+            self._suppressed = 0
+        _log.warning(message, *args)
+
+
 class XdsServer:
     """Serves the cache's snapshots to xDS streams and records the conversation."""
 
@@ -61,13 +99,16 @@ class XdsServer:
         status: SyncStatus | None = None,
         group_of: Callable[[base_pb2.Node], NodeGroup] = _default_group,
         authorize: Callable[[str, str], str | None] | None = None,
+        limits: XdsLimits = DEFAULT_LIMITS,
     ) -> None:
         self.cache = cache
         self.events = events or EventLog()
         self.status = status or SyncStatus()
+        self.limits = limits
         self._group_of = group_of
         self.authorize = authorize
         """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.server.authorize`)."""
+        self._warnings = _Warnings()
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
 
@@ -91,7 +132,7 @@ class _SotwConnection:
         self._call = call
         self.type_url = type_url
         self.id = next(server._stream_ids)
-        self.state = SotwStream(type_url=type_url)
+        self.state = SotwStream(type_url=type_url, limits=server.limits)
         self.node_id = ""
         self.group = DEFAULT_GROUP
         self.closed = False
@@ -108,13 +149,27 @@ class _SotwConnection:
         try:
             request = discovery_pb2.DiscoveryRequest.FromString(data)
         except DecodeError as exc:
-            self._close(f"protocol error: undecodable DiscoveryRequest: {exc}")
-            raise RpcError(GrpcStatus.INVALID_ARGUMENT, f"undecodable DiscoveryRequest: {exc}") from None
+            self._refuse(GrpcStatus.INVALID_ARGUMENT, f"undecodable DiscoveryRequest: {exc}")
+        type_url = request.type_url
+        # The names' span only for a type we serve: it looks up (and caches) the type_url's
+        # encoding, and a peer's made-up type_url may be megabytes.
+        names_wire = (request_names_span(data, type_url, request.response_nonce)
+                      if not type_url or type_by_url(type_url) is not None else None)
         try:
-            self._on_request(request, request_names_span(data, request.type_url, request.response_nonce))
+            self._on_request(request, names_wire)
+        except PeerOverLimit as exc:
+            self._refuse(GrpcStatus.RESOURCE_EXHAUSTED, str(exc))
         except PeerError as exc:
-            self._close(f"protocol error: {exc}")
-            raise RpcError(GrpcStatus.INVALID_ARGUMENT, str(exc)) from None
+            self._refuse(GrpcStatus.INVALID_ARGUMENT, str(exc))
+
+    def _refuse(self, code: int, message: str) -> NoReturn:
+        """End the stream with ``code``: the peer broke the protocol or a limit."""
+        message = shorten(message, _MESSAGE_CHARS)
+        what = "over a limit" if code == GrpcStatus.RESOURCE_EXHAUSTED else "protocol error"
+        self._server._warnings.warn("stream %d from %s (node %r) ended, %s: %s", self.id, self._call.peer,
+                                    shorten(self.node_id, 200), what, message)
+        self._close(f"{what}: {message}")
+        raise RpcError(code, message)
 
     def on_half_close(self) -> None:
         self._close("closed by client")
