@@ -11,14 +11,16 @@ not make a snapshot grow. It works in two generations, as a cheap LRU: a lookup 
 in the current generation; when that one is full (entries or bytes), it becomes the previous one
 and the one before is dropped; an entry found in the previous generation moves back into the
 current one. So the sets that thousands of proxies ask for stay, and at most the limits' worth of
-responses is kept. The response carrying everything (wildcard CDS/LDS) is the snapshot's own
-size, is always kept and is not counted.
+responses is kept. The byte budget grows with the type's own size (every proxy may ask for the
+endpoints of all 10,000 clusters by name: that one response must stay kept), so what a peer can
+add is proportional to the configuration plus a constant. The response carrying everything
+(wildcard CDS/LDS) is the snapshot's own size, is always kept and is not counted.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -38,9 +40,13 @@ class ResponseMemoLimits:
     entries: int = 1024
     """Distinct subscribed name sets whose encoded response is kept, per snapshot and type. Sets
     beyond it are encoded again when asked (correct, only slower)."""
-    bytes: int = 64 * 1024 * 1024
+    bytes: int = 16 * 1024 * 1024
     """Bytes of encoded responses (and an estimate of their name sets) kept, per snapshot and
-    type. A single response larger than half of it is not kept."""
+    type, beyond ``type_multiple`` times the type's size. A response larger than half of the
+    budget is not kept."""
+    type_multiple: float = 4.0
+    """The budget also has this many times what the response naming every resource of the type
+    costs (its bytes and its names)."""
 
 
 DEFAULT_MEMO_LIMITS = ResponseMemoLimits()
@@ -77,7 +83,11 @@ class TypeSnapshot:
         cached = self._memo.current.get(names)
         if cached is not None:
             return cached
-        return self._memo.miss(names, self._encode, self.memo_limits)
+        return self._memo.miss(names, self)
+
+    def memo_budget(self) -> int:
+        """Bytes the response memo may hold (both generations), once it has been used."""
+        return 2 * (self._memo.budget or 0)
 
     def memoized(self) -> tuple[int, int]:
         """(entries, bytes) the response memo holds now, the everything response left out."""
@@ -99,17 +109,25 @@ class TypeSnapshot:
 class _ResponseMemo:
     """Encoded responses by name set, in two generations (see the module's docstring)."""
 
-    __slots__ = ("current", "current_bytes", "everything", "previous", "previous_bytes")
+    __slots__ = ("budget", "current", "current_bytes", "everything", "previous", "previous_bytes")
 
     def __init__(self) -> None:
         self.current: dict[frozenset[str] | None, EncodedResponse] = {}
         self.previous: dict[frozenset[str] | None, EncodedResponse] = {}
         self.current_bytes = self.previous_bytes = 0
         self.everything: EncodedResponse | None = None
+        self.budget: int | None = None
+        """Bytes per generation: half the limits' budget for this type."""
 
-    def miss(self, names: frozenset[str] | None, encode: Callable[[frozenset[str] | None], EncodedResponse],
-             limits: ResponseMemoLimits) -> EncodedResponse:
+    def miss(self, names: frozenset[str] | None, owner: TypeSnapshot) -> EncodedResponse:
         """Not in the current generation: from the previous one, or newly encoded."""
+        encode = owner._encode
+        budget = self.budget
+        if budget is None:
+            limits = owner.memo_limits
+            # What the response naming every resource costs: it must fit.
+            size = sum(len(resource.encoded) + len(name) + _PER_NAME for name, resource in owner.resources.items())
+            budget = self.budget = (limits.bytes + int(limits.type_multiple * size)) // 2
         if names is None:
             if self.everything is None:
                 self.everything = encode(None)
@@ -122,9 +140,9 @@ class _ResponseMemo:
         else:
             cost = _cost(names, found)
             self.previous_bytes -= cost
-        if cost > limits.bytes // 2:
+        if cost > budget:
             return found  # too large to keep: asked again, it is encoded again
-        if len(self.current) >= max(1, limits.entries // 2) or self.current_bytes + cost > limits.bytes // 2:
+        if len(self.current) >= max(1, owner.memo_limits.entries // 2) or self.current_bytes + cost > budget:
             self.previous, self.previous_bytes = self.current, self.current_bytes
             self.current, self.current_bytes = {}, 0
             if self.everything is not None:

@@ -96,7 +96,7 @@ def test_the_response_memo_stays_bounded_and_keeps_the_set_everyone_asks_for() -
     from pilotfish.snapshot import ResponseMemoLimits, Snapshot
 
     names = [f"svc-{i:03d}" for i in range(200)]
-    limits = ResponseMemoLimits(entries=64, bytes=256 * 1024)
+    limits = ResponseMemoLimits(entries=64, bytes=256 * 1024, type_multiple=0)
     snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names],
                            CLUSTER: []}, memo_limits=limits)
     eds = snap.get(EDS)
@@ -124,7 +124,7 @@ def test_a_response_larger_than_the_memo_budget_is_answered_and_not_kept() -> No
 
     names = [f"svc-{i:03d}" for i in range(100)]
     snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names]},
-                          memo_limits=ResponseMemoLimits(bytes=4096))
+                          memo_limits=ResponseMemoLimits(bytes=4096, type_multiple=0))
     eds = snap.get(EDS)
     assert eds is not None
     big = frozenset(names)
@@ -132,3 +132,24 @@ def test_a_response_larger_than_the_memo_budget_is_answered_and_not_kept() -> No
     assert eds.memoized() == (0, 0)
     small = frozenset(names[:1])
     assert eds.response(small) is eds.response(small)
+
+
+def test_the_budget_grows_with_the_type_so_every_name_of_a_large_type_stays_kept() -> None:
+    from pilotfish.resources import ENDPOINT
+    from pilotfish.resources.parse import parse_resource
+    from pilotfish.snapshot import ResponseMemoLimits, Snapshot
+
+    # Every proxy asks for the endpoints of every cluster by name: one response the size of the
+    # type, far over the fixed budget, which fan-outs must not encode again per proxy.
+    names = [f"svc-{i:04d}" for i in range(2000)]
+    limits = ResponseMemoLimits(bytes=4096)
+    snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names]},
+                          memo_limits=limits)
+    eds = snap.get(EDS)
+    assert eds is not None
+    everyone = frozenset(names)
+    response = eds.response(everyone)
+    assert eds.response(everyone) is response
+    for i in range(300):  # and peers asking for other large sets do not grow it past its budget
+        eds.response(frozenset(names[i:]))
+        assert eds.memoized()[1] <= eds.memo_budget() <= 4096 + 4 * (len(eds.response(None).body) + 120 * 2000)
