@@ -166,7 +166,7 @@ class SotwStream:
         count = len(request.resource_names)
         if count > limits.max_resource_names:
             raise PeerOverLimit(
-                f"a {rtype.short} request names {count:,} resources, over the limit of "
+                f"this {rtype.short} request names {count:,} resources, over the limit of "
                 f"{limits.max_resource_names:,} per request (XdsLimits.max_resource_names): subscribe to "
                 "fewer, or raise the limit")
         if self.node is None:
