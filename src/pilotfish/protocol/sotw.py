@@ -163,7 +163,8 @@ class SotwStream:
         if rtype is None:
             raise PeerError(f"unsupported type_url {shorten(type_url, limits.echo_chars)!r}: pilotfish serves "
                             "the v3 Cluster, ClusterLoadAssignment, Listener, RouteConfiguration and Secret types")
-        count = len(request.resource_names)
+        requested = request.resource_names
+        count = len(requested)
         if count > limits.max_resource_names:
             raise PeerOverLimit(
                 f"this {rtype.short} request names {count:,} resources, over the limit of "
@@ -188,7 +189,7 @@ class SotwStream:
                                   error, ())
 
         subscription = next_subscription(
-            request.resource_names, wildcard_capable=state.wildcard_capable, ever_named=state.ever_named,
+            requested, wildcard_capable=state.wildcard_capable, ever_named=state.ever_named,
             wire=names_wire,
         )
         if subscription.names:

@@ -31,7 +31,7 @@ from pilotfish.errors import PeerError
 from pilotfish.events import EventLog
 from pilotfish.protocol import DEFAULT_LIMITS, PeerOverLimit, RequestKind, SotwStream, Watch, XdsLimits
 from pilotfish.protocol.limits import shorten
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl, type_by_url
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field, request_names_span
 from pilotfish.server.authorize import PERMISSION_DENIED
 from pilotfish.server.grpc_server import Call, GrpcServer, MethodFactory, RpcError
@@ -60,6 +60,7 @@ def _default_group(node: base_pb2.Node) -> NodeGroup:
 
 WARN_EVERY = 10.0
 """Seconds between two warnings about peers that broke the protocol or a limit."""
+_TYPE_URL_CHARS = 256
 _MESSAGE_CHARS = 1024
 """A gRPC status message is at most about this long (the limits' messages are shorter)."""
 
@@ -151,10 +152,10 @@ class _SotwConnection:
         except DecodeError as exc:
             self._refuse(GrpcStatus.INVALID_ARGUMENT, f"undecodable DiscoveryRequest: {exc}")
         type_url = request.type_url
-        # The names' span only for a type we serve: it looks up (and caches) the type_url's
-        # encoding, and a peer's made-up type_url may be megabytes.
+        # Not for a made-up type_url of megabytes: the span encodes (and caches a few) type URLs.
+        # (Those we serve are < 100 characters; any other is refused just below.)
         names_wire = (request_names_span(data, type_url, request.response_nonce)
-                      if not type_url or type_by_url(type_url) is not None else None)
+                      if len(type_url) <= _TYPE_URL_CHARS else None)
         try:
             self._on_request(request, names_wire)
         except PeerOverLimit as exc:
