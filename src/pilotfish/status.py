@@ -67,16 +67,12 @@ class SyncStatus:
         self._limits = limits or StatusLimits()
         self._clock = clock
 
-    def _proxy(self, node_id: str) -> ProxyStatus:
+    def _type(self, node_id: str, type_url: str) -> TypeStatus:
         proxy = self._proxies.get(node_id)
         if proxy is None:
             # Written to without an open stream (not what the server does): counts as gone now.
             proxy = self._proxies[node_id] = ProxyStatus(node_id)
             self._went(proxy)
-        return proxy
-
-    def _type(self, node_id: str, type_url: str) -> TypeStatus:
-        proxy = self._proxy(node_id)
         status = proxy.types.get(type_url)
         if status is None:
             status = proxy.types[type_url] = TypeStatus()
