@@ -112,3 +112,20 @@ def test_serve_raises_its_open_file_limit_to_the_hard_limit() -> None:
     now_soft, now_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert now_hard == hard and now_soft == limit
     assert now_soft == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
+
+
+def test_refusals_are_logged_at_most_once_per_interval_with_how_many_were_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from pilotfish.server.xds import WARN_EVERY, _Warnings
+
+    now = [100.0]
+    warnings = _Warnings(clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="pilotfish.server"):
+        for i in range(300):  # a peer refused in a loop, 16 times per second
+            warnings.warn("stream %d ended: %s", i, "too many names")
+            now[0] += 0.0625
+    assert WARN_EVERY == 10.0
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["stream 0 ended: too many names",
+                        "stream 160 ended: too many names (and 159 more such streams since the last warning)"]
