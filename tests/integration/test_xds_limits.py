@@ -140,3 +140,30 @@ async def test_requests_over_the_limits_end_their_stream_and_others_are_served(
     assert 1 <= len(warnings) <= 4  # rate limited: one per 10 s (more only on a very slow run)
     assert all(len(r.getMessage()) < 2 * SHORT for r in warnings)
     assert not [r for r in caplog.records if r.exc_info], caplog.text  # no traceback
+
+
+async def test_a_peer_repeating_a_huge_nack_is_recorded_shortened_and_warned_about_once(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="pilotfish")
+    reason = "Proto constraint validation failed (ClusterValidationError.ConnectTimeout: value must be greater than 0s)"
+    options = [("grpc.max_send_message_length", 64 * 1024 * 1024)]
+    async with grpc.aio.insecure_channel(served.address, options=options) as channel:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+        await call.write(discovery_pb2.DiscoveryRequest(type_url=CDS, node={"id": "nacker"}))
+        clusters = await asyncio.wait_for(call.read(), TIMEOUT)
+        nack = discovery_pb2.DiscoveryRequest(type_url=CDS, response_nonce=clusters.nonce)
+        nack.error_detail.message = "dump " * 400_000 + reason  # 2 MB, the reason at the end
+        for _ in range(20):
+            await call.write(nack)
+        async with asyncio.timeout(TIMEOUT):
+            while len([e for e in served.events() if e["event"] == "nack"]) < 20:
+                await asyncio.sleep(0.02)
+        # Still served: a request for endpoints is answered.
+        await call.write(discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=["web"]))
+        assert (await asyncio.wait_for(call.read(), TIMEOUT)).type_url == EDS
+        await call.done_writing()
+    nacks = [e for e in served.events() if e["event"] == "nack"]
+    assert all(e["error"].endswith(reason) and len(e["error"]) < 5000 for e in nacks)
+    warned = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].endswith(reason) and len(warned[0]) < 5000

@@ -125,7 +125,7 @@ class _SotwConnection:
     """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
     the cache's responses are written as it hands them over."""
 
-    __slots__ = ("_call", "_cancels", "_current", "_server", "closed", "group", "id",
+    __slots__ = ("_call", "_cancels", "_current", "_last_nack", "_server", "closed", "group", "id",
                  "node_id", "state", "type_url")
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
@@ -140,6 +140,8 @@ class _SotwConnection:
         self._cancels: dict[TypeUrl, Cancel] = {}
         self._current: dict[TypeUrl, Watch] = {}
         """The newest watch per type: a response to an older one is dropped unsent."""
+        self._last_nack: tuple[TypeUrl, str | None] | None = None
+        """The type and version of the last NACK warned about: a repeated one is not warned again."""
         server.open_streams += 1
 
     # -- the call's callbacks -------------------------------------------------------------------
@@ -216,8 +218,11 @@ class _SotwConnection:
             server.status.acked(self.node_id, outcome.type_url, outcome.version_info)
         elif kind is RequestKind.NACK:
             server.status.nacked(self.node_id, outcome.type_url, outcome.rejected_version, outcome.error or "")
-            _log.warning("%s rejected %s version %s: %s", self.node_id or f"stream {self.id}",
-                         outcome.type_url.rsplit(".", 1)[-1], outcome.rejected_version, outcome.error)
+            nack = (outcome.type_url, outcome.rejected_version)
+            if nack != self._last_nack:  # a peer repeating its NACK does not fill the log
+                self._last_nack = nack
+                _log.warning("%s rejected %s version %s: %s", self.node_id or f"stream {self.id}",
+                             outcome.type_url.rsplit(".", 1)[-1], outcome.rejected_version, outcome.error)
         for watch in outcome.watches:
             url = watch.type_url
             previous = self._cancels.pop(url, None)
