@@ -4,6 +4,13 @@ Every request a proxy sends (``request``, ``ack``, ``nack``), every response sen
 the life of the server, its streams and its snapshots are recorded, so an operator can read the
 whole xDS conversation after the fact (``jq`` friendly). Events are also passed to the
 ``pilotfish.events`` logger at DEBUG level.
+
+Many fields come from peers (node ids, resource names, NACK messages, type URLs), and a peer can
+make them megabytes long. So a line is bounded: one longer than :data:`MAX_LINE` is written
+again with every string shortened to :data:`MAX_FIELD` characters (:func:`shorten`: its start and
+its end, where Envoy puts a NACK's reason, and its length) and every list cut to
+:data:`MAX_ITEMS` items (``<field>_omitted`` says how many more there were). A usual line is
+checked with one ``len``.
 """
 
 from __future__ import annotations
@@ -16,12 +23,43 @@ from typing import IO, Any
 
 import orjson
 
-__all__ = ["CONVERSATION", "EventLog"]
+__all__ = ["CONVERSATION", "MAX_FIELD", "MAX_ITEMS", "MAX_LINE", "EventLog", "shorten"]
 
 CONVERSATION = frozenset({"request", "ack", "sent", "stale"})
 """Events of the routine xDS conversation: a line per request and response of every proxy.
 ``level="changes"`` leaves them out and keeps the rest (snapshots, NACKs, streams, sources)."""
 LEVELS = ("all", "changes")
+
+MAX_LINE = 16 * 1024
+"""Bytes of an event line beyond which its fields are shortened."""
+MAX_FIELD = 2048
+"""Characters a string field keeps in a shortened line."""
+MAX_ITEMS = 100
+"""Items a list field keeps in a shortened line."""
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """``text`` if at most ``limit`` characters, else its start and end around its length:
+    ``"type.googleapis.com/xx... (17,000,000 characters) ...xx"``. For repeating a peer's value
+    in an error message or a log line without repeating megabytes. (protocol/ has the same in
+    :mod:`pilotfish.protocol.limits`: it may not import this module, which uses asyncio.)"""
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    return f"{text[:limit - tail]}... ({len(text):,} characters) ...{text[len(text) - tail:] if tail else ''}"
+
+
+def _bounded(record: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, str):
+            value = shorten(value, MAX_FIELD)
+        elif isinstance(value, list | tuple):
+            if len(value) > MAX_ITEMS:
+                out[f"{key}_omitted"] = len(value) - MAX_ITEMS
+            value = [shorten(v, MAX_FIELD) if isinstance(v, str) else v for v in value[:MAX_ITEMS]]
+        out[key] = value
+    return out
 
 _log = logging.getLogger("pilotfish.events")
 
@@ -61,6 +99,8 @@ class EventLog:
         record = {"ts": self._clock(), "event": event, **fields}
         # orjson: a fan-out to 10,000 proxies logs 20,000 lines, and the json module spends ~10x longer.
         line = orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        if len(line) > MAX_LINE:
+            line = orjson.dumps(_bounded(record), default=str, option=orjson.OPT_APPEND_NEWLINE)
         if self._file is not None:
             self._lines.append(line)
             if not self._flush_scheduled:

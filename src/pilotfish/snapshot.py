@@ -5,6 +5,16 @@ encoded ``Any`` bytes, and the type's version. Versions are content hashes unles
 one: identical content gives identical versions across restarts and replicas, so a proxy that
 reconnects is not pushed what it already has. Encoded responses are memoized per subscribed
 name set, so N streams cost one serialization.
+
+The memo is bounded (:class:`ResponseMemoLimits`): a peer that asks for ever new name sets must
+not make a snapshot grow. It works in two generations, as a cheap LRU: a lookup is one dict hit
+in the current generation; when that one is full (entries or bytes), it becomes the previous one
+and the one before is dropped; an entry found in the previous generation moves back into the
+current one. So the sets that thousands of proxies ask for stay, and at most the limits' worth of
+responses is kept. The byte budget grows with the type's own size (every proxy may ask for the
+endpoints of all 10,000 clusters by name: that one response must stay kept), so what a peer can
+add is proportional to the configuration plus a constant. The response carrying everything
+(wildcard CDS/LDS) is the snapshot's own size, is always kept and is not counted.
 """
 
 from __future__ import annotations
@@ -20,7 +30,29 @@ from pilotfish.resources import TYPES, ResourceType, TypeUrl, type_by_url
 from pilotfish.resources.encoded import Resource  # re-exported: resources/ encodes, snapshots hold
 from pilotfish.resources.wire import discovery_response
 
-__all__ = ["EncodedResponse", "Resource", "Snapshot", "TypeSnapshot", "with_kept"]
+__all__ = ["EncodedResponse", "Resource", "ResponseMemoLimits", "Snapshot", "TypeSnapshot", "with_kept"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResponseMemoLimits:
+    """How much a :class:`TypeSnapshot` keeps of the responses it encoded for name sets."""
+
+    entries: int = 1024
+    """Distinct subscribed name sets whose encoded response is kept, per snapshot and type. Sets
+    beyond it are encoded again when asked (correct, only slower)."""
+    bytes: int = 16 * 1024 * 1024
+    """Bytes of encoded responses (and an estimate of their name sets) kept, per snapshot and
+    type, beyond ``type_multiple`` times the type's size. A response larger than half of the
+    budget is not kept."""
+    type_multiple: float = 4.0
+    """The budget also has this many times what the response naming every resource of the type
+    costs (its bytes and its names)."""
+
+
+DEFAULT_MEMO_LIMITS = ResponseMemoLimits()
+
+# What keeping a name set costs beyond its characters (str object, set slot), an estimate.
+_PER_NAME = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +75,27 @@ class TypeSnapshot:
     resources: Mapping[str, Resource]
     content_hash: str = ""
     """Hash of the resources alone (equal to ``version`` unless the user set a version)."""
-    _memo: dict[frozenset[str] | None, EncodedResponse] = field(default_factory=dict, repr=False)
+    memo_limits: ResponseMemoLimits = field(default=DEFAULT_MEMO_LIMITS, repr=False)
+    _memo: _ResponseMemo = field(default_factory=lambda: _ResponseMemo(), repr=False)
 
     def response(self, names: frozenset[str] | None) -> EncodedResponse:
         """The encoded response carrying ``names`` (those that exist), or everything for None."""
-        cached = self._memo.get(names)
+        cached = self._memo.current.get(names)
         if cached is not None:
             return cached
+        return self._memo.miss(names, self)
+
+    def memo_budget(self) -> int:
+        """Bytes the response memo may hold (both generations), once it has been used."""
+        return 2 * (self._memo.budget or 0)
+
+    def memoized(self) -> tuple[int, int]:
+        """(entries, bytes) the response memo holds now, the everything response left out."""
+        memo = self._memo
+        entries = len(memo.current) + len(memo.previous) - (None in memo.current) - (None in memo.previous)
+        return entries, memo.current_bytes + memo.previous_bytes
+
+    def _encode(self, names: frozenset[str] | None) -> EncodedResponse:
         if names is None:
             chosen = sorted(self.resources)
         else:
@@ -57,16 +103,66 @@ class TypeSnapshot:
         body = discovery_response(self.version, self.rtype.url, (self.resources[n].encoded for n in chosen))
         # Keep the caller's set when it is exactly what was sent: streams can then compare by identity.
         carried = names if names is not None and len(chosen) == len(names) else frozenset(chosen)
-        encoded = EncodedResponse(self.rtype.url, self.version, carried, body)
-        self._memo[names] = encoded
-        return encoded
+        return EncodedResponse(self.rtype.url, self.version, carried, body)
+
+
+class _ResponseMemo:
+    """Encoded responses by name set, in two generations (see the module's docstring)."""
+
+    __slots__ = ("budget", "current", "current_bytes", "everything", "previous", "previous_bytes")
+
+    def __init__(self) -> None:
+        self.current: dict[frozenset[str] | None, EncodedResponse] = {}
+        self.previous: dict[frozenset[str] | None, EncodedResponse] = {}
+        self.current_bytes = self.previous_bytes = 0
+        self.everything: EncodedResponse | None = None
+        self.budget: int | None = None
+        """Bytes per generation: half the limits' budget for this type."""
+
+    def miss(self, names: frozenset[str] | None, owner: TypeSnapshot) -> EncodedResponse:
+        """Not in the current generation: from the previous one, or newly encoded."""
+        encode = owner._encode
+        budget = self.budget
+        if budget is None:
+            limits = owner.memo_limits
+            # What the response naming every resource costs: it must fit.
+            size = sum(len(resource.encoded) + len(name) + _PER_NAME for name, resource in owner.resources.items())
+            budget = self.budget = (limits.bytes + int(limits.type_multiple * size)) // 2
+        if names is None:
+            if self.everything is None:
+                self.everything = encode(None)
+            self.current[None] = self.everything  # always kept, never counted
+            return self.everything
+        found = self.previous.pop(names, None)
+        if found is None:
+            found = encode(names)
+            cost = _cost(names, found)
+        else:
+            cost = _cost(names, found)
+            self.previous_bytes -= cost
+        if cost > budget:
+            return found  # too large to keep: asked again, it is encoded again
+        if len(self.current) >= max(1, owner.memo_limits.entries // 2) or self.current_bytes + cost > budget:
+            self.previous, self.previous_bytes = self.current, self.current_bytes
+            self.current, self.current_bytes = {}, 0
+            if self.everything is not None:
+                self.previous.pop(None, None)
+                self.current[None] = self.everything
+        self.current[names] = found
+        self.current_bytes += cost
+        return found
+
+
+def _cost(names: frozenset[str], response: EncodedResponse) -> int:
+    """Bytes a memo entry holds, estimated: the body and the name set it is keyed by."""
+    return len(response.body) + sum(map(len, names)) + _PER_NAME * len(names)
 
 
 def with_kept(current: TypeSnapshot, kept: Mapping[str, Resource]) -> TypeSnapshot:
     """``current`` plus resources ``kept`` from an earlier snapshot, versioned by content."""
     merged = {**kept, **current.resources}
     content = _content_version(merged)
-    return TypeSnapshot(current.rtype, content, MappingProxyType(merged), content)
+    return TypeSnapshot(current.rtype, content, MappingProxyType(merged), content, memo_limits=current.memo_limits)
 
 
 def _content_version(resources: Mapping[str, Resource]) -> str:
@@ -88,9 +184,11 @@ class Snapshot:
 
     @classmethod
     def build(
-        cls, resources: Mapping[ResourceType, Iterable[Message | Resource]], *, version: str | None = None
+        cls, resources: Mapping[ResourceType, Iterable[Message | Resource]], *, version: str | None = None,
+        memo_limits: ResponseMemoLimits = DEFAULT_MEMO_LIMITS,
     ) -> Snapshot:
-        """Encode and hash ``resources``; ``version`` (if given) becomes every type's version."""
+        """Encode and hash ``resources``; ``version`` (if given) becomes every type's version.
+        ``memo_limits``: how many encoded responses each type keeps."""
         types: dict[TypeUrl, TypeSnapshot] = {}
         for rtype in TYPES:
             by_name = {}
@@ -99,7 +197,8 @@ class Snapshot:
                 by_name[resource.name] = resource
             content = _content_version(by_name)
             type_version = version if version is not None else content
-            types[rtype.url] = TypeSnapshot(rtype, type_version, MappingProxyType(by_name), content)
+            types[rtype.url] = TypeSnapshot(rtype, type_version, MappingProxyType(by_name), content,
+                                            memo_limits=memo_limits)
         return cls(types=MappingProxyType(types), explicit_version=version)
 
     def same_content(self, other: Snapshot) -> bool:

@@ -76,3 +76,80 @@ def test_request_names_span_finds_the_encoded_names_or_declines() -> None:
     # the shortcut gives the very set the decoded names give
     via_wire = next_subscription(["a", "b"], wildcard_capable=False, ever_named=True, wire=ack)
     assert via_wire is next_subscription(["a", "b"], wildcard_capable=False, ever_named=True)
+
+
+def _names_of(body: bytes) -> list[str]:
+    from envoy.config.endpoint.v3 import endpoint_pb2
+
+    decoded = discovery_pb2.DiscoveryResponse.FromString(body)
+    out = []
+    for item in decoded.resources:
+        message = endpoint_pb2.ClusterLoadAssignment()
+        assert item.Unpack(message)
+        out.append(message.cluster_name)
+    return out
+
+
+def test_the_response_memo_stays_bounded_and_keeps_the_set_everyone_asks_for() -> None:
+    from pilotfish.resources import CLUSTER, ENDPOINT
+    from pilotfish.resources.parse import parse_resource
+    from pilotfish.snapshot import ResponseMemoLimits, Snapshot
+
+    names = [f"svc-{i:03d}" for i in range(200)]
+    limits = ResponseMemoLimits(entries=64, bytes=256 * 1024, type_multiple=0)
+    snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names],
+                           CLUSTER: []}, memo_limits=limits)
+    eds = snap.get(EDS)
+    assert eds is not None
+    hot = frozenset(names[:10])
+    hot_response = eds.response(hot)
+    everything = eds.response(None)
+    # A peer cycling through 5,000 distinct sets, each of 100 names (~2.6 KB encoded).
+    for i in range(5000):
+        wanted = frozenset(names[j % 200] for j in range(i, i + 100)) | {f"missing-{i}"}
+        response = eds.response(wanted)
+        assert sorted(_names_of(response.body)) == sorted(wanted - {f"missing-{i}"})
+        entries, size = eds.memoized()
+        assert entries <= limits.entries and size <= limits.bytes
+        if i % 4 == 0:  # thousands of proxies keep asking for the hot set: it stays memoized
+            assert eds.response(hot) is hot_response
+    assert eds.response(None) is everything  # the whole type is always kept
+    assert eds.memoized()[1] > limits.bytes // 4  # it did keep responses up to about its budget
+
+
+def test_a_response_larger_than_the_memo_budget_is_answered_and_not_kept() -> None:
+    from pilotfish.resources import ENDPOINT
+    from pilotfish.resources.parse import parse_resource
+    from pilotfish.snapshot import ResponseMemoLimits, Snapshot
+
+    names = [f"svc-{i:03d}" for i in range(100)]
+    snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names]},
+                          memo_limits=ResponseMemoLimits(bytes=4096, type_multiple=0))
+    eds = snap.get(EDS)
+    assert eds is not None
+    big = frozenset(names)
+    assert sorted(_names_of(eds.response(big).body)) == names
+    assert eds.memoized() == (0, 0)
+    small = frozenset(names[:1])
+    assert eds.response(small) is eds.response(small)
+
+
+def test_the_budget_grows_with_the_type_so_every_name_of_a_large_type_stays_kept() -> None:
+    from pilotfish.resources import ENDPOINT
+    from pilotfish.resources.parse import parse_resource
+    from pilotfish.snapshot import ResponseMemoLimits, Snapshot
+
+    # Every proxy asks for the endpoints of every cluster by name: one response the size of the
+    # type, far over the fixed budget, which fan-outs must not encode again per proxy.
+    names = [f"svc-{i:04d}" for i in range(2000)]
+    limits = ResponseMemoLimits(bytes=4096)
+    snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names]},
+                          memo_limits=limits)
+    eds = snap.get(EDS)
+    assert eds is not None
+    everyone = frozenset(names)
+    response = eds.response(everyone)
+    assert eds.response(everyone) is response
+    for i in range(300):  # and peers asking for other large sets do not grow it past its budget
+        eds.response(frozenset(names[i:]))
+        assert eds.memoized()[1] <= eds.memo_budget() <= 4096 + 4 * (len(eds.response(None).body) + 120 * 2000)

@@ -1,5 +1,6 @@
 """xDS protocol state machines, without I/O: requests in, decisions out."""
 
+from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits
 from pilotfish.protocol.sotw import Nonce, RequestKind, RequestOutcome, SotwStream, TypeState
 from pilotfish.protocol.subscription import (
     WILDCARD,
@@ -10,14 +11,17 @@ from pilotfish.protocol.subscription import (
 )
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "WILDCARD",
     "Nonce",
+    "PeerOverLimit",
     "RequestKind",
     "RequestOutcome",
     "SotwStream",
     "Subscription",
     "TypeState",
     "Watch",
+    "XdsLimits",
     "needs_response",
     "next_subscription",
 ]

@@ -31,6 +31,10 @@ The rules (DESIGN.md behaviours 2-13, https://www.envoyproxy.io/docs/envoy/lates
   endpoints it already stated it holds.
 - A cluster watch carries the LDS and RDS versions the proxy has ACKed, so the cache can keep a
   removed cluster until the routes that used it have moved; an ACK of LDS or RDS re-opens it.
+
+What a peer could make large is checked against the stream's :class:`~pilotfish.protocol.limits.XdsLimits`
+first (names per request, node id and node size), or kept shortened (``version_info``, a NACK's
+message); error messages repeat only the start and end of a peer's value.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from pilotfish.errors import PeerError
+from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, shorten
 from pilotfish.protocol.subscription import Subscription, Watch, next_subscription
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl, type_by_url
 from pilotfish.snapshot import EncodedResponse
@@ -57,9 +62,15 @@ _WARMS = {CLUSTER.url: ENDPOINT.url, LISTENER.url: ROUTE.url}
 _ROUTING = frozenset({LISTENER.url, ROUTE.url})
 
 
-def _identity(node: base_pb2.Node) -> base_pb2.Node:
+def _identity(node: base_pb2.Node, limits: XdsLimits) -> base_pb2.Node:
     """What identifies a proxy, without the rest: Envoy's node lists every extension it was built
-    with (tens of KB), which would otherwise be kept for the life of every stream."""
+    with (tens of KB), which would otherwise be kept for the life of every stream. Raises
+    :class:`PeerError` if what is kept is over ``limits``."""
+    if len(node.id) > limits.max_node_id_chars:
+        raise PeerError(
+            f"node.id {shorten(node.id, limits.echo_chars)!r} is {len(node.id):,} characters long, over the "
+            f"limit of {limits.max_node_id_chars:,} (XdsLimits.max_node_id_chars): give the proxy a shorter "
+            "node id (Envoy: --service-node or node.id in its bootstrap)")
     kept = base_pb2.Node(id=node.id, cluster=node.cluster, user_agent_name=node.user_agent_name)
     if node.HasField("metadata"):
         kept.metadata.CopyFrom(node.metadata)
@@ -67,6 +78,12 @@ def _identity(node: base_pb2.Node) -> base_pb2.Node:
         kept.locality.CopyFrom(node.locality)
     if node.WhichOneof("user_agent_version_type") == "user_agent_version":
         kept.user_agent_version = node.user_agent_version
+    size = kept.ByteSize()
+    if size > limits.max_node_bytes:
+        raise PeerOverLimit(
+            f"node {shorten(node.id, limits.echo_chars)!r}: its id, cluster, metadata, locality and user agent "
+            f"take {size:,} bytes, over the limit of {limits.max_node_bytes:,} (XdsLimits.max_node_bytes): "
+            "send less node metadata, or raise the limit")
     return kept
 
 
@@ -127,6 +144,7 @@ class SotwStream:
     type_url: TypeUrl | None = None
     node: base_pb2.Node | None = None
     types: dict[TypeUrl, TypeState] = field(default_factory=dict)
+    limits: XdsLimits = DEFAULT_LIMITS
     _sent: int = 0
 
     def on_request(self, request: discovery_pb2.DiscoveryRequest, *, names_wire: bytes | None = None) -> RequestOutcome:
@@ -134,29 +152,44 @@ class SotwStream:
 
         ``names_wire``: the encoded bytes of the request's ``resource_names``, if the caller has
         them (:func:`~pilotfish.resources.wire.request_names_span`): a shortcut, same result."""
+        limits = self.limits
         type_url = TypeUrl(request.type_url or (self.type_url or ""))
         if not type_url:
             raise PeerError("an aggregated (ADS) request must carry type_url")
         if self.type_url is not None and type_url != self.type_url:
-            raise PeerError(f"this stream serves {self.type_url}, not {type_url}")
+            raise PeerError(f"this stream serves {self.type_url}, not {shorten(type_url, limits.echo_chars)!r}: "
+                            "send that type on its own service or on ADS")
         rtype = type_by_url(type_url)
         if rtype is None:
-            raise PeerError(f"unsupported type_url {type_url!r}")
+            raise PeerError(f"unsupported type_url {shorten(type_url, limits.echo_chars)!r}: pilotfish serves "
+                            "the v3 Cluster, ClusterLoadAssignment, Listener, RouteConfiguration and Secret types")
+        requested = request.resource_names
+        count = len(requested)
+        if count > limits.max_resource_names:
+            raise PeerOverLimit(
+                f"this {rtype.short} request names {count:,} resources, over the limit of "
+                f"{limits.max_resource_names:,} per request (XdsLimits.max_resource_names): subscribe to "
+                "fewer, or raise the limit")
         if self.node is None:
             # Envoy may send the node only on a stream's first request.
-            self.node = _identity(request.node) if request.HasField("node") else base_pb2.Node()
+            self.node = _identity(request.node, limits) if request.HasField("node") else base_pb2.Node()
+        version_info = request.version_info
+        if len(version_info) > limits.max_version_chars:
+            version_info = shorten(version_info, limits.max_version_chars)
 
         state = self.types.get(type_url)
         if state is None:
             state = self.types[type_url] = TypeState(type_url, wildcard_capable=rtype.wildcard)
         nonce = request.response_nonce
-        error = request.error_detail.message if request.HasField("error_detail") else None
+        error = shorten(request.error_detail.message, limits.max_error_chars) if request.HasField(
+            "error_detail") else None
 
         if nonce and nonce != state.nonce:
-            return RequestOutcome(RequestKind.STALE, type_url, request.version_info, nonce, error, ())
+            return RequestOutcome(RequestKind.STALE, type_url, version_info, shorten(nonce, limits.echo_chars),
+                                  error, ())
 
         subscription = next_subscription(
-            request.resource_names, wildcard_capable=state.wildcard_capable, ever_named=state.ever_named,
+            requested, wildcard_capable=state.wildcard_capable, ever_named=state.ever_named,
             wire=names_wire,
         )
         if subscription.names:
@@ -173,7 +206,7 @@ class SotwStream:
                 # Nothing sent on this stream yet: the proxy states what it holds (after
                 # reconnecting, the names it asks for at version_info). A later request stating
                 # another version is not trusted with names: it holds none that we know of.
-                version = request.version_info or None
+                version = version_info or None
                 if previous is None or version != state.held_version:
                     _held_from_request(state, subscription, version, first=previous is None)
                     stated = True
@@ -192,7 +225,7 @@ class SotwStream:
                 force = True
         rejected = None
         if kind is RequestKind.ACK:
-            state.acked_version = request.version_info
+            state.acked_version = version_info
             state.last_acked_nonce = Nonce(nonce)
         elif kind is RequestKind.NACK:
             rejected = state.sent_version
@@ -214,7 +247,7 @@ class SotwStream:
             clusters = self._rewatch_clusters()
             if clusters is not None:
                 watches += (clusters,)
-        return RequestOutcome(kind, type_url, request.version_info, nonce, error, watches, rejected, changed)
+        return RequestOutcome(kind, type_url, version_info, nonce, error, watches, rejected, changed)
 
     def _routing_acked(self) -> tuple[str | None, str | None]:
         listeners, routes = self.types.get(LISTENER.url), self.types.get(ROUTE.url)

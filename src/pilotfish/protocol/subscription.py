@@ -7,11 +7,13 @@ The rules follow the xDS protocol
   gets everything; ``*`` among names means everything plus those names; an explicit empty list
   after names means nothing.
 - EDS, RDS and SDS get only the named resources.
+
+Equal subscriptions are usually the same object (interned, in bounded tables: see below).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,30 +37,84 @@ class Subscription:
         return None if self.wildcard else self.names
 
 
+# Intern tables. Thousands of proxies ask for the same names: they share one frozenset per
+# distinct list (memory per stream, and needs_response compares sets by identity) and one
+# Subscription per distinct set. A peer can send ever new lists, so the tables are bounded, in
+# two generations as a cheap LRU: a lookup is one dict hit in the current generation; when it is
+# full (sets, or the estimated bytes they hold), it becomes the previous one and the one before
+# is dropped; what is found in the previous generation moves back. So what many proxies ask for
+# stays shared while a peer cycles sets, and the tables never hold more than two generations.
+# A set too large for a quarter of a generation is not interned: the stream that asked keeps it.
+_INTERNED_MAX = 4096
+"""Distinct name lists per generation."""
+_INTERNED_BYTES = 32 * 1024 * 1024
+"""Estimated bytes of names (and their encoded lists) per generation."""
+_PER_NAME = 100
+"""What a name costs in the tables beyond its characters (tuple and set slots, str header)."""
+
 _NAME_SETS: dict[tuple[str, ...], frozenset[str]] = {}
 _BY_WIRE: dict[bytes, tuple[frozenset[str], int]] = {}
 _SUBSCRIPTIONS: dict[tuple[bool, frozenset[str]], Subscription] = {}
-_INTERNED_MAX = 4096
+_interned_bytes = 0
+_OLD_NAME_SETS: dict[tuple[str, ...], frozenset[str]] = {}
+_OLD_BY_WIRE: dict[bytes, tuple[frozenset[str], int]] = {}
+_OLD_SUBSCRIPTIONS: dict[tuple[bool, frozenset[str]], Subscription] = {}
+
+
+def _make_room(cost: int) -> bool:
+    """Account ``cost`` bytes in the current generation (starting a new one if it is full);
+    False if an entry that large is not to be interned at all."""
+    global _NAME_SETS, _BY_WIRE, _SUBSCRIPTIONS, _OLD_NAME_SETS, _OLD_BY_WIRE, _OLD_SUBSCRIPTIONS
+    global _interned_bytes
+    if cost > _INTERNED_BYTES // 4:
+        return False
+    if (_interned_bytes + cost > _INTERNED_BYTES or len(_NAME_SETS) >= _INTERNED_MAX
+            or len(_BY_WIRE) >= _INTERNED_MAX or len(_SUBSCRIPTIONS) >= _INTERNED_MAX):
+        _OLD_NAME_SETS, _OLD_BY_WIRE, _OLD_SUBSCRIPTIONS = _NAME_SETS, _BY_WIRE, _SUBSCRIPTIONS
+        _NAME_SETS, _BY_WIRE, _SUBSCRIPTIONS = {}, {}, {}
+        _interned_bytes = 0
+    _interned_bytes += cost
+    return True
+
+
+def _list_cost(names: Collection[str]) -> int:
+    return sum(map(len, names)) + _PER_NAME * len(names)
+
+
+def interned_size() -> tuple[int, int]:
+    """(entries, estimated bytes) the intern tables hold now, both generations: for tests and
+    metrics."""
+    entries = (len(_NAME_SETS) + len(_BY_WIRE) + len(_SUBSCRIPTIONS)
+               + len(_OLD_NAME_SETS) + len(_OLD_BY_WIRE) + len(_OLD_SUBSCRIPTIONS))
+    old = (sum(_list_cost(key) for key in _OLD_NAME_SETS)
+           + sum(len(key) + _PER_NAME * count for key, (_, count) in _OLD_BY_WIRE.items())
+           + sum(_list_cost(names) for _, names in _OLD_SUBSCRIPTIONS))
+    return entries, _interned_bytes + old
 
 
 def _name_set(requested: Sequence[str], wire: bytes | None) -> frozenset[str]:
-    # Thousands of proxies ask for the same names: share one frozenset per distinct list, which
-    # saves memory per stream and lets needs_response compare sets by identity. ``wire`` (the
-    # names' encoded bytes, when the transport has them) finds the set without decoding a name:
-    # for 100 names that is 1 us instead of 15.
+    # ``wire`` (the names' encoded bytes, when the transport has them) finds the set without
+    # decoding a name: for 100 names that is 1 us instead of 15.
     if wire is not None:
         found = _BY_WIRE.get(wire)
         if found is not None and found[1] == len(requested):
             return found[0]
+        found = _OLD_BY_WIRE.pop(wire, None)
+        if found is not None and found[1] == len(requested):
+            if _make_room(len(wire) + _PER_NAME * found[1]):
+                _BY_WIRE[wire] = found
+            return found[0]
     key = tuple(requested)
     names = _NAME_SETS.get(key)
     if names is None:
-        if len(_NAME_SETS) >= _INTERNED_MAX:
-            _NAME_SETS.clear()
-        names = _NAME_SETS[key] = frozenset(key)
-    if wire is not None:
-        if len(_BY_WIRE) >= _INTERNED_MAX:
-            _BY_WIRE.clear()
+        names = _OLD_NAME_SETS.pop(key, None)
+        if names is None:
+            names = frozenset(key)
+        if not _make_room(_list_cost(key)):
+            return names
+        _NAME_SETS[key] = names
+    # Costed with its set, which it keeps alive even when the set's own entry is gone.
+    if wire is not None and _make_room(len(wire) + _PER_NAME * len(key)):
         _BY_WIRE[wire] = (names, len(key))
     return names
 
@@ -66,9 +122,12 @@ def _name_set(requested: Sequence[str], wire: bytes | None) -> frozenset[str]:
 def _subscription(wildcard: bool, names: frozenset[str]) -> Subscription:
     found = _SUBSCRIPTIONS.get((wildcard, names))
     if found is None:
-        if len(_SUBSCRIPTIONS) >= _INTERNED_MAX:
-            _SUBSCRIPTIONS.clear()
-        found = _SUBSCRIPTIONS[(wildcard, names)] = Subscription(wildcard, names)
+        found = _OLD_SUBSCRIPTIONS.pop((wildcard, names), None)
+        if found is None:
+            found = Subscription(wildcard, names)
+        # Costed with its set, which it keeps alive even when the set's own entry is gone.
+        if _make_room(_list_cost(names)):
+            _SUBSCRIPTIONS[(wildcard, names)] = found
     return found
 
 

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import os
+import resource
 import signal
 import socket
 import time
@@ -26,7 +27,7 @@ from pilotfish.server.grpc_server import GrpcServer
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
-from pilotfish.server.xds import XdsServer
+from pilotfish.server.xds import XdsLimits, XdsServer
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
@@ -89,6 +90,9 @@ class ServeSettings:
     authorize_nodes: tuple[NodeRule, ...] = ()
     """Which node ids each certificate identity may claim (needs :attr:`client_ca`); empty: any."""
 
+    xds_limits: XdsLimits = field(default_factory=XdsLimits)
+    """What one xDS request may carry (names, node size) and how much of it a stream keeps."""
+
     def tls_files(self, *, client_ca: Path | None, alpn: tuple[str, ...]) -> TlsFiles | None:
         """The TLS files of one listener, or None for plaintext. Raises :class:`ConfigError` when
         the settings are incomplete."""
@@ -108,6 +112,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     Raises :class:`ConfigError` if the snapshot file is invalid at start-up: there is no last
     good configuration to fall back on yet.
     """
+    raise_descriptor_limit()
     events = EventLog(settings.event_log, level=settings.event_log_level)
     cache = SnapshotCache()
     expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
@@ -137,7 +142,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             raise ConfigError("--authorize-node", [Problem("", "node rules bind certificate identities to node "
                                                                "ids: they need mTLS, give --client-ca FILE too")])
         authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
-        xds = XdsServer(cache, events=events, authorize=authorize)
+        xds = XdsServer(cache, events=events, authorize=authorize, limits=settings.xds_limits)
         server = GrpcServer(xds.methods())
         xds_host, xds_port = split_address(settings.xds)
         port = await server.start(xds_host, xds_port, tls=None if xds_tls is None else xds_tls.context)
@@ -220,6 +225,27 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         for cleanup in cleanups:
             await cleanup()
         events.close()
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's open-file soft limit (RLIMIT_NOFILE) to its hard limit, as servers
+    do: each proxy holds a connection, and the usual soft limit of 1,024 would refuse proxies
+    long before memory or CPU runs out. Logs and returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        target = 1 << 20  # Linux refuses an infinite soft limit (above fs.nr_open)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            _log.warning("could not raise the open-file limit from %d to %d (%s): at most about %d proxies "
+                         "can connect; raise it with `ulimit -n` or LimitNOFILE=", soft, target, exc, soft)
+            return soft
+        _log.info("open-file limit (RLIMIT_NOFILE) raised from %d to %d", soft, target)
+        return target
+    _log.info("open-file limit (RLIMIT_NOFILE): %d", soft)
+    return soft
 
 
 def _source_labels(settings: ServeSettings) -> dict[str, str]:

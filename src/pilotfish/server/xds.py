@@ -7,13 +7,20 @@ opened; a response the cache hands back is written at once (the cache hands them
 Responses are shared pre-encoded bytes; a stream appends only its nonce. Everything runs in the
 callbacks of pilotfish's own gRPC transport (:mod:`pilotfish.server.grpc_server`): an idle stream
 is this object and its watches, with no task or coroutine.
+
+A request a peer should not have sent ends its stream, never the server: a protocol error with
+INVALID_ARGUMENT, a request over :class:`~pilotfish.protocol.XdsLimits` with RESOURCE_EXHAUSTED,
+each with a short message (a peer's values are repeated shortened), a ``stream_closed`` event
+and a warning logged at most once per :data:`WARN_EVERY` seconds (with how many were not).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
@@ -22,7 +29,8 @@ from google.protobuf.message import DecodeError
 from pilotfish.cache import DEFAULT_GROUP, Cancel, NodeGroup, SnapshotCache
 from pilotfish.errors import PeerError
 from pilotfish.events import EventLog
-from pilotfish.protocol import RequestKind, SotwStream, Watch
+from pilotfish.protocol import DEFAULT_LIMITS, PeerOverLimit, RequestKind, SotwStream, Watch, XdsLimits
+from pilotfish.protocol.limits import shorten
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field, request_names_span
 from pilotfish.server.authorize import PERMISSION_DENIED
@@ -31,7 +39,7 @@ from pilotfish.server.http2 import GrpcStatus
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.status import SyncStatus
 
-__all__ = ["XdsServer", "start_xds_server"]
+__all__ = ["WARN_EVERY", "XdsLimits", "XdsServer", "start_xds_server"]
 
 _log = logging.getLogger("pilotfish.server")
 
@@ -50,6 +58,37 @@ def _default_group(node: base_pb2.Node) -> NodeGroup:
     return DEFAULT_GROUP
 
 
+WARN_EVERY = 10.0
+"""Seconds between two warnings about peers that broke the protocol or a limit."""
+_TYPE_URL_CHARS = 256
+_MESSAGE_CHARS = 1024
+"""A gRPC status message is at most about this long (the limits' messages are shorter)."""
+
+
+class _Warnings:
+    """A warning per :data:`WARN_EVERY` seconds at most: a peer that breaks the rules in a loop
+    must not fill the log (the event log has a ``stream_closed`` line per stream)."""
+
+    __slots__ = ("_clock", "_next", "_suppressed")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._next = 0.0
+        self._suppressed = 0
+
+    def warn(self, message: str, *args: object) -> None:
+        now = self._clock()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        self._next = now + WARN_EVERY
+        if self._suppressed:
+            message += " (and %d more such streams since the last warning)"
+            args += (self._suppressed,)
+            self._suppressed = 0
+        _log.warning(message, *args)
+
+
 class XdsServer:
     """Serves the cache's snapshots to xDS streams and records the conversation."""
 
@@ -61,13 +100,16 @@ class XdsServer:
         status: SyncStatus | None = None,
         group_of: Callable[[base_pb2.Node], NodeGroup] = _default_group,
         authorize: Callable[[str, str], str | None] | None = None,
+        limits: XdsLimits = DEFAULT_LIMITS,
     ) -> None:
         self.cache = cache
         self.events = events or EventLog()
         self.status = status or SyncStatus()
+        self.limits = limits
         self._group_of = group_of
         self.authorize = authorize
         """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.server.authorize`)."""
+        self._warnings = _Warnings()
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
 
@@ -83,7 +125,7 @@ class _SotwConnection:
     """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
     the cache's responses are written as it hands them over."""
 
-    __slots__ = ("_call", "_cancels", "_current", "_server", "closed", "group", "id",
+    __slots__ = ("_call", "_cancels", "_current", "_last_nack", "_server", "closed", "group", "id",
                  "node_id", "state", "type_url")
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
@@ -91,13 +133,15 @@ class _SotwConnection:
         self._call = call
         self.type_url = type_url
         self.id = next(server._stream_ids)
-        self.state = SotwStream(type_url=type_url)
+        self.state = SotwStream(type_url=type_url, limits=server.limits)
         self.node_id = ""
         self.group = DEFAULT_GROUP
         self.closed = False
         self._cancels: dict[TypeUrl, Cancel] = {}
         self._current: dict[TypeUrl, Watch] = {}
         """The newest watch per type: a response to an older one is dropped unsent."""
+        self._last_nack: tuple[TypeUrl, str | None] | None = None
+        """The type and version of the last NACK warned about: a repeated one is not warned again."""
         server.open_streams += 1
 
     # -- the call's callbacks -------------------------------------------------------------------
@@ -108,13 +152,27 @@ class _SotwConnection:
         try:
             request = discovery_pb2.DiscoveryRequest.FromString(data)
         except DecodeError as exc:
-            self._close(f"protocol error: undecodable DiscoveryRequest: {exc}")
-            raise RpcError(GrpcStatus.INVALID_ARGUMENT, f"undecodable DiscoveryRequest: {exc}") from None
+            self._refuse(GrpcStatus.INVALID_ARGUMENT, f"undecodable DiscoveryRequest: {exc}")
+        type_url = request.type_url
+        # Not for a made-up type_url of megabytes: the span encodes (and caches a few) type URLs.
+        # (Those we serve are < 100 characters; any other is refused just below.)
+        names_wire = (request_names_span(data, type_url, request.response_nonce)
+                      if len(type_url) <= _TYPE_URL_CHARS else None)
         try:
-            self._on_request(request, request_names_span(data, request.type_url, request.response_nonce))
+            self._on_request(request, names_wire)
+        except PeerOverLimit as exc:
+            self._refuse(GrpcStatus.RESOURCE_EXHAUSTED, str(exc))
         except PeerError as exc:
-            self._close(f"protocol error: {exc}")
-            raise RpcError(GrpcStatus.INVALID_ARGUMENT, str(exc)) from None
+            self._refuse(GrpcStatus.INVALID_ARGUMENT, str(exc))
+
+    def _refuse(self, code: int, message: str) -> NoReturn:
+        """End the stream with ``code``: the peer broke the protocol or a limit."""
+        message = shorten(message, _MESSAGE_CHARS)
+        what = "over a limit" if code == GrpcStatus.RESOURCE_EXHAUSTED else "protocol error"
+        self._server._warnings.warn("stream %d from %s (node %r) ended, %s: %s", self.id, self._call.peer,
+                                    shorten(self.node_id, 200), what, message)
+        self._close(f"{what}: {message}")
+        raise RpcError(code, message)
 
     def on_half_close(self) -> None:
         self._close("closed by client")
@@ -160,8 +218,11 @@ class _SotwConnection:
             server.status.acked(self.node_id, outcome.type_url, outcome.version_info)
         elif kind is RequestKind.NACK:
             server.status.nacked(self.node_id, outcome.type_url, outcome.rejected_version, outcome.error or "")
-            _log.warning("%s rejected %s version %s: %s", self.node_id or f"stream {self.id}",
-                         outcome.type_url.rsplit(".", 1)[-1], outcome.rejected_version, outcome.error)
+            nack = (outcome.type_url, outcome.rejected_version)
+            if nack != self._last_nack:  # a peer repeating its NACK does not fill the log
+                self._last_nack = nack
+                _log.warning("%s rejected %s version %s: %s", self.node_id or f"stream {self.id}",
+                             outcome.type_url.rsplit(".", 1)[-1], outcome.rejected_version, outcome.error)
         for watch in outcome.watches:
             url = watch.type_url
             previous = self._cancels.pop(url, None)

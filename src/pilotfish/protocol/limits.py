@@ -1,0 +1,64 @@
+"""Limits on what one xDS request may carry and what a stream keeps of it. No I/O.
+
+A proxy is trusted with nothing it could make large: the names it subscribes to are kept for the
+life of its stream (and interned), its node for as long as well, and its ``version_info`` and NACK
+messages go into the sync status and the event log. :meth:`SotwStream.on_request
+<pilotfish.protocol.SotwStream.on_request>` checks each request against :class:`XdsLimits`:
+
+- over a count or size the server would have to keep (names per request, the node's size):
+  :class:`PeerOverLimit`, which the server answers with RESOURCE_EXHAUSTED;
+- a node id longer than any real one: :class:`~pilotfish.errors.PeerError` (INVALID_ARGUMENT);
+- ``version_info`` and ``error_detail.message`` are kept shortened (their start and end), never
+  refused: a proxy stating a long version is only sent the current one again.
+
+Every error message repeats at most :attr:`XdsLimits.echo_chars` of a peer's value (a 17 MB
+``type_url`` must not come back in a gRPC status), names the limit and says what to do. The
+defaults are far above what Envoy and gRPC send (node ids of tens of characters, a few KB of
+metadata, names in the thousands) and far below what would hurt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pilotfish.errors import PeerError
+
+__all__ = ["DEFAULT_LIMITS", "PeerOverLimit", "XdsLimits", "shorten"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class XdsLimits:
+    """What one xDS request may carry, and how much of it a stream keeps."""
+
+    max_resource_names: int = 100_000
+    """Resource names one request may subscribe to; more: RESOURCE_EXHAUSTED, stream ended."""
+    max_node_id_chars: int = 1024
+    """Characters of ``node.id``; longer: INVALID_ARGUMENT (Envoy's ids are tens of characters)."""
+    max_node_bytes: int = 32 * 1024
+    """Encoded bytes of what a stream keeps of its node (id, cluster, metadata, locality, user
+    agent; not Envoy's extension list, which is dropped); more: RESOURCE_EXHAUSTED."""
+    max_version_chars: int = 1024
+    """Characters of a request's ``version_info`` kept (status, event log); a longer one is kept
+    shortened, which only means the proxy is sent the current version."""
+    max_error_chars: int = 4096
+    """Characters of a NACK's ``error_detail.message`` kept (status, event log, warning); a longer
+    one keeps its start and its end (where Envoy writes the reason)."""
+    echo_chars: int = 200
+    """Characters of a peer's value an error message repeats."""
+
+
+DEFAULT_LIMITS = XdsLimits()
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` if at most ``limit`` characters, else its start and end around its length, e.g.
+    ``'type.googleapis.com/xx... (17,000,000 characters) ...xx'``. (The event log has its own, in
+    :mod:`pilotfish.events`, with the same format: protocol/ may not import it, it uses asyncio.)"""
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    return f"{text[:limit - tail]}... ({len(text):,} characters) ...{text[len(text) - tail:] if tail else ''}"
+
+
+class PeerOverLimit(PeerError):
+    """A request over one of the :class:`XdsLimits` the server keeps memory by."""
