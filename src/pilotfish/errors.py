@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ConfigError", "PeerError", "PilotfishError", "Problem"]
+__all__ = ["ConfigError", "PeerError", "PilotfishError", "Problem", "shorten"]
 
 
 class PilotfishError(Exception):
@@ -48,3 +48,13 @@ class ConfigError(PilotfishError):
 
 class PeerError(PilotfishError):
     """A proxy broke the xDS protocol (e.g. an ADS request without a type URL)."""
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """``text`` if at most ``limit`` characters, else its start and end around its length:
+    ``"type.googleapis.com/xx... (17,000,000 characters) ...xx"``. For repeating a peer's value
+    in an error message or a log line without repeating megabytes."""
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    return f"{text[:limit - tail]}... ({len(text):,} characters) ...{text[len(text) - tail:] if tail else ''}"

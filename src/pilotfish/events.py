@@ -23,6 +23,8 @@ from typing import IO, Any
 
 import orjson
 
+from pilotfish.errors import shorten
+
 __all__ = ["CONVERSATION", "MAX_FIELD", "MAX_ITEMS", "MAX_LINE", "EventLog", "shorten"]
 
 CONVERSATION = frozenset({"request", "ack", "sent", "stale"})
@@ -36,17 +38,6 @@ MAX_FIELD = 2048
 """Characters a string field keeps in a shortened line."""
 MAX_ITEMS = 100
 """Items a list field keeps in a shortened line."""
-
-
-def shorten(text: str, limit: int = 200) -> str:
-    """``text`` if at most ``limit`` characters, else its start and end around its length:
-    ``"type.googleapis.com/xx... (17,000,000 characters) ...xx"``. For repeating a peer's value
-    in an error message or a log line without repeating megabytes. (protocol/ has the same in
-    :mod:`pilotfish.protocol.limits`: it may not import this module, which uses asyncio.)"""
-    if len(text) <= limit:
-        return text
-    tail = limit // 4
-    return f"{text[:limit - tail]}... ({len(text):,} characters) ...{text[len(text) - tail:] if tail else ''}"
 
 
 def _bounded(record: dict[str, Any]) -> dict[str, Any]:

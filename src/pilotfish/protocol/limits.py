@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pilotfish.errors import PeerError
+from pilotfish.errors import PeerError, shorten
 
 __all__ = ["DEFAULT_LIMITS", "PeerOverLimit", "XdsLimits", "shorten"]
 
@@ -48,16 +48,6 @@ class XdsLimits:
 
 
 DEFAULT_LIMITS = XdsLimits()
-
-
-def shorten(text: str, limit: int) -> str:
-    """``text`` if at most ``limit`` characters, else its start and end around its length, e.g.
-    ``'type.googleapis.com/xx... (17,000,000 characters) ...xx'``. (The event log has its own, in
-    :mod:`pilotfish.events`, with the same format: protocol/ may not import it, it uses asyncio.)"""
-    if len(text) <= limit:
-        return text
-    tail = limit // 4
-    return f"{text[:limit - tail]}... ({len(text):,} characters) ...{text[len(text) - tail:] if tail else ''}"
 
 
 class PeerOverLimit(PeerError):
