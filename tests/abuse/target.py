@@ -258,13 +258,13 @@ class Target:
         self._changed = True
         write_snapshot(self.snapshot, self.version)
 
-    def harm(self, *, rss_bound: int = RSS_BOUND) -> list[str]:
+    def harm(self, *, rss_bound: int = RSS_BOUND, served_timeout: float = SERVED_TIMEOUT) -> list[str]:
         """What the attack did that it must not: each problem as a sentence (empty: it held)."""
         problems = []
         if not self._changed:
             self.change_snapshot()  # an attack that never called it: the change comes after it
         assert self.good is not None
-        served = self.good.wait_for_version(f"v{self.version}", SERVED_TIMEOUT if self.alive() else 0)
+        served = self.good.wait_for_version(f"v{self.version}", served_timeout if self.alive() else 0)
         elapsed = time.monotonic() - self._started
         if not self.alive():
             problems.append(f"the server died (exit code {self.process.returncode})")
@@ -278,7 +278,7 @@ class Target:
         self.numbers.update(peak_rss_growth_mib=round(peak / MIB, 1), rss_growth_mib=round(growth / MIB, 1),
                             seconds=round(elapsed, 2))
         if not served:
-            problems.append(f"the good client did not get snapshot v{self.version} within {SERVED_TIMEOUT:g} s "
+            problems.append(f"the good client did not get snapshot v{self.version} within {served_timeout:g} s "
                             f"(it has {self.good.versions}, error {self.good.error})")
         if peak > rss_bound:
             problems.append(f"server memory grew by {peak / MIB:.0f} MiB at its peak ({growth / MIB:.0f} MiB now), "
@@ -289,10 +289,11 @@ class Target:
             problems.append(f"traceback in the server's stderr:\n{stderr[start:start + 1500]}")
         return problems
 
-    def conclude(self, name: str, problems: list[str], **numbers: object) -> None:
+    def conclude(self, name: str, problems: list[str], *, served_timeout: float = SERVED_TIMEOUT,
+                 **numbers: object) -> None:
         """Fail with every problem of the attack (its own checks and :meth:`harm`), after
         recording its numbers."""
-        problems = problems + self.harm()
+        problems = problems + self.harm(served_timeout=served_timeout)
         self.numbers.update(numbers)
         self.report(name, problems)
         assert not problems, f"{name}: " + "\n".join(problems) + f"\nnumbers: {self.numbers}"

@@ -196,6 +196,8 @@ class Received:
     counts: dict[int, int] = field(default_factory=dict)
     """frame type -> frames received"""
     ping_acks: set[bytes] = field(default_factory=set)
+    settings: int = 0
+    """SETTINGS frames (not ACKs) received"""
     largest_frame: int = 0
     bytes: int = 0
     closed: str | None = None
@@ -335,8 +337,12 @@ class RawClient:
     # -- receiving ------------------------------------------------------------------------------
 
     def start_reader(self) -> RawClient:
+        """Read in a thread; wait for the server's SETTINGS and ACK them before anything else is
+        sent (an ACK sent later could land inside a header block the test is writing)."""
         self._reader = threading.Thread(target=self._read_loop, name="raw-h2-reader", daemon=True)
         self._reader.start()
+        if self.wait_for(lambda got: got.settings or got.closed, timeout=5.0) and not self.got.closed:
+            self.send(frame(FrameType.SETTINGS, ACK, 0))
         return self
 
     def _read_loop(self) -> None:
@@ -392,7 +398,10 @@ class RawClient:
                     for sid in self.windows:
                         if sid:
                             self.windows[sid] += delta
-            threading.Thread(target=self.send, args=(frame(FrameType.SETTINGS, ACK, 0),), daemon=True).start()
+            got.settings += 1
+            if got.settings > 1:  # the first is ACKed by start_reader; later ones (rare) from a thread,
+                # so that the reader never waits on a send the server may not be reading
+                threading.Thread(target=self.send, args=(frame(FrameType.SETTINGS, ACK, 0),), daemon=True).start()
         elif kind == FrameType.WINDOW_UPDATE and len(payload) == 4:
             increment = struct.unpack(">I", payload)[0] & 0x7FFF_FFFF
             self.windows[stream_id] = self.windows.get(stream_id, self.initial_window) + increment
