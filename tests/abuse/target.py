@@ -54,9 +54,10 @@ CLUSTERS = 20
 
 
 def discovery_request(type_url: str = CDS, node_id: str = "attacker", **fields: object) -> bytes:
-    request = discovery_pb2.DiscoveryRequest(type_url=type_url, **fields)  # type: ignore[arg-type]
+    request = discovery_pb2.DiscoveryRequest(type_url=type_url, **fields)
     request.node.id = node_id
-    return request.SerializeToString()
+    encoded: bytes = request.SerializeToString()
+    return encoded
 
 
 def write_snapshot(path: Path, version: int) -> None:
