@@ -36,7 +36,7 @@ def target(start_target: StartTarget) -> Target:
 
 
 @pytest.fixture(scope="module")
-def _shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Target]]:
+def _shared() -> Iterator[list[Target]]:
     servers: list[Target] = []
     try:
         yield servers
