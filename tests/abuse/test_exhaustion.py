@@ -280,6 +280,25 @@ def test_large_message_then_one_byte_data_frames(target: Target, request: pytest
     target.conclude(request.node.name, problems)
 
 
+@xfail("messages are reassembled by copying the buffer on every DATA frame: quadratic in the message size")
+def test_message_under_4_mib_completed_byte_by_byte(target: Target, request: pytest.FixtureRequest) -> None:
+    # Under any sane size limit, so only linear reassembly keeps this cheap.
+    client = target.attacker().start_reader()
+    message = grpc_message(big_request(4 * MIB - 64 * 1024))
+    head, tail = message[:-8000], message[-8000:]
+    client.send(headers_frame(1))
+    client.send_data(1, head, end_stream=False)
+    target.change_snapshot()
+    for n, byte in enumerate(tail):
+        if not client.send_data(1, bytes([byte]), end_stream=n == len(tail) - 1, timeout=5.0):
+            break
+    client.wait_for(lambda got: 1 in got.data or 1 in got.ended or 1 in got.resets or got.closed, timeout=10.0)
+    problems = [] if 1 in client.got.data or 1 in client.got.ended else [
+        "a 4 MiB message completed by 8,000 one-byte DATA frames was not answered; " + client.got.describe()]
+    problems += cpu_bound(target, 1.0, "4 MiB then 8,000 one-byte DATA frames")
+    target.conclude(request.node.name, problems)
+
+
 @xfail("the receive limit is 64 MiB, not grpc-core's 4 MiB: a message over 4 MiB is served")
 def test_message_over_4_mib(target: Target, request: pytest.FixtureRequest) -> None:
     client = target.attacker().start_reader()
