@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 SNAPSHOT ?= examples/demo.yaml
 PYTEST_ARGS ?=
 # Fast tests first; a suite directory that does not exist yet is skipped.
-TEST_DIRS := $(wildcard tests/unit tests/integration tests/bench tests/e2e)
+TEST_DIRS := $(wildcard tests/unit tests/integration tests/abuse tests/bench tests/e2e)
 # Sovereign (a REST-polling control plane the benchmarks compare with) gets a venv of its own.
 SOVEREIGN_VENV := bench/.venv-sovereign
 
