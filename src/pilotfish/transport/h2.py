@@ -440,9 +440,9 @@ class Connection:
         self._spend_reset_token()
         self._queue_control(f.rst_stream(stream_id, code))
         stream = self._streams.get(stream_id)
-        if stream is not None:
+        if stream is not None:  # (a stream that was not open has no frames in flight to forgive)
             self._close_stream(stream)
-        self._remember_reset(stream_id)
+            self._remember_reset(stream_id)
         events.append(StreamReset(stream_id, code, False, reason))
 
     def _maybe_close(self, stream: _Stream) -> None:
