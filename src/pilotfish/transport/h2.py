@@ -22,10 +22,11 @@ than the windows it was granted). Outgoing messages wait in their stream, as vie
 bytes (shared between streams, never copied), until the peer's windows let them out.
 
 A peer that does not read cannot grow our output without bound: the adapter reports a full socket
-buffer with :attr:`Connection.writing_paused`; while it is paused, control frames we owe (SETTINGS
-and PING ACKs, RST_STREAMs) are counted, and past :attr:`Limits.max_queued_control_frames` the
-connection ends (nghttp2's and Envoy's flood rule). :attr:`Connection.wants_to_read` tells the
-adapter to stop reading while more than :attr:`Limits.max_unsent_bytes` wait to be sent.
+buffer with :attr:`Connection.writing_paused`. Then :attr:`Connection.wants_to_read` is False (the
+adapter stops reading the peer's requests, as Envoy does past its write buffer's watermark), DATA
+waits in its streams, and the control frames we owe (SETTINGS and PING ACKs, RST_STREAMs) are
+counted: past :attr:`Limits.max_queued_control_frames` the connection ends (nghttp2's and Envoy's
+flood rule), whatever was read before reading stopped.
 """
 
 from __future__ import annotations
@@ -87,9 +88,6 @@ class Limits:
     """Control frames we owe (SETTINGS/PING ACKs, RST_STREAM) queued while the peer does not read
     (nghttp2's max_outbound_ack, Envoy's max_outbound_control_frames); over it: the connection
     ends (ENHANCE_YOUR_CALM), since the peer is flooding us without reading."""
-    max_unsent_bytes: int = 16 * _MiB
-    """Bytes queued for a peer that does not read before :attr:`Connection.wants_to_read` turns
-    False (the adapter stops reading its requests)."""
     reset_burst: int = 1000
     """Stream resets (by the peer, or by us for its errors) allowed at once: a token bucket
     (nghttp2's stream_reset_burst). Empty bucket: ENHANCE_YOUR_CALM (rapid reset,
@@ -222,12 +220,14 @@ class Connection:
     """One HTTP/2 connection (see the module docstring)."""
 
     def __init__(self, *, role: Role, limits: Limits | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_output: Callable[[], None] | None = None) -> None:
         self.role = role
         self.limits = limits = limits or Limits()
         self._clock = clock
+        self._on_output = on_output
+        """Called when output is queued and none was waiting (an adapter schedules a write)."""
         self._out: list[bytes | memoryview] = []
-        self._out_size = 0
         self._queued_control = 0
         self.writing_paused = False
         """Set by the adapter while the socket does not take more (asyncio's pause_writing)."""
@@ -277,8 +277,10 @@ class Connection:
     # -- output --------------------------------------------------------------------------------
 
     def _queue(self, data: bytes | memoryview) -> None:
-        self._out.append(data)
-        self._out_size += len(data)
+        out = self._out
+        if not out and self._on_output is not None:
+            self._on_output()
+        out.append(data)
 
     def _queue_control(self, data: bytes) -> None:
         """A frame we owe the peer in answer to its own (ACK, RST_STREAM)."""
@@ -297,15 +299,13 @@ class Connection:
     def take_output(self) -> list[bytes | memoryview]:
         """Everything queued since the last call, as pieces for one ``writelines`` (no copy)."""
         out, self._out = self._out, []
-        self._out_size = 0
-        self._queued_control = 0
         return out
 
     @property
     def wants_to_read(self) -> bool:
-        """False while the peer owes us reading (more than :attr:`Limits.max_unsent_bytes` queued
-        and the socket full) or the connection is over: the adapter stops reading."""
-        return not self.closed and not (self.writing_paused and self._out_size > self.limits.max_unsent_bytes)
+        """False while the peer does not read what we send (:attr:`writing_paused`) or the
+        connection is over: the adapter stops reading."""
+        return not self.closed and not self.writing_paused
 
     def resume_writing(self) -> None:
         """The socket takes data again: send what the windows allow."""
@@ -823,10 +823,13 @@ class Connection:
         """Queue a header block (literals, see :func:`frames.header_block`): HEADERS, then
         CONTINUATION frames when it is larger than the peer's SETTINGS_MAX_FRAME_SIZE.
         With ``end_stream`` (trailers) it waits behind the stream's pending DATA."""
+        self.send_header_block(stream_id, f.header_block(headers), end_stream=end_stream)
+
+    def send_header_block(self, stream_id: int, block: bytes, *, end_stream: bool = False) -> None:
+        """:meth:`send_headers` of a header block encoded beforehand (literals, never indexed)."""
         stream = self._stream_for_send(stream_id)
         if stream is None:
             return
-        block = f.header_block(headers)
         if end_stream:
             stream.local_closed = True
             if stream.pending:
@@ -862,7 +865,9 @@ class Connection:
         stream = self._stream_for_send(stream_id)
         if stream is None:
             return
-        length = sum(len(p) for p in parts)
+        length = 0
+        for part in parts:
+            length += len(part)
         size = length + 5
         if (stream.pending is None and size <= stream.send_window and size <= self._send_window
                 and size <= self._peer_max_frame and not self.writing_paused):
