@@ -1,6 +1,7 @@
-"""The HTTP/2 server connection's parser, fed bytes the way TCP may deliver them: whole, or cut
-anywhere. The transport under it is a recorder (named as such): these tests are about framing,
-and tests/integration/test_grpc_transport.py runs the same code over real sockets."""
+"""The gRPC server's asyncio adapter over the sans-IO HTTP/2 connection, fed bytes the way TCP
+may deliver them: whole, or cut anywhere. The transport under it is a recorder (named as such):
+these tests are about framing, and tests/integration/test_grpc_transport.py runs the same code
+over real sockets (the connection's own rules: tests/unit/test_transport_h2.py)."""
 
 from __future__ import annotations
 

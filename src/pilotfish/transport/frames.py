@@ -19,7 +19,8 @@ __all__ = [
     "ACK", "CONNECTION_PREFACE", "CONTINUATION", "DATA", "DEFAULT_MAX_FRAME", "DEFAULT_WINDOW", "END_HEADERS",
     "END_STREAM", "FRAME_HEADER_SIZE", "GOAWAY", "HEADERS", "MAX_FRAME_SIZE_LIMIT", "MAX_WINDOW", "PADDED",
     "PING", "PRIORITY", "PRIORITY_FLAG", "PUSH_PROMISE", "RST_STREAM", "SETTINGS", "WINDOW_UPDATE",
-    "ErrorCode", "GrpcStatus", "Setting", "frame", "frame_content", "frame_header", "goaway", "grpc_prefix",
+    "ErrorCode", "GrpcStatus", "Setting",
+    "data_frame_header_and_prefix", "frame", "frame_content", "frame_header", "goaway", "grpc_prefix",
     "header_block", "hpack_int", "parse_frame_header", "parse_grpc_prefix", "parse_settings",
     "percent_encode", "rst_stream", "settings", "table_size_update", "unpack_u32", "window_update",
 ]
@@ -99,6 +100,7 @@ class GrpcStatus:
 # length (24 bits, as a high byte and a low 16-bit word), type, flags, stream id (31 bits)
 _FRAME_HEADER = struct.Struct(">BHBBL")
 _GRPC_PREFIX = struct.Struct(">BL")
+_DATA_AND_PREFIX = struct.Struct(">BHBBLBL")  # a DATA frame's header, then a gRPC message's prefix
 _SETTING = struct.Struct(">HL")
 _U32 = struct.Struct(">L")
 _GOAWAY = struct.Struct(">LL")
@@ -165,6 +167,13 @@ def frame_content(kind: int, flags: int, payload: memoryview) -> memoryview | No
 def grpc_prefix(length: int, compressed: bool = False) -> bytes:
     """The 5-byte prefix of a gRPC message of ``length`` bytes."""
     return _GRPC_PREFIX.pack(1 if compressed else 0, length)
+
+
+def data_frame_header_and_prefix(stream_id: int, length: int) -> bytes:
+    """The header of a DATA frame holding exactly one uncompressed gRPC message of ``length``
+    bytes, and that message's prefix: 14 bytes, packed at once (the hot path of a push)."""
+    size = length + 5
+    return _DATA_AND_PREFIX.pack(size >> 16, size & 0xFFFF, DATA, 0, stream_id, 0, length)
 
 
 def parse_grpc_prefix(buffer: bytes | bytearray | memoryview, offset: int) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -219,6 +219,13 @@ class _Stream:
 class Connection:
     """One HTTP/2 connection (see the module docstring)."""
 
+    __slots__ = ("_block", "_block_flags", "_block_frames", "_block_stream", "_buffer", "_clock", "_decoder",
+                 "_ended", "_goaway_sent", "_highest_remote", "_next_local", "_on_output", "_out",
+                 "_peer_initial_window", "_peer_max_frame", "_peer_max_streams", "_preface_pending",
+                 "_queued_control", "_recv_window", "_reset_by_us", "_reset_time", "_reset_tokens",
+                 "_send_window", "_settings_seen", "_streams", "_table_update", "_unacked", "_waiting",
+                 "closed", "limits", "role", "writing_paused")
+
     def __init__(self, *, role: Role, limits: Limits | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  on_output: Callable[[], None] | None = None) -> None:
@@ -239,9 +246,9 @@ class Connection:
         self._decoder = hpack.Decoder(max_header_list_size=limits.max_header_list_size)
         self._decoder.max_allowed_table_size = _DEFAULT_HEADER_TABLE
         self._streams: dict[int, _Stream] = {}
-        self._reset_by_us: OrderedDict[int, None] = OrderedDict()
+        self._reset_by_us: dict[int, None] = {}
         """Streams we reset lately: their late frames are ignored."""
-        self._ended: OrderedDict[int, None] = OrderedDict()
+        self._ended: dict[int, None] = {}
         """Streams that ended lately: a HEADERS on one is a stream error, not an unexpected id."""
         self._highest_remote = 0
         self._next_local = 1 if role is Role.CLIENT else 2
@@ -425,7 +432,7 @@ class Connection:
         ended = self._ended
         ended[stream.id] = None
         if len(ended) > self.limits.max_remembered_resets:
-            ended.popitem(last=False)
+            del ended[next(iter(ended))]  # the oldest (dicts keep insertion order)
         self._waiting.pop(stream, None)
         stream.pending = None
 
@@ -433,7 +440,7 @@ class Connection:
         resets = self._reset_by_us
         resets[stream_id] = None
         if len(resets) > self.limits.max_remembered_resets:
-            resets.popitem(last=False)
+            del resets[next(iter(resets))]
 
     def _reset(self, stream_id: int, code: int, reason: str, events: list[Event]) -> None:
         """A stream error: RST_STREAM, forget the stream."""
@@ -488,7 +495,8 @@ class Connection:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"DATA on stream {stream_id}: padding longer "
                                    "than the frame")
         owed = self._on_messages(stream, content, events) if content else 0
-        self._give_back(stream, size - owed)
+        if owed != size:  # padding, a partial message, discarded data: consumed now
+            self._give_back(stream, size - owed)
         if flags & f.END_STREAM:
             stream.remote_closed = True
             incomplete = stream.message is not None
@@ -511,9 +519,11 @@ class Connection:
                 offset = take
                 if len(buffer) < 5:
                     return 0
-                if not self._accept_prefix(stream, buffer, 0, events):
+                compressed, length = f.parse_grpc_prefix(buffer, 0)
+                if compressed or length > self.limits.max_message_size:
+                    self._reject(stream, compressed, length, events)
                     return 0
-                stream.message_need = 5 + f.parse_grpc_prefix(buffer, 0)[1]
+                stream.message_need = 5 + length
             take = min(stream.message_need - len(buffer), end - offset)
             buffer += data[offset:offset + take]
             offset += take
@@ -522,10 +532,13 @@ class Connection:
             stream.message, stream.message_need = None, 0
             events.append(MessageReceived(stream.id, bytes(buffer[5:]), take))
             delivered += take
+        limit, parse = self.limits.max_message_size, f.parse_grpc_prefix
         while end - offset >= 5:
-            if not self._accept_prefix(stream, data, offset, events):
+            compressed, length = parse(data, offset)
+            if compressed or length > limit:
+                self._reject(stream, compressed, length, events)
                 return delivered
-            total = 5 + f.parse_grpc_prefix(data, offset)[1]
+            total = 5 + length
             if end - offset < total:
                 break
             events.append(MessageReceived(stream.id, bytes(data[offset + 5:offset + total]), total))
@@ -537,22 +550,18 @@ class Connection:
                 stream.message_need = 5 + f.parse_grpc_prefix(data, offset)[1]
         return delivered
 
-    def _accept_prefix(self, stream: _Stream, data: bytes | bytearray | memoryview, offset: int,
-                       events: list[Event]) -> bool:
-        compressed, length = f.parse_grpc_prefix(data, offset)
+    def _reject(self, stream: _Stream, compressed: int, length: int, events: list[Event]) -> None:
+        """The stream's next message is compressed or too large: it is not read."""
         if compressed:
-            reason = f"stream {stream.id}: a compressed message, but no grpc-encoding is accepted"
+            reason = f"stream {stream.id}: a compressed message; pilotfish accepts uncompressed messages only"
             status = f.GrpcStatus.UNIMPLEMENTED
         elif length > self.limits.max_message_size:
             reason = (f"stream {stream.id}: a message of {length} bytes is over the limit of "
                       f"{self.limits.max_message_size} (Limits.max_message_size)")
             status = f.GrpcStatus.RESOURCE_EXHAUSTED
-        else:
-            return True
         stream.rejected = True
         stream.message, stream.message_need = None, 0
         events.append(MessageRejected(stream.id, status, reason))
-        return False
 
     def _give_back(self, stream: _Stream | None, size: int) -> None:
         """``size`` received bytes are consumed: reopen the windows (in batches of half a window)."""
@@ -819,17 +828,23 @@ class Connection:
         return stream
 
     def send_headers(self, stream_id: int, headers: Iterable[tuple[bytes, bytes]], *,
-                     end_stream: bool = False) -> None:
+                     end_stream: bool = False, abandon_pending: bool = False) -> None:
         """Queue a header block (literals, see :func:`frames.header_block`): HEADERS, then
         CONTINUATION frames when it is larger than the peer's SETTINGS_MAX_FRAME_SIZE.
         With ``end_stream`` (trailers) it waits behind the stream's pending DATA."""
-        self.send_header_block(stream_id, f.header_block(headers), end_stream=end_stream)
+        self.send_header_block(stream_id, f.header_block(headers), end_stream=end_stream,
+                               abandon_pending=abandon_pending)
 
-    def send_header_block(self, stream_id: int, block: bytes, *, end_stream: bool = False) -> None:
-        """:meth:`send_headers` of a header block encoded beforehand (literals, never indexed)."""
+    def send_header_block(self, stream_id: int, block: bytes, *, end_stream: bool = False,
+                          abandon_pending: bool = False) -> None:
+        """:meth:`send_headers` of a header block encoded beforehand (literals, never indexed).
+        With ``abandon_pending``, DATA still waiting for window is dropped (a server that stops)."""
         stream = self._stream_for_send(stream_id)
         if stream is None:
             return
+        if abandon_pending:
+            stream.pending = None
+            self._waiting.pop(stream, None)
         if end_stream:
             stream.local_closed = True
             if stream.pending:
@@ -871,12 +886,14 @@ class Connection:
         size = length + 5
         if (stream.pending is None and size <= stream.send_window and size <= self._send_window
                 and size <= self._peer_max_frame and not self.writing_paused):
+            # The usual case: one frame the peer's windows take whole (Envoy opens 256 MiB ones).
             stream.send_window -= size
             self._send_window -= size
-            self._queue(f.frame_header(size, f.DATA, 0, stream_id))
-            self._queue(f.grpc_prefix(length))
-            for part in parts:
-                self._queue(part)
+            out = self._out
+            if not out and self._on_output is not None:
+                self._on_output()
+            out.append(f.data_frame_header_and_prefix(stream_id, length))
+            out.extend(parts)
             return
         if stream.pending is None:
             stream.pending = deque()
