@@ -220,7 +220,7 @@ class Connection:
     """One HTTP/2 connection (see the module docstring)."""
 
     __slots__ = ("_block", "_block_flags", "_block_frames", "_block_stream", "_buffer", "_clock", "_decoder",
-                 "_ended", "_goaway_sent", "_highest_remote", "_next_local", "_on_output", "_out",
+                 "_ended", "_goaway_sent", "_highest_remote", "_needed", "_next_local", "_on_output", "_out",
                  "_peer_initial_window", "_peer_max_frame", "_peer_max_streams", "_preface_pending",
                  "_queued_control", "_recv_window", "_reset_by_us", "_reset_time", "_reset_tokens",
                  "_send_window", "_settings_seen", "_streams", "_table_update", "_unacked", "_waiting",
@@ -241,6 +241,8 @@ class Connection:
         self.closed = False
         """A GOAWAY has been sent or received for an error: read nothing more."""
         self._buffer = bytearray()
+        self._needed = 0
+        """Bytes :attr:`_buffer` must hold before a frame in it can be read."""
         self._preface_pending = role is Role.SERVER
         self._settings_seen = False
         self._decoder = hpack.Decoder(max_header_list_size=limits.max_header_list_size)
@@ -327,9 +329,13 @@ class Connection:
         events: list[Event] = []
         if self.closed:
             return events
-        if self._buffer:
-            data = bytes(self._buffer) + data
-            self._buffer.clear()
+        if self._buffer:  # a frame (or the preface) cut short by an earlier read
+            buffer = self._buffer
+            buffer += data
+            if len(buffer) < self._needed:
+                return events  # still short: appending keeps a frame trickled byte by byte linear
+            data = bytes(buffer)
+            buffer.clear()
         offset, end = 0, len(data)
         try:
             if self._preface_pending:
@@ -339,6 +345,7 @@ class Connection:
                                            "connection preface (is it speaking HTTP/1.1 or TLS?)")
                 if end < size:
                     self._buffer += data
+                    self._needed = size
                     return events
                 self._preface_pending = False
                 offset = size
@@ -358,6 +365,7 @@ class Connection:
             return events
         if offset < end and not self.closed:
             self._buffer += data[offset:]
+            self._needed = 9 if end - offset < 9 else 9 + f.parse_frame_header(data, offset)[0]
         return events
 
     def _terminate(self, code: int, reason: str, events: list[Event]) -> None:
