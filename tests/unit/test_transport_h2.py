@@ -413,6 +413,16 @@ def test_streams_our_errors_reset_count_as_resets_too() -> None:
     assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
 
 
+def test_empty_data_frames_in_a_row_are_a_flood() -> None:
+    server = raw_server()
+    server.receive(headers(1) + headers(3) + data(1, b"") + data(1, message(b"x")) + data(1, b""))
+    assert not server.closed  # one at a time, between frames with data
+    server.receive(data(3, b"", end_stream=True) + data(1, b""))
+    assert not server.closed  # an empty frame with END_STREAM means something
+    server.receive(data(1, b""))
+    assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
+
+
 def test_a_continuation_flood_is_cut_at_the_frame_limit_without_buffering_it() -> None:
     server = raw_server()
     flood = headers(1, end_headers=False) + b"".join(

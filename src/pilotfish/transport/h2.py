@@ -94,6 +94,9 @@ class Limits:
     CVE-2023-44487)."""
     reset_rate: float = 33.0
     """Tokens per second returned to the reset bucket (nghttp2's stream_reset_rate)."""
+    max_consecutive_empty_frames: int = 1
+    """DATA frames in a row with no payload and no END_STREAM (Envoy's
+    max_consecutive_inbound_frames_with_empty_payload, CVE-2019-9518); over it: ENHANCE_YOUR_CALM."""
     max_remembered_resets: int = 256
     """Streams we reset whose late frames are ignored rather than answered (bounded memory)."""
 
@@ -220,7 +223,8 @@ class Connection:
     """One HTTP/2 connection (see the module docstring)."""
 
     __slots__ = ("_block", "_block_flags", "_block_frames", "_block_stream", "_buffer", "_clock", "_decoder",
-                 "_ended", "_goaway_sent", "_highest_remote", "_needed", "_next_local", "_on_output", "_out",
+                 "_empty_frames", "_ended", "_goaway_sent", "_highest_remote", "_needed", "_next_local",
+                 "_on_output", "_out",
                  "_peer_initial_window", "_peer_max_frame", "_peer_max_streams", "_preface_pending",
                  "_queued_control", "_recv_window", "_reset_by_us", "_reset_time", "_reset_tokens",
                  "_send_window", "_settings_seen", "_streams", "_table_update", "_unacked", "_waiting",
@@ -242,6 +246,7 @@ class Connection:
         """A GOAWAY has been sent or received for an error: read nothing more."""
         self._buffer = bytearray()
         self._needed = 0
+        self._empty_frames = 0
         """Bytes :attr:`_buffer` must hold before a frame in it can be read."""
         self._preface_pending = role is Role.SERVER
         self._settings_seen = False
@@ -476,6 +481,14 @@ class Connection:
         if not stream_id:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)
+        if size or flags & f.END_STREAM:
+            self._empty_frames = 0
+        else:
+            self._empty_frames += 1
+            if self._empty_frames > self.limits.max_consecutive_empty_frames:
+                raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
+                                       f"more than {self.limits.max_consecutive_empty_frames} empty DATA frames in a "
+                                       "row (Limits.max_consecutive_empty_frames)")
         if size > self._recv_window:
             raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR,
                                    f"DATA of {size} bytes past the connection window ({self._recv_window})")
