@@ -207,42 +207,34 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         conn = self.h2
         calls = self._calls
-        for event in conn.receive(data):
-            kind = type(event)
-            if kind is MessageReceived:
-                assert isinstance(event, MessageReceived)
+        for event in conn.receive(data):  # in the order of how often they come
+            if isinstance(event, MessageReceived):
                 call = calls.get(event.stream_id)
                 if call is not None and call.handler is not None:
                     try:
                         call.handler.on_message(event.data)
                     except RpcError as exc:
                         call.finish(exc.code, exc.message)
-                conn.acknowledge(event.stream_id, event.flow_controlled_length)
-            elif kind is HeadersReceived:
-                assert isinstance(event, HeadersReceived)
-                if not event.trailers:
+                conn.acknowledge(event.stream_id, event.flow_controlled_length)  # consumed: reopen the window
+            elif isinstance(event, HeadersReceived):
+                if not event.trailers:  # (a gRPC client sends none; its END_STREAM follows as StreamEnded)
                     self._open_call(event.stream_id, event.headers)
-            elif kind is StreamEnded:
-                assert isinstance(event, StreamEnded)
+            elif isinstance(event, StreamEnded):
                 call = calls.get(event.stream_id)
                 if call is not None:
                     self._on_remote_end(call, event.incomplete_message)
-            elif kind is StreamReset:
-                assert isinstance(event, StreamReset)
+            elif isinstance(event, StreamReset):
                 call = calls.pop(event.stream_id, None)
                 if call is not None:
                     call.closed = True
                     call.release_handler(f"reset by the client (error code {event.error_code})" if event.remote
                                          else f"stream error: {event.reason[:_REASON_LIMIT]}")
-            elif kind is MessageRejected:
-                assert isinstance(event, MessageRejected)
+            elif isinstance(event, MessageRejected):
                 call = calls.get(event.stream_id)
                 if call is not None:
                     call.finish(event.grpc_status, event.reason)
-            elif kind is ConnectionTerminated:
-                assert isinstance(event, ConnectionTerminated)
-                if not event.remote:
-                    _log.warning("closing HTTP/2 connection from %s: %s", self.peer, event.reason[:_REASON_LIMIT])
+            elif isinstance(event, ConnectionTerminated) and not event.remote:
+                _log.warning("closing HTTP/2 connection from %s: %s", self.peer, event.reason[:_REASON_LIMIT])
         if conn.closed:
             self._close()
 
