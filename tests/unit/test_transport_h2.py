@@ -310,6 +310,20 @@ def test_a_client_must_not_accept_a_server_opened_stream_or_push() -> None:
     assert goaway_code(client) == ErrorCode.PROTOCOL_ERROR
 
 
+def test_a_client_resets_a_malformed_response_and_data_before_headers() -> None:
+    client = Connection(role=Role.CLIENT)
+    first, second = client.open_stream(), client.open_stream()
+    client.send_headers(first, REQUEST)
+    client.send_headers(second, REQUEST)
+    client.data_to_send()
+    events = client.receive(f.settings({}) + headers(first, [(b"content-type", b"application/grpc")])
+                            + data(second, message(b"x")))
+    assert [(e.stream_id, e.error_code) for e in events if isinstance(e, StreamReset)] == [
+        (first, ErrorCode.PROTOCOL_ERROR), (second, ErrorCode.PROTOCOL_ERROR)]
+    assert "without :status" in events[0].reason  # type: ignore[union-attr]
+    assert not client.closed
+
+
 # -- stream errors ------------------------------------------------------------------------------------
 
 STREAM_ERRORS: list[tuple[str, bytes, int]] = [
