@@ -1,6 +1,7 @@
-"""The HTTP/2 server connection's parser, fed bytes the way TCP may deliver them: whole, or cut
-anywhere. The transport under it is a recorder (named as such): these tests are about framing,
-and tests/integration/test_grpc_transport.py runs the same code over real sockets."""
+"""The gRPC server's asyncio adapter over the sans-IO HTTP/2 connection, fed bytes the way TCP
+may deliver them: whole, or cut anywhere. The transport under it is a recorder (named as such):
+these tests are about framing, and tests/integration/test_grpc_transport.py runs the same code
+over real sockets (the connection's own rules: tests/unit/test_transport_h2.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class RecordingTransport:
     def __init__(self) -> None:
         self.written = bytearray()
         self.closed = False
+        self.reading = True
 
     def write(self, data: bytes) -> None:
         self.written += data
@@ -33,6 +35,12 @@ class RecordingTransport:
 
     def close(self) -> None:
         self.closed = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return ("127.0.0.1", 5555) if name == "peername" else default
@@ -178,3 +186,41 @@ def test_frame_content_strips_padding_and_priority_or_refuses_bad_padding() -> N
     assert bytes(h2.frame_content(h2.DATA, 0, memoryview(b"as is")) or b"?") == b"as is"
     assert h2.frame_content(h2.DATA, h2.PADDED, memoryview(bytes([5]) + b"abc")) is None
     assert h2.frame_content(h2.HEADERS, h2.PADDED, memoryview(b"")) is None
+
+
+async def test_a_client_that_does_not_read_is_not_read_and_its_answers_wait() -> None:
+    calls.clear()
+    conn = _Connection(GrpcServer({"/svc/Method": Recorder}))
+    transport = RecordingTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.data_received(client_bytes()[: len(client_bytes()) - 9 - len(message(b"echo"))])
+    [handler] = calls
+    conn.flush_out()
+    transport.written.clear()
+    conn.pause_writing()  # the socket buffer is full: the client does not read
+    assert not transport.reading
+    handler.call.send(b"held")
+    conn.flush_out()
+    assert not [p for kind, _, _, p in frames(transport.written) if kind == h2.DATA]
+    conn.resume_writing()
+    assert transport.reading
+    conn.flush_out()
+    assert [p for kind, _, _, p in frames(transport.written) if kind == h2.DATA] == [message(b"held")]
+
+
+async def test_a_connection_error_is_logged_answered_with_goaway_and_frees_the_calls(
+        caplog: pytest.LogCaptureFixture) -> None:
+    calls.clear()
+    conn = _Connection(GrpcServer({"/svc/Method": Recorder}))
+    transport = RecordingTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.data_received(client_bytes()[: len(client_bytes()) - 9 - len(message(b"echo"))])
+    conn.data_received(h2.frame(h2.RST_STREAM, 0, 1, b"\0\0"))  # 2 bytes: once a struct.error
+    assert transport.closed
+    goaway = [p for kind, _, _, p in frames(transport.written) if kind == h2.GOAWAY]
+    assert goaway and h2.unpack_u32(goaway[0], 4) == h2.ErrorCode.FRAME_SIZE_ERROR
+    assert any("RST_STREAM of 2 bytes" in r.getMessage() and "ipv4:127.0.0.1:5555" in r.getMessage()
+               for r in caplog.records)
+    conn.connection_lost(None)  # what the event loop does once the transport has closed
+    [handler] = calls
+    assert handler.closed_reason == "connection lost"

@@ -9,13 +9,16 @@ event loop directly, a response is one socket write of bytes the cache already s
 between streams, and a request is parsed inside ``data_received``: no task, future or thread per
 message or per stream.
 
-What is implemented (RFC 9113, and gRPC over HTTP/2): connection preface and SETTINGS, HPACK
-header decoding (the ``hpack`` package), streams with both directions of flow control, DATA
-split at the peer's max frame size, PING answers, RST_STREAM, GOAWAY, trailers-only responses for
-unknown methods and refused streams, graceful stop, TLS and mTLS (an ``ssl.SSLContext`` given to
-:meth:`GrpcServer.start`; the peer's verified identity is :attr:`Call.peer_identity`, see
-:mod:`pilotfish.server.tls`). Not implemented: server push (gRPC never uses it), compression (a
-compressed message is answered with UNIMPLEMENTED). TCP keepalive finds dead peers at no Python cost.
+HTTP/2 itself (RFC 9113: framing, HPACK, flow control, every rule a peer can trip and the limits
+of :class:`~pilotfish.transport.h2.Limits`) is the sans-IO :class:`pilotfish.transport.h2.Connection`;
+this module is its asyncio adapter: it moves bytes between the socket and the connection, turns
+the connection's events into calls of the registered methods, writes each connection's output
+once per turn of the event loop (batched, see :meth:`GrpcServer.mark_dirty`), and stops reading a
+peer while it does not read (``pause_writing``). What gRPC adds: trailers-only responses for
+unknown methods, UNIMPLEMENTED for compressed messages, graceful stop, TLS and mTLS (an
+``ssl.SSLContext`` given to :meth:`GrpcServer.start`; the peer's verified identity is
+:attr:`Call.peer_identity`, see :mod:`pilotfish.server.tls`). Not implemented: compression. TCP
+keepalive finds dead peers at no Python cost.
 
 Applications register *methods*: ``path -> factory(call) -> handler``. A handler is called back
 synchronously: ``on_message(bytes)``, ``on_half_close()`` (the client has sent all it will),
@@ -31,28 +34,28 @@ import contextlib
 import logging
 import socket
 import ssl
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-import hpack
-
-from pilotfish.server import http2 as h2
-from pilotfish.server.http2 import ErrorCode, GrpcStatus, Setting
 from pilotfish.server.tls import peer_identity
+from pilotfish.transport import frames as h2
+from pilotfish.transport.frames import ErrorCode, GrpcStatus
+from pilotfish.transport.h2 import (
+    Connection,
+    ConnectionTerminated,
+    HeadersReceived,
+    Limits,
+    MessageReceived,
+    MessageRejected,
+    Role,
+    StreamEnded,
+    StreamReset,
+)
 
 __all__ = ["Call", "GrpcServer", "Handler", "MethodFactory", "RpcError"]
 
 _log = logging.getLogger("pilotfish.server.grpc")
 
-_MB = 1024 * 1024
-# What pilotfish offers its peers. Requests are small, so big receive windows cost nothing (data
-# is consumed as it arrives) and spare the peer from waiting on WINDOW_UPDATEs.
-STREAM_WINDOW = 4 * _MB
-CONNECTION_WINDOW = 64 * _MB
-MAX_CONCURRENT_STREAMS = 256
-MAX_HEADER_LIST = 64 * 1024
-MAX_RECEIVE_MESSAGE = 64 * _MB
 FLUSH_BATCH = 32
 """Connections with output that wait for one flush, at most (see :meth:`GrpcServer.mark_dirty`).
 Measured at 1,000 proxies (p99 of an endpoint change): 8-32 ~210-230 ms, 128 ~265 ms, 512 ~255 ms."""
@@ -61,16 +64,9 @@ LISTEN_BACKLOG = 65_535  # the kernel caps it at net.core.somaxconn; a reconnect
 # TCP keepalive: an idle peer that vanished (no FIN, no RST) is found within ~60 s.
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
 
-_SERVER_SETTINGS = h2.settings({
-    Setting.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-    Setting.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-    Setting.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
-    Setting.ENABLE_PUSH: 0,
-})
-_SETTINGS_ACK = h2.frame(h2.SETTINGS, h2.ACK, 0)
-_OPENING = (_SERVER_SETTINGS
-            + h2.window_update(0, CONNECTION_WINDOW - h2.DEFAULT_WINDOW))
 _RESPONSE_HEADERS = h2.header_block([(b":status", b"200"), (b"content-type", b"application/grpc")])
+_REASON_LIMIT = 200
+"""Characters of a peer-caused reason kept in a log line (a peer must not fill the log)."""
 
 
 class RpcError(Exception):
@@ -105,27 +101,16 @@ def _trailers(code: int, message: str) -> list[tuple[bytes, bytes]]:
 class Call:
     """One gRPC call: one HTTP/2 stream of a connection."""
 
-    __slots__ = ("_conn", "_headers_sent", "_pending", "_received", "_trailers", "closed",
-                 "handler", "id", "remote_closed", "unacked", "window")
+    __slots__ = ("_conn", "_h2", "_headers_sent", "closed", "handler", "id")
 
     def __init__(self, conn: _Connection, stream_id: int) -> None:
         self._conn = conn
+        self._h2 = conn.h2
         self.id = stream_id
-        self.window = conn.peer_initial_window
-        """How many DATA bytes the peer lets us send on this stream now."""
-        self.unacked = 0
-        """DATA bytes received and not yet given back with a WINDOW_UPDATE."""
         self.handler: Handler | None = None
         self.closed = False
-        """We have ended the stream (trailers queued or sent) or it was reset."""
-        self.remote_closed = False
+        """We have ended the call (trailers queued) or it was reset."""
         self._headers_sent = False
-        self._pending: deque[memoryview] | None = None
-        """DATA waiting for flow-control window (views of shared bytes: nothing is copied)."""
-        self._received: bytearray | None = None
-        """A message's bytes so far, when one spans DATA frames."""
-        self._trailers: tuple[bytes, str] | None = None
-        """The trailers' header block (and why the call ends), when they wait behind pending DATA."""
 
     @property
     def peer(self) -> str:
@@ -139,38 +124,19 @@ class Call:
 
     def send(self, *parts: bytes) -> None:
         """Send one message, the concatenation of ``parts``. Never blocks: what flow control does
-        not allow yet waits in the call and goes out as the peer opens its window."""
+        not allow yet waits in the stream (as views of ``parts``, never copied) and goes out as
+        the peer opens its window."""
         if self.closed:
             return
-        conn = self._conn
         if not self._headers_sent:
             self._headers_sent = True
-            conn.write_headers(self.id, _RESPONSE_HEADERS, end_stream=False)
-        length = 0
-        for part in parts:
-            length += len(part)
-        size = length + 5
-        if (self._pending is None and size <= self.window and size <= conn.window
-                and size <= conn.peer_max_frame and not conn.paused):
-            # The usual case: one frame the peer's windows take whole (Envoy opens 256 MiB ones).
-            self.window -= size
-            conn.window -= size
-            write = conn.write
-            write(h2.frame_header(size, h2.DATA, 0, self.id))
-            write(h2.grpc_prefix(length))
-            for part in parts:
-                write(part)
-            return
-        # Larger, or held back by flow control: frames cut from views of the shared parts (no
-        # copy of the response per stream), as many as the windows allow now.
-        if self._pending is None:
-            self._pending = deque()
-        self._pending.append(memoryview(h2.grpc_prefix(length)))
-        self._pending.extend(memoryview(p) for p in parts if p)
-        conn.flush(self)
+            self._h2.send_header_block(self.id, _RESPONSE_HEADERS)
+        self._h2.send_message(self.id, *parts)
 
-    def finish(self, code: int = GrpcStatus.OK, message: str = "") -> None:
-        """End the call with ``code`` (after any DATA still waiting for window)."""
+    def finish(self, code: int = GrpcStatus.OK, message: str = "", *, abandon_pending: bool = False) -> None:
+        """End the call with ``code`` (the trailers go out after any DATA still waiting for
+        window, or at once, that DATA dropped, with ``abandon_pending``) and tell the handler,
+        if it is still there."""
         if self.closed:
             return
         self.closed = True
@@ -179,11 +145,9 @@ class Call:
         else:  # trailers-only response
             block = _RESPONSE_HEADERS + h2.header_block(_trailers(code, message))
             self._headers_sent = True
-        reason = "finished" if code == GrpcStatus.OK else f"finished with gRPC status {code}: {message}"
-        if self._pending:
-            self._trailers = (block, reason)
-        else:
-            self._conn.end_call(self, block, reason)
+        self._h2.send_header_block(self.id, block, end_stream=True, abandon_pending=abandon_pending)
+        self._conn.forget(self)
+        self.release_handler("finished" if code == GrpcStatus.OK else f"finished with gRPC status {code}: {message}")
 
     def release_handler(self, reason: str) -> None:
         """Tell the handler, once, that the call is over, and drop it: the handler holds the
@@ -195,70 +159,20 @@ class Call:
             except Exception:
                 _log.exception("on_closed of stream %d failed", self.id)
 
-    def drain(self) -> bool:
-        """Send what flow control allows of the pending DATA. True when all of it has gone."""
-        pending, conn = self._pending, self._conn
-        if pending is None:
-            return True
-        write, header, max_frame = conn.write, h2.frame_header, conn.peer_max_frame
-        while pending:
-            budget = min(self.window, conn.window, max_frame)
-            if conn.paused or budget <= 0:
-                return False
-            size = 0
-            parts = []
-            while pending and size < budget:  # one frame may carry several pieces
-                chunk = pending[0]
-                take = min(len(chunk), budget - size)
-                if take == len(chunk):
-                    parts.append(chunk)
-                    pending.popleft()
-                else:
-                    parts.append(chunk[:take])
-                    pending[0] = chunk[take:]
-                size += take
-            write(header(size, h2.DATA, 0, self.id))
-            for part in parts:
-                write(part)
-            self.window -= size
-            conn.window -= size
-        self._pending = None
-        if self._trailers is not None:
-            (block, reason), self._trailers = self._trailers, None
-            conn.end_call(self, block, reason)
-        return True
-
 
 class _Connection(asyncio.Protocol):
-    """One client connection: the HTTP/2 state machine and its calls."""
+    """One client connection: the asyncio side of a :class:`~pilotfish.transport.h2.Connection`."""
 
     def __init__(self, server: GrpcServer) -> None:
         self._server = server
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set in connection_made
+        self._dirty = False
+        self._reading = True
+        self.h2 = Connection(role=Role.SERVER, limits=server.limits, on_output=self._output_ready)
         self.peer = ""
         self.identity = ""
         """The client's identity from its verified certificate (mTLS), else ``""``."""
-        self._buffer = bytearray()
-        self._preface_seen = False
-        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
         self._calls: dict[int, Call] = {}
-        self._last_stream = 0
-        self._headers_stream = 0
-        """The stream whose header block continues in CONTINUATION frames (0: none)."""
-        self._header_fragments: list[bytes] = []
-        self._headers_flags = 0
-        self.window = h2.DEFAULT_WINDOW
-        """Connection-level send window."""
-        self.peer_initial_window = h2.DEFAULT_WINDOW
-        self.peer_max_frame = h2.DEFAULT_MAX_FRAME
-        self._unacked = 0
-        self._waiting: dict[Call, None] = {}
-        """Calls with pending DATA held back by the connection (its window, or paused writing)."""
-        self._table_update = b""
-        self._out: list[bytes | memoryview] | None = None
-        """What was written this turn of the event loop (see :meth:`write`)."""
-        self.paused = False
-        self.closing = False
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -276,330 +190,134 @@ class _Connection(asyncio.Protocol):
             self.peer = f"{family}:{peer[0]}:{peer[1]}"
         self.identity = peer_identity(transport.get_extra_info("peercert"))
         self._server.connections.add(self)
-        self.write(_OPENING)
+        self._output_ready()  # the SETTINGS queued when the connection was made
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
         reason = "connection lost" if exc is None else f"connection lost: {exc}"
         calls, self._calls = self._calls, {}
-        self._waiting.clear()
         for call in calls.values():
-            self._cancel(call, reason)
+            call.closed = True
+            call.release_handler(reason)
 
     def pause_writing(self) -> None:
-        self.paused = True
+        self.h2.writing_paused = True
+        self._set_reading(False)  # a peer that does not read gets no more of its requests read
 
     def resume_writing(self) -> None:
-        self.paused = False
-        self._drain_waiting()
+        self.h2.resume_writing()
+        self._set_reading(self.h2.wants_to_read)
+
+    def _set_reading(self, reading: bool) -> None:
+        if reading == self._reading or self.transport.is_closing():
+            return
+        self._reading = reading
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            if reading:
+                self.transport.resume_reading()
+            else:
+                self.transport.pause_reading()
 
     def data_received(self, data: bytes) -> None:
-        if self._buffer:  # a frame (or the preface) was cut short by the previous read
-            data = bytes(self._buffer) + data
-            self._buffer.clear()
-        offset, end = 0, len(data)
-        if not self._preface_seen:
-            size = len(h2.CONNECTION_PREFACE)
-            if not h2.CONNECTION_PREFACE.startswith(data[:size]):
-                self._fail(ErrorCode.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                return
-            if end < size:
-                self._buffer += data
-                return
-            self._preface_seen = True
-            offset = size
-        view = memoryview(data)
-        on_frame, parse = self._on_frame, h2.parse_frame_header
-        while end - offset >= 9:
-            length, kind, flags, stream_id = parse(data, offset)
-            if length > h2.DEFAULT_MAX_FRAME:  # we never raise SETTINGS_MAX_FRAME_SIZE
-                self._fail(ErrorCode.FRAME_SIZE_ERROR, f"frame of {length} bytes")
-                return
-            if end - offset < 9 + length:
-                break
-            start = offset + 9
-            offset = start + length
-            on_frame(kind, flags, stream_id, view[start:offset])
-            if self.transport.is_closing():
-                return
-        if offset < end:
-            self._buffer += view[offset:]
+        conn = self.h2
+        calls = self._calls
+        for event in conn.receive(data):  # in the order of how often they come
+            if isinstance(event, MessageReceived):
+                call = calls.get(event.stream_id)
+                if call is not None and call.handler is not None:
+                    try:
+                        call.handler.on_message(event.data)
+                    except RpcError as exc:
+                        call.finish(exc.code, exc.message)
+                conn.acknowledge(event.stream_id, event.flow_controlled_length)  # consumed: reopen the window
+            elif isinstance(event, HeadersReceived):
+                if not event.trailers:  # (a gRPC client sends none; its END_STREAM follows as StreamEnded)
+                    self._open_call(event.stream_id, event.headers)
+            elif isinstance(event, StreamEnded):
+                call = calls.get(event.stream_id)
+                if call is not None:
+                    self._on_remote_end(call, event.incomplete_message)
+            elif isinstance(event, StreamReset):
+                call = calls.pop(event.stream_id, None)
+                if call is not None:
+                    call.closed = True
+                    call.release_handler(f"reset by the client (error code {event.error_code})" if event.remote
+                                         else f"stream error: {event.reason[:_REASON_LIMIT]}")
+            elif isinstance(event, MessageRejected):
+                call = calls.get(event.stream_id)
+                if call is not None:
+                    call.finish(event.grpc_status, event.reason)
+            elif isinstance(event, ConnectionTerminated) and not event.remote:
+                _log.warning("closing HTTP/2 connection from %s: %s", self.peer, event.reason[:_REASON_LIMIT])
+        if conn.closed:
+            self._close()
 
-    # -- frames -------------------------------------------------------------------------------
+    # -- calls ------------------------------------------------------------------------------------
 
-    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: memoryview) -> None:
-        if self._headers_stream and kind != h2.CONTINUATION:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "header block interrupted")
-        elif kind == h2.DATA:
-            self._on_data(flags, stream_id, payload)
-        elif kind == h2.HEADERS:
-            self._on_headers(flags, stream_id, payload)
-        elif kind == h2.CONTINUATION:
-            if stream_id != self._headers_stream or not stream_id:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "unexpected CONTINUATION")
-                return
-            self._header_fragments.append(bytes(payload))
-            if flags & h2.END_HEADERS:
-                self._headers_stream = 0
-                self._on_header_block(stream_id, self._headers_flags, b"".join(self._header_fragments))
-                self._header_fragments = []
-        elif kind == h2.WINDOW_UPDATE:
-            self._on_window_update(stream_id, payload)
-        elif kind == h2.PING:
-            if not flags & h2.ACK and len(payload) == 8:
-                self.write(h2.frame(h2.PING, h2.ACK, 0, bytes(payload)))
-        elif kind == h2.SETTINGS:
-            if not flags & h2.ACK:
-                self._on_settings(payload)
-        elif kind == h2.RST_STREAM:
-            call = self._calls.pop(stream_id, None)
-            if call is not None:
-                self._waiting.pop(call, None)
-                self._cancel(call, f"reset by the client (error code {h2.unpack_u32(payload) if payload else 0})")
-        elif kind == h2.GOAWAY:
-            pass  # the client opens no more streams; the ones it has run to their end
-        elif kind == h2.PUSH_PROMISE:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "a client cannot push")
-        # PRIORITY and unknown frame types are ignored (RFC 9113 section 5.5)
-
-    def _on_settings(self, payload: memoryview) -> None:
-        if len(payload) % 6:
-            self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS length not a multiple of 6")
-            return
-        for key, value in h2.parse_settings(payload):
-            if key == Setting.INITIAL_WINDOW_SIZE:
-                if value > h2.MAX_WINDOW:
-                    self._fail(ErrorCode.FLOW_CONTROL_ERROR, "INITIAL_WINDOW_SIZE too large")
-                    return
-                delta, self.peer_initial_window = value - self.peer_initial_window, value
-                for call in self._calls.values():
-                    call.window += delta
-            elif key == Setting.MAX_FRAME_SIZE:
-                if not h2.DEFAULT_MAX_FRAME <= value <= 16_777_215:
-                    self._fail(ErrorCode.PROTOCOL_ERROR, "MAX_FRAME_SIZE out of range")
-                    return
-                self.peer_max_frame = value
-            elif key == Setting.HEADER_TABLE_SIZE:
-                # We never index, but a decoder that shrank its table expects to hear it.
-                self._table_update = h2.table_size_update(value)
-        self.write(_SETTINGS_ACK)
-        for call in list(self._calls.values()):
-            if call.drain():
-                self._waiting.pop(call, None)
-
-    def _on_window_update(self, stream_id: int, payload: memoryview) -> None:
-        increment = h2.unpack_u32(payload) & 0x7FFF_FFFF if len(payload) == 4 else 0
-        if increment == 0:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            return
-        if stream_id == 0:
-            self.window += increment
-            self._drain_waiting()
-            return
-        call = self._calls.get(stream_id)
-        if call is not None:
-            call.window += increment
-            if call.drain():
-                self._waiting.pop(call, None)
-
-    def _on_headers(self, flags: int, stream_id: int, payload: memoryview) -> None:
-        if not stream_id:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
-            return
-        content = h2.frame_content(h2.HEADERS, flags, payload)
-        if content is None:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "HEADERS padding too long")
-            return
-        fragment = bytes(content)
-        if flags & h2.END_HEADERS:
-            self._on_header_block(stream_id, flags, fragment)
-        else:
-            self._headers_stream, self._headers_flags, self._header_fragments = stream_id, flags, [fragment]
-
-    def _on_header_block(self, stream_id: int, flags: int, block: bytes) -> None:
-        try:
-            headers = self._decoder.decode(block, raw=True)
-        except hpack.HPACKError as exc:
-            self._fail(ErrorCode.COMPRESSION_ERROR, f"bad header block: {exc}")
-            return
-        call = self._calls.get(stream_id)
-        if call is not None:  # trailers from the client: gRPC clients send none, but they end the stream
-            if flags & h2.END_STREAM:
-                self._on_remote_end(call)
-            return
-        if not stream_id % 2:
-            self._fail(ErrorCode.PROTOCOL_ERROR, f"a client cannot open even-numbered stream {stream_id}")
-            return
-        if stream_id <= self._last_stream:
-            return  # a stream that has ended (decoding its headers kept HPACK in step)
-        self._last_stream = stream_id
-        self._open_call(stream_id, flags, {name: value for name, value in headers})
-
-    def _open_call(self, stream_id: int, flags: int, headers: Mapping[bytes, bytes]) -> None:
-        if self.closing or len(self._calls) >= MAX_CONCURRENT_STREAMS:
-            self.write(h2.rst_stream(stream_id, ErrorCode.REFUSED_STREAM))
-            return
+    def _open_call(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         call = self._calls[stream_id] = Call(self, stream_id)
-        method = self._server.methods.get(headers.get(b":path", b""))
-        content_type = headers.get(b"content-type", b"")
-        if headers.get(b":method") != b"POST" or not content_type.startswith(b"application/grpc"):
+        fields = dict(headers)
+        method = self._server.methods.get(fields.get(b":path", b""))
+        content_type = fields.get(b"content-type", b"")
+        if fields.get(b":method") != b"POST" or not content_type.startswith(b"application/grpc"):
             call.finish(GrpcStatus.UNIMPLEMENTED, "pilotfish serves gRPC only (POST, content-type application/grpc)")
         elif method is None:
-            path = headers.get(b":path", b"").decode(errors="replace")
+            path = fields.get(b":path", b"")[:_REASON_LIMIT].decode(errors="replace")
             call.finish(GrpcStatus.UNIMPLEMENTED, f"unknown method {path}")
         else:
             try:
                 call.handler = method(call)
             except RpcError as exc:
                 call.finish(exc.code, exc.message)
-        if flags & h2.END_STREAM and stream_id in self._calls:
-            self._on_remote_end(call)
 
-    def _on_data(self, flags: int, stream_id: int, payload: memoryview) -> None:
-        size = len(payload)
-        self._unacked += size
-        if self._unacked >= CONNECTION_WINDOW // 2:
-            self.write(h2.window_update(0, self._unacked))
-            self._unacked = 0
-        call = self._calls.get(stream_id)
-        if call is None or call.remote_closed:
-            if stream_id > self._last_stream:
-                self._fail(ErrorCode.PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
-            return  # a stream we already ended: its data is dropped
-        call.unacked += size
-        if call.unacked >= STREAM_WINDOW // 2:
-            self.write(h2.window_update(stream_id, call.unacked))
-            call.unacked = 0
-        if flags & h2.PADDED:
-            content = h2.frame_content(h2.DATA, flags, payload)
-            if content is None:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "DATA padding too long")
-                return
-            payload = content
-        if payload and call.handler is not None and not call.closed:
-            self._on_messages(call, payload)
-        if flags & h2.END_STREAM and not call.remote_closed:
-            self._on_remote_end(call)
-
-    def _on_messages(self, call: Call, payload: memoryview) -> None:
-        """Hand the handler every whole message in ``payload`` (after what an earlier frame left)."""
-        if call._received is not None:
-            call._received += payload
-            data: bytes | bytearray | memoryview = call._received
-        else:
-            data = payload
-        offset, end = 0, len(data)
-        handler = call.handler
-        assert handler is not None
-        while end - offset >= 5:
-            compressed, length = h2.parse_grpc_prefix(data, offset)
-            if compressed:
-                call.finish(GrpcStatus.UNIMPLEMENTED, "pilotfish accepts uncompressed messages only")
-                break
-            if length > MAX_RECEIVE_MESSAGE:
-                call.finish(GrpcStatus.RESOURCE_EXHAUSTED, f"message of {length} bytes is over the limit")
-                break
-            if end - offset - 5 < length:
-                break
-            start = offset + 5
-            offset = start + length
-            try:
-                handler.on_message(bytes(data[start:offset]))
-            except RpcError as exc:
-                call.finish(exc.code, exc.message)
-            if call.closed:
-                break
-        if call.closed:
-            call._received = None
-        elif offset < end:
-            call._received = bytearray(data[offset:])
-        else:
-            call._received = None
-
-    def _on_remote_end(self, call: Call) -> None:
-        call.remote_closed = True
+    def _on_remote_end(self, call: Call, incomplete_message: bool) -> None:
         if call.closed:
             return
-        if call._received:
+        if incomplete_message:
             call.finish(GrpcStatus.INTERNAL, "the stream ended inside a message")
         elif call.handler is not None:
             call.handler.on_half_close()
             if not call.closed:
                 call.finish()  # a handler that keeps nothing open after the client is done
 
+    def forget(self, call: Call) -> None:
+        """``call`` has ended on our side; the connection ends its stream."""
+        if self._calls.get(call.id) is call:
+            del self._calls[call.id]
+
     # -- sending --------------------------------------------------------------------------------
 
-    def write(self, data: bytes | memoryview) -> None:
-        """Queue ``data``; everything a connection is given in one turn of the event loop goes
-        out in one ``send`` (a loopback send costs ~15 us of CPU, most of a small response)."""
-        out = self._out
-        if out is None:
-            self._out = [data]
+    def _output_ready(self) -> None:
+        """The HTTP/2 connection has output: write it at the end of this turn of the event loop,
+        with every other connection's (a loopback send costs ~15 us of CPU, most of a small
+        response)."""
+        if not self._dirty and self.transport is not None:
+            self._dirty = True
             self._server.mark_dirty(self)
-        else:
-            out.append(data)
 
     def flush_out(self) -> None:
-        out, self._out = self._out, None
+        self._dirty = False
+        out = self.h2.take_output()
         if out and not self.transport.is_closing():
             self.transport.writelines(out)  # uvloop: one writev, no joined copy
 
-    def write_headers(self, stream_id: int, block: bytes, *, end_stream: bool) -> None:
-        if self._table_update:
-            block, self._table_update = self._table_update + block, b""
-        flags = h2.END_HEADERS | (h2.END_STREAM if end_stream else 0)
-        self.write(h2.frame(h2.HEADERS, flags, stream_id, block))
-
-    def end_call(self, call: Call, block: bytes, reason: str) -> None:
-        """Write ``call``'s final header block; the stream is done on our side."""
-        if self._calls.get(call.id) is not call or self.transport.is_closing():
-            return
-        self.write_headers(call.id, block, end_stream=True)
-        del self._calls[call.id]
-        self._waiting.pop(call, None)
-        # Tell a handler that did not end the call itself (a no-op for one that did).
-        call.release_handler(reason)
-        if not call.remote_closed:  # tell the client to stop sending (RFC 9113 section 8.1)
-            self.write(h2.rst_stream(call.id, ErrorCode.NO_ERROR))
-
-    def flush(self, call: Call) -> None:
-        if not call.drain() and (self.paused or self.window <= 0):
-            self._waiting[call] = None
-
-    def _drain_waiting(self) -> None:
-        while self._waiting and not self.paused and self.window > 0:
-            call = next(iter(self._waiting))
-            del self._waiting[call]
-            if not call.drain() and (self.paused or self.window <= 0):
-                self._waiting[call] = None
-                return
-
     # -- ending ---------------------------------------------------------------------------------
 
-    def _cancel(self, call: Call, reason: str) -> None:
-        call.closed = True
-        call._pending = None
-        call.release_handler(reason)
-
-    def _fail(self, code: int, reason: str) -> None:
-        """A connection error: GOAWAY, then close (every call is cancelled in connection_lost)."""
-        _log.warning("closing HTTP/2 connection from %s: %s", self.peer, reason)
+    def _close(self) -> None:
+        """The HTTP/2 connection is over (GOAWAY sent or received): write what is left, close
+        (every call is cancelled in connection_lost)."""
         if not self.transport.is_closing():
-            self.write(h2.goaway(self._last_stream, code, reason.encode()[:200]))
             self.flush_out()
             self.transport.close()
 
     def shut_down(self, message: str) -> None:
         """Stop: every call ends UNAVAILABLE (so clients reconnect elsewhere or later), GOAWAY."""
-        self.closing = True
         if self.transport.is_closing():
             return
         for call in list(self._calls.values()):
-            call._pending = None
-            call._trailers = None
             call.release_handler(message)
-            call.finish(GrpcStatus.UNAVAILABLE, message)
-        self.write(h2.goaway(self._last_stream, ErrorCode.NO_ERROR, message.encode()))
+            call.finish(GrpcStatus.UNAVAILABLE, message, abandon_pending=True)
+        self.h2.close(ErrorCode.NO_ERROR, message)
         self.flush_out()
         self.transport.close()
 
@@ -607,7 +325,9 @@ class _Connection(asyncio.Protocol):
 class GrpcServer:
     """Listens on one address and serves the registered ``methods`` ({path: factory})."""
 
-    def __init__(self, methods: Mapping[str, MethodFactory]) -> None:
+    def __init__(self, methods: Mapping[str, MethodFactory], *, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        """What each connection lets a peer do (see :class:`~pilotfish.transport.h2.Limits`)."""
         self.methods: dict[bytes, MethodFactory] = {path.encode(): f for path, f in methods.items()}
         self.connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
