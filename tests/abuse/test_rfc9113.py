@@ -10,9 +10,6 @@ traceback and its memory stay bounded (:meth:`Target.harm`).
 
 These tests share one server per module (started again when a test leaves it dead or with a
 traceback): each is cheap, and the server must not be changed by any of them.
-
-Marked ``xfail(strict=True)``: what does not hold today (issue 9). When the transport is fixed,
-such a test passes, and strict makes that a failure saying to remove the mark.
 """
 
 from __future__ import annotations
@@ -44,10 +41,6 @@ OPEN_1 = headers_frame(1)
 """Stream 1 opened with a valid gRPC request's headers, the client's side still open."""
 REQUEST_1 = OPEN_1 + frame(FrameType.DATA, 0, 1, grpc_message(discovery_request()))
 """Stream 1 opened and its first xDS request sent (the server answers it and watches)."""
-
-
-def xfail(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 9: {reason}")
 
 
 def connection_error(client: RawClient, code: int) -> list[str]:
@@ -82,54 +75,39 @@ def attack(target: Target, offence: bytes, *, preface: bool = True) -> RawClient
 # -- connection errors: (offence, RFC 9113 error code) --------------------------------------------
 
 CONNECTION_ERRORS = [
-    pytest.param(frame(FrameType.DATA, 0, 0, b"x"), H2Code.PROTOCOL_ERROR, id="DATA-on-stream-0",
-                 marks=xfail("DATA on stream 0 is dropped, not a PROTOCOL_ERROR (6.1)")),
-    pytest.param(frame(FrameType.PRIORITY, 0, 0, b"\0\0\0\3\x10"), H2Code.PROTOCOL_ERROR, id="PRIORITY-on-stream-0",
-                 marks=xfail("PRIORITY on stream 0 is ignored, not a PROTOCOL_ERROR (6.3)")),
-    pytest.param(rst_stream(0, H2Code.CANCEL), H2Code.PROTOCOL_ERROR, id="RST_STREAM-on-stream-0",
-                 marks=xfail("RST_STREAM on stream 0 is ignored, not a PROTOCOL_ERROR (6.4)")),
-    pytest.param(frame(FrameType.PING, 0, 1, b"12345678"), H2Code.PROTOCOL_ERROR, id="PING-on-a-stream",
-                 marks=xfail("PING on a stream is answered, not a PROTOCOL_ERROR (6.7)")),
-    pytest.param(settings_frame([], stream_id=1), H2Code.PROTOCOL_ERROR, id="SETTINGS-on-a-stream",
-                 marks=xfail("SETTINGS on a stream is taken, not a PROTOCOL_ERROR (6.5)")),
+    pytest.param(frame(FrameType.DATA, 0, 0, b"x"), H2Code.PROTOCOL_ERROR, id="DATA-on-stream-0"),
+    pytest.param(frame(FrameType.PRIORITY, 0, 0, b"\0\0\0\3\x10"), H2Code.PROTOCOL_ERROR, id="PRIORITY-on-stream-0"),
+    pytest.param(rst_stream(0, H2Code.CANCEL), H2Code.PROTOCOL_ERROR, id="RST_STREAM-on-stream-0"),
+    pytest.param(frame(FrameType.PING, 0, 1, b"12345678"), H2Code.PROTOCOL_ERROR, id="PING-on-a-stream"),
+    pytest.param(settings_frame([], stream_id=1), H2Code.PROTOCOL_ERROR, id="SETTINGS-on-a-stream"),
     pytest.param(frame(FrameType.GOAWAY, 0, 1, struct.pack(">II", 0, 0)), H2Code.PROTOCOL_ERROR,
-                 id="GOAWAY-on-a-stream", marks=xfail("GOAWAY on a stream is ignored, not a PROTOCOL_ERROR (6.8)")),
+                 id="GOAWAY-on-a-stream"),
     pytest.param(headers_frame(0), H2Code.PROTOCOL_ERROR, id="HEADERS-on-stream-0"),
     pytest.param(frame(FrameType.CONTINUATION, END_HEADERS, 1, literal_block(request_headers())),
                  H2Code.PROTOCOL_ERROR, id="CONTINUATION-without-HEADERS"),
     pytest.param(frame(FrameType.HEADERS, 0, 1, literal_block(request_headers()))
                  + frame(FrameType.PING, 0, 0, b"x" * 8), H2Code.PROTOCOL_ERROR, id="header-block-interrupted"),
     pytest.param(headers_frame(2), H2Code.PROTOCOL_ERROR, id="even-stream-id-from-a-client"),
-    pytest.param(headers_frame(5) + headers_frame(3), H2Code.PROTOCOL_ERROR, id="lower-stream-id-after-higher",
-                 marks=xfail("HEADERS on a lower stream id than one already opened are dropped silently, "
-                             "not a PROTOCOL_ERROR (5.1.1): the client's call hangs")),
+    pytest.param(headers_frame(5) + headers_frame(3), H2Code.PROTOCOL_ERROR, id="lower-stream-id-after-higher"),
     pytest.param(frame(FrameType.DATA, 0, 7, b"x"), H2Code.PROTOCOL_ERROR, id="DATA-on-an-idle-stream"),
     pytest.param(frame(FrameType.PUSH_PROMISE, END_HEADERS, 1, b"\0\0\0\2"), H2Code.PROTOCOL_ERROR,
                  id="PUSH_PROMISE-from-a-client"),
-    pytest.param(window_update(0, MAX_WINDOW), H2Code.FLOW_CONTROL_ERROR, id="connection-window-over-2^31-1",
-                 marks=xfail("a WINDOW_UPDATE taking the connection window past 2^31-1 is taken, "
-                             "not a FLOW_CONTROL_ERROR (6.9.1)")),
+    pytest.param(window_update(0, MAX_WINDOW), H2Code.FLOW_CONTROL_ERROR, id="connection-window-over-2^31-1"),
     pytest.param(window_update(0, 0), H2Code.PROTOCOL_ERROR, id="WINDOW_UPDATE-of-0-on-the-connection"),
-    pytest.param(frame(FrameType.WINDOW_UPDATE, 0, 0, b"\0\0\1"), H2Code.FRAME_SIZE_ERROR, id="3-byte-WINDOW_UPDATE",
-                 marks=xfail("a 3-byte WINDOW_UPDATE is a PROTOCOL_ERROR (increment 0), not a FRAME_SIZE_ERROR (6.9)")),
-    pytest.param(frame(FrameType.PING, 0, 0, b"1234567"), H2Code.FRAME_SIZE_ERROR, id="7-byte-PING",
-                 marks=xfail("a PING of 7 bytes is ignored, not a FRAME_SIZE_ERROR (6.7)")),
+    pytest.param(frame(FrameType.WINDOW_UPDATE, 0, 0, b"\0\0\1"), H2Code.FRAME_SIZE_ERROR, id="3-byte-WINDOW_UPDATE"),
+    pytest.param(frame(FrameType.PING, 0, 0, b"1234567"), H2Code.FRAME_SIZE_ERROR, id="7-byte-PING"),
     pytest.param(frame(FrameType.SETTINGS, ACK, 0, b"\0\4\0\0\0\1"), H2Code.FRAME_SIZE_ERROR,
-                 id="SETTINGS-ACK-with-a-payload",
-                 marks=xfail("a SETTINGS ACK with a payload is ignored, not a FRAME_SIZE_ERROR (6.5)")),
+                 id="SETTINGS-ACK-with-a-payload"),
     pytest.param(frame(FrameType.SETTINGS, 0, 0, b"\0\4\0\0\0"), H2Code.FRAME_SIZE_ERROR,
                  id="SETTINGS-length-not-a-multiple-of-6"),
-    pytest.param(settings_frame([(0x2, 2)]), H2Code.PROTOCOL_ERROR, id="ENABLE_PUSH-of-2",
-                 marks=xfail("SETTINGS_ENABLE_PUSH=2 is taken, not a PROTOCOL_ERROR (6.5.2)")),
+    pytest.param(settings_frame([(0x2, 2)]), H2Code.PROTOCOL_ERROR, id="ENABLE_PUSH-of-2"),
     pytest.param(settings_frame([(0x4, MAX_WINDOW + 1)]), H2Code.FLOW_CONTROL_ERROR,
                  id="INITIAL_WINDOW_SIZE-over-2^31-1"),
     pytest.param(settings_frame([(0x5, 1000)]), H2Code.PROTOCOL_ERROR, id="MAX_FRAME_SIZE-below-16384"),
     pytest.param(OPEN_1 + frame(FrameType.DATA, 0, 1, b"x" * 16_385), H2Code.FRAME_SIZE_ERROR,
                  id="frame-over-MAX_FRAME_SIZE"),
     pytest.param(REQUEST_1 + frame(FrameType.RST_STREAM, 0, 1, b"\0\x08"), H2Code.FRAME_SIZE_ERROR,
-                 id="2-byte-RST_STREAM",
-                 marks=xfail("a 2-byte RST_STREAM raises struct.error out of data_received (a traceback, the "
-                             "stream's watch leaked), not a FRAME_SIZE_ERROR (6.4)")),
+                 id="2-byte-RST_STREAM"),
 ]
 
 
@@ -159,26 +137,22 @@ def malformed(headers: list[tuple[bytes, bytes]]) -> bytes:
 GOOD = request_headers()
 PSEUDO = [h for h in GOOD if h[0].startswith(b":")]
 REGULAR = [h for h in GOOD if not h[0].startswith(b":")]
-MALFORMED = "a malformed request (8.2, 8.3) is served, not a stream PROTOCOL_ERROR: "
 
 STREAM_ERRORS = [
-    pytest.param(OPEN_1 + window_update(1, MAX_WINDOW), 1, H2Code.FLOW_CONTROL_ERROR, id="stream-window-over-2^31-1",
-                 marks=xfail("a WINDOW_UPDATE taking a stream window past 2^31-1 is taken, "
-                             "not a FLOW_CONTROL_ERROR (6.9.1)")),
-    pytest.param(frame(FrameType.PRIORITY, 0, 3, b"\0\0\0\1"), 3, H2Code.FRAME_SIZE_ERROR, id="4-byte-PRIORITY",
-                 marks=xfail("a 4-byte PRIORITY is ignored, not a FRAME_SIZE_ERROR (6.3)")),
+    pytest.param(OPEN_1 + window_update(1, MAX_WINDOW), 1, H2Code.FLOW_CONTROL_ERROR, id="stream-window-over-2^31-1"),
+    pytest.param(frame(FrameType.PRIORITY, 0, 3, b"\0\0\0\1"), 3, H2Code.FRAME_SIZE_ERROR, id="4-byte-PRIORITY"),
     pytest.param(malformed([*PSEUDO, (b"Content-Type", b"application/grpc"), (b"te", b"trailers")]), 1,
-                 H2Code.PROTOCOL_ERROR, id="uppercase-header-name", marks=xfail(MALFORMED + "uppercase name")),
+                 H2Code.PROTOCOL_ERROR, id="uppercase-header-name"),
     pytest.param(malformed([*GOOD, (b"connection", b"keep-alive")]), 1, H2Code.PROTOCOL_ERROR,
-                 id="connection-header", marks=xfail(MALFORMED + "connection header")),
+                 id="connection-header"),
     pytest.param(malformed([*PSEUDO, (b"content-type", b"application/grpc"), (b"te", b"gzip")]), 1,
-                 H2Code.PROTOCOL_ERROR, id="te-other-than-trailers", marks=xfail(MALFORMED + "te: gzip")),
+                 H2Code.PROTOCOL_ERROR, id="te-other-than-trailers"),
     pytest.param(malformed([*PSEUDO[:2], *REGULAR, *PSEUDO[2:]]), 1, H2Code.PROTOCOL_ERROR,
-                 id="pseudo-header-after-a-regular-one", marks=xfail(MALFORMED + "misplaced pseudo-header")),
+                 id="pseudo-header-after-a-regular-one"),
     pytest.param(malformed([*PSEUDO, (b":path", b"/other"), *REGULAR]), 1, H2Code.PROTOCOL_ERROR,
-                 id="duplicate-pseudo-header", marks=xfail(MALFORMED + "duplicate :path")),
+                 id="duplicate-pseudo-header"),
     pytest.param(malformed([*PSEUDO, (b":foo", b"x"), *REGULAR]), 1, H2Code.PROTOCOL_ERROR,
-                 id="unknown-pseudo-header", marks=xfail(MALFORMED + "unknown pseudo-header")),
+                 id="unknown-pseudo-header"),
 ]
 
 
@@ -189,7 +163,6 @@ def test_stream_error(shared_target: Target, offence: bytes, stream_id: int, cod
     shared_target.conclude(request.node.name, stream_error(client, stream_id, code))
 
 
-@xfail("DATA after the client's END_STREAM is dropped silently, not STREAM_CLOSED (5.1)")
 def test_data_on_a_closed_stream(shared_target: Target, request: pytest.FixtureRequest) -> None:
     client = attack(shared_target, OPEN_1 + frame(FrameType.DATA, END_STREAM, 1, grpc_message(discovery_request())))
     client.wait_for(lambda got: 1 in got.ended or got.closed is not None, timeout=5.0)
@@ -199,7 +172,6 @@ def test_data_on_a_closed_stream(shared_target: Target, request: pytest.FixtureR
     shared_target.conclude(request.node.name, problems)
 
 
-@xfail("a header block larger than the client's MAX_FRAME_SIZE is sent in one frame, not split into CONTINUATION")
 def test_header_blocks_are_cut_at_the_clients_max_frame_size(shared_target: Target,
                                                                request: pytest.FixtureRequest) -> None:
     # An unknown method of 40 KB: the answer's grpc-message names it, so the trailers are large.
