@@ -11,9 +11,6 @@ stops reading from it (its sends stall) or closes it; the memory bound is what m
 
 Sizes are those of the issue's reproductions, cut where a fixed server would have stopped the
 attacker long before, so that each test runs in a few seconds.
-
-Marked ``xfail(strict=True)``: what does not hold today. When the transport is fixed, such a test
-passes, and strict makes that a failure saying to remove the mark.
 """
 
 from __future__ import annotations
@@ -47,10 +44,6 @@ MIB = 1024 * 1024
 MAX_WINDOW = 2**31 - 1
 RESOURCE_EXHAUSTED = 8
 INVALID_ARGUMENT = 3
-
-
-def xfail(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 9: {reason}")
 
 
 def goaway_with(client: RawClient, codes: set[int], what: str, *, barrier: bool = True) -> list[str]:
@@ -217,7 +210,6 @@ def answered(client: RawClient, kind: int, what: str, *, flags: int = 0) -> list
     return []
 
 
-@xfail("SETTINGS flood from a client that never reads: the ACKs are queued without limit")
 def test_settings_flood_from_a_client_that_never_reads(target: Target, request: pytest.FixtureRequest) -> None:
     client = flood_without_reading(target, settings_frame([]), 24)
     problems = answered(client, FrameType.SETTINGS, "SETTINGS flood", flags=0x1)

@@ -412,6 +412,19 @@ def test_rapid_reset_is_answered_with_enhance_your_calm() -> None:
     assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
 
 
+def test_a_settings_flood_is_answered_with_enhance_your_calm() -> None:
+    clock = FakeClock()
+    # The preface's SETTINGS took one token of the five.
+    server = raw_server(limits=Limits(settings_burst=5, settings_rate=1.0), clock=clock)
+    server.receive(f.settings({}) * 4)
+    assert not server.closed
+    clock.now += 1.0  # one token back
+    server.receive(f.settings({}))
+    assert not server.closed
+    server.receive(f.settings({}))
+    assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
+
+
 def test_rapid_reset_with_default_limits_ends_within_the_nghttp2_burst() -> None:
     server = raw_server()
     wire = b"".join(headers(s) + f.rst_stream(s, ErrorCode.CANCEL) for s in range(1, 4002, 2))  # 2,001 resets

@@ -94,6 +94,12 @@ class Limits:
     CVE-2023-44487)."""
     reset_rate: float = 33.0
     """Tokens per second returned to the reset bucket (nghttp2's stream_reset_rate)."""
+    settings_burst: int = 100
+    """SETTINGS frames (not ACKs) a peer may send at once: a token bucket. A peer sends one at the
+    start and rarely another; each costs us an ACK. Empty bucket: ENHANCE_YOUR_CALM (a SETTINGS
+    flood, answered with ACKs a peer that never reads makes us hold)."""
+    settings_rate: float = 10.0
+    """Tokens per second returned to the SETTINGS bucket."""
     max_consecutive_empty_frames: int = 1
     """DATA frames in a row with no payload and no END_STREAM (Envoy's
     max_consecutive_inbound_frames_with_empty_payload, CVE-2019-9518); over it: ENHANCE_YOUR_CALM."""
@@ -227,7 +233,8 @@ class Connection:
                  "_on_output", "_out",
                  "_peer_initial_window", "_peer_max_frame", "_peer_max_streams", "_preface_pending",
                  "_queued_control", "_recv_window", "_reset_by_us", "_reset_time", "_reset_tokens",
-                 "_send_window", "_settings_seen", "_streams", "_table_update", "_unacked", "_waiting",
+                 "_send_window", "_settings_seen", "_settings_time", "_settings_tokens", "_streams", "_table_update",
+                 "_unacked", "_waiting",
                  "closed", "limits", "role", "writing_paused")
 
     def __init__(self, *, role: Role, limits: Limits | None = None,
@@ -273,6 +280,8 @@ class Connection:
         self._waiting: dict[_Stream, None] = {}
         self._reset_tokens = float(limits.reset_burst)
         self._reset_time = clock()
+        self._settings_tokens = float(limits.settings_burst)
+        self._settings_time = self._reset_time
         self._goaway_sent = False
         if role is Role.CLIENT:
             self._queue(f.CONNECTION_PREFACE)
@@ -751,6 +760,15 @@ class Connection:
         if len(payload) % 6:
             raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR,
                                    f"SETTINGS of {len(payload)} bytes (not a multiple of 6)")
+        limits = self.limits
+        now = self._clock()
+        self._settings_tokens = min(float(limits.settings_burst),
+                                    self._settings_tokens + (now - self._settings_time) * limits.settings_rate) - 1
+        self._settings_time = now
+        if self._settings_tokens < 0:
+            raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
+                                   f"more than {limits.settings_burst} SETTINGS frames at {limits.settings_rate}/s "
+                                   "(a SETTINGS flood; Limits.settings_burst, Limits.settings_rate)")
         if len(payload) // 6 > self.limits.max_settings_entries:
             raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
                                    f"SETTINGS with {len(payload) // 6} entries, over "
