@@ -19,7 +19,7 @@ several, a message may span many frames) goes to the ``on_message`` callback, ca
 ``data_received`` (no coroutine per message), or when there is none, to a queue that
 ``await call.read()`` drains. Writes are synchronous: frames go to the transport at once.
 
-- Framing and header blocks come from :mod:`pilotfish.server.http2` (shared with the server). Our
+- Framing and header blocks come from :mod:`pilotfish.transport.frames` (shared with the server). Our
   header block is HPACK literals that never touch the dynamic table; the server's are decoded with
   ``hpack.Decoder`` (grpc core uses Huffman coding and the dynamic table). Every block is decoded,
   even for a stream already ended, so the decoder's table stays in step with the server's encoder.
@@ -47,7 +47,7 @@ from urllib.parse import unquote_to_bytes
 
 import hpack
 
-from pilotfish.server.http2 import (
+from pilotfish.transport.frames import (
     ACK,
     CONNECTION_PREFACE,
     CONTINUATION,

@@ -25,7 +25,7 @@ if _ROOT not in sys.path:
 from bench.h2client import H2Channel, H2Error  # noqa: E402
 from bench.procs import free_port  # noqa: E402
 
-from pilotfish.server import http2  # noqa: E402
+from pilotfish.transport import frames as http2  # noqa: E402
 
 _SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 _PATH = f"/{_SERVICE}/StreamAggregatedResources"

@@ -21,9 +21,9 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from pilotfish.cache import SnapshotCache
 from pilotfish.server import XdsServer, start_xds_server
-from pilotfish.server import http2 as h2
 from pilotfish.server.grpc_server import GrpcServer
 from pilotfish.sources import load_snapshot
+from pilotfish.transport import frames as h2
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 TIMEOUT = 10.0

@@ -11,8 +11,8 @@ from typing import Any
 import hpack
 import pytest
 
-from pilotfish.server import http2 as h2
 from pilotfish.server.grpc_server import Call, GrpcServer, _Connection
+from pilotfish.transport import frames as h2
 
 
 class RecordingTransport:

@@ -495,13 +495,16 @@ def test_settings_with_too_many_entries_is_enhance_your_calm(entries: int, allow
 
 @pytest.mark.parametrize("flood", [f.frame(f.PING, 0, 0, b"\0" * 8), f.settings({})], ids=["PING", "SETTINGS"])
 def test_a_control_frame_flood_from_a_peer_that_does_not_read_ends_the_connection(flood: bytes) -> None:
-    limit = Limits().max_queued_control_frames
-    reading = raw_server()
+    # SETTINGS also have a rate limit of their own (test_a_settings_flood_...): lifted here, to see
+    # the rule about control frames owed to a peer that does not read.
+    limits = Limits(settings_burst=1_000_000)
+    limit = limits.max_queued_control_frames
+    reading = raw_server(limits=limits)
     for _ in range(3):
         reading.receive(flood * limit)
         reading.data_to_send()  # a peer that reads: its ACKs are written as they come
     assert not reading.closed
-    stuck = raw_server()
+    stuck = raw_server(limits=limits)
     stuck.writing_paused = True
     stuck.receive(flood * (limit // 2))
     stuck.data_to_send()  # into a socket buffer that does not drain: still owed

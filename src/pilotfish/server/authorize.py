@@ -19,10 +19,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["PERMISSION_DENIED", "NodeAuthorizer", "NodeRule", "parse_rule"]
-
-PERMISSION_DENIED = 7
-"""The gRPC status code of a refused claim."""
+__all__ = ["NodeAuthorizer", "NodeRule", "parse_rule"]
 
 _MAX_SHOWN = 200
 """How much of a refused node id a message repeats (a peer chooses its length)."""

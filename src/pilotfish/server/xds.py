@@ -33,11 +33,10 @@ from pilotfish.protocol import DEFAULT_LIMITS, PeerOverLimit, RequestKind, SotwS
 from pilotfish.protocol.limits import shorten
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field, request_names_span
-from pilotfish.server.authorize import PERMISSION_DENIED
 from pilotfish.server.grpc_server import Call, GrpcServer, MethodFactory, RpcError
-from pilotfish.server.http2 import GrpcStatus
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.status import SyncStatus
+from pilotfish.transport.frames import GrpcStatus
 
 __all__ = ["WARN_EVERY", "XdsLimits", "XdsServer", "start_xds_server"]
 
@@ -192,7 +191,7 @@ class _SotwConnection:
                                    peer=self._call.peer, reason=refusal)
                 _log.warning("%s: %s", self._call.peer, refusal)
                 self._close(f"permission denied: {refusal}")
-                raise RpcError(PERMISSION_DENIED, refusal)
+                raise RpcError(GrpcStatus.PERMISSION_DENIED, refusal)
         outcome = state.on_request(request, names_wire=names_wire)
         if first:
             assert state.node is not None

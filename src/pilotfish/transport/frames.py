@@ -2,9 +2,8 @@
 blocks a gRPC peer sends, and gRPC's length-prefixed messages.
 
 Pure codecs, no state: the rules of a connection live in :mod:`pilotfish.transport.h2`. Both ends
-of pilotfish's own gRPC transport use this module: the server (:mod:`pilotfish.server.grpc_server`,
-through the :mod:`pilotfish.server.http2` re-export) and the fleet simulator's client
-(``bench/h2client.py``).
+of pilotfish's own gRPC transport use this module: the server (:mod:`pilotfish.server.grpc_server`)
+and the fleet simulator's client (``bench/h2client.py``).
 Header blocks are *sent* as literals that never touch the HPACK dynamic table (so a sender keeps
 no HPACK state); they are *received* with the ``hpack`` package's decoder, since a peer may use
 Huffman coding and the dynamic table.
@@ -91,6 +90,7 @@ class GrpcStatus:
     CANCELLED = 1
     UNKNOWN = 2
     INVALID_ARGUMENT = 3
+    PERMISSION_DENIED = 7
     RESOURCE_EXHAUSTED = 8
     UNIMPLEMENTED = 12
     INTERNAL = 13
