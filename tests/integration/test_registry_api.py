@@ -8,7 +8,6 @@ import io
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,15 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from inprocess import Running
+from inprocess import serving as serve_in_process
 
 from pilotfish.cache import SnapshotCache
 from pilotfish.desired import DesiredState
-from pilotfish.reconcile import DebounceSettings, Reconciler
+from pilotfish.reconcile import Reconciler
 from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import ServiceSpec
-from pilotfish.server import ServeSettings, serve
+from pilotfish.server import ServeSettings
 from pilotfish.server.registry_api import RegistryApi
 from pilotfish.sources.registry import Registry
 
@@ -34,31 +35,10 @@ EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 TIMEOUT = 10.0
 
 
-@dataclass
-class Running:
-    xds: str
-    registry: str
-    events: Path
-
-    def url(self, path: str) -> str:
-        return f"http://{self.registry}{path}"
-
-
 @contextlib.asynccontextmanager
 async def serving(tmp_path: Path, snapshot: Path | None = None) -> AsyncIterator[Running]:
-    log = tmp_path / "events.jsonl"
-    settings = ServeSettings(xds="127.0.0.1:0", registry="127.0.0.1:0", event_log=log, snapshot=snapshot,
-                             debounce=DebounceSettings(quiet=0.02, max_delay=0.2))
-    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(settings, started=started))
-    port = await asyncio.wait_for(started, TIMEOUT)
-    line = next(json.loads(x) for x in log.read_text().splitlines() if '"server_started"' in x)
-    try:
-        yield Running(f"127.0.0.1:{port}", line["registry"], log)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    async with serve_in_process(tmp_path, ServeSettings(snapshot=snapshot)) as running:
+        yield running
 
 
 @pytest.fixture

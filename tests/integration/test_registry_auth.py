@@ -25,10 +25,12 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from inprocess import Running as InProcess
+from inprocess import serving as serve_in_process
 
 from pilotfish.cache import SnapshotCache
-from pilotfish.reconcile import DebounceSettings, Reconciler
-from pilotfish.server import ServeSettings, serve
+from pilotfish.reconcile import Reconciler
+from pilotfish.server import ServeSettings
 from pilotfish.server.registry_api import RegistryApi
 from pilotfish.server.registry_auth import TokenFile, hash_token
 from pilotfish.sources.registry import Registry
@@ -55,30 +57,29 @@ def bearer(token: str) -> dict[str, str]:
 
 @dataclass
 class Running:
-    registry: str
-    events: Path
+    """The server (:class:`inprocess.Running`) and its tokens file."""
+
+    server: InProcess
     tokens: Path
 
+    @property
+    def registry(self) -> str:
+        return self.server.registry
+
+    @property
+    def events(self) -> Path:
+        return self.server.events
+
     def url(self, path: str) -> str:
-        return f"http://{self.registry}{path}"
+        return self.server.url(path)
 
 
 @contextlib.asynccontextmanager
 async def serving(tmp_path: Path, reads: str = "scoped") -> AsyncIterator[Running]:
-    log, tokens = tmp_path / "events.jsonl", tmp_path / "tokens.yaml"
+    tokens = tmp_path / "tokens.yaml"
     tokens.write_text(json.dumps(tokens_document(reads)))  # JSON is YAML
-    settings = ServeSettings(xds="127.0.0.1:0", registry="127.0.0.1:0", event_log=log, registry_tokens=tokens,
-                             debounce=DebounceSettings(quiet=0.02, max_delay=0.2))
-    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(settings, started=started))
-    await asyncio.wait_for(started, TIMEOUT)
-    line = next(json.loads(x) for x in log.read_text().splitlines() if '"server_started"' in x)
-    try:
-        yield Running(line["registry"], log, tokens)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    async with serve_in_process(tmp_path, ServeSettings(registry_tokens=tokens)) as server:
+        yield Running(server, tokens)
 
 
 @pytest.fixture

@@ -1,0 +1,53 @@
+"""``pilotfish serve`` in the test's own event loop, for the integration tests of its HTTP APIs.
+
+:func:`serving` starts :func:`pilotfish.server.serve` with the xDS server and the registry API on
+ports the OS picks and a fast debounce, waits until it listens, and finds the registry's address
+in its event log (``server_started``); leaving the block stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pilotfish.reconcile import DebounceSettings
+from pilotfish.server import ServeSettings, serve
+
+__all__ = ["TIMEOUT", "Running", "serving"]
+
+TIMEOUT = 10.0
+
+
+@dataclass
+class Running:
+    xds: str
+    """``host:port`` of the xDS server."""
+    registry: str
+    """``host:port`` of the registry API."""
+    events: Path
+    """The event log."""
+
+    def url(self, path: str) -> str:
+        return f"http://{self.registry}{path}"
+
+
+@contextlib.asynccontextmanager
+async def serving(tmp_path: Path, settings: ServeSettings | None = None) -> AsyncIterator[Running]:
+    """Serve (``settings`` may set sources and options; addresses and the event log are set here)."""
+    log = tmp_path / "events.jsonl"
+    settings = replace(settings or ServeSettings(), xds="127.0.0.1:0", registry="127.0.0.1:0", event_log=log,
+                       debounce=DebounceSettings(quiet=0.02, max_delay=0.2))
+    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(settings, started=started))
+    port = await asyncio.wait_for(started, TIMEOUT)
+    line = next(json.loads(x) for x in log.read_text().splitlines() if '"server_started"' in x)
+    try:
+        yield Running(f"127.0.0.1:{port}", line["registry"], log)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
