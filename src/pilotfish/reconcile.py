@@ -41,7 +41,7 @@ from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.desired import DesiredState, Merged, build_snapshot, merge_states
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, TYPES
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, TYPES, type_by_key
 from pilotfish.resources.builders import ResourceMemo
 from pilotfish.snapshot import Snapshot
 
@@ -250,7 +250,6 @@ class Held:
     snapshot: Snapshot
     reasons: tuple[str, ...]
     endpoints: dict[str, int]
-    since: float
 
 
 def _endpoint_keys(merged: Merged) -> set[EndpointKey]:
@@ -453,7 +452,7 @@ class Reconciler:
               endpoints: dict[str, int]) -> None:
         if self.held is not None and self.held.snapshot.same_content(snapshot):
             return  # already held and reported
-        self.held = Held(snapshot, tuple(reasons), endpoints, self._clock.now())
+        self.held = Held(snapshot, tuple(reasons), endpoints)
         self._events.emit("snapshot_held", version=snapshot.label(), reasons=reasons, counts=counts)
         hint = f"\nto publish it anyway: {self._confirm_hint}" if self._confirm_hint else ""
         _log.error("snapshot %s is HELD, not published: %s.\nstill serving the last good snapshot; if this is "
@@ -546,9 +545,9 @@ def _attributed(problem: Problem, states: Mapping[str, DesiredState], labels: Ma
                 origin = f"defined by {', '.join(defined)}" if defined else f"endpoints from {', '.join(listed)}"
                 notes.setdefault(f"services.{name}", origin)
                 break
-    by_key = {t.key: t for t in TYPES}
     for match in _RESOURCE_MENTION.finditer(text):
-        rtype, index = by_key[match.group(1)], int(match.group(2))
+        rtype, index = type_by_key(match.group(1)), int(match.group(2))
+        assert rtype is not None  # the pattern names only type keys
         # merge_states concatenates raw resources source by source, in name order.
         for name in sorted(states):
             count = len(states[name].resources.get(rtype, ()))

@@ -372,9 +372,6 @@ _OPAQUE_ANY_FIELDS = frozenset({"envoy.config.core.v3.Metadata.typed_filter_meta
 
 _Raw = tuple[Any, Any, int, Any]
 """A violation while walking: (path parent, path segment, rule id, raw value)."""
-_Check = Callable[[Message, Any, list[_Raw]], None]
-
-
 @dataclass(frozen=True, slots=True)
 class _Rule:
     name: str

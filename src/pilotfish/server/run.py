@@ -23,11 +23,10 @@ from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.server.authorize import NodeAuthorizer, NodeRule
-from pilotfish.server.grpc_server import GrpcServer
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
-from pilotfish.server.xds import XdsLimits, XdsServer
+from pilotfish.server.xds import XdsLimits, XdsServer, start_xds_server
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
@@ -143,9 +142,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                                                                "ids: they need mTLS, give --client-ca FILE too")])
         authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
         xds = XdsServer(cache, events=events, authorize=authorize, limits=settings.xds_limits)
-        server = GrpcServer(xds.methods())
-        xds_host, xds_port = split_address(settings.xds)
-        port = await server.start(xds_host, xds_port, tls=None if xds_tls is None else xds_tls.context)
+        server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context)
         host = settings.xds.rsplit(":", 1)[0]
         if xds_tls is not None:
             tasks.append(asyncio.create_task(xds_tls.run(every=settings.tls_reload_every), name="xds-tls-reload"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from typing import NoReturn
@@ -258,9 +259,11 @@ class _SotwConnection:
         server.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=reason)
 
 
-async def start_xds_server(xds: XdsServer, address: str) -> tuple[GrpcServer, int]:
-    """Serve ``xds`` on ``address`` (``host:port``; port 0 = any free); returns (server, port)."""
+async def start_xds_server(xds: XdsServer, address: str, *,
+                           tls: ssl.SSLContext | None = None) -> tuple[GrpcServer, int]:
+    """Serve ``xds`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
+    given; returns (server, port)."""
     host, _, port = address.rpartition(":")
     server = GrpcServer(xds.methods())
-    bound = await server.start(host.strip("[]"), int(port))
+    bound = await server.start(host.strip("[]"), int(port), tls=tls)
     return server, bound

@@ -135,8 +135,6 @@ class EtcdSource:
         self.view = EtcdView(prefix)
         self.connected = asyncio.Event()
         self.resyncs = 0
-        self.listed = False
-        """Whether a first complete list of the prefix has been reported."""
         self.problem: str | None = "not contacted yet"
         """Why etcd is not being followed right now (None: it is)."""
 
@@ -182,7 +180,6 @@ class EtcdSource:
         revision = int(answer["header"]["revision"])
         self.view = view
         self.resyncs += 1
-        self.listed = True
         self.problem = None
         self.connected.set()
         self._emit("etcd_synced", revision=revision, keys=len(answer.get("kvs", [])), bad=len(view.bad))
