@@ -8,6 +8,12 @@ later by :meth:`SnapshotCache.set_snapshot`. Watches are answered type by type i
 EDS, LDS, RDS, SDS), so on an aggregated stream what is referred to arrives before what refers
 to it.
 
+Send what changed: EDS, RDS and SDS responses need not be full state, so a proxy that holds an
+earlier version of such a type is answered with :meth:`~pilotfish.snapshot.TypeSnapshot.changes`
+since that version: the cache keeps the last :data:`HISTORY` versions of each type to compare
+with. A proxy at a version no longer kept (or warming, or stating a version it never had from us)
+gets the full set of what it subscribes to, which is always correct.
+
 Make before break (behaviour 12): when a new snapshot removes clusters that the previous one's
 listeners or routes used, the cache also keeps a *bridge* cluster set (new clusters plus those).
 A proxy whose ACKed listeners and routes are not yet the new ones gets the bridge, so no route
@@ -32,6 +38,11 @@ NodeGroup = NewType("NodeGroup", str)
 """Proxies in one group are served the same snapshot."""
 
 DEFAULT_GROUP = NodeGroup("default")
+
+HISTORY = 16
+"""Versions of each type kept per node group to answer with changes since them. Old versions
+share every unchanged resource with the current one, and their memoized responses are dropped,
+so each costs its name-to-resource table and the resources that changed since."""
 
 Respond = Callable[[Watch, EncodedResponse], None]
 """Called once, synchronously, with the response a watch waited for."""
@@ -64,6 +75,8 @@ class SnapshotCache:
         self._watches: dict[NodeGroup, dict[TypeUrl, dict[int, tuple[Watch, Respond]]]] = {}
         self._ids = itertools.count()
         self._bridges: dict[NodeGroup, TypeSnapshot] = {}
+        # group -> type -> version -> its resources, oldest first (see HISTORY)
+        self._history: dict[NodeGroup, dict[TypeUrl, dict[str, TypeSnapshot]]] = {}
 
     def snapshot(self, group: NodeGroup = DEFAULT_GROUP) -> Snapshot | None:
         return self._snapshots.get(group)
@@ -81,6 +94,7 @@ class SnapshotCache:
         """
         previous = self._snapshots.get(group)
         self._snapshots[group] = snapshot
+        self._remember(group, previous, snapshot)
         bridge = _bridge(previous, snapshot)
         if bridge is None:
             self._bridges.pop(group, None)
@@ -101,7 +115,7 @@ class SnapshotCache:
                     due.append((wid, watch, respond, current))
             for wid, watch, respond, current in due:
                 del watches[wid]
-                respond(watch, current.response(watch.subscription.names_to_send()))
+                respond(watch, self._response(group, current, watch))
             answered += len(due)
         return answered
 
@@ -110,12 +124,38 @@ class SnapshotCache:
         snapshot = self._snapshots.get(group)
         current = self._current(group, snapshot, watch) if snapshot is not None else None
         if current is not None and needs_response(watch, current):
-            respond(watch, current.response(watch.subscription.names_to_send()))
+            respond(watch, self._response(group, current, watch))
             return _nothing
         watches = self._watches.setdefault(group, {}).setdefault(watch.type_url, {})
         wid = next(self._ids)
         watches[wid] = (watch, respond)
         return _Cancel(watches, wid)
+
+    def _remember(self, group: NodeGroup, previous: Snapshot | None, snapshot: Snapshot) -> None:
+        """Keep each type's new version to compare with later; retire what is no longer served."""
+        history = self._history.setdefault(group, {})
+        for url, current in snapshot.types.items():
+            if previous is not None:
+                old = previous.types.get(url)
+                if old is not None and old is not current:
+                    old.retire()
+            versions = history.setdefault(url, {})
+            versions.pop(current.version, None)  # (re)entered as the newest
+            versions[current.version] = current
+            while len(versions) > HISTORY:
+                del versions[next(iter(versions))]
+
+    def _response(self, group: NodeGroup, current: TypeSnapshot, watch: Watch) -> EncodedResponse:
+        """What answers ``watch``: for EDS/RDS/SDS, the changes since the version the proxy holds,
+        if that one is still kept; otherwise (and for CDS/LDS, which are full state) everything
+        it subscribes to."""
+        names = watch.subscription.names_to_send()
+        if names is None or watch.full_state or watch.force or watch.known_version is None:
+            return current.response(names)
+        since = self._history.get(group, {}).get(watch.type_url, {}).get(watch.known_version)
+        if since is None:
+            return current.response(names)
+        return current.changes(names, since=since, held=watch.known_names)
 
     def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch) -> TypeSnapshot | None:
         """What ``watch`` should be answered from: the snapshot's type, or the cluster bridge."""

@@ -6,6 +6,13 @@ one: identical content gives identical versions across restarts and replicas, so
 reconnects is not pushed what it already has. Encoded responses are memoized per subscribed
 name set, so N streams cost one serialization.
 
+A proxy holds the resources of EDS, RDS and SDS one by one (a state-of-the-world response of those
+types need not carry what did not change: Envoy and gRPC keep what a response omits). So for a
+stream that holds an earlier version, :meth:`TypeSnapshot.changes` encodes only the subscribed
+resources whose content hash differs from that version's, plus those the proxy does not hold yet:
+a change to one cluster's endpoints sends each proxy that one assignment. These responses are
+memoized too, per (earlier version, name set, names held): streams at the same place share one.
+
 The memo is bounded (:class:`ResponseMemoLimits`): a peer that asks for ever new name sets must
 not make a snapshot grow. It works in two generations, as a cheap LRU: a lookup is one dict hit
 in the current generation; when that one is full (entries or bytes), it becomes the previous one
@@ -20,7 +27,7 @@ add is proportional to the configuration plus a constant. The response carrying 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -62,8 +69,22 @@ class EncodedResponse:
     type_url: TypeUrl
     version: str
     names: frozenset[str]
-    """Names of the resources it carries."""
+    """Names of the subscribed resources that exist: what the proxy holds, at ``version``, once it
+    has this response (a response of changes carries fewer; see ``count``)."""
     body: bytes
+    count: int = -1
+    """How many resources the body carries (-1: all of ``names``)."""
+    source: TypeSnapshot | None = field(default=None, compare=False, repr=False)
+    """For a response of changes: the snapshot that made it, which can make the whole one."""
+
+    def whole(self) -> EncodedResponse:
+        """This response with every resource of ``names`` (itself if it has them all)."""
+        return self if self.source is None else self.source.response(self.names)
+
+    @property
+    def carried(self) -> int:
+        """How many resources the body carries."""
+        return len(self.names) if self.count < 0 else self.count
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -83,7 +104,42 @@ class TypeSnapshot:
         cached = self._memo.current.get(names)
         if cached is not None:
             return cached
-        return self._memo.miss(names, self)
+        return self._memo.miss(names, names, self, self._encode)
+
+    def changes(self, names: frozenset[str], *, since: TypeSnapshot, held: frozenset[str]) -> EncodedResponse:
+        """The response for a proxy that holds ``held`` (of ``names``, its subscription) at
+        ``since``'s version: the subscribed resources whose content differs from ``since``'s, and
+        those it does not hold. Its ``names`` are every subscribed resource that exists, as for
+        :meth:`response`: what the proxy holds once it has it. Only for types whose responses need
+        not be full state (EDS, RDS, SDS)."""
+        key = (since.version, names, held)
+        cached = self._memo.current.get(key)
+        if cached is not None:
+            return cached
+
+        def encode(_: object) -> EncodedResponse:
+            resources, before = self.resources, since.resources
+            changed = []
+            for name in names:
+                resource = resources.get(name)
+                if resource is None:
+                    continue
+                if name not in held:
+                    changed.append(name)
+                    continue
+                old = before.get(name)
+                if old is None or old.hash != resource.hash:
+                    changed.append(name)
+            changed.sort()
+            body = discovery_response(self.version, self.rtype.url, (resources[n].encoded for n in changed))
+            existing = names if all(n in resources for n in names) else frozenset(n for n in names if n in resources)
+            return EncodedResponse(self.rtype.url, self.version, existing, body, len(changed), self)
+
+        return self._memo.miss(key, names, self, encode)
+
+    def retire(self) -> None:
+        """Drop the memoized responses: this snapshot is no longer served, only compared with."""
+        self._memo.clear()
 
     def memo_budget(self) -> int:
         """Bytes the response memo may hold (both generations), once it has been used."""
@@ -106,34 +162,40 @@ class TypeSnapshot:
         return EncodedResponse(self.rtype.url, self.version, carried, body)
 
 
+_Key = frozenset[str] | tuple[str, frozenset[str], frozenset[str]] | None
+"""A memo entry: a full response's name set (None: everything), or (since version, names, held)."""
+
+
 class _ResponseMemo:
     """Encoded responses by name set, in two generations (see the module's docstring)."""
 
     __slots__ = ("budget", "current", "current_bytes", "everything", "previous", "previous_bytes")
 
     def __init__(self) -> None:
-        self.current: dict[frozenset[str] | None, EncodedResponse] = {}
-        self.previous: dict[frozenset[str] | None, EncodedResponse] = {}
+        self.current: dict[_Key, EncodedResponse] = {}
+        self.previous: dict[_Key, EncodedResponse] = {}
         self.current_bytes = self.previous_bytes = 0
         self.everything: EncodedResponse | None = None
         self.budget: int | None = None
         """Bytes per generation: half the limits' budget for this type."""
 
-    def miss(self, names: frozenset[str] | None, owner: TypeSnapshot) -> EncodedResponse:
-        """Not in the current generation: from the previous one, or newly encoded."""
-        encode = owner._encode
+    def miss(self, key: _Key, names: frozenset[str] | None, owner: TypeSnapshot,
+             encode: Callable[[frozenset[str] | None], EncodedResponse]) -> EncodedResponse:
+        """Not in the current generation: from the previous one, or newly encoded. ``key`` is
+        ``names`` for a full response, or a tuple naming a response of changes."""
         budget = self.budget
         if budget is None:
             limits = owner.memo_limits
             # What the response naming every resource costs: it must fit.
             size = sum(len(resource.encoded) + len(name) + _PER_NAME for name, resource in owner.resources.items())
             budget = self.budget = (limits.bytes + int(limits.type_multiple * size)) // 2
-        if names is None:
+        if key is None:
             if self.everything is None:
                 self.everything = encode(None)
             self.current[None] = self.everything  # always kept, never counted
             return self.everything
-        found = self.previous.pop(names, None)
+        assert names is not None
+        found = self.previous.pop(key, None)
         if found is None:
             found = encode(names)
             cost = _cost(names, found)
@@ -148,9 +210,14 @@ class _ResponseMemo:
             if self.everything is not None:
                 self.previous.pop(None, None)
                 self.current[None] = self.everything
-        self.current[names] = found
+        self.current[key] = found
         self.current_bytes += cost
         return found
+
+    def clear(self) -> None:
+        self.current, self.previous = {}, {}
+        self.current_bytes = self.previous_bytes = 0
+        self.everything = None
 
 
 def _cost(names: frozenset[str], response: EncodedResponse) -> int:

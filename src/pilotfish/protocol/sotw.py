@@ -267,9 +267,16 @@ class SotwStream:
             routing_acked=self._routing_acked(),
         )
 
-    def on_response(self, watch: Watch, response: EncodedResponse) -> Nonce:
-        """Record that ``response`` goes out for ``watch``; return its nonce (unique per stream)."""
+    def on_response(self, watch: Watch, response: EncodedResponse) -> tuple[Nonce, EncodedResponse]:
+        """Record that ``response`` (or the whole of it: see below) goes out for ``watch``;
+        return its nonce (unique per stream) and the response to send.
+
+        A response of changes only (EDS, RDS, SDS) is sent whole if a cluster (for EDS) or
+        listener (for RDS) response went out since this type's last one: a re-created cluster
+        or listener waits for its endpoints or routes, changed or not (behaviour 13)."""
         state = self.types[response.type_url]
+        if state.warm_pending:
+            response = response.whole()
         self._sent += 1
         nonce = Nonce(str(self._sent))
         state.nonce = nonce
@@ -287,7 +294,7 @@ class SotwStream:
                 warmed_state = self.types[warmed] = TypeState(warmed, wildcard_capable=False)
             if warmed_state is not None:
                 warmed_state.warm_pending = True
-        return nonce
+        return nonce, response
 
 
 def _held_from_request(state: TypeState, subscription: Subscription, version: str | None, *, first: bool) -> None:

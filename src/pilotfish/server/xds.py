@@ -237,12 +237,12 @@ class _SotwConnection:
         if self.closed or self._current.get(response.type_url) is not watch:
             return
         server = self._server
-        nonce = self.state.on_response(watch, response)
+        nonce, response = self.state.on_response(watch, response)
         self._call.send(response.body, nonce_field(nonce))
         server.status.sent(self.node_id, response.type_url, response.version)
         if server.events.conversation:
             server.events.emit("sent", stream=self.id, node=self.node_id, type=response.type_url,
-                               version=response.version, nonce=nonce, resources=len(response.names))
+                               version=response.version, nonce=nonce, resources=response.carried)
 
     def _close(self, reason: str) -> None:
         if self.closed:
