@@ -28,6 +28,7 @@ from test_tls import CDS, TIMEOUT, Running, credentials, snapshot_doc, spiffe_ce
 from pilotfish.server import ServeSettings
 from pilotfish.server.authorize import parse_rule
 from pilotfish.server.grants import parse_grant
+from pilotfish.server.xds import MAX_DENIED_RECORDED
 
 SDS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 EDGE = "spiffe://pilotfish.test/ns/edge/sa/edge"
@@ -143,3 +144,18 @@ async def test_without_grants_no_secret_is_served(tmp_path: Path) -> None:
             await call.write(request(CDS))
             assert await secrets_until_cds(call) == []
         assert await server.wait_for("secret_denied", secret="edge-cert", identity=EDGE)
+
+
+async def test_denials_recorded_per_stream_are_bounded(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    async with serving(tmp_path, ca, f"edge-cert=identity:{EDGE}") as server:
+        async with ads_stream(server.xds, credentials(ca, spiffe_cert(ca, EDGE)), "edge-1") as call:
+            made_up = [f"key-{i:04}" for i in range(MAX_DENIED_RECORDED + 50)]
+            await call.write(request(SDS, [*made_up[:100], "edge-cert"], node="edge-1"))
+            assert secret_names(await read(call)) == ["edge-cert"]
+            await call.write(request(SDS, [*made_up[100:], "edge-cert"]))  # a changed subscription, no nonce
+            await call.write(request(CDS))
+            assert await secrets_until_cds(call) == []
+        await server.wait_for("stream_closed", node="edge-1")
+        denied = [e["secret"] for e in server.events() if e["event"] == "secret_denied"]
+        assert denied == made_up[:MAX_DENIED_RECORDED]
