@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import trustme
 import yaml
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
@@ -56,7 +57,7 @@ async def serving(tmp_path: Path, ca: trustme.CA, *grants: str, **settings: Any)
 
 
 @asynccontextmanager
-async def ads_stream(address: str, creds: grpc.ChannelCredentials, node: str) -> AsyncIterator[Any]:
+async def ads_stream(address: str, creds: grpc.ChannelCredentials) -> AsyncIterator[Any]:
     async with grpc.aio.secure_channel(address, creds) as channel:
         yield ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
 
@@ -94,7 +95,7 @@ async def test_a_secret_goes_only_to_the_identity_it_is_granted_to(tmp_path: Pat
     async with serving(tmp_path, ca, f"edge-cert=identity:{EDGE}",
                        f"api-cert=identity:{API}") as server:
         edge, api = credentials(ca, spiffe_cert(ca, EDGE)), credentials(ca, spiffe_cert(ca, API))
-        async with ads_stream(server.xds, edge, "edge-1") as call:
+        async with ads_stream(server.xds, edge) as call:
             # Both names asked for: only the granted one comes.
             await call.write(request(SDS, ["api-cert", "edge-cert"], node="edge-1"))
             first = await read(call)
@@ -121,25 +122,32 @@ async def test_a_secret_goes_only_to_the_identity_it_is_granted_to(tmp_path: Pat
         assert (await server.wait_for("secret_denied", node="api-1"))["secret"] == "edge-cert"
 
 
-async def test_node_grants_match_the_claimed_node_id(tmp_path: Path) -> None:
+async def test_node_grants_match_the_claimed_node_id(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     ca = trustme.CA()
+    (tmp_path / "unbound").mkdir()
+    async with serving(tmp_path / "unbound", ca, "edge-cert=node:edge-*"):
+        pass
+    assert "without --authorize-node any peer" in caplog.text and "edge-cert=node:edge-*" in caplog.text
+    caplog.clear()
     rules = (parse_rule(f"{EDGE}=edge-*"), parse_rule(f"{EDGE}=edge/7"))
     async with serving(tmp_path, ca, "edge-cert=node:edge-*", authorize_nodes=rules) as server:
         edge = credentials(ca, spiffe_cert(ca, EDGE))
-        async with ads_stream(server.xds, edge, "edge-7") as call:
+        async with ads_stream(server.xds, edge) as call:
             await call.write(request(SDS, ["edge-cert", "api-cert"], node="edge-7"))
             assert secret_names(await read(call)) == ["edge-cert"]
-        async with ads_stream(server.xds, edge, "edge/7") as call:  # '*' does not cross '/'
+        async with ads_stream(server.xds, edge) as call:  # '*' does not cross '/'
             await call.write(request(SDS, ["edge-cert"], node="edge/7"))
             await call.write(request(CDS))
             assert await secrets_until_cds(call) == []
         assert await server.wait_for("secret_denied", node="edge/7", secret="edge-cert")
+    assert "without --authorize-node" not in caplog.text
 
 
-async def test_without_grants_no_secret_is_served(tmp_path: Path) -> None:
+async def test_without_grants_no_secret_is_served(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     ca = trustme.CA()
     async with serving(tmp_path, ca) as server:
-        async with ads_stream(server.xds, credentials(ca, spiffe_cert(ca, EDGE)), "edge-1") as call:
+        assert "no proxy will receive them: api-cert, edge-cert, ops-cert" in caplog.text
+        async with ads_stream(server.xds, credentials(ca, spiffe_cert(ca, EDGE))) as call:
             await call.write(request(SDS, ["edge-cert"], node="edge-1"))
             await call.write(request(CDS))
             assert await secrets_until_cds(call) == []
@@ -149,7 +157,7 @@ async def test_without_grants_no_secret_is_served(tmp_path: Path) -> None:
 async def test_denials_recorded_per_stream_are_bounded(tmp_path: Path) -> None:
     ca = trustme.CA()
     async with serving(tmp_path, ca, f"edge-cert=identity:{EDGE}") as server:
-        async with ads_stream(server.xds, credentials(ca, spiffe_cert(ca, EDGE)), "edge-1") as call:
+        async with ads_stream(server.xds, credentials(ca, spiffe_cert(ca, EDGE))) as call:
             made_up = [f"key-{i:04}" for i in range(MAX_DENIED_RECORDED + 50)]
             await call.write(request(SDS, [*made_up[:100], "edge-cert"], node="edge-1"))
             assert secret_names(await read(call)) == ["edge-cert"]
