@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from pilotfish.server.authorize import compile_pattern
 
-__all__ = ["SecretGrant", "SecretGrants", "Subject", "parse_grant"]
+__all__ = ["ProxyGrants", "SecretGrant", "SecretGrants", "Subject", "parse_grant"]
 
 
 class Subject(enum.Enum):
@@ -93,21 +93,16 @@ class SecretGrants:
         self.grants = tuple(grants)
         self._compiled = [(compile_pattern(g.secret), g.subject, compile_pattern(g.pattern)) for g in self.grants]
 
+    def for_proxy(self, *, identity: str, node_id: str) -> ProxyGrants:
+        """What a proxy proving ``identity`` and claiming ``node_id`` is granted (a stream asks
+        once, then matches each name it asks for against one expression)."""
+        secrets = [secret_pattern.pattern for secret_pattern, subject, pattern in self._compiled
+                   if (value := identity if subject is Subject.IDENTITY else node_id) and pattern.fullmatch(value)]
+        return ProxyGrants(re.compile("|".join(f"(?:{p})" for p in secrets)) if secrets else None)
+
     def allows(self, secret: str, *, identity: str, node_id: str) -> bool:
         """Whether a proxy proving ``identity`` and claiming ``node_id`` may receive ``secret``."""
-        for secret_pattern, subject, pattern in self._compiled:
-            subject_value = identity if subject is Subject.IDENTITY else node_id
-            if subject_value and secret_pattern.fullmatch(secret) and pattern.fullmatch(subject_value):
-                return True
-        return False
-
-    def split(self, names: Iterable[str], *, identity: str, node_id: str) -> tuple[list[str], list[str]]:
-        """``names`` -> (granted, denied) for that proxy, each sorted."""
-        granted: list[str] = []
-        denied: list[str] = []
-        for name in sorted(names):
-            (granted if self.allows(name, identity=identity, node_id=node_id) else denied).append(name)
-        return granted, denied
+        return self.for_proxy(identity=identity, node_id=node_id).allows(secret)
 
     def ungranted(self, secrets: Iterable[str]) -> list[str]:
         """The secrets (sorted) that no grant covers, for any proxy: they are served to none."""
@@ -117,3 +112,28 @@ class SecretGrants:
     def of(self, subject: Subject) -> Sequence[SecretGrant]:
         """The grants by ``subject``."""
         return [g for g in self.grants if g.subject is subject]
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyGrants:
+    """The secrets one proxy is granted: one expression of every name pattern granted to it
+    (a peer may name many secrets: each costs one match)."""
+
+    secrets: re.Pattern[str] | None
+    """None: nothing is granted."""
+
+    def allows(self, secret: str) -> bool:
+        return self.secrets is not None and self.secrets.fullmatch(secret) is not None
+
+    def split(self, names: Iterable[str]) -> tuple[list[str], list[str]]:
+        """``names`` -> (granted, sorted; denied, in no particular order: a peer may name
+        100,000 made-up secrets, and sorting them would be its cost)."""
+        if self.secrets is None:
+            return [], list(names)
+        match = self.secrets.fullmatch
+        granted: list[str] = []
+        denied: list[str] = []
+        for name in names:
+            (granted if match(name) else denied).append(name)
+        granted.sort()
+        return granted, denied

@@ -52,7 +52,7 @@ from pilotfish.protocol import (
 from pilotfish.protocol.limits import shorten
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field, request_names_span
-from pilotfish.server.grants import SecretGrants
+from pilotfish.server.grants import ProxyGrants, SecretGrants
 from pilotfish.server.grpc_server import Call, GrpcServer, MethodFactory, RpcError
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.status import SyncStatus
@@ -82,6 +82,8 @@ WARN_EVERY = 10.0
 MAX_DENIED_RECORDED = 100
 """Distinct denied secret names a stream records as ``secret_denied`` events; a peer cycling
 through made-up names gets no more events (it is still denied every one)."""
+_DENIED_SHOWN = 10
+"""Denied names a warning repeats."""
 _TYPE_URL_CHARS = 256
 _MESSAGE_CHARS = 1024
 """A gRPC status message is at most about this long (the limits' messages are shorter)."""
@@ -152,8 +154,8 @@ class _SotwConnection:
     """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
     the cache's responses are written as it hands them over."""
 
-    __slots__ = ("_call", "_cancels", "_current", "_denied", "_granted", "_last_nack", "_server", "closed",
-                 "group", "id", "node_id", "state", "type_url")
+    __slots__ = ("_call", "_cancels", "_current", "_denied", "_granted", "_grants", "_last_nack", "_server",
+                 "closed", "group", "id", "node_id", "state", "type_url")
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
         self._server = server
@@ -169,7 +171,10 @@ class _SotwConnection:
         """The newest watch per type: a response to an older one is dropped unsent."""
         self._last_nack: tuple[TypeUrl, str | None] | None = None
         """The type and version of the last NACK warned about: a repeated one is not warned again."""
-        self._granted: tuple[SecretGrants, Subscription, Subscription] | None = None
+        self._grants: tuple[SecretGrants, ProxyGrants] | None = None
+        """The server's grants, and what of them is this stream's proxy's (its node id and identity
+        do not change)."""
+        self._granted: tuple[ProxyGrants, Subscription, Subscription] | None = None
         """The last SDS subscription asked for and what of it is granted (under those grants)."""
         self._denied: set[str] = set()
         """Secret names denied on this stream so far (recorded once each, up to a bound)."""
@@ -267,13 +272,18 @@ class _SotwConnection:
     def _granted_only(self, watch: Watch) -> Watch:
         """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
         subscription = watch.subscription
-        grants = self._server.grants
+        server_grants = self._server.grants
+        if self._grants is None or self._grants[0] is not server_grants:
+            self._grants = (server_grants, server_grants.for_proxy(identity=self._call.peer_identity,
+                                                                   node_id=self.node_id))
+        grants = self._grants[1]
         memo = self._granted
         if memo is not None and memo[0] is grants and memo[1] is subscription:
             granted = memo[2]
         else:
-            names, denied = grants.split(subscription.names, identity=self._call.peer_identity,
-                                         node_id=self.node_id)
+            names, denied = grants.split(subscription.names)
+            if len(denied) <= MAX_DENIED_RECORDED:
+                denied.sort()  # events in a stable order (when there are many, which are recorded is moot)
             if subscription.wildcard:
                 denied.append(WILDCARD)
             granted = subscription if not denied else next_subscription(
@@ -286,14 +296,18 @@ class _SotwConnection:
     def _record_denied(self, names: list[str]) -> None:
         server, identity = self._server, self._call.peer_identity
         for name in names:
-            if name in self._denied or len(self._denied) >= MAX_DENIED_RECORDED:
+            if len(self._denied) >= MAX_DENIED_RECORDED:
+                break
+            if name in self._denied:
                 continue
             self._denied.add(name)
             server.events.emit("secret_denied", stream=self.id, node=self.node_id, identity=identity,
                                peer=self._call.peer, secret=name)
+        shown = shorten(", ".join(names[:_DENIED_SHOWN]), 400)
+        if len(names) > _DENIED_SHOWN:
+            shown += f" and {len(names) - _DENIED_SHOWN:,} more"
         server._denials.warn("node %r (identity %r, %s) asked for secrets not granted to it, not sent: %s",
-                             shorten(self.node_id, 200), identity, self._call.peer,
-                             shorten(", ".join(names), 400))
+                             shorten(self.node_id, 200), identity, self._call.peer, shown)
 
     def _send(self, watch: Watch, response: EncodedResponse) -> None:
         """The cache's callback: write the response now (the transport queues what flow control

@@ -46,7 +46,7 @@ def test_a_secret_is_allowed_only_by_a_grant_naming_it_and_the_proxy() -> None:
     ]
     for secret, identity, node in refused:
         assert not grants.allows(secret, identity=identity, node_id=node), (secret, identity, node)
-    granted, denied = grants.split(["web-cert", "edge-cert", "api-cert"], identity=EDGE, node_id="api-1")
+    granted, denied = grants.for_proxy(identity=EDGE, node_id="api-1").split(["web-cert", "edge-cert", "api-cert"])
     assert (granted, denied) == (["api-cert", "edge-cert"], ["web-cert"])
 
 
