@@ -26,10 +26,12 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 from inprocess import serving as serve_in_process
 from test_tls import CDS, TIMEOUT, Running, credentials, snapshot_doc, spiffe_cert, write_pair
 
-from pilotfish.server import ServeSettings
+from pilotfish.cache import SnapshotCache
+from pilotfish.server import ServeSettings, XdsServer, start_xds_server
 from pilotfish.server.authorize import parse_rule
-from pilotfish.server.grants import parse_grant
+from pilotfish.server.grants import SecretGrants, parse_grant
 from pilotfish.server.xds import MAX_DENIED_RECORDED
+from pilotfish.sources import load_snapshot
 
 SDS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 EDGE = "spiffe://pilotfish.test/ns/edge/sa/edge"
@@ -167,3 +169,37 @@ async def test_denials_recorded_per_stream_are_bounded(tmp_path: Path) -> None:
         await server.wait_for("stream_closed", node="edge-1")
         denied = [e["secret"] for e in server.events() if e["event"] == "secret_denied"]
         assert len(denied) == len(set(denied)) == MAX_DENIED_RECORDED and set(denied) <= set(made_up)
+
+
+async def test_a_grant_change_takes_effect_at_the_next_request(tmp_path: Path) -> None:
+    """Grants are checked at every SDS request: one added is served at the next request of the
+    same stream; one removed stops later versions (what was sent stays sent: SotW cannot take it
+    back). Plaintext, node grants: the server is driven directly."""
+    snapshot = tmp_path / "snap.yaml"
+
+    def write(version: str) -> None:
+        snapshot.write_text(yaml.safe_dump({"version": version, "secrets": [secret("edge-cert")]}))
+
+    write("1")
+    cache = SnapshotCache()
+    cache.set_snapshot(load_snapshot(snapshot))
+    xds = XdsServer(cache)
+    server, port = await start_xds_server(xds, "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+            await call.write(request(SDS, ["edge-cert"], node="edge-1"))
+            first = await read(call)
+            assert secret_names(first) == []  # no grants: it does not exist for this proxy
+            xds.grants = SecretGrants([parse_grant("edge-cert=node:edge-1")])
+            await call.write(request(SDS, ["edge-cert"], response=first))
+            second = await read(call)
+            assert secret_names(second) == ["edge-cert"] and second.version_info == "1"
+            xds.grants = SecretGrants()
+            await call.write(request(SDS, ["edge-cert"], response=second))
+            write("2")
+            cache.set_snapshot(load_snapshot(snapshot))
+            third = await read(call)
+            assert third.version_info == "2" and secret_names(third) == []
+    finally:
+        await server.stop(0.5)
