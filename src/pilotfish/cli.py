@@ -15,6 +15,7 @@ from pilotfish.errors import ConfigError
 
 if TYPE_CHECKING:
     from pilotfish.server.authorize import NodeRule
+    from pilotfish.server.grants import SecretGrant
 
 __all__ = ["main"]
 
@@ -52,6 +53,15 @@ def _node_rule(value: str) -> NodeRule:
 
     try:
         return parse_rule(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _grant(value: str) -> SecretGrant:
+    from pilotfish.server.grants import parse_grant
+
+    try:
+        return parse_grant(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
@@ -118,6 +128,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --client-ca: a proxy whose certificate identity (SPIFFE URI SAN, else DNS SAN) "
                           "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'); "
                           "repeatable; once given, any other claim is refused (PERMISSION_DENIED)")
+    tls.add_argument("--grant-secret", type=_grant, action="append", default=[],
+                     metavar="SECRET=identity:PATTERN|SECRET=node:PATTERN",
+                     help="SDS secrets whose names match SECRET go to proxies whose certificate identity (needs "
+                          "--client-ca) or claimed node id (proven only with --authorize-node) matches PATTERN "
+                          "('*': any characters but '/'); repeatable; a secret no grant covers goes to no proxy")
     tls.add_argument("--tls-reload-ms", type=_positive_int, default=1000, metavar="MS",
                      help="check the certificate, key and CA files for changes this often (default: %(default)s)")
     serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
@@ -191,6 +206,10 @@ def _serve(args: argparse.Namespace) -> int:
         print("pilotfish serve: --authorize-node binds certificate identities to node ids: it needs mTLS, "
               "give --client-ca FILE (and --tls-cert, --tls-key) too", file=sys.stderr)
         return EXIT_USAGE
+    if args.client_ca is None and any(grant.subject.value == "identity" for grant in args.grant_secret):
+        print("pilotfish serve: --grant-secret ...=identity: names certificate identities: it needs mTLS, "
+              "give --client-ca FILE (and --tls-cert, --tls-key) too", file=sys.stderr)
+        return EXIT_USAGE
     if args.tls_cert is None and (args.client_ca is not None or args.registry_client_ca is not None):
         print("pilotfish serve: --client-ca and --registry-client-ca need TLS: give --tls-cert and --tls-key too",
               file=sys.stderr)
@@ -209,7 +228,7 @@ def _serve(args: argparse.Namespace) -> int:
                                                  min_count=args.guard_min_count),
                              tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.client_ca,
                              registry_client_ca=args.registry_client_ca, tls_reload_every=args.tls_reload_ms / 1000,
-                             authorize_nodes=tuple(args.authorize_node))
+                             authorize_nodes=tuple(args.authorize_node), secret_grants=tuple(args.grant_secret))
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))

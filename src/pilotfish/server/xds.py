@@ -12,6 +12,14 @@ A request a peer should not have sent ends its stream, never the server: a proto
 INVALID_ARGUMENT, a request over :class:`~pilotfish.protocol.XdsLimits` with RESOURCE_EXHAUSTED,
 each with a short message (a peer's values are repeated shortened), a ``stream_closed`` event
 and a warning logged at most once per :data:`WARN_EVERY` seconds (with how many were not).
+
+SDS secrets go only to the proxies they are granted to (:mod:`pilotfish.server.grants`): before an
+SDS watch reaches the cache, the names the stream's proxy (its certificate identity, its node id)
+is not granted are taken out of its subscription, and a wildcard is dropped. So the cache never
+produces an ungranted secret for that stream, responses stay shared between streams with the same
+granted set, and the proxy waits for a denied secret as for one that does not exist. Each denied
+name is recorded once per stream (a ``secret_denied`` event, up to :data:`MAX_DENIED_RECORDED`
+names) and warned about at most once per :data:`WARN_EVERY` seconds.
 """
 
 from __future__ import annotations
@@ -30,16 +38,27 @@ from google.protobuf.message import DecodeError
 from pilotfish.cache import DEFAULT_GROUP, Cancel, NodeGroup, SnapshotCache
 from pilotfish.errors import PeerError
 from pilotfish.events import EventLog
-from pilotfish.protocol import DEFAULT_LIMITS, PeerOverLimit, RequestKind, SotwStream, Watch, XdsLimits
+from pilotfish.protocol import (
+    DEFAULT_LIMITS,
+    WILDCARD,
+    PeerOverLimit,
+    RequestKind,
+    SotwStream,
+    Subscription,
+    Watch,
+    XdsLimits,
+    next_subscription,
+)
 from pilotfish.protocol.limits import shorten
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field, request_names_span
+from pilotfish.server.grants import ProxyGrants, SecretGrants
 from pilotfish.server.grpc_server import Call, GrpcServer, MethodFactory, RpcError
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.status import SyncStatus
 from pilotfish.transport.frames import GrpcStatus
 
-__all__ = ["WARN_EVERY", "XdsLimits", "XdsServer", "start_xds_server"]
+__all__ = ["MAX_DENIED_RECORDED", "WARN_EVERY", "XdsLimits", "XdsServer", "start_xds_server"]
 
 _log = logging.getLogger("pilotfish.server")
 
@@ -60,6 +79,11 @@ def _default_group(node: base_pb2.Node) -> NodeGroup:
 
 WARN_EVERY = 10.0
 """Seconds between two warnings about peers that broke the protocol or a limit."""
+MAX_DENIED_RECORDED = 100
+"""Distinct denied secret names a stream records as ``secret_denied`` events; a peer cycling
+through made-up names gets no more events (it is still denied every one)."""
+_DENIED_SHOWN = 10
+"""Denied names a warning repeats."""
 _TYPE_URL_CHARS = 256
 _MESSAGE_CHARS = 1024
 """A gRPC status message is at most about this long (the limits' messages are shorter)."""
@@ -100,6 +124,7 @@ class XdsServer:
         status: SyncStatus | None = None,
         group_of: Callable[[base_pb2.Node], NodeGroup] = _default_group,
         authorize: Callable[[str, str], str | None] | None = None,
+        grants: SecretGrants | None = None,
         limits: XdsLimits = DEFAULT_LIMITS,
     ) -> None:
         self.cache = cache
@@ -109,7 +134,11 @@ class XdsServer:
         self._group_of = group_of
         self.authorize = authorize
         """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.server.authorize`)."""
+        self.grants = grants if grants is not None else SecretGrants()
+        """Which proxies may receive which secrets; none by default (fail closed). Checked at every
+        SDS request: a replacement takes effect at each stream's next one."""
         self._warnings = _Warnings()
+        self._denials = _Warnings()
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
 
@@ -125,8 +154,8 @@ class _SotwConnection:
     """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
     the cache's responses are written as it hands them over."""
 
-    __slots__ = ("_call", "_cancels", "_current", "_last_nack", "_server", "closed", "group", "id",
-                 "node_id", "state", "type_url")
+    __slots__ = ("_call", "_cancels", "_current", "_denied", "_granted", "_grants", "_last_nack", "_server",
+                 "closed", "group", "id", "node_id", "state", "type_url")
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
         self._server = server
@@ -142,6 +171,13 @@ class _SotwConnection:
         """The newest watch per type: a response to an older one is dropped unsent."""
         self._last_nack: tuple[TypeUrl, str | None] | None = None
         """The type and version of the last NACK warned about: a repeated one is not warned again."""
+        self._grants: tuple[SecretGrants, ProxyGrants] | None = None
+        """The server's grants, and what of them is this stream's proxy's (its node id and identity
+        do not change)."""
+        self._granted: tuple[ProxyGrants, Subscription, Subscription] | None = None
+        """The last SDS subscription asked for and what of it is granted (under those grants)."""
+        self._denied: set[str] = set()
+        """Secret names denied on this stream so far (recorded once each, up to a bound)."""
         server.open_streams += 1
 
     # -- the call's callbacks -------------------------------------------------------------------
@@ -225,11 +261,53 @@ class _SotwConnection:
                              outcome.type_url.rsplit(".", 1)[-1], outcome.rejected_version, outcome.error)
         for watch in outcome.watches:
             url = watch.type_url
+            if url == SECRET.url:
+                watch = self._granted_only(watch)
             previous = self._cancels.pop(url, None)
             if previous is not None:
                 previous()
             self._current[url] = watch
             self._cancels[url] = server.cache.create_watch(watch, self._send, self.group)
+
+    def _granted_only(self, watch: Watch) -> Watch:
+        """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
+        subscription = watch.subscription
+        server_grants = self._server.grants
+        if self._grants is None or self._grants[0] is not server_grants:
+            self._grants = (server_grants, server_grants.for_proxy(identity=self._call.peer_identity,
+                                                                   node_id=self.node_id))
+        grants = self._grants[1]
+        memo = self._granted
+        if memo is not None and memo[0] is grants and memo[1] is subscription:
+            granted = memo[2]
+        else:
+            names, denied = grants.split(subscription.names)
+            if len(denied) <= MAX_DENIED_RECORDED:
+                denied.sort()  # events in a stable order (when there are many, which are recorded is moot)
+            if subscription.wildcard:
+                denied.append(WILDCARD)
+            granted = subscription if not denied else next_subscription(
+                names, wildcard_capable=False, ever_named=True)
+            self._granted = (grants, subscription, granted)
+            if denied:
+                self._record_denied(denied)
+        return watch if granted is subscription else watch._replace(subscription=granted)
+
+    def _record_denied(self, names: list[str]) -> None:
+        server, identity = self._server, self._call.peer_identity
+        for name in names:
+            if len(self._denied) >= MAX_DENIED_RECORDED:
+                break
+            if name in self._denied:
+                continue
+            self._denied.add(name)
+            server.events.emit("secret_denied", stream=self.id, node=self.node_id, identity=identity,
+                               peer=self._call.peer, secret=name)
+        shown = shorten(", ".join(names[:_DENIED_SHOWN]), 400)
+        if len(names) > _DENIED_SHOWN:
+            shown += f" and {len(names) - _DENIED_SHOWN:,} more"
+        server._denials.warn("node %r (identity %r, %s) asked for secrets not granted to it, not sent: %s",
+                             shorten(self.node_id, 200), identity, self._call.peer, shown)
 
     def _send(self, watch: Watch, response: EncodedResponse) -> None:
         """The cache's callback: write the response now (the transport queues what flow control
