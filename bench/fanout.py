@@ -126,11 +126,11 @@ def _py_spy(pid: int, output: Path, rate: int = 250) -> subprocess.Popen[bytes]:
 def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, workload: Workload,
                quiet_ms: int = 100, change: str = "registry", workers: int = 0, workdir: str | Path | None = None,
                profile: Path | None = None, change_timeout: float = 60.0, gap: float = 0.3,
-               client: str = "h2", event_log_level: str = "all") -> FanoutResult:
+               client: str = "h2", event_log_level: str = "all", core: str = "own") -> FanoutResult:
     """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
     during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`);
     ``event_log_level``: pilotfish's ``--event-log-level`` (``changes`` leaves out the lines of
-    every request and response)."""
+    every request and response); ``core``: pilotfish's HTTP/2 core (bench/h2_core_launch.py)."""
     if server == "naive" and change != "file":
         change = "file"  # the naive server has no registry
     with ExitStack() as stack:
@@ -142,7 +142,8 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         workload.write(snapshot)
         if server == "pilotfish":
             proc = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry",
-                                   extra=("--event-log-level", event_log_level))
+                                   extra=("--event-log-level", event_log_level),
+                                   module=("pilotfish",) if core == "own" else ("bench.h2_core_launch", "--core", core))
         else:
             proc = start_naive(workdir, snapshot=snapshot)
         stack.callback(proc.stop)

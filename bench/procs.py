@@ -211,13 +211,15 @@ class ServerProcess:
 
 def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100, xds_port: int = 0,
                     registry: bool = True, extra: Sequence[str] = (), name: str = "pilotfish",
-                    python: str = sys.executable, wrapper: Sequence[str] = ()) -> ServerProcess:
+                    python: str = sys.executable, wrapper: Sequence[str] = (),
+                    module: Sequence[str] = ("pilotfish",)) -> ServerProcess:
     """``python -m pilotfish serve`` with an event log in ``workdir``; started and ready.
 
-    ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``).
+    ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``); ``module`` is
+    what ``-m`` runs (bench/h2_core_launch.py runs the CLI with another HTTP/2 core).
     """
     event_log = workdir / f"{name}-events.jsonl"
-    argv = [*wrapper, python, "-m", "pilotfish", "serve", "--xds", f"127.0.0.1:{xds_port}",
+    argv = [*wrapper, python, "-m", *module, "serve", "--xds", f"127.0.0.1:{xds_port}",
             "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), *extra]
     if snapshot is not None:
         argv += ["--snapshot", str(snapshot)]

@@ -144,7 +144,11 @@ class Target:
         self.event_log = workdir / "events.jsonl"
         self.stdout = workdir / "pilotfish.out"
         self.stderr = workdir / "pilotfish.err"
-        argv = [sys.executable, "-m", "pilotfish", "serve", "--snapshot", str(self.snapshot),
+        # PILOTFISH_ABUSE_CORE=h2 runs the same server on the `h2` package's state machine
+        # (bench/h2_core_launch.py), for issue 9's side-by-side comparison; unset: the CLI itself.
+        core = os.environ.get("PILOTFISH_ABUSE_CORE", "")
+        launcher = ["bench.h2_core_launch", "--core", core] if core else ["pilotfish"]
+        argv = [sys.executable, "-m", *launcher, "serve", "--snapshot", str(self.snapshot),
                 "--xds", self.address, "--event-log", str(self.event_log), "--quiet-ms", "10",
                 "--max-delay-ms", "100"]
         if nofile is not None:  # the usual soft descriptor limit of a service: prlimit execs, same PID
@@ -154,7 +158,8 @@ class Target:
                 raise RuntimeError("the descriptor test needs prlimit (Debian package util-linux)")
             argv = [prlimit, f"--nofile={nofile}:{hard}", "--", *argv]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), str(REPO) if core else "",
+                                                        env.get("PYTHONPATH")) if p)
         env["PYTHONUNBUFFERED"] = "1"
         with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,

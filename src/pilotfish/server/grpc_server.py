@@ -168,7 +168,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set in connection_made
         self._dirty = False
         self._reading = True
-        self.h2 = Connection(role=Role.SERVER, limits=server.limits, on_output=self._output_ready)
+        self.h2 = server.connection_factory(role=Role.SERVER, limits=server.limits, on_output=self._output_ready)
         self.peer = ""
         self.identity = ""
         """The client's identity from its verified certificate (mTLS), else ``""``."""
@@ -325,9 +325,13 @@ class _Connection(asyncio.Protocol):
 class GrpcServer:
     """Listens on one address and serves the registered ``methods`` ({path: factory})."""
 
-    def __init__(self, methods: Mapping[str, MethodFactory], *, limits: Limits | None = None) -> None:
+    def __init__(self, methods: Mapping[str, MethodFactory], *, limits: Limits | None = None,
+                 connection_factory: Callable[..., Connection] = Connection) -> None:
         self.limits = limits or Limits()
         """What each connection lets a peer do (see :class:`~pilotfish.transport.h2.Limits`)."""
+        self.connection_factory = connection_factory
+        """Makes each connection's HTTP/2 core (keywords ``role``, ``limits``, ``on_output``): the own
+        one; bench/h2_core_compare.py measures the `h2` package's state machine in its place."""
         self.methods: dict[bytes, MethodFactory] = {path.encode(): f for path, f in methods.items()}
         self.connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
