@@ -296,10 +296,10 @@ class Target:
         return problems
 
     def conclude(self, name: str, problems: list[str], *, served_timeout: float = SERVED_TIMEOUT,
-                 **numbers: object) -> None:
+                 rss_bound: int = RSS_BOUND, **numbers: object) -> None:
         """Fail with every problem of the attack (its own checks and :meth:`harm`), after
         recording its numbers."""
-        problems = problems + self.harm(served_timeout=served_timeout)
+        problems = problems + self.harm(served_timeout=served_timeout, rss_bound=rss_bound)
         self.numbers.update(numbers)
         self.report(name, problems)
         assert not problems, f"{name}: " + "\n".join(problems) + f"\nnumbers: {self.numbers}"

@@ -207,6 +207,12 @@ class _StreamError(Exception):
 
 # -- streams ----------------------------------------------------------------------------------------
 
+class _ControlFrames(bytearray):
+    """Output made of control frames we owe the peer (never a buffer an application passed)."""
+
+    __slots__ = ()
+
+
 class _Stream:
     __slots__ = ("headers_received", "id", "local_closed", "message", "message_need", "pending",
                  "pending_end", "recv_window", "rejected", "remote_closed", "send_window", "unacked")
@@ -252,7 +258,7 @@ class Connection:
         self._clock = clock
         self._on_output = on_output
         """Called when output is queued and none was waiting (an adapter schedules a write)."""
-        self._out: list[bytes | memoryview] = []
+        self._out: list[bytes | bytearray | memoryview] = []
         self._queued_control = 0
         self.writing_paused = False
         """Set by the adapter while the socket does not take more (asyncio's pause_writing)."""
@@ -306,15 +312,21 @@ class Connection:
 
     # -- output --------------------------------------------------------------------------------
 
-    def _queue(self, data: bytes | memoryview) -> None:
+    def _queue(self, data: bytes | bytearray | memoryview) -> None:
         out = self._out
         if not out and self._on_output is not None:
             self._on_output()
         out.append(data)
 
     def _queue_control(self, data: bytes) -> None:
-        """A frame we owe the peer in answer to its own (ACK, RST_STREAM)."""
-        self._queue(data)
+        """A frame we owe the peer in answer to its own (ACK, RST_STREAM). Consecutive ones share
+        one buffer: a flood of PINGs read in one go is answered by one piece of output, not by a
+        17-byte object per PING for the socket's write queue to hold."""
+        out = self._out
+        if out and type(out[-1]) is _ControlFrames:
+            out[-1] += data  # ours (a bytearray), checked above
+        else:
+            self._queue(_ControlFrames(data))
         if self.writing_paused:
             self._queued_control += 1
             if self._queued_control > self.limits.max_queued_control_frames:
@@ -326,7 +338,7 @@ class Connection:
         """Everything queued since the last call, as one byte string."""
         return b"".join(self.take_output())
 
-    def take_output(self) -> list[bytes | memoryview]:
+    def take_output(self) -> list[bytes | bytearray | memoryview]:
         """Everything queued since the last call, as pieces for one ``writelines`` (no copy)."""
         out, self._out = self._out, []
         return out
