@@ -27,10 +27,10 @@ import itertools
 from collections.abc import Callable
 from typing import NewType
 
-from pilotfish.protocol import Watch, needs_response
+from pilotfish.protocol import DeltaWatch, Watch, needs_response
 from pilotfish.resources import ADS_ORDER, CLUSTER, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.refs import referenced_clusters
-from pilotfish.snapshot import EncodedResponse, Snapshot, TypeSnapshot, with_kept
+from pilotfish.snapshot import DeltaChanges, EncodedResponse, Snapshot, TypeSnapshot, with_kept
 
 __all__ = ["DEFAULT_GROUP", "Cancel", "NodeGroup", "Respond", "SnapshotCache"]
 
@@ -46,6 +46,9 @@ so each costs its name-to-resource table and the resources that changed since.""
 
 Respond = Callable[[Watch, EncodedResponse], None]
 """Called once, synchronously, with the response a watch waited for."""
+DeltaRespond = Callable[[DeltaWatch, DeltaChanges], None]
+"""Called once, synchronously, with what a delta watch waited for."""
+_Entry = tuple[Watch, Respond] | tuple[DeltaWatch, DeltaRespond]
 Cancel = Callable[[], None]
 
 
@@ -58,7 +61,7 @@ class _Cancel:
 
     __slots__ = ("_watches", "_wid")
 
-    def __init__(self, watches: dict[int, tuple[Watch, Respond]], wid: int) -> None:
+    def __init__(self, watches: dict[int, _Entry], wid: int) -> None:
         self._watches = watches
         self._wid = wid
 
@@ -72,7 +75,7 @@ class SnapshotCache:
     def __init__(self) -> None:
         self._snapshots: dict[NodeGroup, Snapshot] = {}
         # group -> type -> watch id -> (watch, respond); dicts keep insertion (arrival) order.
-        self._watches: dict[NodeGroup, dict[TypeUrl, dict[int, tuple[Watch, Respond]]]] = {}
+        self._watches: dict[NodeGroup, dict[TypeUrl, dict[int, _Entry]]] = {}
         self._ids = itertools.count()
         self._bridges: dict[NodeGroup, TypeSnapshot] = {}
         # group -> type -> version -> its resources, oldest first (see HISTORY)
@@ -108,15 +111,24 @@ class SnapshotCache:
             watches = by_type.get(type_url)
             if not watches:
                 continue
-            due = []
-            for wid, (watch, respond) in watches.items():
-                current = self._current(group, snapshot, watch)
-                if current is not None and needs_response(watch, current):
-                    due.append((wid, watch, respond, current))
-            for wid, watch, respond, current in due:
-                del watches[wid]
-                respond(watch, self._response(group, current, watch))
-            answered += len(due)
+            due: list[tuple[int, _Entry, TypeSnapshot]] = []
+            for wid, entry in watches.items():
+                current = self._current(group, snapshot, entry[0])
+                if current is not None and (isinstance(entry[0], DeltaWatch) or needs_response(entry[0], current)):
+                    due.append((wid, entry, current))
+            for wid, entry, current in due:
+                if isinstance(entry[0], DeltaWatch):
+                    # What a delta client lacks is read when it is its turn: an answer of an
+                    # earlier type on its stream (clusters before endpoints) may have changed it.
+                    changes = entry[0].changes(current)
+                    if changes is None:
+                        continue
+                    del watches[wid]
+                    entry[1](entry[0], changes)
+                else:
+                    del watches[wid]
+                    entry[1](entry[0], self._response(group, current, entry[0]))
+                answered += 1
         return answered
 
     def create_watch(self, watch: Watch, respond: Respond, group: NodeGroup = DEFAULT_GROUP) -> Cancel:
@@ -126,9 +138,24 @@ class SnapshotCache:
         if current is not None and needs_response(watch, current):
             respond(watch, self._response(group, current, watch))
             return _nothing
-        watches = self._watches.setdefault(group, {}).setdefault(watch.type_url, {})
+        return self._add(group, (watch, respond))
+
+    def create_delta_watch(self, watch: DeltaWatch, respond: DeltaRespond, group: NodeGroup = DEFAULT_GROUP) -> Cancel:
+        """Answer a delta ``watch`` now if the client lacks something the snapshot has, else when
+        it does."""
+        snapshot = self._snapshots.get(group)
+        current = self._current(group, snapshot, watch) if snapshot is not None else None
+        if current is not None:
+            changes = watch.changes(current)
+            if changes is not None:
+                respond(watch, changes)
+                return _nothing
+        return self._add(group, (watch, respond))
+
+    def _add(self, group: NodeGroup, entry: _Entry) -> Cancel:
+        watches = self._watches.setdefault(group, {}).setdefault(entry[0].type_url, {})
         wid = next(self._ids)
-        watches[wid] = (watch, respond)
+        watches[wid] = entry
         return _Cancel(watches, wid)
 
     def _remember(self, group: NodeGroup, previous: Snapshot | None, snapshot: Snapshot) -> None:
@@ -157,7 +184,7 @@ class SnapshotCache:
             return current.response(names)
         return current.changes(names, since=since, held=watch.known_names)
 
-    def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch) -> TypeSnapshot | None:
+    def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch | DeltaWatch) -> TypeSnapshot | None:
         """What ``watch`` should be answered from: the snapshot's type, or the cluster bridge."""
         if watch.routing_acked is not None:
             bridge = self._bridges.get(group)

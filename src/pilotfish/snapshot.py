@@ -35,9 +35,12 @@ from google.protobuf.message import Message
 
 from pilotfish.resources import TYPES, ResourceType, TypeUrl, type_by_url
 from pilotfish.resources.encoded import Resource  # re-exported: resources/ encodes, snapshots hold
-from pilotfish.resources.wire import discovery_response
+from pilotfish.resources.wire import delta_discovery_response, discovery_response
 
-__all__ = ["EncodedResponse", "Resource", "ResponseMemoLimits", "Snapshot", "TypeSnapshot", "with_kept"]
+__all__ = [
+    "ABSENT", "DeltaChanges", "EncodedResponse", "Resource", "ResponseMemoLimits", "Snapshot", "TypeSnapshot",
+    "with_kept",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +88,31 @@ class EncodedResponse:
     def carried(self) -> int:
         """How many resources the body carries."""
         return len(self.names) if self.count < 0 else self.count
+
+
+ABSENT = ""
+"""In what a delta client is known to have: the version of a resource it subscribed to by name and
+was told does not exist (in ``removed_resources``), so it is not told again."""
+
+_DELTA_MEMO_ENTRIES = 1024
+"""Delta answers kept per snapshot and type, keyed by what the client is known to have (shared
+between the streams at the same place; beyond it they are computed again)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaChanges:
+    """What a delta client that is known to have some versions needs: a DeltaDiscoveryResponse body
+    (without its nonce) and what the client has once it takes it."""
+
+    type_url: TypeUrl
+    version: str
+    """The type's version (``system_version_info``)."""
+    body: bytes
+    sent: tuple[str, ...]
+    removed: tuple[str, ...]
+    known: Mapping[str, str]
+    """Name -> version the client has afterwards (:data:`ABSENT`: told it does not exist). Shared
+    between the streams it is given to: never changed in place."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -137,6 +165,61 @@ class TypeSnapshot:
 
         return self._memo.miss(key, names, self, encode)
 
+    def versions(self) -> Mapping[str, str]:
+        """Name -> delta version of every resource (made once)."""
+        memo = self._memo
+        if memo.versions is None:
+            memo.versions = MappingProxyType({name: r.version for name, r in self.resources.items()})
+        return memo.versions
+
+    def delta(self, known: Mapping[str, str], *, wildcard: bool, names: frozenset[str]) -> DeltaChanges | None:
+        """What a delta client subscribed to everything (``wildcard``) and/or to ``names``, known
+        to have ``known``, needs: None if nothing. Resources whose version differs are sent;
+        those it has that are gone, and names it subscribed to that do not exist (once), are
+        removed. Memoized by the identity of ``known``: streams that took the same responses share
+        one ``known`` and one answer."""
+        memo = self._memo.delta
+        entry = memo.get(id(known))
+        if entry is not None and entry[0] is known and entry[1] == wildcard and entry[2] is names:
+            return entry[3]
+        versions = self.versions()
+        sent: list[str] = []
+        removed: list[str] = []
+        absent: list[str] = []
+        if wildcard:
+            for name, version in versions.items():
+                if known.get(name) != version:
+                    sent.append(name)
+            for name, version in known.items():
+                if name not in versions and version != ABSENT and name not in names:
+                    removed.append(name)
+        else:
+            for name in names:
+                have = versions.get(name)
+                if have is not None and known.get(name) != have:
+                    sent.append(name)
+        for name in names:
+            if name not in versions:
+                absent.append(name)
+                if known.get(name) != ABSENT:
+                    removed.append(name)
+        result = None
+        if sent or removed:
+            sent.sort()
+            removed.sort()
+            if wildcard:
+                after: Mapping[str, str] = versions if not absent else {**versions, **dict.fromkeys(absent, ABSENT)}
+            else:
+                after = {name: versions.get(name, ABSENT) for name in names}
+            resources = self.resources
+            body = delta_discovery_response(self.version, self.rtype.url,
+                                            (resources[n].delta_encoded() for n in sent), removed)
+            result = DeltaChanges(self.rtype.url, self.version, body, tuple(sent), tuple(removed), after)
+        if len(memo) >= _DELTA_MEMO_ENTRIES:
+            memo.clear()
+        memo[id(known)] = (known, wildcard, names, result)
+        return result
+
     def retire(self) -> None:
         """Drop the memoized responses: this snapshot is no longer served, only compared with."""
         self._memo.clear()
@@ -169,7 +252,8 @@ _Key = frozenset[str] | tuple[str, frozenset[str], frozenset[str]] | None
 class _ResponseMemo:
     """Encoded responses by name set, in two generations (see the module's docstring)."""
 
-    __slots__ = ("budget", "current", "current_bytes", "everything", "previous", "previous_bytes")
+    __slots__ = ("budget", "current", "current_bytes", "delta", "everything", "previous", "previous_bytes",
+                 "versions")
 
     def __init__(self) -> None:
         self.current: dict[_Key, EncodedResponse] = {}
@@ -178,6 +262,8 @@ class _ResponseMemo:
         self.everything: EncodedResponse | None = None
         self.budget: int | None = None
         """Bytes per generation: half the limits' budget for this type."""
+        self.versions: Mapping[str, str] | None = None
+        self.delta: dict[int, tuple[Mapping[str, str], bool, frozenset[str], DeltaChanges | None]] = {}
 
     def miss(self, key: _Key, names: frozenset[str] | None, owner: TypeSnapshot,
              encode: Callable[[frozenset[str] | None], EncodedResponse]) -> EncodedResponse:
@@ -218,6 +304,7 @@ class _ResponseMemo:
         self.current, self.previous = {}, {}
         self.current_bytes = self.previous_bytes = 0
         self.everything = None
+        self.delta = {}
 
 
 def _cost(names: frozenset[str], response: EncodedResponse) -> int:

@@ -1,10 +1,12 @@
-"""xDS over gRPC: the aggregated service and the per-type services, SotW.
+"""xDS over gRPC: the aggregated service and the per-type services, SotW and incremental (delta).
 
-This layer only moves bytes. Each stream pairs a :class:`~pilotfish.protocol.SotwStream` (what the
-stream has seen) with watches on the :class:`~pilotfish.cache.SnapshotCache` (what exists). A
-request is parsed and fed to the state machine as it arrives, and the watches it asks for are
-opened; a response the cache hands back is written at once (the cache hands them over in ADS order).
-Responses are shared pre-encoded bytes; a stream appends only its nonce. Everything runs in the
+This layer only moves bytes. Each stream pairs a :class:`~pilotfish.protocol.SotwStream` or a
+:class:`~pilotfish.protocol.DeltaStream` (what the stream has seen) with watches on the
+:class:`~pilotfish.cache.SnapshotCache` (what exists). A request is parsed and fed to the state
+machine as it arrives, and the watches it asks for are opened; a response the cache hands back is
+written at once (the cache hands them over in ADS order). Responses are shared pre-encoded bytes
+(a delta answer is shared by the streams that are known to have the same); a stream appends only
+its nonce. Everything runs in the
 callbacks of pilotfish's own gRPC transport (:mod:`pilotfish.server.grpc_server`): an idle stream
 is this object and its watches, with no task or coroutine.
 
@@ -41,6 +43,9 @@ from pilotfish.events import EventLog
 from pilotfish.protocol import (
     DEFAULT_LIMITS,
     WILDCARD,
+    DeltaKind,
+    DeltaStream,
+    DeltaWatch,
     PeerOverLimit,
     RequestKind,
     SotwStream,
@@ -54,7 +59,7 @@ from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, Type
 from pilotfish.resources.wire import nonce_field, request_names_span
 from pilotfish.server.grants import ProxyGrants, SecretGrants
 from pilotfish.server.grpc_server import Call, GrpcServer, MethodFactory, RpcError
-from pilotfish.snapshot import EncodedResponse
+from pilotfish.snapshot import DeltaChanges, EncodedResponse
 from pilotfish.status import SyncStatus
 from pilotfish.transport.frames import GrpcStatus
 
@@ -70,6 +75,16 @@ _SOTW_METHODS: tuple[tuple[str, str, TypeUrl | None], ...] = (
     ("envoy.service.listener.v3.ListenerDiscoveryService", "StreamListeners", LISTENER.url),
     ("envoy.service.route.v3.RouteDiscoveryService", "StreamRoutes", ROUTE.url),
     ("envoy.service.secret.v3.SecretDiscoveryService", "StreamSecrets", SECRET.url),
+)
+
+
+_DELTA_METHODS: tuple[tuple[str, str, TypeUrl | None], ...] = (
+    ("envoy.service.discovery.v3.AggregatedDiscoveryService", "DeltaAggregatedResources", None),
+    ("envoy.service.cluster.v3.ClusterDiscoveryService", "DeltaClusters", CLUSTER.url),
+    ("envoy.service.endpoint.v3.EndpointDiscoveryService", "DeltaEndpoints", ENDPOINT.url),
+    ("envoy.service.listener.v3.ListenerDiscoveryService", "DeltaListeners", LISTENER.url),
+    ("envoy.service.route.v3.RouteDiscoveryService", "DeltaRoutes", ROUTE.url),
+    ("envoy.service.secret.v3.SecretDiscoveryService", "DeltaSecrets", SECRET.url),
 )
 
 
@@ -143,44 +158,157 @@ class XdsServer:
         self.open_streams = 0
 
     def methods(self) -> dict[str, MethodFactory]:
-        """``{path: factory}`` for every xDS method pilotfish serves."""
-        def factory(type_url: TypeUrl | None) -> MethodFactory:
-            return lambda call: _SotwConnection(self, call, type_url)
+        """``{path: factory}`` for every xDS method pilotfish serves, SotW and delta."""
+        def factory(kind: type[_Stream], type_url: TypeUrl | None) -> MethodFactory:
+            return lambda call: kind(self, call, type_url)  # type: ignore[return-value]  # a Handler
 
-        return {f"/{service}/{method}": factory(type_url) for service, method, type_url in _SOTW_METHODS}
+        methods = {f"/{service}/{method}": factory(_SotwConnection, type_url)
+                   for service, method, type_url in _SOTW_METHODS}
+        methods.update((f"/{service}/{method}", factory(_DeltaConnection, type_url))
+                       for service, method, type_url in _DELTA_METHODS)
+        return methods
 
 
-class _SotwConnection:
-    """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
-    the cache's responses are written as it hands them over."""
+class _Stream:
+    """What SotW and delta streams share: the call, the proxy's node and group, the watches, the
+    refusals, the secrets granted, the NACK warnings and the end."""
 
-    __slots__ = ("_call", "_cancels", "_current", "_denied", "_granted", "_grants", "_last_nack", "_server",
-                 "closed", "group", "id", "node_id", "state", "type_url")
+    __slots__ = ("_call", "_cancels", "_denied", "_grants", "_last_nack", "_server", "closed", "group", "id",
+                 "node_id", "opened", "type_url")
+
+    service = "ads"
+    """How ``stream_open`` names an aggregated stream of this kind."""
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
         self._server = server
         self._call = call
         self.type_url = type_url
         self.id = next(server._stream_ids)
-        self.state = SotwStream(type_url=type_url, limits=server.limits)
         self.node_id = ""
         self.group = DEFAULT_GROUP
         self.closed = False
+        self.opened = False
+        """The first request (with the node) has been taken."""
         self._cancels: dict[TypeUrl, Cancel] = {}
-        self._current: dict[TypeUrl, Watch] = {}
-        """The newest watch per type: a response to an older one is dropped unsent."""
         self._last_nack: tuple[TypeUrl, str | None] | None = None
         """The type and version of the last NACK warned about: a repeated one is not warned again."""
         self._grants: tuple[SecretGrants, ProxyGrants] | None = None
         """The server's grants, and what of them is this stream's proxy's (its node id and identity
         do not change)."""
-        self._granted: tuple[ProxyGrants, Subscription, Subscription] | None = None
-        """The last SDS subscription asked for and what of it is granted (under those grants)."""
         self._denied: set[str] = set()
         """Secret names denied on this stream so far (recorded once each, up to a bound)."""
         server.open_streams += 1
 
     # -- the call's callbacks -------------------------------------------------------------------
+
+    def on_half_close(self) -> None:
+        self._close("closed by client")
+
+    def on_closed(self, reason: str) -> None:
+        self._close(reason)
+
+    def _refuse(self, code: int, message: str) -> NoReturn:
+        """End the stream with ``code``: the peer broke the protocol or a limit."""
+        message = shorten(message, _MESSAGE_CHARS)
+        what = "over a limit" if code == GrpcStatus.RESOURCE_EXHAUSTED else "protocol error"
+        self._server._warnings.warn("stream %d from %s (node %r) ended, %s: %s", self.id, self._call.peer,
+                                    shorten(self.node_id, 200), what, message)
+        self._close(f"{what}: {message}")
+        raise RpcError(code, message)
+
+    # -- the first request ------------------------------------------------------------------------
+
+    def _authorize(self, node_id: str) -> None:
+        """Refuse the stream (PERMISSION_DENIED) if the proxy's certificate may not claim ``node_id``."""
+        server = self._server
+        if server.authorize is None:
+            return
+        refusal = server.authorize(self._call.peer_identity, node_id)
+        if refusal is not None:
+            server.events.emit("node_refused", stream=self.id, identity=self._call.peer_identity,
+                               peer=self._call.peer, reason=refusal)
+            _log.warning("%s: %s", self._call.peer, refusal)
+            self._close(f"permission denied: {refusal}")
+            raise RpcError(GrpcStatus.PERMISSION_DENIED, refusal)
+
+    def _open(self, node: base_pb2.Node) -> None:
+        """The stream's proxy is known: its group, its status, the ``stream_open`` event."""
+        server = self._server
+        self.opened = True
+        self.node_id = node.id
+        self.group = server._group_of(node)
+        server.status.stream_opened(self.node_id)
+        identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
+        server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
+                           service=self.service if self.type_url is None else self.type_url,
+                           **({"identity": identity} if identity else {}))
+
+    def _record_nack(self, type_url: TypeUrl, version: str | None, error: str | None) -> None:
+        self._server.status.nacked(self.node_id, type_url, version, error or "")
+        nack = (type_url, version)
+        if nack != self._last_nack:  # a peer repeating its NACK does not fill the log
+            self._last_nack = nack
+            _log.warning("%s rejected %s version %s: %s", self.node_id or f"stream {self.id}",
+                         type_url.rsplit(".", 1)[-1], version, error)
+
+    # -- secrets ----------------------------------------------------------------------------------
+
+    def _proxy_grants(self) -> ProxyGrants:
+        server_grants = self._server.grants
+        if self._grants is None or self._grants[0] is not server_grants:
+            self._grants = (server_grants, server_grants.for_proxy(identity=self._call.peer_identity,
+                                                                   node_id=self.node_id))
+        return self._grants[1]
+
+    def _record_denied(self, names: list[str]) -> None:
+        server, identity = self._server, self._call.peer_identity
+        for name in names:
+            if len(self._denied) >= MAX_DENIED_RECORDED:
+                break
+            if name in self._denied:
+                continue
+            self._denied.add(name)
+            server.events.emit("secret_denied", stream=self.id, node=self.node_id, identity=identity,
+                               peer=self._call.peer, secret=name)
+        shown = shorten(", ".join(names[:_DENIED_SHOWN]), 400)
+        if len(names) > _DENIED_SHOWN:
+            shown += f" and {len(names) - _DENIED_SHOWN:,} more"
+        server._denials.warn("node %r (identity %r, %s) asked for secrets not granted to it, not sent: %s",
+                             shorten(self.node_id, 200), identity, self._call.peer, shown)
+
+    # -- the end ----------------------------------------------------------------------------------
+
+    def _forget_watches(self) -> None:
+        """Drop what the stream waits for (subclasses drop their own state too)."""
+        for cancel in self._cancels.values():
+            cancel()
+        self._cancels.clear()
+
+    def _close(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        server = self._server
+        server.open_streams -= 1
+        self._forget_watches()
+        if self.opened:
+            server.status.stream_closed(self.node_id)
+        server.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=reason)
+
+
+class _SotwConnection(_Stream):
+    """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
+    the cache's responses are written as it hands them over."""
+
+    __slots__ = ("_current", "_granted", "state")
+
+    def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
+        super().__init__(server, call, type_url)
+        self.state = SotwStream(type_url=type_url, limits=server.limits)
+        self._current: dict[TypeUrl, Watch] = {}
+        """The newest watch per type: a response to an older one is dropped unsent."""
+        self._granted: tuple[ProxyGrants, Subscription, Subscription] | None = None
+        """The last SDS subscription asked for and what of it is granted (under those grants)."""
 
     def on_message(self, data: bytes) -> None:
         if self.closed:
@@ -201,44 +329,15 @@ class _SotwConnection:
         except PeerError as exc:
             self._refuse(GrpcStatus.INVALID_ARGUMENT, str(exc))
 
-    def _refuse(self, code: int, message: str) -> NoReturn:
-        """End the stream with ``code``: the peer broke the protocol or a limit."""
-        message = shorten(message, _MESSAGE_CHARS)
-        what = "over a limit" if code == GrpcStatus.RESOURCE_EXHAUSTED else "protocol error"
-        self._server._warnings.warn("stream %d from %s (node %r) ended, %s: %s", self.id, self._call.peer,
-                                    shorten(self.node_id, 200), what, message)
-        self._close(f"{what}: {message}")
-        raise RpcError(code, message)
-
-    def on_half_close(self) -> None:
-        self._close("closed by client")
-
-    def on_closed(self, reason: str) -> None:
-        self._close(reason)
-
-    # -- requests and responses -----------------------------------------------------------------
-
     def _on_request(self, request: discovery_pb2.DiscoveryRequest, names_wire: bytes | None) -> None:
         server, state = self._server, self.state
         first = state.node is None
-        if first and server.authorize is not None:
-            refusal = server.authorize(self._call.peer_identity, request.node.id)
-            if refusal is not None:
-                server.events.emit("node_refused", stream=self.id, identity=self._call.peer_identity,
-                                   peer=self._call.peer, reason=refusal)
-                _log.warning("%s: %s", self._call.peer, refusal)
-                self._close(f"permission denied: {refusal}")
-                raise RpcError(GrpcStatus.PERMISSION_DENIED, refusal)
+        if first:
+            self._authorize(request.node.id)
         outcome = state.on_request(request, names_wire=names_wire)
         if first:
             assert state.node is not None
-            self.node_id = state.node.id
-            self.group = server._group_of(state.node)
-            server.status.stream_opened(self.node_id)
-            identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
-            server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
-                               service="ads" if self.type_url is None else self.type_url,
-                               **({"identity": identity} if identity else {}))
+            self._open(state.node)
         kind = outcome.kind
         if kind is RequestKind.NACK or server.events.conversation:
             # Names only when they say something new: an ACK repeats the names it subscribed to.
@@ -253,12 +352,7 @@ class _SotwConnection:
         if kind is RequestKind.ACK:
             server.status.acked(self.node_id, outcome.type_url, outcome.version_info)
         elif kind is RequestKind.NACK:
-            server.status.nacked(self.node_id, outcome.type_url, outcome.rejected_version, outcome.error or "")
-            nack = (outcome.type_url, outcome.rejected_version)
-            if nack != self._last_nack:  # a peer repeating its NACK does not fill the log
-                self._last_nack = nack
-                _log.warning("%s rejected %s version %s: %s", self.node_id or f"stream {self.id}",
-                             outcome.type_url.rsplit(".", 1)[-1], outcome.rejected_version, outcome.error)
+            self._record_nack(outcome.type_url, outcome.rejected_version, outcome.error)
         for watch in outcome.watches:
             url = watch.type_url
             if url == SECRET.url:
@@ -272,11 +366,7 @@ class _SotwConnection:
     def _granted_only(self, watch: Watch) -> Watch:
         """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
         subscription = watch.subscription
-        server_grants = self._server.grants
-        if self._grants is None or self._grants[0] is not server_grants:
-            self._grants = (server_grants, server_grants.for_proxy(identity=self._call.peer_identity,
-                                                                   node_id=self.node_id))
-        grants = self._grants[1]
+        grants = self._proxy_grants()
         memo = self._granted
         if memo is not None and memo[0] is grants and memo[1] is subscription:
             granted = memo[2]
@@ -293,22 +383,6 @@ class _SotwConnection:
                 self._record_denied(denied)
         return watch if granted is subscription else watch._replace(subscription=granted)
 
-    def _record_denied(self, names: list[str]) -> None:
-        server, identity = self._server, self._call.peer_identity
-        for name in names:
-            if len(self._denied) >= MAX_DENIED_RECORDED:
-                break
-            if name in self._denied:
-                continue
-            self._denied.add(name)
-            server.events.emit("secret_denied", stream=self.id, node=self.node_id, identity=identity,
-                               peer=self._call.peer, secret=name)
-        shown = shorten(", ".join(names[:_DENIED_SHOWN]), 400)
-        if len(names) > _DENIED_SHOWN:
-            shown += f" and {len(names) - _DENIED_SHOWN:,} more"
-        server._denials.warn("node %r (identity %r, %s) asked for secrets not granted to it, not sent: %s",
-                             shorten(self.node_id, 200), identity, self._call.peer, shown)
-
     def _send(self, watch: Watch, response: EncodedResponse) -> None:
         """The cache's callback: write the response now (the transport queues what flow control
         holds back), unless a newer request superseded the watch it answers."""
@@ -322,19 +396,105 @@ class _SotwConnection:
             server.events.emit("sent", stream=self.id, node=self.node_id, type=response.type_url,
                                version=response.version, nonce=nonce, resources=response.carried)
 
-    def _close(self, reason: str) -> None:
+    def _forget_watches(self) -> None:
+        super()._forget_watches()
+        self._current.clear()
+
+
+class _DeltaConnection(_Stream):
+    """One incremental (delta) stream: as a SotW one, with :class:`~pilotfish.protocol.DeltaStream`
+    deciding and the cache answering with what the client lacks."""
+
+    __slots__ = ("_current", "state")
+
+    service = "delta-ads"
+
+    def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
+        super().__init__(server, call, type_url)
+        self.state = DeltaStream(type_url=type_url, limits=server.limits)
+        self._current: dict[TypeUrl, DeltaWatch] = {}
+
+    def on_message(self, data: bytes) -> None:
         if self.closed:
             return
-        self.closed = True
+        try:
+            request = discovery_pb2.DeltaDiscoveryRequest.FromString(data)
+        except DecodeError as exc:
+            self._refuse(GrpcStatus.INVALID_ARGUMENT, f"undecodable DeltaDiscoveryRequest: {exc}")
+        try:
+            self._on_request(request)
+        except PeerOverLimit as exc:
+            self._refuse(GrpcStatus.RESOURCE_EXHAUSTED, str(exc))
+        except PeerError as exc:
+            self._refuse(GrpcStatus.INVALID_ARGUMENT, str(exc))
+
+    def _on_request(self, request: discovery_pb2.DeltaDiscoveryRequest) -> None:
+        server, state = self._server, self.state
+        first = state.node is None
+        if first:
+            self._authorize(request.node.id)
+        outcome = state.on_request(request)
+        if first:
+            assert state.node is not None
+            self._open(state.node)
+        kind = outcome.kind
+        if kind is DeltaKind.NACK or server.events.conversation:
+            changes: dict[str, object] = {}
+            if outcome.subscribed:
+                changes["subscribe"] = list(outcome.subscribed)
+            if outcome.unsubscribed:
+                changes["unsubscribe"] = list(outcome.unsubscribed)
+            if request.initial_resource_versions:
+                changes["initial_resources"] = len(request.initial_resource_versions)
+            server.events.emit(kind.value, stream=self.id, node=self.node_id, type=outcome.type_url, delta=True,
+                               version=outcome.version, response_nonce=outcome.response_nonce,
+                               error=outcome.error, **changes)
+        if kind is DeltaKind.ACK:
+            server.status.acked(self.node_id, outcome.type_url, outcome.version or "")
+        elif kind is DeltaKind.NACK:
+            self._record_nack(outcome.type_url, outcome.version, outcome.error)
+        for watch in outcome.watches:
+            url = watch.type_url
+            if url == SECRET.url:
+                watch = self._granted_only(watch)
+            previous = self._cancels.pop(url, None)
+            if previous is not None:
+                previous()
+            self._current[url] = watch
+            self._cancels[url] = server.cache.create_delta_watch(watch, self._send, self.group)
+
+    def _granted_only(self, watch: DeltaWatch) -> DeltaWatch:
+        """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
+        names, denied = self._proxy_grants().split(watch.names)
+        if watch.wildcard:
+            denied.append(WILDCARD)
+        if not denied:
+            return watch
+        denied = [name for name in denied if name not in self._denied]
+        if denied:
+            if len(denied) <= MAX_DENIED_RECORDED:
+                denied.sort()
+            self._record_denied(denied)
+        granted = next_subscription(names, wildcard_capable=False, ever_named=True).names
+        return watch._replace(wildcard=False, names=granted)
+
+    def _send(self, watch: DeltaWatch, changes: DeltaChanges) -> None:
+        """The cache's callback: write what the client lacks, unless a newer request superseded
+        the watch."""
+        if self.closed or self._current.get(changes.type_url) is not watch:
+            return
         server = self._server
-        server.open_streams -= 1
-        for cancel in self._cancels.values():
-            cancel()
-        self._cancels.clear()
+        nonce = self.state.on_response(watch, changes)
+        self._call.send(changes.body, nonce_field(nonce))
+        server.status.sent(self.node_id, changes.type_url, changes.version)
+        if server.events.conversation:
+            server.events.emit("sent", stream=self.id, node=self.node_id, type=changes.type_url, delta=True,
+                               version=changes.version, nonce=nonce, resources=len(changes.sent),
+                               names=list(changes.sent), removed=list(changes.removed))
+
+    def _forget_watches(self) -> None:
+        super()._forget_watches()
         self._current.clear()
-        if self.state.node is not None:
-            server.status.stream_closed(self.node_id)
-        server.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=reason)
 
 
 async def start_xds_server(xds: XdsServer, address: str, *,
