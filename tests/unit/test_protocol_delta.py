@@ -266,7 +266,8 @@ def test_a_request_over_the_names_limit_is_refused(cache: SnapshotCache) -> None
         stream.on_request(request)
     # Nor can a stream grow its subscription past it ten names at a time.
     stream = DeltaStream(limits=XdsLimits(max_resource_names=10))
-    stream.on_request(discovery_pb2.DeltaDiscoveryRequest(type_url=EDS, resource_names_subscribe=[f"a{i}" for i in range(10)]))
+    ten = [f"a{i}" for i in range(10)]
+    stream.on_request(discovery_pb2.DeltaDiscoveryRequest(type_url=EDS, resource_names_subscribe=ten))
     with pytest.raises(PeerOverLimit, match="subscribes to 11"):
         stream.on_request(discovery_pb2.DeltaDiscoveryRequest(type_url=EDS, resource_names_subscribe=["one more"]))
 
