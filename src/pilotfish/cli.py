@@ -155,6 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--tls-key", metavar="FILE", help="mTLS: the PEM private key of --tls-cert")
     boot.add_argument("--tls-server-name", metavar="NAME",
                       help="SNI, and the name pilotfish's certificate must carry (default: the host of --xds)")
+    boot.add_argument("--delta", action="store_true",
+                      help="incremental xDS (DELTA_GRPC): only what changed is sent (default: state of the world)")
 
     token = commands.add_parser("token", help="make a registry API token, or hash one for --registry-tokens")
     token.add_argument("action", choices=("new", "hash"),
@@ -254,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
                                          admin_port=args.admin_port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                                         tls_key=args.tls_key, tls_server_name=args.tls_server_name)
+                                         tls_key=args.tls_key, tls_server_name=args.tls_server_name,
+                                         delta=args.delta)
         except ValueError as exc:
             print(f"pilotfish bootstrap: {exc}", file=sys.stderr)
             return EXIT_USAGE
