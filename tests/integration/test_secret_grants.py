@@ -203,3 +203,27 @@ async def test_a_grant_change_takes_effect_at_the_next_request(tmp_path: Path) -
             assert third.version_info == "2" and secret_names(third) == []
     finally:
         await server.stop(0.5)
+
+
+async def test_a_delta_stream_gets_only_granted_secrets(tmp_path: Path) -> None:
+    """The same rule on incremental xDS: a denied name is neither sent nor told removed."""
+    ca = trustme.CA()
+    async with serving(tmp_path, ca, f"edge-cert=identity:{EDGE}") as server:
+        edge = credentials(ca, spiffe_cert(ca, EDGE))
+        async with grpc.aio.secure_channel(server.xds, edge) as channel:
+            call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).DeltaAggregatedResources()
+            first = discovery_pb2.DeltaDiscoveryRequest(type_url=SDS,
+                                                        resource_names_subscribe=["api-cert", "edge-cert"])
+            first.node.id = "edge-1"
+            await call.write(first)
+            got: discovery_pb2.DeltaDiscoveryResponse = await asyncio.wait_for(call.read(), TIMEOUT)
+            assert [r.name for r in got.resources] == ["edge-cert"] and list(got.removed_resources) == []
+            assert secret_pb2.Secret.FromString(got.resources[0].resource.value).name == "edge-cert"
+            assert (await server.wait_for("secret_denied", secret="api-cert"))["node"] == "edge-1"
+            # A wildcard, then CDS: the CDS answer comes next, nothing about secrets before it.
+            await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=SDS, resource_names_subscribe=["*"],
+                                                                  response_nonce=got.nonce))
+            await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=CDS))
+            nxt: discovery_pb2.DeltaDiscoveryResponse = await asyncio.wait_for(call.read(), TIMEOUT)
+            assert nxt.type_url == CDS, f"an ungranted secret or a wildcard was answered: {nxt}"
+            assert await server.wait_for("secret_denied", secret="*")
