@@ -30,7 +30,7 @@ from typing import NewType
 from pilotfish.protocol import DeltaWatch, Watch, needs_response
 from pilotfish.resources import ADS_ORDER, CLUSTER, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.refs import referenced_clusters
-from pilotfish.snapshot import DeltaChanges, EncodedResponse, Snapshot, TypeSnapshot, with_kept
+from pilotfish.snapshot import DeltaChanges, EncodedResponse, Resource, Snapshot, TypeSnapshot, with_kept
 
 __all__ = ["DEFAULT_GROUP", "Cancel", "NodeGroup", "Respond", "SnapshotCache"]
 
@@ -80,6 +80,10 @@ class SnapshotCache:
         self._bridges: dict[NodeGroup, TypeSnapshot] = {}
         # group -> type -> version -> its resources, oldest first (see HISTORY)
         self._history: dict[NodeGroup, dict[TypeUrl, dict[str, TypeSnapshot]]] = {}
+        # id of a kept listener or route TypeSnapshot -> (it, the clusters it uses)
+        self._uses: dict[int, tuple[TypeSnapshot, frozenset[str]]] = {}
+        # group -> ((CDS, LDS, RDS versions), the bridge made for them)
+        self._last_bridge: dict[NodeGroup, tuple[tuple[str | None, str | None, str | None], TypeSnapshot | None]] = {}
 
     def snapshot(self, group: NodeGroup = DEFAULT_GROUP) -> Snapshot | None:
         return self._snapshots.get(group)
@@ -98,7 +102,7 @@ class SnapshotCache:
         previous = self._snapshots.get(group)
         self._snapshots[group] = snapshot
         self._remember(group, previous, snapshot)
-        bridge = _bridge(previous, snapshot)
+        bridge = self._bridge(group, snapshot)
         if bridge is None:
             self._bridges.pop(group, None)
         else:
@@ -169,8 +173,41 @@ class SnapshotCache:
             versions = history.setdefault(url, {})
             versions.pop(current.version, None)  # (re)entered as the newest
             versions[current.version] = current
+            if url in (LISTENER.url, ROUTE.url) and id(current) not in self._uses:
+                resources = (r.message for r in current.resources.values())
+                used = referenced_clusters(resources, ()) if url == LISTENER.url else referenced_clusters((), resources)
+                self._uses[id(current)] = (current, frozenset(used))
             while len(versions) > HISTORY:
-                del versions[next(iter(versions))]
+                gone = versions.pop(next(iter(versions)))
+                self._uses.pop(id(gone), None)
+
+    def _bridge(self, group: NodeGroup, new: Snapshot) -> TypeSnapshot | None:
+        """The new clusters plus the removed ones that the listeners or routes of any kept
+        version use (a proxy may still run any of them, not just the previous one's: it can lag
+        behind by more than one change); None if there are none."""
+        current = new.get(CLUSTER.url)
+        history = self._history.get(group, {})
+        if current is None or len(history.get(CLUSTER.url, ())) < 2:
+            return None
+        key = (new.version(CLUSTER.url), new.version(LISTENER.url), new.version(ROUTE.url))
+        last = self._last_bridge.get(group)
+        if last is not None and last[0] == key:
+            return last[1]  # nothing it depends on changed (an endpoint change)
+        removed: dict[str, Resource] = {}
+        for old in history[CLUSTER.url].values():  # oldest first: the newest resource of a name wins
+            for name in old.resources.keys() - current.resources.keys():
+                removed[name] = old.resources[name]
+        bridge = None
+        if removed:
+            used: set[str] = set()
+            for url in (LISTENER.url, ROUTE.url):
+                for kept in history.get(url, {}).values():
+                    used |= self._uses[id(kept)][1]
+            kept_clusters = {name: resource for name, resource in removed.items() if name in used}
+            if kept_clusters:
+                bridge = with_kept(current, kept_clusters)
+        self._last_bridge[group] = (key, bridge)
+        return bridge
 
     def _response(self, group: NodeGroup, current: TypeSnapshot, watch: Watch) -> EncodedResponse:
         """What answers ``watch``: for EDS/RDS/SDS, the changes since the version the proxy holds,
@@ -186,31 +223,18 @@ class SnapshotCache:
 
     def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch | DeltaWatch) -> TypeSnapshot | None:
         """What ``watch`` should be answered from: the snapshot's type, or the cluster bridge."""
-        if watch.routing_acked is not None:
+        if watch.type_url == CLUSTER.url:
             bridge = self._bridges.get(group)
-            if bridge is not None:
-                listeners, routes = watch.routing_acked
-                moved = listeners in (None, snapshot.version(LISTENER.url)) and routes in (
-                    None, snapshot.version(ROUTE.url))
-                if not moved:
-                    return bridge
+            if bridge is not None and not _routing_moved(watch, snapshot):
+                return bridge
         return snapshot.get(watch.type_url)
 
 
-def _bridge(previous: Snapshot | None, new: Snapshot) -> TypeSnapshot | None:
-    """The new clusters plus removed ones the previous listeners or routes used; None if none."""
-    if previous is None:
-        return None
-    old, current = previous.get(CLUSTER.url), new.get(CLUSTER.url)
-    if old is None or current is None:
-        return None
-    removed = [name for name in old.resources if name not in current.resources]
-    if not removed:
-        return None
-    old_listeners, old_routes = previous.get(LISTENER.url), previous.get(ROUTE.url)
-    used = referenced_clusters(
-        (r.message for r in old_listeners.resources.values()) if old_listeners else (),
-        (r.message for r in old_routes.resources.values()) if old_routes else (),
-    )
-    kept = {name: old.resources[name] for name in removed if name in used}
-    return with_kept(current, kept) if kept else None
+def _routing_moved(watch: Watch | DeltaWatch, snapshot: Snapshot) -> bool:
+    """Whether the proxy behind a cluster watch runs ``snapshot``'s listeners and routes."""
+    if isinstance(watch, DeltaWatch):
+        return watch.routing_moved(snapshot)
+    if watch.routing_acked is None:
+        return True
+    listeners, routes = watch.routing_acked
+    return listeners in (None, snapshot.version(LISTENER.url)) and routes in (None, snapshot.version(ROUTE.url))

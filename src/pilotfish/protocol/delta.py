@@ -47,13 +47,17 @@ from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, 
 from pilotfish.protocol.sotw import Nonce
 from pilotfish.protocol.subscription import WILDCARD, next_subscription
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl, type_by_url
-from pilotfish.snapshot import DeltaChanges, TypeSnapshot
+from pilotfish.snapshot import ABSENT, DeltaChanges, Snapshot, TypeSnapshot
 
 __all__ = ["DeltaKind", "DeltaOutcome", "DeltaStream", "DeltaTypeState", "DeltaWatch"]
 
 _NOTHING: Mapping[str, str] = {}
+_RESEND = "resend"
+"""A version no resource has (theirs are hex digests): what the client has, to be sent again."""
 # ACKs of these types may release clusters held back for make-before-break (behaviour 12).
-_ROUTING = frozenset({LISTENER.url, ROUTE.url})
+_ROUTING_TYPES = (LISTENER.url, ROUTE.url)
+_NO_STATES: Mapping[TypeUrl, DeltaTypeState] = {}
+_ROUTING = frozenset(_ROUTING_TYPES)
 
 
 class DeltaKind(enum.Enum):
@@ -82,6 +86,8 @@ class DeltaTypeState:
     sent_version: str | None = None
     """The type version (``system_version_info``) of the last response: what an ACK accepts."""
     acked_version: str | None = None
+    acked_known: Mapping[str, str] = field(default_factory=lambda: _NOTHING)
+    """What the client had when it last ACKed (``known`` then)."""
 
 
 class DeltaWatch(NamedTuple):
@@ -93,12 +99,34 @@ class DeltaWatch(NamedTuple):
     wildcard: bool
     names: frozenset[str]
     state: DeltaTypeState
-    routing_acked: tuple[str | None, str | None] | None = None
-    """CDS only: the LDS and RDS versions the client has ACKed, for make-before-break."""
+    routing: Mapping[TypeUrl, DeltaTypeState] | None = None
+    """CDS only: the stream's states by type (read when asked: the stream may subscribe to routes
+    after the watch was made), for make-before-break."""
 
     def changes(self, current: TypeSnapshot) -> DeltaChanges | None:
         """What ``current`` has for the client; None if nothing."""
         return current.delta(self.state.known, wildcard=self.wildcard, names=self.names)
+
+    def routing_moved(self, snapshot: Snapshot) -> bool:
+        """Whether the listeners and routes the client has ACKed are ``snapshot``'s (so none of
+        them uses a cluster ``snapshot`` removed). By content: a delta client is sent nothing,
+        and so ACKs nothing, when what it subscribes to did not change."""
+        # Types the stream has not asked for count as moved (as on a SotW stream): a client that
+        # reconnects after a cluster was removed and states its clusters before its routes can
+        # lack it until its routes, stated right after, are answered.
+        for url in _ROUTING_TYPES:
+            state = (self.routing or _NO_STATES).get(url)
+            if state is None or not state.started:
+                continue
+            current = snapshot.get(state.type_url)
+            versions = current.versions() if current is not None else _NOTHING
+            # What it ACKed, and what it was sent since (it may be running that already).
+            for known in (state.acked_known, state.known):
+                if any(v != ABSENT and versions.get(n) != v for n, v in known.items()):
+                    return False
+                if any(known.get(n) != v for n, v in versions.items() if state.wildcard or n in state.names):
+                    return False
+        return True
 
 
 class DeltaOutcome(NamedTuple):
@@ -157,7 +185,7 @@ class DeltaStream:
         if not state.started:
             state.started = True
             if initial:
-                state.known = dict(initial)
+                state.known = state.acked_known = dict(initial)  # what it runs, by its own account
             if state.wildcard_capable and not subscribe:
                 state.wildcard = True  # the legacy wildcard: a first CDS/LDS request naming nothing
         if subscribe or unsubscribe:
@@ -176,6 +204,7 @@ class DeltaStream:
         else:
             kind, version = DeltaKind.ACK, state.sent_version
             state.acked_version = version
+            state.acked_known = state.known
         watches: tuple[DeltaWatch, ...] = (self._watch(state),)
         if kind is DeltaKind.ACK and type_url in _ROUTING:
             clusters = self.types.get(CLUSTER.url)
@@ -218,8 +247,7 @@ class DeltaStream:
     def _watch(self, state: DeltaTypeState) -> DeltaWatch:
         routing = None
         if state.type_url == CLUSTER.url:
-            listeners, routes = self.types.get(LISTENER.url), self.types.get(ROUTE.url)
-            routing = (listeners.acked_version if listeners else None, routes.acked_version if routes else None)
+            routing = self.types
         return DeltaWatch(state.type_url, state.wildcard, state.names, state, routing)
 
     def on_response(self, watch: DeltaWatch, changes: DeltaChanges) -> Nonce:
@@ -238,14 +266,14 @@ class DeltaStream:
         return nonce
 
     def _resend(self, type_url: TypeUrl, names: Iterable[str] | None) -> None:
-        """Forget that the client has ``names`` (None: all) of ``type_url``, so they are sent again."""
+        """Make the next answer of ``type_url`` send ``names`` (None: all) again, whatever their
+        version: what the client has of them is marked with a version no resource has (they still
+        count as had, so one that is gone is still removed)."""
         state = self.types.get(type_url)
         if state is None or not state.known:
             return
-        if names is None:
-            state.known = _NOTHING
-            return
         known = dict(state.known)
-        for name in names:
-            known.pop(name, None)
+        for name in known if names is None else names:
+            if known.get(name, ABSENT) != ABSENT:
+                known[name] = _RESEND
         state.known = known
