@@ -217,8 +217,10 @@ def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100
     ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``).
     """
     event_log = workdir / f"{name}-events.jsonl"
+    # Every simulated proxy connects from 127.0.0.1: lift the per-address cap (default 4,096).
     argv = [*wrapper, python, "-m", "pilotfish", "serve", "--xds", f"127.0.0.1:{xds_port}",
-            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), *extra]
+            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), "--max-connections-per-address", "1000000",
+            *extra]
     if snapshot is not None:
         argv += ["--snapshot", str(snapshot)]
     if registry:

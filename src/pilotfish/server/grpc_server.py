@@ -59,6 +59,7 @@ import socket
 import ssl
 import struct
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -537,8 +538,10 @@ class GrpcServer:
         self.methods: dict[bytes, MethodFactory] = {path.encode(): f for path, f in methods.items()}
         self.connections: set[_Connection] = set()
         self._per_address: dict[str, int] = {}
-        self._handshakes: deque[tuple[float, _Connection]] = deque()
-        """(deadline, connection) of connections admitted, in order: their preface deadlines."""
+        self._handshakes: deque[tuple[float, weakref.ref[_Connection]]] = deque()
+        """(deadline, connection) of connections admitted, in order: their preface deadlines. Weak:
+        a connection that came and went is not kept for the rest of its deadline (a flood of
+        short connections would be)."""
         self._server: asyncio.Server | None = None
         self._dirty: list[_Connection] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -548,7 +551,8 @@ class GrpcServer:
         """Seconds between two looks at every connection for idleness (and peers told to go)."""
         self._next_idle_look = 0.0
         self._tick = min(max(min(self.connection_limits.handshake_timeout, self._idle_every) / 10, 0.01), 1.0)
-        """Seconds between two sweeps: a tenth of the handshake timeout, at most 1 s."""
+        """Seconds between two sweeps: a tenth of the handshake timeout or of the idle look
+        interval, whichever is less, from 10 ms to 1 s."""
         self.refused_log = RateLimitedLog(_log, what="refused connections")
         self.timeout_log = RateLimitedLog(_log, what="connections without a preface")
         self.error_log = RateLimitedLog(_log, what="connections closed for protocol errors")
@@ -570,7 +574,7 @@ class GrpcServer:
                     f"(--max-connections-per-address / ConnectionLimits.max_connections_per_address)")
         self._per_address[conn.address] = count + 1
         self.connections.add(conn)
-        self._handshakes.append((self.now() + self.connection_limits.handshake_timeout, conn))
+        self._handshakes.append((self.now() + self.connection_limits.handshake_timeout, weakref.ref(conn)))
         return ""
 
     def release(self, conn: _Connection) -> bool:
@@ -594,8 +598,8 @@ class GrpcServer:
         handshakes = self._handshakes
         timeout = self.connection_limits.handshake_timeout
         while handshakes and handshakes[0][0] <= now:
-            conn = handshakes.popleft()[1]
-            if conn in self.connections:
+            conn = handshakes.popleft()[1]()
+            if conn is not None and conn in self.connections:
                 conn.end_handshake_timed_out(timeout)
         if now >= self._next_idle_look:
             self._next_idle_look = now + self._idle_every
