@@ -134,7 +134,8 @@ def _status_kib(pid: int, field: str) -> int:
 class Target:
     """``pilotfish serve`` on a small snapshot, its good client, and the measures of an attack."""
 
-    def __init__(self, workdir: Path, *, nofile: int | None = None, serve_args: Sequence[str] = ()) -> None:
+    def __init__(self, workdir: Path, *, nofile: int | None = None, nofile_hard: int | None = None,
+                 serve_args: Sequence[str] = ()) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.snapshot = workdir / "snapshot.json"
@@ -149,7 +150,7 @@ class Target:
                 "--xds", self.address, "--event-log", str(self.event_log), "--quiet-ms", "10",
                 "--max-delay-ms", "100", *serve_args]
         if nofile is not None:  # the usual soft descriptor limit of a service: prlimit execs, same PID
-            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            hard = nofile_hard or resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # serve raises soft to hard
             prlimit = shutil.which("prlimit")
             if prlimit is None:
                 raise RuntimeError("the descriptor test needs prlimit (Debian package util-linux)")

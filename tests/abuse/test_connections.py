@@ -245,3 +245,36 @@ def test_connections_over_the_total_cap_are_refused_and_the_proxies_within_it_se
     problems += log_bounded(target, "refused a connection", "91 refused connections")
     target.conclude(request.node.name, problems)
 
+
+
+def test_at_1024_descriptors_a_silent_flood_from_one_address_leaves_room_for_proxies(
+    start_target: StartTarget, request: pytest.FixtureRequest
+) -> None:
+    # A hard limit of 1,024 (serve cannot raise it): the default caps are 896 in all, 448 per address.
+    target = start_target(nofile=1024, nofile_hard=1024)
+    silent: list[socket.socket] = []
+    try:
+        for _ in range(2000):
+            sock = socket.socket()
+            sock.bind(("127.0.0.2", 0))
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", target.port))
+            silent.append(sock)
+        held = wait(lambda: target.open_descriptors() >= 448, timeout=5.0)
+        target.change_snapshot()
+        newcomer = GoodClient(target.address, node_id="new-proxy")
+        target.extra_clients.append(newcomer)
+        problems = []
+        if not newcomer.wait_for_version(f"v{target.version}", 5.0):
+            problems.append(f"a proxy from 127.0.0.1 was not served within 5 s of 2,000 silent connections from "
+                            f"127.0.0.2 (error: {newcomer.error}); the server holds {target.open_descriptors()} "
+                            "descriptors of 1,024")
+        if target.open_descriptors() > 600:
+            problems.append(f"the server holds {target.open_descriptors()} descriptors: more than 448 silent "
+                            "connections from one address were kept")
+        problems += log_bounded(target, "refused a connection", "1,552 refused connections")
+        target.conclude(request.node.name, problems, served_timeout=5.0, descriptors=target.open_descriptors(),
+                        saturated=bool(held))
+    finally:
+        for sock in silent:
+            sock.close()
