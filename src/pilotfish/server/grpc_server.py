@@ -24,16 +24,17 @@ Connections are bounded here (:class:`ConnectionLimits`), since each holds a des
 memory before it has said a word. One over :attr:`~ConnectionLimits.max_connections` (all
 peers) or :attr:`~ConnectionLimits.max_connections_per_address` (one source IP) is refused the
 way Envoy refuses one over a listener's limit: accepted, then closed at once, before any HTTP/2
-byte (no :class:`~pilotfish.transport.h2.Connection` is made for it), with a reset so that the
-kernel keeps no TIME_WAIT state. To a gRPC client that is a failed connection attempt: grpc-core
-and Envoy retry it with exponential backoff (measured with grpcio: attempts at 0, 1.0, 2.3 and
-5.3 s). A GOAWAY after our SETTINGS would not do: grpc-core then reports the channel READY (a
-connection made), which resets its backoff, so a refused client would come back at once. With
-TLS, asyncio calls :meth:`_Connection.connection_made` after the TLS handshake: a refused TLS
-client has had its handshake, and connections still in theirs are not counted (each is bounded
-by :data:`TLS_HANDSHAKE_TIMEOUT`). Counting them too needs an accept loop of our own
-(``loop.connect_accepted_socket`` after the check); ``start_tls`` from ``connection_made`` loses
-the ClientHello on uvloop, which starts reading once ``connection_made`` returns.
+(or TLS) byte, with a reset so that the kernel keeps no TIME_WAIT state. To a gRPC client that
+is a failed connection attempt: grpc-core and Envoy retry it with exponential backoff (measured
+with grpcio: attempts at 0, 1.0, 2.3 and 5.3 s). A GOAWAY after our SETTINGS would not do:
+grpc-core then reports the channel READY (a connection made), which resets its backoff, so a
+refused client would come back at once. On plaintext, asyncio accepts (in C, on uvloop) and the
+caps are checked in :meth:`_Connection.connection_made` (no HTTP/2 connection is made for a
+refused one). With TLS, asyncio would call the protocol only after the handshake, too late to
+refuse cheaply (and ``start_tls`` from ``connection_made`` loses the ClientHello on uvloop, which
+starts reading once ``connection_made`` returns), so :meth:`GrpcServer._accept` accepts itself,
+checks the caps, and hands the socket to ``loop.connect_accepted_socket``: a refused client gets
+no handshake, and one in its handshake counts (bounded by :data:`TLS_HANDSHAKE_TIMEOUT`).
 
 A connection that has not completed its HTTP/2 preface (magic and SETTINGS)
 :attr:`~ConnectionLimits.handshake_timeout` after it was accepted (after its TLS handshake, if
@@ -97,6 +98,8 @@ FLUSH_BATCH = 32
 Measured at 1,000 proxies (p99 of an endpoint change): 8-32 ~210-230 ms, 128 ~265 ms, 512 ~255 ms."""
 TLS_HANDSHAKE_TIMEOUT = 10.0  # seconds a TLS client gets to finish its handshake
 LISTEN_BACKLOG = 65_535  # the kernel caps it at net.core.somaxconn; a reconnect storm needs it
+ACCEPT_BATCH = 128  # connections accepted per readiness of a listening socket (then other work runs)
+ACCEPT_RETRY = 1.0  # seconds without accepting after the process ran out of descriptors (as asyncio)
 # TCP keepalive: an idle peer that vanished (no FIN, no RST) is found within ~60 s.
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
 
@@ -211,6 +214,39 @@ class ConnectionLimits:
         return total, per_address
 
 
+def _listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound, listening, non-blocking sockets for ``host:port`` (every address of ``host``; all
+    interfaces when it is empty), as ``loop.create_server`` makes them."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # the IPv4 socket takes IPv4
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise OSError(exc.errno, f"error while attempting to bind on address {address!r}: "
+                                         f"{exc.strerror.lower() if exc.strerror else exc}") from None
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive on an accepted socket: a peer that vanished is found at no Python cost."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in _KEEPALIVE:
+        sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
 def _source_address(peer: object) -> str:
     """The IP address a connection comes from (an IPv4 address mapped into IPv6 as itself)."""
     if isinstance(peer, tuple) and peer:
@@ -313,14 +349,17 @@ class Call:
 class _Connection(asyncio.Protocol):
     """One client connection: the asyncio side of a :class:`~pilotfish.transport.h2.Connection`."""
 
-    def __init__(self, server: GrpcServer) -> None:
+    __slots__ = ("__weakref__", "_calls", "_dirty", "_reading", "_server", "address", "goaway_at", "h2", "identity",
+                 "idle_mark", "idle_since", "peer", "transport")  # one per proxy: no __dict__
+
+    def __init__(self, server: GrpcServer, address: str = "") -> None:
         self._server = server
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set in connection_made
         self._dirty = False
         self._reading = True
         self.h2: Connection = None  # type: ignore[assignment]  # made in connection_made, if admitted
         self.peer = ""
-        self.address = ""
+        self.address = address
         """The source IP address: what :attr:`ConnectionLimits.max_connections_per_address` counts."""
         self.identity = ""
         """The client's identity from its verified certificate (mTLS), else ``""``."""
@@ -335,34 +374,35 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """HTTP/2 starts: on a plaintext listener once the caps admit it (refused: reset at once);
+        on a TLS one, admitted at accept (:meth:`GrpcServer._accept`), after the handshake."""
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
         peer = transport.get_extra_info("peername")
-        self.address = _source_address(peer)
-        sock = transport.get_extra_info("socket")
         server = self._server
-        refusal = server.admit(self)
-        if refusal:  # accepted, closed at once, no HTTP/2 byte: a failed connection attempt to the client
-            server.refused_log.log("refused a connection from %s: %s", self.address, refusal)
+        if not self.address:  # plaintext: asyncio accepted it
+            self.address = _source_address(peer)
+            sock = transport.get_extra_info("socket")
+            refusal = server.admit(self)
+            if refusal:  # closed before any HTTP/2 byte: a failed connection attempt to the client
+                server.refused_log.log("refused a connection from %s: %s", self.address, refusal)
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+                self.transport.abort()
+                return
             if sock is not None:
                 with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
-            self.transport.abort()
-            return
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                for option, value in _KEEPALIVE:
-                    sock.setsockopt(socket.IPPROTO_TCP, option, value)
+                    _keep_alive(sock)
         if isinstance(peer, tuple):
             family = "ipv6" if ":" in peer[0] else "ipv4"
             self.peer = f"{family}:{peer[0]}:{peer[1]}"
         self.identity = peer_identity(transport.get_extra_info("peercert"))
         self.h2 = Connection(role=Role.SERVER, limits=server.limits, on_output=self._output_ready)
         self.idle_since = server.now()
+        server.await_preface(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self._server.release(self):
-            return  # refused: it never had calls
+        self._server.release(self)
         reason = "connection lost" if exc is None else f"connection lost: {exc}"
         calls, self._calls = self._calls, {}
         for call in calls.values():
@@ -500,6 +540,8 @@ class _Connection(asyncio.Protocol):
         One told to go (idle, or a protocol error) ``grace`` seconds ago or more and still here
         does not read what is left: it is cut off."""
         transport, h2 = self.transport, self.h2
+        if h2 is None:
+            return  # in its TLS handshake (bounded by TLS_HANDSHAKE_TIMEOUT)
         if self.goaway_at >= 0:
             if now - self.goaway_at >= grace:  # told to go, and has not: a peer that does not read
                 transport.abort()
@@ -522,8 +564,8 @@ class _Connection(asyncio.Protocol):
 
     def shut_down(self, message: str) -> None:
         """Stop: every call ends UNAVAILABLE (so clients reconnect elsewhere or later), GOAWAY."""
-        if self.transport.is_closing():
-            return
+        if self.transport is None or self.transport.is_closing():
+            return  # (in its TLS handshake: its task is cancelled)
         for call in list(self._calls.values()):
             call.release_handler(message)
             call.finish(GrpcStatus.UNAVAILABLE, message, abandon_pending=True)
@@ -550,6 +592,10 @@ class GrpcServer:
         a connection that came and went is not kept for the rest of its deadline (a flood of
         short connections would be)."""
         self._server: asyncio.Server | None = None
+        self._listeners: list[socket.socket] = []
+        self._handshaking: set[asyncio.Task[None]] = set()
+        """Accepted connections until asyncio has set them up (for TLS: their handshakes)."""
+        self.tls: ssl.SSLContext | None = None
         self._dirty: list[_Connection] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.TimerHandle | None = None
@@ -564,11 +610,63 @@ class GrpcServer:
         self.timeout_log = RateLimitedLog(_log, what="connections without a preface")
         self.error_log = RateLimitedLog(_log, what="connections closed for protocol errors")
         self.idle_log = RateLimitedLog(_log, what="idle connections closed", level=logging.INFO)
+        self.tls_log = RateLimitedLog(_log, what="failed TLS handshakes", level=logging.INFO)
 
     def now(self) -> float:
         return (self._loop or asyncio.get_running_loop()).time()
 
     # -- connections ------------------------------------------------------------------------------
+
+    def _accept(self, listener: socket.socket) -> None:
+        """A listening socket is readable: accept what waits (a batch), refuse what is over a cap
+        (closed with a reset, nothing else made for it), hand the rest to asyncio."""
+        loop = self._loop or asyncio.get_running_loop()
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, peer = listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:  # out of descriptors (EMFILE, ENFILE) or memory: pause, as asyncio does
+                self.refused_log.log("cannot accept connections (%s): accepting again in %g s", exc, ACCEPT_RETRY)
+                loop.remove_reader(listener)
+                loop.call_later(ACCEPT_RETRY, self._listen_again, listener)
+                return
+            conn = _Connection(self, _source_address(peer))
+            refusal = self.admit(conn)
+            if refusal:  # a failed connection attempt to the client (it backs off), and no TLS handshake
+                self.refused_log.log("refused a connection from %s: %s", conn.address, refusal)
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+                sock.close()
+                continue
+            with contextlib.suppress(OSError):
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _keep_alive(sock)
+            task = loop.create_task(self._set_up(conn, sock))
+            self._handshaking.add(task)
+            task.add_done_callback(self._handshaking.discard)
+
+    def _listen_again(self, listener: socket.socket) -> None:
+        if listener in self._listeners and listener.fileno() >= 0:
+            (self._loop or asyncio.get_running_loop()).add_reader(listener, self._accept, listener)
+
+    async def _set_up(self, conn: _Connection, sock: socket.socket) -> None:
+        """Give an admitted socket to asyncio for its TLS handshake; then
+        :meth:`_Connection.connection_made`. A failed handshake is the peer's doing: logged (rate
+        limited) and counted out."""
+        loop = self._loop or asyncio.get_running_loop()
+        try:
+            await loop.connect_accepted_socket(lambda: conn, sock, ssl=self.tls,
+                                               ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT)
+        except Exception as exc:
+            self.tls_log.log("TLS handshake with %s failed: %s", conn.address,
+                             (str(exc) or type(exc).__name__)[:_REASON_LIMIT])
+        finally:
+            if conn.h2 is None:  # connection_made never came: no connection_lost will either
+                self.release(conn)
+                with contextlib.suppress(OSError):
+                    sock.close()
 
     def admit(self, conn: _Connection) -> str:
         """Count ``conn`` in, or say why it is refused (``""``: admitted)."""
@@ -581,11 +679,14 @@ class GrpcServer:
                     f"(--max-connections-per-address / ConnectionLimits.max_connections_per_address)")
         self._per_address[conn.address] = count + 1
         self.connections.add(conn)
-        self._handshakes.append((self.now() + self.connection_limits.handshake_timeout, weakref.ref(conn)))
         return ""
 
+    def await_preface(self, conn: _Connection) -> None:
+        """``conn`` has started HTTP/2: its preface is due within the handshake timeout."""
+        self._handshakes.append((self.now() + self.connection_limits.handshake_timeout, weakref.ref(conn)))
+
     def release(self, conn: _Connection) -> bool:
-        """Count ``conn`` out when it is gone; False if it was never admitted."""
+        """Count ``conn`` out when it is gone; False if it was already."""
         if conn not in self.connections:
             return False
         self.connections.discard(conn)
@@ -613,7 +714,7 @@ class GrpcServer:
             idle, grace = self.connection_limits.idle_timeout, max(self._idle_every, 1.0)
             for conn in list(self.connections):
                 conn.check_idle(now, idle, grace)
-        for log in (self.refused_log, self.timeout_log, self.error_log, self.idle_log):
+        for log in (self.refused_log, self.timeout_log, self.error_log, self.idle_log, self.tls_log):
             log.flush()
         self._sweeper = loop.call_later(self._tick, self._sweep)
 
@@ -641,30 +742,48 @@ class GrpcServer:
         """Listen on ``host:port`` (0: any free port); returns the port. With ``tls``, only TLS
         connections are served (the context should offer ALPN ``h2``)."""
         loop = self._loop = asyncio.get_running_loop()
+        self.tls = tls
+        if tls is None:  # asyncio's accept (in C on uvloop); the caps are checked in connection_made
+            self._server = await loop.create_server(lambda: _Connection(self), host or None, port,
+                                                    backlog=LISTEN_BACKLOG, reuse_address=True)
+            bound: int = self._server.sockets[0].getsockname()[1]
+        else:  # our accept: the caps are checked before the TLS handshake
+            self._listeners = await loop.run_in_executor(None, _listening_sockets, host, port)
+            for listener in self._listeners:
+                loop.add_reader(listener, self._accept, listener)
+            bound = self._listeners[0].getsockname()[1]
         self._next_idle_look = loop.time() + self._idle_every
         self._sweeper = loop.call_later(self._tick, self._sweep)
-        self._server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                                backlog=LISTEN_BACKLOG, reuse_address=True, ssl=tls,
-                                                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if tls else None)
-        bound: int = self._server.sockets[0].getsockname()[1]
         return bound
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop listening, end every call with UNAVAILABLE and close the connections, waiting up
         to ``grace`` seconds for the peers to take what was written."""
-        if self._server is None:
+        if self._server is None and not self._listeners:
             return
+        loop = asyncio.get_running_loop()
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        self._server.close()
+        listeners, self._listeners = self._listeners, []
+        if self._server is not None:
+            self._server.close()
+        for listener in listeners:
+            loop.remove_reader(listener)
+            listener.close()
+        for task in list(self._handshaking):
+            task.cancel()
         for conn in list(self.connections):
             conn.shut_down("pilotfish is shutting down")
         deadline = asyncio.get_running_loop().time() + (grace or 0.0)
         while self.connections and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         for conn in list(self.connections):
-            conn.transport.abort()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
-        self._server = None
+            if conn.transport is not None:
+                conn.transport.abort()
+        if self._handshaking:
+            await asyncio.wait(list(self._handshaking), timeout=1.0)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
+            self._server = None
