@@ -700,8 +700,9 @@ class GrpcServer:
     def _sweep(self) -> None:
         """Close connections past their handshake deadline (a queue in deadline order: a look at
         its head), and every :attr:`_idle_every` seconds, idle ones; say what was left out of
-        the log. Then again in :attr:`_tick` seconds."""
+        the log. Again every :attr:`_tick` seconds."""
         loop = self._loop or asyncio.get_running_loop()
+        self._sweeper = loop.call_later(self._tick, self._sweep)  # first: nothing below may end the sweeps
         now = loop.time()
         handshakes = self._handshakes
         timeout = self.connection_limits.handshake_timeout
@@ -716,7 +717,6 @@ class GrpcServer:
                 conn.check_idle(now, idle, grace)
         for log in (self.refused_log, self.timeout_log, self.error_log, self.idle_log, self.tls_log):
             log.flush()
-        self._sweeper = loop.call_later(self._tick, self._sweep)
 
     def mark_dirty(self, conn: _Connection) -> None:
         """``conn`` has output this turn: flush it (with every other such one) at the turn's end,
