@@ -105,6 +105,9 @@ class H2PackageConnection:
         self._out: list[bytes | memoryview] = []
         self.writing_paused = False
         self.closed = False
+        self.preface_received = False
+        """The client's preface (magic and first SETTINGS) has arrived: read by the adapter's
+        handshake timeout, as on the own core."""
         self._streams: dict[int, _Stream] = {}
         self._headers_memo: dict[bytes, list[tuple[bytes, bytes]]] = {}
         self._reset_tokens = float(limits.reset_burst)
@@ -153,6 +156,11 @@ class H2PackageConnection:
         self._queued_control = 0
         self._drain_all()
         self._collect()
+
+    @property
+    def last_peer_stream(self) -> int:
+        """The highest stream id the peer opened (the adapter's idle timeout reads it)."""
+        return int(self._h2.highest_inbound_stream_id)
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -213,6 +221,7 @@ class H2PackageConnection:
                 events.append(StreamReset(event.stream_id, int(event.error_code or 0), event.remote_reset,
                                           f"reset (error code {event.error_code})"))
         elif isinstance(event, h2e.RemoteSettingsChanged):
+            self.preface_received = True
             now = self._clock()
             limits = self.limits
             self._settings_tokens = min(float(limits.settings_burst), self._settings_tokens

@@ -219,8 +219,10 @@ def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100
     what ``-m`` runs (bench/h2_core_launch.py runs the CLI with another HTTP/2 core).
     """
     event_log = workdir / f"{name}-events.jsonl"
+    # Every simulated proxy connects from 127.0.0.1: lift the per-address cap (default 4,096).
     argv = [*wrapper, python, "-m", *module, "serve", "--xds", f"127.0.0.1:{xds_port}",
-            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), *extra]
+            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), "--max-connections-per-address", "1000000",
+            *extra]
     if snapshot is not None:
         argv += ["--snapshot", str(snapshot)]
     if registry:

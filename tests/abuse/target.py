@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -133,7 +134,8 @@ def _status_kib(pid: int, field: str) -> int:
 class Target:
     """``pilotfish serve`` on a small snapshot, its good client, and the measures of an attack."""
 
-    def __init__(self, workdir: Path, *, nofile: int | None = None) -> None:
+    def __init__(self, workdir: Path, *, nofile: int | None = None, nofile_hard: int | None = None,
+                 serve_args: Sequence[str] = ()) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.snapshot = workdir / "snapshot.json"
@@ -150,9 +152,9 @@ class Target:
         launcher = ["bench.h2_core_launch", "--core", core] if core else ["pilotfish"]
         argv = [sys.executable, "-m", *launcher, "serve", "--snapshot", str(self.snapshot),
                 "--xds", self.address, "--event-log", str(self.event_log), "--quiet-ms", "10",
-                "--max-delay-ms", "100"]
+                "--max-delay-ms", "100", *serve_args]
         if nofile is not None:  # the usual soft descriptor limit of a service: prlimit execs, same PID
-            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            hard = nofile_hard or resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # serve raises soft to hard
             prlimit = shutil.which("prlimit")
             if prlimit is None:
                 raise RuntimeError("the descriptor test needs prlimit (Debian package util-linux)")
@@ -248,6 +250,11 @@ class Target:
 
     def stderr_text(self) -> str:
         return self._read(self.stderr).decode(errors="replace")
+
+    def stderr_lines(self, containing: str = "") -> list[str]:
+        """The lines the server wrote to stderr since the attack began (with ``containing``)."""
+        text = self._read(self.stderr)[self._stderr_offset:].decode(errors="replace")
+        return [line for line in text.splitlines() if containing in line]
 
     def event_log_size(self) -> int:
         return self.event_log.stat().st_size if self.event_log.exists() else 0

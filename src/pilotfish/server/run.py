@@ -25,6 +25,7 @@ from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.resources import SECRET
 from pilotfish.server.authorize import NodeAuthorizer, NodeRule
 from pilotfish.server.grants import SecretGrant, SecretGrants, Subject
+from pilotfish.server.grpc_server import ConnectionLimits
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
@@ -96,6 +97,9 @@ class ServeSettings:
 
     xds_limits: XdsLimits = field(default_factory=XdsLimits)
     """What one xDS request may carry (names, node size) and how much of it a stream keeps."""
+    xds_connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    """How many xDS connections are held (in total, per source address), and how long one may
+    go without its HTTP/2 preface or without streams."""
 
     def tls_files(self, *, client_ca: Path | None, alpn: tuple[str, ...]) -> TlsFiles | None:
         """The TLS files of one listener, or None for plaintext. Raises :class:`ConfigError` when
@@ -148,7 +152,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
         grants = _secret_grants(settings, cache)
         xds = XdsServer(cache, events=events, authorize=authorize, grants=grants, limits=settings.xds_limits)
-        server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context)
+        server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context,
+                                              connection_limits=settings.xds_connections)
         host = settings.xds.rsplit(":", 1)[0]
         if xds_tls is not None:
             tasks.append(asyncio.create_task(xds_tls.run(every=settings.tls_reload_every), name="xds-tls-reload"))
@@ -178,7 +183,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         events.emit("server_started", xds=f"{host}:{port}", registry=registry_address,
                     snapshot=str(settings.snapshot) if settings.snapshot else None, tls=tls)
         scheme = "http" if registry_tls_files is None else "https"
-        _log.info("serving xDS on %s:%d (TLS: %s)%s", host, port, tls,
+        _log.info("serving xDS on %s:%d (TLS: %s; at most %d connections, %d per address)%s", host, port, tls,
+                  server.max_connections, server.max_connections_per_address,
                   f", registry API on {scheme}://{registry_address}" if registry_address else "")
 
         etcd = None

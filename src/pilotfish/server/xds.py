@@ -29,7 +29,6 @@ from __future__ import annotations
 import itertools
 import logging
 import ssl
-import time
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -58,7 +57,15 @@ from pilotfish.protocol.limits import shorten
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field, request_names_span
 from pilotfish.server.grants import ProxyGrants, SecretGrants
-from pilotfish.server.grpc_server import Call, GrpcServer, MethodFactory, RpcError
+from pilotfish.server.grpc_server import (
+    WARN_EVERY,
+    Call,
+    ConnectionLimits,
+    GrpcServer,
+    MethodFactory,
+    RateLimitedLog,
+    RpcError,
+)
 from pilotfish.snapshot import DeltaChanges, EncodedResponse
 from pilotfish.status import SyncStatus
 from pilotfish.transport.frames import GrpcStatus
@@ -92,8 +99,6 @@ def _default_group(node: base_pb2.Node) -> NodeGroup:
     return DEFAULT_GROUP
 
 
-WARN_EVERY = 10.0
-"""Seconds between two warnings about peers that broke the protocol or a limit."""
 MAX_DENIED_RECORDED = 100
 """Distinct denied secret names a stream records as ``secret_denied`` events; a peer cycling
 through made-up names gets no more events (it is still denied every one)."""
@@ -102,30 +107,6 @@ _DENIED_SHOWN = 10
 _TYPE_URL_CHARS = 256
 _MESSAGE_CHARS = 1024
 """A gRPC status message is at most about this long (the limits' messages are shorter)."""
-
-
-class _Warnings:
-    """A warning per :data:`WARN_EVERY` seconds at most: a peer that breaks the rules in a loop
-    must not fill the log (the event log has a ``stream_closed`` line per stream)."""
-
-    __slots__ = ("_clock", "_next", "_suppressed")
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._next = 0.0
-        self._suppressed = 0
-
-    def warn(self, message: str, *args: object) -> None:
-        now = self._clock()
-        if now < self._next:
-            self._suppressed += 1
-            return
-        self._next = now + WARN_EVERY
-        if self._suppressed:
-            message += " (and %d more such streams since the last warning)"
-            args += (self._suppressed,)
-            self._suppressed = 0
-        _log.warning(message, *args)
 
 
 class XdsServer:
@@ -152,8 +133,10 @@ class XdsServer:
         self.grants = grants if grants is not None else SecretGrants()
         """Which proxies may receive which secrets; none by default (fail closed). Checked at every
         SDS request: a replacement takes effect at each stream's next one."""
-        self._warnings = _Warnings()
-        self._denials = _Warnings()
+        self._warnings = RateLimitedLog(_log, what="such streams")
+        """A peer that breaks the rules in a loop must not fill the log (the event log has a
+        ``stream_closed`` line per stream)."""
+        self._denials = RateLimitedLog(_log, what="such requests for secrets")
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
 
@@ -211,7 +194,7 @@ class _Stream:
         """End the stream with ``code``: the peer broke the protocol or a limit."""
         message = shorten(message, _MESSAGE_CHARS)
         what = "over a limit" if code == GrpcStatus.RESOURCE_EXHAUSTED else "protocol error"
-        self._server._warnings.warn("stream %d from %s (node %r) ended, %s: %s", self.id, self._call.peer,
+        self._server._warnings.log("stream %d from %s (node %r) ended, %s: %s", self.id, self._call.peer,
                                     shorten(self.node_id, 200), what, message)
         self._close(f"{what}: {message}")
         raise RpcError(code, message)
@@ -273,7 +256,7 @@ class _Stream:
         shown = shorten(", ".join(names[:_DENIED_SHOWN]), 400)
         if len(names) > _DENIED_SHOWN:
             shown += f" and {len(names) - _DENIED_SHOWN:,} more"
-        server._denials.warn("node %r (identity %r, %s) asked for secrets not granted to it, not sent: %s",
+        server._denials.log("node %r (identity %r, %s) asked for secrets not granted to it, not sent: %s",
                              shorten(self.node_id, 200), identity, self._call.peer, shown)
 
     # -- the end ----------------------------------------------------------------------------------
@@ -497,11 +480,11 @@ class _DeltaConnection(_Stream):
         self._current.clear()
 
 
-async def start_xds_server(xds: XdsServer, address: str, *,
-                           tls: ssl.SSLContext | None = None) -> tuple[GrpcServer, int]:
+async def start_xds_server(xds: XdsServer, address: str, *, tls: ssl.SSLContext | None = None,
+                           connection_limits: ConnectionLimits | None = None) -> tuple[GrpcServer, int]:
     """Serve ``xds`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
-    given; returns (server, port)."""
+    given, holding connections within ``connection_limits``; returns (server, port)."""
     host, _, port = address.rpartition(":")
-    server = GrpcServer(xds.methods())
+    server = GrpcServer(xds.methods(), connection_limits=connection_limits)
     bound = await server.start(host.strip("[]"), int(port), tls=tls)
     return server, bound

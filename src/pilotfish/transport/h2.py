@@ -34,6 +34,12 @@ the package wrapped to this interface and these limits (bench/h2_package_core.py
 50 attacks of tests/abuse; a push to 1,000 proxies costs the server 1.6x the CPU on the package
 (0.100 against 0.063 CPU-s per push, mean of six interleaved runs each; every pair 1.4-1.8x), and
 an idle stream 2-3x the memory. The package stays the test oracle (tests/unit/test_transport_h2_oracle.py).
+
+Time-outs are the adapter's, which owns the clock and the timers: it reads
+:attr:`Connection.preface_received` (handshake timeout), :attr:`Connection.open_streams` and
+:attr:`Connection.last_peer_stream` (idle timeout) from a periodic sweep, and ends a connection
+with :meth:`Connection.close`. Connection counts (in total, per address) are the adapter's too:
+a connection it refuses never gets a :class:`Connection`.
 """
 
 from __future__ import annotations
@@ -1050,6 +1056,19 @@ class Connection:
     @property
     def open_streams(self) -> int:
         return len(self._streams)
+
+    @property
+    def preface_received(self) -> bool:
+        """Whether the peer has completed its connection preface (RFC 9113 section 3.4): a
+        client its magic and first SETTINGS, a server its first SETTINGS. The adapter closes a
+        connection that has not within its handshake timeout (no clock here)."""
+        return self._settings_seen and not self._preface_pending
+
+    @property
+    def last_peer_stream(self) -> int:
+        """The highest stream id the peer has opened (0: none yet). The adapter tells an idle
+        connection from one whose streams come and go between two looks by whether it changed."""
+        return self._highest_remote
 
     def send_window(self, stream_id: int = 0) -> int:
         """Bytes of DATA the peer lets us send now on ``stream_id`` (0: the connection)."""
