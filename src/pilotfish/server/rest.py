@@ -111,6 +111,26 @@ def _error(status: int, message: str, *, field: str | None = None, **extra: Any)
     return web.json_response(body, status=status)
 
 
+_NODE_KEPT = frozenset({"id", "cluster", "metadata", "locality", "user_agent_name", "userAgentName",
+                        "user_agent_version", "userAgentVersion"})
+"""The node fields a poll is read with (what :func:`~pilotfish.protocol.limits.kept_node` keeps), in
+proto and JSON spelling."""
+
+
+def parse_request(raw: bytes) -> discovery_pb2.DiscoveryRequest:
+    """A poll's body -> DiscoveryRequest. Fields pilotfish does not know are ignored (a newer Envoy
+    may send some); the node's other fields are dropped unread: Envoy's extension list is most of
+    its ~60 KB, and protobuf's JSON parser takes ~9 ms for it against ~0.4 ms for the rest.
+    Raises ``orjson.JSONDecodeError`` or ``json_format.ParseError`` naming what is wrong."""
+    value = orjson.loads(raw)
+    if not isinstance(value, dict):
+        raise json_format.ParseError(f"the body must be a JSON object, not {type(value).__name__}")
+    node = value.get("node")
+    if isinstance(node, dict):
+        value["node"] = {key: item for key, item in node.items() if key in _NODE_KEPT}
+    return json_format.ParseDict(value, discovery_pb2.DiscoveryRequest(), ignore_unknown_fields=True)
+
+
 def response_json(response: EncodedResponse) -> bytes:
     """The JSON of an encoded DiscoveryResponse (proto field names; ``Any`` with ``@type``)."""
     message = discovery_pb2.DiscoveryResponse.FromString(response.body)
@@ -213,8 +233,8 @@ class RestXds:
                 413, f"the body of POST {request.path} is larger than {self.max_body:,} bytes (Envoy's polls are "
                      "about 60 KB: send less node metadata)"))
         try:
-            message = json_format.Parse(raw, discovery_pb2.DiscoveryRequest(), ignore_unknown_fields=True)
-        except (json_format.ParseError, UnicodeDecodeError, RecursionError) as exc:
+            message = parse_request(raw)
+        except (json_format.ParseError, orjson.JSONDecodeError, RecursionError) as exc:
             return self._refuse(request, _error(400, f"the body is not a JSON DiscoveryRequest: "
                                                      f"{shorten(str(exc), 400)}", field=_field_of(exc)))
         try:
