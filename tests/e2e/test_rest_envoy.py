@@ -4,16 +4,20 @@ Envoy polls clusters and listeners (its bootstrap) and endpoints and routes (the
 EDS and RDS at REST too) every 0.2 s with JSON DiscoveryRequests, and holds no gRPC stream. It gets
 every type and routes traffic; a change to the snapshot file reaches it by its next polls; polls
 of a current Envoy are answered 304; an endpoint change of one cluster answers the polls of the
-other cluster 304 (only what changed is sent).
+other cluster 304 (only what changed is sent). Over mTLS, the poller's certificate identity is what
+``--authorize-node`` checks its node id against.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from .event_log import EventLog, is_event
 from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, http_get, wait_until
 from .snapshot_file import write_snapshot
+from .test_tls import Pki
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -99,3 +103,36 @@ def test_an_envoy_on_rest_polling_is_served_every_type_and_every_change(processe
     rejected = {name: envoy.stat(name) for name in ("cluster_manager.cds.update_rejected",
                                                     "listener_manager.lds.update_rejected")}
     assert all(value in (0, None) for value in rejected.values()), rejected
+
+
+def test_an_envoy_polls_over_mtls_and_its_node_id_is_checked_against_its_certificate(
+        processes: ProcessGroup, tmp_path: Path) -> None:
+    pki = Pki(tmp_path)
+    upstream = Upstream.start(processes, "a")
+    listener_port = free_port()
+    path = processes.workdir / "snapshot.yaml"
+    write_snapshot(path, listener_port=listener_port, endpoints={"web": [upstream.port], "api": [upstream.port]},
+                   rest_refresh=REFRESH_S)
+    rest = f"127.0.0.1:{free_port()}"
+    control_plane = ControlPlane(processes, path, free_port(), options=(
+        "--rest", rest, *pki.serve_options(mtls=True),
+        "--authorize-node", f"{NODE}.pilotfish.test={NODE}"))
+    events = control_plane.start()
+    rest_options = ("--rest", rest, "--refresh-ms", str(int(REFRESH_S * 1000)))
+    envoy = Envoy.start(processes, name="envoy", node_id=NODE, xds_address=control_plane.address,
+                        bootstrap_options=(*rest_options, *pki.client(NODE, f"{NODE}.pilotfish.test")))
+    wait_until(lambda: http_get(f"http://127.0.0.1:{listener_port}/")[1] == "a", timeout=15,
+               what="Envoy on REST over mTLS to route / to the upstream", details=envoy.log_tail)
+    assert int(envoy.stat("cluster.xds_cluster.ssl.handshake") or 0) >= 1
+    for type_url in (CDS, EDS, LDS, RDS):
+        answered(events, type_url, 200, what=f"{type_url} over REST on mTLS")
+
+    # Another proxy's certificate may not claim this node id: refused (403), nothing served.
+    impostor = Envoy.start(processes, name="impostor", node_id=NODE, xds_address=control_plane.address,
+                           bootstrap_options=(*rest_options, *pki.client("impostor", "impostor.pilotfish.test")))
+    refused = events.wait_for(is_event("node_refused", identity="impostor.pilotfish.test"),
+                              what="the impostor's claim refused", timeout=15)
+    assert refused["rest"] is True
+    wait_until(lambda: int(impostor.stat("cluster_manager.cds.update_failure") or 0) >= 1, timeout=15,
+               what="the impostor's CDS poll to fail")
+    assert int(impostor.stat("cluster_manager.cds.update_success") or 0) == 0

@@ -225,13 +225,16 @@ async def test_secrets_over_mtls_go_by_certificate_identity_and_node_claims_are_
     async with serving(tmp_path, settings) as running, client(running, ssl_context=context) as rest:
         secrets = await rest.discover("secrets", poll(node="edge-1", names=["edge-cert", "ops-cert"]))
         assert names_of(secrets) == ["edge-cert"]
-        status, text = await rest.post("/v3/discovery:clusters", poll(node="api-1"))
-        assert status == 403 and json.loads(text)["field"] == "node.id"
+        for _ in range(3):  # a poller asks again every refresh delay
+            status, text = await rest.post("/v3/discovery:clusters", poll(node="api-1"))
+            assert status == 403 and json.loads(text)["field"] == "node.id"
         # Without a client certificate the handshake fails: nothing is served.
         bare = ssl.create_default_context(cafile=str(client_ca))
         async with client(running, ssl_context=bare) as anonymous:
             with pytest.raises(aiohttp.ClientError):
                 await anonymous.post("/v3/discovery:clusters", poll(node="edge-1"))
+    refused = [e for e in events(running) if e["event"] == "node_refused"]
+    assert [(e["identity"], e["node"], e["rest"]) for e in refused] == [(EDGE, "api-1", True)], "once"
 
 
 async def test_bad_polls_are_refused_with_the_field_at_fault(tmp_path: Path) -> None:

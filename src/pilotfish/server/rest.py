@@ -31,7 +31,8 @@ Security is the gRPC server's: the same TLS certificate (ALPN ``http/1.1``), the
 (mTLS) and the same identities, so ``--authorize-node`` and ``--grant-secret`` hold per poll as
 they hold per stream. A secret not granted to the poller (its certificate identity, its claimed
 node id) is left out of the answer as if it did not exist (``secret_denied``, once per node and
-name, up to a bound), and a wildcard SDS poll is never honoured.
+name, up to a bound), and a wildcard SDS poll is never honoured. A refused node claim is recorded
+(``node_refused``) once per identity and node id.
 
 What REST cannot do: Envoy never tells the server that it rejected a response (no NACK, no error
 message: it logs it and counts ``update_rejected``, and its next poll still states the older
@@ -95,8 +96,9 @@ JSON_MEMO_ENTRIES = 1024
 """JSON responses kept (one per encoded response: per type, version and subscribed name set)."""
 JSON_MEMO_BYTES = 64 * 1024 * 1024
 """Bytes of JSON responses kept; a larger one is made for each poll that asks for it."""
-MAX_DENIED_RECORDED = 10_000
-"""(node, secret) pairs recorded as ``secret_denied``; past it the record starts again."""
+MAX_RECORDED = 10_000
+"""(node, secret) pairs recorded as ``secret_denied`` and (identity, node) pairs as ``node_refused``
+(each once: a poller asks again every refresh delay); past it the record starts again."""
 _MAX_TYPE_IMPORTS = 64
 """``Any`` types a response's JSON may need imported on the way (see :mod:`pilotfish.resources.anytypes`)."""
 _UNKNOWN_TYPE = re.compile(r"type_url: (\S+)")
@@ -205,7 +207,7 @@ class RestXds:
         self.max_body = max_body
         self.report_every = report_every
         self._json = _JsonMemo()
-        self._denied: set[tuple[str, str]] = set()
+        self._recorded: set[tuple[str, str, str]] = set()
         self._reported_at: float | None = None
         self._unreported = 0
 
@@ -252,7 +254,9 @@ class RestXds:
         if self.authorize is not None:
             refusal = self.authorize(identity, node_id)
             if refusal is not None:
-                self.events.emit("node_refused", rest=True, identity=identity, peer=request.remote, reason=refusal)
+                if self._first_time("node_refused", identity, node_id):
+                    self.events.emit("node_refused", rest=True, node=node_id, identity=identity, peer=request.remote,
+                                     reason=refusal)
                 return self._refuse(request, _error(403, refusal, field="node.id"))
         group = self.group_of(poll.node)
         snapshot = self.cache.snapshot(group)
@@ -302,12 +306,8 @@ class RestXds:
             return subscription
         denied.sort()
         for name in denied:
-            key = (poll.node.id, name)
-            if key in self._denied:
+            if not self._first_time("secret_denied", poll.node.id, name):
                 continue
-            if len(self._denied) >= MAX_DENIED_RECORDED:
-                self._denied.clear()
-            self._denied.add(key)
             self.events.emit("secret_denied", rest=True, node=poll.node.id, identity=identity, peer=peer,
                              secret=name)
             _log.warning("node %r (identity %r, %s) asked over REST for secret %r, not granted to it: not sent",
@@ -315,6 +315,17 @@ class RestXds:
         return next_subscription(names, wildcard_capable=False, ever_named=True)
 
     # -- records ----------------------------------------------------------------------------------
+
+    def _first_time(self, event: str, who: str, what: str) -> bool:
+        """Whether (``event``, ``who``, ``what``) is recorded for the first time (up to
+        :data:`MAX_RECORDED` of them)."""
+        recorded, key = self._recorded, (event, who, what)
+        if key in recorded:
+            return False
+        if len(recorded) >= MAX_RECORDED:
+            recorded.clear()
+        recorded.add(key)
+        return True
 
     def _record(self, poll: RestPoll, *, answer: int) -> None:
         if not self.events.conversation:
