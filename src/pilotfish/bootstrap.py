@@ -1,4 +1,4 @@
-"""Envoy bootstraps that get everything from pilotfish over ADS.
+"""Envoy bootstraps that get everything from pilotfish over ADS (or by REST polling).
 
 The bootstrap holds only what cannot come over xDS: the node identity, the admin address and the
 static ``xds_cluster`` that reaches pilotfish. Two settings matter in production:
@@ -13,6 +13,10 @@ SAN equal to ``tls_server_name`` (default: the host of ``xds``; an IP address is
 SAN). Without the name check any certificate from the CA would do, e.g. another service's. With
 ``tls_cert`` and ``tls_key`` Envoy presents its own certificate (mTLS). The files are read by Envoy
 at start-up: restart (or hot-restart) Envoy to rotate them.
+
+With ``rest`` Envoy polls CDS and LDS over REST (``api_type: REST``, HTTP/1.1 + JSON) every
+``refresh`` seconds instead of holding an ADS stream; the clusters and listeners it receives must
+point EDS and RDS at REST too (:func:`rest_config_source`), as ``ads: {}`` needs an ADS stream.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["BootstrapSettings", "bootstrap", "bootstrap_yaml", "split_address"]
+__all__ = ["BootstrapSettings", "bootstrap", "bootstrap_yaml", "rest_config_source", "split_address"]
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -66,8 +70,17 @@ class BootstrapSettings:
     delta: bool = False
     """Incremental xDS (``DELTA_GRPC``): each response carries only what changed, and a
     reconnecting Envoy says what it has. Otherwise state of the world (``GRPC``)."""
+    rest: str | None = None
+    """Poll pilotfish's REST xDS at this ``host:port`` for clusters and listeners (``api_type:
+    REST``) instead of ADS over gRPC; :attr:`xds` is then not used."""
+    refresh: float = 1.0
+    """With :attr:`rest`: seconds between polls (Envoy adds up to as much again of jitter)."""
 
     def __post_init__(self) -> None:
+        if self.rest is not None and self.delta:
+            raise ValueError("--rest and --delta exclude each other: REST polls are state of the world")
+        if not self.refresh > 0:
+            raise ValueError("the REST refresh delay must be positive")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("give both a TLS certificate and key (--tls-cert, --tls-key), or neither")
         if self.tls_ca is None and (self.tls_cert is not None or self.tls_server_name is not None):
@@ -78,7 +91,7 @@ class BootstrapSettings:
 def _tls_transport_socket(settings: BootstrapSettings, host: str) -> dict[str, Any]:
     name = settings.tls_server_name or host
     common: dict[str, Any] = {
-        "alpn_protocols": ["h2"],
+        "alpn_protocols": ["h2"] if settings.rest is None else ["http/1.1"],
         "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
         "validation_context": {
             "trusted_ca": {"filename": settings.tls_ca},
@@ -102,8 +115,26 @@ def _tls_transport_socket(settings: BootstrapSettings, host: str) -> dict[str, A
     return {"name": "envoy.transport_sockets.tls", "typed_config": tls}
 
 
+def rest_config_source(*, cluster: str = "xds_cluster", refresh: float = 1.0) -> dict[str, Any]:
+    """A ``ConfigSource`` polling pilotfish's REST xDS through the static ``cluster`` every
+    ``refresh`` seconds: what CDS and LDS use in a REST bootstrap, and what the EDS and RDS
+    config sources of clusters and listeners served to a REST-only Envoy must say (``ads: {}``
+    needs an ADS stream it does not have)."""
+    return {
+        "api_config_source": {
+            "api_type": "REST",
+            "transport_api_version": "V3",
+            "cluster_names": [cluster],
+            "refresh_delay": f"{refresh:g}s",
+        },
+        "resource_api_version": "V3",
+    }
+
+
 def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     """The bootstrap as plain values (Envoy's JSON shape)."""
+    if settings.rest is not None:
+        return _rest_bootstrap(settings)
     host, port = split_address(settings.xds)
     config: dict[str, Any] = {
         "node": {"id": settings.node_id, "cluster": settings.cluster},
@@ -150,6 +181,34 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     if settings.tls_ca is not None:
         config["static_resources"]["clusters"][0]["transport_socket"] = _tls_transport_socket(settings, host)
     return config
+
+
+def _rest_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
+    """CDS and LDS polled over REST (HTTP/1.1 + JSON) from the static ``xds_cluster``."""
+    assert settings.rest is not None
+    host, port = split_address(settings.rest)
+    cluster: dict[str, Any] = {
+        "name": "xds_cluster",
+        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": "xds_cluster",
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "socket_address": {"address": host, "port_value": port},
+            }}}]}],
+        },
+    }
+    if settings.tls_ca is not None:
+        cluster["transport_socket"] = _tls_transport_socket(settings, host)
+    return {
+        "node": {"id": settings.node_id, "cluster": settings.cluster},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": settings.admin_port}}},
+        "dynamic_resources": {
+            "cds_config": rest_config_source(refresh=settings.refresh),
+            "lds_config": rest_config_source(refresh=settings.refresh),
+        },
+        "static_resources": {"clusters": [cluster]},
+    }
 
 
 def bootstrap_yaml(settings: BootstrapSettings) -> str:

@@ -91,6 +91,11 @@ class SnapshotCache:
     def groups(self) -> list[NodeGroup]:
         return list(self._snapshots)
 
+    def kept(self, type_url: TypeUrl, version: str, group: NodeGroup = DEFAULT_GROUP) -> TypeSnapshot | None:
+        """``type_url`` as it was at ``version`` in ``group``, if that version is one of the last
+        :data:`HISTORY` kept (a REST poll states the version it has: compared with this)."""
+        return self._history.get(group, {}).get(type_url, {}).get(version)
+
     def watch_count(self) -> int:
         return sum(len(w) for by_type in self._watches.values() for w in by_type.values())
 

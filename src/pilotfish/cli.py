@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="...of a type or service that had at least N of them (default: %(default)s)")
     serve.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
                        help="where to serve xDS over gRPC (default: %(default)s)")
+    serve.add_argument("--rest", type=_address, metavar="HOST:PORT",
+                       help="also serve REST xDS here: POST /v3/discovery:clusters (:endpoints, :listeners, :routes, "
+                            ":secrets) with a JSON DiscoveryRequest, for Envoy's api_type REST (same TLS, grants)")
     serve.add_argument("--event-log", type=Path, metavar="FILE",
                        help="append every xDS request, response and snapshot change here, as JSON lines")
     serve.add_argument("--event-log-level", choices=("all", "changes"), default="all",
@@ -162,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check a snapshot file; print every problem")
     validate.add_argument("file", type=Path, metavar="FILE")
 
-    boot = commands.add_parser("bootstrap", help="print an Envoy bootstrap that gets everything over ADS")
+    boot = commands.add_parser("bootstrap", help="print an Envoy bootstrap that gets everything over ADS (or REST)")
     boot.add_argument("--node-id", required=True, metavar="ID")
     boot.add_argument("--cluster", default="pilotfish", metavar="NAME", help="node cluster (default: %(default)s)")
     boot.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
@@ -178,6 +181,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="SNI, and the name pilotfish's certificate must carry (default: the host of --xds)")
     boot.add_argument("--delta", action="store_true",
                       help="incremental xDS (DELTA_GRPC): only what changed is sent (default: state of the world)")
+    boot.add_argument("--rest", type=_address, metavar="HOST:PORT",
+                      help="poll pilotfish's REST xDS here for clusters and listeners (api_type REST) instead "
+                           "of ADS over gRPC (--xds is then not used)")
+    boot.add_argument("--refresh-ms", type=_positive_int, default=1000, metavar="MS",
+                      help="with --rest: poll every MS milliseconds, plus up to as much again of jitter "
+                           "(default: %(default)s)")
 
     token = commands.add_parser("token", help="make a registry API token, or hash one for --registry-tokens")
     token.add_argument("action", choices=("new", "hash"),
@@ -242,7 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
                                 hold=args.flap_hold_ms / 1000)
     settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
                              event_log_level=args.event_log_level,
-                             registry=args.registry, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
+                             registry=args.registry, rest=args.rest, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
                              registry_tokens=args.registry_tokens,
                              debounce=debounce, validate=args.validate == "on",
                              registry_self_preservation=SelfPreservation(
@@ -284,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
                                          admin_port=args.admin_port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                                          tls_key=args.tls_key, tls_server_name=args.tls_server_name,
-                                         delta=args.delta)
+                                         delta=args.delta, rest=args.rest, refresh=args.refresh_ms / 1000)
         except ValueError as exc:
             print(f"pilotfish bootstrap: {exc}", file=sys.stderr)
             return EXIT_USAGE

@@ -27,8 +27,9 @@ from pilotfish.errors import shorten
 
 __all__ = ["CONVERSATION", "MAX_FIELD", "MAX_ITEMS", "MAX_LINE", "EventLog", "shorten"]
 
-CONVERSATION = frozenset({"request", "ack", "sent", "stale"})
-"""Events of the routine xDS conversation: a line per request and response of every proxy.
+CONVERSATION = frozenset({"request", "ack", "sent", "stale", "rest_request"})
+"""Events of the routine xDS conversation: a line per request and response of every proxy (and
+per REST poll).
 ``level="changes"`` leaves them out and keeps the rest (snapshots, NACKs, streams, sources)."""
 LEVELS = ("all", "changes")
 

@@ -11,7 +11,7 @@ configuration is the smallest that exercises all four ADS types:
   ``local_route`` and the router filter;
 - route ``/direct`` answers ``direct_body`` itself, ``/api`` goes to cluster ``api`` (rewritten to
   ``/``), everything else to cluster ``web``;
-- clusters are EDS clusters over ADS; their endpoints are upstream ports on 127.0.0.1.
+- clusters are EDS clusters over ADS (or REST); their endpoints are upstream ports on 127.0.0.1.
 
 Files are replaced by rename (write a temp file in the same directory, then ``os.replace``), as a
 deploy tool would, so the server never sees a half-written file.
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from pilotfish.bootstrap import rest_config_source
 
 __all__ = ["LISTENER_NAME", "ROUTE_NAME", "snapshot_document", "write_services", "write_snapshot"]
 
@@ -43,20 +45,26 @@ def snapshot_document(
     connect_timeout: str = "1s",
     stat_prefix: str = "ingress",
     reordered: bool = False,
+    rest_refresh: float | None = None,
 ) -> dict[str, Any]:
     """The snapshot as a plain mapping.
 
     ``endpoints`` maps each cluster name to its upstream ports; it must hold ``web`` and ``api``,
     the clusters the routes use. ``connect_timeout`` applies to every cluster. ``reordered``
     gives the same content with clusters and endpoint assignments in reverse order and every
-    mapping's keys reversed: a different file, an equal snapshot.
+    mapping's keys reversed: a different file, an equal snapshot. ``rest_refresh`` (seconds):
+    clusters and the listener poll EDS and RDS over REST at that delay (for an Envoy on REST, which
+    has no ADS stream), through the bootstrap's ``xds_cluster``; None: over ADS.
     """
+    def source() -> dict[str, Any]:
+        return _ads() if rest_refresh is None else rest_config_source(refresh=rest_refresh)
+
     clusters = [
         {
             "name": name,
             "type": "EDS",
             "connect_timeout": connect_timeout,
-            "eds_cluster_config": {"eds_config": _ads()},
+            "eds_cluster_config": {"eds_config": source()},
         }
         for name in endpoints
     ]
@@ -78,7 +86,7 @@ def snapshot_document(
                         "typed_config": {
                             "@type": _HCM,
                             "stat_prefix": stat_prefix,
-                            "rds": {"route_config_name": ROUTE_NAME, "config_source": _ads()},
+                            "rds": {"route_config_name": ROUTE_NAME, "config_source": source()},
                             "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
                         },
                     }

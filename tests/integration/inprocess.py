@@ -1,8 +1,9 @@
 """``pilotfish serve`` in the test's own event loop, for the integration tests of its HTTP APIs.
 
 :func:`serving` starts :func:`pilotfish.server.serve` with the xDS server and the registry API on
-ports the OS picks and a fast debounce, waits until it listens, and finds the registry's address
-in its event log (``server_started``); leaving the block stops it.
+ports the OS picks (REST xDS too, when the settings ask for it) and a fast debounce, waits until it
+listens, and finds the registry's (and REST's) address in its event log (``server_started``);
+leaving the block stops it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class Running:
     """``host:port`` of the registry API."""
     events: Path
     """The event log."""
+    rest: str | None = None
+    """``host:port`` of REST xDS, when the settings ask for it (``rest``: any port is chosen)."""
 
     def url(self, path: str) -> str:
         return f"http://{self.registry}{path}"
@@ -39,14 +42,16 @@ class Running:
 async def serving(tmp_path: Path, settings: ServeSettings | None = None) -> AsyncIterator[Running]:
     """Serve (``settings`` may set sources and options; addresses and the event log are set here)."""
     log = tmp_path / "events.jsonl"
-    settings = replace(settings or ServeSettings(), xds="127.0.0.1:0", registry="127.0.0.1:0", event_log=log,
+    settings = settings or ServeSettings()
+    settings = replace(settings, xds="127.0.0.1:0", registry="127.0.0.1:0", event_log=log,
+                       rest=None if settings.rest is None else "127.0.0.1:0",
                        debounce=DebounceSettings(quiet=0.02, max_delay=0.2))
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(settings, started=started))
     port = await asyncio.wait_for(started, TIMEOUT)
     line = next(json.loads(x) for x in log.read_text().splitlines() if '"server_started"' in x)
     try:
-        yield Running(f"127.0.0.1:{port}", line["registry"], log)
+        yield Running(f"127.0.0.1:{port}", line["registry"], log, line.get("rest"))
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

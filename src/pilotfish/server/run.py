@@ -28,6 +28,7 @@ from pilotfish.server.grants import SecretGrant, SecretGrants, Subject
 from pilotfish.server.grpc_server import ConnectionLimits
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
+from pilotfish.server.rest import RestXds, start_rest_server
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
 from pilotfish.server.xds import XdsLimits, XdsServer, start_xds_server
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
@@ -53,6 +54,9 @@ class ServeSettings:
     """``all``: every request and response too; ``changes``: snapshots, NACKs, streams, sources."""
     registry: str | None = None
     """``host:port`` for the registry HTTP API (port 0: any free port); None: no registry."""
+    rest: str | None = None
+    """``host:port`` for REST xDS (JSON polls, :mod:`pilotfish.server.rest`; port 0: any free
+    port); None: gRPC only. Uses the xDS TLS settings (certificate, client CA, grants)."""
     etcd: str | None = None
     """``host:port`` of etcd's client API to read services and instances from; None: no etcd."""
     etcd_prefix: str = "/pilotfish/"
@@ -179,13 +183,28 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             tasks.append(asyncio.create_task(api.expire_forever(), name="registry-expiry"))
             if tokens is not None:
                 tasks.append(asyncio.create_task(tokens.follow(), name="registry-tokens"))
+        rest_address = None
+        if settings.rest is not None:
+            rest_tls_files = settings.tls_files(client_ca=settings.client_ca, alpn=("http/1.1",))
+            rest_tls = None
+            if rest_tls_files is not None:
+                rest_tls = ReloadingServerContext(rest_tls_files, on_event=events.emit, name="rest")
+                tasks.append(asyncio.create_task(rest_tls.run(every=settings.tls_reload_every), name="rest-tls-reload"))
+            rest = RestXds(cache, events=events, status=xds.status, authorize=authorize, grants=grants,
+                           limits=settings.xds_limits)
+            rest_runner, rest_address = await start_rest_server(
+                rest, settings.rest, tls=None if rest_tls is None else rest_tls.context)
+            cleanups.append(rest_runner.cleanup)
         tls = "off" if xds_tls_files is None else "mtls" if settings.client_ca is not None else "tls"
         events.emit("server_started", xds=f"{host}:{port}", registry=registry_address,
-                    snapshot=str(settings.snapshot) if settings.snapshot else None, tls=tls)
+                    snapshot=str(settings.snapshot) if settings.snapshot else None, tls=tls,
+                    **({"rest": rest_address} if rest_address else {}))
         scheme = "http" if registry_tls_files is None else "https"
-        _log.info("serving xDS on %s:%d (TLS: %s; at most %d connections, %d per address)%s", host, port, tls,
+        _log.info("serving xDS on %s:%d (TLS: %s; at most %d connections, %d per address)%s%s", host, port, tls,
                   server.max_connections, server.max_connections_per_address,
-                  f", registry API on {scheme}://{registry_address}" if registry_address else "")
+                  f", registry API on {scheme}://{registry_address}" if registry_address else "",
+                  f", REST xDS on {'http' if xds_tls_files is None else 'https'}://{rest_address}"
+                  if rest_address else "")
 
         etcd = None
         if settings.etcd is not None:
