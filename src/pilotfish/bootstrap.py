@@ -13,17 +13,23 @@ SAN equal to ``tls_server_name`` (default: the host of ``xds``; an IP address is
 SAN). Without the name check any certificate from the CA would do, e.g. another service's. With
 ``tls_cert`` and ``tls_key`` Envoy presents its own certificate (mTLS). The files are read by Envoy
 at start-up: restart (or hot-restart) Envoy to rotate them.
+
+:func:`grpc_bootstrap` is the same for a proxyless gRPC client (the JSON file ``GRPC_XDS_BOOTSTRAP``
+names, gRFC A27): the xDS server (``xds_v3``; insecure, or TLS with A65's certificate files), and
+the node with its locality (grpc-js insists on one; a node group may select on its zone).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-__all__ = ["BootstrapSettings", "bootstrap", "bootstrap_yaml", "split_address"]
+__all__ = ["BootstrapSettings", "bootstrap", "bootstrap_yaml", "grpc_bootstrap", "grpc_bootstrap_json",
+           "split_address"]
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -66,6 +72,10 @@ class BootstrapSettings:
     delta: bool = False
     """Incremental xDS (``DELTA_GRPC``): each response carries only what changed, and a
     reconnecting Envoy says what it has. Otherwise state of the world (``GRPC``)."""
+    region: str = ""
+    """The node's locality region (gRPC bootstraps)."""
+    zone: str = ""
+    """The node's locality zone (gRPC bootstraps; ``--node-group NAME=zone:PATTERN`` selects on it)."""
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -154,3 +164,31 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
 
 def bootstrap_yaml(settings: BootstrapSettings) -> str:
     return yaml.safe_dump(bootstrap(settings), sort_keys=False)
+
+
+def grpc_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
+    """The gRPC xDS bootstrap (``GRPC_XDS_BOOTSTRAP``) as plain values. gRPC has no setting for a
+    TLS server name (it checks the host of ``xds``), so :attr:`BootstrapSettings.tls_server_name`
+    is refused here."""
+    if settings.tls_server_name is not None:
+        raise ValueError("a gRPC bootstrap cannot set the TLS server name: gRPC checks pilotfish's certificate "
+                         "against the host of --xds")
+    split_address(settings.xds)
+    creds: dict[str, Any] = {"type": "insecure"}
+    if settings.tls_ca is not None:
+        config = {"ca_certificate_file": settings.tls_ca}
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            config.update(certificate_file=settings.tls_cert, private_key_file=settings.tls_key)
+        creds = {"type": "tls", "config": config}
+    return {
+        "xds_servers": [{"server_uri": settings.xds, "channel_creds": [creds], "server_features": ["xds_v3"]}],
+        "node": {
+            "id": settings.node_id,
+            "cluster": settings.cluster,
+            "locality": {"region": settings.region, "zone": settings.zone},
+        },
+    }
+
+
+def grpc_bootstrap_json(settings: BootstrapSettings) -> str:
+    return json.dumps(grpc_bootstrap(settings), indent=2) + "\n"

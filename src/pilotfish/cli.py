@@ -10,12 +10,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pilotfish.bootstrap import BootstrapSettings, bootstrap_yaml, split_address
+from pilotfish.bootstrap import BootstrapSettings, bootstrap_yaml, grpc_bootstrap_json, split_address
 from pilotfish.errors import ConfigError
 
 if TYPE_CHECKING:
     from pilotfish.server.authorize import NodeRule
     from pilotfish.server.grants import SecretGrant
+    from pilotfish.server.groups import NodeGroupRule
 
 __all__ = ["main"]
 
@@ -62,6 +63,15 @@ def _grant(value: str) -> SecretGrant:
 
     try:
         return parse_grant(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _node_group(value: str) -> NodeGroupRule:
+    from pilotfish.server.groups import parse_node_group
+
+    try:
+        return parse_node_group(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
@@ -114,6 +124,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--event-log-level", choices=("all", "changes"), default="all",
                        help="all: every request and response too; changes: only snapshots, NACKs, streams and "
                             "sources, for large fleets (default: %(default)s)")
+    serve.add_argument("--node-group", type=_node_group, action="append", default=[],
+                       metavar="NAME[:KIND]=RULE",
+                       help="clients whose node matches RULE (cluster:PATTERN, id:PATTERN, metadata:KEY=PATTERN, "
+                            "agent:PATTERN, zone:PATTERN; '*': any characters but '/') are served the snapshot of "
+                            "group NAME, of KIND envoy (socket listeners; the default) or grpc (API listeners for "
+                            "proxyless gRPC); repeatable, first match wins; then built in: gRPC clients to 'grpc', "
+                            "others to 'default'")
     tls = serve.add_argument_group(
         "TLS", "serve xDS (and the registry API) over TLS; the files are reloaded when they change, without "
                "dropping open streams")
@@ -157,6 +174,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="SNI, and the name pilotfish's certificate must carry (default: the host of --xds)")
     boot.add_argument("--delta", action="store_true",
                       help="incremental xDS (DELTA_GRPC): only what changed is sent (default: state of the world)")
+    boot.add_argument("--grpc", action="store_true",
+                      help="print the JSON bootstrap of a proxyless gRPC client (GRPC_XDS_BOOTSTRAP) instead; it "
+                           "then resolves xds:///NAME to the services with 'grpc: true' (or 'grpc: NAME')")
+    boot.add_argument("--zone", default="", metavar="ZONE", help="--grpc: the node's locality zone")
+    boot.add_argument("--region", default="", metavar="REGION", help="--grpc: the node's locality region")
 
     token = commands.add_parser("token", help="make a registry API token, or hash one for --registry-tokens")
     token.add_argument("action", choices=("new", "hash"),
@@ -230,7 +252,8 @@ def _serve(args: argparse.Namespace) -> int:
                                                  min_count=args.guard_min_count),
                              tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.client_ca,
                              registry_client_ca=args.registry_client_ca, tls_reload_every=args.tls_reload_ms / 1000,
-                             authorize_nodes=tuple(args.authorize_node), secret_grants=tuple(args.grant_secret))
+                             authorize_nodes=tuple(args.authorize_node), secret_grants=tuple(args.grant_secret),
+                             node_groups=tuple(args.node_group))
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))
@@ -257,11 +280,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
                                          admin_port=args.admin_port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                                          tls_key=args.tls_key, tls_server_name=args.tls_server_name,
-                                         delta=args.delta)
+                                         delta=args.delta, zone=args.zone, region=args.region)
+            if args.grpc and args.delta:
+                raise ValueError("--delta is for Envoy bootstraps; gRPC clients choose their xDS variant themselves")
+            text = grpc_bootstrap_json(settings) if args.grpc else bootstrap_yaml(settings)
         except ValueError as exc:
             print(f"pilotfish bootstrap: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        sys.stdout.write(bootstrap_yaml(settings))
+        sys.stdout.write(text)
         return EXIT_OK
     if args.command == "serve":
         return _serve(args)

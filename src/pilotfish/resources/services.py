@@ -80,6 +80,9 @@ class ServiceSpec:
     upstream_protocol: str = "http1"
     """HTTP: how Envoy talks to the endpoints: ``http1`` or ``http2`` (h2c)."""
     health_check: HealthCheck | None = None
+    grpc: str | None = None
+    """The name proxyless gRPC clients resolve (``xds:///NAME``): an LDS listener of that name with
+    an ``api_listener`` is built for them; None: none (see :mod:`pilotfish.resources.builders`)."""
 
 
 def _where(prefix: str, key: str) -> str:
@@ -179,7 +182,23 @@ def parse_endpoint(value: Any, where: str, problems: list[Problem]) -> Endpoint 
 
 
 _SERVICE_FIELDS = ("listen", "protocol", "endpoints", "connect_timeout", "timeout", "retries",
-                   "upstream_protocol", "health_check")
+                   "upstream_protocol", "health_check", "grpc")
+MAX_NAME = 253
+"""The longest service or gRPC target name accepted (a DNS name's limit)."""
+
+
+def _grpc_target(value: Any, name: str, where: str, problems: list[Problem]) -> str | None:
+    """``grpc: true`` -> the service's own name; ``grpc: NAME`` -> NAME; false/null -> None."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return name
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME or not all(
+            c.isalnum() or c in "-_.:" for c in value):
+        problems.append(Problem(where, "expected true, false or the name gRPC clients resolve (xds:///NAME): "
+                                       f"letters, digits, '-', '_', '.' and ':', at most {MAX_NAME}, got {value!r}"))
+        return None
+    return value
 
 
 def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None, tuple[Endpoint, ...], list[Problem]]:
@@ -192,8 +211,9 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     unknown = sorted(set(map(str, value)) - set(_SERVICE_FIELDS))
     if unknown:
         problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; expected {', '.join(_SERVICE_FIELDS)}"))
-    if not name or not all(c.isalnum() or c in "-_." for c in name):
-        problems.append(Problem(where, "a service name uses letters, digits, '-', '_' and '.' only"))
+    if not name or len(name) > MAX_NAME or not all(c.isalnum() or c in "-_." for c in name):
+        problems.append(Problem(where, f"a service name uses letters, digits, '-', '_' and '.' only, at most "
+                                       f"{MAX_NAME} of them"))
     listen = None
     if value.get("listen") is not None:
         listen = _host_port(value["listen"], _where(where, "listen"), problems)
@@ -207,6 +227,10 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     connect_timeout = _seconds(value.get("connect_timeout", 1.0), _where(where, "connect_timeout"), problems)
     timeout = _seconds(value.get("timeout", 15.0), _where(where, "timeout"), problems, allow_zero=True)
     retries = _int(value.get("retries", 2), _where(where, "retries"), problems, 0, 10)
+    grpc = _grpc_target(value.get("grpc"), name, _where(where, "grpc"), problems)
+    if grpc is not None and protocol == "tcp":
+        problems.append(Problem(_where(where, "grpc"), "gRPC clients need protocol http (gRPC runs over HTTP/2), "
+                                                       "not tcp"))
     health = None
     if value.get("health_check") is not None:
         health = _health_check(value["health_check"], _where(where, "health_check"), problems)
@@ -230,7 +254,7 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     if problems or connect_timeout is None or timeout is None or retries is None:
         return None, (), problems
     spec = ServiceSpec(name=name, listen=listen, protocol=protocol, connect_timeout=connect_timeout,
-                       timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health)
+                       timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health, grpc=grpc)
     return spec, tuple(sorted(endpoints)), problems
 
 

@@ -158,6 +158,7 @@ def _spec_fields(spec: ServiceSpec) -> dict[str, Any]:
         "health_check": None if spec.health_check is None else {
             "path": spec.health_check.path, "interval": spec.health_check.interval,
             "timeout": spec.health_check.timeout},
+        "grpc": spec.grpc,
     }
 
 

@@ -1,0 +1,263 @@
+"""Proxyless gRPC from the services model, node groups and the gRPC bootstrap."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from google.protobuf import struct_pb2
+
+from pilotfish.bootstrap import BootstrapSettings, grpc_bootstrap
+from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
+from pilotfish.cli import main
+from pilotfish.desired import DesiredState, View, build_snapshots, merge_states
+from pilotfish.errors import ConfigError
+from pilotfish.reconcile import Reconciler
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
+from pilotfish.resources.builders import ClientKind, ResourceMemo
+from pilotfish.resources.parse import parse_document
+from pilotfish.resources.services import parse_services
+from pilotfish.server.groups import GRPC_GROUP, NodeGroups, parse_node_group
+from pilotfish.snapshot import Snapshot
+
+ENVOYS, GRPC = View(), View(kind=ClientKind.GRPC)
+_TYPES = "type.googleapis.com/"
+
+
+def _state(section: dict[str, object], **resources: list[dict[str, object]]) -> DesiredState:
+    specs, endpoints, problems = parse_services(section)
+    assert problems == []
+    raw = parse_document(dict(resources), "test").resources if resources else {}
+    return DesiredState(services=specs, endpoints=endpoints, resources=raw)
+
+
+def _names(snapshot: Snapshot) -> dict[str, list[str]]:
+    return {ts.rtype.key: sorted(ts.resources) for ts in snapshot.types.values() if ts.resources}
+
+
+WEB = {"listen": "127.0.0.1:10000", "grpc": True, "endpoints": ["127.0.0.1:9001", "127.0.0.1:9002"]}
+
+
+# -- the service field ----------------------------------------------------------------------------
+
+
+def test_grpc_true_names_the_target_after_the_service_and_a_string_names_it() -> None:
+    specs, _, problems = parse_services({"web": {"grpc": True}, "api": {"grpc": "api.prod:8080"}, "db": {}})
+    assert problems == []
+    assert (specs["web"].grpc, specs["api"].grpc, specs["db"].grpc) == ("web", "api.prod:8080", None)
+
+
+@pytest.mark.parametrize(
+    ("service", "words"),
+    [
+        ({"grpc": 1}, "expected true, false or the name"),
+        ({"grpc": "a b"}, "letters, digits"),
+        ({"grpc": "x" * 254}, "at most 253"),
+        ({"grpc": True, "protocol": "tcp"}, "need protocol http"),
+    ],
+)
+def test_a_bad_grpc_field_is_named(service: dict[str, object], words: str) -> None:
+    _, _, problems = parse_services({"web": service})
+    assert [p.where for p in problems] == ["services.web.grpc"] and words in problems[0].message, problems
+
+
+# -- what each kind of client is served -----------------------------------------------------------
+
+
+def test_envoys_get_the_socket_listener_and_grpc_clients_an_api_listener_of_the_same_name() -> None:
+    snapshots = build_snapshots(merge_states({"file": _state({"web": WEB})}), "test",
+                                {"envoy": ENVOYS, "grpc": GRPC})
+    envoy, grpc = snapshots["envoy"], snapshots["grpc"]
+    assert _names(envoy) == _names(grpc) == {"clusters": ["web"], "endpoints": ["web"], "listeners": ["web"],
+                                             "routes": ["web"]}
+    socket = envoy.get(LISTENER.url).resources["web"].message  # type: ignore[union-attr]
+    assert isinstance(socket, listener_pb2.Listener) and socket.address.socket_address.port_value == 10000
+    api = grpc.get(LISTENER.url).resources["web"].message  # type: ignore[union-attr]
+    assert isinstance(api, listener_pb2.Listener)
+    # What gRPC needs (gRFC A27): no address, an api_listener with an HTTP connection manager that
+    # gets its routes over RDS (ADS) and ends in the router filter.
+    assert not api.HasField("address") and not api.filter_chains
+    manager = hcm_pb2.HttpConnectionManager()
+    assert api.api_listener.api_listener.Unpack(manager)
+    assert manager.rds.route_config_name == "web" and manager.rds.config_source.HasField("ads")
+    assert [f.name for f in manager.http_filters] == ["envoy.filters.http.router"]
+    assert manager.http_filters[0].typed_config.Is(router_pb2.Router.DESCRIPTOR)
+    # Clusters, endpoints and routes are the very same objects in both groups (built once).
+    for rtype in (CLUSTER, ENDPOINT, ROUTE):
+        assert envoy.get(rtype.url).resources["web"] is grpc.get(rtype.url).resources["web"]  # type: ignore[union-attr]
+
+
+def test_grpc_endpoints_carry_a_locality_with_a_non_zero_weight() -> None:
+    # Without a locality weight a gRPC client's calls time out, and nothing is NACKed.
+    snapshot = build_snapshots(merge_states({"file": _state({"web": WEB})}), "test", {"g": GRPC})["g"]
+    assignment = snapshot.get(ENDPOINT.url).resources["web"].message  # type: ignore[union-attr]
+    assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
+    [locality] = assignment.endpoints
+    assert locality.HasField("locality") and locality.load_balancing_weight.value > 0
+    assert sorted(e.endpoint.address.socket_address.port_value for e in locality.lb_endpoints) == [9001, 9002]
+
+
+def test_a_grpc_only_service_has_no_socket_listener_and_an_envoy_only_one_no_api_listener() -> None:
+    state = _state({"rpc": {"grpc": True, "endpoints": ["127.0.0.1:9001"]},
+                    "web": {"listen": "127.0.0.1:10000", "endpoints": ["127.0.0.1:9002"]}})
+    snapshots = build_snapshots(merge_states({"file": state}), "test", {"envoy": ENVOYS, "grpc": GRPC})
+    assert sorted(snapshots["envoy"].get(LISTENER.url).resources) == ["web"]  # type: ignore[union-attr]
+    assert sorted(snapshots["grpc"].get(LISTENER.url).resources) == ["rpc"]  # type: ignore[union-attr]
+
+
+def test_raw_listeners_go_to_the_kind_they_are_for() -> None:
+    router = {"name": "router", "typed_config": {"@type": f"{_TYPES}{router_pb2.Router.DESCRIPTOR.full_name}"}}
+    api = {"name": "raw-api", "api_listener": {"api_listener": {
+        "@type": f"{_TYPES}{hcm_pb2.HttpConnectionManager.DESCRIPTOR.full_name}", "stat_prefix": "x",
+        "rds": {"route_config_name": "web", "config_source": {"ads": {}}}, "http_filters": [router]}}}
+    state = _state({"web": WEB}, listeners=[api])
+    snapshots = build_snapshots(merge_states({"file": state}), "test", {"envoy": ENVOYS, "grpc": GRPC})
+    assert sorted(snapshots["envoy"].get(LISTENER.url).resources) == ["web"]  # type: ignore[union-attr]
+    assert sorted(snapshots["grpc"].get(LISTENER.url).resources) == ["raw-api", "web"]  # type: ignore[union-attr]
+
+
+def test_two_services_resolved_by_one_grpc_name_are_an_error() -> None:
+    state = _state({"a": {"grpc": "shared"}, "b": {"grpc": "shared"}})
+    with pytest.raises(ConfigError) as caught:
+        build_snapshots(merge_states({"file": state}), "test", {"g": GRPC})
+    assert [(p.where, "services.a" in p.message) for p in caught.value.problems] == [("services.b.grpc", True)]
+
+
+def test_building_two_groups_encodes_each_resource_once() -> None:
+    memo, made = ResourceMemo(), []
+    original = memo.get
+
+    def counting(key: object, make: object, *args: object) -> object:
+        def recorded(*a: object) -> object:
+            made.append(key)
+            return make(*a)  # type: ignore[operator]
+        return original(key, recorded, *args)  # type: ignore[arg-type]
+
+    memo.get = counting  # type: ignore[method-assign]
+    state = _state({"web": WEB})
+    build_snapshots(merge_states({"file": state}), "test", {"envoy": ENVOYS, "grpc": GRPC}, memo=memo)
+    assert len(made) == len(set(map(repr, made))) == 5  # cluster, endpoints, route, two listeners
+    made.clear()
+    build_snapshots(merge_states({"file": state}), "test", {"envoy": ENVOYS, "grpc": GRPC}, memo=memo)
+    assert made == []  # the next pass reuses every one of them
+
+
+# -- the reconciler serves every group ------------------------------------------------------------
+
+
+def test_the_reconciler_publishes_each_group_and_leaves_an_unchanged_one_alone() -> None:
+    cache = SnapshotCache()
+    rec = Reconciler(cache, groups={DEFAULT_GROUP: ENVOYS, GRPC_GROUP: GRPC}, guard=None)
+    rec.update("file", _state({"web": WEB, "rpc": {"grpc": True}}))
+    rec.build_now()
+    envoy, grpc = cache.snapshot(DEFAULT_GROUP), cache.snapshot(GRPC_GROUP)
+    assert envoy is not None and grpc is not None
+    assert sorted(grpc.get(LISTENER.url).resources) == ["rpc", "web"]  # type: ignore[union-attr]
+    # Only an Envoy listener changes: the gRPC group's snapshot stays the very same object.
+    rec.update("file", _state({"web": {**WEB, "listen": "127.0.0.1:10001"}, "rpc": {"grpc": True}}))
+    rec.build_now()
+    assert cache.snapshot(DEFAULT_GROUP) is not envoy and cache.snapshot(GRPC_GROUP) is grpc
+
+
+def test_the_guard_holds_every_group_when_one_would_lose_all_its_listeners() -> None:
+    cache = SnapshotCache()
+    rec = Reconciler(cache, groups={DEFAULT_GROUP: ENVOYS, GRPC_GROUP: GRPC})
+    rec.update("file", _state({"web": WEB, "rpc": {"grpc": True}}))
+    rec.build_now()
+    before = cache.snapshot(GRPC_GROUP), cache.snapshot(DEFAULT_GROUP)
+    rec.update("file", _state({"web": {**WEB, "grpc": False}, "rpc": {}}))  # no API listener left
+    assert rec.build_now() is None
+    assert rec.held is not None and rec.held.reasons == ("node group grpc: it removes every listener (2)",)
+    assert (cache.snapshot(GRPC_GROUP), cache.snapshot(DEFAULT_GROUP)) == before
+    rec.confirm()
+    assert not cache.snapshot(GRPC_GROUP).get(LISTENER.url).resources  # type: ignore[union-attr]
+
+
+# -- group rules ----------------------------------------------------------------------------------
+
+
+def _node(**fields: object) -> base_pb2.Node:
+    metadata = fields.pop("metadata", {})
+    node = base_pb2.Node(**fields)  # type: ignore[arg-type]
+    node.metadata.CopyFrom(struct_pb2.Struct())
+    node.metadata.update(metadata)  # type: ignore[arg-type]
+    return node
+
+
+def test_the_first_matching_rule_picks_the_group_then_the_built_in_ones() -> None:
+    groups = NodeGroups([
+        parse_node_group("proxyless:grpc=cluster:payments-*"),
+        parse_node_group("edge=id:edge-*"),
+        parse_node_group("east=metadata:zone=us-east-*"),
+        parse_node_group("zonal=zone:eu-*"),
+        parse_node_group("canary=agent:envoy"),
+    ])
+    assert groups.group_of(_node(cluster="payments-web", id="edge-1")) == "proxyless"
+    assert groups.group_of(_node(cluster="other", id="edge-1")) == "edge"
+    assert groups.group_of(_node(id="edge/1")) == DEFAULT_GROUP  # '*' does not cross '/'
+    assert groups.group_of(_node(metadata={"zone": "us-east-1"})) == "east"
+    assert groups.group_of(_node(metadata={"zone": 3})) == DEFAULT_GROUP  # not a string: no match
+    assert groups.group_of(_node(locality=base_pb2.Locality(zone="eu-west"))) == "zonal"
+    assert groups.group_of(_node(user_agent_name="envoy")) == "canary"
+    assert groups.group_of(_node(user_agent_name="gRPC Python")) == GRPC_GROUP
+    assert groups.group_of(_node(user_agent_name="curl")) == DEFAULT_GROUP
+    views = groups.views()
+    assert list(views) == [DEFAULT_GROUP, GRPC_GROUP, "proxyless", "edge", "east", "zonal", "canary"]
+    assert views["proxyless"] == views[GRPC_GROUP] == GRPC and views["edge"] == ENVOYS
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("proxyless", "NAME[:KIND]=RULE"),
+        ("a b=id:x", "group name"),
+        ("p:udp=id:x", "envoy or grpc"),
+        ("p=node:x", "cluster:PATTERN"),
+        ("p=metadata:zone", "metadata:KEY=PATTERN"),
+        ("p=id:", "pattern is empty"),
+    ],
+)
+def test_a_bad_rule_says_what_is_wrong(text: str, words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        parse_node_group(text)
+
+
+def test_a_group_has_one_kind() -> None:
+    with pytest.raises(ValueError, match="of kind envoy"):
+        NodeGroups([parse_node_group("p=id:a"), parse_node_group("p:grpc=id:b")])
+    with pytest.raises(ValueError, match="of kind grpc"):
+        NodeGroups([parse_node_group("grpc=id:a")])  # the built-in group is of kind grpc
+
+
+def test_serve_refuses_a_bad_node_group_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--snapshot", "x.yaml", "--node-group", "p:udp=id:x"])
+    assert "envoy or grpc" in capsys.readouterr().err
+
+
+# -- the gRPC bootstrap -----------------------------------------------------------------------------
+
+
+def test_the_grpc_bootstrap_names_the_server_and_a_node_with_a_locality(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bootstrap", "--grpc", "--node-id", "client-1", "--xds", "127.0.0.1:18001", "--zone", "z1"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config == {
+        "xds_servers": [{"server_uri": "127.0.0.1:18001", "channel_creds": [{"type": "insecure"}],
+                         "server_features": ["xds_v3"]}],
+        "node": {"id": "client-1", "cluster": "pilotfish", "locality": {"region": "", "zone": "z1"}},
+    }
+
+
+def test_the_grpc_bootstrap_over_tls_names_the_files() -> None:
+    config = grpc_bootstrap(BootstrapSettings(node_id="c", tls_ca="ca.pem", tls_cert="c.pem", tls_key="c.key"))
+    assert config["xds_servers"][0]["channel_creds"] == [{"type": "tls", "config": {
+        "ca_certificate_file": "ca.pem", "certificate_file": "c.pem", "private_key_file": "c.key"}}]
+    with pytest.raises(ValueError, match="server name"):
+        grpc_bootstrap(BootstrapSettings(node_id="c", tls_ca="ca.pem", tls_server_name="x"))
+
