@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TypeVar
 
 from envoy.config.listener.v3 import listener_pb2
@@ -31,7 +32,7 @@ from google.protobuf.message import Message
 
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType
-from pilotfish.resources.builders import ClientKind, ResourceMemo, encode_services
+from pilotfish.resources.builders import ClientKind, ResourceMemo, encode_for_kinds
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.snapshot import Resource, Snapshot
@@ -167,16 +168,16 @@ def build_snapshots(
     sources gave them, and on the union of what was built (a resource shared by several views is
     one object, checked once).
     """
-    memo = memo or ResourceMemo()
     views = list(dict.fromkeys(groups.values()))
     kinds = list(dict.fromkeys(view.kind for view in views)) or [ClientKind.ENVOY]
-    built = {kind: encode_services(merged.services, merged.endpoints, memo, kind=kind, finish=False)
-             for kind in kinds}
-    memo.finish()
-    union = {rtype: list({id(r): r for kind in kinds for r in built[kind].get(rtype, [])}.values())
+    built = encode_for_kinds(merged.services, merged.endpoints, memo, kinds=kinds)
+    first = built[kinds[0]]
+    union = {rtype: [r for kind in kinds for r in built[kind][rtype]] if rtype is LISTENER else first.get(rtype, [])
              for rtype in TYPES}
+    # The user's own resources, encoded once for every check and view, with their messages.
+    raw = {t: [(Resource.of(t, m), m) for m in merged.resources.get(t, ())] for t in TYPES}
     problems = list(merged.problems)
-    problems.extend(_name_clashes(merged, built))
+    problems.extend(_name_clashes(raw, built))
     problems.extend(_api_listener_clashes(merged))
     problems.extend(_address_clashes(merged))
     problems.extend(check_references(
@@ -186,12 +187,21 @@ def build_snapshots(
         more_clusters=(r.name for r in union[CLUSTER]),
     ))
     if rules:
-        raw_encoded = {t: [(Resource.of(t, m), m) for m in merged.resources.get(t, ())] for t in TYPES}
-        problems.extend(check_rules(raw_encoded, union))
+        problems.extend(check_rules(raw, union))
     if problems:
         raise ConfigError(source, list(dict.fromkeys(problems)))
-    snapshots = {view: Snapshot.build(_combined(merged, view, built[view.kind]), version=merged.version)
-                 for view in views}
+    snapshots: dict[View, Snapshot] = {}
+    for view in views:
+        if not snapshots:
+            snapshots[view] = Snapshot.build(_combined(raw, view, built[view.kind]), version=merged.version)
+            continue
+        combined = _combined(raw, view, built[view.kind], (LISTENER,))
+        # Only listeners differ between views: every other type is the first view's, the very same
+        # objects (hashed once, and a response memoized for one group serves every group).
+        shared = next(iter(snapshots.values()))
+        listeners = Snapshot.build({LISTENER: combined[LISTENER]}, version=merged.version).types[LISTENER.url]
+        snapshots[view] = Snapshot(MappingProxyType({**shared.types, LISTENER.url: listeners}),
+                                   explicit_version=merged.version)
     return {group: snapshots[view] for group, view in groups.items()}
 
 
@@ -200,26 +210,30 @@ def _serves(view_kind: ClientKind, rtype: ResourceType, message: Message) -> boo
     return rtype is not LISTENER or _is_api_listener(message) == (view_kind is ClientKind.GRPC)
 
 
+_Raw = Mapping[ResourceType, list[tuple[Resource, Message]]]
+
+
 def _combined(
-    merged: Merged, view: View, built: Mapping[ResourceType, list[Resource]],
+    raw: _Raw, view: View, built: Mapping[ResourceType, list[Resource]], types: tuple[ResourceType, ...] = TYPES,
 ) -> dict[ResourceType, tuple[Resource, ...]]:
     combined: dict[ResourceType, tuple[Resource, ...]] = {}
-    for rtype in TYPES:
-        raw = tuple(Resource.of(rtype, m) for m in merged.resources.get(rtype, ()) if _serves(view.kind, rtype, m))
-        names = {r.name for r in raw}
-        combined[rtype] = (*raw, *(r for r in built.get(rtype, []) if r.name not in names))
+    for rtype in types:
+        served = tuple(r for r, m in raw.get(rtype, ()) if _serves(view.kind, rtype, m))
+        names = {r.name for r in served}
+        combined[rtype] = (*served, *(r for r in built.get(rtype, []) if r.name not in names))
     return combined
 
 
-def _name_clashes(merged: Merged, built: Mapping[ClientKind, Mapping[ResourceType, list[Resource]]]) -> list[Problem]:
-    """Built resources named as a raw resource served to the same clients."""
+def _name_clashes(raw: _Raw, built: Mapping[ClientKind, Mapping[ResourceType, list[Resource]]]) -> list[Problem]:
+    """Built resources named as a raw resource served to the same clients (only listeners differ
+    between kinds: the other types are looked at once)."""
     problems: list[Problem] = []
-    for kind, by_type in built.items():
-        for rtype in TYPES:
+    for number, (kind, by_type) in enumerate(built.items()):
+        for rtype in TYPES if number == 0 else (LISTENER,):
             raw_names: dict[str, int] = {}
-            for index, message in enumerate(merged.resources.get(rtype, ())):
+            for index, (resource, message) in enumerate(raw.get(rtype, ())):
                 if _serves(kind, rtype, message):
-                    raw_names.setdefault(message.name, index)  # type: ignore[attr-defined]
+                    raw_names.setdefault(resource.name, index)
             for resource in by_type.get(rtype, []):
                 if resource.name in raw_names:
                     problems.append(Problem(

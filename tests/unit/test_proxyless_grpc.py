@@ -25,6 +25,7 @@ from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import parse_services
 from pilotfish.server.groups import GRPC_GROUP, NodeGroups, parse_node_group
 from pilotfish.snapshot import Snapshot
+from pilotfish.sources.etcd import EtcdView
 
 ENVOYS, GRPC = View(), View(kind=ClientKind.GRPC)
 _TYPES = "type.googleapis.com/"
@@ -67,6 +68,13 @@ def test_a_bad_grpc_field_is_named(service: dict[str, object], words: str) -> No
     assert [p.where for p in problems] == ["services.web.grpc"] and words in problems[0].message, problems
 
 
+def test_etcd_defines_grpc_services_too() -> None:
+    view = EtcdView("/pf/")
+    assert view.put("/pf/services/echo", '{"grpc": true}') is None
+    assert "grpc: expected true, false or the name" in (view.put("/pf/services/bad", '{"grpc": 7}') or "")
+    assert view.state().services["echo"].grpc == "echo" and "bad" not in view.state().services
+
+
 # -- what each kind of client is served -----------------------------------------------------------
 
 
@@ -88,9 +96,10 @@ def test_envoys_get_the_socket_listener_and_grpc_clients_an_api_listener_of_the_
     assert manager.rds.route_config_name == "web" and manager.rds.config_source.HasField("ads")
     assert [f.name for f in manager.http_filters] == ["envoy.filters.http.router"]
     assert manager.http_filters[0].typed_config.Is(router_pb2.Router.DESCRIPTOR)
-    # Clusters, endpoints and routes are the very same objects in both groups (built once).
+    # Clusters, endpoints and routes are the very same objects in both groups (built and hashed
+    # once; a response encoded for one group serves the other).
     for rtype in (CLUSTER, ENDPOINT, ROUTE):
-        assert envoy.get(rtype.url).resources["web"] is grpc.get(rtype.url).resources["web"]  # type: ignore[union-attr]
+        assert envoy.get(rtype.url) is grpc.get(rtype.url)
 
 
 def test_grpc_endpoints_carry_a_locality_with_a_non_zero_weight() -> None:

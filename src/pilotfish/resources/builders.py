@@ -59,7 +59,7 @@ from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, Resour
 from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, length_delimited
 
 __all__ = ["ClientKind", "ResourceMemo", "build_api_listener", "build_assignment", "build_cluster",
-           "encode_services"]
+           "encode_for_kinds", "encode_services"]
 
 
 class ClientKind(enum.Enum):
@@ -271,18 +271,30 @@ def encode_services(
     memo: ResourceMemo | None = None,
     *,
     kind: ClientKind = ClientKind.ENVOY,
-    finish: bool = True,
 ) -> dict[ResourceType, list[Resource]]:
     """The encoded resources of every service, by type (the bytes protobuf would give the messages
     :func:`build_cluster`, :func:`build_assignment` and the listener/route builders make), for
-    clients of ``kind``. Every kind gets the same clusters, assignments and routes (the same
-    objects: the memo is shared); only listeners depend on the kind.
+    clients of ``kind``."""
+    return encode_for_kinds(specs, endpoints, memo, kinds=(kind,))[kind]
 
-    ``finish``: end the memo's build (:meth:`ResourceMemo.finish`); a caller building for several
-    kinds in one pass finishes once, after the last.
-    """
+
+def encode_for_kinds(
+    specs: Mapping[str, ServiceSpec],
+    endpoints: Mapping[str, Iterable[Endpoint]],
+    memo: ResourceMemo | None = None,
+    *,
+    kinds: Iterable[ClientKind] = (ClientKind.ENVOY,),
+) -> dict[ClientKind, dict[ResourceType, list[Resource]]]:
+    """:func:`encode_services` for several kinds of client in one pass over the services. Every
+    kind gets the very same lists of clusters, assignments and routes; only listeners differ."""
     memo = memo or ResourceMemo()
-    out: dict[ResourceType, list[Resource]] = {CLUSTER: [], ENDPOINT: [], LISTENER: [], ROUTE: []}
+    wanted = tuple(dict.fromkeys(kinds))
+    clusters: list[Resource] = []
+    assignments: list[Resource] = []
+    routes: list[Resource] = []
+    listeners: dict[ClientKind, list[Resource]] = {kind: [] for kind in wanted}
+    sockets, apis = listeners.get(ClientKind.ENVOY), listeners.get(ClientKind.GRPC)
+
     def cluster(spec: ServiceSpec) -> Resource:
         return Resource(CLUSTER, spec.name, encode_cluster(spec))
 
@@ -301,18 +313,19 @@ def encode_services(
     for name in sorted(specs):
         spec = specs[name]
         found = tuple(sorted(endpoints.get(name, ())))
-        out[CLUSTER].append(memo.get(("cluster", spec), cluster, spec))
-        out[ENDPOINT].append(memo.get(("endpoints", name, found), assignment, name, found))
-        if kind is ClientKind.ENVOY and spec.listen is not None:
-            out[LISTENER].append(memo.get(("listener", spec), listener, spec))
-        elif kind is ClientKind.GRPC and spec.grpc is not None:
-            out[LISTENER].append(memo.get(("api_listener", spec), api_listener, spec))
-        if spec.protocol == "http" and (spec.listen is not None or spec.grpc is not None):
+        clusters.append(memo.get(("cluster", spec), cluster, spec))
+        assignments.append(memo.get(("endpoints", name, found), assignment, name, found))
+        if spec.listen is None and spec.grpc is None:
+            continue
+        if sockets is not None and spec.listen is not None:
+            sockets.append(memo.get(("listener", spec), listener, spec))
+        if apis is not None and spec.grpc is not None:
+            apis.append(memo.get(("api_listener", spec), api_listener, spec))
+        if spec.protocol == "http":
             # Every kind gets the same routes (clients ask for routes by name, so one no listener
             # of theirs uses is never sent); the key holds what a route is made of, so a change
             # of listener settings keeps the route object.
-            key = ("route", spec.name, spec.timeout, spec.retries)
-            out[ROUTE].append(memo.get(key, route, spec))
-    if finish:
-        memo.finish()
-    return out
+            routes.append(memo.get(("route", spec.name, spec.timeout, spec.retries), route, spec))
+    memo.finish()
+    return {kind: {CLUSTER: clusters, ENDPOINT: assignments, LISTENER: listeners[kind], ROUTE: routes}
+            for kind in wanted}

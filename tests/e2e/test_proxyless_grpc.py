@@ -1,0 +1,74 @@
+"""Real proxyless gRPC clients, served from nothing but a ``services:`` entry.
+
+A service ``echo`` with ``grpc: true`` and two real gRPC backends is served by ``pilotfish serve``
+from a snapshot file; a real grpcio client (its own xDS resolver, configured by the bootstrap
+``pilotfish bootstrap --grpc`` prints) calls ``xds:///echo`` in a loop. The calls spread over both
+backends. Then one backend is removed following the rule deployments follow (remove it from the
+source, wait until the client no longer calls it, only then stop it): every new call goes to the
+other backend, and not one call fails.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from .processes import ControlPlane, GrpcBackend, GrpcClient, ProcessGroup, free_port, pilotfish, wait_until
+from .snapshot_file import write_services
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+SPREAD_CALLS = 200
+SETTLED = 100
+"""Consecutive calls to the remaining backend after which a removal counts as seen by the client."""
+
+
+def _after(client: GrpcClient, start: int, count: int) -> list[str] | None:
+    calls = client.calls()
+    return calls[start:start + count] if len(calls) >= start + count else None
+
+
+def test_calls_through_xds_spread_over_two_backends_and_follow_a_removal_without_a_failed_call(
+    processes: ProcessGroup, tmp_path: Path,
+) -> None:
+    a, b = GrpcBackend.start(processes, "a"), GrpcBackend.start(processes, "b")
+    snapshot = tmp_path / "services.yaml"
+    write_services(snapshot, {"echo": {"grpc": True, "endpoints": [a.address, b.address]}})
+    control = ControlPlane(processes, snapshot, free_port(), options=("--quiet-ms", "20"))
+    events = control.start()
+    bootstrap = tmp_path / "grpc-bootstrap.json"
+    bootstrap.write_text(pilotfish("bootstrap", "--grpc", "--node-id", "client-1", "--xds", control.address).stdout)
+    assert json.loads(bootstrap.read_text())["node"]["locality"] == {"region": "", "zone": ""}
+
+    client = GrpcClient.start(processes, "grpc-client", target="xds:///echo", bootstrap=bootstrap)
+    first = wait_until(lambda: _after(client, 0, SPREAD_CALLS), timeout=30, what=f"{SPREAD_CALLS} calls",
+                       details=lambda: client.process.output_tail() + "\n" + events.describe())
+    # The client joined the built-in gRPC group (its user agent says gRPC) and so was sent the
+    # API listener "echo", not a socket listener it would drop.
+    opened = events.find(lambda e: e["event"] == "stream_open" and e["node"] == "client-1")
+    assert opened is not None and opened["group"] == "grpc"
+    counts = Counter(first)
+    assert set(counts) == {"a", "b"}, counts
+    assert min(counts.values()) >= SPREAD_CALLS // 4, counts  # round robin: about half each
+
+    write_services(snapshot, {"echo": {"grpc": True, "endpoints": [a.address]}})
+    removed_at = len(client.calls())
+
+    def settled() -> int | None:
+        calls = client.calls()[removed_at:]
+        last_b = max((i for i, who in enumerate(calls) if who == "b"), default=-1)
+        return removed_at + last_b + 1 if len(calls) - (last_b + 1) >= SETTLED else None
+
+    moved_at = wait_until(settled, timeout=20, what=f"{SETTLED} calls in a row to backend a after removing b",
+                          details=lambda: "\n".join(client.calls()[-20:]) + "\n" + events.describe())
+    b.process.stop()
+    after = wait_until(lambda: _after(client, moved_at, 2 * SETTLED + SPREAD_CALLS), timeout=30,
+                       what="calls after stopping backend b")
+    assert set(after) == {"a"}, Counter(after)
+    calls = client.calls()
+    assert [c for c in calls if c.startswith("ERROR")] == [], "a call failed"
+    print(f"\n{len(calls)} calls; spread before the removal {dict(counts)}; "
+          f"{moved_at - removed_at} calls between the file change and the last call to b")
