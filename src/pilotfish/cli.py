@@ -125,11 +125,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="all: every request and response too; changes: only snapshots, NACKs, streams and "
                             "sources, for large fleets (default: %(default)s)")
     serve.add_argument("--node-group", type=_node_group, action="append", default=[],
-                       metavar="NAME[:KIND]=RULE",
+                       metavar="NAME[:KIND][@ZONE]=RULE",
                        help="clients whose node matches RULE (cluster:PATTERN, id:PATTERN, metadata:KEY=PATTERN, "
                             "agent:PATTERN, zone:PATTERN; '*': any characters but '/') are served the snapshot of "
                             "group NAME, of KIND envoy (socket listeners; the default) or grpc (API listeners for "
-                            "proxyless gRPC); repeatable, first match wins; then built in: gRPC clients to 'grpc', "
+                            "proxyless gRPC), in ZONE (they get only that zone's endpoints of zone_local "
+                            "services); repeatable, first match wins; then built in: gRPC clients to 'grpc', "
                             "others to 'default'")
     tls = serve.add_argument_group(
         "TLS", "serve xDS (and the registry API) over TLS; the files are reloaded when they change, without "

@@ -31,11 +31,11 @@ from envoy.config.listener.v3 import listener_pb2
 from google.protobuf.message import Message
 
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.resources import TYPES, ParsedDocument, ResourceType
-from pilotfish.resources.builders import ClientKind, ResourceMemo, encode_for_kinds
+from pilotfish.resources import TYPES, ParsedDocument, ResourceType, TypeUrl
+from pilotfish.resources.builders import ClientKind, ResourceMemo, encode_for_views
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
-from pilotfish.snapshot import Resource, Snapshot
+from pilotfish.snapshot import Resource, Snapshot, TypeSnapshot
 from pilotfish.validate import check_references, check_rules
 
 G = TypeVar("G", bound=Hashable)
@@ -51,6 +51,9 @@ class View:
     kind: ClientKind = ClientKind.ENVOY
     """Which listeners (and routes) its clients get: socket listeners for Envoys, API listeners
     for proxyless gRPC clients."""
+    zone: str = ""
+    """The zone its clients run in: of a service that asks for zone-local routing (``zone_local``)
+    they get only the endpoints in this zone, while it has any. "": every endpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,16 +171,17 @@ def build_snapshots(
     sources gave them, and on the union of what was built (a resource shared by several views is
     one object, checked once).
     """
-    views = list(dict.fromkeys(groups.values()))
-    kinds = list(dict.fromkeys(view.kind for view in views)) or [ClientKind.ENVOY]
-    built = encode_for_kinds(merged.services, merged.endpoints, memo, kinds=kinds)
-    first = built[kinds[0]]
-    union = {rtype: [r for kind in kinds for r in built[kind][rtype]] if rtype is LISTENER else first.get(rtype, [])
-             for rtype in TYPES}
+    views = list(dict.fromkeys(groups.values())) or [View()]
+    built = encode_for_views(merged.services, merged.endpoints, memo, views=[(v.kind, v.zone) for v in views])
+    union: dict[ResourceType, list[Resource]] = {}
+    for rtype in TYPES:
+        # Views share lists (and resources in them): each distinct one is checked once.
+        lists = {id(by_type[rtype]): by_type[rtype] for by_type in built.values() if rtype in by_type}
+        union[rtype] = list({id(r): r for found in lists.values() for r in found}.values())
     # The user's own resources, encoded once for every check and view, with their messages.
     raw = {t: [(Resource.of(t, m), m) for m in merged.resources.get(t, ())] for t in TYPES}
     problems = list(merged.problems)
-    problems.extend(_name_clashes(raw, built))
+    problems.extend(_name_clashes(raw, {kind: by_type for (kind, _), by_type in built.items()}))
     problems.extend(_api_listener_clashes(merged))
     problems.extend(_address_clashes(merged))
     problems.extend(check_references(
@@ -191,17 +195,19 @@ def build_snapshots(
     if problems:
         raise ConfigError(source, list(dict.fromkeys(problems)))
     snapshots: dict[View, Snapshot] = {}
+    shared: dict[tuple[ResourceType, ClientKind | None, int], TypeSnapshot] = {}
     for view in views:
-        if not snapshots:
-            snapshots[view] = Snapshot.build(_combined(raw, view, built[view.kind]), version=merged.version)
-            continue
-        combined = _combined(raw, view, built[view.kind], (LISTENER,))
-        # Only listeners differ between views: every other type is the first view's, the very same
-        # objects (hashed once, and a response memoized for one group serves every group).
-        shared = next(iter(snapshots.values()))
-        listeners = Snapshot.build({LISTENER: combined[LISTENER]}, version=merged.version).types[LISTENER.url]
-        snapshots[view] = Snapshot(MappingProxyType({**shared.types, LISTENER.url: listeners}),
-                                   explicit_version=merged.version)
+        by_type = built[view.kind, view.zone]
+        types: dict[TypeUrl, TypeSnapshot] = {}
+        for rtype in TYPES:
+            # Views that serve the same list (and, for listeners, the same raw ones) share one
+            # TypeSnapshot: hashed once, and a response encoded for one group serves every group.
+            key = (rtype, view.kind if rtype is LISTENER else None, id(by_type.get(rtype)))
+            if key not in shared:
+                combined = _combined(raw, view, by_type, (rtype,))
+                shared[key] = Snapshot.build(combined, version=merged.version).types[rtype.url]
+            types[rtype.url] = shared[key]
+        snapshots[view] = Snapshot(MappingProxyType(types), explicit_version=merged.version)
     return {group: snapshots[view] for group, view in groups.items()}
 
 

@@ -5,11 +5,13 @@ from a snapshot file; a real grpcio client (its own xDS resolver, configured by 
 ``pilotfish bootstrap --grpc`` prints) calls ``xds:///echo`` in a loop. The calls spread over both
 backends. Then one backend is removed following the rule deployments follow (remove it from the
 source, wait until the client no longer calls it, only then stop it): every new call goes to the
-other backend, and not one call fails.
+other backend, and not one call fails. And zone-local routing: of a service with
+``zone_local: true``, a client in a node group with a zone calls only that zone's backends.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -72,3 +74,33 @@ def test_calls_through_xds_spread_over_two_backends_and_follow_a_removal_without
     assert [c for c in calls if c.startswith("ERROR")] == [], "a call failed"
     print(f"\n{len(calls)} calls; spread before the removal {dict(counts)}; "
           f"{moved_at - removed_at} calls between the file change and the last call to b")
+
+
+def test_a_zone_group_calls_only_its_zones_backend_of_a_zone_local_service(
+    processes: ProcessGroup, tmp_path: Path,
+) -> None:
+    east, west = GrpcBackend.start(processes, "east"), GrpcBackend.start(processes, "west")
+    snapshot = tmp_path / "services.yaml"
+    write_services(snapshot, {"echo": {"grpc": True, "zone_local": True, "endpoints": [
+        {"address": "127.0.0.1", "port": east.port, "zone": "east"},
+        {"address": "127.0.0.1", "port": west.port, "zone": "west"}]}})
+    control = ControlPlane(processes, snapshot, free_port(),
+                           options=("--quiet-ms", "20", "--node-group", "east:grpc@east=zone:east"))
+    events = control.start()
+    clients = {}
+    for zone in ("east", "west"):
+        bootstrap = tmp_path / f"grpc-bootstrap-{zone}.json"
+        bootstrap.write_text(pilotfish("bootstrap", "--grpc", "--node-id", f"client-{zone}", "--zone", zone,
+                                       "--xds", control.address).stdout)
+        clients[zone] = GrpcClient.start(processes, f"grpc-client-{zone}", target="xds:///echo", bootstrap=bootstrap)
+    calls = {}
+    for zone, client in clients.items():
+        calls[zone] = wait_until(functools.partial(_after, client, 0, SPREAD_CALLS), timeout=30,
+                                 what=f"{SPREAD_CALLS} calls of the {zone} client",
+                                 details=functools.partial(client.process.output_tail))
+    # The east client's group has the zone east: only the east backend. No rule names west: that
+    # client is in the built-in gRPC group, which sees every endpoint.
+    assert Counter(calls["east"]) == {"east": SPREAD_CALLS}
+    assert set(calls["west"]) == {"east", "west"}, Counter(calls["west"])
+    groups = {e["node"]: e["group"] for e in events.read() if e["event"] == "stream_open"}
+    assert groups == {"client-east": "east", "client-west": "grpc"}

@@ -188,6 +188,52 @@ def test_the_guard_holds_every_group_when_one_would_lose_all_its_listeners() -> 
     assert not cache.snapshot(GRPC_GROUP).get(LISTENER.url).resources  # type: ignore[union-attr]
 
 
+# -- zone-local routing ---------------------------------------------------------------------------
+
+ZONED = {"zone_local": True, "grpc": True, "endpoints": [
+    {"address": "127.0.0.1", "port": 9001, "zone": "east"},
+    {"address": "127.0.0.1", "port": 9002, "zone": "east", "weight": 3},
+    {"address": "127.0.0.1", "port": 9003, "zone": "west"}]}
+
+
+def _ports(snapshot: Snapshot, name: str) -> dict[str, tuple[int, list[int]]]:
+    """Per locality zone: its weight and its endpoints' ports."""
+    assignment = snapshot.get(ENDPOINT.url).resources[name].message  # type: ignore[union-attr]
+    assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
+    return {group.locality.zone: (group.load_balancing_weight.value,
+                                  [e.endpoint.address.socket_address.port_value for e in group.lb_endpoints])
+            for group in assignment.endpoints}
+
+
+def test_a_zone_group_gets_only_its_zones_endpoints_of_a_zone_local_service() -> None:
+    state = _state({"web": ZONED, "plain": {**ZONED, "zone_local": False}})
+    groups = {"all": GRPC, "east": View(kind=ClientKind.GRPC, zone="east"), "north": View(zone="north")}
+    snapshots = build_snapshots(merge_states({"file": state}), "test", groups)
+    # Without a zone: every endpoint, one locality per zone, weighted by its endpoints' weights.
+    assert _ports(snapshots["all"], "web") == {"east": (4, [9001, 9002]), "west": (1, [9003])}
+    assert _ports(snapshots["east"], "web") == {"east": (4, [9001, 9002])}
+    # A service that does not ask for it, or a zone with none of its endpoints: every endpoint.
+    assert _ports(snapshots["east"], "plain") == _ports(snapshots["north"], "web") == _ports(snapshots["all"], "web")
+    every = snapshots["all"].get(ENDPOINT.url).resources  # type: ignore[union-attr]
+    assert snapshots["east"].get(ENDPOINT.url).resources["plain"] is every["plain"]  # type: ignore[union-attr]
+    # The gRPC views share their listeners; the Envoy view has none (no service has listen).
+    assert snapshots["all"].get(LISTENER.url) is snapshots["east"].get(LISTENER.url)
+    assert not snapshots["north"].get(LISTENER.url).resources  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("service", "where", "words"),
+    [
+        ({"zone_local": "yes"}, "services.web.zone_local", "true or false"),
+        ({"endpoints": [{"address": "127.0.0.1", "port": 1, "zone": "a/b"}]}, "services.web.endpoints[0].zone",
+         "zone name"),
+    ],
+)
+def test_bad_zone_settings_are_named(service: dict[str, object], where: str, words: str) -> None:
+    _, _, problems = parse_services({"web": service})
+    assert [p.where for p in problems] == [where] and words in problems[0].message, problems
+
+
 # -- group rules ----------------------------------------------------------------------------------
 
 
@@ -224,7 +270,9 @@ def test_the_first_matching_rule_picks_the_group_then_the_built_in_ones() -> Non
 @pytest.mark.parametrize(
     ("text", "words"),
     [
-        ("proxyless", "NAME[:KIND]=RULE"),
+        ("proxyless", "NAME[:KIND][@ZONE]=RULE"),
+        ("p@=id:x", "a zone uses"),
+        ("p@a b=id:x", "a zone uses"),
         ("a b=id:x", "group name"),
         ("p:udp=id:x", "envoy or grpc"),
         ("p=node:x", "cluster:PATTERN"),
@@ -237,7 +285,10 @@ def test_a_bad_rule_says_what_is_wrong(text: str, words: str) -> None:
         parse_node_group(text)
 
 
-def test_a_group_has_one_kind() -> None:
+def test_a_group_has_one_kind_and_zone() -> None:
+    assert parse_node_group("e:grpc@us-east-1=zone:us-east-*").view == View(kind=ClientKind.GRPC, zone="us-east-1")
+    with pytest.raises(ValueError, match="in zone 'a'"):
+        NodeGroups([parse_node_group("p@a=id:a"), parse_node_group("p@b=id:b")])
     with pytest.raises(ValueError, match="of kind envoy"):
         NodeGroups([parse_node_group("p=id:a"), parse_node_group("p:grpc=id:b")])
     with pytest.raises(ValueError, match="of kind grpc"):

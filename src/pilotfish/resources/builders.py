@@ -59,7 +59,7 @@ from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, Resour
 from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, length_delimited
 
 __all__ = ["ClientKind", "ResourceMemo", "build_api_listener", "build_assignment", "build_cluster",
-           "encode_for_kinds", "encode_services"]
+           "encode_for_views", "encode_services"]
 
 
 class ClientKind(enum.Enum):
@@ -139,8 +139,13 @@ def build_cluster(spec: ServiceSpec) -> cluster_pb2.Cluster:
 
 
 def build_assignment(name: str, endpoints: Iterable[Endpoint]) -> endpoint_pb2.ClusterLoadAssignment:
-    lb_endpoints = []
-    for endpoint in sorted(endpoints):
+    """Endpoints without a zone: one locality of weight 1. With zones: one locality per zone (in
+    zone order), weighted by the sum of its endpoints' weights, so that a client balancing across
+    localities first (gRPC does) still gives each endpoint its share."""
+    by_zone: dict[str, list[endpoint_components_pb2.LbEndpoint]] = {}
+    weights: dict[str, int] = {}
+    ordered = sorted(endpoints)
+    for endpoint in ordered:
         lb_endpoint = endpoint_components_pb2.LbEndpoint(
             endpoint=endpoint_components_pb2.Endpoint(address=_socket(endpoint.host, endpoint.port)),
             load_balancing_weight=wrappers_pb2.UInt32Value(value=endpoint.weight),
@@ -149,14 +154,18 @@ def build_assignment(name: str, endpoints: Iterable[Endpoint]) -> endpoint_pb2.C
             fields = struct_pb2.Struct()
             fields.update(dict(endpoint.metadata))
             lb_endpoint.metadata.filter_metadata["pilotfish"].CopyFrom(fields)
-        lb_endpoints.append(lb_endpoint)
+        by_zone.setdefault(endpoint.zone, []).append(lb_endpoint)
+        weights[endpoint.zone] = weights.get(endpoint.zone, 0) + endpoint.weight
+    if not any(e.zone for e in ordered):
+        weights = {"": 1}
     return endpoint_pb2.ClusterLoadAssignment(
         cluster_name=name,
         endpoints=[endpoint_components_pb2.LocalityLbEndpoints(
-            locality=base_pb2.Locality(),
-            lb_endpoints=lb_endpoints,
-            load_balancing_weight=wrappers_pb2.UInt32Value(value=1),
-        )],
+            locality=base_pb2.Locality(zone=zone),
+            lb_endpoints=by_zone[zone],
+            load_balancing_weight=wrappers_pb2.UInt32Value(value=weights[zone]),
+        ) for zone in sorted(by_zone)] if ordered else [endpoint_components_pb2.LocalityLbEndpoints(
+            locality=base_pb2.Locality(), load_balancing_weight=wrappers_pb2.UInt32Value(value=1))],
     )
 
 
@@ -234,7 +243,7 @@ def encode_cluster(spec: ServiceSpec) -> bytes:
 
 def encode_assignment(name: str, endpoints: Iterable[Endpoint]) -> bytes:
     ordered = sorted(endpoints)
-    if any(e.metadata for e in ordered):
+    if any(e.metadata or e.zone for e in ordered):
         encoded: bytes = build_assignment(name, ordered).SerializeToString(deterministic=True)
         return encoded
     return cluster_load_assignment(name, [lb_endpoint(e.host, e.port, e.weight) for e in ordered])
@@ -271,29 +280,38 @@ def encode_services(
     memo: ResourceMemo | None = None,
     *,
     kind: ClientKind = ClientKind.ENVOY,
+    zone: str = "",
 ) -> dict[ResourceType, list[Resource]]:
     """The encoded resources of every service, by type (the bytes protobuf would give the messages
     :func:`build_cluster`, :func:`build_assignment` and the listener/route builders make), for
-    clients of ``kind``."""
-    return encode_for_kinds(specs, endpoints, memo, kinds=(kind,))[kind]
+    clients of ``kind`` in ``zone`` ("": none)."""
+    return encode_for_views(specs, endpoints, memo, views=((kind, zone),))[kind, zone]
 
 
-def encode_for_kinds(
+ViewKey = tuple[ClientKind, str]
+"""What a node group is built: the kind of its clients, and their zone ("": none)."""
+
+
+def encode_for_views(
     specs: Mapping[str, ServiceSpec],
     endpoints: Mapping[str, Iterable[Endpoint]],
     memo: ResourceMemo | None = None,
     *,
-    kinds: Iterable[ClientKind] = (ClientKind.ENVOY,),
-) -> dict[ClientKind, dict[ResourceType, list[Resource]]]:
-    """:func:`encode_services` for several kinds of client in one pass over the services. Every
-    kind gets the very same lists of clusters, assignments and routes; only listeners differ."""
+    views: Iterable[ViewKey] = ((ClientKind.ENVOY, ""),),
+) -> dict[ViewKey, dict[ResourceType, list[Resource]]]:
+    """:func:`encode_services` for several views in one pass over the services. Views share the
+    very same lists where they do not differ: clusters and routes always; listeners between views
+    of one kind; assignments between views of one zone, and the assignment of a service that is
+    not ``zone_local`` (or has no endpoint in the zone) is the same object in every view."""
     memo = memo or ResourceMemo()
-    wanted = tuple(dict.fromkeys(kinds))
+    wanted = tuple(dict.fromkeys(views))
     clusters: list[Resource] = []
-    assignments: list[Resource] = []
     routes: list[Resource] = []
-    listeners: dict[ClientKind, list[Resource]] = {kind: [] for kind in wanted}
+    listeners: dict[ClientKind, list[Resource]] = {kind: [] for kind, _ in wanted}
+    assignments: dict[str, list[Resource]] = {zone: [] for _, zone in wanted}
     sockets, apis = listeners.get(ClientKind.ENVOY), listeners.get(ClientKind.GRPC)
+    zonal = [(zone, found) for zone, found in assignments.items() if zone]
+    everywhere = [found for zone, found in assignments.items() if not zone]
 
     def cluster(spec: ServiceSpec) -> Resource:
         return Resource(CLUSTER, spec.name, encode_cluster(spec))
@@ -314,7 +332,12 @@ def encode_for_kinds(
         spec = specs[name]
         found = tuple(sorted(endpoints.get(name, ())))
         clusters.append(memo.get(("cluster", spec), cluster, spec))
-        assignments.append(memo.get(("endpoints", name, found), assignment, name, found))
+        every = memo.get(("endpoints", name, found), assignment, name, found)
+        for out in everywhere:
+            out.append(every)
+        for zone, out in zonal:
+            local = tuple(e for e in found if e.zone == zone) if spec.zone_local else ()
+            out.append(memo.get(("endpoints", name, local), assignment, name, local) if local else every)
         if spec.listen is None and spec.grpc is None:
             continue
         if sockets is not None and spec.listen is not None:
@@ -327,5 +350,5 @@ def encode_for_kinds(
             # of listener settings keeps the route object.
             routes.append(memo.get(("route", spec.name, spec.timeout, spec.retries), route, spec))
     memo.finish()
-    return {kind: {CLUSTER: clusters, ENDPOINT: assignments, LISTENER: listeners[kind], ROUTE: routes}
-            for kind in wanted}
+    return {(kind, zone): {CLUSTER: clusters, ENDPOINT: assignments[zone], LISTENER: listeners[kind], ROUTE: routes}
+            for kind, zone in wanted}

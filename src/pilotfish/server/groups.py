@@ -5,8 +5,9 @@ what differs is the group's *kind* (:class:`~pilotfish.resources.builders.Client
 (``envoy``) get socket listeners, proxyless gRPC clients (``grpc``) get API listeners. A stream's
 group is chosen once, from the node of its first request, by the first rule that matches:
 
-``--node-group NAME[:KIND]=RULE`` (repeatable; KIND is ``envoy`` or ``grpc``, default ``envoy``)
-where RULE is one of
+``--node-group NAME[:KIND][@ZONE]=RULE`` (repeatable; KIND is ``envoy`` or ``grpc``, default
+``envoy``; ZONE: the group's clients run in that zone, and of a service with ``zone_local: true``
+they get only the endpoints in it, while it has any) where RULE is one of
 
 - ``cluster:PATTERN``: the node's ``cluster``;
 - ``id:PATTERN``: the node's ``id``;
@@ -34,6 +35,7 @@ from envoy.config.core.v3 import base_pb2
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup
 from pilotfish.desired import View
 from pilotfish.resources.builders import ClientKind
+from pilotfish.resources.services import MAX_ZONE, is_zone
 from pilotfish.server.authorize import compile_pattern
 
 __all__ = ["GRPC_GROUP", "NodeGroupRule", "NodeGroups", "parse_node_group"]
@@ -55,19 +57,30 @@ class NodeGroupRule:
     field: str
     pattern: str
     key: str = ""
+    zone: str = ""
+    """The zone of the group's clients ("": none)."""
+
+    @property
+    def view(self) -> View:
+        return View(kind=self.kind, zone=self.zone)
 
     def __str__(self) -> str:
         kind = "" if self.kind is ClientKind.ENVOY else f":{self.kind.value}"
+        zone = f"@{self.zone}" if self.zone else ""
         key = f"{self.key}=" if self.field == "metadata" else ""
-        return f"{self.group}{kind}={self.field}:{key}{self.pattern}"
+        return f"{self.group}{kind}{zone}={self.field}:{key}{self.pattern}"
 
 
 def parse_node_group(text: str) -> NodeGroupRule:
-    """``NAME[:KIND]=FIELD:PATTERN`` (``metadata:KEY=PATTERN``) -> a rule; ValueError saying what is wrong."""
-    example = "e.g. 'proxyless:grpc=cluster:payments-*' or 'east=metadata:zone=us-east-1'"
+    """``NAME[:KIND][@ZONE]=FIELD:PATTERN`` (``metadata:KEY=PATTERN``) -> a rule; ValueError saying
+    what is wrong."""
+    example = "e.g. 'proxyless:grpc=cluster:payments-*' or 'east@us-east-1=metadata:zone=us-east-1'"
     head, sep, rule = text.partition("=")
     if not sep or not head or not rule:
-        raise ValueError(f"{text!r} is not NAME[:KIND]=RULE ({example})")
+        raise ValueError(f"{text!r} is not NAME[:KIND][@ZONE]=RULE ({example})")
+    head, _, zone = head.partition("@")
+    if "@" in text.partition("=")[0] and (not zone or not is_zone(zone)):
+        raise ValueError(f"{text!r}: a zone uses letters, digits, '-', '_' and '.', at most {MAX_ZONE} of them")
     name, _, kind_text = head.partition(":")
     if not name or not all(c.isalnum() or c in "-_." for c in name):
         raise ValueError(f"{text!r}: a group name uses letters, digits, '-', '_' and '.' only")
@@ -85,7 +98,7 @@ def parse_node_group(text: str) -> NodeGroupRule:
             raise ValueError(f"{text!r}: a metadata rule is metadata:KEY=PATTERN ({example})")
     if not pattern:
         raise ValueError(f"{text!r}: the pattern is empty (use '*' for any value)")
-    return NodeGroupRule(NodeGroup(name), kind, field, pattern, key)
+    return NodeGroupRule(NodeGroup(name), kind, field, pattern, key, zone)
 
 
 def _value(node: base_pb2.Node, field: str, key: str) -> str | None:
@@ -109,16 +122,18 @@ class NodeGroups:
     def __init__(self, rules: Iterable[NodeGroupRule] = ()) -> None:
         built_in = NodeGroupRule(GRPC_GROUP, ClientKind.GRPC, "agent", _GRPC_AGENTS)
         self.rules = (*rules, built_in)
-        kinds: dict[NodeGroup, ClientKind] = {DEFAULT_GROUP: ClientKind.ENVOY}
+        views: dict[NodeGroup, View] = {DEFAULT_GROUP: View()}
         for rule in (built_in, *self.rules):
-            known = kinds.setdefault(rule.group, rule.kind)
-            if known is not rule.kind:
-                raise ValueError(f"--node-group {rule}: the group {rule.group} is of kind {known.value} "
+            known = views.setdefault(rule.group, rule.view)
+            if known.kind is not rule.kind:
+                raise ValueError(f"--node-group {rule}: the group {rule.group} is of kind {known.kind.value} "
                                  f"(by an earlier rule or built in), not {rule.kind.value}")
-        if len(kinds) > MAX_GROUPS:
-            raise ValueError(f"--node-group: {len(kinds)} groups, more than the {MAX_GROUPS} a server builds")
-        self.kinds = kinds
-        """Every group (the built-in ones too) and its kind."""
+            if known.zone != rule.zone:
+                raise ValueError(f"--node-group {rule}: the group {rule.group} is in zone {known.zone!r} "
+                                 f"(by an earlier rule or built in), not {rule.zone!r}")
+        if len(views) > MAX_GROUPS:
+            raise ValueError(f"--node-group: {len(views)} groups, more than the {MAX_GROUPS} a server builds")
+        self._views = views
         self._compiled: list[tuple[NodeGroup, str, str, re.Pattern[str]]] = [
             (rule.group, rule.field, rule.key, compile_pattern(rule.pattern)) for rule in self.rules]
 
@@ -130,5 +145,5 @@ class NodeGroups:
         return DEFAULT_GROUP
 
     def views(self) -> dict[NodeGroup, View]:
-        """What each group is served, the default group first."""
-        return {group: View(kind=kind) for group, kind in self.kinds.items()}
+        """Every group (the built-in ones too, the default first) and what it is served."""
+        return dict(self._views)

@@ -108,6 +108,7 @@ class Instance:
             "port": self.endpoint.port,
             "weight": self.endpoint.weight,
             "metadata": dict(self.endpoint.metadata),
+            "zone": self.endpoint.zone,
             "ttl": self.ttl,
             "expires_in": None if self.expires is None else round(max(0.0, self.expires - now), 3),
         }
@@ -159,6 +160,7 @@ def _spec_fields(spec: ServiceSpec) -> dict[str, Any]:
             "path": spec.health_check.path, "interval": spec.health_check.interval,
             "timeout": spec.health_check.timeout},
         "grpc": spec.grpc,
+        "zone_local": spec.zone_local,
     }
 
 
