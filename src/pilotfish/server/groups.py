@@ -12,8 +12,8 @@ they get only the endpoints in it, while it has any) where RULE is one of
 - ``cluster:PATTERN``: the node's ``cluster``;
 - ``id:PATTERN``: the node's ``id``;
 - ``metadata:KEY=PATTERN``: the string value of the node's metadata field KEY;
-- ``agent:PATTERN``: the node's ``user_agent_name`` (Envoy says ``envoy``; gRPC libraries say
-  ``gRPC Python``, ``gRPC Go``, ``gRPC Java``, ``gRPC Node.js``...);
+- ``agent:PATTERN``: the node's ``user_agent_name`` (Envoy says ``envoy``; grpcio ``gRPC C-core
+  linux Python``; the other gRPC libraries ``gRPC ...`` too);
 - ``zone:PATTERN``: the node's locality zone.
 
 In a PATTERN ``*`` stands for any run of characters except ``/`` (as in ``--authorize-node``), and
