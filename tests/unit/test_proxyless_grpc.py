@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -321,3 +322,8 @@ def test_the_grpc_bootstrap_over_tls_names_the_files() -> None:
     with pytest.raises(ValueError, match="server name"):
         grpc_bootstrap(BootstrapSettings(node_id="c", tls_ca="ca.pem", tls_server_name="x"))
 
+
+
+def test_the_example_file_validates(capsys: pytest.CaptureFixture[str]) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "proxyless-grpc.yaml"
+    assert main(["validate", str(example)]) == 0, capsys.readouterr().err
