@@ -217,6 +217,9 @@ def test_a_zone_group_gets_only_its_zones_endpoints_of_a_zone_local_service() ->
     assert _ports(snapshots["east"], "plain") == _ports(snapshots["north"], "web") == _ports(snapshots["all"], "web")
     every = snapshots["all"].get(ENDPOINT.url).resources  # type: ignore[union-attr]
     assert snapshots["east"].get(ENDPOINT.url).resources["plain"] is every["plain"]  # type: ignore[union-attr]
+    # Without a zone-local service, a zone's endpoints are the very ones of every other view.
+    plain = build_snapshots(merge_states({"file": _state({"plain": {**ZONED, "zone_local": False}})}), "test", groups)
+    assert plain["east"].get(ENDPOINT.url) is plain["all"].get(ENDPOINT.url)
     # The gRPC views share their listeners; the Envoy view has none (no service has listen).
     assert snapshots["all"].get(LISTENER.url) is snapshots["east"].get(LISTENER.url)
     assert not snapshots["north"].get(LISTENER.url).resources  # type: ignore[union-attr]

@@ -310,8 +310,8 @@ def encode_for_views(
     listeners: dict[ClientKind, list[Resource]] = {kind: [] for kind, _ in wanted}
     assignments: dict[str, list[Resource]] = {zone: [] for _, zone in wanted}
     sockets, apis = listeners.get(ClientKind.ENVOY), listeners.get(ClientKind.GRPC)
-    zonal = [(zone, found) for zone, found in assignments.items() if zone]
-    everywhere = [found for zone, found in assignments.items() if not zone]
+    zonal = [(zone, in_zone) for zone, in_zone in assignments.items() if zone]
+    every_list = assignments.setdefault("", [])
 
     def cluster(spec: ServiceSpec) -> Resource:
         return Resource(CLUSTER, spec.name, encode_cluster(spec))
@@ -333,11 +333,10 @@ def encode_for_views(
         found = tuple(sorted(endpoints.get(name, ())))
         clusters.append(memo.get(("cluster", spec), cluster, spec))
         every = memo.get(("endpoints", name, found), assignment, name, found)
-        for out in everywhere:
-            out.append(every)
-        for zone, out in zonal:
+        every_list.append(every)
+        for zone, in_zone in zonal:
             local = tuple(e for e in found if e.zone == zone) if spec.zone_local else ()
-            out.append(memo.get(("endpoints", name, local), assignment, name, local) if local else every)
+            in_zone.append(memo.get(("endpoints", name, local), assignment, name, local) if local else every)
         if spec.listen is None and spec.grpc is None:
             continue
         if sockets is not None and spec.listen is not None:
@@ -350,5 +349,8 @@ def encode_for_views(
             # of listener settings keeps the route object.
             routes.append(memo.get(("route", spec.name, spec.timeout, spec.retries), route, spec))
     memo.finish()
+    for zone, in_zone in zonal:
+        if all(a is b for a, b in zip(in_zone, every_list, strict=True)):
+            assignments[zone] = every_list  # nothing zone-local in this zone: the same list, shared
     return {(kind, zone): {CLUSTER: clusters, ENDPOINT: assignments[zone], LISTENER: listeners[kind], ROUTE: routes}
             for kind, zone in wanted}
