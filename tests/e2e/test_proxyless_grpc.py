@@ -6,7 +6,9 @@ from a snapshot file; a real grpcio client (its own xDS resolver, configured by 
 backends. Then one backend is removed following the rule deployments follow (remove it from the
 source, wait until the client no longer calls it, only then stop it): every new call goes to the
 other backend, and not one call fails. And zone-local routing: of a service with
-``zone_local: true``, a client in a node group with a zone calls only that zone's backends.
+``zone_local: true``, a client in a node group with a zone calls only that zone's backends. And
+one service with both ``listen`` and ``grpc``: a real Envoy proxies gRPC on its socket listener
+while a proxyless client resolves the API listener of the same name.
 """
 
 from __future__ import annotations
@@ -18,7 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from .processes import ControlPlane, GrpcBackend, GrpcClient, ProcessGroup, free_port, pilotfish, wait_until
+from .processes import (
+    ControlPlane,
+    Envoy,
+    GrpcBackend,
+    GrpcClient,
+    ProcessGroup,
+    free_port,
+    pilotfish,
+    port_accepts,
+    wait_until,
+)
 from .snapshot_file import write_services
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -104,3 +116,35 @@ def test_a_zone_group_calls_only_its_zones_backend_of_a_zone_local_service(
     assert set(calls["west"]) == {"east", "west"}, Counter(calls["west"])
     groups = {e["node"]: e["group"] for e in events.read() if e["event"] == "stream_open"}
     assert groups == {"client-east": "east", "client-west": "grpc"}
+
+
+def test_one_service_serves_an_envoy_its_socket_listener_and_grpc_clients_its_api_listener(
+    processes: ProcessGroup, tmp_path: Path,
+) -> None:
+    # The clash of the issue: a client resolving xds:///web used to be sent the socket listener
+    # "web" and drop it. Now the Envoy and the gRPC client are in different node groups, each
+    # sent the listener "web" it can use, from one services entry.
+    a, b = GrpcBackend.start(processes, "a"), GrpcBackend.start(processes, "b")
+    listen = free_port()
+    snapshot = tmp_path / "services.yaml"
+    write_services(snapshot, {"web": {"listen": f"127.0.0.1:{listen}", "grpc": True, "upstream_protocol": "http2",
+                                      "endpoints": [a.address, b.address]}})
+    control = ControlPlane(processes, snapshot, free_port(), options=("--quiet-ms", "20"))
+    events = control.start()
+    envoy = Envoy.start(processes, name="envoy", node_id="edge-1", xds_address=control.address)
+    wait_until(lambda: port_accepts(listen), timeout=20, what=f"Envoy's listener web on port {listen}",
+               details=envoy.log_tail)
+    bootstrap = tmp_path / "grpc-bootstrap.json"
+    bootstrap.write_text(pilotfish("bootstrap", "--grpc", "--node-id", "client-1", "--xds", control.address).stdout)
+    clients = {
+        "proxyless": GrpcClient.start(processes, "proxyless", target="xds:///web", bootstrap=bootstrap),
+        "via-envoy": GrpcClient.start(processes, "via-envoy", target=f"ipv4:127.0.0.1:{listen}", bootstrap=bootstrap),
+    }
+    for name, client in clients.items():
+        calls = wait_until(functools.partial(_after, client, 0, SPREAD_CALLS), timeout=30,
+                           what=f"{SPREAD_CALLS} calls of the {name} client",
+                           details=functools.partial(client.process.output_tail))
+        assert set(calls) == {"a", "b"}, (name, Counter(calls))
+    groups = {e["node"]: e["group"] for e in events.read() if e["event"] == "stream_open"}
+    assert groups == {"edge-1": "default", "client-1": "grpc"}
+    assert "web::127.0.0.1:" in envoy.admin("/listeners")  # Envoy's listener keeps the service's name
