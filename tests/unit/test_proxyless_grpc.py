@@ -24,7 +24,7 @@ from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.resources.builders import ClientKind, ResourceMemo
 from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import parse_services
-from pilotfish.server.groups import GRPC_GROUP, NodeGroups, parse_node_group
+from pilotfish.server.groups import GRPC_GROUP, MAX_GROUPS, NodeGroups, parse_node_group
 from pilotfish.snapshot import Snapshot
 from pilotfish.sources.etcd import EtcdView
 
@@ -231,6 +231,8 @@ def test_a_zone_group_gets_only_its_zones_endpoints_of_a_zone_local_service() ->
         ({"zone_local": "yes"}, "services.web.zone_local", "true or false"),
         ({"endpoints": [{"address": "127.0.0.1", "port": 1, "zone": "a/b"}]}, "services.web.endpoints[0].zone",
          "zone name"),
+        ({"endpoints": [{"address": "127.0.0.1", "port": 1, "zone": "z" * 129}]}, "services.web.endpoints[0].zone",
+         "at most 128"),
     ],
 )
 def test_bad_zone_settings_are_named(service: dict[str, object], where: str, words: str) -> None:
@@ -297,6 +299,13 @@ def test_a_group_has_one_kind_and_zone() -> None:
         NodeGroups([parse_node_group("p=id:a"), parse_node_group("p:grpc=id:b")])
     with pytest.raises(ValueError, match="of kind grpc"):
         NodeGroups([parse_node_group("grpc=id:a")])  # the built-in group is of kind grpc
+
+
+def test_the_number_of_groups_is_bounded() -> None:
+    # Each group is one more snapshot per build: a limit, with the two built-in groups counted.
+    NodeGroups([parse_node_group(f"g{i}=id:n{i}") for i in range(MAX_GROUPS - 2)])
+    with pytest.raises(ValueError, match=f"more than the {MAX_GROUPS}"):
+        NodeGroups([parse_node_group(f"g{i}=id:n{i}") for i in range(MAX_GROUPS - 1)])
 
 
 def test_serve_refuses_a_bad_node_group_before_starting(capsys: pytest.CaptureFixture[str]) -> None:

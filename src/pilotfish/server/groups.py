@@ -38,7 +38,7 @@ from pilotfish.resources.builders import ClientKind
 from pilotfish.resources.services import MAX_ZONE, is_zone
 from pilotfish.server.authorize import compile_pattern
 
-__all__ = ["GRPC_GROUP", "NodeGroupRule", "NodeGroups", "parse_node_group"]
+__all__ = ["GRPC_GROUP", "MAX_GROUPS", "NodeGroupRule", "NodeGroups", "parse_node_group"]
 
 GRPC_GROUP = NodeGroup("grpc")
 """The built-in group of proxyless gRPC clients."""
