@@ -13,6 +13,8 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from google.protobuf import struct_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pilotfish.bootstrap import BootstrapSettings, grpc_bootstrap
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
@@ -24,6 +26,7 @@ from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.resources.builders import ClientKind, ResourceMemo
 from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import parse_services
+from pilotfish.server.authorize import compile_pattern, glob_match
 from pilotfish.server.groups import GRPC_GROUP, MAX_GROUPS, NodeGroups, parse_node_group
 from pilotfish.snapshot import Snapshot
 from pilotfish.sources.etcd import EtcdView
@@ -299,6 +302,21 @@ def test_a_group_has_one_kind_and_zone() -> None:
         NodeGroups([parse_node_group("p=id:a"), parse_node_group("p:grpc=id:b")])
     with pytest.raises(ValueError, match="of kind grpc"):
         NodeGroups([parse_node_group("grpc=id:a")])  # the built-in group is of kind grpc
+
+
+@pytest.mark.timeout(30)
+def test_a_long_node_value_against_a_pattern_of_many_stars_is_matched_at_once() -> None:
+    # As a regular expression, '*a*a*a*a*a*b' against 100 'a's backtracks for seconds, and a peer
+    # chooses its node id: 60,000 would not end within the timeout.
+    groups = NodeGroups([parse_node_group("slow=id:*a*a*a*a*a*b")])
+    assert groups.group_of(_node(id="a" * 60_000)) == DEFAULT_GROUP
+    assert groups.group_of(_node(id="a" * 60_000 + "b")) == "slow"
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text("ab/*", max_size=8), st.text("ab/", max_size=10))
+def test_glob_match_agrees_with_the_pattern_expression(pattern: str, value: str) -> None:
+    assert glob_match(pattern, value) == (compile_pattern(pattern).fullmatch(value) is not None)
 
 
 def test_the_number_of_groups_is_bounded() -> None:

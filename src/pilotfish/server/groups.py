@@ -17,7 +17,8 @@ they get only the endpoints in it, while it has any) where RULE is one of
 - ``zone:PATTERN``: the node's locality zone.
 
 In a PATTERN ``*`` stands for any run of characters except ``/`` (as in ``--authorize-node``), and
-everything else for itself; the whole value must match. After the operator's rules come two
+everything else for itself; the whole value must match (:func:`~pilotfish.server.authorize.glob_match`:
+time linear in the value's length, which the peer chooses). After the operator's rules come two
 built-in ones: a node whose ``user_agent_name`` starts with ``gRPC`` joins the group ``grpc``
 (kind grpc), so a proxyless client resolving ``xds:///NAME`` finds the API listener NAME with no
 configuration; every other node joins ``default`` (kind envoy), which is what every node got
@@ -26,7 +27,6 @@ before groups existed. A rule may name ``default`` or ``grpc`` to send other nod
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -36,7 +36,7 @@ from pilotfish.cache import DEFAULT_GROUP, NodeGroup
 from pilotfish.desired import View
 from pilotfish.resources.builders import ClientKind
 from pilotfish.resources.services import MAX_ZONE, is_zone
-from pilotfish.server.authorize import compile_pattern
+from pilotfish.server.authorize import glob_match
 
 __all__ = ["GRPC_GROUP", "MAX_GROUPS", "NodeGroupRule", "NodeGroups", "parse_node_group"]
 
@@ -46,6 +46,7 @@ _GRPC_AGENTS = "gRPC*"
 _FIELDS = ("cluster", "id", "metadata", "agent", "zone")
 MAX_GROUPS = 64
 """Node groups a server accepts: each is one more snapshot per build."""
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +135,12 @@ class NodeGroups:
         if len(views) > MAX_GROUPS:
             raise ValueError(f"--node-group: {len(views)} groups, more than the {MAX_GROUPS} a server builds")
         self._views = views
-        self._compiled: list[tuple[NodeGroup, str, str, re.Pattern[str]]] = [
-            (rule.group, rule.field, rule.key, compile_pattern(rule.pattern)) for rule in self.rules]
+        self._matchers = [(rule.group, rule.field, rule.key, rule.pattern) for rule in self.rules]
 
     def group_of(self, node: base_pb2.Node) -> NodeGroup:
-        for group, field, key, pattern in self._compiled:
+        for group, field, key, pattern in self._matchers:
             value = _value(node, field, key)
-            if value is not None and pattern.fullmatch(value) is not None:
+            if value is not None and glob_match(pattern, value):
                 return group
         return DEFAULT_GROUP
 
