@@ -1,14 +1,16 @@
 """Real proxyless gRPC clients, served from nothing but a ``services:`` entry.
 
 A service ``echo`` with ``grpc: true`` and two real gRPC backends is served by ``pilotfish serve``
-from a snapshot file; a real grpcio client (its own xDS resolver, configured by the bootstrap
-``pilotfish bootstrap --grpc`` prints) calls ``xds:///echo`` in a loop. The calls spread over both
-backends. Then one backend is removed following the rule deployments follow (remove it from the
-source, wait until the client no longer calls it, only then stop it): every new call goes to the
-other backend, and not one call fails. And zone-local routing: of a service with
-``zone_local: true``, a client in a node group with a zone calls only that zone's backends. And
-one service with both ``listen`` and ``grpc``: a real Envoy proxies gRPC on its socket listener
-while a proxyless client resolves the API listener of the same name.
+from a snapshot file (or defined and registered through the registry API); a real grpcio client
+(its own xDS resolver, configured by the bootstrap ``pilotfish bootstrap --grpc`` prints) calls
+``xds:///echo`` in a loop. The calls spread over both backends. Then one backend is removed
+following the rule deployments follow (remove it from the source, wait until the client no longer
+calls it, only then stop it): every new call goes to the other backend, and not one call fails.
+
+Zone-local routing: of a service with ``zone_local: true``, a client in a node group with a zone
+calls only that zone's backends. And one service with both ``listen`` and ``grpc``: a real Envoy
+proxies gRPC on its socket listener while a proxyless client resolves the API listener of the
+same name.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .processes import (
     port_accepts,
     wait_until,
 )
+from .registry_client import RegistryClient
 from .snapshot_file import write_services
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -45,14 +48,22 @@ def _after(client: GrpcClient, start: int, count: int) -> list[str] | None:
     return calls[start:start + count] if len(calls) >= start + count else None
 
 
+@pytest.mark.parametrize("source", ["file", "registry"])
 def test_calls_through_xds_spread_over_two_backends_and_follow_a_removal_without_a_failed_call(
-    processes: ProcessGroup, tmp_path: Path,
+    processes: ProcessGroup, tmp_path: Path, source: str,
 ) -> None:
     a, b = GrpcBackend.start(processes, "a"), GrpcBackend.start(processes, "b")
-    snapshot = tmp_path / "services.yaml"
-    write_services(snapshot, {"echo": {"grpc": True, "endpoints": [a.address, b.address]}})
-    control = ControlPlane(processes, snapshot, free_port(), options=("--quiet-ms", "20"))
-    events = control.start()
+    snapshot = tmp_path / "services.yaml"  # the file source's
+    if source == "file":
+        write_services(snapshot, {"echo": {"grpc": True, "endpoints": [a.address, b.address]}})
+        control = ControlPlane(processes, snapshot, free_port(), options=("--quiet-ms", "20"))
+        events = control.start()
+    else:
+        control = ControlPlane(processes, None, free_port(), registry_port=free_port(), options=("--quiet-ms", "20"))
+        events = control.start()
+        registry = RegistryClient(control.registry_url)
+        registry.define("echo", grpc=True)
+        ids = {backend.name: registry.register("echo", "127.0.0.1", backend.port) for backend in (a, b)}
     bootstrap = tmp_path / "grpc-bootstrap.json"
     bootstrap.write_text(pilotfish("bootstrap", "--grpc", "--node-id", "client-1", "--xds", control.address).stdout)
     assert json.loads(bootstrap.read_text())["node"]["locality"] == {"region": "", "zone": ""}
@@ -68,8 +79,11 @@ def test_calls_through_xds_spread_over_two_backends_and_follow_a_removal_without
     assert set(counts) == {"a", "b"}, counts
     assert min(counts.values()) >= SPREAD_CALLS // 4, counts  # round robin: about half each
 
-    write_services(snapshot, {"echo": {"grpc": True, "endpoints": [a.address]}})
     removed_at = len(client.calls())
+    if source == "file":
+        write_services(snapshot, {"echo": {"grpc": True, "endpoints": [a.address]}})
+    else:
+        registry.deregister("echo", ids["b"])
 
     def settled() -> int | None:
         calls = client.calls()[removed_at:]
@@ -84,8 +98,8 @@ def test_calls_through_xds_spread_over_two_backends_and_follow_a_removal_without
     assert set(after) == {"a"}, Counter(after)
     calls = client.calls()
     assert [c for c in calls if c.startswith("ERROR")] == [], "a call failed"
-    print(f"\n{len(calls)} calls; spread before the removal {dict(counts)}; "
-          f"{moved_at - removed_at} calls between the file change and the last call to b")
+    print(f"\n{source}: {len(calls)} calls; spread before the removal {dict(counts)}; "
+          f"{moved_at - removed_at} calls between the removal and the last call to b")
 
 
 def test_a_zone_group_calls_only_its_zones_backend_of_a_zone_local_service(
