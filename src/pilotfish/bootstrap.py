@@ -17,17 +17,23 @@ at start-up: restart (or hot-restart) Envoy to rotate them.
 With ``rest`` Envoy polls CDS and LDS over REST (``api_type: REST``, HTTP/1.1 + JSON) every
 ``refresh`` seconds instead of holding an ADS stream; the clusters and listeners it receives must
 point EDS and RDS at REST too (:func:`rest_config_source`), as ``ads: {}`` needs an ADS stream.
+
+:func:`grpc_bootstrap` is the same for a proxyless gRPC client (the JSON file ``GRPC_XDS_BOOTSTRAP``
+names, gRFC A27): the xDS server (``xds_v3``; insecure, or TLS with A65's certificate files), and
+the node with its locality (grpc-js insists on one; a node group may select on its zone).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-__all__ = ["BootstrapSettings", "bootstrap", "bootstrap_yaml", "rest_config_source", "split_address"]
+__all__ = ["BootstrapSettings", "bootstrap", "bootstrap_yaml", "grpc_bootstrap", "grpc_bootstrap_json",
+           "rest_config_source", "split_address"]
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -75,6 +81,10 @@ class BootstrapSettings:
     REST``) instead of ADS over gRPC; :attr:`xds` is then not used."""
     refresh: float = 1.0
     """With :attr:`rest`: seconds between polls (Envoy adds up to as much again of jitter)."""
+    region: str = ""
+    """The node's locality region (gRPC bootstraps)."""
+    zone: str = ""
+    """The node's locality zone (gRPC bootstraps; ``--node-group NAME=zone:PATTERN`` selects on it)."""
 
     def __post_init__(self) -> None:
         if self.rest is not None and self.delta:
@@ -213,3 +223,31 @@ def _rest_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
 
 def bootstrap_yaml(settings: BootstrapSettings) -> str:
     return yaml.safe_dump(bootstrap(settings), sort_keys=False)
+
+
+def grpc_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
+    """The gRPC xDS bootstrap (``GRPC_XDS_BOOTSTRAP``) as plain values. gRPC has no setting for a
+    TLS server name (it checks the host of ``xds``), so :attr:`BootstrapSettings.tls_server_name`
+    is refused here."""
+    if settings.tls_server_name is not None:
+        raise ValueError("a gRPC bootstrap cannot set the TLS server name: gRPC checks pilotfish's certificate "
+                         "against the host of --xds")
+    split_address(settings.xds)
+    creds: dict[str, Any] = {"type": "insecure"}
+    if settings.tls_ca is not None:
+        config = {"ca_certificate_file": settings.tls_ca}
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            config.update(certificate_file=settings.tls_cert, private_key_file=settings.tls_key)
+        creds = {"type": "tls", "config": config}
+    return {
+        "xds_servers": [{"server_uri": settings.xds, "channel_creds": [creds], "server_features": ["xds_v3"]}],
+        "node": {
+            "id": settings.node_id,
+            "cluster": settings.cluster,
+            "locality": {"region": settings.region, "zone": settings.zone},
+        },
+    }
+
+
+def grpc_bootstrap_json(settings: BootstrapSettings) -> str:
+    return json.dumps(grpc_bootstrap(settings), indent=2) + "\n"

@@ -10,12 +10,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pilotfish.bootstrap import BootstrapSettings, bootstrap_yaml, split_address
+from pilotfish.bootstrap import BootstrapSettings, bootstrap_yaml, grpc_bootstrap_json, split_address
 from pilotfish.errors import ConfigError
 
 if TYPE_CHECKING:
     from pilotfish.server.authorize import NodeRule
     from pilotfish.server.grants import SecretGrant
+    from pilotfish.server.groups import NodeGroupRule
 
 __all__ = ["main"]
 
@@ -72,6 +73,15 @@ def _grant(value: str) -> SecretGrant:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _node_group(value: str) -> NodeGroupRule:
+    from pilotfish.server.groups import parse_node_group
+
+    try:
+        return parse_node_group(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pilotfish", description="An Envoy control plane (xDS over gRPC).")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: every event)")
@@ -123,6 +133,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--event-log-level", choices=("all", "changes"), default="all",
                        help="all: every request and response too; changes: only snapshots, NACKs, streams and "
                             "sources, for large fleets (default: %(default)s)")
+    serve.add_argument("--node-group", type=_node_group, action="append", default=[],
+                       metavar="NAME[:KIND][@ZONE]=RULE",
+                       help="clients whose node matches RULE (cluster:PATTERN, id:PATTERN, metadata:KEY=PATTERN, "
+                            "agent:PATTERN, zone:PATTERN; '*': any characters but '/') are served the snapshot of "
+                            "group NAME, of KIND envoy (socket listeners; the default) or grpc (API listeners for "
+                            "proxyless gRPC), in ZONE (they get only that zone's endpoints of zone_local "
+                            "services); repeatable, first match wins; then built in: gRPC clients to 'grpc', "
+                            "others to 'default'")
     tls = serve.add_argument_group(
         "TLS", "serve xDS (and the registry API) over TLS; the files are reloaded when they change, without "
                "dropping open streams")
@@ -187,6 +205,11 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--refresh-ms", type=_positive_int, default=1000, metavar="MS",
                       help="with --rest: poll every MS milliseconds, plus up to as much again of jitter "
                            "(default: %(default)s)")
+    boot.add_argument("--grpc", action="store_true",
+                      help="print the JSON bootstrap of a proxyless gRPC client (GRPC_XDS_BOOTSTRAP) instead; it "
+                           "then resolves xds:///NAME to the services with 'grpc: true' (or 'grpc: NAME')")
+    boot.add_argument("--zone", default="", metavar="ZONE", help="--grpc: the node's locality zone")
+    boot.add_argument("--region", default="", metavar="REGION", help="--grpc: the node's locality region")
 
     token = commands.add_parser("token", help="make a registry API token, or hash one for --registry-tokens")
     token.add_argument("action", choices=("new", "hash"),
@@ -266,7 +289,8 @@ def _serve(args: argparse.Namespace) -> int:
                                  max_connections=args.max_connections,
                                  max_connections_per_address=args.max_connections_per_address,
                                  handshake_timeout=args.handshake_timeout_ms / 1000,
-                                 idle_timeout=args.idle_timeout_ms / 1000 if args.idle_timeout_ms else None))
+                                 idle_timeout=args.idle_timeout_ms / 1000 if args.idle_timeout_ms else None),
+                             node_groups=tuple(args.node_group))
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))
@@ -293,11 +317,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
                                          admin_port=args.admin_port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                                          tls_key=args.tls_key, tls_server_name=args.tls_server_name,
-                                         delta=args.delta, rest=args.rest, refresh=args.refresh_ms / 1000)
+                                         delta=args.delta, rest=args.rest, refresh=args.refresh_ms / 1000,
+                                         zone=args.zone, region=args.region)
+            if args.grpc and (args.delta or args.rest):
+                raise ValueError("--delta and --rest are for Envoy bootstraps; gRPC clients choose their xDS "
+                                 "variant themselves")
+            text = grpc_bootstrap_json(settings) if args.grpc else bootstrap_yaml(settings)
         except ValueError as exc:
             print(f"pilotfish bootstrap: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        sys.stdout.write(bootstrap_yaml(settings))
+        sys.stdout.write(text)
         return EXIT_OK
     if args.command == "serve":
         return _serve(args)

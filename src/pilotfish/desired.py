@@ -10,25 +10,50 @@ states of all sources and builds the snapshot, refusing anything ambiguous:
   traffic between them);
 - the cross-reference problems of :func:`pilotfish.validate.check_references`;
 - any resource breaking Envoy's own ``validate.rules`` (:func:`pilotfish.validate.check_rules`).
+
+Node groups (:func:`build_snapshots`): each group is served its own snapshot of the same merged
+state, seen through its :class:`View`. Envoys (``ClientKind.ENVOY``) get socket listeners, proxyless
+gRPC clients (``ClientKind.GRPC``) API listeners, both the same clusters and endpoints; raw listeners
+go to the kind they are for (one with an ``api_listener`` to gRPC clients, others to Envoys). All
+groups are built in one pass from one memo, so a resource common to several groups is encoded
+(and checked) once and is the same object in each; a problem in any group refuses the whole pass
+(the groups never serve different generations of the sources).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TypeVar
 
 from envoy.config.listener.v3 import listener_pb2
 from google.protobuf.message import Message
 
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.resources import TYPES, ParsedDocument, ResourceType
-from pilotfish.resources.builders import ResourceMemo, encode_services
+from pilotfish.resources import TYPES, ParsedDocument, ResourceType, TypeUrl
+from pilotfish.resources.builders import ClientKind, ResourceMemo, encode_for_views
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
-from pilotfish.snapshot import Resource, Snapshot
+from pilotfish.snapshot import Resource, Snapshot, TypeSnapshot
 from pilotfish.validate import check_references, check_rules
 
-__all__ = ["DesiredState", "Merged", "build_snapshot", "merge_states"]
+G = TypeVar("G", bound=Hashable)
+"""A node group's key."""
+
+__all__ = ["DesiredState", "Merged", "View", "build_snapshot", "build_snapshots", "merge_states"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class View:
+    """What one node group is served of the merged state."""
+
+    kind: ClientKind = ClientKind.ENVOY
+    """Which listeners (and routes) its clients get: socket listeners for Envoys, API listeners
+    for proxyless gRPC clients."""
+    zone: str = ""
+    """The zone its clients run in: of a service that asks for zone-local routing (``zone_local``)
+    they get only the endpoints in this zone, while it has any. "": every endpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,32 +141,133 @@ def _listen_address(listener: Message) -> str | None:
     return f"{socket.address}:{socket.port_value}" if socket.address else None
 
 
+def _is_api_listener(listener: Message) -> bool:
+    assert isinstance(listener, listener_pb2.Listener)
+    return bool(listener.HasField("api_listener"))
+
+
 def build_snapshot(
-    merged: Merged, source: str, *, memo: ResourceMemo | None = None, rules: bool = True
+    merged: Merged, source: str, *, memo: ResourceMemo | None = None, rules: bool = True, view: View | None = None,
 ) -> Snapshot:
     """Build the snapshot of merged desired state; raise :class:`ConfigError` naming every problem.
 
     ``memo`` carries encoded resources of unchanged services over from the previous build.
     ``rules``: check every resource, raw or built, against Envoy's ``validate.rules``
     (:func:`pilotfish.validate.check_rules`); off, such content goes out as it is (for Envoy to NACK).
+    ``view``: what the clients are served (default: Envoys).
     """
-    problems = list(merged.problems)
-    built = encode_services(merged.services, merged.endpoints, memo)
-    combined: dict[ResourceType, tuple[Resource, ...]] = {}
-    raw_encoded: dict[ResourceType, list[tuple[Resource, Message]]] = {}
-    for rtype in TYPES:
-        raw = tuple(Resource.of(rtype, m) for m in merged.resources.get(rtype, ()))
-        raw_encoded[rtype] = list(zip(raw, merged.resources.get(rtype, ()), strict=True))
-        raw_names = {r.name: i for i, r in enumerate(raw)}
-        ours = built.get(rtype, [])
-        for resource in ours:
-            if resource.name in raw_names:
-                problems.append(Problem(
-                    f"services.{resource.name}",
-                    f"its {rtype.key[:-1]} {resource.name!r} clashes with {rtype.key}[{raw_names[resource.name]}]; "
-                    "rename the service or the resource"))
-        combined[rtype] = (*raw, *(r for r in ours if r.name not in raw_names))
+    chosen = view or View()
+    return build_snapshots(merged, source, {chosen: chosen}, memo=memo, rules=rules)[chosen]
 
+
+def build_snapshots(
+    merged: Merged, source: str, groups: Mapping[G, View], *, memo: ResourceMemo | None = None,
+    rules: bool = True,
+) -> dict[G, Snapshot]:
+    """The snapshot of each group (by its :class:`View`), all from ``merged`` in one pass; raise
+    :class:`ConfigError` naming every problem. Groups with equal views share one snapshot.
+
+    Views differ only in their listeners, so the checks run once: on the raw resources as the
+    sources gave them, and on the union of what was built (a resource shared by several views is
+    one object, checked once).
+    """
+    views = list(dict.fromkeys(groups.values())) or [View()]
+    built = encode_for_views(merged.services, merged.endpoints, memo, views=[(v.kind, v.zone) for v in views])
+    union: dict[ResourceType, list[Resource]] = {}
+    for rtype in TYPES:
+        # Views share lists (and resources in them): each distinct one is checked once.
+        lists = {id(by_type[rtype]): by_type[rtype] for by_type in built.values() if rtype in by_type}
+        union[rtype] = list({id(r): r for found in lists.values() for r in found}.values())
+    # The user's own resources, encoded once for every check and view, with their messages.
+    raw = {t: [(Resource.of(t, m), m) for m in merged.resources.get(t, ())] for t in TYPES}
+    problems = list(merged.problems)
+    problems.extend(_name_clashes(raw, {kind: by_type for (kind, _), by_type in built.items()}))
+    problems.extend(_api_listener_clashes(merged))
+    problems.extend(_address_clashes(merged))
+    problems.extend(check_references(
+        merged.resources,
+        more_endpoints=(r.name for r in union[ENDPOINT]),
+        more_routes=(r.name for r in union[ROUTE]),
+        more_clusters=(r.name for r in union[CLUSTER]),
+    ))
+    if rules:
+        problems.extend(check_rules(raw, union))
+    if problems:
+        raise ConfigError(source, list(dict.fromkeys(problems)))
+    snapshots: dict[View, Snapshot] = {}
+    shared: dict[tuple[ResourceType, ClientKind | None, int], TypeSnapshot] = {}
+    for view in views:
+        by_type = built[view.kind, view.zone]
+        types: dict[TypeUrl, TypeSnapshot] = {}
+        for rtype in TYPES:
+            # Views that serve the same list (and, for listeners, the same raw ones) share one
+            # TypeSnapshot: hashed once, and a response encoded for one group serves every group.
+            key = (rtype, view.kind if rtype is LISTENER else None, id(by_type.get(rtype)))
+            if key not in shared:
+                combined = _combined(raw, view, by_type, (rtype,))
+                shared[key] = Snapshot.build(combined, version=merged.version).types[rtype.url]
+            types[rtype.url] = shared[key]
+        snapshots[view] = Snapshot(MappingProxyType(types), explicit_version=merged.version)
+    return {group: snapshots[view] for group, view in groups.items()}
+
+
+def _serves(view_kind: ClientKind, rtype: ResourceType, message: Message) -> bool:
+    """Whether clients of a kind are served a raw resource: listeners go to the kind they are for."""
+    return rtype is not LISTENER or _is_api_listener(message) == (view_kind is ClientKind.GRPC)
+
+
+_Raw = Mapping[ResourceType, list[tuple[Resource, Message]]]
+
+
+def _combined(
+    raw: _Raw, view: View, built: Mapping[ResourceType, list[Resource]], types: tuple[ResourceType, ...] = TYPES,
+) -> dict[ResourceType, tuple[Resource, ...]]:
+    combined: dict[ResourceType, tuple[Resource, ...]] = {}
+    for rtype in types:
+        served = tuple(r for r, m in raw.get(rtype, ()) if _serves(view.kind, rtype, m))
+        names = {r.name for r in served}
+        combined[rtype] = (*served, *(r for r in built.get(rtype, []) if r.name not in names))
+    return combined
+
+
+def _name_clashes(raw: _Raw, built: Mapping[ClientKind, Mapping[ResourceType, list[Resource]]]) -> list[Problem]:
+    """Built resources named as a raw resource served to the same clients (only listeners differ
+    between kinds: the other types are looked at once)."""
+    problems: list[Problem] = []
+    for number, (kind, by_type) in enumerate(built.items()):
+        for rtype in TYPES if number == 0 else (LISTENER,):
+            raw_names: dict[str, int] = {}
+            for index, (resource, message) in enumerate(raw.get(rtype, ())):
+                if _serves(kind, rtype, message):
+                    raw_names.setdefault(resource.name, index)
+            for resource in by_type.get(rtype, []):
+                if resource.name in raw_names:
+                    problems.append(Problem(
+                        f"services.{resource.name}",
+                        f"its {rtype.key[:-1]} {resource.name!r} clashes with "
+                        f"{rtype.key}[{raw_names[resource.name]}]; rename the service or the resource"))
+    return problems
+
+
+def _api_listener_clashes(merged: Merged) -> list[Problem]:
+    """Two services whose gRPC clients would resolve the same name."""
+    problems = []
+    owners: dict[str, str] = {}
+    for name in sorted(merged.services):
+        target = merged.services[name].grpc
+        if target is None:
+            continue
+        if target in owners:
+            problems.append(Problem(f"services.{name}.grpc", f"gRPC clients of services.{owners[target]} resolve "
+                                                             f"xds:///{target} already; give each its own name"))
+        else:
+            owners[target] = name
+    return problems
+
+
+def _address_clashes(merged: Merged) -> list[Problem]:
+    """Two listeners on one address (raw or built)."""
+    problems = []
     owners: dict[str, str] = {}
     for index, listener in enumerate(merged.resources.get(LISTENER, ())):
         address = _listen_address(listener)
@@ -157,15 +283,4 @@ def build_snapshot(
                                     f"{address} is already used by {owners[address]}; give each its own address"))
         else:
             owners[address] = f"services.{name}"
-
-    problems.extend(check_references(
-        merged.resources,
-        more_endpoints=(r.name for r in built.get(ENDPOINT, [])),
-        more_routes=(r.name for r in built.get(ROUTE, [])),
-        more_clusters=(r.name for r in built.get(CLUSTER, [])),
-    ))
-    if rules:
-        problems.extend(check_rules(raw_encoded, built))
-    if problems:
-        raise ConfigError(source, problems)
-    return Snapshot.build(combined, version=merged.version)
+    return problems

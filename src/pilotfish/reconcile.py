@@ -20,6 +20,10 @@ Sources report whole views of what they know (:meth:`Reconciler.update`). The re
    listener or every cluster, or more than a set share of a type's resources or of a service's
    endpoints at once, is held, reported loudly, and published only once the operator confirms
    (:meth:`Reconciler.confirm`) or a later change makes it harmless.
+6. **serves every node group** its own snapshot (:func:`pilotfish.desired.build_snapshots`), all
+   built in one pass from the same merged state: a group whose snapshot did not change is not
+   touched; a problem, or a held snapshot, in any group stops the whole pass, so groups never
+   serve different generations of the sources.
 
 The timing logic (:class:`Debouncer`, :class:`FlapDamper`) is pure: it takes ``now`` as an
 argument and never sleeps, so tests drive it with plain numbers.
@@ -38,7 +42,7 @@ from typing import NoReturn, Protocol
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
-from pilotfish.desired import DesiredState, Merged, build_snapshot, merge_states
+from pilotfish.desired import DesiredState, Merged, View, build_snapshots, merge_states
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, TYPES, type_by_key
@@ -245,11 +249,21 @@ def blast_radius(previous: Snapshot, new: Snapshot, previous_endpoints: dict[str
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """A snapshot the guard keeps from the proxies until the operator confirms it."""
+    """Snapshots the guard keeps from the proxies until the operator confirms them."""
 
-    snapshot: Snapshot
+    snapshots: Mapping[NodeGroup, Snapshot]
+    """The new snapshot of each group that changed."""
     reasons: tuple[str, ...]
     endpoints: dict[str, int]
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The default group's snapshot (else the first group's): the one logs name."""
+        return self.snapshots.get(DEFAULT_GROUP) or next(iter(self.snapshots.values()))
+
+    def same_content(self, snapshots: Mapping[NodeGroup, Snapshot]) -> bool:
+        return self.snapshots.keys() == snapshots.keys() and all(
+            held.same_content(snapshots[group]) for group, held in self.snapshots.items())
 
 
 def _endpoint_keys(merged: Merged) -> set[EndpointKey]:
@@ -266,7 +280,7 @@ class Reconciler:
         settings: DebounceSettings | None = None,
         clock: Clock | None = None,
         events: EventLog | None = None,
-        group: NodeGroup = DEFAULT_GROUP,
+        groups: Mapping[NodeGroup, View] | None = None,
         expect: Iterable[str] = (),
         guard: GuardSettings | None = None,
         confirm_hint: str = "",
@@ -288,7 +302,8 @@ class Reconciler:
         """The snapshot the blast-radius guard is holding back (None: nothing held)."""
         self._clock: Clock = clock or MonotonicClock()
         self._events = events or EventLog()
-        self._group = group
+        self._groups: dict[NodeGroup, View] = dict(groups or {DEFAULT_GROUP: View()})
+        """The node groups served, and what each is served (default: one group of Envoys)."""
         self._states: dict[str, DesiredState] = {}
         self._debouncer = Debouncer(quiet=self.settings.quiet, max_delay=self.settings.max_delay)
         self._damper = FlapDamper(flap_window=self.settings.flap_window, hold=self.settings.hold)
@@ -350,7 +365,7 @@ class Reconciler:
         self._events.emit("snapshot_confirmed", version=held.snapshot.label(), reasons=list(held.reasons))
         _log.warning("publishing snapshot %s as confirmed by the operator (%s)", held.snapshot.label(),
                      "; ".join(held.reasons))
-        self._publish(held.snapshot, held.endpoints)
+        self._publish(held.snapshots, held.endpoints)
         return held.snapshot
 
     def build_now(self) -> Snapshot | None:
@@ -416,31 +431,51 @@ class Reconciler:
         self.builds += 1
         merged = self._damped(merge_states(self._states))
         try:
-            snapshot = build_snapshot(merged, self._source_names(), memo=self._memo, rules=self._rules)
+            built = build_snapshots(merged, self._source_names(), self._groups, memo=self._memo, rules=self._rules)
         except ConfigError as exc:
             self._refuse(exc)
-        current = self.cache.snapshot(self._group)
-        same_version = current is not None and current.explicit_version == snapshot.explicit_version
-        if current is not None and same_version and current.same_content(snapshot):
-            self.last_error = None
-            self._release_hold("the sources are back to what is served")
-            self._events.emit("snapshot_unchanged", version=snapshot.label())
-            return None
-        if same_version and snapshot.explicit_version is not None:
-            # Proxies at that version would never be sent the new content: refuse, loudly.
-            self._refuse(ConfigError(self._source_names(), [Problem(
-                "version", f"the content changed but the version is still {snapshot.explicit_version!r}: "
-                           "set a new version, or remove it to version by content")]))
+        snapshots: dict[NodeGroup, Snapshot] = {group: built[group] for group in self._groups}
+        changed: dict[NodeGroup, Snapshot] = {}
+        for group, snapshot in snapshots.items():
+            current = self.cache.snapshot(group)
+            same_version = current is not None and current.explicit_version == snapshot.explicit_version
+            if current is not None and same_version and current.same_content(snapshot):
+                continue
+            if same_version and snapshot.explicit_version is not None:
+                # Proxies at that version would never be sent the new content: refuse, loudly.
+                self._refuse(ConfigError(self._source_names(), [Problem(
+                    "version", f"the content changed but the version is still {snapshot.explicit_version!r}: "
+                               "set a new version, or remove it to version by content")]))
+            changed[group] = snapshot
         self.last_error = None
+        first = next(iter(snapshots.values()))
+        if not changed:
+            self._release_hold("the sources are back to what is served")
+            self._events.emit("snapshot_unchanged", version=first.label())
+            return None
         endpoints = endpoint_counts(merged)
-        if current is not None and self.guard.enabled:
-            reasons, counts = blast_radius(current, snapshot, self._published_endpoints, endpoints, self.guard)
+        if self.guard.enabled:
+            reasons: list[str] = []
+            counts: dict[str, dict[str, int]] = {}
+            seen: set[str] = set()
+            # The default group first: a reason every group shares is said once, plainly.
+            for group in sorted(changed, key=lambda g: g != DEFAULT_GROUP):
+                current = self.cache.snapshot(group)
+                if current is None:
+                    continue
+                found, found_counts = blast_radius(current, changed[group], self._published_endpoints, endpoints,
+                                                   self.guard)
+                prefix = "" if group == DEFAULT_GROUP else f"node group {group}: "
+                reasons.extend(prefix + reason for reason in found if reason not in seen)
+                seen.update(found)
+                for what, count in found_counts.items():
+                    counts.setdefault(what, count)
             if reasons:
-                self._hold(snapshot, reasons, counts, endpoints)
+                self._hold(changed, reasons, counts, endpoints)
                 return None
         self._release_hold("a later change replaced it")
-        self._publish(snapshot, endpoints)
-        return snapshot
+        self._publish(changed, endpoints)
+        return snapshots.get(DEFAULT_GROUP, first)
 
     def _refuse(self, error: ConfigError) -> NoReturn:
         self.last_error = error
@@ -448,11 +483,12 @@ class Reconciler:
         _log.error("%s\nstill serving the last good snapshot", error.describe())
         raise error
 
-    def _hold(self, snapshot: Snapshot, reasons: list[str], counts: dict[str, dict[str, int]],
+    def _hold(self, snapshots: Mapping[NodeGroup, Snapshot], reasons: list[str], counts: dict[str, dict[str, int]],
               endpoints: dict[str, int]) -> None:
-        if self.held is not None and self.held.snapshot.same_content(snapshot):
+        if self.held is not None and self.held.same_content(snapshots):
             return  # already held and reported
-        self.held = Held(snapshot, tuple(reasons), endpoints)
+        self.held = Held(dict(snapshots), tuple(reasons), endpoints)
+        snapshot = self.held.snapshot
         self._events.emit("snapshot_held", version=snapshot.label(), reasons=reasons, counts=counts)
         hint = f"\nto publish it anyway: {self._confirm_hint}" if self._confirm_hint else ""
         _log.error("snapshot %s is HELD, not published: %s.\nstill serving the last good snapshot; if this is "
@@ -464,15 +500,21 @@ class Reconciler:
             _log.warning("held snapshot %s dropped: %s", self.held.snapshot.label(), why)
             self.held = None
 
-    def _publish(self, snapshot: Snapshot, endpoints: dict[str, int]) -> None:
+    def _publish(self, snapshots: Mapping[NodeGroup, Snapshot], endpoints: dict[str, int]) -> None:
+        """Hand each group's new snapshot to the cache; one ``snapshot_loaded`` event names the
+        default group's (else the first changed group's) snapshot and, with several groups, each
+        group's."""
         started = time.perf_counter()
-        answered = self.cache.set_snapshot(snapshot, self._group)
+        answered = sum(self.cache.set_snapshot(snapshot, group) for group, snapshot in snapshots.items())
         pushed_ms = round((time.perf_counter() - started) * 1000, 3)
         self._published_endpoints = endpoints
         self.published += 1
-        self._events.emit("snapshot_loaded", version=snapshot.label(), versions=snapshot.versions(),
-                          watches_answered=answered, push_ms=pushed_ms)
-        _log.info("snapshot %s published (%s)", snapshot.label(), snapshot.versions())
+        shown = self.cache.snapshot(DEFAULT_GROUP) or next(iter(snapshots.values()))
+        more = {"groups": {group: s.label() for group, s in snapshots.items()}} if len(self._groups) > 1 else {}
+        self._events.emit("snapshot_loaded", version=shown.label(), versions=shown.versions(),
+                          watches_answered=answered, push_ms=pushed_ms, **more)
+        _log.info("snapshot %s published (%s)%s", shown.label(), shown.versions(),
+                  f", node groups {', '.join(sorted(snapshots))}" if len(self._groups) > 1 else "")
 
     # -- checking a change before a source accepts it ------------------------------------------
 
@@ -517,7 +559,8 @@ class Reconciler:
     def _problems_with(self, source: str, state: DesiredState) -> list[Problem]:
         states = {**self._states, source: state}
         try:
-            build_snapshot(merge_states(states), ", ".join(sorted(states)), memo=self._memo, rules=self._rules)
+            build_snapshots(merge_states(states), ", ".join(sorted(states)), self._groups, memo=self._memo,
+                            rules=self._rules)
         except ConfigError as exc:
             return list(exc.problems)
         return []

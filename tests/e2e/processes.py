@@ -37,6 +37,8 @@ from .event_log import EventLog
 __all__ = [
     "ControlPlane",
     "Envoy",
+    "GrpcBackend",
+    "GrpcClient",
     "Process",
     "ProcessGroup",
     "Upstream",
@@ -50,6 +52,8 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parents[2]
 UPSTREAM_SCRIPT = Path(__file__).with_name("upstream.py")
+GRPC_BACKEND_SCRIPT = Path(__file__).with_name("grpc_backend.py")
+GRPC_CLIENT_SCRIPT = Path(__file__).with_name("grpc_client.py")
 SHM_DIR = Path("/dev/shm")
 
 T = TypeVar("T")
@@ -241,6 +245,55 @@ class Upstream:
             details=process.output_tail,
         )
         return cls(name, port, process)
+
+
+@dataclass
+class GrpcBackend:
+    """A tiny gRPC server answering ``/pilotfish.test.Echo/Who`` with its name (see grpc_backend.py)."""
+
+    name: str
+    port: int
+    process: Process
+
+    @classmethod
+    def start(cls, group: ProcessGroup, name: str, *, timeout: float = 10.0) -> GrpcBackend:
+        port = free_port()
+        argv = [sys.executable, str(GRPC_BACKEND_SCRIPT), "--port", str(port), "--name", name]
+        process = group.start(f"grpc-backend-{name}", argv)
+        wait_until(
+            lambda: port_accepts(port) or _raise_if_dead(process),
+            timeout=timeout,
+            what=f"gRPC backend {name} on port {port}",
+            details=process.output_tail,
+        )
+        return cls(name, port, process)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class GrpcClient:
+    """A real proxyless grpcio client calling ``target`` (``xds:///NAME``) in a loop, one line per
+    call in ``out`` (see grpc_client.py)."""
+
+    out: Path
+    process: Process
+
+    @classmethod
+    def start(cls, group: ProcessGroup, name: str, *, target: str, bootstrap: Path) -> GrpcClient:
+        out = group.workdir / f"{name}.calls"
+        env = {**os.environ, "GRPC_XDS_BOOTSTRAP": str(bootstrap)}
+        argv = [sys.executable, str(GRPC_CLIENT_SCRIPT), "--target", target, "--out", str(out)]
+        return cls(out, group.start(name, argv, env=env))
+
+    def calls(self) -> list[str]:
+        """Every call so far: the backend that answered, or ``ERROR ...``."""
+        if not self.process.alive():
+            pytest.fail(f"{self.process.name} exited\n{self.process.output_tail()}", pytrace=False)
+        text = self.out.read_text() if self.out.exists() else ""
+        return text.splitlines()[: text.count("\n")]  # whole lines only
 
 
 def _raise_if_dead(process: Process) -> bool:

@@ -1,7 +1,18 @@
 """Services -> Envoy resources, with production defaults.
 
 For each service: an EDS cluster and its ClusterLoadAssignment; with ``listen``, a listener
-(HTTP: connection manager using RDS plus a route configuration; TCP: tcp_proxy). Defaults, and why:
+(HTTP: connection manager using RDS plus a route configuration; TCP: tcp_proxy); with ``grpc``, an
+*API listener* for proxyless gRPC clients: a Listener named as the target a client resolves
+(``xds:///NAME``) with no address, only an ``api_listener`` holding an HTTP connection manager
+that uses RDS (the service's route configuration) and the router filter, which is what gRPC
+requires of it (gRFC A27).
+
+Which listeners a client gets depends on what it is (:class:`ClientKind`): an Envoy binds every
+listener it is sent and has no use for API listeners; a gRPC client asks for listeners by target
+name and drops one with an address. So the two kinds are served different listener sets (node
+groups, :mod:`pilotfish.desired`), and a service's socket listener keeps the service's name for
+Envoys (stat prefixes stay as they are) while its API listener takes the same name for gRPC
+clients: ``xds:///web`` finds the API listener, never the socket one. Defaults, and why:
 
 - ``ignore_health_on_host_removal``: an endpoint removed from EDS leaves at once, even when
   active health checks still pass it (Envoy otherwise keeps it until a check fails).
@@ -10,7 +21,8 @@ For each service: an EDS cluster and its ClusterLoadAssignment; with ``listen``,
   upstream may have acted on. Circuit-breaker thresholds are raised so retries are not capped at
   Envoy's default of 3 concurrent retries under load.
 - outlier detection: endpoints returning consecutive 5xx/gateway errors are ejected for a while.
-- one locality with ``load_balancing_weight`` 1: proxyless gRPC clients need a locality weight.
+- one locality with ``load_balancing_weight`` 1: proxyless gRPC clients need a non-zero locality
+  weight (without one their calls time out, and nothing is NACKed).
 
 Messages are built directly (no JSON round trip) and endpoints are sorted, so the same services
 always give the same bytes and so the same versions. :func:`encode_services` goes further for
@@ -22,6 +34,7 @@ encoded resources of unchanged services from one build to the next.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
@@ -29,7 +42,7 @@ from typing import Any
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
-from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.listener.v3 import api_listener_pb2, listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -45,7 +58,17 @@ from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, ResourceType
 from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, length_delimited
 
-__all__ = ["ResourceMemo", "build_assignment", "build_cluster", "encode_services"]
+__all__ = ["ClientKind", "ResourceMemo", "build_api_listener", "build_assignment", "build_cluster",
+           "encode_for_views", "encode_services"]
+
+
+class ClientKind(enum.Enum):
+    """What kind of xDS client a node group serves: which listeners (and routes) it is built."""
+
+    ENVOY = "envoy"
+    """Socket listeners of services with ``listen`` (and raw listeners with an address)."""
+    GRPC = "grpc"
+    """API listeners of services with ``grpc`` (and raw listeners with an ``api_listener``)."""
 
 _RETRY_ON = "connect-failure,refused-stream,reset-before-request"
 _HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -116,8 +139,13 @@ def build_cluster(spec: ServiceSpec) -> cluster_pb2.Cluster:
 
 
 def build_assignment(name: str, endpoints: Iterable[Endpoint]) -> endpoint_pb2.ClusterLoadAssignment:
-    lb_endpoints = []
-    for endpoint in sorted(endpoints):
+    """Endpoints without a zone: one locality of weight 1. With zones: one locality per zone (in
+    zone order), weighted by the sum of its endpoints' weights, so that a client balancing across
+    localities first (gRPC does) still gives each endpoint its share."""
+    by_zone: dict[str, list[endpoint_components_pb2.LbEndpoint]] = {}
+    weights: dict[str, int] = {}
+    ordered = sorted(endpoints)
+    for endpoint in ordered:
         lb_endpoint = endpoint_components_pb2.LbEndpoint(
             endpoint=endpoint_components_pb2.Endpoint(address=_socket(endpoint.host, endpoint.port)),
             load_balancing_weight=wrappers_pb2.UInt32Value(value=endpoint.weight),
@@ -126,14 +154,18 @@ def build_assignment(name: str, endpoints: Iterable[Endpoint]) -> endpoint_pb2.C
             fields = struct_pb2.Struct()
             fields.update(dict(endpoint.metadata))
             lb_endpoint.metadata.filter_metadata["pilotfish"].CopyFrom(fields)
-        lb_endpoints.append(lb_endpoint)
+        by_zone.setdefault(endpoint.zone, []).append(lb_endpoint)
+        weights[endpoint.zone] = weights.get(endpoint.zone, 0) + endpoint.weight
+    if not any(e.zone for e in ordered):
+        weights = {"": 1}
     return endpoint_pb2.ClusterLoadAssignment(
         cluster_name=name,
         endpoints=[endpoint_components_pb2.LocalityLbEndpoints(
-            locality=base_pb2.Locality(),
-            lb_endpoints=lb_endpoints,
-            load_balancing_weight=wrappers_pb2.UInt32Value(value=1),
-        )],
+            locality=base_pb2.Locality(zone=zone),
+            lb_endpoints=by_zone[zone],
+            load_balancing_weight=wrappers_pb2.UInt32Value(value=weights[zone]),
+        ) for zone in sorted(by_zone)] if ordered else [endpoint_components_pb2.LocalityLbEndpoints(
+            locality=base_pb2.Locality(), load_balancing_weight=wrappers_pb2.UInt32Value(value=1))],
     )
 
 
@@ -159,6 +191,24 @@ def _route_config(spec: ServiceSpec) -> route_pb2.RouteConfiguration:
     )
 
 
+def _connection_manager(spec: ServiceSpec) -> hcm_pb2.HttpConnectionManager:
+    return hcm_pb2.HttpConnectionManager(
+        stat_prefix=spec.name,
+        rds=hcm_pb2.Rds(route_config_name=spec.name, config_source=_ads()),
+        http_filters=[hcm_pb2.HttpFilter(name="envoy.filters.http.router",
+                                         typed_config=_packed(router_pb2.Router()))],
+    )
+
+
+def build_api_listener(spec: ServiceSpec) -> listener_pb2.Listener:
+    """The listener a proxyless gRPC client resolving ``xds:///{spec.grpc}`` needs."""
+    assert spec.grpc is not None
+    return listener_pb2.Listener(
+        name=spec.grpc,
+        api_listener=api_listener_pb2.ApiListener(api_listener=_packed(_connection_manager(spec))),
+    )
+
+
 def _listener(spec: ServiceSpec) -> listener_pb2.Listener:
     assert spec.listen is not None
     if spec.protocol == "tcp":
@@ -167,14 +217,8 @@ def _listener(spec: ServiceSpec) -> listener_pb2.Listener:
             typed_config=_packed(tcp_proxy_pb2.TcpProxy(stat_prefix=spec.name, cluster=spec.name)),
         )
     else:
-        manager = hcm_pb2.HttpConnectionManager(
-            stat_prefix=spec.name,
-            rds=hcm_pb2.Rds(route_config_name=spec.name, config_source=_ads()),
-            http_filters=[hcm_pb2.HttpFilter(name="envoy.filters.http.router",
-                                             typed_config=_packed(router_pb2.Router()))],
-        )
         network_filter = listener_components_pb2.Filter(
-            name="envoy.filters.network.http_connection_manager", typed_config=_packed(manager)
+            name="envoy.filters.network.http_connection_manager", typed_config=_packed(_connection_manager(spec))
         )
     return listener_pb2.Listener(
         name=spec.name,
@@ -192,12 +236,14 @@ def _cluster_template(settings: ServiceSpec) -> bytes:
 
 
 def encode_cluster(spec: ServiceSpec) -> bytes:
-    return length_delimited(1, spec.name.encode()) + _cluster_template(dataclasses.replace(spec, name=""))
+    # What does not shape the cluster (its listeners) is left out of the template's key.
+    settings = dataclasses.replace(spec, name="", listen=None, grpc=None)
+    return length_delimited(1, spec.name.encode()) + _cluster_template(settings)
 
 
 def encode_assignment(name: str, endpoints: Iterable[Endpoint]) -> bytes:
     ordered = sorted(endpoints)
-    if any(e.metadata for e in ordered):
+    if any(e.metadata or e.zone for e in ordered):
         encoded: bytes = build_assignment(name, ordered).SerializeToString(deterministic=True)
         return encoded
     return cluster_load_assignment(name, [lb_endpoint(e.host, e.port, e.weight) for e in ordered])
@@ -232,11 +278,41 @@ def encode_services(
     specs: Mapping[str, ServiceSpec],
     endpoints: Mapping[str, Iterable[Endpoint]],
     memo: ResourceMemo | None = None,
+    *,
+    kind: ClientKind = ClientKind.ENVOY,
+    zone: str = "",
 ) -> dict[ResourceType, list[Resource]]:
     """The encoded resources of every service, by type (the bytes protobuf would give the messages
-    :func:`build_cluster`, :func:`build_assignment` and the listener/route builders make)."""
+    :func:`build_cluster`, :func:`build_assignment` and the listener/route builders make), for
+    clients of ``kind`` in ``zone`` ("": none)."""
+    return encode_for_views(specs, endpoints, memo, views=((kind, zone),))[kind, zone]
+
+
+ViewKey = tuple[ClientKind, str]
+"""What a node group is built: the kind of its clients, and their zone ("": none)."""
+
+
+def encode_for_views(
+    specs: Mapping[str, ServiceSpec],
+    endpoints: Mapping[str, Iterable[Endpoint]],
+    memo: ResourceMemo | None = None,
+    *,
+    views: Iterable[ViewKey] = ((ClientKind.ENVOY, ""),),
+) -> dict[ViewKey, dict[ResourceType, list[Resource]]]:
+    """:func:`encode_services` for several views in one pass over the services. Views share the
+    very same lists where they do not differ: clusters and routes always; listeners between views
+    of one kind; assignments between views of one zone, and the assignment of a service that is
+    not ``zone_local`` (or has no endpoint in the zone) is the same object in every view."""
     memo = memo or ResourceMemo()
-    out: dict[ResourceType, list[Resource]] = {CLUSTER: [], ENDPOINT: [], LISTENER: [], ROUTE: []}
+    wanted = tuple(dict.fromkeys(views))
+    clusters: list[Resource] = []
+    routes: list[Resource] = []
+    listeners: dict[ClientKind, list[Resource]] = {kind: [] for kind, _ in wanted}
+    assignments: dict[str, list[Resource]] = {zone: [] for _, zone in wanted}
+    sockets, apis = listeners.get(ClientKind.ENVOY), listeners.get(ClientKind.GRPC)
+    zonal = [(zone, in_zone) for zone, in_zone in assignments.items() if zone]
+    every_list = assignments.setdefault("", [])
+
     def cluster(spec: ServiceSpec) -> Resource:
         return Resource(CLUSTER, spec.name, encode_cluster(spec))
 
@@ -246,17 +322,35 @@ def encode_services(
     def listener(spec: ServiceSpec) -> Resource:
         return Resource.of(LISTENER, _listener(spec))
 
+    def api_listener(spec: ServiceSpec) -> Resource:
+        return Resource.of(LISTENER, build_api_listener(spec))
+
     def route(spec: ServiceSpec) -> Resource:
         return Resource.of(ROUTE, _route_config(spec))
 
     for name in sorted(specs):
         spec = specs[name]
         found = tuple(sorted(endpoints.get(name, ())))
-        out[CLUSTER].append(memo.get(("cluster", spec), cluster, spec))
-        out[ENDPOINT].append(memo.get(("endpoints", name, found), assignment, name, found))
-        if spec.listen is not None:
-            out[LISTENER].append(memo.get(("listener", spec), listener, spec))
-            if spec.protocol == "http":
-                out[ROUTE].append(memo.get(("route", spec), route, spec))
+        clusters.append(memo.get(("cluster", spec), cluster, spec))
+        every = memo.get(("endpoints", name, found), assignment, name, found)
+        every_list.append(every)
+        for zone, in_zone in zonal:
+            local = tuple(e for e in found if e.zone == zone) if spec.zone_local else ()
+            in_zone.append(memo.get(("endpoints", name, local), assignment, name, local) if local else every)
+        if spec.listen is None and spec.grpc is None:
+            continue
+        if sockets is not None and spec.listen is not None:
+            sockets.append(memo.get(("listener", spec), listener, spec))
+        if apis is not None and spec.grpc is not None:
+            apis.append(memo.get(("api_listener", spec), api_listener, spec))
+        if spec.protocol == "http":
+            # Every kind gets the same routes (clients ask for routes by name, so one no listener
+            # of theirs uses is never sent); the key holds what a route is made of, so a change
+            # of listener settings keeps the route object.
+            routes.append(memo.get(("route", spec.name, spec.timeout, spec.retries), route, spec))
     memo.finish()
-    return out
+    for zone, in_zone in zonal:
+        if all(a is b for a, b in zip(in_zone, every_list, strict=True)):
+            assignments[zone] = every_list  # nothing zone-local in this zone: the same list, shared
+    return {(kind, zone): {CLUSTER: clusters, ENDPOINT: assignments[zone], LISTENER: listeners[kind], ROUTE: routes}
+            for kind, zone in wanted}

@@ -19,9 +19,11 @@ from typing import Any, NamedTuple
 from pilotfish.errors import Problem
 
 __all__ = [
+    "MAX_ZONE",
     "Endpoint",
     "HealthCheck",
     "ServiceSpec",
+    "is_zone",
     "parse_endpoint",
     "parse_service",
     "parse_services",
@@ -46,6 +48,8 @@ class Endpoint(NamedTuple):
     weight: int = 1
     metadata: tuple[tuple[str, str], ...] = ()
     """Sorted (key, value) pairs, published as Envoy endpoint metadata under ``pilotfish``."""
+    zone: str = ""
+    """The zone the endpoint runs in (its locality); "": none. See :attr:`ServiceSpec.zone_local`."""
 
     @property
     def address(self) -> str:
@@ -80,6 +84,12 @@ class ServiceSpec:
     upstream_protocol: str = "http1"
     """HTTP: how Envoy talks to the endpoints: ``http1`` or ``http2`` (h2c)."""
     health_check: HealthCheck | None = None
+    zone_local: bool = False
+    """Clients of a node group that has a zone get only the endpoints in that zone (all of them
+    while the zone has none, so the service stays reachable)."""
+    grpc: str | None = None
+    """The name proxyless gRPC clients resolve (``xds:///NAME``): an LDS listener of that name with
+    an ``api_listener`` is built for them; None: none (see :mod:`pilotfish.resources.builders`)."""
 
 
 def _where(prefix: str, key: str) -> str:
@@ -154,9 +164,9 @@ def parse_endpoint(value: Any, where: str, problems: list[Problem]) -> Endpoint 
         problems.append(Problem(where, f"expected HOST:PORT or a mapping with address and port, got {value!r}"))
         return None
     found = len(problems)
-    unknown = sorted(set(map(str, value)) - {"address", "port", "weight", "metadata"})
+    unknown = sorted(set(map(str, value)) - {"address", "port", "weight", "metadata", "zone"})
     if unknown:
-        expected = "address, port, weight, metadata"
+        expected = "address, port, weight, metadata, zone"
         problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; expected {expected}"))
     if "address" not in value:
         problems.append(Problem(_where(where, "address"), "is required"))
@@ -173,13 +183,42 @@ def parse_endpoint(value: Any, where: str, problems: list[Problem]) -> Endpoint 
         problems.append(Problem(_where(where, "metadata"), "expected a mapping of strings to strings"))
     else:
         metadata = tuple(sorted(metadata_value.items()))
+    zone = value.get("zone", "")
+    if not is_zone(zone):
+        problems.append(Problem(_where(where, "zone"), f"expected a zone name (letters, digits, '-', '_', '.', at most "
+                                                       f"{MAX_ZONE}), got {zone!r}"))
     if len(problems) > found or host is None or port is None or weight is None:
         return None
-    return Endpoint(host, port, weight, metadata)
+    return Endpoint(host, port, weight, metadata, zone)
+
+
+MAX_ZONE = 128
+"""The longest zone name accepted."""
+
+
+def is_zone(value: Any) -> bool:
+    """Whether ``value`` is a zone name ("" included: no zone)."""
+    return isinstance(value, str) and len(value) <= MAX_ZONE and all(c.isalnum() or c in "-_." for c in value)
 
 
 _SERVICE_FIELDS = ("listen", "protocol", "endpoints", "connect_timeout", "timeout", "retries",
-                   "upstream_protocol", "health_check")
+                   "upstream_protocol", "health_check", "grpc", "zone_local")
+MAX_NAME = 253
+"""The longest service or gRPC target name accepted (a DNS name's limit)."""
+
+
+def _grpc_target(value: Any, name: str, where: str, problems: list[Problem]) -> str | None:
+    """``grpc: true`` -> the service's own name; ``grpc: NAME`` -> NAME; false/null -> None."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return name
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME or not all(
+            c.isalnum() or c in "-_.:" for c in value):
+        problems.append(Problem(where, "expected true, false or the name gRPC clients resolve (xds:///NAME): "
+                                       f"letters, digits, '-', '_', '.' and ':', at most {MAX_NAME}, got {value!r}"))
+        return None
+    return value
 
 
 def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None, tuple[Endpoint, ...], list[Problem]]:
@@ -192,8 +231,9 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     unknown = sorted(set(map(str, value)) - set(_SERVICE_FIELDS))
     if unknown:
         problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; expected {', '.join(_SERVICE_FIELDS)}"))
-    if not name or not all(c.isalnum() or c in "-_." for c in name):
-        problems.append(Problem(where, "a service name uses letters, digits, '-', '_' and '.' only"))
+    if not name or len(name) > MAX_NAME or not all(c.isalnum() or c in "-_." for c in name):
+        problems.append(Problem(where, f"a service name uses letters, digits, '-', '_' and '.' only, at most "
+                                       f"{MAX_NAME} of them"))
     listen = None
     if value.get("listen") is not None:
         listen = _host_port(value["listen"], _where(where, "listen"), problems)
@@ -207,6 +247,13 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     connect_timeout = _seconds(value.get("connect_timeout", 1.0), _where(where, "connect_timeout"), problems)
     timeout = _seconds(value.get("timeout", 15.0), _where(where, "timeout"), problems, allow_zero=True)
     retries = _int(value.get("retries", 2), _where(where, "retries"), problems, 0, 10)
+    grpc = _grpc_target(value.get("grpc"), name, _where(where, "grpc"), problems)
+    if grpc is not None and protocol == "tcp":
+        problems.append(Problem(_where(where, "grpc"), "gRPC clients need protocol http (gRPC runs over HTTP/2), "
+                                                       "not tcp"))
+    zone_local = value.get("zone_local", False)
+    if not isinstance(zone_local, bool):
+        problems.append(Problem(_where(where, "zone_local"), f"expected true or false, got {zone_local!r}"))
     health = None
     if value.get("health_check") is not None:
         health = _health_check(value["health_check"], _where(where, "health_check"), problems)
@@ -230,7 +277,8 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     if problems or connect_timeout is None or timeout is None or retries is None:
         return None, (), problems
     spec = ServiceSpec(name=name, listen=listen, protocol=protocol, connect_timeout=connect_timeout,
-                       timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health)
+                       timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health, grpc=grpc,
+                       zone_local=zone_local is True)
     return spec, tuple(sorted(endpoints)), problems
 
 

@@ -5,7 +5,7 @@ GET      /v1/services                               every service with its insta
 PUT      /v1/services/{service}                     define a service: listen, protocol, settings
 GET      /v1/services/{service}                     one service
 DELETE   /v1/services/{service}                     forget a service and its instances
-POST     /v1/services/{service}/instances           register: address, port, weight?, metadata?, ttl?
+POST     /v1/services/{service}/instances           register: address, port, weight?, metadata?, zone?, ttl?
 PUT      /v1/services/{service}/instances/{id}/heartbeat  keep a TTL instance alive
 DELETE   /v1/services/{service}/instances/{id}      deregister (id is ``address:port``)
 GET      /v1/self-preservation                      whether TTL expiry is paused, and why

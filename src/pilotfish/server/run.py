@@ -25,6 +25,7 @@ from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.resources import SECRET
 from pilotfish.server.authorize import NodeAuthorizer, NodeRule
 from pilotfish.server.grants import SecretGrant, SecretGrants, Subject
+from pilotfish.server.groups import NodeGroupRule, NodeGroups
 from pilotfish.server.grpc_server import ConnectionLimits
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
@@ -98,6 +99,9 @@ class ServeSettings:
     secret_grants: tuple[SecretGrant, ...] = ()
     """Which proxies may receive which SDS secrets (``identity:`` grants need :attr:`client_ca`);
     empty: no proxy receives any secret (see :mod:`pilotfish.server.grants`)."""
+    node_groups: tuple[NodeGroupRule, ...] = ()
+    """Which node group a client joins (first match; see :mod:`pilotfish.server.groups`); after them
+    the built-in rules: gRPC clients to ``grpc``, everyone else to ``default``."""
 
     xds_limits: XdsLimits = field(default_factory=XdsLimits)
     """What one xDS request may carry (names, node size) and how much of it a stream keeps."""
@@ -127,10 +131,14 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     raise_descriptor_limit()
     events = EventLog(settings.event_log, level=settings.event_log_level)
     cache = SnapshotCache()
+    try:
+        groups = NodeGroups(settings.node_groups)
+    except ValueError as exc:
+        raise ConfigError("--node-group", [Problem("", str(exc))]) from None
     expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
     reconciler = Reconciler(cache, settings=settings.debounce, events=events, expect=expected,
                             guard=settings.guard, confirm_hint=f"kill -USR1 {os.getpid()}",
-                            rules=settings.validate, labels=_source_labels(settings))
+                            rules=settings.validate, labels=_source_labels(settings), groups=groups.views())
     tasks: list[asyncio.Task[None]] = []
     cleanups: list[Callable[[], Awaitable[None]]] = []
     try:
@@ -155,7 +163,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                                                                "ids: they need mTLS, give --client-ca FILE too")])
         authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
         grants = _secret_grants(settings, cache)
-        xds = XdsServer(cache, events=events, authorize=authorize, grants=grants, limits=settings.xds_limits)
+        xds = XdsServer(cache, events=events, authorize=authorize, grants=grants, limits=settings.xds_limits,
+                        group_of=groups.group_of)
         server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context,
                                               connection_limits=settings.xds_connections)
         host = settings.xds.rsplit(":", 1)[0]
@@ -191,7 +200,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 rest_tls = ReloadingServerContext(rest_tls_files, on_event=events.emit, name="rest")
                 tasks.append(asyncio.create_task(rest_tls.run(every=settings.tls_reload_every), name="rest-tls-reload"))
             rest = RestXds(cache, events=events, status=xds.status, authorize=authorize, grants=grants,
-                           limits=settings.xds_limits)
+                           limits=settings.xds_limits, group_of=groups.group_of)
             rest_runner, rest_address = await start_rest_server(
                 rest, settings.rest, tls=None if rest_tls is None else rest_tls.context)
             cleanups.append(rest_runner.cleanup)

@@ -223,7 +223,7 @@ class _Stream:
         server.status.stream_opened(self.node_id)
         identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
         server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
-                           service=self.service if self.type_url is None else self.type_url,
+                           service=self.service if self.type_url is None else self.type_url, group=self.group,
                            **({"identity": identity} if identity else {}))
 
     def _record_nack(self, type_url: TypeUrl, version: str | None, error: str | None) -> None:

@@ -3,9 +3,10 @@
 Key layout under the prefix (default ``/pilotfish/``), values are JSON:
 
 - ``{prefix}services/{name}``: a service definition, the same fields as a ``services:`` entry of
-  the snapshot file (``listen``, ``protocol``, ``connect_timeout``, ...; ``endpoints`` allowed);
+  the snapshot file (``listen``, ``protocol``, ``connect_timeout``, ``grpc``, ``zone_local``, ...;
+  ``endpoints`` allowed);
 - ``{prefix}instances/{service}/{id}``: one instance, ``{"address": ..., "port": ...,
-  "weight"?: ..., "metadata"?: {...}}``.
+  "weight"?: ..., "metadata"?: {...}, "zone"?: ...}``.
 
 The source lists the prefix, then watches it from the listed revision + 1, so no change between
 the two is missed. When the watch breaks (etcd restarts, the history was compacted, the network

@@ -108,6 +108,7 @@ class Instance:
             "port": self.endpoint.port,
             "weight": self.endpoint.weight,
             "metadata": dict(self.endpoint.metadata),
+            "zone": self.endpoint.zone,
             "ttl": self.ttl,
             "expires_in": None if self.expires is None else round(max(0.0, self.expires - now), 3),
         }
@@ -158,6 +159,8 @@ def _spec_fields(spec: ServiceSpec) -> dict[str, Any]:
         "health_check": None if spec.health_check is None else {
             "path": spec.health_check.path, "interval": spec.health_check.interval,
             "timeout": spec.health_check.timeout},
+        "grpc": spec.grpc,
+        "zone_local": spec.zone_local,
     }
 
 
