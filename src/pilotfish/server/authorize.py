@@ -27,8 +27,8 @@ _MAX_SHOWN = 200
 
 def compile_pattern(text: str) -> re.Pattern[str]:
     """A rule's pattern as a regular expression, to ``fullmatch``: ``*`` is any run of characters
-    but ``/``, everything else stands for itself. (The SDS grants of :mod:`pilotfish.server.grants`
-    use it too.)"""
+    but ``/``, everything else stands for itself. The definition :func:`glob_match` is tested
+    against; rules, grants and node groups match with :func:`glob_match`, which cannot backtrack."""
     return re.compile("[^/]*".join(re.escape(part) for part in text.split("*")))
 
 
@@ -78,14 +78,14 @@ class NodeAuthorizer:
 
     def __init__(self, rules: Iterable[NodeRule]) -> None:
         self.rules = tuple(rules)
-        self._compiled = [(compile_pattern(r.identity), compile_pattern(r.node)) for r in self.rules]
+        self._patterns = [(r.identity, r.node) for r in self.rules]
 
     def refusal(self, identity: str, node_id: str) -> str | None:
         matched = False
-        for identity_pattern, node_pattern in self._compiled:
-            if identity_pattern.fullmatch(identity) is not None:
+        for identity_pattern, node_pattern in self._patterns:
+            if glob_match(identity_pattern, identity):
                 matched = True
-                if node_pattern.fullmatch(node_id) is not None:
+                if glob_match(node_pattern, node_id):
                     return None
         shown = node_id if len(node_id) <= _MAX_SHOWN else node_id[:_MAX_SHOWN] + "..."
         if not identity:

@@ -43,7 +43,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pilotfish.server.authorize import compile_pattern
+from pilotfish.server.authorize import glob_match
 
 __all__ = ["ProxyGrants", "SecretGrant", "SecretGrants", "Subject", "parse_grant"]
 
@@ -85,20 +85,23 @@ def parse_grant(text: str) -> SecretGrant:
 
 
 class SecretGrants:
-    """The grants, compiled. Immutable: to change grants, make a new one."""
+    """The grants. Immutable: to change grants, make a new one."""
 
-    __slots__ = ("_compiled", "grants")
+    __slots__ = ("grants",)
 
     def __init__(self, grants: Iterable[SecretGrant] = ()) -> None:
         self.grants = tuple(grants)
-        self._compiled = [(compile_pattern(g.secret), g.subject, compile_pattern(g.pattern)) for g in self.grants]
 
     def for_proxy(self, *, identity: str, node_id: str) -> ProxyGrants:
         """What a proxy proving ``identity`` and claiming ``node_id`` is granted (a stream asks
-        once, then matches each name it asks for against one expression)."""
-        secrets = [secret_pattern.pattern for secret_pattern, subject, pattern in self._compiled
-                   if (value := identity if subject is Subject.IDENTITY else node_id) and pattern.fullmatch(value)]
-        return ProxyGrants(re.compile("|".join(f"(?:{p})" for p in secrets)) if secrets else None)
+        once, then matches each name it asks for)."""
+        secrets = [g.secret for g in self.grants
+                   if (value := identity if g.subject is Subject.IDENTITY else node_id)
+                   and glob_match(g.pattern, value)]
+        if not secrets:
+            return ProxyGrants(None)
+        exact = frozenset(p for p in secrets if "*" not in p)
+        return ProxyGrants(exact, tuple(p for p in secrets if "*" in p))
 
     def allows(self, secret: str, *, identity: str, node_id: str) -> bool:
         """Whether a proxy proving ``identity`` and claiming ``node_id`` may receive ``secret``."""
@@ -106,8 +109,7 @@ class SecretGrants:
 
     def ungranted(self, secrets: Iterable[str]) -> list[str]:
         """The secrets (sorted) that no grant covers, for any proxy: they are served to none."""
-        patterns = [secret_pattern for secret_pattern, _, _ in self._compiled]
-        return sorted(name for name in secrets if not any(p.fullmatch(name) for p in patterns))
+        return sorted(name for name in secrets if not any(glob_match(g.secret, name) for g in self.grants))
 
     def of(self, subject: Subject) -> Sequence[SecretGrant]:
         """The grants by ``subject``."""
@@ -116,24 +118,28 @@ class SecretGrants:
 
 @dataclass(frozen=True, slots=True)
 class ProxyGrants:
-    """The secrets one proxy is granted: one expression of every name pattern granted to it
-    (a peer may name many secrets: each costs one match)."""
+    """The secrets one proxy is granted: the exact names, and the patterns with ``*``, matched by
+    :func:`~pilotfish.server.authorize.glob_match` in linear time (a peer chooses the names it
+    asks for, as many as a request may carry, and as long: no backtracking expression sees them)."""
 
-    secrets: re.Pattern[str] | None
+    exact: frozenset[str] | None
     """None: nothing is granted."""
+    patterns: tuple[str, ...] = ()
 
     def allows(self, secret: str) -> bool:
-        return self.secrets is not None and self.secrets.fullmatch(secret) is not None
+        if self.exact is None:
+            return False
+        return secret in self.exact or any(glob_match(p, secret) for p in self.patterns)
 
     def split(self, names: Iterable[str]) -> tuple[list[str], list[str]]:
         """``names`` -> (granted, sorted; denied, in no particular order: a peer may name
         100,000 made-up secrets, and sorting them would be its cost)."""
-        if self.secrets is None:
+        if self.exact is None:
             return [], list(names)
-        match = self.secrets.fullmatch
+        allows = self.allows
         granted: list[str] = []
         denied: list[str] = []
         for name in names:
-            (granted if match(name) else denied).append(name)
+            (granted if allows(name) else denied).append(name)
         granted.sort()
         return granted, denied
