@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +143,8 @@ class ServerProcess:
     proc: subprocess.Popen[bytes] | None = None
     started: dict[str, Any] = field(default_factory=dict)
     tail: EventTail | None = None
+    env: Mapping[str, str] | None = None
+    """The process's environment (None: this one's)."""
 
     @property
     def pid(self) -> int:
@@ -158,7 +160,7 @@ class ServerProcess:
         # exec in a process whose gRPC threads are running, which can break the child.)
         raise_fd_limit()
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=REPO)
+                                     cwd=REPO, env=self.env)
         log.close()
         try:
             self.started = self.tail.wait_for("server_started", timeout=timeout, alive=self.alive)
@@ -211,10 +213,12 @@ class ServerProcess:
 
 def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100, xds_port: int = 0,
                     registry: bool = True, extra: Sequence[str] = (), name: str = "pilotfish",
-                    python: str = sys.executable, wrapper: Sequence[str] = ()) -> ServerProcess:
+                    python: str = sys.executable, wrapper: Sequence[str] = (),
+                    env: Mapping[str, str] | None = None) -> ServerProcess:
     """``python -m pilotfish serve`` with an event log in ``workdir``; started and ready.
 
-    ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``).
+    ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``); ``env``: the
+    server's environment (e.g. a ``PYTHONPATH`` naming another checkout's ``src``).
     """
     event_log = workdir / f"{name}-events.jsonl"
     argv = [*wrapper, python, "-m", "pilotfish", "serve", "--xds", f"127.0.0.1:{xds_port}",
@@ -223,6 +227,6 @@ def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100
         argv += ["--snapshot", str(snapshot)]
     if registry:
         argv += ["--registry", "127.0.0.1:0"]
-    server = ServerProcess(name=name, argv=argv, workdir=workdir, event_log=event_log)
+    server = ServerProcess(name=name, argv=argv, workdir=workdir, event_log=event_log, env=env)
     server.start()
     return server
