@@ -17,7 +17,8 @@ every row, so rows differ only in the server and how the proxies connect:
 Certificates come from a throwaway CA (:mod:`bench.tls_certs`) in a temporary directory. Each row is one
 :func:`bench.fanout.run_fanout` (registry change, event log ``all``), with the load average read
 before it; ``--rounds`` repeats the four in turn and pools each variant's results (latencies pooled,
-CPU and RSS averaged), which evens out a machine whose load drifts. The ratio columns compare a
+CPU averaged; RSS per idle stream is the lowest run's, each run's in brackets, since noise in RSS
+only adds), which evens out a machine whose load drifts. The ratio columns compare a
 row with its baseline: ``now`` plaintext with ``before`` plaintext, TLS and mTLS with ``now``
 plaintext.
 """
@@ -113,8 +114,27 @@ class _Pooled:
         return sum(values) / len(values) if values else float("nan")
 
     def rss(self) -> float:
-        values = [r.rss_per_stream_kb for r in self.runs if r.rss_per_stream_kb]
-        return sum(values) / len(values) if values else float("nan")
+        """The lowest run's: noise in RSS only adds (a burst's memory the allocator has not
+        returned yet when it is read)."""
+        return min((r.rss_per_stream_kb for r in self.runs if r.rss_per_stream_kb), default=float("nan"))
+
+    def rss_cell(self) -> str:
+        values = [f"{r.rss_per_stream_kb:.1f}" for r in self.runs]
+        return values[0] if len(values) == 1 else f"{self.rss():.1f} ({' / '.join(values)})"
+
+    def notes(self) -> list[str]:
+        """One line per gRPC status the proxies saw, with an example and how many came during the changes."""
+        counts: dict[str, int] = {}
+        during: dict[str, int] = {}
+        examples: dict[str, str] = {}
+        for r in self.runs:
+            for code, n in r.stream_errors.items():
+                counts[code] = counts.get(code, 0) + n
+                during[code] = during.get(code, 0) + r.errors_during_changes.get(code, 0)
+            examples.update(r.error_examples)
+        return [f"Stream errors, {self.variant.server} {self.variant.transport}, {self.proxies} proxies: {n} x {code} "
+                f"over {len(self.runs)} runs (during the changes: {during[code]}), e.g. "
+                f"`{examples.get(code, '?')[:200]}`" for code, n in counts.items()]
 
     def row(self, baseline: _Pooled | None) -> list[Any]:
         errors: dict[str, int] = {}
@@ -128,7 +148,7 @@ class _Pooled:
                       _ratio(self.cpu(), baseline.cpu()), _ratio(self.rss(), baseline.rss())]
         return [self.variant.server, self.variant.transport, self.proxies, len(self.runs),
                 " / ".join(f"{x:.2f}" for x in self.loads), fmt_ms(self.p(50)), fmt_ms(self.p(99)),
-                round(self.cpu(), 3), round(self.client_cpu(), 3), round(self.rss(), 1),
+                round(self.cpu(), 3), round(self.client_cpu(), 3), self.rss_cell(),
                 sum(r.failures for r in self.runs), total if not total else f"{total} {errors}", *ratios]
 
 
@@ -139,8 +159,9 @@ def _ratio(value: float, baseline: float) -> str:
 
 
 def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, rounds: int = 1,
-                  workdir: Path | None = None, commit: str = BEFORE_COMMIT) -> list[list[Any]]:
-    """The table (see the module docstring): one row per variant and fleet size, its runs pooled."""
+                  workdir: Path | None = None, commit: str = BEFORE_COMMIT) -> tuple[list[list[Any]], list[str]]:
+    """The table (see the module docstring): one row per variant and fleet size, its runs pooled;
+    and notes on the stream errors the proxies saw."""
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-hardening-")))
@@ -148,6 +169,7 @@ def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, r
         before = stack.enter_context(before_checkout(commit))
         before_env = {**os.environ, "PYTHONPATH": str(before / "src")}
         rows: list[list[Any]] = []
+        notes: list[str] = []
         for n in proxies:
             pooled = {(v.server, v.transport): _Pooled(v, n) for v in VARIANTS}
             for round_ in range(rounds):
@@ -166,7 +188,8 @@ def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, r
             for variant in VARIANTS:
                 base = pooled[variant.baseline] if variant.baseline is not None else None
                 rows.append(pooled[(variant.server, variant.transport)].row(base))
-        return rows
+                notes += pooled[(variant.server, variant.transport)].notes()
+        return rows, notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,11 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     started = time.strftime("%H:%M:%S")
-    rows = run_hardening(proxies=args.proxies, changes=args.changes, workload=workload, rounds=args.rounds,
-                         commit=args.commit)
+    rows, notes = run_hardening(proxies=args.proxies, changes=args.changes, workload=workload, rounds=args.rounds,
+                                commit=args.commit)
     print(f"\nworkload: {workload.describe()}; before = {args.commit}; started {started}, load now "
           f"{os.getloadavg()[0]:.2f}")
     print_table(HARDENING_COLUMNS, rows)
+    for note in notes:
+        print(note)
     return 0 if all(row[HARDENING_COLUMNS.index("failures")] == 0 for row in rows) else 1
 
 

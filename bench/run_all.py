@@ -148,7 +148,8 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "CPU s / push: server utime+stime per change, until it is idle again. `all synced s`: N proxies "
              "connecting at once until each has ACKed CDS, EDS, LDS, RDS. The simulator's client processes run "
              "on the same 2 cores as the server (`simulator CPU s / push`); its proxies use "
-             + ("bench/h2client.py, a lean HTTP/2 gRPC client (`--client grpc`: grpc.aio channels)."
+             + ("bench/h2client.py, a lean gRPC client on pilotfish's own HTTP/2 connection (client role; "
+                "`--client grpc`: grpc.aio channels)."
                 if client == "h2" else "grpc.aio channels (`--client grpc`).")])
     results.sections[-1].notes.extend(fan_notes)
 
@@ -296,11 +297,14 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
 
     # 6b. issue 9: what the hardened transport and TLS cost, before vs now, plaintext / TLS / mTLS.
     def hardening() -> list[list[Any]]:
-        rows = bench_hardening.run_hardening(proxies=scale.hardening_proxies, changes=scale.changes, workload=wl,
-                                             rounds=scale.hardening_rounds, workdir=workdir / "hardening")
+        rows, notes = bench_hardening.run_hardening(proxies=scale.hardening_proxies, changes=scale.changes,
+                                                    workload=wl, rounds=scale.hardening_rounds,
+                                                    workdir=workdir / "hardening")
         results.hardening_rows = rows
+        hardening_notes.extend(notes)
         return rows
 
+    hardening_notes: list[str] = []
     section("Hardening and TLS: pilotfish before issue 9 vs now, plaintext, TLS and mTLS",
             _cmd("bench.bench_hardening", "--proxies", *scale.hardening_proxies, "--changes", scale.changes,
                  "--rounds", scale.hardening_rounds, *_wl(wl)),
@@ -312,7 +316,9 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "`--client-ca` too, every proxy presents a client certificate. `load 1 min`: the load average "
              "before each run (the machine is shared). Ratios compare with the row named in `compared with` "
              "(now plaintext vs before plaintext: the hardening's cost; TLS and mTLS vs now plaintext: TLS's "
-             "cost). RSS per idle stream includes each connection's TLS state."])
+             "cost). RSS per idle stream: the lowest run's (each run's in brackets; noise in RSS only adds); "
+             "it includes each connection's TLS state."])
+    results.sections[-1].notes.extend(hardening_notes)
 
     # 7. profile of the server under the 1,000-proxy fan-out (py-spy).
     if scale.profile_proxies:
