@@ -159,7 +159,8 @@ def _ratio(value: float, baseline: float) -> str:
 
 
 def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, rounds: int = 1,
-                  workdir: Path | None = None, commit: str = BEFORE_COMMIT) -> tuple[list[list[Any]], list[str]]:
+                  workdir: Path | None = None, commit: str = BEFORE_COMMIT,
+                  variants: Sequence[Variant] = VARIANTS) -> tuple[list[list[Any]], list[str]]:
     """The table (see the module docstring): one row per variant and fleet size, its runs pooled;
     and notes on the stream errors the proxies saw."""
     with contextlib.ExitStack() as stack:
@@ -171,9 +172,9 @@ def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, r
         rows: list[list[Any]] = []
         notes: list[str] = []
         for n in proxies:
-            pooled = {(v.server, v.transport): _Pooled(v, n) for v in VARIANTS}
+            pooled = {(v.server, v.transport): _Pooled(v, n) for v in variants}
             for round_ in range(rounds):
-                for variant in VARIANTS:
+                for variant in variants:
                     key = (variant.server, variant.transport)
                     load = os.getloadavg()[0]
                     result = run_fanout(proxies=n, changes=changes, workload=workload, quiet_ms=100,
@@ -185,8 +186,8 @@ def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, r
                     print(f"  {variant.server} {variant.transport} {n} proxies (round {round_ + 1}, load {load:.2f}): "
                           f"p99 {fmt_ms(result.p(99))} ms, CPU {result.cpu:.3f} s/push, "
                           f"{result.rss_per_stream_kb:.1f} KB/stream, failures {result.failures}", flush=True)
-            for variant in VARIANTS:
-                base = pooled[variant.baseline] if variant.baseline is not None else None
+            for variant in variants:
+                base = pooled.get(variant.baseline) if variant.baseline is not None else None
                 rows.append(pooled[(variant.server, variant.transport)].row(base))
                 notes += pooled[(variant.server, variant.transport)].notes()
         return rows, notes
@@ -205,11 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoints", type=int, default=4)
     parser.add_argument("--listeners", type=int, default=10)
     parser.add_argument("--commit", default=BEFORE_COMMIT, help="the 'before' pilotfish (default: %(default)s)")
+    names = [f"{v.server}-{v.mode}" for v in VARIANTS]
+    parser.add_argument("--variants", nargs="+", choices=names, default=names,
+                        help="which rows to measure (default: all)")
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     started = time.strftime("%H:%M:%S")
     rows, notes = run_hardening(proxies=args.proxies, changes=args.changes, workload=workload, rounds=args.rounds,
-                                commit=args.commit)
+                                commit=args.commit,
+                                variants=[v for v in VARIANTS if f"{v.server}-{v.mode}" in args.variants])
     print(f"\nworkload: {workload.describe()}; before = {args.commit}; started {started}, load now "
           f"{os.getloadavg()[0]:.2f}")
     print_table(HARDENING_COLUMNS, rows)
