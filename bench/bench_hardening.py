@@ -180,6 +180,7 @@ def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, r
                     result = run_fanout(proxies=n, changes=changes, workload=workload, quiet_ms=100,
                                         change="registry", workdir=workdir / f"{variant.server}-{variant.transport}-"
                                         f"{n}-{round_}", server_env=before_env if variant.server == "before" else None,
+                                        address_cap=variant.server != "before",
                                         server_args=certs.server_args(variant.mode), tls=certs.fleet(variant.mode))
                     pooled[key].runs.append(result)
                     pooled[key].loads.append(load)

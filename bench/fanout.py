@@ -132,14 +132,17 @@ def _py_spy(pid: int, output: Path, rate: int = 250) -> subprocess.Popen[bytes]:
 def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, workload: Workload,
                quiet_ms: int = 100, change: str = "registry", workers: int = 0, workdir: str | Path | None = None,
                profile: Path | None = None, change_timeout: float = 60.0, gap: float = 0.3,
-               client: str = "h2", event_log_level: str = "all", server_env: Mapping[str, str] | None = None,
-               server_args: Sequence[str] = (), tls: FleetTls | None = None) -> FanoutResult:
+               client: str = "h2", event_log_level: str = "all", core: str = "own",
+               server_env: Mapping[str, str] | None = None, server_args: Sequence[str] = (),
+               tls: FleetTls | None = None, address_cap: bool = True) -> FanoutResult:
     """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
     during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`);
     ``event_log_level``: pilotfish's ``--event-log-level`` (``changes`` leaves out the lines of
-    every request and response). ``server_env``, ``server_args``: pilotfish's environment (e.g.
-    another checkout on its ``PYTHONPATH``) and more ``serve`` options (e.g. ``--tls-cert``);
-    ``tls``: how the proxies connect over TLS (None: plaintext)."""
+    every request and response); ``core``: pilotfish's HTTP/2 core (bench/h2_core_launch.py).
+    ``server_env``, ``server_args``: pilotfish's environment (e.g. another checkout on its
+    ``PYTHONPATH``) and more ``serve`` options (e.g. ``--tls-cert``); ``tls``: how the proxies
+    connect over TLS (None: plaintext); ``address_cap``: False for a pilotfish from before
+    ``--max-connections-per-address``."""
     if server == "naive" and change != "file":
         change = "file"  # the naive server has no registry
     with ExitStack() as stack:
@@ -151,7 +154,9 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         workload.write(snapshot)
         if server == "pilotfish":
             proc = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry",
-                                   extra=("--event-log-level", event_log_level, *server_args), env=server_env)
+                                   extra=("--event-log-level", event_log_level, *server_args), env=server_env,
+                                   module=("pilotfish",) if core == "own" else ("bench.h2_core_launch", "--core", core),
+                                   address_cap=address_cap)
         else:
             proc = start_naive(workdir, snapshot=snapshot)
         stack.callback(proc.stop)

@@ -214,15 +214,20 @@ class ServerProcess:
 def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100, xds_port: int = 0,
                     registry: bool = True, extra: Sequence[str] = (), name: str = "pilotfish",
                     python: str = sys.executable, wrapper: Sequence[str] = (),
-                    env: Mapping[str, str] | None = None) -> ServerProcess:
+                    module: Sequence[str] = ("pilotfish",), env: Mapping[str, str] | None = None,
+                    address_cap: bool = True) -> ServerProcess:
     """``python -m pilotfish serve`` with an event log in ``workdir``; started and ready.
 
-    ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``); ``env``: the
-    server's environment (e.g. a ``PYTHONPATH`` naming another checkout's ``src``).
+    ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``); ``module`` is
+    what ``-m`` runs (bench/h2_core_launch.py runs the CLI with another HTTP/2 core); ``env``: the
+    server's environment (e.g. a ``PYTHONPATH`` naming another checkout's ``src``);
+    ``address_cap``: False for a pilotfish from before ``--max-connections-per-address``.
     """
     event_log = workdir / f"{name}-events.jsonl"
-    argv = [*wrapper, python, "-m", "pilotfish", "serve", "--xds", f"127.0.0.1:{xds_port}",
-            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), *extra]
+    # Every simulated proxy connects from 127.0.0.1: lift the per-address cap (default 4,096).
+    lift = ("--max-connections-per-address", "1000000") if address_cap else ()
+    argv = [*wrapper, python, "-m", *module, "serve", "--xds", f"127.0.0.1:{xds_port}",
+            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), *lift, *extra]
     if snapshot is not None:
         argv += ["--snapshot", str(snapshot)]
     if registry:

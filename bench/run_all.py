@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench import bench_build, bench_envoy, bench_hardening, bench_storm, fanout
+from bench import bench_build, bench_envoy, bench_hardening, bench_storm, fanout, h2_core_compare
 from bench.fleet import CLIENTS, percentile
 from bench.procs import REPO
 from bench.profiles import summary_table
@@ -48,6 +48,12 @@ class Scale:
     sovereign: bool = True
     client: str = "h2"
     """The simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`)."""
+    core_proxies: int = 1000
+    """Proxies of the HTTP/2 core comparison (own core vs the `h2` package, issue 9)."""
+    core_rounds: int = 2
+    """Fan-outs per core in that comparison, interleaved."""
+    core_abuse: str = "all"
+    """The attacks of tests/abuse run against each core: ``all`` or a pytest ``-k`` expression."""
     hardening_proxies: tuple[int, ...] = (1000, 10000)
     """Fleet sizes of the before/after-hardening, plaintext/TLS/mTLS comparison (issue 9)."""
     hardening_rounds: int = 1
@@ -57,7 +63,8 @@ class Scale:
 FULL = Scale()
 QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, endpoints=2, listeners=5),
               build_sizes=((50, 200),), build_repeat=1, storm_proxies=5, envoy_changes=2, envoy_quiet_ms=(20,),
-              baseline_proxies=(5,), profile_proxies=0, sovereign=False, hardening_proxies=(5,))
+              baseline_proxies=(5,), profile_proxies=0, sovereign=False, core_proxies=5, core_rounds=1,
+              core_abuse="rapid_reset", hardening_proxies=(5,))
 
 
 @dataclass
@@ -81,6 +88,7 @@ class Results:
     envoy: list[bench_envoy.PropagationResult] = field(default_factory=list)
     profiles: list[tuple[str, str]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    core_comparison: h2_core_compare.Comparison | None = None
     hardening_rows: list[list[Any]] = field(default_factory=list)
 
 
@@ -295,7 +303,27 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "naive / pilotfish CPU per push", "naive / pilotfish RSS per stream",
              "Sovereign / pilotfish applied p50"], lambda: [r + ["-"] * (6 - len(r)) for r in ratios()])
 
-    # 6b. issue 9: what the hardened transport and TLS cost, before vs now, plaintext / TLS / mTLS.
+    # 6b. the HTTP/2 core: pilotfish's own against the `h2` package's state machine (issue 9).
+    def cores() -> list[list[Any]]:
+        comparison = h2_core_compare.compare(proxies=scale.core_proxies, changes=scale.changes,
+                                             rounds=scale.core_rounds, workload=wl, abuse=scale.core_abuse)
+        results.core_comparison = comparison
+        core_notes.extend(h2_core_compare.notes(comparison))
+        return comparison.summary()
+
+    core_notes: list[str] = []
+    section("HTTP/2 core: pilotfish's own vs the `h2` package's state machine (issue 9)",
+            _cmd("bench.h2_core_compare", "--proxies", scale.core_proxies, "--changes", scale.changes,
+                 "--rounds", scale.core_rounds, "--abuse", scale.core_abuse, *_wl(wl)),
+            h2_core_compare.SUMMARY_COLUMNS, cores,
+            ["The same `pilotfish serve` and `GrpcServer` adapter on either core (bench/h2_core_launch.py): "
+             "`own` is src/pilotfish/transport/h2.py, `h2` is bench/h2_package_core.py (python-hyper's "
+             "H2Connection with gRPC reassembly, send queues and the limits the package lacks added around it). "
+             "Fan-out as above (registry change, `--event-log-level changes`), cores interleaved; the "
+             "attacks are tests/abuse with `PILOTFISH_ABUSE_CORE` set."])
+    results.sections[-1].notes.extend(core_notes)
+
+    # 6c. issue 9: what the hardened transport and TLS cost, before vs now, plaintext / TLS / mTLS.
     def hardening() -> list[list[Any]]:
         rows, notes = bench_hardening.run_hardening(proxies=scale.hardening_proxies, changes=scale.changes,
                                                     workload=wl, rounds=scale.hardening_rounds,

@@ -63,6 +63,9 @@ class BootstrapSettings:
     """PEM private key of :attr:`tls_cert`."""
     tls_server_name: str | None = None
     """SNI sent, and the SAN pilotfish's certificate must carry; None: the host of :attr:`xds`."""
+    delta: bool = False
+    """Incremental xDS (``DELTA_GRPC``): each response carries only what changed, and a
+    reconnecting Envoy says what it has. Otherwise state of the world (``GRPC``)."""
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -107,7 +110,7 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": settings.admin_port}}},
         "dynamic_resources": {
             "ads_config": {
-                "api_type": "GRPC",
+                "api_type": "DELTA_GRPC" if settings.delta else "GRPC",
                 "transport_api_version": "V3",
                 "set_node_on_first_message_only": True,
                 "grpc_services": [{

@@ -8,6 +8,12 @@ later by :meth:`SnapshotCache.set_snapshot`. Watches are answered type by type i
 EDS, LDS, RDS, SDS), so on an aggregated stream what is referred to arrives before what refers
 to it.
 
+Send what changed: EDS, RDS and SDS responses need not be full state, so a proxy that holds an
+earlier version of such a type is answered with :meth:`~pilotfish.snapshot.TypeSnapshot.changes`
+since that version: the cache keeps the last :data:`HISTORY` versions of each type to compare
+with. A proxy at a version no longer kept (or warming, or stating a version it never had from us)
+gets the full set of what it subscribes to, which is always correct.
+
 Make before break (behaviour 12): when a new snapshot removes clusters that the previous one's
 listeners or routes used, the cache also keeps a *bridge* cluster set (new clusters plus those).
 A proxy whose ACKed listeners and routes are not yet the new ones gets the bridge, so no route
@@ -21,10 +27,10 @@ import itertools
 from collections.abc import Callable
 from typing import NewType
 
-from pilotfish.protocol import Watch, needs_response
+from pilotfish.protocol import DeltaWatch, Watch, needs_response
 from pilotfish.resources import ADS_ORDER, CLUSTER, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.refs import referenced_clusters
-from pilotfish.snapshot import EncodedResponse, Snapshot, TypeSnapshot, with_kept
+from pilotfish.snapshot import DeltaChanges, EncodedResponse, Resource, Snapshot, TypeSnapshot, with_kept
 
 __all__ = ["DEFAULT_GROUP", "Cancel", "NodeGroup", "Respond", "SnapshotCache"]
 
@@ -33,8 +39,16 @@ NodeGroup = NewType("NodeGroup", str)
 
 DEFAULT_GROUP = NodeGroup("default")
 
+HISTORY = 16
+"""Versions of each type kept per node group to answer with changes since them. Old versions
+share every unchanged resource with the current one, and their memoized responses are dropped,
+so each costs its name-to-resource table and the resources that changed since."""
+
 Respond = Callable[[Watch, EncodedResponse], None]
 """Called once, synchronously, with the response a watch waited for."""
+DeltaRespond = Callable[[DeltaWatch, DeltaChanges], None]
+"""Called once, synchronously, with what a delta watch waited for."""
+_Entry = tuple[Watch, Respond] | tuple[DeltaWatch, DeltaRespond]
 Cancel = Callable[[], None]
 
 
@@ -47,7 +61,7 @@ class _Cancel:
 
     __slots__ = ("_watches", "_wid")
 
-    def __init__(self, watches: dict[int, tuple[Watch, Respond]], wid: int) -> None:
+    def __init__(self, watches: dict[int, _Entry], wid: int) -> None:
         self._watches = watches
         self._wid = wid
 
@@ -61,9 +75,15 @@ class SnapshotCache:
     def __init__(self) -> None:
         self._snapshots: dict[NodeGroup, Snapshot] = {}
         # group -> type -> watch id -> (watch, respond); dicts keep insertion (arrival) order.
-        self._watches: dict[NodeGroup, dict[TypeUrl, dict[int, tuple[Watch, Respond]]]] = {}
+        self._watches: dict[NodeGroup, dict[TypeUrl, dict[int, _Entry]]] = {}
         self._ids = itertools.count()
         self._bridges: dict[NodeGroup, TypeSnapshot] = {}
+        # group -> type -> version -> its resources, oldest first (see HISTORY)
+        self._history: dict[NodeGroup, dict[TypeUrl, dict[str, TypeSnapshot]]] = {}
+        # id of a kept listener or route TypeSnapshot -> (it, the clusters it uses)
+        self._uses: dict[int, tuple[TypeSnapshot, frozenset[str]]] = {}
+        # group -> ((CDS, LDS, RDS versions), the bridge made for them)
+        self._last_bridge: dict[NodeGroup, tuple[tuple[str | None, str | None, str | None], TypeSnapshot | None]] = {}
 
     def snapshot(self, group: NodeGroup = DEFAULT_GROUP) -> Snapshot | None:
         return self._snapshots.get(group)
@@ -81,7 +101,8 @@ class SnapshotCache:
         """
         previous = self._snapshots.get(group)
         self._snapshots[group] = snapshot
-        bridge = _bridge(previous, snapshot)
+        self._remember(group, previous, snapshot)
+        bridge = self._bridge(group, snapshot)
         if bridge is None:
             self._bridges.pop(group, None)
         else:
@@ -94,15 +115,24 @@ class SnapshotCache:
             watches = by_type.get(type_url)
             if not watches:
                 continue
-            due = []
-            for wid, (watch, respond) in watches.items():
-                current = self._current(group, snapshot, watch)
-                if current is not None and needs_response(watch, current):
-                    due.append((wid, watch, respond, current))
-            for wid, watch, respond, current in due:
-                del watches[wid]
-                respond(watch, current.response(watch.subscription.names_to_send()))
-            answered += len(due)
+            due: list[tuple[int, _Entry, TypeSnapshot]] = []
+            for wid, entry in watches.items():
+                current = self._current(group, snapshot, entry[0])
+                if current is not None and (isinstance(entry[0], DeltaWatch) or needs_response(entry[0], current)):
+                    due.append((wid, entry, current))
+            for wid, entry, current in due:
+                if isinstance(entry[0], DeltaWatch):
+                    # What a delta client lacks is read when it is its turn: an answer of an
+                    # earlier type on its stream (clusters before endpoints) may have changed it.
+                    changes = entry[0].changes(current)
+                    if changes is None:
+                        continue
+                    del watches[wid]
+                    entry[1](entry[0], changes)
+                else:
+                    del watches[wid]
+                    entry[1](entry[0], self._response(group, current, entry[0]))
+                answered += 1
         return answered
 
     def create_watch(self, watch: Watch, respond: Respond, group: NodeGroup = DEFAULT_GROUP) -> Cancel:
@@ -110,40 +140,101 @@ class SnapshotCache:
         snapshot = self._snapshots.get(group)
         current = self._current(group, snapshot, watch) if snapshot is not None else None
         if current is not None and needs_response(watch, current):
-            respond(watch, current.response(watch.subscription.names_to_send()))
+            respond(watch, self._response(group, current, watch))
             return _nothing
-        watches = self._watches.setdefault(group, {}).setdefault(watch.type_url, {})
+        return self._add(group, (watch, respond))
+
+    def create_delta_watch(self, watch: DeltaWatch, respond: DeltaRespond, group: NodeGroup = DEFAULT_GROUP) -> Cancel:
+        """Answer a delta ``watch`` now if the client lacks something the snapshot has, else when
+        it does."""
+        snapshot = self._snapshots.get(group)
+        current = self._current(group, snapshot, watch) if snapshot is not None else None
+        if current is not None:
+            changes = watch.changes(current)
+            if changes is not None:
+                respond(watch, changes)
+                return _nothing
+        return self._add(group, (watch, respond))
+
+    def _add(self, group: NodeGroup, entry: _Entry) -> Cancel:
+        watches = self._watches.setdefault(group, {}).setdefault(entry[0].type_url, {})
         wid = next(self._ids)
-        watches[wid] = (watch, respond)
+        watches[wid] = entry
         return _Cancel(watches, wid)
 
-    def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch) -> TypeSnapshot | None:
+    def _remember(self, group: NodeGroup, previous: Snapshot | None, snapshot: Snapshot) -> None:
+        """Keep each type's new version to compare with later; retire what is no longer served."""
+        history = self._history.setdefault(group, {})
+        for url, current in snapshot.types.items():
+            if previous is not None:
+                old = previous.types.get(url)
+                if old is not None and old is not current:
+                    old.retire()
+            versions = history.setdefault(url, {})
+            versions.pop(current.version, None)  # (re)entered as the newest
+            versions[current.version] = current
+            if url in (LISTENER.url, ROUTE.url) and id(current) not in self._uses:
+                resources = (r.message for r in current.resources.values())
+                used = referenced_clusters(resources, ()) if url == LISTENER.url else referenced_clusters((), resources)
+                self._uses[id(current)] = (current, frozenset(used))
+            while len(versions) > HISTORY:
+                gone = versions.pop(next(iter(versions)))
+                self._uses.pop(id(gone), None)
+
+    def _bridge(self, group: NodeGroup, new: Snapshot) -> TypeSnapshot | None:
+        """The new clusters plus the removed ones that the listeners or routes of any kept
+        version use (a proxy may still run any of them, not just the previous one's: it can lag
+        behind by more than one change); None if there are none."""
+        current = new.get(CLUSTER.url)
+        history = self._history.get(group, {})
+        if current is None or len(history.get(CLUSTER.url, ())) < 2:
+            return None
+        key = (new.version(CLUSTER.url), new.version(LISTENER.url), new.version(ROUTE.url))
+        last = self._last_bridge.get(group)
+        if last is not None and last[0] == key:
+            return last[1]  # nothing it depends on changed (an endpoint change)
+        removed: dict[str, Resource] = {}
+        for old in history[CLUSTER.url].values():  # oldest first: the newest resource of a name wins
+            for name in old.resources.keys() - current.resources.keys():
+                removed[name] = old.resources[name]
+        bridge = None
+        if removed:
+            used: set[str] = set()
+            for url in (LISTENER.url, ROUTE.url):
+                for kept in history.get(url, {}).values():
+                    used |= self._uses[id(kept)][1]
+            kept_clusters = {name: resource for name, resource in removed.items() if name in used}
+            if kept_clusters:
+                bridge = with_kept(current, kept_clusters)
+        self._last_bridge[group] = (key, bridge)
+        return bridge
+
+    def _response(self, group: NodeGroup, current: TypeSnapshot, watch: Watch) -> EncodedResponse:
+        """What answers ``watch``: for EDS/RDS/SDS, the changes since the version the proxy holds,
+        if that one is still kept; otherwise (and for CDS/LDS, which are full state) everything
+        it subscribes to."""
+        names = watch.subscription.names_to_send()
+        if names is None or watch.full_state or watch.force or watch.known_version is None:
+            return current.response(names)
+        since = self._history.get(group, {}).get(watch.type_url, {}).get(watch.known_version)
+        if since is None:
+            return current.response(names)
+        return current.changes(names, since=since, held=watch.known_names)
+
+    def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch | DeltaWatch) -> TypeSnapshot | None:
         """What ``watch`` should be answered from: the snapshot's type, or the cluster bridge."""
-        if watch.routing_acked is not None:
+        if watch.type_url == CLUSTER.url:
             bridge = self._bridges.get(group)
-            if bridge is not None:
-                listeners, routes = watch.routing_acked
-                moved = listeners in (None, snapshot.version(LISTENER.url)) and routes in (
-                    None, snapshot.version(ROUTE.url))
-                if not moved:
-                    return bridge
+            if bridge is not None and not _routing_moved(watch, snapshot):
+                return bridge
         return snapshot.get(watch.type_url)
 
 
-def _bridge(previous: Snapshot | None, new: Snapshot) -> TypeSnapshot | None:
-    """The new clusters plus removed ones the previous listeners or routes used; None if none."""
-    if previous is None:
-        return None
-    old, current = previous.get(CLUSTER.url), new.get(CLUSTER.url)
-    if old is None or current is None:
-        return None
-    removed = [name for name in old.resources if name not in current.resources]
-    if not removed:
-        return None
-    old_listeners, old_routes = previous.get(LISTENER.url), previous.get(ROUTE.url)
-    used = referenced_clusters(
-        (r.message for r in old_listeners.resources.values()) if old_listeners else (),
-        (r.message for r in old_routes.resources.values()) if old_routes else (),
-    )
-    kept = {name: old.resources[name] for name in removed if name in used}
-    return with_kept(current, kept) if kept else None
+def _routing_moved(watch: Watch | DeltaWatch, snapshot: Snapshot) -> bool:
+    """Whether the proxy behind a cluster watch runs ``snapshot``'s listeners and routes."""
+    if isinstance(watch, DeltaWatch):
+        return watch.routing_moved(snapshot)
+    if watch.routing_acked is None:
+        return True
+    listeners, routes = watch.routing_acked
+    return listeners in (None, snapshot.version(LISTENER.url)) and routes in (None, snapshot.version(ROUTE.url))

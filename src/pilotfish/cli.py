@@ -15,6 +15,7 @@ from pilotfish.errors import ConfigError
 
 if TYPE_CHECKING:
     from pilotfish.server.authorize import NodeRule
+    from pilotfish.server.grants import SecretGrant
 
 __all__ = ["main"]
 
@@ -37,6 +38,12 @@ def _positive_int(value: str) -> int:
     return int(value)
 
 
+def _whole_number(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number (0 or more)")
+    return int(value)
+
+
 def _share(value: str) -> float:
     try:
         share = float(value)
@@ -52,6 +59,15 @@ def _node_rule(value: str) -> NodeRule:
 
     try:
         return parse_rule(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _grant(value: str) -> SecretGrant:
+    from pilotfish.server.grants import parse_grant
+
+    try:
+        return parse_grant(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
@@ -118,8 +134,28 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --client-ca: a proxy whose certificate identity (SPIFFE URI SAN, else DNS SAN) "
                           "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'); "
                           "repeatable; once given, any other claim is refused (PERMISSION_DENIED)")
+    tls.add_argument("--grant-secret", type=_grant, action="append", default=[],
+                     metavar="SECRET=identity:PATTERN|SECRET=node:PATTERN",
+                     help="SDS secrets whose names match SECRET go to proxies whose certificate identity (needs "
+                          "--client-ca) or claimed node id (proven only with --authorize-node) matches PATTERN "
+                          "('*': any characters but '/'); repeatable; a secret no grant covers goes to no proxy")
     tls.add_argument("--tls-reload-ms", type=_positive_int, default=1000, metavar="MS",
                      help="check the certificate, key and CA files for changes this often (default: %(default)s)")
+    conns = serve.add_argument_group(
+        "xDS connections", "what one peer, or all of them, may hold; a connection over a cap is accepted and closed "
+                           "at once (a failed connection attempt: gRPC clients and Envoy back off)")
+    conns.add_argument("--max-connections", type=_positive_int, metavar="N",
+                       help="xDS connections held at once, from all peers (default: the open-file limit, which "
+                            "serve raises to its hard limit, less a tenth of it, at least 128)")
+    conns.add_argument("--max-connections-per-address", type=_positive_int, metavar="N",
+                       help="xDS connections held at once from one source IP address (default: 4096, or half of "
+                            "--max-connections if less; raise it for a larger fleet behind one NAT address)")
+    conns.add_argument("--handshake-timeout-ms", type=_positive_int, default=10_000, metavar="MS",
+                       help="close a connection that has not sent the HTTP/2 preface (magic and SETTINGS) this long "
+                            "after it was accepted (default: %(default)s)")
+    conns.add_argument("--idle-timeout-ms", type=_whole_number, default=3_600_000, metavar="MS",
+                       help="close (GOAWAY NO_ERROR) a connection without streams for this long; 0: never "
+                            "(default: %(default)s, one hour, as Envoy's idle_timeout)")
     serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
                        help="uvloop (libuv, faster sockets) or Python's own asyncio loop (default: %(default)s)")
 
@@ -140,6 +176,8 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--tls-key", metavar="FILE", help="mTLS: the PEM private key of --tls-cert")
     boot.add_argument("--tls-server-name", metavar="NAME",
                       help="SNI, and the name pilotfish's certificate must carry (default: the host of --xds)")
+    boot.add_argument("--delta", action="store_true",
+                      help="incremental xDS (DELTA_GRPC): only what changed is sent (default: state of the world)")
 
     token = commands.add_parser("token", help="make a registry API token, or hash one for --registry-tokens")
     token.add_argument("action", choices=("new", "hash"),
@@ -178,6 +216,7 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 def _serve(args: argparse.Namespace) -> int:
     from pilotfish.reconcile import DebounceSettings, GuardSettings
     from pilotfish.server import ServeSettings, serve
+    from pilotfish.server.grpc_server import ConnectionLimits
     from pilotfish.sources.registry import SelfPreservation
 
     if args.snapshot is None and args.registry is None and args.etcd is None:
@@ -189,6 +228,10 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.authorize_node and args.client_ca is None:
         print("pilotfish serve: --authorize-node binds certificate identities to node ids: it needs mTLS, "
+              "give --client-ca FILE (and --tls-cert, --tls-key) too", file=sys.stderr)
+        return EXIT_USAGE
+    if args.client_ca is None and any(grant.subject.value == "identity" for grant in args.grant_secret):
+        print("pilotfish serve: --grant-secret ...=identity: names certificate identities: it needs mTLS, "
               "give --client-ca FILE (and --tls-cert, --tls-key) too", file=sys.stderr)
         return EXIT_USAGE
     if args.tls_cert is None and (args.client_ca is not None or args.registry_client_ca is not None):
@@ -209,7 +252,12 @@ def _serve(args: argparse.Namespace) -> int:
                                                  min_count=args.guard_min_count),
                              tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.client_ca,
                              registry_client_ca=args.registry_client_ca, tls_reload_every=args.tls_reload_ms / 1000,
-                             authorize_nodes=tuple(args.authorize_node))
+                             authorize_nodes=tuple(args.authorize_node), secret_grants=tuple(args.grant_secret),
+                             xds_connections=ConnectionLimits(
+                                 max_connections=args.max_connections,
+                                 max_connections_per_address=args.max_connections_per_address,
+                                 handshake_timeout=args.handshake_timeout_ms / 1000,
+                                 idle_timeout=args.idle_timeout_ms / 1000 if args.idle_timeout_ms else None))
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))
@@ -235,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
                                          admin_port=args.admin_port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                                         tls_key=args.tls_key, tls_server_name=args.tls_server_name)
+                                         tls_key=args.tls_key, tls_server_name=args.tls_server_name,
+                                         delta=args.delta)
         except ValueError as exc:
             print(f"pilotfish bootstrap: {exc}", file=sys.stderr)
             return EXIT_USAGE

@@ -6,6 +6,13 @@ one: identical content gives identical versions across restarts and replicas, so
 reconnects is not pushed what it already has. Encoded responses are memoized per subscribed
 name set, so N streams cost one serialization.
 
+A proxy holds the resources of EDS, RDS and SDS one by one (a state-of-the-world response of those
+types need not carry what did not change: Envoy and gRPC keep what a response omits). So for a
+stream that holds an earlier version, :meth:`TypeSnapshot.changes` encodes only the subscribed
+resources whose content hash differs from that version's, plus those the proxy does not hold yet:
+a change to one cluster's endpoints sends each proxy that one assignment. These responses are
+memoized too, per (earlier version, name set, names held): streams at the same place share one.
+
 The memo is bounded (:class:`ResponseMemoLimits`): a peer that asks for ever new name sets must
 not make a snapshot grow. It works in two generations, as a cheap LRU: a lookup is one dict hit
 in the current generation; when that one is full (entries or bytes), it becomes the previous one
@@ -20,7 +27,7 @@ add is proportional to the configuration plus a constant. The response carrying 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -28,9 +35,12 @@ from google.protobuf.message import Message
 
 from pilotfish.resources import TYPES, ResourceType, TypeUrl, type_by_url
 from pilotfish.resources.encoded import Resource  # re-exported: resources/ encodes, snapshots hold
-from pilotfish.resources.wire import discovery_response
+from pilotfish.resources.wire import delta_discovery_response, discovery_response
 
-__all__ = ["EncodedResponse", "Resource", "ResponseMemoLimits", "Snapshot", "TypeSnapshot", "with_kept"]
+__all__ = [
+    "ABSENT", "DeltaChanges", "EncodedResponse", "Resource", "ResponseMemoLimits", "Snapshot", "TypeSnapshot",
+    "with_kept",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,8 +72,47 @@ class EncodedResponse:
     type_url: TypeUrl
     version: str
     names: frozenset[str]
-    """Names of the resources it carries."""
+    """Names of the subscribed resources that exist: what the proxy holds, at ``version``, once it
+    has this response (a response of changes carries fewer; see ``count``)."""
     body: bytes
+    count: int = -1
+    """How many resources the body carries (-1: all of ``names``)."""
+    source: TypeSnapshot | None = field(default=None, compare=False, repr=False)
+    """For a response of changes: the snapshot that made it, which can make the whole one."""
+
+    def whole(self) -> EncodedResponse:
+        """This response with every resource of ``names`` (itself if it has them all)."""
+        return self if self.source is None else self.source.response(self.names)
+
+    @property
+    def carried(self) -> int:
+        """How many resources the body carries."""
+        return len(self.names) if self.count < 0 else self.count
+
+
+ABSENT = ""
+"""In what a delta client is known to have: the version of a resource it subscribed to by name and
+was told does not exist (in ``removed_resources``), so it is not told again."""
+
+_DELTA_MEMO_ENTRIES = 1024
+"""Delta answers kept per snapshot and type, keyed by what the client is known to have (shared
+between the streams at the same place; beyond it they are computed again)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaChanges:
+    """What a delta client that is known to have some versions needs: a DeltaDiscoveryResponse body
+    (without its nonce) and what the client has once it takes it."""
+
+    type_url: TypeUrl
+    version: str
+    """The type's version (``system_version_info``)."""
+    body: bytes
+    sent: tuple[str, ...]
+    removed: tuple[str, ...]
+    known: Mapping[str, str]
+    """Name -> version the client has afterwards (:data:`ABSENT`: told it does not exist). Shared
+    between the streams it is given to: never changed in place."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -83,7 +132,97 @@ class TypeSnapshot:
         cached = self._memo.current.get(names)
         if cached is not None:
             return cached
-        return self._memo.miss(names, self)
+        return self._memo.miss(names, names, self, self._encode)
+
+    def changes(self, names: frozenset[str], *, since: TypeSnapshot, held: frozenset[str]) -> EncodedResponse:
+        """The response for a proxy that holds ``held`` (of ``names``, its subscription) at
+        ``since``'s version: the subscribed resources whose content differs from ``since``'s, and
+        those it does not hold. Its ``names`` are every subscribed resource that exists, as for
+        :meth:`response`: what the proxy holds once it has it. Only for types whose responses need
+        not be full state (EDS, RDS, SDS)."""
+        key = (since.version, names, held)
+        cached = self._memo.current.get(key)
+        if cached is not None:
+            return cached
+
+        def encode(_: object) -> EncodedResponse:
+            resources, before = self.resources, since.resources
+            changed = []
+            for name in names:
+                resource = resources.get(name)
+                if resource is None:
+                    continue
+                if name not in held:
+                    changed.append(name)
+                    continue
+                old = before.get(name)
+                if old is None or old.hash != resource.hash:
+                    changed.append(name)
+            changed.sort()
+            body = discovery_response(self.version, self.rtype.url, (resources[n].encoded for n in changed))
+            existing = names if all(n in resources for n in names) else frozenset(n for n in names if n in resources)
+            return EncodedResponse(self.rtype.url, self.version, existing, body, len(changed), self)
+
+        return self._memo.miss(key, names, self, encode)
+
+    def versions(self) -> Mapping[str, str]:
+        """Name -> delta version of every resource (made once)."""
+        memo = self._memo
+        if memo.versions is None:
+            memo.versions = MappingProxyType({name: r.version for name, r in self.resources.items()})
+        return memo.versions
+
+    def delta(self, known: Mapping[str, str], *, wildcard: bool, names: frozenset[str]) -> DeltaChanges | None:
+        """What a delta client subscribed to everything (``wildcard``) and/or to ``names``, known
+        to have ``known``, needs: None if nothing. Resources whose version differs are sent;
+        those it has that are gone, and names it subscribed to that do not exist (once), are
+        removed. Memoized by the identity of ``known``: streams that took the same responses share
+        one ``known`` and one answer."""
+        memo = self._memo.delta
+        entry = memo.get(id(known))
+        if entry is not None and entry[0] is known and entry[1] == wildcard and entry[2] is names:
+            return entry[3]
+        versions = self.versions()
+        sent: list[str] = []
+        removed: list[str] = []
+        absent: list[str] = []
+        if wildcard:
+            for name, version in versions.items():
+                if known.get(name) != version:
+                    sent.append(name)
+            for name, version in known.items():
+                if name not in versions and version != ABSENT and name not in names:
+                    removed.append(name)
+        else:
+            for name in names:
+                have = versions.get(name)
+                if have is not None and known.get(name) != have:
+                    sent.append(name)
+        for name in names:
+            if name not in versions:
+                absent.append(name)
+                if known.get(name) != ABSENT:
+                    removed.append(name)
+        result = None
+        if sent or removed:
+            sent.sort()
+            removed.sort()
+            if wildcard:
+                after: Mapping[str, str] = versions if not absent else {**versions, **dict.fromkeys(absent, ABSENT)}
+            else:
+                after = {name: versions.get(name, ABSENT) for name in names}
+            resources = self.resources
+            body = delta_discovery_response(self.version, self.rtype.url,
+                                            (resources[n].delta_encoded() for n in sent), removed)
+            result = DeltaChanges(self.rtype.url, self.version, body, tuple(sent), tuple(removed), after)
+        if len(memo) >= _DELTA_MEMO_ENTRIES:
+            memo.clear()
+        memo[id(known)] = (known, wildcard, names, result)
+        return result
+
+    def retire(self) -> None:
+        """Drop the memoized responses: this snapshot is no longer served, only compared with."""
+        self._memo.clear()
 
     def memo_budget(self) -> int:
         """Bytes the response memo may hold (both generations), once it has been used."""
@@ -106,34 +245,43 @@ class TypeSnapshot:
         return EncodedResponse(self.rtype.url, self.version, carried, body)
 
 
+_Key = frozenset[str] | tuple[str, frozenset[str], frozenset[str]] | None
+"""A memo entry: a full response's name set (None: everything), or (since version, names, held)."""
+
+
 class _ResponseMemo:
     """Encoded responses by name set, in two generations (see the module's docstring)."""
 
-    __slots__ = ("budget", "current", "current_bytes", "everything", "previous", "previous_bytes")
+    __slots__ = ("budget", "current", "current_bytes", "delta", "everything", "previous", "previous_bytes",
+                 "versions")
 
     def __init__(self) -> None:
-        self.current: dict[frozenset[str] | None, EncodedResponse] = {}
-        self.previous: dict[frozenset[str] | None, EncodedResponse] = {}
+        self.current: dict[_Key, EncodedResponse] = {}
+        self.previous: dict[_Key, EncodedResponse] = {}
         self.current_bytes = self.previous_bytes = 0
         self.everything: EncodedResponse | None = None
         self.budget: int | None = None
         """Bytes per generation: half the limits' budget for this type."""
+        self.versions: Mapping[str, str] | None = None
+        self.delta: dict[int, tuple[Mapping[str, str], bool, frozenset[str], DeltaChanges | None]] = {}
 
-    def miss(self, names: frozenset[str] | None, owner: TypeSnapshot) -> EncodedResponse:
-        """Not in the current generation: from the previous one, or newly encoded."""
-        encode = owner._encode
+    def miss(self, key: _Key, names: frozenset[str] | None, owner: TypeSnapshot,
+             encode: Callable[[frozenset[str] | None], EncodedResponse]) -> EncodedResponse:
+        """Not in the current generation: from the previous one, or newly encoded. ``key`` is
+        ``names`` for a full response, or a tuple naming a response of changes."""
         budget = self.budget
         if budget is None:
             limits = owner.memo_limits
             # What the response naming every resource costs: it must fit.
             size = sum(len(resource.encoded) + len(name) + _PER_NAME for name, resource in owner.resources.items())
             budget = self.budget = (limits.bytes + int(limits.type_multiple * size)) // 2
-        if names is None:
+        if key is None:
             if self.everything is None:
                 self.everything = encode(None)
             self.current[None] = self.everything  # always kept, never counted
             return self.everything
-        found = self.previous.pop(names, None)
+        assert names is not None
+        found = self.previous.pop(key, None)
         if found is None:
             found = encode(names)
             cost = _cost(names, found)
@@ -148,9 +296,15 @@ class _ResponseMemo:
             if self.everything is not None:
                 self.previous.pop(None, None)
                 self.current[None] = self.everything
-        self.current[names] = found
+        self.current[key] = found
         self.current_bytes += cost
         return found
+
+    def clear(self) -> None:
+        self.current, self.previous = {}, {}
+        self.current_bytes = self.previous_bytes = 0
+        self.everything = None
+        self.delta = {}
 
 
 def _cost(names: frozenset[str], response: EncodedResponse) -> int:

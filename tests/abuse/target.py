@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -133,7 +134,8 @@ def _status_kib(pid: int, field: str) -> int:
 class Target:
     """``pilotfish serve`` on a small snapshot, its good client, and the measures of an attack."""
 
-    def __init__(self, workdir: Path, *, nofile: int | None = None) -> None:
+    def __init__(self, workdir: Path, *, nofile: int | None = None, nofile_hard: int | None = None,
+                 serve_args: Sequence[str] = ()) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.snapshot = workdir / "snapshot.json"
@@ -144,17 +146,22 @@ class Target:
         self.event_log = workdir / "events.jsonl"
         self.stdout = workdir / "pilotfish.out"
         self.stderr = workdir / "pilotfish.err"
-        argv = [sys.executable, "-m", "pilotfish", "serve", "--snapshot", str(self.snapshot),
+        # PILOTFISH_ABUSE_CORE=h2 runs the same server on the `h2` package's state machine
+        # (bench/h2_core_launch.py), for issue 9's side-by-side comparison; unset: the CLI itself.
+        core = os.environ.get("PILOTFISH_ABUSE_CORE", "")
+        launcher = ["bench.h2_core_launch", "--core", core] if core else ["pilotfish"]
+        argv = [sys.executable, "-m", *launcher, "serve", "--snapshot", str(self.snapshot),
                 "--xds", self.address, "--event-log", str(self.event_log), "--quiet-ms", "10",
-                "--max-delay-ms", "100"]
+                "--max-delay-ms", "100", *serve_args]
         if nofile is not None:  # the usual soft descriptor limit of a service: prlimit execs, same PID
-            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            hard = nofile_hard or resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # serve raises soft to hard
             prlimit = shutil.which("prlimit")
             if prlimit is None:
                 raise RuntimeError("the descriptor test needs prlimit (Debian package util-linux)")
             argv = [prlimit, f"--nofile={nofile}:{hard}", "--", *argv]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), str(REPO) if core else "",
+                                                        env.get("PYTHONPATH")) if p)
         env["PYTHONUNBUFFERED"] = "1"
         with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
@@ -244,6 +251,11 @@ class Target:
     def stderr_text(self) -> str:
         return self._read(self.stderr).decode(errors="replace")
 
+    def stderr_lines(self, containing: str = "") -> list[str]:
+        """The lines the server wrote to stderr since the attack began (with ``containing``)."""
+        text = self._read(self.stderr)[self._stderr_offset:].decode(errors="replace")
+        return [line for line in text.splitlines() if containing in line]
+
     def event_log_size(self) -> int:
         return self.event_log.stat().st_size if self.event_log.exists() else 0
 
@@ -291,10 +303,10 @@ class Target:
         return problems
 
     def conclude(self, name: str, problems: list[str], *, served_timeout: float = SERVED_TIMEOUT,
-                 **numbers: object) -> None:
+                 rss_bound: int = RSS_BOUND, **numbers: object) -> None:
         """Fail with every problem of the attack (its own checks and :meth:`harm`), after
         recording its numbers."""
-        problems = problems + self.harm(served_timeout=served_timeout)
+        problems = problems + self.harm(served_timeout=served_timeout, rss_bound=rss_bound)
         self.numbers.update(numbers)
         self.report(name, problems)
         assert not problems, f"{name}: " + "\n".join(problems) + f"\nnumbers: {self.numbers}"

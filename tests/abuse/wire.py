@@ -36,7 +36,7 @@ import hpack
 
 __all__ = [
     "ADS_PATH", "PREFACE", "FrameType", "Goaway", "H2Code", "RawClient", "frame", "grpc_message", "literal_block",
-    "request_headers",
+    "parse_frames", "request_headers",
 ]
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -422,6 +422,19 @@ class RawClient:
                 got.headers.setdefault(stream_id, []).append(block)
             if flags & END_STREAM:
                 got.ended.add(stream_id)
+
+
+def parse_frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """(type, flags, stream id, payload) of each whole frame in ``data`` (a server's bytes)."""
+    out, offset = [], 0
+    while len(data) - offset >= 9:
+        length = int.from_bytes(data[offset:offset + 3], "big")
+        if len(data) - offset - 9 < length:
+            break
+        stream_id = int.from_bytes(data[offset + 5:offset + 9], "big") & 0x7FFF_FFFF
+        out.append((data[offset + 3], data[offset + 4], stream_id, data[offset + 9:offset + 9 + length]))
+        offset += 9 + length
+    return out
 
 
 def wait(condition: Callable[[], T], *, timeout: float, interval: float = 0.02) -> T | None:

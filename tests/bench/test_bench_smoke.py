@@ -60,6 +60,15 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert len(result.latencies) == 5 * QUICK.changes
         assert len(result.cpu_per_push) == QUICK.changes
         assert sum(result.errors_during_changes.values()) == 0
+    # HTTP/2 cores (issue 9): both served every proxy every change, both held the attack run.
+    comparison = results.core_comparison
+    assert comparison is not None
+    assert sorted(run.core for run in comparison.runs) == ["h2", "own"]
+    for run in comparison.runs:
+        assert run.result.failures == 0
+        assert len(run.result.latencies) == 5 * QUICK.changes
+    assert {core: [t["held"] for t in tests.values()] for core, tests in comparison.abuse.items()} == {
+        "own": [True], "h2": [True]}
     # Reconnect storm: both phases synced every proxy; the server broke no stream.
     assert [row[0] for row in results.storm_rows] == ["cold connect", "restart (all 4 types changed)"]
     for row in results.storm_rows:
@@ -87,7 +96,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert _header(columns) in text
     for heading in ("## Machine", "## Targets (issue 4)", "## Fan-out", "## Memory", "## Snapshot build",
                     "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios",
-                    "## Hardening and TLS"):
+                    "## HTTP/2 core", "## Hardening and TLS"):
         assert heading in text
     assert "- nproc: " in text and "- grpcio: " in text and "- CPU model: " in text
 

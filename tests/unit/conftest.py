@@ -111,7 +111,7 @@ class StreamPair:
     _cancels: dict[TypeUrl, Cancel] = field(default_factory=dict)
 
     def _respond(self, watch: Watch, response: EncodedResponse) -> None:
-        nonce = self.stream.on_response(watch, response)
+        nonce, response = self.stream.on_response(watch, response)
         decoded = discovery_pb2.DiscoveryResponse.FromString(response.body + nonce_field(nonce))
         names = []
         for any_msg in decoded.resources:

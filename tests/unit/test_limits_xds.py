@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 
 import pytest
@@ -117,15 +118,20 @@ def test_serve_raises_its_open_file_limit_to_the_hard_limit() -> None:
 def test_refusals_are_logged_at_most_once_per_interval_with_how_many_were_not(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from pilotfish.server.xds import WARN_EVERY, _Warnings
+    from pilotfish.server.grpc_server import WARN_EVERY, RateLimitedLog
 
     now = [100.0]
-    warnings = _Warnings(clock=lambda: now[0])
+    warnings = RateLimitedLog(logging.getLogger("pilotfish.server"), what="such streams", clock=lambda: now[0])
     with caplog.at_level("WARNING", logger="pilotfish.server"):
         for i in range(300):  # a peer refused in a loop, 16 times per second
-            warnings.warn("stream %d ended: %s", i, "too many names")
+            warnings.log("stream %d ended: %s", i, "too many names")
             now[0] += 0.0625
+        warnings.flush()  # the interval is not over: nothing yet
+        now[0] += WARN_EVERY
+        warnings.flush()  # the flood stopped: what was left out is still counted
+        warnings.flush()
     assert WARN_EVERY == 10.0
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["stream 0 ended: too many names",
-                        "stream 160 ended: too many names (and 159 more such streams since the last warning)"]
+                        "stream 160 ended: too many names (and 159 more such streams since the last one logged)",
+                        "139 more such streams not logged in the last 10 s"]

@@ -26,7 +26,7 @@ from conftest import CDS, EDS, LDS, RDS, Received, StreamPair, assignment, build
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pilotfish.cache import SnapshotCache
+from pilotfish.cache import HISTORY, SnapshotCache
 from pilotfish.protocol import RequestKind
 from pilotfish.snapshot import Snapshot
 
@@ -61,6 +61,14 @@ def _pool() -> list[Snapshot]:
 
 
 POOL = _pool()
+
+
+def _content_at(type_url: str, version: str, names: frozenset[str]) -> dict[str, str]:
+    """What a proxy holds that states it has ``names`` at ``version`` of ``type_url``."""
+    at = next((s.get(type_url) for s in POOL if s.version(type_url) == version), None)
+    if at is None:
+        return {}
+    return {n: at.resources[n].hash for n in names if n in at.resources}
 VERSIONS = sorted({s.version(t) or "" for s in POOL for t in TYPES})
 
 
@@ -139,6 +147,9 @@ class TypeModel:
     held_version: str | None = None
     held: frozenset[str] = frozenset()
     held_all: bool = False
+    content: dict[str, str] = field(default_factory=dict)
+    """EDS/RDS: the content hash of each resource the proxy holds (a response carries only what
+    changed, so this is what it has gathered)."""
     nack: str | None = None
     """After a NACK: the version rejected (sent and rejected still counts as held)."""
     warm: bool = False
@@ -159,10 +170,18 @@ class Run:
     snapshot: Snapshot = POOL[0]
     previous: Snapshot | None = None
     nonces: list[str] = field(default_factory=list)
+    published: list[Snapshot] = field(default_factory=list)
+    """Every snapshot the cache was given, the first included."""
+
+    def kept(self, type_url: str, version: str | None) -> bool:
+        """Whether the cache can still answer a proxy at ``version`` with changes since it."""
+        newest_first = dict.fromkeys(s.version(type_url) for s in reversed([*self.published, self.snapshot]))
+        return version in list(newest_first)[:HISTORY]
 
     # -- actions ----------------------------------------------------------------------------------
 
     def publish(self, snapshot: Snapshot) -> None:
+        self.published.append(self.snapshot)
         self.previous, self.snapshot = self.snapshot, snapshot
         for type_url, model in self.models.items():
             if model.nack is not None and model.nack != snapshot.version(type_url):
@@ -203,6 +222,7 @@ class Run:
             trusted = not model.stated and bool(version)
             model.held_version = version or None
             model.held = named if trusted else frozenset()
+            model.content = _content_at(type_url, version, named) if trusted else {}
             model.held_all = trusted and wildcard
             model.stated = True
             return
@@ -213,6 +233,7 @@ class Run:
                 model.held = frozenset(at.resources) if at is not None else frozenset()
                 model.held_all = False
             model.held &= named
+            model.content = {n: h for n, h in model.content.items() if n in named}
         if nonce and error is None:
             model.accepted = model.latest_version  # an ACK: the proxy runs what it ACKed
         if nonce and error is not None:
@@ -223,7 +244,19 @@ class Run:
             self.check_response(response)
             model = self.models[response.type_url]
             model.latest_nonce, model.latest_version = response.nonce, response.version
-            model.held_version, model.held, model.held_all = response.version, frozenset(response.names), False
+            current = self.snapshot.get(response.type_url)
+            assert current is not None
+            if response.type_url in FULL_STATE:
+                model.held = frozenset(response.names)
+            else:
+                # A response of changes: the proxy keeps what it held and takes what was sent.
+                model.content.update((n, current.resources[n].hash) for n in response.names)
+                subscribed = model.subscribed
+                assert subscribed is not None
+                model.held = frozenset(n for n in current.resources if subscribed.wants(n))
+                stale = {n for n in model.held if model.content.get(n) != current.resources[n].hash}
+                assert not stale, f"{response.type_url}: after the response the proxy lacks {stale} as they are now"
+            model.held_version, model.held_all = response.version, False
             model.warm = False
             self.nonces.append(response.nonce)
             for child, parent in PARENT.items():
@@ -243,15 +276,21 @@ class Run:
         assert current is not None
         expected = {name for name in current.resources if subscribed.wants(name)}
         names = set(response.names)
-        if response.version == current.version:
+        if response.version == current.version and type_url not in FULL_STATE:
+            assert names <= expected, f"{type_url} response carries what is not subscribed or does not exist"
+            unchanged = {n for n in names if n in model.held and model.content.get(n) == current.resources[n].hash}
+            # (A wildcard EDS/RDS subscription, which Envoy never makes, is answered in full, and so is
+            # a proxy at a version the cache does not keep.)
+            assert not unchanged or model.warm or subscribed.wildcard or not self.kept(type_url, model.held_version), (
+                f"{type_url} response re-sends {unchanged}, which the proxy holds")
+        elif response.version == current.version:
             assert names == expected, f"{type_url} response is not the whole subscribed set"
         else:
-            # Only clusters may differ from the snapshot: the bridge keeps clusters the previous
-            # snapshot's routes used (make before break, behaviour 12).
+            # Only clusters may differ from the snapshot: the bridge keeps clusters that the
+            # routes of earlier snapshots used (make before break, behaviour 12).
             assert type_url == CDS and self.previous is not None, f"{type_url} at a version not current"
-            before = self.previous.get(CDS)
-            assert before is not None
-            assert names >= expected and names - expected <= set(before.resources), "not a bridge"
+            earlier = {name for s in self.published for name in s.get(CDS).resources}  # type: ignore[union-attr]
+            assert names >= expected and names - expected <= earlier, "not a bridge"
         if model.nack is not None and response.version == model.nack:
             # Prompted: the proxy's set differs (full state), or it lacks a name sent (it dropped
             # it since, and asked for it again).

@@ -585,3 +585,34 @@ def test_message_reassembly_is_linear_in_the_bytes_received() -> None:
     elapsed = time.perf_counter() - started
     assert [len(e.data) for e in events if isinstance(e, MessageReceived)] == [size]
     assert elapsed < 1.0, f"8,000 one-byte frames onto a 4 MiB message took {elapsed:.2f} s"
+
+
+# -- what the adapter's time-outs read ---------------------------------------------------------------
+
+
+def test_the_preface_is_received_only_with_the_magic_and_the_first_settings() -> None:
+    server = Connection(role=Role.SERVER)
+    assert not server.preface_received
+    server.receive(f.CONNECTION_PREFACE[:10])
+    assert not server.preface_received
+    server.receive(f.CONNECTION_PREFACE[10:])
+    assert not server.preface_received  # the magic alone is not the preface (RFC 9113 section 3.4)
+    settings = f.settings({})
+    server.receive(settings[:5])
+    assert not server.preface_received
+    server.receive(settings[5:])
+    assert server.preface_received
+    assert not [e for e in server.receive(f.frame(f.PING, 0, 0, b"\0" * 8)) if isinstance(e, ConnectionTerminated)]
+
+
+def test_last_peer_stream_tells_streams_that_came_and_went() -> None:
+    pair = Pair()
+    assert pair.server.last_peer_stream == 0 and pair.server.open_streams == 0
+    stream_id = pair.client.open_stream()
+    pair.client.send_headers(stream_id, REQUEST, end_stream=True)
+    pair.pump()
+    pair.server.send_headers(stream_id, [*RESPONSE, (b"grpc-status", b"0")], end_stream=True)
+    pair.pump()
+    # No stream open before or after, but one was opened in between: not idle all along.
+    assert pair.server.open_streams == 0
+    assert pair.server.last_peer_stream == stream_id

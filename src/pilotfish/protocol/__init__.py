@@ -1,5 +1,6 @@
 """xDS protocol state machines, without I/O: requests in, decisions out."""
 
+from pilotfish.protocol.delta import DeltaKind, DeltaOutcome, DeltaStream, DeltaTypeState, DeltaWatch
 from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits
 from pilotfish.protocol.sotw import Nonce, RequestKind, RequestOutcome, SotwStream, TypeState
 from pilotfish.protocol.subscription import (
@@ -13,6 +14,11 @@ from pilotfish.protocol.subscription import (
 __all__ = [
     "DEFAULT_LIMITS",
     "WILDCARD",
+    "DeltaKind",
+    "DeltaOutcome",
+    "DeltaStream",
+    "DeltaTypeState",
+    "DeltaWatch",
     "Nonce",
     "PeerOverLimit",
     "RequestKind",

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from envoy.config.core.v3 import base_pb2
+
 from pilotfish.errors import PeerError, shorten
 
-__all__ = ["DEFAULT_LIMITS", "PeerOverLimit", "XdsLimits", "shorten"]
+__all__ = ["DEFAULT_LIMITS", "PeerOverLimit", "XdsLimits", "kept_node", "shorten"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,3 +54,28 @@ DEFAULT_LIMITS = XdsLimits()
 
 class PeerOverLimit(PeerError):
     """A request over one of the :class:`XdsLimits` the server keeps memory by."""
+
+
+def kept_node(node: base_pb2.Node, limits: XdsLimits) -> base_pb2.Node:
+    """What identifies a proxy, without the rest: Envoy's node lists every extension it was built
+    with (tens of KB), which would otherwise be kept for the life of every stream. Raises
+    :class:`PeerError` if what is kept is over ``limits``."""
+    if len(node.id) > limits.max_node_id_chars:
+        raise PeerError(
+            f"node.id {shorten(node.id, limits.echo_chars)!r} is {len(node.id):,} characters long, over the "
+            f"limit of {limits.max_node_id_chars:,} (XdsLimits.max_node_id_chars): give the proxy a shorter "
+            "node id (Envoy: --service-node or node.id in its bootstrap)")
+    kept = base_pb2.Node(id=node.id, cluster=node.cluster, user_agent_name=node.user_agent_name)
+    if node.HasField("metadata"):
+        kept.metadata.CopyFrom(node.metadata)
+    if node.HasField("locality"):
+        kept.locality.CopyFrom(node.locality)
+    if node.WhichOneof("user_agent_version_type") == "user_agent_version":
+        kept.user_agent_version = node.user_agent_version
+    size = kept.ByteSize()
+    if size > limits.max_node_bytes:
+        raise PeerOverLimit(
+            f"node {shorten(node.id, limits.echo_chars)!r}: its id, cluster, metadata, locality and user agent "
+            f"take {size:,} bytes, over the limit of {limits.max_node_bytes:,} (XdsLimits.max_node_bytes): "
+            "send less node metadata, or raise the limit")
+    return kept

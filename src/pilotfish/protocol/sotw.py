@@ -47,7 +47,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from pilotfish.errors import PeerError
-from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, shorten
+from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, kept_node, shorten
 from pilotfish.protocol.subscription import Subscription, Watch, next_subscription
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl, type_by_url
 from pilotfish.snapshot import EncodedResponse
@@ -60,31 +60,6 @@ Nonce = NewType("Nonce", str)
 _WARMS = {CLUSTER.url: ENDPOINT.url, LISTENER.url: ROUTE.url}
 # ACKs of these types may release clusters held back for make-before-break (behaviour 12).
 _ROUTING = frozenset({LISTENER.url, ROUTE.url})
-
-
-def _identity(node: base_pb2.Node, limits: XdsLimits) -> base_pb2.Node:
-    """What identifies a proxy, without the rest: Envoy's node lists every extension it was built
-    with (tens of KB), which would otherwise be kept for the life of every stream. Raises
-    :class:`PeerError` if what is kept is over ``limits``."""
-    if len(node.id) > limits.max_node_id_chars:
-        raise PeerError(
-            f"node.id {shorten(node.id, limits.echo_chars)!r} is {len(node.id):,} characters long, over the "
-            f"limit of {limits.max_node_id_chars:,} (XdsLimits.max_node_id_chars): give the proxy a shorter "
-            "node id (Envoy: --service-node or node.id in its bootstrap)")
-    kept = base_pb2.Node(id=node.id, cluster=node.cluster, user_agent_name=node.user_agent_name)
-    if node.HasField("metadata"):
-        kept.metadata.CopyFrom(node.metadata)
-    if node.HasField("locality"):
-        kept.locality.CopyFrom(node.locality)
-    if node.WhichOneof("user_agent_version_type") == "user_agent_version":
-        kept.user_agent_version = node.user_agent_version
-    size = kept.ByteSize()
-    if size > limits.max_node_bytes:
-        raise PeerOverLimit(
-            f"node {shorten(node.id, limits.echo_chars)!r}: its id, cluster, metadata, locality and user agent "
-            f"take {size:,} bytes, over the limit of {limits.max_node_bytes:,} (XdsLimits.max_node_bytes): "
-            "send less node metadata, or raise the limit")
-    return kept
 
 
 class RequestKind(enum.Enum):
@@ -172,7 +147,7 @@ class SotwStream:
                 "fewer, or raise the limit")
         if self.node is None:
             # Envoy may send the node only on a stream's first request.
-            self.node = _identity(request.node, limits) if request.HasField("node") else base_pb2.Node()
+            self.node = kept_node(request.node, limits) if request.HasField("node") else base_pb2.Node()
         version_info = request.version_info
         if len(version_info) > limits.max_version_chars:
             version_info = shorten(version_info, limits.max_version_chars)
@@ -267,9 +242,16 @@ class SotwStream:
             routing_acked=self._routing_acked(),
         )
 
-    def on_response(self, watch: Watch, response: EncodedResponse) -> Nonce:
-        """Record that ``response`` goes out for ``watch``; return its nonce (unique per stream)."""
+    def on_response(self, watch: Watch, response: EncodedResponse) -> tuple[Nonce, EncodedResponse]:
+        """Record that ``response`` (or the whole of it: see below) goes out for ``watch``;
+        return its nonce (unique per stream) and the response to send.
+
+        A response of changes only (EDS, RDS, SDS) is sent whole if a cluster (for EDS) or
+        listener (for RDS) response went out since this type's last one: a re-created cluster
+        or listener waits for its endpoints or routes, changed or not (behaviour 13)."""
         state = self.types[response.type_url]
+        if state.warm_pending:
+            response = response.whole()
         self._sent += 1
         nonce = Nonce(str(self._sent))
         state.nonce = nonce
@@ -287,7 +269,7 @@ class SotwStream:
                 warmed_state = self.types[warmed] = TypeState(warmed, wildcard_capable=False)
             if warmed_state is not None:
                 warmed_state.warm_pending = True
-        return nonce
+        return nonce, response
 
 
 def _held_from_request(state: TypeState, subscription: Subscription, version: str | None, *, first: bool) -> None:

@@ -14,7 +14,7 @@ import hashlib
 from google.protobuf.message import Message
 
 from pilotfish.resources.types import ResourceType
-from pilotfish.resources.wire import any_bytes
+from pilotfish.resources.wire import any_bytes, delta_resource
 
 __all__ = ["Resource"]
 
@@ -22,7 +22,7 @@ __all__ = ["Resource"]
 class Resource:
     """One named resource, encoded once; its message is decoded only if someone asks for it."""
 
-    __slots__ = ("_message", "_rtype", "_value", "encoded", "hash", "name")
+    __slots__ = ("_delta", "_message", "_rtype", "_value", "encoded", "hash", "name")
 
     def __init__(self, rtype: ResourceType, name: str, value: bytes, message: Message | None = None) -> None:
         self.name = name
@@ -33,6 +33,19 @@ class Resource:
         self._rtype = rtype
         self._value = value
         self._message = message
+        self._delta: bytes | None = None
+
+    @property
+    def version(self) -> str:
+        """The resource's version in incremental (delta) xDS: the start of its content hash, the
+        same on every replica and after every restart."""
+        return self.hash[:16]
+
+    def delta_encoded(self) -> bytes:
+        """The resource as an encoded ``discovery.v3.Resource`` (name, version, Any), made once."""
+        if self._delta is None:
+            self._delta = delta_resource(self.name, self.version, self.encoded)
+        return self._delta
 
     @classmethod
     def of(cls, rtype: ResourceType, message: Message) -> Resource:

@@ -19,13 +19,16 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["NodeAuthorizer", "NodeRule", "parse_rule"]
+__all__ = ["NodeAuthorizer", "NodeRule", "compile_pattern", "parse_rule"]
 
 _MAX_SHOWN = 200
 """How much of a refused node id a message repeats (a peer chooses its length)."""
 
 
-def _pattern(text: str) -> re.Pattern[str]:
+def compile_pattern(text: str) -> re.Pattern[str]:
+    """A rule's pattern as a regular expression, to ``fullmatch``: ``*`` is any run of characters
+    but ``/``, everything else stands for itself. (The SDS grants of :mod:`pilotfish.server.grants`
+    use it too.)"""
     return re.compile("[^/]*".join(re.escape(part) for part in text.split("*")))
 
 
@@ -51,7 +54,7 @@ class NodeAuthorizer:
 
     def __init__(self, rules: Iterable[NodeRule]) -> None:
         self.rules = tuple(rules)
-        self._compiled = [(_pattern(r.identity), _pattern(r.node)) for r in self.rules]
+        self._compiled = [(compile_pattern(r.identity), compile_pattern(r.node)) for r in self.rules]
 
     def refusal(self, identity: str, node_id: str) -> str | None:
         matched = False

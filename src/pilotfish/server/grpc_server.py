@@ -20,6 +20,35 @@ unknown methods, UNIMPLEMENTED for compressed messages, graceful stop, TLS and m
 :attr:`Call.peer_identity`, see :mod:`pilotfish.server.tls`). Not implemented: compression. TCP
 keepalive finds dead peers at no Python cost.
 
+Connections are bounded here (:class:`ConnectionLimits`), since each holds a descriptor and
+memory before it has said a word. One over :attr:`~ConnectionLimits.max_connections` (all
+peers) or :attr:`~ConnectionLimits.max_connections_per_address` (one source IP) is refused the
+way Envoy refuses one over a listener's limit: accepted, then closed at once, before any HTTP/2
+(or TLS) byte, with a reset so that the kernel keeps no TIME_WAIT state. To a gRPC client that
+is a failed connection attempt: grpc-core and Envoy retry it with exponential backoff (measured
+with grpcio: attempts at 0, 1.0, 2.3 and 5.3 s). A GOAWAY after our SETTINGS would not do:
+grpc-core then reports the channel READY (a connection made), which resets its backoff, so a
+refused client would come back at once. On plaintext, asyncio accepts (in C, on uvloop) and the
+caps are checked in :meth:`_Connection.connection_made` (no HTTP/2 connection is made for a
+refused one). With TLS, asyncio would call the protocol only after the handshake, too late to
+refuse cheaply (and ``start_tls`` from ``connection_made`` loses the ClientHello on uvloop, which
+starts reading once ``connection_made`` returns), so :meth:`GrpcServer._accept` accepts itself,
+checks the caps, and hands the socket to ``loop.connect_accepted_socket``: a refused client gets
+no handshake, and one in its handshake counts (bounded by :data:`TLS_HANDSHAKE_TIMEOUT`).
+
+A connection that has not completed its HTTP/2 preface (magic and SETTINGS)
+:attr:`~ConnectionLimits.handshake_timeout` after it was accepted (after its TLS handshake, if
+any) gets GOAWAY PROTOCOL_ERROR and is closed; one without streams
+for :attr:`~ConnectionLimits.idle_timeout` gets GOAWAY NO_ERROR and is closed (Envoy's HTTP
+``idle_timeout``; an xDS client keeps its ADS stream open, so it is never idle). Time-outs cost
+no timer per connection: one periodic sweep (:meth:`GrpcServer._sweep`) pops expired handshake
+deadlines from a queue in arrival order, and now and then looks at every connection for
+idleness; the sans-IO connection has no clock for them.
+
+What a peer can make happen in a loop (refusals, time-outs, protocol errors) is logged through
+:class:`RateLimitedLog`: a line per kind per :data:`WARN_EVERY` seconds at most, then how many
+were left out, never a traceback.
+
 Applications register *methods*: ``path -> factory(call) -> handler``. A handler is called back
 synchronously: ``on_message(bytes)``, ``on_half_close()`` (the client has sent all it will),
 ``on_closed(reason)`` (the call is over, however it ended: exactly once). It answers through the
@@ -32,9 +61,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import resource
 import socket
 import ssl
+import struct
+import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from pilotfish.server.tls import peer_identity
@@ -52,7 +88,8 @@ from pilotfish.transport.h2 import (
     StreamReset,
 )
 
-__all__ = ["Call", "GrpcServer", "Handler", "MethodFactory", "RpcError"]
+__all__ = ["WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "Handler", "MethodFactory", "RateLimitedLog",
+           "RpcError"]
 
 _log = logging.getLogger("pilotfish.server.grpc")
 
@@ -61,12 +98,161 @@ FLUSH_BATCH = 32
 Measured at 1,000 proxies (p99 of an endpoint change): 8-32 ~210-230 ms, 128 ~265 ms, 512 ~255 ms."""
 TLS_HANDSHAKE_TIMEOUT = 10.0  # seconds a TLS client gets to finish its handshake
 LISTEN_BACKLOG = 65_535  # the kernel caps it at net.core.somaxconn; a reconnect storm needs it
+ACCEPT_BATCH = 128  # connections accepted per readiness of a listening socket (then other work runs)
+ACCEPT_RETRY = 1.0  # seconds without accepting after the process ran out of descriptors (as asyncio)
 # TCP keepalive: an idle peer that vanished (no FIN, no RST) is found within ~60 s.
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
 
 _RESPONSE_HEADERS = h2.header_block([(b":status", b"200"), (b"content-type", b"application/grpc")])
 _REASON_LIMIT = 200
 """Characters of a peer-caused reason kept in a log line (a peer must not fill the log)."""
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST, keeps no TIME_WAIT
+
+WARN_EVERY = 10.0
+"""Seconds between two log lines of one kind about peers (see :class:`RateLimitedLog`)."""
+
+DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 4096
+"""Connections from one source address, unless half of the total cap is less (see
+:attr:`ConnectionLimits.max_connections_per_address`)."""
+_DESCRIPTOR_RESERVE = 128
+"""Descriptors at least kept out of the xDS connection cap for the rest of the process."""
+_UNLIMITED_DESCRIPTORS = 1 << 20  # what serve sets when the hard limit is infinite
+
+
+class RateLimitedLog:
+    """Log lines of one kind, at most one per ``every`` seconds: for what a peer can make happen
+    in a loop (refused connections, protocol errors, refused streams), which must neither fill the
+    log nor cost a formatted line each. The next line logged, or :meth:`flush` once the interval
+    is over, says how many were left out."""
+
+    __slots__ = ("_clock", "_every", "_left_out", "_level", "_logger", "_next", "_what")
+
+    def __init__(self, logger: logging.Logger, *, what: str, level: int = logging.WARNING,
+                 every: float = WARN_EVERY, clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger = logger
+        self._what = what
+        """What a left-out line is about, in the plural ("such streams")."""
+        self._level = level
+        self._every = every
+        self._clock = clock
+        self._next = -math.inf
+        self._left_out = 0
+
+    def log(self, message: str, *args: object) -> bool:
+        """Log ``message % args`` unless a line was logged less than ``every`` seconds ago
+        (then only count it); True when it was logged."""
+        now = self._clock()
+        if now < self._next:
+            self._left_out += 1
+            return False
+        self._next = now + self._every
+        if self._left_out:
+            message += " (and %d more %s since the last one logged)"
+            args += (self._left_out, self._what)
+            self._left_out = 0
+        self._logger.log(self._level, message, *args)
+        return True
+
+    def flush(self) -> None:
+        """Say how many lines were left out, if any and the interval is over (so a flood that
+        stopped is still counted in the log)."""
+        if self._left_out and self._clock() >= self._next:
+            self._next = self._clock() + self._every
+            left_out, self._left_out = self._left_out, 0
+            self._logger.log(self._level, "%d more %s not logged in the last %g s", left_out, self._what, self._every)
+
+
+def descriptor_limit() -> int:
+    """This process's open-file soft limit (RLIMIT_NOFILE), as ``serve`` left it."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return _UNLIMITED_DESCRIPTORS if soft == resource.RLIM_INFINITY else soft
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectionLimits:
+    """How many connections the server holds, and how long one may hold a descriptor while
+    doing nothing. Each default says which stack it follows; see the module docstring for what
+    a refused or timed-out peer sees."""
+
+    max_connections: int | None = None
+    """Connections held at once, from all peers; the next is refused (accepted and closed at
+    once, as Envoy does over a listener's ``max_connections`` or the overload manager's
+    ``max_active_downstream_connections``). None: the open-file limit (RLIMIT_NOFILE, which
+    ``serve`` raises to its hard limit) less a tenth of it, at least 128, kept for the rest of the
+    process (event log, snapshot file, registry API, etcd, TLS files); with the usual 1,024 that
+    is 896, with 1,048,576 it is 943,719. Envoy sets no default and tells operators to set one;
+    grpc-core has none."""
+    max_connections_per_address: int | None = None
+    """Connections held at once from one source IP address; the next is refused the same way,
+    so one host (or a flood from it) cannot take every connection while others get none.
+    None: 4,096 (a fleet behind one NAT address, e.g. a cluster's egress, is served), or half of
+    :attr:`max_connections` if that is less. Neither Envoy nor grpc-core has one (nginx's
+    ``limit_conn`` is the usual tool); raise it for a larger fleet behind one address."""
+    handshake_timeout: float = 10.0
+    """Seconds a client gets, once accepted (and past its TLS handshake), to complete the HTTP/2
+    preface (the magic and its SETTINGS); then GOAWAY PROTOCOL_ERROR and closed. Go's
+    net/http2 server waits 10 s; grpc-core's handshake timeout is 120 s (too long to hold
+    descriptors for silent connections); Envoy bounds the same with ``listener_filters_timeout``
+    (15 s) and the HTTP ``idle_timeout``."""
+    idle_timeout: float | None = 3600.0
+    """Seconds a connection may have no open stream; then GOAWAY NO_ERROR and closed. Envoy's
+    ``common_http_protocol_options.idle_timeout`` (1 hour); grpc-core's
+    ``GRPC_ARG_MAX_CONNECTION_IDLE_MS`` does the same and is off by default. An xDS client
+    keeps its ADS stream open, so only a connection that stopped asking for anything is closed.
+    None: never. Checked every tenth of it (at most every minute), so it may take up to that much
+    longer."""
+
+    def caps(self, descriptors: int) -> tuple[int, int]:
+        """(total, per address) with the defaults resolved for a process that may open
+        ``descriptors`` files."""
+        total = self.max_connections
+        if total is None:
+            total = max(descriptors // 2, descriptors - max(_DESCRIPTOR_RESERVE, descriptors // 10), 1)
+        per_address = self.max_connections_per_address
+        if per_address is None:
+            per_address = max(1, min(DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, total // 2))
+        return total, per_address
+
+
+def _listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound, listening, non-blocking sockets for ``host:port`` (every address of ``host``; all
+    interfaces when it is empty), as ``loop.create_server`` makes them."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # the IPv4 socket takes IPv4
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise OSError(exc.errno, f"error while attempting to bind on address {address!r}: "
+                                         f"{exc.strerror.lower() if exc.strerror else exc}") from None
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive on an accepted socket: a peer that vanished is found at no Python cost."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in _KEEPALIVE:
+        sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def _source_address(peer: object) -> str:
+    """The IP address a connection comes from (an IPv4 address mapped into IPv6 as itself)."""
+    if isinstance(peer, tuple) and peer:
+        host = str(peer[0])
+        return host[7:] if host.startswith("::ffff:") and "." in host else host
+    return ""
 
 
 class RpcError(Exception):
@@ -163,37 +349,60 @@ class Call:
 class _Connection(asyncio.Protocol):
     """One client connection: the asyncio side of a :class:`~pilotfish.transport.h2.Connection`."""
 
-    def __init__(self, server: GrpcServer) -> None:
+    __slots__ = ("__weakref__", "_calls", "_dirty", "_reading", "_server", "address", "goaway_at", "h2", "identity",
+                 "idle_mark", "idle_since", "peer", "transport")  # one per proxy: no __dict__
+
+    def __init__(self, server: GrpcServer, address: str = "") -> None:
         self._server = server
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set in connection_made
         self._dirty = False
         self._reading = True
-        self.h2 = Connection(role=Role.SERVER, limits=server.limits, on_output=self._output_ready)
+        self.h2: Connection = None  # type: ignore[assignment]  # made in connection_made, if admitted
         self.peer = ""
+        self.address = address
+        """The source IP address: what :attr:`ConnectionLimits.max_connections_per_address` counts."""
         self.identity = ""
         """The client's identity from its verified certificate (mTLS), else ``""``."""
         self._calls: dict[int, Call] = {}
+        self.idle_since = 0.0
+        """When the connection was last seen without streams (event-loop time); -1: it has some."""
+        self.idle_mark = 0
+        """:attr:`Connection.last_peer_stream` when :attr:`idle_since` was taken."""
+        self.goaway_at = -1.0
+        """When we began closing it (GOAWAY for idleness or a protocol error); -1: not yet."""
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """HTTP/2 starts: on a plaintext listener once the caps admit it (refused: reset at once);
+        on a TLS one, admitted at accept (:meth:`GrpcServer._accept`), after the handshake."""
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                for option, value in _KEEPALIVE:
-                    sock.setsockopt(socket.IPPROTO_TCP, option, value)
         peer = transport.get_extra_info("peername")
+        server = self._server
+        if not self.address:  # plaintext: asyncio accepted it
+            self.address = _source_address(peer)
+            sock = transport.get_extra_info("socket")
+            refusal = server.admit(self)
+            if refusal:  # closed before any HTTP/2 byte: a failed connection attempt to the client
+                server.refused_log.log("refused a connection from %s: %s", self.address, refusal)
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+                self.transport.abort()
+                return
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    _keep_alive(sock)
         if isinstance(peer, tuple):
             family = "ipv6" if ":" in peer[0] else "ipv4"
             self.peer = f"{family}:{peer[0]}:{peer[1]}"
         self.identity = peer_identity(transport.get_extra_info("peercert"))
-        self._server.connections.add(self)
-        self._output_ready()  # the SETTINGS queued when the connection was made
+        self.h2 = server.connection_factory(role=Role.SERVER, limits=server.limits, on_output=self._output_ready)
+        self.idle_since = server.now()
+        server.await_preface(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server.connections.discard(self)
+        self._server.release(self)
         reason = "connection lost" if exc is None else f"connection lost: {exc}"
         calls, self._calls = self._calls, {}
         for call in calls.values():
@@ -248,7 +457,8 @@ class _Connection(asyncio.Protocol):
                 if call is not None:
                     call.finish(event.grpc_status, event.reason)
             elif isinstance(event, ConnectionTerminated) and not event.remote:
-                _log.warning("closing HTTP/2 connection from %s: %s", self.peer, event.reason[:_REASON_LIMIT])
+                self._server.error_log.log("closing HTTP/2 connection from %s: %s", self.peer,
+                                           event.reason[:_REASON_LIMIT])
         if conn.closed:
             self._close()
 
@@ -305,15 +515,57 @@ class _Connection(asyncio.Protocol):
 
     def _close(self) -> None:
         """The HTTP/2 connection is over (GOAWAY sent or received): write what is left, close
-        (every call is cancelled in connection_lost)."""
+        (every call is cancelled in connection_lost). A peer that does not read what is left
+        is cut off by the next idle sweep."""
         if not self.transport.is_closing():
+            self.goaway_at = self._server.now()
             self.flush_out()
             self.transport.close()
 
+    def end_handshake_timed_out(self, timeout: float) -> None:
+        """No HTTP/2 preface within ``timeout``: GOAWAY PROTOCOL_ERROR and the descriptor is
+        released at once (what the kernel holds of the GOAWAY still goes out, then FIN)."""
+        if self.transport.is_closing() or self.h2.preface_received:
+            return
+        self._server.timeout_log.log("closed a connection from %s: no HTTP/2 connection preface within %g s "
+                                     "(ConnectionLimits.handshake_timeout)", self.peer, timeout)
+        self.h2.close(ErrorCode.PROTOCOL_ERROR, f"no HTTP/2 connection preface within {timeout:g} s")
+        self.flush_out()
+        self.transport.abort()
+
+    def check_idle(self, now: float, timeout: float | None, grace: float) -> None:
+        """One look of the idle sweep. A connection without streams since the last look (and
+        none opened in between) for ``timeout`` gets GOAWAY NO_ERROR and is closed (the GOAWAY
+        written first: the client knows no stream was lost, and reconnects when it needs one).
+        One told to go (idle, or a protocol error) ``grace`` seconds ago or more and still here
+        does not read what is left: it is cut off."""
+        transport, h2 = self.transport, self.h2
+        if h2 is None:
+            return  # in its TLS handshake (bounded by TLS_HANDSHAKE_TIMEOUT)
+        if self.goaway_at >= 0:
+            if now - self.goaway_at >= grace:  # told to go, and has not: a peer that does not read
+                transport.abort()
+            return
+        if transport.is_closing() or not h2.preface_received:
+            return  # closing already, or the handshake deadline's
+        if h2.open_streams:
+            self.idle_since = -1.0
+            return
+        mark = h2.last_peer_stream
+        if self.idle_since < 0 or mark != self.idle_mark:
+            self.idle_since, self.idle_mark = now, mark
+            return
+        if timeout is None or now - self.idle_since < timeout:
+            return
+        self._server.idle_log.log("closed a connection from %s: no streams for %g s (ConnectionLimits.idle_timeout)",
+                                  self.peer, timeout)
+        h2.close(ErrorCode.NO_ERROR, f"idle: no streams for {timeout:g} s")
+        self._close()
+
     def shut_down(self, message: str) -> None:
         """Stop: every call ends UNAVAILABLE (so clients reconnect elsewhere or later), GOAWAY."""
-        if self.transport.is_closing():
-            return
+        if self.transport is None or self.transport.is_closing():
+            return  # (in its TLS handshake: its task is cancelled)
         for call in list(self._calls.values()):
             call.release_handler(message)
             call.finish(GrpcStatus.UNAVAILABLE, message, abandon_pending=True)
@@ -325,14 +577,150 @@ class _Connection(asyncio.Protocol):
 class GrpcServer:
     """Listens on one address and serves the registered ``methods`` ({path: factory})."""
 
-    def __init__(self, methods: Mapping[str, MethodFactory], *, limits: Limits | None = None) -> None:
+    def __init__(self, methods: Mapping[str, MethodFactory], *, limits: Limits | None = None,
+                 connection_limits: ConnectionLimits | None = None,
+                 connection_factory: Callable[..., Connection] = Connection) -> None:
         self.limits = limits or Limits()
         """What each connection lets a peer do (see :class:`~pilotfish.transport.h2.Limits`)."""
+        self.connection_factory = connection_factory
+        """Makes each connection's HTTP/2 core (keywords ``role``, ``limits``, ``on_output``): the own
+        one; bench/h2_core_compare.py measures the `h2` package's state machine in its place."""
+        self.connection_limits = connection_limits or ConnectionLimits()
+        self.max_connections, self.max_connections_per_address = self.connection_limits.caps(descriptor_limit())
+        """The caps in force (:meth:`ConnectionLimits.caps` of this process's open-file limit)."""
         self.methods: dict[bytes, MethodFactory] = {path.encode(): f for path, f in methods.items()}
         self.connections: set[_Connection] = set()
+        self._per_address: dict[str, int] = {}
+        self._handshakes: deque[tuple[float, weakref.ref[_Connection]]] = deque()
+        """(deadline, connection) of connections admitted, in order: their preface deadlines. Weak:
+        a connection that came and went is not kept for the rest of its deadline (a flood of
+        short connections would be)."""
         self._server: asyncio.Server | None = None
+        self._listeners: list[socket.socket] = []
+        self._handshaking: set[asyncio.Task[None]] = set()
+        """Accepted connections until asyncio has set them up (for TLS: their handshakes)."""
+        self.tls: ssl.SSLContext | None = None
         self._dirty: list[_Connection] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        idle = self.connection_limits.idle_timeout
+        self._idle_every = min(idle / 10, 60.0) if idle else 60.0
+        """Seconds between two looks at every connection for idleness (and peers told to go)."""
+        self._next_idle_look = 0.0
+        self._tick = min(max(min(self.connection_limits.handshake_timeout, self._idle_every) / 10, 0.01), 1.0)
+        """Seconds between two sweeps: a tenth of the handshake timeout or of the idle look
+        interval, whichever is less, from 10 ms to 1 s."""
+        self.refused_log = RateLimitedLog(_log, what="refused connections")
+        self.timeout_log = RateLimitedLog(_log, what="connections without a preface")
+        self.error_log = RateLimitedLog(_log, what="connections closed for protocol errors")
+        self.idle_log = RateLimitedLog(_log, what="idle connections closed", level=logging.INFO)
+        self.tls_log = RateLimitedLog(_log, what="failed TLS handshakes", level=logging.INFO)
+
+    def now(self) -> float:
+        return (self._loop or asyncio.get_running_loop()).time()
+
+    # -- connections ------------------------------------------------------------------------------
+
+    def _accept(self, listener: socket.socket) -> None:
+        """A listening socket is readable: accept what waits (a batch), refuse what is over a cap
+        (closed with a reset, nothing else made for it), hand the rest to asyncio."""
+        loop = self._loop or asyncio.get_running_loop()
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, peer = listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:  # out of descriptors (EMFILE, ENFILE) or memory: pause, as asyncio does
+                self.refused_log.log("cannot accept connections (%s): accepting again in %g s", exc, ACCEPT_RETRY)
+                loop.remove_reader(listener)
+                loop.call_later(ACCEPT_RETRY, self._listen_again, listener)
+                return
+            conn = _Connection(self, _source_address(peer))
+            refusal = self.admit(conn)
+            if refusal:  # a failed connection attempt to the client (it backs off), and no TLS handshake
+                self.refused_log.log("refused a connection from %s: %s", conn.address, refusal)
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+                sock.close()
+                continue
+            with contextlib.suppress(OSError):
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _keep_alive(sock)
+            task = loop.create_task(self._set_up(conn, sock))
+            self._handshaking.add(task)
+            task.add_done_callback(self._handshaking.discard)
+
+    def _listen_again(self, listener: socket.socket) -> None:
+        if listener in self._listeners and listener.fileno() >= 0:
+            (self._loop or asyncio.get_running_loop()).add_reader(listener, self._accept, listener)
+
+    async def _set_up(self, conn: _Connection, sock: socket.socket) -> None:
+        """Give an admitted socket to asyncio for its TLS handshake; then
+        :meth:`_Connection.connection_made`. A failed handshake is the peer's doing: logged (rate
+        limited) and counted out."""
+        loop = self._loop or asyncio.get_running_loop()
+        try:
+            await loop.connect_accepted_socket(lambda: conn, sock, ssl=self.tls,
+                                               ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT)
+        except Exception as exc:
+            self.tls_log.log("TLS handshake with %s failed: %s", conn.address,
+                             (str(exc) or type(exc).__name__)[:_REASON_LIMIT])
+        finally:
+            if conn.h2 is None:  # connection_made never came: no connection_lost will either
+                self.release(conn)
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def admit(self, conn: _Connection) -> str:
+        """Count ``conn`` in, or say why it is refused (``""``: admitted)."""
+        if len(self.connections) >= self.max_connections:
+            return (f"{len(self.connections)} connections are open, the limit "
+                    f"(--max-connections / ConnectionLimits.max_connections)")
+        count = self._per_address.get(conn.address, 0)
+        if count >= self.max_connections_per_address:
+            return (f"{count} connections from this address are open, the limit "
+                    f"(--max-connections-per-address / ConnectionLimits.max_connections_per_address)")
+        self._per_address[conn.address] = count + 1
+        self.connections.add(conn)
+        return ""
+
+    def await_preface(self, conn: _Connection) -> None:
+        """``conn`` has started HTTP/2: its preface is due within the handshake timeout."""
+        self._handshakes.append((self.now() + self.connection_limits.handshake_timeout, weakref.ref(conn)))
+
+    def release(self, conn: _Connection) -> bool:
+        """Count ``conn`` out when it is gone; False if it was already."""
+        if conn not in self.connections:
+            return False
+        self.connections.discard(conn)
+        count = self._per_address.get(conn.address, 0) - 1
+        if count > 0:
+            self._per_address[conn.address] = count
+        else:
+            self._per_address.pop(conn.address, None)
+        return True
+
+    def _sweep(self) -> None:
+        """Close connections past their handshake deadline (a queue in deadline order: a look at
+        its head), and every :attr:`_idle_every` seconds, idle ones; say what was left out of
+        the log. Again every :attr:`_tick` seconds."""
+        loop = self._loop or asyncio.get_running_loop()
+        self._sweeper = loop.call_later(self._tick, self._sweep)  # first: nothing below may end the sweeps
+        now = loop.time()
+        handshakes = self._handshakes
+        timeout = self.connection_limits.handshake_timeout
+        while handshakes and handshakes[0][0] <= now:
+            conn = handshakes.popleft()[1]()
+            if conn is not None and conn in self.connections:
+                conn.end_handshake_timed_out(timeout)
+        if now >= self._next_idle_look:
+            self._next_idle_look = now + self._idle_every
+            idle, grace = self.connection_limits.idle_timeout, max(self._idle_every, 1.0)
+            for conn in list(self.connections):
+                conn.check_idle(now, idle, grace)
+        for log in (self.refused_log, self.timeout_log, self.error_log, self.idle_log, self.tls_log):
+            log.flush()
 
     def mark_dirty(self, conn: _Connection) -> None:
         """``conn`` has output this turn: flush it (with every other such one) at the turn's end,
@@ -358,25 +746,48 @@ class GrpcServer:
         """Listen on ``host:port`` (0: any free port); returns the port. With ``tls``, only TLS
         connections are served (the context should offer ALPN ``h2``)."""
         loop = self._loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                                backlog=LISTEN_BACKLOG, reuse_address=True, ssl=tls,
-                                                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if tls else None)
-        bound: int = self._server.sockets[0].getsockname()[1]
+        self.tls = tls
+        if tls is None:  # asyncio's accept (in C on uvloop); the caps are checked in connection_made
+            self._server = await loop.create_server(lambda: _Connection(self), host or None, port,
+                                                    backlog=LISTEN_BACKLOG, reuse_address=True)
+            bound: int = self._server.sockets[0].getsockname()[1]
+        else:  # our accept: the caps are checked before the TLS handshake
+            self._listeners = await loop.run_in_executor(None, _listening_sockets, host, port)
+            for listener in self._listeners:
+                loop.add_reader(listener, self._accept, listener)
+            bound = self._listeners[0].getsockname()[1]
+        self._next_idle_look = loop.time() + self._idle_every
+        self._sweeper = loop.call_later(self._tick, self._sweep)
         return bound
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop listening, end every call with UNAVAILABLE and close the connections, waiting up
         to ``grace`` seconds for the peers to take what was written."""
-        if self._server is None:
+        if self._server is None and not self._listeners:
             return
-        self._server.close()
+        loop = asyncio.get_running_loop()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        listeners, self._listeners = self._listeners, []
+        if self._server is not None:
+            self._server.close()
+        for listener in listeners:
+            loop.remove_reader(listener)
+            listener.close()
+        for task in list(self._handshaking):
+            task.cancel()
         for conn in list(self.connections):
             conn.shut_down("pilotfish is shutting down")
         deadline = asyncio.get_running_loop().time() + (grace or 0.0)
         while self.connections and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         for conn in list(self.connections):
-            conn.transport.abort()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
-        self._server = None
+            if conn.transport is not None:
+                conn.transport.abort()
+        if self._handshaking:
+            await asyncio.wait(list(self._handshaking), timeout=1.0)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
+            self._server = None

@@ -22,7 +22,10 @@ from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
+from pilotfish.resources import SECRET
 from pilotfish.server.authorize import NodeAuthorizer, NodeRule
+from pilotfish.server.grants import SecretGrant, SecretGrants, Subject
+from pilotfish.server.grpc_server import ConnectionLimits
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
@@ -88,9 +91,15 @@ class ServeSettings:
     """How often the certificate, key and CA files are checked for changes (seconds)."""
     authorize_nodes: tuple[NodeRule, ...] = ()
     """Which node ids each certificate identity may claim (needs :attr:`client_ca`); empty: any."""
+    secret_grants: tuple[SecretGrant, ...] = ()
+    """Which proxies may receive which SDS secrets (``identity:`` grants need :attr:`client_ca`);
+    empty: no proxy receives any secret (see :mod:`pilotfish.server.grants`)."""
 
     xds_limits: XdsLimits = field(default_factory=XdsLimits)
     """What one xDS request may carry (names, node size) and how much of it a stream keeps."""
+    xds_connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    """How many xDS connections are held (in total, per source address), and how long one may
+    go without its HTTP/2 preface or without streams."""
 
     def tls_files(self, *, client_ca: Path | None, alpn: tuple[str, ...]) -> TlsFiles | None:
         """The TLS files of one listener, or None for plaintext. Raises :class:`ConfigError` when
@@ -141,8 +150,10 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             raise ConfigError("--authorize-node", [Problem("", "node rules bind certificate identities to node "
                                                                "ids: they need mTLS, give --client-ca FILE too")])
         authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
-        xds = XdsServer(cache, events=events, authorize=authorize, limits=settings.xds_limits)
-        server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context)
+        grants = _secret_grants(settings, cache)
+        xds = XdsServer(cache, events=events, authorize=authorize, grants=grants, limits=settings.xds_limits)
+        server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context,
+                                              connection_limits=settings.xds_connections)
         host = settings.xds.rsplit(":", 1)[0]
         if xds_tls is not None:
             tasks.append(asyncio.create_task(xds_tls.run(every=settings.tls_reload_every), name="xds-tls-reload"))
@@ -172,7 +183,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         events.emit("server_started", xds=f"{host}:{port}", registry=registry_address,
                     snapshot=str(settings.snapshot) if settings.snapshot else None, tls=tls)
         scheme = "http" if registry_tls_files is None else "https"
-        _log.info("serving xDS on %s:%d (TLS: %s)%s", host, port, tls,
+        _log.info("serving xDS on %s:%d (TLS: %s; at most %d connections, %d per address)%s", host, port, tls,
+                  server.max_connections, server.max_connections_per_address,
                   f", registry API on {scheme}://{registry_address}" if registry_address else "")
 
         etcd = None
@@ -222,6 +234,24 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         for cleanup in cleanups:
             await cleanup()
         events.close()
+
+
+def _secret_grants(settings: ServeSettings, cache: SnapshotCache) -> SecretGrants:
+    """The SDS grants, checked against the other settings; warns about what they leave open or shut."""
+    grants = SecretGrants(settings.secret_grants)
+    if grants.of(Subject.IDENTITY) and settings.client_ca is None:
+        raise ConfigError("--grant-secret", [Problem("", "identity: grants name certificate identities: they "
+                                                         "need mTLS, give --client-ca FILE too")])
+    if grants.of(Subject.NODE) and not settings.authorize_nodes:
+        _log.warning("--grant-secret node: grants trust the node id a proxy claims, and without --authorize-node "
+                     "any peer that reaches the xDS port can claim any node id and receive these secrets: %s",
+                     ", ".join(map(str, grants.of(Subject.NODE))))
+    snapshot = cache.snapshot()
+    secrets = snapshot.get(SECRET.url) if snapshot is not None else None
+    ungranted = grants.ungranted(secrets.resources) if secrets is not None else []
+    if ungranted:
+        _log.warning("no --grant-secret covers these secrets: no proxy will receive them: %s", ", ".join(ungranted))
+    return grants
 
 
 def raise_descriptor_limit() -> int:

@@ -1,0 +1,279 @@
+"""The incremental (delta) xDS stream state machine. No I/O.
+
+Everything that changes what a delta stream has seen lives here: a
+:class:`~envoy.service.discovery.v3.discovery_pb2.DeltaDiscoveryRequest` goes in through
+:meth:`DeltaStream.on_request` and a :class:`DeltaOutcome` comes out (what kind of request it was,
+and the :class:`DeltaWatch` to open); an answer the cache found goes through
+:meth:`DeltaStream.on_response`, which gives it its nonce and records what the client now has.
+
+Per type, a stream remembers what the client subscribes to (everything, ``*``, and/or names)
+and what it is *known to have*: name -> version, where versions are content hashes (the same on
+every replica and after restarts). The cache answers a watch with the resources whose version
+differs from what the client has and the names it has that are gone (DESIGN.md behaviour 14,
+https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol#incremental-xds):
+
+- The first request of a type may carry ``initial_resource_versions`` (a client that reconnects):
+  that is what it has, so only what differs is sent, and what it has that is gone is removed.
+- Wildcard: ``*`` subscribes to everything (and unsubscribing from ``*`` ends that); a first
+  CDS or LDS request that subscribes to nothing is a wildcard subscription too (the legacy form).
+- Subscribing and unsubscribing apply whatever the request's nonce: a client may change its
+  subscription at any time. A name unsubscribed from is forgotten by the client (unless the
+  wildcard still covers it), so it is sent again if it is subscribed to again.
+- A name subscribed to that does not exist is put in ``removed_resources`` once: the client
+  knows it does not exist instead of waiting out a timeout; it is sent when it appears.
+- ``response_nonce`` equal to the last nonce sent for the type: an ACK, or with ``error_detail``
+  a NACK. What was sent counts as had either way: rejected content is not sent again, only a newer
+  version of it. Any other nonce: stale for ACK/NACK purposes (the subscription still applies).
+- What a client is known to have is shared, never changed in place: after a response it is the
+  answer's own mapping (the same for every stream that took the same answer), so a fleet at one
+  version holds one mapping and a change costs one diff, not one per stream.
+- After a response that changes clusters, the next endpoints answer carries those clusters'
+  endpoints even if unchanged (a re-created cluster waits for them: warming); likewise every
+  subscribed route configuration after a listener change.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+
+from pilotfish.errors import PeerError
+from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, kept_node, shorten
+from pilotfish.protocol.sotw import Nonce
+from pilotfish.protocol.subscription import WILDCARD, next_subscription
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl, type_by_url
+from pilotfish.snapshot import ABSENT, DeltaChanges, Snapshot, TypeSnapshot
+
+__all__ = ["DeltaKind", "DeltaOutcome", "DeltaStream", "DeltaTypeState", "DeltaWatch"]
+
+_NOTHING: Mapping[str, str] = {}
+_RESEND = "resend"
+"""A version no resource has (theirs are hex digests): what the client has, to be sent again."""
+# ACKs of these types may release clusters held back for make-before-break (behaviour 12).
+_ROUTING_TYPES = (LISTENER.url, ROUTE.url)
+_NO_STATES: Mapping[TypeUrl, DeltaTypeState] = {}
+_ROUTING = frozenset(_ROUTING_TYPES)
+
+
+class DeltaKind(enum.Enum):
+    REQUEST = "request"
+    """No response_nonce: a first request, or a subscription change."""
+    ACK = "ack"
+    NACK = "nack"
+    STALE = "stale"
+    """A response_nonce that is not the latest sent: no ACK or NACK (subscriptions still apply)."""
+
+
+@dataclass(slots=True)
+class DeltaTypeState:
+    """What one delta stream has seen of one type."""
+
+    type_url: TypeUrl
+    wildcard_capable: bool
+    started: bool = False
+    wildcard: bool = False
+    names: frozenset[str] = frozenset()
+    """Names subscribed to explicitly (interned: equal sets are usually one object)."""
+    known: Mapping[str, str] = field(default_factory=lambda: _NOTHING)
+    """Name -> version the client has (``snapshot.ABSENT``: told it does not exist). Shared:
+    replaced, never changed in place."""
+    nonce: Nonce | None = None
+    sent_version: str | None = None
+    """The type version (``system_version_info``) of the last response: what an ACK accepts."""
+    acked_version: str | None = None
+    acked_known: Mapping[str, str] = field(default_factory=lambda: _NOTHING)
+    """What the client had when it last ACKed (``known`` then)."""
+
+
+class DeltaWatch(NamedTuple):
+    """A delta stream's standing question to the cache: tell me when the client lacks something.
+    What the client has is read from its state when the cache asks (it changes with every
+    response of the stream, including the cluster response just before an endpoints one)."""
+
+    type_url: TypeUrl
+    wildcard: bool
+    names: frozenset[str]
+    state: DeltaTypeState
+    routing: Mapping[TypeUrl, DeltaTypeState] | None = None
+    """CDS only: the stream's states by type (read when asked: the stream may subscribe to routes
+    after the watch was made), for make-before-break."""
+
+    def changes(self, current: TypeSnapshot) -> DeltaChanges | None:
+        """What ``current`` has for the client; None if nothing."""
+        return current.delta(self.state.known, wildcard=self.wildcard, names=self.names)
+
+    def routing_moved(self, snapshot: Snapshot) -> bool:
+        """Whether the listeners and routes the client has ACKed are ``snapshot``'s (so none of
+        them uses a cluster ``snapshot`` removed). By content: a delta client is sent nothing,
+        and so ACKs nothing, when what it subscribes to did not change."""
+        # Types the stream has not asked for count as moved (as on a SotW stream): a client that
+        # reconnects after a cluster was removed and states its clusters before its routes can
+        # lack it until its routes, stated right after, are answered.
+        for url in _ROUTING_TYPES:
+            state = (self.routing or _NO_STATES).get(url)
+            if state is None or not state.started:
+                continue
+            current = snapshot.get(state.type_url)
+            versions = current.versions() if current is not None else _NOTHING
+            # What it ACKed, and what it was sent since (it may be running that already).
+            for known in (state.acked_known, state.known):
+                if any(v != ABSENT and versions.get(n) != v for n, v in known.items()):
+                    return False
+                if any(known.get(n) != v for n, v in versions.items() if state.wildcard or n in state.names):
+                    return False
+        return True
+
+
+class DeltaOutcome(NamedTuple):
+    """What a request meant, and what the server should do about it."""
+
+    kind: DeltaKind
+    type_url: TypeUrl
+    response_nonce: str
+    error: str | None
+    subscribed: tuple[str, ...]
+    unsubscribed: tuple[str, ...]
+    watches: tuple[DeltaWatch, ...]
+    """Open these watches, each replacing the stream's current one for its type."""
+    version: str | None = None
+    """For an ACK the version accepted, for a NACK the one rejected."""
+
+
+@dataclass(slots=True)
+class DeltaStream:
+    """One delta stream: ADS (``type_url`` None, any type) or a per-type service."""
+
+    type_url: TypeUrl | None = None
+    node: base_pb2.Node | None = None
+    types: dict[TypeUrl, DeltaTypeState] = field(default_factory=dict)
+    limits: XdsLimits = DEFAULT_LIMITS
+    _sent: int = 0
+
+    def on_request(self, request: discovery_pb2.DeltaDiscoveryRequest) -> DeltaOutcome:
+        """Classify a request, apply its subscription changes and say what to watch. Raises
+        :class:`PeerError` on bad input."""
+        limits = self.limits
+        type_url = TypeUrl(request.type_url or (self.type_url or ""))
+        if not type_url:
+            raise PeerError("an aggregated (ADS) delta request must carry type_url")
+        if self.type_url is not None and type_url != self.type_url:
+            raise PeerError(f"this stream serves {self.type_url}, not {shorten(type_url, limits.echo_chars)!r}: "
+                            "send that type on its own service or on ADS")
+        rtype = type_by_url(type_url)
+        if rtype is None:
+            raise PeerError(f"unsupported type_url {shorten(type_url, limits.echo_chars)!r}: pilotfish serves "
+                            "the v3 Cluster, ClusterLoadAssignment, Listener, RouteConfiguration and Secret types")
+        subscribe, unsubscribe = request.resource_names_subscribe, request.resource_names_unsubscribe
+        initial = request.initial_resource_versions
+        count = len(subscribe) + len(unsubscribe) + len(initial)
+        if count > limits.max_resource_names:
+            raise PeerOverLimit(
+                f"this {rtype.short} delta request names {count:,} resources, over the limit of "
+                f"{limits.max_resource_names:,} per request (XdsLimits.max_resource_names): subscribe to "
+                "fewer at a time, or raise the limit")
+        if self.node is None:
+            self.node = kept_node(request.node, limits) if request.HasField("node") else base_pb2.Node()
+
+        state = self.types.get(type_url)
+        if state is None:
+            state = self.types[type_url] = DeltaTypeState(type_url, wildcard_capable=rtype.wildcard)
+        if not state.started:
+            state.started = True
+            if initial:
+                state.known = state.acked_known = dict(initial)  # what it runs, by its own account
+            if state.wildcard_capable and not subscribe:
+                state.wildcard = True  # the legacy wildcard: a first CDS/LDS request naming nothing
+        if subscribe or unsubscribe:
+            self._subscribe(state, subscribe, unsubscribe)
+
+        nonce = request.response_nonce
+        error = shorten(request.error_detail.message, limits.max_error_chars) if request.HasField(
+            "error_detail") else None
+        version = None
+        if not nonce:
+            kind = DeltaKind.REQUEST
+        elif nonce != state.nonce:
+            kind = DeltaKind.STALE
+        elif error is not None:
+            kind, version = DeltaKind.NACK, state.sent_version
+        else:
+            kind, version = DeltaKind.ACK, state.sent_version
+            state.acked_version = version
+            state.acked_known = state.known
+        watches: tuple[DeltaWatch, ...] = (self._watch(state),)
+        if kind is DeltaKind.ACK and type_url in _ROUTING:
+            clusters = self.types.get(CLUSTER.url)
+            if clusters is not None and clusters.started:
+                watches += (self._watch(clusters),)  # clusters held back for the routes may now go
+        return DeltaOutcome(kind, type_url, shorten(nonce, limits.echo_chars), error, tuple(subscribe),
+                            tuple(unsubscribe), watches, version)
+
+    def _subscribe(self, state: DeltaTypeState, subscribe: Iterable[str], unsubscribe: Iterable[str]) -> None:
+        names = set(state.names)
+        forgotten: list[str] = []
+        for name in subscribe:
+            if name == WILDCARD:
+                state.wildcard = True
+            else:
+                names.add(name)
+        for name in unsubscribe:
+            if name == WILDCARD:
+                if state.wildcard:
+                    state.wildcard = False
+                    # The client drops what only the wildcard covered.
+                    forgotten.extend(n for n in state.known if n not in names)
+            elif name in names:
+                names.discard(name)
+                if not state.wildcard:
+                    forgotten.append(name)  # the client drops it (the wildcard would have kept it)
+        if len(names) > self.limits.max_resource_names:
+            raise PeerOverLimit(
+                f"this stream subscribes to {len(names):,} {state.type_url.rsplit('.', 1)[-1]} names, over "
+                f"the limit of {self.limits.max_resource_names:,} (XdsLimits.max_resource_names): "
+                "unsubscribe from some, or raise the limit")
+        if forgotten and state.known:
+            known = dict(state.known)
+            for name in forgotten:
+                known.pop(name, None)
+            state.known = known
+        if names != state.names:
+            state.names = next_subscription(sorted(names), wildcard_capable=False, ever_named=True).names
+
+    def _watch(self, state: DeltaTypeState) -> DeltaWatch:
+        routing = None
+        if state.type_url == CLUSTER.url:
+            routing = self.types
+        return DeltaWatch(state.type_url, state.wildcard, state.names, state, routing)
+
+    def on_response(self, watch: DeltaWatch, changes: DeltaChanges) -> Nonce:
+        """Record that ``changes`` go out for ``watch``; return the response's nonce (unique per
+        stream)."""
+        state = watch.state
+        self._sent += 1
+        nonce = Nonce(str(self._sent))
+        state.nonce = nonce
+        state.sent_version = changes.version
+        state.known = changes.known
+        if changes.type_url == CLUSTER.url and changes.sent:
+            self._resend(ENDPOINT.url, changes.sent)
+        elif changes.type_url == LISTENER.url and changes.sent:
+            self._resend(ROUTE.url, None)
+        return nonce
+
+    def _resend(self, type_url: TypeUrl, names: Iterable[str] | None) -> None:
+        """Make the next answer of ``type_url`` send ``names`` (None: all) again, whatever their
+        version: what the client has of them is marked with a version no resource has (they still
+        count as had, so one that is gone is still removed)."""
+        state = self.types.get(type_url)
+        if state is None or not state.known:
+            return
+        known = dict(state.known)
+        for name in known if names is None else names:
+            if known.get(name, ABSENT) != ABSENT:
+                known[name] = _RESEND
+        state.known = known
