@@ -18,16 +18,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.fleet import CLIENTS, EDS, Fleet, percentile
+from bench.fleet import CLIENTS, EDS, Fleet, FleetTls, percentile
 from bench.procs import REPO, ServerProcess, start_pilotfish
 from bench.report import fmt_ms
 from bench.workload import Workload
@@ -92,10 +94,13 @@ def start_naive(workdir: Path, *, snapshot: Path, xds_port: int = 0, name: str =
 class _Changer:
     """Makes one endpoint change at a time: through the registry API, or by rewriting the file."""
 
-    def __init__(self, how: str, server: ServerProcess, workload: Workload, snapshot: Path) -> None:
+    def __init__(self, how: str, server: ServerProcess, workload: Workload, snapshot: Path,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.how, self.server, self.workload, self.snapshot = how, server, workload, snapshot
         self.count = 0
         self.registered: str | None = None
+        self.tls = tls
+        """The registry API is served over TLS (with the xDS port's certificate): trust this."""
 
     def change(self) -> None:
         self.count += 1
@@ -103,16 +108,17 @@ class _Changer:
             # A fresh endpoint each time, so each change is new content.
             self.workload.write(self.snapshot, extra_endpoint=("10.255.0.1", 9000 + self.count))
             return
-        base = f"http://{self.server.registry}/v1/services/svc-00000/instances"
+        scheme = "https" if self.tls is not None else "http"
+        base = f"{scheme}://{self.server.registry}/v1/services/svc-00000/instances"
         if self.registered is None:
             body = json.dumps({"address": "10.255.0.1", "port": 9000 + self.count}).encode()
             request = urllib.request.Request(base, data=body, method="POST",
                                              headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=10) as response:
+            with urllib.request.urlopen(request, timeout=10, context=self.tls) as response:
                 self.registered = json.loads(response.read())["id"]
         else:
             request = urllib.request.Request(f"{base}/{self.registered}", method="DELETE")
-            with urllib.request.urlopen(request, timeout=10):
+            with urllib.request.urlopen(request, timeout=10, context=self.tls):
                 self.registered = None
 
 
@@ -126,11 +132,17 @@ def _py_spy(pid: int, output: Path, rate: int = 250) -> subprocess.Popen[bytes]:
 def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, workload: Workload,
                quiet_ms: int = 100, change: str = "registry", workers: int = 0, workdir: str | Path | None = None,
                profile: Path | None = None, change_timeout: float = 60.0, gap: float = 0.3,
-               client: str = "h2", event_log_level: str = "all", core: str = "own") -> FanoutResult:
+               client: str = "h2", event_log_level: str = "all", core: str = "own",
+               server_env: Mapping[str, str] | None = None, server_args: Sequence[str] = (),
+               tls: FleetTls | None = None, address_cap: bool = True) -> FanoutResult:
     """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
     during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`);
     ``event_log_level``: pilotfish's ``--event-log-level`` (``changes`` leaves out the lines of
-    every request and response); ``core``: pilotfish's HTTP/2 core (bench/h2_core_launch.py)."""
+    every request and response); ``core``: pilotfish's HTTP/2 core (bench/h2_core_launch.py).
+    ``server_env``, ``server_args``: pilotfish's environment (e.g. another checkout on its
+    ``PYTHONPATH``) and more ``serve`` options (e.g. ``--tls-cert``); ``tls``: how the proxies
+    connect over TLS (None: plaintext); ``address_cap``: False for a pilotfish from before
+    ``--max-connections-per-address``."""
     if server == "naive" and change != "file":
         change = "file"  # the naive server has no registry
     with ExitStack() as stack:
@@ -142,14 +154,15 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         workload.write(snapshot)
         if server == "pilotfish":
             proc = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry",
-                                   extra=("--event-log-level", event_log_level),
-                                   module=("pilotfish",) if core == "own" else ("bench.h2_core_launch", "--core", core))
+                                   extra=("--event-log-level", event_log_level, *server_args), env=server_env,
+                                   module=("pilotfish",) if core == "own" else ("bench.h2_core_launch", "--core", core),
+                                   address_cap=address_cap)
         else:
             proc = start_naive(workdir, snapshot=snapshot)
         stack.callback(proc.stop)
         time.sleep(0.5)
         base_rss = proc.rss_kb()
-        fleet = Fleet(target=proc.xds, proxies=proxies, workers=workers, rate=0, client=client)
+        fleet = Fleet(target=proc.xds, proxies=proxies, workers=workers, rate=0, client=client, tls=tls)
         started = time.time()
         fleet.start()
         stack.callback(fleet.close)
@@ -168,7 +181,8 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         result.rss_base_kb = base_rss
         result.rss_per_stream_kb = (result.rss_idle_kb - base_rss) / proxies
         changes_started = time.time()
-        changer = _Changer(change, proc, workload, snapshot)
+        changer = _Changer(change, proc, workload, snapshot,
+                           ssl.create_default_context(cafile=tls.ca) if tls is not None else None)
         assert proc.tail is not None
         spy = _py_spy(proc.pid, profile) if profile is not None else None
         for _ in range(changes):
@@ -202,6 +216,7 @@ def main() -> int:
     import argparse
 
     from bench.report import print_table
+    from bench.tls_certs import TLS_MODES, make_certs
 
     parser = argparse.ArgumentParser(prog="python -m bench.fanout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--proxies", type=int, nargs="+", default=[100, 1000, 10000])
@@ -216,16 +231,25 @@ def main() -> int:
                         help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
     parser.add_argument("--event-log-level", choices=("all", "changes"), default="all",
                         help="pilotfish's --event-log-level (default: %(default)s)")
+    parser.add_argument("--tls", choices=TLS_MODES, default="off",
+                        help="pilotfish serves xDS and the registry over TLS (mtls: with client certificates), "
+                             "with certificates from a throwaway CA (default: %(default)s)")
     args = parser.parse_args()
+    if args.tls != "off" and args.server != "pilotfish":
+        parser.error("--tls needs --server pilotfish")
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     rows = []
-    for n in args.proxies:
-        result = run_fanout(server=args.server, proxies=n, changes=args.changes, workload=workload,
-                            quiet_ms=args.quiet_ms, change=args.change, client=args.client,
-                            event_log_level=args.event_log_level)
-        rows.append(result.row())
-        print_table(FANOUT_COLUMNS, [rows[-1]])
-    print(f"\nworkload: {workload.describe()}; client: {args.client}")
+    with tempfile.TemporaryDirectory(prefix="pilotfish-certs-") as tmp:
+        certs = make_certs(Path(tmp))
+        for n in args.proxies:
+            result = run_fanout(server=args.server, proxies=n, changes=args.changes, workload=workload,
+                                quiet_ms=args.quiet_ms, change=args.change, client=args.client,
+                                event_log_level=args.event_log_level, server_args=certs.server_args(args.tls),
+                                tls=certs.fleet(args.tls))
+            rows.append(result.row())
+            print_table(FANOUT_COLUMNS, [rows[-1]])
+    print(f"\nworkload: {workload.describe()}; client: {args.client}; TLS: {args.tls}; "
+          f"load: {os.getloadavg()[0]:.2f}")
     print_table(FANOUT_COLUMNS, rows)
     return 0
 

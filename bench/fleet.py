@@ -19,11 +19,15 @@ stream on it, and talks like Envoy does:
 The conversation (:meth:`_Proxy.open_stream`, :meth:`_Proxy.on_response`) does no I/O; one of two
 clients carries it (``--client``):
 
-- ``h2`` (default): bench/h2client.py, a lean HTTP/2 gRPC client on an asyncio Protocol. Each
+- ``h2`` (default): bench/h2client.py, a thin asyncio adapter around pilotfish's own sans-IO
+  HTTP/2 connection (:mod:`pilotfish.transport.h2`, client role: the server's code). Each
   response is decoded and answered inside the connection's data callback; each stream gets a new
   connection, as Envoy makes one per reconnect. It costs about a third of grpc.aio's CPU per push,
   so the simulator (on the server's cores) distorts the measurement less.
 - ``grpc``: a grpc.aio channel per proxy (one subchannel each), which reconnects by itself.
+
+With :class:`FleetTls` the proxies connect over TLS (ALPN ``h2``), trusting a CA file, and for
+mTLS present a client certificate; each worker builds its TLS context once, from the files.
 
 Each ACK's send time (``time.time()``, just after the write was handed to the client) is recorded per
 type and version, so the coordinator can ask "when had every proxy ACKed EDS version V?" after a
@@ -49,6 +53,7 @@ import math
 import os
 import random
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -56,6 +61,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from bench.procs import REPO, cpu_seconds, raise_fd_limit
@@ -63,7 +69,7 @@ from bench.procs import REPO, cpu_seconds, raise_fd_limit
 if TYPE_CHECKING:  # for annotations only: the workers import protobuf where they use it
     from google.protobuf.message import Message
 
-__all__ = ["CDS", "EDS", "LDS", "RDS", "Fleet", "FleetError", "main"]
+__all__ = ["CDS", "EDS", "LDS", "RDS", "Fleet", "FleetError", "FleetTls", "main"]
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -96,6 +102,23 @@ CLIENTS = ("h2", "grpc")
 
 class FleetError(RuntimeError):
     """A worker process failed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FleetTls:
+    """How the simulated proxies reach the server over TLS (paths are read by each worker)."""
+
+    ca: str
+    """PEM CA bundle the server's certificate must chain to."""
+    cert: str | None = None
+    """mTLS: PEM certificate chain each proxy presents (None: no client certificate)."""
+    key: str | None = None
+    """mTLS: PEM private key of ``cert``."""
+    server_name: str = "localhost"
+    """The name the server's certificate is verified against (and sent as SNI)."""
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"ca": self.ca, "cert": self.cert, "key": self.key, "server_name": self.server_name}
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,7 +364,7 @@ class _Proxy:
 
     # -- streams and reconnects ----------------------------------------------------------------
 
-    async def run(self, target: str, client: str) -> None:
+    async def run(self, target: str, client: str, tls: FleetTls | None) -> None:
         """Stream after stream, forever: a new stream after a jittered backoff when one ends."""
         channel: Any = None
         if client == "grpc":
@@ -349,7 +372,14 @@ class _Proxy:
             from envoy.service.discovery.v3 import discovery_pb2
 
             # One channel for the proxy's life: grpc reconnects it (a new connection) itself.
-            channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            if tls is None:
+                channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            else:
+                credentials = grpc.ssl_channel_credentials(
+                    Path(tls.ca).read_bytes(), Path(tls.key).read_bytes() if tls.key else None,
+                    Path(tls.cert).read_bytes() if tls.cert else None)
+                channel = grpc.aio.secure_channel(target, credentials, options=[
+                    *CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)])
             method = channel.stream_stream(ADS_METHOD, request_serializer=self._request_cls.SerializeToString,
                                            response_deserializer=discovery_pb2.DiscoveryResponse.FromString)
 
@@ -359,7 +389,7 @@ class _Proxy:
             host, _, port = target.rpartition(":")
 
             async def converse() -> tuple[str, str]:
-                return await self._converse_h2(host, int(port))
+                return await self._converse_h2(host, int(port), tls)
         attempt = 0
         try:
             while True:
@@ -379,7 +409,7 @@ class _Proxy:
             if channel is not None:
                 await channel.close(None)
 
-    async def _converse_h2(self, host: str, port: int) -> tuple[str, str]:
+    async def _converse_h2(self, host: str, port: int, tls: FleetTls | None) -> tuple[str, str]:
         """One stream on a new connection (bench/h2client.py), as Envoy makes one per reconnect;
         how it ended: (gRPC status name or CLOSED_BY_SERVER, details). Each response is handled in
         the connection's data callback: no task or coroutine per message."""
@@ -388,7 +418,11 @@ class _Proxy:
         from bench.h2client import H2Channel, H2Error
 
         try:
-            channel = await H2Channel.connect(host, port)
+            if tls is None:
+                channel = await H2Channel.connect(host, port)
+            else:
+                channel = await H2Channel.connect(host, port, tls=self.worker.tls_context(tls),
+                                                  server_hostname=tls.server_name)
         except H2Error as exc:
             return exc.code, exc.details
         decode = discovery_pb2.DiscoveryResponse.FromString
@@ -461,6 +495,15 @@ class _Worker:
         self.waiters: list[_Waiter] = []
         self.error_details: dict[str, str] = {}
         """One example message per gRPC status seen."""
+        self._tls_context: ssl.SSLContext | None = None
+
+    def tls_context(self, tls: FleetTls) -> ssl.SSLContext:
+        """The worker's one client TLS context (ALPN h2), built from ``tls``'s files on first use."""
+        if self._tls_context is None:
+            from bench.h2client import client_context
+
+            self._tls_context = client_context(ca=tls.ca, cert=tls.cert, key=tls.key)
+        return self._tls_context
 
     def on_ack(self, proxy: _Proxy) -> None:
         for waiter in self.waiters:
@@ -491,14 +534,17 @@ class _Worker:
             except Exception as exc:
                 self.conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
-    async def cmd_start(self, target: str, ids: list[tuple[int, str]], rate: float, client: str) -> int:
+    async def cmd_start(self, target: str, ids: list[tuple[int, str]], rate: float, client: str,
+                        tls: dict[str, str | None] | None = None) -> int:
         """Start proxies ``ids`` (index, node id); ``rate`` proxies per second (0: all at once);
-        ``client``: ``h2`` or ``grpc``."""
+        ``client``: ``h2`` or ``grpc``; ``tls``: a :class:`FleetTls` as a dict (None: plaintext)."""
+        settings = FleetTls(**tls) if tls is not None else None  # type: ignore[arg-type]
+
         async def launch() -> None:
             for n, (index, node_id) in enumerate(ids):
                 proxy = _Proxy(index, node_id, self)
                 self.proxies.append(proxy)
-                self.tasks.append(asyncio.create_task(proxy.run(target, client)))
+                self.tasks.append(asyncio.create_task(proxy.run(target, client, settings)))
                 if rate > 0 and n % 50 == 49:
                     await asyncio.sleep(50 / rate)
 
@@ -575,6 +621,8 @@ class Fleet:
     client: str = "h2"
     """The proxies' gRPC client: ``h2`` (bench/h2client.py, lean) or ``grpc`` (grpc.aio channels)."""
     node_prefix: str = "sim"
+    tls: FleetTls | None = None
+    """Connect over TLS (or mTLS) as this says; None: plaintext."""
     error_examples: dict[str, str] = field(default_factory=dict)
     """One example message per gRPC status seen (filled by :meth:`errors`)."""
     _conns: list[Connection] = field(default_factory=list)
@@ -603,8 +651,9 @@ class Fleet:
         shards: list[list[tuple[int, str]]] = [[] for _ in range(self.workers)]
         for i in range(self.proxies):
             shards[i % self.workers].append((i, f"{self.node_prefix}-{i:05d}"))
-        self._all("start", per_worker=[{"target": self.target, "ids": s, "rate": self.rate, "client": self.client}
-                                       for s in shards])
+        tls = self.tls.as_dict() if self.tls is not None else None
+        self._all("start", per_worker=[{"target": self.target, "ids": s, "rate": self.rate, "client": self.client,
+                                        "tls": tls} for s in shards])
 
     def _all(self, command: str, *, per_worker: list[dict[str, Any]] | None = None, **args: Any) -> list[Any]:
         for n, conn in enumerate(self._conns):

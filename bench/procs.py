@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +143,8 @@ class ServerProcess:
     proc: subprocess.Popen[bytes] | None = None
     started: dict[str, Any] = field(default_factory=dict)
     tail: EventTail | None = None
+    env: Mapping[str, str] | None = None
+    """The process's environment (None: this one's)."""
 
     @property
     def pid(self) -> int:
@@ -158,7 +160,7 @@ class ServerProcess:
         # exec in a process whose gRPC threads are running, which can break the child.)
         raise_fd_limit()
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=REPO)
+                                     cwd=REPO, env=self.env)
         log.close()
         try:
             self.started = self.tail.wait_for("server_started", timeout=timeout, alive=self.alive)
@@ -212,21 +214,24 @@ class ServerProcess:
 def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100, xds_port: int = 0,
                     registry: bool = True, extra: Sequence[str] = (), name: str = "pilotfish",
                     python: str = sys.executable, wrapper: Sequence[str] = (),
-                    module: Sequence[str] = ("pilotfish",)) -> ServerProcess:
+                    module: Sequence[str] = ("pilotfish",), env: Mapping[str, str] | None = None,
+                    address_cap: bool = True) -> ServerProcess:
     """``python -m pilotfish serve`` with an event log in ``workdir``; started and ready.
 
     ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``); ``module`` is
-    what ``-m`` runs (bench/h2_core_launch.py runs the CLI with another HTTP/2 core).
+    what ``-m`` runs (bench/h2_core_launch.py runs the CLI with another HTTP/2 core); ``env``: the
+    server's environment (e.g. a ``PYTHONPATH`` naming another checkout's ``src``);
+    ``address_cap``: False for a pilotfish from before ``--max-connections-per-address``.
     """
     event_log = workdir / f"{name}-events.jsonl"
     # Every simulated proxy connects from 127.0.0.1: lift the per-address cap (default 4,096).
+    lift = ("--max-connections-per-address", "1000000") if address_cap else ()
     argv = [*wrapper, python, "-m", *module, "serve", "--xds", f"127.0.0.1:{xds_port}",
-            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), "--max-connections-per-address", "1000000",
-            *extra]
+            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), *lift, *extra]
     if snapshot is not None:
         argv += ["--snapshot", str(snapshot)]
     if registry:
         argv += ["--registry", "127.0.0.1:0"]
-    server = ServerProcess(name=name, argv=argv, workdir=workdir, event_log=event_log)
+    server = ServerProcess(name=name, argv=argv, workdir=workdir, event_log=event_log, env=env)
     server.start()
     return server

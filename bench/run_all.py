@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench import bench_build, bench_envoy, bench_storm, fanout, h2_core_compare
+from bench import bench_build, bench_envoy, bench_hardening, bench_storm, fanout, h2_core_compare
 from bench.fleet import CLIENTS, percentile
 from bench.procs import REPO
 from bench.profiles import summary_table
@@ -54,13 +54,17 @@ class Scale:
     """Fan-outs per core in that comparison, interleaved."""
     core_abuse: str = "all"
     """The attacks of tests/abuse run against each core: ``all`` or a pytest ``-k`` expression."""
+    hardening_proxies: tuple[int, ...] = (1000, 10000)
+    """Fleet sizes of the before/after-hardening, plaintext/TLS/mTLS comparison (issue 9)."""
+    hardening_rounds: int = 1
+    """Times the four variants of that comparison run in turn (pooled)."""
 
 
 FULL = Scale()
 QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, endpoints=2, listeners=5),
               build_sizes=((50, 200),), build_repeat=1, storm_proxies=5, envoy_changes=2, envoy_quiet_ms=(20,),
               baseline_proxies=(5,), profile_proxies=0, sovereign=False, core_proxies=5, core_rounds=1,
-              core_abuse="rapid_reset")
+              core_abuse="rapid_reset", hardening_proxies=(5,))
 
 
 @dataclass
@@ -85,6 +89,7 @@ class Results:
     profiles: list[tuple[str, str]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     core_comparison: h2_core_compare.Comparison | None = None
+    hardening_rows: list[list[Any]] = field(default_factory=list)
 
 
 def _cmd(*args: Any) -> str:
@@ -151,7 +156,8 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "CPU s / push: server utime+stime per change, until it is idle again. `all synced s`: N proxies "
              "connecting at once until each has ACKed CDS, EDS, LDS, RDS. The simulator's client processes run "
              "on the same 2 cores as the server (`simulator CPU s / push`); its proxies use "
-             + ("bench/h2client.py, a lean HTTP/2 gRPC client (`--client grpc`: grpc.aio channels)."
+             + ("bench/h2client.py, a lean gRPC client on pilotfish's own HTTP/2 connection (client role; "
+                "`--client grpc`: grpc.aio channels)."
                 if client == "h2" else "grpc.aio channels (`--client grpc`).")])
     results.sections[-1].notes.extend(fan_notes)
 
@@ -317,6 +323,31 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "attacks are tests/abuse with `PILOTFISH_ABUSE_CORE` set."])
     results.sections[-1].notes.extend(core_notes)
 
+    # 6c. issue 9: what the hardened transport and TLS cost, before vs now, plaintext / TLS / mTLS.
+    def hardening() -> list[list[Any]]:
+        rows, notes = bench_hardening.run_hardening(proxies=scale.hardening_proxies, changes=scale.changes,
+                                                    workload=wl, rounds=scale.hardening_rounds,
+                                                    workdir=workdir / "hardening")
+        results.hardening_rows = rows
+        hardening_notes.extend(notes)
+        return rows
+
+    hardening_notes: list[str] = []
+    section("Hardening and TLS: pilotfish before issue 9 vs now, plaintext, TLS and mTLS",
+            _cmd("bench.bench_hardening", "--proxies", *scale.hardening_proxies, "--changes", scale.changes,
+                 "--rounds", scale.hardening_rounds, *_wl(wl)),
+            bench_hardening.HARDENING_COLUMNS, hardening,
+            [f"`before`: pilotfish at {bench_hardening.BEFORE_COMMIT} (the last commit before issue 9's hardened "
+             "transport, TLS and authorization), run from a temporary `git worktree` of that commit; `now`: this "
+             "checkout. The fleet simulator is the same for every row (through the registry API, event log "
+             "`all`). TLS: `--tls-cert/--tls-key` from a throwaway CA, the proxies verify it (ALPN h2); mTLS: "
+             "`--client-ca` too, every proxy presents a client certificate. `load 1 min`: the load average "
+             "before each run (the machine is shared). Ratios compare with the row named in `compared with` "
+             "(now plaintext vs before plaintext: the hardening's cost; TLS and mTLS vs now plaintext: TLS's "
+             "cost). RSS per idle stream: the lowest run's (each run's in brackets; noise in RSS only adds); "
+             "it includes each connection's TLS state."])
+    results.sections[-1].notes.extend(hardening_notes)
+
     # 7. profile of the server under the 1,000-proxy fan-out (py-spy).
     if scale.profile_proxies:
         def profile() -> list[list[Any]]:
@@ -384,6 +415,13 @@ def targets(results: Results) -> list[list[Any]]:
             "0 failures, all synced within 30 s",
             f"{failures} never synced, {broken} streams broken by the server, last synced after {synced} s",
             failures == 0 and broken == 0 and synced <= 30)
+    col = bench_hardening.HARDENING_COLUMNS.index
+    for row in results.hardening_rows:
+        if row[col("proxies")] == 1000 and (row[col("server")], row[col("transport")]) == ("now", "plaintext"):
+            p99, cpu = row[col("p99 x")], row[col("CPU x")]
+            ok = None if "-" in (p99, cpu) else float(p99) <= 1.1 and float(cpu) <= 1.1
+            add("hardened transport vs before, 1,000 proxies, plaintext (issue 9)", "<= 1.10x p99 and CPU / push",
+                f"p99 {p99}x, CPU {cpu}x", ok)
     if results.build_rows:
         col = bench_build.BUILD_COLUMNS.index
         row = max(results.build_rows, key=lambda r: r[col("endpoints")])

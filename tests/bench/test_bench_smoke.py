@@ -21,7 +21,7 @@ if _ROOT not in sys.path:
 from bench.procs import REPO  # noqa: E402
 from bench.run_all import QUICK, run_all  # noqa: E402
 
-from bench import bench_build, bench_envoy, bench_storm, fanout  # noqa: E402
+from bench import bench_build, bench_envoy, bench_hardening, bench_storm, fanout  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -76,6 +76,15 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert row[bench_storm.STORM_COLUMNS.index("streams broken by the server")] == 0
     # Build: one row per size.
     assert [row[:2] for row in results.build_rows] == [list(size) for size in QUICK.build_sizes]
+    # Hardening and TLS: before and now, plaintext, TLS and mTLS, every proxy served; the
+    # before-hardening checkout is gone afterwards.
+    col = bench_hardening.HARDENING_COLUMNS.index
+    assert [(row[col("server")], row[col("transport")]) for row in results.hardening_rows] == [
+        ("before", "plaintext"), ("now", "plaintext"), ("now", "TLS"), ("now", "mTLS")]
+    for row in results.hardening_rows:
+        assert row[col("failures")] == 0 and row[col("stream errors")] == 0
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    assert "pilotfish-before-" not in worktrees
     # Real Envoy: every change applied and ACKed.
     (envoy,) = results.envoy
     assert envoy.missed == 0
@@ -87,7 +96,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert _header(columns) in text
     for heading in ("## Machine", "## Targets (issue 4)", "## Fan-out", "## Memory", "## Snapshot build",
                     "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios",
-                    "## HTTP/2 core"):
+                    "## HTTP/2 core", "## Hardening and TLS"):
         assert heading in text
     assert "- nproc: " in text and "- grpcio: " in text and "- CPU model: " in text
 

@@ -1,5 +1,6 @@
-"""bench/h2client.py against a grpc core server (grpc.aio, raw bytes) and against a scripted HTTP/2
-peer that sends what grpc core seldom does (padding, CONTINUATION, PINGs, small windows).
+"""bench/h2client.py (pilotfish's HTTP/2 connection in the client role) against a grpc core server
+(grpc.aio, raw bytes) and against a scripted HTTP/2 peer that sends what grpc core seldom does
+(padding, CONTINUATION, PINGs, small windows).
 
 What the fleet simulator relies on: messages arrive whole and in order however they are framed,
 both send and receive flow control hold with any server settings, and every way a call can end
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,14 +19,17 @@ from pathlib import Path
 import grpc
 import hpack
 import pytest
+import trustme
 
 _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from bench.h2client import H2Channel, H2Error  # noqa: E402
+from bench.h2client import H2Channel, H2Error, client_context  # noqa: E402
 from bench.procs import free_port  # noqa: E402
 
+from pilotfish.server.grpc_server import Call, GrpcServer  # noqa: E402
+from pilotfish.server.tls import TlsFiles, build_context  # noqa: E402
 from pilotfish.transport import frames as http2  # noqa: E402
 
 _SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
@@ -315,6 +320,7 @@ async def test_resets_goaway_protocol_errors_and_connection_loss_end_the_call(
         call = channel.call(_PATH)
         peer = await peers.get()
         await peer.expect(http2.HEADERS)
+        peer.send(http2.SETTINGS, 0, 0)  # a server's preface (RFC 9113 section 3.4)
         for kind, flags, stream_id, payload in frames:
             peer.send(kind, flags, stream_id, payload)
         if not frames:
@@ -324,3 +330,127 @@ async def test_resets_goaway_protocol_errors_and_connection_loss_end_the_call(
         assert caught.value.code == code
         channel.close()
         peer.writer.close()
+
+
+async def test_a_reader_that_does_not_read_gets_no_window_back_until_it_reads() -> None:
+    window = 100_000
+    async with _scripted_server() as (port, peers):
+        channel = await H2Channel.connect("127.0.0.1", port, window=window)
+        call = channel.call(_PATH)
+        peer = await peers.get()
+        peer.send(http2.SETTINGS, 0, 0)
+        await peer.expect(http2.HEADERS)
+        peer.headers([(":status", "200"), ("content-type", "application/grpc")], end_stream=False)
+        messages = [bytes([n]) * 15_000 for n in range(4)]  # more than half the window, one frame each
+        for message in messages:
+            peer.send(http2.DATA, 0, 1, http2.grpc_prefix(len(message)) + message)
+        # The client answers frames in order: everything it sent before this PING's ACK is all it
+        # sends for the messages so far. None of it gives the stream's window back.
+        peer.send(http2.PING, 0, 0, b"unread!!")
+        while True:
+            kind, flags, stream_id, payload = await peer.frame()
+            if kind == http2.PING and flags & http2.ACK:
+                assert payload == b"unread!!"
+                break
+            assert kind != http2.WINDOW_UPDATE, (stream_id, http2.unpack_u32(payload))
+        assert [await call.read() for _ in messages] == messages
+        updates: dict[int, int] = {}
+        while len(updates) < 2:
+            _, stream_id, payload = await peer.expect(http2.WINDOW_UPDATE)
+            updates[stream_id] = http2.unpack_u32(payload)
+        assert updates == {0: 4 * 15_005, 1: 4 * 15_005}
+        channel.close()
+        peer.writer.close()
+
+
+# --------------------------------------------------------------------------------------------
+# TLS and mTLS, against pilotfish's own gRPC server
+# --------------------------------------------------------------------------------------------
+
+
+class _WhoAmI:
+    """Answers each request with the identity the server verified in the client's certificate."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def on_message(self, data: bytes) -> None:
+        self.call.send(self.call.peer_identity.encode() or b"(none)")
+
+    def on_half_close(self) -> None:
+        self.call.finish()
+
+    def on_closed(self, reason: str) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def _tls_server(tmp_path: Path, ca: trustme.CA, *, mtls: bool,
+                      alpn: tuple[str, ...] = ("h2",)) -> AsyncIterator[int]:
+    leaf = ca.issue_cert("localhost")
+    cert, key, ca_file = tmp_path / "server.pem", tmp_path / "server.key", tmp_path / "ca.pem"
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(ca_file))
+    context = build_context(TlsFiles(cert=cert, key=key, client_ca=ca_file if mtls else None, alpn=alpn))
+    server = GrpcServer({_PATH: _WhoAmI})
+    port = await server.start("127.0.0.1", 0, tls=context)
+    try:
+        yield port
+    finally:
+        await server.stop(0)
+
+
+def _client_files(tmp_path: Path, ca: trustme.CA, identity: str | None = None) -> dict[str, Path]:
+    files = {"ca": tmp_path / "client-ca.pem"}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    if identity is not None:
+        leaf = ca.issue_cert(identity)
+        files["cert"], files["key"] = tmp_path / "client.pem", tmp_path / "client.key"
+        leaf.cert_chain_pems[0].write_to_path(str(files["cert"]))
+        leaf.private_key_pem.write_to_path(str(files["key"]))
+    return files
+
+
+async def _ask(port: int, context: ssl.SSLContext) -> bytes | None:
+    channel = await H2Channel.connect("127.0.0.1", port, tls=context, server_hostname="localhost")
+    try:
+        call = channel.call(_PATH)
+        call.write(b"who")
+        return await asyncio.wait_for(call.read(), 10)
+    finally:
+        channel.close()
+
+
+async def test_tls_with_alpn_h2_reaches_pilotfish(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    async with _tls_server(tmp_path, ca, mtls=False) as port:
+        assert await _ask(port, client_context(**_client_files(tmp_path, ca))) == b"(none)"
+
+
+async def test_mtls_presents_the_client_certificate_and_without_one_is_refused(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    async with _tls_server(tmp_path, ca, mtls=True) as port:
+        context = client_context(**_client_files(tmp_path, ca, "proxy-7.bench.test"))
+        assert await _ask(port, context) == b"proxy-7.bench.test"
+        # Without a certificate: the handshake fails (TLS 1.3: the client learns it at its first read).
+        with pytest.raises(H2Error) as caught:
+            await _ask(port, client_context(**_client_files(tmp_path, ca)))
+        assert caught.value.code == "UNAVAILABLE"
+
+
+async def test_a_server_certificate_from_another_ca_is_unavailable(tmp_path: Path) -> None:
+    async with _tls_server(tmp_path, trustme.CA(), mtls=False) as port:
+        with pytest.raises(H2Error) as caught:
+            await _ask(port, client_context(**_client_files(tmp_path, trustme.CA())))
+        assert caught.value.code == "UNAVAILABLE"
+        assert "CERTIFICATE_VERIFY_FAILED" in caught.value.details
+
+
+async def test_a_tls_server_that_does_not_choose_h2_is_unavailable(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    async with _tls_server(tmp_path, ca, mtls=False, alpn=()) as port:
+        with pytest.raises(H2Error) as caught:
+            await _ask(port, client_context(**_client_files(tmp_path, ca)))
+        assert caught.value.code == "UNAVAILABLE"
+        assert "ALPN" in caught.value.details
