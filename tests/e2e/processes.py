@@ -225,6 +225,19 @@ class ProcessGroup:
 # -- upstream HTTP servers ------------------------------------------------------------------------
 
 
+def _start_backend(group: ProcessGroup, script: Path, label: str, name: str, timeout: float) -> tuple[int, Process]:
+    """Start ``script --port P --name NAME`` on a free port; wait until it accepts connections."""
+    port = free_port()
+    process = group.start(f"{label}-{name}", [sys.executable, str(script), "--port", str(port), "--name", name])
+    wait_until(
+        lambda: port_accepts(port) or _raise_if_dead(process),
+        timeout=timeout,
+        what=f"{label} {name} on port {port}",
+        details=process.output_tail,
+    )
+    return port, process
+
+
 @dataclass
 class Upstream:
     """A tiny HTTP server answering ``GET /`` with its name (see upstream.py)."""
@@ -235,16 +248,7 @@ class Upstream:
 
     @classmethod
     def start(cls, group: ProcessGroup, name: str, *, timeout: float = 10.0) -> Upstream:
-        port = free_port()
-        argv = [sys.executable, str(UPSTREAM_SCRIPT), "--port", str(port), "--name", name]
-        process = group.start(f"upstream-{name}", argv)
-        wait_until(
-            lambda: port_accepts(port) or _raise_if_dead(process),
-            timeout=timeout,
-            what=f"upstream {name} on port {port}",
-            details=process.output_tail,
-        )
-        return cls(name, port, process)
+        return cls(name, *_start_backend(group, UPSTREAM_SCRIPT, "upstream", name, timeout))
 
 
 @dataclass
@@ -257,16 +261,7 @@ class GrpcBackend:
 
     @classmethod
     def start(cls, group: ProcessGroup, name: str, *, timeout: float = 10.0) -> GrpcBackend:
-        port = free_port()
-        argv = [sys.executable, str(GRPC_BACKEND_SCRIPT), "--port", str(port), "--name", name]
-        process = group.start(f"grpc-backend-{name}", argv)
-        wait_until(
-            lambda: port_accepts(port) or _raise_if_dead(process),
-            timeout=timeout,
-            what=f"gRPC backend {name} on port {port}",
-            details=process.output_tail,
-        )
-        return cls(name, port, process)
+        return cls(name, *_start_backend(group, GRPC_BACKEND_SCRIPT, "grpc-backend", name, timeout))
 
     @property
     def address(self) -> str:

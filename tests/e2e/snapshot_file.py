@@ -145,6 +145,18 @@ def write_services(path: Path, services: Mapping[str, Mapping[str, Any]]) -> dic
     return document
 
 
+def many_services(listen_port: int, ports: Mapping[str, Sequence[int]]) -> dict[str, dict[str, Any]]:
+    """A ``services:`` mapping: ``web`` listening on ``listen_port`` and every other service
+    without a listener (a cluster and its endpoints); ``ports`` maps each name to its endpoints'
+    ports on 127.0.0.1."""
+    spec: dict[str, dict[str, Any]] = {
+        "web": {"listen": f"127.0.0.1:{listen_port}", "endpoints": [f"127.0.0.1:{p}" for p in ports["web"]]}}
+    for name, endpoints in ports.items():
+        if name != "web":
+            spec[name] = {"endpoints": [f"127.0.0.1:{p}" for p in endpoints]}
+    return spec
+
+
 def _replace(path: Path, document: Mapping[str, Any]) -> None:
     temp = path.with_name(f".{path.name}.tmp")
     temp.write_text(yaml.safe_dump(document, sort_keys=False))

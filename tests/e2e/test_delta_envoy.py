@@ -15,7 +15,7 @@ import pytest
 
 from .event_log import EventLog, is_event
 from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, wait_until
-from .snapshot_file import write_services
+from .snapshot_file import many_services, write_services
 from .test_envoy_snapshot import V2, V3, V4, WITHOUT_VALIDATION
 from .testbed import Testbed, wait_for_acks
 from .wrk import Wrk, wrk_binary
@@ -35,15 +35,6 @@ def cluster_names(envoy: Envoy) -> set[str]:
     return {status["name"] for status in data.get("cluster_statuses", [])}
 
 
-def services(listen_port: int, ports: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
-    spec: dict[str, dict[str, Any]] = {
-        "web": {"listen": f"127.0.0.1:{listen_port}", "endpoints": [f"127.0.0.1:{p}" for p in ports["web"]]}}
-    for name, endpoints in ports.items():
-        if name != "web":
-            spec[name] = {"endpoints": [f"127.0.0.1:{p}" for p in endpoints]}
-    return spec
-
-
 def delta_sent(events: EventLog, type_url: str, *, after: int) -> list[dict[str, Any]]:
     return events.select(lambda e: is_event("sent", node=NODE, type=type_url)(e) and e.get("delta") is True,
                          after=after)
@@ -56,7 +47,7 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
     ports: dict[str, list[int]] = {"web": [a.port], **{name: [a.port] for name in names}}
     listen_port = free_port()
     path = processes.workdir / "services.yaml"
-    write_services(path, services(listen_port, ports))
+    write_services(path, many_services(listen_port, ports))
     control_plane = ControlPlane(processes, path, free_port(), options=("--quiet-ms", "20"))
     events = control_plane.start()
     envoy = Envoy.start(processes, name="envoy", node_id=NODE, xds_address=control_plane.address,
@@ -73,7 +64,7 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
     # One service's endpoints change: exactly that one assignment goes out.
     mark = events.mark()
     ports["svc-017"] = [a.port, b.port]
-    write_services(path, services(listen_port, ports))
+    write_services(path, many_services(listen_port, ports))
     envoy.wait_for_endpoints("svc-017", [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"])
     [sent] = delta_sent(events, EDS, after=mark)
     assert sent["names"] == ["svc-017"] and sent["removed"] == [], sent
@@ -84,7 +75,7 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
     # A service goes away: its cluster is removed, by name.
     mark = events.mark()
     del ports["svc-030"]
-    write_services(path, services(listen_port, ports))
+    write_services(path, many_services(listen_port, ports))
     wait_until(lambda: "svc-030" not in cluster_names(envoy), timeout=10, what="Envoy to remove cluster svc-030")
     [removed] = delta_sent(events, CDS, after=mark)
     assert removed["removed"] == ["svc-030"] and removed["names"] == [], removed

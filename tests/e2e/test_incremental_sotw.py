@@ -10,13 +10,12 @@ and the traffic through it sees no error.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 
 from .event_log import is_event
 from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, wait_until
-from .snapshot_file import write_services
+from .snapshot_file import many_services, write_services
 from .testbed import wait_for_acks
 from .wrk import Wrk, wrk_binary
 
@@ -40,15 +39,6 @@ def endpoints_by_cluster(envoy: Envoy) -> dict[str, list[str]]:
     return found
 
 
-def services(listen_port: int, ports: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
-    spec: dict[str, dict[str, Any]] = {
-        "web": {"listen": f"127.0.0.1:{listen_port}", "endpoints": [f"127.0.0.1:{p}" for p in ports["web"]]}}
-    for name, endpoints in ports.items():
-        if name != "web":
-            spec[name] = {"endpoints": [f"127.0.0.1:{p}" for p in endpoints]}
-    return spec
-
-
 def test_one_service_changed_among_many_sends_one_assignment(processes: ProcessGroup) -> None:
     wrk_binary()
     a, b = Upstream.start(processes, "a"), Upstream.start(processes, "b")
@@ -56,7 +46,7 @@ def test_one_service_changed_among_many_sends_one_assignment(processes: ProcessG
     ports: dict[str, list[int]] = {"web": [a.port], **{name: [a.port] for name in names}}
     listen_port = free_port()
     path = processes.workdir / "services.yaml"
-    write_services(path, services(listen_port, ports))
+    write_services(path, many_services(listen_port, ports))
     control_plane = ControlPlane(processes, path, free_port(), options=("--quiet-ms", "20"))
     events = control_plane.start()
     envoy = Envoy.start(processes, name="envoy", node_id=NODE, xds_address=control_plane.address)
@@ -70,7 +60,7 @@ def test_one_service_changed_among_many_sends_one_assignment(processes: ProcessG
     # One service's endpoints change: one assignment is sent, and Envoy keeps every other one.
     mark = events.mark()
     ports["svc-17"] = [a.port, b.port]
-    write_services(path, services(listen_port, ports))
+    write_services(path, many_services(listen_port, ports))
     envoy.wait_for_endpoints("svc-17", [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"])
     sent = events.wait_for(is_event("sent", node=NODE, type=EDS), after=mark, what="the EDS response")
     events.wait_for(is_event("ack", node=NODE, type=EDS, version_info=sent["version"]), after=mark,
@@ -83,7 +73,7 @@ def test_one_service_changed_among_many_sends_one_assignment(processes: ProcessG
     # A new cluster: the clusters response is followed by every assignment (warming), at once.
     mark = events.mark()
     ports["svc-new"] = [b.port]
-    write_services(path, services(listen_port, ports))
+    write_services(path, many_services(listen_port, ports))
     envoy.wait_for_endpoints("svc-new", [f"127.0.0.1:{b.port}"])
     warm = events.wait_for(is_event("sent", node=NODE, type=EDS), after=mark, what="the EDS response after CDS")
     # Every assignment Envoy subscribed to when the clusters went out (the new cluster's follows

@@ -42,11 +42,10 @@ from typing import NamedTuple
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
-from pilotfish.errors import PeerError
-from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, kept_node, shorten
+from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, kept_node, requested_type, shorten
 from pilotfish.protocol.sotw import Nonce
 from pilotfish.protocol.subscription import WILDCARD, next_subscription
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl, type_by_url
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.snapshot import ABSENT, DeltaChanges, Snapshot, TypeSnapshot
 
 __all__ = ["DeltaKind", "DeltaOutcome", "DeltaStream", "DeltaTypeState", "DeltaWatch"]
@@ -158,16 +157,7 @@ class DeltaStream:
         """Classify a request, apply its subscription changes and say what to watch. Raises
         :class:`PeerError` on bad input."""
         limits = self.limits
-        type_url = TypeUrl(request.type_url or (self.type_url or ""))
-        if not type_url:
-            raise PeerError("an aggregated (ADS) delta request must carry type_url")
-        if self.type_url is not None and type_url != self.type_url:
-            raise PeerError(f"this stream serves {self.type_url}, not {shorten(type_url, limits.echo_chars)!r}: "
-                            "send that type on its own service or on ADS")
-        rtype = type_by_url(type_url)
-        if rtype is None:
-            raise PeerError(f"unsupported type_url {shorten(type_url, limits.echo_chars)!r}: pilotfish serves "
-                            "the v3 Cluster, ClusterLoadAssignment, Listener, RouteConfiguration and Secret types")
+        type_url, rtype = requested_type(request.type_url, self.type_url, limits)
         subscribe, unsubscribe = request.resource_names_subscribe, request.resource_names_unsubscribe
         initial = request.initial_resource_versions
         count = len(subscribe) + len(unsubscribe) + len(initial)

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from envoy.config.core.v3 import base_pb2
 
 from pilotfish.errors import PeerError, shorten
+from pilotfish.resources import ResourceType, TypeUrl, type_by_url
 
-__all__ = ["DEFAULT_LIMITS", "PeerOverLimit", "XdsLimits", "kept_node", "shorten"]
+__all__ = ["DEFAULT_LIMITS", "PeerOverLimit", "XdsLimits", "kept_node", "requested_type", "shorten"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,3 +80,20 @@ def kept_node(node: base_pb2.Node, limits: XdsLimits) -> base_pb2.Node:
             f"take {size:,} bytes, over the limit of {limits.max_node_bytes:,} (XdsLimits.max_node_bytes): "
             "send less node metadata, or raise the limit")
     return kept
+
+
+def requested_type(type_url: str, served: TypeUrl | None, limits: XdsLimits) -> tuple[TypeUrl, ResourceType]:
+    """The type a request asks for: its ``type_url``, or the one a per-type stream (``served``)
+    serves. Raises :class:`PeerError` if an ADS request has none, or names another type than the
+    stream serves, or one pilotfish does not serve."""
+    url = TypeUrl(type_url or (served or ""))
+    if not url:
+        raise PeerError("an aggregated (ADS) request must carry type_url")
+    if served is not None and url != served:
+        raise PeerError(f"this stream serves {served}, not {shorten(url, limits.echo_chars)!r}: "
+                        "send that type on its own service or on ADS")
+    rtype = type_by_url(url)
+    if rtype is None:
+        raise PeerError(f"unsupported type_url {shorten(url, limits.echo_chars)!r}: pilotfish serves "
+                        "the v3 Cluster, ClusterLoadAssignment, Listener, RouteConfiguration and Secret types")
+    return url, rtype

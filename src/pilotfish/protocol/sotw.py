@@ -46,10 +46,9 @@ from typing import NamedTuple, NewType
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
-from pilotfish.errors import PeerError
-from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, kept_node, shorten
+from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, kept_node, requested_type, shorten
 from pilotfish.protocol.subscription import Subscription, Watch, next_subscription
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl, type_by_url
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.snapshot import EncodedResponse
 
 __all__ = ["Nonce", "RequestKind", "RequestOutcome", "SotwStream", "TypeState"]
@@ -128,16 +127,7 @@ class SotwStream:
         ``names_wire``: the encoded bytes of the request's ``resource_names``, if the caller has
         them (:func:`~pilotfish.resources.wire.request_names_span`): a shortcut, same result."""
         limits = self.limits
-        type_url = TypeUrl(request.type_url or (self.type_url or ""))
-        if not type_url:
-            raise PeerError("an aggregated (ADS) request must carry type_url")
-        if self.type_url is not None and type_url != self.type_url:
-            raise PeerError(f"this stream serves {self.type_url}, not {shorten(type_url, limits.echo_chars)!r}: "
-                            "send that type on its own service or on ADS")
-        rtype = type_by_url(type_url)
-        if rtype is None:
-            raise PeerError(f"unsupported type_url {shorten(type_url, limits.echo_chars)!r}: pilotfish serves "
-                            "the v3 Cluster, ClusterLoadAssignment, Listener, RouteConfiguration and Secret types")
+        type_url, rtype = requested_type(request.type_url, self.type_url, limits)
         requested = request.resource_names
         count = len(requested)
         if count > limits.max_resource_names:

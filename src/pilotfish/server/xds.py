@@ -30,7 +30,7 @@ import itertools
 import logging
 import ssl
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
@@ -93,6 +93,10 @@ _DELTA_METHODS: tuple[tuple[str, str, TypeUrl | None], ...] = (
     ("envoy.service.route.v3.RouteDiscoveryService", "DeltaRoutes", ROUTE.url),
     ("envoy.service.secret.v3.SecretDiscoveryService", "DeltaSecrets", SECRET.url),
 )
+
+
+_W = TypeVar("_W")
+_R = TypeVar("_R")
 
 
 def _default_group(node: base_pb2.Node) -> NodeGroup:
@@ -234,6 +238,15 @@ class _Stream:
             _log.warning("%s rejected %s version %s: %s", self.node_id or f"stream {self.id}",
                          type_url.rsplit(".", 1)[-1], version, error)
 
+    def _replace_watch(self, type_url: TypeUrl, create: Callable[[_W, Callable[[_W, _R], None], NodeGroup], Cancel],
+                       watch: _W, respond: Callable[[_W, _R], None]) -> None:
+        """Cancel the stream's watch of ``type_url`` and open ``watch`` in its place (the cache
+        may answer it at once, through ``respond``)."""
+        previous = self._cancels.pop(type_url, None)
+        if previous is not None:
+            previous()
+        self._cancels[type_url] = create(watch, respond, self.group)
+
     # -- secrets ----------------------------------------------------------------------------------
 
     def _proxy_grants(self) -> ProxyGrants:
@@ -337,14 +350,10 @@ class _SotwConnection(_Stream):
         elif kind is RequestKind.NACK:
             self._record_nack(outcome.type_url, outcome.rejected_version, outcome.error)
         for watch in outcome.watches:
-            url = watch.type_url
-            if url == SECRET.url:
+            if watch.type_url == SECRET.url:
                 watch = self._granted_only(watch)
-            previous = self._cancels.pop(url, None)
-            if previous is not None:
-                previous()
-            self._current[url] = watch
-            self._cancels[url] = server.cache.create_watch(watch, self._send, self.group)
+            self._current[watch.type_url] = watch
+            self._replace_watch(watch.type_url, server.cache.create_watch, watch, self._send)
 
     def _granted_only(self, watch: Watch) -> Watch:
         """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
@@ -437,14 +446,10 @@ class _DeltaConnection(_Stream):
         elif kind is DeltaKind.NACK:
             self._record_nack(outcome.type_url, outcome.version, outcome.error)
         for watch in outcome.watches:
-            url = watch.type_url
-            if url == SECRET.url:
+            if watch.type_url == SECRET.url:
                 watch = self._granted_only(watch)
-            previous = self._cancels.pop(url, None)
-            if previous is not None:
-                previous()
-            self._current[url] = watch
-            self._cancels[url] = server.cache.create_delta_watch(watch, self._send, self.group)
+            self._current[watch.type_url] = watch
+            self._replace_watch(watch.type_url, server.cache.create_delta_watch, watch, self._send)
 
     def _granted_only(self, watch: DeltaWatch) -> DeltaWatch:
         """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
