@@ -7,8 +7,23 @@ from pathlib import Path
 
 import pytest
 
+from pilotfish.events import check_event_log
+
 from .processes import ProcessGroup, envoy_binary
 from .testbed import Testbed
+
+
+@pytest.fixture(autouse=True)
+def event_log_contract(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test: every event its servers wrote is one of ``pilotfish.events.EVENTS``, with
+    only the fields the contract names (README's table documents the same)."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    tmp_path: Path = request.getfixturevalue("tmp_path")  # now: it must outlive this fixture
+    yield
+    problems = [p for log in sorted(tmp_path.rglob("*.jsonl")) for p in check_event_log(log)]
+    assert not problems, "the event log broke its contract:\n" + "\n".join(problems[:20])
 
 
 @pytest.fixture
