@@ -17,6 +17,10 @@ at start-up: restart (or hot-restart) Envoy to rotate them.
 With ``rest`` Envoy polls CDS and LDS over REST (``api_type: REST``, HTTP/1.1 + JSON) every
 ``refresh`` seconds instead of holding an ADS stream; the clusters and listeners it receives must
 point EDS and RDS at REST too (:func:`rest_config_source`), as ``ads: {}`` needs an ADS stream.
+Clusters and listeners built from ``services:`` do, for the node group of REST pollers
+(:mod:`pilotfish.server.groups`): with :data:`XDS_CLUSTER` and the server's refresh delay
+(``serve --rest-refresh-ms``, default :data:`DEFAULT_REST_REFRESH` as here), through this very
+function.
 
 :func:`grpc_bootstrap` is the same for a proxyless gRPC client (the JSON file ``GRPC_XDS_BOOTSTRAP``
 names, gRFC A27): the xDS server (``xds_v3``; insecure, or TLS with A65's certificate files), and
@@ -32,8 +36,14 @@ from typing import Any
 
 import yaml
 
-__all__ = ["BootstrapSettings", "bootstrap", "bootstrap_yaml", "grpc_bootstrap", "grpc_bootstrap_json",
-           "rest_config_source", "split_address"]
+__all__ = ["DEFAULT_REST_REFRESH", "XDS_CLUSTER", "BootstrapSettings", "bootstrap", "bootstrap_yaml",
+           "grpc_bootstrap", "grpc_bootstrap_json", "rest_config_source", "split_address"]
+
+XDS_CLUSTER = "xds_cluster"
+"""The static cluster of a bootstrap that reaches pilotfish; REST config sources name it."""
+DEFAULT_REST_REFRESH = 1.0
+"""Seconds between REST polls, in a bootstrap (``--refresh-ms``) and in the EDS and RDS config
+sources served to REST pollers (``serve --rest-refresh-ms``) alike."""
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -79,7 +89,7 @@ class BootstrapSettings:
     rest: str | None = None
     """Poll pilotfish's REST xDS at this ``host:port`` for clusters and listeners (``api_type:
     REST``) instead of ADS over gRPC; :attr:`xds` is then not used."""
-    refresh: float = 1.0
+    refresh: float = DEFAULT_REST_REFRESH
     """With :attr:`rest`: seconds between polls (Envoy adds up to as much again of jitter)."""
     region: str = ""
     """The node's locality region (gRPC bootstraps)."""
@@ -125,7 +135,7 @@ def _tls_transport_socket(settings: BootstrapSettings, host: str) -> dict[str, A
     return {"name": "envoy.transport_sockets.tls", "typed_config": tls}
 
 
-def rest_config_source(*, cluster: str = "xds_cluster", refresh: float = 1.0) -> dict[str, Any]:
+def rest_config_source(*, cluster: str = XDS_CLUSTER, refresh: float = DEFAULT_REST_REFRESH) -> dict[str, Any]:
     """A ``ConfigSource`` polling pilotfish's REST xDS through the static ``cluster`` every
     ``refresh`` seconds: what CDS and LDS use in a REST bootstrap, and what the EDS and RDS
     config sources of clusters and listeners served to a REST-only Envoy must say (``ads: {}``
@@ -156,7 +166,7 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
                 "set_node_on_first_message_only": True,
                 "grpc_services": [{
                     "envoy_grpc": {
-                        "cluster_name": "xds_cluster",
+                        "cluster_name": XDS_CLUSTER,
                         "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}},
                     },
                 }],
@@ -166,7 +176,7 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
         },
         "static_resources": {
             "clusters": [{
-                "name": "xds_cluster",
+                "name": XDS_CLUSTER,
                 "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
                 "connect_timeout": "1s",
                 "typed_extension_protocol_options": {
@@ -180,7 +190,7 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
                     },
                 },
                 "load_assignment": {
-                    "cluster_name": "xds_cluster",
+                    "cluster_name": XDS_CLUSTER,
                     "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
                         "socket_address": {"address": host, "port_value": port},
                     }}}]}],
@@ -198,11 +208,11 @@ def _rest_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     assert settings.rest is not None
     host, port = split_address(settings.rest)
     cluster: dict[str, Any] = {
-        "name": "xds_cluster",
+        "name": XDS_CLUSTER,
         "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
         "connect_timeout": "1s",
         "load_assignment": {
-            "cluster_name": "xds_cluster",
+            "cluster_name": XDS_CLUSTER,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
                 "socket_address": {"address": host, "port_value": port},
             }}}]}],

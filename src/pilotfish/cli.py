@@ -10,7 +10,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pilotfish.bootstrap import BootstrapSettings, bootstrap_yaml, grpc_bootstrap_json, split_address
+from pilotfish.bootstrap import (
+    DEFAULT_REST_REFRESH,
+    BootstrapSettings,
+    bootstrap_yaml,
+    grpc_bootstrap_json,
+    split_address,
+)
 from pilotfish.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -127,7 +133,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="where to serve xDS over gRPC (default: %(default)s)")
     serve.add_argument("--rest", type=_address, metavar="HOST:PORT",
                        help="also serve REST xDS here: POST /v3/discovery:clusters (:endpoints, :listeners, :routes, "
-                            ":secrets) with a JSON DiscoveryRequest, for Envoy's api_type REST (same TLS, grants)")
+                            ":secrets) with a JSON DiscoveryRequest, for Envoy's api_type REST (same TLS, grants); "
+                            "polls join the node groups of kind rest (built in: 'rest')")
+    serve.add_argument("--rest-refresh-ms", type=_positive_int, default=int(DEFAULT_REST_REFRESH * 1000),
+                       metavar="MS",
+                       help="with --rest: clusters and listeners served to REST pollers poll their endpoints and "
+                            "routes every MS milliseconds; give the --refresh-ms of their bootstraps "
+                            "(default: %(default)s)")
     serve.add_argument("--event-log", type=Path, metavar="FILE",
                        help="append every xDS request, response and snapshot change here, as JSON lines")
     serve.add_argument("--event-log-level", choices=("all", "changes"), default="all",
@@ -137,9 +149,11 @@ def _parser() -> argparse.ArgumentParser:
                        metavar="NAME[:KIND][@ZONE]=RULE",
                        help="clients whose node matches RULE (cluster:PATTERN, id:PATTERN, metadata:KEY=PATTERN, "
                             "agent:PATTERN, zone:PATTERN; '*': any characters but '/') are served the snapshot of "
-                            "group NAME, of KIND envoy (socket listeners; the default) or grpc (API listeners for "
-                            "proxyless gRPC), in ZONE (they get only that zone's endpoints of zone_local "
-                            "services); repeatable, first match wins; then built in: gRPC clients to 'grpc', "
+                            "group NAME, of KIND envoy (socket listeners; the default), grpc (API listeners for "
+                            "proxyless gRPC) or rest (for REST polls: EDS and RDS over REST too), in ZONE (they "
+                            "get only that zone's endpoints of zone_local "
+                            "services); repeatable, first match wins (REST polls: among rest groups; gRPC streams: "
+                            "among the others); then built in: gRPC clients to 'grpc', REST polls to 'rest', "
                             "others to 'default'")
     tls = serve.add_argument_group(
         "TLS", "serve xDS (and the registry API) over TLS; the files are reloaded when they change, without "
@@ -202,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--rest", type=_address, metavar="HOST:PORT",
                       help="poll pilotfish's REST xDS here for clusters and listeners (api_type REST) instead "
                            "of ADS over gRPC (--xds is then not used)")
-    boot.add_argument("--refresh-ms", type=_positive_int, default=1000, metavar="MS",
+    boot.add_argument("--refresh-ms", type=_positive_int, default=int(DEFAULT_REST_REFRESH * 1000), metavar="MS",
                       help="with --rest: poll every MS milliseconds, plus up to as much again of jitter "
                            "(default: %(default)s)")
     boot.add_argument("--grpc", action="store_true",
@@ -274,7 +288,8 @@ def _serve(args: argparse.Namespace) -> int:
                                 hold=args.flap_hold_ms / 1000)
     settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
                              event_log_level=args.event_log_level,
-                             registry=args.registry, rest=args.rest, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
+                             registry=args.registry, rest=args.rest,
+                             rest_refresh=args.rest_refresh_ms / 1000, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
                              registry_tokens=args.registry_tokens,
                              debounce=debounce, validate=args.validate == "on",
                              registry_self_preservation=SelfPreservation(

@@ -14,7 +14,12 @@ states of all sources and builds the snapshot, refusing anything ambiguous:
 Node groups (:func:`build_snapshots`): each group is served its own snapshot of the same merged
 state, seen through its :class:`View`. Envoys (``ClientKind.ENVOY``) get socket listeners, proxyless
 gRPC clients (``ClientKind.GRPC``) API listeners, both the same clusters and endpoints; raw listeners
-go to the kind they are for (one with an ``api_listener`` to gRPC clients, others to Envoys). All
+go to the kind they are for (one with an ``api_listener`` to gRPC clients, others to Envoys). Envoys
+polling REST (``ClientKind.REST``) get what Envoys get, except that built clusters and listeners
+point EDS and RDS at the REST config source of their bootstrap
+(:func:`pilotfish.bootstrap.rest_config_source`, polled every ``rest_refresh`` seconds) instead of
+ADS, which they do not speak; raw resources are served to them as they are (a raw cluster or
+listener for them names its config sources itself). All
 groups are built in one pass from one memo, so a resource common to several groups is encoded
 (and checked) once and is the same object in each; a problem in any group refuses the whole pass
 (the groups never serve different generations of the sources).
@@ -22,14 +27,18 @@ groups are built in one pass from one memo, so a resource common to several grou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
+from envoy.config.core.v3 import config_source_pb2
 from envoy.config.listener.v3 import listener_pb2
+from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from pilotfish.bootstrap import DEFAULT_REST_REFRESH, rest_config_source
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType, TypeUrl
 from pilotfish.resources.builders import ClientKind, ResourceMemo, encode_for_views
@@ -49,8 +58,8 @@ class View:
     """What one node group is served of the merged state."""
 
     kind: ClientKind = ClientKind.ENVOY
-    """Which listeners (and routes) its clients get: socket listeners for Envoys, API listeners
-    for proxyless gRPC clients."""
+    """Which listeners its clients get (socket listeners for Envoys, on ADS or REST; API listeners
+    for proxyless gRPC clients) and how their EDS and RDS are reached (ADS, or REST polls)."""
     zone: str = ""
     """The zone its clients run in: of a service that asks for zone-local routing (``zone_local``)
     they get only the endpoints in this zone, while it has any. "": every endpoint."""
@@ -148,21 +157,23 @@ def _is_api_listener(listener: Message) -> bool:
 
 def build_snapshot(
     merged: Merged, source: str, *, memo: ResourceMemo | None = None, rules: bool = True, view: View | None = None,
+    rest_refresh: float = DEFAULT_REST_REFRESH,
 ) -> Snapshot:
     """Build the snapshot of merged desired state; raise :class:`ConfigError` naming every problem.
 
     ``memo`` carries encoded resources of unchanged services over from the previous build.
     ``rules``: check every resource, raw or built, against Envoy's ``validate.rules``
     (:func:`pilotfish.validate.check_rules`); off, such content goes out as it is (for Envoy to NACK).
-    ``view``: what the clients are served (default: Envoys).
+    ``view``: what the clients are served (default: Envoys). ``rest_refresh``: see :func:`build_snapshots`.
     """
     chosen = view or View()
-    return build_snapshots(merged, source, {chosen: chosen}, memo=memo, rules=rules)[chosen]
+    return build_snapshots(merged, source, {chosen: chosen}, memo=memo, rules=rules,
+                           rest_refresh=rest_refresh)[chosen]
 
 
 def build_snapshots(
     merged: Merged, source: str, groups: Mapping[G, View], *, memo: ResourceMemo | None = None,
-    rules: bool = True,
+    rules: bool = True, rest_refresh: float = DEFAULT_REST_REFRESH,
 ) -> dict[G, Snapshot]:
     """The snapshot of each group (by its :class:`View`), all from ``merged`` in one pass; raise
     :class:`ConfigError` naming every problem. Groups with equal views share one snapshot.
@@ -170,9 +181,14 @@ def build_snapshots(
     Views differ only in their listeners, so the checks run once: on the raw resources as the
     sources gave them, and on the union of what was built (a resource shared by several views is
     one object, checked once).
+
+    ``rest_refresh``: seconds between the polls of the EDS and RDS config sources of ``rest``
+    views (what their bootstraps poll CDS and LDS with: ``pilotfish bootstrap --refresh-ms``).
     """
     views = list(dict.fromkeys(groups.values())) or [View()]
-    built = encode_for_views(merged.services, merged.endpoints, memo, views=[(v.kind, v.zone) for v in views])
+    rest_source = _rest_source(rest_refresh) if any(v.kind is ClientKind.REST for v in views) else None
+    built = encode_for_views(merged.services, merged.endpoints, memo, views=[(v.kind, v.zone) for v in views],
+                             rest_source=rest_source)
     union: dict[ResourceType, list[Resource]] = {}
     for rtype in TYPES:
         # Views share lists (and resources in them): each distinct one is checked once.
@@ -209,6 +225,14 @@ def build_snapshots(
             types[rtype.url] = shared[key]
         snapshots[view] = Snapshot(MappingProxyType(types), explicit_version=merged.version)
     return {group: snapshots[view] for group, view in groups.items()}
+
+
+@functools.lru_cache(maxsize=8)
+def _rest_source(refresh: float) -> config_source_pb2.ConfigSource:
+    """The bootstrap's REST config source as a message: one implementation of what it says."""
+    source = config_source_pb2.ConfigSource()
+    json_format.ParseDict(rest_config_source(refresh=refresh), source)
+    return source
 
 
 def _serves(view_kind: ClientKind, rtype: ResourceType, message: Message) -> bool:

@@ -41,6 +41,7 @@ from typing import NoReturn, Protocol
 
 from envoy.config.endpoint.v3 import endpoint_pb2
 
+from pilotfish.bootstrap import DEFAULT_REST_REFRESH
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.desired import DesiredState, Merged, View, build_snapshots, merge_states
 from pilotfish.errors import ConfigError, Problem
@@ -286,6 +287,7 @@ class Reconciler:
         confirm_hint: str = "",
         rules: bool = True,
         labels: Mapping[str, str] | None = None,
+        rest_refresh: float = DEFAULT_REST_REFRESH,
     ) -> None:
         self.cache = cache
         self.settings = settings or DebounceSettings()
@@ -297,6 +299,8 @@ class Reconciler:
         """Check Envoy's validate.rules before publishing (off: let Envoy NACK what breaks them)."""
         self._labels = dict(labels or {})
         """How errors name each source (e.g. "file" -> the file's path)."""
+        self._rest_refresh = rest_refresh
+        """Seconds between the EDS and RDS polls of ``rest`` groups (:func:`~pilotfish.desired.build_snapshots`)."""
         self._published_endpoints: dict[str, int] = {}
         self.held: Held | None = None
         """The snapshot the blast-radius guard is holding back (None: nothing held)."""
@@ -431,7 +435,8 @@ class Reconciler:
         self.builds += 1
         merged = self._damped(merge_states(self._states))
         try:
-            built = build_snapshots(merged, self._source_names(), self._groups, memo=self._memo, rules=self._rules)
+            built = build_snapshots(merged, self._source_names(), self._groups, memo=self._memo, rules=self._rules,
+                                    rest_refresh=self._rest_refresh)
         except ConfigError as exc:
             self._refuse(exc)
         snapshots: dict[NodeGroup, Snapshot] = {group: built[group] for group in self._groups}
@@ -560,7 +565,7 @@ class Reconciler:
         states = {**self._states, source: state}
         try:
             build_snapshots(merge_states(states), ", ".join(sorted(states)), self._groups, memo=self._memo,
-                            rules=self._rules)
+                            rules=self._rules, rest_refresh=self._rest_refresh)
         except ConfigError as exc:
             return list(exc.problems)
         return []

@@ -283,7 +283,7 @@ def test_the_first_matching_rule_picks_the_group_then_the_built_in_ones() -> Non
         ("p@=id:x", "a zone uses"),
         ("p@a b=id:x", "a zone uses"),
         ("a b=id:x", "group name"),
-        ("p:udp=id:x", "envoy or grpc"),
+        ("p:udp=id:x", "envoy, grpc or rest"),
         ("p=node:x", "cluster:PATTERN"),
         ("p=metadata:zone", "metadata:KEY=PATTERN"),
         ("p=id:", "pattern is empty"),
@@ -329,7 +329,7 @@ def test_the_number_of_groups_is_bounded() -> None:
 def test_serve_refuses_a_bad_node_group_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["serve", "--snapshot", "x.yaml", "--node-group", "p:udp=id:x"])
-    assert "envoy or grpc" in capsys.readouterr().err
+    assert "envoy, grpc or rest" in capsys.readouterr().err
 
 
 # -- the gRPC bootstrap -----------------------------------------------------------------------------

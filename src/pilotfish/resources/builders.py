@@ -12,7 +12,12 @@ listener it is sent and has no use for API listeners; a gRPC client asks for lis
 name and drops one with an address. So the two kinds are served different listener sets (node
 groups, :mod:`pilotfish.desired`), and a service's socket listener keeps the service's name for
 Envoys (stat prefixes stay as they are) while its API listener takes the same name for gRPC
-clients: ``xds:///web`` finds the API listener, never the socket one. Defaults, and why:
+clients: ``xds:///web`` finds the API listener, never the socket one. An Envoy that polls over
+REST (``ClientKind.REST``) gets the socket listeners too, but it holds no ADS stream to follow
+``ads: {}`` with: its clusters' EDS and its connection managers' RDS name the REST config source
+it polls (``rest_source``: the one of its bootstrap, :func:`pilotfish.bootstrap.rest_config_source`);
+endpoints and routes, which name no config source, are the same objects for every kind.
+Defaults, and why:
 
 - ``ignore_health_on_host_removal``: an endpoint removed from EDS leaves at once, even when
   active health checks still pass it (Envoy otherwise keeps it until a check fails).
@@ -59,7 +64,7 @@ from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, Resour
 from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, length_delimited
 
 __all__ = ["ClientKind", "ResourceMemo", "build_api_listener", "build_assignment", "build_cluster",
-           "encode_for_views", "encode_services"]
+           "build_listener", "encode_for_views", "encode_services"]
 
 
 class ClientKind(enum.Enum):
@@ -69,6 +74,9 @@ class ClientKind(enum.Enum):
     """Socket listeners of services with ``listen`` (and raw listeners with an address)."""
     GRPC = "grpc"
     """API listeners of services with ``grpc`` (and raw listeners with an ``api_listener``)."""
+    REST = "rest"
+    """Envoys polling REST xDS: what ``ENVOY`` gets, with EDS and RDS through the REST config
+    source instead of ADS."""
 
 _RETRY_ON = "connect-failure,refused-stream,reset-before-request"
 _HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -96,14 +104,15 @@ def _socket(host: str, port: int) -> address_pb2.Address:
     return address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port))
 
 
-def build_cluster(spec: ServiceSpec) -> cluster_pb2.Cluster:
+def build_cluster(spec: ServiceSpec, *, eds: config_source_pb2.ConfigSource | None = None) -> cluster_pb2.Cluster:
+    """The service's EDS cluster; its endpoints come over ``eds`` (default: ADS)."""
     cluster = cluster_pb2.Cluster(
         name=spec.name,
         type=cluster_pb2.Cluster.EDS,
         connect_timeout=_duration(spec.connect_timeout),
         lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
         ignore_health_on_host_removal=True,
-        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads()),
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=eds or _ads()),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[
             circuit_breaker_pb2.CircuitBreakers.Thresholds(
                 max_connections=wrappers_pb2.UInt32Value(value=100_000),
@@ -191,10 +200,12 @@ def _route_config(spec: ServiceSpec) -> route_pb2.RouteConfiguration:
     )
 
 
-def _connection_manager(spec: ServiceSpec) -> hcm_pb2.HttpConnectionManager:
+def _connection_manager(
+    spec: ServiceSpec, rds: config_source_pb2.ConfigSource | None = None,
+) -> hcm_pb2.HttpConnectionManager:
     return hcm_pb2.HttpConnectionManager(
         stat_prefix=spec.name,
-        rds=hcm_pb2.Rds(route_config_name=spec.name, config_source=_ads()),
+        rds=hcm_pb2.Rds(route_config_name=spec.name, config_source=rds or _ads()),
         http_filters=[hcm_pb2.HttpFilter(name="envoy.filters.http.router",
                                          typed_config=_packed(router_pb2.Router()))],
     )
@@ -209,7 +220,9 @@ def build_api_listener(spec: ServiceSpec) -> listener_pb2.Listener:
     )
 
 
-def _listener(spec: ServiceSpec) -> listener_pb2.Listener:
+def build_listener(spec: ServiceSpec, *, rds: config_source_pb2.ConfigSource | None = None) -> listener_pb2.Listener:
+    """The socket listener of a service with ``listen``; an HTTP one gets its routes over ``rds``
+    (default: ADS)."""
     assert spec.listen is not None
     if spec.protocol == "tcp":
         network_filter = listener_components_pb2.Filter(
@@ -218,7 +231,7 @@ def _listener(spec: ServiceSpec) -> listener_pb2.Listener:
         )
     else:
         network_filter = listener_components_pb2.Filter(
-            name="envoy.filters.network.http_connection_manager", typed_config=_packed(_connection_manager(spec))
+            name="envoy.filters.network.http_connection_manager", typed_config=_packed(_connection_manager(spec, rds))
         )
     return listener_pb2.Listener(
         name=spec.name,
@@ -228,17 +241,20 @@ def _listener(spec: ServiceSpec) -> listener_pb2.Listener:
 
 
 @functools.lru_cache(maxsize=256)
-def _cluster_template(settings: ServiceSpec) -> bytes:
+def _cluster_template(settings: ServiceSpec, eds: bytes) -> bytes:
     # ``settings`` has an empty name; the name (field 1) is prepended per cluster, which is
-    # exactly where deterministic serialization puts it.
-    encoded: bytes = build_cluster(settings).SerializeToString(deterministic=True)
+    # exactly where deterministic serialization puts it. ``eds``: the encoded config source
+    # (b"": ADS), as a message is no cache key.
+    source = config_source_pb2.ConfigSource.FromString(eds) if eds else None
+    encoded: bytes = build_cluster(settings, eds=source).SerializeToString(deterministic=True)
     return encoded
 
 
-def encode_cluster(spec: ServiceSpec) -> bytes:
+def encode_cluster(spec: ServiceSpec, eds: config_source_pb2.ConfigSource | None = None) -> bytes:
     # What does not shape the cluster (its listeners) is left out of the template's key.
     settings = dataclasses.replace(spec, name="", listen=None, grpc=None)
-    return length_delimited(1, spec.name.encode()) + _cluster_template(settings)
+    source = b"" if eds is None else eds.SerializeToString(deterministic=True)
+    return length_delimited(1, spec.name.encode()) + _cluster_template(settings, source)
 
 
 def encode_assignment(name: str, endpoints: Iterable[Endpoint]) -> bytes:
@@ -281,11 +297,12 @@ def encode_services(
     *,
     kind: ClientKind = ClientKind.ENVOY,
     zone: str = "",
+    rest_source: config_source_pb2.ConfigSource | None = None,
 ) -> dict[ResourceType, list[Resource]]:
     """The encoded resources of every service, by type (the bytes protobuf would give the messages
     :func:`build_cluster`, :func:`build_assignment` and the listener/route builders make), for
-    clients of ``kind`` in ``zone`` ("": none)."""
-    return encode_for_views(specs, endpoints, memo, views=((kind, zone),))[kind, zone]
+    clients of ``kind`` in ``zone`` ("": none); ``rest_source``: see :func:`encode_for_views`."""
+    return encode_for_views(specs, endpoints, memo, views=((kind, zone),), rest_source=rest_source)[kind, zone]
 
 
 ViewKey = tuple[ClientKind, str]
@@ -298,29 +315,44 @@ def encode_for_views(
     memo: ResourceMemo | None = None,
     *,
     views: Iterable[ViewKey] = ((ClientKind.ENVOY, ""),),
+    rest_source: config_source_pb2.ConfigSource | None = None,
 ) -> dict[ViewKey, dict[ResourceType, list[Resource]]]:
     """:func:`encode_services` for several views in one pass over the services. Views share the
-    very same lists where they do not differ: clusters and routes always; listeners between views
-    of one kind; assignments between views of one zone, and the assignment of a service that is
-    not ``zone_local`` (or has no endpoint in the zone) is the same object in every view."""
+    very same lists where they do not differ: routes always; clusters between views that follow
+    ADS (``envoy``, ``grpc``) and between ``rest`` views; listeners between views of one kind;
+    assignments between views of one zone, and the assignment of a service that is not
+    ``zone_local`` (or has no endpoint in the zone) is the same object in every view.
+    ``rest_source``: the config source ``rest`` views get EDS and RDS from (needed for them)."""
     memo = memo or ResourceMemo()
     wanted = tuple(dict.fromkeys(views))
-    clusters: list[Resource] = []
+    if rest_source is None and any(kind is ClientKind.REST for kind, _ in wanted):
+        raise ValueError("a rest view needs the REST config source its clients poll (rest_source)")
+    rest_key = b"" if rest_source is None else rest_source.SerializeToString(deterministic=True)
     routes: list[Resource] = []
+    # Clusters by whether they follow REST: ADS for Envoys and gRPC clients, REST for pollers.
+    clusters: dict[bool, list[Resource]] = {kind is ClientKind.REST: [] for kind, _ in wanted}
     listeners: dict[ClientKind, list[Resource]] = {kind: [] for kind, _ in wanted}
     assignments: dict[str, list[Resource]] = {zone: [] for _, zone in wanted}
     sockets, apis = listeners.get(ClientKind.ENVOY), listeners.get(ClientKind.GRPC)
+    rest_sockets = listeners.get(ClientKind.REST)
+    ads_clusters, rest_clusters = clusters.get(False), clusters.get(True)
     zonal = [(zone, in_zone) for zone, in_zone in assignments.items() if zone]
     every_list = assignments.setdefault("", [])
 
     def cluster(spec: ServiceSpec) -> Resource:
         return Resource(CLUSTER, spec.name, encode_cluster(spec))
 
+    def rest_cluster(spec: ServiceSpec) -> Resource:
+        return Resource(CLUSTER, spec.name, encode_cluster(spec, rest_source))
+
     def assignment(name: str, found: tuple[Endpoint, ...]) -> Resource:
         return Resource(ENDPOINT, name, encode_assignment(name, found))
 
     def listener(spec: ServiceSpec) -> Resource:
-        return Resource.of(LISTENER, _listener(spec))
+        return Resource.of(LISTENER, build_listener(spec))
+
+    def rest_listener(spec: ServiceSpec) -> Resource:
+        return Resource.of(LISTENER, build_listener(spec, rds=rest_source))
 
     def api_listener(spec: ServiceSpec) -> Resource:
         return Resource.of(LISTENER, build_api_listener(spec))
@@ -331,7 +363,10 @@ def encode_for_views(
     for name in sorted(specs):
         spec = specs[name]
         found = tuple(sorted(endpoints.get(name, ())))
-        clusters.append(memo.get(("cluster", spec), cluster, spec))
+        if ads_clusters is not None:
+            ads_clusters.append(memo.get(("cluster", spec), cluster, spec))
+        if rest_clusters is not None:
+            rest_clusters.append(memo.get(("rest_cluster", spec, rest_key), rest_cluster, spec))
         every = memo.get(("endpoints", name, found), assignment, name, found)
         every_list.append(every)
         for zone, in_zone in zonal:
@@ -341,6 +376,11 @@ def encode_for_views(
             continue
         if sockets is not None and spec.listen is not None:
             sockets.append(memo.get(("listener", spec), listener, spec))
+        if rest_sockets is not None and spec.listen is not None:
+            if spec.protocol == "tcp":  # no RDS: the very listener Envoys on ADS get
+                rest_sockets.append(memo.get(("listener", spec), listener, spec))
+            else:
+                rest_sockets.append(memo.get(("rest_listener", spec, rest_key), rest_listener, spec))
         if apis is not None and spec.grpc is not None:
             apis.append(memo.get(("api_listener", spec), api_listener, spec))
         if spec.protocol == "http":
@@ -352,5 +392,6 @@ def encode_for_views(
     for zone, in_zone in zonal:
         if all(a is b for a, b in zip(in_zone, every_list, strict=True)):
             assignments[zone] = every_list  # nothing zone-local in this zone: the same list, shared
-    return {(kind, zone): {CLUSTER: clusters, ENDPOINT: assignments[zone], LISTENER: listeners[kind], ROUTE: routes}
+    return {(kind, zone): {CLUSTER: clusters[kind is ClientKind.REST], ENDPOINT: assignments[zone],
+                           LISTENER: listeners[kind], ROUTE: routes}
             for kind, zone in wanted}

@@ -2,11 +2,14 @@
 
 Each node group is served its own snapshot of the same sources (:func:`pilotfish.desired.build_snapshots`);
 what differs is the group's *kind* (:class:`~pilotfish.resources.builders.ClientKind`): Envoys
-(``envoy``) get socket listeners, proxyless gRPC clients (``grpc``) get API listeners. A stream's
-group is chosen once, from the node of its first request, by the first rule that matches:
+(``envoy``) get socket listeners, proxyless gRPC clients (``grpc``) get API listeners, Envoys
+polling REST xDS (``rest``) get socket listeners and clusters whose RDS and EDS are polled over
+REST too (an ADS config source is useless to a client without an ADS stream). A stream's group is
+chosen once, from the node of its first request, and a REST poll's from its node, by the first
+rule that matches:
 
-``--node-group NAME[:KIND][@ZONE]=RULE`` (repeatable; KIND is ``envoy`` or ``grpc``, default
-``envoy``; ZONE: the group's clients run in that zone, and of a service with ``zone_local: true``
+``--node-group NAME[:KIND][@ZONE]=RULE`` (repeatable; KIND is ``envoy``, ``grpc`` or ``rest``,
+default ``envoy``; ZONE: the group's clients run in that zone, and of a service with ``zone_local: true``
 they get only the endpoints in it, while it has any) where RULE is one of
 
 - ``cluster:PATTERN``: the node's ``cluster``;
@@ -23,6 +26,12 @@ built-in ones: a node whose ``user_agent_name`` starts with ``gRPC`` joins the g
 (kind grpc), so a proxyless client resolving ``xds:///NAME`` finds the API listener NAME with no
 configuration; every other node joins ``default`` (kind envoy), which is what every node got
 before groups existed. A rule may name ``default`` or ``grpc`` to send other nodes there.
+
+The way a client came decides between the kinds: a poll arriving at the REST server (``serve
+--rest``) is a REST client by definition, so it is matched against the rules of ``rest`` groups
+only and, if none matches, joins the built-in group ``rest`` (kind rest; it exists when ``--rest``
+is given); a gRPC stream is matched against the other rules only. So a REST poller never gets
+``ads: {}`` it cannot follow, nor an ADS stream REST config sources, whatever the rules say.
 """
 
 from __future__ import annotations
@@ -38,10 +47,12 @@ from pilotfish.resources.builders import ClientKind
 from pilotfish.resources.services import MAX_ZONE, is_zone
 from pilotfish.server.authorize import glob_match
 
-__all__ = ["GRPC_GROUP", "MAX_GROUPS", "NodeGroupRule", "NodeGroups", "parse_node_group"]
+__all__ = ["GRPC_GROUP", "MAX_GROUPS", "REST_GROUP", "NodeGroupRule", "NodeGroups", "parse_node_group"]
 
 GRPC_GROUP = NodeGroup("grpc")
 """The built-in group of proxyless gRPC clients."""
+REST_GROUP = NodeGroup("rest")
+"""The built-in group of REST pollers (with ``--rest``)."""
 _GRPC_AGENTS = "gRPC*"
 _FIELDS = ("cluster", "id", "metadata", "agent", "zone")
 MAX_GROUPS = 64
@@ -75,7 +86,8 @@ class NodeGroupRule:
 def parse_node_group(text: str) -> NodeGroupRule:
     """``NAME[:KIND][@ZONE]=FIELD:PATTERN`` (``metadata:KEY=PATTERN``) -> a rule; ValueError saying
     what is wrong."""
-    example = "e.g. 'proxyless:grpc=cluster:payments-*' or 'east@us-east-1=metadata:zone=us-east-1'"
+    example = ("e.g. 'proxyless:grpc=cluster:payments-*', 'edge:rest=cluster:rest-*' or "
+               "'east@us-east-1=metadata:zone=us-east-1'")
     head, sep, rule = text.partition("=")
     if not sep or not head or not rule:
         raise ValueError(f"{text!r} is not NAME[:KIND][@ZONE]=RULE ({example})")
@@ -88,7 +100,7 @@ def parse_node_group(text: str) -> NodeGroupRule:
     try:
         kind = ClientKind(kind_text or "envoy")
     except ValueError:
-        raise ValueError(f"{text!r}: the kind of a group is envoy or grpc, not {kind_text!r}") from None
+        raise ValueError(f"{text!r}: the kind of a group is envoy, grpc or rest, not {kind_text!r}") from None
     field, sep, pattern = rule.partition(":")
     if not sep or field not in _FIELDS:
         raise ValueError(f"{text!r}: a rule is {', '.join(f + ':PATTERN' for f in _FIELDS)} ({example})")
@@ -118,13 +130,23 @@ def _value(node: base_pb2.Node, field: str, key: str) -> str | None:
 
 
 class NodeGroups:
-    """The rules, compiled, and the groups they name: :meth:`group_of` picks a node's group."""
+    """The rules, compiled, and the groups they name: :meth:`group_of` picks the group of a gRPC
+    stream's node, :meth:`rest_group_of` that of a REST poll's node.
 
-    def __init__(self, rules: Iterable[NodeGroupRule] = ()) -> None:
+    ``rest``: REST xDS is served (``--rest``): the built-in group ``rest`` exists, and so may
+    groups of kind rest (without it they could never be joined, so they are refused).
+    """
+
+    def __init__(self, rules: Iterable[NodeGroupRule] = (), *, rest: bool = False) -> None:
         built_in = NodeGroupRule(GRPC_GROUP, ClientKind.GRPC, "agent", _GRPC_AGENTS)
         self.rules = (*rules, built_in)
         views: dict[NodeGroup, View] = {DEFAULT_GROUP: View()}
+        if rest:
+            views[REST_GROUP] = View(kind=ClientKind.REST)
         for rule in (built_in, *self.rules):
+            if rule.kind is ClientKind.REST and not rest:
+                raise ValueError(f"--node-group {rule}: a group of kind rest serves REST polls: give --rest "
+                                 "HOST:PORT too")
             known = views.setdefault(rule.group, rule.view)
             if known.kind is not rule.kind:
                 raise ValueError(f"--node-group {rule}: the group {rule.group} is of kind {known.kind.value} "
@@ -135,15 +157,29 @@ class NodeGroups:
         if len(views) > MAX_GROUPS:
             raise ValueError(f"--node-group: {len(views)} groups, more than the {MAX_GROUPS} a server builds")
         self._views = views
-        self._matchers = [(rule.group, rule.field, rule.key, rule.pattern) for rule in self.rules]
+        self._matchers = [(rule.group, rule.field, rule.key, rule.pattern) for rule in self.rules
+                          if rule.kind is not ClientKind.REST]
+        self._rest_matchers = [(rule.group, rule.field, rule.key, rule.pattern) for rule in self.rules
+                               if rule.kind is ClientKind.REST]
 
     def group_of(self, node: base_pb2.Node) -> NodeGroup:
-        for group, field, key, pattern in self._matchers:
-            value = _value(node, field, key)
-            if value is not None and glob_match(pattern, value):
-                return group
-        return DEFAULT_GROUP
+        """The group of a gRPC stream's node: the first rule of a group not of kind rest that
+        matches, else ``default``."""
+        return _first_match(self._matchers, node) or DEFAULT_GROUP
+
+    def rest_group_of(self, node: base_pb2.Node) -> NodeGroup:
+        """The group of a REST poll's node: the first rule of a group of kind rest that matches,
+        else ``rest``."""
+        return _first_match(self._rest_matchers, node) or REST_GROUP
 
     def views(self) -> dict[NodeGroup, View]:
         """Every group (the built-in ones too, the default first) and what it is served."""
         return dict(self._views)
+
+
+def _first_match(matchers: list[tuple[NodeGroup, str, str, str]], node: base_pb2.Node) -> NodeGroup | None:
+    for group, field, key, pattern in matchers:
+        value = _value(node, field, key)
+        if value is not None and glob_match(pattern, value):
+            return group
+    return None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pilotfish.bootstrap import split_address
+from pilotfish.bootstrap import DEFAULT_REST_REFRESH, split_address
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
@@ -57,7 +57,12 @@ class ServeSettings:
     """``host:port`` for the registry HTTP API (port 0: any free port); None: no registry."""
     rest: str | None = None
     """``host:port`` for REST xDS (JSON polls, :mod:`pilotfish.server.rest`; port 0: any free
-    port); None: gRPC only. Uses the xDS TLS settings (certificate, client CA, grants)."""
+    port); None: gRPC only. Uses the xDS TLS settings (certificate, client CA, grants). Polls join
+    node groups of kind rest (built in: ``rest``), whose clusters and listeners poll EDS and RDS
+    over REST too."""
+    rest_refresh: float = DEFAULT_REST_REFRESH
+    """Seconds between the EDS and RDS polls that clusters and listeners served to REST pollers
+    ask for: give it the ``--refresh-ms`` of their bootstraps (``pilotfish bootstrap --rest``)."""
     etcd: str | None = None
     """``host:port`` of etcd's client API to read services and instances from; None: no etcd."""
     etcd_prefix: str = "/pilotfish/"
@@ -132,13 +137,14 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     events = EventLog(settings.event_log, level=settings.event_log_level)
     cache = SnapshotCache()
     try:
-        groups = NodeGroups(settings.node_groups)
+        groups = NodeGroups(settings.node_groups, rest=settings.rest is not None)
     except ValueError as exc:
         raise ConfigError("--node-group", [Problem("", str(exc))]) from None
     expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
     reconciler = Reconciler(cache, settings=settings.debounce, events=events, expect=expected,
                             guard=settings.guard, confirm_hint=f"kill -USR1 {os.getpid()}",
-                            rules=settings.validate, labels=_source_labels(settings), groups=groups.views())
+                            rules=settings.validate, labels=_source_labels(settings), groups=groups.views(),
+                            rest_refresh=settings.rest_refresh)
     tasks: list[asyncio.Task[None]] = []
     cleanups: list[Callable[[], Awaitable[None]]] = []
     try:
@@ -200,7 +206,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 rest_tls = ReloadingServerContext(rest_tls_files, on_event=events.emit, name="rest")
                 tasks.append(asyncio.create_task(rest_tls.run(every=settings.tls_reload_every), name="rest-tls-reload"))
             rest = RestXds(cache, events=events, status=xds.status, authorize=authorize, grants=grants,
-                           limits=settings.xds_limits, group_of=groups.group_of)
+                           limits=settings.xds_limits, group_of=groups.rest_group_of)
             rest_runner, rest_address = await start_rest_server(
                 rest, settings.rest, tls=None if rest_tls is None else rest_tls.context)
             cleanups.append(rest_runner.cleanup)
