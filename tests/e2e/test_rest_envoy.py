@@ -5,7 +5,9 @@ EDS and RDS at REST too) every 0.2 s with JSON DiscoveryRequests, and holds no g
 every type and routes traffic; a change to the snapshot file reaches it by its next polls; polls
 of a current Envoy are answered 304; an endpoint change of one cluster answers the polls of the
 other cluster 304 (only what changed is sent). Over mTLS, the poller's certificate identity is what
-``--authorize-node`` checks its node id against.
+``--authorize-node`` checks its node id against. From a file with only a ``services:`` section,
+the poller (in the built-in node group ``rest``) is built clusters and listeners whose EDS and RDS
+it polls over REST too, and routes traffic with them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 
 from .event_log import EventLog, is_event
 from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, http_get, wait_until
-from .snapshot_file import write_snapshot
+from .snapshot_file import write_services, write_snapshot
 from .test_tls import Pki
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -136,3 +138,51 @@ def test_an_envoy_polls_over_mtls_and_its_node_id_is_checked_against_its_certifi
     wait_until(lambda: int(impostor.stat("cluster_manager.cds.update_failure") or 0) >= 1, timeout=15,
                what="the impostor's CDS poll to fail")
     assert int(impostor.stat("cluster_manager.cds.update_success") or 0) == 0
+
+
+def test_an_envoy_on_rest_polling_is_served_a_services_file(processes: ProcessGroup) -> None:
+    """No raw resources: pilotfish builds the cluster, endpoints, listener and route of ``web``,
+    and those served to a REST poller name the REST config source of ``pilotfish bootstrap
+    --rest`` (``xds_cluster``, the same refresh delay) instead of ``ads: {}``."""
+    a, b = Upstream.start(processes, "a"), Upstream.start(processes, "b")
+    listener_port = free_port()
+    path = processes.workdir / "services.yaml"
+
+    def write(upstream: Upstream) -> None:
+        write_services(path, {"web": {"listen": f"127.0.0.1:{listener_port}",
+                                      "endpoints": [f"127.0.0.1:{upstream.port}"]}})
+
+    def through_envoy() -> str:
+        status, text = http_get(f"http://127.0.0.1:{listener_port}/")
+        return text if status == 200 else f"<{status}>"
+
+    write(a)
+    rest, refresh_ms = f"127.0.0.1:{free_port()}", str(int(REFRESH_S * 1000))
+    control_plane = ControlPlane(processes, path, free_port(),
+                                 options=("--rest", rest, "--rest-refresh-ms", refresh_ms, "--quiet-ms", "20"))
+    events = control_plane.start()
+    envoy = Envoy.start(processes, name="envoy", node_id=NODE, xds_address=control_plane.address,
+                        bootstrap_options=("--rest", rest, "--refresh-ms", refresh_ms))
+
+    # Envoy routes / to the upstream: it has the listener (LDS), its route (RDS), the cluster
+    # (CDS) and its endpoints (EDS), every one polled over REST.
+    wait_until(lambda: through_envoy() == "a", timeout=15, what="Envoy to route / to upstream a",
+               details=envoy.log_tail)
+    for type_url in (CDS, LDS):
+        answered(events, type_url, 200, what=f"a 200 to the first {type_url} poll", version_info="")
+    answered(events, EDS, 200, what="web's endpoints over REST", resource_names=["web"])
+    answered(events, RDS, 200, what="web's route over REST", resource_names=["web"])
+
+    # An endpoint change in the services file reaches Envoy by its next EDS poll.
+    mark = events.mark()
+    write(b)
+    wait_until(lambda: through_envoy() == "b", timeout=15, what="web's new endpoint to arrive",
+               details=envoy.log_tail)
+    answered(events, EDS, 200, after=mark, what="web's new endpoints over REST", resource_names=["web"])
+
+    assert events.find(is_event("stream_open"), after=0) is None, "REST only: Envoy opened no gRPC stream"
+    counters = {name: envoy.stat(name) for name in (
+        "cluster_manager.cds.update_rejected", "listener_manager.lds.update_rejected",
+        "cluster.web.update_rejected", "http.web.rds.web.update_rejected")}
+    assert all(value in (0, None) for value in counters.values()), counters
+    assert int(envoy.stat("cluster.web.update_success") or 0) >= 2, "web's EDS subscription took both versions"

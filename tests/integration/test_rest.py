@@ -18,20 +18,28 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 import trustme
 import yaml
-from envoy.service.discovery.v3 import discovery_pb2
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import config_source_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import json_format
 from inprocess import TIMEOUT, Running
 from inprocess import serving as serve_in_process
 from test_tls import spiffe_cert, write_pair
 
+from pilotfish.bootstrap import rest_config_source
 from pilotfish.protocol import XdsLimits
 from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.server import ServeSettings
 from pilotfish.server.authorize import parse_rule
 from pilotfish.server.grants import parse_grant
+from pilotfish.server.groups import parse_node_group
 from pilotfish.server.rest import DEFAULT_MAX_BODY, PATHS
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
@@ -283,3 +291,53 @@ async def test_nothing_is_served_before_the_first_snapshot(tmp_path: Path) -> No
         status, text = await rest.post("/v3/discovery:clusters", poll())
         assert status == 503 and "waiting for its sources" in json.loads(text)["error"]
     assert [e["answer"] for e in events(running) if e["event"] == "rest_request"] == [503]
+
+
+SERVICES = {"services": {"web": {"listen": "127.0.0.1:10000", "zone_local": True, "endpoints": [
+    {"address": "127.0.0.1", "port": 9001, "zone": "east"}, {"address": "127.0.0.1", "port": 9002, "zone": "west"}]}}}
+
+
+async def _ads_clusters(xds: str, node: dict[str, Any]) -> list[cluster_pb2.Cluster]:
+    async with grpc.aio.insecure_channel(xds) as channel, asyncio.timeout(TIMEOUT):
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+        await call.write(discovery_pb2.DiscoveryRequest(type_url=CDS, node=node))
+        response = await call.read()
+        call.cancel()
+    clusters = []
+    for item in response.resources:
+        cluster = cluster_pb2.Cluster()
+        item.Unpack(cluster)
+        clusters.append(cluster)
+    return clusters
+
+
+@pytest.mark.parametrize(("rules", "ports"), [((), [9001, 9002]), (("east:rest@east=cluster:edge",), [9001])],
+                         ids=["built-in rest group", "a rest group in a zone"])
+async def test_services_reach_pollers_with_eds_and_rds_over_rest_and_streams_over_ads(
+        tmp_path: Path, rules: tuple[str, ...], ports: list[int]) -> None:
+    """Clusters and listeners built from ``services:`` point a REST poller's EDS and RDS at the
+    REST config source of its bootstrap (refresh delay: --rest-refresh-ms), and a gRPC stream
+    of the very same node at ADS. A poller joins the rest group its node matches (here: one in
+    zone east, so of the zone-local service it gets east's endpoint only), else ``rest``."""
+    settings = ServeSettings(rest_refresh=0.3, node_groups=tuple(parse_node_group(rule) for rule in rules))
+    expected = json_format.ParseDict(rest_config_source(refresh=0.3), config_source_pb2.ConfigSource())
+    async with serving(tmp_path, settings, doc=SERVICES) as running, client(running) as rest:
+        clusters = await rest.discover("clusters", poll())
+        cluster = cluster_pb2.Cluster()
+        clusters.resources[0].Unpack(cluster)
+        assert cluster.name == "web" and cluster.eds_cluster_config.eds_config == expected
+        listeners = await rest.discover("listeners", poll())
+        listener, manager = listener_pb2.Listener(), hcm_pb2.HttpConnectionManager()
+        listeners.resources[0].Unpack(listener)
+        listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
+        assert manager.rds.route_config_name == "web" and manager.rds.config_source == expected
+        # Endpoints and routes are what every group gets.
+        endpoints = await rest.discover("endpoints", poll(names=["web"]))
+        assignment = endpoint_pb2.ClusterLoadAssignment()
+        endpoints.resources[0].Unpack(assignment)
+        assert sorted(lb.endpoint.address.socket_address.port_value
+                      for locality in assignment.endpoints for lb in locality.lb_endpoints) == ports
+        assert names_of(await rest.discover("routes", poll(names=["web"]))) == ["web"]
+
+        (over_ads,) = await _ads_clusters(running.xds, {"id": "edge-1", "cluster": "edge"})
+        assert over_ads.eds_cluster_config.eds_config.HasField("ads")
