@@ -15,9 +15,10 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from google.protobuf import json_format
 
 from pilotfish.bootstrap import XDS_CLUSTER, BootstrapSettings, bootstrap
-from pilotfish.cache import DEFAULT_GROUP
+from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
 from pilotfish.cli import main
 from pilotfish.desired import DesiredState, View, build_snapshots, merge_states
+from pilotfish.reconcile import Reconciler
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.resources.builders import ClientKind, ResourceMemo
 from pilotfish.resources.services import parse_services
@@ -161,3 +162,19 @@ def test_serve_refuses_a_rest_group_without_rest(tmp_path: Path, capsys: pytest.
     assert main(["serve", "--snapshot", str(path), "--xds", "127.0.0.1:0",
                  "--node-group", "edge:rest=cluster:rest-*"]) != 0
     assert "give --rest HOST:PORT too" in capsys.readouterr().err
+
+
+def test_the_reconciler_builds_the_rest_group_with_the_servers_refresh_delay_and_guards_it() -> None:
+    cache = SnapshotCache()
+    rec = Reconciler(cache, groups={DEFAULT_GROUP: ENVOYS, REST_GROUP: REST}, rest_refresh=0.5)
+    rec.update("file", _merged())
+    rec.build_now()
+    rest, envoy = cache.snapshot(REST_GROUP), cache.snapshot(DEFAULT_GROUP)
+    assert rest is not None and envoy is not None
+    assert _eds_source(_cluster(rest, "web")) == _bootstrap_source(0.5)
+    assert _eds_source(_cluster(envoy, "web")) == ADS
+    # The blast-radius guard holds a change that would take the pollers' listeners away.
+    rec.update("file", _merged({name: {**spec, "listen": None} for name, spec in SERVICES.items()}))
+    assert rec.build_now() is None
+    assert rec.held is not None and "it removes every listener (2)" in rec.held.reasons
+    assert cache.snapshot(REST_GROUP) is rest

@@ -43,7 +43,9 @@ version a poll states is what Envoy has applied (it sets ``version_info`` only a
 response), recorded as ACKed; a 304 records the stated version as both. A poller is remembered
 for the status' grace period after its last poll.
 
-Node groups: :attr:`RestXds.group_of` maps a poll's node to the group whose snapshot answers it.
+Node groups: :attr:`RestXds.group_of` maps a poll's node to the group whose snapshot answers it;
+``serve`` gives it :meth:`~pilotfish.server.groups.NodeGroups.rest_group_of`, so a poll is answered
+from a group of kind rest, whose clusters and listeners poll EDS and RDS over REST too.
 """
 
 from __future__ import annotations
