@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pilotfish.events import check_event_log
 from pilotfish.reconcile import DebounceSettings
 from pilotfish.server import ServeSettings, serve
 
@@ -56,3 +57,6 @@ async def serving(tmp_path: Path, settings: ServeSettings | None = None) -> Asyn
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    # Every event the server wrote is in the event log's contract (pilotfish.events.EVENTS).
+    problems = check_event_log(log)
+    assert not problems, "the event log broke its contract:\n" + "\n".join(problems[:20])
