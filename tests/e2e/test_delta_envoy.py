@@ -59,7 +59,7 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
     assert sum(e["resources"] for e in first) == SERVICES + 1, "every assignment, once"
     wait_until(lambda: envoy.cluster_endpoints("svc-150") == [f"127.0.0.1:{a.port}"], timeout=10,
                what="Envoy to have the endpoints of every cluster")
-    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=10, connections=10)
+    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=14, connections=10)
 
     # One service's endpoints change: exactly that one assignment goes out.
     mark = events.mark()
@@ -81,6 +81,16 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
     assert removed["removed"] == ["svc-030"] and removed["names"] == [], removed
     assert envoy.cluster_endpoints("svc-150") == [f"127.0.0.1:{a.port}"], "the other clusters keep theirs"
 
+    # Churn under the load itself: web's endpoints move from a to b and back, one step at a time
+    # (add, wait until Envoy lists it; remove, wait until it does not), each step one resource.
+    for step in ([a.port, b.port], [b.port], [a.port, b.port], [a.port]):
+        mark = events.mark()
+        ports["web"] = step
+        write_services(path, many_services(listen_port, ports))
+        envoy.wait_for_endpoints("web", [f"127.0.0.1:{port}" for port in step])
+        assert [e["names"] for e in delta_sent(events, EDS, after=mark)] == [["web"]]
+
+    assert load.running(), "the changes took longer than the load run: they were not all under load"
     result = load.result()
     problems = result.problems()
     assert not problems, f"traffic through web while services changed: {'; '.join(problems)}\n{result.output}"
