@@ -59,7 +59,7 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
     assert sum(e["resources"] for e in first) == SERVICES + 1, "every assignment, once"
     wait_until(lambda: envoy.cluster_endpoints("svc-150") == [f"127.0.0.1:{a.port}"], timeout=10,
                what="Envoy to have the endpoints of every cluster")
-    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=14, connections=10)
+    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=20, connections=10)
 
     # One service's endpoints change: exactly that one assignment goes out.
     mark = events.mark()
