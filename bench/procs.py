@@ -6,8 +6,9 @@ memory are its own: CPU seconds are ``utime + stime`` from ``/proc/<pid>/stat``,
 
 Both servers (pilotfish and the naive baseline) write the same JSON-lines events the benchmarks
 need: ``server_started`` (with ``xds`` and ``registry`` addresses) and ``snapshot_loaded`` (with
-``versions`` per type). :class:`EventTail` follows such a file from an offset, so a 10,000-proxy
-run that writes megabytes of ``sent``/``ack`` lines is read once, incrementally.
+``versions`` per type). :class:`EventTail` follows such a file from an offset, complete lines
+only (:func:`pilotfish.events.read_lines`), so a 10,000-proxy run that writes megabytes of
+``sent``/``ack`` lines is read once, incrementally.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pilotfish.events import read_lines
 
 __all__ = [
     "REPO",
@@ -80,20 +83,11 @@ class EventTail:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._offset = 0
-        self._partial = b""
         self._pending: list[bytes] = []
 
     def _fill(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        self._pending.extend(line for line in lines if line)
+        lines, self._offset = read_lines(self.path, self._offset)
+        self._pending.extend(lines)
 
     def skip_to_end(self) -> None:
         """Forget everything written so far."""

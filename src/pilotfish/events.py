@@ -29,7 +29,7 @@ import orjson
 from pilotfish.errors import shorten
 
 __all__ = ["CONVERSATION", "EVENTS", "MAX_FIELD", "MAX_ITEMS", "MAX_LINE", "EventLog", "EventSpec", "check_event_log",
-           "contract_problems", "shorten"]
+           "contract_problems", "read_events", "read_lines", "shorten"]
 
 CONVERSATION = frozenset({"request", "ack", "sent", "stale", "rest_request"})
 """Events of the routine xDS conversation: a line per request and response of every proxy (and
@@ -142,20 +142,48 @@ def contract_problems(record: Mapping[str, Any]) -> list[str]:
     return [f"event {name!r} has fields not in its contract: {sorted(extra)}"] if extra else []
 
 
+def read_lines(path: Path, offset: int = 0) -> tuple[list[bytes], int]:
+    """The complete lines of an event log from byte ``offset`` on, and the offset after the last
+    of them: pass it back to read only what was appended since. A last line still being written
+    is left for the next read; a file not created yet has no lines."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset)
+            chunk = file.read()
+    except FileNotFoundError:
+        return [], offset
+    end = chunk.rfind(b"\n") + 1
+    return [line for line in chunk[:end].split(b"\n") if line.strip()], offset + end
+
+
+def read_events(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The events of the complete lines from byte ``offset`` on (see :func:`read_lines`), and the
+    offset to read on from. ValueError, naming the file, for a line that is not a JSON object."""
+    lines, offset = read_lines(path, offset)
+    records = []
+    for line in lines:
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            shown = shorten(line.decode(errors="replace"), 200)
+            raise ValueError(f"{path}: an event log line is not a JSON object: {shown}")
+        records.append(record)
+    return records, offset
+
+
 def check_event_log(path: Path) -> list[str]:
     """What in an event log file breaks :data:`EVENTS`, each with its line number (a last line
     still being written is skipped)."""
     problems = []
-    with open(path, "rb") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.endswith(b"\n"):
-                break
-            try:
-                record = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                problems.append(f"{path}:{number}: not JSON ({exc})")
-                continue
-            problems.extend(f"{path}:{number}: {problem}" for problem in contract_problems(record))
+    for number, line in enumerate(read_lines(path)[0], 1):
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            problems.append(f"{path}:{number}: not JSON ({exc})")
+            continue
+        problems.extend(f"{path}:{number}: {problem}" for problem in contract_problems(record))
     return problems
 
 

@@ -1,9 +1,9 @@
 """Reading pilotfish's JSON-lines event log while the server is writing it.
 
-The server flushes one JSON object per line. :class:`EventLog` reads the file incrementally and
-keeps only complete lines, so a line caught half-written is parsed on the next read. Events are
-kept in file order and addressed by their index, which lets a test take a :meth:`EventLog.mark`
-before an action and then look only at what came after it.
+The server flushes one JSON object per line. :class:`EventLog` reads the file incrementally with
+:func:`pilotfish.events.read_events` (complete lines only), so a line caught half-written is parsed
+on the next read. Events are kept in file order and addressed by their index, which lets a test
+take a :meth:`EventLog.mark` before an action and then look only at what came after it.
 
 Never read the log straight after an action to see what it caused: pilotfish writes an event on
 the turn of its event loop after the one that caused it, so an HTTP answer (or Envoy's reaction)
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pilotfish.events import read_events
 
 __all__ = [
     "CDS",
@@ -63,15 +65,8 @@ class EventLog:
 
     def read(self) -> list[Event]:
         """All events so far (reads what was appended since the last call)."""
-        if self.path.exists():
-            with self.path.open("rb") as file:
-                file.seek(self._offset)
-                chunk = file.read()
-            end = chunk.rfind(b"\n") + 1  # only complete lines; the rest is read next time
-            for line in chunk[:end].splitlines():
-                if line.strip():
-                    self._events.append(json.loads(line))
-            self._offset += end
+        events, self._offset = read_events(self.path, self._offset)
+        self._events += events
         return self._events
 
     def mark(self) -> int:
