@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pilotfish.events import check_event_log
+from pilotfish.events import check_event_log, read_events
 from pilotfish.reconcile import DebounceSettings
 from pilotfish.server import ServeSettings, serve
 
@@ -50,7 +49,7 @@ async def serving(tmp_path: Path, settings: ServeSettings | None = None) -> Asyn
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(settings, started=started))
     port = await asyncio.wait_for(started, TIMEOUT)
-    line = next(json.loads(x) for x in log.read_text().splitlines() if '"server_started"' in x)
+    line = next(e for e in read_events(log)[0] if e["event"] == "server_started")
     try:
         yield Running(f"127.0.0.1:{port}", line["registry"], log, line.get("rest"))
     finally:

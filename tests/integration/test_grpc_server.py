@@ -16,6 +16,7 @@ import yaml
 from envoy.service.cluster.v3 import cds_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from pilotfish.events import read_events
 from pilotfish.server import ServeSettings, serve
 from pilotfish.sources import file_signature, load_desired, watch_file
 
@@ -61,10 +62,7 @@ class Events:
 
     def all(self) -> list[dict[str, Any]]:
         """Every complete line so far."""
-        if not self.path.exists():
-            return []
-        text = self.path.read_text()
-        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line]
+        return read_events(self.path)[0]
 
     async def wait_for(self, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         async with asyncio.timeout(TIMEOUT):

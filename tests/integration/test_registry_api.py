@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from inprocess import serving as serve_in_process
 
 from pilotfish.cache import SnapshotCache
 from pilotfish.desired import DesiredState
+from pilotfish.events import read_events
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import ServiceSpec
@@ -155,7 +155,7 @@ async def test_an_instance_without_heartbeats_expires_after_its_ttl(running: Run
             assert len(listing["instances"]) == 2
             # ...and without them it goes.
             assert (await eds.until([9001])) == [[9001]]
-        expired = [json.loads(x) for x in running.events.read_text().splitlines() if "registry_expired" in x]
+        expired = events_named(running.events, "registry_expired")
         assert [e["instance"] for e in expired] == ["127.0.0.1:9002"]
 
 
@@ -163,7 +163,7 @@ async def test_an_instance_without_heartbeats_expires_after_its_ttl(running: Run
 
 
 def events_named(log: Path, name: str) -> list[dict[str, Any]]:
-    return [event for line in log.read_text().splitlines() if (event := json.loads(line))["event"] == name]
+    return [event for event in read_events(log)[0] if event["event"] == name]
 
 
 async def test_a_listen_address_in_use_is_refused_and_later_changes_are_served(tmp_path: Path) -> None:

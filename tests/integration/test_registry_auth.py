@@ -29,6 +29,7 @@ from inprocess import Running as InProcess
 from inprocess import serving as serve_in_process
 
 from pilotfish.cache import SnapshotCache
+from pilotfish.events import read_events
 from pilotfish.reconcile import Reconciler
 from pilotfish.server import ServeSettings
 from pilotfish.server.registry_api import RegistryApi
@@ -89,7 +90,7 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
 
 
 def events_named(log: Path, name: str) -> list[dict[str, Any]]:
-    return [event for line in log.read_text().splitlines() if (event := json.loads(line))["event"] == name]
+    return [event for event in read_events(log)[0] if event["event"] == name]
 
 
 async def refused(response: aiohttp.ClientResponse, status: int) -> str:

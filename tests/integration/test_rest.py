@@ -34,6 +34,7 @@ from inprocess import serving as serve_in_process
 from test_tls import spiffe_cert, write_pair
 
 from pilotfish.bootstrap import rest_config_source
+from pilotfish.events import read_events
 from pilotfish.protocol import XdsLimits
 from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.server import ServeSettings
@@ -134,7 +135,7 @@ async def client(running: Running, *, ssl_context: ssl.SSLContext | None = None)
 
 
 def events(running: Running) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in running.events.read_text().splitlines() if line]
+    return read_events(running.events)[0]
 
 
 def names_of(response: discovery_pb2.DiscoveryResponse, field: str = "name") -> list[str]:

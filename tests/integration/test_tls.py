@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import json
 import os
 import ssl
 from collections.abc import AsyncIterator
@@ -28,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from pilotfish.events import read_events
 from pilotfish.server import ServeSettings, serve
 from pilotfish.server.authorize import NodeRule, parse_rule
 
@@ -85,8 +85,7 @@ class Running:
     key: Path
 
     def events(self) -> list[dict[str, Any]]:
-        text = self.log.read_text() if self.log.exists() else ""
-        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line]
+        return read_events(self.log)[0]
 
     async def wait_for(self, event: str, **fields: Any) -> dict[str, Any]:
         async with asyncio.timeout(TIMEOUT):

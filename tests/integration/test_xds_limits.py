@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import yaml
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from pilotfish.events import read_events
 from pilotfish.server import ServeSettings, serve
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
@@ -42,10 +42,7 @@ class Served:
         self.log = log
 
     def events(self) -> list[dict[str, Any]]:
-        if not self.log.exists():
-            return []
-        text = self.log.read_text()
-        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line]
+        return read_events(self.log)[0]
 
     async def wait_for_closed(self, count: int) -> list[dict[str, Any]]:
         async with asyncio.timeout(TIMEOUT):
