@@ -517,9 +517,11 @@ class Envoy:
             address = launched.wait_for_admin(timeout=timeout)
         except EnvoyError as exc:
             pytest.fail(str(exc), pytrace=False)
+        finally:  # teardown removes its shared memory even when it failed to come up
+            if launched.base_id is not None:
+                group.envoy_base_ids.add(launched.base_id)
         chosen = launched.base_id
         assert chosen is not None  # wait_for_admin returns once it is known
-        group.envoy_base_ids.add(chosen)
         port = int(address.rsplit(":", 1)[1])
         return cls(name, process, port, chosen, launched.log_path, bootstrap_path)
 
