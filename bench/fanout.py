@@ -156,7 +156,7 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
             proc = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry",
                                    extra=("--event-log-level", event_log_level, *server_args), env=server_env,
                                    module=("pilotfish",) if core == "own" else ("bench.h2_core_launch", "--core", core),
-                                   address_cap=address_cap)
+                                   address_cap=address_cap, admin_off=address_cap)  # older than both
         else:
             proc = start_naive(workdir, snapshot=snapshot)
         stack.callback(proc.stop)

@@ -209,19 +209,23 @@ def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100
                     registry: bool = True, extra: Sequence[str] = (), name: str = "pilotfish",
                     python: str = sys.executable, wrapper: Sequence[str] = (),
                     module: Sequence[str] = ("pilotfish",), env: Mapping[str, str] | None = None,
-                    address_cap: bool = True) -> ServerProcess:
+                    address_cap: bool = True, admin_off: bool = True) -> ServerProcess:
     """``python -m pilotfish serve`` with an event log in ``workdir``; started and ready.
 
     ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``); ``module`` is
     what ``-m`` runs (bench/h2_core_launch.py runs the CLI with another HTTP/2 core); ``env``: the
     server's environment (e.g. a ``PYTHONPATH`` naming another checkout's ``src``);
-    ``address_cap``: False for a pilotfish from before ``--max-connections-per-address``.
+    ``address_cap``: False for a pilotfish from before ``--max-connections-per-address``;
+    ``admin_off``: False for one from before ``--admin`` (which serves no admin API, so needs no
+    ``--admin off`` to leave port 18001 to other servers).
     """
     event_log = workdir / f"{name}-events.jsonl"
     # Every simulated proxy connects from 127.0.0.1: lift the per-address cap (default 4,096).
     lift = ("--max-connections-per-address", "1000000") if address_cap else ()
     argv = [*wrapper, python, "-m", *module, "serve", "--xds", f"127.0.0.1:{xds_port}",
             "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), *lift, *extra]
+    if admin_off:
+        argv += ["--admin", "off"]
     if snapshot is not None:
         argv += ["--snapshot", str(snapshot)]
     if registry:

@@ -1,4 +1,5 @@
-"""The ``pilotfish`` command: ``serve``, ``validate``, ``bootstrap``, ``token``, ``demo``."""
+"""The ``pilotfish`` command: ``serve``, ``status``, ``wait``, ``confirm``, ``validate``, ``bootstrap``, ``token``,
+``demo``."""
 
 from __future__ import annotations
 
@@ -37,6 +38,24 @@ def _address(value: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     return value
+
+
+DEFAULT_ADMIN = "127.0.0.1:18001"
+"""Where ``serve`` serves the admin API, and where ``status``, ``wait`` and ``confirm`` look for it."""
+
+
+def _admin_address(value: str) -> str | None:
+    return None if value == "off" else _address(value)
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
+    return seconds
 
 
 def _positive_int(value: str) -> int:
@@ -123,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
                             "served; off lets it through for Envoy to NACK (default: %(default)s)")
     serve.add_argument("--guard", choices=("on", "off"), default="on",
                        help="hold a snapshot that removes every listener or cluster, or too much at once, until "
-                            "confirmed with SIGUSR1 (default: %(default)s)")
+                            "confirmed (`pilotfish confirm`, or SIGUSR1) (default: %(default)s)")
     serve.add_argument("--guard-max-removed", type=_share, default=0.5, metavar="SHARE",
                        help="the guard holds a snapshot removing more than this share of a type's resources or of "
                             "a service's endpoints at once (default: %(default)s)")
@@ -131,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="...of a type or service that had at least N of them (default: %(default)s)")
     serve.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
                        help="where to serve xDS over gRPC (default: %(default)s)")
+    serve.add_argument("--admin", type=_admin_address, default=DEFAULT_ADMIN, metavar="HOST:PORT|off",
+                       help="serve the admin API here (HTTP, JSON, no tokens: keep it on loopback): /healthz, "
+                            "/readyz, /v1/proxies, /v1/snapshots, /v1/config, /v1/held (default: %(default)s)")
     serve.add_argument("--rest", type=_address, metavar="HOST:PORT",
                        help="also serve REST xDS here: POST /v3/discovery:clusters (:endpoints, :listeners, :routes, "
                             ":secrets) with a JSON DiscoveryRequest, for Envoy's api_type REST (same TLS, grants); "
@@ -193,6 +215,33 @@ def _parser() -> argparse.ArgumentParser:
                             "(default: %(default)s, one hour, as Envoy's idle_timeout)")
     serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
                        help="uvloop (libuv, faster sockets) or Python's own asyncio loop (default: %(default)s)")
+
+    status = commands.add_parser("status", help="print every connected proxy and, per type, whether it has the "
+                                                "latest configuration (SYNCED, STALE, NACKED, NOT_SENT)")
+    status.add_argument("--admin", type=_address, default=DEFAULT_ADMIN, metavar="HOST:PORT",
+                        help="the admin API of `pilotfish serve` (default: %(default)s)")
+    status.add_argument("--node", metavar="GLOB", help="only proxies whose node id matches ('*' any characters)")
+    status.add_argument("--cluster", metavar="GLOB", help="only proxies whose node cluster matches")
+    status.add_argument("--state", choices=("SYNCED", "STALE", "NACKED", "NOT_SENT"), type=str.upper,
+                        help="only proxies with a type in this state")
+
+    wait = commands.add_parser("wait", help="wait until every connected proxy has ACKed the configuration; exit "
+                                            "non-zero naming the laggards and NACK reasons otherwise")
+    wait.add_argument("--admin", type=_address, default=DEFAULT_ADMIN, metavar="HOST:PORT",
+                      help="the admin API of `pilotfish serve` (default: %(default)s)")
+    target = wait.add_mutually_exclusive_group()
+    target.add_argument("--version", metavar="V",
+                        help="wait for the snapshot labelled V (a snapshot file's `version`) to be served and ACKed")
+    target.add_argument("--for-current", action="store_true",
+                        help="wait for the current snapshot (the default), once a change being debounced is built")
+    wait.add_argument("--timeout", type=_seconds, default=60.0, metavar="S",
+                      help="give up after S seconds (default: %(default)s)")
+    wait.add_argument("--min-proxies", type=_whole_number, default=0, metavar="N",
+                      help="and until at least N proxies are connected (default: %(default)s)")
+
+    confirm = commands.add_parser("confirm", help="publish the snapshot the blast-radius guard holds")
+    confirm.add_argument("--admin", type=_address, default=DEFAULT_ADMIN, metavar="HOST:PORT",
+                         help="the admin API of `pilotfish serve` (default: %(default)s)")
 
     validate = commands.add_parser("validate", help="check a snapshot file; print every problem")
     validate.add_argument("file", type=Path, metavar="FILE")
@@ -288,7 +337,7 @@ def _serve(args: argparse.Namespace) -> int:
                                 hold=args.flap_hold_ms / 1000)
     settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
                              event_log_level=args.event_log_level,
-                             registry=args.registry, rest=args.rest,
+                             registry=args.registry, rest=args.rest, admin=args.admin,
                              rest_refresh=args.rest_refresh_ms / 1000, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
                              registry_tokens=args.registry_tokens,
                              debounce=debounce, validate=args.validate == "on",
@@ -345,6 +394,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     if args.command == "serve":
         return _serve(args)
+    if args.command in ("status", "wait", "confirm"):
+        from pilotfish import operate
+
+        if args.command == "status":
+            return operate.status_command(args.admin, node=args.node, cluster=args.cluster, state=args.state,
+                                          out=sys.stdout, err=sys.stderr)
+        if args.command == "wait":
+            return operate.wait_command(args.admin, version=args.version, timeout=args.timeout,
+                                        min_proxies=args.min_proxies, out=sys.stdout, err=sys.stderr)
+        return operate.confirm_command(args.admin, out=sys.stdout, err=sys.stderr)
     if args.command == "token":
         from pilotfish.server.registry_auth import token_command
 

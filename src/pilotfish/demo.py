@@ -276,16 +276,19 @@ def _stop(child: _Child) -> None:
 
 
 class _ServerAddress:
-    """The xDS address from the ``server_started`` event, once pilotfish has written it."""
+    """The xDS address from the ``server_started`` event, once pilotfish has written it (and
+    the admin API's, in :attr:`admin`)."""
 
     def __init__(self, event_log: Path) -> None:
         self.event_log = event_log
         self.offset = 0
+        self.admin = ""
 
     def __call__(self) -> str | None:
         records, self.offset = read_events(self.event_log, self.offset)
         for record in records:
             if record.get("event") == "server_started":
+                self.admin = str(record.get("admin") or "")
                 return str(record["xds"])
         return None
 
@@ -303,6 +306,8 @@ class _Demo:
         self.envoy: EnvoyProcess | None = None
         self.workdir = workdir
         self.event_log = workdir / "events.jsonl"
+        self.admin_api = ""
+        """pilotfish's admin API (``host:port``), once it serves."""
         self.stop = asyncio.Event()
         self.upstreams = _Upstreams()
         self.children: list[_Child] = []
@@ -334,7 +339,7 @@ class _Demo:
 
     async def start_pilotfish(self) -> str:
         argv = [sys.executable, "-m", "pilotfish", "-v", "serve", "--snapshot", str(self.snapshot_path),
-                "--xds", "127.0.0.1:0", "--event-log", str(self.event_log)]
+                "--xds", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--event-log", str(self.event_log)]
         self.children.append(_spawn("pilotfish serve", argv, output_to=None))
 
         server_address = _ServerAddress(self.event_log)
@@ -342,7 +347,9 @@ class _Demo:
         async def started() -> str | None:
             return server_address()
 
-        return await self.wait_for("pilotfish to serve xDS", started)
+        xds = await self.wait_for("pilotfish to serve xDS", started)
+        self.admin_api = server_address.admin
+        return xds
 
     async def start_envoy(self, xds: str) -> str:
         # Admin port 0: Envoy picks a free one and writes it to its admin address file.
@@ -407,6 +414,7 @@ class _Demo:
         lines += [
             f"  Envoy admin:    http://{admin}  (try /config_dump, /clusters, /stats)",
             f"  pilotfish xDS:  {xds}",
+            f"  pilotfish admin: http://{self.admin_api}  (try `pilotfish status --admin {self.admin_api}`)",
             f"  upstreams:      {upstreams}",
             f"  event log:      {self.event_log}  (tail -f it; removed when the demo stops)",
             f"  Envoy log:      {self.envoy.log_path if self.envoy else '-'}",

@@ -80,7 +80,7 @@ _INSTANCE = ("everywhere", "services", "service_count", "lapsed", "lost_in_windo
 
 EVENTS: Mapping[str, EventSpec] = MappingProxyType({
     # the server
-    "server_started": _spec("the servers listen", "xds", "registry", "snapshot", "tls", "rest"),
+    "server_started": _spec("the servers listen", "xds", "registry", "snapshot", "tls", "rest", "admin"),
     "server_stopped": _spec("the xDS server stopped"),
     "tls_reloaded": _spec("a certificate, key or CA file changed and is in force", "listener", "cert"),
     "tls_reload_failed": _spec("a changed TLS file could not be used; the last good one serves", "listener",
@@ -91,7 +91,7 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType({
     "snapshot_unchanged": _spec("a change left the content as it was: nothing is sent", "version"),
     "snapshot_error": _spec("a change was refused; the last good snapshot serves", "reason", "file"),
     "snapshot_held": _spec("the blast-radius guard holds a snapshot back", "version", "reasons", "counts"),
-    "snapshot_confirmed": _spec("the operator confirmed the held snapshot", "version", "reasons"),
+    "snapshot_confirmed": _spec("the operator confirmed the held snapshot", "version", "reasons", "by"),
     "snapshot_hold_released": _spec("a held snapshot was dropped", "version", "reason"),
     "waiting_for_sources": _spec("nothing is published yet: a source has not reported", "sources", "reasons"),
     # streams and the xDS conversation

@@ -49,6 +49,7 @@ from pilotfish.events import EventLog
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, TYPES, type_by_key
 from pilotfish.resources.builders import ResourceMemo
 from pilotfish.snapshot import Snapshot
+from pilotfish.status import SyncStatus
 
 __all__ = [
     "Clock",
@@ -288,8 +289,11 @@ class Reconciler:
         rules: bool = True,
         labels: Mapping[str, str] | None = None,
         rest_refresh: float = DEFAULT_REST_REFRESH,
+        status: SyncStatus | None = None,
     ) -> None:
         self.cache = cache
+        self._status = status
+        """Told each group's versions as they are published (what proxies are measured against)."""
         self.settings = settings or DebounceSettings()
         self.guard = guard or GuardSettings()
         self._confirm_hint = confirm_hint
@@ -360,13 +364,15 @@ class Reconciler:
         """The expected sources that have not reported their first complete state yet."""
         return sorted(self._expected - self._states.keys())
 
-    def confirm(self) -> Snapshot | None:
-        """The operator says the held snapshot is meant: publish it. Returns it (None: nothing held)."""
+    def confirm(self, *, by: str = "") -> Snapshot | None:
+        """The operator says the held snapshot is meant: publish it. Returns it (None: nothing held).
+        ``by``: how the operator said so (``signal``, ``admin API``), for the event."""
         held = self.held
         if held is None:
             return None
         self.held = None
-        self._events.emit("snapshot_confirmed", version=held.snapshot.label(), reasons=list(held.reasons))
+        self._events.emit("snapshot_confirmed", version=held.snapshot.label(), reasons=list(held.reasons),
+                          **({"by": by} if by else {}))
         _log.warning("publishing snapshot %s as confirmed by the operator (%s)", held.snapshot.label(),
                      "; ".join(held.reasons))
         self._publish(held.snapshots, held.endpoints)
@@ -510,6 +516,11 @@ class Reconciler:
         default group's (else the first changed group's) snapshot and, with several groups, each
         group's."""
         started = time.perf_counter()
+        status = self._status
+        if status is not None:  # before the fan-out: ACKs are measured from here
+            for group, snapshot in snapshots.items():
+                status.published(group, label=snapshot.label(),
+                                 versions={url: ts.version for url, ts in snapshot.types.items()})
         answered = sum(self.cache.set_snapshot(snapshot, group) for group, snapshot in snapshots.items())
         pushed_ms = round((time.perf_counter() - started) * 1000, 3)
         self._published_endpoints = endpoints

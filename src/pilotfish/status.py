@@ -1,24 +1,45 @@
-"""Per-proxy, per-type sync status: what was sent, ACKed and NACKed.
+"""Per-proxy, per-type sync status: what was sent, ACKed and NACKed, and when.
 
 The server writes here as requests and responses pass; the CLI, admin API and metrics only read.
 A NACK is kept with its message until the proxy ACKs a later version, so an operator can see
 which proxy rejects what, and why.
+
+Per proxy: what its node said when its latest stream opened (:class:`NodeInfo`: cluster, user
+agent, address, node group), how many streams it holds and since when. Per proxy and type: the
+version last sent (and when), the version last ACKed (and when it was first ACKed: the moment the
+proxy took it), the last NACK (version, message, when). :attr:`TypeStatus.state` turns these into
+the state an operator reads (:class:`SyncState`). For the whole server: per type, how many
+responses, ACKs and NACKs (:class:`TypeCounters`), and per node group the current version of each
+type and when it was published (:meth:`SyncStatus.published`, called by the reconciler), so that
+"version v7 is ACKed by 48 of 50 proxies, the last 1.2 s after it was published" can be answered
+by reading, without anything on the path of an ACK beyond a few assignments: a fan-out to
+thousands of proxies passes here once per response and once per ACK.
 
 A proxy is remembered while it has a stream open, and for a grace period after its last stream
 closed (a proxy that reconnects, or hot-restarts, finds its history), then forgotten: node ids
 come and go (pods are replaced), and a peer can connect under ever new ones. At most
 :attr:`StatusLimits.max_disconnected` disconnected proxies are kept; past it, the longest gone
 is forgotten first. Disconnected proxies are kept in the order they went, so forgetting looks
-only at the oldest.
+only at the oldest. What a node says about itself is shortened to :data:`MAX_NODE_FIELD`
+characters; types are only those the server serves.
 """
 
 from __future__ import annotations
 
+import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["ProxyStatus", "StatusLimits", "SyncStatus", "TypeStatus"]
+from pilotfish.errors import shorten
+
+__all__ = ["MAX_NACK_MESSAGE", "MAX_NODE_FIELD", "GroupVersions", "NodeInfo", "ProxyStatus", "StatusLimits",
+           "SyncState", "SyncStatus", "TypeCounters", "TypeStatus", "VersionProgress"]
+
+MAX_NODE_FIELD = 256
+"""Characters kept of each field a node says about itself (cluster, user agent, ...)."""
+MAX_NACK_MESSAGE = 4096
+"""Characters kept of a NACK's message (its start, and its end, where Envoy puts the reason)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,17 +52,75 @@ class StatusLimits:
     """Disconnected proxies remembered at most; past it the one gone longest is forgotten."""
 
 
+class SyncState(enum.Enum):
+    """Where a proxy stands with one type, as ``istioctl proxy-status`` says it."""
+
+    SYNCED = "SYNCED"
+    """It ACKed the latest version sent to it."""
+    STALE = "STALE"
+    """A version was sent and is neither ACKed nor NACKed yet."""
+    NACKED = "NACKED"
+    """It rejected the latest version sent to it (and keeps running an older one)."""
+    NOT_SENT = "NOT_SENT"
+    """Nothing of this type was sent to it (it did not ask, or nothing is published yet)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeInfo:
+    """What a proxy's node says about itself, and where it connects from."""
+
+    cluster: str = ""
+    user_agent: str = ""
+    """``user_agent_name``: ``envoy``, ``grpc-python``, ..."""
+    user_agent_version: str = ""
+    """``user_agent_version``, or Envoy's ``user_agent_build_version`` as ``1.40.0``."""
+    address: str = ""
+    """The peer address of its latest stream."""
+    group: str = "default"
+    """The node group it is served (see :mod:`pilotfish.server.groups`)."""
+    protocol: str = "sotw"
+    """``sotw``, ``delta`` (sent only what changed for it) or ``rest`` (polls)."""
+
+    def bounded(self) -> NodeInfo:
+        """The same, each field shortened to :data:`MAX_NODE_FIELD` characters (peers choose them)."""
+        return NodeInfo(cluster=shorten(self.cluster, MAX_NODE_FIELD),
+                        user_agent=shorten(self.user_agent, MAX_NODE_FIELD),
+                        user_agent_version=shorten(self.user_agent_version, MAX_NODE_FIELD),
+                        address=shorten(self.address, MAX_NODE_FIELD), group=self.group,
+                        protocol=self.protocol)
+
+
 @dataclass(slots=True)
 class TypeStatus:
+    """One proxy's standing with one type. Times are wall-clock seconds (``time.time()``)."""
+
     sent_version: str | None = None
     acked_version: str | None = None
     nacked_version: str | None = None
     nack_error: str | None = None
     updated: float = 0.0
+    """When anything here last changed."""
+    sent_at: float = 0.0
+    """When :attr:`sent_version` was last sent."""
+    acked_at: float = 0.0
+    """When :attr:`acked_version` was first ACKed (a repeated ACK of it does not move it)."""
+    nacked_at: float = 0.0
+    """When the NACK was received."""
 
     @property
     def in_sync(self) -> bool:
         return self.sent_version is not None and self.sent_version == self.acked_version
+
+    @property
+    def state(self) -> SyncState:
+        sent = self.sent_version
+        if sent is None:
+            return SyncState.NOT_SENT
+        if self.nack_error is not None and self.nacked_version in (sent, None):
+            return SyncState.NACKED
+        if sent == self.acked_version:
+            return SyncState.SYNCED
+        return SyncState.STALE
 
 
 @dataclass(slots=True)
@@ -51,23 +130,84 @@ class ProxyStatus:
     types: dict[str, TypeStatus] = field(default_factory=dict)
     disconnected_at: float | None = None
     """When its last stream closed (the status clock, monotonic); None while connected."""
+    info: NodeInfo = field(default_factory=NodeInfo)
+    """What its node said when its latest stream opened."""
+    connected_since: float = 0.0
+    """Wall-clock time its streams went from none to one."""
+
+
+@dataclass(slots=True)
+class TypeCounters:
+    """Counts for one type since the server started (for metrics: they only grow)."""
+
+    responses: int = 0
+    acks: int = 0
+    nacks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupVersions:
+    """What a node group is served now: the snapshot's label, and per type its version and when
+    that version was first published (wall-clock seconds)."""
+
+    label: str
+    published_at: float
+    types: Mapping[str, tuple[str, float]]
+
+
+@dataclass(slots=True, kw_only=True)
+class VersionProgress:
+    """How many of a node group's connected proxies that were sent a type have ACKed its current
+    version."""
+
+    group: str
+    type_url: str
+    version: str
+    published_at: float
+    """When this version was first published (wall clock)."""
+    proxies: int = 0
+    """Connected proxies of the group that were sent this type (any version)."""
+    acked: int = 0
+    """...of them, those whose ACKed version is :attr:`version`."""
+    nacked: int = 0
+    """...those that NACKed :attr:`version`."""
+    last_ack_at: float | None = None
+    """When the latest of those ACKs came (each proxy's first ACK of it)."""
+
+    @property
+    def complete(self) -> bool:
+        return self.acked == self.proxies
+
+    @property
+    def seconds_to_last_ack(self) -> float | None:
+        """From publish to the last ACK, once every proxy has ACKed (None before; 0 if the
+        proxies had it already)."""
+        if not self.complete or self.last_ack_at is None:
+            return None
+        return max(0.0, self.last_ack_at - self.published_at)
 
 
 class SyncStatus:
     """What every connected (or recently connected) proxy has, by node id and type URL.
 
-    ``clock`` (monotonic seconds) decides when a disconnected proxy is forgotten; ``updated``
-    fields are wall-clock times, for people.
+    ``clock`` (monotonic seconds) decides when a disconnected proxy is forgotten; ``wall_clock``
+    stamps the times people read (``sent_at``, ``acked_at``, ...).
     """
 
-    def __init__(self, *, limits: StatusLimits | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, limits: StatusLimits | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self._proxies: dict[str, ProxyStatus] = {}
         self._gone: dict[str, float] = {}
         """Disconnected proxies, by node id, in the order they went (value: when)."""
         self._limits = limits or StatusLimits()
         self._clock = clock
+        self._wall = wall_clock
+        self.counters: dict[str, TypeCounters] = {}
+        """Per type URL: responses sent, ACKs and NACKs received."""
+        self.groups: dict[str, GroupVersions] = {}
+        """Per node group: what is published for it now (see :meth:`published`)."""
 
-    def _type(self, node_id: str, type_url: str) -> TypeStatus:
+    def _type(self, node_id: str, type_url: str, now: float) -> TypeStatus:
         proxy = self._proxies.get(node_id)
         if proxy is None:
             # Written to without an open stream (not what the server does): counts as gone now.
@@ -76,8 +216,14 @@ class SyncStatus:
         status = proxy.types.get(type_url)
         if status is None:
             status = proxy.types[type_url] = TypeStatus()
-        status.updated = time.time()
+        status.updated = now
         return status
+
+    def _counter(self, type_url: str) -> TypeCounters:
+        counters = self.counters.get(type_url)
+        if counters is None:
+            counters = self.counters[type_url] = TypeCounters()
+        return counters
 
     def _went(self, proxy: ProxyStatus) -> None:
         now = self._clock()
@@ -101,13 +247,18 @@ class SyncStatus:
             forgotten += 1
         return forgotten
 
-    def stream_opened(self, node_id: str) -> None:
+    def stream_opened(self, node_id: str, info: NodeInfo | None = None) -> None:
+        """A stream of ``node_id`` opened; ``info``: what its node says (None: as before)."""
         proxy = self._proxies.get(node_id)
         if proxy is None:
             proxy = self._proxies[node_id] = ProxyStatus(node_id)
         elif proxy.disconnected_at is not None:
             proxy.disconnected_at = None
             self._gone.pop(node_id, None)
+        if proxy.streams == 0:
+            proxy.connected_since = self._wall()
+        if info is not None:
+            proxy.info = info.bounded()
         proxy.streams += 1
         self.forget_gone()
 
@@ -120,18 +271,65 @@ class SyncStatus:
             self._went(proxy)
 
     def sent(self, node_id: str, type_url: str, version: str) -> None:
-        self._type(node_id, type_url).sent_version = version
+        now = self._wall()
+        status = self._type(node_id, type_url, now)
+        status.sent_version = version
+        status.sent_at = now
+        self._counter(type_url).responses += 1
 
     def acked(self, node_id: str, type_url: str, version: str) -> None:
-        status = self._type(node_id, type_url)
-        status.acked_version = version
+        now = self._wall()
+        status = self._type(node_id, type_url, now)
+        if status.acked_version != version:
+            status.acked_version = version
+            status.acked_at = now
         if status.nacked_version is not None and status.nacked_version != version:
             status.nacked_version = status.nack_error = None
+        self._counter(type_url).acks += 1
 
     def nacked(self, node_id: str, type_url: str, version: str | None, error: str) -> None:
-        status = self._type(node_id, type_url)
+        now = self._wall()
+        status = self._type(node_id, type_url, now)
         status.nacked_version = version
-        status.nack_error = error
+        status.nack_error = shorten(error, MAX_NACK_MESSAGE)
+        status.nacked_at = now
+        self._counter(type_url).nacks += 1
+
+    def published(self, group: str, *, label: str, versions: Mapping[str, str]) -> None:
+        """The reconciler handed ``group`` a new snapshot: its label and version per type URL. A
+        type whose version did not change keeps the time that version was first published."""
+        now = self._wall()
+        before = self.groups.get(group)
+        types = {}
+        for type_url, version in versions.items():
+            kept = before.types.get(type_url) if before is not None else None
+            types[type_url] = kept if kept is not None and kept[0] == version else (version, now)
+        self.groups[group] = GroupVersions(label, now, types)
+
+    def progress(self) -> list[VersionProgress]:
+        """Per node group and type, how far the current version has reached: read by walking
+        every proxy once (an admin request, not the ACK path)."""
+        self.forget_gone()
+        out: dict[tuple[str, str], VersionProgress] = {}
+        for group, current in self.groups.items():
+            for type_url, (version, published_at) in current.types.items():
+                out[group, type_url] = VersionProgress(group=group, type_url=type_url, version=version,
+                                                       published_at=published_at)
+        for proxy in self._proxies.values():
+            if proxy.streams == 0:
+                continue
+            group = proxy.info.group
+            for type_url, status in proxy.types.items():
+                progress = out.get((group, type_url))
+                if progress is None or status.sent_version is None:
+                    continue
+                progress.proxies += 1
+                if status.acked_version == progress.version:
+                    progress.acked += 1
+                    progress.last_ack_at = max(progress.last_ack_at or 0.0, status.acked_at)
+                elif status.state is SyncState.NACKED and status.nacked_version == progress.version:
+                    progress.nacked += 1
+        return [out[key] for key in sorted(out)]
 
     def proxies(self) -> list[ProxyStatus]:
         self.forget_gone()
@@ -140,6 +338,10 @@ class SyncStatus:
     def get(self, node_id: str) -> ProxyStatus | None:
         self.forget_gone()
         return self._proxies.get(node_id)
+
+    def now(self) -> float:
+        """The wall clock the times here are read against."""
+        return self._wall()
 
     def __len__(self) -> int:
         """Proxies remembered now (connected, and disconnected within the grace period)."""

@@ -152,7 +152,7 @@ class Target:
         launcher = ["bench.h2_core_launch", "--core", core] if core else ["pilotfish"]
         argv = [sys.executable, "-m", *launcher, "serve", "--snapshot", str(self.snapshot),
                 "--xds", self.address, "--event-log", str(self.event_log), "--quiet-ms", "10",
-                "--max-delay-ms", "100", *serve_args]
+                "--max-delay-ms", "100", "--admin", "off", *serve_args]
         if nofile is not None:  # the usual soft descriptor limit of a service: prlimit execs, same PID
             hard = nofile_hard or resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # serve raises soft to hard
             prlimit = shutil.which("prlimit")

@@ -353,7 +353,8 @@ def pilotfish(*args: str, check: bool = True, timeout: float = 30.0) -> subproce
 class ControlPlane:
     """``pilotfish serve`` on a fixed port, which can be stopped and started again on it.
 
-    Its sources are the snapshot file (``snapshot_path``), the registry API (served on
+    Its admin API listens on ``admin_port`` (chosen free when the control plane is made, kept
+    across restarts). Its sources are the snapshot file (``snapshot_path``), the registry API (served on
     ``registry_port``) and etcd (``etcd``, ``host:port``), any of them or several; ``options`` are
     further ``serve`` arguments (``--quiet-ms 50``, ...). A restart keeps all of them, ports
     included, as a restarted deployment would.
@@ -369,10 +370,16 @@ class ControlPlane:
     etcd: str | None = None
     options: tuple[str, ...] = ()
     runs: list[tuple[Process, EventLog]] = field(default_factory=list)
+    admin_port: int = field(default_factory=free_port)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def admin(self) -> str:
+        """The admin API's ``host:port`` (what ``pilotfish status --admin`` takes)."""
+        return f"127.0.0.1:{self.admin_port}"
 
     @property
     def registry_url(self) -> str:
@@ -382,7 +389,7 @@ class ControlPlane:
         return f"http://127.0.0.1:{self.registry_port}"
 
     def _argv(self, event_log: Path) -> list[str]:
-        args = ["serve", "--xds", self.address, "--event-log", str(event_log)]
+        args = ["serve", "--xds", self.address, "--admin", self.admin, "--event-log", str(event_log)]
         if self.snapshot_path is not None:
             args += ["--snapshot", str(self.snapshot_path)]
         if self.registry_port is not None:

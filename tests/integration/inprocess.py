@@ -1,8 +1,8 @@
 """``pilotfish serve`` in the test's own event loop, for the integration tests of its HTTP APIs.
 
-:func:`serving` starts :func:`pilotfish.server.serve` with the xDS server and the registry API on
-ports the OS picks (REST xDS too, when the settings ask for it) and a fast debounce, waits until it
-listens, and finds the registry's (and REST's) address in its event log (``server_started``);
+:func:`serving` starts :func:`pilotfish.server.serve` with the xDS server, the registry API and
+the admin API on ports the OS picks (REST xDS too, when the settings ask for it) and a fast debounce, waits until it
+listens, and finds the registry's, the admin API's (and REST's) address in its event log (``server_started``);
 leaving the block stops it.
 """
 
@@ -33,6 +33,8 @@ class Running:
     """The event log."""
     rest: str | None = None
     """``host:port`` of REST xDS, when the settings ask for it (``rest``: any port is chosen)."""
+    admin: str = ""
+    """``host:port`` of the admin API."""
 
     def url(self, path: str) -> str:
         return f"http://{self.registry}{path}"
@@ -43,7 +45,7 @@ async def serving(tmp_path: Path, settings: ServeSettings | None = None) -> Asyn
     """Serve (``settings`` may set sources and options; addresses and the event log are set here)."""
     log = tmp_path / "events.jsonl"
     settings = settings or ServeSettings()
-    settings = replace(settings, xds="127.0.0.1:0", registry="127.0.0.1:0", event_log=log,
+    settings = replace(settings, xds="127.0.0.1:0", registry="127.0.0.1:0", admin="127.0.0.1:0", event_log=log,
                        rest=None if settings.rest is None else "127.0.0.1:0",
                        debounce=DebounceSettings(quiet=0.02, max_delay=0.2))
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -51,7 +53,7 @@ async def serving(tmp_path: Path, settings: ServeSettings | None = None) -> Asyn
     port = await asyncio.wait_for(started, TIMEOUT)
     line = next(e for e in read_events(log)[0] if e["event"] == "server_started")
     try:
-        yield Running(f"127.0.0.1:{port}", line["registry"], log, line.get("rest"))
+        yield Running(f"127.0.0.1:{port}", line["registry"], log, line.get("rest"), line["admin"])
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -71,8 +71,11 @@ def kept_node(node: base_pb2.Node, limits: XdsLimits) -> base_pb2.Node:
         kept.metadata.CopyFrom(node.metadata)
     if node.HasField("locality"):
         kept.locality.CopyFrom(node.locality)
-    if node.WhichOneof("user_agent_version_type") == "user_agent_version":
+    agent_version = node.WhichOneof("user_agent_version_type")
+    if agent_version == "user_agent_version":
         kept.user_agent_version = node.user_agent_version
+    elif agent_version == "user_agent_build_version":  # Envoy's: its semantic version, not its build metadata
+        kept.user_agent_build_version.version.CopyFrom(node.user_agent_build_version.version)
     size = kept.ByteSize()
     if size > limits.max_node_bytes:
         raise PeerOverLimit(

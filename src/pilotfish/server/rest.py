@@ -76,6 +76,7 @@ from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, Reso
 from pilotfish.resources.anytypes import ensure_type
 from pilotfish.server.grants import SecretGrants
 from pilotfish.server.tls import peer_identity
+from pilotfish.server.xds import node_info
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.status import SyncStatus
 
@@ -198,7 +199,7 @@ class RestXds:
     ) -> None:
         self.cache = cache
         self.events = events or EventLog()
-        self.status = status or SyncStatus()
+        self.status = status if status is not None else SyncStatus()  # (an empty one is falsy)
         self.group_of = group_of
         """A poll's node -> the group whose snapshot answers it."""
         self.authorize = authorize
@@ -278,7 +279,8 @@ class RestXds:
         if poll.version_info and poll.version_info != current.version and not subscription.wildcard:
             stated = self.cache.kept(type_url, poll.version_info, group)
         status = self.status
-        status.stream_opened(node_id)  # a poll is a stream of one request: remembered the grace period after
+        # A poll is a stream of one request: remembered the grace period after.
+        status.stream_opened(node_id, node_info(poll.node, address=request.remote or "", group=group, protocol="rest"))
         try:
             if is_current(poll, current, stated):
                 status.sent(node_id, type_url, poll.version_info)

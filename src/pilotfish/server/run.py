@@ -23,6 +23,7 @@ from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.resources import SECRET
+from pilotfish.server.admin import AdminApi, start_admin_server
 from pilotfish.server.authorize import NodeAuthorizer, NodeRule
 from pilotfish.server.grants import SecretGrant, SecretGrants, Subject
 from pilotfish.server.groups import NodeGroupRule, NodeGroups
@@ -35,6 +36,7 @@ from pilotfish.server.xds import XdsLimits, XdsServer, start_xds_server
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
+from pilotfish.status import SyncStatus
 
 __all__ = ["ServeSettings", "serve"]
 
@@ -53,6 +55,11 @@ class ServeSettings:
     """Where to append the JSON-lines event log; None: no event log."""
     event_log_level: str = "all"
     """``all``: every request and response too; ``changes``: snapshots, NACKs, streams, sources."""
+    admin: str | None = None
+    """``host:port`` for the admin API (:mod:`pilotfish.server.admin`: health, readiness, the
+    proxies' sync status, confirming a held snapshot; port 0: any free port); None: no admin API.
+    (``pilotfish serve`` serves it on :data:`~pilotfish.cli.DEFAULT_ADMIN` unless told
+    ``--admin off``.)"""
     registry: str | None = None
     """``host:port`` for the registry HTTP API (port 0: any free port); None: no registry."""
     rest: str | None = None
@@ -141,10 +148,20 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     except ValueError as exc:
         raise ConfigError("--node-group", [Problem("", str(exc))]) from None
     expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
+    status = SyncStatus()
+    confirm_hint = f"kill -USR1 {os.getpid()}"
+    if settings.admin is not None:
+        confirm_hint = f"pilotfish confirm --admin {settings.admin}, or {confirm_hint}"
     reconciler = Reconciler(cache, settings=settings.debounce, events=events, expect=expected,
-                            guard=settings.guard, confirm_hint=f"kill -USR1 {os.getpid()}",
+                            guard=settings.guard, confirm_hint=confirm_hint,
                             rules=settings.validate, labels=_source_labels(settings), groups=groups.views(),
-                            rest_refresh=settings.rest_refresh)
+                            rest_refresh=settings.rest_refresh, status=status)
+    etcd: EtcdSource | None = None
+    reasons = {"etcd": lambda: f"etcd at {settings.etcd}: {etcd.problem or 'listing'}" if etcd else ""}
+
+    def waiting() -> list[str]:
+        return [reasons[name]() if name in reasons else name for name in reconciler.waiting_for()]
+
     tasks: list[asyncio.Task[None]] = []
     cleanups: list[Callable[[], Awaitable[None]]] = []
     try:
@@ -169,8 +186,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                                                                "ids: they need mTLS, give --client-ca FILE too")])
         authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
         grants = _secret_grants(settings, cache)
-        xds = XdsServer(cache, events=events, authorize=authorize, grants=grants, limits=settings.xds_limits,
-                        group_of=groups.group_of)
+        xds = XdsServer(cache, events=events, status=status, authorize=authorize, grants=grants,
+                        limits=settings.xds_limits, group_of=groups.group_of)
         server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context,
                                               connection_limits=settings.xds_connections)
         host = settings.xds.rsplit(":", 1)[0]
@@ -210,18 +227,26 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             rest_runner, rest_address = await start_rest_server(
                 rest, settings.rest, tls=None if rest_tls is None else rest_tls.context)
             cleanups.append(rest_runner.cleanup)
+        admin_address = None
+        if settings.admin is not None:
+            admin_runner, admin_address = await start_admin_server(
+                AdminApi(status, cache, reconciler, waiting=waiting), settings.admin)
+            cleanups.append(admin_runner.cleanup)
         tls = "off" if xds_tls_files is None else "mtls" if settings.client_ca is not None else "tls"
         events.emit("server_started", xds=f"{host}:{port}", registry=registry_address,
                     snapshot=str(settings.snapshot) if settings.snapshot else None, tls=tls,
-                    **({"rest": rest_address} if rest_address else {}))
+                    **({"rest": rest_address} if rest_address else {}),
+                    **({"admin": admin_address} if admin_address else {}))
         scheme = "http" if registry_tls_files is None else "https"
         _log.info("serving xDS on %s:%d (TLS: %s; at most %d connections, %d per address)%s%s", host, port, tls,
                   server.max_connections, server.max_connections_per_address,
                   f", registry API on {scheme}://{registry_address}" if registry_address else "",
                   f", REST xDS on {'http' if xds_tls_files is None else 'https'}://{rest_address}"
                   if rest_address else "")
+        if admin_address:
+            _log.info("admin API on http://%s (/healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, /v1/held)",
+                      admin_address)
 
-        etcd = None
         if settings.etcd is not None:
             etcd = EtcdSource(settings.etcd, settings.etcd_prefix, on_event=events.emit,
                               on_state=lambda state: reconciler.update("etcd", state))
@@ -232,8 +257,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             tasks.append(asyncio.create_task(_follow_file(settings.snapshot, loaded, reconciler, events),
                                              name="file-source"))
         if reconciler.waiting_for():
-            reasons = {"etcd": lambda: f"etcd at {settings.etcd}: {etcd.problem or 'listing'}" if etcd else ""}
-            tasks.append(asyncio.create_task(_say_what_we_wait_for(reconciler, reasons, events,
+            tasks.append(asyncio.create_task(_say_what_we_wait_for(reconciler, waiting, events,
                                                                    every=settings.waiting_log_every),
                                              name="waiting"))
 
@@ -320,7 +344,7 @@ def _source_labels(settings: ServeSettings) -> dict[str, str]:
 
 def _confirm_held(reconciler: Reconciler) -> None:
     """SIGUSR1: the operator confirms the snapshot the blast-radius guard holds."""
-    if reconciler.confirm() is None:
+    if reconciler.confirm(by="signal") is None:
         _log.warning("SIGUSR1: no snapshot is held, nothing to confirm")
 
 
@@ -347,17 +371,17 @@ async def _follow_file(path: Path, loaded: FileSignature | None, reconciler: Rec
         await asyncio.sleep(retry)
 
 
-async def _say_what_we_wait_for(reconciler: Reconciler, reasons: dict[str, Callable[[], str]], events: EventLog,
+async def _say_what_we_wait_for(reconciler: Reconciler, waiting: Callable[[], list[str]], events: EventLog,
                                 *, first: float = 0.5, every: float = 10.0) -> None:
     """Until every source has reported, say which ones are awaited and why: soon after start,
     then every ``every`` seconds. Proxies that connect meanwhile are held (they keep what they have)."""
     loop = asyncio.get_running_loop()
     await asyncio.sleep(first)
     said_at: float | None = None
-    while waiting := reconciler.waiting_for():
+    while sources := reconciler.waiting_for():
         if said_at is None or loop.time() - said_at >= every:
-            why = [reasons[name]() if name in reasons else name for name in waiting]
-            events.emit("waiting_for_sources", sources=waiting, reasons=why)
+            why = waiting()
+            events.emit("waiting_for_sources", sources=sources, reasons=why)
             _log.warning("not serving any configuration yet: waiting for %s", "; ".join(why))
             said_at = loop.time()
         await asyncio.sleep(0.1)

@@ -67,10 +67,10 @@ from pilotfish.server.grpc_server import (
     RpcError,
 )
 from pilotfish.snapshot import DeltaChanges, EncodedResponse
-from pilotfish.status import SyncStatus
+from pilotfish.status import NodeInfo, SyncStatus
 from pilotfish.transport.frames import GrpcStatus
 
-__all__ = ["MAX_DENIED_RECORDED", "WARN_EVERY", "XdsLimits", "XdsServer", "start_xds_server"]
+__all__ = ["MAX_DENIED_RECORDED", "WARN_EVERY", "XdsLimits", "XdsServer", "node_info", "start_xds_server"]
 
 _log = logging.getLogger("pilotfish.server")
 
@@ -103,6 +103,16 @@ def _default_group(node: base_pb2.Node) -> NodeGroup:
     return DEFAULT_GROUP
 
 
+def node_info(node: base_pb2.Node, *, address: str, group: str, protocol: str) -> NodeInfo:
+    """What the status keeps of a node (shortened there): cluster, user agent and its version."""
+    version = node.user_agent_version
+    if not version and node.HasField("user_agent_build_version"):
+        semver = node.user_agent_build_version.version
+        version = f"{semver.major_number}.{semver.minor_number}.{semver.patch}"
+    return NodeInfo(cluster=node.cluster, user_agent=node.user_agent_name, user_agent_version=version,
+                    address=address, group=group, protocol=protocol)
+
+
 MAX_DENIED_RECORDED = 100
 """Distinct denied secret names a stream records as ``secret_denied`` events; a peer cycling
 through made-up names gets no more events (it is still denied every one)."""
@@ -129,7 +139,7 @@ class XdsServer:
     ) -> None:
         self.cache = cache
         self.events = events or EventLog()
-        self.status = status or SyncStatus()
+        self.status = status if status is not None else SyncStatus()  # (an empty one is falsy)
         self.limits = limits
         self._group_of = group_of
         self.authorize = authorize
@@ -165,6 +175,8 @@ class _Stream:
 
     service = "ads"
     """How ``stream_open`` names an aggregated stream of this kind."""
+    protocol = "sotw"
+    """How the status names its variant of xDS."""
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
         self._server = server
@@ -224,7 +236,8 @@ class _Stream:
         self.opened = True
         self.node_id = node.id
         self.group = server._group_of(node)
-        server.status.stream_opened(self.node_id)
+        server.status.stream_opened(self.node_id, node_info(node, address=self._call.peer, group=self.group,
+                                                              protocol=self.protocol))
         identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
         server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
                            service=self.service if self.type_url is None else self.type_url, group=self.group,
@@ -400,6 +413,7 @@ class _DeltaConnection(_Stream):
     __slots__ = ("_current", "state")
 
     service = "delta-ads"
+    protocol = "delta"
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
         super().__init__(server, call, type_url)

@@ -1,0 +1,223 @@
+"""``pilotfish status``, ``wait`` and ``confirm``: an operator's questions, asked of the admin API.
+
+``status`` prints the proxies table of ``/v1/proxies`` (as ``istioctl proxy-status`` does), one
+row per connected proxy and a column per type, then the message of every NACK.
+
+``wait`` is the step a deploy pipeline runs after changing the source of truth: it polls
+``/v1/proxies`` and ``/v1/snapshots`` until every connected proxy has taken the configuration,
+and exits 0; at the timeout, or as soon as a proxy rejects (NACKs) that configuration, it exits 1
+naming the laggards and the NACK messages. What "taken" means (:func:`laggards`), per proxy and
+per type it was sent: it ACKed the version of its node group's current snapshot; a delta stream
+is sent nothing when none of its resources changed, so there it is enough that it ACKed all it
+was sent. ``--version V`` waits, first, for a snapshot labelled ``V`` (a snapshot file's
+``version``) to be the current one; ``--for-current`` (the default) waits for whatever is current,
+and for a change still being debounced to be built first.
+
+Plain ``urllib``: the commands are one-shot and synchronous.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+__all__ = ["AdminUnreachable", "Verdict", "confirm_command", "get_json", "laggards", "status_command", "status_table",
+           "wait_command"]
+
+TYPES = ("CDS", "EDS", "LDS", "RDS", "SDS")
+"""Table columns, in ADS order."""
+_VERSION_CHARS = 12
+_NACK_CHARS = 300
+
+
+class AdminUnreachable(Exception):
+    """The admin API did not answer (or not with JSON)."""
+
+
+def get_json(admin: str, path: str, *, method: str = "GET", timeout: float = 10.0) -> tuple[int, Any]:
+    """(HTTP status, decoded body) of ``method path`` on the admin API at ``host:port``."""
+    url = f"http://{admin}{path}"
+    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read())
+        except ValueError:
+            raise AdminUnreachable(f"{url}: HTTP {exc.code}, not JSON") from None
+    except (OSError, ValueError) as exc:
+        raise AdminUnreachable(f"{url}: {exc} (is `pilotfish serve --admin {admin}` running?)") from None
+
+
+def _short(version: str | None) -> str:
+    if not version:
+        return "-"
+    return version if len(version) <= _VERSION_CHARS else version[:_VERSION_CHARS]
+
+
+def _cell(status: Mapping[str, Any] | None) -> str:
+    if status is None or status["state"] == "NOT_SENT":
+        return "-"
+    state = status["state"]
+    if state == "STALE":
+        return f"STALE {_short(status['sent_version'])} ({status.get('stale_for', 0):.0f}s)"
+    if state == "NACKED":
+        return f"NACKED {_short(status['nack'].get('version'))}"
+    return f"{state} {_short(status['acked_version'])}"
+
+
+def _reason(message: str) -> str:
+    """The end of a NACK message, where Envoy says why (its start is a dump of the resource)."""
+    message = " ".join(message.split())
+    return message if len(message) <= _NACK_CHARS else "..." + message[-_NACK_CHARS:]
+
+
+def status_table(proxies: list[Mapping[str, Any]]) -> str:
+    """The proxies as a table, then one line per NACK with Envoy's reason."""
+    header = ("NAME", "CLUSTER", "GROUP", *TYPES, "AGENT")
+    rows = [header]
+    nacks = []
+    for proxy in proxies:
+        types = proxy["types"]
+        agent = " ".join(part for part in (proxy["user_agent"], proxy["user_agent_version"]) if part)
+        rows.append((proxy["node"], proxy["cluster"] or "-", proxy["group"], *(_cell(types.get(t)) for t in TYPES),
+                     agent or "-"))
+        for short, status in types.items():
+            if status["state"] == "NACKED":
+                nack = status["nack"]
+                nacks.append(f"{proxy['node']} rejected {short} {nack.get('version')}: {_reason(nack['message'])}")
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if nacks:
+        lines += ["", *nacks]
+    return "\n".join(lines) + "\n"
+
+
+def status_command(admin: str, *, node: str | None, cluster: str | None, state: str | None, out: TextIO,
+                   err: TextIO) -> int:
+    """Print the proxies table (filters are globs; ``state``: rows with a type in that state)."""
+    query = urllib.parse.urlencode({key: value for key, value in
+                                    (("node", node), ("cluster", cluster), ("state", state)) if value})
+    try:
+        code, body = get_json(admin, "/v1/proxies" + (f"?{query}" if query else ""))
+    except AdminUnreachable as exc:
+        print(f"pilotfish status: {exc}", file=err)
+        return 3
+    if code != 200:
+        print(f"pilotfish status: {body.get('error', body)}", file=err)
+        return 2
+    proxies = body["proxies"]
+    if not proxies:
+        print("no proxy is connected" + (" that matches" if query else ""), file=out)
+        return 0
+    out.write(status_table(proxies))
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Where the fleet stands against the configuration waited for."""
+
+    done: bool
+    """Every connected proxy has it (and there are enough of them)."""
+    rejected: bool
+    """A proxy NACKed it: waiting longer will not help until the source changes."""
+    problems: tuple[str, ...]
+    """One line per laggard (and what else is missing), naming the proxy and, for a NACK, Envoy's reason."""
+    proxies: int
+
+
+def laggards(proxies: list[Mapping[str, Any]], snapshots: Mapping[str, Any], *, version: str | None = None,
+             min_proxies: int = 0) -> Verdict:
+    """Judge ``/v1/proxies`` (connected ones) against ``/v1/snapshots``: see the module docstring."""
+    groups = snapshots["groups"]
+    problems: list[str] = []
+    rejected = False
+    if version is None and snapshots.get("pending"):
+        problems.append("a change is still being built (debounce)")
+    if snapshots.get("held"):
+        problems.append(f"snapshot {snapshots['held']['version']} is held by the blast-radius guard: "
+                        "`pilotfish confirm` publishes it")
+    connected = [proxy for proxy in proxies if proxy.get("connected", True)]
+    if len(connected) < min_proxies:
+        problems.append(f"{len(connected)} of at least {min_proxies} proxies connected")
+    for proxy in connected:
+        name, group = proxy["node"], proxy["group"]
+        current = groups.get(group)
+        if current is None:
+            problems.append(f"{name}: nothing is published for its node group {group!r}")
+            continue
+        if version is not None and current["label"] != version:
+            problems.append(f"{name}: its node group {group!r} is served {current['label']}, not {version} (yet)")
+            continue
+        behind = []
+        for short, status in sorted(proxy["types"].items()):
+            state = status["state"]
+            target = current["types"].get(short, {}).get("version")
+            if state == "NOT_SENT" or target is None:
+                continue
+            if state == "NACKED":
+                nack = status["nack"]
+                rejected = rejected or nack.get("version") == target
+                behind.append(f"{short} NACKED {nack.get('version')}: {_reason(nack['message'])}")
+            elif state == "STALE":
+                behind.append(f"{short} STALE {_short(status['sent_version'])} for {status.get('stale_for', 0):.1f}s")
+            elif status["acked_version"] != target and proxy.get("protocol") != "delta":
+                behind.append(f"{short} at {_short(status['acked_version'])}, not {_short(target)}")
+        if behind:
+            problems.append(f"{name}: " + "; ".join(behind))
+    return Verdict(not problems, rejected, tuple(problems), len(connected))
+
+
+def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies: int, out: TextIO, err: TextIO,
+                 every: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> int:
+    """Poll until :func:`laggards` says done (0), a proxy rejected the configuration (1), or the
+    timeout passed (1); 3 if the admin API cannot be reached at all."""
+    deadline = clock() + timeout
+    verdict: Verdict | None = None
+    while True:
+        try:
+            _, proxies = get_json(admin, "/v1/proxies")
+            _, snapshots = get_json(admin, "/v1/snapshots")
+        except AdminUnreachable as exc:
+            if clock() >= deadline:
+                print(f"pilotfish wait: {exc}", file=err)
+                return 3
+        else:
+            verdict = laggards(proxies["proxies"], snapshots, version=version, min_proxies=min_proxies)
+            if verdict.done:
+                labels = sorted({group["label"] for group in snapshots["groups"].values()})
+                print(f"{verdict.proxies} proxies have {', '.join(labels) or 'nothing'}", file=out)
+                return 0
+            if verdict.rejected or clock() >= deadline:
+                break
+        sleep(every)
+    assert verdict is not None
+    why = "a proxy rejected the configuration" if verdict.rejected else f"not every proxy has it after {timeout:g}s"
+    print(f"pilotfish wait: {why}:", file=err)
+    for problem in verdict.problems:
+        print(f"  {problem}", file=err)
+    return 1
+
+
+def confirm_command(admin: str, *, out: TextIO, err: TextIO) -> int:
+    """Publish the snapshot the blast-radius guard holds (``POST /v1/held/confirm``)."""
+    try:
+        code, body = get_json(admin, "/v1/held/confirm", method="POST")
+    except AdminUnreachable as exc:
+        print(f"pilotfish confirm: {exc}", file=err)
+        return 3
+    if code != 200:
+        print(f"pilotfish confirm: {body.get('error', body)}", file=err)
+        return 1
+    held = body["confirmed"]
+    print(f"published {held['version']} ({'; '.join(held['reasons'])})", file=out)
+    return 0
