@@ -207,24 +207,6 @@ class SyncStatus:
         self.groups: dict[str, GroupVersions] = {}
         """Per node group: what is published for it now (see :meth:`published`)."""
 
-    def _type(self, node_id: str, type_url: str, now: float) -> TypeStatus:
-        proxy = self._proxies.get(node_id)
-        if proxy is None:
-            # Written to without an open stream (not what the server does): counts as gone now.
-            proxy = self._proxies[node_id] = ProxyStatus(node_id)
-            self._went(proxy)
-        status = proxy.types.get(type_url)
-        if status is None:
-            status = proxy.types[type_url] = TypeStatus()
-        status.updated = now
-        return status
-
-    def _counter(self, type_url: str) -> TypeCounters:
-        counters = self.counters.get(type_url)
-        if counters is None:
-            counters = self.counters[type_url] = TypeCounters()
-        return counters
-
     def _went(self, proxy: ProxyStatus) -> None:
         now = self._clock()
         proxy.disconnected_at = now
@@ -270,30 +252,51 @@ class SyncStatus:
         if proxy.streams == 0:
             self._went(proxy)
 
+    def _slow_type(self, node_id: str, type_url: str) -> TypeStatus:
+        """The status of ``type_url`` of ``node_id``, made if new (off the hot path: once per
+        proxy and type)."""
+        proxy = self._proxies.get(node_id)
+        if proxy is None:
+            # Written to without an open stream (not what the server does): counts as gone now.
+            proxy = self._proxies[node_id] = ProxyStatus(node_id)
+            self._went(proxy)
+        status = proxy.types.get(type_url)
+        if status is None:
+            status = proxy.types[type_url] = TypeStatus()
+        if type_url not in self.counters:
+            self.counters[type_url] = TypeCounters()
+        return status
+
+    # The three below run once per response and per request of every proxy: lookups inline.
+
     def sent(self, node_id: str, type_url: str, version: str) -> None:
-        now = self._wall()
-        status = self._type(node_id, type_url, now)
+        proxy = self._proxies.get(node_id)
+        status = proxy.types.get(type_url) if proxy is not None else None
+        if status is None:
+            status = self._slow_type(node_id, type_url)
         status.sent_version = version
-        status.sent_at = now
-        self._counter(type_url).responses += 1
+        status.sent_at = status.updated = self._wall()
+        self.counters[type_url].responses += 1
 
     def acked(self, node_id: str, type_url: str, version: str) -> None:
-        now = self._wall()
-        status = self._type(node_id, type_url, now)
+        proxy = self._proxies.get(node_id)
+        status = proxy.types.get(type_url) if proxy is not None else None
+        if status is None:
+            status = self._slow_type(node_id, type_url)
+        status.updated = now = self._wall()
         if status.acked_version != version:
             status.acked_version = version
             status.acked_at = now
         if status.nacked_version is not None and status.nacked_version != version:
             status.nacked_version = status.nack_error = None
-        self._counter(type_url).acks += 1
+        self.counters[type_url].acks += 1
 
     def nacked(self, node_id: str, type_url: str, version: str | None, error: str) -> None:
-        now = self._wall()
-        status = self._type(node_id, type_url, now)
+        status = self._slow_type(node_id, type_url)
+        status.updated = status.nacked_at = self._wall()
         status.nacked_version = version
         status.nack_error = shorten(error, MAX_NACK_MESSAGE)
-        status.nacked_at = now
-        self._counter(type_url).nacks += 1
+        self.counters[type_url].nacks += 1
 
     def published(self, group: str, *, label: str, versions: Mapping[str, str]) -> None:
         """The reconciler handed ``group`` a new snapshot: its label and version per type URL. A
