@@ -194,8 +194,11 @@ def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies
         else:
             verdict = laggards(proxies["proxies"], snapshots, version=version, min_proxies=min_proxies)
             if verdict.done:
-                labels = sorted({group["label"] for group in snapshots["groups"].values()})
-                print(f"{verdict.proxies} proxies have {', '.join(labels) or 'nothing'}", file=out)
+                served = sorted({proxy["group"] for proxy in proxies["proxies"] if proxy.get("connected", True)})
+                labels = ", ".join(f"{snapshots['groups'][group]['label']}" + (f" ({group})" if len(served) > 1 else "")
+                                   for group in served)
+                count = verdict.proxies
+                print(f"{count} prox{'y has' if count == 1 else 'ies have'} {labels or 'nothing'}", file=out)
                 return 0
             if verdict.rejected or clock() >= deadline:
                 break

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from pilotfish.operate import laggards, status_table
 
 
@@ -71,3 +73,20 @@ def test_the_table_has_a_row_per_proxy_and_a_line_per_nack() -> None:
                              "1.40.0"]
     assert second.split()[3:6] == ["SYNCED", "3", "-"]
     assert blank == "" and nack == "edge-1 rejected CDS 3: ClusterValidationError.ConnectTimeout"
+
+
+def test_serve_has_the_admin_api_on_loopback_by_default_and_off_turns_it_off() -> None:
+    from pilotfish.cli import _parser
+
+    assert _parser().parse_args(["serve", "--snapshot", "s.yaml"]).admin == "127.0.0.1:18001"
+    assert _parser().parse_args(["serve", "--snapshot", "s.yaml", "--admin", "off"]).admin is None
+    assert _parser().parse_args(["serve", "--snapshot", "s.yaml", "--admin", "0.0.0.0:0"]).admin == "0.0.0.0:0"
+
+
+def test_an_admin_api_off_loopback_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    from pilotfish.server.admin import warn_if_exposed
+
+    assert not warn_if_exposed("127.0.0.1") and not warn_if_exposed("[::1]") and not warn_if_exposed("localhost")
+    assert not caplog.records
+    assert warn_if_exposed("0.0.0.0")
+    assert "answers anyone who can reach it" in caplog.text
