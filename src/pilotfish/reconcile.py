@@ -296,7 +296,7 @@ class Reconciler:
         """Told each group's versions as they are published (what proxies are measured against)."""
         self.settings = settings or DebounceSettings()
         self.guard = guard or GuardSettings()
-        self._confirm_hint = confirm_hint
+        self.confirm_hint = confirm_hint
         """How the operator confirms a held snapshot (printed with it)."""
         self._expected = frozenset(expect)
         self._rules = rules
@@ -501,7 +501,7 @@ class Reconciler:
         self.held = Held(dict(snapshots), tuple(reasons), endpoints)
         snapshot = self.held.snapshot
         self._events.emit("snapshot_held", version=snapshot.label(), reasons=reasons, counts=counts)
-        hint = f"\nto publish it anyway: {self._confirm_hint}" if self._confirm_hint else ""
+        hint = f"\nto publish it anyway: {self.confirm_hint}" if self.confirm_hint else ""
         _log.error("snapshot %s is HELD, not published: %s.\nstill serving the last good snapshot; if this is "
                    "a mistake, fix the source and it is dropped%s", snapshot.label(), "; ".join(reasons), hint)
 

@@ -190,7 +190,8 @@ async def test_secrets_are_shown_by_name_only(tmp_path: Path) -> None:
         assert "THE KEY" not in str(config)
 
 
-async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(tmp_path: Path) -> None:
+async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
     names = [f"svc-{i}" for i in range(10)]
     settings = {"guard": GuardSettings(max_removed_share=0.5, min_count=10)}
     async with serving(tmp_path, *names, **settings) as (running, snapshot):
@@ -205,6 +206,7 @@ async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(tmp_path: 
 
         shown = await until("the guard to hold the snapshot", held)
         assert any("cluster" in reason for reason in shown["reasons"]), shown
+        assert f"to publish it anyway: pilotfish confirm --admin {running.admin}, or kill -USR1" in caplog.text
         assert (await get(running, "/v1/snapshots"))[1]["held"]["version"] == shown["version"]
         code, out, _ = await run(confirm_command, running.admin)
         assert code == 0 and out.startswith(f"published {shown['version']}")
@@ -217,3 +219,19 @@ async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(tmp_path: 
     confirmed = [line for line in running.events.read_text().splitlines() if '"snapshot_confirmed"' in line]
     assert len(confirmed) == 1 and '"by":"admin API"' in confirmed[0]
     assert not check_event_log(running.events)
+
+
+async def test_rest_pollers_are_in_the_same_status_as_streams(tmp_path: Path) -> None:
+    """A REST poll is recorded where the admin API reads (it used to get a status of its own)."""
+    async with serving(tmp_path, "web", rest="127.0.0.1:0") as (running, _), \
+            aiohttp.ClientSession() as session:
+        body = {"version_info": "", "node": {"id": "poller-1", "cluster": "edge", "user_agent_name": "envoy"}}
+        async with session.post(f"http://{running.rest}/v3/discovery:clusters", json=body) as response:
+            assert response.status == 200
+            version = (await response.json())["version_info"]
+        status, listed = await get(running, "/v1/proxies?all=true&node=poller-*")
+        assert status == 200
+        (proxy,) = listed["proxies"]
+        assert (proxy["protocol"], proxy["group"], proxy["connected"]) == ("rest", "rest", False)
+        assert proxy["types"]["CDS"]["sent_version"] == version
+        assert (await get(running, "/v1/proxies"))[1]["proxies"] == []  # between polls: not connected

@@ -150,8 +150,6 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
     status = SyncStatus()
     confirm_hint = f"kill -USR1 {os.getpid()}"
-    if settings.admin is not None:
-        confirm_hint = f"pilotfish confirm --admin {settings.admin}, or {confirm_hint}"
     reconciler = Reconciler(cache, settings=settings.debounce, events=events, expect=expected,
                             guard=settings.guard, confirm_hint=confirm_hint,
                             rules=settings.validate, labels=_source_labels(settings), groups=groups.views(),
@@ -232,6 +230,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             admin_runner, admin_address = await start_admin_server(
                 AdminApi(status, cache, reconciler, waiting=waiting), settings.admin)
             cleanups.append(admin_runner.cleanup)
+            reconciler.confirm_hint = f"pilotfish confirm --admin {admin_address}, or {confirm_hint}"
         tls = "off" if xds_tls_files is None else "mtls" if settings.client_ca is not None else "tls"
         events.emit("server_started", xds=f"{host}:{port}", registry=registry_address,
                     snapshot=str(settings.snapshot) if settings.snapshot else None, tls=tls,
