@@ -187,6 +187,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="mTLS on xDS: proxies must present a certificate issued by this PEM CA bundle")
     tls.add_argument("--registry-client-ca", type=Path, metavar="FILE",
                      help="mTLS on the registry API: its clients must present a certificate issued by this CA")
+    tls.add_argument("--admin-client-ca", type=Path, metavar="FILE",
+                     help="mTLS on the admin API: its clients (`pilotfish status --tls-cert ...`) must present a "
+                          "certificate issued by this CA")
     tls.add_argument("--authorize-node", type=_node_rule, action="append", default=[], metavar="IDENTITY=NODE",
                      help="with --client-ca: a proxy whose certificate identity (SPIFFE URI SAN, else DNS SAN) "
                           "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'); "
@@ -216,19 +219,27 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
                        help="uvloop (libuv, faster sockets) or Python's own asyncio loop (default: %(default)s)")
 
-    status = commands.add_parser("status", help="print every connected proxy and, per type, whether it has the "
-                                                "latest configuration (SYNCED, STALE, NACKED, NOT_SENT)")
-    status.add_argument("--admin", type=_address, default=DEFAULT_ADMIN, metavar="HOST:PORT",
-                        help="the admin API of `pilotfish serve` (default: %(default)s)")
+    admin_client = argparse.ArgumentParser(add_help=False)
+    admin_client.add_argument("--admin", type=_address, default=DEFAULT_ADMIN, metavar="HOST:PORT",
+                              help="the admin API of `pilotfish serve` (default: %(default)s)")
+    admin_client.add_argument("--tls-ca", type=Path, metavar="FILE",
+                              help="the admin API is served over TLS (serve --tls-cert): trust this PEM CA bundle "
+                                   "(its certificate must name HOST)")
+    admin_client.add_argument("--tls-cert", type=Path, metavar="FILE",
+                              help="mTLS (serve --admin-client-ca): the PEM certificate chain to present")
+    admin_client.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
+
+    status = commands.add_parser("status", parents=[admin_client],
+                                 help="print every connected proxy and, per type, whether it has the latest "
+                                      "configuration (SYNCED, STALE, NACKED, NOT_SENT)")
     status.add_argument("--node", metavar="GLOB", help="only proxies whose node id matches ('*' any characters)")
     status.add_argument("--cluster", metavar="GLOB", help="only proxies whose node cluster matches")
     status.add_argument("--state", choices=("SYNCED", "STALE", "NACKED", "NOT_SENT"), type=str.upper,
                         help="only proxies with a type in this state")
 
-    wait = commands.add_parser("wait", help="wait until every connected proxy has ACKed the configuration; exit "
-                                            "non-zero naming the laggards and NACK reasons otherwise")
-    wait.add_argument("--admin", type=_address, default=DEFAULT_ADMIN, metavar="HOST:PORT",
-                      help="the admin API of `pilotfish serve` (default: %(default)s)")
+    wait = commands.add_parser("wait", parents=[admin_client],
+                               help="wait until every connected proxy has ACKed the configuration; exit non-zero "
+                                    "naming the laggards and NACK reasons otherwise")
     target = wait.add_mutually_exclusive_group()
     target.add_argument("--version", metavar="V",
                         help="wait for the snapshot labelled V (a snapshot file's `version`) to be served and ACKed")
@@ -239,9 +250,7 @@ def _parser() -> argparse.ArgumentParser:
     wait.add_argument("--min-proxies", type=_whole_number, default=0, metavar="N",
                       help="and until at least N proxies are connected (default: %(default)s)")
 
-    confirm = commands.add_parser("confirm", help="publish the snapshot the blast-radius guard holds")
-    confirm.add_argument("--admin", type=_address, default=DEFAULT_ADMIN, metavar="HOST:PORT",
-                         help="the admin API of `pilotfish serve` (default: %(default)s)")
+    commands.add_parser("confirm", parents=[admin_client], help="publish the snapshot the blast-radius guard holds")
 
     validate = commands.add_parser("validate", help="check a snapshot file; print every problem")
     validate.add_argument("file", type=Path, metavar="FILE")
@@ -329,9 +338,10 @@ def _serve(args: argparse.Namespace) -> int:
         print("pilotfish serve: --grant-secret ...=identity: names certificate identities: it needs mTLS, "
               "give --client-ca FILE (and --tls-cert, --tls-key) too", file=sys.stderr)
         return EXIT_USAGE
-    if args.tls_cert is None and (args.client_ca is not None or args.registry_client_ca is not None):
-        print("pilotfish serve: --client-ca and --registry-client-ca need TLS: give --tls-cert and --tls-key too",
-              file=sys.stderr)
+    if args.tls_cert is None and any(ca is not None for ca in (args.client_ca, args.registry_client_ca,
+                                                               args.admin_client_ca)):
+        print("pilotfish serve: --client-ca, --registry-client-ca and --admin-client-ca need TLS: give --tls-cert "
+              "and --tls-key too", file=sys.stderr)
         return EXIT_USAGE
     debounce = DebounceSettings(quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000,
                                 hold=args.flap_hold_ms / 1000)
@@ -347,7 +357,8 @@ def _serve(args: argparse.Namespace) -> int:
                              guard=GuardSettings(enabled=args.guard == "on", max_removed_share=args.guard_max_removed,
                                                  min_count=args.guard_min_count),
                              tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.client_ca,
-                             registry_client_ca=args.registry_client_ca, tls_reload_every=args.tls_reload_ms / 1000,
+                             registry_client_ca=args.registry_client_ca, admin_client_ca=args.admin_client_ca,
+                             tls_reload_every=args.tls_reload_ms / 1000,
                              authorize_nodes=tuple(args.authorize_node), secret_grants=tuple(args.grant_secret),
                              xds_connections=ConnectionLimits(
                                  max_connections=args.max_connections,
@@ -397,13 +408,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("status", "wait", "confirm"):
         from pilotfish import operate
 
+        try:
+            tls = operate.client_context(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+        except (OSError, ValueError) as exc:
+            print(f"pilotfish {args.command}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         if args.command == "status":
             return operate.status_command(args.admin, node=args.node, cluster=args.cluster, state=args.state,
-                                          out=sys.stdout, err=sys.stderr)
+                                          out=sys.stdout, err=sys.stderr, tls=tls)
         if args.command == "wait":
             return operate.wait_command(args.admin, version=args.version, timeout=args.timeout,
-                                        min_proxies=args.min_proxies, out=sys.stdout, err=sys.stderr)
-        return operate.confirm_command(args.admin, out=sys.stdout, err=sys.stderr)
+                                        min_proxies=args.min_proxies, out=sys.stdout, err=sys.stderr, tls=tls)
+        return operate.confirm_command(args.admin, out=sys.stdout, err=sys.stderr, tls=tls)
     if args.command == "token":
         from pilotfish.server.registry_auth import token_command
 

@@ -19,16 +19,18 @@ Plain ``urllib``: the commands are one-shot and synchronous.
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["AdminUnreachable", "Verdict", "confirm_command", "get_json", "laggards", "status_command", "status_table",
-           "wait_command"]
+__all__ = ["AdminUnreachable", "Verdict", "client_context", "confirm_command", "get_json", "laggards",
+           "status_command", "status_table", "wait_command"]
 
 TYPES = ("CDS", "EDS", "LDS", "RDS", "SDS")
 """Table columns, in ADS order."""
@@ -40,12 +42,29 @@ class AdminUnreachable(Exception):
     """The admin API did not answer (or not with JSON)."""
 
 
-def get_json(admin: str, path: str, *, method: str = "GET", timeout: float = 10.0) -> tuple[int, Any]:
-    """(HTTP status, decoded body) of ``method path`` on the admin API at ``host:port``."""
-    url = f"http://{admin}{path}"
+def client_context(*, ca: Path | None, cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """The TLS context to reach an admin API served over TLS (None: plain HTTP). Raises
+    ``ValueError`` (or ``OSError``, naming the file) when the files are incomplete or unreadable."""
+    if ca is None:
+        if cert is not None or key is not None:
+            raise ValueError("--tls-cert and --tls-key are for an admin API over TLS: give --tls-ca FILE too")
+        return None
+    if (cert is None) != (key is None):
+        raise ValueError("give both --tls-cert FILE and --tls-key FILE, or neither")
+    context = ssl.create_default_context(cafile=str(ca))
+    if cert is not None and key is not None:
+        context.load_cert_chain(str(cert), str(key))
+    return context
+
+
+def get_json(admin: str, path: str, *, method: str = "GET", timeout: float = 10.0,
+             tls: ssl.SSLContext | None = None) -> tuple[int, Any]:
+    """(HTTP status, decoded body) of ``method path`` on the admin API at ``host:port`` (over TLS
+    with ``tls``)."""
+    url = f"{'http' if tls is None else 'https'}://{admin}{path}"
     request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout, context=tls) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -101,12 +120,12 @@ def status_table(proxies: list[Mapping[str, Any]]) -> str:
 
 
 def status_command(admin: str, *, node: str | None, cluster: str | None, state: str | None, out: TextIO,
-                   err: TextIO) -> int:
+                   err: TextIO, tls: ssl.SSLContext | None = None) -> int:
     """Print the proxies table (filters are globs; ``state``: rows with a type in that state)."""
     query = urllib.parse.urlencode({key: value for key, value in
                                     (("node", node), ("cluster", cluster), ("state", state)) if value})
     try:
-        code, body = get_json(admin, "/v1/proxies" + (f"?{query}" if query else ""))
+        code, body = get_json(admin, "/v1/proxies" + (f"?{query}" if query else ""), tls=tls)
     except AdminUnreachable as exc:
         print(f"pilotfish status: {exc}", file=err)
         return 3
@@ -178,15 +197,15 @@ def laggards(proxies: list[Mapping[str, Any]], snapshots: Mapping[str, Any], *, 
 
 def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies: int, out: TextIO, err: TextIO,
                  every: float = 0.5, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> int:
+                 sleep: Callable[[float], None] = time.sleep, tls: ssl.SSLContext | None = None) -> int:
     """Poll until :func:`laggards` says done (0), a proxy rejected the configuration (1), or the
     timeout passed (1); 3 if the admin API cannot be reached at all."""
     deadline = clock() + timeout
     verdict: Verdict | None = None
     while True:
         try:
-            _, proxies = get_json(admin, "/v1/proxies")
-            _, snapshots = get_json(admin, "/v1/snapshots")
+            _, proxies = get_json(admin, "/v1/proxies", tls=tls)
+            _, snapshots = get_json(admin, "/v1/snapshots", tls=tls)
         except AdminUnreachable as exc:
             if clock() >= deadline:
                 print(f"pilotfish wait: {exc}", file=err)
@@ -211,10 +230,10 @@ def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies
     return 1
 
 
-def confirm_command(admin: str, *, out: TextIO, err: TextIO) -> int:
+def confirm_command(admin: str, *, out: TextIO, err: TextIO, tls: ssl.SSLContext | None = None) -> int:
     """Publish the snapshot the blast-radius guard holds (``POST /v1/held/confirm``)."""
     try:
-        code, body = get_json(admin, "/v1/held/confirm", method="POST")
+        code, body = get_json(admin, "/v1/held/confirm", method="POST", tls=tls)
     except AdminUnreachable as exc:
         print(f"pilotfish confirm: {exc}", file=err)
         return 3

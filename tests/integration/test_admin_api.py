@@ -18,15 +18,16 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
+import trustme
 import yaml
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 from inprocess import TIMEOUT, Running
 from inprocess import serving as serve_in_process
-from test_tls import CDS, snapshot_doc
+from test_tls import CDS, snapshot_doc, write_pair
 
 from pilotfish.events import check_event_log
-from pilotfish.operate import confirm_command, status_command, wait_command
+from pilotfish.operate import client_context, confirm_command, status_command, wait_command
 from pilotfish.reconcile import GuardSettings
 from pilotfish.server import ServeSettings
 
@@ -235,3 +236,26 @@ async def test_rest_pollers_are_in_the_same_status_as_streams(tmp_path: Path) ->
         assert (proxy["protocol"], proxy["group"], proxy["connected"]) == ("rest", "rest", False)
         assert proxy["types"]["CDS"]["sent_version"] == version
         assert (await get(running, "/v1/proxies"))[1]["proxies"] == []  # between polls: not connected
+
+
+async def test_with_tls_the_admin_api_is_https_only_and_asks_for_a_client_certificate(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    cert, key = write_pair(tmp_path, ca.issue_cert("127.0.0.1"))
+    ca_file, client_cert, client_key = tmp_path / "ca.pem", tmp_path / "client.pem", tmp_path / "client.key"
+    ca.cert_pem.write_to_path(str(ca_file))
+    client = ca.issue_cert("operator@example.com")
+    client_cert.write_bytes(client.cert_chain_pems[0].bytes())
+    client_key.write_bytes(client.private_key_pem.bytes())
+    settings = {"tls_cert": cert, "tls_key": key, "admin_client_ca": ca_file}
+    async with serving(tmp_path, "web", **settings) as (running, _):
+        tls = client_context(ca=ca_file, cert=client_cert, key=client_key)
+        code, out, err = await run(status_command, running.admin, node=None, cluster=None, state=None, tls=tls)
+        assert (code, out) == (0, "no proxy is connected\n"), err
+        no_certificate = client_context(ca=ca_file, cert=None, key=None)
+        code, _, err = await run(status_command, running.admin, node=None, cluster=None, state=None,
+                                 tls=no_certificate)
+        assert code == 3 and f"https://{running.admin}/v1/proxies" in err
+        code, _, err = await run(status_command, running.admin, node=None, cluster=None, state=None)
+        assert code == 3 and f"http://{running.admin}/v1/proxies" in err  # plain HTTP is not answered
+    with pytest.raises(ValueError, match="give --tls-ca"):
+        client_context(ca=None, cert=client_cert, key=client_key)

@@ -90,3 +90,14 @@ def test_an_admin_api_off_loopback_is_warned_about(caplog: pytest.LogCaptureFixt
     assert not caplog.records
     assert warn_if_exposed("0.0.0.0")
     assert "answers anyone who can reach it" in caplog.text
+
+
+def test_an_admin_client_ca_needs_tls(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from pilotfish.cli import main
+
+    snapshot = tmp_path / "snap.yaml"
+    snapshot.write_text("clusters: []\n")
+    assert main(["serve", "--snapshot", str(snapshot), "--admin-client-ca", "ca.pem"]) == 2
+    assert "--admin-client-ca need TLS" in capsys.readouterr().err
+    assert main(["status", "--tls-cert", "c.pem", "--tls-key", "k.pem"]) == 2
+    assert "give --tls-ca FILE too" in capsys.readouterr().err

@@ -21,7 +21,9 @@ Everything here reads: :class:`~pilotfish.status.SyncStatus` (written by the xDS
 servers), the cache and the reconciler; the one write is the confirmation of a held snapshot,
 which goes through :meth:`~pilotfish.reconcile.Reconciler.confirm` like the signal. The API is
 plain HTTP and has no tokens: it binds to loopback by default, and pilotfish warns when it is
-told to listen elsewhere. Prometheus metrics and the status page belong here too: they are
+told to listen elsewhere. With the server's certificate (``--tls-cert``) it is served over TLS
+only, and with ``--admin-client-ca`` its clients must present a certificate from that CA (mTLS),
+as the registry API. Prometheus metrics and the status page belong here too: they are
 routes added to :meth:`AdminApi.app`.
 
 Times are wall-clock seconds since the epoch (``*_at``), and ages in seconds (``*_for``). A
@@ -34,6 +36,7 @@ import fnmatch
 import ipaddress
 import logging
 import socket
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -221,16 +224,18 @@ class AdminApi:
         return _json({"confirmed": held["held"]})
 
 
-async def start_admin_server(api: AdminApi, address: str) -> tuple[web.AppRunner, str]:
-    """Serve ``api`` on ``address`` (``host:port``; port 0 = any free); returns the runner
-    (``cleanup()`` stops it) and the bound ``host:port``. Warns when not on loopback."""
+async def start_admin_server(api: AdminApi, address: str, *,
+                             tls: ssl.SSLContext | None = None) -> tuple[web.AppRunner, str]:
+    """Serve ``api`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
+    given; returns the runner (``cleanup()`` stops it) and the bound ``host:port``. Warns when
+    not on loopback."""
     host, port = split_address(address)
     warn_if_exposed(host)
     runner = web.AppRunner(api.app(), access_log=None)
     await runner.setup()
     try:
         sock = socket.create_server((host, port), reuse_port=False)
-        await web.SockSite(runner, sock).start()
+        await web.SockSite(runner, sock, ssl_context=tls).start()
     except BaseException:
         await runner.cleanup()
         raise

@@ -101,6 +101,9 @@ class ServeSettings:
     """PEM private key of :attr:`tls_cert`."""
     client_ca: Path | None = None
     """PEM CA bundle: xDS clients must present a certificate from it (mTLS); None: not asked for."""
+    admin_client_ca: Path | None = None
+    """PEM CA bundle: admin API clients must present a certificate from it; None: not asked for.
+    (With :attr:`tls_cert`, the admin API is served over TLS only, as the registry API is.)"""
     registry_client_ca: Path | None = None
     """PEM CA bundle: registry API clients must present a certificate from it; None: not asked for.
     Separate from :attr:`client_ca`: the registry's clients (deploy tools, agents) are not proxies."""
@@ -177,6 +180,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
 
         xds_tls_files = settings.tls_files(client_ca=settings.client_ca, alpn=(ALPN_H2,))
         registry_tls_files = settings.tls_files(client_ca=settings.registry_client_ca, alpn=("http/1.1",))
+        admin_tls_files = settings.tls_files(client_ca=settings.admin_client_ca, alpn=("http/1.1",))
         xds_tls = None if xds_tls_files is None else ReloadingServerContext(xds_tls_files, on_event=events.emit,
                                                                             name="xds")
         if settings.authorize_nodes and settings.client_ca is None:
@@ -227,10 +231,19 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             cleanups.append(rest_runner.cleanup)
         admin_address = None
         if settings.admin is not None:
+            admin_tls = None
+            if admin_tls_files is not None:
+                admin_tls = ReloadingServerContext(admin_tls_files, on_event=events.emit, name="admin")
+                tasks.append(asyncio.create_task(admin_tls.run(every=settings.tls_reload_every),
+                                                 name="admin-tls-reload"))
             admin_runner, admin_address = await start_admin_server(
-                AdminApi(status, cache, reconciler, waiting=waiting), settings.admin)
+                AdminApi(status, cache, reconciler, waiting=waiting), settings.admin,
+                tls=None if admin_tls is None else admin_tls.context)
             cleanups.append(admin_runner.cleanup)
-            reconciler.confirm_hint = f"pilotfish confirm --admin {admin_address}, or {confirm_hint}"
+            tls_options = "" if admin_tls is None else " --tls-ca CA-FILE" + (
+                " --tls-cert FILE --tls-key FILE" if settings.admin_client_ca is not None else "")
+            reconciler.confirm_hint = (f"pilotfish confirm --admin {admin_address}{tls_options}, "
+                                       f"or {confirm_hint}")
         tls = "off" if xds_tls_files is None else "mtls" if settings.client_ca is not None else "tls"
         events.emit("server_started", xds=f"{host}:{port}", registry=registry_address,
                     snapshot=str(settings.snapshot) if settings.snapshot else None, tls=tls,
@@ -243,8 +256,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                   f", REST xDS on {'http' if xds_tls_files is None else 'https'}://{rest_address}"
                   if rest_address else "")
         if admin_address:
-            _log.info("admin API on http://%s (/healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, /v1/held)",
-                      admin_address)
+            _log.info("admin API on %s://%s (/healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, /v1/held)",
+                      "http" if admin_tls_files is None else "https", admin_address)
 
         if settings.etcd is not None:
             etcd = EtcdSource(settings.etcd, settings.etcd_prefix, on_event=events.emit,
