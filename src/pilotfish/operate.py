@@ -4,14 +4,17 @@
 row per connected proxy and a column per type, then the message of every NACK.
 
 ``wait`` is the step a deploy pipeline runs after changing the source of truth: it polls
-``/v1/proxies`` and ``/v1/snapshots`` until every connected proxy has taken the configuration,
-and exits 0; at the timeout, or as soon as a proxy rejects (NACKs) that configuration, it exits 1
-naming the laggards and the NACK messages. What "taken" means (:func:`laggards`), per proxy and
-per type it was sent: it ACKed the version of its node group's current snapshot; a delta stream
-is sent nothing when none of its resources changed, so there it is enough that it ACKed all it
-was sent. ``--version V`` waits, first, for a snapshot labelled ``V`` (a snapshot file's
-``version``) to be the current one; ``--for-current`` (the default) waits for whatever is current,
-and for a change still being debounced to be built first.
+``/v1/snapshots`` (per group and type, how many proxies have the current version: cheap at any
+fleet size, where listing 10,000 proxies costs the server ~0.1 s) until every connected proxy has
+taken the configuration (:func:`fleet_verdict`), and exits 0; at the timeout, or as soon as a
+proxy rejects (NACKs) that configuration, it reads ``/v1/proxies`` once and exits 1 naming the
+laggards and the NACK messages (:func:`laggards`). What "taken" means, per proxy and per type it
+was sent: it ACKed the version of its node group's current snapshot; a delta stream is sent
+nothing when none of its resources changed, so there it is enough that it ACKed all it was sent
+(the server counts the same way: ``current`` in ``/v1/snapshots``). ``--version V`` waits,
+first, for a snapshot labelled ``V`` (a snapshot file's ``version``) to be the current one;
+``--for-current`` (the default) waits for whatever is current, and for a change still being
+debounced to be built first.
 
 Plain ``urllib``: the commands are one-shot and synchronous.
 """
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["AdminUnreachable", "Verdict", "client_context", "confirm_command", "get_json", "laggards",
+__all__ = ["AdminUnreachable", "Verdict", "client_context", "confirm_command", "fleet_verdict", "get_json", "laggards",
            "status_command", "status_table", "wait_command"]
 
 TYPES = ("CDS", "EDS", "LDS", "RDS", "SDS")
@@ -153,17 +156,48 @@ class Verdict:
     proxies: int
 
 
-def laggards(proxies: list[Mapping[str, Any]], snapshots: Mapping[str, Any], *, version: str | None = None,
-             min_proxies: int = 0) -> Verdict:
-    """Judge ``/v1/proxies`` (connected ones) against ``/v1/snapshots``: see the module docstring."""
-    groups = snapshots["groups"]
-    problems: list[str] = []
-    rejected = False
+def _waiting_on(snapshots: Mapping[str, Any], *, version: str | None) -> list[str]:
+    problems = []
     if version is None and snapshots.get("pending"):
         problems.append("a change is still being built (debounce)")
     if snapshots.get("held"):
         problems.append(f"snapshot {snapshots['held']['version']} is held by the blast-radius guard: "
                         "`pilotfish confirm` publishes it")
+    return problems
+
+
+def fleet_verdict(snapshots: Mapping[str, Any], *, version: str | None = None, min_proxies: int = 0) -> Verdict:
+    """Judge ``/v1/snapshots`` alone: per node group with connected proxies, is its snapshot the
+    one waited for, and does every proxy it was sent to have it (``current``)?"""
+    problems = _waiting_on(snapshots, version=version)
+    rejected = False
+    connected: Mapping[str, int] = snapshots.get("connected", {})
+    total = sum(connected.values())
+    if total < min_proxies:
+        problems.append(f"{total} of at least {min_proxies} proxies connected")
+    for group in sorted(connected):
+        current = snapshots["groups"].get(group)
+        if current is None:
+            problems.append(f"node group {group!r}: nothing is published for it")
+            continue
+        if version is not None and current["label"] != version:
+            problems.append(f"node group {group!r} is served {current['label']}, not {version} (yet)")
+            continue
+        for short, progress in sorted(current["types"].items()):
+            if progress["nacked"]:
+                rejected = True
+            if progress["current"] < progress["proxies"]:
+                problems.append(f"node group {group!r}: {short} {progress['version']}: {progress['current']} of "
+                                f"{progress['proxies']} proxies have it, {progress['nacked']} rejected it")
+    return Verdict(not problems, rejected, tuple(problems), total)
+
+
+def laggards(proxies: list[Mapping[str, Any]], snapshots: Mapping[str, Any], *, version: str | None = None,
+             min_proxies: int = 0) -> Verdict:
+    """Judge ``/v1/proxies`` (connected ones) against ``/v1/snapshots``: see the module docstring."""
+    groups = snapshots["groups"]
+    problems = _waiting_on(snapshots, version=version)
+    rejected = False
     connected = [proxy for proxy in proxies if proxy.get("connected", True)]
     if len(connected) < min_proxies:
         problems.append(f"{len(connected)} of at least {min_proxies} proxies connected")
@@ -198,34 +232,33 @@ def laggards(proxies: list[Mapping[str, Any]], snapshots: Mapping[str, Any], *, 
 def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies: int, out: TextIO, err: TextIO,
                  every: float = 0.5, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, tls: ssl.SSLContext | None = None) -> int:
-    """Poll until :func:`laggards` says done (0), a proxy rejected the configuration (1), or the
-    timeout passed (1); 3 if the admin API cannot be reached at all."""
+    """Poll until :func:`fleet_verdict` says done (0), a proxy rejected the configuration (1), or
+    the timeout passed (1, naming the laggards: :func:`laggards`); 3 if the admin API cannot be
+    reached."""
     deadline = clock() + timeout
-    verdict: Verdict | None = None
     while True:
         try:
-            _, proxies = get_json(admin, "/v1/proxies", tls=tls)
             _, snapshots = get_json(admin, "/v1/snapshots", tls=tls)
-        except AdminUnreachable as exc:
-            if clock() >= deadline:
-                print(f"pilotfish wait: {exc}", file=err)
-                return 3
-        else:
-            verdict = laggards(proxies["proxies"], snapshots, version=version, min_proxies=min_proxies)
+            verdict = fleet_verdict(snapshots, version=version, min_proxies=min_proxies)
             if verdict.done:
-                served = sorted({proxy["group"] for proxy in proxies["proxies"] if proxy.get("connected", True)})
+                served = sorted(snapshots["connected"])
                 labels = ", ".join(f"{snapshots['groups'][group]['label']}" + (f" ({group})" if len(served) > 1 else "")
                                    for group in served)
                 count = verdict.proxies
                 print(f"{count} prox{'y has' if count == 1 else 'ies have'} {labels or 'nothing'}", file=out)
                 return 0
             if verdict.rejected or clock() >= deadline:
+                _, proxies = get_json(admin, "/v1/proxies", tls=tls)
+                named = laggards(proxies["proxies"], snapshots, version=version, min_proxies=min_proxies)
                 break
+        except AdminUnreachable as exc:
+            if clock() >= deadline:
+                print(f"pilotfish wait: {exc}", file=err)
+                return 3
         sleep(every)
-    assert verdict is not None
     why = "a proxy rejected the configuration" if verdict.rejected else f"not every proxy has it after {timeout:g}s"
     print(f"pilotfish wait: {why}:", file=err)
-    for problem in verdict.problems:
+    for problem in named.problems or verdict.problems:
         print(f"  {problem}", file=err)
     return 1
 

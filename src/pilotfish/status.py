@@ -169,6 +169,10 @@ class VersionProgress:
     """Connected proxies of the group that were sent this type (any version)."""
     acked: int = 0
     """...of them, those whose ACKed version is :attr:`version`."""
+    current: int = 0
+    """...those that have what they are meant to: they ACKed :attr:`version`, or they are on
+    incremental xDS and ACKed all they were sent (a delta stream is sent nothing when none of its
+    resources changed, and keeps the version of its last response)."""
     nacked: int = 0
     """...those that NACKed :attr:`version`."""
     last_ack_at: float | None = None
@@ -176,7 +180,7 @@ class VersionProgress:
 
     @property
     def complete(self) -> bool:
-        return self.acked == self.proxies
+        return self.current == self.proxies
 
     @property
     def seconds_to_last_ack(self) -> float | None:
@@ -329,10 +333,23 @@ class SyncStatus:
                 progress.proxies += 1
                 if status.acked_version == progress.version:
                     progress.acked += 1
+                    progress.current += 1
                     progress.last_ack_at = max(progress.last_ack_at or 0.0, status.acked_at)
-                elif status.state is SyncState.NACKED and status.nacked_version == progress.version:
+                    continue
+                state = status.state
+                if state is SyncState.NACKED and status.nacked_version == progress.version:
                     progress.nacked += 1
+                elif state is SyncState.SYNCED and proxy.info.protocol == "delta":
+                    progress.current += 1
         return [out[key] for key in sorted(out)]
+
+    def connected(self) -> dict[str, int]:
+        """Connected proxies per node group."""
+        counts: dict[str, int] = {}
+        for proxy in self._proxies.values():
+            if proxy.streams:
+                counts[proxy.info.group] = counts.get(proxy.info.group, 0) + 1
+        return counts
 
     def proxies(self) -> list[ProxyStatus]:
         self.forget_gone()

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pilotfish.operate import laggards, status_table
+from pilotfish.operate import fleet_verdict, laggards, status_table
 
 
 def proxy(node: str, *, protocol: str = "sotw", group: str = "default", **types: dict[str, Any]) -> dict[str, Any]:
@@ -101,3 +101,27 @@ def test_an_admin_client_ca_needs_tls(tmp_path: Any, capsys: pytest.CaptureFixtu
     assert "--admin-client-ca need TLS" in capsys.readouterr().err
     assert main(["status", "--tls-cert", "c.pem", "--tls-key", "k.pem"]) == 2
     assert "give --tls-ca FILE too" in capsys.readouterr().err
+
+
+def progress(version: str, proxies: int, current: int, nacked: int = 0) -> dict[str, Any]:
+    return {"version": version, "proxies": proxies, "current": current, "acked": current, "nacked": nacked}
+
+
+def fleet(label: str = "v7", *, connected: dict[str, int] | None = None, pending: bool = False,
+          **types: dict[str, Any]) -> dict[str, Any]:
+    return {"groups": {"default": {"label": label, "types": types}}, "connected": connected or {"default": 2},
+            "pending": pending, "held": None}
+
+
+def test_the_fleet_verdict_reads_the_counts_of_v1_snapshots() -> None:
+    assert fleet_verdict(fleet(CDS=progress("c2", 2, 2), EDS=progress("e2", 2, 2))).done
+    behind = fleet_verdict(fleet(CDS=progress("c2", 2, 1)))
+    assert not behind.done and not behind.rejected
+    assert behind.problems == ("node group 'default': CDS c2: 1 of 2 proxies have it, 0 rejected it",)
+    assert fleet_verdict(fleet(CDS=progress("c2", 2, 1, nacked=1))).rejected
+    assert not fleet_verdict(fleet(CDS=progress("c2", 2, 2), pending=True)).done
+    assert not fleet_verdict(fleet("v7", CDS=progress("c2", 2, 2)), version="v8").done
+    assert fleet_verdict(fleet("v8", CDS=progress("c2", 2, 2), pending=True), version="v8").done
+    assert not fleet_verdict(fleet(CDS=progress("c2", 2, 2)), min_proxies=3).done
+    orphans = fleet_verdict(fleet(connected={"default": 1, "mesh": 1}, CDS=progress("c2", 1, 1)))
+    assert orphans.problems == ("node group 'mesh': nothing is published for it",)

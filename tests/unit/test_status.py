@@ -162,6 +162,20 @@ def test_progress_counts_the_proxies_of_each_group_that_acked_its_current_versio
     assert status.groups["default"].types[EDS] == ("e2", wall.now)
 
 
+def test_a_delta_proxy_that_acked_all_it_was_sent_counts_as_current() -> None:
+    status = SyncStatus()
+    status.stream_opened("delta-1", NodeInfo(protocol="delta"))
+    status.stream_opened("sotw-1", NodeInfo(protocol="sotw"))
+    for node in ("delta-1", "sotw-1"):
+        status.sent(node, EDS, "e1")
+        status.acked(node, EDS, "e1")
+    # e2 changed only endpoints neither subscribes to: the delta stream is sent nothing.
+    status.published("default", label="v2", versions={EDS: "e2"})
+    (eds,) = status.progress()
+    assert (eds.proxies, eds.acked, eds.current, eds.complete) == (2, 0, 1, False)
+    assert status.connected() == {"default": 2}
+
+
 def test_connected_since_is_when_the_first_of_its_streams_opened() -> None:
     wall = Wall()
     status = SyncStatus(wall_clock=wall)

@@ -175,13 +175,15 @@ class AdminApi:
             version = progress.version
             entry[short_type(progress.type_url)] = {
                 "version": version, "published_at": progress.published_at, "proxies": progress.proxies,
-                "acked": progress.acked, "nacked": progress.nacked, "last_ack_at": progress.last_ack_at,
+                "acked": progress.acked, "current": progress.current, "nacked": progress.nacked,
+                "last_ack_at": progress.last_ack_at,
                 "seconds_to_last_ack": progress.seconds_to_last_ack,
                 "summary": f"{version}: {progress.acked} of {progress.proxies}",
             }
         counters = {short_type(url): {"responses": c.responses, "acks": c.acks, "nacks": c.nacks}
                     for url, c in sorted(self.status.counters.items())}
-        return _json({"groups": groups, "counters": counters, "pending": not self.reconciler.idle,
+        return _json({"groups": groups, "connected": self.status.connected(), "counters": counters,
+                      "pending": not self.reconciler.idle,
                       "held": self._held_json()["held"], "now": self.status.now()})
 
     async def _config(self, request: web.Request) -> web.Response:
