@@ -158,7 +158,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                             rules=settings.validate, labels=_source_labels(settings), groups=groups.views(),
                             rest_refresh=settings.rest_refresh, status=status)
     etcd: EtcdSource | None = None
-    reasons = {"etcd": lambda: f"etcd at {settings.etcd}: {etcd.problem or 'listing'}" if etcd else ""}
+    reasons = {"etcd": lambda: f"etcd at {settings.etcd}: {etcd.problem if etcd and etcd.problem else 'listing'}"}
 
     def waiting() -> list[str]:
         return [reasons[name]() if name in reasons else name for name in reconciler.waiting_for()]
