@@ -322,17 +322,37 @@ class Reconciler:
         self._memo = ResourceMemo()
         self.builds = 0
         """How many builds ran (each may or may not hand over a snapshot)."""
+        self.build_seconds = 0.0
+        """Time spent building and checking snapshots, in all (the metrics read it)."""
         self.published = 0
         """How many snapshots were handed to the cache."""
+        self.changes = 0
+        """How many source updates changed what a source says (several may make one build)."""
+        self.refused = 0
+        """How many builds were refused (invalid input: the last good snapshot kept serving)."""
+        self.held_count = 0
+        """How many snapshots the blast-radius guard held back."""
+        self.source_errors: dict[str, int] = {}
+        """Per source: how many of its inputs were refused before reaching the reconciler (an
+        unreadable or invalid file)."""
+        self.failing_sources: set[str] = set()
+        """Sources whose latest input was refused (the last good state of each keeps serving)."""
         self.last_error: ConfigError | None = None
         """Why the latest build was refused (None once a build succeeds)."""
 
+    def source_error(self, source: str) -> None:
+        """``source``'s latest input was refused (and reported) where it was read."""
+        self.source_errors[source] = self.source_errors.get(source, 0) + 1
+        self.failing_sources.add(source)
+
     def update(self, source: str, state: DesiredState) -> None:
         """A source's whole current view. Equal to what it said before: nothing happens."""
+        self.failing_sources.discard(source)
         previous = self._states.get(source)
         if previous == state:
             return
         self._states[source] = state
+        self.changes += 1
         now = self._clock.now()
         # Only which endpoints appeared or disappeared matters here, and only for the services whose
         # endpoints changed (sources reuse the tuples of unchanged ones): no full merge or scan of
@@ -360,6 +380,10 @@ class Reconciler:
         self._debouncer.change(now)
         self._wake.set()
 
+    def expected_sources(self) -> list[str]:
+        """Every source the reconciler waits for before it publishes (file, etcd, registry)."""
+        return sorted(self._expected)
+
     def waiting_for(self) -> list[str]:
         """The expected sources that have not reported their first complete state yet."""
         return sorted(self._expected - self._states.keys())
@@ -383,9 +407,11 @@ class Reconciler:
         handed over, or None if nothing changed or a source has not reported yet; raises
         :class:`ConfigError` if it is refused."""
         self._debouncer.start_build()
+        started = time.perf_counter()
         try:
             return self._build()
         finally:
+            self.build_seconds += time.perf_counter() - started
             self._debouncer.finish_build()
 
     async def run(self) -> None:
@@ -402,6 +428,7 @@ class Reconciler:
                 continue
             self._hold_until = None
             self._debouncer.start_build()
+            started = time.perf_counter()
             try:
                 self._build()
             except ConfigError:
@@ -410,6 +437,7 @@ class Reconciler:
                 _log.exception("building the snapshot failed; keeping the last good one")
                 self._events.emit("snapshot_error", reason="internal error while building (see log)")
             finally:
+                self.build_seconds += time.perf_counter() - started
                 self._debouncer.finish_build()
 
     @property
@@ -490,6 +518,7 @@ class Reconciler:
 
     def _refuse(self, error: ConfigError) -> NoReturn:
         self.last_error = error
+        self.refused += 1
         self._events.emit("snapshot_error", reason=error.describe())
         _log.error("%s\nstill serving the last good snapshot", error.describe())
         raise error
@@ -499,6 +528,7 @@ class Reconciler:
         if self.held is not None and self.held.same_content(snapshots):
             return  # already held and reported
         self.held = Held(dict(snapshots), tuple(reasons), endpoints)
+        self.held_count += 1
         snapshot = self.held.snapshot
         self._events.emit("snapshot_held", version=snapshot.label(), reasons=reasons, counts=counts)
         hint = f"\nto publish it anyway: {self.confirm_hint}" if self.confirm_hint else ""

@@ -26,6 +26,7 @@ characters; types are only those the server serves.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import time
 from collections.abc import Callable, Mapping
@@ -33,8 +34,8 @@ from dataclasses import dataclass, field
 
 from pilotfish.errors import shorten
 
-__all__ = ["MAX_NACK_MESSAGE", "MAX_NODE_FIELD", "GroupVersions", "NodeInfo", "ProxyStatus", "StatusLimits",
-           "SyncState", "SyncStatus", "TypeCounters", "TypeStatus", "VersionProgress"]
+__all__ = ["ACK_BUCKETS", "MAX_NACK_MESSAGE", "MAX_NODE_FIELD", "GroupVersions", "LatencyHistogram", "NodeInfo",
+           "ProxyStatus", "StatusLimits", "SyncState", "SyncStatus", "TypeCounters", "TypeStatus", "VersionProgress"]
 
 MAX_NODE_FIELD = 256
 """Characters kept of each field a node says about itself (cluster, user agent, ...)."""
@@ -191,6 +192,24 @@ class VersionProgress:
         return max(0.0, self.last_ack_at - self.published_at)
 
 
+ACK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Upper bounds (seconds) of the publish-to-ACK histogram's buckets, as Prometheus' defaults
+stretched to a minute (a fleet of 10,000 ACKs within about a second; a stuck proxy much later)."""
+
+
+@dataclass(slots=True)
+class LatencyHistogram:
+    """Counts of observations per bucket of :data:`ACK_BUCKETS` (the last: above them all), and
+    their sum: what a Prometheus histogram needs, kept with an index and an add per observation."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ACK_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(ACK_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+
 class SyncStatus:
     """What every connected (or recently connected) proxy has, by node id and type URL.
 
@@ -207,6 +226,8 @@ class SyncStatus:
         self._clock = clock
         self._wall = wall_clock
         self.counters: dict[str, TypeCounters] = {}
+        self.ack_latency = LatencyHistogram()
+        """Seconds from a version's publish to each proxy's first ACK of it (the metrics read it)."""
         """Per type URL: responses sent, ACKs and NACKs received."""
         self.groups: dict[str, GroupVersions] = {}
         """Per node group: what is published for it now (see :meth:`published`)."""
@@ -291,6 +312,10 @@ class SyncStatus:
         if status.acked_version != version:
             status.acked_version = version
             status.acked_at = now
+            group = self.groups.get(proxy.info.group) if proxy is not None else None
+            current = group.types.get(type_url) if group is not None else None
+            if current is not None and current[0] == version:
+                self.ack_latency.observe(now - current[1])
         if status.nacked_version is not None and status.nacked_version != version:
             status.nacked_version = status.nack_error = None
         self.counters[type_url].acks += 1

@@ -14,6 +14,7 @@ GET      /v1/snapshots           per node group and type: the current version, h
 GET      /v1/config?node=ID      the configuration that proxy is being served, as Envoy JSON
                                  (SDS secrets by name only: their keys never leave)
 GET      /v1/held                the snapshot the blast-radius guard holds back, if any
+GET      /metrics                Prometheus metrics (:mod:`pilotfish.server.metrics`)
 POST     /v1/held/confirm        publish it (as ``kill -USR1`` does; 404 when nothing is held)
 =======  ======================  =================================================================
 
@@ -23,8 +24,7 @@ which goes through :meth:`~pilotfish.reconcile.Reconciler.confirm` like the sign
 plain HTTP and has no tokens: it binds to loopback by default, and pilotfish warns when it is
 told to listen elsewhere. With the server's certificate (``--tls-cert``) it is served over TLS
 only, and with ``--admin-client-ca`` its clients must present a certificate from that CA (mTLS),
-as the registry API. Prometheus metrics and the status page belong here too: they are
-routes added to :meth:`AdminApi.app`.
+as the registry API. The status page belongs here too: a route added to :meth:`AdminApi.app`.
 
 Times are wall-clock seconds since the epoch (``*_at``), and ages in seconds (``*_for``). A
 state is ``SYNCED``, ``STALE``, ``NACKED`` or ``NOT_SENT`` (:class:`~pilotfish.status.SyncState`).
@@ -47,6 +47,7 @@ from pilotfish.bootstrap import split_address
 from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import SECRET, type_by_url
+from pilotfish.server.metrics import CONTENT_TYPE, Metrics
 from pilotfish.server.rest import response_json
 from pilotfish.status import ProxyStatus, SyncState, SyncStatus, TypeStatus
 
@@ -111,11 +112,13 @@ class AdminApi:
     """
 
     def __init__(self, status: SyncStatus, cache: SnapshotCache, reconciler: Reconciler, *,
-                 waiting: Callable[[], list[str]] | None = None) -> None:
+                 waiting: Callable[[], list[str]] | None = None, metrics: Metrics | None = None) -> None:
         self.status = status
         self.cache = cache
         self.reconciler = reconciler
         self._waiting = waiting or reconciler.waiting_for
+        self.metrics = metrics
+        """What ``/metrics`` renders (None: no such route)."""
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -126,7 +129,13 @@ class AdminApi:
         app.router.add_get("/v1/config", self._config)
         app.router.add_get("/v1/held", self._held)
         app.router.add_post("/v1/held/confirm", self._confirm)
+        if self.metrics is not None:
+            app.router.add_get("/metrics", self._metrics)
         return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        assert self.metrics is not None
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     # -- health -------------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from pilotfish.server.authorize import NodeAuthorizer, NodeRule
 from pilotfish.server.grants import SecretGrant, SecretGrants, Subject
 from pilotfish.server.groups import NodeGroupRule, NodeGroups
 from pilotfish.server.grpc_server import ConnectionLimits
+from pilotfish.server.metrics import Metrics
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
 from pilotfish.server.rest import RestXds, start_rest_server
@@ -237,7 +238,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 tasks.append(asyncio.create_task(admin_tls.run(every=settings.tls_reload_every),
                                                  name="admin-tls-reload"))
             admin_runner, admin_address = await start_admin_server(
-                AdminApi(status, cache, reconciler, waiting=waiting), settings.admin,
+                AdminApi(status, cache, reconciler, waiting=waiting,
+                         metrics=Metrics(status, reconciler, open_streams=lambda: xds.open_streams)), settings.admin,
                 tls=None if admin_tls is None else admin_tls.context)
             cleanups.append(admin_runner.cleanup)
             tls_options = "" if admin_tls is None else " --tls-ca CA-FILE" + (
@@ -368,6 +370,7 @@ async def _follow_file(path: Path, loaded: FileSignature | None, reconciler: Rec
         try:
             async for item in watch_file(path, loaded=loaded):
                 if isinstance(item, ConfigError):
+                    reconciler.source_error("file")
                     events.emit("snapshot_error", file=str(path), reason=item.describe())
                     _log.error("%s\nstill serving the last good snapshot", item.describe())
                 else:

@@ -1,0 +1,120 @@
+"""Prometheus metrics (``GET /metrics`` on the admin port), read when scraped.
+
+Nothing here sits on the xDS hot path: the server and the reconciler keep plain counters (in
+:class:`~pilotfish.status.SyncStatus` and on the :class:`~pilotfish.reconcile.Reconciler`), and a
+collector turns them into metric families at scrape time. Names and labels follow Prometheus'
+conventions (``pilotfish_`` prefix, base units, ``_total`` counters); there is no label per
+proxy (a fleet of 10,000 would make 10,000 series): proxies are counted per node group, and
+everything per type is labelled by the short type name (CDS, EDS, LDS, RDS, SDS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from pilotfish.reconcile import Reconciler
+from pilotfish.resources import type_by_url
+from pilotfish.status import ACK_BUCKETS, SyncStatus
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""The Prometheus text exposition format."""
+
+
+def _short(type_url: str) -> str:
+    rtype = type_by_url(type_url)
+    return rtype.short if rtype is not None else type_url.rsplit(".", 1)[-1]
+
+
+class _Collector(Collector):
+    def __init__(self, status: SyncStatus, reconciler: Reconciler, open_streams: Callable[[], int],
+                 sources: Callable[[], list[str]]) -> None:
+        self._status = status
+        self._reconciler = reconciler
+        self._open_streams = open_streams
+        self._sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        status, reconciler = self._status, self._reconciler
+        proxies = GaugeMetricFamily("pilotfish_proxies_connected", "Proxies with an open stream (or a REST poll "
+                                    "being answered), per node group", labels=["group"])
+        for group, count in sorted(status.connected().items()):
+            proxies.add_metric([group], count)
+        yield proxies
+        yield GaugeMetricFamily("pilotfish_xds_streams", "Open gRPC xDS streams (SotW and delta)",
+                                value=self._open_streams())
+        responses = CounterMetricFamily("pilotfish_xds_responses", "xDS responses sent, per type", labels=["type"])
+        acks = CounterMetricFamily("pilotfish_xds_acks", "ACKs received, per type", labels=["type"])
+        nacks = CounterMetricFamily("pilotfish_xds_nacks", "NACKs received (a proxy rejected a response), per type",
+                                    labels=["type"])
+        for type_url, counts in sorted(status.counters.items()):
+            short = _short(type_url)
+            responses.add_metric([short], counts.responses)
+            acks.add_metric([short], counts.acks)
+            nacks.add_metric([short], counts.nacks)
+        yield responses
+        yield acks
+        yield nacks
+        histogram = status.ack_latency
+        buckets, running = [], 0
+        for bound, count in zip((*map(str, ACK_BUCKETS), "+Inf"), histogram.counts, strict=True):
+            running += count
+            buckets.append((bound, running))
+        yield HistogramMetricFamily("pilotfish_publish_to_ack_seconds", "Seconds from a version's publish to "
+                                    "each proxy's first ACK of it", buckets=buckets, sum_value=histogram.total)
+        yield SummaryMetricFamily("pilotfish_snapshot_build_seconds", "Time spent building and checking snapshots "
+                                  "(validation included)", count_value=reconciler.builds,
+                                  sum_value=reconciler.build_seconds)
+        yield CounterMetricFamily("pilotfish_source_changes", "Source updates that changed what a source says",
+                                  value=reconciler.changes)
+        yield CounterMetricFamily("pilotfish_debounce_coalesced_changes", "Source changes that did not make a "
+                                  "build of their own (the debounce merged them into another)",
+                                  value=max(0, reconciler.changes - reconciler.builds))
+        yield CounterMetricFamily("pilotfish_snapshots_published", "Snapshots handed to the proxies",
+                                  value=reconciler.published)
+        yield CounterMetricFamily("pilotfish_snapshots_refused", "Builds refused as invalid (the last good "
+                                  "snapshot kept serving)", value=reconciler.refused)
+        yield CounterMetricFamily("pilotfish_snapshots_held", "Snapshots the blast-radius guard held back",
+                                  value=reconciler.held_count)
+        yield GaugeMetricFamily("pilotfish_snapshot_held", "1 while a snapshot is held back for confirmation",
+                                value=1 if reconciler.held is not None else 0)
+        waiting = set(reconciler.waiting_for())
+        ready = GaugeMetricFamily("pilotfish_source_ready", "1 once a source has reported its first complete "
+                                  "state", labels=["source"])
+        for source in self._sources():
+            ready.add_metric([source], 0 if source in waiting else 1)
+        yield ready
+        failing = GaugeMetricFamily("pilotfish_source_failing", "1 while a source's latest input is refused "
+                                    "(its last good state keeps serving)", labels=["source"])
+        errors = CounterMetricFamily("pilotfish_source_errors", "Inputs of a source refused where they were read "
+                                     "(an unreadable or invalid file)", labels=["source"])
+        for source in self._sources():
+            failing.add_metric([source], 1 if source in reconciler.failing_sources else 0)
+            errors.add_metric([source], reconciler.source_errors.get(source, 0))
+        yield failing
+        yield errors
+        yield GaugeMetricFamily("pilotfish_snapshot_refused", "1 while the latest build is refused (the merged "
+                                "sources are invalid)", value=1 if reconciler.last_error is not None else 0)
+
+
+class Metrics:
+    """The registry ``/metrics`` renders: pilotfish's collector only (no process metrics of the
+    client library's own, which would read /proc at every scrape)."""
+
+    def __init__(self, status: SyncStatus, reconciler: Reconciler, *, open_streams: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(status, reconciler, open_streams, reconciler.expected_sources))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
