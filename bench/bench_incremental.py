@@ -97,6 +97,14 @@ def row(variant: IncrementalVariant, result: FanoutResult, load: float) -> list[
             errors if not errors else f"{errors} {result.stream_errors}"]
 
 
+def notes(variant: IncrementalVariant, result: FanoutResult) -> list[str]:
+    """One line per gRPC status the run's proxies saw: how many, how many during the changes, an example."""
+    during, examples = result.errors_during_changes, result.error_examples
+    return [f"Stream errors, {variant.server} {variant.xds}, {result.proxies} proxies: {n} x {code} (during the "
+            f"changes: {during.get(code, 0)}), e.g. `{examples.get(code, '?')[:200]}`"
+            for code, n in result.stream_errors.items()]
+
+
 def run_incremental(*, runs: Sequence[tuple[IncrementalVariant, int]], changes: int, workload: Workload,
                     workdir: Path | None = None, commit: str = BEFORE_COMMIT, change_timeout: float = 120.0,
                     ramp_above: int = RAMP_ABOVE, ramp_rate: float = RAMP_RATE
@@ -126,7 +134,7 @@ def run_incremental(*, runs: Sequence[tuple[IncrementalVariant, int]], changes: 
             print(f"  {variant.server} {variant.xds} {n} proxies (load {load:.2f}): synced in "
                   f"{result.sync_seconds:.1f} s, p99 {fmt_ms(result.p(99))} ms, "
                   f"{percentile([float(b) for b in per_change], 50)} B/proxy/change, failures {result.failures}",
-                  flush=True)
+                  *notes(variant, result), sep="\n    ", flush=True)
         return rows, results
 
 
@@ -147,16 +155,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=BEFORE_COMMIT, help="the 'before' pilotfish (default: %(default)s)")
     names = [f"{v.server}-{v.xds}" for v in VARIANTS]
     parser.add_argument("--variants", nargs="+", choices=names, default=names)
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the servers' files here (default: a temp dir)")
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     chosen = [v for v in VARIANTS if f"{v.server}-{v.xds}" in args.variants]
     runs = [(v, n) for n in args.proxies for v in chosen]
     runs += [(v, n) for n in args.large for v in chosen if v.server == "now"]
     started = time.strftime("%H:%M:%S")
-    rows, _ = run_incremental(runs=runs, changes=args.changes, workload=workload, commit=args.commit)
+    rows, results = run_incremental(runs=runs, changes=args.changes, workload=workload, commit=args.commit,
+                                    workdir=args.workdir)
     print(f"\nworkload: {workload.describe()}; before = {args.commit}; started {started}, load now "
           f"{os.getloadavg()[0]:.2f}")
     print_table(INCREMENTAL_COLUMNS, rows)
+    for (variant, _), result in zip(runs, results, strict=True):
+        for line in notes(variant, result):
+            print(line)
     return 0 if all(r[INCREMENTAL_COLUMNS.index("failures")] == 0 for r in rows) else 1
 
 

@@ -362,11 +362,15 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         variants = bench_incremental.VARIANTS
         runs = [(v, n) for n in scale.incremental_proxies for v in variants]
         runs += [(v, n) for n in scale.incremental_large for v in variants if v.server == "now"]
-        rows, _ = bench_incremental.run_incremental(runs=runs, changes=scale.incremental_changes,
-                                                    workload=scale.incremental_workload,
-                                                    workdir=workdir / "incremental")
+        rows, done = bench_incremental.run_incremental(runs=runs, changes=scale.incremental_changes,
+                                                       workload=scale.incremental_workload,
+                                                       workdir=workdir / "incremental")
         results.incremental_rows = rows
+        for (variant, _), result in zip(runs, done, strict=True):
+            incremental_notes.extend(bench_incremental.notes(variant, result))
         return rows
+
+    incremental_notes: list[str] = []
 
     section("Incremental xDS: pilotfish before issue 10 (SotW) vs now, SotW and delta (issue 10)",
             _cmd("bench.bench_incremental", "--proxies", *scale.incremental_proxies, "--large",
@@ -379,6 +383,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "every proxy subscribes to every cluster's endpoints. Bytes: response message bodies each proxy "
              "received (no HTTP/2 framing). Event log `changes` for every row. Issue 10's targets at 1,000 "
              "proxies: <= 2 KB per proxy per change, p99 <= 300 ms (including the 100 ms quiet period)."])
+    results.sections[-1].notes.extend(incremental_notes)
 
     # 7. profile of the server under the 1,000-proxy fan-out (py-spy).
     if scale.profile_proxies:
