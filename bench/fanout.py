@@ -7,7 +7,9 @@ again (RSS per idle stream), then make ``changes`` endpoint changes one after an
 - t0 = just before the change is made (the registry API call, or the file's rename);
 - the server's ``snapshot_loaded`` event names the new EDS version (and when it was published);
 - each proxy's time = when it sent its ACK of that version (client side) minus t0;
-- server CPU seconds = /proc/<pid>/stat utime+stime after the server has gone quiet, minus before.
+- server CPU seconds = /proc/<pid>/stat utime+stime after the server has gone quiet, minus before;
+- bytes per proxy = the response messages each proxy received, after the server has gone quiet,
+  minus before (and at the initial sync: everything received until all were synced).
 
 Latencies of all proxies over all changes are pooled for p50/p99/max; "failures" counts proxies
 that never ACKed a change within the timeout, "stream errors" every stream that broke.
@@ -29,7 +31,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.fleet import CLIENTS, EDS, Fleet, FleetTls, percentile
+from bench.fleet import CLIENTS, EDS, XDS_VARIANTS, Fleet, FleetTls, percentile
 from bench.procs import REPO, ServerProcess, start_pilotfish
 from bench.report import fmt_ms
 from bench.workload import Workload
@@ -63,6 +65,14 @@ class FanoutResult:
     """Streams that broke, by gRPC status (while connecting and syncing included)."""
     errors_during_changes: dict[str, int] = field(default_factory=dict)
     error_examples: dict[str, str] = field(default_factory=dict)
+    xds: str = "sotw"
+    """The proxies' xDS variant (:data:`bench.fleet.XDS_VARIANTS`)."""
+    sync_bytes: list[int] = field(default_factory=list)
+    """Bytes of responses each proxy received until every proxy was synced."""
+    change_bytes: list[list[int]] = field(default_factory=list)
+    """Per change, the bytes of responses each proxy received for it."""
+    simulator_rss_kb: int = 0
+    """The simulator's worker processes' RSS, summed, once all were synced."""
 
     def p(self, q: float) -> float:
         return percentile(self.latencies, q)
@@ -134,7 +144,8 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
                profile: Path | None = None, change_timeout: float = 60.0, gap: float = 0.3,
                client: str = "h2", event_log_level: str = "all", core: str = "own",
                server_env: Mapping[str, str] | None = None, server_args: Sequence[str] = (),
-               tls: FleetTls | None = None, address_cap: bool = True) -> FanoutResult:
+               tls: FleetTls | None = None, address_cap: bool = True, xds: str = "sotw",
+               sync_timeout: float | None = None, rate: float = 0.0) -> FanoutResult:
     """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
     during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`);
     ``event_log_level``: pilotfish's ``--event-log-level`` (``changes`` leaves out the lines of
@@ -142,7 +153,10 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
     ``server_env``, ``server_args``: pilotfish's environment (e.g. another checkout on its
     ``PYTHONPATH``) and more ``serve`` options (e.g. ``--tls-cert``); ``tls``: how the proxies
     connect over TLS (None: plaintext); ``address_cap``: False for a pilotfish from before
-    ``--max-connections-per-address``."""
+    ``--max-connections-per-address``; ``xds``: the proxies' xDS variant
+    (:data:`bench.fleet.XDS_VARIANTS`); ``sync_timeout``: how long all may take to sync (default:
+    60 s, or a second per 100 proxies); ``rate``: proxies each client process starts per second
+    (0: all at once; the sync time then includes the ramp)."""
     if server == "naive" and change != "file":
         change = "file"  # the naive server has no registry
     with ExitStack() as stack:
@@ -162,15 +176,16 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         stack.callback(proc.stop)
         time.sleep(0.5)
         base_rss = proc.rss_kb()
-        fleet = Fleet(target=proc.xds, proxies=proxies, workers=workers, rate=0, client=client, tls=tls)
+        fleet = Fleet(target=proc.xds, proxies=proxies, workers=workers, rate=rate, client=client, tls=tls, xds=xds)
         started = time.time()
         fleet.start()
         stack.callback(fleet.close)
-        synced = fleet.wait_synced(timeout=max(60.0, proxies / 100))
+        synced = fleet.wait_synced(timeout=sync_timeout or max(60.0, proxies / 100))
         result = FanoutResult(server=server, proxies=proxies, change=change,
                               quiet_ms=quiet_ms if server == "pilotfish" else 0,
                               sync_seconds=max(synced.latencies(started), default=float("nan")),
-                              event_log=event_log_level if server == "pilotfish" else "-")
+                              event_log=event_log_level if server == "pilotfish" else "-", xds=xds)
+        result.sync_bytes = fleet.bytes_received()
         if synced.failures:
             result.failures = synced.failures
             result.stream_errors = fleet.errors()
@@ -180,6 +195,8 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         result.rss_idle_kb = proc.rss_kb()
         result.rss_base_kb = base_rss
         result.rss_per_stream_kb = (result.rss_idle_kb - base_rss) / proxies
+        result.simulator_rss_kb = fleet.rss_kb()
+        received = fleet.bytes_received()
         changes_started = time.time()
         changer = _Changer(change, proc, workload, snapshot,
                            ssl.create_default_context(cafile=tls.ca) if tls is not None else None)
@@ -195,6 +212,9 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
             acked = fleet.wait_acked({EDS: loaded["versions"]["EDS"]}, since=t0, timeout=change_timeout)
             cpu_after = proc.settle_cpu()
             result.client_cpu_per_push.append(fleet.cpu_seconds() - client_before)
+            now_received = fleet.bytes_received()
+            result.change_bytes.append([b - a for a, b in zip(received, now_received, strict=True)])
+            received = now_received
             result.latencies += acked.latencies(t0)
             # snapshot_loaded is written once every proxy's response has been handed to the
             # transport (push_ms later than the publish began): measure from the beginning.
@@ -229,6 +249,8 @@ def main() -> int:
     parser.add_argument("--change", choices=("registry", "file"), default="registry")
     parser.add_argument("--client", choices=CLIENTS, default="h2",
                         help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
+    parser.add_argument("--xds", choices=XDS_VARIANTS, default="sotw",
+                        help="the simulated proxies' xDS: state of the world or delta (default: %(default)s)")
     parser.add_argument("--event-log-level", choices=("all", "changes"), default="all",
                         help="pilotfish's --event-log-level (default: %(default)s)")
     parser.add_argument("--tls", choices=TLS_MODES, default="off",
@@ -245,7 +267,7 @@ def main() -> int:
             result = run_fanout(server=args.server, proxies=n, changes=args.changes, workload=workload,
                                 quiet_ms=args.quiet_ms, change=args.change, client=args.client,
                                 event_log_level=args.event_log_level, server_args=certs.server_args(args.tls),
-                                tls=certs.fleet(args.tls))
+                                tls=certs.fleet(args.tls), xds=args.xds)
             rows.append(result.row())
             print_table(FANOUT_COLUMNS, [rows[-1]])
     print(f"\nworkload: {workload.describe()}; client: {args.client}; TLS: {args.tls}; "

@@ -16,6 +16,14 @@ stream on it, and talks like Envoy does:
    1 s, Envoy's ``retry_back_off`` in pilotfish's bootstrap) and re-sends every subscription with
    the last version it ACKed, as Envoy does.
 
+With ``xds="delta"`` (``--xds delta``) each proxy speaks incremental xDS instead
+(``DeltaAggregatedResources``, :class:`_DeltaProxy`): wildcard CDS and LDS, EDS and RDS names
+subscribed and unsubscribed as its clusters and listeners change, name -> version kept per type
+(responses carry only changes and removals), ``initial_resource_versions`` on reconnect. A
+worker's proxies share their holdings (:class:`_DeltaHoldings`), as the server shares what its
+streams are known to have. Every proxy counts the bytes of the response messages it receives
+(``Fleet.bytes_received``), either variant.
+
 The conversation (:meth:`_Proxy.open_stream`, :meth:`_Proxy.on_response`) does no I/O; one of two
 clients carries it (``--client``):
 
@@ -64,12 +72,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
-from bench.procs import REPO, cpu_seconds, raise_fd_limit
+from bench.procs import REPO, cpu_seconds, raise_fd_limit, rss_kb
 
 if TYPE_CHECKING:  # for annotations only: the workers import protobuf where they use it
     from google.protobuf.message import Message
 
-__all__ = ["CDS", "EDS", "LDS", "RDS", "Fleet", "FleetError", "FleetTls", "main"]
+__all__ = ["CDS", "EDS", "LDS", "RDS", "XDS_VARIANTS", "Fleet", "FleetError", "FleetTls", "main"]
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -98,6 +106,9 @@ BACKOFF_MAX = 1.0
 MAX_PER_WORKER = 2500
 CLIENTS = ("h2", "grpc")
 """The simulated proxies' gRPC clients: bench/h2client.py (default), grpc.aio."""
+XDS_VARIANTS = ("sotw", "delta")
+"""The protocol the simulated proxies speak: state of the world (``StreamAggregatedResources``,
+default) or incremental (``DeltaAggregatedResources``)."""
 
 
 class FleetError(RuntimeError):
@@ -126,6 +137,39 @@ class FleetTls:
 # --------------------------------------------------------------------------------------------
 
 
+def _cluster_eds_name(value: bytes) -> str | None:
+    """The EDS resource an encoded Cluster names (None: not an EDS cluster)."""
+    from envoy.config.cluster.v3 import cluster_pb2
+
+    cluster = cluster_pb2.Cluster.FromString(value)
+    if cluster.type == cluster_pb2.Cluster.EDS:
+        return str(cluster.eds_cluster_config.service_name or cluster.name)
+    return None
+
+
+def _listener_route_names(value: bytes) -> set[str]:
+    """The RDS route configurations an encoded Listener's HTTP connection managers name."""
+    from envoy.config.listener.v3 import listener_pb2
+    from envoy.extensions.filters.network.http_connection_manager.v3 import (
+        http_connection_manager_pb2 as hcm_pb2,
+    )
+
+    names = set()
+    listener = listener_pb2.Listener.FromString(value)
+    chains = [*listener.filter_chains]
+    if listener.HasField("default_filter_chain"):
+        chains.append(listener.default_filter_chain)
+    configs = [f.typed_config for chain in chains for f in chain.filters]
+    if listener.HasField("api_listener"):
+        configs.append(listener.api_listener.api_listener)
+    for config in configs:
+        if config.type_url == _HCM_URL:
+            manager = hcm_pb2.HttpConnectionManager.FromString(config.value)
+            if manager.HasField("rds"):
+                names.add(manager.rds.route_config_name)
+    return names
+
+
 class _Names:
     """What a CDS / LDS version names (EDS clusters / RDS route configs), parsed once per worker."""
 
@@ -136,13 +180,7 @@ class _Names:
         key = (CDS, response.version_info)
         found = self._by_version.get(key)
         if found is None:
-            from envoy.config.cluster.v3 import cluster_pb2
-
-            names = set()
-            for resource in response.resources:
-                cluster = cluster_pb2.Cluster.FromString(resource.value)
-                if cluster.type == cluster_pb2.Cluster.EDS:
-                    names.add(cluster.eds_cluster_config.service_name or cluster.name)
+            names = {name for name in (_cluster_eds_name(r.value) for r in response.resources) if name is not None}
             found = self._by_version[key] = frozenset(names)
         return found
 
@@ -150,25 +188,9 @@ class _Names:
         key = (LDS, response.version_info)
         found = self._by_version.get(key)
         if found is None:
-            from envoy.config.listener.v3 import listener_pb2
-            from envoy.extensions.filters.network.http_connection_manager.v3 import (
-                http_connection_manager_pb2 as hcm_pb2,
-            )
-
-            names = set()
+            names: set[str] = set()
             for resource in response.resources:
-                listener = listener_pb2.Listener.FromString(resource.value)
-                chains = [*listener.filter_chains]
-                if listener.HasField("default_filter_chain"):
-                    chains.append(listener.default_filter_chain)
-                configs = [f.typed_config for chain in chains for f in chain.filters]
-                if listener.HasField("api_listener"):
-                    configs.append(listener.api_listener.api_listener)
-                for config in configs:
-                    if config.type_url == _HCM_URL:
-                        manager = hcm_pb2.HttpConnectionManager.FromString(config.value)
-                        if manager.HasField("rds"):
-                            names.add(manager.rds.route_config_name)
+                names |= _listener_route_names(resource.value)
             found = self._by_version[key] = frozenset(names)
         return found
 
@@ -224,8 +246,8 @@ class _Req(NamedTuple):
     """The proxy's node on a stream's first request, else None."""
 
 
-_Send = tuple[_Req, bool]
-"""A request to write, and whether it is an ACK (its send time is then recorded)."""
+_Send = tuple["_Req | _DeltaReq", bool]
+"""A request to write (SotW or delta), and whether it is an ACK (its send time is then recorded)."""
 
 _PREFIXES: dict[tuple[str, str, tuple[str, ...]], bytes] = {}
 
@@ -270,7 +292,6 @@ class _Proxy:
 
     def __init__(self, index: int, node_id: str, worker: _Worker) -> None:
         from envoy.config.core.v3 import base_pb2
-        from envoy.service.discovery.v3 import discovery_pb2
 
         self.index = index
         self.node = base_pb2.Node(id=node_id, cluster="bench-fleet", user_agent_name="pilotfish-fleet-sim")
@@ -286,7 +307,8 @@ class _Proxy:
         """(when the failed stream was opened, its gRPC status)."""
         self.streams = 0
         self.responses = 0
-        self._request_cls = discovery_pb2.DiscoveryRequest
+        self.bytes_received = 0
+        """Bytes of the response messages received (gRPC message bodies), over all streams."""
         self._first = True
         """The stream's first request carries the node (``set_node_on_first_message_only``)."""
         self._lds_requested = False
@@ -320,6 +342,24 @@ class _Proxy:
         if names[RDS]:
             sends.append(self._request(RDS, self.versions.get(RDS, ""), "", _in_order(names[RDS])))
         return sends
+
+    method = ADS_METHOD
+    """The gRPC method the proxy's stream calls."""
+
+    @staticmethod
+    def decoder() -> Any:
+        """Decodes a response message."""
+        from envoy.service.discovery.v3 import discovery_pb2
+
+        return discovery_pb2.DiscoveryResponse.FromString
+
+    @staticmethod
+    def encode(request: Any) -> bytes:
+        return _encode(request)
+
+    @staticmethod
+    def message(request: Any) -> Message:
+        return _message(request)
 
     def on_response(self, response: Any) -> list[_Send]:
         """What Envoy sends on a response: new EDS / RDS subscriptions it implies, then its ACK,
@@ -369,7 +409,6 @@ class _Proxy:
         channel: Any = None
         if client == "grpc":
             import grpc
-            from envoy.service.discovery.v3 import discovery_pb2
 
             # One channel for the proxy's life: grpc reconnects it (a new connection) itself.
             if tls is None:
@@ -380,8 +419,8 @@ class _Proxy:
                     Path(tls.cert).read_bytes() if tls.cert else None)
                 channel = grpc.aio.secure_channel(target, credentials, options=[
                     *CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)])
-            method = channel.stream_stream(ADS_METHOD, request_serializer=self._request_cls.SerializeToString,
-                                           response_deserializer=discovery_pb2.DiscoveryResponse.FromString)
+            method = channel.stream_stream(self.method, request_serializer=lambda m: m.SerializeToString(),
+                                           response_deserializer=self.decoder())
 
             async def converse() -> tuple[str, str]:
                 return await self._converse_grpc(method)
@@ -413,8 +452,6 @@ class _Proxy:
         """One stream on a new connection (bench/h2client.py), as Envoy makes one per reconnect;
         how it ended: (gRPC status name or CLOSED_BY_SERVER, details). Each response is handled in
         the connection's data callback: no task or coroutine per message."""
-        from envoy.service.discovery.v3 import discovery_pb2
-
         from bench.h2client import H2Channel, H2Error
 
         try:
@@ -425,18 +462,19 @@ class _Proxy:
                                                   server_hostname=tls.server_name)
         except H2Error as exc:
             return exc.code, exc.details
-        decode = discovery_pb2.DiscoveryResponse.FromString
+        decode, encode = self.decoder(), self.encode
 
         def on_message(data: bytes) -> None:
+            self.bytes_received += len(data)
             for request, ack in self.on_response(decode(data)):
-                call.write(_encode(request))
+                call.write(encode(request))
                 if ack:
                     self.acked(request)
 
         try:
-            call = channel.call(ADS_METHOD, on_message=on_message)
+            call = channel.call(self.method, on_message=on_message)
             for request, _ in self.open_stream():
-                call.write(_encode(request))
+                call.write(encode(request))
             await call.wait_closed()
             return "CLOSED_BY_SERVER", ""
         except H2Error as exc:
@@ -451,13 +489,14 @@ class _Proxy:
         call = method()
         try:
             for request, _ in self.open_stream():
-                await call.write(_message(request))
+                await call.write(self.message(request))
             while True:
                 response = await call.read()
                 if response is grpc.aio.EOF:
                     return "CLOSED_BY_SERVER", ""
+                self.bytes_received += response.ByteSize()
                 for request, ack in self.on_response(response):
-                    await call.write(_message(request))  # the ACK's time is taken once grpc has it
+                    await call.write(self.message(request))  # the ACK's time is taken once grpc has it
                     if ack:
                         self.acked(request)
         except grpc.aio.AioRpcError as exc:
@@ -465,6 +504,210 @@ class _Proxy:
         except asyncio.CancelledError:
             call.cancel()
             raise
+
+
+# -- delta (incremental) xDS ---------------------------------------------------------------------
+
+DELTA_ADS_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
+_NO_VERSIONS: dict[str, str] = {}
+
+
+class _Held(NamedTuple):
+    """What a delta proxy has of one type: name -> resource version, and what those resources
+    name (a CDS holding's EDS service names, an LDS holding's RDS route names). Shared by every
+    proxy of a worker that took the same responses: never changed in place."""
+
+    versions: dict[str, str]
+    names: frozenset[str]
+
+
+_EMPTY = _Held({}, frozenset())
+
+
+class _DeltaReq(NamedTuple):
+    """A DeltaDiscoveryRequest to send, before encoding."""
+
+    type_url: str
+    response_nonce: str
+    subscribe: tuple[str, ...]
+    unsubscribe: tuple[str, ...]
+    initial: dict[str, str] | None
+    """``initial_resource_versions`` (a stream's first request of the type), else None."""
+    node: Message | None
+    version_info: str = ""
+    """Not sent: the ``system_version_info`` an ACK accepts, for :meth:`_Proxy.acked`."""
+
+
+class _DeltaHoldings:
+    """A worker's memo of delta holdings: (holding, response) -> the next holding, so a worker's
+    proxies at one version share one mapping and a response is applied once per worker, not once
+    per proxy (1,000 proxies x 10,000 clusters would otherwise hold 10 million entries)."""
+
+    def __init__(self) -> None:
+        self._next: dict[tuple[Any, ...], tuple[_Held, _Held]] = {}
+        self._refers: dict[tuple[str, str, str], frozenset[str]] = {}
+        """(type, name, version) -> what that resource names (EDS / RDS names)."""
+
+    def after(self, held: _Held, response: Any) -> _Held:
+        type_url = response.type_url
+        sent = tuple((r.name, r.version) for r in response.resources)
+        removed = tuple(response.removed_resources)
+        key = (type_url, id(held), sent, removed)
+        found = self._next.get(key)
+        if found is not None and found[0] is held:
+            return found[1]
+        versions = dict(held.versions)
+        for name in removed:
+            versions.pop(name, None)
+        versions.update(sent)
+        refers = self._refers
+        if type_url in (CDS, LDS):
+            for resource in response.resources:
+                rkey = (type_url, resource.name, resource.version)
+                if rkey not in refers:
+                    value = resource.resource.value
+                    if type_url == CDS:
+                        eds = _cluster_eds_name(value)
+                        refers[rkey] = frozenset(() if eds is None else (eds,))
+                    else:
+                        refers[rkey] = frozenset(_listener_route_names(value))
+            names: set[str] = set()
+            for name, version in versions.items():
+                names |= refers[(type_url, name, version)]
+            after = _Held(versions, frozenset(names))
+        else:
+            after = _Held(versions, frozenset())
+        if len(self._next) > 256:
+            self._next.clear()
+        self._next[key] = (held, after)  # the key's id() stays valid while its holding is kept here
+        return after
+
+
+_DELTA_PREFIXES: dict[tuple[str, tuple[str, ...], tuple[str, ...]], bytes] = {}
+
+
+def _delta_message(request: _DeltaReq) -> Message:
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    message: Message = discovery_pb2.DeltaDiscoveryRequest(
+        type_url=request.type_url, response_nonce=request.response_nonce,
+        resource_names_subscribe=request.subscribe, resource_names_unsubscribe=request.unsubscribe,
+        initial_resource_versions=request.initial, node=request.node)
+    return message
+
+
+def _delta_encode(request: _DeltaReq) -> bytes:
+    """The request's bytes; all but the nonce (field 6) encoded once per (type, subscription
+    change), as :func:`_encode` does for SotW."""
+    if request.node is not None or request.initial:
+        return _delta_message(request).SerializeToString()
+    key = (request.type_url, request.subscribe, request.unsubscribe)
+    prefix = _DELTA_PREFIXES.get(key)
+    if prefix is None:
+        if len(_DELTA_PREFIXES) > 4096:
+            _DELTA_PREFIXES.clear()
+        prefix = _DELTA_PREFIXES[key] = _delta_message(request._replace(response_nonce="")).SerializeToString()
+    if not request.response_nonce:
+        return prefix
+    nonce = request.response_nonce.encode()
+    return prefix + b"\x32" + _varint(len(nonce)) + nonce  # field 6, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+class _DeltaProxy(_Proxy):
+    """A simulated Envoy on incremental xDS (``DeltaAggregatedResources``), as Envoy's
+    ``DELTA_GRPC`` ADS does:
+
+    - CDS and LDS are wildcard subscriptions (a first request naming nothing); on a CDS (LDS)
+      response it subscribes to the EDS (RDS) names it did not have and unsubscribes from those
+      no longer named, then ACKs (``response_nonce`` only);
+    - it keeps name -> version per type (a response carries only what changed, and removals), and
+      forgets what it unsubscribes from;
+    - on a new stream it re-subscribes with ``initial_resource_versions`` (what it has), so a
+      server that has nothing newer sends nothing.
+
+    ACK times are recorded per type under the response's ``system_version_info``, so the
+    coordinator's waits work as for SotW. A proxy whose subscriptions saw no change gets no
+    response, and so records no ACK.
+    """
+
+    method = DELTA_ADS_METHOD
+
+    def __init__(self, index: int, node_id: str, worker: _Worker) -> None:
+        super().__init__(index, node_id, worker)
+        self.held: dict[str, _Held] = {CDS: _EMPTY, EDS: _EMPTY, LDS: _EMPTY, RDS: _EMPTY}
+        self.subscribed: dict[str, frozenset[str]] = {EDS: frozenset(), RDS: frozenset()}
+
+    @staticmethod
+    def decoder() -> Any:
+        from envoy.service.discovery.v3 import discovery_pb2
+
+        return discovery_pb2.DeltaDiscoveryResponse.FromString
+
+    @staticmethod
+    def encode(request: Any) -> bytes:
+        return _delta_encode(request)
+
+    @staticmethod
+    def message(request: Any) -> Message:
+        return _delta_message(request)
+
+    def _delta(self, type_url: str, *, nonce: str = "", subscribe: tuple[str, ...] = (),
+               unsubscribe: tuple[str, ...] = (), initial: dict[str, str] | None = None, version: str = "",
+               ack: bool = False) -> _Send:
+        node = None
+        if self._first:
+            node = self.node
+            self._first = False
+        return _DeltaReq(type_url, nonce, subscribe, unsubscribe, initial or None, node, version), ack
+
+    def open_stream(self) -> list[_Send]:
+        self._first = True
+        self.nonces = {}
+        held, subscribed = self.held, self.subscribed
+        sends = [self._delta(CDS, initial=held[CDS].versions)]
+        if subscribed[EDS]:
+            sends.append(self._delta(EDS, subscribe=_in_order(subscribed[EDS]), initial=held[EDS].versions))
+        self._lds_requested = LDS in self.versions
+        if self._lds_requested:
+            sends.append(self._delta(LDS, initial=held[LDS].versions))
+        if subscribed[RDS]:
+            sends.append(self._delta(RDS, subscribe=_in_order(subscribed[RDS]), initial=held[RDS].versions))
+        return sends
+
+    def on_response(self, response: Any) -> list[_Send]:
+        self.responses += 1
+        type_url, nonce = response.type_url, response.nonce
+        self.nonces[type_url] = nonce
+        held = self.held[type_url] = self.worker.holdings.after(self.held[type_url], response)
+        sends = []
+        if type_url in (CDS, LDS):
+            dependent = EDS if type_url == CDS else RDS
+            had = self.subscribed[dependent]
+            if held.names != had:
+                self.names[dependent] = self.subscribed[dependent] = held.names
+                gone = had - held.names
+                if gone:  # Envoy forgets what it unsubscribes from
+                    kept = self.held[dependent]
+                    self.held[dependent] = _Held({n: v for n, v in kept.versions.items() if n not in gone},
+                                                 kept.names)
+                sends.append(self._delta(dependent, subscribe=_in_order(held.names - had),
+                                         unsubscribe=_in_order(gone)))
+            sends.append(self._delta(type_url, nonce=nonce, version=response.system_version_info, ack=True))
+            if type_url == CDS and not self._lds_requested:
+                self._lds_requested = True
+                sends.append(self._delta(LDS))
+        else:
+            sends.append(self._delta(type_url, nonce=nonce, version=response.system_version_info, ack=True))
+        return sends
 
 
 class _ErrorReport(TypedDict):
@@ -492,6 +735,7 @@ class _Worker:
         self.proxies: list[_Proxy] = []
         self.tasks: list[asyncio.Task[None]] = []
         self.names = _Names()
+        self.holdings = _DeltaHoldings()
         self.waiters: list[_Waiter] = []
         self.error_details: dict[str, str] = {}
         """One example message per gRPC status seen."""
@@ -535,14 +779,16 @@ class _Worker:
                 self.conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
     async def cmd_start(self, target: str, ids: list[tuple[int, str]], rate: float, client: str,
-                        tls: dict[str, str | None] | None = None) -> int:
+                        tls: dict[str, str | None] | None = None, xds: str = "sotw") -> int:
         """Start proxies ``ids`` (index, node id); ``rate`` proxies per second (0: all at once);
-        ``client``: ``h2`` or ``grpc``; ``tls``: a :class:`FleetTls` as a dict (None: plaintext)."""
+        ``client``: ``h2`` or ``grpc``; ``tls``: a :class:`FleetTls` as a dict (None: plaintext);
+        ``xds``: ``sotw`` or ``delta``."""
         settings = FleetTls(**tls) if tls is not None else None  # type: ignore[arg-type]
+        kind = _DeltaProxy if xds == "delta" else _Proxy
 
         async def launch() -> None:
             for n, (index, node_id) in enumerate(ids):
-                proxy = _Proxy(index, node_id, self)
+                proxy = kind(index, node_id, self)
                 self.proxies.append(proxy)
                 self.tasks.append(asyncio.create_task(proxy.run(target, client, settings)))
                 if rate > 0 and n % 50 == 49:
@@ -571,6 +817,10 @@ class _Worker:
         for proxy in self.proxies:
             counts.update(code for at, code in proxy.errors if at >= since)
         return {"counts": dict(counts), "examples": self.error_details}
+
+    async def cmd_bytes(self) -> list[tuple[int, int]]:
+        """(index, bytes of responses received so far) per proxy."""
+        return [(p.index, p.bytes_received) for p in self.proxies]
 
     async def cmd_streams(self) -> _StreamReport:
         return {"streams": sum(p.streams for p in self.proxies), "proxies": len(self.proxies)}
@@ -620,6 +870,8 @@ class Fleet:
     """Proxies started per second in each worker (0: all at once)."""
     client: str = "h2"
     """The proxies' gRPC client: ``h2`` (bench/h2client.py, lean) or ``grpc`` (grpc.aio channels)."""
+    xds: str = "sotw"
+    """The proxies' xDS variant (:data:`XDS_VARIANTS`): state of the world or delta."""
     node_prefix: str = "sim"
     tls: FleetTls | None = None
     """Connect over TLS (or mTLS) as this says; None: plaintext."""
@@ -631,6 +883,8 @@ class Fleet:
     def __post_init__(self) -> None:
         if self.client not in CLIENTS:
             raise ValueError(f"client {self.client!r}: one of {', '.join(CLIENTS)}")
+        if self.xds not in XDS_VARIANTS:
+            raise ValueError(f"xds {self.xds!r}: one of {', '.join(XDS_VARIANTS)}")
         if self.workers <= 0:
             # Real proxies run in parallel: use every core for a fleet big enough to keep them busy.
             self.workers = max(min(os.cpu_count() or 1, math.ceil(self.proxies / 250)),
@@ -653,7 +907,7 @@ class Fleet:
             shards[i % self.workers].append((i, f"{self.node_prefix}-{i:05d}"))
         tls = self.tls.as_dict() if self.tls is not None else None
         self._all("start", per_worker=[{"target": self.target, "ids": s, "rate": self.rate, "client": self.client,
-                                        "tls": tls} for s in shards])
+                                        "tls": tls, "xds": self.xds} for s in shards])
 
     def _all(self, command: str, *, per_worker: list[dict[str, Any]] | None = None, **args: Any) -> list[Any]:
         for n, conn in enumerate(self._conns):
@@ -695,6 +949,18 @@ class Fleet:
     def cpu_seconds(self) -> float:
         """CPU seconds the simulator's worker processes have used (they share the server's cores)."""
         return sum(cpu_seconds(proc.pid) for proc in self._procs)
+
+    def bytes_received(self) -> list[int]:
+        """Bytes of response messages each proxy has received so far (by proxy index)."""
+        received = [0] * self.proxies
+        for shard in self._all("bytes"):
+            for index, count in shard:
+                received[index] = count
+        return received
+
+    def rss_kb(self) -> int:
+        """Resident memory of the simulator's worker processes, summed (KiB)."""
+        return sum(rss_kb(proc.pid) for proc in self._procs)
 
     def streams_opened(self) -> int:
         reports: list[_StreamReport] = self._all("streams")
@@ -768,12 +1034,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="keep the server's files here (default: a temp dir)")
     parser.add_argument("--client", choices=CLIENTS, default="h2",
                         help="the proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
+    parser.add_argument("--xds", choices=XDS_VARIANTS, default="sotw",
+                        help="the proxies' xDS: state of the world or delta (default: %(default)s)")
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=min(args.listeners, args.services))
     result = fanout.run_fanout(server=args.server, proxies=args.proxies, changes=args.changes, workload=workload,
                                quiet_ms=args.quiet_ms, change=args.change, workers=args.workers,
-                               workdir=args.workdir, client=args.client)
-    print(f"workload: {workload.describe()}; change: {result.change}; client: {args.client}; "
+                               workdir=args.workdir, client=args.client, xds=args.xds)
+    print(f"workload: {workload.describe()}; change: {result.change}; client: {args.client}; xds: {args.xds}; "
           f"load before: {os.getloadavg()[0]:.2f}")
     print_table(fanout.FANOUT_COLUMNS, [result.row()])
     if result.error_examples:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench import bench_build, bench_envoy, bench_hardening, bench_storm, fanout, h2_core_compare
+from bench import bench_build, bench_envoy, bench_hardening, bench_incremental, bench_storm, fanout, h2_core_compare
 from bench.fleet import CLIENTS, percentile
 from bench.procs import REPO
 from bench.profiles import summary_table
@@ -58,13 +58,21 @@ class Scale:
     """Fleet sizes of the before/after-hardening, plaintext/TLS/mTLS comparison (issue 9)."""
     hardening_rounds: int = 1
     """Times the four variants of that comparison run in turn (pooled)."""
+    incremental_proxies: tuple[int, ...] = (1000,)
+    """Fleet sizes of issue 10's comparison, every variant (before SotW, now SotW, now delta)."""
+    incremental_large: tuple[int, ...] = (10000,)
+    """Fleet sizes of issue 10's comparison for the ``now`` variants only."""
+    incremental_workload: Workload = field(default_factory=lambda: bench_incremental.ISSUE_WORKLOAD)
+    """Issue 10's snapshot (10,000 clusters x 10 endpoints)."""
+    incremental_changes: int = 3
 
 
 FULL = Scale()
 QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, endpoints=2, listeners=5),
               build_sizes=((50, 200),), build_repeat=1, storm_proxies=5, envoy_changes=2, envoy_quiet_ms=(20,),
               baseline_proxies=(5,), profile_proxies=0, sovereign=False, core_proxies=5, core_rounds=1,
-              core_abuse="rapid_reset", hardening_proxies=(5,))
+              core_abuse="rapid_reset", hardening_proxies=(5,), incremental_proxies=(5,), incremental_large=(),
+              incremental_workload=Workload(services=50, endpoints=2, listeners=5), incremental_changes=2)
 
 
 @dataclass
@@ -90,6 +98,7 @@ class Results:
     errors: list[str] = field(default_factory=list)
     core_comparison: h2_core_compare.Comparison | None = None
     hardening_rows: list[list[Any]] = field(default_factory=list)
+    incremental_rows: list[list[Any]] = field(default_factory=list)
 
 
 def _cmd(*args: Any) -> str:
@@ -348,6 +357,34 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "it includes each connection's TLS state."])
     results.sections[-1].notes.extend(hardening_notes)
 
+    # 6d. issue 10: incremental responses, before SotW / now SotW / now delta, on a large snapshot.
+    def incremental() -> list[list[Any]]:
+        variants = bench_incremental.VARIANTS
+        runs = [(v, n) for n in scale.incremental_proxies for v in variants]
+        runs += [(v, n) for n in scale.incremental_large for v in variants if v.server == "now"]
+        rows, done = bench_incremental.run_incremental(runs=runs, changes=scale.incremental_changes,
+                                                       workload=scale.incremental_workload,
+                                                       workdir=workdir / "incremental")
+        results.incremental_rows = rows
+        for (variant, _), result in zip(runs, done, strict=True):
+            incremental_notes.extend(bench_incremental.notes(variant, result))
+        return rows
+
+    incremental_notes: list[str] = []
+
+    section("Incremental xDS: pilotfish before issue 10 (SotW) vs now, SotW and delta (issue 10)",
+            _cmd("bench.bench_incremental", "--proxies", *scale.incremental_proxies, "--large",
+                 *scale.incremental_large, "--changes", scale.incremental_changes,
+                 *_wl(scale.incremental_workload)),
+            bench_incremental.INCREMENTAL_COLUMNS, incremental,
+            [f"`before`: pilotfish at {bench_incremental.BEFORE_COMMIT} (every SotW EDS response full state), from "
+             "a temporary `git worktree`; `now`: this checkout, proxies on SotW (`StreamAggregatedResources`) or "
+             "delta (`DeltaAggregatedResources`). One endpoint changed through the registry API per change; "
+             "every proxy subscribes to every cluster's endpoints. Bytes: response message bodies each proxy "
+             "received (no HTTP/2 framing). Event log `changes` for every row. Issue 10's targets at 1,000 "
+             "proxies: <= 2 KB per proxy per change, p99 <= 300 ms (including the 100 ms quiet period)."])
+    results.sections[-1].notes.extend(incremental_notes)
+
     # 7. profile of the server under the 1,000-proxy fan-out (py-spy).
     if scale.profile_proxies:
         def profile() -> list[list[Any]]:
@@ -422,6 +459,13 @@ def targets(results: Results) -> list[list[Any]]:
             ok = None if "-" in (p99, cpu) else float(p99) <= 1.1 and float(cpu) <= 1.1
             add("hardened transport vs before, 1,000 proxies, plaintext (issue 9)", "<= 1.10x p99 and CPU / push",
                 f"p99 {p99}x, CPU {cpu}x", ok)
+    col = bench_incremental.INCREMENTAL_COLUMNS.index
+    for row in results.incremental_rows:
+        if row[col("server")] == "now" and row[col("proxies")] == 1000:
+            worst, p99 = row[col("bytes / proxy / change (max)")], row[col("p99 ms")]
+            ok = None if "-" in (worst, p99) else int(worst) <= 2048 and float(p99) <= 300 and row[col("failures")] == 0
+            add(f"one endpoint of 10,000 clusters changed, 1,000 proxies, {row[col('xds')]} (issue 10)",
+                "<= 2 KB per proxy per change, p99 <= 300 ms", f"max {worst} B, p99 {p99} ms", ok)
     if results.build_rows:
         col = bench_build.BUILD_COLUMNS.index
         row = max(results.build_rows, key=lambda r: r[col("endpoints")])

@@ -21,7 +21,7 @@ if _ROOT not in sys.path:
 from bench.procs import REPO  # noqa: E402
 from bench.run_all import QUICK, run_all  # noqa: E402
 
-from bench import bench_build, bench_envoy, bench_hardening, bench_storm, fanout  # noqa: E402
+from bench import bench_build, bench_envoy, bench_hardening, bench_incremental, bench_storm, fanout  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -83,6 +83,17 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         ("before", "plaintext"), ("now", "plaintext"), ("now", "TLS"), ("now", "mTLS")]
     for row in results.hardening_rows:
         assert row[col("failures")] == 0 and row[col("stream errors")] == 0
+    # Incremental xDS (issue 10): before (full-state EDS), now SotW and now delta, every proxy
+    # served; a one-endpoint change costs the before server's every assignment (50 here) and now
+    # one, on either protocol.
+    col = bench_incremental.INCREMENTAL_COLUMNS.index
+    assert [(row[col("server")], row[col("xds")]) for row in results.incremental_rows] == [
+        ("before", "sotw"), ("now", "sotw"), ("now", "delta")]
+    for row in results.incremental_rows:
+        assert row[col("failures")] == 0 and row[col("stream errors")] == 0
+    before, now_sotw, now_delta = (row[col("bytes / proxy / change (max)")] for row in results.incremental_rows)
+    assert before > 10 * max(now_sotw, now_delta)
+    assert 0 < now_sotw <= 2048 and 0 < now_delta <= 2048
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
     assert "pilotfish-before-" not in worktrees
     # Real Envoy: every change applied and ACKed.
@@ -96,7 +107,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert _header(columns) in text
     for heading in ("## Machine", "## Targets (issue 4)", "## Fan-out", "## Memory", "## Snapshot build",
                     "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios",
-                    "## HTTP/2 core", "## Hardening and TLS"):
+                    "## HTTP/2 core", "## Hardening and TLS", "## Incremental xDS"):
         assert heading in text
     assert "- nproc: " in text and "- grpcio: " in text and "- CPU model: " in text
 

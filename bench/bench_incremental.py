@@ -1,0 +1,178 @@
+"""What incremental xDS saves on a large snapshot: pilotfish before issue 10 (state of the world,
+every EDS response full state) and now, state of the world and delta, side by side in one run
+(issue 10, "How we will know").
+
+Theory of operation
+-------------------
+The snapshot is :class:`~bench.workload.Workload` at issue 10's size: 10,000 services x 10
+endpoints (10,000 clusters, 100,000 endpoints), a few with an HTTP listener and route. Each row is
+one :func:`bench.fanout.run_fanout`: start the server, connect N simulated proxies
+(bench/fleet.py) and wait until every one is synced, then change one endpoint through the
+registry API ``changes`` times, each timed until every proxy ACKed the new EDS version. The rows:
+
+- ``before`` SotW: pilotfish at :data:`BEFORE_COMMIT`, the last commit whose state-of-the-world
+  EDS response re-sent every ClusterLoadAssignment on every change, run from a temporary ``git
+  worktree`` (:func:`bench.bench_hardening.before_checkout`, the same mechanism as issue 9's
+  comparison);
+- ``now`` SotW: this checkout, proxies on ``StreamAggregatedResources`` (EDS, RDS and SDS
+  responses carry only what changed);
+- ``now`` delta: this checkout, proxies on ``DeltaAggregatedResources``.
+
+Every proxy subscribes to every cluster's endpoints, so every proxy receives each change. The
+simulator counts the bytes of the response messages each proxy receives (gRPC message bodies,
+without HTTP/2 framing): until all were synced (``KB / proxy, initial sync``), and per change
+(after the server has gone quiet, minus before: mean and max over proxies and changes). The
+server's event log is at ``changes`` level for every row (a line per request and response would
+name 10,000 resources per proxy at the initial sync, which is logging, not xDS). The load average
+is read before each row: the simulator shares the server's cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.bench_hardening import before_checkout
+from bench.fanout import FanoutResult, run_fanout
+from bench.fleet import percentile
+from bench.procs import REPO
+from bench.report import fmt_ms
+from bench.workload import Workload
+
+__all__ = ["BEFORE_COMMIT", "INCREMENTAL_COLUMNS", "ISSUE_WORKLOAD", "VARIANTS", "IncrementalVariant",
+           "run_incremental"]
+
+BEFORE_COMMIT = "de14338"
+"""pilotfish before issue 10's incremental responses: every SotW EDS response is full state."""
+
+RAMP_ABOVE = 2500
+RAMP_RATE = 25.0
+"""Fleets of more than :data:`RAMP_ABOVE` proxies connect at this many proxies per second per
+client process (2,500 proxies each) instead of all at once: every proxy holds its initial
+responses (~5 MB) until they are complete, and 10,000 of them at once in the simulator's four
+processes outgrew this machine's 24 GiB (the server itself stayed under 1 GB)."""
+
+ISSUE_WORKLOAD = Workload(services=10000, endpoints=10, listeners=10)
+"""Issue 10's snapshot: 10,000 clusters, 100,000 endpoints."""
+
+INCREMENTAL_COLUMNS = ["server", "xds", "proxies", "load 1 min", "all synced s", "KB / proxy, initial sync",
+                       "bytes / proxy / change (mean)", "bytes / proxy / change (max)", "p50 ms", "p99 ms", "max ms",
+                       "p99 after publish ms", "CPU s / push", "simulator CPU s / push", "server RSS MB (synced)",
+                       "simulator RSS MB", "failures", "stream errors"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IncrementalVariant:
+    """One server and one protocol."""
+
+    server: str
+    """``before`` (:data:`BEFORE_COMMIT`) or ``now`` (this checkout)."""
+    xds: str
+    """``sotw`` or ``delta`` (:data:`bench.fleet.XDS_VARIANTS`)."""
+
+
+VARIANTS = (IncrementalVariant(server="before", xds="sotw"), IncrementalVariant(server="now", xds="sotw"),
+            IncrementalVariant(server="now", xds="delta"))
+
+
+def row(variant: IncrementalVariant, result: FanoutResult, load: float) -> list[Any]:
+    """The table's row for one run."""
+    per_change = [b for change in result.change_bytes for b in change]
+    sync = result.sync_bytes
+    errors = sum(result.stream_errors.values())
+    return [variant.server, variant.xds, result.proxies, f"{load:.2f}", round(result.sync_seconds, 2),
+            round(sum(sync) / len(sync) / 1024, 1) if sync else "-",
+            round(sum(per_change) / len(per_change)) if per_change else "-", max(per_change, default="-"),
+            fmt_ms(result.p(50)), fmt_ms(result.p(99)), fmt_ms(max(result.latencies, default=float("nan"))),
+            fmt_ms(percentile(result.after_publish, 99)), round(result.cpu, 3),
+            round(sum(result.client_cpu_per_push) / max(1, len(result.client_cpu_per_push)), 3),
+            round(result.rss_idle_kb / 1024), round(result.simulator_rss_kb / 1024), result.failures,
+            errors if not errors else f"{errors} {result.stream_errors}"]
+
+
+def notes(variant: IncrementalVariant, result: FanoutResult) -> list[str]:
+    """One line per gRPC status the run's proxies saw: how many, how many during the changes, an example."""
+    during, examples = result.errors_during_changes, result.error_examples
+    return [f"Stream errors, {variant.server} {variant.xds}, {result.proxies} proxies: {n} x {code} (during the "
+            f"changes: {during.get(code, 0)}), e.g. `{examples.get(code, '?')[:200]}`"
+            for code, n in result.stream_errors.items()]
+
+
+def run_incremental(*, runs: Sequence[tuple[IncrementalVariant, int]], changes: int, workload: Workload,
+                    workdir: Path | None = None, commit: str = BEFORE_COMMIT, change_timeout: float = 120.0,
+                    ramp_above: int = RAMP_ABOVE, ramp_rate: float = RAMP_RATE
+                    ) -> tuple[list[list[Any]], list[FanoutResult]]:
+    """One row per (variant, proxies) in ``runs``, in that order; and each run's result. Fleets
+    larger than ``ramp_above`` connect at ``ramp_rate`` proxies per second per client process."""
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-incremental-")))
+        before_env = None
+        if any(v.server == "before" for v, _ in runs):
+            before = stack.enter_context(before_checkout(commit))
+            before_env = {**os.environ, "PYTHONPATH": str(before / "src")}
+        rows: list[list[Any]] = []
+        results: list[FanoutResult] = []
+        for variant, n in runs:
+            load = os.getloadavg()[0]
+            result = run_fanout(proxies=n, changes=changes, workload=workload, quiet_ms=100, change="registry",
+                                workdir=workdir / f"{variant.server}-{variant.xds}-{n}",
+                                server_env=before_env if variant.server == "before" else None,
+                                address_cap=variant.server != "before", event_log_level="changes",
+                                xds=variant.xds, change_timeout=change_timeout,
+                                sync_timeout=max(300.0, n / 10), rate=ramp_rate if n > ramp_above else 0.0)
+            rows.append(row(variant, result, load))
+            results.append(result)
+            per_change = [b for c in result.change_bytes for b in c]
+            print(f"  {variant.server} {variant.xds} {n} proxies (load {load:.2f}): synced in "
+                  f"{result.sync_seconds:.1f} s, p99 {fmt_ms(result.p(99))} ms, "
+                  f"{percentile([float(b) for b in per_change], 50)} B/proxy/change, failures {result.failures}",
+                  *notes(variant, result), sep="\n    ", flush=True)
+        return rows, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from bench.report import print_table
+
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_incremental", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--proxies", type=int, nargs="*", default=[1000],
+                        help="fleet sizes for every variant (default: %(default)s)")
+    parser.add_argument("--large", type=int, nargs="*", default=[10000],
+                        help="fleet sizes for the `now` variants only (default: %(default)s)")
+    parser.add_argument("--changes", type=int, default=3)
+    parser.add_argument("--services", type=int, default=ISSUE_WORKLOAD.services)
+    parser.add_argument("--endpoints", type=int, default=ISSUE_WORKLOAD.endpoints)
+    parser.add_argument("--listeners", type=int, default=ISSUE_WORKLOAD.listeners)
+    parser.add_argument("--commit", default=BEFORE_COMMIT, help="the 'before' pilotfish (default: %(default)s)")
+    names = [f"{v.server}-{v.xds}" for v in VARIANTS]
+    parser.add_argument("--variants", nargs="+", choices=names, default=names)
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the servers' files here (default: a temp dir)")
+    args = parser.parse_args(argv)
+    workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
+    chosen = [v for v in VARIANTS if f"{v.server}-{v.xds}" in args.variants]
+    runs = [(v, n) for n in args.proxies for v in chosen]
+    runs += [(v, n) for n in args.large for v in chosen if v.server == "now"]
+    started = time.strftime("%H:%M:%S")
+    rows, results = run_incremental(runs=runs, changes=args.changes, workload=workload, commit=args.commit,
+                                    workdir=args.workdir)
+    print(f"\nworkload: {workload.describe()}; before = {args.commit}; started {started}, load now "
+          f"{os.getloadavg()[0]:.2f}")
+    print_table(INCREMENTAL_COLUMNS, rows)
+    for (variant, _), result in zip(runs, results, strict=True):
+        for line in notes(variant, result):
+            print(line)
+    return 0 if all(r[INCREMENTAL_COLUMNS.index("failures")] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    sys.exit(main())
