@@ -50,7 +50,7 @@ from pilotfish.validate import check_references, check_rules
 G = TypeVar("G", bound=Hashable)
 """A node group's key."""
 
-__all__ = ["DesiredState", "Merged", "View", "build_snapshot", "build_snapshots", "merge_states"]
+__all__ = ["DesiredState", "MergeMemo", "Merged", "View", "build_snapshot", "build_snapshots", "merge_states"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,12 +106,48 @@ class Merged:
     problems: tuple[Problem, ...]
 
 
-def merge_states(states: Mapping[str, DesiredState]) -> Merged:
-    """Merge sources (in name order, so the result does not depend on arrival order)."""
+class MergeMemo:
+    """What :func:`merge_states` made of each source's endpoint tuple, by the tuple's identity:
+    sources hand over the same tuple for a service whose endpoints did not change, so a change to
+    one service among 10,000 normalizes one tuple, not all. Only the last merge's entries are kept."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]] = {}
+
+    def merged(self, parts: list[tuple[Endpoint, ...]],
+               used: dict[int, tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]]) -> tuple[Endpoint, ...]:
+        if len(parts) == 1:
+            found = parts[0]
+            entry = self._entries.get(id(found))
+            if entry is None or entry[0] is not found:
+                entry = (found, _normalized(parts))
+            used[id(found)] = entry
+            return entry[1]
+        return _normalized(parts)
+
+    def keep(self, used: dict[int, tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]]) -> None:
+        self._entries = used
+
+
+def _normalized(parts: list[tuple[Endpoint, ...]]) -> tuple[Endpoint, ...]:
+    """One service's endpoints from every source that has some: one per address (the first
+    source's, in name order), sorted."""
+    by_address: dict[str, Endpoint] = {}
+    for found in parts:
+        for endpoint in found:
+            by_address.setdefault(endpoint.address, endpoint)
+    return tuple(sorted(by_address.values()))
+
+
+def merge_states(states: Mapping[str, DesiredState], *, memo: MergeMemo | None = None) -> Merged:
+    """Merge sources (in name order, so the result does not depend on arrival order). ``memo``
+    carries what unchanged endpoint tuples became over from the previous merge."""
     problems: list[Problem] = []
     services: dict[str, ServiceSpec] = {}
     defined_by: dict[str, str] = {}
-    endpoints: dict[str, dict[str, Endpoint]] = {}
+    parts: dict[str, list[tuple[Endpoint, ...]]] = {}
     resources: dict[ResourceType, list[Message]] = {t: [] for t in TYPES}
     for source in sorted(states):
         state = states[source]
@@ -123,21 +159,26 @@ def merge_states(states: Mapping[str, DesiredState]) -> Merged:
             services[name] = spec
             defined_by[name] = source
         for name, found in state.endpoints.items():
-            by_address = endpoints.setdefault(name, {})
-            for endpoint in found:
-                by_address.setdefault(endpoint.address, endpoint)
+            if name in parts:
+                parts[name].append(found)
+            else:
+                parts[name] = [found]
         for rtype, messages in state.resources.items():
             resources[rtype].extend(messages)
     # Endpoints of a service nobody defined: a cluster with default settings, for routes to use.
-    for name in endpoints:
+    for name in parts:
         if name not in services:
             services[name] = ServiceSpec(name=name)
     contributing = [s for s in states.values() if not s.is_empty()]
     versions = {s.version for s in contributing}
     version = versions.pop() if len(contributing) == 1 and len(versions) == 1 else None
+    memo = memo or MergeMemo()
+    used: dict[int, tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]] = {}
+    endpoints = {name: memo.merged(found, used) for name, found in parts.items()}
+    memo.keep(used)
     return Merged(
         services=services,
-        endpoints={name: tuple(sorted(by.values())) for name, by in endpoints.items()},
+        endpoints=endpoints,
         resources={t: tuple(m) for t, m in resources.items()},
         version=version,
         problems=tuple(problems),

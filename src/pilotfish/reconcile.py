@@ -43,7 +43,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 
 from pilotfish.bootstrap import DEFAULT_REST_REFRESH
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
-from pilotfish.desired import DesiredState, Merged, View, build_snapshots, merge_states
+from pilotfish.desired import DesiredState, Merged, MergeMemo, View, build_snapshots, merge_states
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, TYPES, type_by_key
@@ -171,24 +171,30 @@ class FlapDamper:
             elif removed is not None:
                 del self._removed_at[key]
 
-    def publishable(self, now: float) -> tuple[set[EndpointKey], float | None]:
-        """The endpoints to publish now, and when to ask again (when a hold ends)."""
+    def held(self, now: float) -> tuple[set[EndpointKey], float | None]:
+        """The present endpoints still held back (flapping), and when to ask again (when the
+        first hold ends). Costs what is held and recently removed, not every endpoint: a build
+        after a one-endpoint change among 100,000 must not walk them all."""
         for key, at in list(self._removed_at.items()):
             if key not in self._back_since and now - at > self.flap_window:
                 del self._removed_at[key]  # long gone: a return is a fresh start
-        published: set[EndpointKey] = set()
+        held: set[EndpointKey] = set()
         wake: float | None = None
-        for key in self._present:
-            since = self._back_since.get(key)
-            if since is None:
-                published.add(key)
-            elif now - since >= self.hold:
-                published.add(key)
+        for key, since in list(self._back_since.items()):
+            if key not in self._present:
+                continue
+            if now - since >= self.hold:
                 del self._back_since[key]
                 del self._removed_at[key]
             else:
+                held.add(key)
                 wake = since + self.hold if wake is None else min(wake, since + self.hold)
-        return published, wake
+        return held, wake
+
+    def publishable(self, now: float) -> tuple[set[EndpointKey], float | None]:
+        """The endpoints to publish now, and when to ask again (when a hold ends)."""
+        held, wake = self.held(now)
+        return self._present - held, wake
 
     def apply(self, present: set[EndpointKey], now: float) -> tuple[set[EndpointKey], float | None]:
         """:meth:`observe` then :meth:`publishable`."""
@@ -268,10 +274,6 @@ class Held:
             held.same_content(snapshots[group]) for group, held in self.snapshots.items())
 
 
-def _endpoint_keys(merged: Merged) -> set[EndpointKey]:
-    return {(name, e.address) for name, found in merged.endpoints.items() for e in found}
-
-
 class Reconciler:
     """Turns the desired state of all sources into the cache's snapshot, debounced and checked."""
 
@@ -320,6 +322,7 @@ class Reconciler:
         self._hold_until: float | None = None
         self._wake = asyncio.Event()
         self._memo = ResourceMemo()
+        self._merge_memo = MergeMemo()
         self.builds = 0
         """How many builds ran (each may or may not hand over a snapshot)."""
         self.build_seconds = 0.0
@@ -450,14 +453,16 @@ class Reconciler:
         return min(deadlines) if deadlines else None
 
     def _damped(self, merged: Merged) -> Merged:
-        present = _endpoint_keys(merged)
-        published, wake = self._damper.publishable(self._clock.now())
-        published &= present
+        """``merged`` without the endpoints the flap damper holds back (only the services that
+        have one are rebuilt)."""
+        held, wake = self._damper.held(self._clock.now())
         self._hold_until = wake
-        if published == present:
+        if not held:
             return merged
-        endpoints = {name: tuple(e for e in found if (name, e.address) in published)
-                     for name, found in merged.endpoints.items()}
+        services = {name for name, _ in held}
+        endpoints = dict(merged.endpoints)
+        for name in services & endpoints.keys():
+            endpoints[name] = tuple(e for e in endpoints[name] if (name, e.address) not in held)
         return replace(merged, endpoints=endpoints)
 
     def _source_names(self) -> str:
@@ -467,7 +472,7 @@ class Reconciler:
         if self.waiting_for():
             return None  # publishing now would serve "empty because not yet known"
         self.builds += 1
-        merged = self._damped(merge_states(self._states))
+        merged = self._damped(merge_states(self._states, memo=self._merge_memo))
         try:
             built = build_snapshots(merged, self._source_names(), self._groups, memo=self._memo, rules=self._rules,
                                     rest_refresh=self._rest_refresh)

@@ -178,3 +178,24 @@ async def test_an_endpoint_two_sources_report_stays_while_either_does(running: R
     assert published_ports(cache) == [9001, 9003]
     await clock.advance(1.0)
     assert published_ports(cache) == [9001, 9002, 9003]
+
+
+def test_a_merge_with_the_memo_equals_a_fresh_merge_as_sources_change() -> None:
+    """The merge memo reuses what an unchanged endpoint tuple became; it must never change the result."""
+    from pilotfish.desired import DesiredState, MergeMemo, merge_states
+    from pilotfish.resources.services import Endpoint
+
+    def eps(*ports: int) -> tuple[Endpoint, ...]:
+        return tuple(Endpoint("127.0.0.1", p) for p in ports)
+
+    memo = MergeMemo()
+    web, api = eps(2, 1), eps(5)  # a source may hand over an unsorted tuple
+    steps = [
+        {"file": DesiredState(endpoints={"web": web, "api": api})},
+        {"file": DesiredState(endpoints={"web": web, "api": eps(5, 6)})},  # one tuple changed
+        {"file": DesiredState(endpoints={"web": web}), "registry": DesiredState(endpoints={"web": eps(1, 3)})},
+        {"file": DesiredState(endpoints={"web": web, "api": api})},  # back: the old tuple again
+    ]
+    for states in steps:
+        assert merge_states(states, memo=memo) == merge_states(states)
+    assert merge_states(steps[0], memo=memo).endpoints["web"] == eps(1, 2), "sorted, as without the memo"
