@@ -58,7 +58,7 @@ class DeltaPair:
     def _respond(self, watch: DeltaWatch, changes: DeltaChanges) -> None:
         if self._current.get(changes.type_url) is not watch:
             return
-        nonce = self.stream.on_response(watch, changes)
+        nonce, again = self.stream.on_response(watch, changes)
         decoded = discovery_pb2.DeltaDiscoveryResponse.FromString(changes.body + nonce_field(nonce))
         for resource in decoded.resources:  # every resource carries a decodable message of its type
             message = cluster_pb2.Cluster() if decoded.type_url == CDS else endpoint_pb2.ClusterLoadAssignment()
@@ -67,6 +67,8 @@ class DeltaPair:
                 assert getattr(message, "name" if decoded.type_url == CDS else "cluster_name") == resource.name
         self.inbox.append(Got(decoded.type_url, decoded.nonce, decoded.system_version_info,
                               {r.name: r.version for r in decoded.resources}, list(decoded.removed_resources)))
+        for due in again:  # as server/xds.py: warming watches open at once
+            self._open(due)
 
     def send(self, type_url: str, subscribe: Sequence[str] = (), unsubscribe: Sequence[str] = (), *,
              nonce: str = "", error: str | None = None, initial: Mapping[str, str] | None = None) -> list[Got]:
@@ -80,12 +82,15 @@ class DeltaPair:
         self.outcomes.append(outcome)
         before = len(self.inbox)
         for watch in outcome.watches:
-            previous = self._cancels.pop(watch.type_url, None)
-            if previous:
-                previous()
-            self._current[watch.type_url] = watch
-            self._cancels[watch.type_url] = self.cache.create_delta_watch(watch, self._respond)
+            self._open(watch)
         return self.inbox[before:]
+
+    def _open(self, watch: DeltaWatch) -> None:
+        previous = self._cancels.pop(watch.type_url, None)
+        if previous:
+            previous()
+        self._current[watch.type_url] = watch
+        self._cancels[watch.type_url] = self.cache.create_delta_watch(watch, self._respond)
 
     def ack(self, got: Got, *, error: str | None = None) -> list[Got]:
         return self.send(got.type_url, nonce=got.nonce, error=error)

@@ -44,7 +44,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 
 from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, kept_node, requested_type, shorten
 from pilotfish.protocol.sotw import Nonce
-from pilotfish.protocol.subscription import WILDCARD, next_subscription
+from pilotfish.protocol.subscription import WILDCARD, intern_names
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.snapshot import ABSENT, DeltaChanges, Snapshot, TypeSnapshot
 
@@ -232,7 +232,7 @@ class DeltaStream:
                 known.pop(name, None)
             state.known = known
         if names != state.names:
-            state.names = next_subscription(sorted(names), wildcard_capable=False, ever_named=True).names
+            state.names = intern_names(frozenset(names))
 
     def _watch(self, state: DeltaTypeState) -> DeltaWatch:
         routing = None
@@ -240,30 +240,38 @@ class DeltaStream:
             routing = self.types
         return DeltaWatch(state.type_url, state.wildcard, state.names, state, routing)
 
-    def on_response(self, watch: DeltaWatch, changes: DeltaChanges) -> Nonce:
+    def on_response(self, watch: DeltaWatch, changes: DeltaChanges) -> tuple[Nonce, tuple[DeltaWatch, ...]]:
         """Record that ``changes`` go out for ``watch``; return the response's nonce (unique per
-        stream)."""
+        stream) and the watches to open again now: after changed clusters (listeners), the
+        endpoints (routes) to send again for warming are due at once, not at the next request."""
         state = watch.state
         self._sent += 1
         nonce = Nonce(str(self._sent))
         state.nonce = nonce
         state.sent_version = changes.version
         state.known = changes.known
+        again = None
         if changes.type_url == CLUSTER.url and changes.sent:
-            self._resend(ENDPOINT.url, changes.sent)
+            again = self._resend(ENDPOINT.url, changes.sent)
         elif changes.type_url == LISTENER.url and changes.sent:
-            self._resend(ROUTE.url, None)
-        return nonce
+            again = self._resend(ROUTE.url, None)
+        return nonce, (() if again is None else (self._watch(again),))
 
-    def _resend(self, type_url: TypeUrl, names: Iterable[str] | None) -> None:
+    def _resend(self, type_url: TypeUrl, names: Iterable[str] | None) -> DeltaTypeState | None:
         """Make the next answer of ``type_url`` send ``names`` (None: all) again, whatever their
         version: what the client has of them is marked with a version no resource has (they still
-        count as had, so one that is gone is still removed)."""
+        count as had, so one that is gone is still removed). Returns the state if anything is
+        to be sent again."""
         state = self.types.get(type_url)
-        if state is None or not state.known:
-            return
+        if state is None or not state.known or not state.started:
+            return None
         known = dict(state.known)
+        marked = False
         for name in known if names is None else names:
             if known.get(name, ABSENT) != ABSENT:
                 known[name] = _RESEND
+                marked = True
+        if not marked:
+            return None
         state.known = known
+        return state

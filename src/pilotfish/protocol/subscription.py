@@ -20,7 +20,7 @@ from typing import NamedTuple
 from pilotfish.resources import TypeUrl
 from pilotfish.snapshot import TypeSnapshot
 
-__all__ = ["WILDCARD", "Subscription", "Watch", "needs_response", "next_subscription"]
+__all__ = ["WILDCARD", "Subscription", "Watch", "intern_names", "needs_response", "next_subscription"]
 
 WILDCARD = "*"
 
@@ -129,6 +129,12 @@ def _subscription(wildcard: bool, names: frozenset[str]) -> Subscription:
         if _make_room(_list_cost(names)):
             _SUBSCRIPTIONS[(wildcard, names)] = found
     return found
+
+
+def intern_names(names: frozenset[str]) -> frozenset[str]:
+    """The interned set equal to ``names`` (the same bounded tables): for delta streams, whose
+    subscriptions are sets built name by name, not lists; no sorting needed."""
+    return _subscription(False, names).names
 
 
 def next_subscription(

@@ -486,13 +486,16 @@ class _DeltaConnection(_Stream):
         if self.closed or self._current.get(changes.type_url) is not watch:
             return
         server = self._server
-        nonce = self.state.on_response(watch, changes)
+        nonce, again = self.state.on_response(watch, changes)
         self._call.send(changes.body, nonce_field(nonce))
         server.status.sent(self.node_id, changes.type_url, changes.version)
         if server.events.conversation:
             server.events.emit("sent", stream=self.id, node=self.node_id, type=changes.type_url, delta=True,
                                version=changes.version, nonce=nonce, resources=len(changes.sent),
                                names=list(changes.sent), removed=list(changes.removed))
+        for due in again:  # warming: what the clusters (listeners) just sent wait for, now
+            self._current[due.type_url] = due
+            self._replace_watch(due.type_url, server.cache.create_delta_watch, due, self._send)
 
     def _forget_watches(self) -> None:
         super()._forget_watches()
