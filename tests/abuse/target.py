@@ -27,7 +27,6 @@ import queue
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -75,10 +74,10 @@ def write_snapshot(path: Path, version: int) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A free port outside the kernel's ephemeral range (as tests/e2e/processes.py's)."""
+    from e2e.processes import free_port as outside_the_ephemeral_range
+
+    return outside_the_ephemeral_range()
 
 
 class GoodClient:

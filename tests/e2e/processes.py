@@ -103,12 +103,32 @@ def wait_until(
         time.sleep(interval)
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS_FROM = 20_000
+"""Ports tests choose lie in [_PORTS_FROM, the kernel's ephemeral range): below that range, so no
+outgoing connection (wrk's, Envoy's to its upstreams) and no ``bind(0)`` (an Envoy admin port) is
+given a port a test chose and has not bound yet; above the defaults pilotfish and Envoy use."""
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 the OS reports free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that is free right now, outside the kernel's ephemeral range (see
+    :data:`_PORTS_FROM`): picked at random, then checked by binding it."""
+    high = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(_PORTS_FROM, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port on 127.0.0.1 in {_PORTS_FROM}-{high - 1} after 200 tries")
 
 
 def port_accepts(port: int, host: str = "127.0.0.1") -> bool:
