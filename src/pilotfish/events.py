@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,8 +29,21 @@ import orjson
 
 from pilotfish.errors import shorten
 
-__all__ = ["CONVERSATION", "EVENTS", "MAX_FIELD", "MAX_ITEMS", "MAX_LINE", "EventLog", "EventSpec", "check_event_log",
-           "contract_problems", "read_events", "read_lines", "shorten"]
+__all__ = [
+    "CONVERSATION",
+    "EVENTS",
+    "MAX_FIELD",
+    "MAX_ITEMS",
+    "MAX_LINE",
+    "EventLog",
+    "EventSpec",
+    "ReportGate",
+    "check_event_log",
+    "contract_problems",
+    "read_events",
+    "read_lines",
+    "shorten",
+]
 
 CONVERSATION = frozenset({"request", "ack", "sent", "stale", "rest_request"})
 """Events of the routine xDS conversation: a line per request and response of every proxy (and
@@ -185,6 +199,34 @@ def check_event_log(path: Path) -> list[str]:
             continue
         problems.extend(f"{path}:{number}: {problem}" for problem in contract_problems(record))
     return problems
+
+
+class ReportGate:
+    """Lets at most one report through per ``every`` seconds and counts those it holds back: what a
+    peer can cause in a loop (refused requests, protocol errors) is logged and recorded, but cannot
+    fill the log. :meth:`admit` says whether to report now, and how many were held back since."""
+
+    __slots__ = ("_every", "_next", "held")
+
+    def __init__(self, every: float) -> None:
+        self._every = every
+        self._next = -math.inf
+        self.held = 0
+        """Reports held back since the last one let through."""
+
+    def ready(self, now: float) -> bool:
+        """Whether a report at ``now`` would be let through."""
+        return now >= self._next
+
+    def admit(self, now: float) -> int | None:
+        """None: hold this report back (it is counted). Otherwise report it: the count held back
+        before it is returned (and reset)."""
+        if now < self._next:
+            self.held += 1
+            return None
+        self._next = now + self._every
+        held, self.held = self.held, 0
+        return held
 
 
 _log = logging.getLogger("pilotfish.events")

@@ -61,7 +61,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import resource
 import socket
 import ssl
@@ -73,6 +72,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from pilotfish.events import ReportGate
 from pilotfish.server.tls import peer_identity
 from pilotfish.transport import frames as h2
 from pilotfish.transport.frames import ErrorCode, GrpcStatus
@@ -125,7 +125,7 @@ class RateLimitedLog:
     log nor cost a formatted line each. The next line logged, or :meth:`flush` once the interval
     is over, says how many were left out."""
 
-    __slots__ = ("_clock", "_every", "_left_out", "_level", "_logger", "_next", "_what")
+    __slots__ = ("_clock", "_every", "_gate", "_level", "_logger", "_what")
 
     def __init__(self, logger: logging.Logger, *, what: str, level: int = logging.WARNING,
                  every: float = WARN_EVERY, clock: Callable[[], float] = time.monotonic) -> None:
@@ -135,30 +135,26 @@ class RateLimitedLog:
         self._level = level
         self._every = every
         self._clock = clock
-        self._next = -math.inf
-        self._left_out = 0
+        self._gate = ReportGate(every)
 
     def log(self, message: str, *args: object) -> bool:
         """Log ``message % args`` unless a line was logged less than ``every`` seconds ago
         (then only count it); True when it was logged."""
-        now = self._clock()
-        if now < self._next:
-            self._left_out += 1
+        left_out = self._gate.admit(self._clock())
+        if left_out is None:
             return False
-        self._next = now + self._every
-        if self._left_out:
+        if left_out:
             message += " (and %d more %s since the last one logged)"
-            args += (self._left_out, self._what)
-            self._left_out = 0
+            args += (left_out, self._what)
         self._logger.log(self._level, message, *args)
         return True
 
     def flush(self) -> None:
         """Say how many lines were left out, if any and the interval is over (so a flood that
         stopped is still counted in the log)."""
-        if self._left_out and self._clock() >= self._next:
-            self._next = self._clock() + self._every
-            left_out, self._left_out = self._left_out, 0
+        now = self._clock()
+        if self._gate.held and self._gate.ready(now):
+            left_out = self._gate.admit(now)
             self._logger.log(self._level, "%d more %s not logged in the last %g s", left_out, self._what, self._every)
 
 

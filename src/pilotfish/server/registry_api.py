@@ -59,7 +59,7 @@ from aiohttp import web
 
 from pilotfish.desired import DesiredState
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.events import EventLog
+from pilotfish.events import EventLog, ReportGate
 from pilotfish.reconcile import Reconciler
 from pilotfish.server.registry_auth import Access, Denied, TokenFile, authorize
 from pilotfish.sources.registry import Registry, RegistryFull, UnknownInstance
@@ -148,10 +148,8 @@ class RegistryApi:
         self._expiry_wake = asyncio.Event()
         self.tokens = tokens
         """Who may do what; None: anyone may do anything (the API without ``--registry-tokens``)."""
-        self.deny_report_every = deny_report_every
         self._access: dict[tuple[str, str], Access] = {(method, path): access for method, path, _, access in ROUTES}
-        self._denied_reported_at: float | None = None
-        self._denied_unreported = 0
+        self._denied_gate = ReportGate(deny_report_every)
 
     def app(self) -> web.Application:
         middlewares = [self._errors] if self.tokens is None else [self._errors, self._auth]
@@ -290,11 +288,9 @@ class RegistryApi:
 
     def _report_denied(self, request: web.Request, denied: Denied) -> None:
         """Log and record a refusal, at most once per ``deny_report_every`` seconds."""
-        now = asyncio.get_running_loop().time()
-        if self._denied_reported_at is not None and now - self._denied_reported_at < self.deny_report_every:
-            self._denied_unreported += 1
+        left_out = self._denied_gate.admit(asyncio.get_running_loop().time())
+        if left_out is None:
             return
-        left_out, self._denied_unreported, self._denied_reported_at = self._denied_unreported, 0, now
         _log.warning("registry API refused a request from %s: %d %s%s", request.remote, denied.status,
                      denied.message[:400],
                      f" ({left_out} more refusal(s) since the last one logged)" if left_out else "")

@@ -68,7 +68,7 @@ from google.protobuf import json_format
 from pilotfish.bootstrap import split_address
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.errors import PeerError
-from pilotfish.events import EventLog
+from pilotfish.events import EventLog, ReportGate
 from pilotfish.protocol import DEFAULT_LIMITS, WILDCARD, PeerOverLimit, Subscription, XdsLimits, next_subscription
 from pilotfish.protocol.limits import shorten
 from pilotfish.protocol.rest import RestPoll, is_current, read_poll
@@ -208,11 +208,9 @@ class RestXds:
         """Which pollers may receive which secrets; none by default (fail closed)."""
         self.limits = limits
         self.max_body = max_body
-        self.report_every = report_every
         self._json = _JsonMemo()
         self._recorded: set[tuple[str, str, str]] = set()
-        self._reported_at: float | None = None
-        self._unreported = 0
+        self._gate = ReportGate(report_every)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body)
@@ -341,11 +339,9 @@ class RestXds:
 
     def _refuse(self, request: web.Request, response: web.Response) -> web.Response:
         """Log and record a refused poll, at most once per ``report_every`` seconds."""
-        now = asyncio.get_running_loop().time()
-        if self._reported_at is not None and now - self._reported_at < self.report_every:
-            self._unreported += 1
+        left_out = self._gate.admit(asyncio.get_running_loop().time())
+        if left_out is None:
             return response
-        left_out, self._unreported, self._reported_at = self._unreported, 0, now
         reason = response.text or ""
         _log.warning("REST xDS refused %s %s from %s: %d %s%s", request.method, shorten(request.path, 200),
                      request.remote, response.status, shorten(reason, 400),
