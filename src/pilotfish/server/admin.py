@@ -33,9 +33,7 @@ state is ``SYNCED``, ``STALE``, ``NACKED`` or ``NOT_SENT`` (:class:`~pilotfish.s
 from __future__ import annotations
 
 import fnmatch
-import ipaddress
 import logging
-import socket
 import ssl
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +45,7 @@ from pilotfish.bootstrap import split_address
 from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import SECRET, type_by_url
+from pilotfish.server.http_site import is_loopback, serve_app
 from pilotfish.server.metrics import CONTENT_TYPE, Metrics
 from pilotfish.server.rest import response_json
 from pilotfish.status import ProxyStatus, SyncState, SyncStatus, TypeStatus
@@ -93,11 +92,7 @@ def proxy_json(proxy: ProxyStatus, now: float) -> dict[str, Any]:
 def warn_if_exposed(host: str) -> bool:
     """Warn (once, at start) that the admin API answers anyone who can reach it, unless ``host`` is
     loopback only. Whether it warned."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        loopback = False
-    if loopback:
+    if is_loopback(host):
         return False
     _log.warning("the admin API on %s answers anyone who can reach it (the proxies' status and configuration, "
                  "and POST /v1/held/confirm): keep it on loopback or behind a firewall", host or "every address")
@@ -240,17 +235,8 @@ async def start_admin_server(api: AdminApi, address: str, *,
     """Serve ``api`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
     given; returns the runner (``cleanup()`` stops it) and the bound ``host:port``. Warns when
     not on loopback."""
-    host, port = split_address(address)
-    warn_if_exposed(host)
-    runner = web.AppRunner(api.app(), access_log=None)
-    await runner.setup()
-    try:
-        sock = socket.create_server((host, port), reuse_port=False)
-        await web.SockSite(runner, sock, ssl_context=tls).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner, f"{host}:{sock.getsockname()[1]}"
+    warn_if_exposed(split_address(address)[0])
+    return await serve_app(api.app(), address, tls=tls)
 
 
 def _json(body: Any, *, status: int = 200) -> web.Response:

@@ -47,7 +47,6 @@ import asyncio
 import enum
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import re
@@ -63,6 +62,7 @@ import yaml
 
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
+from pilotfish.server.http_site import is_loopback
 
 __all__ = ["MAX_TOKENS", "MAX_TOKENS_FILE_BYTES", "Access", "Allowed", "Denied", "TokenFile", "TokenScope",
            "TokenSet", "authorize", "hash_token", "load_tokens", "new_token", "parse_tokens", "token_command",
@@ -428,11 +428,7 @@ def authorize(tokens: TokenSet, access: Access, service: str | None, header: str
 def warn_if_open(host: str) -> bool:
     """Warn (once, at start) that the registry API takes writes from anyone who can reach it,
     unless ``host`` is loopback only. Whether it warned."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        loopback = False
-    if loopback:
+    if is_loopback(host):
         return False
     _log.warning("the registry API on %s accepts writes from anyone who can reach it: give --registry-tokens "
                  "FILE to require bearer tokens (see the README, 'Registry API tokens')", host or "every address")

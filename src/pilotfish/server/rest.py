@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import socket
 import ssl
 from collections import OrderedDict
 from collections.abc import Callable
@@ -65,7 +64,6 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
 
-from pilotfish.bootstrap import split_address
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.errors import PeerError
 from pilotfish.events import EventLog, ReportGate
@@ -75,6 +73,7 @@ from pilotfish.protocol.rest import RestPoll, is_current, read_poll
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, ResourceType
 from pilotfish.resources.anytypes import ensure_type
 from pilotfish.server.grants import SecretGrants
+from pilotfish.server.http_site import serve_app
 from pilotfish.server.tls import peer_identity
 from pilotfish.server.xds import node_info
 from pilotfish.snapshot import EncodedResponse
@@ -374,13 +373,4 @@ async def start_rest_server(rest: RestXds, address: str, *,
                             tls: ssl.SSLContext | None = None) -> tuple[web.AppRunner, str]:
     """Serve ``rest`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
     given; returns the runner (``cleanup()`` stops it) and the bound ``host:port``."""
-    runner = web.AppRunner(rest.app(), access_log=None)
-    await runner.setup()
-    try:
-        host, port = split_address(address)
-        sock = socket.create_server((host, port), reuse_port=False)
-        await web.SockSite(runner, sock, ssl_context=tls).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner, f"{host}:{sock.getsockname()[1]}"
+    return await serve_app(rest.app(), address, tls=tls)

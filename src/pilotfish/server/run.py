@@ -9,13 +9,10 @@ import logging
 import os
 import resource
 import signal
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from aiohttp import web
 
 from pilotfish.bootstrap import DEFAULT_REST_REFRESH, split_address
 from pilotfish.cache import SnapshotCache
@@ -28,6 +25,7 @@ from pilotfish.server.authorize import NodeAuthorizer, NodeRule
 from pilotfish.server.grants import SecretGrant, SecretGrants, Subject
 from pilotfish.server.groups import NodeGroupRule, NodeGroups
 from pilotfish.server.grpc_server import ConnectionLimits
+from pilotfish.server.http_site import serve_app
 from pilotfish.server.metrics import Metrics
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
@@ -201,20 +199,16 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             registry = Registry(clock=time.monotonic, self_preservation=settings.registry_self_preservation,
                                 limits=settings.registry_limits)
             api = RegistryApi(registry, reconciler, events=events, max_body=settings.registry_max_body, tokens=tokens)
-            runner = web.AppRunner(api.app(), access_log=None)
-            await runner.setup()
-            cleanups.append(runner.cleanup)
-            reg_host, reg_port = split_address(settings.registry)
             if tokens is None:
-                warn_if_open(reg_host)
+                warn_if_open(split_address(settings.registry)[0])
             registry_tls = None
             if registry_tls_files is not None:
                 registry_tls = ReloadingServerContext(registry_tls_files, on_event=events.emit, name="registry")
                 tasks.append(asyncio.create_task(registry_tls.run(every=settings.tls_reload_every),
                                                  name="registry-tls-reload"))
-            sock = socket.create_server((reg_host, reg_port), reuse_port=False)
-            await web.SockSite(runner, sock, ssl_context=None if registry_tls is None else registry_tls.context).start()
-            registry_address = f"{reg_host}:{sock.getsockname()[1]}"
+            runner, registry_address = await serve_app(
+                api.app(), settings.registry, tls=None if registry_tls is None else registry_tls.context)
+            cleanups.append(runner.cleanup)
             tasks.append(asyncio.create_task(api.expire_forever(), name="registry-expiry"))
             if tokens is not None:
                 tasks.append(asyncio.create_task(tokens.follow(), name="registry-tokens"))
