@@ -117,7 +117,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="JSON or YAML file of services and Envoy resources (clusters, endpoints, listeners, "
                             "routes, secrets), watched for changes")
     serve.add_argument("--registry", type=_address, metavar="HOST:PORT",
-                       help="serve the registry HTTP API here (register instances, heartbeats, TTLs)")
+                       help="serve the registry HTTP API here (register instances, heartbeats, TTLs); with --etcd "
+                            "registrations are stored in etcd (TTLs as leases), otherwise in memory and lost on "
+                            "restart")
     serve.add_argument("--registry-tokens", type=Path, metavar="FILE",
                        help="require bearer tokens on the registry API, with the scopes this file gives them "
                             "(followed as it changes; see `pilotfish token`)")
@@ -127,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--registry-self-preservation-share", type=_share, default=0.5, metavar="SHARE",
                        help="(default: %(default)s)")
     serve.add_argument("--etcd", type=_address, metavar="HOST:PORT",
-                       help="read services and instances from etcd's client API here, watched")
+                       help="read services and instances from etcd's client API here, watched (and with "
+                            "--registry, store registrations there: replicas on one etcd serve one fleet)")
     serve.add_argument("--etcd-prefix", default="/pilotfish/", metavar="PREFIX",
                        help="etcd key prefix: PREFIX/services/NAME, PREFIX/instances/SERVICE/ID (default: %(default)s)")
     serve.add_argument("--quiet-ms", type=_positive_int, default=100, metavar="MS",

@@ -125,6 +125,11 @@ class Etcd:
     def put_json(self, key: str, value: Any) -> int:
         return self.put(key, json.dumps(value))
 
+    def get_json(self, key: str) -> Any:
+        """The JSON value of ``key`` (None: no such key)."""
+        kvs = self._post_ok("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
+        return json.loads(base64.b64decode(kvs[0]["value"])) if kvs else None
+
     def delete(self, key: str) -> int:
         """Delete one key; return how many keys were deleted (0 or 1)."""
         answer = self._post_ok("/v3/kv/deleterange", {"key": _b64(key)})

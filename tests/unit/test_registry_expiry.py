@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pilotfish.cache import SnapshotCache
@@ -207,9 +209,7 @@ def test_a_last_instance_whose_expiry_would_break_the_merged_state_leaves_its_cl
     reconciler.update("file", DesiredState.of_document(document))
     registry = Registry(clock=clock)
     api = RegistryApi(registry, reconciler)
-    instance, state = api._apply("web", lambda: registry.register("web", {"address": "127.0.0.1", "port": 1,
-                                                                           "ttl": 5}))
-    api._changed("registered", state, service="web", instance=instance.id)
+    asyncio.run(api.store.register("web", {"address": "127.0.0.1", "port": 1, "ttl": 5}))
     assert reconciler.build_now() is not None
     clock.time += 6
     api.expire_once()

@@ -53,18 +53,20 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
-from pilotfish.desired import DesiredState
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog, ReportGate
 from pilotfish.reconcile import Reconciler
 from pilotfish.server.registry_auth import Access, Denied, TokenFile, authorize
-from pilotfish.sources.registry import Registry, RegistryFull, UnknownInstance
+from pilotfish.sources.etcd import EtcdUnavailable
+from pilotfish.sources.registry import Conflict, Registry, RegistryFull, UnknownInstance
 
-__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_MAX_DEPTH", "ROUTES", "Conflict", "RegistryApi"]
+__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_MAX_DEPTH", "ROUTES", "Conflict", "MemoryRegistry", "RegistryApi",
+           "RegistryStore", "Written"]
 
 _log = logging.getLogger("pilotfish.registry")
 _SOURCE = "registry"
@@ -90,14 +92,6 @@ ROUTES: tuple[tuple[str, str, str, Access], ...] = (
 )
 """Every route: method, path, handler (a method of :class:`RegistryApi`) and what it needs when
 there is a tokens file. A write needs a token whose scope covers the ``{service}`` of the path."""
-
-
-class Conflict(Exception):
-    """The request is well formed but would make the merged state of all sources invalid."""
-
-    def __init__(self, problems: list[Problem]) -> None:
-        self.problems = problems
-        super().__init__("; ".join(str(p) for p in problems))
 
 
 def _error(status: int, message: str, problems: list[dict[str, str]] | None = None) -> web.Response:
@@ -126,6 +120,108 @@ def _too_deep(value: Any, limit: int) -> bool:
     return False
 
 
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What a write did: the service or instance as it now reads (None: gone), and the etcd
+    revision that holds it (None: the in-memory registry)."""
+
+    body: dict[str, Any] | None
+    revision: int | None = None
+
+
+class RegistryStore(Protocol):
+    """Where registrations live: this process's memory (:class:`MemoryRegistry`) or etcd
+    (:class:`~pilotfish.server.registry_etcd.EtcdRegistry`). A write checks the request, the
+    limits and the merged state of every source with the change (raising ``ConfigError``,
+    :class:`RegistryFull`, :class:`Conflict` or :class:`UnknownInstance`, having changed nothing),
+    then makes the change."""
+
+    @property
+    def revision(self) -> int | None:
+        """The etcd revision this replica has applied (None: not on etcd)."""
+
+    def knows(self, name: str) -> bool: ...
+    def describe(self, name: str | None = None) -> dict[str, Any]: ...
+
+    async def caught_up(self, revision: int, timeout: float) -> bool:
+        """Wait until this replica has applied ``revision``; False if ``timeout`` passes first."""
+
+    async def status(self) -> dict[str, Any] | None:
+        """The store's health for ``/healthz`` (None: nothing to say)."""
+
+    async def define(self, name: str, body: Any) -> Written: ...
+    async def undefine(self, name: str) -> Written: ...
+    async def register(self, service: str, body: Any) -> Written: ...
+    async def heartbeat(self, service: str, instance_id: str) -> Written: ...
+    async def deregister(self, service: str, instance_id: str) -> Written: ...
+
+
+class MemoryRegistry:
+    """Registrations in this process's memory (a :class:`Registry`): lost when it stops."""
+
+    def __init__(self, registry: Registry, reconciler: Reconciler, *, changed: Callable[[], None]) -> None:
+        self.registry = registry
+        self.reconciler = reconciler
+        self._changed = changed
+        """Called after every accepted change (wakes the TTL expiry)."""
+
+    @property
+    def revision(self) -> int | None:
+        return None
+
+    def knows(self, name: str) -> bool:
+        return self.registry.knows(name)
+
+    async def caught_up(self, revision: int, timeout: float) -> bool:
+        return True  # one process: every read already sees every write
+
+    async def status(self) -> dict[str, Any] | None:
+        return None
+
+    def describe(self, name: str | None = None) -> dict[str, Any]:
+        return self.registry.describe(name)
+
+    def _apply(self, service: str, change: Callable[[], T]) -> T:
+        """Make ``change`` (to ``service`` only) if the merged state stays valid, and hand the
+        registry's new state to the reconciler; else take it back and raise :class:`Conflict`.
+        Synchronous: nothing else runs between the check and the update."""
+        undo = self.registry.undo_point(service)
+        try:
+            result = change()
+            state = self.registry.state()
+            problems = self.reconciler.check(_SOURCE, state)
+        except BaseException:
+            undo()
+            raise
+        if problems:
+            undo()
+            raise Conflict(problems)
+        self.reconciler.update(_SOURCE, state)
+        self._changed()
+        return result
+
+    async def define(self, name: str, body: Any) -> Written:
+        self._apply(name, lambda: self.registry.define(name, body))
+        return Written(self.registry.describe(name)[name])
+
+    async def undefine(self, name: str) -> Written:
+        self._apply(name, lambda: self.registry.undefine(name))
+        return Written(None)
+
+    async def register(self, service: str, body: Any) -> Written:
+        instance = self._apply(service, lambda: self.registry.register(service, body))
+        return Written(instance.describe(self.registry.now()))
+
+    async def heartbeat(self, service: str, instance_id: str) -> Written:
+        instance = self.registry.heartbeat(service, instance_id)
+        self._changed()
+        return Written(instance.describe(self.registry.now()))
+
+    async def deregister(self, service: str, instance_id: str) -> Written:
+        self._apply(service, lambda: self.registry.deregister(service, instance_id))
+        return Written(None)
+
+
 class RegistryApi:
     """Serves a :class:`Registry` over HTTP; checks changes with the reconciler, then reports them."""
 
@@ -139,13 +235,20 @@ class RegistryApi:
         max_depth: int = DEFAULT_MAX_DEPTH,
         tokens: TokenFile | None = None,
         deny_report_every: float = 10.0,
+        store: RegistryStore | None = None,
+        max_revision_wait: float = 30.0,
     ) -> None:
         self.registry = registry
+        """The in-memory registry (TTL expiry and self-preservation run on it)."""
         self.reconciler = reconciler
         self.events = events or EventLog()
         self.max_body = max_body
         self.max_depth = max_depth
         self._expiry_wake = asyncio.Event()
+        self.store: RegistryStore = store or MemoryRegistry(registry, reconciler, changed=self._expiry_wake.set)
+        """Where writes go and reads come from: memory, or etcd (``serve --etcd``)."""
+        self.max_revision_wait = max_revision_wait
+        """The longest a ``GET ...?revision=N`` waits for this replica to catch up (seconds)."""
         self.tokens = tokens
         """Who may do what; None: anyone may do anything (the API without ``--registry-tokens``)."""
         self._access: dict[tuple[str, str], Access] = {(method, path): access for method, path, _, access in ROUTES}
@@ -160,28 +263,8 @@ class RegistryApi:
                 app.router.add_route("HEAD", path, getattr(self, handler))
         return app
 
-    def _apply(self, service: str, change: Callable[[], T]) -> tuple[T, DesiredState]:
-        """Make ``change`` (to ``service`` only) if the merged state stays valid; else take it back
-        and raise :class:`Conflict`. The caller reports the change (:meth:`_changed`) with no await
-        in between, so nothing else runs between the check and the update.
-        """
-        undo = self.registry.undo_point(service)
-        try:
-            result = change()
-            state = self.registry.state()
-            problems = self.reconciler.check(_SOURCE, state)
-        except BaseException:
-            undo()
-            raise
-        if problems:
-            undo()
-            raise Conflict(problems)
-        return result, state
-
-    def _changed(self, what: str, state: DesiredState, **fields: Any) -> None:
+    def _changed(self, what: str, **fields: Any) -> None:
         self.events.emit("registry_" + what, **fields)
-        self.reconciler.update(_SOURCE, state)
-        self._expiry_wake.set()
 
     async def expire_forever(self) -> None:
         """Remove instances whose TTL lapsed, as they lapse (self-preservation permitting)."""
@@ -256,6 +339,9 @@ class RegistryApi:
             return _error(409, str(exc))
         except UnknownInstance as exc:
             return _error(404, str(exc))
+        except EtcdUnavailable as exc:
+            return _error(503, f"{request.method} {request.path}: {exc}. A read or a refused write changed nothing; a "
+                               "write whose answer was lost may have been made: retrying it is safe")
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"the body of {request.method} {request.path} is larger than {self.max_body} bytes")
         except web.HTTPException as exc:
@@ -313,50 +399,80 @@ class RegistryApi:
                                                       f"(at most {self.max_depth} levels)")])
         return value
 
+    def _answer(self, body: Any, *, status: int = 200, revision: int | None = None) -> web.Response:
+        """A JSON answer; on etcd, with the revision this replica has applied (and that of the write)."""
+        applied = self.store.revision
+        if revision is not None and isinstance(body, dict):
+            body = {**body, "revision": revision}
+        response = web.json_response(body, status=status) if body is not None else web.Response(status=204)
+        if applied is not None:
+            response.headers["Pilotfish-Etcd-Revision"] = str(max(applied, revision or 0))
+        return response
+
+    async def _read_revision(self, request: web.Request) -> web.Response | None:
+        """``?revision=N``: wait (up to ``?wait=S`` seconds, default 5) until this replica has
+        applied revision N; an error answer if it has not, None when it has (or nothing was asked)."""
+        raw = request.query.get("revision")
+        if raw is None:
+            return None
+        try:
+            wanted = int(raw)
+            wait = min(float(request.query.get("wait", "5")), self.max_revision_wait)
+        except ValueError:
+            raise ConfigError("request", [Problem("revision", "expected ?revision=N (an etcd revision, as a write "
+                                                              "answered) and optionally &wait=SECONDS")]) from None
+        if not await self.store.caught_up(wanted, max(0.0, wait)):
+            return _error(503, f"this replica has applied etcd revision {self.store.revision}, not yet {wanted}; "
+                               "retry, or read from another replica")
+        return None
+
     async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "serving"})
+        status = await self.store.status()
+        return self._answer({"status": "serving", **({"etcd": status} if status is not None else {})})
 
     async def _list(self, request: web.Request) -> web.Response:
-        return web.json_response({"services": self.registry.describe()})
+        return await self._read_revision(request) or self._answer({"services": self.store.describe()},
+                                                                 revision=self.store.revision)
 
     async def _get(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
-        if not self.registry.knows(name):
+        waited = await self._read_revision(request)
+        if waited is not None:
+            return waited
+        if not self.store.knows(name):
             return _error(404, f"no service {name!r}")
-        return web.json_response(self.registry.describe(name)[name])
+        return self._answer(self.store.describe(name)[name])
 
     async def _define(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
-        body = await self._body(request)
-        _, state = self._apply(name, lambda: self.registry.define(name, body))
-        self._changed("service_defined", state, service=name)
-        return web.json_response(self.registry.describe(name)[name])
+        written = await self.store.define(name, await self._body(request))
+        self._changed("service_defined", service=name)
+        return self._answer(written.body, revision=written.revision)
 
     async def _undefine(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
-        if not self.registry.knows(name):
+        if not self.store.knows(name):
             return _error(404, f"no service {name!r}")
-        _, state = self._apply(name, lambda: self.registry.undefine(name))
-        self._changed("service_removed", state, service=name)
-        return web.Response(status=204)
+        written = await self.store.undefine(name)
+        self._changed("service_removed", service=name)
+        return self._answer(written.body, status=204, revision=written.revision)
 
     async def _register(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
-        body = await self._body(request)
-        instance, state = self._apply(name, lambda: self.registry.register(name, body))
-        self._changed("registered", state, service=name, instance=instance.id, ttl=instance.ttl)
-        return web.json_response(instance.describe(self.registry.now()), status=201)
+        written = await self.store.register(name, await self._body(request))
+        assert written.body is not None
+        self._changed("registered", service=name, instance=written.body["id"], ttl=written.body["ttl"])
+        return self._answer(written.body, status=201, revision=written.revision)
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
-        instance = self.registry.heartbeat(request.match_info["service"], request.match_info["id"])
-        self._expiry_wake.set()
-        return web.json_response(instance.describe(self.registry.now()))
+        written = await self.store.heartbeat(request.match_info["service"], request.match_info["id"])
+        return self._answer(written.body)
 
     async def _deregister(self, request: web.Request) -> web.Response:
         name, instance_id = request.match_info["service"], request.match_info["id"]
-        _, state = self._apply(name, lambda: self.registry.deregister(name, instance_id))
-        self._changed("deregistered", state, service=name, instance=instance_id)
-        return web.Response(status=204)
+        written = await self.store.deregister(name, instance_id)
+        self._changed("deregistered", service=name, instance=instance_id)
+        return self._answer(written.body, status=204, revision=written.revision)
 
     async def _preservation(self, request: web.Request) -> web.Response:
         return web.json_response(self._preservation_view())

@@ -29,6 +29,7 @@ from pilotfish.server.http_site import serve_app
 from pilotfish.server.metrics import Metrics
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
+from pilotfish.server.registry_etcd import EtcdRegistry
 from pilotfish.server.rest import RestXds, start_rest_server
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
 from pilotfish.server.xds import XdsLimits, XdsServer, start_xds_server
@@ -194,11 +195,19 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         host = settings.xds.rsplit(":", 1)[0]
         if xds_tls is not None:
             tasks.append(asyncio.create_task(xds_tls.run(every=settings.tls_reload_every), name="xds-tls-reload"))
+        if settings.etcd is not None:
+            etcd = EtcdSource(settings.etcd, settings.etcd_prefix, on_event=events.emit,
+                              on_state=lambda state: reconciler.update("etcd", state))
         registry_address = None
         if settings.registry is not None:
             registry = Registry(clock=time.monotonic, self_preservation=settings.registry_self_preservation,
                                 limits=settings.registry_limits)
-            api = RegistryApi(registry, reconciler, events=events, max_body=settings.registry_max_body, tokens=tokens)
+            store = None if etcd is None else EtcdRegistry(etcd, reconciler, limits=settings.registry_limits)
+            if store is None:
+                _log.warning("the registry keeps registrations in this process's memory: a restart forgets them, "
+                             "and other replicas never see them. With --etcd they live in etcd")
+            api = RegistryApi(registry, reconciler, events=events, max_body=settings.registry_max_body, tokens=tokens,
+                              store=store)
             if tokens is None:
                 warn_if_open(split_address(settings.registry)[0])
             registry_tls = None
@@ -209,7 +218,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             runner, registry_address = await serve_app(
                 api.app(), settings.registry, tls=None if registry_tls is None else registry_tls.context)
             cleanups.append(runner.cleanup)
-            tasks.append(asyncio.create_task(api.expire_forever(), name="registry-expiry"))
+            if store is None:  # on etcd, leases expire in etcd
+                tasks.append(asyncio.create_task(api.expire_forever(), name="registry-expiry"))
             if tokens is not None:
                 tasks.append(asyncio.create_task(tokens.follow(), name="registry-tokens"))
         rest_address = None
@@ -255,9 +265,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             _log.info("admin API on %s://%s (/healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, /v1/held)",
                       "http" if admin_tls_files is None else "https", admin_address)
 
-        if settings.etcd is not None:
-            etcd = EtcdSource(settings.etcd, settings.etcd_prefix, on_event=events.emit,
-                              on_state=lambda state: reconciler.update("etcd", state))
+        if etcd is not None:
             tasks.append(asyncio.create_task(etcd.run(), name="etcd-source"))
         tasks.append(asyncio.create_task(reconciler.run(), name="reconciler"))
         tasks.append(asyncio.create_task(_tidy_heap_when_idle(lambda: reconciler.idle), name="gc"))

@@ -6,7 +6,10 @@ Key layout under the prefix (default ``/pilotfish/``), values are JSON:
   the snapshot file (``listen``, ``protocol``, ``connect_timeout``, ``grpc``, ``zone_local``, ...;
   ``endpoints`` allowed);
 - ``{prefix}instances/{service}/{id}``: one instance, ``{"address": ..., "port": ...,
-  "weight"?: ..., "metadata"?: {...}, "zone"?: ...}``.
+  "weight"?: ..., "metadata"?: {...}, "zone"?: ..., "ttl"?: ...}``. An instance registered with a
+  TTL (through the registry API with ``--etcd``) is attached to an etcd lease of that TTL: its
+  heartbeats keep the lease alive, and etcd deletes the key when they stop; ``ttl`` in the value
+  only says what the lease was granted with.
 
 The source lists the prefix, then watches it from the listed revision + 1, so no change between
 the two is missed. When the watch breaks (etcd restarts, the history was compacted, the network
@@ -14,8 +17,13 @@ fails), it lists again and resumes; the list replaces the whole view, so nothing
 duplicated, and the last good configuration keeps serving meanwhile. A value that does not parse
 is reported (with its key and why) and left out; everything else keeps serving.
 
-The JSON gateway was chosen over a gRPC etcd client: it needs only aiohttp, and the asyncio etcd
-clients on PyPI pin protobuf versions older than the Envoy API modules need.
+The view knows the revision it has applied (:attr:`EtcdView.revision`), so a writer can wait
+until the change it made is in (:meth:`EtcdSource.caught_up`): read your writes.
+
+:class:`EtcdClient` is the few calls pilotfish makes (range, put, delete, transactions, leases);
+every failure to reach etcd or get an answer from it is an :class:`EtcdUnavailable` naming what
+failed. The JSON gateway was chosen over a gRPC etcd client: it needs only aiohttp, and the
+asyncio etcd clients on PyPI pin protobuf versions older than the Envoy API modules need.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import asyncio
 import base64
 import json
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +43,7 @@ from pilotfish.desired import DesiredState
 from pilotfish.errors import Problem
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_endpoint, parse_service
 
-__all__ = ["EtcdSource", "EtcdView", "prefix_end"]
+__all__ = ["EtcdClient", "EtcdSource", "EtcdUnavailable", "EtcdView", "Lease", "prefix_end"]
 
 _log = logging.getLogger("pilotfish.sources.etcd")
 
@@ -56,6 +65,10 @@ def prefix_end(prefix: str) -> str:
     return raw.decode("latin-1")
 
 
+Lease = int
+"""An etcd lease id (0: none)."""
+
+
 @dataclass(slots=True)
 class EtcdView:
     """The parsed keys under the prefix. Pure: no I/O."""
@@ -67,10 +80,26 @@ class EtcdView:
     """key -> (service, endpoint)."""
     bad: dict[str, str] = field(default_factory=dict)
     """key -> why its value was left out."""
+    raw: dict[str, tuple[str, Lease]] = field(default_factory=dict)
+    """key -> (value, lease) of every key under the prefix, good or bad."""
+    ttls: dict[str, float] = field(default_factory=dict)
+    """Instance key -> the TTL its value says it was registered with."""
+    revision: int = 0
+    """The etcd revision this view has applied everything up to."""
 
-    def put(self, key: str, value: str) -> str | None:
+    def service_key(self, name: str) -> str:
+        return f"{self.prefix}services/{name}"
+
+    def instance_key(self, service: str, instance_id: str) -> str:
+        return f"{self.prefix}instances/{service}/{instance_id}"
+
+    def instances_prefix(self, service: str) -> str:
+        return f"{self.prefix}instances/{service}/"
+
+    def put(self, key: str, value: str, lease: Lease = 0) -> str | None:
         """Apply a key's new value; return the problem if it was left out."""
         self.delete(key)
+        self.raw[key] = (value, lease)
         rest = key[len(self.prefix):]
         kind, _, name = rest.partition("/")
         try:
@@ -86,9 +115,15 @@ class EtcdView:
                 return None
         elif kind == "instances" and name.count("/") == 1 and all(name.split("/")):
             service = name.split("/")[0]
+            ttl = document.pop("ttl", None) if isinstance(document, dict) else None
+            if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
+                                    or not math.isfinite(ttl) or ttl <= 0):
+                problems.append(Problem("ttl", f"expected a positive number of seconds, got {ttl!r}"))
             endpoint = parse_endpoint(document, "", problems)
             if endpoint is not None and not problems:
                 self.instances[key] = (service, endpoint)
+                if ttl is not None:
+                    self.ttls[key] = float(ttl)
                 return None
         else:
             return self._bad(key, f"unknown key: expected {self.prefix}services/NAME or "
@@ -100,13 +135,42 @@ class EtcdView:
         return reason
 
     def delete(self, key: str) -> None:
+        self.raw.pop(key, None)
         self.bad.pop(key, None)
         self.instances.pop(key, None)
+        self.ttls.pop(key, None)
         rest = key[len(self.prefix):]
         if rest.startswith("services/"):
             name = rest[len("services/"):]
             self.services.pop(name, None)
             self.service_endpoints.pop(name, None)
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """Every key in the view that starts with ``prefix``."""
+        return [key for key in self.raw if key.startswith(prefix)]
+
+    def lease_of(self, key: str) -> Lease | None:
+        """The lease ``key`` is attached to (0: none); None if the view has no such key."""
+        found = self.raw.get(key)
+        return None if found is None else found[1]
+
+    def state_with(self, changes: Mapping[str, str | None]) -> DesiredState:
+        """The state this view would have with ``changes`` (key -> new value, None: deleted)
+        applied; the view itself is left as it was."""
+        saved = {key: self.raw.get(key) for key in changes}
+        try:
+            for key, value in changes.items():
+                if value is None:
+                    self.delete(key)
+                else:
+                    self.put(key, value, self.raw.get(key, ("", 0))[1])
+            return self.state()
+        finally:
+            for key, old in saved.items():
+                if old is None:
+                    self.delete(key)
+                else:
+                    self.put(key, *old)
 
     def state(self) -> DesiredState:
         endpoints: dict[str, list[Endpoint]] = {n: list(e) for n, e in self.service_endpoints.items()}
@@ -114,6 +178,108 @@ class EtcdView:
             endpoints.setdefault(service, []).append(endpoint)
         deduped = {n: tuple({e.address: e for e in found}.values()) for n, found in endpoints.items()}
         return DesiredState(services=dict(self.services), endpoints=deduped)
+
+
+class EtcdUnavailable(Exception):
+    """etcd could not be reached, or did not do what was asked; the message says which and why."""
+
+
+class EtcdClient:
+    """The etcd v3 calls pilotfish makes, over the JSON gateway, on one aiohttp session.
+
+    Keys and values are text here and base64 on the wire. Each call either returns etcd's answer
+    or raises :class:`EtcdUnavailable` (connection refused, timeout, an error status, an answer
+    that is not what etcd sends).
+    """
+
+    def __init__(self, endpoint: str, *, timeout: float = 5.0) -> None:
+        self.endpoint = endpoint
+        self.base = f"http://{endpoint}"
+        self._timeout = aiohttp.ClientTimeout(total=timeout, connect=min(2.0, timeout))
+        self._http: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(timeout=self._timeout)
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to ``path``; etcd's answer, or :class:`EtcdUnavailable`."""
+        try:
+            async with self.session().post(self.base + path, json=body) as response:
+                answer = await response.json(content_type=None)
+                if response.status != 200 or not isinstance(answer, dict):
+                    message = answer.get("message") if isinstance(answer, dict) else None
+                    raise EtcdUnavailable(f"etcd at {self.endpoint} answered {path} with HTTP {response.status}"
+                                          + (f": {message}" if message else ""))
+                return answer
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            raise EtcdUnavailable(f"etcd at {self.endpoint} unreachable ({path}): "
+                                  f"{str(exc) or type(exc).__name__}") from exc
+
+    @staticmethod
+    def revision(answer: dict[str, Any]) -> int:
+        return int(answer.get("header", {}).get("revision", 0))
+
+    async def range(self, key: str, *, prefix: bool = False, **options: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {"key": _b64(key), **options}
+        if prefix:
+            body["range_end"] = _b64(prefix_end(key))
+        return await self.call("/v3/kv/range", body)
+
+    async def put(self, key: str, value: str, *, lease: Lease = 0) -> int:
+        """Set ``key``; the revision of the write."""
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        return self.revision(await self.call("/v3/kv/put", body))
+
+    async def delete(self, *keys: str, prefixes: tuple[str, ...] = ()) -> int:
+        """Delete ``keys`` and every key under ``prefixes`` in one transaction; its revision."""
+        ops = [{"request_delete_range": {"key": _b64(key)}} for key in keys]
+        ops += [{"request_delete_range": {"key": _b64(p), "range_end": _b64(prefix_end(p))}} for p in prefixes]
+        return self.revision(await self.call("/v3/kv/txn", {"success": ops}))
+
+    async def create(self, key: str, value: str, *, lease: Lease = 0) -> tuple[bool, dict[str, Any]]:
+        """Put ``key`` only if it does not exist. (True, answer) if it was created; otherwise
+        (False, the existing key-value)."""
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        answer = await self.call("/v3/kv/txn", {
+            "compare": [{"key": _b64(key), "target": "CREATE", "create_revision": "0"}],
+            "success": [{"request_put": put}],
+            "failure": [{"request_range": {"key": _b64(key)}}],
+        })
+        if answer.get("succeeded"):
+            return True, answer
+        kvs = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
+        return False, kvs[0] if kvs else {}
+
+    async def grant(self, ttl: float) -> tuple[Lease, int]:
+        """A new lease of ``ttl`` seconds (etcd counts whole seconds, and grants at least its
+        minimum, about 2 s): (its id, the TTL granted)."""
+        answer = await self.call("/v3/lease/grant", {"TTL": max(1, math.ceil(ttl))})
+        if "ID" not in answer:
+            raise EtcdUnavailable(f"etcd at {self.endpoint} granted no lease: {answer.get('error', answer)}")
+        return int(answer["ID"]), int(answer.get("TTL", 0))
+
+    async def keepalive(self, lease: Lease) -> int:
+        """Renew ``lease``; the seconds it now has left (0: it expired or never existed)."""
+        answer = await self.call("/v3/lease/keepalive", {"ID": str(lease)})
+        return int(answer.get("result", {}).get("TTL", 0))
+
+    async def revoke(self, lease: Lease) -> None:
+        """End ``lease`` now (its keys are deleted); one that is already gone is fine."""
+        try:
+            await self.call("/v3/lease/revoke", {"ID": str(lease)})
+        except EtcdUnavailable as exc:
+            if "lease not found" not in str(exc):
+                raise
 
 
 class EtcdSource:
@@ -129,6 +295,8 @@ class EtcdSource:
         backoff: tuple[float, float] = (0.1, 2.0),
     ) -> None:
         self.base = f"http://{endpoint}"
+        self.client = EtcdClient(endpoint)
+        """For the listing (and for writers sharing this source's etcd)."""
         self.prefix = prefix
         self._on_state = on_state
         self._emit = on_event or (lambda *_, **__: None)
@@ -138,53 +306,81 @@ class EtcdSource:
         self.resyncs = 0
         self.problem: str | None = "not contacted yet"
         """Why etcd is not being followed right now (None: it is)."""
+        self._advanced = asyncio.Condition()
+
+    @property
+    def revision(self) -> int:
+        """The etcd revision applied so far (0: not listed yet)."""
+        return self.view.revision
+
+    async def caught_up(self, revision: int, timeout: float) -> bool:
+        """Wait until the view has applied ``revision``; False if ``timeout`` seconds pass first."""
+        async def reached() -> None:
+            async with self._advanced:
+                await self._advanced.wait_for(lambda: self.view.revision >= revision)
+        if self.view.revision >= revision:
+            return True
+        try:
+            await asyncio.wait_for(reached(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _advance(self, revision: int) -> None:
+        if revision > self.view.revision:
+            self.view.revision = revision
+        async with self._advanced:
+            self._advanced.notify_all()
 
     async def run(self) -> None:
         """List and watch until cancelled; on any failure, wait a little and start over."""
         delay = self._backoff[0]
         timeout = aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=None)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            while True:
-                try:
-                    revision = await self._list(http)
-                    delay = self._backoff[0]
-                    await self._watch(http, revision + 1)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    expected = isinstance(exc, aiohttp.ClientError | OSError | ValueError | KeyError | TimeoutError)
-                    reason = (str(exc) or type(exc).__name__) if expected else f"internal error: {exc!r}"
-                    if not expected:
-                        _log.exception("etcd at %s: unexpected error; retrying", self.base)
-                    if self.connected.is_set():
-                        _log.warning("etcd at %s: %s; serving the last good state and retrying", self.base, reason)
-                        self._emit("etcd_disconnected", reason=reason)
-                    self.problem = reason
-                    self.connected.clear()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._backoff[1])
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                while True:
+                    try:
+                        revision = await self._list()
+                        delay = self._backoff[0]
+                        await self._watch(http, revision + 1)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:
+                        self._lost(exc)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self._backoff[1])
+        finally:
+            await self.client.close()
 
-    async def _post(self, http: aiohttp.ClientSession, path: str, body: dict[str, Any]) -> Any:
-        async with http.post(self.base + path, json=body) as response:
-            response.raise_for_status()
-            return await response.json(content_type=None)
+    def _lost(self, exc: Exception) -> None:
+        expected = isinstance(exc, EtcdUnavailable | aiohttp.ClientError | OSError | ValueError | KeyError
+                              | TimeoutError)
+        reason = (str(exc) or type(exc).__name__) if expected else f"internal error: {exc!r}"
+        if not expected:
+            _log.exception("etcd at %s: unexpected error; retrying", self.base)
+        if self.connected.is_set():
+            _log.warning("etcd at %s: %s; serving the last good state and retrying", self.base, reason)
+            self._emit("etcd_disconnected", reason=reason)
+        self.problem = reason
+        self.connected.clear()
 
-    async def _list(self, http: aiohttp.ClientSession) -> int:
-        answer = await self._post(http, "/v3/kv/range",
-                                  {"key": _b64(self.prefix), "range_end": _b64(prefix_end(self.prefix))})
+    async def _list(self) -> int:
+        answer = await self.client.range(self.prefix, prefix=True)
         view = EtcdView(self.prefix)
         for kv in answer.get("kvs", []):
             key = _unb64(kv["key"])
-            problem = view.put(key, _unb64(kv.get("value", "")))
+            problem = view.put(key, _unb64(kv.get("value", "")), int(kv.get("lease", 0)))
             if problem:
                 self._report_bad(key, problem)
         revision = int(answer["header"]["revision"])
+        view.revision = self.view.revision
         self.view = view
         self.resyncs += 1
         self.problem = None
         self.connected.set()
         self._emit("etcd_synced", revision=revision, keys=len(answer.get("kvs", [])), bad=len(view.bad))
         self._on_state(view.state())
+        await self._advance(revision)
         return revision
 
     def _report_bad(self, key: str, reason: str) -> None:
@@ -210,15 +406,19 @@ class EtcdSource:
                 events = result.get("events", [])
                 if not events:
                     continue
+                revision = 0
                 for event in events:
                     kv = event["kv"]
                     key = _unb64(kv["key"])
+                    revision = max(revision, int(kv.get("mod_revision", 0)))
                     if event.get("type") == "DELETE":
                         self.view.delete(key)
                     else:
-                        problem = self.view.put(key, _unb64(kv.get("value", "")))
+                        problem = self.view.put(key, _unb64(kv.get("value", "")), int(kv.get("lease", 0)))
                         if problem:
                             self._report_bad(key, problem)
                 self._on_state(self.view.state())
+                # The events' own revisions, not the header's: a header may be ahead of events
+                # still to come.
+                await self._advance(revision)
         raise ValueError("the watch stream ended")
-

@@ -38,6 +38,7 @@ from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_endpoint, parse_service
 
 __all__ = [
+    "Conflict",
     "ExpiryPass",
     "Instance",
     "Preservation",
@@ -46,6 +47,10 @@ __all__ = [
     "RegistryLimits",
     "SelfPreservation",
     "UnknownInstance",
+    "describe_services",
+    "endpoint_document",
+    "parse_definition",
+    "parse_registration",
 ]
 
 MAX_TTL = 24 * 3600.0
@@ -55,6 +60,14 @@ MAX_METADATA_CHARS = 4096
 
 class UnknownInstance(LookupError):
     """No such instance (never registered, deregistered, or expired): register it again."""
+
+
+class Conflict(Exception):
+    """The request is well formed but would make the merged state of all sources invalid."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
 
 
 class RegistryFull(Exception):
@@ -164,6 +177,75 @@ def _spec_fields(spec: ServiceSpec) -> dict[str, Any]:
     }
 
 
+def parse_definition(name: str, body: Any) -> ServiceSpec:
+    """A service definition sent to the registry API; :class:`ConfigError` naming the bad field."""
+    if isinstance(body, dict) and "endpoints" in body:
+        raise ConfigError("request", [Problem("endpoints", "register instances at /v1/services/NAME/instances")])
+    spec, _, problems = parse_service(name, body, "")
+    if problems or spec is None:
+        raise ConfigError("request", [Problem(p.where.lstrip("."), p.message) for p in problems])
+    return spec
+
+
+def parse_registration(service: str, body: Any) -> tuple[Endpoint, float | None]:
+    """An instance registration sent to the registry API: (its endpoint, its TTL or None);
+    :class:`ConfigError` naming the bad field."""
+    problems: list[Problem] = []
+    if not service or not all(c.isalnum() or c in "-_." for c in service):
+        problems.append(Problem("service", "a service name uses letters, digits, '-', '_' and '.' only"))
+    ttl: float | None = None
+    fields = body
+    if isinstance(body, dict):
+        fields = {k: v for k, v in body.items() if k != "ttl"}
+        raw_ttl = body.get("ttl")
+        if raw_ttl is not None:
+            if isinstance(raw_ttl, bool) or not isinstance(raw_ttl, int | float) or not 0 < raw_ttl <= MAX_TTL:
+                problems.append(Problem("ttl", f"must be a number of seconds from 0 to {MAX_TTL:.0f}"))
+            else:
+                ttl = float(raw_ttl)
+        metadata = body.get("metadata")
+        if isinstance(metadata, dict) and sum(len(str(k)) + len(str(v)) for k, v in metadata.items()) > \
+                MAX_METADATA_CHARS:
+            problems.append(Problem("metadata", f"keys and values may hold {MAX_METADATA_CHARS} characters "
+                                                "in all; keep large data elsewhere"))
+    if not isinstance(body, dict):
+        problems.append(Problem("", "the body must be a JSON object with address and port"))
+        endpoint = None
+    else:
+        endpoint = parse_endpoint(fields, "", problems)
+    if problems or endpoint is None:
+        raise ConfigError("request", [Problem(p.where.lstrip("."), p.message) for p in problems])
+    return endpoint, ttl
+
+
+def endpoint_document(endpoint: Endpoint, ttl: float | None) -> dict[str, Any]:
+    """An instance as the JSON the registry stores in etcd (what :func:`parse_registration` reads)."""
+    document: dict[str, Any] = {"address": endpoint.host, "port": endpoint.port}
+    if endpoint.weight != 1:
+        document["weight"] = endpoint.weight
+    if endpoint.metadata:
+        document["metadata"] = dict(endpoint.metadata)
+    if endpoint.zone:
+        document["zone"] = endpoint.zone
+    if ttl is not None:
+        document["ttl"] = ttl
+    return document
+
+
+def describe_services(names: list[str], specs: dict[str, ServiceSpec], instances: dict[str, list[Instance]],
+                      now: float) -> dict[str, Any]:
+    """The registry API's view of ``names``: definition fields and instances (sorted by id)."""
+    out = {}
+    for service in names:
+        spec = specs.get(service)
+        out[service] = {
+            "defined": spec is not None,
+            **(_spec_fields(spec) if spec else {}),
+            "instances": [i.describe(now) for i in sorted(instances.get(service, ()), key=lambda i: i.id)],
+        }
+    return out
+
+
 class Registry:
     """Registered services and instances."""
 
@@ -195,11 +277,7 @@ class Registry:
 
     def define(self, name: str, body: Any) -> ServiceSpec:
         """Define (or redefine) a service; raise :class:`ConfigError` naming the bad field."""
-        if isinstance(body, dict) and "endpoints" in body:
-            raise ConfigError("request", [Problem("endpoints", "register instances at /v1/services/NAME/instances")])
-        spec, _, problems = parse_service(name, body, "")
-        if problems or spec is None:
-            raise ConfigError("request", [Problem(p.where.lstrip("."), p.message) for p in problems])
+        spec = parse_definition(name, body)
         self._make_room_for_service(name)
         self._specs[name] = spec
         return spec
@@ -221,31 +299,7 @@ class Registry:
 
     def register(self, service: str, body: Any) -> Instance:
         """Register (or re-register) an instance; raise :class:`ConfigError` naming the bad field."""
-        problems: list[Problem] = []
-        if not service or not all(c.isalnum() or c in "-_." for c in service):
-            problems.append(Problem("service", "a service name uses letters, digits, '-', '_' and '.' only"))
-        ttl: float | None = None
-        fields = body
-        if isinstance(body, dict):
-            fields = {k: v for k, v in body.items() if k != "ttl"}
-            raw_ttl = body.get("ttl")
-            if raw_ttl is not None:
-                if isinstance(raw_ttl, bool) or not isinstance(raw_ttl, int | float) or not 0 < raw_ttl <= MAX_TTL:
-                    problems.append(Problem("ttl", f"must be a number of seconds from 0 to {MAX_TTL:.0f}"))
-                else:
-                    ttl = float(raw_ttl)
-            metadata = body.get("metadata")
-            if isinstance(metadata, dict) and sum(len(str(k)) + len(str(v)) for k, v in metadata.items()) > \
-                    MAX_METADATA_CHARS:
-                problems.append(Problem("metadata", f"keys and values may hold {MAX_METADATA_CHARS} characters "
-                                                    "in all; keep large data elsewhere"))
-        if not isinstance(body, dict):
-            problems.append(Problem("", "the body must be a JSON object with address and port"))
-            endpoint = None
-        else:
-            endpoint = parse_endpoint(fields, "", problems)
-        if problems or endpoint is None:
-            raise ConfigError("request", [Problem(p.where.lstrip("."), p.message) for p in problems])
+        endpoint, ttl = parse_registration(service, body)
         by_id = self._instances.get(service, {})
         if endpoint.address not in by_id:
             self._make_room_for_service(service)
@@ -389,17 +443,9 @@ class Registry:
         return DesiredState(services=dict(self._specs), endpoints=dict(cached))
 
     def describe(self, name: str | None = None) -> dict[str, Any]:
-        now = self._clock()
         names = sorted(set(self._specs) | set(self._instances)) if name is None else [name]
-        out = {}
-        for service in names:
-            spec = self._specs.get(service)
-            out[service] = {
-                "defined": spec is not None,
-                **(_spec_fields(spec) if spec else {}),
-                "instances": [i.describe(now) for _, i in sorted(self._instances.get(service, {}).items())],
-            }
-        return out
+        return describe_services(names, self._specs, {n: list(by_id.values()) for n, by_id in self._instances.items()
+                                                      if n in names}, self._clock())
 
     def knows(self, name: str) -> bool:
         return name in self._specs or name in self._instances

@@ -1,0 +1,204 @@
+"""The registry API's store when pilotfish runs on etcd: every write goes to etcd, every read comes
+from this replica's view of it.
+
+With ``serve --etcd``, registrations must outlive the process and be the same on every replica,
+so the registry keeps nothing of its own. A write is checked the way the in-memory registry
+checks it (the request's fields, the registry's limits, and the merged state of every source with
+the change applied, :meth:`~pilotfish.reconcile.Reconciler.check`), then written to the keys the
+etcd source reads (:mod:`pilotfish.sources.etcd`); it is acknowledged only once etcd has it. The
+change reaches the snapshot the way any etcd change does: through the watch, on every replica
+alike, so replicas build the same snapshots from the same revision.
+
+- An instance with a TTL is attached to an etcd lease of that TTL (etcd counts whole seconds and
+  grants at least about 2 s). A heartbeat, on any replica, renews the lease; when heartbeats stop,
+  etcd deletes the key and every replica drops the instance. No replica has to be the one that saw
+  the registration, and a restart of every replica forgets nothing.
+- **Read your writes**: a write answers with the etcd revision it made (``revision`` in the body and
+  the ``Pilotfish-Etcd-Revision`` header on every answer). The replica that took the write waits
+  (briefly) until its own view has that revision before it answers; a ``GET`` on any replica with
+  ``?revision=N`` waits until that replica has caught up to ``N`` (or answers 503 saying how far
+  behind it is).
+- etcd unreachable: a write answers 503 with the reason, and the last good configuration keeps
+  serving. A write whose answer was lost may or may not have been made: retrying is safe (every
+  write is idempotent).
+- Checks and writes are not one transaction: two replicas may each accept a change that conflicts
+  with the other's. The reconciler's publishing rules still refuse a merged state that does not
+  build, so the last good configuration keeps serving; the registry's check is what makes the
+  common case answer 409.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pilotfish.reconcile import Reconciler
+from pilotfish.server.registry_api import Written
+from pilotfish.sources.etcd import EtcdSource, EtcdUnavailable
+from pilotfish.sources.registry import (
+    Conflict,
+    Instance,
+    RegistryFull,
+    RegistryLimits,
+    UnknownInstance,
+    describe_services,
+    endpoint_document,
+    parse_definition,
+    parse_registration,
+)
+
+__all__ = ["EtcdRegistry"]
+
+_log = logging.getLogger("pilotfish.registry")
+_SOURCE = "etcd"
+
+
+class EtcdRegistry:
+    """Registry operations on etcd keys (see the module docstring)."""
+
+    def __init__(self, source: EtcdSource, reconciler: Reconciler, *, limits: RegistryLimits | None = None,
+                 local_wait: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.source = source
+        self.client = source.client
+        self.reconciler = reconciler
+        self.limits = limits or RegistryLimits()
+        self.local_wait = local_wait
+        """How long a write waits for this replica's view to show it before answering anyway."""
+        self._clock = clock
+
+    # -- reads -----------------------------------------------------------------------------
+
+    @property
+    def revision(self) -> int:
+        return self.source.revision
+
+    def knows(self, name: str) -> bool:
+        view = self.source.view
+        return name in view.services or any(service == name for service, _ in view.instances.values())
+
+    def _instances(self) -> dict[str, list[Instance]]:
+        view = self.source.view
+        found: dict[str, list[Instance]] = {}
+        for key, (service, endpoint) in view.instances.items():
+            found.setdefault(service, []).append(Instance(service, endpoint, view.ttls.get(key), None))
+        return found
+
+    def describe(self, name: str | None = None) -> dict[str, Any]:
+        view = self.source.view
+        instances = self._instances()
+        names = sorted(set(view.services) | set(instances)) if name is None else [name]
+        return describe_services(names, view.services, instances, self._clock())
+
+    async def caught_up(self, revision: int, timeout: float) -> bool:
+        return await self.source.caught_up(revision, timeout)
+
+    async def status(self) -> dict[str, Any]:
+        """This replica's etcd revision, and how far it is behind etcd's latest change under the
+        prefix (puts only: etcd keeps no record of deleted keys to compare with)."""
+        out: dict[str, Any] = {"endpoint": self.client.endpoint, "prefix": self.source.prefix,
+                               "revision": self.revision, "connected": self.source.problem is None,
+                               "problem": self.source.problem}
+        try:
+            answer = await self.client.range(self.source.prefix, prefix=True, keys_only=True, limit=1,
+                                             sort_order="DESCEND", sort_target="MOD")
+        except EtcdUnavailable as exc:
+            out["problem"] = str(exc)
+            return out
+        latest = max((int(kv.get("mod_revision", 0)) for kv in answer.get("kvs", [])), default=0)
+        out["etcd_revision"] = self.client.revision(answer)
+        out["lag"] = max(0, latest - self.revision)
+        return out
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def _check(self, changes: dict[str, str | None]) -> None:
+        problems = self.reconciler.check(_SOURCE, self.source.view.state_with(changes))
+        if problems:
+            raise Conflict(problems)
+
+    def _room_for(self, service: str, *, instance_key: str | None = None) -> None:
+        view = self.source.view
+        if not self.knows(service) and len(self.describe()) >= self.limits.max_services:
+            raise RegistryFull(f"the registry holds its limit of {self.limits.max_services} services "
+                               "(max_services): remove unused services or raise the limit")
+        if instance_key is not None and instance_key not in view.instances and \
+                len(view.instances) >= self.limits.max_instances:
+            raise RegistryFull(f"the registry holds its limit of {self.limits.max_instances} instances "
+                               "(max_instances): deregister unused instances or raise the limit")
+
+    async def _settled(self, revision: int) -> Written:
+        if not await self.source.caught_up(revision, self.local_wait):
+            _log.warning("registry write at etcd revision %d not yet seen by this replica's watch after %.1fs "
+                         "(at %d); answering anyway", revision, self.local_wait, self.revision)
+        return Written(None, revision)
+
+    async def define(self, name: str, body: Any) -> Written:
+        parse_definition(name, body)
+        key = self.source.view.service_key(name)
+        value = json.dumps(body, sort_keys=True)
+        self._room_for(name)
+        self._check({key: value})
+        revision = await self.client.put(key, value)
+        await self._settled(revision)
+        return Written(self.describe(name)[name], revision)
+
+    async def undefine(self, name: str) -> Written:
+        view = self.source.view
+        key, instances = view.service_key(name), view.instances_prefix(name)
+        self._check({key: None, **dict.fromkeys(view.keys_under(instances))})
+        return await self._settled(await self.client.delete(key, prefixes=(instances,)))
+
+    async def register(self, service: str, body: Any) -> Written:
+        endpoint, ttl = parse_registration(service, body)
+        view = self.source.view
+        key = view.instance_key(service, endpoint.address)
+        value = json.dumps(endpoint_document(endpoint, ttl), sort_keys=True)
+        self._room_for(service, instance_key=key)
+        self._check({key: value})
+        old_lease = view.lease_of(key) or 0
+        lease = (await self.client.grant(ttl))[0] if ttl is not None else 0
+        revision = await self.client.put(key, value, lease=lease)
+        if old_lease and old_lease != lease:
+            await self._forget_lease(old_lease)
+        await self._settled(revision)
+        instance = Instance(service, endpoint, ttl, None if ttl is None else self._clock() + ttl)
+        return Written(instance.describe(self._clock()), revision)
+
+    async def heartbeat(self, service: str, instance_id: str) -> Written:
+        view = self.source.view
+        key = view.instance_key(service, instance_id)
+        lease = view.lease_of(key)
+        found = view.instances.get(key)
+        if lease is None or found is None:
+            raise UnknownInstance(f"no instance {instance_id} of service {service!r}: register it again")
+        ttl = view.ttls.get(key)
+        left: float | None = None
+        if lease:
+            left = await self.client.keepalive(lease)
+            if left <= 0:
+                raise UnknownInstance(f"instance {instance_id} of service {service!r} expired (its etcd lease "
+                                      "ended): register it again")
+        expires = None if left is None else self._clock() + left
+        return Written(Instance(service, found[1], ttl, expires).describe(self._clock()))
+
+    async def deregister(self, service: str, instance_id: str) -> Written:
+        view = self.source.view
+        key = view.instance_key(service, instance_id)
+        lease = view.lease_of(key)
+        if lease is None:
+            raise UnknownInstance(f"no instance {instance_id} of service {service!r}")
+        self._check({key: None})
+        revision = await self.client.delete(key)
+        if lease:
+            await self._forget_lease(lease)
+        return await self._settled(revision)
+
+    async def _forget_lease(self, lease: int) -> None:
+        """Revoke a lease no key needs any more; if that fails, it just runs out."""
+        try:
+            await self.client.revoke(lease)
+        except EtcdUnavailable as exc:
+            _log.info("could not revoke etcd lease %x (it expires by itself): %s", lease, exc)
