@@ -140,6 +140,9 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType({
     "etcd_synced": _spec("etcd was listed", "revision", "keys", "bad"),
     "etcd_disconnected": _spec("the etcd watch broke", "reason"),
     "etcd_bad_value": _spec("a value in etcd was left out", "key", "reason"),
+    "leader_elected": _spec("this replica now runs the registry's singleton duties (etcd election)", "replica",
+                            "reason"),
+    "leader_lost": _spec("this replica no longer runs them", "replica", "reason"),
 })
 """Every event pilotfish writes, and its fields: the event log's contract with whoever reads it
 (README's table is checked against it, and the tests check every line they make)."""

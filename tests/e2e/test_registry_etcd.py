@@ -176,3 +176,57 @@ def test_a_write_that_conflicts_with_the_merged_state_is_refused_and_not_stored(
     status, answer = http_json("PUT", a.registry_url + "/v1/services/api", {"listen": listen, "protocol": "http"})
     assert status == 409 and "listen" in str(answer["problems"]), answer
     assert etcd.get_json("/pilotfish/services/api") is None
+
+
+def leader_of(planes: list[ControlPlane]) -> ControlPlane | None:
+    """The replica that says it runs the singleton duties (None: none does, right now)."""
+    for plane in planes:
+        if plane.process.alive():
+            status, answer = get(plane, "/v1/self-preservation")
+            if status == 200 and answer.get("leader"):
+                return plane
+    return None
+
+
+def test_self_preservation_runs_on_the_elected_replica_and_moves_when_it_dies(processes: ProcessGroup) -> None:
+    """Four TTL instances stop heartbeating at once (a partition): the elected replica keeps their
+    leases instead of letting them end. SIGKILL it: another replica is elected and keeps them
+    still. When heartbeats come back, one instance that stays silent alone ends as usual."""
+    etcd = Etcd.start(processes)
+    planes = replicas(processes, etcd, 2)
+    client = RegistryClient(planes[0].registry_url)
+    client.define("web", listen=f"127.0.0.1:{free_port()}", protocol="http")
+    ids = [client.register("web", "127.0.0.1", 9001 + n, ttl=TTL_S) for n in range(4)]
+    beating = [Heartbeats(client, "web", instance) for instance in ids]
+    wait_until(lambda: leader_of(planes) is not None, timeout=20, what="a replica to be elected")
+    first = leader_of(planes)
+    assert first is not None
+    follower = next(plane for plane in planes if plane is not first)
+
+    # The partition: every heartbeat stops at once. Each lease would end after TTL_S; the leader
+    # keeps them.
+    for heartbeats in beating:
+        heartbeats.stop()
+    first.events.wait_for(is_event("registry_self_preservation", state="entered"), timeout=3 * TTL_S,
+                          what="self-preservation on the elected replica")
+    silent_since = time.monotonic()
+    wait_until(lambda: time.monotonic() - silent_since > 2 * TTL_S, timeout=3 * TTL_S,
+               what="two TTLs of silence")
+    assert instance_ids(follower, "web") == sorted(ids), "the partitioned instances are kept"
+
+    first.process.stop(kill=True)
+    follower.events.wait_for(is_event("leader_elected"), timeout=20, what="the other replica to be elected")
+    killed_at = time.monotonic()
+    wait_until(lambda: time.monotonic() - killed_at > 2 * TTL_S, timeout=3 * TTL_S, what="two TTLs more")
+    assert instance_ids(follower, "web") == sorted(ids), "the new leader keeps them too"
+
+    # Heartbeats come back for three of them; the fourth stays silent alone and ends.
+    on_follower = RegistryClient(follower.registry_url)
+    beating = [Heartbeats(on_follower, "web", instance) for instance in ids[:3]]
+    try:
+        wait_until(lambda: instance_ids(follower, "web") == sorted(ids[:3]), timeout=6 * TTL_S,
+                   what="the one silent instance to end once the others heartbeat again")
+    finally:
+        for heartbeats in beating:
+            heartbeats.stop()
+    follower.events.wait_for(is_event("registry_self_preservation", state="exited"), what="self-preservation over")

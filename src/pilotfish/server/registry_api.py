@@ -63,7 +63,7 @@ from pilotfish.events import EventLog, ReportGate
 from pilotfish.reconcile import Reconciler
 from pilotfish.server.registry_auth import Access, Denied, TokenFile, authorize
 from pilotfish.sources.etcd import EtcdUnavailable
-from pilotfish.sources.registry import Conflict, Registry, RegistryFull, UnknownInstance
+from pilotfish.sources.registry import Conflict, Preservation, Registry, RegistryFull, UnknownInstance
 
 __all__ = ["DEFAULT_MAX_BODY", "DEFAULT_MAX_DEPTH", "ROUTES", "Conflict", "MemoryRegistry", "RegistryApi",
            "RegistryStore", "Written"]
@@ -149,6 +149,13 @@ class RegistryStore(Protocol):
     async def status(self) -> dict[str, Any] | None:
         """The store's health for ``/healthz`` (None: nothing to say)."""
 
+    @property
+    def preservation(self) -> Preservation | None:
+        """Self-preservation in force (None: not in force, or not run by this replica)."""
+
+    def duties(self) -> dict[str, Any]:
+        """Who runs the singleton duties (self-preservation), for ``/v1/self-preservation``."""
+
     async def define(self, name: str, body: Any) -> Written: ...
     async def undefine(self, name: str) -> Written: ...
     async def register(self, service: str, body: Any) -> Written: ...
@@ -177,6 +184,13 @@ class MemoryRegistry:
 
     async def status(self) -> dict[str, Any] | None:
         return None
+
+    @property
+    def preservation(self) -> Preservation | None:
+        return self.registry.preservation
+
+    def duties(self) -> dict[str, Any]:
+        return {}
 
     def describe(self, name: str | None = None) -> dict[str, Any]:
         return self.registry.describe(name)
@@ -488,6 +502,7 @@ class RegistryApi:
         return web.json_response(self._preservation_view())
 
     def _preservation_view(self) -> dict[str, Any]:
-        kept = self.registry.preservation
+        kept = self.store.preservation
         return {"enabled": self.registry.self_preservation.enabled, "active": kept is not None,
+                **self.store.duties(),
                 **({"kept": kept.describe()} if kept is not None else {})}

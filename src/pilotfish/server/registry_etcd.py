@@ -9,10 +9,13 @@ etcd source reads (:mod:`pilotfish.sources.etcd`); it is acknowledged only once 
 change reaches the snapshot the way any etcd change does: through the watch, on every replica
 alike, so replicas build the same snapshots from the same revision.
 
-- An instance with a TTL is attached to an etcd lease of that TTL (etcd counts whole seconds and
-  grants at least about 2 s). A heartbeat, on any replica, renews the lease; when heartbeats stop,
-  etcd deletes the key and every replica drops the instance. No replica has to be the one that saw
-  the registration, and a restart of every replica forgets nothing.
+- An instance with a TTL is attached to an etcd lease (etcd counts whole seconds and grants at
+  least about 2 s). A heartbeat, on any replica, renews the lease. TTL expiry, with Eureka-style
+  self-preservation, is the one duty that must run once: the replica holding the etcd election runs
+  it (:class:`LeaseGuard`), and if it dies another takes over within the lease time. The lease
+  outlasts the TTL by a slack longer than that hand-over, so a decision is never lost to a dead
+  leader; with no leader at all, etcd ends the lease when the slack runs out. No replica has to be
+  the one that saw the registration, and a restart of every replica forgets nothing.
 - **Read your writes**: a write answers with the etcd revision it made (``revision`` in the body and
   the ``Pilotfish-Etcd-Revision`` header on every answer). The replica that took the write waits
   (briefly) until its own view has that revision before it answers; a ``GET`` on any replica with
@@ -29,20 +32,25 @@ alike, so replicas build the same snapshots from the same revision.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
 from pilotfish.server.registry_api import Written
-from pilotfish.sources.etcd import EtcdSource, EtcdUnavailable
+from pilotfish.sources.etcd import Election, EtcdSource, EtcdUnavailable, Lease
 from pilotfish.sources.registry import (
     Conflict,
     Instance,
+    Preservation,
     RegistryFull,
     RegistryLimits,
+    SelfPreservation,
     UnknownInstance,
     describe_services,
     endpoint_document,
@@ -50,7 +58,7 @@ from pilotfish.sources.registry import (
     parse_registration,
 )
 
-__all__ = ["EtcdRegistry"]
+__all__ = ["EtcdRegistry", "LeaseGuard"]
 
 _log = logging.getLogger("pilotfish.registry")
 _SOURCE = "etcd"
@@ -60,11 +68,19 @@ class EtcdRegistry:
     """Registry operations on etcd keys (see the module docstring)."""
 
     def __init__(self, source: EtcdSource, reconciler: Reconciler, *, limits: RegistryLimits | None = None,
-                 local_wait: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 local_wait: float = 2.0, lease_slack: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.source = source
         self.client = source.client
         self.reconciler = reconciler
         self.limits = limits or RegistryLimits()
+        self.election: Election | None = None
+        """Who runs the singleton duties (set by the wiring)."""
+        self.guard: LeaseGuard | None = None
+        """The duty itself, while this replica leads."""
+        self.lease_slack = lease_slack
+        """Seconds an instance's lease outlasts its TTL: the elected replica's time to decide (see
+        :class:`LeaseGuard`); longer than an election hand-over."""
         self.local_wait = local_wait
         """How long a write waits for this replica's view to show it before answering anyway."""
         self._clock = clock
@@ -95,12 +111,20 @@ class EtcdRegistry:
     async def caught_up(self, revision: int, timeout: float) -> bool:
         return await self.source.caught_up(revision, timeout)
 
+    @property
+    def preservation(self) -> Preservation | None:
+        return None if self.guard is None else self.guard.preservation
+
+    def duties(self) -> dict[str, Any]:
+        election = self.election
+        return {} if election is None else {"leader": election.leader, "leader_replica": election.holder}
+
     async def status(self) -> dict[str, Any]:
         """This replica's etcd revision, and how far it is behind etcd's latest change under the
         prefix (puts only: etcd keeps no record of deleted keys to compare with)."""
         out: dict[str, Any] = {"endpoint": self.client.endpoint, "prefix": self.source.prefix,
                                "revision": self.revision, "connected": self.source.problem is None,
-                               "problem": self.source.problem}
+                               "problem": self.source.problem, **self.duties()}
         try:
             answer = await self.client.range(self.source.prefix, prefix=True, keys_only=True, limit=1,
                                              sort_order="DESCEND", sort_target="MOD")
@@ -159,7 +183,7 @@ class EtcdRegistry:
         self._room_for(service, instance_key=key)
         self._check({key: value})
         old_lease = view.lease_of(key) or 0
-        lease = (await self.client.grant(ttl))[0] if ttl is not None else 0
+        lease = (await self.client.grant(ttl + self.lease_slack))[0] if ttl is not None else 0
         revision = await self.client.put(key, value, lease=lease)
         if old_lease and old_lease != lease:
             await self._forget_lease(old_lease)
@@ -177,8 +201,8 @@ class EtcdRegistry:
         ttl = view.ttls.get(key)
         left: float | None = None
         if lease:
-            left = await self.client.keepalive(lease)
-            if left <= 0:
+            left = await self.client.keepalive(lease) - self.lease_slack
+            if left <= -self.lease_slack:
                 raise UnknownInstance(f"instance {instance_id} of service {service!r} expired (its etcd lease "
                                       "ended): register it again")
         expires = None if left is None else self._clock() + left
@@ -202,3 +226,114 @@ class EtcdRegistry:
             await self.client.revoke(lease)
         except EtcdUnavailable as exc:
             _log.info("could not revoke etcd lease %x (it expires by itself): %s", lease, exc)
+
+
+class LeaseGuard:
+    """TTL expiry with self-preservation for instances on etcd leases: the registry's singleton
+    duty, run by the replica that holds the election (:class:`~pilotfish.sources.etcd.Election`).
+
+    An instance's lease is granted for its TTL plus :attr:`EtcdRegistry.lease_slack` (longer than
+    an election hand-over), and every heartbeat renews all of it. So an instance whose TTL passed
+    still has its slack left, and the guard decides what happens to it, as the in-memory registry
+    does (:meth:`~pilotfish.sources.registry.SelfPreservation.verdict`): alone, it lapsed, and the
+    guard revokes its lease (etcd deletes the key: every replica drops it); with many others at
+    once (a partition between them and pilotfish is likelier than a dead fleet), the guard renews
+    its lease instead, and counts it as lapsed until a heartbeat renews it again. If no replica
+    leads, etcd itself ends the lease when the slack runs out too: nothing lingers for long.
+
+    Every ``recheck`` seconds the guard asks etcd how long the leases near their TTL have left (it
+    estimates the others from the last answer, so it asks about a lease about once per TTL, and at
+    most ``max_asks`` per pass).
+    """
+
+    def __init__(self, registry: EtcdRegistry, rule: Callable[[], SelfPreservation], *,
+                 events: EventLog, clock: Callable[[], float] = time.monotonic, max_asks: int = 512) -> None:
+        self.registry = registry
+        self._rule = rule
+        self._events = events
+        self._clock = clock
+        self.max_asks = max_asks
+        self._deadline: dict[Lease, float] = {}
+        """Lease -> when it ends, as last heard from etcd."""
+        self._kept: dict[str, tuple[str, Lease]] = {}
+        """Instance key -> (service, lease) whose lease this guard renewed, not heartbeated since."""
+        self._expired: deque[tuple[float, str]] = deque(maxlen=registry.limits.max_instances)
+        """(when, service) of each instance this guard expired, within the window."""
+        self.preservation: Preservation | None = None
+
+    async def run(self) -> None:
+        """Guard until cancelled (when this replica stops leading)."""
+        self._deadline.clear()
+        self._kept.clear()
+        try:
+            while True:
+                try:
+                    await self.once()
+                except EtcdUnavailable as exc:
+                    _log.info("lease guard: %s; trying again", exc)
+                await asyncio.sleep(self._rule().recheck)
+        finally:
+            self.preservation = None
+
+    async def once(self) -> None:
+        """One pass: learn which leases passed their TTL, then expire or keep them."""
+        rule, now = self._rule(), self._clock()
+        view, client, slack = self.registry.source.view, self.registry.client, self.registry.lease_slack
+        leased = {key: (view.instances[key][0], lease) for key in view.ttls
+                  if key in view.instances and (lease := view.lease_of(key))}
+        while self._expired and self._expired[0][0] <= now - rule.window:
+            self._expired.popleft()
+        live = {lease for _, lease in leased.values()}
+        for lease in [lease for lease in self._deadline if lease not in live]:
+            del self._deadline[lease]
+        unknown = float("-inf")
+        soon = now + slack + 2 * rule.recheck
+        due = sorted((self._deadline.get(lease, unknown), lease) for lease in live
+                     if self._deadline.get(lease, unknown) <= soon)[:self.max_asks]
+        asked = set()
+        for _, lease in due:
+            self._deadline[lease] = now + await client.time_to_live(lease)
+            asked.add(lease)
+        lapsed = {key: found for key, found in leased.items()
+                  if self._deadline.get(found[1], unknown) <= now + slack}
+        # Counted with them: those that lapse before the next pass (instances that stopped
+        # heartbeating together lapse together, not one pass apart), and the kept ones, until etcd
+        # shows their lease renewed by a heartbeat.
+        lapsing = {key: found for key, found in leased.items()
+                   if self._deadline.get(found[1], unknown) <= now + slack + rule.recheck}
+        self._kept = {key: found for key, found in self._kept.items() if key in leased
+                      and not (found[1] in asked and self._deadline[found[1]] > now + slack)}
+        everywhere, held, lost, total = rule.verdict(
+            Counter(service for service, _ in (lapsing | self._kept).values()),
+            Counter(service for service, _ in leased.values()),
+            Counter(service for _, service in self._expired))
+        self._kept = {key: found for key, found in self._kept.items() if found[0] in held}
+        for key, (service, lease) in lapsed.items():
+            if service in held:
+                if (left := await client.keepalive(lease)) > 0:
+                    self._deadline[lease] = self._clock() + left
+                    self._kept[key] = (service, lease)
+                continue
+            await client.revoke(lease)
+            self._deadline.pop(lease, None)
+            self._expired.append((now, service))
+            instance_id = key.rsplit("/", 1)[1]
+            _log.info("instance %s of %s expired (no heartbeat within %ss)", instance_id, service,
+                      view.ttls.get(key))
+            self._events.emit("registry_expired", service=service, instance=instance_id)
+        self._report(rule, everywhere, held, lost, total)
+
+    def _report(self, rule: SelfPreservation, everywhere: bool, held: list[str], lost: int, total: int) -> None:
+        before = self.preservation
+        self.preservation = None if not held else Preservation(
+            everywhere=everywhere, services=tuple(held), lapsed=len(self._kept), lost_in_window=lost,
+            ttl_instances=total)
+        if before is None and self.preservation is not None:
+            _log.warning("registry self-preservation: %d of %d TTL instances stopped heartbeating within %.0fs; "
+                         "renewing the leases of %d lapsed instance(s) of %s instead of expiring them",
+                         lost, total, rule.window, len(self._kept),
+                         "every service" if everywhere else ", ".join(held[:20]))
+            self._events.emit("registry_self_preservation", state="entered", **self.preservation.describe())
+        elif before is not None and self.preservation is None:
+            _log.warning("registry self-preservation over: TTL expiry resumed")
+            self._events.emit("registry_self_preservation", state="exited", expired_now=0)

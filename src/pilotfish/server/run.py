@@ -9,6 +9,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,12 +30,12 @@ from pilotfish.server.http_site import serve_app
 from pilotfish.server.metrics import Metrics
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
-from pilotfish.server.registry_etcd import EtcdRegistry
+from pilotfish.server.registry_etcd import EtcdRegistry, LeaseGuard
 from pilotfish.server.rest import RestXds, start_rest_server
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
 from pilotfish.server.xds import XdsLimits, XdsServer, start_xds_server
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
-from pilotfish.sources.etcd import EtcdSource
+from pilotfish.sources.etcd import Election, EtcdClient, EtcdSource
 from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
 from pilotfish.status import SyncStatus
 
@@ -74,6 +75,9 @@ class ServeSettings:
     """``host:port`` of etcd's client API to read services and instances from; None: no etcd."""
     etcd_prefix: str = "/pilotfish/"
     """The etcd key prefix (see :mod:`pilotfish.sources.etcd` for the layout)."""
+    election_ttl: float = 6.0
+    """With the registry on etcd: the lease (seconds) of the election for the singleton duties; a
+    replica that dies hands them over within about 4/3 of it."""
     debounce: DebounceSettings = field(default_factory=DebounceSettings)
     """How bursts of changes are batched and flapping endpoints damped."""
     validate: bool = True
@@ -202,7 +206,9 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         if settings.registry is not None:
             registry = Registry(clock=time.monotonic, self_preservation=settings.registry_self_preservation,
                                 limits=settings.registry_limits)
-            store = None if etcd is None else EtcdRegistry(etcd, reconciler, limits=settings.registry_limits)
+            store = None if etcd is None else EtcdRegistry(
+                etcd, reconciler, limits=settings.registry_limits,
+                lease_slack=settings.election_ttl * 4 / 3 + 2 * settings.registry_self_preservation.recheck)
             if store is None:
                 _log.warning("the registry keeps registrations in this process's memory: a restart forgets them, "
                              "and other replicas never see them. With --etcd they live in etcd")
@@ -218,8 +224,11 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             runner, registry_address = await serve_app(
                 api.app(), settings.registry, tls=None if registry_tls is None else registry_tls.context)
             cleanups.append(runner.cleanup)
-            if store is None:  # on etcd, leases expire in etcd
+            if store is None:
                 tasks.append(asyncio.create_task(api.expire_forever(), name="registry-expiry"))
+            else:  # on etcd, leases end in etcd; self-preservation runs on the elected replica
+                elected = _lead_when_elected(store, settings, registry, events, registry_address)
+                tasks.append(asyncio.create_task(elected, name="registry-election"))
             if tokens is not None:
                 tasks.append(asyncio.create_task(tokens.follow(), name="registry-tokens"))
         rest_address = None
@@ -347,6 +356,34 @@ def raise_descriptor_limit() -> int:
         return target
     _log.info("open-file limit (RLIMIT_NOFILE): %d", soft)
     return soft
+
+
+async def _lead_when_elected(store: EtcdRegistry, settings: ServeSettings, registry: Registry, events: EventLog,
+                             address: str) -> None:
+    """Campaign for the registry's singleton duties (:class:`LeaseGuard`) and run them while elected."""
+    assert settings.etcd is not None
+    guarding: asyncio.Task[None] | None = None
+
+    def changed(leader: bool) -> None:
+        nonlocal guarding
+        if guarding is not None:
+            guarding.cancel()
+            guarding = None
+        if leader and store.guard is not None:
+            guarding = asyncio.create_task(store.guard.run(), name="registry-lease-guard")
+
+    ttl = settings.election_ttl
+    store.guard = LeaseGuard(store, lambda: registry.self_preservation, events=events)
+    store.election = Election(EtcdClient(settings.etcd, timeout=ttl / 3),
+                              settings.etcd_prefix.rstrip("/") + ".leader",
+                              f"{socket.gethostname()}:{os.getpid()} (registry {address})", ttl=ttl,
+                              on_event=events.emit, on_change=changed)
+    try:
+        await store.election.run()
+    finally:
+        if guarding is not None:
+            guarding.cancel()
+        await store.election.client.close()
 
 
 def _source_labels(settings: ServeSettings) -> dict[str, str]:

@@ -7,9 +7,10 @@ Key layout under the prefix (default ``/pilotfish/``), values are JSON:
   ``endpoints`` allowed);
 - ``{prefix}instances/{service}/{id}``: one instance, ``{"address": ..., "port": ...,
   "weight"?: ..., "metadata"?: {...}, "zone"?: ..., "ttl"?: ...}``. An instance registered with a
-  TTL (through the registry API with ``--etcd``) is attached to an etcd lease of that TTL: its
-  heartbeats keep the lease alive, and etcd deletes the key when they stop; ``ttl`` in the value
-  only says what the lease was granted with.
+  TTL (through the registry API with ``--etcd``) is attached to an etcd lease (its TTL plus a
+  slack for the elected replica to decide on it, see :mod:`pilotfish.server.registry_etcd`): its
+  heartbeats keep the lease alive, and the key goes when they stop; ``ttl`` in the value says
+  what the instance registered with.
 
 The source lists the prefix, then watches it from the listed revision + 1, so no change between
 the two is missed. When the watch breaks (etcd restarts, the history was compacted, the network
@@ -30,9 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +46,7 @@ from pilotfish.desired import DesiredState
 from pilotfish.errors import Problem
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_endpoint, parse_service
 
-__all__ = ["EtcdClient", "EtcdSource", "EtcdUnavailable", "EtcdView", "Lease", "prefix_end"]
+__all__ = ["Election", "EtcdClient", "EtcdSource", "EtcdUnavailable", "EtcdView", "Lease", "prefix_end"]
 
 _log = logging.getLogger("pilotfish.sources.etcd")
 
@@ -273,6 +276,11 @@ class EtcdClient:
         answer = await self.call("/v3/lease/keepalive", {"ID": str(lease)})
         return int(answer.get("result", {}).get("TTL", 0))
 
+    async def time_to_live(self, lease: Lease) -> int:
+        """The seconds ``lease`` has left (0: it ended or never existed)."""
+        answer = await self.call("/v3/lease/timetolive", {"ID": str(lease)})
+        return max(0, int(answer.get("TTL", 0)))
+
     async def revoke(self, lease: Lease) -> None:
         """End ``lease`` now (its keys are deleted); one that is already gone is fine."""
         try:
@@ -422,3 +430,78 @@ class EtcdSource:
                 # still to come.
                 await self._advance(revision)
         raise ValueError("the watch stream ended")
+
+
+class Election:
+    """Holds ``key`` in etcd for this replica while it can: the replica holding it runs the duties
+    that must run once (see :mod:`pilotfish.server.registry_etcd`).
+
+    The key is created (only if absent) attached to a lease of ``ttl`` seconds that this replica
+    keeps alive every ``ttl / 3``; its value names the holder. A holder that dies stops renewing,
+    etcd ends the lease and deletes the key, and the next attempt of another replica (every
+    ``ttl / 3``) takes it: a hand-over within about ``ttl * 4 / 3``. A holder that cannot renew for
+    ``ttl * 2 / 3`` (etcd unreachable) steps down before its lease can have ended, so two replicas
+    never both believe they hold it for longer than a renewal round trip.
+    """
+
+    def __init__(self, client: EtcdClient, key: str, identity: str, *, ttl: float = 6.0,
+                 on_event: Callable[..., None] | None = None,
+                 on_change: Callable[[bool], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.key = key
+        self.identity = identity
+        self.ttl = ttl
+        self.leader = False
+        self.holder: str | None = None
+        """Who holds the key, as last seen (None: nobody, or not known)."""
+        self._emit = on_event or (lambda *_, **__: None)
+        self._on_change = on_change or (lambda _: None)
+        self._clock = clock
+
+    def _set(self, leader: bool, reason: str) -> None:
+        if leader == self.leader:
+            return
+        self.leader = leader
+        if leader:
+            self.holder = self.identity
+        _log.warning("%s %s (%s)", self.identity, "now runs the singleton duties" if leader else
+                     "no longer runs the singleton duties", reason)
+        self._emit("leader_elected" if leader else "leader_lost", replica=self.identity, reason=reason)
+        self._on_change(leader)
+
+    async def run(self) -> None:
+        """Campaign, hold and renew until cancelled; steps down on the way out."""
+        every = self.ttl / 3
+        lease: Lease = 0
+        renewed = self._clock()
+        try:
+            while True:
+                try:
+                    if not lease:
+                        lease, _ = await self.client.grant(self.ttl)
+                        renewed = self._clock()
+                    elif await self.client.keepalive(lease) > 0:
+                        renewed = self._clock()
+                    else:  # the lease ended (etcd was away longer than the ttl): start over
+                        lease = 0
+                        self._set(False, "its lease ended")
+                        continue
+                    if not self.leader:
+                        created, held = await self.client.create(self.key, self.identity, lease=lease)
+                        if created:
+                            self._set(True, "took the election key")
+                        else:
+                            self.holder = _unb64(held.get("value", "")) or None
+                            if int(held.get("lease", 0)) == lease:  # ours, from before a lost answer
+                                self._set(True, "holds the election key")
+                except EtcdUnavailable as exc:
+                    if self.leader and self._clock() - renewed > 2 * every:
+                        self._set(False, f"could not renew: {exc}")
+                await asyncio.sleep(every)
+        finally:
+            if self.leader:
+                self._set(False, "stopping")
+                if lease:
+                    with contextlib.suppress(EtcdUnavailable):
+                        await self.client.revoke(lease)  # hand over now, not after the ttl

@@ -91,6 +91,24 @@ class SelfPreservation:
     recheck: float = 1.0
     """While paused, look again this often (seconds), besides on every heartbeat and change."""
 
+    def verdict(self, lapsed: Counter[str], ttl_instances: Counter[str],
+                recently_expired: Counter[str]) -> tuple[bool, list[str], int, int]:
+        """Which services' lapsed instances to keep (the rule of the module docstring), from the
+        counts per service of lapsed instances, of TTL instances (lapsed included) and of those
+        expired within the window: (everywhere, the services held, instances lost within the
+        window, TTL instances counted with those expired in the window)."""
+        if not self.enabled or not lapsed:
+            return False, [], 0, 0
+        lost = sum(lapsed.values()) + sum(recently_expired.values())
+        total = sum(ttl_instances.values()) + sum(recently_expired.values())
+        if lost >= self.min_lapsed and lost > self.share * total:
+            return True, sorted(lapsed), lost, total
+        held = sorted(service for service, count in lapsed.items()
+                      if count + recently_expired[service] >= self.min_lapsed
+                      and count + recently_expired[service] > self.share * (ttl_instances[service]
+                                                                            + recently_expired[service]))
+        return False, held, lost, total
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RegistryLimits:
@@ -390,22 +408,9 @@ class Registry:
                     ttl_per_service[service] += 1
                     if instance.expires <= now:
                         lapsed.setdefault(service, []).append(instance)
-        held: list[str] = []
-        everywhere = False
-        lost = ttl_total = 0
-        if rule.enabled and lapsed:
-            recent = Counter(service for _, service in self._recent)
-            lost = sum(len(found) for found in lapsed.values()) + len(self._recent)
-            ttl_total = sum(ttl_per_service.values()) + len(self._recent)
-            if lost >= rule.min_lapsed and lost > rule.share * ttl_total:
-                everywhere, held = True, sorted(lapsed)
-            else:
-                for service, found in lapsed.items():
-                    lost_here = len(found) + recent[service]
-                    if lost_here >= rule.min_lapsed and lost_here > rule.share * (ttl_per_service[service] +
-                                                                                   recent[service]):
-                        held.append(service)
-                held.sort()
+        everywhere, held, lost, ttl_total = rule.verdict(
+            Counter({service: len(found) for service, found in lapsed.items()}), ttl_per_service,
+            Counter(service for _, service in self._recent))
         expired: list[Instance] = []
         for service, found in lapsed.items():
             if service in held:
