@@ -197,11 +197,7 @@ class Page:
             raise RuntimeError(f"{expression[:80]!r} threw: {details.get('exception', {}).get('description', details)}")
         return result["result"].get("value")
 
-    def screenshot(self, path: Path, *, full_page: bool = False) -> int:
-        """Write a PNG of the page to ``path``; return its size in bytes."""
-        params: dict[str, Any] = {"format": "png"}
-        if full_page:
-            params["captureBeyondViewport"] = True
-        data = base64.b64decode(self.call("Page.captureScreenshot", params)["data"])
-        path.write_bytes(data)
-        return len(data)
+    def screenshot(self) -> bytes:
+        """A PNG of what the page's viewport shows (RGB, 8 bits per channel)."""
+        data: bytes = base64.b64decode(self.call("Page.captureScreenshot", {"format": "png"})["data"])
+        return data

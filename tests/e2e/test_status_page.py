@@ -32,7 +32,8 @@ PROXIES_JS = """Array.from(document.querySelectorAll('#proxies tr.proxy')).map(r
   types: Object.fromEntries(Array.from(row.querySelectorAll('.chip')).map(c => [c.dataset.type, c.textContent]))}))"""
 NACKS_JS = """Array.from(document.querySelectorAll('#nacks tr.nack')).map(row => ({
   node: row.querySelector('.node').textContent, type: row.cells[1].textContent,
-  version: row.cells[2].textContent, message: row.querySelector('pre').textContent}))"""
+  version: row.cells[2].textContent, reason: row.querySelector('.reason').textContent,
+  message: row.querySelector('pre').textContent}))"""
 EVENTS_JS = "Array.from(document.querySelectorAll('#events li.event b')).map(b => b.textContent)"
 VERSIONS_JS = "Array.from(document.querySelectorAll('#versions tbody tr')).map(row => row.textContent)"
 
@@ -89,9 +90,16 @@ def test_the_page_lists_envoy_synced_then_its_nack_without_a_reload(testbed: Tes
 
     (nack,) = _wait_on_page(page, nacked, "edge-1's CDS NACKED at version 3 with Envoy's message")
     assert (nack["type"], nack["version"]) == ("CDS", "3"), nack
+    assert nack["reason"].startswith("Proto constraint validation failed (ClusterValidationError.ConnectTimeout")
     assert page.evaluate("window.__sameDocument") == "marked before the change"  # no reload
     assert page.evaluate("document.querySelector('#summary .n.NACKED').textContent") == "1"
     assert "nack" in page.evaluate(EVENTS_JS)
+
+    # On a phone's screen the page fits its width (tables scroll inside their own box).
+    page.resize(390, 844, mobile=True)
+    wait_until(lambda: page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), timeout=10,
+               what="the page to fit a 390 px wide phone screen")
+    assert page.evaluate("getComputedStyle(document.querySelector('#proxies tr.proxy')).display") == "block"
 
 
 HOSTILE_NODE = '<img src=x onerror="window.__pwned=1">edge-evil'
@@ -134,7 +142,7 @@ def test_what_peers_say_shows_as_text_and_never_runs(testbed: Testbed, browser: 
             return [n for n in page.evaluate(NACKS_JS) if n["node"] == HOSTILE_NODE]
 
         (nack,) = _wait_on_page(page, shown, "the hostile node's NACK as text")
-        assert nack["message"] == HOSTILE_NACK
+        assert nack["message"] == nack["reason"] == HOSTILE_NACK
         proxy = _proxies(page)[HOSTILE_NODE]
         assert proxy["cluster"] == HOSTILE_CLUSTER and proxy["types"]["CDS"].startswith("CDS NACKED")
         # As text: no element of theirs exists, and nothing of theirs ran.
