@@ -1,7 +1,7 @@
 """The status page at the admin root, in a real headless Chromium (:mod:`.browser`): it lists a real
 Envoy as SYNCED, shows its NACK of a rejected change (``--validate off`` and ``connect_timeout:
-0s``, the story of test_admin_status.py) without a reload, and shows what a hostile peer says as
-text, never as markup.
+0s``, the story of test_admin_status.py) without a reload, fits a phone's screen, shows what a
+hostile peer says as text, never as markup, and says why a change was refused or is held.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
 from .browser import Browser, Page, chromium_binary
 from .event_log import CDS, is_event
 from .processes import http_get, wait_until
-from .test_admin_status import V2, V3
+from .test_admin_status import V2, V2B, V3
 from .testbed import Testbed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -154,3 +155,36 @@ def test_what_peers_say_shows_as_text_and_never_runs(testbed: Testbed, browser: 
         assert HOSTILE_NODE in events_text
     finally:
         client.close()
+
+
+def test_refused_and_held_snapshots_are_shown_with_why_and_what_to_do(testbed: Testbed, browser: Browser) -> None:
+    testbed.start(**V2)  # pilotfish checks Envoy's rules itself (--validate on)
+    page = browser.open(f"http://{testbed.control_plane.admin}/")
+    _wait_on_page(page, lambda: "edge-1" in _proxies(page), "edge-1")
+    assert page.evaluate("document.getElementById('refused').classList.contains('hidden')")
+
+    # Clusters Envoy would reject: refused before any proxy sees them, and the page says why.
+    testbed.write_snapshot(**V3)
+
+    def refused() -> str:
+        panel = page.evaluate("document.getElementById('refused').classList.contains('hidden') ? '' : "
+                              "document.getElementById('refused-body').textContent")
+        return str(panel) if "connect_timeout" in str(panel) else ""
+
+    assert "The latest change" in _wait_on_page(page, refused, "the refused change and why")
+
+    # A change that removes every listener: held, with how to publish it anyway.
+    document = testbed.write_snapshot(**V2B)
+    without_listeners = {key: value for key, value in document.items() if key != "listeners"}
+    staged = testbed.snapshot_path.with_suffix(".staged")
+    staged.write_text(yaml.safe_dump(without_listeners))
+    staged.replace(testbed.snapshot_path)
+
+    def held() -> str:
+        panel = page.evaluate("document.getElementById('held').classList.contains('hidden') ? '' : "
+                              "document.getElementById('held-body').textContent")
+        return str(panel) if "pilotfish confirm --admin" in str(panel) else ""
+
+    shown = _wait_on_page(page, held, "the held snapshot and how to confirm it")
+    assert "removes every listener" in shown, shown
+    assert page.evaluate("document.getElementById('refused').classList.contains('hidden')")  # the build was good

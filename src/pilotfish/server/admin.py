@@ -100,7 +100,7 @@ def status_page() -> tuple[bytes, str]:
         hashes[tag] = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(body).digest()).decode()}'"
                                for body in bodies)
     policy = (f"default-src 'none'; script-src {hashes['script']}; style-src {hashes['style']}; "
-              "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
     return page, policy
 
 
