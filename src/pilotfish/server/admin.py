@@ -97,6 +97,8 @@ def status_page() -> tuple[bytes, str]:
     hashes = {}
     for tag in ("script", "style"):
         bodies = re.findall(rb"<%s>(.*?)</%s>" % (tag.encode(), tag.encode()), page, re.DOTALL)
+        if not bodies:  # a tag with attributes would go unhashed, and the browser would refuse it
+            raise RuntimeError(f"status_page.html has no plain <{tag}> element to allow by hash")
         hashes[tag] = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(body).digest()).decode()}'"
                                for body in bodies)
     policy = (f"default-src 'none'; script-src {hashes['script']}; style-src {hashes['style']}; "
