@@ -1,21 +1,35 @@
 """The status page at the admin root, in a real headless Chromium (:mod:`.browser`): it lists a real
 Envoy as SYNCED, shows its NACK of a rejected change (``--validate off`` and ``connect_timeout:
 0s``, the story of test_admin_status.py) without a reload, fits a phone's screen, shows what a
-hostile peer says as text, never as markup, and says why a change was refused or is held.
+hostile peer says as text, never as markup, and says why a change was refused or is held. With
+10,000 proxies (the admin API over a status filled in-process) it counts them all, draws the worst
+100 and filters through the server.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import queue
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import yaml
+from aiohttp import web
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
+
+from pilotfish.cache import SnapshotCache
+from pilotfish.events import RecentEvents
+from pilotfish.reconcile import Reconciler
+from pilotfish.server.admin import AdminApi
+from pilotfish.server.http_site import serve_app
+from pilotfish.status import NodeInfo, SyncStatus
 
 from .browser import Browser, Page, chromium_binary
 from .event_log import CDS, is_event
@@ -188,3 +202,77 @@ def test_refused_and_held_snapshots_are_shown_with_why_and_what_to_do(testbed: T
     shown = _wait_on_page(page, held, "the held snapshot and how to confirm it")
     assert "removes every listener" in shown, shown
     assert page.evaluate("document.getElementById('refused').classList.contains('hidden')")  # the build was good
+
+
+FLEET = 10_000
+TYPE_URLS = {short: f"type.googleapis.com/envoy.{path}" for short, path in (
+    ("CDS", "config.cluster.v3.Cluster"), ("EDS", "config.endpoint.v3.ClusterLoadAssignment"),
+    ("LDS", "config.listener.v3.Listener"), ("RDS", "config.route.v3.RouteConfiguration"))}
+
+
+def _fleet_status() -> SyncStatus:
+    """10,000 proxies at version v7: every 100th rejected its clusters, every 250th has not ACKed yet."""
+    status = SyncStatus()
+    status.published("default", label="v7", versions=dict.fromkeys(TYPE_URLS.values(), "v7"))
+    for n in range(FLEET):
+        node = f"edge-{n:05d}"
+        status.stream_opened(node, NodeInfo(cluster=f"zone-{n % 3}", user_agent="envoy"))
+        for short, url in TYPE_URLS.items():
+            status.sent(node, url, "v7")
+            if short == "CDS" and n % 100 == 0:
+                status.nacked(node, url, "v7", f"cluster web-{n}: value must be greater than 0s")
+            elif n % 250 != 7:
+                status.acked(node, url, "v7")
+    return status
+
+
+@contextmanager
+def _admin_api_on_a_thread(api: AdminApi) -> Iterator[str]:
+    """Serve ``api`` on its own event loop in a thread (the test blocks while it polls the page)."""
+    loop = asyncio.new_event_loop()
+    started: concurrent.futures.Future[tuple[web.AppRunner, str]] = concurrent.futures.Future()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            started.set_result(loop.run_until_complete(serve_app(api.app(), "127.0.0.1:0")))
+        except BaseException as exc:
+            started.set_exception(exc)
+            return
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, name="admin-api")
+    thread.start()
+    runner, address = started.result(timeout=20)
+    try:
+        yield address
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=20)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(20)
+        loop.close()
+
+
+def test_ten_thousand_proxies_counts_for_all_rows_for_the_worst_and_a_filter(browser: Browser) -> None:
+    cache = SnapshotCache()
+    api = AdminApi(_fleet_status(), cache, Reconciler(cache), recent=RecentEvents())
+    with _admin_api_on_a_thread(api) as address:
+        page = browser.open(f"http://{address}/")
+        counts = ("Object.fromEntries(Array.from(document.querySelectorAll('#summary .n'))"
+                  ".map(n => [n.className, n.textContent]))")
+        expected = {"n": str(FLEET), "n NACKED": "100", "n STALE": "40", "n NOT_SENT": "0", "n SYNCED": "9860"}
+        _wait_on_page(page, lambda: page.evaluate(counts) == expected, "the counts of all 10,000 proxies")
+        rows = _proxies(page)
+        assert len(rows) == 100  # drawn: the worst 100, the NACKED ones first
+        assert all(proxy["types"]["CDS"].startswith("CDS NACKED") for proxy in rows.values())
+        assert page.evaluate("document.getElementById('shown').textContent").startswith("Showing 100 of 10000")
+        assert page.evaluate("document.querySelectorAll('#nacks tr.nack').length") == 20  # the latest only
+        versions = page.evaluate(VERSIONS_JS)
+        assert any(row.startswith("defaultCDSv7") and "v7: 9860 of 10000" in row for row in versions), versions
+
+        # The filter asks the server: the ten proxies edge-0975x, the STALE one first.
+        page.evaluate("const box = document.getElementById('filter'); box.value = 'EDGE-0975';"
+                      "box.dispatchEvent(new Event('input'))")
+        _wait_on_page(page, lambda: len(_proxies(page)) == 10, "the ten proxies the filter matches")
+        assert list(_proxies(page)) == ["edge-09757", *(f"edge-0975{n}" for n in (0, 1, 2, 3, 4, 5, 6, 8, 9))]
+        assert page.evaluate("document.getElementById('shown').textContent").startswith("10 proxies matching")
