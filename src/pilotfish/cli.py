@@ -154,8 +154,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
                        help="where to serve xDS over gRPC (default: %(default)s)")
     serve.add_argument("--admin", type=_admin_address, default=DEFAULT_ADMIN, metavar="HOST:PORT|off",
-                       help="serve the admin API here (HTTP, JSON, no tokens: keep it on loopback): /healthz, "
-                            "/readyz, /v1/proxies, /v1/snapshots, /v1/config, /v1/held (default: %(default)s)")
+                       help="serve the admin API here (HTTP, no tokens: keep it on loopback): the status page at /, "
+                            "and JSON: /healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, /v1/held, "
+                            "/v1/fleet, /v1/events (default: %(default)s)")
     serve.add_argument("--rest", type=_address, metavar="HOST:PORT",
                        help="also serve REST xDS here: POST /v3/discovery:clusters (:endpoints, :listeners, :routes, "
                             ":secrets) with a JSON DiscoveryRequest, for Envoy's api_type REST (same TLS, grants); "

@@ -414,7 +414,8 @@ class _Demo:
         lines += [
             f"  Envoy admin:    http://{admin}  (try /config_dump, /clusters, /stats)",
             f"  pilotfish xDS:  {xds}",
-            f"  pilotfish admin: http://{self.admin_api}  (try `pilotfish status --admin {self.admin_api}`)",
+            f"  pilotfish admin: http://{self.admin_api}  "
+            f"(the status page; try `pilotfish status --admin {self.admin_api}`)",
             f"  upstreams:      {upstreams}",
             f"  event log:      {self.event_log}  (tail -f it; removed when the demo stops)",
             f"  Envoy log:      {self.envoy.log_path if self.envoy else '-'}",

@@ -11,6 +11,12 @@ again with every string shortened to :data:`MAX_FIELD` characters (:func:`shorte
 its end, where Envoy puts a NACK's reason, and its length) and every list cut to
 :data:`MAX_ITEMS` items (``<field>_omitted`` says how many more there were). A usual line is
 checked with one ``len``.
+
+The server also keeps the latest events in memory (:class:`RecentEvents`, a ring of at most
+:data:`RECENT_EVENTS` lines of at most :data:`RECENT_LINE` bytes each, whatever the event log's
+level and whether it writes a file), for the admin API's ``/v1/events`` and the status page.
+The routine conversation (:data:`CONVERSATION`) stays out of it: a fan-out to 10,000 proxies
+would push everything else out in one go.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -35,8 +42,11 @@ __all__ = [
     "MAX_FIELD",
     "MAX_ITEMS",
     "MAX_LINE",
+    "RECENT_EVENTS",
+    "RECENT_LINE",
     "EventLog",
     "EventSpec",
+    "RecentEvents",
     "ReportGate",
     "check_event_log",
     "contract_problems",
@@ -59,15 +69,25 @@ MAX_ITEMS = 100
 """Items a list field keeps in a shortened line."""
 
 
-def _bounded(record: dict[str, Any]) -> dict[str, Any]:
+RECENT_EVENTS = 500
+"""Events the server keeps in memory for the admin API (:class:`RecentEvents`)."""
+RECENT_LINE = 4096
+"""Bytes one of them may take; a longer one is shortened harder than a log line (strings to
+:data:`RECENT_FIELD` characters, lists to :data:`RECENT_ITEMS` items), so the ring holds at most
+about ``RECENT_EVENTS * RECENT_LINE`` bytes whatever peers send."""
+RECENT_FIELD = 1024
+RECENT_ITEMS = 20
+
+
+def _bounded(record: dict[str, Any], *, max_field: int = MAX_FIELD, max_items: int = MAX_ITEMS) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in record.items():
         if isinstance(value, str):
-            value = shorten(value, MAX_FIELD)
+            value = shorten(value, max_field)
         elif isinstance(value, list | tuple):
-            if len(value) > MAX_ITEMS:
-                out[f"{key}_omitted"] = len(value) - MAX_ITEMS
-            value = [shorten(v, MAX_FIELD) if isinstance(v, str) else v for v in value[:MAX_ITEMS]]
+            if len(value) > max_items:
+                out[f"{key}_omitted"] = len(value) - max_items
+            value = [shorten(v, max_field) if isinstance(v, str) else v for v in value[:max_items]]
         out[key] = value
     return out
 
@@ -232,6 +252,63 @@ class ReportGate:
         return held
 
 
+def _recent_line(record: dict[str, Any]) -> bytes:
+    """``record`` as one JSON object of at most :data:`RECENT_LINE` bytes (see :class:`RecentEvents`)."""
+    bounded = _bounded(record, max_field=RECENT_FIELD, max_items=RECENT_ITEMS)
+    line = orjson.dumps(bounded, default=str)
+    if len(line) <= RECENT_LINE:
+        return line
+    # Still too long: a map of many entries (a node group each). Keep the fields that fit.
+    kept: dict[str, Any] = {}
+    size = 2
+    for key, value in bounded.items():
+        part = len(orjson.dumps({key: value}, default=str))
+        if key in ("ts", "event") or size + part <= RECENT_LINE - 64:
+            kept[key] = value
+            size += part
+    return orjson.dumps(kept, default=str)
+
+
+class RecentEvents:
+    """The latest events, in memory, for the admin API: a ring of at most ``size`` JSON objects of
+    at most :data:`RECENT_LINE` bytes each. Every event gets a sequence number (1, 2, ...), so a
+    reader that polls asks for what came after the last one it saw (:meth:`since`)."""
+
+    __slots__ = ("_lines", "last", "size")
+
+    def __init__(self, size: int = RECENT_EVENTS) -> None:
+        if size < 1:
+            raise ValueError(f"the recent events ring must hold at least one event, not {size}")
+        self.size = size
+        self._lines: deque[tuple[int, bytes]] = deque(maxlen=size)
+        self.last = 0
+        """The sequence number of the latest event (0: none yet)."""
+
+    def add(self, record: dict[str, Any], line: bytes | None = None) -> None:
+        """Keep ``record`` (``line``: it as JSON already, if it fits), pushing out the oldest."""
+        if line is None or len(line) > RECENT_LINE:
+            line = _recent_line(record)
+        self.last += 1
+        self._lines.append((self.last, line.rstrip(b"\n")))
+
+    def since(self, after: int = 0, *, limit: int | None = None) -> list[tuple[int, bytes]]:
+        """The events kept with a sequence number above ``after``, oldest first: the latest
+        ``limit`` of them (all, when None). Each is ``(seq, JSON object)``."""
+        out: list[tuple[int, bytes]] = []
+        for seq, line in reversed(self._lines):
+            if seq <= after or (limit is not None and len(out) >= limit):
+                break
+            out.append((seq, line))
+        out.reverse()
+        return out
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        return iter(self._lines)
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+
 _log = logging.getLogger("pilotfish.events")
 
 
@@ -241,11 +318,16 @@ class EventLog:
     Lines are flushed once per turn of the event loop rather than one by one: an event is on disk
     as soon as the code that caused it yields, and a fan-out to thousands of proxies costs one
     write, not thousands. Without a running loop every line is flushed at once.
+
+    ``recent``: also keep the events outside the routine conversation there (the admin API's
+    ``/v1/events``), with or without a file.
     """
 
-    def __init__(self, path: Path | None = None, *, level: str = "all", clock: Any = time.time) -> None:
+    def __init__(self, path: Path | None = None, *, level: str = "all", clock: Any = time.time,
+                 recent: RecentEvents | None = None) -> None:
         if level not in LEVELS:
             raise ValueError(f"event log level must be one of {', '.join(LEVELS)}, not {level!r}")
+        self.recent = recent
         self._file: IO[bytes] | None = open(path, "ab") if path else None  # noqa: SIM115
         self._skip = CONVERSATION if level == "changes" else frozenset()
         self._clock = clock
@@ -255,23 +337,27 @@ class EventLog:
     @property
     def enabled(self) -> bool:
         """Whether events go anywhere (callers may skip building costly fields if not)."""
-        return self._file is not None or _log.isEnabledFor(logging.DEBUG)
+        return self._file is not None or self.recent is not None or _log.isEnabledFor(logging.DEBUG)
 
     @property
     def conversation(self) -> bool:
-        """Whether the routine request and response events (:data:`CONVERSATION`) are recorded."""
-        return not self._skip and self.enabled
+        """Whether the routine request and response events (:data:`CONVERSATION`) are recorded
+        (never in :attr:`recent`: only a file or the debug log takes them)."""
+        return not self._skip and (self._file is not None or _log.isEnabledFor(logging.DEBUG))
 
     def emit(self, event: str, **fields: Any) -> None:
         """Record one event; ``fields`` must be JSON-serializable."""
         debug = _log.isEnabledFor(logging.DEBUG)
-        if event in self._skip or (self._file is None and not debug):
+        recent = self.recent if event not in CONVERSATION else None
+        if event in self._skip or (self._file is None and not debug and recent is None):
             return
         record = {"ts": self._clock(), "event": event, **fields}
         # orjson: a fan-out to 10,000 proxies logs 20,000 lines, and the json module spends ~10x longer.
         line = orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE)
         if len(line) > MAX_LINE:
             line = orjson.dumps(_bounded(record), default=str, option=orjson.OPT_APPEND_NEWLINE)
+        if recent is not None:
+            recent.add(record, line)
         if self._file is not None:
             self._lines.append(line)
             if not self._flush_scheduled:

@@ -340,17 +340,23 @@ class Reconciler:
         unreadable or invalid file)."""
         self.failing_sources: set[str] = set()
         """Sources whose latest input was refused (the last good state of each keeps serving)."""
+        self.source_problems: dict[str, tuple[str, float]] = {}
+        """Per failing source: why its latest input was refused, and when (wall-clock seconds)."""
         self.last_error: ConfigError | None = None
         """Why the latest build was refused (None once a build succeeds)."""
+        self.last_error_at = 0.0
+        """When it was refused (wall-clock seconds)."""
 
-    def source_error(self, source: str) -> None:
-        """``source``'s latest input was refused (and reported) where it was read."""
+    def source_error(self, source: str, reason: str = "") -> None:
+        """``source``'s latest input was refused (and reported) where it was read, for ``reason``."""
         self.source_errors[source] = self.source_errors.get(source, 0) + 1
         self.failing_sources.add(source)
+        self.source_problems[source] = (reason, time.time())
 
     def update(self, source: str, state: DesiredState) -> None:
         """A source's whole current view. Equal to what it said before: nothing happens."""
         self.failing_sources.discard(source)
+        self.source_problems.pop(source, None)
         previous = self._states.get(source)
         if previous == state:
             return
@@ -523,6 +529,7 @@ class Reconciler:
 
     def _refuse(self, error: ConfigError) -> NoReturn:
         self.last_error = error
+        self.last_error_at = time.time()
         self.refused += 1
         self._events.emit("snapshot_error", reason=error.describe())
         _log.error("%s\nstill serving the last good snapshot", error.describe())

@@ -1,6 +1,8 @@
 """The admin API (aiohttp, JSON): is the server up, is it ready, and did a change reach every proxy.
 
 =======  ======================  =================================================================
+GET      /                       the status page: the fleet at a glance, updating itself
+                                 (``status_page.html``, which polls the JSON routes below)
 GET      /healthz                200 while the process serves
 GET      /readyz                 200 once every source has reported and a snapshot is published;
                                  503 naming what it waits for otherwise
@@ -13,6 +15,11 @@ GET      /v1/snapshots           per node group and type: the current version, h
                                  waiting to be built (``pending``) or held
 GET      /v1/config?node=ID      the configuration that proxy is being served, as Envoy JSON
                                  (SDS secrets by name only: their keys never leave)
+GET      /v1/fleet               what the status page shows of the proxies: how many are in each
+                                 state, the first ``limit`` of them worst first (``q``: only those
+                                 whose node id, cluster or group contains it), the latest NACKs
+GET      /v1/events              the latest events (``after=SEQ``: only newer ones; ``limit``),
+                                 from the server's in-memory ring (:class:`~pilotfish.events.RecentEvents`)
 GET      /v1/held                the snapshot the blast-radius guard holds back, if any
 GET      /metrics                Prometheus metrics (:mod:`pilotfish.server.metrics`)
 POST     /v1/held/confirm        publish it (as ``kill -USR1`` does; 404 when nothing is held)
@@ -24,7 +31,15 @@ which goes through :meth:`~pilotfish.reconcile.Reconciler.confirm` like the sign
 plain HTTP and has no tokens: it binds to loopback by default, and pilotfish warns when it is
 told to listen elsewhere. With the server's certificate (``--tls-cert``) it is served over TLS
 only, and with ``--admin-client-ca`` its clients must present a certificate from that CA (mTLS),
-as the registry API. The status page belongs here too: a route added to :meth:`AdminApi.app`.
+as the registry API.
+
+The status page is one static file of this package (HTML, CSS and a little JavaScript, no build
+step, nothing loaded from elsewhere); its script polls ``/v1/fleet``, ``/v1/snapshots`` and
+``/v1/events`` and writes what peers said (node ids, NACK messages) as text, never as markup. It
+is served with a Content-Security-Policy that allows only its own script and style (by hash) and
+requests to this origin, so even a mistake there could not run a peer's script. With 10,000
+proxies it stays small: counts per state, then at most :data:`FLEET_ROWS` rows, worst first, and
+a filter box that asks the server.
 
 Times are wall-clock seconds since the epoch (``*_at``), and ages in seconds (``*_for``). A
 state is ``SYNCED``, ``STALE``, ``NACKED`` or ``NOT_SENT`` (:class:`~pilotfish.status.SyncState`).
@@ -32,8 +47,14 @@ state is ``SYNCED``, ``STALE``, ``NACKED`` or ``NOT_SENT`` (:class:`~pilotfish.s
 
 from __future__ import annotations
 
+import base64
 import fnmatch
+import hashlib
+import heapq
+import importlib.resources
+import itertools
 import logging
+import re
 import ssl
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +64,8 @@ from aiohttp import web
 
 from pilotfish.bootstrap import split_address
 from pilotfish.cache import NodeGroup, SnapshotCache
+from pilotfish.errors import shorten
+from pilotfish.events import RecentEvents
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import SECRET, type_by_url
 from pilotfish.server.http_site import is_loopback, serve_app
@@ -50,10 +73,37 @@ from pilotfish.server.metrics import CONTENT_TYPE, Metrics
 from pilotfish.server.rest import response_json
 from pilotfish.status import ProxyStatus, SyncState, SyncStatus, TypeStatus
 
-__all__ = ["AdminApi", "proxy_json", "short_type", "start_admin_server", "warn_if_exposed"]
+__all__ = ["FLEET_NACKS", "FLEET_ROWS", "MAX_FILTER", "AdminApi", "proxy_json", "short_type", "start_admin_server",
+           "status_page", "warn_if_exposed"]
 
 _log = logging.getLogger("pilotfish.admin")
 _STATES = {state.value for state in SyncState}
+
+FLEET_ROWS = 1000
+"""Proxies ``/v1/fleet`` lists at most (``limit``; the status page asks for 100)."""
+FLEET_NACKS = 20
+"""The latest NACKs ``/v1/fleet`` lists."""
+MAX_FILTER = 256
+"""Characters a ``/v1/fleet`` filter (``q``) may have."""
+_WORST_FIRST = {SyncState.NACKED: 0, SyncState.STALE: 1, SyncState.NOT_SENT: 2, SyncState.SYNCED: 3}
+"""A proxy's rank on the status page: its worst state over its types."""
+_RANKED = sorted(_WORST_FIRST, key=_WORST_FIRST.__getitem__)
+
+
+def status_page() -> tuple[bytes, str]:
+    """The status page (``status_page.html`` of this package) and the Content-Security-Policy it
+    is served with: its own inline script and style, by hash, and requests to this origin only."""
+    page = importlib.resources.files("pilotfish.server").joinpath("status_page.html").read_bytes()
+    hashes = {}
+    for tag in ("script", "style"):
+        bodies = re.findall(rb"<%s>(.*?)</%s>" % (tag.encode(), tag.encode()), page, re.DOTALL)
+        if not bodies:  # a tag with attributes would go unhashed, and the browser would refuse it
+            raise RuntimeError(f"status_page.html has no plain <{tag}> element to allow by hash")
+        hashes[tag] = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(body).digest()).decode()}'"
+                               for body in bodies)
+    policy = (f"default-src 'none'; script-src {hashes['script']}; style-src {hashes['style']}; "
+              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return page, policy
 
 
 def short_type(type_url: str) -> str:
@@ -107,16 +157,24 @@ class AdminApi:
     """
 
     def __init__(self, status: SyncStatus, cache: SnapshotCache, reconciler: Reconciler, *,
-                 waiting: Callable[[], list[str]] | None = None, metrics: Metrics | None = None) -> None:
+                 waiting: Callable[[], list[str]] | None = None, metrics: Metrics | None = None,
+                 recent: RecentEvents | None = None) -> None:
         self.status = status
         self.cache = cache
         self.reconciler = reconciler
         self._waiting = waiting or reconciler.waiting_for
         self.metrics = metrics
         """What ``/metrics`` renders (None: no such route)."""
+        self.recent = recent
+        """The latest events (the server's :class:`~pilotfish.events.EventLog` keeps them there);
+        None: ``/v1/events`` answers 404."""
+        self._page, self._policy = status_page()
 
     def app(self) -> web.Application:
         app = web.Application()
+        app.router.add_get("/", self._status_page)
+        app.router.add_get("/v1/fleet", self._fleet)
+        app.router.add_get("/v1/events", self._events)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/v1/proxies", self._proxies)
@@ -131,6 +189,65 @@ class AdminApi:
     async def _metrics(self, request: web.Request) -> web.Response:
         assert self.metrics is not None
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    # -- the status page ------------------------------------------------------------------------------
+
+    async def _status_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._page, headers={
+            "Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": self._policy,
+            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"})
+
+    async def _fleet(self, request: web.Request) -> web.Response:
+        query = request.query
+        limit = _int_param(query, "limit", default=100, low=0, high=FLEET_ROWS)
+        if isinstance(limit, web.Response):
+            return limit
+        needle = query.get("q", "")
+        if len(needle) > MAX_FILTER:
+            return _error(400, f"q (the filter) may have at most {MAX_FILTER} characters, not {len(needle)}")
+        needle = needle.casefold()
+        now = self.status.now()
+        ranked: list[list[ProxyStatus]] = [[] for _ in _RANKED]
+        counts = dict.fromkeys((state.value for state in _RANKED), 0)
+        nacks: list[tuple[float, str, str, TypeStatus]] = []
+        for proxy in self.status.proxies():  # by node id
+            if proxy.streams == 0:
+                continue
+            rank = _WORST_FIRST[SyncState.NOT_SENT] if not proxy.types else 3
+            for url, status in proxy.types.items():
+                rank = min(rank, _WORST_FIRST[status.state])
+                if status.nack_error is not None:
+                    nacks.append((status.nacked_at, proxy.node_id, url, status))
+            counts[_RANKED[rank].value] += 1
+            info = proxy.info
+            if needle and not any(needle in text.casefold() for text in (proxy.node_id, info.cluster, info.group)):
+                continue
+            ranked[rank].append(proxy)
+        matched = sum(len(proxies) for proxies in ranked)
+        shown = [proxy_json(proxy, now) for proxy in itertools.islice(itertools.chain(*ranked), limit)]
+        latest = heapq.nlargest(FLEET_NACKS, nacks, key=lambda nack: nack[0])
+        return _json({
+            "now": now, "connected": sum(counts.values()), "states": counts, "matched": matched,
+            "limit": limit, "proxies": shown,
+            "nacks": [{"node": node, "type": short_type(url), "version": status.nacked_version,
+                       "message": status.nack_error, "at": at, "state": status.state.value}
+                      for at, node, url, status in latest],
+        })
+
+    async def _events(self, request: web.Request) -> web.Response:
+        recent = self.recent
+        if recent is None:
+            return _error(404, "this server keeps no recent events")
+        limit = _int_param(request.query, "limit", default=100, low=1, high=recent.size)
+        if isinstance(limit, web.Response):
+            return limit
+        after = _int_param(request.query, "after", default=0, low=0, high=None)
+        if isinstance(after, web.Response):
+            return after
+        # Kept as JSON already: each event is its object with its sequence number put first.
+        events = b",".join(b'{"seq":%d,%s' % (seq, line[1:]) for seq, line in recent.since(after, limit=limit))
+        body = b'{"events":[%s],"last":%d,"kept":%d,"size":%d}' % (events, recent.last, len(recent), recent.size)
+        return web.Response(body=body, content_type="application/json")
 
     # -- health -------------------------------------------------------------------------------------
 
@@ -188,7 +305,19 @@ class AdminApi:
                     for url, c in sorted(self.status.counters.items())}
         return _json({"groups": groups, "connected": self.status.connected(), "counters": counters,
                       "pending": not self.reconciler.idle,
-                      "held": self._held_json()["held"], "now": self.status.now()})
+                      "held": self._held_json()["held"], "refused": self._refused_json(), "now": self.status.now()})
+
+    def _refused_json(self) -> dict[str, Any]:
+        """What was refused and still is: the latest build (invalid resources, broken references),
+        and each source whose latest input could not be read; the last good snapshot serves."""
+        reconciler = self.reconciler
+        error = reconciler.last_error
+        return {
+            "count": reconciler.refused,
+            "build": None if error is None else {"reason": error.describe(), "at": reconciler.last_error_at},
+            "sources": {source: {"reason": reason, "at": at}
+                        for source, (reason, at) in sorted(reconciler.source_problems.items())},
+        }
 
     async def _config(self, request: web.Request) -> web.Response:
         node_id = request.query.get("node")
@@ -217,7 +346,8 @@ class AdminApi:
         if held is None:
             return {"held": None}
         return {"held": {"version": held.snapshot.label(), "reasons": list(held.reasons),
-                         "groups": {group: snapshot.label() for group, snapshot in held.snapshots.items()}}}
+                         "groups": {group: snapshot.label() for group, snapshot in held.snapshots.items()},
+                         "confirm": self.reconciler.confirm_hint}}
 
     async def _held(self, request: web.Request) -> web.Response:
         return _json(self._held_json())
@@ -237,6 +367,22 @@ async def start_admin_server(api: AdminApi, address: str, *,
     not on loopback."""
     warn_if_exposed(split_address(address)[0])
     return await serve_app(api.app(), address, tls=tls)
+
+
+def _int_param(query: Any, name: str, *, default: int, low: int, high: int | None) -> int | web.Response:
+    """The integer query parameter ``name`` (``default`` when absent), or a 400 response saying
+    what it must be."""
+    raw = query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f"at least {low}"
+        return _error(400, f"{name} must be a whole number {bound}, not {shorten(raw, 40)!r}")
+    return value
 
 
 def _json(body: Any, *, status: int = 200) -> web.Response:

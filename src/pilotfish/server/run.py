@@ -18,7 +18,7 @@ from pathlib import Path
 from pilotfish.bootstrap import DEFAULT_REST_REFRESH, split_address
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.events import EventLog
+from pilotfish.events import EventLog, RecentEvents
 from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.resources import SECRET
 from pilotfish.server.admin import AdminApi, start_admin_server
@@ -148,7 +148,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     good configuration to fall back on yet.
     """
     raise_descriptor_limit()
-    events = EventLog(settings.event_log, level=settings.event_log_level)
+    recent = RecentEvents()  # the admin API's /v1/events and status page
+    events = EventLog(settings.event_log, level=settings.event_log_level, recent=recent)
     cache = SnapshotCache()
     try:
         groups = NodeGroups(settings.node_groups, rest=settings.rest is not None)
@@ -251,7 +252,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 tasks.append(asyncio.create_task(admin_tls.run(every=settings.tls_reload_every),
                                                  name="admin-tls-reload"))
             admin_runner, admin_address = await start_admin_server(
-                AdminApi(status, cache, reconciler, waiting=waiting,
+                AdminApi(status, cache, reconciler, waiting=waiting, recent=recent,
                          metrics=Metrics(status, reconciler, open_streams=lambda: xds.open_streams)), settings.admin,
                 tls=None if admin_tls is None else admin_tls.context)
             cleanups.append(admin_runner.cleanup)
@@ -271,8 +272,9 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                   f", REST xDS on {'http' if xds_tls_files is None else 'https'}://{rest_address}"
                   if rest_address else "")
         if admin_address:
-            _log.info("admin API on %s://%s (/healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, /v1/held)",
-                      "http" if admin_tls_files is None else "https", admin_address)
+            scheme = "http" if admin_tls_files is None else "https"
+            _log.info("admin API on %s://%s (status page at /; /healthz, /readyz, /v1/proxies, /v1/snapshots, "
+                      "/v1/config, /v1/held, /v1/events)", scheme, admin_address)
 
         if etcd is not None:
             tasks.append(asyncio.create_task(etcd.run(), name="etcd-source"))
@@ -409,7 +411,7 @@ async def _follow_file(path: Path, loaded: FileSignature | None, reconciler: Rec
         try:
             async for item in watch_file(path, loaded=loaded):
                 if isinstance(item, ConfigError):
-                    reconciler.source_error("file")
+                    reconciler.source_error("file", item.describe())
                     events.emit("snapshot_error", file=str(path), reason=item.describe())
                     _log.error("%s\nstill serving the last good snapshot", item.describe())
                 else:
