@@ -63,6 +63,8 @@ def test_a_write_on_one_replica_reads_on_another_and_survives_restarting_them_al
     assert status == 200 and listed["revision"] >= revision
     status, health = get(b, "/healthz")
     assert status == 200 and health["etcd"]["revision"] >= revision and health["etcd"]["lag"] == 0, health
+    status, health = http_json("GET", f"http://{b.admin}/healthz")  # the admin API says the same
+    assert status == 200 and health["etcd"]["revision"] >= revision and health["etcd"]["lag"] == 0, health
     # A revision no replica has reached yet: 503 saying how far this one is, after the wait asked for.
     status, behind = get(b, f"/v1/services/web?revision={revision + 1000}&wait=0.2")
     assert status == 503 and f"not yet {revision + 1000}" in behind["error"], behind

@@ -3,7 +3,8 @@
 =======  ======================  =================================================================
 GET      /                       the status page: the fleet at a glance, updating itself
                                  (``status_page.html``, which polls the JSON routes below)
-GET      /healthz                200 while the process serves
+GET      /healthz                200 while the process serves (with ``--etcd``: this replica's etcd
+                                 revision, its lag, and which replica leads)
 GET      /readyz                 200 once every source has reported and a snapshot is published;
                                  503 naming what it waits for otherwise
 GET      /v1/proxies             every connected proxy and, per type, what was sent, ACKed, NACKed
@@ -56,7 +57,7 @@ import itertools
 import logging
 import re
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -158,8 +159,11 @@ class AdminApi:
 
     def __init__(self, status: SyncStatus, cache: SnapshotCache, reconciler: Reconciler, *,
                  waiting: Callable[[], list[str]] | None = None, metrics: Metrics | None = None,
-                 recent: RecentEvents | None = None) -> None:
+                 recent: RecentEvents | None = None,
+                 etcd: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
         self.status = status
+        self._etcd = etcd
+        """This replica's etcd revision and lag (and who leads), for ``/healthz``; None: no etcd."""
         self.cache = cache
         self.reconciler = reconciler
         self._waiting = waiting or reconciler.waiting_for
@@ -252,7 +256,7 @@ class AdminApi:
     # -- health -------------------------------------------------------------------------------------
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        return _json({"status": "serving"})
+        return _json({"status": "serving", **({"etcd": await self._etcd()} if self._etcd is not None else {})})
 
     async def _readyz(self, request: web.Request) -> web.Response:
         waiting = self._waiting()

@@ -120,21 +120,7 @@ class EtcdRegistry:
         return {} if election is None else {"leader": election.leader, "leader_replica": election.holder}
 
     async def status(self) -> dict[str, Any]:
-        """This replica's etcd revision, and how far it is behind etcd's latest change under the
-        prefix (puts only: etcd keeps no record of deleted keys to compare with)."""
-        out: dict[str, Any] = {"endpoint": self.client.endpoint, "prefix": self.source.prefix,
-                               "revision": self.revision, "connected": self.source.problem is None,
-                               "problem": self.source.problem, **self.duties()}
-        try:
-            answer = await self.client.range(self.source.prefix, prefix=True, keys_only=True, limit=1,
-                                             sort_order="DESCEND", sort_target="MOD")
-        except EtcdUnavailable as exc:
-            out["problem"] = str(exc)
-            return out
-        latest = max((int(kv.get("mod_revision", 0)) for kv in answer.get("kvs", [])), default=0)
-        out["etcd_revision"] = self.client.revision(answer)
-        out["lag"] = max(0, latest - self.revision)
-        return out
+        return {**await self.source.status(), **self.duties()}
 
     # -- writes ----------------------------------------------------------------------------
 

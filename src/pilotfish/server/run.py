@@ -204,6 +204,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             etcd = EtcdSource(settings.etcd, settings.etcd_prefix, on_event=events.emit,
                               on_state=lambda state: reconciler.update("etcd", state))
         registry_address = None
+        store: EtcdRegistry | None = None
         if settings.registry is not None:
             registry = Registry(clock=time.monotonic, self_preservation=settings.registry_self_preservation,
                                 limits=settings.registry_limits)
@@ -253,6 +254,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                                                  name="admin-tls-reload"))
             admin_runner, admin_address = await start_admin_server(
                 AdminApi(status, cache, reconciler, waiting=waiting, recent=recent,
+                         etcd=None if etcd is None else store.status if store is not None else etcd.status,
                          metrics=Metrics(status, reconciler, open_streams=lambda: xds.open_streams)), settings.admin,
                 tls=None if admin_tls is None else admin_tls.context)
             cleanups.append(admin_runner.cleanup)

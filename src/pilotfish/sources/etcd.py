@@ -334,6 +334,22 @@ class EtcdSource:
             return False
         return True
 
+    async def status(self) -> dict[str, Any]:
+        """This replica's etcd revision, and how far it is behind etcd's latest change under the
+        prefix (puts only: etcd keeps no record of deleted keys to compare with)."""
+        out: dict[str, Any] = {"endpoint": self.client.endpoint, "prefix": self.prefix, "revision": self.revision,
+                               "connected": self.problem is None, "problem": self.problem}
+        try:
+            answer = await self.client.range(self.prefix, prefix=True, keys_only=True, limit=1,
+                                             sort_order="DESCEND", sort_target="MOD")
+        except EtcdUnavailable as exc:
+            out["problem"] = str(exc)
+            return out
+        latest = max((int(kv.get("mod_revision", 0)) for kv in answer.get("kvs", [])), default=0)
+        out["etcd_revision"] = self.client.revision(answer)
+        out["lag"] = max(0, latest - self.revision)
+        return out
+
     async def _advance(self, revision: int) -> None:
         if revision > self.view.revision:
             self.view.revision = revision
