@@ -13,7 +13,8 @@ every (m proxies, n backends, k). Measured (tests below pin each part):
   ``balance_limit(n, k)``, the limit as m grows. The ring has gaps of two sizes when n is not a
   power of two, and for small k one wide gap more in a window weighs a lot: k = 1, n = 7 gives
   1.75 (up to ~2 for n = 2**p - 1); over n <= 1,100 the limit exceeds 1.15 for some n at every
-  k <= 9 and at k = 13 (k = 9: 40 of those n; k = 13: 15), and never at k = 10-12 or k >= 14.
+  k <= 9 and at k = 13 (k = 9: 40 of those n; k = 13: 15), and never at k = 10-12, 14-40, 50, 60,
+  80 or 100 (the k tried).
 - Any other m adds the van der Corput sequence's discrepancy: at most ~(2/3) log2(m) + 2
   proxies per backend above ``m * k / n * balance_limit(n, k)``; the excess shows most just past a
   power of two (m = 257, 513, ...). With m close to n that is a large share of a small mean: k = 1
@@ -210,6 +211,19 @@ def test_zone_rings_choose_within_the_proxys_zone_first() -> None:
         assert in_b[2] == Ring([*range(6), 8, 9]).subset(proxy, 1)[0]
         assert rings.subset(proxy, zone="c") == Ring(range(10)).subset(proxy, 3)  # no backend there
         assert rings.subset(proxy, zone=None) == Ring(range(10)).subset(proxy, 3)  # zone unknown
+
+
+@given(st.dictionaries(st.integers(0, 200), st.sampled_from(["a", "b", "c", None]), max_size=40),
+       st.integers(1, 12), st.lists(st.tuples(indices, st.sampled_from(["a", "b", "c", "d", None])), max_size=20))
+def test_zone_subsets_have_min_k_n_distinct_backends_the_own_zones_first(
+        zones: dict[int, str | None], k: int, proxies: list[tuple[int, str | None]]) -> None:
+    rings = ZoneRings(zones, k=k)
+    for proxy, zone in proxies:
+        chosen = rings.subset(proxy, zone=zone)
+        assert len(chosen) == len(set(chosen)) == min(k, len(zones))
+        if zone is not None:
+            own = {b for b, z in zones.items() if z == zone}
+            assert len(own & set(chosen)) == min(k, len(own))
 
 
 # --- index tables ---------------------------------------------------------------------------
