@@ -23,7 +23,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench import bench_build, bench_envoy, bench_hardening, bench_incremental, bench_storm, fanout, h2_core_compare
+from bench import (
+    bench_build,
+    bench_envoy,
+    bench_hardening,
+    bench_incremental,
+    bench_storm,
+    bench_subsetting,
+    fanout,
+    h2_core_compare,
+)
 from bench.fleet import CLIENTS, percentile
 from bench.procs import REPO
 from bench.profiles import summary_table
@@ -65,6 +74,10 @@ class Scale:
     incremental_workload: Workload = field(default_factory=lambda: bench_incremental.ISSUE_WORKLOAD)
     """Issue 10's snapshot (10,000 clusters x 10 endpoints)."""
     incremental_changes: int = 3
+    subsetting_grid: tuple[tuple[int, int, int], ...] = bench_subsetting.DEFAULT_GRID
+    """(proxies, backends, k) of issue 13's subsetting comparison."""
+    subsetting_removals: int = 5
+    """Backends removed in turn (averaged) for that comparison's churn."""
 
 
 FULL = Scale()
@@ -72,7 +85,8 @@ QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, end
               build_sizes=((50, 200),), build_repeat=1, storm_proxies=5, envoy_changes=2, envoy_quiet_ms=(20,),
               baseline_proxies=(5,), profile_proxies=0, sovereign=False, core_proxies=5, core_rounds=1,
               core_abuse="rapid_reset", hardening_proxies=(5,), incremental_proxies=(5,), incremental_large=(),
-              incremental_workload=Workload(services=50, endpoints=2, listeners=5), incremental_changes=2)
+              incremental_workload=Workload(services=50, endpoints=2, listeners=5), incremental_changes=2,
+              subsetting_grid=((20, 5, 2), (40, 10, 3)), subsetting_removals=2)
 
 
 @dataclass
@@ -99,6 +113,7 @@ class Results:
     core_comparison: h2_core_compare.Comparison | None = None
     hardening_rows: list[list[Any]] = field(default_factory=list)
     incremental_rows: list[list[Any]] = field(default_factory=list)
+    subsetting_rows: list[list[Any]] = field(default_factory=list)
 
 
 def _cmd(*args: Any) -> str:
@@ -384,6 +399,17 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "received (no HTTP/2 framing). Event log `changes` for every row. Issue 10's targets at 1,000 "
              "proxies: <= 2 KB per proxy per change, p99 <= 300 ms (including the 100 ms quiet period)."])
     results.sections[-1].notes.extend(incremental_notes)
+
+    # 6e. issue 13: subsetting, Ringsteady vs the SRE book's deterministic subsetting vs random (in-process).
+    def subsetting() -> list[list[Any]]:
+        rows = bench_subsetting.run_subsetting(grid=scale.subsetting_grid, removals=scale.subsetting_removals)
+        results.subsetting_rows = rows
+        return rows
+
+    section("Subsetting: Ringsteady vs the SRE book's deterministic subsetting vs random subsets (issue 13)",
+            _cmd("bench.bench_subsetting", "--grid", *(f"{m}:{n}:{k}" for m, n, k in scale.subsetting_grid),
+                 "--removals", scale.subsetting_removals),
+            bench_subsetting.SUBSETTING_COLUMNS, subsetting, bench_subsetting.notes(scale.subsetting_removals))
 
     # 7. profile of the server under the 1,000-proxy fan-out (py-spy).
     if scale.profile_proxies:

@@ -21,7 +21,15 @@ if _ROOT not in sys.path:
 from bench.procs import REPO  # noqa: E402
 from bench.run_all import QUICK, run_all  # noqa: E402
 
-from bench import bench_build, bench_envoy, bench_hardening, bench_incremental, bench_storm, fanout  # noqa: E402
+from bench import (  # noqa: E402
+    bench_build,
+    bench_envoy,
+    bench_hardening,
+    bench_incremental,
+    bench_storm,
+    bench_subsetting,
+    fanout,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -96,6 +104,9 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     assert 0 < now_sotw <= 2048 and 0 < now_delta <= 2048
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
     assert "pilotfish-before-" not in worktrees
+    # Subsetting (issue 13): every algorithm on every (proxies, backends, k) of the grid.
+    assert [row[:4] for row in results.subsetting_rows] == [
+        [name, m, n, k] for m, n, k in QUICK.subsetting_grid for name in bench_subsetting.ALGORITHMS]
     # Real Envoy: every change applied and ACKed.
     (envoy,) = results.envoy
     assert envoy.missed == 0
@@ -107,7 +118,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert _header(columns) in text
     for heading in ("## Machine", "## Targets (issue 4)", "## Fan-out", "## Memory", "## Snapshot build",
                     "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios",
-                    "## HTTP/2 core", "## Hardening and TLS", "## Incremental xDS"):
+                    "## HTTP/2 core", "## Hardening and TLS", "## Incremental xDS", "## Subsetting"):
         assert heading in text
     assert "- nproc: " in text and "- grpcio: " in text and "- CPU model: " in text
 
