@@ -1,0 +1,130 @@
+"""Replicas: an Envoy whose bootstrap lists every replica moves to a live one when its replica dies.
+
+Three ``pilotfish serve`` processes read the same snapshot file; versions are content hashes, so
+they serve identical versions without talking to each other. Envoy (``pilotfish bootstrap --xds
+A,B,C``) holds its ADS stream on one of them. That one is SIGKILLed under load: Envoy reconnects to
+a live replica, states the versions it has (SotW: ``version_info`` and the names it holds; delta:
+``initial_resource_versions``), and is sent nothing, as it has everything; a change made afterwards
+reaches it through the live replica, and the load through Envoy sees no error throughout.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import pytest
+
+from .event_log import CDS, EDS, LDS, RDS, EventLog, is_event, short_type
+from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, wait_until
+from .snapshot_file import many_services, write_services
+from .testbed import wait_for_acks
+from .wrk import Wrk, wrk_binary
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+NODE = "edge-1"
+REPLICAS = 3
+SERVICES = 20
+"""Services besides ``web``: clusters with endpoints, so the EDS subscription names many."""
+
+
+def _replica_with_stream(replicas: list[ControlPlane]) -> ControlPlane | None:
+    """The live replica on which Envoy's latest stream is open (not closed since)."""
+    for replica in replicas:
+        if not replica.process.alive():
+            continue
+        events = replica.events
+        opened = events.select(is_event("stream_open", node=NODE))
+        closed = {e["stream"] for e in events.select(is_event("stream_closed", node=NODE))}
+        if any(e["stream"] not in closed for e in opened):
+            return replica
+    return None
+
+
+def _sent_to_node(events: EventLog, *, after: int = 0) -> list[dict[str, Any]]:
+    return events.select(is_event("sent", node=NODE), after=after)
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["sotw", "delta"])
+def test_envoy_fails_over_to_a_live_replica_and_is_sent_nothing_it_has(processes: ProcessGroup,
+                                                                        delta: bool) -> None:
+    wrk_binary()
+    a, b = Upstream.start(processes, "a"), Upstream.start(processes, "b")
+    names = [f"svc-{i:02d}" for i in range(SERVICES)]
+    ports: dict[str, list[int]] = {"web": [a.port], **{name: [a.port] for name in names}}
+    listen_port = free_port()
+    path = processes.workdir / "services.yaml"
+    write_services(path, many_services(listen_port, ports))
+    replicas = [ControlPlane(processes, path, free_port(), options=("--quiet-ms", "20"), name=f"replica-{i}")
+                for i in range(REPLICAS)]
+    for replica in replicas:
+        replica.start()
+    versions = {replica.name: replica.events.wait_for(is_event("snapshot_loaded"), what="the first snapshot")[
+        "versions"] for replica in replicas}
+    assert len({repr(v) for v in versions.values()}) == 1, f"every replica serves the same versions: {versions}"
+
+    envoy = Envoy.start(processes, name="envoy", node_id=NODE, xds_address=",".join(r.address for r in replicas),
+                        bootstrap_options=("--delta",) if delta else ())
+    first = wait_until(lambda: _replica_with_stream(replicas), timeout=15, what="Envoy's ADS stream on a replica")
+    types = [CDS, EDS, LDS]
+    wait_for_acks(first.events, node=NODE, what="Envoy's initial configuration", types=types)
+    types += [RDS] if first.events.select(is_event("sent", node=NODE, type=RDS)) else []
+    wait_until(lambda: envoy.cluster_endpoints("web") == [f"127.0.0.1:{a.port}"], timeout=10,
+               what="Envoy to route web to upstream a")
+    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=20, connections=10)
+
+    # The replica holding Envoy's stream dies.
+    first.process.popen.send_signal(signal.SIGKILL)
+    first.process.popen.wait()
+    survivor = wait_until(lambda: _replica_with_stream(replicas), timeout=15,
+                          what="Envoy's stream on a live replica", details=envoy.log_tail)
+    assert survivor is not first
+    events = survivor.events
+    opened = events.find(is_event("stream_open", node=NODE))
+    assert opened is not None
+    after_open = events.index_of(opened)
+
+    # Envoy states what it has, type by type; the live replica answers none of it.
+    def stated(type_url: str) -> dict[str, Any] | None:
+        if delta:
+            return events.find(lambda e: is_event("request", node=NODE, type=type_url)(e)
+                               and "initial_resources" in e, after=after_open)
+        return events.find(is_event("request", node=NODE, type=type_url), after=after_open)
+
+    requests = {t: wait_until(lambda t=t: stated(t), timeout=10, what=f"Envoy's first {t} request to the live replica",
+                              details=lambda: events.describe(after=after_open)) for t in types}
+    wait_until(lambda: envoy.stat("control_plane.connected_state") == 1, timeout=10,
+               what="Envoy to count itself connected again")
+    loaded = events.find(is_event("snapshot_loaded"))
+    assert loaded is not None
+    current = loaded["versions"]
+    if not delta:
+        for type_url, request in requests.items():
+            assert request["version_info"] == current[short_type(type_url)], (
+                f"the reconnecting Envoy carried the current {type_url} version", request, current)
+
+    # A change made now reaches Envoy through the live replica. The stream's events are in order:
+    # anything re-sent in answer to the requests above would come before the change's response.
+    mark = events.mark()
+    ports["web"] = [a.port, b.port]
+    write_services(path, many_services(listen_port, ports))
+    envoy.wait_for_endpoints("web", [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"])
+    events.wait_for(is_event("sent", node=NODE, type=EDS), after=mark, what="the change sent by the live replica")
+    sent = _sent_to_node(events, after=after_open)
+    if delta:
+        sent = [e for e in sent if e["names"] or e["removed"]]
+        resent = [e for e in sent if e["names"] != ["web"] or e["type"] != EDS]
+    else:
+        resent = [e for e in sent if e["version"] == current[short_type(e["type"])]]
+    assert not resent and len(sent) == 1, (
+        f"a proxy that moved replicas was sent what it had: {resent}\n{events.describe(after=after_open)}")
+    assert events.index_of(sent[0]) >= mark and sent[0]["type"] == EDS
+    assert sent[0]["names"] == ["web"] if delta else sent[0]["resources"] == 1, sent[0]
+    events.wait_for(is_event("ack", node=NODE, type=EDS), after=mark, what="Envoy's ACK of the change")
+
+    assert load.running(), "the failover took longer than the load run"
+    result = load.result()
+    problems = result.problems()
+    assert not problems, f"traffic through Envoy while its replica died: {'; '.join(problems)}\n{result.output}"
+    assert not events.select(is_event("nack")), "Envoy rejected nothing"
