@@ -80,11 +80,11 @@ FAILOVER_OUTLIER_DETECTION: dict[str, Any] = {
 }
 """Outlier detection of a ``xds_cluster`` with several replicas: one local-origin failure (a refused
 or timed-out connection, or the connection reset under the ADS stream: the replica is down) ejects
-that replica for 5 s (doubling up to 30 s while
-it stays down), so the retries of the ADS stream go to live ones; replies are never counted (an ADS
+that replica for 5 s (5 s more each time it is ejected again, up
+to 30 s), so the retries of the ADS stream go to live ones; replies are never counted (an ADS
 stream has no status to judge until it ends, and a replica's gRPC error is not a dead replica).
 ``max_ejection_percent`` 100: with every replica down all may be ejected, and Envoy then balances
-over all of them anyway (the panic threshold), so it keeps trying."""
+over all of them anyway (below its panic threshold, 50 % healthy), so it keeps trying."""
 
 
 def split_address(address: str) -> tuple[str, int]:
