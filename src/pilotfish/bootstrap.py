@@ -231,6 +231,10 @@ def _xds_cluster(settings: BootstrapSettings, addresses: tuple[str, ...], *, htt
         "type": "STATIC" if all(_is_ip(host) for host, _ in hosts) else "STRICT_DNS",
         "connect_timeout": "1s",
     }
+    if cluster["type"] == "STRICT_DNS":
+        # Envoy's default (AUTO) takes a name's IPv6 address when there is one: `localhost` became
+        # [::1], refused by a pilotfish listening on 127.0.0.1. IPv4 first; IPv6 if that is all.
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
     if http2:
         cluster["typed_extension_protocol_options"] = {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {

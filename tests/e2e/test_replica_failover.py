@@ -6,14 +6,20 @@ A,B,C``) holds its ADS stream on one of them. That one is SIGKILLed under load: 
 a live replica, states the versions it has (SotW: ``version_info`` and the names it holds; delta:
 ``initial_resource_versions``), and is sent nothing, as it has everything; a change made afterwards
 reaches it through the live replica, and the load through Envoy sees no error throughout.
+
+Under TLS, with no common server name, each replica's certificate is checked against the names of
+the replicas (one by host name, one by IP address here); a replica whose certificate carries
+neither is never trusted, even when it is the only one left.
 """
 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 
 from .event_log import CDS, EDS, LDS, RDS, EventLog, is_event, short_type
 from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, wait_until
@@ -128,3 +134,50 @@ def test_envoy_fails_over_to_a_live_replica_and_is_sent_nothing_it_has(processes
     problems = result.problems()
     assert not problems, f"traffic through Envoy while its replica died: {'; '.join(problems)}\n{result.output}"
     assert not events.select(is_event("nack")), "Envoy rejected nothing"
+
+
+def test_under_tls_each_replica_is_checked_against_the_replicas_names(processes: ProcessGroup,
+                                                                       tmp_path: Path) -> None:
+    upstream = Upstream.start(processes, "a")
+    listen_port = free_port()
+    path = processes.workdir / "services.yaml"
+    write_services(path, many_services(listen_port, {"web": [upstream.port]}))
+    ca = trustme.CA()
+    ca_path = tmp_path / "ca.pem"
+    ca_path.write_bytes(ca.cert_pem.bytes())
+    replicas = []
+    # Reached as localhost (a DNS SAN), as 127.0.0.1 (an IP SAN), and one whose certificate, from
+    # the same CA, names neither.
+    for name, identity in (("by-name", "localhost"), ("by-ip", "127.0.0.1"), ("impostor", "other.example")):
+        leaf = ca.issue_cert(identity)
+        cert, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+        cert.write_bytes(leaf.cert_chain_pems[0].bytes())
+        key.write_bytes(leaf.private_key_pem.bytes())
+        replica = ControlPlane(processes, path, free_port(), name=name,
+                               options=("--tls-cert", str(cert), "--tls-key", str(key)))
+        replica.start()
+        replicas.append(replica)
+    by_name, by_ip, impostor = replicas
+    xds = f"localhost:{by_name.port},127.0.0.1:{by_ip.port},127.0.0.1:{impostor.port}"
+    envoy = Envoy.start(processes, name="envoy", node_id=NODE, xds_address=xds,
+                        bootstrap_options=("--tls-ca", str(ca_path)))
+
+    first = wait_until(lambda: _replica_with_stream(replicas), timeout=15, what="Envoy's stream on a replica",
+                       details=envoy.log_tail)
+    assert first is not impostor
+    wait_for_acks(first.events, node=NODE, what="Envoy's configuration over TLS", types=[CDS, EDS, LDS])
+    first.process.popen.send_signal(signal.SIGKILL)
+    first.process.popen.wait()
+    second = wait_until(lambda: _replica_with_stream(replicas), timeout=15, what="Envoy's stream on the other replica",
+                        details=lambda: envoy.admin("/clusters") + envoy.log_tail())
+    assert second in (by_name, by_ip) and second is not first
+    wait_until(lambda: envoy.stat("control_plane.connected_state") == 1, timeout=10, what="Envoy connected again")
+
+    # Only the impostor is left: Envoy refuses its certificate, whatever the CA says.
+    second.process.popen.send_signal(signal.SIGKILL)
+    second.process.popen.wait()
+    wait_until(lambda: int(envoy.stat("cluster.xds_cluster.ssl.fail_verify_san") or 0) >= 2, timeout=20,
+               what="Envoy to refuse the impostor's certificate (twice)", details=envoy.log_tail)
+    assert envoy.stat("control_plane.connected_state") == 0
+    assert not impostor.events.select(is_event("stream_open")), "no stream on a replica with another name"
+    assert envoy.cluster_endpoints("web") == [f"127.0.0.1:{upstream.port}"], "Envoy keeps what it had"

@@ -94,7 +94,7 @@ def test_tls_with_replicas_on_several_ips_accepts_each_ip_and_sends_no_sni() -> 
 def test_tls_with_replicas_by_host_name_checks_each_name_and_sends_it_as_sni() -> None:
     names = ("xds-a.example:18000", "xds-b.example:18000")
     cluster = xds_cluster(bootstrap(BootstrapSettings(node_id="n", xds=names, tls_ca="/ca.pem")))
-    assert cluster["type"] == "STRICT_DNS"
+    assert cluster["type"] == "STRICT_DNS" and cluster["dns_lookup_family"] == "V4_PREFERRED"
     assert san_matchers(cluster) == [("DNS", "xds-a.example"), ("DNS", "xds-b.example")]
     tls = cluster["transport_socket"]["typed_config"]
     assert tls["auto_host_sni"] is True and "sni" not in tls
