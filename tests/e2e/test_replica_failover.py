@@ -10,6 +10,11 @@ reaches it through the live replica, and the load through Envoy sees no error th
 Under TLS, with no common server name, each replica's certificate is checked against the names of
 the replicas (one by host name, one by IP address here); a replica whose certificate carries
 neither is never trusted, even when it is the only one left.
+
+A proxyless grpcio client given several ``xds_servers`` follows gRFC A71, observed here: it falls
+back to the next server only while the first is unreachable and it lacks configuration, returns
+to the first when that answers, and keeps its cached configuration, without updates, while the
+first is down.
 """
 
 from __future__ import annotations
@@ -22,7 +27,17 @@ import pytest
 import trustme
 
 from .event_log import CDS, EDS, LDS, RDS, EventLog, is_event, short_type
-from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, wait_until
+from .processes import (
+    ControlPlane,
+    Envoy,
+    GrpcBackend,
+    GrpcClient,
+    ProcessGroup,
+    Upstream,
+    free_port,
+    pilotfish,
+    wait_until,
+)
 from .snapshot_file import many_services, write_services
 from .testbed import wait_for_acks
 from .wrk import Wrk, wrk_binary
@@ -181,3 +196,51 @@ def test_under_tls_each_replica_is_checked_against_the_replicas_names(processes:
     assert envoy.stat("control_plane.connected_state") == 0
     assert not impostor.events.select(is_event("stream_open")), "no stream on a replica with another name"
     assert envoy.cluster_endpoints("web") == [f"127.0.0.1:{upstream.port}"], "Envoy keeps what it had"
+
+
+def _grpc_stream_open(replica: ControlPlane, *, after: int = 0) -> bool:
+    return bool(replica.events.select(is_event("stream_open", node="client-1"), after=after))
+
+
+def test_a_proxyless_grpc_client_uses_its_replicas_as_grfc_a71_says(processes: ProcessGroup, tmp_path: Path) -> None:
+    """grpcio with two ``xds_servers`` (``pilotfish bootstrap --grpc --xds PRIMARY,SECOND``): it
+    falls back to the second only while the primary is unreachable and it lacks configuration,
+    returns to the primary when that answers, and with its configuration cached stays on it
+    (without updates) while it is down. What a user of several replicas must know about gRPC."""
+    a, b = GrpcBackend.start(processes, "a"), GrpcBackend.start(processes, "b")
+    path = tmp_path / "services.yaml"
+    write_services(path, {"echo": {"grpc": True, "endpoints": [a.address]}})
+    primary, second = (ControlPlane(processes, path, free_port(), options=("--quiet-ms", "20"), name=name)
+                       for name in ("primary", "second"))
+    second.start()
+    bootstrap = tmp_path / "grpc-bootstrap.json"
+    bootstrap.write_text(pilotfish("bootstrap", "--grpc", "--node-id", "client-1", "--xds",
+                                   f"{primary.address},{second.address}").stdout)
+    client = GrpcClient.start(processes, "grpc-client", target="xds:///echo", bootstrap=bootstrap)
+
+    # The primary is down and the client has nothing: it falls back to the second.
+    wait_until(lambda: _grpc_stream_open(second), timeout=60, what="the client's stream on the second server",
+               details=client.process.output_tail)
+    wait_until(lambda: len(client.calls()) >= 20, timeout=30, what="calls answered through the second's config")
+    # The primary comes up: the client goes back to it.
+    primary.start()
+    wait_until(lambda: _grpc_stream_open(primary), timeout=90, what="the client back on the primary",
+               details=client.process.output_tail)
+    # The primary dies; the client has everything and stays with it: its calls go on, and no stream
+    # opens on the second although it is up and serving a change.
+    opened_on_second = second.events.mark()
+    primary.process.popen.send_signal(signal.SIGKILL)
+    primary.process.popen.wait()
+    mark = second.events.mark()
+    write_services(path, {"echo": {"grpc": True, "endpoints": [a.address, b.address]}})
+    second.events.wait_for(is_event("snapshot_loaded"), after=mark, what="the change on the second")
+    calls_at = len(client.calls())
+    wait_until(lambda: len(client.calls()) >= calls_at + 10_000, timeout=90, what="10,000 more calls (a few seconds)")
+    calls = client.calls()[calls_at:]
+    assert set(calls) == {"a"}, "cached configuration serves; the change did not reach the client"
+    assert not _grpc_stream_open(second, after=opened_on_second), "no fallback with everything cached"
+    # The primary back: the change arrives through it.
+    primary.start()
+    wait_until(lambda: "b" in client.calls()[calls_at:], timeout=90, what="the change through the restarted primary",
+               details=client.process.output_tail)
+    assert not [c for c in client.calls() if c.startswith("ERROR")], "no call failed"
