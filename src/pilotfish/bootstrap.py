@@ -39,12 +39,12 @@ function.
 names, gRFC A27): the xDS server (``xds_v3``; insecure, or TLS with A65's certificate files), and
 the node with its locality (grpc-js insists on one; a node group may select on its zone). Several
 addresses become several ``xds_servers`` entries, in order. gRPC treats them as gRFC A71 says
-(grpcio 1.85 does, with no opt-in: tests/e2e/test_replica_failover.py): it talks to the first, turns to the
-next only while the first is unreachable *and* a channel watches a resource it has not got yet,
-and goes back to the first once that answers again. So a client that has its configuration keeps
-it, without updates, while its first server is down; to move it to a live replica at once, give it
-one name that resolves to every replica instead (its channel to the xDS server then reconnects to
-another address).
+(grpcio 1.85 does, with no opt-in: tests/e2e/test_replica_failover.py): it talks to the first,
+turns to the next only while the first is unreachable *and* a channel watches a resource it has
+not got yet, and goes back to the first once that answers again. So a client that has its
+configuration keeps it, without updates, while its first server is down. One name that resolves
+to every replica (its channel to the xDS server may then reconnect to another address; not tested
+here) or a load balancer in front of the replicas avoids that.
 """
 
 from __future__ import annotations
