@@ -244,3 +244,45 @@ def test_a_proxyless_grpc_client_uses_its_replicas_as_grfc_a71_says(processes: P
     wait_until(lambda: "b" in client.calls()[calls_at:], timeout=90, what="the change through the restarted primary",
                details=client.process.output_tail)
     assert not [c for c in client.calls() if c.startswith("ERROR")], "no call failed"
+
+
+def test_an_envoy_polling_rest_from_several_replicas_moves_its_polls_to_a_live_one(
+        processes: ProcessGroup) -> None:
+    """REST pollers (``pilotfish bootstrap --rest A,B``) spread their polls over the replicas; one
+    SIGKILLed under load is ejected at its first refused poll (that poll fails: REST polls are not
+    retried; seen: one failed poll per subscription, Envoy keeping what it had), the polls go on
+    to the other, answered 304 while Envoy is current, and a change arrives through it."""
+    wrk_binary()
+    a, b = Upstream.start(processes, "a"), Upstream.start(processes, "b")
+    listen_port = free_port()
+    path = processes.workdir / "services.yaml"
+    write_services(path, many_services(listen_port, {"web": [a.port]}))
+    refresh_ms = "200"
+    replicas = [ControlPlane(processes, path, free_port(), name=f"replica-{i}", options=(
+        "--rest", f"127.0.0.1:{free_port()}", "--rest-refresh-ms", refresh_ms, "--quiet-ms", "20"))
+        for i in range(2)]
+    for replica in replicas:
+        replica.start()
+    rest = ",".join(replica.options[1] for replica in replicas)
+    envoy = Envoy.start(processes, name="envoy", node_id=NODE, xds_address=replicas[0].address,
+                        bootstrap_options=("--rest", rest, "--refresh-ms", refresh_ms))
+    wait_until(lambda: envoy.cluster_endpoints("web") == [f"127.0.0.1:{a.port}"], timeout=15,
+               what="Envoy to route web to upstream a", details=envoy.log_tail)
+    for replica in replicas:  # round robin: both are polled
+        replica.events.wait_for(is_event("rest_request", node=NODE, answer=304), what=f"a 304 from {replica.name}")
+    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=10, connections=10)
+
+    dead, survivor = replicas
+    dead.process.popen.send_signal(signal.SIGKILL)
+    dead.process.popen.wait()
+    mark = survivor.events.mark()
+    survivor.events.wait_for_count(is_event("rest_request", node=NODE, answer=304), 8, after=mark,
+                                   what="polls answered by the survivor")
+    write_services(path, many_services(listen_port, {"web": [a.port, b.port]}))
+    envoy.wait_for_endpoints("web", [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], timeout=15)
+    survivor.events.wait_for(is_event("rest_request", node=NODE, type=EDS, answer=200), after=mark,
+                             what="the change polled from the survivor")
+    assert load.running(), "the failover took longer than the load run"
+    result = load.result()
+    assert not result.problems(), f"traffic while a REST replica died: {result.problems()}\n{result.output}"
+    assert int(envoy.stat("cluster.xds_cluster.outlier_detection.ejections_enforced_total") or 0) >= 1
