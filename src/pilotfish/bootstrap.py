@@ -7,10 +7,23 @@ sent on every request), and a short ``retry_back_off`` on the gRPC service, so a
 control plane is found again within about a second instead of Envoy's default backoff of up to
 ~30 s.
 
+Several replicas: ``xds`` (and ``rest``) may name several ``host:port`` (a tuple, or one string
+separated by commas). Every one becomes an endpoint of the ``xds_cluster``; the ADS stream is one
+gRPC stream on one HTTP/2 connection to one of them (round-robin picks it). When that replica dies
+the stream ends, and outlier detection (:data:`FAILOVER_OUTLIER_DETECTION`) ejects the replica at
+once: Envoy 1.40 counts a connection reset under an open stream, like a refused or timed-out
+connection (``connect_timeout`` 1 s), as a local-origin failure. The retry, ``retry_back_off``
+later, so goes to a live replica. Versions are content hashes, identical on every replica, so the
+replica Envoy lands on sends it nothing it already has (tests/e2e/test_replica_failover.py).
+
 With ``tls_ca`` the ``xds_cluster`` speaks TLS (an ``UpstreamTlsContext`` on its transport socket:
 ALPN ``h2``, TLS 1.2+, SNI) and checks pilotfish's certificate against that CA *and* its name: a
 SAN equal to ``tls_server_name`` (default: the host of ``xds``; an IP address is matched as an IP
 SAN). Without the name check any certificate from the CA would do, e.g. another service's. With
+several replicas give ``tls_server_name``, a name every replica's certificate carries; without it
+each distinct host is an accepted SAN (any replica's certificate passes on a connection to any
+replica, all of them being the same control plane), and for host names Envoy sends each
+endpoint's own name as SNI (``auto_host_sni``). With
 ``tls_cert`` and ``tls_key`` Envoy presents its own certificate (mTLS). The files are read by Envoy
 at start-up: restart (or hot-restart) Envoy to rotate them.
 
@@ -24,7 +37,14 @@ function.
 
 :func:`grpc_bootstrap` is the same for a proxyless gRPC client (the JSON file ``GRPC_XDS_BOOTSTRAP``
 names, gRFC A27): the xDS server (``xds_v3``; insecure, or TLS with A65's certificate files), and
-the node with its locality (grpc-js insists on one; a node group may select on its zone).
+the node with its locality (grpc-js insists on one; a node group may select on its zone). Several
+addresses become several ``xds_servers`` entries, in order. gRPC treats them as gRFC A71 says
+(grpcio 1.85 does, with no opt-in: tests/e2e/test_replica_failover.py): it talks to the first,
+turns to the next only while the first is unreachable *and* a channel watches a resource it has
+not got yet, and goes back to the first once that answers again. So a client that has its
+configuration keeps it, without updates, while its first server is down. One name that resolves
+to every replica (its channel to the xDS server may then reconnect to another address; not tested
+here) or a load balancer in front of the replicas avoids that.
 """
 
 from __future__ import annotations
@@ -36,14 +56,35 @@ from typing import Any
 
 import yaml
 
-__all__ = ["DEFAULT_REST_REFRESH", "XDS_CLUSTER", "BootstrapSettings", "bootstrap", "bootstrap_yaml",
-           "grpc_bootstrap", "grpc_bootstrap_json", "rest_config_source", "split_address"]
+__all__ = ["DEFAULT_REST_REFRESH", "FAILOVER_OUTLIER_DETECTION", "XDS_CLUSTER", "BootstrapSettings", "bootstrap",
+           "bootstrap_yaml", "grpc_bootstrap", "grpc_bootstrap_json", "rest_config_source", "split_address",
+           "split_addresses"]
 
 XDS_CLUSTER = "xds_cluster"
 """The static cluster of a bootstrap that reaches pilotfish; REST config sources name it."""
 DEFAULT_REST_REFRESH = 1.0
 """Seconds between REST polls, in a bootstrap (``--refresh-ms``) and in the EDS and RDS config
 sources served to REST pollers (``serve --rest-refresh-ms``) alike."""
+
+FAILOVER_OUTLIER_DETECTION: dict[str, Any] = {
+    "split_external_local_origin_errors": True,
+    "consecutive_local_origin_failure": 1,
+    "enforcing_consecutive_local_origin_failure": 100,
+    "base_ejection_time": "5s",
+    "max_ejection_time": "30s",
+    "max_ejection_percent": 100,
+    "consecutive_5xx": 0,
+    "enforcing_consecutive_5xx": 0,
+    "enforcing_success_rate": 0,
+    "enforcing_consecutive_gateway_failure": 0,
+}
+"""Outlier detection of a ``xds_cluster`` with several replicas: one local-origin failure (a refused
+or timed-out connection, or the connection reset under the ADS stream: the replica is down) ejects
+that replica for 5 s (5 s more each time it is ejected again, up
+to 30 s), so the retries of the ADS stream go to live ones; replies are never counted (an ADS
+stream has no status to judge until it ends, and a replica's gRPC error is not a dead replica).
+``max_ejection_percent`` 100: with every replica down all may be ejected, and Envoy then balances
+over all of them anyway (below its panic threshold, 50 % healthy), so it keeps trying."""
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -55,6 +96,20 @@ def split_address(address: str) -> tuple[str, int]:
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"{address!r}: port must be a number from 0 to 65535")
     return host, int(port)
+
+
+def split_addresses(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    """One or more ``host:port``, as a tuple or one string separated by commas; each checked by
+    :func:`split_address`. ValueError on none, a malformed one or one given twice."""
+    parts = value.split(",") if isinstance(value, str) else value
+    addresses = tuple(part.strip() for part in parts)
+    if not addresses or any(not address for address in addresses):
+        raise ValueError(f"{value!r}: give one or more HOST:PORT, separated by commas")
+    for address in addresses:
+        split_address(address)
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"{value!r}: an address is given twice")
+    return addresses
 
 
 def _is_ip(host: str) -> bool:
@@ -71,8 +126,9 @@ class BootstrapSettings:
     """The proxy's node id (unique per proxy; shown in pilotfish's logs and status)."""
     cluster: str = "pilotfish"
     """The node's service cluster (``--service-cluster``)."""
-    xds: str = "127.0.0.1:18000"
-    """Where pilotfish serves xDS."""
+    xds: str | tuple[str, ...] = "127.0.0.1:18000"
+    """Where pilotfish serves xDS: one ``host:port``, or every replica's (a tuple, or separated by
+    commas); Envoy fails over between them."""
     admin_port: int = 9901
     """Envoy's admin interface port, on 127.0.0.1."""
     tls_ca: str | None = None
@@ -82,13 +138,14 @@ class BootstrapSettings:
     tls_key: str | None = None
     """PEM private key of :attr:`tls_cert`."""
     tls_server_name: str | None = None
-    """SNI sent, and the SAN pilotfish's certificate must carry; None: the host of :attr:`xds`."""
+    """SNI sent, and the SAN pilotfish's certificate must carry; None: the host of :attr:`xds` (with
+    several replicas: the host of each)."""
     delta: bool = False
     """Incremental xDS (``DELTA_GRPC``): each response carries only what changed, and a
     reconnecting Envoy says what it has. Otherwise state of the world (``GRPC``)."""
-    rest: str | None = None
-    """Poll pilotfish's REST xDS at this ``host:port`` for clusters and listeners (``api_type:
-    REST``) instead of ADS over gRPC; :attr:`xds` is then not used."""
+    rest: str | tuple[str, ...] | None = None
+    """Poll pilotfish's REST xDS at this ``host:port`` (or these, like :attr:`xds`) for clusters and
+    listeners (``api_type: REST``) instead of ADS over gRPC; :attr:`xds` is then not used."""
     refresh: float = DEFAULT_REST_REFRESH
     """With :attr:`rest`: seconds between polls (Envoy adds up to as much again of jitter)."""
     region: str = ""
@@ -96,7 +153,19 @@ class BootstrapSettings:
     zone: str = ""
     """The node's locality zone (gRPC bootstraps; ``--node-group NAME=zone:PATTERN`` selects on it)."""
 
+    @property
+    def xds_addresses(self) -> tuple[str, ...]:
+        """:attr:`xds`, one ``host:port`` each."""
+        return split_addresses(self.xds)
+
+    @property
+    def rest_addresses(self) -> tuple[str, ...]:
+        """:attr:`rest`, one ``host:port`` each (none without REST)."""
+        return () if self.rest is None else split_addresses(self.rest)
+
     def __post_init__(self) -> None:
+        self.xds_addresses  # noqa: B018  (checks every address: a bad one is a ValueError now, not later)
+        self.rest_addresses  # noqa: B018
         if self.rest is not None and self.delta:
             raise ValueError("--rest and --delta exclude each other: REST polls are state of the world")
         if not self.refresh > 0:
@@ -108,17 +177,17 @@ class BootstrapSettings:
                              "pilotfish's certificate) too")
 
 
-def _tls_transport_socket(settings: BootstrapSettings, host: str) -> dict[str, Any]:
-    name = settings.tls_server_name or host
+def _tls_transport_socket(settings: BootstrapSettings, hosts: list[str]) -> dict[str, Any]:
+    names = [settings.tls_server_name] if settings.tls_server_name else list(dict.fromkeys(hosts))
     common: dict[str, Any] = {
         "alpn_protocols": ["h2"] if settings.rest is None else ["http/1.1"],
         "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
         "validation_context": {
             "trusted_ca": {"filename": settings.tls_ca},
-            "match_typed_subject_alt_names": [{
-                "san_type": "IP_ADDRESS" if _is_ip(name) else "DNS",
-                "matcher": {"exact": name},
-            }],
+            "match_typed_subject_alt_names": [
+                {"san_type": "IP_ADDRESS" if _is_ip(name) else "DNS", "matcher": {"exact": name}}
+                for name in names
+            ],
         },
     }
     if settings.tls_cert is not None:
@@ -130,8 +199,11 @@ def _tls_transport_socket(settings: BootstrapSettings, host: str) -> dict[str, A
         "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
         "common_tls_context": common,
     }
-    if not _is_ip(name):  # SNI carries host names only (RFC 6066 section 3)
-        tls["sni"] = name
+    # SNI carries host names only (RFC 6066 section 3).
+    if len(names) == 1 and not _is_ip(names[0]):
+        tls["sni"] = names[0]
+    elif not all(_is_ip(name) for name in names):
+        tls["auto_host_sni"] = True  # each replica's own host name (STRICT_DNS knows it), none for an IP
     return {"name": "envoy.transport_sockets.tls", "typed_config": tls}
 
 
@@ -151,12 +223,48 @@ def rest_config_source(*, cluster: str = XDS_CLUSTER, refresh: float = DEFAULT_R
     }
 
 
+def _xds_cluster(settings: BootstrapSettings, addresses: tuple[str, ...], *, http2: bool) -> dict[str, Any]:
+    """The static cluster reaching pilotfish at every one of ``addresses`` (see the module doc)."""
+    hosts = [split_address(address) for address in addresses]
+    cluster: dict[str, Any] = {
+        "name": XDS_CLUSTER,
+        "type": "STATIC" if all(_is_ip(host) for host, _ in hosts) else "STRICT_DNS",
+        "connect_timeout": "1s",
+    }
+    if cluster["type"] == "STRICT_DNS":
+        # Envoy's default (AUTO) takes a name's IPv6 address when there is one: `localhost` became
+        # [::1], refused by a pilotfish listening on 127.0.0.1. IPv4 first; IPv6 if that is all.
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    if http2:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {
+                    "http2_protocol_options": {
+                        "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                    },
+                },
+            },
+        }
+    cluster["load_assignment"] = {
+        "cluster_name": XDS_CLUSTER,
+        "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+            for host, port in hosts
+        ]}],
+    }
+    if len(hosts) > 1:
+        cluster["outlier_detection"] = dict(FAILOVER_OUTLIER_DETECTION)
+    if settings.tls_ca is not None:
+        cluster["transport_socket"] = _tls_transport_socket(settings, [host for host, _ in hosts])
+    return cluster
+
+
 def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     """The bootstrap as plain values (Envoy's JSON shape)."""
     if settings.rest is not None:
         return _rest_bootstrap(settings)
-    host, port = split_address(settings.xds)
-    config: dict[str, Any] = {
+    return {
         "node": {"id": settings.node_id, "cluster": settings.cluster},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": settings.admin_port}}},
         "dynamic_resources": {
@@ -174,52 +282,13 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
             "cds_config": {"ads": {}, "resource_api_version": "V3"},
             "lds_config": {"ads": {}, "resource_api_version": "V3"},
         },
-        "static_resources": {
-            "clusters": [{
-                "name": XDS_CLUSTER,
-                "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
-                "connect_timeout": "1s",
-                "typed_extension_protocol_options": {
-                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                        "explicit_http_config": {
-                            "http2_protocol_options": {
-                                "connection_keepalive": {"interval": "30s", "timeout": "5s"},
-                            },
-                        },
-                    },
-                },
-                "load_assignment": {
-                    "cluster_name": XDS_CLUSTER,
-                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-                        "socket_address": {"address": host, "port_value": port},
-                    }}}]}],
-                },
-            }],
-        },
+        "static_resources": {"clusters": [_xds_cluster(settings, settings.xds_addresses, http2=True)]},
     }
-    if settings.tls_ca is not None:
-        config["static_resources"]["clusters"][0]["transport_socket"] = _tls_transport_socket(settings, host)
-    return config
 
 
 def _rest_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     """CDS and LDS polled over REST (HTTP/1.1 + JSON) from the static ``xds_cluster``."""
-    assert settings.rest is not None
-    host, port = split_address(settings.rest)
-    cluster: dict[str, Any] = {
-        "name": XDS_CLUSTER,
-        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
-        "connect_timeout": "1s",
-        "load_assignment": {
-            "cluster_name": XDS_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-                "socket_address": {"address": host, "port_value": port},
-            }}}]}],
-        },
-    }
-    if settings.tls_ca is not None:
-        cluster["transport_socket"] = _tls_transport_socket(settings, host)
+    cluster = _xds_cluster(settings, settings.rest_addresses, http2=False)
     return {
         "node": {"id": settings.node_id, "cluster": settings.cluster},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": settings.admin_port}}},
@@ -242,7 +311,6 @@ def grpc_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     if settings.tls_server_name is not None:
         raise ValueError("a gRPC bootstrap cannot set the TLS server name: gRPC checks pilotfish's certificate "
                          "against the host of --xds")
-    split_address(settings.xds)
     creds: dict[str, Any] = {"type": "insecure"}
     if settings.tls_ca is not None:
         config = {"ca_certificate_file": settings.tls_ca}
@@ -250,7 +318,8 @@ def grpc_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
             config.update(certificate_file=settings.tls_cert, private_key_file=settings.tls_key)
         creds = {"type": "tls", "config": config}
     return {
-        "xds_servers": [{"server_uri": settings.xds, "channel_creds": [creds], "server_features": ["xds_v3"]}],
+        "xds_servers": [{"server_uri": address, "channel_creds": [creds], "server_features": ["xds_v3"]}
+                        for address in settings.xds_addresses],
         "node": {
             "id": settings.node_id,
             "cluster": settings.cluster,

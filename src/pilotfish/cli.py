@@ -17,6 +17,7 @@ from pilotfish.bootstrap import (
     bootstrap_yaml,
     grpc_bootstrap_json,
     split_address,
+    split_addresses,
 )
 from pilotfish.errors import ConfigError
 
@@ -42,6 +43,15 @@ def _address(value: str) -> str:
 
 DEFAULT_ADMIN = "127.0.0.1:18001"
 """Where ``serve`` serves the admin API, and where ``status``, ``wait`` and ``confirm`` look for it."""
+
+
+def _addresses(value: str) -> list[str]:
+    """``--xds`` / ``--rest`` of ``bootstrap``: one or more HOST:PORT separated by commas (the
+    option may be repeated too)."""
+    try:
+        return list(split_addresses(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _admin_address(value: str) -> str | None:
@@ -262,8 +272,9 @@ def _parser() -> argparse.ArgumentParser:
     boot = commands.add_parser("bootstrap", help="print an Envoy bootstrap that gets everything over ADS (or REST)")
     boot.add_argument("--node-id", required=True, metavar="ID")
     boot.add_argument("--cluster", default="pilotfish", metavar="NAME", help="node cluster (default: %(default)s)")
-    boot.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
-                      help="where pilotfish serves xDS (default: %(default)s)")
+    boot.add_argument("--xds", type=_addresses, action="extend", metavar="HOST:PORT[,HOST:PORT...]",
+                      help="where pilotfish serves xDS (default: 127.0.0.1:18000); several replicas: repeat "
+                           "the option or separate them by commas, and Envoy fails over between them")
     boot.add_argument("--admin-port", type=int, default=9901, metavar="N",
                       help="Envoy admin port on 127.0.0.1 (default: %(default)s)")
     boot.add_argument("--tls-ca", metavar="FILE",
@@ -272,12 +283,13 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--tls-cert", metavar="FILE", help="mTLS: the PEM certificate chain Envoy presents")
     boot.add_argument("--tls-key", metavar="FILE", help="mTLS: the PEM private key of --tls-cert")
     boot.add_argument("--tls-server-name", metavar="NAME",
-                      help="SNI, and the name pilotfish's certificate must carry (default: the host of --xds)")
+                      help="SNI, and the name pilotfish's certificate must carry (default: the host of --xds; "
+                           "with several replicas give a name every replica's certificate carries)")
     boot.add_argument("--delta", action="store_true",
                       help="incremental xDS (DELTA_GRPC): only what changed is sent (default: state of the world)")
-    boot.add_argument("--rest", type=_address, metavar="HOST:PORT",
+    boot.add_argument("--rest", type=_addresses, action="extend", metavar="HOST:PORT[,HOST:PORT...]",
                       help="poll pilotfish's REST xDS here for clusters and listeners (api_type REST) instead "
-                           "of ADS over gRPC (--xds is then not used)")
+                           "of ADS over gRPC (--xds is then not used); several replicas as for --xds")
     boot.add_argument("--refresh-ms", type=_positive_int, default=int(DEFAULT_REST_REFRESH * 1000), metavar="MS",
                       help="with --rest: poll every MS milliseconds, plus up to as much again of jitter "
                            "(default: %(default)s)")
@@ -393,10 +405,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _validate(args.file)
     if args.command == "bootstrap":
         try:
-            settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster, xds=args.xds,
+            settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster,
+                                         xds=tuple(args.xds or ("127.0.0.1:18000",)),
                                          admin_port=args.admin_port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                                          tls_key=args.tls_key, tls_server_name=args.tls_server_name,
-                                         delta=args.delta, rest=args.rest, refresh=args.refresh_ms / 1000,
+                                         delta=args.delta, rest=None if args.rest is None else tuple(args.rest),
+                                         refresh=args.refresh_ms / 1000,
                                          zone=args.zone, region=args.region)
             if args.grpc and (args.delta or args.rest):
                 raise ValueError("--delta and --rest are for Envoy bootstraps; gRPC clients choose their xDS "

@@ -391,6 +391,9 @@ class ControlPlane:
     options: tuple[str, ...] = ()
     runs: list[tuple[Process, EventLog]] = field(default_factory=list)
     admin_port: int = field(default_factory=free_port)
+    name: str = "pilotfish"
+    """Names its process and event log files: several control planes of one test (replicas) need
+    their own."""
 
     @property
     def address(self) -> str:
@@ -431,8 +434,9 @@ class ControlPlane:
         """Start a run and wait until its port accepts connections and it logged server_started."""
         if self.runs and self.process.alive():
             raise RuntimeError("pilotfish serve is already running")
-        events = EventLog(self.group.workdir / f"events.{len(self.runs)}.jsonl")
-        process = self.group.start("pilotfish", self._argv(events.path), env=pilotfish_env())
+        prefix = "events" if self.name == "pilotfish" else f"events.{self.name}"
+        events = EventLog(self.group.workdir / f"{prefix}.{len(self.runs)}.jsonl")
+        process = self.group.start(self.name, self._argv(events.path), env=pilotfish_env())
         self.runs.append((process, events))
         wait_until(
             lambda: (
@@ -440,7 +444,7 @@ class ControlPlane:
                 and events.find(lambda e: e["event"] == "server_started")
             ),
             timeout=timeout,
-            what=f"pilotfish serve to listen on {self.address} and log server_started",
+            what=f"pilotfish serve ({self.name}) to listen on {self.address} and log server_started",
             details=lambda: process.output_tail() + "\n" + events.describe(),
         )
         return events
