@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import NewType
 
 from pilotfish.protocol import DeltaWatch, Watch, needs_response
-from pilotfish.resources import ADS_ORDER, CLUSTER, LISTENER, ROUTE, TypeUrl
+from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.refs import referenced_clusters
 from pilotfish.snapshot import DeltaChanges, EncodedResponse, Resource, Snapshot, TypeSnapshot, with_kept
 
@@ -43,6 +43,10 @@ HISTORY = 16
 """Versions of each type kept per node group to answer with changes since them. Old versions
 share every unchanged resource with the current one, and their memoized responses are dropped,
 so each costs its name-to-resource table and the resources that changed since."""
+
+OWN_HISTORY = 65_536
+"""Per-proxy endpoint versions (subsetting) kept per node group to answer with changes since them;
+beyond it the oldest half goes (a proxy at one of those is sent its whole subscription)."""
 
 Respond = Callable[[Watch, EncodedResponse], None]
 """Called once, synchronously, with the response a watch waited for."""
@@ -82,6 +86,8 @@ class SnapshotCache:
         self._history: dict[NodeGroup, dict[TypeUrl, dict[str, TypeSnapshot]]] = {}
         # id of a kept listener or route TypeSnapshot -> (it, the clusters it uses)
         self._uses: dict[int, tuple[TypeSnapshot, frozenset[str]]] = {}
+        # group -> version -> a proxy's own endpoints (subsetting), oldest first (see OWN_HISTORY)
+        self._own: dict[NodeGroup, dict[str, TypeSnapshot]] = {}
         # group -> ((CDS, LDS, RDS versions), the bridge made for them)
         self._last_bridge: dict[NodeGroup, tuple[tuple[str | None, str | None, str | None], TypeSnapshot | None]] = {}
 
@@ -94,7 +100,7 @@ class SnapshotCache:
     def kept(self, type_url: TypeUrl, version: str, group: NodeGroup = DEFAULT_GROUP) -> TypeSnapshot | None:
         """``type_url`` as it was at ``version`` in ``group``, if that version is one of the last
         :data:`HISTORY` kept (a REST poll states the version it has: compared with this)."""
-        return self._history.get(group, {}).get(type_url, {}).get(version)
+        return self._kept(group, type_url, version)
 
     def watch_count(self) -> int:
         return sum(len(w) for by_type in self._watches.values() for w in by_type.values())
@@ -107,6 +113,8 @@ class SnapshotCache:
         previous = self._snapshots.get(group)
         self._snapshots[group] = snapshot
         self._remember(group, previous, snapshot)
+        for own in self._own.get(group, {}).values():
+            own.retire()  # kept to compare with; no longer served (the new snapshot makes its own)
         bridge = self._bridge(group, snapshot)
         if bridge is None:
             self._bridges.pop(group, None)
@@ -221,18 +229,39 @@ class SnapshotCache:
         names = watch.subscription.names_to_send()
         if names is None or watch.full_state or watch.force or watch.known_version is None:
             return current.response(names)
-        since = self._history.get(group, {}).get(watch.type_url, {}).get(watch.known_version)
+        since = self._kept(group, watch.type_url, watch.known_version)
         if since is None:
             return current.response(names)
         return current.changes(names, since=since, held=watch.known_names)
 
     def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch | DeltaWatch) -> TypeSnapshot | None:
-        """What ``watch`` should be answered from: the snapshot's type, or the cluster bridge."""
+        """What ``watch`` should be answered from: the snapshot's type, the cluster bridge, or the
+        proxy's own endpoints (subsetting)."""
         if watch.type_url == CLUSTER.url:
             bridge = self._bridges.get(group)
             if bridge is not None and not _routing_moved(watch, snapshot):
                 return bridge
+        elif watch.type_url == ENDPOINT.url and watch.subset is not None and snapshot.subsets is not None:
+            own = snapshot.endpoints_for(watch.subset)
+            if own is not None:
+                self._remember_own(group, own)
+            return own
         return snapshot.get(watch.type_url)
+
+    def _remember_own(self, group: NodeGroup, own: TypeSnapshot) -> None:
+        """Keep a proxy's own endpoints by version, to answer it with changes since them later."""
+        kept = self._own.setdefault(group, {})
+        if own.version not in kept:
+            if len(kept) >= OWN_HISTORY:
+                for version in list(kept)[:len(kept) // 2]:  # the oldest half
+                    del kept[version]
+            kept[own.version] = own
+
+    def _kept(self, group: NodeGroup, type_url: TypeUrl, version: str) -> TypeSnapshot | None:
+        found = self._history.get(group, {}).get(type_url, {}).get(version)
+        if found is None and type_url == ENDPOINT.url:
+            found = self._own.get(group, {}).get(version)
+        return found
 
 
 def _routing_moved(watch: Watch | DeltaWatch, snapshot: Snapshot) -> bool:

@@ -181,6 +181,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--event-log-level", choices=("all", "changes"), default="all",
                        help="all: every request and response too; changes: only snapshots, NACKs, streams and "
                             "sources, for large fleets (default: %(default)s)")
+    serve.add_argument("--subset-size", type=_positive_int, metavar="K",
+                       help="give each proxy its own K endpoints of every service (Ringsteady subsetting; a "
+                            "service's subset_size overrides it); default: only services that set subset_size")
+    serve.add_argument("--state-dir", type=Path, metavar="DIR",
+                       help="keep the subsetting indices in DIR/pilotfish-subsets.json across restarts (default: "
+                            "the snapshot file's directory)")
+    serve.add_argument("--subset-grace-s", type=float, default=300.0, metavar="S",
+                       help="a disconnected proxy keeps its subset this long, e.g. for a hot restart "
+                            "(default: %(default)s)")
     serve.add_argument("--node-group", type=_node_group, action="append", default=[],
                        metavar="NAME[:KIND][@ZONE]=RULE",
                        help="clients whose node matches RULE (cluster:PATTERN, id:PATTERN, metadata:KEY=PATTERN, "
@@ -365,6 +374,8 @@ def _serve(args: argparse.Namespace) -> int:
                              event_log_level=args.event_log_level,
                              registry=args.registry, rest=args.rest, admin=args.admin,
                              rest_refresh=args.rest_refresh_ms / 1000, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
+                             subset_size=args.subset_size, state_dir=args.state_dir,
+                             subset_grace=args.subset_grace_s,
                              registry_tokens=args.registry_tokens,
                              debounce=debounce, validate=args.validate == "on",
                              registry_self_preservation=SelfPreservation(

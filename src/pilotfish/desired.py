@@ -23,12 +23,19 @@ listener for them names its config sources itself). All
 groups are built in one pass from one memo, so a resource common to several groups is encoded
 (and checked) once and is the same object in each; a problem in any group refuses the whole pass
 (the groups never serve different generations of the sources).
+
+Subsetting (:func:`subset_tables`, ``subset_size`` of a service or the server's default): each
+subsetted service's backends get stable dense indices (an :class:`~pilotfish.subsetting.IndexTable`
+the caller keeps from build to build), and each group's snapshot carries a
+:class:`~pilotfish.snapshot.SubsetPlan` that gives every proxy its own ``subset_size`` of the
+endpoints the group would get (Ringsteady; within the group's zone first when it has one).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Mapping
+import hashlib
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
@@ -44,13 +51,15 @@ from pilotfish.resources import TYPES, ParsedDocument, ResourceType, TypeUrl
 from pilotfish.resources.builders import ClientKind, ResourceMemo, encode_for_views
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
-from pilotfish.snapshot import Resource, Snapshot, TypeSnapshot
+from pilotfish.snapshot import Resource, Snapshot, SubsetPlan, SubsetService, TypeSnapshot
+from pilotfish.subsetting import IndexTable, Ring, ZoneRings
 from pilotfish.validate import check_references, check_rules
 
 G = TypeVar("G", bound=Hashable)
 """A node group's key."""
 
-__all__ = ["DesiredState", "MergeMemo", "Merged", "View", "build_snapshot", "build_snapshots", "merge_states"]
+__all__ = ["DesiredState", "MergeMemo", "Merged", "View", "build_snapshot", "build_snapshots", "merge_states",
+           "subset_tables"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,9 +221,67 @@ def build_snapshot(
                            rest_refresh=rest_refresh)[chosen]
 
 
+def subset_tables(merged: Merged, tables: Mapping[str, IndexTable], *,
+                  default_size: int | None = None) -> dict[str, IndexTable]:
+    """The backend index table of every service that is subsetted (its ``subset_size``, else
+    ``default_size``), updated from ``tables`` (the previous build's) for the endpoints it has now.
+    A pure function: every replica with the same previous tables computes the same ones."""
+    out = {}
+    for name, spec in merged.services.items():
+        if (spec.subset_size or default_size) is not None:
+            previous = tables.get(name, _NO_INDICES)
+            out[name] = previous.update(present=(e.address for e in merged.endpoints.get(name, ())))
+    return out
+
+
+_NO_INDICES = IndexTable()
+
+
+def _subset_plan(merged: Merged, view: View, tables: Mapping[str, IndexTable],
+                 default_size: int | None) -> SubsetPlan | None:
+    services: dict[str, SubsetService] = {}
+    digest = hashlib.sha256()
+    for name in sorted(tables):
+        spec = merged.services.get(name)
+        size = (spec.subset_size if spec is not None else None) or default_size
+        if spec is None or size is None:
+            continue
+        found = merged.endpoints.get(name, ())
+        if view.zone and spec.zone_local and any(e.zone == view.zone for e in found):
+            found = tuple(e for e in found if e.zone == view.zone)  # what the group's assignment holds
+        if len(found) <= size:
+            continue
+        table = tables[name]
+        by_index: dict[int, Endpoint] = {}
+        for endpoint in found:
+            index = table.index(endpoint.address)
+            if index is not None:
+                by_index[index] = endpoint
+        choose: Callable[[int], tuple[int, ...]]
+        if view.zone:
+            rings = ZoneRings({i: e.zone or None for i, e in by_index.items()}, k=size)
+            choose = functools.partial(_zone_subset, rings, view.zone)
+        else:
+            choose = functools.partial(_ring_subset, Ring(by_index), size)
+        services[name] = SubsetService(name, choose, MappingProxyType(by_index))
+        digest.update(f"{name}|{size}|{view.zone}|".encode())
+        for backend in sorted(by_index):
+            digest.update(f"{backend}={by_index[backend]!r};".encode())
+    return SubsetPlan(MappingProxyType(services), digest.hexdigest()[:16]) if services else None
+
+
+def _zone_subset(rings: ZoneRings, zone: str, proxy: int) -> tuple[int, ...]:
+    return rings.subset(proxy, zone=zone)
+
+
+def _ring_subset(ring: Ring, k: int, proxy: int) -> tuple[int, ...]:
+    return ring.subset(proxy, k)
+
+
 def build_snapshots(
     merged: Merged, source: str, groups: Mapping[G, View], *, memo: ResourceMemo | None = None,
     rules: bool = True, rest_refresh: float = DEFAULT_REST_REFRESH,
+    subsets: Mapping[str, IndexTable] | None = None, subset_size: int | None = None,
 ) -> dict[G, Snapshot]:
     """The snapshot of each group (by its :class:`View`), all from ``merged`` in one pass; raise
     :class:`ConfigError` naming every problem. Groups with equal views share one snapshot.
@@ -225,6 +292,10 @@ def build_snapshots(
 
     ``rest_refresh``: seconds between the polls of the EDS and RDS config sources of ``rest``
     views (what their bootstraps poll CDS and LDS with: ``pilotfish bootstrap --refresh-ms``).
+
+    ``subsets``: the backend index tables of :func:`subset_tables` (None: made afresh, as for a
+    first build); ``subset_size``: the size of services that do not set theirs (None: only those
+    that do are subsetted).
     """
     views = list(dict.fromkeys(groups.values())) or [View()]
     rest_source = _rest_source(rest_refresh) if any(v.kind is ClientKind.REST for v in views) else None
@@ -264,7 +335,9 @@ def build_snapshots(
                 combined = _combined(raw, view, by_type, (rtype,))
                 shared[key] = Snapshot.build(combined, version=merged.version).types[rtype.url]
             types[rtype.url] = shared[key]
-        snapshots[view] = Snapshot(MappingProxyType(types), explicit_version=merged.version)
+        snapshots[view] = Snapshot(MappingProxyType(types), explicit_version=merged.version, subsets=_subset_plan(
+            merged, view, subsets if subsets is not None else subset_tables(merged, {}, default_size=subset_size),
+            subset_size))
     return {group: snapshots[view] for group, view in groups.items()}
 
 

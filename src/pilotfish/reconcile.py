@@ -43,13 +43,14 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 
 from pilotfish.bootstrap import DEFAULT_REST_REFRESH
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
-from pilotfish.desired import DesiredState, Merged, MergeMemo, View, build_snapshots, merge_states
+from pilotfish.desired import DesiredState, Merged, MergeMemo, View, build_snapshots, merge_states, subset_tables
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, TYPES, type_by_key
 from pilotfish.resources.builders import ResourceMemo
 from pilotfish.snapshot import Snapshot
 from pilotfish.status import SyncStatus
+from pilotfish.subsetting import IndexTable
 
 __all__ = [
     "Clock",
@@ -263,6 +264,8 @@ class Held:
     """The new snapshot of each group that changed."""
     reasons: tuple[str, ...]
     endpoints: dict[str, int]
+    tables: Mapping[str, IndexTable] = field(default_factory=dict)
+    """The subsetting backend indices the snapshots were built with."""
 
     @property
     def snapshot(self) -> Snapshot:
@@ -292,8 +295,17 @@ class Reconciler:
         labels: Mapping[str, str] | None = None,
         rest_refresh: float = DEFAULT_REST_REFRESH,
         status: SyncStatus | None = None,
+        subset_size: int | None = None,
+        subset_tables: Mapping[str, IndexTable] | None = None,
     ) -> None:
         self.cache = cache
+        self.subset_size = subset_size
+        """The subset size of services that set none (None: only those that do are subsetted)."""
+        self.subset_tables: Mapping[str, IndexTable] = dict(subset_tables or {})
+        """The backend indices of each subsetted service, as last published (the state file and
+        etcd keep them; :func:`pilotfish.desired.subset_tables`)."""
+        self.subset_tables_changed = 0
+        """Counts publications that changed :attr:`subset_tables` (whoever persists them watches it)."""
         self._status = status
         """Told each group's versions as they are published (what proxies are measured against)."""
         self.settings = settings or DebounceSettings()
@@ -408,7 +420,7 @@ class Reconciler:
                           **({"by": by} if by else {}))
         _log.warning("publishing snapshot %s as confirmed by the operator (%s)", held.snapshot.label(),
                      "; ".join(held.reasons))
-        self._publish(held.snapshots, held.endpoints)
+        self._publish(held.snapshots, held.endpoints, held.tables)
         return held.snapshot
 
     def build_now(self) -> Snapshot | None:
@@ -479,9 +491,10 @@ class Reconciler:
             return None  # publishing now would serve "empty because not yet known"
         self.builds += 1
         merged = self._damped(merge_states(self._states, memo=self._merge_memo))
+        tables = subset_tables(merged, self.subset_tables, default_size=self.subset_size)
         try:
             built = build_snapshots(merged, self._source_names(), self._groups, memo=self._memo, rules=self._rules,
-                                    rest_refresh=self._rest_refresh)
+                                    rest_refresh=self._rest_refresh, subsets=tables, subset_size=self.subset_size)
         except ConfigError as exc:
             self._refuse(exc)
         snapshots: dict[NodeGroup, Snapshot] = {group: built[group] for group in self._groups}
@@ -521,10 +534,10 @@ class Reconciler:
                 for what, count in found_counts.items():
                     counts.setdefault(what, count)
             if reasons:
-                self._hold(changed, reasons, counts, endpoints)
+                self._hold(changed, reasons, counts, endpoints, tables)
                 return None
         self._release_hold("a later change replaced it")
-        self._publish(changed, endpoints)
+        self._publish(changed, endpoints, tables)
         return snapshots.get(DEFAULT_GROUP, first)
 
     def _refuse(self, error: ConfigError) -> NoReturn:
@@ -536,10 +549,10 @@ class Reconciler:
         raise error
 
     def _hold(self, snapshots: Mapping[NodeGroup, Snapshot], reasons: list[str], counts: dict[str, dict[str, int]],
-              endpoints: dict[str, int]) -> None:
+              endpoints: dict[str, int], tables: Mapping[str, IndexTable]) -> None:
         if self.held is not None and self.held.same_content(snapshots):
             return  # already held and reported
-        self.held = Held(dict(snapshots), tuple(reasons), endpoints)
+        self.held = Held(dict(snapshots), tuple(reasons), endpoints, tables)
         self.held_count += 1
         snapshot = self.held.snapshot
         self._events.emit("snapshot_held", version=snapshot.label(), reasons=reasons, counts=counts)
@@ -553,10 +566,14 @@ class Reconciler:
             _log.warning("held snapshot %s dropped: %s", self.held.snapshot.label(), why)
             self.held = None
 
-    def _publish(self, snapshots: Mapping[NodeGroup, Snapshot], endpoints: dict[str, int]) -> None:
+    def _publish(self, snapshots: Mapping[NodeGroup, Snapshot], endpoints: dict[str, int],
+                 tables: Mapping[str, IndexTable]) -> None:
         """Hand each group's new snapshot to the cache; one ``snapshot_loaded`` event names the
         default group's (else the first changed group's) snapshot and, with several groups, each
         group's."""
+        if tables != self.subset_tables:
+            self.subset_tables = tables
+            self.subset_tables_changed += 1
         started = time.perf_counter()
         status = self._status
         if status is not None:  # before the fan-out: ACKs are measured from here
@@ -617,8 +634,10 @@ class Reconciler:
     def _problems_with(self, source: str, state: DesiredState) -> list[Problem]:
         states = {**self._states, source: state}
         try:
-            build_snapshots(merge_states(states), ", ".join(sorted(states)), self._groups, memo=self._memo,
-                            rules=self._rules, rest_refresh=self._rest_refresh)
+            merged = merge_states(states)
+            build_snapshots(merged, ", ".join(sorted(states)), self._groups, memo=self._memo,
+                            rules=self._rules, rest_refresh=self._rest_refresh, subset_size=self.subset_size,
+                            subsets=subset_tables(merged, self.subset_tables, default_size=self.subset_size))
         except ConfigError as exc:
             return list(exc.problems)
         return []

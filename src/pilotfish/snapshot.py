@@ -27,19 +27,21 @@ add is proportional to the configuration plus a constant. The response carrying 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from google.protobuf.message import Message
 
-from pilotfish.resources import TYPES, ResourceType, TypeUrl, type_by_url
+from pilotfish.resources import ENDPOINT, TYPES, ResourceType, TypeUrl, type_by_url
+from pilotfish.resources.builders import encode_assignment
 from pilotfish.resources.encoded import Resource  # re-exported: resources/ encodes, snapshots hold
+from pilotfish.resources.services import Endpoint
 from pilotfish.resources.wire import delta_discovery_response, discovery_response
 
 __all__ = [
-    "ABSENT", "DeltaChanges", "EncodedResponse", "Resource", "ResponseMemoLimits", "Snapshot", "TypeSnapshot",
-    "with_kept",
+    "ABSENT", "DeltaChanges", "EncodedResponse", "Resource", "ResponseMemoLimits", "Snapshot", "SubsetPlan",
+    "SubsetService", "TypeSnapshot", "with_kept",
 ]
 
 
@@ -329,12 +331,114 @@ def _content_version(resources: Mapping[str, Resource]) -> str:
     return digest.hexdigest()[:16]
 
 
+class _Overlay(Mapping[str, Resource]):
+    """``base`` with some of its resources replaced by ``top`` (whose names are all in ``base``):
+    one proxy's endpoints, sharing every assignment but its subsetted ones with the group's."""
+
+    __slots__ = ("_base", "_top")
+
+    def __init__(self, base: Mapping[str, Resource], top: Mapping[str, Resource]) -> None:
+        self._base = base
+        self._top = top
+
+    def __getitem__(self, name: str) -> Resource:
+        found = self._top.get(name)
+        return found if found is not None else self._base[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._base
+
+
+_SUBSET_VIEWS = 65_536
+"""Per-proxy endpoint views kept per snapshot (by proxy index, and by distinct choice): beyond it
+they are made again when asked (correct, only slower). Distinct choices are few: with Ringsteady a
+service of n backends has at most n distinct subsets."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SubsetService:
+    """One subsetted service of a snapshot: its endpoints by backend index, and how a proxy's
+    subset is chosen (:mod:`pilotfish.subsetting`)."""
+
+    name: str
+    """The assignment's (EDS resource's) name."""
+    choose: Callable[[int], tuple[int, ...]]
+    """Proxy index -> the backend indices of its subset."""
+    endpoints: Mapping[int, Endpoint]
+    _variants: dict[tuple[int, ...], Resource] = field(default_factory=dict, repr=False)
+
+    def variant(self, chosen: tuple[int, ...]) -> Resource:
+        """The assignment of the backends ``chosen`` (encoded once per distinct subset)."""
+        found = self._variants.get(chosen)
+        if found is None:
+            if len(self._variants) >= _SUBSET_VIEWS:
+                self._variants.clear()
+            endpoints = [self.endpoints[index] for index in chosen]
+            found = self._variants[chosen] = Resource(ENDPOINT, self.name, encode_assignment(self.name, endpoints))
+        return found
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SubsetPlan:
+    """The subsetted services of a snapshot: each proxy's endpoints are the group's, with the
+    assignments of these services replaced by its own subsets (:meth:`view`)."""
+
+    services: Mapping[str, SubsetService]
+    signature: str
+    """A hash of what decides every subset (names, sizes, backends and their indices): equal
+    plans give every proxy the same endpoints."""
+    _by_proxy: dict[int, TypeSnapshot] = field(default_factory=dict, repr=False)
+    _by_choice: dict[tuple[tuple[int, ...], ...], TypeSnapshot] = field(default_factory=dict, repr=False)
+
+    def view(self, base: TypeSnapshot, proxy: int) -> TypeSnapshot:
+        """The endpoints proxy ``proxy`` is served: ``base`` with its own subsets. Its version is
+        a hash of ``base``'s content and of the subsets (the same on every replica given the
+        same indices), or the user's explicit version."""
+        found = self._by_proxy.get(proxy)
+        if found is not None:
+            return found
+        chosen = {name: service.choose(proxy) for name, service in self.services.items() if name in base.resources}
+        choice = tuple(chosen.values())
+        found = self._by_choice.get(choice)
+        if found is None:
+            top = {name: self.services[name].variant(backends) for name, backends in chosen.items()}
+            digest = hashlib.sha256(base.content_hash.encode())
+            for name in sorted(top):
+                digest.update(f"|{name}={top[name].hash}".encode())
+            content = digest.hexdigest()[:16]
+            version = base.version if base.version != base.content_hash else content
+            found = TypeSnapshot(base.rtype, version, _Overlay(base.resources, top), content,
+                                 memo_limits=base.memo_limits)
+            if len(self._by_choice) >= _SUBSET_VIEWS:
+                self._by_choice.clear()
+            self._by_choice[choice] = found
+        if len(self._by_proxy) >= _SUBSET_VIEWS:
+            self._by_proxy.clear()
+        self._by_proxy[proxy] = found
+        return found
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything to serve to one group of proxies, at one moment. Never changes once built."""
 
     types: Mapping[TypeUrl, TypeSnapshot]
     explicit_version: str | None = None
+    subsets: SubsetPlan | None = None
+    """Services whose endpoints each proxy gets a subset of (None: none)."""
+
+    def endpoints_for(self, proxy: int | None) -> TypeSnapshot | None:
+        """The endpoints a proxy with subsetting index ``proxy`` is served (None: no index)."""
+        base = self.types.get(ENDPOINT.url)
+        if base is None or proxy is None or self.subsets is None:
+            return base
+        return self.subsets.view(base, proxy)
 
     @classmethod
     def build(
@@ -356,7 +460,10 @@ class Snapshot:
         return cls(types=MappingProxyType(types), explicit_version=version)
 
     def same_content(self, other: Snapshot) -> bool:
-        """Whether both hold exactly the same resources (whatever their versions say)."""
+        """Whether both hold exactly the same resources (whatever their versions say) and give
+        every proxy the same subsets."""
+        if (self.subsets and self.subsets.signature) != (other.subsets and other.subsets.signature):
+            return False
         return all(
             other.types.get(url) is not None and other.types[url].content_hash == ts.content_hash
             for url, ts in self.types.items()

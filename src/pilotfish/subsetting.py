@@ -45,8 +45,10 @@ Zones: :class:`ZoneRings` chooses within the proxy's zone first (see there).
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NewType
@@ -58,6 +60,7 @@ __all__ = [
     "Index",
     "IndexTable",
     "Position",
+    "ProxyIndices",
     "Ring",
     "ZoneRings",
     "balance_limit",
@@ -207,6 +210,85 @@ def _problems(indices: Mapping[Any, object]) -> list[Problem]:
         else:
             holder[value] = key
     return problems
+
+
+class ProxyIndices:
+    """The proxies' indices, as they connect and go: an :class:`IndexTable` kept up to date one
+    proxy at a time (a table update per connection would copy the table: quadratic in a storm).
+
+    A node id gets the lowest free index when its first stream opens, keeps it while it has
+    streams and for ``grace`` seconds after its last one closed (an Envoy hot restart, a quick
+    reconnect: the same subset), then its index is freed for the next newcomer. Ids loaded from a
+    saved table start their grace when loaded, so a restarted control plane gives reconnecting
+    proxies their old indices. At most ``limit`` ids hold an index (a peer choosing node ids must not
+    grow the table without bound): past it a proxy gets none, and so every endpoint.
+    """
+
+    __slots__ = ("_clock", "_free", "_gone", "_indices", "_next", "_streams", "changes", "grace", "limit")
+
+    def __init__(self, table: IndexTable | None = None, *, grace: float = 300.0, limit: int = 200_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace = grace
+        self.limit = limit
+        self._clock = clock
+        self._indices: dict[str, Index] = dict(table.indices) if table is not None else {}
+        now = clock()
+        self._gone: dict[str, float] = dict.fromkeys(self._indices, now)
+        """Ids without streams -> when their last one closed (oldest first)."""
+        self._streams: dict[str, int] = {}
+        used = set(self._indices.values())
+        self._next = max(used, default=-1) + 1
+        """Every index from here on is free."""
+        self._free = [i for i in range(self._next) if i not in used]
+        heapq.heapify(self._free)
+        self.changes = 0
+        """Counts changes of :meth:`table` (whoever saves it watches this)."""
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def acquire(self, node: str) -> Index | None:
+        """A stream of ``node`` opened: its index (None: the table is full)."""
+        self.expire()
+        self._streams[node] = self._streams.get(node, 0) + 1
+        self._gone.pop(node, None)
+        found = self._indices.get(node)
+        if found is not None:
+            return found
+        if len(self._indices) >= self.limit:
+            return None
+        if self._free:
+            found = Index(heapq.heappop(self._free))
+        else:
+            found, self._next = Index(self._next), self._next + 1
+        self._indices[node] = found
+        self.changes += 1
+        return found
+
+    def release(self, node: str) -> None:
+        """A stream of ``node`` closed; with its last one, its grace period starts."""
+        left = self._streams.get(node, 0) - 1
+        if left > 0:
+            self._streams[node] = left
+            return
+        self._streams.pop(node, None)
+        if node in self._indices:
+            self._gone[node] = self._clock()
+
+    def expire(self) -> None:
+        """Free the indices of ids whose grace period is over."""
+        cutoff = self._clock() - self.grace
+        while self._gone:
+            node, since = next(iter(self._gone.items()))
+            if since > cutoff:
+                break
+            del self._gone[node]
+            heapq.heappush(self._free, self._indices.pop(node))
+            self.changes += 1
+
+    def table(self) -> IndexTable:
+        """The indices held now (connected proxies and those in their grace period)."""
+        return IndexTable(MappingProxyType(dict(self._indices)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -101,6 +101,8 @@ class DeltaWatch(NamedTuple):
     routing: Mapping[TypeUrl, DeltaTypeState] | None = None
     """CDS only: the stream's states by type (read when asked: the stream may subscribe to routes
     after the watch was made), for make-before-break."""
+    subset: int | None = None
+    """EDS: the proxy's subsetting index (its own subsets of subsetted services); None: none."""
 
     def changes(self, current: TypeSnapshot) -> DeltaChanges | None:
         """What ``current`` has for the client; None if nothing."""

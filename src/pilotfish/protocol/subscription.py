@@ -171,6 +171,8 @@ class Watch(NamedTuple):
     """Answer even if nothing changed: a cluster or listener is warming and waits for it."""
     routing_acked: tuple[str | None, str | None] | None = None
     """CDS only: the LDS and RDS versions the proxy has ACKed (None: never), for make-before-break."""
+    subset: int | None = None
+    """EDS: the proxy's subsetting index (its own subsets of subsetted services); None: none."""
 
 
 def needs_response(watch: Watch, current: TypeSnapshot) -> bool:

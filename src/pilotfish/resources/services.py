@@ -90,6 +90,9 @@ class ServiceSpec:
     grpc: str | None = None
     """The name proxyless gRPC clients resolve (``xds:///NAME``): an LDS listener of that name with
     an ``api_listener`` is built for them; None: none (see :mod:`pilotfish.resources.builders`)."""
+    subset_size: int | None = None
+    """Each proxy gets its own ``subset_size`` endpoints of the service (Ringsteady subsetting,
+    :mod:`pilotfish.subsetting`); None: every endpoint (or the server's ``--subset-size``)."""
 
 
 def _where(prefix: str, key: str) -> str:
@@ -202,7 +205,9 @@ def is_zone(value: Any) -> bool:
 
 
 _SERVICE_FIELDS = ("listen", "protocol", "endpoints", "connect_timeout", "timeout", "retries",
-                   "upstream_protocol", "health_check", "grpc", "zone_local")
+                   "upstream_protocol", "health_check", "grpc", "zone_local", "subset_size")
+MAX_SUBSET = 1000
+"""The largest ``subset_size`` accepted (a proxy connecting to more endpoints gains nothing by a subset)."""
 MAX_NAME = 253
 """The longest service or gRPC target name accepted (a DNS name's limit)."""
 
@@ -254,6 +259,9 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     zone_local = value.get("zone_local", False)
     if not isinstance(zone_local, bool):
         problems.append(Problem(_where(where, "zone_local"), f"expected true or false, got {zone_local!r}"))
+    subset_size = None
+    if value.get("subset_size") is not None:
+        subset_size = _int(value["subset_size"], _where(where, "subset_size"), problems, 1, MAX_SUBSET)
     health = None
     if value.get("health_check") is not None:
         health = _health_check(value["health_check"], _where(where, "health_check"), problems)
@@ -278,7 +286,7 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
         return None, (), problems
     spec = ServiceSpec(name=name, listen=listen, protocol=protocol, connect_timeout=connect_timeout,
                        timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health, grpc=grpc,
-                       zone_local=zone_local is True)
+                       zone_local=zone_local is True, subset_size=subset_size)
     return spec, tuple(sorted(endpoints)), problems
 
 

@@ -32,12 +32,14 @@ from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
 from pilotfish.server.registry_etcd import EtcdRegistry, LeaseGuard
 from pilotfish.server.rest import RestXds, start_rest_server
+from pilotfish.server.subset_state import STATE_FILE, SubsetState, keep_saving, load_or_start_fresh
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
 from pilotfish.server.xds import XdsLimits, XdsServer, start_xds_server
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.sources.etcd import Election, EtcdClient, EtcdSource
 from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
 from pilotfish.status import SyncStatus
+from pilotfish.subsetting import IndexTable, ProxyIndices
 
 __all__ = ["ServeSettings", "serve"]
 
@@ -75,6 +77,14 @@ class ServeSettings:
     """``host:port`` of etcd's client API to read services and instances from; None: no etcd."""
     etcd_prefix: str = "/pilotfish/"
     """The etcd key prefix (see :mod:`pilotfish.sources.etcd` for the layout)."""
+    subset_size: int | None = None
+    """Give each proxy this many endpoints of every service that sets no ``subset_size`` of its own
+    (None: only services that set one are subsetted)."""
+    state_dir: Path | None = None
+    """Where the subsetting indices are kept across restarts (``pilotfish-subsets.json``); None: the
+    snapshot file's directory, or (without a snapshot file) memory only."""
+    subset_grace: float = 300.0
+    """Seconds a disconnected proxy keeps its subsetting index (a hot restart gets the same subset)."""
     election_ttl: float = 6.0
     """With the registry on etcd: the lease (seconds) of the election for the singleton duties; a
     replica that dies hands them over within about 4/3 of it."""
@@ -158,10 +168,15 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
     status = SyncStatus()
     confirm_hint = f"kill -USR1 {os.getpid()}"
+    state_dir = settings.state_dir or (settings.snapshot.resolve().parent if settings.snapshot else None)
+    state_path = state_dir / STATE_FILE if state_dir is not None else None
+    kept = load_or_start_fresh(state_path) if state_path is not None else SubsetState({}, IndexTable())
     reconciler = Reconciler(cache, settings=settings.debounce, events=events, expect=expected,
                             guard=settings.guard, confirm_hint=confirm_hint,
                             rules=settings.validate, labels=_source_labels(settings), groups=groups.views(),
-                            rest_refresh=settings.rest_refresh, status=status)
+                            rest_refresh=settings.rest_refresh, status=status, subset_size=settings.subset_size,
+                            subset_tables=kept.backends)
+    proxy_indices = ProxyIndices(kept.proxies, grace=settings.subset_grace)
     etcd: EtcdSource | None = None
     reasons = {"etcd": lambda: f"etcd at {settings.etcd}: {etcd.problem if etcd and etcd.problem else 'listing'}"}
 
@@ -194,7 +209,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
         grants = _secret_grants(settings, cache)
         xds = XdsServer(cache, events=events, status=status, authorize=authorize, grants=grants,
-                        limits=settings.xds_limits, group_of=groups.group_of)
+                        limits=settings.xds_limits, group_of=groups.group_of, proxy_indices=proxy_indices)
         server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context,
                                               connection_limits=settings.xds_connections)
         host = settings.xds.rsplit(":", 1)[0]
@@ -281,6 +296,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         if etcd is not None:
             tasks.append(asyncio.create_task(etcd.run(), name="etcd-source"))
         tasks.append(asyncio.create_task(reconciler.run(), name="reconciler"))
+        if state_path is not None:
+            tasks.append(asyncio.create_task(keep_saving(state_path, reconciler, proxy_indices), name="subset-state"))
         tasks.append(asyncio.create_task(_tidy_heap_when_idle(lambda: reconciler.idle), name="gc"))
         if settings.snapshot is not None:
             tasks.append(asyncio.create_task(_follow_file(settings.snapshot, loaded, reconciler, events),

@@ -68,6 +68,7 @@ from pilotfish.server.grpc_server import (
 )
 from pilotfish.snapshot import DeltaChanges, EncodedResponse
 from pilotfish.status import NodeInfo, SyncStatus
+from pilotfish.subsetting import ProxyIndices
 from pilotfish.transport.frames import GrpcStatus
 
 __all__ = ["MAX_DENIED_RECORDED", "WARN_EVERY", "XdsLimits", "XdsServer", "node_info", "start_xds_server"]
@@ -136,8 +137,12 @@ class XdsServer:
         authorize: Callable[[str, str], str | None] | None = None,
         grants: SecretGrants | None = None,
         limits: XdsLimits = DEFAULT_LIMITS,
+        proxy_indices: ProxyIndices | None = None,
     ) -> None:
         self.cache = cache
+        self.proxy_indices = proxy_indices if proxy_indices is not None else ProxyIndices()
+        """Each connected proxy's subsetting index (by node id): which subset of a subsetted
+        service's endpoints it gets."""
         self.events = events or EventLog()
         self.status = status if status is not None else SyncStatus()  # (an empty one is falsy)
         self.limits = limits
@@ -171,7 +176,7 @@ class _Stream:
     refusals, the secrets granted, the NACK warnings and the end."""
 
     __slots__ = ("_call", "_cancels", "_denied", "_grants", "_last_nack", "_server", "closed", "group", "id",
-                 "node_id", "opened", "type_url")
+                 "node_id", "opened", "subset", "type_url")
 
     service = "ads"
     """How ``stream_open`` names an aggregated stream of this kind."""
@@ -188,6 +193,8 @@ class _Stream:
         self.closed = False
         self.opened = False
         """The first request (with the node) has been taken."""
+        self.subset: int | None = None
+        """The proxy's subsetting index (None: none yet, or the table is full)."""
         self._cancels: dict[TypeUrl, Cancel] = {}
         self._last_nack: tuple[TypeUrl, str | None] | None = None
         """The type and version of the last NACK warned about: a repeated one is not warned again."""
@@ -236,6 +243,7 @@ class _Stream:
         self.opened = True
         self.node_id = node.id
         self.group = server._group_of(node)
+        self.subset = server.proxy_indices.acquire(node.id)
         server.status.stream_opened(self.node_id, node_info(node, address=self._call.peer, group=self.group,
                                                               protocol=self.protocol))
         identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
@@ -302,6 +310,7 @@ class _Stream:
         self._forget_watches()
         if self.opened:
             server.status.stream_closed(self.node_id)
+            server.proxy_indices.release(self.node_id)
         server.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=reason)
 
 
@@ -365,6 +374,8 @@ class _SotwConnection(_Stream):
         for watch in outcome.watches:
             if watch.type_url == SECRET.url:
                 watch = self._granted_only(watch)
+            elif watch.type_url == ENDPOINT.url and self.subset is not None:
+                watch = watch._replace(subset=self.subset)
             self._current[watch.type_url] = watch
             self._replace_watch(watch.type_url, server.cache.create_watch, watch, self._send)
 
@@ -462,6 +473,8 @@ class _DeltaConnection(_Stream):
         for watch in outcome.watches:
             if watch.type_url == SECRET.url:
                 watch = self._granted_only(watch)
+            elif watch.type_url == ENDPOINT.url and self.subset is not None:
+                watch = watch._replace(subset=self.subset)
             self._current[watch.type_url] = watch
             self._replace_watch(watch.type_url, server.cache.create_delta_watch, watch, self._send)
 

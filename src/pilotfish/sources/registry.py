@@ -192,6 +192,7 @@ def _spec_fields(spec: ServiceSpec) -> dict[str, Any]:
             "timeout": spec.health_check.timeout},
         "grpc": spec.grpc,
         "zone_local": spec.zone_local,
+        "subset_size": spec.subset_size,
     }
 
 
