@@ -395,11 +395,21 @@ class SubsetPlan:
     plans give every proxy the same endpoints."""
     _by_proxy: dict[int, TypeSnapshot] = field(default_factory=dict, repr=False)
     _by_choice: dict[tuple[tuple[int, ...], ...], TypeSnapshot] = field(default_factory=dict, repr=False)
+    _rest: list[tuple[TypeSnapshot, str]] = field(default_factory=list, repr=False)
+    """(base, the content hash of its assignments that are not subsetted), made once."""
+
+    def _rest_hash(self, base: TypeSnapshot) -> str:
+        for known, digest in self._rest:
+            if known is base:
+                return digest
+        digest = _content_version({n: r for n, r in base.resources.items() if n not in self.services})
+        self._rest[:] = [(base, digest)]
+        return digest
 
     def view(self, base: TypeSnapshot, proxy: int) -> TypeSnapshot:
         """The endpoints proxy ``proxy`` is served: ``base`` with its own subsets. Its version is
-        a hash of ``base``'s content and of the subsets (the same on every replica given the
-        same indices), or the user's explicit version."""
+        a hash of what it holds (the same on every replica given the same indices), or the
+        user's explicit version."""
         found = self._by_proxy.get(proxy)
         if found is not None:
             return found
@@ -408,7 +418,9 @@ class SubsetPlan:
         found = self._by_choice.get(choice)
         if found is None:
             top = {name: self.services[name].variant(backends) for name, backends in chosen.items()}
-            digest = hashlib.sha256(base.content_hash.encode())
+            # By content: the same assignments give the same version, whatever else changed in
+            # the full pools (a proxy whose subset stayed is sent nothing).
+            digest = hashlib.sha256(self._rest_hash(base).encode())
             for name in sorted(top):
                 digest.update(f"|{name}={top[name].hash}".encode())
             content = digest.hexdigest()[:16]
