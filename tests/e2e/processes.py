@@ -24,12 +24,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 
 from pilotfish.envoy import (
     EnvoyError,
@@ -462,6 +463,27 @@ class ControlPlane:
 # -- Envoy ----------------------------------------------------------------------------------------
 
 
+def _static_listener(port: int, cluster: str) -> dict[str, Any]:
+    """An Envoy listener on 127.0.0.1:``port`` routing every HTTP request to ``cluster`` (retrying
+    connect failures and refused streams, as pilotfish's built routes do)."""
+    manager = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+    return {
+        "name": f"static-{port}",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+            "@type": manager, "stat_prefix": f"static_{port}",
+            # The cluster comes over CDS later: not checked when the listener loads.
+            "route_config": {"validate_clusters": False, "virtual_hosts": [{
+                "name": "all", "domains": ["*"], "routes": [{
+                "match": {"prefix": "/"},
+                "route": {"cluster": cluster, "retry_policy": {"retry_on": "connect-failure,refused-stream",
+                                                               "num_retries": 2}}}]}]},
+            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        }}]}],
+    }
+
+
 def envoy_binary() -> str:
     """The Envoy binary (:func:`pilotfish.envoy.find_envoy`); fail the test if there is none."""
     try:
@@ -506,6 +528,7 @@ class Envoy:
         drain_time_s: int = 1,
         parent_shutdown_time_s: int = 3,
         bootstrap_options: tuple[str, ...] = (),
+        static_listeners: Mapping[int, str] | None = None,
         timeout: float = 20.0,
     ) -> Envoy:
         """Start Envoy from ``pilotfish bootstrap`` and wait until its admin API answers.
@@ -513,7 +536,9 @@ class Envoy:
         Without ``base_id`` Envoy picks one (``--use-dynamic-base-id``), so teardown knows which
         shared-memory file is its own. A hot-restart child passes the parent's base id and
         ``restart_epoch`` + 1. The admin API listens on a port the OS picks. ``bootstrap_options``
-        are further ``pilotfish bootstrap`` arguments (``--tls-ca FILE``, ...).
+        are further ``pilotfish bootstrap`` arguments (``--tls-ca FILE``, ...). ``static_listeners``:
+        port -> cluster: a listener of this Envoy's own on 127.0.0.1:port sending every HTTP request
+        to that (dynamic) cluster, so several Envoys can take load for one service side by side.
         """
         binary = envoy_binary()
         bootstrap = pilotfish(
@@ -524,6 +549,11 @@ class Envoy:
             "--admin-port", "0",
             *bootstrap_options,
         ).stdout  # fmt: skip
+        if static_listeners:
+            document = yaml.safe_load(bootstrap)
+            document.setdefault("static_resources", {})["listeners"] = [
+                _static_listener(port, cluster) for port, cluster in static_listeners.items()]
+            bootstrap = yaml.safe_dump(document)
         bootstrap_path = group.workdir / f"{name}.bootstrap.yaml"
         bootstrap_path.write_text(bootstrap)
         if base_id is not None:
