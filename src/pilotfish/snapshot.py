@@ -406,6 +406,25 @@ class SubsetPlan:
         self._rest[:] = [(base, digest)]
         return digest
 
+    def chosen(self, proxy: int) -> dict[str, list[str]]:
+        """Service -> the addresses of proxy ``proxy``'s subset (for operators: the admin API)."""
+        return {name: [service.endpoints[i].address for i in service.choose(proxy)]
+                for name, service in sorted(self.services.items())}
+
+    def spread(self, proxies: Iterable[int]) -> dict[str, float]:
+        """Service -> the busiest backend's share of ``proxies`` over the mean (1.0: perfectly
+        even), counting every backend of the service (one no proxy uses counts as 0)."""
+        indices = list(proxies)
+        out: dict[str, float] = {}
+        for name, service in self.services.items():
+            load = dict.fromkeys(service.endpoints, 0)
+            for proxy in indices:
+                for backend in service.choose(proxy):
+                    load[backend] += 1
+            mean = sum(load.values()) / len(load)
+            out[name] = max(load.values()) / mean if mean else 0.0
+        return out
+
     def view(self, base: TypeSnapshot, proxy: int) -> TypeSnapshot:
         """The endpoints proxy ``proxy`` is served: ``base`` with its own subsets. Its version is
         a hash of what it holds (the same on every replica given the same indices), or the

@@ -247,6 +247,10 @@ class ProxyIndices:
     def __len__(self) -> int:
         return len(self._indices)
 
+    def index(self, node: str) -> Index | None:
+        """``node``'s index (None: it has none)."""
+        return self._indices.get(node)
+
     def acquire(self, node: str) -> Index | None:
         """A stream of ``node`` opened: its index (None: the table is full)."""
         self.expire()

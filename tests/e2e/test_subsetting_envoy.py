@@ -20,7 +20,17 @@ from pathlib import Path
 import pytest
 
 from .event_log import TYPE_URLS, is_event, short_type
-from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, envoy_binary, free_port, wait_until
+from .processes import (
+    ControlPlane,
+    Envoy,
+    ProcessGroup,
+    Upstream,
+    envoy_binary,
+    free_port,
+    http_get,
+    http_json,
+    wait_until,
+)
 from .snapshot_file import write_services
 from .testbed import wait_for_acks
 from .wrk import Wrk, wrk_binary
@@ -72,6 +82,14 @@ def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGro
                details=lambda: str(subsets()))
     first = subsets()
     assert set().union(*first) == {address(u) for u in serving}, "together they use every backend"
+    # The admin API says which subset each proxy is served; /metrics how even the load is.
+    for n, envoy_subset in enumerate(first):
+        status, config = http_json("GET", f"http://{control_plane.admin}/v1/config?node=edge-{n}")
+        assert status == 200 and set(config["subsets"]["services"]["web"]) == envoy_subset, config.get("subsets")
+    status, metrics = http_get(f"http://{control_plane.admin}/metrics")
+    spread = [line for line in metrics.splitlines() if line.startswith("pilotfish_subset_load_spread{")]
+    assert status == 200 and len(spread) == 1 and 'service="web"' in spread[0], spread
+    assert 1.0 <= float(spread[0].rsplit(" ", 1)[1]) <= 2.0, spread
 
     loads = [Wrk.start(processes, f"http://127.0.0.1:{port}/", duration_s=LOAD_S, threads=1, connections=4)
              for port in ports]

@@ -68,7 +68,7 @@ from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.errors import shorten
 from pilotfish.events import RecentEvents
 from pilotfish.reconcile import Reconciler
-from pilotfish.resources import SECRET, type_by_url
+from pilotfish.resources import ENDPOINT, SECRET, type_by_url
 from pilotfish.server.http_site import is_loopback, serve_app
 from pilotfish.server.metrics import CONTENT_TYPE, Metrics
 from pilotfish.server.rest import response_json
@@ -160,8 +160,11 @@ class AdminApi:
     def __init__(self, status: SyncStatus, cache: SnapshotCache, reconciler: Reconciler, *,
                  waiting: Callable[[], list[str]] | None = None, metrics: Metrics | None = None,
                  recent: RecentEvents | None = None,
-                 etcd: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
+                 etcd: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 subset_of: Callable[[str], int | None] | None = None) -> None:
         self.status = status
+        self._subset_of = subset_of or (lambda _: None)
+        """Node id -> its subsetting index (None: none): which endpoints it is served."""
         self._etcd = etcd
         """This replica's etcd revision and lag (and who leads), for ``/healthz``; None: no etcd."""
         self.cache = cache
@@ -335,13 +338,18 @@ class AdminApi:
         if snapshot is None:
             return _error(404, f"nothing is published for node group {group!r} yet")
         types: dict[str, Any] = {}
+        index = self._subset_of(node_id)
         for url, current in snapshot.types.items():
+            if url == ENDPOINT.url:
+                current = snapshot.endpoints_for(index) or current  # its own subsets, if any
             if url == SECRET.url:  # names only: private keys do not leave through the admin API
                 resources: list[Any] = [{"name": name, "redacted": True} for name in sorted(current.resources)]
             else:
                 resources = orjson.loads(response_json(current.response(None))).get("resources", [])
             types[short_type(url)] = {"version": current.version, "resources": resources}
-        return _json({"node": node_id, "group": group, "label": snapshot.label(), "types": types})
+        subsets = {} if snapshot.subsets is None or index is None else {
+            "subsets": {"index": index, "services": snapshot.subsets.chosen(index)}}
+        return _json({"node": node_id, "group": group, "label": snapshot.label(), **subsets, "types": types})
 
     # -- the blast-radius guard -----------------------------------------------------------------------
 

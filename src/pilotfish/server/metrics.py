@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from pilotfish.cache import NodeGroup
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import type_by_url
 from pilotfish.status import ACK_BUCKETS, SyncStatus
@@ -39,7 +40,8 @@ def _short(type_url: str) -> str:
 
 class _Collector(Collector):
     def __init__(self, status: SyncStatus, reconciler: Reconciler, open_streams: Callable[[], int],
-                 sources: Callable[[], list[str]]) -> None:
+                 sources: Callable[[], list[str]], subset_of: Callable[[str], int | None]) -> None:
+        self._subset_of = subset_of
         self._status = status
         self._reconciler = reconciler
         self._open_streams = open_streams
@@ -106,15 +108,34 @@ class _Collector(Collector):
         yield errors
         yield GaugeMetricFamily("pilotfish_snapshot_refused", "1 while the latest build is refused (the merged "
                                 "sources are invalid)", value=1 if reconciler.last_error is not None else 0)
+        yield self._subset_spread()
+
+    def _subset_spread(self) -> Metric:
+        """Per subsetted service and node group: the busiest backend's connected proxies over the mean."""
+        spread = GaugeMetricFamily("pilotfish_subset_load_spread", "Subsetting balance: connected proxies of the "
+                                   "busiest backend over the mean (1 = even)", labels=["group", "service"])
+        by_group: dict[str, list[int]] = {}
+        for proxy in self._status.proxies():
+            index = self._subset_of(proxy.node_id) if proxy.streams else None
+            if index is not None:
+                by_group.setdefault(proxy.info.group, []).append(index)
+        for group, indices in sorted(by_group.items()):
+            snapshot = self._reconciler.cache.snapshot(NodeGroup(group))
+            if snapshot is not None and snapshot.subsets is not None:
+                for service, value in sorted(snapshot.subsets.spread(indices).items()):
+                    spread.add_metric([group, service], value)
+        return spread
 
 
 class Metrics:
     """The registry ``/metrics`` renders: pilotfish's collector only (no process metrics of the
     client library's own, which would read /proc at every scrape)."""
 
-    def __init__(self, status: SyncStatus, reconciler: Reconciler, *, open_streams: Callable[[], int]) -> None:
+    def __init__(self, status: SyncStatus, reconciler: Reconciler, *, open_streams: Callable[[], int],
+                 subset_of: Callable[[str], int | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(status, reconciler, open_streams, reconciler.expected_sources))
+        self.registry.register(_Collector(status, reconciler, open_streams, reconciler.expected_sources,
+                                          subset_of or (lambda _: None)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

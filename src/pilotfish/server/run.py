@@ -270,7 +270,9 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             admin_runner, admin_address = await start_admin_server(
                 AdminApi(status, cache, reconciler, waiting=waiting, recent=recent,
                          etcd=None if etcd is None else store.status if store is not None else etcd.status,
-                         metrics=Metrics(status, reconciler, open_streams=lambda: xds.open_streams)), settings.admin,
+                         subset_of=proxy_indices.index,
+                         metrics=Metrics(status, reconciler, open_streams=lambda: xds.open_streams,
+                                         subset_of=proxy_indices.index)), settings.admin,
                 tls=None if admin_tls is None else admin_tls.context)
             cleanups.append(admin_runner.cleanup)
             tls_options = "" if admin_tls is None else " --tls-ca CA-FILE" + (
