@@ -78,6 +78,7 @@ from pilotfish.server.tls import peer_identity
 from pilotfish.server.xds import node_info
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.status import SyncStatus
+from pilotfish.subsetting import ProxyIndices
 
 __all__ = ["DEFAULT_MAX_BODY", "PATHS", "RestXds", "start_rest_server"]
 
@@ -195,8 +196,12 @@ class RestXds:
         limits: XdsLimits = DEFAULT_LIMITS,
         max_body: int = DEFAULT_MAX_BODY,
         report_every: float = 10.0,
+        proxy_indices: ProxyIndices | None = None,
     ) -> None:
         self.cache = cache
+        self.proxy_indices = proxy_indices if proxy_indices is not None else ProxyIndices()
+        """Subsetting indices by node id (shared with the gRPC server: a poller is indexed at each
+        poll, and keeps its index the grace period between polls)."""
         self.events = events or EventLog()
         self.status = status if status is not None else SyncStatus()  # (an empty one is falsy)
         self.group_of = group_of
@@ -261,6 +266,10 @@ class RestXds:
         group = self.group_of(poll.node)
         snapshot = self.cache.snapshot(group)
         current = snapshot.get(type_url) if snapshot is not None else None
+        if snapshot is not None and snapshot.subsets is not None and poll.rtype is ENDPOINT:
+            index = self.proxy_indices.acquire(node_id)  # a poll is a stream of one request
+            self.proxy_indices.release(node_id)
+            current = snapshot.endpoints_for(index)  # its own subsets
         if current is None:
             self._record(poll, answer=503)
             response = _error(503, "no configuration is published yet (pilotfish is waiting for its sources); "

@@ -256,7 +256,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 rest_tls = ReloadingServerContext(rest_tls_files, on_event=events.emit, name="rest")
                 tasks.append(asyncio.create_task(rest_tls.run(every=settings.tls_reload_every), name="rest-tls-reload"))
             rest = RestXds(cache, events=events, status=xds.status, authorize=authorize, grants=grants,
-                           limits=settings.xds_limits, group_of=groups.rest_group_of)
+                           limits=settings.xds_limits, group_of=groups.rest_group_of, proxy_indices=proxy_indices)
             rest_runner, rest_address = await start_rest_server(
                 rest, settings.rest, tls=None if rest_tls is None else rest_tls.context)
             cleanups.append(rest_runner.cleanup)
