@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,18 @@ from pilotfish.desired import DesiredState
 from pilotfish.errors import Problem
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_endpoint, parse_service
 
-__all__ = ["Election", "EtcdClient", "EtcdSource", "EtcdUnavailable", "EtcdView", "Lease", "prefix_end"]
+__all__ = [
+    "Change",
+    "Election",
+    "EtcdClient",
+    "EtcdSource",
+    "EtcdUnavailable",
+    "EtcdView",
+    "KeyValue",
+    "Lease",
+    "follow_prefix",
+    "prefix_end",
+]
 
 _log = logging.getLogger("pilotfish.sources.etcd")
 
@@ -358,21 +369,9 @@ class EtcdSource:
 
     async def run(self) -> None:
         """List and watch until cancelled; on any failure, wait a little and start over."""
-        delay = self._backoff[0]
-        timeout = aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=None)
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as http:
-                while True:
-                    try:
-                        revision = await self._list()
-                        delay = self._backoff[0]
-                        await self._watch(http, revision + 1)
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception as exc:
-                        self._lost(exc)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, self._backoff[1])
+            await follow_prefix(self.client, self.prefix, listed=self._listed, changed=self._changed, lost=self._lost,
+                                backoff=self._backoff)
         finally:
             await self.client.close()
 
@@ -388,64 +387,106 @@ class EtcdSource:
         self.problem = reason
         self.connected.clear()
 
-    async def _list(self) -> int:
-        answer = await self.client.range(self.prefix, prefix=True)
+    async def _listed(self, kvs: list[KeyValue], revision: int) -> None:
         view = EtcdView(self.prefix)
-        for kv in answer.get("kvs", []):
-            key = _unb64(kv["key"])
-            problem = view.put(key, _unb64(kv.get("value", "")), int(kv.get("lease", 0)))
+        for key, value, lease in kvs:
+            problem = view.put(key, value, lease)
             if problem:
                 self._report_bad(key, problem)
-        revision = int(answer["header"]["revision"])
         view.revision = self.view.revision
         self.view = view
         self.resyncs += 1
         self.problem = None
         self.connected.set()
-        self._emit("etcd_synced", revision=revision, keys=len(answer.get("kvs", [])), bad=len(view.bad))
+        self._emit("etcd_synced", revision=revision, keys=len(kvs), bad=len(view.bad))
         self._on_state(view.state())
         await self._advance(revision)
-        return revision
 
     def _report_bad(self, key: str, reason: str) -> None:
         _log.error("etcd key %s left out: %s", key, reason)
         self._emit("etcd_bad_value", key=key, reason=reason)
 
-    async def _watch(self, http: aiohttp.ClientSession, start: int) -> None:
-        body = {"create_request": {"key": _b64(self.prefix), "range_end": _b64(prefix_end(self.prefix)),
-                                   "start_revision": start}}
-        async with http.post(self.base + "/v3/watch", json=body) as response:
-            response.raise_for_status()
-            async for line in response.content:
-                if not line.strip():
-                    continue
-                message = json.loads(line)
-                if "error" in message:
-                    raise ValueError(f"watch failed: {message['error']}")
-                result = message.get("result", {})
-                if result.get("compact_revision") not in (None, "0"):
-                    raise ValueError(f"history compacted to revision {result['compact_revision']}; listing again")
-                if result.get("canceled"):
-                    raise ValueError(f"watch canceled: {result.get('cancel_reason', 'no reason given')}")
-                events = result.get("events", [])
-                if not events:
-                    continue
-                revision = 0
-                for event in events:
-                    kv = event["kv"]
-                    key = _unb64(kv["key"])
-                    revision = max(revision, int(kv.get("mod_revision", 0)))
-                    if event.get("type") == "DELETE":
-                        self.view.delete(key)
-                    else:
-                        problem = self.view.put(key, _unb64(kv.get("value", "")), int(kv.get("lease", 0)))
-                        if problem:
-                            self._report_bad(key, problem)
-                self._on_state(self.view.state())
+    async def _changed(self, changes: list[Change], revision: int) -> None:
+        for key, value, lease in changes:
+            if value is None:
+                self.view.delete(key)
+            else:
+                problem = self.view.put(key, value, lease)
+                if problem:
+                    self._report_bad(key, problem)
+        self._on_state(self.view.state())
+        await self._advance(revision)
+
+
+KeyValue = tuple[str, str, Lease]
+"""A key, its value and its lease (0: none)."""
+Change = tuple[str, str | None, Lease]
+"""A key, its new value (None: deleted) and its lease."""
+
+
+async def follow_prefix(
+    client: EtcdClient, prefix: str, *,
+    listed: Callable[[list[KeyValue], int], Awaitable[None]],
+    changed: Callable[[list[Change], int], Awaitable[None]],
+    lost: Callable[[Exception], None],
+    backoff: tuple[float, float] = (0.1, 2.0),
+) -> None:
+    """List every key under ``prefix`` (``listed(kvs, revision)``), then watch from the next
+    revision (``changed(changes, revision)`` per batch of events, with the highest revision among
+    them), so no change between the two is missed. When the watch breaks (etcd restarts, the
+    history was compacted, the network fails), ``lost(why)`` is called and, after a backoff that
+    doubles from ``backoff[0]`` to ``backoff[1]``, it lists again: the listing replaces the whole
+    view, so nothing is lost or duplicated. Runs until cancelled."""
+    delay = backoff[0]
+    timeout = aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=None)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        while True:
+            try:
+                answer = await client.range(prefix, prefix=True)
+                revision = int(answer["header"]["revision"])
+                await listed([(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv.get("lease", 0)))
+                              for kv in answer.get("kvs", [])], revision)
+                delay = backoff[0]
+                await _watch(http, client, prefix, revision + 1, changed)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                lost(exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, backoff[1])
+
+
+async def _watch(http: aiohttp.ClientSession, client: EtcdClient, prefix: str, start: int,
+                 changed: Callable[[list[Change], int], Awaitable[None]]) -> None:
+    body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "start_revision": start}}
+    async with http.post(client.base + "/v3/watch", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if not line.strip():
+                continue
+            message = json.loads(line)
+            if "error" in message:
+                raise ValueError(f"watch failed: {message['error']}")
+            result = message.get("result", {})
+            if result.get("compact_revision") not in (None, "0"):
+                raise ValueError(f"history compacted to revision {result['compact_revision']}; listing again")
+            if result.get("canceled"):
+                raise ValueError(f"watch canceled: {result.get('cancel_reason', 'no reason given')}")
+            events = result.get("events", [])
+            if not events:
+                continue
+            changes: list[Change] = []
+            revision = 0
+            for event in events:
+                kv = event["kv"]
                 # The events' own revisions, not the header's: a header may be ahead of events
                 # still to come.
-                await self._advance(revision)
-        raise ValueError("the watch stream ended")
+                revision = max(revision, int(kv.get("mod_revision", 0)))
+                deleted = event.get("type") == "DELETE"
+                changes.append((_unb64(kv["key"]), None if deleted else _unb64(kv.get("value", "")),
+                                int(kv.get("lease", 0))))
+            await changed(changes, revision)
+    raise ValueError("the watch stream ended")
 
 
 class Election:
