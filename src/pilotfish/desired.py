@@ -222,15 +222,18 @@ def build_snapshot(
 
 
 def subset_tables(merged: Merged, tables: Mapping[str, IndexTable], *,
-                  default_size: int | None = None) -> dict[str, IndexTable]:
+                  default_size: int | None = None, allocate: bool = True) -> dict[str, IndexTable]:
     """The backend index table of every service that is subsetted (its ``subset_size``, else
     ``default_size``), updated from ``tables`` (the previous build's) for the endpoints it has now.
-    A pure function: every replica with the same previous tables computes the same ones."""
+    A pure function: every replica with the same previous tables computes the same ones.
+    ``allocate`` False: new endpoints get no index (they wait for the replica that allocates, on
+    etcd), those that went keep theirs (it frees them)."""
     out = {}
     for name, spec in merged.services.items():
         if (spec.subset_size or default_size) is not None:
             previous = tables.get(name, _NO_INDICES)
-            out[name] = previous.update(present=(e.address for e in merged.endpoints.get(name, ())))
+            out[name] = previous.update(present=(e.address for e in merged.endpoints.get(name, ()))) if allocate \
+                else previous
     return out
 
 
@@ -257,6 +260,8 @@ def _subset_plan(merged: Merged, view: View, tables: Mapping[str, IndexTable],
             index = table.index(endpoint.address)
             if index is not None:
                 by_index[index] = endpoint
+        if len(by_index) <= size:
+            continue  # (on etcd, a service whose indices are not allocated yet): served whole
         choose: Callable[[int], tuple[int, ...]]
         if view.zone:
             rings = ZoneRings({i: e.zone or None for i, e in by_index.items()}, k=size)

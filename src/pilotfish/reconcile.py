@@ -35,7 +35,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NoReturn, Protocol
 
@@ -306,6 +306,11 @@ class Reconciler:
         etcd keep them; :func:`pilotfish.desired.subset_tables`)."""
         self.subset_tables_changed = 0
         """Counts publications that changed :attr:`subset_tables` (whoever persists them watches it)."""
+        self.subset_tables_shared = False
+        """True on etcd: the tables are set from outside (:meth:`set_subset_tables`), never allocated
+        here, so every replica builds with the same ones."""
+        self.on_merged: Callable[[Merged], None] | None = None
+        """Told the merged state of every build (the replica that allocates shared indices)."""
         self._status = status
         """Told each group's versions as they are published (what proxies are measured against)."""
         self.settings = settings or DebounceSettings()
@@ -401,6 +406,16 @@ class Reconciler:
         self._debouncer.change(now)
         self._wake.set()
 
+    def set_subset_tables(self, tables: Mapping[str, IndexTable]) -> None:
+        """Shared tables changed (etcd): build with them (and only them) from now on."""
+        if tables == self.subset_tables:
+            return
+        self.subset_tables = dict(tables)
+        self.subset_tables_changed += 1
+        self.changes += 1
+        self._debouncer.change(self._clock.now())
+        self._wake.set()
+
     def expected_sources(self) -> list[str]:
         """Every source the reconciler waits for before it publishes (file, etcd, registry)."""
         return sorted(self._expected)
@@ -491,7 +506,10 @@ class Reconciler:
             return None  # publishing now would serve "empty because not yet known"
         self.builds += 1
         merged = self._damped(merge_states(self._states, memo=self._merge_memo))
-        tables = subset_tables(merged, self.subset_tables, default_size=self.subset_size)
+        if self.on_merged is not None:
+            self.on_merged(merged)
+        tables = subset_tables(merged, self.subset_tables, default_size=self.subset_size,
+                               allocate=not self.subset_tables_shared)
         try:
             built = build_snapshots(merged, self._source_names(), self._groups, memo=self._memo, rules=self._rules,
                                     rest_refresh=self._rest_refresh, subsets=tables, subset_size=self.subset_size)
@@ -571,7 +589,7 @@ class Reconciler:
         """Hand each group's new snapshot to the cache; one ``snapshot_loaded`` event names the
         default group's (else the first changed group's) snapshot and, with several groups, each
         group's."""
-        if tables != self.subset_tables:
+        if tables != self.subset_tables and not self.subset_tables_shared:
             self.subset_tables = tables
             self.subset_tables_changed += 1
         started = time.perf_counter()
@@ -637,7 +655,8 @@ class Reconciler:
             merged = merge_states(states)
             build_snapshots(merged, ", ".join(sorted(states)), self._groups, memo=self._memo,
                             rules=self._rules, rest_refresh=self._rest_refresh, subset_size=self.subset_size,
-                            subsets=subset_tables(merged, self.subset_tables, default_size=self.subset_size))
+                            subsets=subset_tables(merged, self.subset_tables, default_size=self.subset_size,
+                                                  allocate=not self.subset_tables_shared))
         except ConfigError as exc:
             return list(exc.problems)
         return []

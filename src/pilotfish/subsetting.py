@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, NewType
+from typing import Any, NewType, Protocol
 
 from pilotfish.errors import ConfigError, Problem
 
@@ -60,6 +60,7 @@ __all__ = [
     "Index",
     "IndexTable",
     "Position",
+    "ProxyIndexer",
     "ProxyIndices",
     "Ring",
     "ZoneRings",
@@ -210,6 +211,20 @@ def _problems(indices: Mapping[Any, object]) -> list[Problem]:
         else:
             holder[value] = key
     return problems
+
+
+class ProxyIndexer(Protocol):
+    """What the xDS servers need of the proxies' indices: :class:`ProxyIndices` in one process,
+    or the replicas' shared ones in etcd (:mod:`pilotfish.server.subset_etcd`)."""
+
+    def index(self, node: str) -> Index | None:
+        """``node``'s index (None: it has none)."""
+
+    def acquire(self, node: str) -> Index | None:
+        """A stream (or poll) of ``node`` opened: its index (None: none can be given)."""
+
+    def release(self, node: str) -> None:
+        """A stream of ``node`` closed (with its last, its grace period starts)."""
 
 
 class ProxyIndices:

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import queue
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import yaml
 from aiohttp import web
-from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
 
 from pilotfish.cache import SnapshotCache
@@ -31,6 +29,7 @@ from pilotfish.server.admin import AdminApi
 from pilotfish.server.http_site import serve_app
 from pilotfish.status import NodeInfo, SyncStatus
 
+from .ads_client import AdsClient
 from .browser import Browser, Page, chromium_binary
 from .event_log import CDS, is_event
 from .processes import http_get, wait_until
@@ -122,25 +121,10 @@ HOSTILE_CLUSTER = "<script>window.__pwned=2</script>"
 HOSTILE_NACK = '<img src=x onerror="window.__pwned=3"> rejected <b class="hostile">bold</b> & "quoted"'
 
 
-class _AdsClient:
-    """A grpcio ADS stream that sends what the test puts in its queue."""
-
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
-        self.requests: queue.Queue[discovery_pb2.DiscoveryRequest | None] = queue.Queue()
-        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel)
-        self.responses = stub.StreamAggregatedResources(iter(self.requests.get, None), timeout=60)
-
-    def close(self) -> None:
-        self.requests.put(None)
-        self.responses.cancel()
-        self.channel.close()
-
-
 def test_what_peers_say_shows_as_text_and_never_runs(testbed: Testbed, browser: Browser) -> None:
     testbed.write_snapshot(**V2)
     testbed.control_plane.start()
-    client = _AdsClient(testbed.control_plane.address)
+    client = AdsClient(testbed.control_plane.address)
     try:
         first = discovery_pb2.DiscoveryRequest(type_url=CDS)
         first.node.id, first.node.cluster = HOSTILE_NODE, HOSTILE_CLUSTER

@@ -78,7 +78,7 @@ from pilotfish.server.tls import peer_identity
 from pilotfish.server.xds import node_info
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.status import SyncStatus
-from pilotfish.subsetting import ProxyIndices
+from pilotfish.subsetting import ProxyIndexer, ProxyIndices
 
 __all__ = ["DEFAULT_MAX_BODY", "PATHS", "RestXds", "start_rest_server"]
 
@@ -196,10 +196,10 @@ class RestXds:
         limits: XdsLimits = DEFAULT_LIMITS,
         max_body: int = DEFAULT_MAX_BODY,
         report_every: float = 10.0,
-        proxy_indices: ProxyIndices | None = None,
+        proxy_indices: ProxyIndexer | None = None,
     ) -> None:
         self.cache = cache
-        self.proxy_indices = proxy_indices if proxy_indices is not None else ProxyIndices()
+        self.proxy_indices: ProxyIndexer = proxy_indices if proxy_indices is not None else ProxyIndices()
         """Subsetting indices by node id (shared with the gRPC server: a poller is indexed at each
         poll, and keeps its index the grace period between polls)."""
         self.events = events or EventLog()

@@ -32,6 +32,7 @@ from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
 from pilotfish.server.registry_etcd import EtcdRegistry, LeaseGuard
 from pilotfish.server.rest import RestXds, start_rest_server
+from pilotfish.server.subset_etcd import BackendIndexWriter, EtcdProxyIndices, SubsetKeys
 from pilotfish.server.subset_state import STATE_FILE, SubsetState, keep_saving, load_or_start_fresh
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
 from pilotfish.server.xds import XdsLimits, XdsServer, start_xds_server
@@ -176,7 +177,23 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                             rules=settings.validate, labels=_source_labels(settings), groups=groups.views(),
                             rest_refresh=settings.rest_refresh, status=status, subset_size=settings.subset_size,
                             subset_tables=kept.backends)
-    proxy_indices = ProxyIndices(kept.proxies, grace=settings.subset_grace)
+    xds_holder: list[XdsServer] = []  # (the xDS server, made below: told to restart a moved proxy's streams)
+    proxy_indices: ProxyIndices | EtcdProxyIndices
+    subset_writer: BackendIndexWriter | None = None
+    if settings.etcd is not None:  # indices shared by every replica, in etcd (no state file)
+        state_path = None
+        subset_client = EtcdClient(settings.etcd)
+        keys = SubsetKeys(settings.etcd_prefix)
+        proxy_indices = EtcdProxyIndices(
+            subset_client, keys, reconciler, grace=settings.subset_grace,
+            on_moved=lambda node: _restart_streams(xds_holder, node))
+        reconciler.subset_tables_shared = True
+        subset_writer = BackendIndexWriter(subset_client, keys, proxy_indices, reconciler,
+                                           leading=lambda: election is not None and election.leader)
+        reconciler.on_merged = subset_writer.merged
+    else:
+        proxy_indices = ProxyIndices(kept.proxies, grace=settings.subset_grace)
+    election: Election | None = None
     etcd: EtcdSource | None = None
     reasons = {"etcd": lambda: f"etcd at {settings.etcd}: {etcd.problem if etcd and etcd.problem else 'listing'}"}
 
@@ -210,6 +227,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         grants = _secret_grants(settings, cache)
         xds = XdsServer(cache, events=events, status=status, authorize=authorize, grants=grants,
                         limits=settings.xds_limits, group_of=groups.group_of, proxy_indices=proxy_indices)
+        xds_holder.append(xds)
         server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context,
                                               connection_limits=settings.xds_connections)
         host = settings.xds.rsplit(":", 1)[0]
@@ -244,8 +262,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             if store is None:
                 tasks.append(asyncio.create_task(api.expire_forever(), name="registry-expiry"))
             else:  # on etcd, leases end in etcd; self-preservation runs on the elected replica
-                elected = _lead_when_elected(store, settings, registry, events, registry_address)
-                tasks.append(asyncio.create_task(elected, name="registry-election"))
+                store.guard = LeaseGuard(store, lambda: registry.self_preservation, events=events)
             if tokens is not None:
                 tasks.append(asyncio.create_task(tokens.follow(), name="registry-tokens"))
         rest_address = None
@@ -297,8 +314,17 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
 
         if etcd is not None:
             tasks.append(asyncio.create_task(etcd.run(), name="etcd-source"))
+            assert isinstance(proxy_indices, EtcdProxyIndices) and subset_writer is not None
+            election = _election(settings, events, f"xds {host}:{port}", guard=store.guard if store else None,
+                                 writer=subset_writer)
+            if store is not None:
+                store.election = election
+            tasks.append(asyncio.create_task(_campaign(election), name="election"))
+            tasks.append(asyncio.create_task(proxy_indices.run(), name="subset-indices"))
+            tasks.append(asyncio.create_task(_expire_forever(proxy_indices), name="subset-grace"))
+            tasks.append(asyncio.create_task(subset_writer.run(), name="subset-backends"))
         tasks.append(asyncio.create_task(reconciler.run(), name="reconciler"))
-        if state_path is not None:
+        if state_path is not None and isinstance(proxy_indices, ProxyIndices):
             tasks.append(asyncio.create_task(keep_saving(state_path, reconciler, proxy_indices), name="subset-state"))
         tasks.append(asyncio.create_task(_tidy_heap_when_idle(lambda: reconciler.idle), name="gc"))
         if settings.snapshot is not None:
@@ -381,32 +407,44 @@ def raise_descriptor_limit() -> int:
     return soft
 
 
-async def _lead_when_elected(store: EtcdRegistry, settings: ServeSettings, registry: Registry, events: EventLog,
-                             address: str) -> None:
-    """Campaign for the registry's singleton duties (:class:`LeaseGuard`) and run them while elected."""
+def _election(settings: ServeSettings, events: EventLog, address: str, *, guard: LeaseGuard | None,
+              writer: BackendIndexWriter) -> Election:
+    """The election for the singleton duties on etcd: TTL expiry with self-preservation (with the
+    registry) and the subsetting backend indices; the duties start and stop with leadership."""
     assert settings.etcd is not None
-    guarding: asyncio.Task[None] | None = None
+    guarding: list[asyncio.Task[None]] = []
 
     def changed(leader: bool) -> None:
-        nonlocal guarding
-        if guarding is not None:
-            guarding.cancel()
-            guarding = None
-        if leader and store.guard is not None:
-            guarding = asyncio.create_task(store.guard.run(), name="registry-lease-guard")
+        for task in guarding:
+            task.cancel()
+        guarding.clear()
+        if leader and guard is not None:
+            guarding.append(asyncio.create_task(guard.run(), name="registry-lease-guard"))
+        writer.poke()
 
     ttl = settings.election_ttl
-    store.guard = LeaseGuard(store, lambda: registry.self_preservation, events=events)
-    store.election = Election(EtcdClient(settings.etcd, timeout=ttl / 3),
-                              settings.etcd_prefix.rstrip("/") + ".leader",
-                              f"{socket.gethostname()}:{os.getpid()} (registry {address})", ttl=ttl,
-                              on_event=events.emit, on_change=changed)
+    return Election(EtcdClient(settings.etcd, timeout=ttl / 3), settings.etcd_prefix.rstrip("/") + ".leader",
+                    f"{socket.gethostname()}:{os.getpid()} ({address})", ttl=ttl, on_event=events.emit,
+                    on_change=changed)
+
+
+def _restart_streams(servers: list[XdsServer], node: str) -> None:
+    for server in servers:
+        server.restart_streams(node, "its subsetting index moved")
+
+
+async def _campaign(election: Election) -> None:
     try:
-        await store.election.run()
+        await election.run()
     finally:
-        if guarding is not None:
-            guarding.cancel()
-        await store.election.client.close()
+        await election.client.close()
+
+
+async def _expire_forever(indices: EtcdProxyIndices, *, every: float = 1.0) -> None:
+    """Free the indices of proxies whose grace period ended."""
+    while True:
+        await asyncio.sleep(every)
+        indices.expire()
 
 
 def _source_labels(settings: ServeSettings) -> dict[str, str]:

@@ -68,7 +68,7 @@ from pilotfish.server.grpc_server import (
 )
 from pilotfish.snapshot import DeltaChanges, EncodedResponse
 from pilotfish.status import NodeInfo, SyncStatus
-from pilotfish.subsetting import ProxyIndices
+from pilotfish.subsetting import ProxyIndexer, ProxyIndices
 from pilotfish.transport.frames import GrpcStatus
 
 __all__ = ["MAX_DENIED_RECORDED", "WARN_EVERY", "XdsLimits", "XdsServer", "node_info", "start_xds_server"]
@@ -137,10 +137,10 @@ class XdsServer:
         authorize: Callable[[str, str], str | None] | None = None,
         grants: SecretGrants | None = None,
         limits: XdsLimits = DEFAULT_LIMITS,
-        proxy_indices: ProxyIndices | None = None,
+        proxy_indices: ProxyIndexer | None = None,
     ) -> None:
         self.cache = cache
-        self.proxy_indices = proxy_indices if proxy_indices is not None else ProxyIndices()
+        self.proxy_indices: ProxyIndexer = proxy_indices if proxy_indices is not None else ProxyIndices()
         """Each connected proxy's subsetting index (by node id): which subset of a subsetted
         service's endpoints it gets."""
         self.events = events or EventLog()
@@ -158,6 +158,14 @@ class XdsServer:
         self._denials = RateLimitedLog(_log, what="such requests for secrets")
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
+        self._by_node: dict[str, set[_Stream]] = {}
+        """Open streams by node id (to end them when the node's subsetting index moved)."""
+
+    def restart_streams(self, node: str, reason: str) -> None:
+        """End ``node``'s streams with UNAVAILABLE: it reconnects (and is served anew)."""
+        for stream in list(self._by_node.get(node, ())):
+            _log.info("ending stream %d of %r: %s", stream.id, node, reason)
+            stream._call.finish(GrpcStatus.UNAVAILABLE, f"{reason}; reconnect")
 
     def methods(self) -> dict[str, MethodFactory]:
         """``{path: factory}`` for every xDS method pilotfish serves, SotW and delta."""
@@ -244,6 +252,7 @@ class _Stream:
         self.node_id = node.id
         self.group = server._group_of(node)
         self.subset = server.proxy_indices.acquire(node.id)
+        server._by_node.setdefault(node.id, set()).add(self)
         server.status.stream_opened(self.node_id, node_info(node, address=self._call.peer, group=self.group,
                                                               protocol=self.protocol))
         identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
@@ -311,6 +320,11 @@ class _Stream:
         if self.opened:
             server.status.stream_closed(self.node_id)
             server.proxy_indices.release(self.node_id)
+            streams = server._by_node.get(self.node_id)
+            if streams is not None:
+                streams.discard(self)
+                if not streams:
+                    del server._by_node[self.node_id]
         server.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=reason)
 
 

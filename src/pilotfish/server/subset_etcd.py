@@ -1,0 +1,365 @@
+"""Subsetting indices in etcd (``serve --etcd``): every replica, and every restart, computes the
+same subsets, and a proxy that moves between replicas keeps its own.
+
+Keys, next to the source prefix (``/pilotfish/`` gives ``/pilotfish.subsets/``):
+
+- ``backends/{service}``: the service's backend :class:`~pilotfish.subsetting.IndexTable` (JSON).
+  Written only by the replica that holds the election (:class:`BackendIndexWriter`): after each
+  build it computes the tables the merged state needs (:func:`pilotfish.desired.subset_tables`:
+  the lowest free index for each new backend, freed ones dropped) and writes those that differ,
+  each only if the key is still at the revision it last read (a deposed leader's late write loses).
+  Every replica builds with the tables as etcd has them (the reconciler never allocates on etcd),
+  so a backend is in subsets once its index is in etcd, a few milliseconds after it appeared:
+  byte-identical snapshots on every replica from the same keys.
+- ``proxies/{node}`` -> its index, and ``index/{i}`` -> the node: a proxy's index
+  (:class:`EtcdProxyIndices`). The replica a proxy connects to reads it from its view; a new proxy
+  is given the lowest index free in the view at once (so its first response already carries its
+  subset) and the pair is created in etcd in one transaction that fails if either key exists. Two
+  replicas giving one index to two new proxies at the same moment is the rare loser's case: the
+  loser takes the next free index (or the one another replica gave the same node) and the proxy's
+  streams on it are ended, so it reconnects and gets the subset every replica agrees on.
+  The keys are attached to the lease of the replica serving the proxy (kept alive by it; its TTL
+  is the grace period). A proxy that reconnects to another replica is taken over (its keys re-put
+  on that replica's lease, only if the index is still its own). A proxy that leaves keeps its index
+  for the grace period, then its replica deletes the keys if they are still on its lease; a
+  replica that dies leaves its proxies' keys until its lease runs out: the grace period again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pilotfish.desired import Merged, subset_tables
+from pilotfish.errors import ConfigError
+from pilotfish.reconcile import Reconciler
+from pilotfish.sources.etcd import Change, EtcdClient, EtcdUnavailable, KeyValue, Lease, follow_prefix
+from pilotfish.subsetting import INDEX_LIMIT, Index, IndexTable
+
+__all__ = ["BackendIndexWriter", "EtcdProxyIndices", "SubsetKeys"]
+
+_log = logging.getLogger("pilotfish.subsets")
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+class SubsetKeys:
+    """Where the indices live, under one base (``/pilotfish.subsets/`` for ``/pilotfish/``)."""
+
+    def __init__(self, source_prefix: str) -> None:
+        self.base = source_prefix.rstrip("/") + ".subsets/"
+
+    def backends(self, service: str = "") -> str:
+        return f"{self.base}backends/{service}"
+
+    def proxy(self, node: str = "") -> str:
+        return f"{self.base}proxies/{node}"
+
+    def index(self, index: int | None = None) -> str:
+        return f"{self.base}index/" + ("" if index is None else str(index))
+
+
+class EtcdProxyIndices:
+    """Proxies' indices shared through etcd; the interface of
+    :class:`~pilotfish.subsetting.ProxyIndices` (``acquire``, ``release``, ``index``, ``expire``)."""
+
+    def __init__(self, client: EtcdClient, keys: SubsetKeys, reconciler: Reconciler, *, grace: float = 300.0,
+                 on_moved: Callable[[str], None] | None = None, limit: int = 200_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.keys = keys
+        self.reconciler = reconciler
+        self.grace = grace
+        self.limit = limit
+        self._on_moved = on_moved or (lambda _: None)
+        """Called with a node whose index changed under its open streams (they should reconnect)."""
+        self._clock = clock
+        self._nodes: dict[str, tuple[Index, Lease, int]] = {}
+        """Node -> (index, lease, mod revision) as etcd has it."""
+        self._holders: dict[int, str] = {}
+        """Index -> node, as etcd has it."""
+        self._mine: dict[str, Index] = {}
+        """Nodes with streams here (or in their grace period here) -> the index they were given."""
+        self._streams: dict[str, int] = {}
+        self._left: dict[str, float] = {}
+        """Nodes without streams here -> when their last one closed (oldest first)."""
+        self._backends: dict[str, tuple[IndexTable, int]] = {}
+        """Service -> (its backend table, the key's mod revision), as etcd has it."""
+        self.lease: Lease = 0
+        self._work: asyncio.Queue[str] = asyncio.Queue()
+        self.changes = 0
+        self.connected = False
+
+    # -- the interface of ProxyIndices -----------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def index(self, node: str) -> Index | None:
+        mine = self._mine.get(node)
+        if mine is not None:
+            return mine
+        found = self._nodes.get(node)
+        return None if found is None else found[0]
+
+    def acquire(self, node: str) -> Index | None:
+        self._streams[node] = self._streams.get(node, 0) + 1
+        self._left.pop(node, None)
+        index = self.index(node)
+        if index is None:
+            if len(self._nodes) + len(self._mine) >= self.limit:
+                return None
+            index = self._lowest_free()
+        self._mine[node] = index
+        self._work.put_nowait(node)  # created, or taken over, in etcd
+        return index
+
+    def release(self, node: str) -> None:
+        left = self._streams.get(node, 0) - 1
+        if left > 0:
+            self._streams[node] = left
+            return
+        self._streams.pop(node, None)
+        if node in self._mine:
+            self._left[node] = self._clock()
+
+    def expire(self) -> None:
+        cutoff = self._clock() - self.grace
+        while self._left:
+            node, since = next(iter(self._left.items()))
+            if since > cutoff:
+                break
+            del self._left[node]
+            self._work.put_nowait(node)  # deleted in etcd, if still ours
+
+    def table(self) -> IndexTable:
+        """The indices etcd holds, with this replica's own not written yet."""
+        merged = {node: found[0] for node, found in self._nodes.items()}
+        merged.update(self._mine)
+        if len(set(merged.values())) != len(merged):  # a race being settled: etcd's word
+            merged = {node: found[0] for node, found in self._nodes.items()}
+        return IndexTable(merged)
+
+    def _lowest_free(self) -> Index:
+        taken = set(self._holders) | set(self._mine.values())
+        candidate = 0
+        while candidate in taken:
+            candidate += 1
+        if candidate >= INDEX_LIMIT:  # pragma: no cover - 2**32 proxies do not fit in memory
+            raise ValueError("no free proxy index below 2**32")
+        return Index(candidate)
+
+    # -- etcd -------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Follow the keys, keep this replica's lease, and write what acquire/expire queued."""
+        tasks = [asyncio.create_task(follow_prefix(self.client, self.keys.base, listed=self._listed,
+                                                   changed=self._changed, lost=self._lost), name="subset-keys"),
+                 asyncio.create_task(self._keep_lease(), name="subset-lease"),
+                 asyncio.create_task(self._write_forever(), name="subset-writes")]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _lost(self, exc: Exception) -> None:
+        if self.connected:
+            _log.warning("subsetting indices in etcd: %s; keeping the last known and retrying", exc)
+        self.connected = False
+
+    async def _listed(self, kvs: list[KeyValue], revision: int) -> None:
+        self._nodes.clear()
+        self._holders.clear()
+        self._backends.clear()
+        for key, value, lease in kvs:
+            self._apply(key, value, lease, revision)
+        self.connected = True
+        self._tables_changed()
+
+    async def _changed(self, changes: list[Change], revision: int) -> None:
+        backends = False
+        for key, value, lease in changes:
+            backends |= self._apply(key, value, lease, revision)
+        if backends:
+            self._tables_changed()
+
+    def _apply(self, key: str, value: str | None, lease: Lease, revision: int) -> bool:
+        """One key's news; True if it was a backend table."""
+        keys = self.keys
+        if key.startswith(keys.backends()):
+            service = key[len(keys.backends()):]
+            if value is None:
+                self._backends.pop(service, None)
+            else:
+                try:
+                    self._backends[service] = (IndexTable.from_json(json.loads(value), source=key), revision)
+                except (ValueError, ConfigError) as exc:
+                    _log.error("etcd key %s is not a backend index table (%s); the replica holding the election "
+                               "writes it again", key, exc)
+                    # An empty table at the bad key's revision: the service is served whole until
+                    # the elected replica writes it again (over exactly that revision).
+                    self._backends[service] = (IndexTable(), revision)
+            return True
+        if key.startswith(keys.proxy()):
+            node = key[len(keys.proxy()):]
+            old = self._nodes.pop(node, None)
+            if old is not None and self._holders.get(old[0]) == node:
+                del self._holders[old[0]]
+            if value is not None and value.isdigit() and int(value) < INDEX_LIMIT:
+                index = Index(int(value))
+                self._nodes[node] = (index, lease, revision)
+                self._holders[index] = node
+            return False
+        return False
+
+    def _tables_changed(self) -> None:
+        self.changes += 1
+        self.reconciler.set_subset_tables({service: table for service, (table, _) in self._backends.items()})
+
+    async def _keep_lease(self) -> None:
+        while True:
+            try:
+                if not self.lease or await self.client.keepalive(self.lease) <= 0:
+                    self.lease, _ = await self.client.grant(self.grace)
+                    for node in list(self._mine):  # our keys went with the old lease
+                        self._work.put_nowait(node)
+            except EtcdUnavailable as exc:
+                _log.info("subsetting lease: %s; retrying", exc)
+            await asyncio.sleep(max(1.0, min(self.grace / 3, 30.0)))
+
+    async def _write_forever(self) -> None:
+        while True:
+            node = await self._work.get()
+            for attempt in range(5):
+                try:
+                    await self._settle(node)
+                    break
+                except EtcdUnavailable as exc:
+                    _log.info("subsetting index of %r not written yet (%s); retrying", node, exc)
+                    await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
+            else:
+                self._work.put_nowait(node)  # still later: etcd is away
+                await asyncio.sleep(2.0)
+
+    async def _settle(self, node: str) -> None:
+        """Make etcd say what this replica holds about ``node`` (create, take over or delete)."""
+        mine = self._mine.get(node)
+        if mine is None:
+            return
+        if node not in self._streams and node not in self._left:  # its grace period ended here
+            del self._mine[node]
+            await self._delete_if_ours(node, mine)
+            return
+        while not self.lease:
+            await asyncio.sleep(0.05)
+        known = self._nodes.get(node)
+        if known is not None and known[0] == mine and known[1] == self.lease:
+            return  # already so
+        keys = self.keys
+        value = str(mine)
+        if known is not None and known[0] == mine:  # take it over: still this index, on our lease
+            compare = [{"key": _b64(keys.proxy(node)), "target": "VALUE", "value": _b64(value)}]
+        else:
+            compare = [{"key": _b64(keys.proxy(node)), "target": "CREATE", "create_revision": "0"},
+                       {"key": _b64(keys.index(mine)), "target": "CREATE", "create_revision": "0"}]
+        puts = [{"request_put": {"key": _b64(keys.proxy(node)), "value": _b64(value), "lease": str(self.lease)}},
+                {"request_put": {"key": _b64(keys.index(mine)), "value": _b64(node), "lease": str(self.lease)}}]
+        answer = await self.client.call("/v3/kv/txn", {"compare": compare, "success": puts})
+        if answer.get("succeeded"):
+            return
+        # Lost a race: etcd's word wins. The node has an index there (another replica gave it one
+        # just now), or our candidate index went to another node.
+        current = await self.client.range(keys.proxy(node))
+        kvs = current.get("kvs", [])
+        if kvs:
+            adopted = Index(int(base64.b64decode(kvs[0]["value"]).decode()))
+        else:
+            self._holders.setdefault(mine, "")  # taken: skip it
+            adopted = self._lowest_free()
+        self._mine[node] = adopted
+        _log.info("subsetting: proxy %r moved from index %d to %d (another replica indexed it at the same "
+                  "moment); its streams here reconnect", node, mine, adopted)
+        self._on_moved(node)
+        self._work.put_nowait(node)
+
+    async def _delete_if_ours(self, node: str, index: Index) -> None:
+        keys = self.keys
+        await self.client.call("/v3/kv/txn", {
+            "compare": [{"key": _b64(keys.proxy(node)), "target": "LEASE", "lease": str(self.lease)},
+                        {"key": _b64(keys.proxy(node)), "target": "VALUE", "value": _b64(str(index))}],
+            "success": [{"request_delete_range": {"key": _b64(keys.proxy(node))}},
+                        {"request_delete_range": {"key": _b64(keys.index(index))}}]})
+
+    # -- backends (the elected replica) -------------------------------------------------------------
+
+    def backend_tables(self) -> Mapping[str, tuple[IndexTable, int]]:
+        return self._backends
+
+
+class BackendIndexWriter:
+    """The elected replica's duty: keep etcd's backend index tables up to date with the merged
+    state (see the module docstring). Told every build's merged state (:attr:`Reconciler.on_merged`);
+    writes in the background, at most one write per service at a time."""
+
+    def __init__(self, client: EtcdClient, keys: SubsetKeys, indices: EtcdProxyIndices, reconciler: Reconciler,
+                 *, leading: Callable[[], bool]) -> None:
+        self.client = client
+        self.keys = keys
+        self.indices = indices
+        self.reconciler = reconciler
+        self._leading = leading
+        self._pending: Merged | None = None
+        self._wake = asyncio.Event()
+
+    def merged(self, merged: Merged) -> None:
+        self._pending = merged
+        self._wake.set()
+
+    def poke(self) -> None:
+        """Look again (leadership or etcd's tables changed)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            merged = self._pending
+            if merged is None or not self._leading() or not self.indices.connected:
+                continue
+            try:
+                await self._write(merged)
+            except EtcdUnavailable as exc:
+                _log.info("backend indices not written yet (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+                self._wake.set()
+
+    async def _write(self, merged: Merged) -> None:
+        current = self.indices.backend_tables()
+        wanted = subset_tables(merged, {service: table for service, (table, _) in current.items()},
+                               default_size=self.reconciler.subset_size)
+        for service, table in sorted(wanted.items()):
+            known = current.get(service)
+            if known is not None and known[0] == table:
+                continue
+            key = self.keys.backends(service)
+            compare: list[dict[str, Any]] = ([{"key": _b64(key), "target": "MOD", "mod_revision": str(known[1])}]
+                                             if known is not None else
+                                             [{"key": _b64(key), "target": "CREATE", "create_revision": "0"}])
+            await self.client.call("/v3/kv/txn", {"compare": compare, "success": [
+                {"request_put": {"key": _b64(key), "value": _b64(json.dumps(table.to_json(), sort_keys=True))}}]})
+        for service in sorted(current.keys() - wanted.keys()):
+            await self.client.call("/v3/kv/txn", {"success": [
+                {"request_delete_range": {"key": _b64(self.keys.backends(service))}}]})
+
+
