@@ -9,6 +9,7 @@ import pytest
 
 from pilotfish.events import check_event_log
 
+from .browser import Browser, chromium_binary
 from .processes import ProcessGroup, envoy_binary
 from .testbed import Testbed
 
@@ -41,3 +42,14 @@ def testbed(processes: ProcessGroup) -> Testbed:
     """Upstreams started, nothing else yet: the test calls ``testbed.start(...)``."""
     envoy_binary()  # fail before starting anything when Envoy is not installed
     return Testbed.create(processes)
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Browser]:
+    """A real headless Chromium, driven over the DevTools protocol; closed at teardown."""
+    chromium_binary()  # fail before starting anything when Chromium is not installed
+    started = Browser.start(tmp_path)
+    try:
+        yield started
+    finally:
+        started.close()

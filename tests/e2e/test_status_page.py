@@ -13,7 +13,6 @@ import concurrent.futures
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +29,7 @@ from pilotfish.server.http_site import serve_app
 from pilotfish.status import NodeInfo, SyncStatus
 
 from .ads_client import AdsClient
-from .browser import Browser, Page, chromium_binary
+from .browser import Browser, Page
 from .event_log import CDS, is_event
 from .processes import http_get, wait_until
 from .test_admin_status import V2, V2B, V3
@@ -52,14 +51,6 @@ EVENTS_JS = "Array.from(document.querySelectorAll('#events li.event b')).map(b =
 VERSIONS_JS = "Array.from(document.querySelectorAll('#versions tbody tr')).map(row => row.textContent)"
 
 
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator[Browser]:
-    chromium_binary()  # fail before starting anything when Chromium is not installed
-    started = Browser.start(tmp_path)
-    try:
-        yield started
-    finally:
-        started.close()
 
 
 def _proxies(page: Page) -> dict[str, dict[str, Any]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from .browser import Browser
 from .event_log import TYPE_URLS, is_event, short_type
 from .processes import (
     ControlPlane,
@@ -54,7 +55,7 @@ def write(path: Path, upstreams: list[Upstream]) -> None:
                                   "endpoints": [address(u) for u in upstreams]}})
 
 
-def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGroup) -> None:
+def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGroup, browser: Browser) -> None:
     envoy_binary()
     wrk_binary()
     state_dir = processes.workdir / "state"
@@ -90,6 +91,12 @@ def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGro
     spread = [line for line in metrics.splitlines() if line.startswith("pilotfish_subset_load_spread{")]
     assert status == 200 and len(spread) == 1 and 'service="web"' in spread[0], spread
     assert 1.0 <= float(spread[0].rsplit(" ", 1)[1]) <= 2.0, spread
+    # The status page shows each proxy's subset.
+    page = browser.open(f"http://{control_plane.admin}/")
+    wait_until(lambda: page.evaluate("document.body.innerText").count("subset #") == ENVOYS, timeout=15,
+               what="the status page to show every proxy's subset")
+    text = page.evaluate("document.body.innerText")
+    assert all(address in text for address in set().union(*first))
 
     loads = [Wrk.start(processes, f"http://127.0.0.1:{port}/", duration_s=LOAD_S, threads=1, connections=4)
              for port in ports]

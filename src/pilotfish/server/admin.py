@@ -204,6 +204,14 @@ class AdminApi:
             "Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": self._policy,
             "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"})
 
+    def _with_subset(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A proxy row, with its subsets (index, addresses per service) when its group has any."""
+        index = self._subset_of(row["node"])
+        snapshot = self.cache.snapshot(NodeGroup(row["group"])) if index is not None else None
+        if index is not None and snapshot is not None and snapshot.subsets is not None:
+            row["subset"] = {"index": index, "services": snapshot.subsets.chosen(index)}
+        return row
+
     async def _fleet(self, request: web.Request) -> web.Response:
         query = request.query
         limit = _int_param(query, "limit", default=100, low=0, high=FLEET_ROWS)
@@ -231,7 +239,8 @@ class AdminApi:
                 continue
             ranked[rank].append(proxy)
         matched = sum(len(proxies) for proxies in ranked)
-        shown = [proxy_json(proxy, now) for proxy in itertools.islice(itertools.chain(*ranked), limit)]
+        shown = [self._with_subset(proxy_json(proxy, now))
+                 for proxy in itertools.islice(itertools.chain(*ranked), limit)]
         latest = heapq.nlargest(FLEET_NACKS, nacks, key=lambda nack: nack[0])
         return _json({
             "now": now, "connected": sum(counts.values()), "states": counts, "matched": matched,
