@@ -60,6 +60,7 @@ __all__ = [
     "Index",
     "IndexTable",
     "Position",
+    "Presence",
     "ProxyIndexer",
     "ProxyIndices",
     "Ring",
@@ -227,6 +228,53 @@ class ProxyIndexer(Protocol):
         """A stream of ``node`` closed (with its last, its grace period starts)."""
 
 
+class Presence:
+    """Which nodes have streams, and since when those without any have been gone (oldest first):
+    the grace-period bookkeeping of the proxies' indices."""
+
+    __slots__ = ("_clock", "_gone", "_streams", "grace")
+
+    def __init__(self, *, grace: float, clock: Callable[[], float]) -> None:
+        self.grace = grace
+        self._clock = clock
+        self._streams: dict[str, int] = {}
+        self._gone: dict[str, float] = {}
+
+    def arrive(self, node: str) -> None:
+        """A stream of ``node`` opened."""
+        self._streams[node] = self._streams.get(node, 0) + 1
+        self._gone.pop(node, None)
+
+    def leave(self, node: str) -> bool:
+        """A stream of ``node`` closed; True if it was its last (its grace period starts now)."""
+        left = self._streams.get(node, 0) - 1
+        if left > 0:
+            self._streams[node] = left
+            return False
+        self._streams.pop(node, None)
+        return True
+
+    def gone(self, node: str, since: float | None = None) -> None:
+        """``node`` has no streams, since ``since`` (default: now)."""
+        self._gone[node] = self._clock() if since is None else since
+
+    def here(self, node: str) -> bool:
+        """Whether ``node`` has streams or is in its grace period."""
+        return node in self._streams or node in self._gone
+
+    def expired(self) -> list[str]:
+        """The nodes whose grace period ended (forgotten here)."""
+        cutoff = self._clock() - self.grace
+        out = []
+        while self._gone:
+            node, since = next(iter(self._gone.items()))
+            if since > cutoff:
+                break
+            del self._gone[node]
+            out.append(node)
+        return out
+
+
 class ProxyIndices:
     """The proxies' indices, as they connect and go: an :class:`IndexTable` kept up to date one
     proxy at a time (a table update per connection would copy the table: quadratic in a storm).
@@ -239,18 +287,16 @@ class ProxyIndices:
     grow the table without bound): past it a proxy gets none, and so every endpoint.
     """
 
-    __slots__ = ("_clock", "_free", "_gone", "_indices", "_next", "_streams", "changes", "grace", "limit")
+    __slots__ = ("_free", "_indices", "_next", "_presence", "changes", "limit")
 
     def __init__(self, table: IndexTable | None = None, *, grace: float = 300.0, limit: int = 200_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.grace = grace
         self.limit = limit
-        self._clock = clock
         self._indices: dict[str, Index] = dict(table.indices) if table is not None else {}
+        self._presence = Presence(grace=grace, clock=clock)
         now = clock()
-        self._gone: dict[str, float] = dict.fromkeys(self._indices, now)
-        """Ids without streams -> when their last one closed (oldest first)."""
-        self._streams: dict[str, int] = {}
+        for node in self._indices:  # loaded: their grace period starts now
+            self._presence.gone(node, now)
         used = set(self._indices.values())
         self._next = max(used, default=-1) + 1
         """Every index from here on is free."""
@@ -269,8 +315,7 @@ class ProxyIndices:
     def acquire(self, node: str) -> Index | None:
         """A stream of ``node`` opened: its index (None: the table is full)."""
         self.expire()
-        self._streams[node] = self._streams.get(node, 0) + 1
-        self._gone.pop(node, None)
+        self._presence.arrive(node)
         found = self._indices.get(node)
         if found is not None:
             return found
@@ -286,22 +331,12 @@ class ProxyIndices:
 
     def release(self, node: str) -> None:
         """A stream of ``node`` closed; with its last one, its grace period starts."""
-        left = self._streams.get(node, 0) - 1
-        if left > 0:
-            self._streams[node] = left
-            return
-        self._streams.pop(node, None)
-        if node in self._indices:
-            self._gone[node] = self._clock()
+        if self._presence.leave(node) and node in self._indices:
+            self._presence.gone(node)
 
     def expire(self) -> None:
         """Free the indices of ids whose grace period is over."""
-        cutoff = self._clock() - self.grace
-        while self._gone:
-            node, since = next(iter(self._gone.items()))
-            if since > cutoff:
-                break
-            del self._gone[node]
+        for node in self._presence.expired():
             heapq.heappush(self._free, self._indices.pop(node))
             self.changes += 1
 

@@ -40,7 +40,7 @@ from pilotfish.desired import Merged, subset_tables
 from pilotfish.errors import ConfigError
 from pilotfish.reconcile import Reconciler
 from pilotfish.sources.etcd import Change, EtcdClient, EtcdUnavailable, KeyValue, Lease, follow_prefix
-from pilotfish.subsetting import INDEX_LIMIT, Index, IndexTable
+from pilotfish.subsetting import INDEX_LIMIT, Index, IndexTable, Presence
 
 __all__ = ["BackendIndexWriter", "EtcdProxyIndices", "SubsetKeys"]
 
@@ -81,16 +81,13 @@ class EtcdProxyIndices:
         self.limit = limit
         self._on_moved = on_moved or (lambda _: None)
         """Called with a node whose index changed under its open streams (they should reconnect)."""
-        self._clock = clock
         self._nodes: dict[str, tuple[Index, Lease, int]] = {}
         """Node -> (index, lease, mod revision) as etcd has it."""
         self._holders: dict[int, str] = {}
         """Index -> node, as etcd has it."""
         self._mine: dict[str, Index] = {}
         """Nodes with streams here (or in their grace period here) -> the index they were given."""
-        self._streams: dict[str, int] = {}
-        self._left: dict[str, float] = {}
-        """Nodes without streams here -> when their last one closed (oldest first)."""
+        self._presence = Presence(grace=grace, clock=clock)
         self._backends: dict[str, tuple[IndexTable, int]] = {}
         """Service -> (its backend table, the key's mod revision), as etcd has it."""
         self.lease: Lease = 0
@@ -111,8 +108,7 @@ class EtcdProxyIndices:
         return None if found is None else found[0]
 
     def acquire(self, node: str) -> Index | None:
-        self._streams[node] = self._streams.get(node, 0) + 1
-        self._left.pop(node, None)
+        self._presence.arrive(node)
         index = self.index(node)
         if index is None:
             if len(self._nodes) + len(self._mine) >= self.limit:
@@ -123,21 +119,11 @@ class EtcdProxyIndices:
         return index
 
     def release(self, node: str) -> None:
-        left = self._streams.get(node, 0) - 1
-        if left > 0:
-            self._streams[node] = left
-            return
-        self._streams.pop(node, None)
-        if node in self._mine:
-            self._left[node] = self._clock()
+        if self._presence.leave(node) and node in self._mine:
+            self._presence.gone(node)
 
     def expire(self) -> None:
-        cutoff = self._clock() - self.grace
-        while self._left:
-            node, since = next(iter(self._left.items()))
-            if since > cutoff:
-                break
-            del self._left[node]
+        for node in self._presence.expired():
             self._work.put_nowait(node)  # deleted in etcd, if still ours
 
     def table(self) -> IndexTable:
@@ -257,7 +243,7 @@ class EtcdProxyIndices:
         mine = self._mine.get(node)
         if mine is None:
             return
-        if node not in self._streams and node not in self._left:  # its grace period ended here
+        if not self._presence.here(node):  # its grace period ended here
             del self._mine[node]
             await self._delete_if_ours(node, mine)
             return
