@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 
 from pilotfish.envoy import (
     EnvoyError,
@@ -506,6 +507,7 @@ class Envoy:
         drain_time_s: int = 1,
         parent_shutdown_time_s: int = 3,
         bootstrap_options: tuple[str, ...] = (),
+        bootstrap_edit: Callable[[dict[str, Any]], None] | None = None,
         timeout: float = 20.0,
     ) -> Envoy:
         """Start Envoy from ``pilotfish bootstrap`` and wait until its admin API answers.
@@ -513,7 +515,8 @@ class Envoy:
         Without ``base_id`` Envoy picks one (``--use-dynamic-base-id``), so teardown knows which
         shared-memory file is its own. A hot-restart child passes the parent's base id and
         ``restart_epoch`` + 1. The admin API listens on a port the OS picks. ``bootstrap_options``
-        are further ``pilotfish bootstrap`` arguments (``--tls-ca FILE``, ...).
+        are further ``pilotfish bootstrap`` arguments (``--tls-ca FILE``, ...); ``bootstrap_edit``
+        changes the bootstrap (parsed) before Envoy reads it (a static listener of its own, ...).
         """
         binary = envoy_binary()
         bootstrap = pilotfish(
@@ -524,6 +527,10 @@ class Envoy:
             "--admin-port", "0",
             *bootstrap_options,
         ).stdout  # fmt: skip
+        if bootstrap_edit is not None:
+            document = yaml.safe_load(bootstrap)
+            bootstrap_edit(document)
+            bootstrap = yaml.safe_dump(document, sort_keys=False)
         bootstrap_path = group.workdir / f"{name}.bootstrap.yaml"
         bootstrap_path.write_text(bootstrap)
         if base_id is not None:
