@@ -10,9 +10,11 @@ Instances change the way a deployment changes them (test_endpoint_changes.py's m
 **add** = start the upstream, then register it; **remove** = deregister, wait until every Envoy
 dropped it, then stop the upstream.
 
-Which replica an Envoy's stream lands on is Envoy's choice (round robin over the bootstrap's
-addresses, from a random start), so the tests read it from each replica's ``/v1/proxies``. Four
-Envoys on three replicas: at least one replica holds two of them, and that one is SIGKILLed.
+Which replica an Envoy's stream lands on is Envoy's choice: round robin over the bootstrap's
+addresses, which Envoy's load balancer starts at a random offset (``seed_ % hosts.size()`` picks
+skipped at each refresh), so the order of the addresses cannot choose it. The tests read it from
+each replica's ``/v1/proxies`` instead. Four Envoys on three replicas: at least one replica holds
+two of them, and that one is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -95,10 +97,13 @@ class Fleet:
                        timeout=CHANGE_TIMEOUT_S, what=f"{envoy.name} to send requests to {upstream.name}",
                        details=lambda envoy=envoy: str(envoy.host_requests(SERVICE)))
 
-    def check_loads(self) -> dict[str, WrkResult]:
-        """Every wrk finished clean: no non-2xx, no socket error."""
+    def assert_under_load(self) -> None:
+        """Every wrk is still running: what the test did so far happened under load."""
         assert all(load.running() for load in self.loads.values()), (
             "the changes took longer than the load runs: they were not all made under load")
+
+    def check_loads(self) -> dict[str, WrkResult]:
+        """Every wrk finished clean: no non-2xx, no socket error."""
         results = {node: load.result() for node, load in self.loads.items()}
         for node, result in results.items():
             print(f"\nwrk through {node}: {result.summary()}")
@@ -185,6 +190,7 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
     final = [address(u1), address(u2)]
     fleet.wait_for_endpoints(final)
     u0.process.stop()
+    fleet.assert_under_load()
 
     # The orphans are on live replicas, and were sent only what changed: EDS with web's assignment.
     moved = wait_until(lambda: where_connected(planes, orphans), timeout=15,
@@ -195,7 +201,7 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
                                                                 "RDS": True}, (had, now)
     for node, plane in moved.items():
         events = plane.events
-        opened = [e for e in events.select(is_event("stream_open", node=node))][-1]
+        opened = events.select(is_event("stream_open", node=node))[-1]
         after_open = events.index_of(opened)
         wait_for_acks(events, node=node, what=f"{node} on {plane.name}", types=[EDS], version=now["EDS"],
                       after=after_open)
@@ -277,6 +283,7 @@ def test_etcd_restarted_under_load(processes: ProcessGroup) -> None:
     RegistryClient(planes[1].registry_url).register(SERVICE, "127.0.0.1", u2.port)
     fleet.wait_for_endpoints([*before, address(u2)])
     fleet.wait_for_traffic_to(u2)
+    fleet.assert_under_load()
     for plane in planes:
         events = plane.events
         loaded = events.wait_for(is_event("snapshot_loaded"), after=written[plane.name],
