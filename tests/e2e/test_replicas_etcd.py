@@ -187,7 +187,7 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
     fleet.wait_for_endpoints([address(u0), address(u1), address(u2)])
     fleet.wait_for_traffic_to(u2)
     writer.deregister(SERVICE, address(u0))
-    final = [address(u1), address(u2)]
+    final = sorted([address(u1), address(u2)])
     fleet.wait_for_endpoints(final)
     u0.process.stop()
     fleet.assert_under_load()
@@ -250,7 +250,7 @@ def test_etcd_restarted_under_load(processes: ProcessGroup) -> None:
     fleet = Fleet()
     for i, plane in enumerate(planes):
         fleet.start(processes, f"edge-{i}", plane.address)
-    before = [address(u0), address(u1)]
+    before = sorted([address(u0), address(u1)])
     fleet.wait_for_endpoints(before, timeout=20)
     wait_until(lambda: same_versions(planes), timeout=15, what="the replicas to serve the same versions")
     fleet.start_load(processes, duration_s=20)
