@@ -140,6 +140,7 @@ def same_versions(planes: list[ControlPlane]) -> dict[str, str] | None:
 
 
 def describe_snapshots(planes: list[ControlPlane]) -> str:
+    """Each live replica's ``/v1/snapshots``, for a failure message."""
     return "\n".join(f"{plane.name}: {http_json('GET', f'http://{plane.admin}/v1/snapshots')[1]}"
                      for plane in planes if plane.process.alive())
 
