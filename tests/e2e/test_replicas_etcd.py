@@ -24,7 +24,7 @@ from collections import Counter
 import pytest
 
 from .etcd import Etcd
-from .event_log import CDS, EDS, LDS, RDS, is_event, short_type
+from .event_log import CDS, EDS, LDS, RDS, is_event
 from .processes import (
     ControlPlane,
     Envoy,
@@ -37,7 +37,6 @@ from .processes import (
 )
 from .registry_client import RegistryClient
 from .replicas import connected_nodes, etcd_replicas, etcd_revision, front_listener, snapshot_versions, where_connected
-from .testbed import wait_for_acks
 from .wrk import Wrk, WrkResult, wrk_binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -65,9 +64,10 @@ class Fleet:
         self.ports: dict[str, int] = {}
         self.loads: dict[str, Wrk] = {}
 
-    def start(self, processes: ProcessGroup, node: str, xds: str) -> Envoy:
+    def start(self, processes: ProcessGroup, node: str, xds: str, *, delta: bool = False) -> Envoy:
         port = free_port()
         envoy = Envoy.start(processes, name=f"envoy-{node}", node_id=node, xds_address=xds,
+                            bootstrap_options=("--delta",) if delta else (),
                             bootstrap_edit=front_listener(port, SERVICE))
         self.envoys[node], self.ports[node] = envoy, port
         return envoy
@@ -139,17 +139,51 @@ def same_versions(planes: list[ControlPlane]) -> dict[str, str] | None:
     return seen[0]
 
 
+def check_sent_only_changes(plane: ControlPlane, node: str, *, had: dict[str, str], now: dict[str, str],
+                            delta: bool) -> None:
+    """``node``, which moved to ``plane`` holding the versions ``had`` (those of the replica that
+    died), stated them on its new stream and was sent only web's changed assignment (never a
+    cluster, listener or route, nor another service's assignment), up to ``now``."""
+    events = plane.events
+    opened = events.select(is_event("stream_open", node=node))[-1]
+    after_open = events.index_of(opened)
+    # Its ACK of the latest endpoints: everything sent to it is in the log before that.
+    events.wait_for(lambda e: is_event("ack", node=node, type=EDS)(e)
+                    and e.get("version" if delta else "version_info") == now["EDS"],
+                    after=after_open, what=f"{node}'s ACK of the latest endpoints on {plane.name}")
+    for kind in TYPES:  # it stated what it had
+        request = events.find(lambda e, kind=kind: is_event("request", node=node, type=TYPE_URLS[kind])(e)
+                              and (not delta or "initial_resources" in e), after=after_open)
+        assert request is not None, (node, kind, events.describe(after=after_open))
+        if delta:  # web and api; web's listener and route
+            assert request["initial_resources"] == {"CDS": 2, "EDS": 2, "LDS": 1, "RDS": 1}[kind], (node, request)
+        else:
+            assert request["version_info"] == had[kind], (node, kind, request)
+    sent = events.select(is_event("sent", node=node), after=after_open)
+    if delta:  # an answer that carries nothing (the proxy was current) sends nothing it had
+        sent = [e for e in sent if e["names"] or e["removed"]]
+        resent = [e for e in sent if e["type"] != EDS or e["names"] != [SERVICE] or e["removed"]]
+    else:
+        resent = [e for e in sent if e["type"] != EDS or e["version"] == had["EDS"] or e["resources"] != 1]
+    assert sent and not resent, (
+        f"{node}, moved to {plane.name}, was sent more than web's changed endpoints:\n"
+        + events.describe(after=after_open))
+
+
 def describe_snapshots(planes: list[ControlPlane]) -> str:
     """Each live replica's ``/v1/snapshots``, for a failure message."""
     return "\n".join(f"{plane.name}: {http_json('GET', f'http://{plane.admin}/v1/snapshots')[1]}"
                      for plane in planes if plane.process.alive())
 
 
-def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes: ProcessGroup) -> None:
-    """Three replicas, four Envoys spread over them, wrk through each. The replica holding two (or
-    more) Envoys is SIGKILLed; meanwhile an instance is registered and another deregistered through
-    a live replica. The orphaned Envoys reconnect to live replicas and are sent only what changed;
-    the killed replica, restarted, catches up and serves the same versions."""
+@pytest.mark.parametrize("delta", [False, True], ids=["sotw", "delta"])
+def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes: ProcessGroup,
+                                                                       delta: bool) -> None:
+    """Three replicas, four Envoys spread over them (SotW, or incremental xDS), wrk through each.
+    The replica holding two (or more) Envoys is SIGKILLed; meanwhile an instance is registered and
+    another deregistered through a live replica. The orphaned Envoys reconnect to live replicas and
+    are sent only what changed; the killed replica, restarted, catches up and serves the same
+    versions."""
     envoy_binary()
     wrk_binary()
     etcd = Etcd.start(processes)
@@ -165,7 +199,7 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
     fleet = Fleet()
     xds = ",".join(plane.address for plane in planes)
     for i in range(4):
-        fleet.start(processes, f"edge-{i}", xds)
+        fleet.start(processes, f"edge-{i}", xds, delta=delta)
     fleet.wait_for_endpoints([address(u0), address(u1)], timeout=20)
     placed = wait_until(lambda: where_connected(planes, fleet.envoys), timeout=15,
                         what="every Envoy's stream on one replica")
@@ -201,20 +235,7 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
     assert {kind: now[kind] == had[kind] for kind in TYPES} == {"CDS": True, "EDS": False, "LDS": True,
                                                                 "RDS": True}, (had, now)
     for node, plane in moved.items():
-        events = plane.events
-        opened = events.select(is_event("stream_open", node=node))[-1]
-        after_open = events.index_of(opened)
-        wait_for_acks(events, node=node, what=f"{node} on {plane.name}", types=[EDS], version=now["EDS"],
-                      after=after_open)
-        for kind in TYPES:  # it stated what it had: the versions of the replica that died
-            request = events.find(is_event("request", node=node, type=TYPE_URLS[kind]), after=after_open)
-            assert request is not None and request["version_info"] == had[kind], (node, kind, request)
-        sent = events.select(is_event("sent", node=node), after=after_open)
-        resent = [e for e in sent if e["version"] == had[short_type(e["type"])] or e["type"] != EDS]
-        assert sent and not resent, (
-            f"{node}, moved to {plane.name}, was sent what it had:\n{events.describe(after=after_open)}")
-        assert all(e["resources"] == 1 for e in sent), (
-            f"{node} was sent more than the changed assignment:\n{events.describe(after=after_open)}")
+        check_sent_only_changes(plane, node, had=had, now=now, delta=delta)
 
     fleet.check_loads()
     for envoy in fleet.envoys.values():
