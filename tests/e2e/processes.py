@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -475,25 +475,37 @@ class ControlPlane:
 # -- Envoy ----------------------------------------------------------------------------------------
 
 
-def _static_listener(port: int, cluster: str) -> dict[str, Any]:
-    """An Envoy listener on 127.0.0.1:``port`` routing every HTTP request to ``cluster`` (retrying
-    connect failures and refused streams, as pilotfish's built routes do)."""
-    manager = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-    return {
-        "name": f"static-{port}",
-        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
-        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
-            "@type": manager, "stat_prefix": f"static_{port}",
-            # The cluster comes over CDS later: not checked when the listener loads.
-            "route_config": {"validate_clusters": False, "virtual_hosts": [{
-                "name": "all", "domains": ["*"], "routes": [{
-                "match": {"prefix": "/"},
-                "route": {"cluster": cluster, "retry_policy": {"retry_on": "connect-failure,refused-stream",
-                                                               "num_retries": 2}}}]}]},
-            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
-        }}]}],
+def front_listener(port: int, service: str, *, rds: bool = True) -> Callable[[dict[str, Any]], None]:
+    """A bootstrap edit (``Envoy.start(bootstrap_edit=...)``): a static listener of this Envoy's own
+    on 127.0.0.1:``port``, so several Envoys can take load for one service side by side (sharing
+    the service's own listen port, SO_REUSEPORT would split connections between them). Its routes
+    are ``service``'s route configuration, fetched over ADS like the fleet's own; or, with ``rds``
+    False (a service without a listener has no routes), one route to the cluster ``service``,
+    retrying connect failures and refused streams as pilotfish's built routes do."""
+    manager: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+                 ".HttpConnectionManager",
+        "stat_prefix": f"front_{service}",
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
     }
+    if rds:
+        manager["rds"] = {"route_config_name": service, "config_source": {"ads": {}, "resource_api_version": "V3"}}
+    else:  # the cluster comes over CDS later: not checked when the listener loads
+        manager["route_config"] = {"validate_clusters": False, "virtual_hosts": [{
+            "name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": {
+                "cluster": service, "retry_policy": {"retry_on": "connect-failure,refused-stream",
+                                                     "num_retries": 2}}}]}]}
+
+    def edit(bootstrap: dict[str, Any]) -> None:
+        bootstrap.setdefault("static_resources", {}).setdefault("listeners", []).append({
+            "name": f"front-{service}-{port}",
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                            "typed_config": manager}]}],
+        })
+
+    return edit
 
 
 def envoy_binary() -> str:
@@ -540,7 +552,7 @@ class Envoy:
         drain_time_s: int = 1,
         parent_shutdown_time_s: int = 3,
         bootstrap_options: tuple[str, ...] = (),
-        static_listeners: Mapping[int, str] | None = None,
+        bootstrap_edit: Callable[[dict[str, Any]], None] | None = None,
         timeout: float = 20.0,
     ) -> Envoy:
         """Start Envoy from ``pilotfish bootstrap`` and wait until its admin API answers.
@@ -548,9 +560,8 @@ class Envoy:
         Without ``base_id`` Envoy picks one (``--use-dynamic-base-id``), so teardown knows which
         shared-memory file is its own. A hot-restart child passes the parent's base id and
         ``restart_epoch`` + 1. The admin API listens on a port the OS picks. ``bootstrap_options``
-        are further ``pilotfish bootstrap`` arguments (``--tls-ca FILE``, ...). ``static_listeners``:
-        port -> cluster: a listener of this Envoy's own on 127.0.0.1:port sending every HTTP request
-        to that (dynamic) cluster, so several Envoys can take load for one service side by side.
+        are further ``pilotfish bootstrap`` arguments (``--tls-ca FILE``, ...); ``bootstrap_edit``
+        changes the bootstrap (parsed) before Envoy reads it (a static listener of its own, ...).
         """
         binary = envoy_binary()
         bootstrap = pilotfish(
@@ -561,11 +572,10 @@ class Envoy:
             "--admin-port", "0",
             *bootstrap_options,
         ).stdout  # fmt: skip
-        if static_listeners:
+        if bootstrap_edit is not None:
             document = yaml.safe_load(bootstrap)
-            document.setdefault("static_resources", {})["listeners"] = [
-                _static_listener(port, cluster) for port, cluster in static_listeners.items()]
-            bootstrap = yaml.safe_dump(document)
+            bootstrap_edit(document)
+            bootstrap = yaml.safe_dump(document, sort_keys=False)
         bootstrap_path = group.workdir / f"{name}.bootstrap.yaml"
         bootstrap_path.write_text(bootstrap)
         if base_id is not None:

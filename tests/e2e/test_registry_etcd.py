@@ -17,20 +17,12 @@ from .etcd import Etcd
 from .event_log import is_event
 from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, envoy_binary, free_port, http_json, wait_until
 from .registry_client import RegistryClient
+from .replicas import etcd_replicas
 from .testbed import wait_for_acks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 NODE = "edge-1"
-
-
-def replicas(group: ProcessGroup, etcd: Etcd, count: int) -> list[ControlPlane]:
-    """``count`` replicas on one etcd, each with its registry API, started and synced."""
-    planes = [ControlPlane(group, None, free_port(), registry_port=free_port(), etcd=etcd.address,
-                           options=("--quiet-ms", "50"), name=f"replica{n}") for n in range(count)]
-    for plane in planes:
-        plane.start().wait_for(is_event("etcd_synced"), what="the first list of etcd")
-    return planes
 
 
 def get(plane: ControlPlane, path: str) -> tuple[int, Any]:
@@ -45,7 +37,7 @@ def instance_ids(plane: ControlPlane, service: str, *, revision: int | None = No
 
 def test_a_write_on_one_replica_reads_on_another_and_survives_restarting_them_all(processes: ProcessGroup) -> None:
     etcd = Etcd.start(processes)
-    a, b = replicas(processes, etcd, 2)
+    a, b = etcd_replicas(processes, etcd, 2)
     status, defined = http_json("PUT", a.registry_url + "/v1/services/web",
                                 {"listen": f"127.0.0.1:{free_port()}", "protocol": "http"})
     assert status == 200 and defined["revision"] > 0, defined
@@ -124,7 +116,7 @@ def test_an_instance_that_stops_heartbeating_is_dropped_by_every_envoy(processes
     no replica had to be the one that saw it register."""
     envoy_binary()
     etcd = Etcd.start(processes)
-    a, b = replicas(processes, etcd, 2)
+    a, b = etcd_replicas(processes, etcd, 2)
     web = Upstream.start(processes, "web")
     stays = Upstream.start(processes, "stays")
     listen = f"127.0.0.1:{free_port()}"
@@ -152,7 +144,7 @@ def test_an_instance_that_stops_heartbeating_is_dropped_by_every_envoy(processes
 
 def test_writes_while_etcd_is_down_answer_503_and_the_fleet_keeps_its_config(processes: ProcessGroup) -> None:
     etcd = Etcd.start(processes)
-    (a,) = replicas(processes, etcd, 1)
+    (a,) = etcd_replicas(processes, etcd, 1)
     client = RegistryClient(a.registry_url)
     client.define("web", listen=f"127.0.0.1:{free_port()}", protocol="http")
     client.register("web", "127.0.0.1", 9001)
@@ -176,7 +168,7 @@ def test_writes_while_etcd_is_down_answer_503_and_the_fleet_keeps_its_config(pro
 
 def test_a_write_that_conflicts_with_the_merged_state_is_refused_and_not_stored(processes: ProcessGroup) -> None:
     etcd = Etcd.start(processes)
-    (a,) = replicas(processes, etcd, 1)
+    (a,) = etcd_replicas(processes, etcd, 1)
     listen = f"127.0.0.1:{free_port()}"
     RegistryClient(a.registry_url).define("web", listen=listen, protocol="http")
     status, answer = http_json("PUT", a.registry_url + "/v1/services/api", {"listen": listen, "protocol": "http"})
@@ -199,7 +191,7 @@ def test_self_preservation_runs_on_the_elected_replica_and_moves_when_it_dies(pr
     leases instead of letting them end. SIGKILL it: another replica is elected and keeps them
     still. When heartbeats come back, one instance that stays silent alone ends as usual."""
     etcd = Etcd.start(processes)
-    planes = replicas(processes, etcd, 2)
+    planes = etcd_replicas(processes, etcd, 2)
     client = RegistryClient(planes[0].registry_url)
     client.define("web", listen=f"127.0.0.1:{free_port()}", protocol="http")
     ids = [client.register("web", "127.0.0.1", 9001 + n, ttl=TTL_S) for n in range(4)]

@@ -28,6 +28,7 @@ from .processes import (
     Upstream,
     envoy_binary,
     free_port,
+    front_listener,
     http_get,
     http_json,
     wait_until,
@@ -73,7 +74,7 @@ def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGro
     for n in range(ENVOYS):
         ports.append(free_port())
         envoys.append(Envoy.start(processes, name=f"envoy{n}", node_id=f"edge-{n}", xds_address=control_plane.address,
-                                  static_listeners={ports[-1]: "web"}))
+                                  bootstrap_edit=front_listener(ports[-1], "web", rds=False)))
         wait_for_acks(events, node=f"edge-{n}", what=f"edge-{n}'s configuration", types=TYPES)
 
     def subsets() -> list[set[str]]:
