@@ -44,7 +44,7 @@ HISTORY = 16
 share every unchanged resource with the current one, and their memoized responses are dropped,
 so each costs its name-to-resource table and the resources that changed since."""
 
-OWN_HISTORY = 65_536
+OWN_HISTORY = 8_192
 """Per-proxy endpoint versions (subsetting) kept per node group to answer with changes since them;
 beyond it the oldest half goes (a proxy at one of those is sent its whole subscription)."""
 
@@ -76,7 +76,10 @@ class _Cancel:
 class SnapshotCache:
     """The current snapshot of each node group, and the open watches on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, subset_of: Callable[[str], int | None] | None = None) -> None:
+        self.subset_of: Callable[[str], int | None] = subset_of or (lambda _: None)
+        """Node id -> its subsetting index (None: none): which of a snapshot's per-proxy endpoint
+        views answers its EDS watches (set by the wiring)."""
         self._snapshots: dict[NodeGroup, Snapshot] = {}
         # group -> type -> watch id -> (watch, respond); dicts keep insertion (arrival) order.
         self._watches: dict[NodeGroup, dict[TypeUrl, dict[int, _Entry]]] = {}
@@ -241,8 +244,8 @@ class SnapshotCache:
             bridge = self._bridges.get(group)
             if bridge is not None and not _routing_moved(watch, snapshot):
                 return bridge
-        elif watch.type_url == ENDPOINT.url and watch.subset is not None and snapshot.subsets is not None:
-            own = snapshot.endpoints_for(watch.subset)
+        elif watch.type_url == ENDPOINT.url and watch.proxy is not None and snapshot.subsets is not None:
+            own = snapshot.endpoints_for(self.subset_of(watch.proxy))
             if own is not None:
                 self._remember_own(group, own)
             return own

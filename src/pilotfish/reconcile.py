@@ -506,8 +506,6 @@ class Reconciler:
             return None  # publishing now would serve "empty because not yet known"
         self.builds += 1
         merged = self._damped(merge_states(self._states, memo=self._merge_memo))
-        if self.on_merged is not None:
-            self.on_merged(merged)
         tables = subset_tables(merged, self.subset_tables, default_size=self.subset_size,
                                allocate=not self.subset_tables_shared)
         try:
@@ -533,6 +531,7 @@ class Reconciler:
         if not changed:
             self._release_hold("the sources are back to what is served")
             self._events.emit("snapshot_unchanged", version=first.label())
+            self._merged_served(merged)
             return None
         endpoints = endpoint_counts(merged)
         if self.guard.enabled:
@@ -556,7 +555,14 @@ class Reconciler:
                 return None
         self._release_hold("a later change replaced it")
         self._publish(changed, endpoints, tables)
+        self._merged_served(merged)
         return snapshots.get(DEFAULT_GROUP, first)
+
+    def _merged_served(self, merged: Merged) -> None:
+        """``merged`` is what is served now (published, or unchanged): tell :attr:`on_merged`. A
+        refused or held state is not (so shared indices are not freed for a removal held back)."""
+        if self.on_merged is not None:
+            self.on_merged(merged)
 
     def _refuse(self, error: ConfigError) -> NoReturn:
         self.last_error = error

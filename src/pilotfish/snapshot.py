@@ -427,8 +427,8 @@ class SubsetPlan:
 
     def view(self, base: TypeSnapshot, proxy: int) -> TypeSnapshot:
         """The endpoints proxy ``proxy`` is served: ``base`` with its own subsets. Its version is
-        a hash of what it holds (the same on every replica given the same indices), or the
-        user's explicit version."""
+        a hash of what it holds (the same on every replica given the same indices), after the
+        user's explicit version if there is one."""
         found = self._by_proxy.get(proxy)
         if found is not None:
             return found
@@ -443,7 +443,9 @@ class SubsetPlan:
             for name in sorted(top):
                 digest.update(f"|{name}={top[name].hash}".encode())
             content = digest.hexdigest()[:16]
-            version = base.version if base.version != base.content_hash else content
+            # An explicit version names the file's content; each proxy's subsets are its own, so
+            # they are in its version too (a proxy with another subset is not "current").
+            version = content if base.version == base.content_hash else f"{base.version}/{content}"
             found = TypeSnapshot(base.rtype, version, _Overlay(base.resources, top), content,
                                  memo_limits=base.memo_limits)
             if len(self._by_choice) >= _SUBSET_VIEWS:

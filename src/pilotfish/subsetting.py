@@ -227,6 +227,9 @@ class ProxyIndexer(Protocol):
     def release(self, node: str) -> None:
         """A stream of ``node`` closed (with its last, its grace period starts)."""
 
+    def touch(self, node: str) -> Index | None:
+        """A poll (a stream of one request) of ``node``: its index (given if it has none)."""
+
 
 class Presence:
     """Which nodes have streams, and since when those without any have been gone (oldest first):
@@ -257,6 +260,10 @@ class Presence:
     def gone(self, node: str, since: float | None = None) -> None:
         """``node`` has no streams, since ``since`` (default: now)."""
         self._gone[node] = self._clock() if since is None else since
+
+    def present(self) -> list[str]:
+        """The nodes with streams now."""
+        return list(self._streams)
 
     def here(self, node: str) -> bool:
         """Whether ``node`` has streams or is in its grace period."""
@@ -333,6 +340,12 @@ class ProxyIndices:
         """A stream of ``node`` closed; with its last one, its grace period starts."""
         if self._presence.leave(node) and node in self._indices:
             self._presence.gone(node)
+
+    def touch(self, node: str) -> Index | None:
+        """A poll of ``node``: its index, given if it has none; its grace period starts again."""
+        index = self.acquire(node)
+        self.release(node)
+        return index
 
     def expire(self) -> None:
         """Free the indices of ids whose grace period is over."""

@@ -90,12 +90,12 @@ def test_the_same_indices_give_the_same_subsets_and_versions_after_a_restart() -
 
 
 def test_the_cache_answers_a_proxy_with_its_subset_and_later_only_what_changed_for_it() -> None:
-    cache = SnapshotCache()
+    cache = SnapshotCache(subset_of=lambda node: {"edge-4": 4}.get(node))
     snapshot, tables = build(state(range(9000, 9012)))
     cache.set_snapshot(snapshot)
     answers: list[EncodedResponse] = []
     names = frozenset({"web", "db"})
-    watch = Watch(ENDPOINT.url, Subscription(wildcard=False, names=names), None, frozenset(), False, subset=4)
+    watch = Watch(ENDPOINT.url, Subscription(wildcard=False, names=names), None, frozenset(), False, proxy="edge-4")
     cache.create_watch(watch, lambda _, response: answers.append(response))
     (first,) = answers
     own = snapshot.endpoints_for(4)

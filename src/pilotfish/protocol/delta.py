@@ -101,8 +101,9 @@ class DeltaWatch(NamedTuple):
     routing: Mapping[TypeUrl, DeltaTypeState] | None = None
     """CDS only: the stream's states by type (read when asked: the stream may subscribe to routes
     after the watch was made), for make-before-break."""
-    subset: int | None = None
-    """EDS: the proxy's subsetting index (its own subsets of subsetted services); None: none."""
+    proxy: str | None = None
+    """EDS: the node id whose own subsets of subsetted services are served (its index is looked up
+    when the watch is answered: it may be given after the watch was made); None: the group's."""
 
     def changes(self, current: TypeSnapshot) -> DeltaChanges | None:
         """What ``current`` has for the client; None if nothing."""

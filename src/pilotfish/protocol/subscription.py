@@ -171,8 +171,9 @@ class Watch(NamedTuple):
     """Answer even if nothing changed: a cluster or listener is warming and waits for it."""
     routing_acked: tuple[str | None, str | None] | None = None
     """CDS only: the LDS and RDS versions the proxy has ACKed (None: never), for make-before-break."""
-    subset: int | None = None
-    """EDS: the proxy's subsetting index (its own subsets of subsetted services); None: none."""
+    proxy: str | None = None
+    """EDS: the node id whose own subsets of subsetted services are served (its index is looked up
+    when the watch is answered: it may be given after the watch was made); None: the group's."""
 
 
 def needs_response(watch: Watch, current: TypeSnapshot) -> bool:

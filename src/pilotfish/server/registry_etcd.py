@@ -263,6 +263,9 @@ class LeaseGuard:
 
     async def once(self) -> None:
         """One pass: learn which leases passed their TTL, then expire or keep them."""
+        election = self.registry.election
+        if election is not None and not election.leader:
+            return  # (a stalled replica whose lease may have ended: its successor decides)
         rule, now = self._rule(), self._clock()
         view, client, slack = self.registry.source.view, self.registry.client, self.registry.lease_slack
         leased = {key: (view.instances[key][0], lease) for key in view.ttls
@@ -280,13 +283,15 @@ class LeaseGuard:
         for _, lease in due:
             self._deadline[lease] = now + await client.time_to_live(lease)
             asked.add(lease)
+        # Lapsed: asked this pass, and past its TTL. (A lease not asked yet, or estimated from an
+        # older answer, is not known to be: a heartbeat may have renewed it since.)
         lapsed = {key: found for key, found in leased.items()
-                  if self._deadline.get(found[1], unknown) <= now + slack}
+                  if found[1] in asked and self._deadline[found[1]] <= now + slack}
         # Counted with them: those that lapse before the next pass (instances that stopped
         # heartbeating together lapse together, not one pass apart), and the kept ones, until etcd
         # shows their lease renewed by a heartbeat.
         lapsing = {key: found for key, found in leased.items()
-                   if self._deadline.get(found[1], unknown) <= now + slack + rule.recheck}
+                   if self._deadline.get(found[1], float("inf")) <= now + slack + rule.recheck}
         self._kept = {key: found for key, found in self._kept.items() if key in leased
                       and not (found[1] in asked and self._deadline[found[1]] > now + slack)}
         everywhere, held, lost, total = rule.verdict(

@@ -267,9 +267,7 @@ class RestXds:
         snapshot = self.cache.snapshot(group)
         current = snapshot.get(type_url) if snapshot is not None else None
         if snapshot is not None and snapshot.subsets is not None and poll.rtype is ENDPOINT:
-            index = self.proxy_indices.acquire(node_id)  # a poll is a stream of one request
-            self.proxy_indices.release(node_id)
-            current = snapshot.endpoints_for(index)  # its own subsets
+            current = snapshot.endpoints_for(self.proxy_indices.touch(node_id))  # its own subsets
         if current is None:
             self._record(poll, answer=503)
             response = _error(503, "no configuration is published yet (pilotfish is waiting for its sources); "

@@ -32,6 +32,7 @@ from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
 from pilotfish.server.registry_auth import TokenFile, warn_if_open
 from pilotfish.server.registry_etcd import EtcdRegistry, LeaseGuard
 from pilotfish.server.rest import RestXds, start_rest_server
+from pilotfish.server.subset_etcd import READY_SOURCE as SUBSETS_READY
 from pilotfish.server.subset_etcd import BackendIndexWriter, EtcdProxyIndices, SubsetKeys
 from pilotfish.server.subset_state import STATE_FILE, SubsetState, keep_saving, load_or_start_fresh
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
@@ -166,7 +167,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         groups = NodeGroups(settings.node_groups, rest=settings.rest is not None)
     except ValueError as exc:
         raise ConfigError("--node-group", [Problem("", str(exc))]) from None
-    expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
+    expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd),
+                                              (SUBSETS_READY, settings.etcd)) if configured]
     status = SyncStatus()
     confirm_hint = f"kill -USR1 {os.getpid()}"
     state_dir = settings.state_dir or (settings.snapshot.resolve().parent if settings.snapshot else None)
@@ -191,6 +193,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         subset_writer = BackendIndexWriter(subset_client, keys, proxy_indices, reconciler,
                                            leading=lambda: election is not None and election.leader)
         reconciler.on_merged = subset_writer.merged
+        proxy_indices.on_listed = subset_writer.poke
     else:
         proxy_indices = ProxyIndices(kept.proxies, grace=settings.subset_grace)
     election: Election | None = None
@@ -228,6 +231,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         xds = XdsServer(cache, events=events, status=status, authorize=authorize, grants=grants,
                         limits=settings.xds_limits, group_of=groups.group_of, proxy_indices=proxy_indices)
         xds_holder.append(xds)
+        cache.subset_of = proxy_indices.index
         server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context,
                                               connection_limits=settings.xds_connections)
         host = settings.xds.rsplit(":", 1)[0]
@@ -347,6 +351,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         # _tidy_heap_when_idle keeps freezing what lives on.
         gc.freeze()
         gc.set_threshold(50_000, 20, 100)
+        for task in tasks:  # a background task that dies says so at once, not at shutdown
+            task.add_done_callback(_report_death)
         if started is not None and not started.done():
             started.set_result(port)
         try:
@@ -359,9 +365,10 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             events.emit("server_stopped")
     finally:
         for task in tasks:
+            task.remove_done_callback(_report_death)
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(Exception, asyncio.CancelledError):  # (a death was reported)
                 await task
         for cleanup in cleanups:
             await cleanup()
@@ -428,6 +435,15 @@ def _election(settings: ServeSettings, events: EventLog, address: str, *, guard:
                     on_change=changed)
 
 
+def _report_death(task: asyncio.Task[None]) -> None:
+    """A background task failed while the server runs: our bug (each handles what it expects)."""
+    if task.cancelled() or task.exception() is None:
+        return  # (some end by design: the wait for sources, once they are in)
+    error = task.exception()
+    _log.critical("background task %s failed with %r: a bug in pilotfish, please report it; restart this replica",
+                  task.get_name(), error, exc_info=error)
+
+
 def _restart_streams(servers: list[XdsServer], node: str) -> None:
     for server in servers:
         server.restart_streams(node, "its subsetting index moved")
@@ -453,6 +469,7 @@ def _source_labels(settings: ServeSettings) -> dict[str, str]:
         labels["file"] = str(settings.snapshot)
     if settings.etcd is not None:
         labels["etcd"] = f"etcd at {settings.etcd}"
+        labels[SUBSETS_READY] = f"the subsetting indices in etcd at {settings.etcd}"
     return labels
 
 

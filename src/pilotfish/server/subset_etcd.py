@@ -36,13 +36,17 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pilotfish.desired import Merged, subset_tables
+from pilotfish.desired import DesiredState, Merged, subset_tables
 from pilotfish.errors import ConfigError
 from pilotfish.reconcile import Reconciler
 from pilotfish.sources.etcd import Change, EtcdClient, EtcdUnavailable, KeyValue, Lease, follow_prefix
 from pilotfish.subsetting import INDEX_LIMIT, Index, IndexTable, Presence
 
-__all__ = ["BackendIndexWriter", "EtcdProxyIndices", "SubsetKeys"]
+__all__ = ["READY_SOURCE", "BackendIndexWriter", "EtcdProxyIndices", "SubsetKeys"]
+
+READY_SOURCE = "etcd-subsets"
+"""The reconciler waits for this "source" (it contributes nothing) until the subset keys are
+listed: a build before that would serve every proxy every endpoint."""
 
 _log = logging.getLogger("pilotfish.subsets")
 
@@ -91,9 +95,14 @@ class EtcdProxyIndices:
         self._backends: dict[str, tuple[IndexTable, int]] = {}
         """Service -> (its backend table, the key's mod revision), as etcd has it."""
         self.lease: Lease = 0
-        self._work: asyncio.Queue[str] = asyncio.Queue()
+        self._work: dict[str, None] = {}
+        """Nodes whose keys this replica has to settle in etcd (each once, in arrival order)."""
+        self._wake = asyncio.Event()
+        self.on_listed: Callable[[], None] = lambda: None
+        """Called after each full listing (the backend writer looks again)."""
         self.changes = 0
         self.connected = False
+        self.listed_once = False
 
     # -- the interface of ProxyIndices -----------------------------------------------------------
 
@@ -108,15 +117,44 @@ class EtcdProxyIndices:
         return None if found is None else found[0]
 
     def acquire(self, node: str) -> Index | None:
+        """A stream of ``node`` opened here: its index, given now if it has none (only once the
+        keys are listed and something is subsetted: until then it is given at the listing, or
+        when subsetting starts, and looked up when its endpoints are answered)."""
         self._presence.arrive(node)
+        return self._give(node)
+
+    def touch(self, node: str) -> Index | None:
+        """A REST poll of ``node``: its index; one held by another replica is left there (polls
+        round-robin over the replicas: moving the keys at each would be a write per poll)."""
+        known = self._nodes.get(node)
+        if known is not None and node not in self._mine:
+            return known[0]
+        index = self.acquire(node)
+        self.release(node)
+        return index
+
+    def _give(self, node: str) -> Index | None:
+        if not self.connected or not self.reconciler.subset_tables:
+            return self.index(node)
         index = self.index(node)
         if index is None:
-            if len(self._nodes) + len(self._mine) >= self.limit:
+            if len(self._nodes) >= self.limit:
                 return None
             index = self._lowest_free()
         self._mine[node] = index
-        self._work.put_nowait(node)  # created, or taken over, in etcd
+        self._queue(node)  # created, or taken over, in etcd
         return index
+
+    def give_present(self) -> None:
+        """Index every node with streams here that has none (the keys were just listed, or
+        subsetting just started)."""
+        for node in self._presence.present():
+            if node not in self._mine:
+                self._give(node)
+
+    def _queue(self, node: str) -> None:
+        self._work[node] = None
+        self._wake.set()
 
     def release(self, node: str) -> None:
         if self._presence.leave(node) and node in self._mine:
@@ -124,7 +162,7 @@ class EtcdProxyIndices:
 
     def expire(self) -> None:
         for node in self._presence.expired():
-            self._work.put_nowait(node)  # deleted in etcd, if still ours
+            self._queue(node)  # deleted in etcd, if still ours
 
     def table(self) -> IndexTable:
         """The indices etcd holds, with this replica's own not written yet."""
@@ -168,15 +206,20 @@ class EtcdProxyIndices:
         self._nodes.clear()
         self._holders.clear()
         self._backends.clear()
-        for key, value, lease in kvs:
-            self._apply(key, value, lease, revision)
+        for key, value, lease, modified in kvs:
+            self._apply(key, value, lease, modified)
         self.connected = True
         self._tables_changed()
+        if self.listed_once is False:
+            self.listed_once = True
+            self.reconciler.update(READY_SOURCE, DesiredState())  # the subset keys are known: builds may start
+        self.give_present()
+        self.on_listed()
 
     async def _changed(self, changes: list[Change], revision: int) -> None:
         backends = False
-        for key, value, lease in changes:
-            backends |= self._apply(key, value, lease, revision)
+        for key, value, lease, modified in changes:
+            backends |= self._apply(key, value, lease, modified)
         if backends:
             self._tables_changed()
 
@@ -206,12 +249,20 @@ class EtcdProxyIndices:
                 index = Index(int(value))
                 self._nodes[node] = (index, lease, revision)
                 self._holders[index] = node
+            elif value is not None:
+                _log.error("etcd key %s is not a proxy index (%r): left out; the replica serving %r writes it "
+                           "again", key, value[:100], node)
+                if node in self._mine:
+                    self._queue(node)
             return False
         return False
 
     def _tables_changed(self) -> None:
         self.changes += 1
+        started = not self.reconciler.subset_tables
         self.reconciler.set_subset_tables({service: table for service, (table, _) in self._backends.items()})
+        if started and self.reconciler.subset_tables:
+            self.give_present()  # subsetting started: proxies need indices now
 
     async def _keep_lease(self) -> None:
         while True:
@@ -219,24 +270,28 @@ class EtcdProxyIndices:
                 if not self.lease or await self.client.keepalive(self.lease) <= 0:
                     self.lease, _ = await self.client.grant(self.grace)
                     for node in list(self._mine):  # our keys went with the old lease
-                        self._work.put_nowait(node)
+                        self._queue(node)
             except EtcdUnavailable as exc:
                 _log.info("subsetting lease: %s; retrying", exc)
             await asyncio.sleep(max(1.0, min(self.grace / 3, 30.0)))
 
     async def _write_forever(self) -> None:
         while True:
-            node = await self._work.get()
-            for attempt in range(5):
+            await self._wake.wait()
+            self._wake.clear()
+            while self._work:
+                node = next(iter(self._work))
+                del self._work[node]
                 try:
                     await self._settle(node)
-                    break
                 except EtcdUnavailable as exc:
                     _log.info("subsetting index of %r not written yet (%s); retrying", node, exc)
-                    await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
-            else:
-                self._work.put_nowait(node)  # still later: etcd is away
-                await asyncio.sleep(2.0)
+                    self._queue(node)
+                    await asyncio.sleep(1.0)
+                except Exception:  # our bug: say so, and keep the others going
+                    _log.exception("subsetting index of %r: unexpected error; retrying in a second", node)
+                    self._queue(node)
+                    await asyncio.sleep(1.0)
 
     async def _settle(self, node: str) -> None:
         """Make etcd say what this replica holds about ``node`` (create, take over or delete)."""
@@ -268,16 +323,24 @@ class EtcdProxyIndices:
         # just now), or our candidate index went to another node.
         current = await self.client.range(keys.proxy(node))
         kvs = current.get("kvs", [])
-        if kvs:
-            adopted = Index(int(base64.b64decode(kvs[0]["value"]).decode()))
+        text = base64.b64decode(kvs[0].get("value", "")).decode(errors="replace") if kvs else ""
+        if text.isdigit() and int(text) < INDEX_LIMIT:
+            adopted = Index(int(text))
+        elif kvs:  # a value that is not an index: overwrite it (if it is still that value)
+            _log.error("etcd key %s is not a proxy index (%r); writing it again", keys.proxy(node), text[:100])
+            await self.client.call("/v3/kv/txn", {"compare": [
+                {"key": _b64(keys.proxy(node)), "target": "MOD", "mod_revision": kvs[0].get("mod_revision", "0")}],
+                "success": [{"request_delete_range": {"key": _b64(keys.proxy(node))}}]})
+            self._queue(node)
+            return
         else:
-            self._holders.setdefault(mine, "")  # taken: skip it
+            self._holders.setdefault(mine, "")  # taken: skip it (the watch says by whom)
             adopted = self._lowest_free()
         self._mine[node] = adopted
         _log.info("subsetting: proxy %r moved from index %d to %d (another replica indexed it at the same "
                   "moment); its streams here reconnect", node, mine, adopted)
         self._on_moved(node)
-        self._work.put_nowait(node)
+        self._queue(node)
 
     async def _delete_if_ours(self, node: str, index: Index) -> None:
         keys = self.keys
@@ -291,6 +354,10 @@ class EtcdProxyIndices:
 
     def backend_tables(self) -> Mapping[str, tuple[IndexTable, int]]:
         return self._backends
+
+
+class _Stale(Exception):
+    """A backend table changed in etcd since it was read."""
 
 
 class BackendIndexWriter:
@@ -325,8 +392,12 @@ class BackendIndexWriter:
                 continue
             try:
                 await self._write(merged)
-            except EtcdUnavailable as exc:
+            except (EtcdUnavailable, _Stale) as exc:
                 _log.info("backend indices not written yet (%s); retrying", exc)
+                await asyncio.sleep(1.0 if isinstance(exc, EtcdUnavailable) else 0.2)
+                self._wake.set()
+            except Exception:  # our bug: say so, and keep going
+                _log.exception("writing the backend indices failed; retrying in a second")
                 await asyncio.sleep(1.0)
                 self._wake.set()
 
@@ -342,10 +413,17 @@ class BackendIndexWriter:
             compare: list[dict[str, Any]] = ([{"key": _b64(key), "target": "MOD", "mod_revision": str(known[1])}]
                                              if known is not None else
                                              [{"key": _b64(key), "target": "CREATE", "create_revision": "0"}])
-            await self.client.call("/v3/kv/txn", {"compare": compare, "success": [
+            answer = await self.client.call("/v3/kv/txn", {"compare": compare, "success": [
                 {"request_put": {"key": _b64(key), "value": _b64(json.dumps(table.to_json(), sort_keys=True))}}]})
+            if not answer.get("succeeded"):
+                # The key changed since this replica read it (another leader wrote, or the watch
+                # lags): look again once the watch has the news.
+                _log.info("backend indices of %s changed in etcd meanwhile; looking again", service)
+                raise _Stale(service)
         for service in sorted(current.keys() - wanted.keys()):
-            await self.client.call("/v3/kv/txn", {"success": [
-                {"request_delete_range": {"key": _b64(self.keys.backends(service))}}]})
+            known = current[service]
+            await self.client.call("/v3/kv/txn", {
+                "compare": [{"key": _b64(self.keys.backends(service)), "target": "MOD", "mod_revision": str(known[1])}],
+                "success": [{"request_delete_range": {"key": _b64(self.keys.backends(service))}}]})
 
 

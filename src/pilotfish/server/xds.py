@@ -184,7 +184,7 @@ class _Stream:
     refusals, the secrets granted, the NACK warnings and the end."""
 
     __slots__ = ("_call", "_cancels", "_denied", "_grants", "_last_nack", "_server", "closed", "group", "id",
-                 "node_id", "opened", "subset", "type_url")
+                 "node_id", "opened", "type_url")
 
     service = "ads"
     """How ``stream_open`` names an aggregated stream of this kind."""
@@ -201,8 +201,6 @@ class _Stream:
         self.closed = False
         self.opened = False
         """The first request (with the node) has been taken."""
-        self.subset: int | None = None
-        """The proxy's subsetting index (None: none yet, or the table is full)."""
         self._cancels: dict[TypeUrl, Cancel] = {}
         self._last_nack: tuple[TypeUrl, str | None] | None = None
         """The type and version of the last NACK warned about: a repeated one is not warned again."""
@@ -251,7 +249,7 @@ class _Stream:
         self.opened = True
         self.node_id = node.id
         self.group = server._group_of(node)
-        self.subset = server.proxy_indices.acquire(node.id)
+        server.proxy_indices.acquire(node.id)  # (its index is looked up when its endpoints are answered)
         server._by_node.setdefault(node.id, set()).add(self)
         server.status.stream_opened(self.node_id, node_info(node, address=self._call.peer, group=self.group,
                                                               protocol=self.protocol))
@@ -388,8 +386,8 @@ class _SotwConnection(_Stream):
         for watch in outcome.watches:
             if watch.type_url == SECRET.url:
                 watch = self._granted_only(watch)
-            elif watch.type_url == ENDPOINT.url and self.subset is not None:
-                watch = watch._replace(subset=self.subset)
+            elif watch.type_url == ENDPOINT.url:
+                watch = watch._replace(proxy=self.node_id)
             self._current[watch.type_url] = watch
             self._replace_watch(watch.type_url, server.cache.create_watch, watch, self._send)
 
@@ -487,8 +485,8 @@ class _DeltaConnection(_Stream):
         for watch in outcome.watches:
             if watch.type_url == SECRET.url:
                 watch = self._granted_only(watch)
-            elif watch.type_url == ENDPOINT.url and self.subset is not None:
-                watch = watch._replace(subset=self.subset)
+            elif watch.type_url == ENDPOINT.url:
+                watch = watch._replace(proxy=self.node_id)
             self._current[watch.type_url] = watch
             self._replace_watch(watch.type_url, server.cache.create_delta_watch, watch, self._send)
 

@@ -389,7 +389,7 @@ class EtcdSource:
 
     async def _listed(self, kvs: list[KeyValue], revision: int) -> None:
         view = EtcdView(self.prefix)
-        for key, value, lease in kvs:
+        for key, value, lease, _ in kvs:
             problem = view.put(key, value, lease)
             if problem:
                 self._report_bad(key, problem)
@@ -407,7 +407,7 @@ class EtcdSource:
         self._emit("etcd_bad_value", key=key, reason=reason)
 
     async def _changed(self, changes: list[Change], revision: int) -> None:
-        for key, value, lease in changes:
+        for key, value, lease, _ in changes:
             if value is None:
                 self.view.delete(key)
             else:
@@ -418,10 +418,10 @@ class EtcdSource:
         await self._advance(revision)
 
 
-KeyValue = tuple[str, str, Lease]
-"""A key, its value and its lease (0: none)."""
-Change = tuple[str, str | None, Lease]
-"""A key, its new value (None: deleted) and its lease."""
+KeyValue = tuple[str, str, Lease, int]
+"""A key, its value, its lease (0: none) and the revision it was last changed at."""
+Change = tuple[str, str | None, Lease, int]
+"""A key, its new value (None: deleted), its lease and the revision of the change."""
 
 
 async def follow_prefix(
@@ -444,8 +444,8 @@ async def follow_prefix(
             try:
                 answer = await client.range(prefix, prefix=True)
                 revision = int(answer["header"]["revision"])
-                await listed([(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv.get("lease", 0)))
-                              for kv in answer.get("kvs", [])], revision)
+                await listed([(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv.get("lease", 0)),
+                               int(kv.get("mod_revision", 0))) for kv in answer.get("kvs", [])], revision)
                 delay = backoff[0]
                 await _watch(http, client, prefix, revision + 1, changed)
             except asyncio.CancelledError:
@@ -481,10 +481,11 @@ async def _watch(http: aiohttp.ClientSession, client: EtcdClient, prefix: str, s
                 kv = event["kv"]
                 # The events' own revisions, not the header's: a header may be ahead of events
                 # still to come.
-                revision = max(revision, int(kv.get("mod_revision", 0)))
+                modified = int(kv.get("mod_revision", 0))
+                revision = max(revision, modified)
                 deleted = event.get("type") == "DELETE"
                 changes.append((_unb64(kv["key"]), None if deleted else _unb64(kv.get("value", "")),
-                                int(kv.get("lease", 0))))
+                                int(kv.get("lease", 0)), modified))
             await changed(changes, revision)
     raise ValueError("the watch stream ended")
 
@@ -509,17 +510,26 @@ class Election:
         self.key = key
         self.identity = identity
         self.ttl = ttl
-        self.leader = False
+        self._leader = False
+        self._renewed = 0.0
+        """When the last successful renewal was *sent* (etcd counts the lease from no earlier)."""
         self.holder: str | None = None
         """Who holds the key, as last seen (None: nobody, or not known)."""
         self._emit = on_event or (lambda *_, **__: None)
         self._on_change = on_change or (lambda _: None)
         self._clock = clock
 
+    @property
+    def leader(self) -> bool:
+        """Whether this replica holds the key now: it took it, and its last renewal was sent less
+        than ``ttl * 2 / 3`` ago (a replica whose loop stalled stops believing it before its lease
+        can have ended, even before its next renewal attempt fails)."""
+        return self._leader and self._clock() - self._renewed < self.ttl * 2 / 3
+
     def _set(self, leader: bool, reason: str) -> None:
-        if leader == self.leader:
+        if leader == self._leader:
             return
-        self.leader = leader
+        self._leader = leader
         if leader:
             self.holder = self.identity
         _log.warning("%s %s (%s)", self.identity, "now runs the singleton duties" if leader else
@@ -531,33 +541,34 @@ class Election:
         """Campaign, hold and renew until cancelled; steps down on the way out."""
         every = self.ttl / 3
         lease: Lease = 0
-        renewed = self._clock()
         try:
             while True:
                 try:
+                    sent = self._clock()
                     if not lease:
                         lease, _ = await self.client.grant(self.ttl)
-                        renewed = self._clock()
+                        self._renewed = sent
                     elif await self.client.keepalive(lease) > 0:
-                        renewed = self._clock()
+                        self._renewed = sent
                     else:  # the lease ended (etcd was away longer than the ttl): start over
                         lease = 0
                         self._set(False, "its lease ended")
                         continue
-                    if not self.leader:
-                        created, held = await self.client.create(self.key, self.identity, lease=lease)
-                        if created:
-                            self._set(True, "took the election key")
-                        else:
-                            self.holder = _unb64(held.get("value", "")) or None
-                            if int(held.get("lease", 0)) == lease:  # ours, from before a lost answer
-                                self._set(True, "holds the election key")
+                    created, held = await self.client.create(self.key, self.identity, lease=lease)
+                    if created:
+                        self._set(True, "took the election key")
+                    else:
+                        self.holder = _unb64(held.get("value", "")) or None
+                        if int(held.get("lease", 0)) == lease:  # ours (taken before, or an answer lost)
+                            self._set(True, "holds the election key")
+                        else:  # someone else's: the key went (deleted, or our lease ended) and was taken
+                            self._set(False, f"the election key is held by {self.holder!r}")
                 except EtcdUnavailable as exc:
-                    if self.leader and self._clock() - renewed > 2 * every:
+                    if self._leader and not self.leader:
                         self._set(False, f"could not renew: {exc}")
                 await asyncio.sleep(every)
         finally:
-            if self.leader:
+            if self._leader:
                 self._set(False, "stopping")
                 if lease:
                     with contextlib.suppress(EtcdUnavailable):

@@ -1,0 +1,64 @@
+"""The elected replica's TTL guard over many leases (issue 12): in this process, against a real
+etcd, with instances registered through the registry on etcd (``EtcdRegistry``) and a guard that
+may ask etcd about only a few leases per pass (``max_asks``), as a large fleet makes it.
+
+What a user relies on: an instance that heartbeats is never expired, however many leases the
+guard has not asked about yet; one that stops heartbeating is expired once its TTL is known to
+have passed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pilotfish.cache import SnapshotCache
+from pilotfish.events import EventLog
+from pilotfish.reconcile import Reconciler
+from pilotfish.server.registry_etcd import EtcdRegistry, LeaseGuard
+from pilotfish.sources.etcd import EtcdSource
+from pilotfish.sources.registry import SelfPreservation
+
+from .etcd import Etcd
+from .processes import ProcessGroup
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+INSTANCES = 40
+TTL = 6.0
+
+
+def test_the_guard_never_expires_an_instance_it_has_not_asked_about(processes: ProcessGroup) -> None:
+    etcd = Etcd.start(processes)
+    asyncio.run(_scenario(etcd.address))
+
+
+async def _scenario(address: str) -> None:
+    reconciler = Reconciler(SnapshotCache())
+    source = EtcdSource(address, "/pilotfish/", on_state=lambda state: reconciler.update("etcd", state))
+    following = asyncio.create_task(source.run())
+    try:
+        async with asyncio.timeout(60):
+            while source.problem is not None:
+                await asyncio.sleep(0.05)
+            registry = EtcdRegistry(source, reconciler, lease_slack=10.0)
+            for n in range(INSTANCES):
+                await registry.register(f"svc{n % 7}", {"address": "127.0.0.1", "port": 9000 + n, "ttl": TTL})
+            # Self-preservation off: every lapsed instance would be expired, so any expiry of a
+            # heartbeating one shows.
+            events = EventLog()
+            guard = LeaseGuard(registry, lambda: SelfPreservation(enabled=False, recheck=0.2), events=events,
+                               max_asks=3)
+            silent = "127.0.0.1:9000"
+            for _ in range(int(2.5 * TTL / 0.2)):  # 2.5 TTLs of passes, heartbeating all but one
+                for service, endpoint in list(source.view.instances.values()):
+                    if endpoint.address != silent:
+                        await registry.heartbeat(service, endpoint.address)
+                await guard.once()
+                await asyncio.sleep(0.2)
+            left = sorted(endpoint.address for _, endpoint in source.view.instances.values())
+            assert len(left) == INSTANCES - 1 and silent not in left, left
+    finally:
+        following.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await following
