@@ -318,6 +318,7 @@ class Reconciler:
         self.confirm_hint = confirm_hint
         """How the operator confirms a held snapshot (printed with it)."""
         self._expected = frozenset(expect)
+        self._after: dict[str, str] = {}
         self._rules = rules
         """Check Envoy's validate.rules before publishing (off: let Envoy NACK what breaks them)."""
         self._labels = dict(labels or {})
@@ -421,8 +422,16 @@ class Reconciler:
         return sorted(self._expected)
 
     def waiting_for(self) -> list[str]:
-        """The expected sources that have not reported their first complete state yet."""
-        return sorted(self._expected - self._states.keys())
+        """The expected sources that have not reported their first complete state yet (a source
+        that follows another, :meth:`expect_after`, only once that one has)."""
+        missing = self._expected - self._states.keys()
+        return sorted(name for name in missing if self._after.get(name) not in missing)
+
+    def expect_after(self, name: str, source: str) -> None:
+        """Wait for ``name`` too, once ``source`` has reported (something read from the same
+        place, e.g. the subsetting indices in etcd: while etcd is away, etcd is what is awaited)."""
+        self._expected |= {name}
+        self._after[name] = source
 
     def confirm(self, *, by: str = "") -> Snapshot | None:
         """The operator says the held snapshot is meant: publish it. Returns it (None: nothing held).

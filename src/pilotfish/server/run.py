@@ -167,8 +167,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         groups = NodeGroups(settings.node_groups, rest=settings.rest is not None)
     except ValueError as exc:
         raise ConfigError("--node-group", [Problem("", str(exc))]) from None
-    expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd),
-                                              (SUBSETS_READY, settings.etcd)) if configured]
+    expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
     status = SyncStatus()
     confirm_hint = f"kill -USR1 {os.getpid()}"
     state_dir = settings.state_dir or (settings.snapshot.resolve().parent if settings.snapshot else None)
@@ -190,6 +189,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             subset_client, keys, reconciler, grace=settings.subset_grace,
             on_moved=lambda node: _restart_streams(xds_holder, node))
         reconciler.subset_tables_shared = True
+        reconciler.expect_after(SUBSETS_READY, "etcd")
         subset_writer = BackendIndexWriter(subset_client, keys, proxy_indices, reconciler,
                                            leading=lambda: election is not None and election.leader)
         reconciler.on_merged = subset_writer.merged
@@ -198,7 +198,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         proxy_indices = ProxyIndices(kept.proxies, grace=settings.subset_grace)
     election: Election | None = None
     etcd: EtcdSource | None = None
-    reasons = {"etcd": lambda: f"etcd at {settings.etcd}: {etcd.problem if etcd and etcd.problem else 'listing'}"}
+    reasons = {"etcd": lambda: f"etcd at {settings.etcd}: {etcd.problem if etcd and etcd.problem else 'listing'}",
+               SUBSETS_READY: lambda: f"the subsetting indices in etcd at {settings.etcd}: listing"}
 
     def waiting() -> list[str]:
         return [reasons[name]() if name in reasons else name for name in reconciler.waiting_for()]
