@@ -154,7 +154,9 @@ class AdminTimings:
     def row(self) -> list[Any]:
         return [f"`{self.path}`", self.proxies, len(self.seconds), fmt_ms(statistics.median(self.seconds)),
                 fmt_ms(max(self.seconds)), round(statistics.median(self.cpu) * 1000),
-                round(statistics.median(self.sizes) / 1024, 1), " / ".join(self.synced)]
+                round(statistics.median(self.sizes) / 1024, 1),
+                f"{self.synced[0]} (each of {len(self.synced)} runs)" if len(set(self.synced)) == 1
+                else " / ".join(self.synced)]
 
 
 def _time_endpoints(server: ServerProcess, *, timings: dict[str, AdminTimings], requests: int) -> None:
@@ -214,13 +216,16 @@ class _Runs:
 
     def notes(self) -> list[str]:
         counts: dict[str, int] = {}
+        during: dict[str, int] = {}
         examples: dict[str, str] = {}
         for r in self.results:
             for code, n in r.stream_errors.items():
                 counts[code] = counts.get(code, 0) + n
+                during[code] = during.get(code, 0) + r.errors_during_changes.get(code, 0)
             examples.update(r.error_examples)
         lines = [f"Stream errors, {self.variant.server} ({self.variant.admin}), {self.proxies} proxies: {n} x {code} "
-                 f"over {len(self.results)} runs, e.g. `{examples.get(code, '?')[:200]}`" for code, n in counts.items()]
+                 f"over {len(self.results)} runs (during the changes: {during[code]}), e.g. "
+                 f"`{examples.get(code, '?')[:200]}`" for code, n in counts.items()]
         if self.poll_errors:
             lines.append(f"Status page polls that failed, {self.proxies} proxies: {len(self.poll_errors)}, e.g. "
                          f"`{self.poll_errors[0][:200]}`")

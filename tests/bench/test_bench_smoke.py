@@ -116,7 +116,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     assert [row[col("endpoint")] for row in results.status_admin_rows] == [f"`{p}`" for p in bench_status.ENDPOINTS]
     for row in results.status_admin_rows:
         assert row[col("requests")] >= 1 and row[col("response KB")] > 0
-        assert row[col("proxies SYNCED when asked")] == "5 of 5"
+        assert row[col("proxies SYNCED when asked")] == "5 of 5 (each of 1 runs)"
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
     assert "pilotfish-before-" not in worktrees
     # Subsetting (issue 13): every algorithm on every (proxies, backends, k) of the grid.
