@@ -65,7 +65,8 @@ PAGE_EVERY = 1.5
 """Seconds between the status page's polls (``EVERY_MS`` in src/pilotfish/server/status_page.html)."""
 
 PAGE_PATHS = ("/v1/fleet?limit=100&q=", "/v1/snapshots", "/v1/events?limit=100&after=0")
-"""What one poll of the status page asks, together."""
+"""What one poll of the status page asks, together (the events: the latest 100 every time, where the
+page asks only for those after the last it saw once it has some)."""
 
 ENDPOINTS = ("/v1/proxies", "/v1/fleet?limit=100", "/v1/snapshots", "/v1/events?limit=100", "/metrics")
 """The admin endpoints timed with every proxy connected."""
