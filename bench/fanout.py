@@ -26,8 +26,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,7 +145,9 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
                client: str = "h2", event_log_level: str = "all", core: str = "own",
                server_env: Mapping[str, str] | None = None, server_args: Sequence[str] = (),
                tls: FleetTls | None = None, address_cap: bool = True, xds: str = "sotw",
-               sync_timeout: float | None = None, rate: float = 0.0) -> FanoutResult:
+               sync_timeout: float | None = None, rate: float = 0.0, admin: str | None = "off",
+               during_changes: Callable[[ServerProcess], AbstractContextManager[object]] | None = None,
+               after_changes: Callable[[ServerProcess], None] | None = None) -> FanoutResult:
     """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
     during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`);
     ``event_log_level``: pilotfish's ``--event-log-level`` (``changes`` leaves out the lines of
@@ -156,7 +158,12 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
     ``--max-connections-per-address``; ``xds``: the proxies' xDS variant
     (:data:`bench.fleet.XDS_VARIANTS`); ``sync_timeout``: how long all may take to sync (default:
     60 s, or a second per 100 proxies); ``rate``: proxies each client process starts per second
-    (0: all at once; the sync time then includes the ramp)."""
+    (0: all at once; the sync time then includes the ramp); ``admin``: pilotfish's admin API,
+    ``off`` (``--admin off``; none for a server older than ``--max-connections-per-address``),
+    ``HOST:PORT`` to serve it there (the bound address is ``started["admin"]``), or None for a
+    pilotfish from before ``--admin``; ``during_changes``: a context the changes run in (e.g. a
+    client polling the admin API); ``after_changes``: called after the last change, while every
+    proxy is still connected."""
     if server == "naive" and change != "file":
         change = "file"  # the naive server has no registry
     with ExitStack() as stack:
@@ -167,10 +174,13 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         snapshot = workdir / "snapshot.json"
         workload.write(snapshot)
         if server == "pilotfish":
+            serve_admin = () if admin in (None, "off") else ("--admin", admin)
             proc = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry",
-                                   extra=("--event-log-level", event_log_level, *server_args), env=server_env,
+                                   extra=("--event-log-level", event_log_level, *serve_admin, *server_args),
+                                   env=server_env,
                                    module=("pilotfish",) if core == "own" else ("bench.h2_core_launch", "--core", core),
-                                   address_cap=address_cap, admin_off=address_cap)  # older than both
+                                   address_cap=address_cap,
+                                   admin_off=address_cap and admin == "off")  # older than both
         else:
             proc = start_naive(workdir, snapshot=snapshot)
         stack.callback(proc.stop)
@@ -202,6 +212,8 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
                            ssl.create_default_context(cafile=tls.ca) if tls is not None else None)
         assert proc.tail is not None
         spy = _py_spy(proc.pid, profile) if profile is not None else None
+        context = stack.enter_context(ExitStack())
+        context.enter_context(during_changes(proc) if during_changes is not None else nullcontext())
         for _ in range(changes):
             proc.tail.skip_to_end()
             cpu_before = proc.cpu_seconds()
@@ -223,9 +235,12 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
             result.failures = max(result.failures, acked.failures)
             result.cpu_per_push.append(cpu_after - cpu_before)
             time.sleep(gap)
+        context.close()
         if spy is not None:
             os.kill(spy.pid, signal.SIGINT)
             spy.wait(30)
+        if after_changes is not None:
+            after_changes(proc)
         result.stream_errors = fleet.errors()
         result.errors_during_changes = fleet.errors(since=changes_started)
         result.error_examples = dict(fleet.error_examples)

@@ -28,6 +28,7 @@ from bench import (
     bench_envoy,
     bench_hardening,
     bench_incremental,
+    bench_status,
     bench_storm,
     bench_subsetting,
     fanout,
@@ -78,6 +79,14 @@ class Scale:
     """(proxies, backends, k) of issue 13's subsetting comparison."""
     subsetting_removals: int = 5
     """Backends removed in turn (averaged) for that comparison's churn."""
+    status_proxies: tuple[int, ...] = (1000, 10000)
+    """Fleet sizes of issue 11's comparison (before the status work vs now, admin API on)."""
+    status_poll_proxies: tuple[int, ...] = (10000,)
+    """Of those, the sizes that also run with a status page polling the admin API."""
+    status_admin_proxies: tuple[int, ...] = (10000,)
+    """Of those, the sizes whose ``now`` runs time the admin endpoints."""
+    status_rounds: int = 3
+    """Times the variants of that comparison run in turn."""
 
 
 FULL = Scale()
@@ -86,7 +95,8 @@ QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, end
               baseline_proxies=(5,), profile_proxies=0, sovereign=False, core_proxies=5, core_rounds=1,
               core_abuse="rapid_reset", hardening_proxies=(5,), incremental_proxies=(5,), incremental_large=(),
               incremental_workload=Workload(services=50, endpoints=2, listeners=5), incremental_changes=2,
-              subsetting_grid=((20, 5, 2), (40, 10, 3)), subsetting_removals=2)
+              subsetting_grid=((20, 5, 2), (40, 10, 3)), subsetting_removals=2, status_proxies=(5,),
+              status_poll_proxies=(5,), status_admin_proxies=(5,), status_rounds=1)
 
 
 @dataclass
@@ -114,6 +124,8 @@ class Results:
     hardening_rows: list[list[Any]] = field(default_factory=list)
     incremental_rows: list[list[Any]] = field(default_factory=list)
     subsetting_rows: list[list[Any]] = field(default_factory=list)
+    status_rows: list[list[Any]] = field(default_factory=list)
+    status_admin_rows: list[list[Any]] = field(default_factory=list)
 
 
 def _cmd(*args: Any) -> str:
@@ -411,6 +423,41 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
                  "--removals", scale.subsetting_removals),
             bench_subsetting.SUBSETTING_COLUMNS, subsetting, bench_subsetting.notes(scale.subsetting_removals))
 
+    # 6f. issue 11: status tracking and the admin API, before vs now; the admin API at 10,000 proxies.
+    def status() -> list[list[Any]]:
+        rows, admin_rows, notes = bench_status.run_status(
+            proxies=scale.status_proxies, changes=scale.changes, workload=wl, rounds=scale.status_rounds,
+            poll_proxies=scale.status_poll_proxies, admin_proxies=scale.status_admin_proxies,
+            workdir=workdir / "status")
+        results.status_rows, results.status_admin_rows = rows, admin_rows
+        status_notes.extend(notes)
+        return rows
+
+    status_notes: list[str] = []
+    status_command = _cmd("bench.bench_status", "--proxies", *scale.status_proxies, "--poll-proxies",
+                          *scale.status_poll_proxies, "--admin-proxies", *scale.status_admin_proxies, "--changes",
+                          scale.changes, "--rounds", scale.status_rounds, *_wl(wl))
+    section("Status tracking: pilotfish before issue 11 vs now, admin API on, a status page open (issue 11)",
+            status_command, bench_status.STATUS_COLUMNS, status,
+            [f"`before`: pilotfish at {bench_status.BEFORE_COMMIT[:7]} (the last commit before issue 11's admin API, "
+             "metrics and status bookkeeping), from a temporary `git worktree`; `now`: this checkout with the admin "
+             "API on, nobody asking it (`on`), or asked what one open status page asks (`/v1/fleet?limit=100`, "
+             f"`/v1/snapshots`, `/v1/events` together, again {bench_status.PAGE_EVERY} s after the answers) while "
+             "the changes run (`page open`; `page polls`: how many per run). Fan-out as in the first table "
+             "(registry change, event log `all`). The variants run in turn, `rounds` times; each row gives the "
+             "median over its runs of the run's p99 (all proxies over the run's changes) and of its mean server "
+             "CPU per push, with the range; the ratios divide medians by `before`'s. `load 1 min`: the load "
+             "average before each run: other work shares this machine's 2 cores."])
+    results.sections[-1].notes.extend(status_notes)
+
+    admin_n = ", ".join(f"{n:,}" for n in scale.status_admin_proxies)
+    section(f"Admin API with {admin_n} connected proxies (issue 11)", f"(from the `now` runs above: {status_command})",
+            bench_status.ADMIN_COLUMNS, lambda: results.status_admin_rows,
+            ["After the changes of each `now` run (admin API on, nobody else asking), every proxy connected and "
+             "synced: each endpoint asked in turn, requests pooled over the runs. Wall time per request (urllib "
+             "over loopback, client side); the server's CPU for it (utime + stime, read once the server is idle "
+             "before and after); response size. `proxies SYNCED when asked`: `/v1/fleet`'s counts, per run."])
+
     # 7. profile of the server under the 1,000-proxy fan-out (py-spy).
     if scale.profile_proxies:
         def profile() -> list[list[Any]]:
@@ -492,6 +539,20 @@ def targets(results: Results) -> list[list[Any]]:
             ok = None if "-" in (worst, p99) else int(worst) <= 2048 and float(p99) <= 300 and row[col("failures")] == 0
             add(f"one endpoint of 10,000 clusters changed, 1,000 proxies, {row[col('xds')]} (issue 10)",
                 "<= 2 KB per proxy per change, p99 <= 300 ms", f"max {worst} B, p99 {p99} ms", ok)
+    col = bench_status.STATUS_COLUMNS.index
+    for row in results.status_rows:
+        if row[col("server")] == "now" and row[col("proxies")] in (1000, 10000):
+            p99, cpu = row[col("p99 x before")], row[col("CPU x before")]
+            ok = None if "-" in (p99, cpu) else float(p99) <= 1.1 and row[col("failures")] == 0
+            add(f"fan-out with status tracking vs before it, {row[col('proxies')]:,} proxies, admin API "
+                f"{row[col('admin API')]} (issue 11)", "p99 not worse (<= 1.10x, medians of interleaved runs)",
+                f"p99 {p99}x, CPU {cpu}x", ok)
+    col = bench_status.ADMIN_COLUMNS.index
+    for row in results.status_admin_rows:
+        if row[col("proxies")] == 10000 and row[col("endpoint")] in ("`/v1/proxies`", "`/metrics`"):
+            add(f"GET {row[col('endpoint')].strip('`')} with 10,000 connected proxies (issue 11)", "answers",
+                f"median {row[col('median ms')]} ms, max {row[col('max ms')]} ms, {row[col('response KB')]} KB",
+                True)
     if results.build_rows:
         col = bench_build.BUILD_COLUMNS.index
         row = max(results.build_rows, key=lambda r: r[col("endpoints")])

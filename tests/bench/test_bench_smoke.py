@@ -26,6 +26,7 @@ from bench import (  # noqa: E402
     bench_envoy,
     bench_hardening,
     bench_incremental,
+    bench_status,
     bench_storm,
     bench_subsetting,
     fanout,
@@ -102,6 +103,20 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     before, now_sotw, now_delta = (row[col("bytes / proxy / change (max)")] for row in results.incremental_rows)
     assert before > 10 * max(now_sotw, now_delta)
     assert 0 < now_sotw <= 2048 and 0 < now_delta <= 2048
+    # Status tracking (issue 11): before, now with the admin API on, and now with a status page
+    # polling it, every proxy served every change; with every proxy connected, each admin endpoint
+    # answered and counted them all SYNCED.
+    col = bench_status.STATUS_COLUMNS.index
+    assert [(row[col("server")], row[col("admin API")]) for row in results.status_rows] == [
+        ("before", "-"), ("now", "on"), ("now", "page open")]
+    for row in results.status_rows:
+        assert row[col("failures")] == 0 and row[col("stream errors")] == 0
+    assert int(results.status_rows[-1][col("page polls")]) >= 1
+    col = bench_status.ADMIN_COLUMNS.index
+    assert [row[col("endpoint")] for row in results.status_admin_rows] == [f"`{p}`" for p in bench_status.ENDPOINTS]
+    for row in results.status_admin_rows:
+        assert row[col("requests")] >= 1 and row[col("response KB")] > 0
+        assert row[col("proxies SYNCED when asked")] == "5 of 5 (each of 1 runs)"
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
     assert "pilotfish-before-" not in worktrees
     # Subsetting (issue 13): every algorithm on every (proxies, backends, k) of the grid.
@@ -118,8 +133,11 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert _header(columns) in text
     for heading in ("## Machine", "## Targets (issue 4)", "## Fan-out", "## Memory", "## Snapshot build",
                     "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios",
-                    "## HTTP/2 core", "## Hardening and TLS", "## Incremental xDS", "## Subsetting"):
+                    "## HTTP/2 core", "## Hardening and TLS", "## Incremental xDS", "## Subsetting",
+                    "## Status tracking", "## Admin API with 5 connected proxies"):
         assert heading in text
+    assert _header(bench_status.ADMIN_COLUMNS) in text
+    assert "Status page polls that failed" not in text
     assert "- nproc: " in text and "- grpcio: " in text and "- CPU model: " in text
 
 
