@@ -36,8 +36,10 @@ __all__ = [
     "EventLog",
     "Predicate",
     "is_event",
+    "is_registry_change",
     "short_type",
     "streams_of",
+    "wait_until_built",
 ]
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
@@ -175,3 +177,18 @@ def streams_of(events: Iterable[Event]) -> list[Any]:
         if "stream" in event:
             seen.setdefault(event["stream"], None)
     return list(seen)
+
+
+def is_registry_change(event: Event) -> bool:
+    return str(event["event"]).startswith("registry_")
+
+
+def wait_until_built(events: EventLog, *, changes: int, after: int, what: str) -> Event:
+    """Wait until the first ``changes`` registry changes logged from index ``after`` are built into
+    a served snapshot; return its ``snapshot_loaded``.
+
+    A 2xx from the registry API comes before the server has written the change's event (it writes
+    its log on the next turn of its event loop), so the changes are waited for by count.
+    """
+    logged = events.wait_for_count(is_registry_change, changes, what=f"{what}: the registry changes", after=after)
+    return events.wait_for(is_event("snapshot_loaded"), what=what, after=events.index_of(logged[-1]) + 1)

@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 
 from .etcd import Etcd
-from .event_log import TYPE_URLS, Event, EventLog, Predicate, is_event, short_type
+from .event_log import TYPE_URLS, EventLog, Predicate, is_event, is_registry_change, short_type, wait_until_built
 from .processes import (
     ControlPlane,
     Envoy,
@@ -520,21 +520,6 @@ def start_registry_only(
 def registry_only(processes: ProcessGroup) -> tuple[RegistryClient, EventLog, str]:
     """The registry-only control plane with the default debounce."""
     return start_registry_only(processes)
-
-
-def is_registry_change(event: Event) -> bool:
-    return str(event["event"]).startswith("registry_")
-
-
-def wait_until_built(events: EventLog, *, changes: int, after: int, what: str) -> Event:
-    """Wait until the first ``changes`` registry changes logged from index ``after`` are built into
-    a served snapshot; return its ``snapshot_loaded``.
-
-    A 2xx from the registry API comes before the server has written the change's event (it writes
-    its log on the next turn of its event loop), so the changes are waited for by count.
-    """
-    logged = events.wait_for_count(is_registry_change, changes, what=f"{what}: the registry changes", after=after)
-    return events.wait_for(is_event("snapshot_loaded"), what=what, after=events.index_of(logged[-1]) + 1)
 
 
 def wait_for_server_clock(

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from .event_log import wait_until_built
 from .processes import (
     ControlPlane,
     Envoy,
@@ -64,6 +65,8 @@ def test_calls_through_xds_spread_over_two_backends_and_follow_a_removal_without
         registry = RegistryClient(control.registry_url)
         registry.define("echo", grpc=True)
         ids = {backend.name: registry.register("echo", "127.0.0.1", backend.port) for backend in (a, b)}
+        # Both registered and built before the client asks (on a busy machine the build may lag).
+        wait_until_built(events, changes=3, after=0, what="echo with both backends")
     bootstrap = tmp_path / "grpc-bootstrap.json"
     bootstrap.write_text(pilotfish("bootstrap", "--grpc", "--node-id", "client-1", "--xds", control.address).stdout)
     assert json.loads(bootstrap.read_text())["node"]["locality"] == {"region": "", "zone": ""}
