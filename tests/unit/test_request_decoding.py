@@ -66,8 +66,8 @@ def test_no_names_at_all_is_an_empty_run() -> None:
 
 
 @pytest.mark.parametrize("case", [
-    "other names", "more names", "fewer names", "two runs", "the known run twice", "a name's tag in two bytes", "truncated", "group",
-    "field 0", "wire type 7", "varint of 11 bytes", "length past the end",
+    "other names", "more names", "fewer names", "two runs", "the known run twice", "a name's tag in two bytes",
+    "truncated", "group", "field 0", "wire type 7", "varint of 11 bytes", "length past the end",
 ])
 def test_anything_else_is_left_to_the_full_decode(case: str) -> None:
     names = fields(resource_names=NAMES)
