@@ -60,6 +60,26 @@ def test_other_fields_anywhere_are_walked_over(layout: str) -> None:
     assert split is not None and data[split[0]:split[1]] == names
 
 
+def test_a_known_run_that_begins_another_does_not_hide_it() -> None:
+    # An ADS stream whose routes are named as its first ten clusters: both runs are known, and
+    # an ACK of either is found.
+    clusters, routes = fields(resource_names=NAMES), fields(resource_names=NAMES[:10])
+    tail = fields(type_url=EDS, response_nonce="3")
+    for names in (clusters, routes):
+        data = fields(version_info="v1") + names + tail
+        start, end = split_request_names(data, [routes, clusters]) or (-1, -1)
+        assert data[start:end] == names
+    # eleven names: neither
+    assert split_request_names(fields(resource_names=NAMES[:11]) + tail, [routes, clusters]) is None
+    stream = SotwStream()
+    for type_url, names_ in ((EDS, NAMES), (RDS, NAMES[:10])):
+        first = stream.decode_request(fields(node={"id": "p"}, resource_names=names_, type_url=type_url))
+        stream.on_request(first.request, names_wire=first.names_wire)
+    for type_url, names_ in ((EDS, NAMES), (RDS, NAMES[:10])):
+        again = stream.decode_request(fields(version_info="v", resource_names=names_, type_url=type_url))
+        assert again.names_as_before and again.request.type_url == type_url
+
+
 def test_no_names_at_all_is_an_empty_run() -> None:
     assert split_request_names(fields(type_url=CDS, version_info="v"), []) == (0, 0)
     assert split_request_names(b"", [fields(resource_names=["a"])]) == (0, 0)

@@ -224,26 +224,32 @@ def split_request_names(data: bytes, known: Collection[bytes]) -> tuple[int, int
     bytes): the caller decodes the whole request, which also says what is wrong with it.
     """
     pos, end = 0, len(data)
-    start = stop = 0
     try:
-        while pos < end:
-            if data[pos] == _REQUEST_NAMES_TAG:
-                if stop:
-                    return None  # names in two runs (or more than a known run)
-                matched = [run for run in known if run and data.startswith(run, pos)]
-                if not matched or any(len(run) != len(matched[0]) for run in matched):
-                    return None
-                start, stop = pos, pos + len(matched[0])
-                pos = stop
-            else:
-                tag, pos = _next_field(data, pos)
-                if tag == _REQUEST_NAMES_TAG:
-                    return None  # the names' tag written in more bytes than it needs
+        while pos < end and data[pos] != _REQUEST_NAMES_TAG:
+            tag, pos = _next_field(data, pos)
+            if tag == _REQUEST_NAMES_TAG:
+                return None  # the names' tag written in more bytes than it needs
+        if pos >= end:
+            return (0, 0) if pos == end else None
+        # One known run may begin another (a stream's routes named as its first clusters): the
+        # longest that is followed by no other name is the one (a shorter one is followed by the
+        # rest of the longer).
+        for run in sorted((run for run in known if run and data.startswith(run, pos)), key=len, reverse=True):
+            if _no_names_from(data, pos + len(run)):
+                return pos, pos + len(run)
     except (IndexError, ValueError):
-        return None  # truncated, or a varint over its length
-    if pos != end:
-        return None
-    return start, stop
+        pass  # truncated, or a varint over its length
+    return None
+
+
+def _no_names_from(data: bytes, pos: int) -> bool:
+    """Whether ``data`` from ``pos`` on is whole fields, none of them a name."""
+    end = len(data)
+    while pos < end:
+        tag, pos = _next_field(data, pos)
+        if tag == _REQUEST_NAMES_TAG:
+            return False
+    return pos == end
 
 
 def _next_field(data: bytes, pos: int) -> tuple[int, int]:
