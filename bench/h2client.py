@@ -282,11 +282,12 @@ class H2Call:
 
     # -- the caller's side ---------------------------------------------------------------------
 
-    def write(self, message: bytes) -> None:
-        """Send one message (serialized protobuf); queued if the server's windows are exhausted."""
+    def write(self, *parts: bytes) -> None:
+        """Send one message (serialized protobuf, in one or more parts: they are sent as they are,
+        not joined); queued if the server's windows are exhausted."""
         if self.done or self._writes_ended:
             raise self._error or RuntimeError("write after the call's end")
-        self._h2.send_message(self.stream_id, message)
+        self._h2.send_message(self.stream_id, *parts)
         self._channel._flush()
 
     def done_writing(self) -> None:

@@ -70,8 +70,9 @@ def test_request_names_span_finds_the_encoded_names_or_declines() -> None:
     assert span(version_info="v2", resource_names=["a", "b"], response_nonce="12") == ack
     assert span(version_info="v1", resource_names=["a", "c"], response_nonce="7") != ack
     assert span(resource_names=[]) == b""
+    # a node before the names (a stream's first request) is skipped
+    assert span(resource_names=["a", "b"], node={"id": "n"}) == span(resource_names=["a", "b"])
     # layouts it does not know: the caller decodes the names
-    assert span(resource_names=["a"], node={"id": "n"}) is None
     assert span(resource_names=["a"], response_nonce="1", error_detail={"message": "no"}) is None
     # the shortcut gives the very set the decoded names give
     via_wire = next_subscription(["a", "b"], wildcard_capable=False, ever_named=True, wire=ack)

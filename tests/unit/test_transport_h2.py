@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 import hpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pilotfish.transport import frames as f
 from pilotfish.transport.frames import ErrorCode, GrpcStatus, Setting
@@ -152,6 +154,32 @@ def test_messages_cut_anywhere_across_frames_and_reads_arrive_whole() -> None:
     for start in range(0, len(wire), 13):  # and reads that cut frames
         events += server.receive(wire[start:start + 13])
     assert [e.data for e in events if isinstance(e, MessageReceived)] == bodies
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40_000), min_size=1, max_size=4),
+       frame_cuts=st.lists(st.integers(1, 16_384), min_size=1, max_size=8),
+       read_cuts=st.lists(st.integers(1, 20_000), min_size=1, max_size=8))
+def test_messages_cut_at_random_across_frames_and_reads_arrive_whole(
+        sizes: list[int], frame_cuts: list[int], read_cuts: list[int]) -> None:
+    # Reads that end inside a frame header, right after one, inside a prefix or a body, and
+    # empty DATA frames: each message arrives once, whole, as sent.
+    server = raw_server()
+    bodies = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    stream_bytes = b"".join(message(body) for body in bodies)
+    wire, start, i = headers(1), 0, 0
+    while start < len(stream_bytes):
+        cut = frame_cuts[i % len(frame_cuts)]
+        wire += data(1, stream_bytes[start:start + cut]) + (data(1, b"") if cut % 5 == 0 else b"")
+        start, i = start + cut, i + 1
+    events: list[Event] = []
+    start = i = 0
+    while start < len(wire):
+        cut = read_cuts[i % len(read_cuts)]
+        events += server.receive(wire[start:start + cut])
+        start, i = start + cut, i + 1
+    assert [e.data for e in events if isinstance(e, MessageReceived)] == bodies
+    assert not server.closed
 
 
 def test_a_header_block_larger_than_the_peers_max_frame_size_goes_out_in_continuation_frames() -> None:
@@ -585,6 +613,29 @@ def test_message_reassembly_is_linear_in_the_bytes_received() -> None:
     elapsed = time.perf_counter() - started
     assert [len(e.data) for e in events if isinstance(e, MessageReceived)] == [size]
     assert elapsed < 1.0, f"8,000 one-byte frames onto a 4 MiB message took {elapsed:.2f} s"
+
+
+def test_a_message_trickled_in_one_byte_frames_is_held_in_about_its_own_size() -> None:
+    """A peer sending a large message a byte per DATA frame must not make the server keep an
+    object per byte (tens of bytes each): the partial message stays about as large as it is."""
+    import tracemalloc
+
+    size = 200_000
+    limits = Limits(initial_window_size=2 * size, connection_window_size=2 * size)
+    server = raw_server(limits=limits)
+    wire = f.grpc_prefix(size + 1) + b"\7" * size  # one byte short: held, not delivered
+    frames = headers(1) + data(1, wire[:16_000]) + b"".join(data(1, wire[i:i + 1]) for i in range(16_000, len(wire)))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for start in range(0, len(frames), 65_536):
+            assert not [e for e in server.receive(frames[start:start + 65_536]) if isinstance(e, MessageReceived)]
+            server.data_to_send()  # (the window updates we owe: read, as a well-behaved peer does)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 2 * size + 100_000, f"{held:,} bytes held for a {size:,}-byte partial message"
+    assert [len(e.data) for e in server.receive(data(1, b"\7")) if isinstance(e, MessageReceived)] == [size + 1]
 
 
 # -- what the adapter's time-outs read ---------------------------------------------------------------

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pilotfish.resources import TypeUrl
+from pilotfish.resources.wire import names_run_count
 from pilotfish.snapshot import TypeSnapshot
 
-__all__ = ["WILDCARD", "Subscription", "Watch", "intern_names", "needs_response", "next_subscription"]
+__all__ = ["WILDCARD", "Subscription", "Watch", "checked_wire", "intern_names", "needs_response", "next_subscription"]
 
 WILDCARD = "*"
 
@@ -53,11 +54,13 @@ _PER_NAME = 100
 """What a name costs in the tables beyond its characters (tuple and set slots, str header)."""
 
 _NAME_SETS: dict[tuple[str, ...], frozenset[str]] = {}
-_BY_WIRE: dict[bytes, tuple[frozenset[str], int]] = {}
+_BY_WIRE: dict[bytes, tuple[frozenset[str], int, bytes]] = {}
+"""Encoded name lists (checked: nothing but whole names) -> (their set, how many, the key itself)."""
 _SUBSCRIPTIONS: dict[tuple[bool, frozenset[str]], Subscription] = {}
 _interned_bytes = 0
 _OLD_NAME_SETS: dict[tuple[str, ...], frozenset[str]] = {}
-_OLD_BY_WIRE: dict[bytes, tuple[frozenset[str], int]] = {}
+_OLD_BY_WIRE: dict[bytes, tuple[frozenset[str], int, bytes]] = {}
+"""Encoded name lists (checked: nothing but whole names) -> (their set, how many, the key itself)."""
 _OLD_SUBSCRIPTIONS: dict[tuple[bool, frozenset[str]], Subscription] = {}
 
 
@@ -87,7 +90,7 @@ def interned_size() -> tuple[int, int]:
     entries = (len(_NAME_SETS) + len(_BY_WIRE) + len(_SUBSCRIPTIONS)
                + len(_OLD_NAME_SETS) + len(_OLD_BY_WIRE) + len(_OLD_SUBSCRIPTIONS))
     old = (sum(_list_cost(key) for key in _OLD_NAME_SETS)
-           + sum(len(key) + _PER_NAME * count for key, (_, count) in _OLD_BY_WIRE.items())
+           + sum(len(key) + _PER_NAME * count for key, (_, count, _) in _OLD_BY_WIRE.items())
            + sum(_list_cost(names) for _, names in _OLD_SUBSCRIPTIONS))
     return entries, _interned_bytes + old
 
@@ -113,10 +116,21 @@ def _name_set(requested: Sequence[str], wire: bytes | None) -> frozenset[str]:
         if not _make_room(_list_cost(key)):
             return names
         _NAME_SETS[key] = names
-    # Costed with its set, which it keeps alive even when the set's own entry is gone.
-    if wire is not None and _make_room(len(wire) + _PER_NAME * len(key)):
-        _BY_WIRE[wire] = (names, len(key))
+    # Costed with its set, which it keeps alive even when the set's own entry is gone. Only a
+    # span of nothing but these names is kept: equal bytes then mean equal names, and a stream
+    # may compare the next request's names with it (SotwStream.decode_request).
+    if (wire is not None and names_run_count(wire) == len(key)
+            and _make_room(len(wire) + _PER_NAME * len(key))):
+        _BY_WIRE[wire] = (names, len(key), wire)
     return names
+
+
+def checked_wire(wire: bytes) -> bytes | None:
+    """The interned copy of an encoded name list if the tables hold it (then it was checked to
+    be nothing but whole names, see :func:`~pilotfish.resources.wire.names_run_count`), else None.
+    Streams keep this one object, not a copy each."""
+    found = _BY_WIRE.get(wire) or _OLD_BY_WIRE.get(wire)
+    return found[2] if found is not None else None
 
 
 def _subscription(wildcard: bool, names: frozenset[str]) -> Subscription:

@@ -7,7 +7,7 @@ nonce field. Protobuf parsers accept fields in any order, so appending is valid 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 __all__ = [
     "any_bytes",
@@ -17,8 +17,10 @@ __all__ = [
     "discovery_response",
     "lb_endpoint",
     "length_delimited",
+    "names_run_count",
     "nonce_field",
     "request_names_span",
+    "split_request_names",
 ]
 
 # DiscoveryResponse field numbers (envoy/service/discovery/v3/discovery.proto).
@@ -147,15 +149,23 @@ _TYPE_URL_FIELDS: dict[str, bytes] = {}
 def request_names_span(data: bytes, type_url: str, nonce: str) -> bytes | None:
     """The encoded ``resource_names`` of a DiscoveryRequest, found without decoding them.
 
-    Only for the layout serializers write for an ACK or a plain request: ``version_info``, then
-    the names, then ``type_url`` and ``response_nonce`` (the parsed request's values, given here)
-    and nothing else. Equal spans then mean equal name lists. None for any other layout (a node, an
-    error detail, other fields): the caller decodes the names instead.
+    Only for the layout serializers write for an ACK or a plain request (fields in their order):
+    whatever comes first (``version_info``, ``node``), then the names, then ``type_url`` and
+    ``response_nonce`` (the parsed request's values, given here) and nothing else; b"" if it has
+    no names. None for any other layout (an error detail, other fields after the names): the
+    caller decodes the names instead. The span is found by the request's ends: before equal
+    spans may stand for equal names, it must be checked to hold nothing but whole names
+    (:func:`names_run_count`).
     """
-    start = 0
-    if data and data[0] == _REQUEST_VERSION_TAG:
-        length, start = _decode_varint(data, 1)
-        start += length
+    start, end = 0, len(data)
+    try:
+        while start < end:
+            tag, after = _next_field(data, start)
+            if tag == _REQUEST_NAMES_TAG or tag >> 3 > _REQUEST_NAMES_TAG >> 3:
+                break
+            start = after
+    except (IndexError, ValueError):
+        return None
     tail = _TYPE_URL_FIELDS.get(type_url) if type_url else b""
     if tail is None:
         tail = length_delimited(_TYPE_URL, type_url.encode())
@@ -163,7 +173,7 @@ def request_names_span(data: bytes, type_url: str, nonce: str) -> bytes | None:
             _TYPE_URL_FIELDS[type_url] = tail
     if nonce:
         tail += length_delimited(_NONCE, nonce.encode())
-    end = len(data) - len(tail)
+    end -= len(tail)
     if end < start or not data.endswith(tail):
         return None
     if end > start and data[start] != _REQUEST_NAMES_TAG:
@@ -171,14 +181,114 @@ def request_names_span(data: bytes, type_url: str, nonce: str) -> bytes | None:
     return data[start:end]
 
 
-def _decode_varint(data: bytes, offset: int) -> tuple[int, int]:
-    """(value, offset after it) of the varint at ``offset``."""
+def names_run_count(span: bytes) -> int | None:
+    """How many ``resource_names`` records ``span`` is made of, or None unless it is nothing but
+    whole records of that field (tag 0x1A, a length, that many bytes).
+
+    What :func:`split_request_names` may skip as a known run must be checked once this way:
+    :func:`request_names_span` finds its span by the request's ends, so a name's bytes could in
+    principle run past it. A walk over every name, in Python: done once per distinct list (the
+    subscription intern tables keep the result), not per request.
+    """
+    count = pos = 0
+    end = len(span)
+    try:
+        while pos < end:
+            if span[pos] != _REQUEST_NAMES_TAG:
+                return None
+            length = span[pos + 1]
+            if length < 0x80:
+                pos += 2 + length
+            else:
+                length, pos = _decode_varint(span, pos + 1)
+                pos += length
+            count += 1
+    except IndexError:
+        return None
+    return count if pos == end else None
+
+
+_MAX_TAG = 0xFFFFFFFF
+
+
+def split_request_names(data: bytes, known: Collection[bytes]) -> tuple[int, int] | None:
+    """Where the ``resource_names`` of an encoded DiscoveryRequest lie, if they are one of the
+    ``known`` runs of names: (start, end), found without decoding a name; (0, 0) if it has none.
+
+    Walks the top-level fields by their tags and lengths. The names must be one contiguous run,
+    byte for byte one of ``known`` (each a checked :func:`names_run_count` span), compared where
+    the first name starts; the rest of the request (``data[:start] + data[end:]``) is then a
+    request of its own with every other field as it was, for protobuf to decode: a few small
+    fields instead of thousands of names. None for anything else (names that are not one of
+    ``known``, or in two runs; a truncated or odd field: a group, field 0, a varint over 10
+    bytes): the caller decodes the whole request, which also says what is wrong with it.
+    """
+    pos, end = 0, len(data)
+    try:
+        while pos < end and data[pos] != _REQUEST_NAMES_TAG:
+            tag, pos = _next_field(data, pos)
+            if tag == _REQUEST_NAMES_TAG:
+                return None  # the names' tag written in more bytes than it needs
+        if pos >= end:
+            return (0, 0) if pos == end else None
+        # One known run may begin another (a stream's routes named as its first clusters): the
+        # longest that is followed by no other name is the one (a shorter one is followed by the
+        # rest of the longer).
+        for run in sorted((run for run in known if run and data.startswith(run, pos)), key=len, reverse=True):
+            if _no_names_from(data, pos + len(run)):
+                return pos, pos + len(run)
+    except (IndexError, ValueError):
+        pass  # truncated, or a varint over its length
+    return None
+
+
+def _no_names_from(data: bytes, pos: int) -> bool:
+    """Whether ``data`` from ``pos`` on is whole fields, none of them a name."""
+    end = len(data)
+    while pos < end:
+        tag, pos = _next_field(data, pos)
+        if tag == _REQUEST_NAMES_TAG:
+            return False
+    return pos == end
+
+
+def _next_field(data: bytes, pos: int) -> tuple[int, int]:
+    """(tag, offset after the field) of the field at ``pos``, skipped by its wire type without
+    decoding it. ValueError for what protobuf's parsers refuse or pilotfish does not skip (field
+    0, a tag over 32 bits, a group, a wire type that does not exist, a varint over 10 bytes);
+    IndexError if the data ends in a varint. (The offset may be past the data's end: truncated.)"""
+    tag = data[pos]
+    if tag < 0x80:
+        pos += 1
+    else:
+        tag, pos = _decode_varint(data, pos, 5)
+        if tag > _MAX_TAG:
+            raise ValueError("tag over 32 bits")
+    kind = tag & 7
+    if tag >> 3 == 0:
+        raise ValueError("field 0")
+    if kind == 2:
+        length, pos = _decode_varint(data, pos)
+        return tag, pos + length
+    if kind == 0:
+        return tag, _decode_varint(data, pos)[1]
+    if kind == 1:
+        return tag, pos + 8
+    if kind == 5:
+        return tag, pos + 4
+    raise ValueError(f"wire type {kind}")  # groups (deprecated) and wire types that do not exist
+
+
+def _decode_varint(data: bytes, offset: int, limit: int = 10) -> tuple[int, int]:
+    """(value, offset after it) of the varint at ``offset``; ValueError if it is longer than
+    ``limit`` bytes (protobuf's parsers refuse those), IndexError if the data ends first."""
     value = shift = 0
-    while True:
+    last = offset + limit
+    while offset < last:
         byte = data[offset]
         offset += 1
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
             return value, offset
         shift += 7
-
+    raise ValueError("varint too long")

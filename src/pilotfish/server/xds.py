@@ -55,7 +55,7 @@ from pilotfish.protocol import (
 )
 from pilotfish.protocol.limits import shorten
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
-from pilotfish.resources.wire import nonce_field, request_names_span
+from pilotfish.resources.wire import nonce_field
 from pilotfish.server.grants import ProxyGrants, SecretGrants
 from pilotfish.server.grpc_server import (
     WARN_EVERY,
@@ -119,7 +119,6 @@ MAX_DENIED_RECORDED = 100
 through made-up names gets no more events (it is still denied every one)."""
 _DENIED_SHOWN = 10
 """Denied names a warning repeats."""
-_TYPE_URL_CHARS = 256
 _MESSAGE_CHARS = 1024
 """A gRPC status message is at most about this long (the limits' messages are shorter)."""
 
@@ -344,35 +343,31 @@ class _SotwConnection(_Stream):
         if self.closed:
             return
         try:
-            request = discovery_pb2.DiscoveryRequest.FromString(data)
-        except DecodeError as exc:
-            self._refuse(GrpcStatus.INVALID_ARGUMENT, f"undecodable DiscoveryRequest: {exc}")
-        type_url = request.type_url
-        # Not for a made-up type_url of megabytes: the span encodes (and caches a few) type URLs.
-        # (Those we serve are < 100 characters; any other is refused just below.)
-        names_wire = (request_names_span(data, type_url, request.response_nonce)
-                      if len(type_url) <= _TYPE_URL_CHARS else None)
-        try:
-            self._on_request(request, names_wire)
+            self._on_request(data)
         except PeerOverLimit as exc:
             self._refuse(GrpcStatus.RESOURCE_EXHAUSTED, str(exc))
         except PeerError as exc:
             self._refuse(GrpcStatus.INVALID_ARGUMENT, str(exc))
 
-    def _on_request(self, request: discovery_pb2.DiscoveryRequest, names_wire: bytes | None) -> None:
+    def _on_request(self, data: bytes) -> None:
         server, state = self._server, self.state
+        decoded = state.decode_request(data)
+        request = decoded.request
         first = state.node is None
         if first:
             self._authorize(request.node.id)
-        outcome = state.on_request(request, names_wire=names_wire)
+        outcome = state.on_request(request, names_wire=decoded.names_wire, names_as_before=decoded.names_as_before)
         if first:
             assert state.node is not None
             self._open(state.node)
         kind = outcome.kind
         if kind is RequestKind.NACK or server.events.conversation:
             # Names only when they say something new: an ACK repeats the names it subscribed to.
-            names = (list(request.resource_names)
-                     if kind is not RequestKind.ACK or outcome.subscription_changed else None)
+            names = None
+            if kind is not RequestKind.ACK or outcome.subscription_changed:
+                # (Left undecoded if they were the previous request's: decoded for the record.)
+                names = list((discovery_pb2.DiscoveryRequest.FromString(data) if decoded.names_as_before
+                              else request).resource_names)
             server.events.emit(
                 "stale" if kind is RequestKind.STALE else kind.value,
                 stream=self.id, node=self.node_id, type=outcome.type_url,

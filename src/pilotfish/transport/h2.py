@@ -213,6 +213,11 @@ class _StreamError(Exception):
 
 # -- streams ----------------------------------------------------------------------------------------
 
+_OWN_PIECE = 4096
+"""A piece of a message spanning DATA frames at least this long is kept as it is; shorter ones
+are gathered in a bytearray (bounding the memory per byte a trickling peer makes us keep)."""
+
+
 class _ControlFrames(bytearray):
     """Output made of control frames we owe the peer (never a buffer an application passed)."""
 
@@ -220,7 +225,8 @@ class _ControlFrames(bytearray):
 
 
 class _Stream:
-    __slots__ = ("headers_received", "id", "local_closed", "message", "message_need", "pending",
+    __slots__ = ("headers_received", "id", "local_closed", "message", "message_have", "message_need",
+                 "message_parts", "pending",
                  "pending_end", "recv_window", "rejected", "remote_closed", "send_window", "unacked")
 
     def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
@@ -234,9 +240,13 @@ class _Stream:
         self.remote_closed = False
         self.rejected = False
         self.message: bytearray | None = None
-        """The partial message (prefix included) when one spans DATA frames."""
+        """The partial message's prefix (or what there is of it) when one spans DATA frames."""
         self.message_need = 0
         """Total length (prefix included) of the partial message, 0 while its prefix is incomplete."""
+        self.message_have = 0
+        """Bytes (prefix included) of the partial message received so far, once its prefix is complete."""
+        self.message_parts: list[bytes | bytearray] = []
+        """The partial message's body so far, in pieces."""
         self.pending: deque[memoryview] | None = None
         self.pending_end: bytes | None = None
         """The header block that ends our side, waiting behind pending DATA (b"" = empty DATA)."""
@@ -368,26 +378,49 @@ class Connection:
         events: list[Event] = []
         if self.closed:
             return events
+        offset = 0
         if self._buffer:  # a frame (or the preface) cut short by an earlier read
-            buffer = self._buffer
-            buffer += data
-            if len(buffer) < self._needed:
-                return events  # still short: appending keeps a frame trickled byte by byte linear
-            data = bytes(buffer)
+            # Complete just that frame from the new bytes (not the whole read joined to it: a
+            # large message arrives in reads that rarely end on a frame boundary).
+            buffer, view = self._buffer, memoryview(data)
+            while True:
+                take = self._needed - len(buffer)
+                if len(data) - offset < take:
+                    buffer += view[offset:]  # still short: appending keeps a trickled frame linear
+                    return events
+                buffer += view[offset:offset + take]
+                offset += take
+                if self._preface_pending or len(buffer) > 9:
+                    break
+                length = f.parse_frame_header(buffer, 0)[0]
+                if not length or length > f.DEFAULT_MAX_FRAME:
+                    break  # complete (or refused by its header alone)
+                self._needed = 9 + length
+            view.release()
+            frame = bytes(buffer)
             buffer.clear()
-        offset, end = 0, len(data)
+            self._parse(frame, 0, events)
+            if self.closed or offset == len(data):
+                return events
+            assert not self._buffer  # (what was completed was one whole frame, or the preface)
+        self._parse(data, offset, events)
+        return events
+
+    def _parse(self, data: bytes, offset: int, events: list[Event]) -> None:
+        """Read the preface and frames in ``data`` from ``offset``; keep a cut-short one."""
+        end = len(data)
         try:
             if self._preface_pending:
                 size = len(f.CONNECTION_PREFACE)
-                if not f.CONNECTION_PREFACE.startswith(data[:size]):
+                if not f.CONNECTION_PREFACE.startswith(data[offset:offset + size]):
                     raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the client did not send the HTTP/2 "
                                            "connection preface (is it speaking HTTP/1.1 or TLS?)")
-                if end < size:
-                    self._buffer += data
+                if end - offset < size:
+                    self._buffer += data[offset:]
                     self._needed = size
-                    return events
+                    return
                 self._preface_pending = False
-                offset = size
+                offset += size
             view = memoryview(data)
             while end - offset >= 9 and not self.closed:
                 length, kind, flags, stream_id = f.parse_frame_header(data, offset)
@@ -401,11 +434,10 @@ class Connection:
                 self._on_frame(kind, flags, stream_id, view[start:offset], events)
         except _ConnectionError as exc:
             self._terminate(exc.code, exc.reason, events)
-            return events
+            return
         if offset < end and not self.closed:
-            self._buffer += data[offset:]
+            self._buffer += view[offset:]
             self._needed = 9 if end - offset < 9 else 9 + f.parse_frame_header(data, offset)[0]
-        return events
 
     def _terminate(self, code: int, reason: str, events: list[Event]) -> None:
         self._queue(f.goaway(self._highest_remote, code, reason.encode()[:256]))
@@ -555,7 +587,7 @@ class Connection:
         if flags & f.END_STREAM:
             stream.remote_closed = True
             incomplete = stream.message is not None
-            stream.message = None
+            stream.message, stream.message_parts = None, []
             events.append(StreamEnded(stream_id, incomplete))
             self._maybe_close(stream)
 
@@ -579,13 +611,26 @@ class Connection:
                     self._reject(stream, compressed, length, events)
                     return 0
                 stream.message_need = 5 + length
-            take = min(stream.message_need - len(buffer), end - offset)
-            buffer += data[offset:offset + take]
+                stream.message_have = len(buffer)
+                stream.message_parts = []
+            parts = stream.message_parts
+            take = min(stream.message_need - stream.message_have, end - offset)
+            # The body in pieces, joined once at the end: one copy per byte instead of a
+            # bytearray grown frame by frame (each growth a copy of all so far) and sliced.
+            # Small pieces share a bytearray, so a peer trickling one-byte frames costs no more
+            # memory than the bytes it sent.
+            if take >= _OWN_PIECE:
+                parts.append(bytes(data[offset:offset + take]))
+            elif parts and type(parts[-1]) is bytearray:
+                parts[-1] += data[offset:offset + take]
+            else:
+                parts.append(bytearray(data[offset:offset + take]))
             offset += take
-            if len(buffer) < stream.message_need:
+            stream.message_have += take
+            if stream.message_have < stream.message_need:
                 return 0
-            stream.message, stream.message_need = None, 0
-            events.append(MessageReceived(stream.id, bytes(buffer[5:]), take))
+            stream.message, stream.message_need, stream.message_parts = None, 0, []
+            events.append(MessageReceived(stream.id, b"".join(parts), take))
             delivered += take
         limit, parse = self.limits.max_message_size, f.parse_grpc_prefix
         while end - offset >= 5:
@@ -600,9 +645,13 @@ class Connection:
             delivered += total
             offset += total
         if offset < end:
-            stream.message = bytearray(data[offset:])
-            if end - offset >= 5:
-                stream.message_need = 5 + f.parse_grpc_prefix(data, offset)[1]
+            if end - offset >= 5:  # the prefix here: the body in pieces (above)
+                stream.message = bytearray(data[offset:offset + 5])
+                stream.message_need, stream.message_have = 5 + f.parse_grpc_prefix(data, offset)[1], end - offset
+                stream.message_parts = [bytes(data[offset + 5:])] if end - offset >= 5 + _OWN_PIECE else \
+                    [bytearray(data[offset + 5:])]
+            else:
+                stream.message = bytearray(data[offset:])
         return delivered
 
     def _reject(self, stream: _Stream, compressed: int, length: int, events: list[Event]) -> None:
@@ -615,7 +664,7 @@ class Connection:
                       f"{self.limits.max_message_size} (Limits.max_message_size)")
             status = f.GrpcStatus.RESOURCE_EXHAUSTED
         stream.rejected = True
-        stream.message, stream.message_need = None, 0
+        stream.message, stream.message_need, stream.message_parts = None, 0, []
         events.append(MessageRejected(stream.id, status, reason))
 
     def _give_back(self, stream: _Stream | None, size: int) -> None:
@@ -747,7 +796,7 @@ class Connection:
         if end_stream:
             stream.remote_closed = True
             events.append(StreamEnded(stream_id, stream.message is not None))
-            stream.message = None
+            stream.message, stream.message_parts = None, []
             self._maybe_close(stream)
 
     def _on_priority(self, stream_id: int, payload: memoryview) -> None:
