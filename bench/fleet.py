@@ -778,11 +778,11 @@ class _Worker:
             except Exception as exc:
                 self.conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
-    async def cmd_start(self, target: str, ids: list[tuple[int, str]], rate: float, client: str,
+    async def cmd_start(self, targets: list[str], ids: list[tuple[int, str]], rate: float, client: str,
                         tls: dict[str, str | None] | None = None, xds: str = "sotw") -> int:
-        """Start proxies ``ids`` (index, node id); ``rate`` proxies per second (0: all at once);
-        ``client``: ``h2`` or ``grpc``; ``tls``: a :class:`FleetTls` as a dict (None: plaintext);
-        ``xds``: ``sotw`` or ``delta``."""
+        """Start proxies ``ids`` (index, node id), proxy i connecting to ``targets[i % len(targets)]``;
+        ``rate`` proxies per second (0: all at once); ``client``: ``h2`` or ``grpc``; ``tls``: a
+        :class:`FleetTls` as a dict (None: plaintext); ``xds``: ``sotw`` or ``delta``."""
         settings = FleetTls(**tls) if tls is not None else None  # type: ignore[arg-type]
         kind = _DeltaProxy if xds == "delta" else _Proxy
 
@@ -790,6 +790,7 @@ class _Worker:
             for n, (index, node_id) in enumerate(ids):
                 proxy = kind(index, node_id, self)
                 self.proxies.append(proxy)
+                target = targets[index % len(targets)]
                 self.tasks.append(asyncio.create_task(proxy.run(target, client, settings)))
                 if rate > 0 and n % 50 == 49:
                     await asyncio.sleep(50 / rate)
@@ -863,6 +864,7 @@ class Fleet:
     """N simulated proxies spread over worker processes."""
 
     target: str
+    """The server's xDS address (``host:port``)."""
     proxies: int
     workers: int = 0
     """0: one per :data:`MAX_PER_WORKER` proxies, and at least one per core for 250 proxies or more."""
@@ -875,6 +877,9 @@ class Fleet:
     node_prefix: str = "sim"
     tls: FleetTls | None = None
     """Connect over TLS (or mTLS) as this says; None: plaintext."""
+    replicas: tuple[str, ...] = ()
+    """More servers' xDS addresses: the proxies are spread evenly, proxy i connecting to
+    ``(target, *replicas)[i % (1 + len(replicas))]``."""
     error_examples: dict[str, str] = field(default_factory=dict)
     """One example message per gRPC status seen (filled by :meth:`errors`)."""
     _conns: list[Connection] = field(default_factory=list)
@@ -906,7 +911,8 @@ class Fleet:
         for i in range(self.proxies):
             shards[i % self.workers].append((i, f"{self.node_prefix}-{i:05d}"))
         tls = self.tls.as_dict() if self.tls is not None else None
-        self._all("start", per_worker=[{"target": self.target, "ids": s, "rate": self.rate, "client": self.client,
+        targets = [self.target, *self.replicas]
+        self._all("start", per_worker=[{"targets": targets, "ids": s, "rate": self.rate, "client": self.client,
                                         "tls": tls, "xds": self.xds} for s in shards])
 
     def _all(self, command: str, *, per_worker: list[dict[str, Any]] | None = None, **args: Any) -> list[Any]:

@@ -27,16 +27,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pilotfish.etcd_member import find_etcd, member_argv, serves
 from pilotfish.events import read_lines
 
 __all__ = [
     "REPO",
+    "EtcdProcess",
     "EventTail",
     "ServerProcess",
     "cpu_seconds",
     "free_port",
     "raise_fd_limit",
     "rss_kb",
+    "start_etcd",
     "start_pilotfish",
 ]
 
@@ -233,3 +236,49 @@ def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100
     server = ServerProcess(name=name, argv=argv, workdir=workdir, event_log=event_log, env=env)
     server.start()
     return server
+
+
+@dataclass
+class EtcdProcess:
+    """A single-member etcd of the benchmark's own (:mod:`pilotfish.etcd_member`), stopped by PID."""
+
+    address: str
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def stop(self, *, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds."""
+        if self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def start_etcd(workdir: Path, *, name: str = "etcd", timeout: float = 30.0) -> EtcdProcess:
+    """etcd on free ports with its data dir in ``workdir``; started and serving."""
+    client_port, peer_port = free_port(), free_port()
+    while peer_port == client_port:
+        peer_port = free_port()
+    argv = member_argv(find_etcd(), name=name, data_dir=workdir / f"{name}.data", client_port=client_port,
+                       peer_port=peer_port, token="pilotfish-bench")
+    with open(workdir / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir)
+    etcd = EtcdProcess(f"127.0.0.1:{client_port}", proc)
+    deadline = time.monotonic() + timeout
+    while not serves(etcd.address, timeout=1.0):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            etcd.stop()
+            log_tail = "\n".join((workdir / f"{name}.log").read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeError(f"etcd did not serve on {etcd.address} (exit code {proc.returncode}):\n{log_tail}")
+        time.sleep(0.05)
+    return etcd
