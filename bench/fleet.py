@@ -328,6 +328,13 @@ class _Proxy:
             self._first = False
         return _Req(type_url, version, nonce, resource_names, node), ack
 
+    def _listeners_subscribed(self) -> bool:
+        # Once CDS was ACKed the listener subscription exists (Envoy makes it when its clusters
+        # have warmed), and a new stream re-sends it, answered or not: a stream that ended between
+        # the LDS request and its response must not leave the proxy without listeners for good
+        # (at an unchanged version its CDS request gets no response to trigger LDS again).
+        return LDS in self.versions or CDS in self.versions
+
     def open_stream(self) -> list[_Send]:
         """A new stream (re)subscribes to everything it had, with the versions it has (no nonces)."""
         self._first = True
@@ -336,7 +343,7 @@ class _Proxy:
         sends = [self._request(CDS, self.versions.get(CDS, ""), "")]
         if names[EDS]:
             sends.append(self._request(EDS, self.versions.get(EDS, ""), "", _in_order(names[EDS])))
-        self._lds_requested = LDS in self.versions
+        self._lds_requested = self._listeners_subscribed()
         if self._lds_requested:
             sends.append(self._request(LDS, self.versions.get(LDS, ""), ""))
         if names[RDS]:
@@ -676,7 +683,7 @@ class _DeltaProxy(_Proxy):
         sends = [self._delta(CDS, initial=held[CDS].versions)]
         if subscribed[EDS]:
             sends.append(self._delta(EDS, subscribe=_in_order(subscribed[EDS]), initial=held[EDS].versions))
-        self._lds_requested = LDS in self.versions
+        self._lds_requested = self._listeners_subscribed()
         if self._lds_requested:
             sends.append(self._delta(LDS, initial=held[LDS].versions))
         if subscribed[RDS]:
@@ -798,11 +805,12 @@ class _Worker:
         await launch()
         return len(ids)
 
-    async def cmd_wait(self, versions: dict[str, str] | None, since: float,
-                       timeout: float) -> list[tuple[int, float | None]]:
-        """Wait until every proxy ACKed ``versions`` at or after ``since`` (None: is synced);
-        (index, when) per proxy."""
-        waiter = _Waiter(versions, since, self.proxies)
+    async def cmd_wait(self, versions: dict[str, str] | None, since: float, timeout: float,
+                       synced_only: bool = False) -> list[tuple[int, float | None]]:
+        """Wait until every proxy (``synced_only``: every proxy that has synced) ACKed ``versions``
+        at or after ``since`` (None: is synced); (index, when) per proxy."""
+        waiter = _Waiter(versions, since,
+                         [p for p in self.proxies if p.synced_at is not None] if synced_only else self.proxies)
         self.waiters.append(waiter)
         try:
             await asyncio.wait_for(waiter.event.wait(), timeout)
@@ -939,9 +947,13 @@ class Fleet:
         """Until every proxy has ACKed CDS, EDS, LDS and RDS at least once."""
         return self._gather(self._all("wait", versions=None, since=0.0, timeout=timeout))
 
-    def wait_acked(self, versions: dict[str, str], *, since: float, timeout: float) -> WaitResult:
-        """Until every proxy has ACKed these versions (type URL -> version) at or after ``since``."""
-        return self._gather(self._all("wait", versions=versions, since=since, timeout=timeout))
+    def wait_acked(self, versions: dict[str, str], *, since: float, timeout: float,
+                   synced_only: bool = False) -> WaitResult:
+        """Until every proxy has ACKed these versions (type URL -> version) at or after ``since``
+        (``synced_only``: every proxy that had synced when the wait began; the others are counted
+        as they are, usually as failures)."""
+        return self._gather(self._all("wait", versions=versions, since=since, timeout=timeout,
+                                      synced_only=synced_only))
 
     def errors(self, since: float = 0.0) -> dict[str, int]:
         """Errors, by gRPC status code, of streams opened since ``since`` (epoch seconds)."""
