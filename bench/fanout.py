@@ -41,6 +41,7 @@ from bench.fleet import CLIENTS, EDS, XDS_VARIANTS, Fleet, FleetTls, percentile
 from bench.procs import REPO, EtcdProcess, ServerProcess, start_pilotfish
 from bench.report import fmt_ms
 from bench.workload import Workload
+from pilotfish.server.subset_etcd import SubsetKeys
 
 __all__ = ["FANOUT_COLUMNS", "FanoutResult", "run_fanout", "start_naive"]
 
@@ -83,6 +84,10 @@ class FanoutResult:
     """pilotfish processes serving the proxies (CPU and RSS are their sums)."""
     etcd_cpu_per_push: list[float] = field(default_factory=list)
     """CPU seconds of etcd per change (when the servers ran on etcd)."""
+    never_synced: int = 0
+    """Proxies that had not synced when the changes began (``keep_going``); they count as failures."""
+    indexed_seconds: float | None = None
+    """On etcd: seconds from the fleet's start until etcd held every proxy's subsetting index."""
 
     def p(self, q: float) -> float:
         return percentile(self.latencies, q)
@@ -156,7 +161,7 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
                server_env: Mapping[str, str] | None = None, server_args: Sequence[str] = (),
                tls: FleetTls | None = None, address_cap: bool = True, xds: str = "sotw",
                sync_timeout: float | None = None, rate: float = 0.0, etcd: EtcdProcess | None = None,
-               replicas: int = 1) -> FanoutResult:
+               replicas: int = 1, keep_going: bool = False) -> FanoutResult:
     """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
     during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`);
     ``event_log_level``: pilotfish's ``--event-log-level`` (``changes`` leaves out the lines of
@@ -169,7 +174,9 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
     60 s, or a second per 100 proxies); ``rate``: proxies each client process starts per second
     (0: all at once; the sync time then includes the ramp); ``etcd``: pilotfish runs on it
     (``serve --etcd``: the registry API stores registrations there); ``replicas``: that many
-    pilotfish processes on that etcd, the proxies spread evenly over them."""
+    pilotfish processes on that etcd, the proxies spread evenly over them; ``keep_going``: make
+    the changes even when some proxies never synced (only the synced ones are waited for; the
+    others count as failures of every change)."""
     if replicas > 1 and (server != "pilotfish" or etcd is None):
         raise ValueError("several replicas need pilotfish on etcd (etcd=...): only there do they share a registry")
     if server == "naive" and change != "file":
@@ -203,14 +210,25 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         started = time.time()
         fleet.start()
         stack.callback(fleet.close)
-        synced = fleet.wait_synced(timeout=sync_timeout or max(60.0, proxies / 100))
+        sync_timeout = sync_timeout or max(60.0, proxies / 100)
+        synced = fleet.wait_synced(timeout=sync_timeout)
+        indexed: float | None = None
+        if etcd is not None:
+            # On etcd the replica a proxy connects to writes its subsetting index (one transaction
+            # per proxy), and replicas that gave two proxies the same index end the loser's stream
+            # (it reconnects): the fleet is settled once etcd holds every proxy's index, and every
+            # proxy is synced again.
+            if etcd.wait_count(SubsetKeys("/pilotfish/").proxy(), proxies, timeout=sync_timeout):
+                indexed = time.time() - started
+            synced = fleet.wait_synced(timeout=sync_timeout)
         result = FanoutResult(server=server, proxies=proxies, change=change,
                               quiet_ms=quiet_ms if server == "pilotfish" else 0,
                               sync_seconds=max(synced.latencies(started), default=float("nan")),
                               event_log=event_log_level if server == "pilotfish" else "-", xds=xds,
-                              replicas=len(procs))
+                              replicas=len(procs), indexed_seconds=indexed)
         result.sync_bytes = fleet.bytes_received()
-        if synced.failures:
+        result.never_synced = synced.failures
+        if synced.failures and not keep_going:
             result.failures = synced.failures
             result.stream_errors = fleet.errors()
             result.error_examples = dict(fleet.error_examples)
@@ -237,7 +255,8 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
             t0 = time.time()
             changer.change()
             loaded = proc.tail.wait_for("snapshot_loaded", timeout=30, alive=proc.alive)
-            acked = fleet.wait_acked({EDS: loaded["versions"]["EDS"]}, since=t0, timeout=change_timeout)
+            acked = fleet.wait_acked({EDS: loaded["versions"]["EDS"]}, since=t0, timeout=change_timeout,
+                                     synced_only=keep_going)
             cpu_after = sum(p.settle_cpu() for p in procs)
             if etcd is not None:
                 result.etcd_cpu_per_push.append(etcd.cpu_seconds() - etcd_before)

@@ -13,6 +13,7 @@ only (:func:`pilotfish.events.read_lines`), so a 10,000-proxy run that writes me
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -22,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from typing import Any
 
 from pilotfish.etcd_member import find_etcd, member_argv, serves
 from pilotfish.events import read_lines
+from pilotfish.sources.etcd import prefix_end
 
 __all__ = [
     "REPO",
@@ -44,6 +47,8 @@ __all__ = [
 ]
 
 REPO = Path(__file__).resolve().parent.parent
+# Every request goes to a loopback address, whatever proxy the environment names.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -251,6 +256,24 @@ class EtcdProcess:
 
     def cpu_seconds(self) -> float:
         return cpu_seconds(self.pid)
+
+    def count(self, prefix: str) -> int:
+        """How many keys start with ``prefix`` (through the JSON gateway)."""
+        body = {"key": base64.b64encode(prefix.encode()).decode(),
+                "range_end": base64.b64encode(prefix_end(prefix).encode("latin-1")).decode(), "count_only": True}
+        request = urllib.request.Request(f"http://{self.address}/v3/kv/range", data=json.dumps(body).encode(),
+                                         method="POST", headers={"Content-Type": "application/json"})
+        with _OPENER.open(request, timeout=10) as response:
+            return int(json.loads(response.read()).get("count", 0))
+
+    def wait_count(self, prefix: str, count: int, *, timeout: float) -> bool:
+        """Poll until at least ``count`` keys start with ``prefix``; False after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.count(prefix) < count:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def stop(self, *, timeout: float = 15.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout`` seconds."""
