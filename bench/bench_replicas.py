@@ -51,7 +51,7 @@ __all__ = ["FANOUT_VARIANTS", "REPLICA_COLUMNS", "WRITE_COLUMNS", "FanoutRun", "
 
 REPLICA_COLUMNS = ["registry", "replicas", "proxies (each)", "run", "load 1 min", "all synced s",
                    "indices in etcd s", "stream errors while syncing", "never synced", "p50 ms", "p99 ms", "max ms",
-                   "p99 after publish ms", "p99 vs etcd x1", "CPU s / replica / write",
+                   "p99 after publish ms", "p99 of each write ms", "p99 vs etcd x1", "CPU s / replica / write",
                    "CPU s / write (all replicas)", "etcd CPU s / write", "simulator CPU s / write", "failures",
                    "stream errors during writes"]
 WRITE_COLUMNS = ["registry", "clients", "registrations", "load 1 min", "seconds", "writes / s", "p50 ms", "p99 ms",
@@ -98,6 +98,7 @@ def _fanout_row(registry: str, replicas: int, proxies: int, label: str, loads: S
             round(max(indexed), 2) if len(indexed) == len(results) and registry == "etcd" else "-", sync_errors,
             sum(r.never_synced for r in results), fmt_ms(percentile(latencies, 50)),
             fmt_ms(p99), fmt_ms(max(latencies, default=float("nan"))), fmt_ms(percentile(after, 99)),
+            " / ".join(fmt_ms(x) for x in results[0].change_p99) if len(results) == 1 else "-",
             _ratio(p99, base_p99) if base_p99 == base_p99 else "-", round(_mean(cpu) / replicas, 3),
             round(_mean(cpu), 3), round(_mean(etcd), 3) if etcd else "-", round(_mean(sim), 3),
             sum(r.failures for r in results), during]
@@ -249,7 +250,8 @@ def notes(*, proxies: int, workload: Workload, clients: int, count: int) -> list
         f"by one replica or by three ({proxies // 3:,} each, spread evenly); a write registers or deregisters one "
         "instance of `svc-00000` through the first replica's `POST/DELETE /v1/services/svc-00000/instances`; t0 is "
         "just before the HTTP call, so the 100 ms quiet period is included; latencies of every proxy over every "
-        "write pooled. `p99 after publish`: from when the first replica began its push (its `snapshot_loaded` "
+        "write pooled (`p99 of each write`: each write's own, in order). `p99 after publish`: from when the "
+        "first replica began its push (its `snapshot_loaded` "
         "minus `push_ms`). `CPU s / write (all replicas)`: every replica's utime+stime per write until all are "
         "idle, summed; `per replica`: that / replicas. `etcd CPU s / write`: etcd's. Event log "
         "`--event-log-level changes`. Each run has its own etcd and replicas; the variants are interleaved and "
@@ -299,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = run.result
                 print(f"  {run.registry} x{run.replicas} round {run.round} (load {run.load:.2f}): synced "
                       f"{r.sync_seconds:.1f} s, indices in etcd {r.indexed_seconds} s, p99 {fmt_ms(r.p(99))} ms, "
-                      f"CPU {r.cpu:.3f} s / write, failures {r.failures}, errors {r.stream_errors}", flush=True)
+                      f"CPU {r.cpu:.3f} s / write, failures {r.failures}, errors {r.stream_errors} "
+                      f"{r.error_examples}", flush=True)
 
             rows, _ = run_replica_fanouts(proxies=args.proxies, writes=args.writes, rounds=args.rounds,
                                           workload=workload, workdir=Path(tmp), variants=variants, on_run=show_run)

@@ -84,6 +84,8 @@ class FanoutResult:
     """pilotfish processes serving the proxies (CPU and RSS are their sums)."""
     etcd_cpu_per_push: list[float] = field(default_factory=list)
     """CPU seconds of etcd per change (when the servers ran on etcd)."""
+    change_p99: list[float] = field(default_factory=list)
+    """Each change's own p99 (seconds), in order: one slow change shows here, not only in the pooled p99."""
     never_synced: int = 0
     """Proxies that had not synced when the changes began (``keep_going``); they count as failures."""
     indexed_seconds: float | None = None
@@ -266,6 +268,7 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
             result.change_bytes.append([b - a for a, b in zip(received, now_received, strict=True)])
             received = now_received
             result.latencies += acked.latencies(t0)
+            result.change_p99.append(percentile(acked.latencies(t0), 99))
             # snapshot_loaded is written once every proxy's response has been handed to the
             # transport (push_ms later than the publish began): measure from the beginning (of
             # the first replica's push).
