@@ -13,6 +13,12 @@ again (RSS per idle stream), then make ``changes`` endpoint changes one after an
 
 Latencies of all proxies over all changes are pooled for p50/p99/max; "failures" counts proxies
 that never ACKed a change within the timeout, "stream errors" every stream that broke.
+
+Replicas (``replicas=N`` with ``etcd``): N pilotfish processes on one etcd, each with its registry
+stored there, the proxies spread evenly over them (:attr:`bench.fleet.Fleet.replicas`). A change
+is written through the first replica's registry API; the version waited for is the first
+replica's (every replica builds the same one from the same etcd revision); CPU and RSS are summed
+over the replicas (and etcd's CPU per change is kept apart).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.fleet import CLIENTS, EDS, XDS_VARIANTS, Fleet, FleetTls, percentile
-from bench.procs import REPO, ServerProcess, start_pilotfish
+from bench.procs import REPO, EtcdProcess, ServerProcess, start_pilotfish
 from bench.report import fmt_ms
 from bench.workload import Workload
 
@@ -73,6 +79,16 @@ class FanoutResult:
     """Per change, the bytes of responses each proxy received for it."""
     simulator_rss_kb: int = 0
     """The simulator's worker processes' RSS, summed, once all were synced."""
+    replicas: int = 1
+    """pilotfish processes serving the proxies (CPU and RSS are their sums)."""
+    etcd_cpu_per_push: list[float] = field(default_factory=list)
+    """CPU seconds of etcd per change (when the servers ran on etcd)."""
+    change_p99: list[float] = field(default_factory=list)
+    """Each change's own p99 (seconds), in order: one slow change shows here, not only in the pooled p99."""
+    never_synced: int = 0
+    """Proxies that had not synced when the changes began (``keep_going``); they count as failures."""
+    indexed_seconds: float | None = None
+    """On etcd: seconds from the fleet's start until etcd held every proxy's subsetting index."""
 
     def p(self, q: float) -> float:
         return percentile(self.latencies, q)
@@ -147,7 +163,8 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
                tls: FleetTls | None = None, address_cap: bool = True, xds: str = "sotw",
                sync_timeout: float | None = None, rate: float = 0.0, admin: str | None = "off",
                during_changes: Callable[[ServerProcess], AbstractContextManager[object]] | None = None,
-               after_changes: Callable[[ServerProcess], None] | None = None) -> FanoutResult:
+               after_changes: Callable[[ServerProcess], None] | None = None, etcd: EtcdProcess | None = None,
+               replicas: int = 1, keep_going: bool = False) -> FanoutResult:
     """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
     during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`);
     ``event_log_level``: pilotfish's ``--event-log-level`` (``changes`` leaves out the lines of
@@ -160,10 +177,15 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
     60 s, or a second per 100 proxies); ``rate``: proxies each client process starts per second
     (0: all at once; the sync time then includes the ramp); ``admin``: pilotfish's admin API,
     ``off`` (``--admin off``; none for a server older than ``--max-connections-per-address``),
-    ``HOST:PORT`` to serve it there (the bound address is ``started["admin"]``), or None for a
-    pilotfish from before ``--admin``; ``during_changes``: a context the changes run in (e.g. a
-    client polling the admin API); ``after_changes``: called after the last change, while every
-    proxy is still connected."""
+    ``HOST:PORT`` to serve it there (the bound address is ``started["admin"]``; the first replica's), or
+    None for a pilotfish from before ``--admin``; ``during_changes``: a context the changes run in (e.g.
+    a client polling the admin API); ``after_changes``: called after the last change, while every
+    proxy is still connected; ``etcd``: pilotfish runs on it (``serve --etcd``: the registry API
+    stores registrations there); ``replicas``: that many pilotfish processes on that etcd, the
+    proxies spread evenly over them; ``keep_going``: make the changes even when some proxies never
+    synced (only the synced ones are waited for; the others count as failures of every change)."""
+    if replicas > 1 and (server != "pilotfish" or etcd is None):
+        raise ValueError("several replicas need pilotfish on etcd (etcd=...): only there do they share a registry")
     if server == "naive" and change != "file":
         change = "file"  # the naive server has no registry
     with ExitStack() as stack:
@@ -173,36 +195,48 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         workdir.mkdir(parents=True, exist_ok=True)
         snapshot = workdir / "snapshot.json"
         workload.write(snapshot)
+        procs: list[ServerProcess] = []
         if server == "pilotfish":
-            serve_admin = () if admin in (None, "off") else ("--admin", admin)
-            proc = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry",
-                                   extra=("--event-log-level", event_log_level, *serve_admin, *server_args),
-                                   env=server_env,
-                                   module=("pilotfish",) if core == "own" else ("bench.h2_core_launch", "--core", core),
-                                   address_cap=address_cap,
-                                   admin_off=address_cap and admin == "off")  # older than both
+            on_etcd = ("--etcd", etcd.address) if etcd is not None else ()
+            for n in range(replicas):
+                serve_admin = () if admin in (None, "off") or n > 0 else ("--admin", admin)
+                procs.append(start_pilotfish(
+                    workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry",
+                    extra=("--event-log-level", event_log_level, *serve_admin, *on_etcd, *server_args),
+                    env=server_env,
+                    module=("pilotfish",) if core == "own" else ("bench.h2_core_launch", "--core", core),
+                    address_cap=address_cap, admin_off=address_cap and (admin == "off" or n > 0),  # older than both
+                    name="pilotfish" if replicas == 1 else f"pilotfish-{n}"))
+                stack.callback(procs[-1].stop)
         else:
-            proc = start_naive(workdir, snapshot=snapshot)
-        stack.callback(proc.stop)
+            procs.append(start_naive(workdir, snapshot=snapshot))
+            stack.callback(procs[-1].stop)
+        proc = procs[0]
         time.sleep(0.5)
-        base_rss = proc.rss_kb()
-        fleet = Fleet(target=proc.xds, proxies=proxies, workers=workers, rate=rate, client=client, tls=tls, xds=xds)
+        base_rss = sum(p.rss_kb() for p in procs)
+        fleet = Fleet(target=proc.xds, proxies=proxies, workers=workers, rate=rate, client=client, tls=tls, xds=xds,
+                      replicas=tuple(p.xds for p in procs[1:]))
         started = time.time()
         fleet.start()
         stack.callback(fleet.close)
-        synced = fleet.wait_synced(timeout=sync_timeout or max(60.0, proxies / 100))
+        sync_timeout = sync_timeout or max(60.0, proxies / 100)
+        synced = fleet.wait_synced(timeout=sync_timeout)
+        indexed: float | None = None  # (proxies' subsetting indices in etcd: only with subsetting, none here)
         result = FanoutResult(server=server, proxies=proxies, change=change,
                               quiet_ms=quiet_ms if server == "pilotfish" else 0,
                               sync_seconds=max(synced.latencies(started), default=float("nan")),
-                              event_log=event_log_level if server == "pilotfish" else "-", xds=xds)
+                              event_log=event_log_level if server == "pilotfish" else "-", xds=xds,
+                              replicas=len(procs), indexed_seconds=indexed)
         result.sync_bytes = fleet.bytes_received()
-        if synced.failures:
+        result.never_synced = synced.failures
+        if synced.failures and not keep_going:
             result.failures = synced.failures
             result.stream_errors = fleet.errors()
             result.error_examples = dict(fleet.error_examples)
             return result
-        proc.settle_cpu(quiet=0.3, limit=5)
-        result.rss_idle_kb = proc.rss_kb()
+        for p in procs:
+            p.settle_cpu(quiet=0.3, limit=5)
+        result.rss_idle_kb = sum(p.rss_kb() for p in procs)
         result.rss_base_kb = base_rss
         result.rss_per_stream_kb = (result.rss_idle_kb - base_rss) / proxies
         result.simulator_rss_kb = fleet.rss_kb()
@@ -215,22 +249,34 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         context = stack.enter_context(ExitStack())
         context.enter_context(during_changes(proc) if during_changes is not None else nullcontext())
         for _ in range(changes):
-            proc.tail.skip_to_end()
-            cpu_before = proc.cpu_seconds()
+            for p in procs:
+                assert p.tail is not None
+                p.tail.skip_to_end()
+            cpu_before = sum(p.cpu_seconds() for p in procs)
+            etcd_before = etcd.cpu_seconds() if etcd is not None else 0.0
             client_before = fleet.cpu_seconds()
             t0 = time.time()
             changer.change()
             loaded = proc.tail.wait_for("snapshot_loaded", timeout=30, alive=proc.alive)
-            acked = fleet.wait_acked({EDS: loaded["versions"]["EDS"]}, since=t0, timeout=change_timeout)
-            cpu_after = proc.settle_cpu()
+            acked = fleet.wait_acked({EDS: loaded["versions"]["EDS"]}, since=t0, timeout=change_timeout,
+                                     synced_only=keep_going)
+            cpu_after = sum(p.settle_cpu() for p in procs)
+            if etcd is not None:
+                result.etcd_cpu_per_push.append(etcd.cpu_seconds() - etcd_before)
             result.client_cpu_per_push.append(fleet.cpu_seconds() - client_before)
             now_received = fleet.bytes_received()
             result.change_bytes.append([b - a for a, b in zip(received, now_received, strict=True)])
             received = now_received
             result.latencies += acked.latencies(t0)
+            result.change_p99.append(percentile(acked.latencies(t0), 99))
             # snapshot_loaded is written once every proxy's response has been handed to the
-            # transport (push_ms later than the publish began): measure from the beginning.
+            # transport (push_ms later than the publish began): measure from the beginning (of
+            # the first replica's push).
             published = float(loaded["ts"]) - float(loaded.get("push_ms", 0.0)) / 1000
+            for p in procs[1:]:
+                assert p.tail is not None
+                other = p.tail.wait_for("snapshot_loaded", timeout=5, alive=p.alive)
+                published = min(published, float(other["ts"]) - float(other.get("push_ms", 0.0)) / 1000)
             result.after_publish += acked.latencies(published)
             result.failures = max(result.failures, acked.failures)
             result.cpu_per_push.append(cpu_after - cpu_before)

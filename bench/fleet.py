@@ -334,6 +334,13 @@ class _Proxy:
             self._first = False
         return _Req(type_url, version, nonce, resource_names, node), ack
 
+    def _listeners_subscribed(self) -> bool:
+        # Once CDS was ACKed the listener subscription exists (Envoy makes it when its clusters
+        # have warmed), and a new stream re-sends it, answered or not: a stream that ended between
+        # the LDS request and its response must not leave the proxy without listeners for good
+        # (at an unchanged version its CDS request gets no response to trigger LDS again).
+        return LDS in self.versions or CDS in self.versions
+
     def open_stream(self) -> list[_Send]:
         """A new stream (re)subscribes to everything it had, with the versions it has (no nonces)."""
         self._first = True
@@ -342,7 +349,7 @@ class _Proxy:
         sends = [self._request(CDS, self.versions.get(CDS, ""), "")]
         if names[EDS]:
             sends.append(self._request(EDS, self.versions.get(EDS, ""), "", _in_order(names[EDS])))
-        self._lds_requested = LDS in self.versions
+        self._lds_requested = self._listeners_subscribed()
         if self._lds_requested:
             sends.append(self._request(LDS, self.versions.get(LDS, ""), ""))
         if names[RDS]:
@@ -682,7 +689,7 @@ class _DeltaProxy(_Proxy):
         sends = [self._delta(CDS, initial=held[CDS].versions)]
         if subscribed[EDS]:
             sends.append(self._delta(EDS, subscribe=_in_order(subscribed[EDS]), initial=held[EDS].versions))
-        self._lds_requested = LDS in self.versions
+        self._lds_requested = self._listeners_subscribed()
         if self._lds_requested:
             sends.append(self._delta(LDS, initial=held[LDS].versions))
         if subscribed[RDS]:
@@ -784,11 +791,11 @@ class _Worker:
             except Exception as exc:
                 self.conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
-    async def cmd_start(self, target: str, ids: list[tuple[int, str]], rate: float, client: str,
+    async def cmd_start(self, targets: list[str], ids: list[tuple[int, str]], rate: float, client: str,
                         tls: dict[str, str | None] | None = None, xds: str = "sotw") -> int:
-        """Start proxies ``ids`` (index, node id); ``rate`` proxies per second (0: all at once);
-        ``client``: ``h2`` or ``grpc``; ``tls``: a :class:`FleetTls` as a dict (None: plaintext);
-        ``xds``: ``sotw`` or ``delta``."""
+        """Start proxies ``ids`` (index, node id), proxy i connecting to ``targets[i % len(targets)]``;
+        ``rate`` proxies per second (0: all at once); ``client``: ``h2`` or ``grpc``; ``tls``: a
+        :class:`FleetTls` as a dict (None: plaintext); ``xds``: ``sotw`` or ``delta``."""
         settings = FleetTls(**tls) if tls is not None else None  # type: ignore[arg-type]
         kind = _DeltaProxy if xds == "delta" else _Proxy
 
@@ -796,6 +803,7 @@ class _Worker:
             for n, (index, node_id) in enumerate(ids):
                 proxy = kind(index, node_id, self)
                 self.proxies.append(proxy)
+                target = targets[index % len(targets)]
                 self.tasks.append(asyncio.create_task(proxy.run(target, client, settings)))
                 if rate > 0 and n % 50 == 49:
                     await asyncio.sleep(50 / rate)
@@ -803,11 +811,12 @@ class _Worker:
         await launch()
         return len(ids)
 
-    async def cmd_wait(self, versions: dict[str, str] | None, since: float,
-                       timeout: float) -> list[tuple[int, float | None]]:
-        """Wait until every proxy ACKed ``versions`` at or after ``since`` (None: is synced);
-        (index, when) per proxy."""
-        waiter = _Waiter(versions, since, self.proxies)
+    async def cmd_wait(self, versions: dict[str, str] | None, since: float, timeout: float,
+                       synced_only: bool = False) -> list[tuple[int, float | None]]:
+        """Wait until every proxy (``synced_only``: every proxy that has synced) ACKed ``versions``
+        at or after ``since`` (None: is synced); (index, when) per proxy."""
+        waiter = _Waiter(versions, since,
+                         [p for p in self.proxies if p.synced_at is not None] if synced_only else self.proxies)
         self.waiters.append(waiter)
         try:
             await asyncio.wait_for(waiter.event.wait(), timeout)
@@ -869,6 +878,7 @@ class Fleet:
     """N simulated proxies spread over worker processes."""
 
     target: str
+    """The server's xDS address (``host:port``)."""
     proxies: int
     workers: int = 0
     """0: one per :data:`MAX_PER_WORKER` proxies, and at least one per core for 250 proxies or more."""
@@ -881,6 +891,9 @@ class Fleet:
     node_prefix: str = "sim"
     tls: FleetTls | None = None
     """Connect over TLS (or mTLS) as this says; None: plaintext."""
+    replicas: tuple[str, ...] = ()
+    """More servers' xDS addresses: the proxies are spread evenly, proxy i connecting to
+    ``(target, *replicas)[i % (1 + len(replicas))]``."""
     error_examples: dict[str, str] = field(default_factory=dict)
     """One example message per gRPC status seen (filled by :meth:`errors`)."""
     _conns: list[Connection] = field(default_factory=list)
@@ -912,7 +925,8 @@ class Fleet:
         for i in range(self.proxies):
             shards[i % self.workers].append((i, f"{self.node_prefix}-{i:05d}"))
         tls = self.tls.as_dict() if self.tls is not None else None
-        self._all("start", per_worker=[{"target": self.target, "ids": s, "rate": self.rate, "client": self.client,
+        targets = [self.target, *self.replicas]
+        self._all("start", per_worker=[{"targets": targets, "ids": s, "rate": self.rate, "client": self.client,
                                         "tls": tls, "xds": self.xds} for s in shards])
 
     def _all(self, command: str, *, per_worker: list[dict[str, Any]] | None = None, **args: Any) -> list[Any]:
@@ -939,9 +953,13 @@ class Fleet:
         """Until every proxy has ACKed CDS, EDS, LDS and RDS at least once."""
         return self._gather(self._all("wait", versions=None, since=0.0, timeout=timeout))
 
-    def wait_acked(self, versions: dict[str, str], *, since: float, timeout: float) -> WaitResult:
-        """Until every proxy has ACKed these versions (type URL -> version) at or after ``since``."""
-        return self._gather(self._all("wait", versions=versions, since=since, timeout=timeout))
+    def wait_acked(self, versions: dict[str, str], *, since: float, timeout: float,
+                   synced_only: bool = False) -> WaitResult:
+        """Until every proxy has ACKed these versions (type URL -> version) at or after ``since``
+        (``synced_only``: every proxy that had synced when the wait began; the others are counted
+        as they are, usually as failures)."""
+        return self._gather(self._all("wait", versions=versions, since=since, timeout=timeout,
+                                      synced_only=synced_only))
 
     def errors(self, since: float = 0.0) -> dict[str, int]:
         """Errors, by gRPC status code, of streams opened since ``since`` (epoch seconds)."""

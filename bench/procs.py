@@ -13,6 +13,7 @@ only (:func:`pilotfish.events.read_lines`), so a 10,000-proxy run that writes me
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -22,25 +23,32 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pilotfish.etcd_member import find_etcd, member_argv, serves
 from pilotfish.events import read_lines
+from pilotfish.sources.etcd import prefix_end
 
 __all__ = [
     "REPO",
+    "EtcdProcess",
     "EventTail",
     "ServerProcess",
     "cpu_seconds",
     "free_port",
     "raise_fd_limit",
     "rss_kb",
+    "start_etcd",
     "start_pilotfish",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
+# Every request goes to a loopback address, whatever proxy the environment names.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -233,3 +241,67 @@ def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100
     server = ServerProcess(name=name, argv=argv, workdir=workdir, event_log=event_log, env=env)
     server.start()
     return server
+
+
+@dataclass
+class EtcdProcess:
+    """A single-member etcd of the benchmark's own (:mod:`pilotfish.etcd_member`), stopped by PID."""
+
+    address: str
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def count(self, prefix: str) -> int:
+        """How many keys start with ``prefix`` (through the JSON gateway)."""
+        body = {"key": base64.b64encode(prefix.encode()).decode(),
+                "range_end": base64.b64encode(prefix_end(prefix).encode("latin-1")).decode(), "count_only": True}
+        request = urllib.request.Request(f"http://{self.address}/v3/kv/range", data=json.dumps(body).encode(),
+                                         method="POST", headers={"Content-Type": "application/json"})
+        with _OPENER.open(request, timeout=10) as response:
+            return int(json.loads(response.read()).get("count", 0))
+
+    def wait_count(self, prefix: str, count: int, *, timeout: float) -> bool:
+        """Poll until at least ``count`` keys start with ``prefix``; False after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.count(prefix) < count:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def stop(self, *, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds."""
+        if self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def start_etcd(workdir: Path, *, name: str = "etcd", timeout: float = 30.0) -> EtcdProcess:
+    """etcd on free ports with its data dir in ``workdir``; started and serving."""
+    client_port, peer_port = free_port(), free_port()
+    while peer_port == client_port:
+        peer_port = free_port()
+    argv = member_argv(find_etcd(), name=name, data_dir=workdir / f"{name}.data", client_port=client_port,
+                       peer_port=peer_port, token="pilotfish-bench")
+    with open(workdir / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir)
+    etcd = EtcdProcess(f"127.0.0.1:{client_port}", proc)
+    deadline = time.monotonic() + timeout
+    while not serves(etcd.address, timeout=1.0):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            etcd.stop()
+            log_tail = "\n".join((workdir / f"{name}.log").read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeError(f"etcd did not serve on {etcd.address} (exit code {proc.returncode}):\n{log_tail}")
+        time.sleep(0.05)
+    return etcd

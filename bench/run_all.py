@@ -28,6 +28,7 @@ from bench import (
     bench_envoy,
     bench_hardening,
     bench_incremental,
+    bench_replicas,
     bench_status,
     bench_storm,
     bench_subsetting,
@@ -87,6 +88,16 @@ class Scale:
     """Of those, the sizes whose ``now`` runs time the admin endpoints."""
     status_rounds: int = 3
     """Times the variants of that comparison run in turn."""
+    replicas_proxies: int = 3000
+    """Proxies of issue 12's fan-out: one replica on etcd vs three (a third each) vs in-memory."""
+    replicas_writes: int = 5
+    """Registry writes per run of that fan-out."""
+    replicas_rounds: int = 2
+    """Times each of its variants runs, interleaved."""
+    write_count: int = 2000
+    """Registrations per run of issue 12's write rate (in-memory vs etcd)."""
+    write_clients: int = 16
+    """Concurrent HTTP clients of that write rate."""
 
 
 FULL = Scale()
@@ -96,7 +107,8 @@ QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, end
               core_abuse="rapid_reset", hardening_proxies=(5,), incremental_proxies=(5,), incremental_large=(),
               incremental_workload=Workload(services=50, endpoints=2, listeners=5), incremental_changes=2,
               subsetting_grid=((20, 5, 2), (40, 10, 3)), subsetting_removals=2, status_proxies=(5,),
-              status_poll_proxies=(5,), status_admin_proxies=(5,), status_rounds=1)
+              status_poll_proxies=(5,), status_admin_proxies=(5,), status_rounds=1, replicas_proxies=6,
+              replicas_writes=2, replicas_rounds=1, write_count=40, write_clients=4)
 
 
 @dataclass
@@ -126,6 +138,8 @@ class Results:
     subsetting_rows: list[list[Any]] = field(default_factory=list)
     status_rows: list[list[Any]] = field(default_factory=list)
     status_admin_rows: list[list[Any]] = field(default_factory=list)
+    replica_runs: list[bench_replicas.FanoutRun] = field(default_factory=list)
+    write_rates: list[bench_replicas.WriteRate] = field(default_factory=list)
 
 
 def _cmd(*args: Any) -> str:
@@ -457,6 +471,30 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "synced: each endpoint asked in turn, requests pooled over the runs. Wall time per request (urllib "
              "over loopback, client side); the server's CPU for it (utime + stime, read once the server is idle "
              "before and after); response size. `proxies SYNCED when asked`: `/v1/fleet`'s counts, per run."])
+    # 6f. issue 12: replicas on etcd: one write to N proxies on one replica vs three; registry write rates.
+    def replicas() -> list[list[Any]]:
+        rows, runs = bench_replicas.run_replica_fanouts(proxies=scale.replicas_proxies, writes=scale.replicas_writes,
+                                                        rounds=scale.replicas_rounds, workload=wl,
+                                                        workdir=workdir / "replicas")
+        results.replica_runs = runs
+        return rows
+
+    replica_notes = bench_replicas.notes(proxies=scale.replicas_proxies, workload=wl, clients=scale.write_clients,
+                                         count=scale.write_count)
+    replicas_cmd = _cmd("bench.bench_replicas", "--proxies", scale.replicas_proxies, "--writes", scale.replicas_writes,
+                        "--rounds", scale.replicas_rounds, "--count", scale.write_count, "--clients",
+                        scale.write_clients, *_wl(wl))
+    section("Replicas on etcd: one registry write to N proxies, one replica vs three (issue 12)",
+            replicas_cmd + " --skip-writes", bench_replicas.REPLICA_COLUMNS, replicas, replica_notes[:1])
+
+    def write_rates() -> list[list[Any]]:
+        done = bench_replicas.run_write_rates(count=scale.write_count, clients=scale.write_clients, workload=wl,
+                                              workdir=workdir / "replicas")
+        results.write_rates = done
+        return [w.row() for w in done]
+
+    section("Registry write rate: one replica, in-memory vs on etcd (issue 12)", replicas_cmd + " --skip-fanout",
+            bench_replicas.WRITE_COLUMNS, write_rates, replica_notes[1:])
 
     # 7. profile of the server under the 1,000-proxy fan-out (py-spy).
     if scale.profile_proxies:

@@ -26,6 +26,7 @@ from bench import (  # noqa: E402
     bench_envoy,
     bench_hardening,
     bench_incremental,
+    bench_replicas,
     bench_status,
     bench_storm,
     bench_subsetting,
@@ -122,6 +123,19 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     # Subsetting (issue 13): every algorithm on every (proxies, backends, k) of the grid.
     assert [row[:4] for row in results.subsetting_rows] == [
         [name, m, n, k] for m, n, k in QUICK.subsetting_grid for name in bench_subsetting.ALGORITHMS]
+    # Replicas on etcd (issue 12): one etcd-backed replica, three on one etcd (the proxies spread
+    # over them), the in-memory registry; every proxy ACKed every write, none broke during them.
+    assert [(run.registry, run.replicas) for run in results.replica_runs] == list(bench_replicas.FANOUT_VARIANTS)
+    for run in results.replica_runs:
+        assert run.result.replicas == run.replicas
+        assert run.result.failures == 0
+        assert len(run.result.latencies) == QUICK.replicas_proxies * QUICK.replicas_writes
+        assert sum(run.result.errors_during_changes.values()) == 0
+        assert len(run.result.etcd_cpu_per_push) == (QUICK.replicas_writes if run.registry == "etcd" else 0)
+    # ... and the write rate: every registration answered 2xx, in memory and on etcd.
+    assert [w.registry for w in results.write_rates] == ["memory", "etcd"]
+    for rate in results.write_rates:
+        assert rate.failed == {} and len(rate.latencies) == QUICK.write_count
     # Real Envoy: every change applied and ACKed.
     (envoy,) = results.envoy
     assert envoy.missed == 0
@@ -129,12 +143,13 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
 
     text = out.read_text()
     for columns in (fanout.FANOUT_COLUMNS, bench_build.BUILD_COLUMNS, bench_storm.STORM_COLUMNS,
-                    bench_envoy.ENVOY_COLUMNS):
+                    bench_envoy.ENVOY_COLUMNS, bench_replicas.REPLICA_COLUMNS, bench_replicas.WRITE_COLUMNS):
         assert _header(columns) in text
     for heading in ("## Machine", "## Targets (issue 4)", "## Fan-out", "## Memory", "## Snapshot build",
                     "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios",
                     "## HTTP/2 core", "## Hardening and TLS", "## Incremental xDS", "## Subsetting",
-                    "## Status tracking", "## Admin API with 5 connected proxies"):
+                    "## Status tracking", "## Admin API with 5 connected proxies",
+                    "## Replicas on etcd", "## Registry write rate"):
         assert heading in text
     assert _header(bench_status.ADMIN_COLUMNS) in text
     assert "Status page polls that failed" not in text

@@ -2,7 +2,8 @@
 
 :class:`Etcd` runs the ``etcd`` binary (Debian package etcd-server) on OS-chosen client and peer
 ports with its data dir in the test's temp dir, through the test's :class:`ProcessGroup` (killed by
-PID at teardown). :meth:`Etcd.restart` stops it and starts it again on the same data dir and
+PID at teardown); the command line and the readiness check are :mod:`pilotfish.etcd_member`'s, which
+bench/ uses too. :meth:`Etcd.restart` stops it and starts it again on the same data dir and
 ports, as a restarted member would come back: its keys and revision survive.
 
 Keys are written with etcd's v3 JSON gateway (``POST /v3/kv/put``, ``/v3/kv/deleterange``; keys
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pilotfish.etcd_member import EtcdNotFound, find_etcd, member_argv, serves
 
 from .processes import Process, ProcessGroup, free_port, http_json, port_accepts, wait_until
 
@@ -27,14 +29,10 @@ __all__ = ["Etcd", "etcd_binary"]
 
 def etcd_binary() -> str:
     """The ``etcd`` on PATH; fail (never skip) saying how to get it."""
-    found = shutil.which("etcd")
-    if found is None:
-        pytest.fail(
-            "no `etcd` on PATH: the etcd tests need a real etcd; install the Debian package "
-            "etcd-server (make setup does)",
-            pytrace=False,
-        )
-    return found
+    try:
+        return find_etcd()
+    except EtcdNotFound as exc:
+        pytest.fail(f"the etcd tests need a real etcd: {exc}", pytrace=False)
 
 
 def _b64(text: str) -> str:
@@ -68,24 +66,9 @@ class Etcd:
         return self.runs[-1]
 
     def _argv(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        # The member name and cluster token are made unique by the peer port, so two tests'
-        # members never mistake each other for peers. On a restart the data dir already holds
-        # the membership and etcd ignores the --initial-* flags.
-        member = f"{self.name}-{self.peer_port}"
-        return [
-            etcd_binary(),
-            "--name", member,
-            "--data-dir", str(self.data_dir),
-            "--listen-client-urls", client,
-            "--advertise-client-urls", client,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{member}={peer}",
-            "--initial-cluster-token", f"pilotfish-e2e-{self.peer_port}",
-            "--initial-cluster-state", "new",
-        ]  # fmt: skip
+        # On a restart the data dir already holds the membership and etcd ignores the --initial-* flags.
+        return member_argv(etcd_binary(), name=self.name, data_dir=self.data_dir, client_port=self.client_port,
+                           peer_port=self.peer_port, token="pilotfish-e2e")
 
     def run(self, *, timeout: float = 20.0) -> None:
         """Start (or start again) and wait until the JSON gateway answers a read."""
@@ -98,8 +81,7 @@ class Etcd:
             if not process.alive():
                 pytest.fail(f"{self.name} exited with {process.popen.returncode}\n{process.output_tail()}",
                             pytrace=False)
-            status, answer = self._post("/v3/kv/range", {"key": _b64("/")})
-            return status == 200 and "header" in answer
+            return serves(self.address)
 
         wait_until(ready, timeout=timeout, what=f"{self.name} to serve on {self.address}",
                    details=process.output_tail)

@@ -19,9 +19,13 @@ from google.protobuf import json_format
 from inprocess import TIMEOUT, Running
 from inprocess import serving as serve_in_process
 
+from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
+from pilotfish.desired import DesiredState, View, build_snapshots, merge_states
 from pilotfish.resources import ENDPOINT
 from pilotfish.resources.anytypes import ensure_types_in
+from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.server import ServeSettings
+from pilotfish.server.xds import XdsServer, start_xds_server
 
 PORTS = range(9000, 9012)
 K = 3
@@ -88,3 +92,48 @@ async def test_every_protocol_serves_a_node_its_own_subset(tmp_path: Path) -> No
         assert set(config["subsets"]["services"]["web"]) == got["edge-2"]
     saved = json.loads((tmp_path / "pilotfish-subsets.json").read_text())
     assert sorted(saved["proxies"]["indices"]) == nodes and len(saved["backends"]["web"]["indices"]) == len(PORTS)
+
+
+async def test_a_proxy_whose_index_moves_is_sent_its_new_subset_on_the_same_stream(tmp_path: Path) -> None:
+    """On etcd, the loser of an index race takes another index; its open streams, SotW and delta,
+    are sent the subset of the new one without reconnecting (XdsServer.refresh_endpoints)."""
+    merged = merge_states({"file": DesiredState(
+        services={"web": ServiceSpec(name="web", subset_size=K)},
+        endpoints={"web": tuple(Endpoint("127.0.0.1", port) for port in PORTS)})})
+    snapshot = build_snapshots(merged, "test", {DEFAULT_GROUP: View()})[DEFAULT_GROUP]
+    index = {"edge-1": 0}
+    cache = SnapshotCache(subset_of=index.get)
+    cache.set_snapshot(snapshot)
+    xds = XdsServer(cache)
+    server, port = await start_xds_server(xds, "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, asyncio.timeout(TIMEOUT):
+            stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+            sotw_call = stub.StreamAggregatedResources()
+            await sotw_call.write(discovery_pb2.DiscoveryRequest(type_url=ENDPOINT.url, node={"id": "edge-1"},
+                                                                 resource_names=["web"]))
+            first = await sotw_call.read()
+            await sotw_call.write(discovery_pb2.DiscoveryRequest(
+                type_url=ENDPOINT.url, resource_names=["web"], version_info=first.version_info,
+                response_nonce=first.nonce))  # the ACK
+            delta_call = stub.DeltaAggregatedResources()
+            await delta_call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT.url, node={"id": "edge-1"},
+                                                                       resource_names_subscribe=["web"]))
+            delta_first = await delta_call.read()
+
+            index["edge-1"] = 5  # moved
+            xds.refresh_endpoints("edge-1")
+            second = await sotw_call.read()
+            delta_second = await delta_call.read()
+        def endpoints(response: Any) -> set[str]:
+            assignment = endpoint_pb2.ClusterLoadAssignment()
+            (response.resources[0].resource if hasattr(response.resources[0], "resource")
+             else response.resources[0]).Unpack(assignment)
+            return addresses(assignment)
+        own = {i: addresses(snapshot.endpoints_for(i).resources["web"].message) for i in (0, 5)}  # type: ignore[union-attr,arg-type]
+        assert own[0] != own[5]
+        assert endpoints(first) == endpoints(delta_first) == own[0]
+        assert endpoints(second) == endpoints(delta_second) == own[5]
+        assert second.version_info != first.version_info
+    finally:
+        await server.stop(0)

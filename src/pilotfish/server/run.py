@@ -187,7 +187,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         keys = SubsetKeys(settings.etcd_prefix)
         proxy_indices = EtcdProxyIndices(
             subset_client, keys, reconciler, grace=settings.subset_grace,
-            on_moved=lambda node: _restart_streams(xds_holder, node))
+            on_moved=lambda node: _refresh_endpoints(xds_holder, node))
         reconciler.subset_tables_shared = True
         reconciler.expect_after(SUBSETS_READY, "etcd")
         subset_writer = BackendIndexWriter(subset_client, keys, proxy_indices, reconciler,
@@ -445,9 +445,9 @@ def _report_death(task: asyncio.Task[None]) -> None:
                   task.get_name(), error, exc_info=error)
 
 
-def _restart_streams(servers: list[XdsServer], node: str) -> None:
+def _refresh_endpoints(servers: list[XdsServer], node: str) -> None:
     for server in servers:
-        server.restart_streams(node, "its subsetting index moved")
+        server.refresh_endpoints(node)
 
 
 async def _campaign(election: Election) -> None:

@@ -16,8 +16,8 @@ Keys, next to the source prefix (``/pilotfish/`` gives ``/pilotfish.subsets/``):
   is given the lowest index free in the view at once (so its first response already carries its
   subset) and the pair is created in etcd in one transaction that fails if either key exists. Two
   replicas giving one index to two new proxies at the same moment is the rare loser's case: the
-  loser takes the next free index (or the one another replica gave the same node) and the proxy's
-  streams on it are ended, so it reconnects and gets the subset every replica agrees on.
+  loser takes the next free index (or the one another replica gave the same node) and the proxy is
+  sent the subset every replica agrees on, on the streams it has.
   The keys are attached to the lease of the replica serving the proxy (kept alive by it; its TTL
   is the grace period). A proxy that reconnects to another replica is taken over (its keys re-put
   on that replica's lease, only if the index is still its own). A proxy that leaves keeps its index
@@ -84,7 +84,7 @@ class EtcdProxyIndices:
         self.grace = grace
         self.limit = limit
         self._on_moved = on_moved or (lambda _: None)
-        """Called with a node whose index changed under its open streams (they should reconnect)."""
+        """Called with a node whose index changed under its open streams (they are sent its new subset)."""
         self._nodes: dict[str, tuple[Index, Lease, int]] = {}
         """Node -> (index, lease, mod revision) as etcd has it."""
         self._holders: dict[int, str] = {}
@@ -338,7 +338,7 @@ class EtcdProxyIndices:
             adopted = self._lowest_free()
         self._mine[node] = adopted
         _log.info("subsetting: proxy %r moved from index %d to %d (another replica indexed it at the same "
-                  "moment); its streams here reconnect", node, mine, adopted)
+                  "moment); it is sent its new subset", node, mine, adopted)
         self._on_moved(node)
         self._queue(node)
 

@@ -160,11 +160,11 @@ class XdsServer:
         self._by_node: dict[str, set[_Stream]] = {}
         """Open streams by node id (to end them when the node's subsetting index moved)."""
 
-    def restart_streams(self, node: str, reason: str) -> None:
-        """End ``node``'s streams with UNAVAILABLE: it reconnects (and is served anew)."""
+    def refresh_endpoints(self, node: str) -> None:
+        """``node``'s subsetting index changed: answer its streams' endpoint watches again (its
+        own endpoints are looked up anew, so it is sent its new subset on the same stream)."""
         for stream in list(self._by_node.get(node, ())):
-            _log.info("ending stream %d of %r: %s", stream.id, node, reason)
-            stream._call.finish(GrpcStatus.UNAVAILABLE, f"{reason}; reconnect")
+            stream.rewatch(ENDPOINT.url)
 
     def methods(self) -> dict[str, MethodFactory]:
         """``{path: factory}`` for every xDS method pilotfish serves, SotW and delta."""
@@ -301,6 +301,10 @@ class _Stream:
 
     # -- the end ----------------------------------------------------------------------------------
 
+    def rewatch(self, type_url: TypeUrl) -> None:
+        """Open the stream's latest watch of ``type_url`` again (the cache looks at it anew)."""
+        raise NotImplementedError
+
     def _forget_watches(self) -> None:
         """Drop what the stream waits for (subclasses drop their own state too)."""
         for cancel in self._cancels.values():
@@ -385,6 +389,12 @@ class _SotwConnection(_Stream):
                 watch = watch._replace(proxy=self.node_id)
             self._current[watch.type_url] = watch
             self._replace_watch(watch.type_url, server.cache.create_watch, watch, self._send)
+
+    def rewatch(self, type_url: TypeUrl) -> None:
+        """Open the stream's latest watch of ``type_url`` again (the cache looks at it anew)."""
+        watch = self._current.get(type_url)
+        if watch is not None and not self.closed:
+            self._replace_watch(type_url, self._server.cache.create_watch, watch, self._send)
 
     def _granted_only(self, watch: Watch) -> Watch:
         """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
@@ -484,6 +494,12 @@ class _DeltaConnection(_Stream):
                 watch = watch._replace(proxy=self.node_id)
             self._current[watch.type_url] = watch
             self._replace_watch(watch.type_url, server.cache.create_delta_watch, watch, self._send)
+
+    def rewatch(self, type_url: TypeUrl) -> None:
+        """Open the stream's latest watch of ``type_url`` again (the cache looks at it anew)."""
+        watch = self._current.get(type_url)
+        if watch is not None and not self.closed:
+            self._replace_watch(type_url, self._server.cache.create_delta_watch, watch, self._send)
 
     def _granted_only(self, watch: DeltaWatch) -> DeltaWatch:
         """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
