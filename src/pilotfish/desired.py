@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -116,33 +117,87 @@ class Merged:
 
 
 class MergeMemo:
-    """What :func:`merge_states` made of each source's endpoint tuple, by the tuple's identity:
-    sources hand over the same tuple for a service whose endpoints did not change, so a change to
-    one service among 10,000 normalizes one tuple, not all. Only the last merge's entries are kept."""
+    """The last merge: the sources' states it merged and what it made of them. The next merge
+    starts from it and redoes only the services a changed source changed: sources hand over the
+    very same objects for what did not change, so a change to one service among 10,000 costs one
+    service, not a pass over all of them."""
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_merged", "_states")
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]] = {}
+        self._states: dict[str, DesiredState] = {}
+        self._merged: Merged | None = None
 
-    def merged(self, parts: list[tuple[Endpoint, ...]],
-               used: dict[int, tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]]) -> tuple[Endpoint, ...]:
-        if len(parts) == 1:
-            found = parts[0]
-            entry = self._entries.get(id(found))
-            if entry is None or entry[0] is not found:
-                entry = (found, _normalized(parts))
-            used[id(found)] = entry
-            return entry[1]
-        return _normalized(parts)
+    def patched(self, states: Mapping[str, DesiredState]) -> Merged | None:
+        """The merge of ``states`` made from the last one, or None when it takes a full merge (a
+        first merge, sources that came or went, or problems to report in their order)."""
+        last, before = self._merged, self._states
+        if last is None or last.problems or states.keys() != before.keys():
+            return None
+        names: set[str] = set()
+        resources_changed = False
+        for source, state in states.items():
+            old = before[source]
+            if old is state:
+                continue
+            resources_changed = resources_changed or (old.resources is not state.resources
+                                                      and old.resources != state.resources)
+            _changed_keys(old.services, state.services, names)
+            _changed_keys(old.endpoints, state.endpoints, names)
+        services, endpoints = dict(last.services), dict(last.endpoints)
+        ordered = [states[source] for source in sorted(states)]
+        for name in names:
+            spec: ServiceSpec | None = None
+            parts = []
+            for state in ordered:
+                defined = state.services.get(name)
+                if defined is not None:
+                    if spec is not None and spec != defined:
+                        return None  # defined twice, differently: the full merge reports it
+                    spec = spec or defined
+                found = state.endpoints.get(name)
+                if found is not None:
+                    parts.append(found)
+            if spec is None and not parts:
+                services.pop(name, None)
+                endpoints.pop(name, None)
+                continue
+            if spec is None:  # endpoints of a service nobody defined (see merge_states)
+                previous = last.services.get(name)
+                spec = previous if previous is not None and previous == ServiceSpec(name=name) else ServiceSpec(
+                    name=name)
+            services[name] = spec
+            if parts:
+                endpoints[name] = _normalized(parts)
+            else:
+                endpoints.pop(name, None)
+        resources = _merged_resources(ordered) if resources_changed else last.resources
+        return Merged(services=services, endpoints=endpoints, resources=resources, version=_version(states),
+                      problems=())
 
-    def keep(self, used: dict[int, tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]]) -> None:
-        self._entries = used
+    def keep(self, states: Mapping[str, DesiredState], merged: Merged) -> None:
+        self._states, self._merged = dict(states), merged
+
+
+def _changed_keys(before: Mapping[str, object], after: Mapping[str, object], into: set[str]) -> None:
+    """Add to ``into`` every key whose value in ``after`` is not the very object of ``before``."""
+    if before is after:
+        return
+    for key, value in after.items():
+        if before.get(key) is not value:
+            into.add(key)
+    into.update(key for key in before if key not in after)
 
 
 def _normalized(parts: list[tuple[Endpoint, ...]]) -> tuple[Endpoint, ...]:
     """One service's endpoints from every source that has some: one per address (the first
-    source's, in name order), sorted."""
+    source's, in name order), sorted. A single source's tuple (sorted already, by
+    :class:`DesiredState`) is kept as it is when its addresses are distinct: consumers tell
+    unchanged services by identity."""
+    if len(parts) == 1:
+        found = parts[0]
+        if all(a[:2] != b[:2] for a, b in itertools.pairwise(found)):
+            return found
     by_address: dict[str, Endpoint] = {}
     for found in parts:
         for endpoint in found:
@@ -150,14 +205,33 @@ def _normalized(parts: list[tuple[Endpoint, ...]]) -> tuple[Endpoint, ...]:
     return tuple(sorted(by_address.values()))
 
 
+def _merged_resources(ordered: list[DesiredState]) -> dict[ResourceType, tuple[Message, ...]]:
+    return {t: tuple(m for state in ordered for m in state.resources.get(t, ())) for t in TYPES}
+
+
+def _version(states: Mapping[str, DesiredState]) -> str | None:
+    """The explicit version of the only source with something in it, if it set one."""
+    contributing = [s for s in states.values() if not s.is_empty()]
+    versions = {s.version for s in contributing}
+    return versions.pop() if len(contributing) == 1 and len(versions) == 1 else None
+
+
 def merge_states(states: Mapping[str, DesiredState], *, memo: MergeMemo | None = None) -> Merged:
     """Merge sources (in name order, so the result does not depend on arrival order). ``memo``
-    carries what unchanged endpoint tuples became over from the previous merge."""
+    carries the last merge over, so only what changed since is merged again."""
+    merged = memo.patched(states) if memo is not None else None
+    if merged is None:
+        merged = _merge_all(states)
+    if memo is not None:
+        memo.keep(states, merged)
+    return merged
+
+
+def _merge_all(states: Mapping[str, DesiredState]) -> Merged:
     problems: list[Problem] = []
     services: dict[str, ServiceSpec] = {}
     defined_by: dict[str, str] = {}
     parts: dict[str, list[tuple[Endpoint, ...]]] = {}
-    resources: dict[ResourceType, list[Message]] = {t: [] for t in TYPES}
     for source in sorted(states):
         state = states[source]
         for name, spec in state.services.items():
@@ -172,24 +246,15 @@ def merge_states(states: Mapping[str, DesiredState], *, memo: MergeMemo | None =
                 parts[name].append(found)
             else:
                 parts[name] = [found]
-        for rtype, messages in state.resources.items():
-            resources[rtype].extend(messages)
     # Endpoints of a service nobody defined: a cluster with default settings, for routes to use.
     for name in parts:
         if name not in services:
             services[name] = ServiceSpec(name=name)
-    contributing = [s for s in states.values() if not s.is_empty()]
-    versions = {s.version for s in contributing}
-    version = versions.pop() if len(contributing) == 1 and len(versions) == 1 else None
-    memo = memo or MergeMemo()
-    used: dict[int, tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]] = {}
-    endpoints = {name: memo.merged(found, used) for name, found in parts.items()}
-    memo.keep(used)
     return Merged(
         services=services,
-        endpoints=endpoints,
-        resources={t: tuple(m) for t, m in resources.items()},
-        version=version,
+        endpoints={name: _normalized(found) for name, found in parts.items()},
+        resources=_merged_resources([states[source] for source in sorted(states)]),
+        version=_version(states),
         problems=tuple(problems),
     )
 
@@ -303,6 +368,7 @@ def build_snapshots(
     that do are subsetted).
     """
     views = list(dict.fromkeys(groups.values())) or [View()]
+    memo = memo or ResourceMemo()
     rest_source = _rest_source(rest_refresh) if any(v.kind is ClientKind.REST for v in views) else None
     built = encode_for_views(merged.services, merged.endpoints, memo, views=[(v.kind, v.zone) for v in views],
                              rest_source=rest_source)
@@ -337,8 +403,12 @@ def build_snapshots(
             # TypeSnapshot: hashed once, and a response encoded for one group serves every group.
             key = (rtype, view.kind if rtype is LISTENER else None, id(by_type.get(rtype)))
             if key not in shared:
-                combined = _combined(raw, view, by_type, (rtype,))
-                shared[key] = Snapshot.build(combined, version=merged.version).types[rtype.url]
+                # The resources and their hash, derived once from the same list as the last build's
+                # (by identity: one endpoint changed leaves the clusters' list as it was).
+                served = tuple(r.hash for r, m in raw.get(rtype, ()) if _serves(view.kind, rtype, m))
+                last = memo.derived((rtype, view.kind, view.zone), (by_type.get(rtype), served), functools.partial(
+                    _type_snapshot, raw, view, by_type, rtype))
+                shared[key] = last.types[rtype.url].renewed(merged.version)
             types[rtype.url] = shared[key]
         snapshots[view] = Snapshot(MappingProxyType(types), explicit_version=merged.version, subsets=_subset_plan(
             merged, view, subsets if subsets is not None else subset_tables(merged, {}, default_size=subset_size),
@@ -371,6 +441,12 @@ def _combined(
         names = {r.name for r in served}
         combined[rtype] = (*served, *(r for r in built.get(rtype, []) if r.name not in names))
     return combined
+
+
+def _type_snapshot(raw: _Raw, view: View, built: Mapping[ResourceType, list[Resource]], rtype: ResourceType,
+                   ) -> Snapshot:
+    """A snapshot of ``rtype`` alone, as ``view`` is served it, versioned by content."""
+    return Snapshot.build(_combined(raw, view, built, (rtype,)))
 
 
 def _name_clashes(raw: _Raw, built: Mapping[ClientKind, Mapping[ResourceType, list[Resource]]]) -> list[Problem]:

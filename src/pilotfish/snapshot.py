@@ -129,6 +129,12 @@ class TypeSnapshot:
     memo_limits: ResponseMemoLimits = field(default=DEFAULT_MEMO_LIMITS, repr=False)
     _memo: _ResponseMemo = field(default_factory=lambda: _ResponseMemo(), repr=False)
 
+    def renewed(self, version: str | None = None) -> TypeSnapshot:
+        """The same resources in a snapshot of their own (its own memo of responses), at
+        ``version`` (None: by content)."""
+        return TypeSnapshot(self.rtype, version if version is not None else self.content_hash, self.resources,
+                            self.content_hash, memo_limits=self.memo_limits)
+
     def response(self, names: frozenset[str] | None) -> EncodedResponse:
         """The encoded response carrying ``names`` (those that exist), or everything for None."""
         cached = self._memo.current.get(names)

@@ -323,11 +323,11 @@ class _Generations:
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._current: dict[Any, Any] = {}
+        self.current: dict[Any, Any] = {}
         self._previous: dict[Any, Any] = {}
 
     def get(self, key: Any) -> Any:
-        found = self._current.get(key)
+        found = self.current.get(key)
         if found is None:
             found = self._previous.pop(key, None)
             if found is not None:
@@ -335,12 +335,12 @@ class _Generations:
         return found
 
     def put(self, key: Any, value: Any) -> None:
-        if len(self._current) >= self._limit:
-            self._previous, self._current = self._current, {}
-        self._current[key] = value
+        if len(self.current) >= self._limit:
+            self._previous, self.current = self.current, {}
+        self.current[key] = value
 
     def __len__(self) -> int:
-        return len(self._current) + len(self._previous)
+        return len(self.current) + len(self._previous)
 
 
 # -- the checker ----------------------------------------------------------------------------------
@@ -462,9 +462,7 @@ class RuleChecker:
         ``message`` is the decoded resource when the caller has it; otherwise the encoding is
         decoded here (and not kept).
         """
-        memo = self._memos.get(rtype.url)
-        if memo is None:
-            memo = self._memos[rtype.url] = _Generations(self._memo_entries)
+        memo = self._memo(rtype)
         found: tuple[Violation, ...] | None = memo.get(resource.hash)
         if found is None:
             if message is None:
@@ -472,6 +470,30 @@ class RuleChecker:
             found = self.check_message(message)
             memo.put(resource.hash, found)
         return found
+
+    def check_resources(self, rtype: ResourceType, resources: Iterable[EncodedResource],
+                        ) -> Iterator[tuple[EncodedResource, tuple[Violation, ...] | RuleNotUnderstood]]:
+        """:meth:`check_resource` for many: yields those that break a rule with their violations,
+        and those it cannot check with why. What the last build checked costs a lookup each."""
+        memo = self._memo(rtype)
+        remembered = memo.current  # read directly: the common case, by far
+        for resource in resources:
+            found = remembered.get(resource.hash)
+            if found is None:
+                try:
+                    found = self.check_resource(rtype, resource)
+                except RuleNotUnderstood as exc:
+                    yield resource, exc
+                    continue
+                remembered = memo.current  # the generations may have turned
+            if found:
+                yield resource, found
+
+    def _memo(self, rtype: ResourceType) -> _Generations:
+        memo = self._memos.get(rtype.url)
+        if memo is None:
+            memo = self._memos[rtype.url] = _Generations(self._memo_entries)
+        return memo
 
     def compile(self, descriptor: Any) -> None:
         """Build the plan of a message type (its ``Descriptor``, and every type it reaches): raises
@@ -1222,21 +1244,26 @@ def check_rules(
     checker = checker or default_checker()
     problems: list[Problem] = []
 
-    def add(rtype: ResourceType, where: str, resource: EncodedResource, message: Message | None) -> None:
-        try:
-            found = checker.check_resource(rtype, resource, message)
-        except RuleNotUnderstood as exc:
-            problems.append(Problem(where, f"internal error: pilotfish cannot check the validate rules here ({exc}); "
-                                           "please report it, or serve with validation off to let it through"))
-            return
-        problems.extend(Problem(f"{where}{v.path}", v.message()) for v in found)
+    def not_understood(where: str, exc: RuleNotUnderstood) -> Problem:
+        return Problem(where, f"internal error: pilotfish cannot check the validate rules here ({exc}); "
+                              "please report it, or serve with validation off to let it through")
 
     for rtype, items in raw.items():
         for index, (resource, message) in enumerate(items):
-            add(rtype, f"{rtype.key}[{index}] (name {resource.name!r})", resource, message)
+            where = f"{rtype.key}[{index}] (name {resource.name!r})"
+            try:
+                found = checker.check_resource(rtype, resource, message)
+            except RuleNotUnderstood as exc:
+                problems.append(not_understood(where, exc))
+                continue
+            problems.extend(Problem(f"{where}{v.path}", v.message()) for v in found)
     for rtype, resources in (built or {}).items():
-        for resource in resources:
-            add(rtype, f"services.{resource.name} (its {rtype.key[:-1]} {resource.name!r})", resource, None)
+        for resource, outcome in checker.check_resources(rtype, resources):
+            where = f"services.{resource.name} (its {rtype.key[:-1]} {resource.name!r})"
+            if isinstance(outcome, RuleNotUnderstood):
+                problems.append(not_understood(where, outcome))
+            else:
+                problems.extend(Problem(f"{where}{v.path}", v.message()) for v in outcome)
     return problems
 
 

@@ -41,8 +41,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import operator
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, health_check_pb2
@@ -265,29 +266,107 @@ def encode_assignment(name: str, endpoints: Iterable[Endpoint]) -> bytes:
     return cluster_load_assignment(name, [lb_endpoint(e.host, e.port, e.weight) for e in ordered])
 
 
-class ResourceMemo:
-    """Encoded resources of the last build, reused by the next one when their input is equal.
+class _Service:
+    """One service's resources for the views of a build, and what they were made from."""
 
-    Only entries used by the latest build are kept, so memory follows the current configuration.
+    __slots__ = ("api", "cluster", "every", "found", "rest_cluster", "rest_socket", "route", "socket", "spec",
+                 "zonal")
+
+    def __init__(self, spec: ServiceSpec, found: tuple[Endpoint, ...]) -> None:
+        self.spec = spec
+        self.found = found
+        """The endpoints as given (the key: sources hand over the same tuple while they are unchanged)."""
+        self.cluster: Resource | None = None
+        self.rest_cluster: Resource | None = None
+        self.every: Resource | None = None
+        self.zonal: tuple[Resource, ...] = ()
+        """Per zone of the build's views (in their order): the assignment its clients get."""
+        self.socket: Resource | None = None
+        self.rest_socket: Resource | None = None
+        self.api: Resource | None = None
+        self.route: Resource | None = None
+
+    def pieces(self) -> tuple[Resource | None, ...]:
+        return (self.cluster, self.rest_cluster, self.every, *self.zonal, self.socket, self.rest_socket, self.api,
+                self.route)
+
+
+_T = TypeVar("_T")
+
+
+def _zone_pick(number: int) -> Callable[[_Service], Resource | None]:
+    return lambda entry: entry.zonal[number]
+
+
+class ResourceMemo:
+    """What the last build made of each service, reused by the next one when its input is the same.
+
+    A service whose definition and endpoint tuple are the very objects of the last build (sources
+    hand over the same ones while they are unchanged) costs a lookup; one that is merely equal
+    costs a comparison; one that changed is made again, reusing each of its resources whose own
+    input did not change (a new endpoint leaves the cluster, listener and route as they were). An
+    output list in which nothing changed is the very list of the last build, so what is built from
+    it downstream can be reused by identity too. Only the latest build's services are kept, so
+    memory follows the current configuration.
     """
 
     def __init__(self) -> None:
-        self._previous: dict[Hashable, Resource] = {}
-        self._current: dict[Hashable, Resource] = {}
+        self._views: tuple[object, ...] | None = None
+        """What the entries were made for: the views and the REST config source."""
+        self._services: dict[str, _Service] = {}
+        self._names: tuple[str, ...] = ()
+        """The last build's service names, sorted."""
+        self._lists: dict[str, list[Resource]] = {}
+        """The last build's output lists, by slot (see :func:`encode_for_views`)."""
+        self.made = 0
+        """Resources made (not reused) in all: the tests count them."""
+        self._derived: dict[Hashable, tuple[tuple[object, ...], Any]] = {}
+        self._derived_before: dict[Hashable, tuple[tuple[object, ...], Any]] = {}
 
     def get(self, key: Hashable, make: Callable[..., Resource], *args: Any) -> Resource:
-        """The resource for ``key``, made by ``make(*args)`` if the last build did not have it."""
-        resource = self._current.get(key)
-        if resource is None:
-            resource = self._previous.get(key)
-            if resource is None:
-                resource = make(*args)
-            self._current[key] = resource
-        return resource
+        """``make(*args)``: one resource made because its input changed (``key`` names it)."""
+        self.made += 1
+        return make(*args)
 
-    def finish(self) -> None:
-        """End a build: what it did not use is forgotten."""
-        self._previous, self._current = self._current, {}
+    def start(self, views: tuple[object, ...]) -> None:
+        """A build for ``views`` begins: entries made for other views are of no use."""
+        self._derived_before, self._derived = self._derived, {}
+        if views != self._views:
+            self._views = views
+            self._services = {}
+            self._lists = {}
+
+    def names(self, specs: Mapping[str, ServiceSpec]) -> tuple[str, ...]:
+        """``specs``' names, sorted (the last build's tuple when they are the same names)."""
+        names = self._names
+        if len(names) != len(specs) or specs.keys() != self._services.keys():
+            names = tuple(sorted(specs))
+        return names
+
+    def same_names(self, names: tuple[str, ...]) -> bool:
+        """Whether ``names`` (from :meth:`names`) are the last build's."""
+        return names is self._names
+
+    def service(self, name: str) -> _Service | None:
+        return self._services.get(name)
+
+    def finish(self, names: tuple[str, ...], services: dict[str, _Service], lists: dict[str, list[Resource]]) -> None:
+        """End a build: its services and lists are what the next one starts from."""
+        self._names, self._services, self._lists = names, services, lists
+
+    def previous_list(self, slot: str) -> list[Resource] | None:
+        return self._lists.get(slot)
+
+    def derived(self, key: Hashable, inputs: tuple[object, ...], make: Callable[[], _T]) -> _T:
+        """``make()``, which derives something from ``inputs`` (e.g. this memo's output lists), or
+        what the last build derived under ``key`` from equal inputs (the very lists, compared by
+        identity first). Kept for one build."""
+        entry = self._derived.get(key) or self._derived_before.get(key)
+        if entry is None or not (entry[0] is inputs or entry[0] == inputs):
+            entry = (inputs, make())
+        self._derived[key] = entry
+        result: _T = entry[1]
+        return result
 
 
 def encode_services(
@@ -328,16 +407,53 @@ def encode_for_views(
     if rest_source is None and any(kind is ClientKind.REST for kind, _ in wanted):
         raise ValueError("a rest view needs the REST config source its clients poll (rest_source)")
     rest_key = b"" if rest_source is None else rest_source.SerializeToString(deterministic=True)
-    routes: list[Resource] = []
-    # Clusters by whether they follow REST: ADS for Envoys and gRPC clients, REST for pollers.
-    clusters: dict[bool, list[Resource]] = {kind is ClientKind.REST: [] for kind, _ in wanted}
-    listeners: dict[ClientKind, list[Resource]] = {kind: [] for kind, _ in wanted}
-    assignments: dict[str, list[Resource]] = {zone: [] for _, zone in wanted}
-    sockets, apis = listeners.get(ClientKind.ENVOY), listeners.get(ClientKind.GRPC)
-    rest_sockets = listeners.get(ClientKind.REST)
-    ads_clusters, rest_clusters = clusters.get(False), clusters.get(True)
-    zonal = [(zone, in_zone) for zone, in_zone in assignments.items() if zone]
-    every_list = assignments.setdefault("", [])
+    kinds = {kind for kind, _ in wanted}
+    want_ads = bool(kinds - {ClientKind.REST})
+    want_rest = ClientKind.REST in kinds
+    want_sockets, want_apis = ClientKind.ENVOY in kinds, ClientKind.GRPC in kinds
+    zones = tuple(dict.fromkeys(zone for _, zone in wanted if zone))
+    memo.start((wanted, rest_key))
+
+    def make(name: str, spec: ServiceSpec, found: tuple[Endpoint, ...], old: _Service | None) -> _Service:
+        """The service's resources, each taken from ``old`` (its last build) where its input is the same."""
+        entry = _Service(spec, found)
+        same_spec = old is not None and old.spec == spec
+        same_found = old is not None and old.found == found
+        if old is not None and same_spec:
+            entry.cluster, entry.rest_cluster = old.cluster, old.rest_cluster
+            entry.socket, entry.rest_socket, entry.api, entry.route = old.socket, old.rest_socket, old.api, old.route
+        else:
+            if want_ads:
+                entry.cluster = memo.get(("cluster", name), cluster, spec)
+            if want_rest:
+                entry.rest_cluster = memo.get(("rest_cluster", name), rest_cluster, spec)
+            if spec.listen is not None and want_sockets:
+                entry.socket = memo.get(("listener", name), listener, spec)
+            if spec.listen is not None and want_rest:
+                # TCP has no RDS: the very listener Envoys on ADS get.
+                entry.rest_socket = entry.socket if spec.protocol == "tcp" and entry.socket is not None else (
+                    memo.get(("listener", name), listener, spec) if spec.protocol == "tcp"
+                    else memo.get(("rest_listener", name), rest_listener, spec))
+            if spec.grpc is not None and want_apis:
+                entry.api = memo.get(("api_listener", name), api_listener, spec)
+            if spec.protocol == "http" and (spec.listen is not None or spec.grpc is not None):
+                # Every kind gets the same routes (clients ask for routes by name, so one no listener
+                # of theirs uses is never sent); made of the name, timeout and retries only, so a
+                # change of listener settings keeps the route object.
+                kept = old is not None and old.route is not None and (old.spec.timeout, old.spec.retries) == (
+                    spec.timeout, spec.retries)
+                entry.route = old.route if kept and old is not None else memo.get(("route", name), route, spec)
+        if old is not None and same_found and (same_spec or old.spec.zone_local == spec.zone_local):
+            entry.every, entry.zonal = old.every, old.zonal
+            return entry
+        ordered = tuple(sorted(found))
+        every = entry.every = memo.get(("endpoints", name), assignment, name, ordered)
+        zonal = []
+        for zone in zones:
+            local = tuple(e for e in ordered if e.zone == zone) if spec.zone_local else ()
+            zonal.append(memo.get(("endpoints", name, zone), assignment, name, local) if local else every)
+        entry.zonal = tuple(zonal)
+        return entry
 
     def cluster(spec: ServiceSpec) -> Resource:
         return Resource(CLUSTER, spec.name, encode_cluster(spec))
@@ -360,38 +476,51 @@ def encode_for_views(
     def route(spec: ServiceSpec) -> Resource:
         return Resource.of(ROUTE, _route_config(spec))
 
-    for name in sorted(specs):
+    names = memo.names(specs)
+    entries: list[_Service] = []
+    services: dict[str, _Service] = {}
+    changed = not memo.same_names(names)  # a service came or went: every list is made again
+    for name in names:
         spec = specs[name]
-        found = tuple(sorted(endpoints.get(name, ())))
-        if ads_clusters is not None:
-            ads_clusters.append(memo.get(("cluster", spec), cluster, spec))
-        if rest_clusters is not None:
-            rest_clusters.append(memo.get(("rest_cluster", spec, rest_key), rest_cluster, spec))
-        every = memo.get(("endpoints", name, found), assignment, name, found)
-        every_list.append(every)
-        for zone, in_zone in zonal:
-            local = tuple(e for e in found if e.zone == zone) if spec.zone_local else ()
-            in_zone.append(memo.get(("endpoints", name, local), assignment, name, local) if local else every)
-        if spec.listen is None and spec.grpc is None:
-            continue
-        if sockets is not None and spec.listen is not None:
-            sockets.append(memo.get(("listener", spec), listener, spec))
-        if rest_sockets is not None and spec.listen is not None:
-            if spec.protocol == "tcp":  # no RDS: the very listener Envoys on ADS get
-                rest_sockets.append(memo.get(("listener", spec), listener, spec))
-            else:
-                rest_sockets.append(memo.get(("rest_listener", spec, rest_key), rest_listener, spec))
-        if apis is not None and spec.grpc is not None:
-            apis.append(memo.get(("api_listener", spec), api_listener, spec))
-        if spec.protocol == "http":
-            # Every kind gets the same routes (clients ask for routes by name, so one no listener
-            # of theirs uses is never sent); the key holds what a route is made of, so a change
-            # of listener settings keeps the route object.
-            routes.append(memo.get(("route", spec.name, spec.timeout, spec.retries), route, spec))
-    memo.finish()
-    for zone, in_zone in zonal:
-        if all(a is b for a, b in zip(in_zone, every_list, strict=True)):
-            assignments[zone] = every_list  # nothing zone-local in this zone: the same list, shared
-    return {(kind, zone): {CLUSTER: clusters[kind is ClientKind.REST], ENDPOINT: assignments[zone],
-                           LISTENER: listeners[kind], ROUTE: routes}
+        found = endpoints.get(name, ())
+        if type(found) is not tuple:
+            found = tuple(found)
+        old = memo.service(name)
+        if old is None or (old.spec is not spec and old.spec != spec) or (old.found is not found and
+                                                                         old.found != found):
+            entry = make(name, spec, found, old)
+            changed = changed or old is None or entry.pieces() != old.pieces()
+        else:
+            entry = old
+        entries.append(entry)
+        services[name] = entry
+    lists: dict[str, list[Resource]] = {}
+
+    def slot(key: str, pick: Callable[[_Service], Resource | None]) -> list[Resource]:
+        """One output list: the last build's when no resource in it changed (kept by identity)."""
+        previous = memo.previous_list(key)
+        made = [r for r in map(pick, entries) if r is not None] if changed or previous is None else previous
+        if previous is not None and made is not previous and len(previous) == len(made) and all(
+                map(operator.is_, previous, made)):
+            made = previous
+        lists[key] = made
+        return made
+
+    ads_clusters = slot("clusters", operator.attrgetter("cluster")) if want_ads else []
+    rest_clusters = slot("rest_clusters", operator.attrgetter("rest_cluster")) if want_rest else []
+    every_list = slot("endpoints", operator.attrgetter("every"))
+    by_zone: dict[str, list[Resource]] = {"": every_list}
+    for number, zone in enumerate(zones):
+        in_zone = slot(f"endpoints in {zone}", _zone_pick(number))
+        # Nothing zone-local in this zone: the same list, shared.
+        by_zone[zone] = every_list if all(map(operator.is_, in_zone, every_list)) else in_zone
+    by_kind = {
+        ClientKind.ENVOY: slot("sockets", operator.attrgetter("socket")) if want_sockets else [],
+        ClientKind.GRPC: slot("api_listeners", operator.attrgetter("api")) if want_apis else [],
+        ClientKind.REST: slot("rest_sockets", operator.attrgetter("rest_socket")) if want_rest else [],
+    }
+    routes = slot("routes", operator.attrgetter("route"))
+    memo.finish(names, services, lists)
+    return {(kind, zone): {CLUSTER: rest_clusters if kind is ClientKind.REST else ads_clusters,
+                           ENDPOINT: by_zone[zone], LISTENER: by_kind[kind], ROUTE: routes}
             for kind, zone in wanted}

@@ -1,0 +1,123 @@
+"""A build that starts from the last one (merge memo, resource memo) must equal a build from nothing.
+
+The reconciler keeps what its last build made so that a change costs what changed: the merge
+redoes only the services a changed source changed, the encoder only the services whose definition
+or endpoints changed, and a type whose resources are the very ones of the last build keeps its
+hash. These tests drive both through random sequences of source changes, as sources make them
+(untouched services keep their objects; a file reload makes equal new ones), over every kind of
+node group, and compare every result with a fresh build: the merged state, each group's versions,
+and each resource's hash. A refused build must be refused with the same problems.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pilotfish.desired import DesiredState, MergeMemo, View, build_snapshots, merge_states
+from pilotfish.errors import ConfigError
+from pilotfish.resources.builders import ClientKind, ResourceMemo
+from pilotfish.resources.services import Endpoint, ServiceSpec
+from pilotfish.snapshot import Snapshot
+
+NAMES = ("a", "b", "c", "d")
+SOURCES = ("file", "registry")
+GROUPS = {
+    "envoy": View(),
+    "grpc": View(kind=ClientKind.GRPC),
+    "rest": View(kind=ClientKind.REST),
+    "zone-1": View(zone="z1"),
+    "zone-2": View(kind=ClientKind.GRPC, zone="z2"),
+}
+
+specs = st.builds(
+    lambda name, port, protocol, grpc, zone_local, timeout: ServiceSpec(
+        name=name, listen=("127.0.0.1", port) if port else None, protocol=protocol,
+        grpc=name if grpc else None, zone_local=zone_local, timeout=timeout),
+    st.sampled_from(NAMES), st.sampled_from([0, 10001, 10002]), st.sampled_from(["http", "tcp"]), st.booleans(),
+    st.booleans(), st.sampled_from([5.0, 15.0]),
+)
+endpoint_tuples = st.lists(
+    st.builds(Endpoint, st.just("127.0.0.1"), st.integers(9001, 9006), st.sampled_from([1, 2]),
+              zone=st.sampled_from(["", "z1", "z2"])),
+    max_size=4,
+).map(tuple)
+edits = st.one_of(
+    st.tuples(st.just("define"), st.sampled_from(SOURCES), specs),
+    st.tuples(st.just("undefine"), st.sampled_from(SOURCES), st.sampled_from(NAMES)),
+    st.tuples(st.just("endpoints"), st.sampled_from(SOURCES), st.sampled_from(NAMES), endpoint_tuples),
+    st.tuples(st.just("no endpoints"), st.sampled_from(SOURCES), st.sampled_from(NAMES)),
+    st.tuples(st.just("reload"), st.sampled_from(SOURCES)),
+)
+
+
+def _apply(states: dict[str, DesiredState], edit: tuple[object, ...]) -> dict[str, DesiredState]:
+    """``edit`` made as a source makes it: a new state that keeps every untouched object."""
+    what, source = edit[0], edit[1]
+    assert isinstance(source, str)
+    state = states.get(source, DesiredState())
+    services, endpoints = dict(state.services), dict(state.endpoints)
+    if what == "define":
+        spec = edit[2]
+        assert isinstance(spec, ServiceSpec)
+        services[spec.name] = spec
+    elif what == "undefine":
+        services.pop(str(edit[2]), None)
+    elif what == "endpoints":
+        endpoints[str(edit[2])] = edit[3]  # type: ignore[assignment]
+    elif what == "no endpoints":
+        endpoints.pop(str(edit[2]), None)
+    else:  # a reload: equal content, every object new
+        services = {name: replace(spec) for name, spec in services.items()}
+        endpoints = {name: tuple(Endpoint(*e) for e in found) for name, found in endpoints.items()}
+    return {**states, source: DesiredState(services=services, endpoints=endpoints)}
+
+
+def _content(snapshots: Mapping[str, Snapshot]) -> dict[str, dict[str, tuple[str, dict[str, str]]]]:
+    return {group: {url: (ts.version, {name: r.hash for name, r in ts.resources.items()})
+                    for url, ts in snapshot.types.items()}
+            for group, snapshot in snapshots.items()}
+
+
+def _build(states: Mapping[str, DesiredState], memo: ResourceMemo | None, merge_memo: MergeMemo | None,
+           ) -> object:
+    merged = merge_states(states, memo=merge_memo)
+    try:
+        return merged, _content(build_snapshots(merged, "test", GROUPS, memo=memo))
+    except ConfigError as exc:
+        return merged, ("refused", exc.problems)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(edits, min_size=1, max_size=12))
+def test_a_build_from_the_last_one_equals_a_build_from_nothing(steps: list[tuple[object, ...]]) -> None:
+    memo, merge_memo = ResourceMemo(), MergeMemo()
+    states: dict[str, DesiredState] = {source: DesiredState() for source in SOURCES}
+    for edit in steps:
+        states = _apply(states, edit)
+        assert _build(states, memo, merge_memo) == _build(states, None, None), edit
+
+
+def test_one_changed_endpoint_makes_one_resource_and_keeps_the_other_types() -> None:
+    """What makes a change cheap: the other 199 services and the other types are reused as they are."""
+    file = DesiredState(
+        services={f"s{i}": ServiceSpec(name=f"s{i}", listen=("127.0.0.1", 20000 + i)) for i in range(200)},
+        endpoints={f"s{i}": (Endpoint("127.0.0.1", 9000 + i),) for i in range(200)})
+    memo, merge_memo = ResourceMemo(), MergeMemo()
+    first = build_snapshots(merge_states({"file": file}, memo=merge_memo), "t", {"envoy": View()}, memo=memo)
+    made = memo.made
+    registry = DesiredState(endpoints={"s7": (Endpoint("127.0.0.1", 8000),)})
+    merged = merge_states({"file": file, "registry": registry}, memo=merge_memo)
+    second = build_snapshots(merged, "t", {"envoy": View()}, memo=memo)
+    assert memo.made - made == 1, "only s7's assignment is made again"
+    before, after = first["envoy"].types, second["envoy"].types
+    changed = {url for url in before if before[url].version != after[url].version}
+    assert changed == {"type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"}
+    for url in before.keys() - changed:
+        assert after[url].resources is before[url].resources, f"{url}: the same resources, not rebuilt"
+    eds = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+    assert after[eds].resources["s8"] is before[eds].resources["s8"], "an unchanged assignment is the same object"
+    assert merged.endpoints["s8"] is file.endpoints["s8"], "an unchanged service keeps its endpoint tuple"
