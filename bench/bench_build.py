@@ -17,7 +17,14 @@ Also measured, because it is what an operator's registry sees on every call at t
 - ``Reconciler.update`` alone: what one registry API call costs before any build (it merges all
   sources' states and observes every endpoint for flap damping);
 - the reconciler's rebuild after that change (``build_now``, reusing the previous build's encoded
-  resources through its memo) plus encoding the responses: what the server does per change.
+  resources through its memo) plus encoding the responses: what the server does per change;
+- the same for a registry-style change (``1 service changed``): the snapshot's services come from
+  one source, and a second source (as the registry does on an instance registration) reports one
+  more endpoint of one service, every other object left as it was. This is what a one-endpoint
+  change costs the server in the fan-out benchmarks (issue 10: ``p99 after publish`` starts after it).
+
+``--before COMMIT`` runs the same rows with that commit's pilotfish (a temporary ``git worktree``,
+its ``src`` first on the ``PYTHONPATH`` of a child process) and prints both, side by side.
 
 ``--profile FILE`` writes a cProfile of one full build + encode (``pstats`` format) and prints the
 top functions.
@@ -30,8 +37,11 @@ import cProfile
 import functools
 import gc
 import io
+import json
+import os
 import pstats
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -48,9 +58,10 @@ from pilotfish.validate import default_checker
 
 __all__ = ["BUILD_COLUMNS", "make_state", "run_build"]
 
-BUILD_COLUMNS = ["clusters", "endpoints", "merge s", "build_snapshot s", "build_snapshot, rules off s",
+BUILD_COLUMNS = ["pilotfish", "clusters", "endpoints", "merge s", "build_snapshot s", "build_snapshot, rules off s",
                  "encode responses s", "total s", "response bytes (CDS / EDS)", "rebuild after 1 change s",
-                 "rebuild after 1 change, rules off s", "Reconciler.update s", "Reconciler rebuild after 1 change s"]
+                 "rebuild after 1 change, rules off s", "Reconciler.update s", "Reconciler rebuild after 1 change s",
+                 "Reconciler rebuild, 1 service changed s"]
 
 
 def make_state(clusters: int, endpoints: int, *, extra: int = 0) -> DesiredState:
@@ -88,6 +99,20 @@ def _rebuild_and_encode(reconciler: Reconciler) -> dict[str, int]:
         raise RuntimeError("the reconciler published nothing after an endpoint change: "
                            "make_state(extra=1) no longer changes the snapshot")
     return _encode_all(snapshot)
+
+
+def _one_service_changed(clusters: int, endpoints: int, repeat: int) -> list[float]:
+    """A registry-style change, ``repeat`` times: one more endpoint of one service, reported by a
+    second source; every other object as it was. The reconciler's rebuild plus the responses."""
+    reconciler = Reconciler(SnapshotCache(), expect=("file", "registry"))
+    reconciler.update("file", make_state(clusters, endpoints))
+    reconciler.update("registry", DesiredState())
+    reconciler.build_now()
+    times = []
+    for n in range(repeat):
+        reconciler.update("registry", DesiredState(endpoints={"svc-00000": (Endpoint("10.255.255.1", 1000 + n),)}))
+        times.append(_timed(functools.partial(_rebuild_and_encode, reconciler))[0])
+    return times
 
 
 def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path | None = None) -> list[Any]:
@@ -133,11 +158,22 @@ def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path |
         _encode_all(build_snapshot(merge_states({"registry": state}), "bench"))
         profiler.disable()
         profiler.dump_stats(profile)
+    one_t = _one_service_changed(clusters, endpoints, max(repeat, 5))
     med = statistics.median
-    return [clusters, endpoints, round(med(merge_t), 3), round(med(build_t), 3), round(med(bare_t), 3),
+    return [_revision(), clusters, endpoints, round(med(merge_t), 3), round(med(build_t), 3), round(med(bare_t), 3),
             round(med(encode_t), 3), round(med(total_t), 3), f"{sizes.get('CDS', 0):,} / {sizes.get('EDS', 0):,}",
             round(med(rebuild_t), 3), round(med(bare_rebuild_t), 3), round(med(update_t), 3),
-            round(med(incremental_t), 3)]
+            round(med(incremental_t), 3), round(med(one_t), 4)]
+
+
+def _revision() -> str:
+    """The commit of the pilotfish imported (its checkout's HEAD), with ``+`` when it has changes."""
+    import pilotfish
+
+    root = Path(pilotfish.__file__).resolve().parents[2]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True, text=True)
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def top_functions(profile: Path, limit: int = 15) -> str:
@@ -148,6 +184,21 @@ def top_functions(profile: Path, limit: int = 15) -> str:
     return out.getvalue()
 
 
+def _rows_at(commit: str, sizes: list[str], repeat: int) -> list[list[Any]]:
+    """The rows of ``sizes`` measured with ``commit``'s pilotfish, in a child process."""
+    from bench.bench_hardening import before_checkout
+    from bench.procs import REPO
+
+    with before_checkout(commit) as checkout:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(checkout / "src"), str(REPO)))}
+        done = subprocess.run([sys.executable, "-m", "bench.bench_build", "--json", "--repeat", str(repeat),
+                               "--sizes", *sizes], cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_build at {commit} failed:\n{done.stderr[-2000:]}")
+    rows: list[list[Any]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.report import print_table
 
@@ -156,13 +207,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="CLUSTERS:ENDPOINTS pairs (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", type=Path, help="cProfile dump of the largest size's build + encode")
+    parser.add_argument("--before", metavar="COMMIT", help="also run the rows with this commit's pilotfish")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON (what --before reads)")
     args = parser.parse_args(argv)
     rows = []
+    if args.before:
+        rows.extend(_rows_at(args.before, args.sizes, args.repeat))
     for n, size in enumerate(args.sizes):
         clusters, endpoints = (int(x) for x in size.split(":"))
         last = n == len(args.sizes) - 1
         rows.append(run_build(clusters, endpoints, repeat=args.repeat, profile=args.profile if last else None))
-    print_table(BUILD_COLUMNS, rows)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print_table(BUILD_COLUMNS, sorted(rows, key=lambda row: (row[1], row[2])))
     if args.profile is not None:
         print(top_functions(args.profile))
     return 0

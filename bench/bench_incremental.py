@@ -115,9 +115,14 @@ def run_incremental(*, runs: Sequence[tuple[IncrementalVariant, int]], changes: 
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-incremental-")))
         before_env = None
+        before_is_recent = False
         if any(v.server == "before" for v, _ in runs):
             before = stack.enter_context(before_checkout(commit))
             before_env = {**os.environ, "PYTHONPATH": str(before / "src")}
+            # A later "before" (e.g. to compare a change of the build) is run as "now" is: with
+            # the same connection cap and the admin API off.
+            cli = (before / "src" / "pilotfish" / "cli.py").read_text()
+            before_is_recent = '"--max-connections-per-address"' in cli and '"--admin"' in cli
         rows: list[list[Any]] = []
         results: list[FanoutResult] = []
         for variant, n in runs:
@@ -125,7 +130,8 @@ def run_incremental(*, runs: Sequence[tuple[IncrementalVariant, int]], changes: 
             result = run_fanout(proxies=n, changes=changes, workload=workload, quiet_ms=100, change="registry",
                                 workdir=workdir / f"{variant.server}-{variant.xds}-{n}",
                                 server_env=before_env if variant.server == "before" else None,
-                                address_cap=variant.server != "before", event_log_level="changes",
+                                address_cap=variant.server != "before" or before_is_recent,
+                                event_log_level="changes",
                                 xds=variant.xds, change_timeout=change_timeout,
                                 sync_timeout=max(300.0, n / 10), rate=ramp_rate if n > ramp_above else 0.0)
             rows.append(row(variant, result, load))

@@ -37,7 +37,7 @@ import functools
 import hashlib
 import itertools
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -86,12 +86,20 @@ class DesiredState:
     """Raw Envoy resources, served as they are."""
     version: str | None = None
     """An explicit version for every type (snapshot files only)."""
+    known: InitVar[Mapping[str, tuple[Endpoint, ...]] | None] = None
+    """The endpoints of the source's previous state: a tuple that is the very object found there
+    is sorted already, and not looked at again (a source of 10,000 services that changed one
+    sorts one). Not part of the state."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, known: Mapping[str, tuple[Endpoint, ...]] | None) -> None:
         # Endpoint order carries no meaning: normalize it so equal sets compare equal. A tuple that is
         # sorted already is kept as it is: consumers tell unchanged services by identity.
+        known = known or {}
         ordered = {}
         for name, found in self.endpoints.items():
+            if known.get(name) is found:
+                ordered[name] = found
+                continue
             in_order = sorted(found)
             ordered[name] = found if type(found) is tuple and list(found) == in_order else tuple(in_order)
         object.__setattr__(self, "endpoints", ordered)
@@ -376,7 +384,10 @@ def build_snapshots(
     for rtype in TYPES:
         # Views share lists (and resources in them): each distinct one is checked once.
         lists = {id(by_type[rtype]): by_type[rtype] for by_type in built.values() if rtype in by_type}
-        union[rtype] = list({id(r): r for found in lists.values() for r in found}.values())
+        if len(lists) == 1:
+            union[rtype] = next(iter(lists.values()))
+        else:
+            union[rtype] = list({id(r): r for found in lists.values() for r in found}.values())
     # The user's own resources, encoded once for every check and view, with their messages.
     raw = {t: [(Resource.of(t, m), m) for m in merged.resources.get(t, ())] for t in TYPES}
     problems = list(merged.problems)

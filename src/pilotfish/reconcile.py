@@ -237,7 +237,10 @@ def blast_radius(previous: Snapshot, new: Snapshot, previous_endpoints: dict[str
         old, current = previous.get(rtype.url), new.get(rtype.url)
         before = len(old.resources) if old is not None else 0
         after = len(current.resources) if current is not None else 0
-        removed = sum(1 for name in old.resources if current is None or name not in current.resources) if old else 0
+        if old is None or (current is not None and current.resources is old.resources):
+            removed = 0  # nothing, or the very same resources (a type nothing changed in)
+        else:
+            removed = len(old.resources.keys() - current.resources.keys()) if current is not None else before
         if not removed:
             continue
         counts[rtype.key] = {"before": before, "after": after, "removed": removed}
@@ -246,13 +249,14 @@ def blast_radius(previous: Snapshot, new: Snapshot, previous_endpoints: dict[str
         elif before >= settings.min_count and removed > settings.max_removed_share * before:
             reasons.append(f"it removes {removed} of {before} {rtype.key} "
                            f"(more than {settings.max_removed_share:.0%} at once)")
-    for name in sorted(previous_endpoints):
-        before = previous_endpoints[name]
-        after = new_endpoints.get(name, 0)
-        if before >= settings.min_count and before - after > settings.max_removed_share * before:
-            counts[f"endpoints of {name}"] = {"before": before, "after": after, "removed": before - after}
-            reasons.append(f"it removes {before - after} of the {before} endpoints of {name!r} "
-                           f"(more than {settings.max_removed_share:.0%} at once)")
+    share, least = settings.max_removed_share, settings.min_count
+    shrunk = [name for name, before in previous_endpoints.items()
+              if before >= least and before - new_endpoints.get(name, 0) > share * before]
+    for name in sorted(shrunk):
+        before, after = previous_endpoints[name], new_endpoints.get(name, 0)
+        counts[f"endpoints of {name}"] = {"before": before, "after": after, "removed": before - after}
+        reasons.append(f"it removes {before - after} of the {before} endpoints of {name!r} "
+                       f"(more than {settings.max_removed_share:.0%} at once)")
     return reasons, counts
 
 

@@ -155,20 +155,14 @@ class TypeSnapshot:
 
         def encode(_: object) -> EncodedResponse:
             resources, before = self.resources, since.resources
-            changed = []
-            for name in names:
-                resource = resources.get(name)
-                if resource is None:
-                    continue
-                if name not in held:
-                    changed.append(name)
-                    continue
-                old = before.get(name)
-                if old is None or old.hash != resource.hash:
-                    changed.append(name)
-            changed.sort()
+            # Unchanged resources are mostly the very objects of ``since``: the set operations
+            # (in C) leave the few others, whose content is then compared.
+            differ = resources.items() - before.items() if resources is not before else ()
+            content = {name for name, resource in differ
+                       if (old := before.get(name)) is None or old.hash != resource.hash}
+            changed = sorted((content & names) | (resources.keys() & (names - held)))
             body = discovery_response(self.version, self.rtype.url, (resources[n].encoded for n in changed))
-            existing = names if all(n in resources for n in names) else frozenset(n for n in names if n in resources)
+            existing = names if resources.keys() >= names else frozenset(resources.keys() & names)
             return EncodedResponse(self.rtype.url, self.version, existing, body, len(changed), self)
 
         return self._memo.miss(key, names, self, encode)

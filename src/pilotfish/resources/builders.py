@@ -286,9 +286,17 @@ class _Service:
         self.api: Resource | None = None
         self.route: Resource | None = None
 
-    def pieces(self) -> tuple[Resource | None, ...]:
-        return (self.cluster, self.rest_cluster, self.every, *self.zonal, self.socket, self.rest_socket, self.api,
-                self.route)
+    def changed_slots(self, old: _Service) -> set[str]:
+        """The output lists (see :func:`encode_for_views`) in which this entry differs from ``old``."""
+        slots = {slot for slot, attribute in _SLOTS if getattr(self, attribute) is not getattr(old, attribute)}
+        slots.update(f"endpoints in {number}" for number, (a, b) in enumerate(zip(self.zonal, old.zonal, strict=True))
+                     if a is not b)
+        return slots
+
+
+_SLOTS = (("clusters", "cluster"), ("rest_clusters", "rest_cluster"), ("endpoints", "every"), ("sockets", "socket"),
+          ("api_listeners", "api"), ("rest_sockets", "rest_socket"), ("routes", "route"))
+"""Each output list of :func:`encode_for_views` and the :class:`_Service` attribute it is made of."""
 
 
 _T = TypeVar("_T")
@@ -347,8 +355,9 @@ class ResourceMemo:
         """Whether ``names`` (from :meth:`names`) are the last build's."""
         return names is self._names
 
-    def service(self, name: str) -> _Service | None:
-        return self._services.get(name)
+    def services(self) -> Mapping[str, _Service]:
+        """What the last build made of each service."""
+        return self._services
 
     def finish(self, names: tuple[str, ...], services: dict[str, _Service], lists: dict[str, list[Resource]]) -> None:
         """End a build: its services and lists are what the next one starts from."""
@@ -479,17 +488,22 @@ def encode_for_views(
     names = memo.names(specs)
     entries: list[_Service] = []
     services: dict[str, _Service] = {}
-    changed = not memo.same_names(names)  # a service came or went: every list is made again
+    last = memo.services()
+    all_changed = not memo.same_names(names)  # a service came or went: every list is made again
+    changed: set[str] = set()
     for name in names:
         spec = specs[name]
         found = endpoints.get(name, ())
         if type(found) is not tuple:
             found = tuple(found)
-        old = memo.service(name)
+        old = last.get(name)
         if old is None or (old.spec is not spec and old.spec != spec) or (old.found is not found and
                                                                          old.found != found):
             entry = make(name, spec, found, old)
-            changed = changed or old is None or entry.pieces() != old.pieces()
+            if old is None:
+                all_changed = True
+            else:
+                changed |= entry.changed_slots(old)
         else:
             entry = old
         entries.append(entry)
@@ -499,10 +513,10 @@ def encode_for_views(
     def slot(key: str, pick: Callable[[_Service], Resource | None]) -> list[Resource]:
         """One output list: the last build's when no resource in it changed (kept by identity)."""
         previous = memo.previous_list(key)
-        made = [r for r in map(pick, entries) if r is not None] if changed or previous is None else previous
-        if previous is not None and made is not previous and len(previous) == len(made) and all(
-                map(operator.is_, previous, made)):
+        if previous is not None and not all_changed and key not in changed:
             made = previous
+        else:
+            made = [r for r in map(pick, entries) if r is not None]
         lists[key] = made
         return made
 
@@ -511,7 +525,7 @@ def encode_for_views(
     every_list = slot("endpoints", operator.attrgetter("every"))
     by_zone: dict[str, list[Resource]] = {"": every_list}
     for number, zone in enumerate(zones):
-        in_zone = slot(f"endpoints in {zone}", _zone_pick(number))
+        in_zone = slot(f"endpoints in {number}", _zone_pick(number))
         # Nothing zone-local in this zone: the same list, shared.
         by_zone[zone] = every_list if all(map(operator.is_, in_zone, every_list)) else in_zone
     by_kind = {

@@ -100,6 +100,13 @@ class EtcdView:
     """Instance key -> the TTL its value says it was registered with."""
     revision: int = 0
     """The etcd revision this view has applied everything up to."""
+    _by_service: dict[str, dict[str, Endpoint]] = field(default_factory=dict, repr=False, compare=False)
+    """Service -> instance key -> endpoint (the instances, by service)."""
+    _endpoints: dict[str, tuple[Endpoint, ...]] = field(default_factory=dict, repr=False, compare=False)
+    """Each service's endpoints as :meth:`state` last reported them (sorted, one per address)."""
+    _stale: set[str] = field(default_factory=set, repr=False, compare=False)
+    """Services whose keys changed since: their entry in ``_endpoints`` is made again."""
+    _last: DesiredState | None = field(default=None, repr=False, compare=False)
 
     def service_key(self, name: str) -> str:
         return f"{self.prefix}services/{name}"
@@ -136,6 +143,7 @@ class EtcdView:
             endpoint = parse_endpoint(document, "", problems)
             if endpoint is not None and not problems:
                 self.instances[key] = (service, endpoint)
+                self._by_service.setdefault(service, {})[key] = endpoint
                 if ttl is not None:
                     self.ttls[key] = float(ttl)
                 return None
@@ -151,11 +159,18 @@ class EtcdView:
     def delete(self, key: str) -> None:
         self.raw.pop(key, None)
         self.bad.pop(key, None)
-        self.instances.pop(key, None)
         self.ttls.pop(key, None)
+        instance = self.instances.pop(key, None)
+        if instance is not None:
+            service = instance[0]
+            by_key = self._by_service[service]
+            del by_key[key]
+            if not by_key:
+                del self._by_service[service]
         rest = key[len(self.prefix):]
-        if rest.startswith("services/"):
-            name = rest[len("services/"):]
+        kind, _, name = rest.partition("/")
+        self._stale.add(name if kind == "services" else name.partition("/")[0])
+        if kind == "services":
             self.services.pop(name, None)
             self.service_endpoints.pop(name, None)
 
@@ -187,11 +202,22 @@ class EtcdView:
                     self.put(key, *old)
 
     def state(self) -> DesiredState:
-        endpoints: dict[str, list[Endpoint]] = {n: list(e) for n, e in self.service_endpoints.items()}
-        for service, endpoint in self.instances.values():
-            endpoints.setdefault(service, []).append(endpoint)
-        deduped = {n: tuple({e.address: e for e in found}.values()) for n, found in endpoints.items()}
-        return DesiredState(services=dict(self.services), endpoints=deduped)
+        """What the keys define: services, and each one's endpoints (those its definition lists,
+        then its instances; one per address, the last). Only services whose keys changed since the
+        last call are looked at again; the others keep their tuples (see :class:`DesiredState`)."""
+        endpoints = self._endpoints
+        for name in self._stale:
+            listed, registered = self.service_endpoints.get(name), self._by_service.get(name)
+            if listed is None and registered is None:
+                endpoints.pop(name, None)
+                continue
+            found = [*(listed or ()), *(registered.values() if registered else ())]
+            endpoints[name] = tuple(sorted({e.address: e for e in found}.values()))
+        self._stale.clear()
+        last = self._last
+        self._last = DesiredState(services=dict(self.services), endpoints=dict(endpoints),
+                                  known=last.endpoints if last is not None else None)
+        return self._last
 
 
 class EtcdUnavailable(Exception):

@@ -283,6 +283,8 @@ class Registry:
         self._instance_count = 0
         self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
         """Each service's endpoints as :meth:`state` reports them; a changed service's entry is dropped."""
+        self._last: DesiredState | None = None
+        """The last state made: its endpoint tuples, reused, need no sorting again."""
         self._recent: deque[tuple[float, str]] = deque(maxlen=self.limits.max_instances)
         """(when, service) of each expiry within the self-preservation window, oldest first."""
         self._preservation: Preservation | None = None
@@ -446,7 +448,10 @@ class Registry:
         for name, by_id in self._instances.items():
             if name not in cached:
                 cached[name] = tuple(sorted(i.endpoint for i in by_id.values()))
-        return DesiredState(services=dict(self._specs), endpoints=dict(cached))
+        last = self._last
+        self._last = DesiredState(services=dict(self._specs), endpoints=dict(cached),
+                                  known=last.endpoints if last is not None else None)
+        return self._last
 
     def describe(self, name: str | None = None) -> dict[str, Any]:
         names = sorted(set(self._specs) | set(self._instances)) if name is None else [name]
