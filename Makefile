@@ -12,6 +12,9 @@ PYTHON := $(BIN)/python
 STAMP := $(VENV)/.installed
 SNAPSHOT ?= examples/demo.yaml
 PYTEST_ARGS ?=
+# Two test processes (pytest-xdist), each taking whole files: the end-to-end tests mostly wait on
+# real processes, and every test picks its own ports and directories. PYTEST_WORKERS= runs them in one.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 # Fast tests first; a suite directory that does not exist yet is skipped.
 TEST_DIRS := $(wildcard tests/unit tests/integration tests/abuse tests/bench tests/e2e)
 # Sovereign (a REST-polling control plane the benchmarks compare with) gets a venv of its own.
@@ -58,9 +61,10 @@ run: setup
 	$(BIN)/pilotfish demo --snapshot $(SNAPSHOT)
 
 # Unit, integration, then end-to-end tests (real Envoy; setup installs wrk, etcd and chromium for them).
-# .venv/bin goes first on PATH so the tests find the venv's `envoy`.
+# .venv/bin goes first on PATH so the tests find the venv's `envoy`; the 20 slowest tests are listed
+# at the end (the suite is kept under 15 minutes).
 test: setup
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(PYTHON) -m pytest $(PYTEST_ARGS) $(TEST_DIRS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(PYTHON) -m pytest --durations=20 $(PYTEST_WORKERS) $(PYTEST_ARGS) $(TEST_DIRS)
 
 # ruff on src, tests and bench; mypy strict on src/pilotfish and bench (pyproject.toml's
 # [tool.mypy]); the import layers of DESIGN.md (import-linter contracts, [tool.importlinter]).
