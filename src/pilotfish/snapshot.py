@@ -185,32 +185,29 @@ class TypeSnapshot:
         if entry is not None and entry[0] is known and entry[1] == wildcard and entry[2] is names:
             return entry[3]
         versions = self.versions()
-        sent: list[str] = []
-        removed: list[str] = []
-        absent: list[str] = []
-        if wildcard:
-            for name, version in versions.items():
-                if known.get(name) != version:
-                    sent.append(name)
-            for name, version in known.items():
-                if name not in versions and version != ABSENT and name not in names:
-                    removed.append(name)
+        have = known.get
+        if versions is known:
+            sent = []
+        elif wildcard:
+            sent = [name for name, version in versions.items() if have(name) != version]
+        elif len(names) < len(versions):
+            current = versions.get
+            sent = [name for name in names if (version := current(name)) is not None and have(name) != version]
         else:
-            for name in names:
-                have = versions.get(name)
-                if have is not None and known.get(name) != have:
-                    sent.append(name)
-        for name in names:
-            if name not in versions:
-                absent.append(name)
-                if known.get(name) != ABSENT:
-                    removed.append(name)
+            sent = [name for name, version in versions.items() if have(name) != version and name in names]
+        removed = [name for name in known.keys() - versions.keys()
+                   if known[name] != ABSENT and name not in names] if wildcard else []
+        absent = names - versions.keys() if names and not versions.keys() >= names else frozenset()
+        removed.extend(name for name in absent if have(name) != ABSENT)
         result = None
         if sent or removed:
             sent.sort()
             removed.sort()
+            after: Mapping[str, str]
             if wildcard:
-                after: Mapping[str, str] = versions if not absent else {**versions, **dict.fromkeys(absent, ABSENT)}
+                after = versions if not absent else {**versions, **dict.fromkeys(absent, ABSENT)}
+            elif not absent and len(names) == len(versions):
+                after = versions  # subscribed to every one: shared, as a wildcard client's
             else:
                 after = {name: versions.get(name, ABSENT) for name in names}
             resources = self.resources

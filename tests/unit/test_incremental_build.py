@@ -208,3 +208,37 @@ def _sent_names(body: bytes) -> list[str]:
         packed.Unpack(assignment)
         out.append(assignment.cluster_name)
     return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(current=st.dictionaries(universe, st.sampled_from(["x", "y", "z"])),
+       known=st.dictionaries(st.sampled_from(["a", "b", "c", "d", "e", "f"]),
+                             st.sampled_from(["x", "y", "z", "absent", "other"])),
+       names=st.frozensets(st.sampled_from(["a", "b", "c", "d", "e", "f"])),
+       wildcard=st.booleans(), shared=st.booleans())
+def test_a_delta_answer_sends_what_differs_and_removes_what_is_gone(
+        current: dict[str, str], known: dict[str, str], names: frozenset[str], wildcard: bool,
+        shared: bool) -> None:
+    from pilotfish.snapshot import ABSENT
+
+    snapshot = Snapshot.build({ENDPOINT: [_eds(name, body) for name, body in current.items()]}).types[ENDPOINT.url]
+    versions = snapshot.versions()
+    ids = {"x": _eds("_", "x").version}  # a version that is no resource's here
+    had: Mapping[str, str] = versions if shared else {
+        name: versions[name] if body == "x" and name in versions else ABSENT if body == "absent"
+        else ids["x"] + body for name, body in known.items()}
+    answer = snapshot.delta(had, wildcard=wildcard, names=names)
+    # What behaviour 14 asks, worked out name by name.
+    sent = sorted(name for name, version in versions.items()
+                  if (wildcard or name in names) and had.get(name) != version)
+    removed = sorted({name for name, version in had.items()
+                      if wildcard and name not in versions and version != ABSENT and name not in names}
+                     | {name for name in names if name not in versions and had.get(name) != ABSENT})
+    if not sent and not removed:
+        assert answer is None
+        return
+    assert answer is not None
+    assert (list(answer.sent), list(answer.removed)) == (sent, removed)
+    after = {**{name: versions[name] for name in versions if wildcard or name in names},
+             **{name: ABSENT for name in names if name not in versions}}
+    assert dict(answer.known) == after

@@ -22,24 +22,21 @@ __all__ = ["Resource"]
 class Resource:
     """One named resource, encoded once; its message is decoded only if someone asks for it."""
 
-    __slots__ = ("_delta", "_message", "_rtype", "_value", "encoded", "hash", "name")
+    __slots__ = ("_delta", "_message", "_rtype", "_value", "encoded", "hash", "name", "version")
 
     def __init__(self, rtype: ResourceType, name: str, value: bytes, message: Message | None = None) -> None:
         self.name = name
         self.hash = hashlib.sha256(value).hexdigest()
         """Hex SHA-256 of the resource's encoding."""
+        self.version = self.hash[:16]
+        """The resource's version in incremental (delta) xDS: the start of its content hash, the
+        same on every replica and after every restart."""
         self.encoded = any_bytes(rtype.url, value)
         """The resource as an encoded ``google.protobuf.Any``."""
         self._rtype = rtype
         self._value = value
         self._message = message
         self._delta: bytes | None = None
-
-    @property
-    def version(self) -> str:
-        """The resource's version in incremental (delta) xDS: the start of its content hash, the
-        same on every replica and after every restart."""
-        return self.hash[:16]
 
     def delta_encoded(self) -> bytes:
         """The resource as an encoded ``discovery.v3.Resource`` (name, version, Any), made once."""
