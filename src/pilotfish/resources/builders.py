@@ -286,24 +286,24 @@ class _Service:
         self.api: Resource | None = None
         self.route: Resource | None = None
 
-    def changed_slots(self, old: _Service) -> set[str]:
+    def changed_lists(self, old: _Service) -> set[_ListKey]:
         """The output lists (see :func:`encode_for_views`) in which this entry differs from ``old``."""
-        slots = {slot for slot, attribute in _SLOTS if getattr(self, attribute) is not getattr(old, attribute)}
-        slots.update(f"endpoints in {number}" for number, (a, b) in enumerate(zip(self.zonal, old.zonal, strict=True))
-                     if a is not b)
-        return slots
+        changed: set[_ListKey] = {key for key in _LISTS if getattr(self, key) is not getattr(old, key)}
+        changed.update(number for number, (a, b) in enumerate(zip(self.zonal, old.zonal, strict=True)) if a is not b)
+        return changed
+
+    def pick(self, key: _ListKey) -> Resource | None:
+        """This service's resource in the output list ``key`` (None: it has none there)."""
+        found: Resource | None = self.zonal[key] if isinstance(key, int) else getattr(self, key)
+        return found
 
 
-_SLOTS = (("clusters", "cluster"), ("rest_clusters", "rest_cluster"), ("endpoints", "every"), ("sockets", "socket"),
-          ("api_listeners", "api"), ("rest_sockets", "rest_socket"), ("routes", "route"))
-"""Each output list of :func:`encode_for_views` and the :class:`_Service` attribute it is made of."""
-
+_ListKey = str | int
+"""An output list of :func:`encode_for_views`: the :class:`_Service` attribute it is made of, or for
+the assignments of a zone, that zone's number (its place in :attr:`_Service.zonal`)."""
+_LISTS = ("cluster", "rest_cluster", "every", "socket", "api", "rest_socket", "route")
 
 _T = TypeVar("_T")
-
-
-def _zone_pick(number: int) -> Callable[[_Service], Resource | None]:
-    return lambda entry: entry.zonal[number]
 
 
 class ResourceMemo:
@@ -324,15 +324,15 @@ class ResourceMemo:
         self._services: dict[str, _Service] = {}
         self._names: tuple[str, ...] = ()
         """The last build's service names, sorted."""
-        self._lists: dict[str, list[Resource]] = {}
-        """The last build's output lists, by slot (see :func:`encode_for_views`)."""
+        self._lists: dict[_ListKey, list[Resource]] = {}
+        """The last build's output lists (see :func:`encode_for_views`)."""
         self.made = 0
         """Resources made (not reused) in all: the tests count them."""
         self._derived: dict[Hashable, tuple[tuple[object, ...], Any]] = {}
         self._derived_before: dict[Hashable, tuple[tuple[object, ...], Any]] = {}
 
-    def get(self, key: Hashable, make: Callable[..., Resource], *args: Any) -> Resource:
-        """``make(*args)``: one resource made because its input changed (``key`` names it)."""
+    def make(self, make: Callable[..., Resource], *args: Any) -> Resource:
+        """``make(*args)``: one resource made because its input changed (counted in :attr:`made`)."""
         self.made += 1
         return make(*args)
 
@@ -359,12 +359,13 @@ class ResourceMemo:
         """What the last build made of each service."""
         return self._services
 
-    def finish(self, names: tuple[str, ...], services: dict[str, _Service], lists: dict[str, list[Resource]]) -> None:
+    def finish(self, names: tuple[str, ...], services: dict[str, _Service],
+               lists: dict[_ListKey, list[Resource]]) -> None:
         """End a build: its services and lists are what the next one starts from."""
         self._names, self._services, self._lists = names, services, lists
 
-    def previous_list(self, slot: str) -> list[Resource] | None:
-        return self._lists.get(slot)
+    def previous_list(self, key: _ListKey) -> list[Resource] | None:
+        return self._lists.get(key)
 
     def derived(self, key: Hashable, inputs: tuple[object, ...], make: Callable[[], _T]) -> _T:
         """``make()``, which derives something from ``inputs`` (e.g. this memo's output lists), or
@@ -433,34 +434,36 @@ def encode_for_views(
             entry.socket, entry.rest_socket, entry.api, entry.route = old.socket, old.rest_socket, old.api, old.route
         else:
             if want_ads:
-                entry.cluster = memo.get(("cluster", name), cluster, spec)
+                entry.cluster = memo.make(cluster, spec)
             if want_rest:
-                entry.rest_cluster = memo.get(("rest_cluster", name), rest_cluster, spec)
+                entry.rest_cluster = memo.make(rest_cluster, spec)
             if spec.listen is not None and want_sockets:
-                entry.socket = memo.get(("listener", name), listener, spec)
+                entry.socket = memo.make(listener, spec)
             if spec.listen is not None and want_rest:
-                # TCP has no RDS: the very listener Envoys on ADS get.
-                entry.rest_socket = entry.socket if spec.protocol == "tcp" and entry.socket is not None else (
-                    memo.get(("listener", name), listener, spec) if spec.protocol == "tcp"
-                    else memo.get(("rest_listener", name), rest_listener, spec))
+                if spec.protocol == "tcp":  # no RDS: the very listener Envoys on ADS get
+                    entry.rest_socket = entry.socket or memo.make(listener, spec)
+                else:
+                    entry.rest_socket = memo.make(rest_listener, spec)
             if spec.grpc is not None and want_apis:
-                entry.api = memo.get(("api_listener", name), api_listener, spec)
+                entry.api = memo.make(api_listener, spec)
             if spec.protocol == "http" and (spec.listen is not None or spec.grpc is not None):
                 # Every kind gets the same routes (clients ask for routes by name, so one no listener
                 # of theirs uses is never sent); made of the name, timeout and retries only, so a
                 # change of listener settings keeps the route object.
-                kept = old is not None and old.route is not None and (old.spec.timeout, old.spec.retries) == (
-                    spec.timeout, spec.retries)
-                entry.route = old.route if kept and old is not None else memo.get(("route", name), route, spec)
+                if old is not None and old.route is not None and (old.spec.timeout, old.spec.retries) == (
+                        spec.timeout, spec.retries):
+                    entry.route = old.route
+                else:
+                    entry.route = memo.make(route, spec)
         if old is not None and same_found and (same_spec or old.spec.zone_local == spec.zone_local):
             entry.every, entry.zonal = old.every, old.zonal
             return entry
         ordered = tuple(sorted(found))
-        every = entry.every = memo.get(("endpoints", name), assignment, name, ordered)
+        every = entry.every = memo.make(assignment, name, ordered)
         zonal = []
         for zone in zones:
             local = tuple(e for e in ordered if e.zone == zone) if spec.zone_local else ()
-            zonal.append(memo.get(("endpoints", name, zone), assignment, name, local) if local else every)
+            zonal.append(memo.make(assignment, name, local) if local else every)
         entry.zonal = tuple(zonal)
         return entry
 
@@ -490,7 +493,7 @@ def encode_for_views(
     services: dict[str, _Service] = {}
     last = memo.services()
     all_changed = not memo.same_names(names)  # a service came or went: every list is made again
-    changed: set[str] = set()
+    changed: set[_ListKey] = set()
     for name in names:
         spec = specs[name]
         found = endpoints.get(name, ())
@@ -503,37 +506,37 @@ def encode_for_views(
             if old is None:
                 all_changed = True
             else:
-                changed |= entry.changed_slots(old)
+                changed |= entry.changed_lists(old)
         else:
             entry = old
         entries.append(entry)
         services[name] = entry
-    lists: dict[str, list[Resource]] = {}
+    lists: dict[_ListKey, list[Resource]] = {}
 
-    def slot(key: str, pick: Callable[[_Service], Resource | None]) -> list[Resource]:
+    def output(key: _ListKey) -> list[Resource]:
         """One output list: the last build's when no resource in it changed (kept by identity)."""
         previous = memo.previous_list(key)
         if previous is not None and not all_changed and key not in changed:
             made = previous
         else:
-            made = [r for r in map(pick, entries) if r is not None]
+            made = [r for entry in entries if (r := entry.pick(key)) is not None]
         lists[key] = made
         return made
 
-    ads_clusters = slot("clusters", operator.attrgetter("cluster")) if want_ads else []
-    rest_clusters = slot("rest_clusters", operator.attrgetter("rest_cluster")) if want_rest else []
-    every_list = slot("endpoints", operator.attrgetter("every"))
+    ads_clusters = output("cluster") if want_ads else []
+    rest_clusters = output("rest_cluster") if want_rest else []
+    every_list = output("every")
     by_zone: dict[str, list[Resource]] = {"": every_list}
     for number, zone in enumerate(zones):
-        in_zone = slot(f"endpoints in {number}", _zone_pick(number))
+        in_zone = output(number)
         # Nothing zone-local in this zone: the same list, shared.
         by_zone[zone] = every_list if all(map(operator.is_, in_zone, every_list)) else in_zone
     by_kind = {
-        ClientKind.ENVOY: slot("sockets", operator.attrgetter("socket")) if want_sockets else [],
-        ClientKind.GRPC: slot("api_listeners", operator.attrgetter("api")) if want_apis else [],
-        ClientKind.REST: slot("rest_sockets", operator.attrgetter("rest_socket")) if want_rest else [],
+        ClientKind.ENVOY: output("socket") if want_sockets else [],
+        ClientKind.GRPC: output("api") if want_apis else [],
+        ClientKind.REST: output("rest_socket") if want_rest else [],
     }
-    routes = slot("routes", operator.attrgetter("route"))
+    routes = output("route")
     memo.finish(names, services, lists)
     return {(kind, zone): {CLUSTER: rest_clusters if kind is ClientKind.REST else ads_clusters,
                            ENDPOINT: by_zone[zone], LISTENER: by_kind[kind], ROUTE: routes}
