@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.fanout import FanoutResult, run_fanout
+from bench.fanout import FanoutResult, run_fanout, stream_error_notes
 from bench.fleet import percentile
 from bench.procs import REPO
 from bench.report import fmt_ms
@@ -124,17 +124,7 @@ class _Pooled:
 
     def notes(self) -> list[str]:
         """One line per gRPC status the proxies saw, with an example and how many came during the changes."""
-        counts: dict[str, int] = {}
-        during: dict[str, int] = {}
-        examples: dict[str, str] = {}
-        for r in self.runs:
-            for code, n in r.stream_errors.items():
-                counts[code] = counts.get(code, 0) + n
-                during[code] = during.get(code, 0) + r.errors_during_changes.get(code, 0)
-            examples.update(r.error_examples)
-        return [f"Stream errors, {self.variant.server} {self.variant.transport}, {self.proxies} proxies: {n} x {code} "
-                f"over {len(self.runs)} runs (during the changes: {during[code]}), e.g. "
-                f"`{examples.get(code, '?')[:200]}`" for code, n in counts.items()]
+        return stream_error_notes(f"{self.variant.server} {self.variant.transport}, {self.proxies} proxies", self.runs)
 
     def row(self, baseline: _Pooled | None) -> list[Any]:
         errors: dict[str, int] = {}

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_hardening import before_checkout
-from bench.fanout import FanoutResult, run_fanout
+from bench.fanout import FanoutResult, run_fanout, stream_error_notes
 from bench.fleet import percentile
 from bench.procs import REPO
 from bench.report import fmt_ms
@@ -99,10 +99,7 @@ def row(variant: IncrementalVariant, result: FanoutResult, load: float) -> list[
 
 def notes(variant: IncrementalVariant, result: FanoutResult) -> list[str]:
     """One line per gRPC status the run's proxies saw: how many, how many during the changes, an example."""
-    during, examples = result.errors_during_changes, result.error_examples
-    return [f"Stream errors, {variant.server} {variant.xds}, {result.proxies} proxies: {n} x {code} (during the "
-            f"changes: {during.get(code, 0)}), e.g. `{examples.get(code, '?')[:200]}`"
-            for code, n in result.stream_errors.items()]
+    return stream_error_notes(f"{variant.server} {variant.xds}, {result.proxies} proxies", [result])
 
 
 def run_incremental(*, runs: Sequence[tuple[IncrementalVariant, int]], changes: int, workload: Workload,

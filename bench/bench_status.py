@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_hardening import before_checkout
-from bench.fanout import FanoutResult, run_fanout
+from bench.fanout import FanoutResult, run_fanout, stream_error_notes
 from bench.fleet import percentile
 from bench.procs import REPO, ServerProcess
 from bench.report import fmt_ms
@@ -216,17 +216,8 @@ class _Runs:
                 sum(r.failures for r in self.results), total if not total else f"{total} {errors}", *ratios]
 
     def notes(self) -> list[str]:
-        counts: dict[str, int] = {}
-        during: dict[str, int] = {}
-        examples: dict[str, str] = {}
-        for r in self.results:
-            for code, n in r.stream_errors.items():
-                counts[code] = counts.get(code, 0) + n
-                during[code] = during.get(code, 0) + r.errors_during_changes.get(code, 0)
-            examples.update(r.error_examples)
-        lines = [f"Stream errors, {self.variant.server} ({self.variant.admin}), {self.proxies} proxies: {n} x {code} "
-                 f"over {len(self.results)} runs (during the changes: {during[code]}), e.g. "
-                 f"`{examples.get(code, '?')[:200]}`" for code, n in counts.items()]
+        lines = stream_error_notes(f"{self.variant.server} ({self.variant.admin}), {self.proxies} proxies",
+                                   self.results)
         if self.poll_errors:
             lines.append(f"Status page polls that failed, {self.proxies} proxies: {len(self.poll_errors)}, e.g. "
                          f"`{self.poll_errors[0][:200]}`")

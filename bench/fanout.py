@@ -42,7 +42,7 @@ from bench.procs import REPO, EtcdProcess, ServerProcess, start_pilotfish
 from bench.report import fmt_ms
 from bench.workload import Workload
 
-__all__ = ["FANOUT_COLUMNS", "FanoutResult", "run_fanout", "start_naive"]
+__all__ = ["FANOUT_COLUMNS", "FanoutResult", "run_fanout", "start_naive", "stream_error_notes"]
 
 FANOUT_COLUMNS = ["server", "proxies", "change", "quiet ms", "event log", "all synced s", "p50 ms", "p99 ms", "max ms",
                   "p99 after publish ms", "CPU s / push", "simulator CPU s / push", "RSS KB / idle stream", "failures",
@@ -153,6 +153,24 @@ def _py_spy(pid: int, output: Path, rate: int = 250) -> subprocess.Popen[bytes]:
     return subprocess.Popen([str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", str(rate),
                              "--output", str(output), "--nonblocking"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+
+def stream_error_notes(label: str, results: Sequence[FanoutResult]) -> list[str]:
+    """One line per gRPC status the proxies of ``results`` (the runs of one variant, pooled) saw:
+    how many, how many of them during the changes, and an example message. ``label`` names the
+    variant (e.g. ``now TLS, 1000 proxies``)."""
+    counts: dict[str, int] = {}
+    during: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for r in results:
+        for code, n in r.stream_errors.items():
+            counts[code] = counts.get(code, 0) + n
+            during[code] = during.get(code, 0) + r.errors_during_changes.get(code, 0)
+        examples.update(r.error_examples)
+    runs = f" over {len(results)} runs" if len(results) > 1 else ""
+    return [f"Stream errors, {label}: {n} x {code}{runs} (during the changes: {during[code]}), e.g. "
+            f"`{examples.get(code, '?')[:200]}`" for code, n in counts.items()]
 
 
 def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, workload: Workload,

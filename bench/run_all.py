@@ -524,9 +524,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
 
 def _error_notes(r: fanout.FanoutResult) -> list[str]:
     """One line per gRPC status the proxies saw, with an example message."""
-    return [f"Stream errors with {r.proxies} proxies ({r.server}): {n} x {code}, e.g. "
-            f"`{r.error_examples.get(code, '?')}`; during the changes: {r.errors_during_changes.get(code, 0)}."
-            for code, n in r.stream_errors.items()]
+    return fanout.stream_error_notes(f"{r.server}, {r.proxies} proxies", [r])
 
 
 def _ratio(a: float, b: float) -> str:
