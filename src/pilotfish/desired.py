@@ -49,7 +49,7 @@ from google.protobuf.message import Message
 from pilotfish.bootstrap import DEFAULT_REST_REFRESH, rest_config_source
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType, TypeUrl
-from pilotfish.resources.builders import ClientKind, ResourceMemo, encode_for_views
+from pilotfish.resources.builders import ClientKind, ResourceMemo, ServicesPatch, encode_for_views
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.snapshot import Resource, Snapshot, SubsetPlan, SubsetService, TypeSnapshot
@@ -122,6 +122,13 @@ class Merged:
     resources: Mapping[ResourceType, tuple[Message, ...]]
     version: str | None
     problems: tuple[Problem, ...]
+    patch: ServicesPatch | None = field(default=None, compare=False)
+    """How :attr:`services` and :attr:`endpoints` were made from the last merge's (None: not
+    from it): a build that starts from that one looks at the changed services alone."""
+
+
+_NO_STATE = DesiredState()
+"""What a source that is not (yet, or any longer) among the merged ones contributes."""
 
 
 class MergeMemo:
@@ -138,14 +145,15 @@ class MergeMemo:
 
     def patched(self, states: Mapping[str, DesiredState]) -> Merged | None:
         """The merge of ``states`` made from the last one, or None when it takes a full merge (a
-        first merge, sources that came or went, or problems to report in their order)."""
+        first merge, or problems to report in their order). A source that comes or goes counts
+        as one that had (has) nothing: a registry's first registration costs what it adds."""
         last, before = self._merged, self._states
-        if last is None or last.problems or states.keys() != before.keys():
+        if last is None or last.problems:
             return None
         names: set[str] = set()
         resources_changed = False
-        for source, state in states.items():
-            old = before[source]
+        for source in states.keys() | before.keys():
+            old, state = before.get(source, _NO_STATE), states.get(source, _NO_STATE)
             if old is state:
                 continue
             resources_changed = resources_changed or (old.resources is not state.resources
@@ -181,7 +189,7 @@ class MergeMemo:
                 endpoints.pop(name, None)
         resources = _merged_resources(ordered) if resources_changed else last.resources
         return Merged(services=services, endpoints=endpoints, resources=resources, version=_version(states),
-                      problems=())
+                      problems=(), patch=ServicesPatch(last.services, last.endpoints, frozenset(names)))
 
     def keep(self, states: Mapping[str, DesiredState], merged: Merged) -> None:
         self._states, self._merged = dict(states), merged
@@ -379,7 +387,7 @@ def build_snapshots(
     memo = memo or ResourceMemo()
     rest_source = _rest_source(rest_refresh) if any(v.kind is ClientKind.REST for v in views) else None
     built = encode_for_views(merged.services, merged.endpoints, memo, views=[(v.kind, v.zone) for v in views],
-                             rest_source=rest_source)
+                             rest_source=rest_source, patch=merged.patch)
     union: dict[ResourceType, list[Resource]] = {}
     for rtype in TYPES:
         # Views share lists (and resources in them): each distinct one is checked once.
@@ -470,6 +478,8 @@ def _name_clashes(raw: _Raw, built: Mapping[ClientKind, Mapping[ResourceType, li
             for index, (resource, message) in enumerate(raw.get(rtype, ())):
                 if _serves(kind, rtype, message):
                     raw_names.setdefault(resource.name, index)
+            if not raw_names:
+                continue
             for resource in by_type.get(rtype, []):
                 if resource.name in raw_names:
                     problems.append(Problem(
@@ -483,10 +493,7 @@ def _api_listener_clashes(merged: Merged) -> list[Problem]:
     """Two services whose gRPC clients would resolve the same name."""
     problems = []
     owners: dict[str, str] = {}
-    for name in sorted(merged.services):
-        target = merged.services[name].grpc
-        if target is None:
-            continue
+    for name, target in sorted((name, spec.grpc) for name, spec in merged.services.items() if spec.grpc is not None):
         if target in owners:
             problems.append(Problem(f"services.{name}.grpc", f"gRPC clients of services.{owners[target]} resolve "
                                                              f"xds:///{target} already; give each its own name"))
@@ -503,10 +510,8 @@ def _address_clashes(merged: Merged) -> list[Problem]:
         address = _listen_address(listener)
         if address:
             owners.setdefault(address, f"listeners[{index}] (name {listener.name!r})")  # type: ignore[attr-defined]
-    for name in sorted(merged.services):
-        spec = merged.services[name]
-        if spec.listen is None:
-            continue
+    for name, spec in sorted((name, spec) for name, spec in merged.services.items() if spec.listen is not None):
+        assert spec.listen is not None
         address = f"{spec.listen[0]}:{spec.listen[1]}"
         if address in owners:
             problems.append(Problem(f"services.{name}.listen",

@@ -509,7 +509,7 @@ class Reconciler:
         endpoints = dict(merged.endpoints)
         for name in services & endpoints.keys():
             endpoints[name] = tuple(e for e in endpoints[name] if (name, e.address) not in held)
-        return replace(merged, endpoints=endpoints)
+        return replace(merged, endpoints=endpoints, patch=None)  # (held ones differ from what it was made from)
 
     def _source_names(self) -> str:
         return " + ".join(self._labels.get(name, name) for name in sorted(self._states)) or "no sources"

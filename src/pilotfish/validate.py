@@ -1404,6 +1404,8 @@ def check_references(
     own references are right by construction).
     """
     problems: list[Problem] = []
+    if not any(resources.values()):
+        return problems  # only the resources given refer to others (the more_* ones are right by construction)
     endpoint_names = {m.cluster_name for m in resources.get(ENDPOINT, ())}  # type: ignore[attr-defined]
     endpoint_names.update(more_endpoints)
     route_names = {m.name for m in resources.get(ROUTE, ())}  # type: ignore[attr-defined]

@@ -54,6 +54,7 @@ edits = st.one_of(
     st.tuples(st.just("endpoints"), st.sampled_from(SOURCES), st.sampled_from(NAMES), endpoint_tuples),
     st.tuples(st.just("no endpoints"), st.sampled_from(SOURCES), st.sampled_from(NAMES)),
     st.tuples(st.just("reload"), st.sampled_from(SOURCES)),
+    st.tuples(st.just("gone"), st.sampled_from(SOURCES)),
 )
 
 
@@ -61,6 +62,8 @@ def _apply(states: dict[str, DesiredState], edit: tuple[object, ...]) -> dict[st
     """``edit`` made as a source makes it: a new state that keeps every untouched object."""
     what, source = edit[0], edit[1]
     assert isinstance(source, str)
+    if what == "gone":  # the source is no longer merged (the next edit of it brings it back)
+        return {name: state for name, state in states.items() if name != source}
     state = states.get(source, DesiredState())
     services, endpoints = dict(state.services), dict(state.endpoints)
     if what == "define":
@@ -98,7 +101,7 @@ def _build(states: Mapping[str, DesiredState], memo: ResourceMemo | None, merge_
 @given(st.lists(edits, min_size=1, max_size=12))
 def test_a_build_from_the_last_one_equals_a_build_from_nothing(steps: list[tuple[object, ...]]) -> None:
     memo, merge_memo = ResourceMemo(), MergeMemo()
-    states: dict[str, DesiredState] = {source: DesiredState() for source in SOURCES}
+    states: dict[str, DesiredState] = {SOURCES[0]: DesiredState()}  # the others come with their first edit
     for edit in steps:
         states = _apply(states, edit)
         assert _build(states, memo, merge_memo) == _build(states, None, None), edit

@@ -43,7 +43,7 @@ import enum
 import functools
 import operator
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, health_check_pb2
@@ -64,7 +64,7 @@ from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, ResourceType
 from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, length_delimited
 
-__all__ = ["ClientKind", "ResourceMemo", "build_api_listener", "build_assignment", "build_cluster",
+__all__ = ["ClientKind", "ResourceMemo", "ServicesPatch", "build_api_listener", "build_assignment", "build_cluster",
            "build_listener", "encode_for_views", "encode_services"]
 
 
@@ -292,10 +292,16 @@ class _Service:
         changed.update(number for number, (a, b) in enumerate(zip(self.zonal, old.zonal, strict=True)) if a is not b)
         return changed
 
-    def pick(self, key: _ListKey) -> Resource | None:
-        """This service's resource in the output list ``key`` (None: it has none there)."""
-        found: Resource | None = self.zonal[key] if isinstance(key, int) else getattr(self, key)
-        return found
+
+class ServicesPatch(NamedTuple):
+    """How one pair of (definitions, endpoints) mappings was made from another: from ``specs`` and
+    ``endpoints``, changing only ``names`` (every other name's values are the very objects found
+    there). A build that knows it starts from the mappings of the last one looks at those names
+    alone."""
+
+    specs: Mapping[str, ServiceSpec]
+    endpoints: Mapping[str, tuple[Endpoint, ...]]
+    names: frozenset[str]
 
 
 _ListKey = str | int
@@ -330,6 +336,8 @@ class ResourceMemo:
         """Resources made (not reused) in all: the tests count them."""
         self._derived: dict[Hashable, tuple[tuple[object, ...], Any]] = {}
         self._derived_before: dict[Hashable, tuple[tuple[object, ...], Any]] = {}
+        self._made_from: tuple[Mapping[str, ServiceSpec], Mapping[str, Iterable[Endpoint]]] | None = None
+        """The mappings the last build was made from (a patch of them needs only its names looked at)."""
 
     def make(self, make: Callable[..., Resource], *args: Any) -> Resource:
         """``make(*args)``: one resource made because its input changed (counted in :attr:`made`)."""
@@ -343,6 +351,7 @@ class ResourceMemo:
             self._views = views
             self._services = {}
             self._lists = {}
+            self._made_from = None
 
     def names(self, specs: Mapping[str, ServiceSpec]) -> tuple[str, ...]:
         """``specs``' names, sorted (the last build's tuple when they are the same names)."""
@@ -351,18 +360,29 @@ class ResourceMemo:
             names = tuple(sorted(specs))
         return names
 
+    def last_names(self) -> tuple[str, ...]:
+        """The last build's service names, sorted."""
+        return self._names
+
     def same_names(self, names: tuple[str, ...]) -> bool:
         """Whether ``names`` (from :meth:`names`) are the last build's."""
         return names is self._names
+
+    def continues(self, patch: ServicesPatch | None) -> bool:
+        """Whether ``patch`` starts from the very mappings the last build was made from."""
+        made_from = self._made_from
+        return (patch is not None and made_from is not None and made_from[0] is patch.specs
+                and made_from[1] is patch.endpoints)
 
     def services(self) -> Mapping[str, _Service]:
         """What the last build made of each service."""
         return self._services
 
-    def finish(self, names: tuple[str, ...], services: dict[str, _Service],
-               lists: dict[_ListKey, list[Resource]]) -> None:
-        """End a build: its services and lists are what the next one starts from."""
-        self._names, self._services, self._lists = names, services, lists
+    def finish(self, names: tuple[str, ...], services: dict[str, _Service], lists: dict[_ListKey, list[Resource]],
+               made_from: tuple[Mapping[str, ServiceSpec], Mapping[str, Iterable[Endpoint]]]) -> None:
+        """End a build: its services and lists (and the mappings they were made from) are what
+        the next one starts from."""
+        self._names, self._services, self._lists, self._made_from = names, services, lists, made_from
 
     def previous_list(self, key: _ListKey) -> list[Resource] | None:
         return self._lists.get(key)
@@ -405,13 +425,17 @@ def encode_for_views(
     *,
     views: Iterable[ViewKey] = ((ClientKind.ENVOY, ""),),
     rest_source: config_source_pb2.ConfigSource | None = None,
+    patch: ServicesPatch | None = None,
 ) -> dict[ViewKey, dict[ResourceType, list[Resource]]]:
     """:func:`encode_services` for several views in one pass over the services. Views share the
     very same lists where they do not differ: routes always; clusters between views that follow
     ADS (``envoy``, ``grpc``) and between ``rest`` views; listeners between views of one kind;
     assignments between views of one zone, and the assignment of a service that is not
     ``zone_local`` (or has no endpoint in the zone) is the same object in every view.
-    ``rest_source``: the config source ``rest`` views get EDS and RDS from (needed for them)."""
+    ``rest_source``: the config source ``rest`` views get EDS and RDS from (needed for them).
+    ``patch``: how ``specs`` and ``endpoints`` were made from earlier ones; when those are what
+    ``memo`` last built from, only the patch's names are looked at (a change to one service
+    among 10,000 costs that service and the output lists it is in)."""
     memo = memo or ResourceMemo()
     wanted = tuple(dict.fromkeys(views))
     if rest_source is None and any(kind is ClientKind.REST for kind, _ in wanted):
@@ -488,38 +512,55 @@ def encode_for_views(
     def route(spec: ServiceSpec) -> Resource:
         return Resource.of(ROUTE, _route_config(spec))
 
-    names = memo.names(specs)
-    entries: list[_Service] = []
-    services: dict[str, _Service] = {}
     last = memo.services()
-    all_changed = not memo.same_names(names)  # a service came or went: every list is made again
     changed: set[_ListKey] = set()
-    for name in names:
-        spec = specs[name]
+
+    def visit(name: str, spec: ServiceSpec) -> _Service:
+        """The service's entry: the last build's if its input is the same, else made again."""
         found = endpoints.get(name, ())
         if type(found) is not tuple:
             found = tuple(found)
         old = last.get(name)
-        if old is None or (old.spec is not spec and old.spec != spec) or (old.found is not found and
-                                                                         old.found != found):
-            entry = make(name, spec, found, old)
-            if old is None:
-                all_changed = True
-            else:
-                changed |= entry.changed_lists(old)
-        else:
-            entry = old
-        entries.append(entry)
-        services[name] = entry
+        if old is not None and (old.spec is spec or old.spec == spec) and (old.found is found or old.found == found):
+            return old
+        entry = make(name, spec, found, old)
+        if old is not None:
+            changed.update(entry.changed_lists(old))
+        return entry
+
+    services: dict[str, _Service]
+    if memo.continues(patch):
+        assert patch is not None
+        # Every other name's input is the very object the last build had: its entry stands.
+        services = dict(last)
+        came_or_went = False
+        for name in patch.names:
+            spec = specs.get(name)
+            if spec is not None:
+                came_or_went = came_or_went or name not in last
+                services[name] = visit(name, spec)
+            elif services.pop(name, None) is not None:
+                came_or_went = True
+        names = memo.names(specs) if came_or_went else memo.last_names()
+    else:
+        names = memo.names(specs)
+        services = {name: visit(name, specs[name]) for name in names}
+    all_changed = not memo.same_names(names)  # a service came or went: every list is made again
+    entries: list[_Service] | None = None
     lists: dict[_ListKey, list[Resource]] = {}
 
     def output(key: _ListKey) -> list[Resource]:
         """One output list: the last build's when no resource in it changed (kept by identity)."""
+        nonlocal entries
         previous = memo.previous_list(key)
         if previous is not None and not all_changed and key not in changed:
             made = previous
         else:
-            made = [r for entry in entries if (r := entry.pick(key)) is not None]
+            if entries is None:
+                entries = list(map(services.__getitem__, names))
+            picked = map(operator.attrgetter(key), entries) if isinstance(key, str) else (
+                entry.zonal[key] for entry in entries)
+            made = [r for r in picked if r is not None]
         lists[key] = made
         return made
 
@@ -537,7 +578,7 @@ def encode_for_views(
         ClientKind.REST: output("rest_socket") if want_rest else [],
     }
     routes = output("route")
-    memo.finish(names, services, lists)
+    memo.finish(names, services, lists, (specs, endpoints))
     return {(kind, zone): {CLUSTER: rest_clusters if kind is ClientKind.REST else ads_clusters,
                            ENDPOINT: by_zone[zone], LISTENER: by_kind[kind], ROUTE: routes}
             for kind, zone in wanted}
