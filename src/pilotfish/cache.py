@@ -118,6 +118,7 @@ class SnapshotCache:
         self._remember(group, previous, snapshot)
         for own in self._own.get(group, {}).values():
             own.retire()  # kept to compare with; no longer served (the new snapshot makes its own)
+        bridged = group in self._bridges
         bridge = self._bridge(group, snapshot)
         if bridge is None:
             self._bridges.pop(group, None)
@@ -129,7 +130,8 @@ class SnapshotCache:
         answered = 0
         for type_url in ADS_ORDER:
             watches = by_type.get(type_url)
-            if not watches:
+            if not watches or (previous is not None and _nothing_new(type_url, previous, snapshot,
+                                                                      bridged or bridge is not None)):
                 continue
             due: list[tuple[int, _Entry, TypeSnapshot]] = []
             for wid, entry in watches.items():
@@ -265,6 +267,21 @@ class SnapshotCache:
         if found is None and type_url == ENDPOINT.url:
             found = self._own.get(group, {}).get(version)
         return found
+
+
+def _nothing_new(type_url: TypeUrl, previous: Snapshot, snapshot: Snapshot, bridged: bool) -> bool:
+    """Whether ``snapshot`` answers every watch of ``type_url`` as ``previous`` did, so none that
+    waited on ``previous`` is due: the very same resources (a build keeps an unchanged type's
+    object), and neither a cluster bridge (``bridged``: before or now) nor per-proxy endpoints
+    (subsetting), which depend on more than the type. An endpoint change then wakes no stream's
+    cluster, listener or route watch."""
+    if previous.types.get(type_url) is not snapshot.types.get(type_url):
+        return False
+    if type_url == CLUSTER.url:
+        return not bridged
+    if type_url == ENDPOINT.url:
+        return previous.subsets is None and snapshot.subsets is None
+    return True
 
 
 def _routing_moved(watch: Watch | DeltaWatch, snapshot: Snapshot) -> bool:

@@ -425,9 +425,13 @@ def build_snapshots(
                 # The resources and their hash, derived once from the same list as the last build's
                 # (by identity: one endpoint changed leaves the clusters' list as it was).
                 served = tuple(r.hash for r, m in raw.get(rtype, ()) if _serves(view.kind, rtype, m))
-                last = memo.derived((rtype, view.kind, view.zone), (by_type.get(rtype), served), functools.partial(
-                    _type_snapshot, raw, view, by_type, rtype))
-                shared[key] = last.types[rtype.url].renewed(merged.version)
+                derived = (rtype, view.kind, view.zone)
+                last = memo.derived(derived, (by_type.get(rtype), served), functools.partial(
+                    _type_snapshot, raw, view, by_type, rtype)).types[rtype.url]
+                # At the same version too, the very TypeSnapshot of the last build: the cache
+                # then knows that nothing waiting on this type has news (and keeps its responses).
+                shared[key] = memo.derived((*derived, "served"), (last, merged.version),
+                                           functools.partial(last.renewed, merged.version))
             types[rtype.url] = shared[key]
         snapshots[view] = Snapshot(MappingProxyType(types), explicit_version=merged.version, subsets=_subset_plan(
             merged, view, subsets if subsets is not None else subset_tables(merged, {}, default_size=subset_size),

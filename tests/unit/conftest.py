@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -84,6 +86,14 @@ def build(
          LISTENER: parse(LISTENER, listeners), ROUTE: parse(ROUTE, routes)},
         version=version,
     )
+
+
+def mixes(pool: Sequence[Snapshot], rng: random.Random, count: int) -> list[Snapshot]:
+    """``count`` snapshots each made type by type of the very TypeSnapshot objects of snapshots of
+    ``pool``, as builds keep the object of a type nothing changed in (so the cache sees types it
+    has served before, and answers only what is new)."""
+    return [Snapshot(MappingProxyType({url: rng.choice(pool).types[url] for url in pool[0].types}))
+            for _ in range(count)]
 
 
 @dataclass

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from unittest import mock
 
-from conftest import CDS, EDS, LDS, RDS, assignment, build, cluster, listener, route
+from conftest import CDS, EDS, LDS, RDS, assignment, build, cluster, listener, mixes, route
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_protocol_delta import DeltaPair, Got
@@ -39,7 +40,7 @@ def _pool() -> list[Snapshot]:
                        for n in "lm" if rng.random() < 0.7],
             routes=[route(r, rng.choice(clusters)) for r in "rs" if rng.random() < 0.8],
         ))
-    return pool
+    return pool + mixes(pool, rng, 6)
 
 
 POOL = _pool()
@@ -156,8 +157,11 @@ class Run:
         self.cache.set_snapshot(self.snapshot)
         self.pair = DeltaPair(self.cache)
         self.client = Client()
+        self.transcript: list[Got] = []
+        """Every response, on every stream, in order."""
 
     def received(self, got: list[Got]) -> None:
+        self.transcript.extend(got)
         for g in got:
             self.client.take(g, self.snapshot)
 
@@ -221,6 +225,10 @@ class Run:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(start=st.integers(0, len(POOL) - 1), steps=STEPS)
 def test_delta_streams_converge_without_resending_what_the_client_has(start: int, steps: list[object]) -> None:
+    _play(start, steps).settle()
+
+
+def _play(start: int, steps: list[object]) -> Run:
     run = Run(start)
     for step in steps:
         if isinstance(step, Publish):
@@ -230,4 +238,15 @@ def test_delta_streams_converge_without_resending_what_the_client_has(start: int
         else:
             assert isinstance(step, Request)
             run.request(step)
-    run.settle()
+    return run
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(start=st.integers(0, len(POOL) - 1), steps=STEPS)
+def test_a_publication_answers_what_a_look_at_every_watch_would(start: int, steps: list[object]) -> None:
+    """The cache passes over the watches of a type whose very resources it served before (none
+    waiting on them can be due): it must answer exactly what looking at every watch answers."""
+    passing = _play(start, steps).transcript
+    with mock.patch("pilotfish.cache._nothing_new", return_value=False):
+        looking = _play(start, steps).transcript
+    assert passing == looking

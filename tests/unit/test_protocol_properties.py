@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from unittest import mock
 
-from conftest import CDS, EDS, LDS, RDS, Received, StreamPair, assignment, build, cluster, listener, route
+from conftest import CDS, EDS, LDS, RDS, Received, StreamPair, assignment, build, cluster, listener, mixes, route
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,7 +58,7 @@ def _pool() -> list[Snapshot]:
             routes=[route(r, rng.choice(targets)) for r in routes],
         ))
     pool.append(pool[0])  # the same content again
-    return pool
+    return pool + mixes(pool, rng, 6)
 
 
 POOL = _pool()
@@ -330,6 +331,10 @@ class Run:
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(start=st.integers(0, len(POOL) - 1), steps=STEPS)
 def test_random_request_sequences_keep_the_protocol_invariants(start: int, steps: list[Request | Publish]) -> None:
+    _play(start, steps).settle()
+
+
+def _play(start: int, steps: list[Request | Publish]) -> Run:
     cache, twin_cache = SnapshotCache(), SnapshotCache()
     cache.set_snapshot(POOL[start])
     twin_cache.set_snapshot(POOL[start])
@@ -339,4 +344,15 @@ def test_random_request_sequences_keep_the_protocol_invariants(start: int, steps
             run.publish(POOL[step.index])
         else:
             run.request(step)
-    run.settle()
+    return run
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(start=st.integers(0, len(POOL) - 1), steps=STEPS)
+def test_a_publication_answers_what_a_look_at_every_watch_would(start: int, steps: list[Request | Publish]) -> None:
+    """The cache passes over the watches of a type whose very resources it served before (none
+    waiting on them can be due): it must answer exactly what looking at every watch answers."""
+    passing = _play(start, steps)
+    with mock.patch("pilotfish.cache._nothing_new", return_value=False):
+        looking = _play(start, steps)
+    assert (passing.pair.inbox, passing.twin.inbox) == (looking.pair.inbox, looking.twin.inbox)
