@@ -14,6 +14,12 @@ since that version: the cache keeps the last :data:`HISTORY` versions of each ty
 with. A proxy at a version no longer kept (or warming, or stating a version it never had from us)
 gets the full set of what it subscribes to, which is always correct.
 
+A new snapshot looks only at the watches of types that may have news: a build keeps the very
+object of a type nothing changed in, and nothing waiting on an object the cache served before can
+be due (each waiting watch was found to lack nothing in it), unless clusters are bridged or
+endpoints are per proxy (subsetting). So an endpoint change wakes the endpoint watches alone, not
+every stream's cluster, listener and route watches.
+
 Make before break (behaviour 12): when a new snapshot removes clusters that the previous one's
 listeners or routes used, the cache also keeps a *bridge* cluster set (new clusters plus those).
 A proxy whose ACKed listeners and routes are not yet the new ones gets the bridge, so no route
