@@ -56,6 +56,9 @@ def test_fleet_command_converges_every_proxy_and_prints_its_table(client: str) -
     assert cells[fanout.FANOUT_COLUMNS.index("stream errors")] == "0"
 
 
+# Every benchmark in turn, each starting its servers and simulated fleets: ~110 s on an idle 2-core
+# machine, past the default 180 s hang guard with a fan-out running beside it. The guard is for hangs.
+@pytest.mark.timeout(600)
 def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     results = run_all(QUICK, out=out, workdir=tmp_path)
