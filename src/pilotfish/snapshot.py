@@ -98,7 +98,8 @@ was told does not exist (in ``removed_resources``), so it is not told again."""
 
 _DELTA_MEMO_ENTRIES = 1024
 """Delta answers kept per snapshot and type, keyed by what the client is known to have (shared
-between the streams at the same place; beyond it they are computed again)."""
+between the streams at the same place; beyond it they are computed again). Only the read-only
+mappings answers hand out are keys, never a stream's own dict."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,18 +206,22 @@ class TypeSnapshot:
             removed.sort()
             after: Mapping[str, str]
             if wildcard:
-                after = versions if not absent else {**versions, **dict.fromkeys(absent, ABSENT)}
+                after = versions if not absent else MappingProxyType({**versions, **dict.fromkeys(absent, ABSENT)})
             elif not absent and len(names) == len(versions):
                 after = versions  # subscribed to every one: shared, as a wildcard client's
             else:
-                after = {name: versions.get(name, ABSENT) for name in names}
+                after = MappingProxyType({name: versions.get(name, ABSENT) for name in names})
             resources = self.resources
             body = delta_discovery_response(self.version, self.rtype.url,
                                             (resources[n].delta_encoded() for n in sent), removed)
             result = DeltaChanges(self.rtype.url, self.version, body, tuple(sent), tuple(removed), after)
-        if len(memo) >= _DELTA_MEMO_ENTRIES:
-            memo.clear()
-        memo[id(known)] = (known, wildcard, names, result)
+        if type(known) is not dict or not known:
+            # A mapping answers hand out (read-only, shared by the streams that took the answer).
+            # A plain dict is one stream's own (what it stated on reconnecting, or had after
+            # unsubscribing): no other stream asks with it, and keeping it would keep it alive.
+            if len(memo) >= _DELTA_MEMO_ENTRIES:
+                memo.clear()
+            memo[id(known)] = (known, wildcard, names, result)
         return result
 
     def retire(self) -> None:

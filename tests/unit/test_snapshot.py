@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from types import MappingProxyType
+
+import pytest
 from conftest import CDS, EDS, assignment, build, cluster
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from pilotfish.resources.wire import nonce_field
+from pilotfish.snapshot import _DELTA_MEMO_ENTRIES
 
 
 def test_versions_ignore_order_and_follow_content() -> None:
@@ -154,3 +159,39 @@ def test_the_budget_grows_with_the_type_so_every_name_of_a_large_type_stays_kept
     for i in range(300):  # and peers asking for other large sets do not grow it past its budget
         eds.response(frozenset(names[i:]))
         assert eds.memoized()[1] <= eds.memo_budget() <= 4096 + 4 * (len(eds.response(None).body) + 120 * 2000)
+
+
+# -- delta answers ----------------------------------------------------------------------------------
+
+def test_a_delta_answer_keeps_no_stream_s_own_record_of_what_it_has() -> None:
+    """A reconnecting client states what it has (initial_resource_versions): that dict is its own,
+    asked with once. Keeping it in the answers' memo would keep every such record alive (10,000
+    reconnecting proxies with 10,000 clusters each: gigabytes) after the streams have moved on."""
+    ts = build(clusters=[cluster("a"), cluster("b")]).get(CDS)
+    assert ts is not None
+    own = {"a": "an old version", "b": ts.versions()["b"]}
+    held_before = sys.getrefcount(own)
+    answer = ts.delta(own, wildcard=True, names=frozenset())
+    assert answer is not None and answer.sent == ("a",)
+    assert sys.getrefcount(own) == held_before, "the stream's own dict is still referenced after the answer"
+    # What the answer hands out is shared, read-only, and answers the next stream at once.
+    again = ts.delta(answer.known, wildcard=True, names=frozenset())
+    assert again is None and ts.delta(answer.known, wildcard=True, names=frozenset()) is again
+    with pytest.raises(TypeError):
+        answer.known["a"] = "changed"  # type: ignore[index]
+
+
+def test_the_delta_answer_memo_stays_bounded() -> None:
+    """Shared mappings are remembered up to a bound; past it the memo starts over (each answer is
+    still right), so clients cycling through subscriptions cannot grow it."""
+    ts = build(clusters=[cluster("a"), cluster("b")]).get(CDS)
+    assert ts is not None
+    first = MappingProxyType({"a": "x"})
+    baseline = sys.getrefcount(first)
+    assert ts.delta(first, wildcard=True, names=frozenset()) is not None
+    assert sys.getrefcount(first) > baseline, "a shared mapping is remembered"
+    others = [MappingProxyType({"a": str(n)}) for n in range(_DELTA_MEMO_ENTRIES)]
+    for known in others:
+        answer = ts.delta(known, wildcard=True, names=frozenset())
+        assert answer is not None and set(answer.sent) == {"a", "b"}
+    assert sys.getrefcount(first) == baseline, f"more than {_DELTA_MEMO_ENTRIES} entries kept"
