@@ -926,8 +926,12 @@ class Fleet:
             shards[i % self.workers].append((i, f"{self.node_prefix}-{i:05d}"))
         tls = self.tls.as_dict() if self.tls is not None else None
         targets = [self.target, *self.replicas]
+        # A worker answers once it has started its last proxy: with a ramp, after len(shard) / rate
+        # seconds, longer when its event loop is busy syncing the ones it started first (10,000
+        # delta proxies at 10 per second per worker: past the usual two minutes).
+        ramp = max(map(len, shards)) / self.rate if self.rate > 0 else 0.0
         self._all("start", per_worker=[{"targets": targets, "ids": s, "rate": self.rate, "client": self.client,
-                                        "tls": tls, "xds": self.xds} for s in shards])
+                                        "tls": tls, "xds": self.xds} for s in shards], timeout=max(60.0, 2 * ramp))
 
     def _all(self, command: str, *, per_worker: list[dict[str, Any]] | None = None, **args: Any) -> list[Any]:
         for n, conn in enumerate(self._conns):
