@@ -514,9 +514,9 @@ def _address_clashes(merged: Merged) -> list[Problem]:
         address = _listen_address(listener)
         if address:
             owners.setdefault(address, f"listeners[{index}] (name {listener.name!r})")  # type: ignore[attr-defined]
-    for name, spec in sorted((name, spec) for name, spec in merged.services.items() if spec.listen is not None):
-        assert spec.listen is not None
-        address = f"{spec.listen[0]}:{spec.listen[1]}"
+    for name, (host, port) in sorted((name, spec.listen) for name, spec in merged.services.items()
+                                     if spec.listen is not None):
+        address = f"{host}:{port}"
         if address in owners:
             problems.append(Problem(f"services.{name}.listen",
                                     f"{address} is already used by {owners[address]}; give each its own address"))

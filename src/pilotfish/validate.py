@@ -1244,26 +1244,25 @@ def check_rules(
     checker = checker or default_checker()
     problems: list[Problem] = []
 
-    def not_understood(where: str, exc: RuleNotUnderstood) -> Problem:
-        return Problem(where, f"internal error: pilotfish cannot check the validate rules here ({exc}); "
-                              "please report it, or serve with validation off to let it through")
+    def report(where: str, outcome: tuple[Violation, ...] | RuleNotUnderstood) -> None:
+        if isinstance(outcome, RuleNotUnderstood):
+            problems.append(Problem(where, f"internal error: pilotfish cannot check the validate rules here "
+                                           f"({outcome}); please report it, or serve with validation off to let "
+                                           "it through"))
+        else:
+            problems.extend(Problem(f"{where}{v.path}", v.message()) for v in outcome)
 
     for rtype, items in raw.items():
         for index, (resource, message) in enumerate(items):
-            where = f"{rtype.key}[{index}] (name {resource.name!r})"
+            outcome: tuple[Violation, ...] | RuleNotUnderstood
             try:
-                found = checker.check_resource(rtype, resource, message)
+                outcome = checker.check_resource(rtype, resource, message)
             except RuleNotUnderstood as exc:
-                problems.append(not_understood(where, exc))
-                continue
-            problems.extend(Problem(f"{where}{v.path}", v.message()) for v in found)
+                outcome = exc
+            report(f"{rtype.key}[{index}] (name {resource.name!r})", outcome)
     for rtype, resources in (built or {}).items():
         for resource, outcome in checker.check_resources(rtype, resources):
-            where = f"services.{resource.name} (its {rtype.key[:-1]} {resource.name!r})"
-            if isinstance(outcome, RuleNotUnderstood):
-                problems.append(not_understood(where, outcome))
-            else:
-                problems.extend(Problem(f"{where}{v.path}", v.message()) for v in outcome)
+            report(f"services.{resource.name} (its {rtype.key[:-1]} {resource.name!r})", outcome)
     return problems
 
 

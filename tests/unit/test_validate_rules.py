@@ -14,6 +14,7 @@ import pkgutil
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import validate.validate_pb2 as pgv
@@ -394,3 +395,29 @@ class _Encoded:
         self.value = message.SerializeToString(deterministic=True)
         self.hash = hashlib.sha256(self.value).hexdigest()
         self.name = message.name
+
+
+class _Stumped(RuleChecker):
+    """Stands in for a checker meeting a rule it cannot apply: a real one cannot be made on demand
+    (every rule kind reachable from the five resource types is understood, tested above)."""
+
+    def check_resource(self, rtype: Any, resource: Any, message: Message | None = None) -> tuple[Any, ...]:
+        raise RuleNotUnderstood(f"a rule of {rtype.key}")
+
+
+def test_a_rule_that_cannot_be_applied_refuses_the_resource_by_name() -> None:
+    """Raw and built resources alike: the snapshot is refused, naming the resource, never served unchecked."""
+    from pilotfish.resources.encoded import Resource
+    from pilotfish.validate import check_rules
+
+    raw_cluster = good_cluster()
+    raw = {CLUSTER: [(Resource.of(CLUSTER, raw_cluster), raw_cluster)]}
+    built = {ROUTE: [Resource.of(ROUTE, route_pb2.RouteConfiguration(name="api"))]}
+    problems = check_rules(raw, built, checker=_Stumped())
+    assert [(p.where, p.message) for p in problems] == [
+        ("clusters[0] (name 'web')", "internal error: pilotfish cannot check the validate rules here (a rule of "
+                                     "clusters); please report it, or serve with validation off to let it through"),
+        ("services.api (its route 'api')", "internal error: pilotfish cannot check the validate rules here (a rule "
+                                           "of routes); please report it, or serve with validation off to let it "
+                                           "through"),
+    ]
