@@ -212,7 +212,9 @@ def test_hot_restart_finishes_in_flight_request_and_child_gets_everything(
 
     def slow_request() -> None:
         try:
-            result["response"] = testbed.request("/slow?ms=3000", timeout=20)
+            # Long enough to outlast the child's start on a busy machine (3 s did not, beside a
+            # benchmark), short enough to end before the child ends the parent (15 s after it starts).
+            result["response"] = testbed.request("/slow?ms=10000", timeout=20)
         except Exception as exc:
             result["error"] = exc
 
