@@ -215,8 +215,10 @@ def _parser() -> argparse.ArgumentParser:
                           "certificate issued by this CA")
     tls.add_argument("--authorize-node", type=_node_rule, action="append", default=[], metavar="IDENTITY=NODE",
                      help="with --client-ca: a proxy whose certificate identity (SPIFFE URI SAN, else DNS SAN) "
-                          "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'); "
-                          "repeatable; once given, any other claim is refused (PERMISSION_DENIED)")
+                          "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'; a "
+                          "capture {name} in IDENTITY takes a non-empty run without '/', and in NODE stands for "
+                          "what it took: 'spiffe://mesh/ns/{ns}/sa/{sa}={sa}'); repeatable; once given, any other "
+                          "claim is refused (PERMISSION_DENIED)")
     tls.add_argument("--grant-secret", type=_grant, action="append", default=[],
                      metavar="SECRET=identity:PATTERN|SECRET=node:PATTERN",
                      help="SDS secrets whose names match SECRET go to proxies whose certificate identity (needs "
