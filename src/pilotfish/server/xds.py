@@ -19,7 +19,10 @@ SDS secrets go only to the proxies they are granted to (:mod:`pilotfish.server.g
 SDS watch reaches the cache, the names the stream's proxy (its certificate identity, its node id)
 is not granted are taken out of its subscription, and a wildcard is dropped. So the cache never
 produces an ungranted secret for that stream, responses stay shared between streams with the same
-granted set, and the proxy waits for a denied secret as for one that does not exist. Each denied
+granted set, and the proxy waits for a denied secret as for one that does not exist. New grants
+(:meth:`XdsServer.set_grants`, an edited grants file) are applied to every open stream's SDS
+watch at once: a proxy waiting for a secret it is now granted receives it without asking again.
+Each denied
 name is recorded once per stream (a ``secret_denied`` event, up to :data:`MAX_DENIED_RECORDED`
 names) and warned about at most once per :data:`WARN_EVERY` seconds.
 """
@@ -150,7 +153,7 @@ class XdsServer:
         """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.server.authorize`)."""
         self.grants = grants if grants is not None else SecretGrants()
         """Which proxies may receive which secrets; none by default (fail closed). Checked at every
-        SDS request: a replacement takes effect at each stream's next one."""
+        SDS request: a replacement takes effect at each stream's next one (:meth:`set_grants`: at once)."""
         self._warnings = RateLimitedLog(_log, what="such streams")
         """A peer that breaks the rules in a loop must not fill the log (the event log has a
         ``stream_closed`` line per stream)."""
@@ -165,6 +168,15 @@ class XdsServer:
         own endpoints are looked up anew, so it is sent its new subset on the same stream)."""
         for stream in list(self._by_node.get(node, ())):
             stream.rewatch(ENDPOINT.url)
+
+    def set_grants(self, grants: SecretGrants) -> None:
+        """Serve under ``grants`` from now on: every open stream's SDS watch is opened again with
+        what the new grants let its proxy have (a secret newly granted is sent at once; one no
+        longer granted gets no later version)."""
+        self.grants = grants
+        for streams in list(self._by_node.values()):
+            for stream in list(streams):
+                stream.regrant()
 
     def methods(self) -> dict[str, MethodFactory]:
         """``{path: factory}`` for every xDS method pilotfish serves, SotW and delta."""
@@ -305,6 +317,11 @@ class _Stream:
         """Open the stream's latest watch of ``type_url`` again (the cache looks at it anew)."""
         raise NotImplementedError
 
+    def regrant(self) -> None:
+        """The server's grants changed: open the stream's SDS watch again, with what its proxy
+        asked for filtered by them."""
+        raise NotImplementedError
+
     def _forget_watches(self) -> None:
         """Drop what the stream waits for (subclasses drop their own state too)."""
         for cancel in self._cancels.values():
@@ -333,13 +350,15 @@ class _SotwConnection(_Stream):
     """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
     the cache's responses are written as it hands them over."""
 
-    __slots__ = ("_current", "_granted", "state")
+    __slots__ = ("_asked_secrets", "_current", "_granted", "state")
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
         super().__init__(server, call, type_url)
         self.state = SotwStream(type_url=type_url, limits=server.limits)
         self._current: dict[TypeUrl, Watch] = {}
         """The newest watch per type: a response to an older one is dropped unsent."""
+        self._asked_secrets: Watch | None = None
+        """The newest SDS watch as the proxy asked for it (before grants): for :meth:`regrant`."""
         self._granted: tuple[ProxyGrants, Subscription, Subscription] | None = None
         """The last SDS subscription asked for and what of it is granted (under those grants)."""
 
@@ -384,6 +403,7 @@ class _SotwConnection(_Stream):
             self._record_nack(outcome.type_url, outcome.rejected_version, outcome.error)
         for watch in outcome.watches:
             if watch.type_url == SECRET.url:
+                self._asked_secrets = watch
                 watch = self._granted_only(watch)
             elif watch.type_url == ENDPOINT.url:
                 watch = watch._replace(proxy=self.node_id)
@@ -395,6 +415,16 @@ class _SotwConnection(_Stream):
         watch = self._current.get(type_url)
         if watch is not None and not self.closed:
             self._replace_watch(type_url, self._server.cache.create_watch, watch, self._send)
+
+    def regrant(self) -> None:
+        asked = self._asked_secrets
+        if asked is None or self.closed:
+            return
+        watch = self._granted_only(asked)
+        if watch == self._current.get(SECRET.url):
+            return  # the same granted names: nothing to ask the cache anew
+        self._current[SECRET.url] = watch
+        self._replace_watch(SECRET.url, self._server.cache.create_watch, watch, self._send)
 
     def _granted_only(self, watch: Watch) -> Watch:
         """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
@@ -432,13 +462,14 @@ class _SotwConnection(_Stream):
     def _forget_watches(self) -> None:
         super()._forget_watches()
         self._current.clear()
+        self._asked_secrets = None
 
 
 class _DeltaConnection(_Stream):
     """One incremental (delta) stream: as a SotW one, with :class:`~pilotfish.protocol.DeltaStream`
     deciding and the cache answering with what the client lacks."""
 
-    __slots__ = ("_current", "state")
+    __slots__ = ("_asked_secrets", "_current", "state")
 
     service = "delta-ads"
     protocol = "delta"
@@ -447,6 +478,8 @@ class _DeltaConnection(_Stream):
         super().__init__(server, call, type_url)
         self.state = DeltaStream(type_url=type_url, limits=server.limits)
         self._current: dict[TypeUrl, DeltaWatch] = {}
+        self._asked_secrets: DeltaWatch | None = None
+        """The newest SDS watch as the proxy asked for it (before grants): for :meth:`regrant`."""
 
     def on_message(self, data: bytes) -> None:
         if self.closed:
@@ -489,6 +522,7 @@ class _DeltaConnection(_Stream):
             self._record_nack(outcome.type_url, outcome.version, outcome.error)
         for watch in outcome.watches:
             if watch.type_url == SECRET.url:
+                self._asked_secrets = watch
                 watch = self._granted_only(watch)
             elif watch.type_url == ENDPOINT.url:
                 watch = watch._replace(proxy=self.node_id)
@@ -500,6 +534,16 @@ class _DeltaConnection(_Stream):
         watch = self._current.get(type_url)
         if watch is not None and not self.closed:
             self._replace_watch(type_url, self._server.cache.create_delta_watch, watch, self._send)
+
+    def regrant(self) -> None:
+        asked = self._asked_secrets
+        if asked is None or self.closed:
+            return
+        watch = self._granted_only(asked)
+        if watch == self._current.get(SECRET.url):
+            return
+        self._current[SECRET.url] = watch
+        self._replace_watch(SECRET.url, self._server.cache.create_delta_watch, watch, self._send)
 
     def _granted_only(self, watch: DeltaWatch) -> DeltaWatch:
         """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
@@ -536,6 +580,7 @@ class _DeltaConnection(_Stream):
     def _forget_watches(self) -> None:
         super()._forget_watches()
         self._current.clear()
+        self._asked_secrets = None
 
 
 async def start_xds_server(xds: XdsServer, address: str, *, tls: ssl.SSLContext | None = None,
