@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from .event_log import TYPE_URLS, is_event
-from .processes import Envoy, StatValue, wait_until
+from .processes import Envoy, StatValue, pilotfish, wait_until
 from .testbed import Testbed, wait_for_acks
 from .wrk import Wrk, wrk_binary
 
@@ -211,3 +211,16 @@ def test_one_capture_rule_lets_each_certificate_claim_only_its_own_node_id(testb
                what="the impostor to log PERMISSION_DENIED", details=impostor.log_tail)
     assert impostor.cluster_endpoints("web") == []
     assert not events.select(is_event("stream_open", node="edge-b"))
+
+
+def test_a_capture_named_twice_or_never_defined_stops_serve_at_start(tmp_path: Path) -> None:
+    pki = Pki(tmp_path)
+    snapshot = tmp_path / "snapshot.yaml"
+    snapshot.write_text("clusters: []\n")
+    for rule, says in (("spiffe://pilotfish.test/ns/{sa}/sa/{sa}={sa}", "the capture {sa} appears twice in IDENTITY"),
+                       ("spiffe://pilotfish.test/ns/{ns}/sa/*={sa}", "the capture {sa} in NODE is not defined")):
+        result = pilotfish("serve", "--snapshot", str(snapshot), "--xds", "127.0.0.1:0", "--admin", "off",
+                           *pki.serve_options(mtls=True), "--authorize-node", rule, check=False)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "Traceback" not in result.stderr
+        assert f"argument --authorize-node: rule '{rule}': {says}" in result.stderr, result.stderr
