@@ -61,6 +61,13 @@ def glob_match(pattern: str, value: str) -> bool:
     linear in their lengths (a few ``str.find`` per ``*``) however many ``*`` the pattern has: a
     regular expression with several ``*`` backtracks for a time that grows as a power of the
     length of a value that does not match, and values a peer chooses (node ids) can be long."""
+    first = pattern.find("*")
+    if first < 0:
+        return pattern == value
+    after = pattern.rfind("*") + 1  # the text before the first '*' and after the last is the value's own:
+    if (first + len(pattern) - after > len(value) or not value.startswith(pattern[:first])
+            or not value.endswith(pattern[after:])):  # most values that do not match fail here, at once
+        return False
     segments = pattern.split("/")  # '*' never crosses '/'
     if value.count("/") != len(segments) - 1:  # (before splitting a value of 100,000 '/')
         return False

@@ -66,6 +66,8 @@ from pilotfish.server.followed_file import FollowedFile
 __all__ = ["MAX_GRANTS", "GrantsFile", "ProxyGrants", "SecretGrant", "SecretGrants", "Subject", "parse_grant",
            "parse_grants"]
 
+_IDENTITIES_KEPT = 4096
+"""Identities whose granted secrets :class:`SecretGrants` remembers (then it starts afresh)."""
 MAX_GRANTS = 10_000
 """Grants a grants file may list (each is checked at every SDS request of the proxies it names)."""
 
@@ -109,17 +111,28 @@ def parse_grant(text: str) -> SecretGrant:
 class SecretGrants:
     """The grants. Immutable: to change grants, make a new one."""
 
-    __slots__ = ("grants",)
+    __slots__ = ("_by_identity", "_identity_grants", "_node_grants", "grants")
 
     def __init__(self, grants: Iterable[SecretGrant] = ()) -> None:
         self.grants = tuple(grants)
+        self._identity_grants = [(g.pattern, g.secret) for g in self.grants if g.subject is Subject.IDENTITY]
+        self._node_grants = [(g.pattern, g.secret) for g in self.grants if g.subject is Subject.NODE]
+        self._by_identity: dict[str, list[str]] = {}
+        """The secret patterns each identity is granted (memo, bounded by :data:`_IDENTITIES_KEPT`):
+        many proxies share an identity (the replicas of a service account), and new grants are
+        applied to every open stream at once."""
 
     def for_proxy(self, *, identity: str, node_id: str) -> ProxyGrants:
         """What a proxy proving ``identity`` and claiming ``node_id`` is granted (a stream asks
         once, then matches each name it asks for)."""
-        secrets = [g.secret for g in self.grants
-                   if (value := identity if g.subject is Subject.IDENTITY else node_id)
-                   and glob_match(g.pattern, value)]
+        secrets = self._by_identity.get(identity) if identity else []
+        if secrets is None:
+            secrets = [secret for pattern, secret in self._identity_grants if glob_match(pattern, identity)]
+            if len(self._by_identity) >= _IDENTITIES_KEPT:
+                self._by_identity.clear()
+            self._by_identity[identity] = secrets
+        if node_id and self._node_grants:
+            secrets = secrets + [secret for pattern, secret in self._node_grants if glob_match(pattern, node_id)]
         if not secrets:
             return ProxyGrants(None)
         exact = frozenset(p for p in secrets if "*" not in p)
