@@ -6,7 +6,8 @@ any proxy holding a certificate from the CA) could subscribe to any secret by na
 first DNS SAN; see :mod:`pilotfish.server.tls`) matches PATTERN receive the secrets whose names
 match SECRET; ``SECRET=node:PATTERN`` does the same for the node ids proxies claim. The patterns
 are :mod:`pilotfish.server.authorize`'s (one implementation): ``*`` stands for any run of
-characters except ``/``, everything else for itself, and a pattern matches the whole string.
+characters except ``/``, everything else for itself (captures are ``--authorize-node``'s only:
+here braces are text), and a pattern matches the whole string.
 
 Choices, and why:
 
