@@ -171,7 +171,10 @@ class FollowedFile(Generic[T]):
         _log.warning("%s %s reloaded: %s", self.what, self.path, self._summary_text(value))
         self.events.emit(f"{self.event}_loaded", file=str(self.path), **self.summary(value))
         if self.on_change is not None:
-            self.on_change(value)
+            try:
+                self.on_change(value)
+            except Exception:  # our bug: say so, and keep following the file
+                _log.exception("applying %s %s failed unexpectedly", self.what, self.path)
         return True
 
     async def follow(self) -> None:
