@@ -215,13 +215,19 @@ def _parser() -> argparse.ArgumentParser:
                           "certificate issued by this CA")
     tls.add_argument("--authorize-node", type=_node_rule, action="append", default=[], metavar="IDENTITY=NODE",
                      help="with --client-ca: a proxy whose certificate identity (SPIFFE URI SAN, else DNS SAN) "
-                          "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'); "
-                          "repeatable; once given, any other claim is refused (PERMISSION_DENIED)")
+                          "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'; a "
+                          "capture {name} in IDENTITY takes a non-empty run without '/', and in NODE stands for "
+                          "what it took: 'spiffe://mesh/ns/{ns}/sa/{sa}={sa}'); repeatable; once given, any other "
+                          "claim is refused (PERMISSION_DENIED)")
     tls.add_argument("--grant-secret", type=_grant, action="append", default=[],
                      metavar="SECRET=identity:PATTERN|SECRET=node:PATTERN",
                      help="SDS secrets whose names match SECRET go to proxies whose certificate identity (needs "
                           "--client-ca) or claimed node id (proven only with --authorize-node) matches PATTERN "
                           "('*': any characters but '/'); repeatable; a secret no grant covers goes to no proxy")
+    tls.add_argument("--grants-file", type=Path, metavar="FILE",
+                     help="more SDS grants, in force beside --grant-secret: YAML (JSON if it ends in .json) "
+                          "'grants: [SECRET=identity:PATTERN, SECRET=node:PATTERN, ...]'; followed as it changes "
+                          "(within a second; a bad edit is reported, grants_error, and the last good grants kept)")
     tls.add_argument("--tls-reload-ms", type=_positive_int, default=1000, metavar="MS",
                      help="check the certificate, key and CA files for changes this often (default: %(default)s)")
     conns = serve.add_argument_group(
@@ -387,6 +393,7 @@ def _serve(args: argparse.Namespace) -> int:
                              registry_client_ca=args.registry_client_ca, admin_client_ca=args.admin_client_ca,
                              tls_reload_every=args.tls_reload_ms / 1000,
                              authorize_nodes=tuple(args.authorize_node), secret_grants=tuple(args.grant_secret),
+                             grants_file=args.grants_file,
                              xds_connections=ConnectionLimits(
                                  max_connections=args.max_connections,
                                  max_connections_per_address=args.max_connections_per_address,

@@ -156,6 +156,8 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType({
                              "status", "token", "peer", "unreported_before"),
     "registry_tokens_loaded": _spec("the tokens file changed and is in force", "file", "tokens", "reads"),
     "registry_tokens_error": _spec("the tokens file was refused; the last good tokens stay", "file", "reason"),
+    "grants_loaded": _spec("the SDS grants file changed and is in force", "file", "grants"),
+    "grants_error": _spec("the SDS grants file was refused; the last good grants stay", "file", "reason"),
     # etcd
     "etcd_synced": _spec("etcd was listed", "revision", "keys", "bad"),
     "etcd_disconnected": _spec("the etcd watch broke", "reason"),

@@ -97,3 +97,50 @@ def test_an_envoy_never_receives_a_secret_not_granted_to_it(testbed: Testbed, tm
     assert "BEGIN CERTIFICATE" not in denied.admin("/config_dump?include_eds")
     # Denied once per stream and name: the second answer added no event.
     assert len(events.select(is_event("secret_denied", node="edge-2"))) == 1
+
+
+def write_grants(path: Path, *grants: str) -> None:
+    write_atomically(path, yaml.safe_dump({"grants": list(grants)}).encode())
+
+
+def test_an_edited_grants_file_reaches_a_waiting_envoy_without_a_restart(testbed: Testbed, tmp_path: Path) -> None:
+    """``serve --grants-file``: edge-2's TLS listener waits for a secret it is not granted; the
+    grant is added to the file and the listener goes active, on the same stream of the same
+    pilotfish. A bad edit then is reported (``grants_error``) and the last good grants stay:
+    a rotated secret still reaches both Envoys."""
+    pki = Pki(tmp_path)
+    secure_port = free_port()
+    write_snapshot(testbed, pki, secure_port, version="1")
+    grants = tmp_path / "grants.yaml"
+    write_grants(grants, "edge-cert=identity:edge-1.pilotfish.test")
+    testbed.control_plane.options = (*pki.serve_options(mtls=True), "--grants-file", str(grants))
+    events = testbed.control_plane.start()
+    granted = testbed.start_envoy(name="granted", node_id="edge-1",
+                                  bootstrap_options=pki.client("edge-1", "edge-1.pilotfish.test"))
+    waiting = testbed.start_envoy(name="waiting", node_id="edge-2",
+                                  bootstrap_options=pki.client("edge-2", "edge-2.pilotfish.test"))
+    wait_until(lambda: listener_state(granted, "secure") == "active", timeout=10,
+               what="the granted Envoy's TLS listener to go active", details=granted.log_tail)
+    events.wait_for(is_event("secret_denied", node="edge-2", secret="edge-cert"), what="edge-2 to be denied")
+    wait_for_acks(events, node="edge-2", types=(LDS, SDS), version="1", what="the waiting Envoy")
+    assert listener_state(waiting, "secure") == "warming"
+    [stream] = events.select(is_event("stream_open", node="edge-2"))
+
+    write_grants(grants, "edge-cert=identity:edge-1.pilotfish.test", "edge-cert=identity:edge-2.pilotfish.test")
+    events.wait_for(is_event("grants_loaded", file=str(grants)), what="pilotfish to load the edited grants")
+    wait_until(lambda: listener_state(waiting, "secure") == "active", timeout=10,
+               what="edge-2's TLS listener to go active with the newly granted secret", details=waiting.log_tail)
+    assert secrets(waiting)["edge-cert"]["version_info"] == "1"
+    assert events.select(is_event("stream_open", node="edge-2")) == [stream]  # the same stream
+    assert len(events.select(is_event("server_started"))) == 1  # the same pilotfish
+
+    mark = events.mark()
+    write_grants(grants, "edge-cert=identity:edge-1.pilotfish.test", "edge-cert=edge-2")  # a bad edit
+    error = events.wait_for(is_event("grants_error", file=str(grants)), after=mark,
+                            what="pilotfish to report the bad edit")
+    assert "grants[1]" in error["reason"]
+    write_snapshot(testbed, pki, secure_port, version="2")
+    for envoy in (granted, waiting):
+        wait_until(lambda envoy=envoy: secrets(envoy).get("edge-cert", {}).get("version_info") == "2", timeout=10,
+                   what=f"{envoy.name} to hold the rotated secret under the last good grants",
+                   details=envoy.log_tail)

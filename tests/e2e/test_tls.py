@@ -7,13 +7,18 @@ checks Envoy's against ``--client-ca`` and records its DNS SAN as the stream's i
 
 from __future__ import annotations
 
+import datetime
 import os
 from pathlib import Path
 
 import trustme
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from .event_log import TYPE_URLS, is_event
-from .processes import Envoy, StatValue, wait_until
+from .processes import Envoy, StatValue, pilotfish, wait_until
 from .testbed import Testbed, wait_for_acks
 from .wrk import Wrk, wrk_binary
 
@@ -25,6 +30,24 @@ def write_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def uri_cert(ca: trustme.CA, uri: str) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) whose only SAN is the URI ``uri``, issued by ``ca`` (trustme
+    issues DNS, IP and e-mail names only)."""
+    ca_key = serialization.load_pem_private_key(ca.private_key_pem.bytes(), password=None)
+    issuer = x509.load_pem_x509_certificate(ca.cert_pem.bytes()).subject
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "proxy")]))
+            .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]  # trustme's CA key is EC or RSA
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
 
 
 class Pki:
@@ -47,11 +70,16 @@ class Pki:
         write_atomically(self.server_cert, leaf.cert_chain_pems[0].bytes())
 
     def client(self, name: str, identity: str, *, ca: trustme.CA | None = None) -> tuple[str, ...]:
-        """``pilotfish bootstrap`` options for an Envoy presenting a certificate for ``identity``."""
-        leaf = (ca or self.ca).issue_cert(identity)
+        """``pilotfish bootstrap`` options for an Envoy presenting a certificate for ``identity``
+        (a DNS name, or a SPIFFE id: a URI SAN)."""
         cert, key = self.directory / f"{name}.pem", self.directory / f"{name}.key"
-        cert.write_bytes(leaf.cert_chain_pems[0].bytes())
-        key.write_bytes(leaf.private_key_pem.bytes())
+        if identity.startswith("spiffe://"):
+            cert_pem, key_pem = uri_cert(ca or self.ca, identity)
+        else:
+            leaf = (ca or self.ca).issue_cert(identity)
+            cert_pem, key_pem = leaf.cert_chain_pems[0].bytes(), leaf.private_key_pem.bytes()
+        cert.write_bytes(cert_pem)
+        key.write_bytes(key_pem)
         return ("--tls-ca", str(self.ca_path), "--tls-cert", str(cert), "--tls-key", str(key))
 
     def serve_options(self, *, mtls: bool) -> tuple[str, ...]:
@@ -157,3 +185,42 @@ def test_an_envoy_claiming_a_node_id_its_certificate_is_not_granted_is_refused(t
                what="the impostor to log the refusal", details=impostor.log_tail)
     assert impostor.cluster_endpoints("web") == []
     assert len(testbed.events.select(is_event("stream_open", node="edge-1"))) == 1
+
+
+def test_one_capture_rule_lets_each_certificate_claim_only_its_own_node_id(testbed: Testbed, tmp_path: Path) -> None:
+    """``--authorize-node 'spiffe://.../sa/{sa}={sa}'``: the Envoy whose certificate names service
+    account edge-a is served as node edge-a; the same certificate claiming edge-b is refused."""
+    pki = Pki(tmp_path)
+    testbed.write_snapshot()
+    testbed.control_plane.options = (*pki.serve_options(mtls=True),
+                                     "--authorize-node", "spiffe://pilotfish.test/ns/{ns}/sa/{sa}={sa}")
+    events = testbed.control_plane.start()
+    edge_a = "spiffe://pilotfish.test/ns/edge/sa/edge-a"
+    owner = testbed.start_envoy(name="edge-a", node_id="edge-a", bootstrap_options=pki.client("edge-a", edge_a))
+    wait_for_acks(events, node="edge-a", types=TYPE_URLS, what="edge-a, claiming its own node id")
+    opened = events.find(is_event("stream_open", node="edge-a"))
+    assert opened is not None and opened["identity"] == edge_a
+    assert owner.cluster_endpoints("web")
+
+    impostor = testbed.start_envoy(name="impostor", node_id="edge-b",
+                                   bootstrap_options=pki.client("impostor", edge_a))
+    refusal = events.wait_for(is_event("node_refused", identity=edge_a),
+                              what="pilotfish to refuse edge-a's certificate the node id edge-b")
+    assert "'edge-b'" in refusal["reason"] and "'edge-a'" in refusal["reason"]  # and what it may claim
+    wait_until(lambda: "closed: 7, node id 'edge-b' refused" in impostor.log_tail(200), timeout=10,
+               what="the impostor to log PERMISSION_DENIED", details=impostor.log_tail)
+    assert impostor.cluster_endpoints("web") == []
+    assert not events.select(is_event("stream_open", node="edge-b"))
+
+
+def test_a_capture_named_twice_or_never_defined_stops_serve_at_start(tmp_path: Path) -> None:
+    pki = Pki(tmp_path)
+    snapshot = tmp_path / "snapshot.yaml"
+    snapshot.write_text("clusters: []\n")
+    for rule, says in (("spiffe://pilotfish.test/ns/{sa}/sa/{sa}={sa}", "the capture {sa} appears twice in IDENTITY"),
+                       ("spiffe://pilotfish.test/ns/{ns}/sa/*={sa}", "the capture {sa} in NODE is not defined")):
+        result = pilotfish("serve", "--snapshot", str(snapshot), "--xds", "127.0.0.1:0", "--admin", "off",
+                           *pki.serve_options(mtls=True), "--authorize-node", rule, check=False)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "Traceback" not in result.stderr
+        assert f"argument --authorize-node: rule '{rule}': {says}" in result.stderr, result.stderr

@@ -218,6 +218,18 @@ async def test_secrets_go_only_to_the_pollers_granted_them(tmp_path: Path) -> No
     assert denied == {("edge-1", "ops-cert"), ("api-1", "edge-cert"), ("edge-1", "*")}
 
 
+async def test_an_edited_grants_file_applies_to_the_next_poll(tmp_path: Path) -> None:
+    grants = tmp_path / "grants.yaml"
+    write(grants, {"grants": ["edge-cert=node:edge-*"]})
+    async with serving(tmp_path, ServeSettings(grants_file=grants)) as running, client(running) as rest:
+        assert names_of(await rest.discover("secrets", poll(node="edge-1", names=["ops-cert"]))) == []
+        write(grants, {"grants": ["edge-cert=node:edge-*", "ops-cert=node:edge-1"]})
+        async with asyncio.timeout(TIMEOUT):  # the file is looked at every second
+            while not any(e["event"] == "grants_loaded" for e in events(running)):
+                await asyncio.sleep(0.02)
+        assert names_of(await rest.discover("secrets", poll(node="edge-1", names=["ops-cert"]))) == ["ops-cert"]
+
+
 async def test_secrets_over_mtls_go_by_certificate_identity_and_node_claims_are_checked(tmp_path: Path) -> None:
     ca = trustme.CA()
     cert, key = write_pair(tmp_path, ca.issue_cert("127.0.0.1"))

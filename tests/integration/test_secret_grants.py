@@ -11,6 +11,7 @@ not exist, or is not granted, is answered with an SDS response without it).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -227,3 +228,59 @@ async def test_a_delta_stream_gets_only_granted_secrets(tmp_path: Path) -> None:
             nxt: discovery_pb2.DeltaDiscoveryResponse = await asyncio.wait_for(call.read(), TIMEOUT)
             assert nxt.type_url == CDS, f"an ungranted secret or a wildcard was answered: {nxt}"
             assert await server.wait_for("secret_denied", secret="*")
+
+
+def write_grants(path: Path, *grants: str) -> None:
+    """The grants file, replaced atomically (rename over), as a deploy tool writes it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump({"grants": list(grants)}))
+    os.replace(tmp, path)
+
+
+async def test_an_edited_grants_file_applies_to_open_streams_and_a_bad_edit_keeps_the_last_good(
+        tmp_path: Path) -> None:
+    """``--grants-file``: a grant added to the file reaches the proxy already waiting for the
+    secret, on its open SotW and delta streams, without a restart or a new request; a bad edit is
+    reported and changes nothing; a grant removed stops the secret for new streams."""
+    ca = trustme.CA()
+    grants = tmp_path / "grants.yaml"
+    write_grants(grants, f"edge-cert=identity:{EDGE}")
+    async with serving(tmp_path, ca, grants_file=grants) as server:
+        api = credentials(ca, spiffe_cert(ca, API))
+        async with ads_stream(server.xds, api) as sotw, grpc.aio.secure_channel(server.xds, api) as channel:
+            await sotw.write(request(SDS, ["api-cert"], node="api-1"))
+            first = await read(sotw)
+            assert secret_names(first) == []  # not granted (yet): answered without it
+            await sotw.write(request(SDS, ["api-cert"], response=first))  # the ACK: now it waits
+            delta = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).DeltaAggregatedResources()
+            subscribe = discovery_pb2.DeltaDiscoveryRequest(type_url=SDS, resource_names_subscribe=["api-cert"])
+            subscribe.node.id = "api-2"
+            await delta.write(subscribe)
+            await server.wait_for("secret_denied", node="api-2", secret="api-cert")
+
+            write_grants(grants, f"edge-cert=identity:{EDGE}", f"api-cert=identity:{API}")
+            granted = await read(sotw)  # no request in between: the new grants reopened the watch
+            assert secret_names(granted) == ["api-cert"] and granted.version_info == first.version_info
+            got: discovery_pb2.DeltaDiscoveryResponse = await asyncio.wait_for(delta.read(), TIMEOUT)
+            assert [r.name for r in got.resources] == ["api-cert"]
+            loaded = await server.wait_for("grants_loaded", file=str(grants))
+            assert loaded["grants"] == 2
+
+            # A bad edit: reported naming the file and the entry; the last good grants stay.
+            write_grants(grants, f"edge-cert=identity:{EDGE}", "api-cert=api-1")
+            error = await server.wait_for("grants_error", file=str(grants))
+            assert "grants[1]" in error["reason"] and "SECRET=identity:PATTERN" in error["reason"]
+        async with ads_stream(server.xds, api) as call:
+            await call.write(request(SDS, ["api-cert"], node="api-3"))
+            assert secret_names(await read(call)) == ["api-cert"]
+
+        # Removed from the file: a new stream of that identity is not granted it.
+        write_grants(grants, f"edge-cert=identity:{EDGE}")
+        async with asyncio.timeout(TIMEOUT):
+            while len([e for e in server.events() if e["event"] == "grants_loaded"]) < 2:
+                await asyncio.sleep(0.02)
+        async with ads_stream(server.xds, api) as call:
+            await call.write(request(SDS, ["api-cert"], node="api-4"))
+            await call.write(request(CDS))
+            assert await secrets_until_cds(call) == []
+        assert await server.wait_for("secret_denied", node="api-4", secret="api-cert")

@@ -6,7 +6,8 @@ any proxy holding a certificate from the CA) could subscribe to any secret by na
 first DNS SAN; see :mod:`pilotfish.server.tls`) matches PATTERN receive the secrets whose names
 match SECRET; ``SECRET=node:PATTERN`` does the same for the node ids proxies claim. The patterns
 are :mod:`pilotfish.server.authorize`'s (one implementation): ``*`` stands for any run of
-characters except ``/``, everything else for itself, and a pattern matches the whole string.
+characters except ``/``, everything else for itself (captures are ``--authorize-node``'s only:
+here braces are text), and a pattern matches the whole string.
 
 Choices, and why:
 
@@ -14,10 +15,22 @@ Choices, and why:
   as a proxy waiting for its secret (and a ``secret_denied`` event), never as a private key handed
   to every peer. At start-up, ``serve`` warns naming the secrets no grant covers. (Before grants,
   every proxy could have every secret; no example or test served secrets, so nothing relied on it.)
-- **Flags, not the snapshot file.** Who may read a key is the operator's policy, like
-  ``--authorize-node`` and ``--client-ca`` next to it; the snapshot file (and the registry and
-  etcd that feed the same snapshot) says what exists. So whoever can change the configuration
-  cannot also hand themselves the keys, and a typo in a file cannot open anything.
+- **Flags and a grants file, not the snapshot file.** Who may read a key is the operator's
+  policy, like ``--authorize-node`` and ``--client-ca`` next to it; the snapshot file (and the
+  registry and etcd that feed the same snapshot) says what exists. So whoever can change the
+  configuration cannot also hand themselves the keys, and a typo in it cannot open anything. The
+  grants file (``--grants-file``, :class:`GrantsFile`) holds more grants in the flags' grammar::
+
+      grants:
+        - edge-cert=identity:spiffe://mesh/ns/edge/sa/edge
+        - "ingress-*-cert=node:ingress-*"
+
+  It is followed as it changes (:class:`~pilotfish.server.followed_file.FollowedFile`, as the
+  registry's tokens file is): a good version is in force within about a second, beside the
+  flags' grants, and open streams are answered anew under it (a proxy waiting for a secret it is
+  now granted receives it at once, :meth:`~pilotfish.server.xds.XdsServer.set_grants`); a bad
+  version is reported (``grants_error``, naming the file and the entry) and the last good grants
+  stay in force; a bad file at start-up stops ``serve``.
 - **Identities are proven, node ids are claimed.** An ``identity:`` grant needs mTLS
   (``--client-ca``): the identity comes from a certificate the handshake verified, and a
   connection without one has the identity ``""``, which no grant matches. A ``node:`` grant is only
@@ -30,22 +43,34 @@ Choices, and why:
   the other resources are untouched. A wildcard SDS subscription (``*``) is never honoured:
   secrets must be named (Envoy always names them), so "everything" cannot leak a key.
 - **What was sent stays sent.** Grants are checked at every SDS request, so a grant that no longer
-  covers a proxy (after a restart with other flags) stops every later version of the secret
-  reaching it; but SotW SDS has no way to take back a secret a proxy holds, and a key that left
-  cannot be recalled anyway: rotate it (new content under the same name goes only to proxies
-  granted it).
+  covers a proxy (after an edit of the grants file, or a restart with other flags) stops every
+  later version of the secret reaching it; but SotW SDS has no way to take back a secret a proxy
+  holds, and a key that left cannot be recalled anyway: rotate it (new content under the same
+  name goes only to proxies granted it).
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from pilotfish.errors import ConfigError, Problem
+from pilotfish.events import EventLog
 from pilotfish.server.authorize import glob_match
+from pilotfish.server.followed_file import FollowedFile
 
-__all__ = ["ProxyGrants", "SecretGrant", "SecretGrants", "Subject", "parse_grant"]
+__all__ = ["MAX_GRANTS", "GrantsFile", "ProxyGrants", "SecretGrant", "SecretGrants", "Subject", "parse_grant",
+           "parse_grants"]
+
+_IDENTITIES_KEPT = 4096
+"""Identities whose granted secrets :class:`SecretGrants` remembers (then it starts afresh)."""
+MAX_GRANTS = 10_000
+"""Grants a grants file may list (each is checked at every SDS request of the proxies it names)."""
 
 
 class Subject(enum.Enum):
@@ -87,17 +112,28 @@ def parse_grant(text: str) -> SecretGrant:
 class SecretGrants:
     """The grants. Immutable: to change grants, make a new one."""
 
-    __slots__ = ("grants",)
+    __slots__ = ("_by_identity", "_identity_grants", "_node_grants", "grants")
 
     def __init__(self, grants: Iterable[SecretGrant] = ()) -> None:
         self.grants = tuple(grants)
+        self._identity_grants = [(g.pattern, g.secret) for g in self.grants if g.subject is Subject.IDENTITY]
+        self._node_grants = [(g.pattern, g.secret) for g in self.grants if g.subject is Subject.NODE]
+        self._by_identity: dict[str, list[str]] = {}
+        """The secret patterns each identity is granted (memo, bounded by :data:`_IDENTITIES_KEPT`):
+        many proxies share an identity (the replicas of a service account), and new grants are
+        applied to every open stream at once."""
 
     def for_proxy(self, *, identity: str, node_id: str) -> ProxyGrants:
         """What a proxy proving ``identity`` and claiming ``node_id`` is granted (a stream asks
         once, then matches each name it asks for)."""
-        secrets = [g.secret for g in self.grants
-                   if (value := identity if g.subject is Subject.IDENTITY else node_id)
-                   and glob_match(g.pattern, value)]
+        secrets = self._by_identity.get(identity) if identity else []
+        if secrets is None:
+            secrets = [secret for pattern, secret in self._identity_grants if glob_match(pattern, identity)]
+            if len(self._by_identity) >= _IDENTITIES_KEPT:
+                self._by_identity.clear()
+            self._by_identity[identity] = secrets
+        if node_id and self._node_grants:
+            secrets = secrets + [secret for pattern, secret in self._node_grants if glob_match(pattern, node_id)]
         if not secrets:
             return ProxyGrants(None)
         exact = frozenset(p for p in secrets if "*" not in p)
@@ -143,3 +179,66 @@ class ProxyGrants:
             (granted if allows(name) else denied).append(name)
         granted.sort()
         return granted, denied
+
+
+# -- the grants file -------------------------------------------------------------------------------
+
+
+def parse_grants(document: Any, source: str, *, mtls: bool) -> tuple[SecretGrant, ...]:
+    """The grants of a grants file's plain values (``grants:``, a list of ``SECRET=identity:PATTERN``
+    or ``SECRET=node:PATTERN``); :class:`ConfigError` naming every problem. ``mtls``: whether
+    proxies present certificates (without, an ``identity:`` grant could never match: an error)."""
+    if not isinstance(document, dict):
+        raise ConfigError(source, [Problem("", "the file must be a mapping with 'grants' (a list of "
+                                               f"SECRET=identity:PATTERN or SECRET=node:PATTERN); found "
+                                               f"{type(document).__name__}")])
+    problems = [Problem(str(key), "unknown setting; the file has 'grants'")
+                for key in sorted(set(document) - {"grants"}, key=str)]
+    listed = document.get("grants")
+    if not isinstance(listed, list):
+        problems.append(Problem("grants", "a list of SECRET=identity:PATTERN or SECRET=node:PATTERN is required "
+                                          "(an empty list [] grants nothing)"))
+        listed = []
+    elif len(listed) > MAX_GRANTS:
+        problems.append(Problem("grants", f"{len(listed)} grants; at most {MAX_GRANTS} are read"))
+        listed = []
+    grants: list[SecretGrant] = []
+    for i, text in enumerate(listed):
+        where = f"grants[{i}]"
+        if not isinstance(text, str):
+            problems.append(Problem(where, f"a string SECRET=identity:PATTERN or SECRET=node:PATTERN is required, "
+                                           f"not {type(text).__name__} (quote it if YAML read it otherwise)"))
+            continue
+        try:
+            grant = parse_grant(text)
+        except ValueError as exc:
+            problems.append(Problem(where, str(exc)))
+            continue
+        if grant.subject is Subject.IDENTITY and not mtls:
+            problems.append(Problem(where, f"{text!r}: identity: grants name certificate identities: they need "
+                                           "mTLS (serve with --client-ca FILE), or use node: grants"))
+            continue
+        grants.append(grant)
+    if problems:
+        raise ConfigError(source, problems)
+    return tuple(grants)
+
+
+class GrantsFile(FollowedFile[tuple[SecretGrant, ...]]):
+    """The last good grants of a grants file, re-read when it changes (see the module docstring)."""
+
+    what = "SDS grants file"
+    event = "grants"
+    keeper = "the last good grants stay in force"
+    empty = "write 'grants: []' to grant nothing"
+
+    def __init__(self, path: Path, *, mtls: bool, events: EventLog | None = None, every: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.mtls = mtls
+        super().__init__(path, events=events, every=every, clock=clock)
+
+    def parse(self, document: Any, source: str) -> tuple[SecretGrant, ...]:
+        return parse_grants(document, source, mtls=self.mtls)
+
+    def summary(self, value: tuple[SecretGrant, ...]) -> dict[str, object]:
+        return {"grants": len(value)}

@@ -31,11 +31,11 @@ service names and glob patterns (``*`` any run of characters, ``?`` one), matche
 whole name.
 
 :class:`TokenFile` keeps the last good token set of the file and looks at the file at most once a
-second (a ``stat``; the file is read only when its inode, mtime or size changed, or while its
-mtime is too recent to tell two writes apart). A file that became unreadable or invalid keeps the
-last good set: the problem is logged once per version of the file, naming the file and field,
-and recorded as the event ``registry_tokens_error``. At start-up there is no last good set, so a
-bad file is a :class:`ConfigError`.
+second (:class:`~pilotfish.server.followed_file.FollowedFile`, which follows the SDS grants file
+too). A file that became unreadable or invalid keeps the last good set: the problem is logged once
+per version of the file, naming the file and field, and recorded as the event
+``registry_tokens_error``. At start-up there is no last good set, so a bad file is a
+:class:`ConfigError`.
 
 Without a tokens file the API is open, as it always was; :func:`warn_if_open` says so once when
 it listens beyond loopback.
@@ -43,25 +43,19 @@ it listens beyond loopback.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import hashlib
 import hmac
-import json
 import logging
 import re
 import secrets
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import yaml
-
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.events import EventLog
+from pilotfish.server.followed_file import FollowedFile, read_document
 from pilotfish.server.http_site import is_loopback
 
 __all__ = ["MAX_TOKENS", "MAX_TOKENS_FILE_BYTES", "Access", "Allowed", "Denied", "TokenFile", "TokenScope",
@@ -78,9 +72,6 @@ MAX_TOKENS = 10_000
 _DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 _PATTERN = re.compile(r"[A-Za-z0-9._\-*?]+")
 _TOKEN_KEYS = {"sha256", "write", "read", "admin"}
-_RECENT_NS = 2_000_000_000
-"""A file modified less than this before it was read is read again at the next look: a second
-write within the file system's timestamp granularity may leave inode, mtime and size unchanged."""
 
 
 class Access(enum.Enum):
@@ -252,121 +243,37 @@ def _parse_token(name: str, entry: Any, where: str, problems: list[Problem]) -> 
 
 def load_tokens(path: Path) -> TokenSet:
     """Read and parse a tokens file; :class:`ConfigError` naming the file, and line or field."""
-    source = str(path)
-    try:
-        with path.open("rb") as file:
-            data = file.read(MAX_TOKENS_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(source, [Problem("", f"cannot read: {exc.strerror or exc}")]) from exc
-    if len(data) > MAX_TOKENS_FILE_BYTES:
-        raise ConfigError(source, [Problem("", f"larger than {MAX_TOKENS_FILE_BYTES} bytes: not a tokens file?")])
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(source, [Problem(f"byte {exc.start}", "not UTF-8: save the file as UTF-8")]) from exc
-    try:
-        document = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(source, [Problem(f"line {exc.lineno}, column {exc.colno}",
-                                           f"invalid JSON: {exc.msg}")]) from exc
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(source, [Problem(where, f"invalid YAML: {getattr(exc, 'problem', None) or exc}")]) from exc
-    except RecursionError as exc:
-        raise ConfigError(source, [Problem("", "nested too deeply to read")]) from exc
-    if document is None:
-        raise ConfigError(source, [Problem("", "the file is empty; write 'tokens: {}' to let no one write")])
-    return parse_tokens(document, source)
+    document = read_document(path, max_bytes=MAX_TOKENS_FILE_BYTES, empty=_EMPTY)
+    return parse_tokens(document, str(path))
 
 
-Signature = tuple[int, int, int]
+_EMPTY = "write 'tokens: {}' to let no one write"
 
 
-def _signature(path: Path) -> Signature | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
+class TokenFile(FollowedFile[TokenSet]):
+    """The last good :class:`TokenSet` of a file, re-read when the file changes (see
+    :class:`~pilotfish.server.followed_file.FollowedFile`: :meth:`current` looks at the file at
+    most once per ``every`` seconds; a bad version is reported once and leaves the last good set
+    in place)."""
 
+    what = "registry tokens file"
+    event = "registry_tokens"
+    keeper = "the registry API keeps the last good tokens"
+    empty = _EMPTY
 
-class TokenFile:
-    """The last good :class:`TokenSet` of a file, re-read when the file changes.
+    @property
+    def tokens(self) -> TokenSet:
+        """The token set in force."""
+        return self.value
 
-    :meth:`current` looks at the file at most once per ``every`` seconds (of ``clock``), so a
-    changed or removed token takes effect within about that long, and a request costs a clock
-    read. A bad version of the file is reported once and leaves the last good set in place.
-    """
+    def parse(self, document: Any, source: str) -> TokenSet:
+        return parse_tokens(document, source)
 
-    def __init__(self, path: Path, *, events: EventLog | None = None, every: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.path = path
-        self.events = events or EventLog()
-        self.every = every
-        self.clock = clock
-        signature = _signature(path)
-        self.tokens = load_tokens(path)  # at start-up, a bad file is an error: nothing good to fall back on
-        self._read_as = signature
-        self._read_at_ns = time.time_ns()
-        self._looked_at = clock()
-        self.problem: ConfigError | None = None
-        """Why the file's current version is not in use (None when it is)."""
-        _log.info("registry tokens: %d token(s) from %s, reads %s", len(self.tokens.tokens), path,
-                  "open" if self.tokens.reads_open else "scoped")
+    def load(self) -> TokenSet:
+        return load_tokens(self.path)
 
-    def current(self) -> TokenSet:
-        """The token set to decide with now (looking at the file if ``every`` has passed)."""
-        now = self.clock()
-        if now - self._looked_at >= self.every:
-            self._looked_at = now
-            self.refresh()
-        return self.tokens
-
-    def refresh(self) -> bool:
-        """Look at the file now; re-read it if it changed. Whether the token set changed."""
-        signature = _signature(self.path)
-        racy = signature is not None and self._read_at_ns - signature[1] < _RECENT_NS
-        if signature == self._read_as and not racy:
-            return False
-        read_at = time.time_ns()
-        try:
-            tokens = load_tokens(self.path)
-        except ConfigError as exc:
-            if signature != self._read_as or self.problem is None:
-                self._report(exc)
-            self._read_as, self._read_at_ns = signature, read_at
-            return False
-        except Exception as exc:  # our bug: keep the last good set, and say so
-            _log.exception("reading %s failed unexpectedly", self.path)
-            self._report(ConfigError(str(self.path), [Problem("", f"internal error while reading ({exc!r})")]))
-            self._read_as, self._read_at_ns = signature, read_at
-            return False
-        self._read_as, self._read_at_ns = signature, read_at
-        if self.problem is not None:
-            _log.warning("registry tokens file %s is valid again", self.path)
-            self.problem = None
-        if tokens == self.tokens:
-            return False
-        self.tokens = tokens
-        _log.warning("registry tokens reloaded from %s: %d token(s), reads %s", self.path, len(tokens.tokens),
-                     "open" if tokens.reads_open else "scoped")
-        self.events.emit("registry_tokens_loaded", file=str(self.path), tokens=len(tokens.tokens),
-                         reads="open" if tokens.reads_open else "scoped")
-        return True
-
-    async def follow(self) -> None:
-        """Look at the file every ``every`` seconds, so a bad version is reported even while no
-        request comes (requests look too: :meth:`current`)."""
-        while True:
-            await asyncio.sleep(self.every)
-            self.current()
-
-    def _report(self, exc: ConfigError) -> None:
-        self.problem = exc
-        _log.error("%s\nthe registry API keeps the last good tokens (%d token(s)) until the file is fixed",
-                   exc.describe(), len(self.tokens.tokens))
-        self.events.emit("registry_tokens_error", file=str(self.path), reason=exc.describe())
+    def summary(self, value: TokenSet) -> dict[str, object]:
+        return {"tokens": len(value.tokens), "reads": "open" if value.reads_open else "scoped"}
 
 
 # -- deciding --------------------------------------------------------------------------------------

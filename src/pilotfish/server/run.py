@@ -23,7 +23,7 @@ from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.resources import SECRET
 from pilotfish.server.admin import AdminApi, start_admin_server
 from pilotfish.server.authorize import NodeAuthorizer, NodeRule
-from pilotfish.server.grants import SecretGrant, SecretGrants, Subject
+from pilotfish.server.grants import GrantsFile, SecretGrant, SecretGrants, Subject
 from pilotfish.server.groups import NodeGroupRule, NodeGroups
 from pilotfish.server.grpc_server import ConnectionLimits
 from pilotfish.server.http_site import serve_app
@@ -130,6 +130,10 @@ class ServeSettings:
     secret_grants: tuple[SecretGrant, ...] = ()
     """Which proxies may receive which SDS secrets (``identity:`` grants need :attr:`client_ca`);
     empty: no proxy receives any secret (see :mod:`pilotfish.server.grants`)."""
+    grants_file: Path | None = None
+    """A file of more SDS grants (YAML, or JSON when it ends in ``.json``: ``grants: [SECRET=...]``),
+    in force beside :attr:`secret_grants` and followed as it changes (a bad version is reported
+    and the last good grants kept); None: the flags' grants only."""
     node_groups: tuple[NodeGroupRule, ...] = ()
     """Which node group a client joins (first match; see :mod:`pilotfish.server.groups`); after them
     the built-in rules: gRPC clients to ``grpc``, everyone else to ``default``."""
@@ -209,6 +213,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     try:
         # A bad tokens file is an error before anything listens (there is no last good one yet).
         tokens = None if settings.registry_tokens is None else TokenFile(settings.registry_tokens, events=events)
+        grants_file = None if settings.grants_file is None else GrantsFile(
+            settings.grants_file, events=events, mtls=settings.client_ca is not None)
         loaded = None
         if settings.snapshot is not None:
             loaded = file_signature(settings.snapshot)
@@ -228,7 +234,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             raise ConfigError("--authorize-node", [Problem("", "node rules bind certificate identities to node "
                                                                "ids: they need mTLS, give --client-ca FILE too")])
         authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
-        grants = _secret_grants(settings, cache)
+        grants = _secret_grants(settings, cache, () if grants_file is None else grants_file.value)
         xds = XdsServer(cache, events=events, status=status, authorize=authorize, grants=grants,
                         limits=settings.xds_limits, group_of=groups.group_of, proxy_indices=proxy_indices)
         xds_holder.append(xds)
@@ -271,6 +277,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             if tokens is not None:
                 tasks.append(asyncio.create_task(tokens.follow(), name="registry-tokens"))
         rest_address = None
+        rest_holder: list[RestXds] = []
         if settings.rest is not None:
             rest_tls_files = settings.tls_files(client_ca=settings.client_ca, alpn=("http/1.1",))
             rest_tls = None
@@ -282,6 +289,16 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             rest_runner, rest_address = await start_rest_server(
                 rest, settings.rest, tls=None if rest_tls is None else rest_tls.context)
             cleanups.append(rest_runner.cleanup)
+            rest_holder.append(rest)
+        if grants_file is not None:
+            def regrant(granted: tuple[SecretGrant, ...]) -> None:
+                new = _secret_grants(settings, cache, granted)
+                xds.set_grants(new)
+                for poller in rest_holder:
+                    poller.grants = new
+
+            grants_file.on_change = regrant
+            tasks.append(asyncio.create_task(grants_file.follow(), name="grants-file"))
         admin_address = None
         if settings.admin is not None:
             admin_tls = None
@@ -376,21 +393,23 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         events.close()
 
 
-def _secret_grants(settings: ServeSettings, cache: SnapshotCache) -> SecretGrants:
-    """The SDS grants, checked against the other settings; warns about what they leave open or shut."""
-    grants = SecretGrants(settings.secret_grants)
+def _secret_grants(settings: ServeSettings, cache: SnapshotCache, from_file: tuple[SecretGrant, ...]) -> SecretGrants:
+    """The SDS grants (the flags', then the grants file's), checked against the other settings;
+    warns about what they leave open or shut."""
+    grants = SecretGrants(settings.secret_grants + from_file)
     if grants.of(Subject.IDENTITY) and settings.client_ca is None:
         raise ConfigError("--grant-secret", [Problem("", "identity: grants name certificate identities: they "
                                                          "need mTLS, give --client-ca FILE too")])
     if grants.of(Subject.NODE) and not settings.authorize_nodes:
-        _log.warning("--grant-secret node: grants trust the node id a proxy claims, and without --authorize-node "
+        _log.warning("node: grants trust the node id a proxy claims, and without --authorize-node "
                      "any peer that reaches the xDS port can claim any node id and receive these secrets: %s",
                      ", ".join(map(str, grants.of(Subject.NODE))))
     snapshot = cache.snapshot()
     secrets = snapshot.get(SECRET.url) if snapshot is not None else None
     ungranted = grants.ungranted(secrets.resources) if secrets is not None else []
     if ungranted:
-        _log.warning("no --grant-secret covers these secrets: no proxy will receive them: %s", ", ".join(ungranted))
+        _log.warning("no grant (--grant-secret, --grants-file) covers these secrets: no proxy will receive them: %s",
+                     ", ".join(ungranted))
     return grants
 
 

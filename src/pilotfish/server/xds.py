@@ -19,7 +19,10 @@ SDS secrets go only to the proxies they are granted to (:mod:`pilotfish.server.g
 SDS watch reaches the cache, the names the stream's proxy (its certificate identity, its node id)
 is not granted are taken out of its subscription, and a wildcard is dropped. So the cache never
 produces an ungranted secret for that stream, responses stay shared between streams with the same
-granted set, and the proxy waits for a denied secret as for one that does not exist. Each denied
+granted set, and the proxy waits for a denied secret as for one that does not exist. New grants
+(:meth:`XdsServer.set_grants`, an edited grants file) are applied to every open stream's SDS
+watch at once: a proxy waiting for a secret it is now granted receives it without asking again.
+Each denied
 name is recorded once per stream (a ``secret_denied`` event, up to :data:`MAX_DENIED_RECORDED`
 names) and warned about at most once per :data:`WARN_EVERY` seconds.
 """
@@ -30,7 +33,7 @@ import itertools
 import logging
 import ssl
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
@@ -98,6 +101,7 @@ _DELTA_METHODS: tuple[tuple[str, str, TypeUrl | None], ...] = (
 
 _W = TypeVar("_W")
 _R = TypeVar("_R")
+_Watch = TypeVar("_Watch", Watch, DeltaWatch)
 
 
 def _default_group(node: base_pb2.Node) -> NodeGroup:
@@ -150,14 +154,14 @@ class XdsServer:
         """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.server.authorize`)."""
         self.grants = grants if grants is not None else SecretGrants()
         """Which proxies may receive which secrets; none by default (fail closed). Checked at every
-        SDS request: a replacement takes effect at each stream's next one."""
+        SDS request: a replacement takes effect at each stream's next one (:meth:`set_grants`: at once)."""
         self._warnings = RateLimitedLog(_log, what="such streams")
         """A peer that breaks the rules in a loop must not fill the log (the event log has a
         ``stream_closed`` line per stream)."""
         self._denials = RateLimitedLog(_log, what="such requests for secrets")
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
-        self._by_node: dict[str, set[_Stream]] = {}
+        self._by_node: dict[str, set[_Stream[Any]]] = {}
         """Open streams by node id (to end them when the node's subsetting index moved)."""
 
     def refresh_endpoints(self, node: str) -> None:
@@ -166,9 +170,18 @@ class XdsServer:
         for stream in list(self._by_node.get(node, ())):
             stream.rewatch(ENDPOINT.url)
 
+    def set_grants(self, grants: SecretGrants) -> None:
+        """Serve under ``grants`` from now on: every open stream's SDS watch is opened again with
+        what the new grants let its proxy have (a secret newly granted is sent at once; one no
+        longer granted gets no later version)."""
+        self.grants = grants
+        for streams in list(self._by_node.values()):
+            for stream in list(streams):
+                stream.regrant()
+
     def methods(self) -> dict[str, MethodFactory]:
         """``{path: factory}`` for every xDS method pilotfish serves, SotW and delta."""
-        def factory(kind: type[_Stream], type_url: TypeUrl | None) -> MethodFactory:
+        def factory(kind: type[_Stream[Any]], type_url: TypeUrl | None) -> MethodFactory:
             return lambda call: kind(self, call, type_url)  # type: ignore[return-value]  # a Handler
 
         methods = {f"/{service}/{method}": factory(_SotwConnection, type_url)
@@ -178,12 +191,12 @@ class XdsServer:
         return methods
 
 
-class _Stream:
+class _Stream(Generic[_Watch]):
     """What SotW and delta streams share: the call, the proxy's node and group, the watches, the
     refusals, the secrets granted, the NACK warnings and the end."""
 
-    __slots__ = ("_call", "_cancels", "_denied", "_grants", "_last_nack", "_server", "closed", "group", "id",
-                 "node_id", "opened", "type_url")
+    __slots__ = ("_asked_secrets", "_call", "_cancels", "_current", "_denied", "_grants", "_last_nack", "_server",
+                 "closed", "group", "id", "node_id", "opened", "type_url")
 
     service = "ads"
     """How ``stream_open`` names an aggregated stream of this kind."""
@@ -201,6 +214,10 @@ class _Stream:
         self.opened = False
         """The first request (with the node) has been taken."""
         self._cancels: dict[TypeUrl, Cancel] = {}
+        self._current: dict[TypeUrl, _Watch] = {}
+        """The newest watch per type: a response to an older one is dropped unsent."""
+        self._asked_secrets: _Watch | None = None
+        """The newest SDS watch as the proxy asked for it (before grants): for :meth:`regrant`."""
         self._last_nack: tuple[TypeUrl, str | None] | None = None
         """The type and version of the last NACK warned about: a repeated one is not warned again."""
         self._grants: tuple[SecretGrants, ProxyGrants] | None = None
@@ -305,11 +322,28 @@ class _Stream:
         """Open the stream's latest watch of ``type_url`` again (the cache looks at it anew)."""
         raise NotImplementedError
 
+    def _granted_only(self, watch: _Watch) -> _Watch:
+        """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
+        raise NotImplementedError
+
+    def regrant(self) -> None:
+        """The server's grants changed: open the stream's SDS watch again, with what its proxy
+        last asked for filtered by them (unless that leaves the same names)."""
+        asked = self._asked_secrets
+        if asked is None or self.closed:
+            return
+        watch = self._granted_only(asked)
+        if watch != self._current.get(SECRET.url):
+            self._current[SECRET.url] = watch
+            self.rewatch(SECRET.url)
+
     def _forget_watches(self) -> None:
         """Drop what the stream waits for (subclasses drop their own state too)."""
         for cancel in self._cancels.values():
             cancel()
         self._cancels.clear()
+        self._current.clear()
+        self._asked_secrets = None
 
     def _close(self, reason: str) -> None:
         if self.closed:
@@ -329,17 +363,15 @@ class _Stream:
         server.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=reason)
 
 
-class _SotwConnection(_Stream):
+class _SotwConnection(_Stream[Watch]):
     """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
     the cache's responses are written as it hands them over."""
 
-    __slots__ = ("_current", "_granted", "state")
+    __slots__ = ("_granted", "state")
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
         super().__init__(server, call, type_url)
         self.state = SotwStream(type_url=type_url, limits=server.limits)
-        self._current: dict[TypeUrl, Watch] = {}
-        """The newest watch per type: a response to an older one is dropped unsent."""
         self._granted: tuple[ProxyGrants, Subscription, Subscription] | None = None
         """The last SDS subscription asked for and what of it is granted (under those grants)."""
 
@@ -384,6 +416,7 @@ class _SotwConnection(_Stream):
             self._record_nack(outcome.type_url, outcome.rejected_version, outcome.error)
         for watch in outcome.watches:
             if watch.type_url == SECRET.url:
+                self._asked_secrets = watch
                 watch = self._granted_only(watch)
             elif watch.type_url == ENDPOINT.url:
                 watch = watch._replace(proxy=self.node_id)
@@ -429,16 +462,12 @@ class _SotwConnection(_Stream):
             server.events.emit("sent", stream=self.id, node=self.node_id, type=response.type_url,
                                version=response.version, nonce=nonce, resources=response.carried)
 
-    def _forget_watches(self) -> None:
-        super()._forget_watches()
-        self._current.clear()
 
-
-class _DeltaConnection(_Stream):
+class _DeltaConnection(_Stream[DeltaWatch]):
     """One incremental (delta) stream: as a SotW one, with :class:`~pilotfish.protocol.DeltaStream`
     deciding and the cache answering with what the client lacks."""
 
-    __slots__ = ("_current", "state")
+    __slots__ = ("state",)
 
     service = "delta-ads"
     protocol = "delta"
@@ -446,7 +475,6 @@ class _DeltaConnection(_Stream):
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
         super().__init__(server, call, type_url)
         self.state = DeltaStream(type_url=type_url, limits=server.limits)
-        self._current: dict[TypeUrl, DeltaWatch] = {}
 
     def on_message(self, data: bytes) -> None:
         if self.closed:
@@ -489,6 +517,7 @@ class _DeltaConnection(_Stream):
             self._record_nack(outcome.type_url, outcome.version, outcome.error)
         for watch in outcome.watches:
             if watch.type_url == SECRET.url:
+                self._asked_secrets = watch
                 watch = self._granted_only(watch)
             elif watch.type_url == ENDPOINT.url:
                 watch = watch._replace(proxy=self.node_id)
@@ -532,10 +561,6 @@ class _DeltaConnection(_Stream):
         for due in again:  # warming: what the clusters (listeners) just sent wait for, now
             self._current[due.type_url] = due
             self._replace_watch(due.type_url, server.cache.create_delta_watch, due, self._send)
-
-    def _forget_watches(self) -> None:
-        super()._forget_watches()
-        self._current.clear()
 
 
 async def start_xds_server(xds: XdsServer, address: str, *, tls: ssl.SSLContext | None = None,
