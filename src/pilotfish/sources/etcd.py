@@ -304,6 +304,11 @@ class EtcdClient:
         newest = max((int(kv.get("mod_revision", 0)) for kv in answer.get("kvs", [])), default=0)
         return self.revision(answer), newest
 
+    async def get(self, key: str) -> str | None:
+        """The value of ``key`` (None: no such key)."""
+        kvs = (await self.range(key)).get("kvs", [])
+        return _unb64(kvs[0].get("value", "")) if kvs else None
+
     async def put(self, key: str, value: str, *, lease: Lease = 0) -> int:
         """Set ``key``; the revision of the write."""
         body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
