@@ -31,7 +31,10 @@ lost (log warning, event ``etcd_disconnected``, the ``problem`` of ``/healthz``)
 ``keepalive`` seconds of the last word from etcd, and the source lists again until etcd answers
 (then ``etcd_synced``: what changed meanwhile is in the listing). A probe that answers but shows a
 key changed at a revision the watch has not delivered by the next probe means the stream itself is
-dead (etcd is fine): the watch is ended and made again the same way. The watch also asks for
+dead (etcd is fine): the watch is ended and made again the same way. (Only a put shows: etcd keeps
+no record of a deleted key to compare with, so a dead stream that misses only deletes is found at
+the next put. The probe sorts the keys by revision, which costs etcd a pass over the prefix's keys:
+about one probe per ``keepalive / 2`` per watch while nothing changes, none while changes flow.) The watch also asks for
 etcd's progress notifications (``progress_notify``), so an etcd run with a short
 ``--experimental-watch-progress-notify-interval`` keeps the stream talking and needs fewer probes.
 
