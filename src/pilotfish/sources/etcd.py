@@ -23,20 +23,21 @@ nothing changes, so a stalled etcd (a paused process, a hung disk) or a half-ope
 middlebox dropped it without a reset) looks like a quiet one. etcd's Go client finds these with
 gRPC keepalive pings on its connection (HTTP/2 PINGs); the JSON gateway has no pings, and a
 progress request cannot be sent on its stream (a watch there is one HTTP/1.1 request), so the
-watch keeps alive its own way, every ``keepalive`` seconds at most: after
-``keepalive / 2`` of silence on the stream it *probes* etcd with a cheap read on another
-connection (the newest key under the prefix, ``limit 1``), which must answer within
-``keepalive / 2``. A probe that fails or hangs ends the watch: the stall is reported as etcd being
-lost (log warning, event ``etcd_disconnected``, the ``problem`` of ``/healthz``) within
-``keepalive`` seconds of the last word from etcd, and the source lists again until etcd answers
-(then ``etcd_synced``: what changed meanwhile is in the listing). A probe that answers but shows a
+watch keeps alive its own way, every ``keepalive`` seconds at most: after ``keepalive / 2`` of
+silence on the stream it *probes* etcd with a read on another connection (the newest key under
+the prefix, ``limit 1``), which must answer within ``keepalive / 2``. A probe that fails or hangs
+ends the watch: the stall is reported as etcd being lost (log warning, event
+``etcd_disconnected``, the ``problem`` of ``/healthz``) within ``keepalive`` seconds of the last
+word from etcd, and the source lists again until etcd answers (then ``etcd_synced``: what changed
+meanwhile is in the listing). A probe that answers but shows a
 key changed at a revision the watch has not delivered by the next probe means the stream itself is
 dead (etcd is fine): the watch is ended and made again the same way. (Only a put shows: etcd keeps
 no record of a deleted key to compare with, so a dead stream that misses only deletes is found at
 the next put. The probe sorts the keys by revision, which costs etcd a pass over the prefix's keys:
-about one probe per ``keepalive / 2`` per watch while nothing changes, none while changes flow.) The watch also asks for
-etcd's progress notifications (``progress_notify``), so an etcd run with a short
-``--experimental-watch-progress-notify-interval`` keeps the stream talking and needs fewer probes.
+about one probe per ``keepalive / 2`` per watch while nothing changes, none while changes flow.)
+The watch also asks for etcd's progress notifications (``progress_notify``), so an etcd run with a
+short ``--experimental-watch-progress-notify-interval`` keeps the stream talking and needs fewer
+probes.
 
 The view knows the revision it has applied (:attr:`EtcdView.revision`), so a writer can wait
 until the change it made is in (:meth:`EtcdSource.caught_up`): read your writes.
