@@ -20,6 +20,7 @@ from pilotfish.bootstrap import (
     split_addresses,
 )
 from pilotfish.errors import ConfigError
+from pilotfish.sources.etcd import DEFAULT_KEEPALIVE
 
 if TYPE_CHECKING:
     from pilotfish.server.authorize import NodeRule
@@ -63,7 +64,7 @@ def _seconds(value: str) -> float:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if seconds <= 0:
+    if not seconds > 0 or seconds == float("inf"):
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
     return seconds
 
@@ -143,6 +144,10 @@ def _parser() -> argparse.ArgumentParser:
                             "--registry, store registrations there: replicas on one etcd serve one fleet)")
     serve.add_argument("--etcd-prefix", default="/pilotfish/", metavar="PREFIX",
                        help="etcd key prefix: PREFIX/services/NAME, PREFIX/instances/SERVICE/ID (default: %(default)s)")
+    serve.add_argument("--etcd-keepalive-s", type=_seconds, default=DEFAULT_KEEPALIVE, metavar="S",
+                       help="notice an etcd watch that stopped answering (a stalled etcd, a half-open connection) "
+                            "within this long: after S/2 of silence etcd is probed, and must answer within S/2; "
+                            "then the watch is made again (default: %(default)s)")
     serve.add_argument("--quiet-ms", type=_positive_int, default=100, metavar="MS",
                        help="debounce: build once changes have been quiet this long (default: %(default)s)")
     serve.add_argument("--max-delay-ms", type=_positive_int, default=1000, metavar="MS",
@@ -380,6 +385,7 @@ def _serve(args: argparse.Namespace) -> int:
                              event_log_level=args.event_log_level,
                              registry=args.registry, rest=args.rest, admin=args.admin,
                              rest_refresh=args.rest_refresh_ms / 1000, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
+                             etcd_keepalive=args.etcd_keepalive_s,
                              subset_size=args.subset_size, state_dir=args.state_dir,
                              subset_grace=args.subset_grace_s,
                              registry_tokens=args.registry_tokens,

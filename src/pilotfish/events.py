@@ -160,7 +160,7 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType({
     "grants_error": _spec("the SDS grants file was refused; the last good grants stay", "file", "reason"),
     # etcd
     "etcd_synced": _spec("etcd was listed", "revision", "keys", "bad"),
-    "etcd_disconnected": _spec("the etcd watch broke", "reason"),
+    "etcd_disconnected": _spec("the etcd watch broke, or stopped answering", "reason"),
     "etcd_bad_value": _spec("a value in etcd was left out", "key", "reason"),
     "leader_elected": _spec("this replica now runs the registry's singleton duties (etcd election)", "replica",
                             "reason"),

@@ -4,7 +4,8 @@
 ports with its data dir in the test's temp dir, through the test's :class:`ProcessGroup` (killed by
 PID at teardown); the command line and the readiness check are :mod:`pilotfish.etcd_member`'s, which
 bench/ uses too. :meth:`Etcd.restart` stops it and starts it again on the same data dir and
-ports, as a restarted member would come back: its keys and revision survive.
+ports, as a restarted member would come back: its keys and revision survive. :meth:`Etcd.pause`
+and :meth:`Etcd.resume` stall it (SIGSTOP) and let it go on (SIGCONT).
 
 Keys are written with etcd's v3 JSON gateway (``POST /v3/kv/put``, ``/v3/kv/deleterange``; keys
 and values base64), the same API pilotfish reads, so the tests need no etcd client library.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,15 @@ class Etcd:
         self.process.stop()
         wait_until(lambda: not port_accepts(self.client_port), timeout=10,
                    what=f"{self.name}'s client port {self.client_port} to close")
+
+    def pause(self) -> None:
+        """SIGSTOP: the process stays, its sockets stay open and the kernel still accepts
+        connections, but nothing answers (a stalled etcd: a hung disk, a paused VM)."""
+        self.process.popen.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT: a paused etcd goes on where it stopped."""
+        self.process.popen.send_signal(signal.SIGCONT)
 
     def restart(self) -> None:
         """Stop, then start again on the same data dir and ports."""

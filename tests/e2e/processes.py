@@ -293,6 +293,25 @@ class Upstream:
     def start(cls, group: ProcessGroup, name: str, *, timeout: float = 10.0) -> Upstream:
         return cls(name, *_start_backend(group, UPSTREAM_SCRIPT, "upstream", name, timeout))
 
+    def connections(self) -> int:
+        """How many connections its clients (Envoy) hold open to it now."""
+        status, body = http_get(f"http://127.0.0.1:{self.port}/connections")
+        assert status == 200, body
+        return int(body)
+
+    def retire(self, *, timeout: float = 20.0) -> float:
+        """Stop an upstream its proxies no longer use: wait until they have closed every connection
+        to it (Envoy closes them once each worker has applied the EDS removal and their requests
+        are done; its admin ``/clusters`` drops the endpoint earlier, when the main thread has it),
+        then SIGTERM it (it drains, see upstream.py). Returns the seconds it waited."""
+        start = time.monotonic()
+        wait_until(lambda: self.connections() == 0, timeout=timeout,
+                   what=f"the proxies to close their connections to upstream {self.name} (port {self.port})",
+                   details=lambda: f"{self.connections()} still open")
+        waited = time.monotonic() - start
+        self.process.stop()
+        return waited
+
 
 @dataclass
 class GrpcBackend:

@@ -5,8 +5,9 @@ etcd) to a real Envoy, whose listener for it takes load from ``wrk`` while the t
 removes endpoints. The rules a deployment follows, and these tests follow too:
 
 - **add**: start the upstream, then register it; it serves once Envoy lists it;
-- **remove**: deregister, wait until Envoy no longer lists it, only then stop the upstream.
-  Requests already in flight to it finish (Envoy does not reset them on an EDS removal).
+- **remove**: deregister, wait until Envoy no longer lists it and has closed its connections to it
+  (:meth:`Upstream.retire`), only then stop the upstream, which drains on SIGTERM. Requests already
+  in flight to it finish (Envoy does not reset them on an EDS removal).
 
 Under those rules every request must succeed: no non-2xx, no socket error. Further tests check
 what the reconciler promises without load: a no-op change pushes nothing, a burst is one push, a
@@ -143,11 +144,11 @@ class Deployment:
         took = self.wait_for_envoy()
         if before_stop is not None:
             before_stop()
-        # The upstream stops gracefully: it waits until Envoy has closed its connections to it.
-        stopping = time.monotonic()
-        upstream.process.stop()
-        self.note(f"removed {name} (Envoy dropped it after {took:.2f}s; "
-                  f"it stopped {time.monotonic() - stopping:.2f}s after SIGTERM)")
+        # Stopped only once Envoy has closed its connections to it (every worker has the removal),
+        # and gracefully (it drains).
+        unused = upstream.retire()
+        self.note(f"removed {name} (Envoy dropped it after {took:.2f}s and closed its connections "
+                  f"{unused:.2f}s later)")
 
     def wait_for_traffic_to(self, name: str, *, at_least: int = 20) -> None:
         """Wait until Envoy has sent ``at_least`` requests to upstream ``name`` (it carries load)."""

@@ -62,3 +62,27 @@ async def _scenario(address: str) -> None:
         following.cancel()
         with pytest.raises(asyncio.CancelledError):
             await following
+
+
+def test_the_stored_self_preservation_setting_decides_and_a_bad_one_is_reported(
+        processes: ProcessGroup, caplog: pytest.LogCaptureFixture) -> None:
+    """What ``PUT /v1/self-preservation`` stores in etcd is the rule the guard applies; a value
+    someone else wrote there that does not parse is named in the log and the flags decide."""
+    etcd = Etcd.start(processes)
+    asyncio.run(_stored_setting(etcd, caplog))
+
+
+async def _stored_setting(etcd: Etcd, caplog: pytest.LogCaptureFixture) -> None:
+    source = EtcdSource(etcd.address, "/pilotfish/", on_state=lambda _: None)
+    registry = EtcdRegistry(source, Reconciler(SnapshotCache()))
+    flags = SelfPreservation(enabled=True, share=0.3)
+    try:
+        assert await registry.self_preservation(flags) == flags, "nothing stored: the flags decide"
+        await registry.set_self_preservation(False)
+        assert etcd.get_json("/pilotfish.self-preservation") == {"enabled": False}
+        assert await registry.self_preservation(flags) == SelfPreservation(enabled=False, share=0.3)
+        await asyncio.to_thread(etcd.put, "/pilotfish.self-preservation", "off")
+        assert await registry.self_preservation(flags) == flags
+        assert "/pilotfish.self-preservation holds 'off'" in caplog.text, caplog.text
+    finally:
+        await source.client.close()

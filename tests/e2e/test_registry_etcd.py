@@ -242,3 +242,58 @@ def test_self_preservation_runs_on_the_elected_replica_and_moves_when_it_dies(pr
         for heartbeats in beating:
             heartbeats.stop()
     follower.events.wait_for(is_event("registry_self_preservation", state="exited"), what="self-preservation over")
+
+
+def preservation_enabled(plane: ControlPlane) -> bool:
+    status, answer = get(plane, "/v1/self-preservation")
+    assert status == 200, answer
+    enabled: bool = answer["enabled"]
+    return enabled
+
+
+def test_self_preservation_set_on_any_replica_applies_fleet_wide_and_survives_the_election_moving(
+        processes: ProcessGroup) -> None:
+    """Turned off on the elected replica, self-preservation stays off once that replica is SIGKILLed
+    and another is elected: four instances that stop heartbeating at once (a partition, to
+    self-preservation) are expired by the new leader. Turned on again through a replica that does
+    not lead, the leader keeps the next four."""
+    etcd = Etcd.start(processes)
+    planes = etcd_replicas(processes, etcd, 3)
+    wait_until(lambda: leader_of(planes) is not None, timeout=20, what="a replica to be elected")
+    first = leader_of(planes)
+    assert first is not None
+    status, answer = http_json("PUT", first.registry_url + "/v1/self-preservation", {"enabled": False})
+    assert status == 200 and answer["enabled"] is False, answer
+    assert [preservation_enabled(plane) for plane in planes] == [False] * 3, "every replica says it is off"
+    assert etcd.get_json("/pilotfish.self-preservation") == {"enabled": False}
+
+    first.process.stop(kill=True)
+    live = [plane for plane in planes if plane is not first]
+    wait_until(lambda: leader_of(live) is not None, timeout=20, what="another replica to be elected")
+    second = leader_of(live)
+    assert second is not None
+    follower = next(plane for plane in live if plane is not second)
+    assert preservation_enabled(second) is False, "the new leader has the setting"
+
+    # Four instances registered and never heartbeated: they lapse together. Off, each is expired.
+    client = RegistryClient(follower.registry_url)
+    client.define("web", listen=f"127.0.0.1:{free_port()}", protocol="http")
+    mark = second.events.mark()
+    for n in range(4):
+        client.register("web", "127.0.0.1", 9001 + n, ttl=TTL_S)
+    second.events.wait_for_count(is_event("registry_expired", service="web"), 4, after=mark, timeout=6 * TTL_S,
+                                 what="the new leader to expire the four lapsed instances")
+    assert second.events.find(is_event("registry_self_preservation", state="entered"), after=mark) is None, (
+        "self-preservation is off: the new leader must not keep them")
+    wait_until(lambda: instance_ids(follower, "web") == [], timeout=10, what="the expired instances to go")
+
+    # Turned on through the replica that does not lead: the leader keeps the next four.
+    status, answer = http_json("PUT", follower.registry_url + "/v1/self-preservation", {"enabled": True})
+    assert status == 200 and answer["enabled"] is True and answer["leader"] is False, answer
+    assert preservation_enabled(second) is True
+    mark = second.events.mark()
+    ids = [client.register("web", "127.0.0.1", 9101 + n, ttl=TTL_S) for n in range(4)]
+    second.events.wait_for(is_event("registry_self_preservation", state="entered"), after=mark, timeout=6 * TTL_S,
+                           what="self-preservation on the leader, turned on through another replica")
+    assert second.events.find(is_event("registry_expired"), after=mark) is None
+    assert instance_ids(follower, "web") == sorted(ids), "the lapsed instances are kept"

@@ -225,7 +225,7 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
     writer.deregister(SERVICE, address(u0))
     final = sorted([address(u1), address(u2)])
     fleet.wait_for_endpoints(final)
-    u0.process.stop()
+    u0.retire()
     fleet.assert_under_load()
 
     # The orphans are on live replicas, and were sent only what changed: EDS with web's assignment.

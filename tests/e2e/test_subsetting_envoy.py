@@ -124,7 +124,7 @@ def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGro
             assert len(before - after) == 1 and len(after - before) == 1, (before, after)
         else:
             assert before == after, "an Envoy that did not hold the removed backend keeps its subset"
-    gone.process.stop()
+    gone.retire()
     assert all(load.running() for load in loads), "the changes took longer than the load run"
 
     for envoy, load in zip(envoys, loads, strict=True):

@@ -5,11 +5,19 @@
 in flight while it changes something (a hot restart, an endpoint removal). Only the standard
 library is used, so that starting one costs a few tens of milliseconds.
 
-SIGTERM stops it gracefully, as a real service stops: it closes its listening socket, then waits
-(at most ``--drain-s`` seconds) until its clients have closed their connections, so a request in
-flight still gets its answer. Envoy closes its connections to an endpoint once EDS has removed it
-and the requests on them are done, so an upstream stopped after its removal drops nothing. Stopping
-at once instead would reset requests Envoy sent just before the removal (503s under load).
+``GET /connections`` answers how many *other* connections are open (as a number), so a test can
+tell when Envoy has stopped using this upstream: Envoy closes its connections to an endpoint once
+every worker has applied the EDS update that removed it and the requests on them are done, while
+its admin ``/clusters`` drops the endpoint as soon as the main thread has it (a worker may still
+send to it a moment longer). A removed upstream is stopped only once that count is 0
+(:meth:`processes.Upstream.retire`).
+
+SIGTERM stops it gracefully, as a real service stops: it stops accepting (connections the kernel
+had already accepted are still served, not reset), then waits (at most ``--drain-s`` seconds) until
+its clients have closed their connections, so a request in flight still gets its answer, then
+exits. Stopping at once instead would reset requests Envoy sent just before the removal (503s
+under load, counted as ``upstream_cx_destroy_remote_with_active_rq``). A second SIGTERM ends the
+drain.
 
 Usage: ``python upstream.py --port N --name NAME [--drain-s S]``
 """
@@ -42,6 +50,11 @@ def _handler_for(name: str) -> type[BaseHTTPRequestHandler]:
             if url.path == "/slow":
                 ms = int(parse_qs(url.query).get("ms", ["0"])[0])
                 time.sleep(ms / 1000)
+            elif url.path == "/connections":
+                server = self.server
+                assert isinstance(server, _Server)
+                self._reply(200, str(server.open_connections() - 1).encode())
+                return
             elif url.path != "/":
                 self._reply(404, b"not found\n")
                 return
@@ -87,6 +100,22 @@ class _Server(ThreadingHTTPServer):
                 self._open -= 1
                 self._changed.notify_all()
 
+    def open_connections(self) -> int:
+        with self._changed:
+            return self._open
+
+    def serve_queued(self) -> None:
+        """Serve the connections the kernel accepted that the loop has not taken yet (closing the
+        listening socket would reset them, with the requests their clients already sent)."""
+        self.socket.setblocking(False)
+        while True:
+            try:
+                request, client_address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            request.setblocking(True)
+            self.process_request(request, client_address)
+
     def drain(self, timeout: float) -> bool:
         """Wait until every connection is closed; False if some are still open after timeout."""
         with self._changed:
@@ -102,18 +131,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="on SIGTERM, wait at most this long for open connections to close")
     args = parser.parse_args(argv)
 
+    # SIGTERM is taken by this thread (sigwait), never delivered while the server thread is
+    # between accepting a connection and handing it to its handler; then the loop is stopped
+    # cleanly, what the kernel queued is served, the listening socket closed (no new
+    # connections) and the open ones are given time to finish.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # (inherited by the server thread)
     server = _Server((args.host, args.port), _handler_for(args.name))
-    # SIGTERM ends serve_forever() through KeyboardInterrupt; then the listening socket is closed
-    # (no new connections) and the open ones are given time to finish.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        server.serve_forever(poll_interval=0.1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the drain
-        server.server_close()
-        server.drain(args.drain_s)
+    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    serving.start()
+    signal.sigwait({signal.SIGTERM})
+    server.shutdown()
+    server.serve_queued()
+    server.server_close()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a second SIGTERM ends the drain
+    server.drain(args.drain_s)
     return 0
 
 

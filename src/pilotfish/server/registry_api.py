@@ -43,7 +43,9 @@ in :meth:`RegistryApi.expire_forever`, with self-preservation (see
 :mod:`pilotfish.sources.registry`): entering and leaving it is logged as a warning and recorded
 as the event ``registry_self_preservation``. An expiry that would leave the merged state broken
 (a route of another source pointing at a service whose last instance lapsed) keeps the service
-known with no instances, so its cluster stays, empty.
+known with no instances, so its cluster stays, empty. ``PUT /v1/self-preservation`` turns it on or
+off in the store (:meth:`RegistryStore.set_self_preservation`): this process's memory, or etcd,
+where it applies to every replica (:mod:`pilotfish.server.registry_etcd`).
 """
 
 from __future__ import annotations
@@ -63,7 +65,14 @@ from pilotfish.events import EventLog, ReportGate
 from pilotfish.reconcile import Reconciler
 from pilotfish.server.registry_auth import Access, Denied, TokenFile, authorize
 from pilotfish.sources.etcd import EtcdUnavailable
-from pilotfish.sources.registry import Conflict, Preservation, Registry, RegistryFull, UnknownInstance
+from pilotfish.sources.registry import (
+    Conflict,
+    Preservation,
+    Registry,
+    RegistryFull,
+    SelfPreservation,
+    UnknownInstance,
+)
 
 __all__ = ["DEFAULT_MAX_BODY", "DEFAULT_MAX_DEPTH", "ROUTES", "Conflict", "MemoryRegistry", "RegistryApi",
            "RegistryStore", "Written"]
@@ -156,6 +165,13 @@ class RegistryStore(Protocol):
     def duties(self) -> dict[str, Any]:
         """Who runs the singleton duties (self-preservation), for ``/v1/self-preservation``."""
 
+    async def self_preservation(self, configured: SelfPreservation) -> SelfPreservation:
+        """The self-preservation rule in force: ``configured`` (the flags) as ``PUT
+        /v1/self-preservation`` last turned it on or off, wherever that was sent."""
+
+    async def set_self_preservation(self, enabled: bool) -> None:
+        """Turn self-preservation on or off for every replica that shares this store."""
+
     async def define(self, name: str, body: Any) -> Written: ...
     async def undefine(self, name: str) -> Written: ...
     async def register(self, service: str, body: Any) -> Written: ...
@@ -191,6 +207,12 @@ class MemoryRegistry:
 
     def duties(self) -> dict[str, Any]:
         return {}
+
+    async def self_preservation(self, configured: SelfPreservation) -> SelfPreservation:
+        return self.registry.self_preservation  # (one process: the flags, as the API last set them)
+
+    async def set_self_preservation(self, enabled: bool) -> None:
+        self.registry.set_self_preservation(enabled)
 
     def describe(self, name: str | None = None) -> dict[str, Any]:
         return self.registry.describe(name)
@@ -489,20 +511,21 @@ class RegistryApi:
         return self._answer(written.body, status=204, revision=written.revision)
 
     async def _preservation(self, request: web.Request) -> web.Response:
-        return web.json_response(self._preservation_view())
+        return web.json_response(await self._preservation_view())
 
     async def _set_preservation(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         if not isinstance(body, dict) or set(body) != {"enabled"} or not isinstance(body["enabled"], bool):
             raise ConfigError("request", [Problem("enabled", 'send {"enabled": true} or {"enabled": false}')])
-        self.registry.set_self_preservation(body["enabled"])
+        await self.store.set_self_preservation(body["enabled"])
         _log.warning("registry self-preservation turned %s through the API", "on" if body["enabled"] else "off")
         self.events.emit("registry_self_preservation", state="enabled" if body["enabled"] else "disabled")
         self._expiry_wake.set()
-        return web.json_response(self._preservation_view())
+        return web.json_response(await self._preservation_view())
 
-    def _preservation_view(self) -> dict[str, Any]:
+    async def _preservation_view(self) -> dict[str, Any]:
         kept = self.store.preservation
-        return {"enabled": self.registry.self_preservation.enabled, "active": kept is not None,
+        rule = await self.store.self_preservation(self.registry.self_preservation)
+        return {"enabled": rule.enabled, "active": kept is not None,
                 **self.store.duties(),
                 **({"kept": kept.describe()} if kept is not None else {})}

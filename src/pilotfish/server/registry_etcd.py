@@ -16,6 +16,11 @@ alike, so replicas build the same snapshots from the same revision.
   outlasts the TTL by a slack longer than that hand-over, so a decision is never lost to a dead
   leader; with no leader at all, etcd ends the lease when the slack runs out. No replica has to be
   the one that saw the registration, and a restart of every replica forgets nothing.
+- Self-preservation turned on or off (``PUT /v1/self-preservation``, on any replica) is stored in
+  etcd (key ``{prefix without /}.self-preservation``, ``{"enabled": true|false}``), not in the
+  replica: the elected replica reads it on every pass of its guard, so the setting applies
+  fleet-wide and survives the election moving and every replica restarting. Without the key,
+  ``--registry-self-preservation`` decides.
 - **Read your writes**: a write answers with the etcd revision it made (``revision`` in the body and
   the ``Pilotfish-Etcd-Revision`` header on every answer). The replica that took the write waits
   (briefly) until its own view has that revision before it answers; a ``GET`` on any replica with
@@ -38,6 +43,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from pilotfish.events import EventLog
@@ -84,6 +90,8 @@ class EtcdRegistry:
         self.local_wait = local_wait
         """How long a write waits for this replica's view to show it before answering anyway."""
         self._clock = clock
+        self._bad_preservation: str | None = None
+        """The unparsable value of :attr:`preservation_key` last reported (each is reported once)."""
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -114,6 +122,32 @@ class EtcdRegistry:
     @property
     def preservation(self) -> Preservation | None:
         return None if self.guard is None else self.guard.preservation
+
+    @property
+    def preservation_key(self) -> str:
+        """Where ``PUT /v1/self-preservation`` stores the fleet's setting."""
+        return self.source.prefix.rstrip("/") + ".self-preservation"
+
+    async def self_preservation(self, configured: SelfPreservation) -> SelfPreservation:
+        """``configured`` (the flags), turned on or off as etcd's :attr:`preservation_key` says. A
+        value that does not parse is reported and ignored (the flags decide)."""
+        value = await self.client.get(self.preservation_key)
+        if value is None:
+            return configured
+        try:
+            stored = json.loads(value)
+        except json.JSONDecodeError:
+            stored = None
+        if not (isinstance(stored, dict) and isinstance(stored.get("enabled"), bool)):
+            if value != self._bad_preservation:
+                _log.error('etcd key %s holds %.200r, not {"enabled": true|false}: ignored (the flags decide); '
+                           "PUT /v1/self-preservation writes it again", self.preservation_key, value)
+                self._bad_preservation = value
+            return configured
+        return replace(configured, enabled=stored["enabled"])
+
+    async def set_self_preservation(self, enabled: bool) -> None:
+        await self.client.put(self.preservation_key, json.dumps({"enabled": enabled}))
 
     def duties(self) -> dict[str, Any]:
         election = self.election
@@ -218,6 +252,9 @@ class LeaseGuard:
     """TTL expiry with self-preservation for instances on etcd leases: the registry's singleton
     duty, run by the replica that holds the election (:class:`~pilotfish.sources.etcd.Election`).
 
+    The rule is the flags' (``configured``), on or off as etcd says (read every pass: a ``PUT
+    /v1/self-preservation`` on any replica applies at the leader's next pass).
+
     An instance's lease is granted for its TTL plus :attr:`EtcdRegistry.lease_slack` (longer than
     an election hand-over), and every heartbeat renews all of it. So an instance whose TTL passed
     still has its slack left, and the guard decides what happens to it, as the in-memory registry
@@ -232,10 +269,11 @@ class LeaseGuard:
     most ``max_asks`` per pass).
     """
 
-    def __init__(self, registry: EtcdRegistry, rule: Callable[[], SelfPreservation], *,
+    def __init__(self, registry: EtcdRegistry, configured: Callable[[], SelfPreservation], *,
                  events: EventLog, clock: Callable[[], float] = time.monotonic, max_asks: int = 512) -> None:
         self.registry = registry
-        self._rule = rule
+        self._configured = configured
+        """The flags' rule; whether it is on comes from etcd (:meth:`EtcdRegistry.self_preservation`)."""
         self._events = events
         self._clock = clock
         self.max_asks = max_asks
@@ -257,7 +295,7 @@ class LeaseGuard:
                     await self.once()
                 except EtcdUnavailable as exc:
                     _log.info("lease guard: %s; trying again", exc)
-                await asyncio.sleep(self._rule().recheck)
+                await asyncio.sleep(self._configured().recheck)
         finally:
             self.preservation = None
 
@@ -266,7 +304,8 @@ class LeaseGuard:
         election = self.registry.election
         if election is not None and not election.leader:
             return  # (a stalled replica whose lease may have ended: its successor decides)
-        rule, now = self._rule(), self._clock()
+        rule = await self.registry.self_preservation(self._configured())
+        now = self._clock()
         view, client, slack = self.registry.source.view, self.registry.client, self.registry.lease_slack
         leased = {key: (view.instances[key][0], lease) for key in view.ttls
                   if key in view.instances and (lease := view.lease_of(key))}

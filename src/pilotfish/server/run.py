@@ -38,7 +38,7 @@ from pilotfish.server.subset_state import STATE_FILE, SubsetState, keep_saving, 
 from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
 from pilotfish.server.xds import XdsLimits, XdsServer, start_xds_server
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
-from pilotfish.sources.etcd import Election, EtcdClient, EtcdSource
+from pilotfish.sources.etcd import DEFAULT_KEEPALIVE, Election, EtcdClient, EtcdSource
 from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
 from pilotfish.status import SyncStatus
 from pilotfish.subsetting import IndexTable, ProxyIndices
@@ -79,6 +79,9 @@ class ServeSettings:
     """``host:port`` of etcd's client API to read services and instances from; None: no etcd."""
     etcd_prefix: str = "/pilotfish/"
     """The etcd key prefix (see :mod:`pilotfish.sources.etcd` for the layout)."""
+    etcd_keepalive: float = DEFAULT_KEEPALIVE
+    """Seconds within which a watch on etcd that stopped answering (a stalled etcd, a half-open
+    connection) is noticed, reported as etcd lost and made again (see :mod:`pilotfish.sources.etcd`)."""
     subset_size: int | None = None
     """Give each proxy this many endpoints of every service that sets no ``subset_size`` of its own
     (None: only services that set one are subsetted)."""
@@ -190,7 +193,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         subset_client = EtcdClient(settings.etcd)
         keys = SubsetKeys(settings.etcd_prefix)
         proxy_indices = EtcdProxyIndices(
-            subset_client, keys, reconciler, grace=settings.subset_grace,
+            subset_client, keys, reconciler, grace=settings.subset_grace, keepalive=settings.etcd_keepalive,
             on_moved=lambda node: _refresh_endpoints(xds_holder, node))
         reconciler.subset_tables_shared = True
         reconciler.expect_after(SUBSETS_READY, "etcd")
@@ -246,7 +249,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             tasks.append(asyncio.create_task(xds_tls.run(every=settings.tls_reload_every), name="xds-tls-reload"))
         if settings.etcd is not None:
             etcd = EtcdSource(settings.etcd, settings.etcd_prefix, on_event=events.emit,
-                              on_state=lambda state: reconciler.update("etcd", state))
+                              on_state=lambda state: reconciler.update("etcd", state),
+                              keepalive=settings.etcd_keepalive)
         registry_address = None
         store: EtcdRegistry | None = None
         if settings.registry is not None:

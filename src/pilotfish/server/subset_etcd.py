@@ -39,7 +39,15 @@ from typing import Any
 from pilotfish.desired import DesiredState, Merged, subset_tables
 from pilotfish.errors import ConfigError
 from pilotfish.reconcile import Reconciler
-from pilotfish.sources.etcd import Change, EtcdClient, EtcdUnavailable, KeyValue, Lease, follow_prefix
+from pilotfish.sources.etcd import (
+    DEFAULT_KEEPALIVE,
+    Change,
+    EtcdClient,
+    EtcdUnavailable,
+    KeyValue,
+    Lease,
+    follow_prefix,
+)
 from pilotfish.subsetting import INDEX_LIMIT, Index, IndexTable, Presence
 
 __all__ = ["READY_SOURCE", "BackendIndexWriter", "EtcdProxyIndices", "SubsetKeys"]
@@ -77,11 +85,13 @@ class EtcdProxyIndices:
 
     def __init__(self, client: EtcdClient, keys: SubsetKeys, reconciler: Reconciler, *, grace: float = 300.0,
                  on_moved: Callable[[str], None] | None = None, limit: int = 200_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 keepalive: float = DEFAULT_KEEPALIVE, clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.keys = keys
         self.reconciler = reconciler
         self.grace = grace
+        self.keepalive = keepalive
+        """Seconds within which a watch of the keys that stopped answering is noticed and made again."""
         self.limit = limit
         self._on_moved = on_moved or (lambda _: None)
         """Called with a node whose index changed under its open streams (they are sent its new subset)."""
@@ -186,7 +196,8 @@ class EtcdProxyIndices:
     async def run(self) -> None:
         """Follow the keys, keep this replica's lease, and write what acquire/expire queued."""
         tasks = [asyncio.create_task(follow_prefix(self.client, self.keys.base, listed=self._listed,
-                                                   changed=self._changed, lost=self._lost), name="subset-keys"),
+                                                   changed=self._changed, lost=self._lost,
+                                                   keepalive=self.keepalive), name="subset-keys"),
                  asyncio.create_task(self._keep_lease(), name="subset-lease"),
                  asyncio.create_task(self._write_forever(), name="subset-writes")]
         try:

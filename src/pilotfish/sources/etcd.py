@@ -18,6 +18,27 @@ fails), it lists again and resumes; the list replaces the whole view, so nothing
 duplicated, and the last good configuration keeps serving meanwhile. A value that does not parse
 is reported (with its key and why) and left out; everything else keeps serving.
 
+**A watch that stops answering is noticed.** A watch is a long HTTP stream that is silent while
+nothing changes, so a stalled etcd (a paused process, a hung disk) or a half-open connection (a
+middlebox dropped it without a reset) looks like a quiet one. etcd's Go client finds these with
+gRPC keepalive pings on its connection (HTTP/2 PINGs); the JSON gateway has no pings, and a
+progress request cannot be sent on its stream (a watch there is one HTTP/1.1 request), so the
+watch keeps alive its own way, every ``keepalive`` seconds at most: after ``keepalive / 2`` of
+silence on the stream it *probes* etcd with a read on another connection (the newest key under
+the prefix, ``limit 1``), which must answer within ``keepalive / 2``. A probe that fails or hangs
+ends the watch: the stall is reported as etcd being lost (log warning, event
+``etcd_disconnected``, the ``problem`` of ``/healthz``) within ``keepalive`` seconds of the last
+word from etcd, and the source lists again until etcd answers (then ``etcd_synced``: what changed
+meanwhile is in the listing). A probe that answers but shows a
+key changed at a revision the watch has not delivered by the next probe means the stream itself is
+dead (etcd is fine): the watch is ended and made again the same way. (Only a put shows: etcd keeps
+no record of a deleted key to compare with, so a dead stream that misses only deletes is found at
+the next put. The probe sorts the keys by revision, which costs etcd a pass over the prefix's keys:
+about one probe per ``keepalive / 2`` per watch while nothing changes, none while changes flow.)
+The watch also asks for etcd's progress notifications (``progress_notify``), so an etcd run with a
+short ``--experimental-watch-progress-notify-interval`` keeps the stream talking and needs fewer
+probes.
+
 The view knows the revision it has applied (:attr:`EtcdView.revision`), so a writer can wait
 until the change it made is in (:meth:`EtcdSource.caught_up`): read your writes.
 
@@ -47,6 +68,7 @@ from pilotfish.errors import Problem
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_endpoint, parse_service
 
 __all__ = [
+    "DEFAULT_KEEPALIVE",
     "Change",
     "Election",
     "EtcdClient",
@@ -81,6 +103,9 @@ def prefix_end(prefix: str) -> str:
 
 Lease = int
 """An etcd lease id (0: none)."""
+
+DEFAULT_KEEPALIVE = 10.0
+"""Seconds within which a watch that stopped answering is noticed (see the module docstring)."""
 
 
 @dataclass(slots=True)
@@ -271,6 +296,23 @@ class EtcdClient:
             body["range_end"] = _b64(prefix_end(key))
         return await self.call("/v3/kv/range", body)
 
+    async def latest(self, prefix: str, *, timeout: float) -> tuple[int, int]:
+        """(etcd's revision, the revision the newest key under ``prefix`` was changed at; 0: no
+        key), answered within ``timeout`` seconds or :class:`EtcdUnavailable`."""
+        try:
+            answer = await asyncio.wait_for(self.range(prefix, prefix=True, keys_only=True, limit=1,
+                                                       sort_order="DESCEND", sort_target="MOD"), timeout)
+        except TimeoutError:
+            raise EtcdUnavailable(f"etcd at {self.endpoint} did not answer within {timeout:g}s "
+                                  "(stalled, or the network dropped it)") from None
+        newest = max((int(kv.get("mod_revision", 0)) for kv in answer.get("kvs", [])), default=0)
+        return self.revision(answer), newest
+
+    async def get(self, key: str) -> str | None:
+        """The value of ``key`` (None: no such key)."""
+        kvs = (await self.range(key)).get("kvs", [])
+        return _unb64(kvs[0].get("value", "")) if kvs else None
+
     async def put(self, key: str, value: str, *, lease: Lease = 0) -> int:
         """Set ``key``; the revision of the write."""
         body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
@@ -338,8 +380,11 @@ class EtcdSource:
         on_state: Callable[[DesiredState], None],
         on_event: Callable[..., None] | None = None,
         backoff: tuple[float, float] = (0.1, 2.0),
+        keepalive: float = DEFAULT_KEEPALIVE,
     ) -> None:
         self.base = f"http://{endpoint}"
+        self.keepalive = keepalive
+        """Seconds within which a watch that stopped answering is noticed and made again."""
         self.client = EtcdClient(endpoint)
         """For the listing (and for writers sharing this source's etcd)."""
         self.prefix = prefix
@@ -376,14 +421,12 @@ class EtcdSource:
         prefix (puts only: etcd keeps no record of deleted keys to compare with)."""
         out: dict[str, Any] = {"endpoint": self.client.endpoint, "prefix": self.prefix, "revision": self.revision,
                                "connected": self.problem is None, "problem": self.problem}
-        try:
-            answer = await self.client.range(self.prefix, prefix=True, keys_only=True, limit=1,
-                                             sort_order="DESCEND", sort_target="MOD")
+        try:  # (within the keepalive: a health check must answer while etcd is stalled)
+            revision, latest = await self.client.latest(self.prefix, timeout=self.keepalive / 2)
         except EtcdUnavailable as exc:
             out["problem"] = str(exc)
             return out
-        latest = max((int(kv.get("mod_revision", 0)) for kv in answer.get("kvs", [])), default=0)
-        out["etcd_revision"] = self.client.revision(answer)
+        out["etcd_revision"] = revision
         out["lag"] = max(0, latest - self.revision)
         return out
 
@@ -397,7 +440,7 @@ class EtcdSource:
         """List and watch until cancelled; on any failure, wait a little and start over."""
         try:
             await follow_prefix(self.client, self.prefix, listed=self._listed, changed=self._changed, lost=self._lost,
-                                backoff=self._backoff)
+                                backoff=self._backoff, keepalive=self.keepalive)
         finally:
             await self.client.close()
 
@@ -456,13 +499,17 @@ async def follow_prefix(
     changed: Callable[[list[Change], int], Awaitable[None]],
     lost: Callable[[Exception], None],
     backoff: tuple[float, float] = (0.1, 2.0),
+    keepalive: float = DEFAULT_KEEPALIVE,
 ) -> None:
     """List every key under ``prefix`` (``listed(kvs, revision)``), then watch from the next
     revision (``changed(changes, revision)`` per batch of events, with the highest revision among
     them), so no change between the two is missed. When the watch breaks (etcd restarts, the
-    history was compacted, the network fails), ``lost(why)`` is called and, after a backoff that
-    doubles from ``backoff[0]`` to ``backoff[1]``, it lists again: the listing replaces the whole
-    view, so nothing is lost or duplicated. Runs until cancelled."""
+    history was compacted, the network fails) or stops answering (no word from etcd, probes
+    included, for ``keepalive`` seconds: see the module docstring), ``lost(why)`` is called and,
+    after a backoff that doubles from ``backoff[0]`` to ``backoff[1]``, it lists again: the listing
+    replaces the whole view, so nothing is lost or duplicated. Runs until cancelled."""
+    if not (math.isfinite(keepalive) and keepalive > 0):
+        raise ValueError(f"keepalive must be a positive number of seconds, got {keepalive!r}")
     delay = backoff[0]
     timeout = aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=None)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -473,7 +520,7 @@ async def follow_prefix(
                 await listed([(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv.get("lease", 0)),
                                int(kv.get("mod_revision", 0))) for kv in answer.get("kvs", [])], revision)
                 delay = backoff[0]
-                await _watch(http, client, prefix, revision + 1, changed)
+                await _Watch(http, client, prefix, revision, changed, keepalive).run()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -482,38 +529,81 @@ async def follow_prefix(
             delay = min(delay * 2, backoff[1])
 
 
-async def _watch(http: aiohttp.ClientSession, client: EtcdClient, prefix: str, start: int,
-                 changed: Callable[[list[Change], int], Awaitable[None]]) -> None:
-    body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "start_revision": start}}
-    async with http.post(client.base + "/v3/watch", json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if not line.strip():
-                continue
-            message = json.loads(line)
-            if "error" in message:
-                raise ValueError(f"watch failed: {message['error']}")
-            result = message.get("result", {})
-            if result.get("compact_revision") not in (None, "0"):
-                raise ValueError(f"history compacted to revision {result['compact_revision']}; listing again")
-            if result.get("canceled"):
-                raise ValueError(f"watch canceled: {result.get('cancel_reason', 'no reason given')}")
-            events = result.get("events", [])
-            if not events:
-                continue
-            changes: list[Change] = []
-            revision = 0
-            for event in events:
-                kv = event["kv"]
-                # The events' own revisions, not the header's: a header may be ahead of events
-                # still to come.
-                modified = int(kv.get("mod_revision", 0))
-                revision = max(revision, modified)
-                deleted = event.get("type") == "DELETE"
-                changes.append((_unb64(kv["key"]), None if deleted else _unb64(kv.get("value", "")),
-                                int(kv.get("lease", 0)), modified))
-            await changed(changes, revision)
-    raise ValueError("the watch stream ended")
+class _Watch:
+    """One watch stream from ``listed + 1``, kept alive by probes (see the module docstring); ends
+    by raising why."""
+
+    def __init__(self, http: aiohttp.ClientSession, client: EtcdClient, prefix: str, listed: int,
+                 changed: Callable[[list[Change], int], Awaitable[None]], keepalive: float) -> None:
+        self.http, self.client, self.prefix, self.changed = http, client, prefix, changed
+        self.half = keepalive / 2
+        self.delivered = listed
+        """Every change up to this revision has come (listed, or through the stream)."""
+        self.owed = 0
+        """A revision the last probe showed a key changed at, not delivered then (0: none)."""
+
+    async def run(self) -> None:
+        body = {"create_request": {"key": _b64(self.prefix), "range_end": _b64(prefix_end(self.prefix)),
+                                   "start_revision": self.delivered + 1, "progress_notify": True}}
+        async with self.http.post(self.client.base + "/v3/watch", json=body) as response:
+            response.raise_for_status()
+            # One read at a time, never cancelled while the stream lives (a cancelled readline
+            # loses the part of a line it had taken); a probe runs while it waits.
+            reading: asyncio.Task[bytes] | None = None
+            try:
+                while True:
+                    if reading is None:
+                        reading = asyncio.ensure_future(response.content.readline())
+                    done, _ = await asyncio.wait({reading}, timeout=self.half)
+                    if not done:
+                        await self.probe()
+                        continue
+                    line, reading = reading.result(), None
+                    if not line:
+                        break
+                    if line.strip():
+                        await self.handle(json.loads(line))
+            finally:
+                if reading is not None:
+                    reading.cancel()
+        raise ValueError("the watch stream ended")
+
+    async def probe(self) -> None:
+        """The stream was silent for ``keepalive / 2``: etcd must answer a read within as long, and
+        a change the last probe saw must have come through the stream by now."""
+        _, newest = await self.client.latest(self.prefix, timeout=self.half)
+        if self.owed and self.delivered < self.owed:
+            raise EtcdUnavailable(f"the watch on etcd at {self.client.endpoint} did not deliver the change at "
+                                  f"revision {self.owed} within {self.half * 2:g}s (its connection is dead); "
+                                  "watching again")
+        self.owed = newest if newest > self.delivered else 0
+
+    async def handle(self, message: dict[str, Any]) -> None:
+        if "error" in message:
+            raise ValueError(f"watch failed: {message['error']}")
+        result = message.get("result", {})
+        if result.get("compact_revision") not in (None, "0"):
+            raise ValueError(f"history compacted to revision {result['compact_revision']}; listing again")
+        if result.get("canceled"):
+            raise ValueError(f"watch canceled: {result.get('cancel_reason', 'no reason given')}")
+        events = result.get("events", [])
+        if not events:
+            if not result.get("created"):  # a progress notification: everything up to its revision came
+                self.delivered = max(self.delivered, self.client.revision(result))
+            return
+        changes: list[Change] = []
+        revision = 0
+        for event in events:
+            kv = event["kv"]
+            # The events' own revisions, not the header's: a header may be ahead of events
+            # still to come.
+            modified = int(kv.get("mod_revision", 0))
+            revision = max(revision, modified)
+            deleted = event.get("type") == "DELETE"
+            changes.append((_unb64(kv["key"]), None if deleted else _unb64(kv.get("value", "")),
+                            int(kv.get("lease", 0)), modified))
+        self.delivered = max(self.delivered, revision)
+        await self.changed(changes, revision)
 
 
 class Election:
