@@ -1,10 +1,10 @@
-"""What a hostile peer leaves behind in the server once it has gone.
+"""What a hostile peer makes the server hold: while it is connected, and once it has gone.
 
 A peer that subscribes to many distinct name sets makes the server encode a response for each,
 and the memos that let thousands of proxies share one encoded response could keep them all. The
-peer here opens 40 streams on one connection with an initial window of 0 (so it is sent no byte of
-DATA: every response stays owed to it), each subscribing to its own random half of 5,000
-clusters, then disconnects. Afterwards less than :data:`RETAINED_BOUND` may stay allocated.
+peer of the first test opens 40 streams on one connection with an initial window of 0 (so it is
+sent no byte of DATA: every response stays owed to it), each subscribing to its own random half of
+5,000 clusters, then disconnects. Afterwards less than :data:`RETAINED_BOUND` may stay allocated.
 
 How "retained" is measured: the server (:func:`pilotfish.server.serve`, as ``pilotfish serve``
 runs it) runs in the test's own process (``tests/integration/inprocess.py``), and tracemalloc
@@ -13,6 +13,12 @@ counts the bytes Python still has allocated once the server has closed the peer'
 had allocated just before the attack. The resident set of a ``pilotfish serve`` process would not
 do: the allocator keeps freed memory for reuse, so it stays at the attack's peak (it does, before
 and after the memos were bounded) and says what was used, not what is held.
+
+While it is connected, a peer that grants no window is owed every response it is sent; it fills
+no socket buffer, so the server keeps reading its requests. The second test (on a real ``pilotfish
+serve``, :mod:`.target`) keeps changing its subscription, each change leaving one more response
+owed: the connection must end (GOAWAY ENHANCE_YOUR_CALM, ``Limits.max_owed_bytes``) before the
+server's memory grows past :data:`~.target.RSS_BOUND`, and the good client must keep being served.
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import pytest
+
 from integration.inprocess import serving
 from pilotfish.events import read_events
 from pilotfish.server import ServeSettings
 
-from .target import CDS, discovery_request
-from .test_exhaustion import names_field
-from .wire import RawClient, grpc_message, headers_frame
+from .target import CDS, Target, discovery_request
+from .test_exhaustion import goaway_with, names_field
+from .wire import FrameType, H2Code, RawClient, frame, grpc_message, headers_frame
 
 MIB = 1024 * 1024
 RETAINED_BOUND = 16 * MIB
@@ -84,7 +92,8 @@ async def closed_streams(log: Path, node: str) -> int:
 async def test_40_distinct_subscriptions_from_one_peer_leave_little_behind(tmp_path: Path) -> None:
     snapshot = tmp_path / "snapshot.json"
     write_snapshot(snapshot)
-    async with serving(tmp_path, ServeSettings(snapshot=snapshot)) as running:
+    # 5,000 clusters take a few seconds to build, more on a busy machine.
+    async with serving(tmp_path, ServeSettings(snapshot=snapshot), timeout=120.0) as running:
         port = int(running.xds.rsplit(":", 1)[1])
         loop = asyncio.get_running_loop()
         gc.collect()
@@ -106,3 +115,22 @@ async def test_40_distinct_subscriptions_from_one_peer_leave_little_behind(tmp_p
     print(numbers)
     assert held - before > RETAINED_BOUND // 2, f"the attack cost the server less than expected: {numbers}"
     assert retained < RETAINED_BOUND, f"over the bound of {RETAINED_BOUND / MIB:.0f} MiB: {numbers}"
+
+
+def test_responses_owed_to_a_peer_that_grants_no_window_are_bounded(target: Target,
+                                                                      request: pytest.FixtureRequest) -> None:
+    client = target.attacker(settings=[(INITIAL_WINDOW_SIZE, 0)]).start_reader()
+    client.send(headers_frame(1))
+    client.send(frame(FrameType.DATA, 0, 1, grpc_message(discovery_request(CDS))))
+    changes = [frame(FrameType.DATA, 0, 1, grpc_message(discovery_request(CDS, resource_names=names)))
+               for names in (["*"], ["cluster-000"])]  # everything (2.6 KB owed), then one cluster
+    sent = 0
+    for batch in range(100):  # up to 100 x 1,000 changes of subscription
+        if batch == 1:
+            target.change_snapshot()
+        if not client.send(b"".join(changes[n % 2] for n in range(1000))) or not client.barrier():
+            break
+        sent += 1000
+    problems = goaway_with(client, {H2Code.ENHANCE_YOUR_CALM}, "responses owed to a peer that grants no window",
+                           barrier=False)
+    target.conclude(request.node.name, problems, requests_sent=sent)
