@@ -105,6 +105,9 @@ class H2PackageConnection:
         self._out: list[bytes | memoryview] = []
         self.writing_paused = False
         self.closed = False
+        self.send_error = ""
+        """Read by the adapter (the own core's Limits.max_owed_bytes); this baseline does not count
+        owed bytes, so it is always empty."""
         self.preface_received = False
         """The client's preface (magic and first SETTINGS) has arrived: read by the adapter's
         handshake timeout, as on the own core."""

@@ -13,20 +13,30 @@ resources whose content hash differs from that version's, plus those the proxy d
 a change to one cluster's endpoints sends each proxy that one assignment. These responses are
 memoized too, per (earlier version, name set, names held): streams at the same place share one.
 
-The memo is bounded (:class:`ResponseMemoLimits`): a peer that asks for ever new name sets must
-not make a snapshot grow. It works in two generations, as a cheap LRU: a lookup is one dict hit
-in the current generation; when that one is full (entries or bytes), it becomes the previous one
-and the one before is dropped; an entry found in the previous generation moves back into the
-current one. So the sets that thousands of proxies ask for stay, and at most the limits' worth of
-responses is kept. The byte budget grows with the type's own size (every proxy may ask for the
-endpoints of all 10,000 clusters by name: that one response must stay kept), so what a peer can
-add is proportional to the configuration plus a constant. The response carrying everything
-(wildcard CDS/LDS) is the snapshot's own size, is always kept and is not counted.
+The memos are bounded in bytes, in total (:class:`ResponseMemoLimits`): a peer that asks for ever
+new name sets must not make the server grow. What a memo keeps has two parts:
+
+- responses kept *for their own sake*, least recently used first out, within one byte and entry
+  budget shared by every snapshot and type made with the same limits (the server's: one for the
+  process). An entry costs the bytes of its encoded response and an estimate of its name set. A
+  response larger than half the budget is never kept this way;
+- responses some stream still *holds* (a stream keeps the last response it was sent of each type,
+  :attr:`~pilotfish.protocol.sotw.TypeState.sent`): found again by weak reference, whatever the
+  budget. So a fleet of proxies at one version shares one encoded response however many other
+  sets were asked for meanwhile (a proxy connecting later finds the one its peers hold), and a
+  response nobody holds any more (a peer asked for it, then left) costs nothing beyond the budget:
+  it goes when it leaves the budget.
+
+The response carrying everything (wildcard CDS/LDS) is the snapshot's own size, is always kept and
+is not counted. Delta answers share the budget (they are held by nobody: a push answers the
+streams at one place one after another, so the one they share is always the most recently used).
 """
 
 from __future__ import annotations
 
 import hashlib
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -47,18 +57,15 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ResponseMemoLimits:
-    """How much a :class:`TypeSnapshot` keeps of the responses it encoded for name sets."""
+    """How much the snapshots keep of the responses they encoded for name sets, beyond those a
+    stream holds (see the module's docstring). Snapshots made with equal limits share one budget."""
 
-    entries: int = 1024
-    """Distinct subscribed name sets whose encoded response is kept, per snapshot and type. Sets
-    beyond it are encoded again when asked (correct, only slower)."""
-    bytes: int = 16 * 1024 * 1024
-    """Bytes of encoded responses (and an estimate of their name sets) kept, per snapshot and
-    type, beyond ``type_multiple`` times the type's size. A response larger than half of the
-    budget is not kept."""
-    type_multiple: float = 4.0
-    """The budget also has this many times what the response naming every resource of the type
-    costs (its bytes and its names)."""
+    entries: int = 4096
+    """Responses (and delta answers) kept that no stream holds, in all. Beyond it the least
+    recently used goes (asked again, it is encoded again: correct, only slower)."""
+    bytes: int = 8 * 1024 * 1024
+    """Bytes of those responses (their bodies and an estimate of their name sets), in all. Beyond
+    it the least recently used goes. A response larger than half of it is not kept this way."""
 
 
 DEFAULT_MEMO_LIMITS = ResponseMemoLimits()
@@ -67,7 +74,7 @@ DEFAULT_MEMO_LIMITS = ResponseMemoLimits()
 _PER_NAME = 100
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class EncodedResponse:
     """A DiscoveryResponse body shared by every stream that needs it; streams add a nonce."""
 
@@ -95,12 +102,6 @@ class EncodedResponse:
 ABSENT = ""
 """In what a delta client is known to have: the version of a resource it subscribed to by name and
 was told does not exist (in ``removed_resources``), so it is not told again."""
-
-_DELTA_MEMO_ENTRIES = 1024
-"""Delta answers kept per snapshot and type, keyed by what the client is known to have (shared
-between the streams at the same place; beyond it they are computed again). Only the read-only
-mappings answers hand out are keys, never a stream's own dict."""
-
 
 @dataclass(frozen=True, slots=True)
 class DeltaChanges:
@@ -138,10 +139,17 @@ class TypeSnapshot:
 
     def response(self, names: frozenset[str] | None) -> EncodedResponse:
         """The encoded response carrying ``names`` (those that exist), or everything for None."""
-        cached = self._memo.current.get(names)
+        memo = self._memo
+        if names is None:
+            everything = memo.everything
+            if everything is None:
+                everything = memo.everything = self._encode(None)
+            return everything
+        cached = memo.kept.get(names)
         if cached is not None:
+            memo.used(names)
             return cached
-        return self._memo.miss(names, names, self, self._encode)
+        return memo.miss(names, names, self, self._encode)
 
     def changes(self, names: frozenset[str], *, since: TypeSnapshot, held: frozenset[str]) -> EncodedResponse:
         """The response for a proxy that holds ``held`` (of ``names``, its subscription) at
@@ -150,8 +158,10 @@ class TypeSnapshot:
         :meth:`response`: what the proxy holds once it has it. Only for types whose responses need
         not be full state (EDS, RDS, SDS)."""
         key = (since.version, names, held)
-        cached = self._memo.current.get(key)
+        memo = self._memo
+        cached = memo.kept.get(key)
         if cached is not None:
+            memo.used(key)
             return cached
 
         def encode(_: object) -> EncodedResponse:
@@ -166,7 +176,7 @@ class TypeSnapshot:
             existing = names if resources.keys() >= names else frozenset(resources.keys() & names)
             return EncodedResponse(self.rtype.url, self.version, existing, body, len(changed), self)
 
-        return self._memo.miss(key, names, self, encode)
+        return memo.miss(key, names, self, encode)
 
     def versions(self) -> Mapping[str, str]:
         """Name -> delta version of every resource (made once)."""
@@ -181,9 +191,10 @@ class TypeSnapshot:
         those it has that are gone, and names it subscribed to that do not exist (once), are
         removed. Memoized by the identity of ``known``: streams that took the same responses share
         one ``known`` and one answer."""
-        memo = self._memo.delta
-        entry = memo.get(id(known))
+        memo = self._memo
+        entry = memo.delta.get(id(known))
         if entry is not None and entry[0] is known and entry[1] == wildcard and entry[2] is names:
+            memo.used(id(known))
             return entry[3]
         versions = self.versions()
         have = known.get
@@ -219,24 +230,18 @@ class TypeSnapshot:
             # A mapping answers hand out (read-only, shared by the streams that took the answer).
             # A plain dict is one stream's own (what it stated on reconnecting, or had after
             # unsubscribing): no other stream asks with it, and keeping it would keep it alive.
-            if len(memo) >= _DELTA_MEMO_ENTRIES:
-                memo.clear()
-            memo[id(known)] = (known, wildcard, names, result)
+            memo.keep_delta(known, wildcard, names, result, self.memo_limits)
         return result
 
     def retire(self) -> None:
         """Drop the memoized responses: this snapshot is no longer served, only compared with."""
         self._memo.clear()
 
-    def memo_budget(self) -> int:
-        """Bytes the response memo may hold (both generations), once it has been used."""
-        return 2 * (self._memo.budget or 0)
-
     def memoized(self) -> tuple[int, int]:
-        """(entries, bytes) the response memo holds now, the everything response left out."""
+        """(entries, bytes) this type's memo keeps for their own sake now (see the module's
+        docstring): the everything response and those only streams hold left out."""
         memo = self._memo
-        entries = len(memo.current) + len(memo.previous) - (None in memo.current) - (None in memo.previous)
-        return entries, memo.current_bytes + memo.previous_bytes
+        return len(memo.costs), sum(memo.costs.values())
 
     def _encode(self, names: frozenset[str] | None) -> EncodedResponse:
         if names is None:
@@ -249,66 +254,130 @@ class TypeSnapshot:
         return EncodedResponse(self.rtype.url, self.version, carried, body)
 
 
-_Key = frozenset[str] | tuple[str, frozenset[str], frozenset[str]] | None
-"""A memo entry: a full response's name set (None: everything), or (since version, names, held)."""
+_Key = frozenset[str] | tuple[str, frozenset[str], frozenset[str]] | int
+"""A memo entry: a full response's name set, (since version, names, held) for a response of
+changes, or the identity of what a delta client is known to have."""
+
+_DeltaEntry = tuple[Mapping[str, str], bool, frozenset[str], DeltaChanges | None]
+
+
+class _Budget:
+    """The entries and bytes every memo made with one :class:`ResponseMemoLimits` keeps for
+    their own sake, least recently used first."""
+
+    __slots__ = ("bytes", "limits", "order")
+
+    def __init__(self, limits: ResponseMemoLimits) -> None:
+        self.limits = limits
+        self.order: OrderedDict[tuple[_ResponseMemo, _Key], int] = OrderedDict()
+        """(memo, key) -> cost, least recently used first."""
+        self.bytes = 0
+
+    def admit(self, memo: _ResponseMemo, key: _Key, cost: int) -> bool:
+        """Count a new entry of ``memo``; make room by dropping the least recently used. False
+        (nothing counted) for an entry larger than half the budget: not to be kept."""
+        limits = self.limits
+        if cost > limits.bytes // 2:
+            return False
+        self.order[memo, key] = cost
+        self.bytes += cost
+        while self.bytes > limits.bytes or len(self.order) > limits.entries:
+            (owner, old), size = self.order.popitem(last=False)
+            self.bytes -= size
+            owner.dropped(old)
+        return True
+
+    def forget(self, memo: _ResponseMemo, key: _Key) -> None:
+        self.bytes -= self.order.pop((memo, key))
+
+
+_BUDGETS: dict[ResponseMemoLimits, _Budget] = {}
+
+
+def _budget(limits: ResponseMemoLimits) -> _Budget:
+    found = _BUDGETS.get(limits)
+    if found is None:
+        found = _BUDGETS[limits] = _Budget(limits)
+    return found
 
 
 class _ResponseMemo:
-    """Encoded responses by name set, in two generations (see the module's docstring)."""
+    """One type snapshot's encoded responses and delta answers (see the module's docstring)."""
 
-    __slots__ = ("budget", "current", "current_bytes", "delta", "everything", "previous", "previous_bytes",
-                 "versions")
+    __slots__ = ("budget", "costs", "delta", "everything", "held", "kept", "versions")
 
     def __init__(self) -> None:
-        self.current: dict[_Key, EncodedResponse] = {}
-        self.previous: dict[_Key, EncodedResponse] = {}
-        self.current_bytes = self.previous_bytes = 0
+        self.kept: dict[_Key, EncodedResponse] = {}
+        """Responses counted in the budget."""
+        self.costs: dict[_Key, int] = {}
+        """What each entry (responses and delta answers) costs the budget."""
+        self.held: weakref.WeakValueDictionary[_Key, EncodedResponse] | None = None
+        """Every response encoded, while something (a stream, or ``kept``) holds it."""
         self.everything: EncodedResponse | None = None
-        self.budget: int | None = None
-        """Bytes per generation: half the limits' budget for this type."""
+        self.budget: _Budget | None = None
         self.versions: Mapping[str, str] | None = None
-        self.delta: dict[int, tuple[Mapping[str, str], bool, frozenset[str], DeltaChanges | None]] = {}
+        self.delta: dict[int, _DeltaEntry] = {}
 
-    def miss(self, key: _Key, names: frozenset[str] | None, owner: TypeSnapshot,
-             encode: Callable[[frozenset[str] | None], EncodedResponse]) -> EncodedResponse:
-        """Not in the current generation: from the previous one, or newly encoded. ``key`` is
-        ``names`` for a full response, or a tuple naming a response of changes."""
+    def used(self, key: _Key) -> None:
+        """A kept entry was asked for: it is now the most recently used."""
+        if self.budget is not None:
+            self.budget.order.move_to_end((self, key))
+
+    def miss(self, key: frozenset[str] | tuple[str, frozenset[str], frozenset[str]], names: frozenset[str],
+             owner: TypeSnapshot, encode: Callable[[frozenset[str]], EncodedResponse]) -> EncodedResponse:
+        """Not kept: one a stream holds, or newly encoded; kept if the budget takes it. ``key``
+        is ``names`` for a full response, or a tuple naming a response of changes."""
+        held = self.held
+        if held is None:
+            held = self.held = weakref.WeakValueDictionary()
+        found = held.get(key)
+        if found is None:
+            found = held[key] = encode(names)
         budget = self.budget
         if budget is None:
-            limits = owner.memo_limits
-            # What the response naming every resource costs: it must fit.
-            size = sum(len(resource.encoded) + len(name) + _PER_NAME for name, resource in owner.resources.items())
-            budget = self.budget = (limits.bytes + int(limits.type_multiple * size)) // 2
-        if key is None:
-            if self.everything is None:
-                self.everything = encode(None)
-            self.current[None] = self.everything  # always kept, never counted
-            return self.everything
-        assert names is not None
-        found = self.previous.pop(key, None)
-        if found is None:
-            found = encode(names)
-            cost = _cost(names, found)
-        else:
-            cost = _cost(names, found)
-            self.previous_bytes -= cost
-        if cost > budget:
-            return found  # too large to keep: asked again, it is encoded again
-        if len(self.current) >= max(1, owner.memo_limits.entries // 2) or self.current_bytes + cost > budget:
-            self.previous, self.previous_bytes = self.current, self.current_bytes
-            self.current, self.current_bytes = {}, 0
-            if self.everything is not None:
-                self.previous.pop(None, None)
-                self.current[None] = self.everything
-        self.current[key] = found
-        self.current_bytes += cost
+            budget = self.budget = _budget(owner.memo_limits)
+        cost = _cost(names, found)
+        if budget.admit(self, key, cost):
+            self.kept[key] = found
+            self.costs[key] = cost
         return found
 
+    def keep_delta(self, known: Mapping[str, str], wildcard: bool, names: frozenset[str],
+                   result: DeltaChanges | None, limits: ResponseMemoLimits) -> None:
+        """Keep a delta answer by the identity of ``known`` (which the entry holds, so that the
+        identity stays its own), if the budget takes it."""
+        key = id(known)
+        budget = self.budget
+        if budget is None:
+            budget = self.budget = _budget(limits)
+        if key in self.costs:
+            self.costs.pop(key)
+            budget.forget(self, key)
+        cost = _PER_NAME
+        if result is not None:
+            cost += len(result.body)
+            if result.known is not self.versions:  # made for this answer (else the snapshot's own)
+                cost += _PER_NAME * len(result.known)
+        if budget.admit(self, key, cost):
+            self.delta[key] = (known, wildcard, names, result)
+            self.costs[key] = cost
+
+    def dropped(self, key: _Key) -> None:
+        """The budget let go of ``key`` (a response a stream holds is still found by ``held``)."""
+        del self.costs[key]
+        if type(key) is int:
+            del self.delta[key]
+        else:
+            del self.kept[key]
+
     def clear(self) -> None:
-        self.current, self.previous = {}, {}
-        self.current_bytes = self.previous_bytes = 0
+        budget = self.budget
+        if budget is not None:
+            for key in self.costs:
+                budget.forget(self, key)
+        self.kept, self.costs, self.delta = {}, {}, {}
+        self.held = None
         self.everything = None
-        self.delta = {}
 
 
 def _cost(names: frozenset[str], response: EncodedResponse) -> int:

@@ -166,3 +166,11 @@ def test_grpc_floor_runs_every_round_to_completion() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 5 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]  # both rounds: every stream answered
+
+
+def test_bench_memo_counts_one_encoding_per_push_for_a_fleet() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.bench_memo", "--proxies", "20", "--services", "30",
+                           "--pushes", "2", "--peer"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    pushes = [line for line in done.stdout.splitlines() if line.startswith("push ")]
+    assert len(pushes) == 2 and all(line.split(": ")[1].startswith("1 encodings") for line in pushes), done.stdout

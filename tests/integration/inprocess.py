@@ -41,8 +41,10 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path: Path, settings: ServeSettings | None = None) -> AsyncIterator[Running]:
-    """Serve (``settings`` may set sources and options; addresses and the event log are set here)."""
+async def serving(tmp_path: Path, settings: ServeSettings | None = None, *,
+                  timeout: float = TIMEOUT) -> AsyncIterator[Running]:
+    """Serve (``settings`` may set sources and options; addresses and the event log are set here);
+    ``timeout``: how long it may take to listen (a large snapshot takes longer to build)."""
     log = tmp_path / "events.jsonl"
     settings = settings or ServeSettings()
     settings = replace(settings, xds="127.0.0.1:0", registry="127.0.0.1:0", admin="127.0.0.1:0", event_log=log,
@@ -50,7 +52,7 @@ async def serving(tmp_path: Path, settings: ServeSettings | None = None) -> Asyn
                        debounce=DebounceSettings(quiet=0.02, max_delay=0.2))
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(settings, started=started))
-    port = await asyncio.wait_for(started, TIMEOUT)
+    port = await asyncio.wait_for(started, timeout)
     line = next(e for e in read_events(log)[0] if e["event"] == "server_started")
     try:
         yield Running(f"127.0.0.1:{port}", line["registry"], log, line.get("rest"), line["admin"])

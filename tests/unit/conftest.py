@@ -117,11 +117,14 @@ class StreamPair:
     cache: SnapshotCache
     stream: SotwStream = field(default_factory=SotwStream)
     inbox: list[Received] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
+    """The body objects of the responses, as the cache shared them (for tests of sharing)."""
     outcomes: list[RequestOutcome] = field(default_factory=list)
     _cancels: dict[TypeUrl, Cancel] = field(default_factory=dict)
 
     def _respond(self, watch: Watch, response: EncodedResponse) -> None:
         nonce, response = self.stream.on_response(watch, response)
+        self.bodies.append(response.body)
         decoded = discovery_pb2.DiscoveryResponse.FromString(response.body + nonce_field(nonce))
         names = []
         for any_msg in decoded.resources:

@@ -1,7 +1,9 @@
-"""The subscription intern tables: shared sets for the common case, bounded against a peer that
-cycles through ever new name lists."""
+"""The subscription intern tables: shared sets for the common case, holding nothing a peer that
+cycles through ever new name lists has let go of."""
 
 from __future__ import annotations
+
+import weakref
 
 from envoy.service.discovery.v3 import discovery_pb2
 
@@ -23,8 +25,8 @@ def wire_of(names: list[str]) -> bytes:
 def test_a_peer_cycling_name_lists_keeps_the_tables_bounded_and_the_common_set_shared() -> None:
     common = [f"svc-{i}" for i in range(100)]
     common_wire = wire_of(common)
+    before = interning.interned_size()  # (other tests' streams may hold some)
     shared = next_subscription(common, wildcard_capable=False, ever_named=True, wire=common_wire)
-    limit = 2 * interning._INTERNED_BYTES + 2 * 3 * interning._INTERNED_MAX * 1024
     for i in range(20_000):
         names = [f"peer-{i}-{j}" for j in range(20)]
         cycled = next_subscription(names, wildcard_capable=False, ever_named=True, wire=wire_of(names))
@@ -32,26 +34,44 @@ def test_a_peer_cycling_name_lists_keeps_the_tables_bounded_and_the_common_set_s
         if i % 500 == 0:  # the fleet keeps asking for its set: still the very same object
             assert next_subscription(common, wildcard_capable=False, ever_named=True, wire=common_wire) is shared
             assert next_subscription(common, wildcard_capable=False, ever_named=True) is shared
+    del cycled
     entries, size = interning.interned_size()
-    assert entries <= 2 * 3 * interning._INTERNED_MAX
-    assert size <= limit
+    # What is left is what is held: the common set (list, encoded list, subscription).
+    assert entries <= before[0] + 3, entries
+    assert size <= before[1] + 3 * 100 * 120
 
 
 def test_long_names_count_by_their_size_not_their_number() -> None:
+    before = interning.interned_size()[1]
     for i in range(400):
         names = [f"{i}-{j}-" + "x" * 20_000 for j in range(10)]  # 200 KB per list: 80 MB in all
         subscription = next_subscription(names, wildcard_capable=False, ever_named=True)
         assert subscription.names == frozenset(names)
-        assert interning.interned_size()[1] <= 2 * interning._INTERNED_BYTES
-        # interned all the same: the next stream asking for it shares it
+        # interned: the next stream asking for it shares it
         assert next_subscription(names, wildcard_capable=False, ever_named=True) is subscription
+        # and the lists let go of are not kept (only the one held: its list and subscription)
+        assert interning.interned_size()[1] <= before + 2 * (200_100 + 10 * 100)
 
 
-def test_a_set_too_large_to_intern_is_still_the_right_subscription() -> None:
-    huge = [f"name-{i}-" + "y" * 200 for i in range(interning._INTERNED_BYTES // 4 // 300 + 1)]
+def test_a_large_set_is_shared_while_held_and_gone_after() -> None:
+    huge = [f"name-{i}-" + "y" * 200 for i in range(40_000)]  # 8 MB of names
+    wire = wire_of(huge)
     before = interning.interned_size()
-    first = next_subscription(huge, wildcard_capable=False, ever_named=True)
-    second = next_subscription(huge, wildcard_capable=False, ever_named=True)
-    assert first == second and first.names == frozenset(huge)
-    assert first is not second  # not kept: each stream holds its own
-    assert interning.interned_size()[1] <= max(before[1], 0) + interning._INTERNED_BYTES
+    first = next_subscription(huge, wildcard_capable=False, ever_named=True, wire=wire)
+    second = next_subscription(huge, wildcard_capable=False, ever_named=True, wire=wire)
+    assert second is first and first.names == frozenset(huge)
+    assert interning.checked_wire(bytes(bytearray(wire))) is wire
+    held = weakref.ref(first.names)
+    del first, second
+    assert held() is None, "the set outlived every subscription holding it"
+    assert interning.checked_wire(wire) is None
+    assert interning.interned_size()[1] <= before[1]
+
+
+def test_delta_streams_share_a_set_while_one_holds_it() -> None:
+    names = [f"svc-{i}" for i in range(50)]
+    first = interning.intern_names(frozenset(names))
+    assert interning.intern_names(frozenset(reversed(names))) is first
+    held = weakref.ref(first)
+    del first
+    assert held() is None, "the tables held a set no stream holds"

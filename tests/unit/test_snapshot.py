@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from types import MappingProxyType
 
 import pytest
@@ -11,7 +12,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from pilotfish.resources.wire import nonce_field
-from pilotfish.snapshot import _DELTA_MEMO_ENTRIES
+from pilotfish.snapshot import DEFAULT_MEMO_LIMITS
 
 
 def test_versions_ignore_order_and_follow_content() -> None:
@@ -102,7 +103,7 @@ def test_the_response_memo_stays_bounded_and_keeps_the_set_everyone_asks_for() -
     from pilotfish.snapshot import ResponseMemoLimits, Snapshot
 
     names = [f"svc-{i:03d}" for i in range(200)]
-    limits = ResponseMemoLimits(entries=64, bytes=256 * 1024, type_multiple=0)
+    limits = ResponseMemoLimits(entries=64, bytes=256 * 1024)
     snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names],
                            CLUSTER: []}, memo_limits=limits)
     eds = snap.get(EDS)
@@ -130,7 +131,7 @@ def test_a_response_larger_than_the_memo_budget_is_answered_and_not_kept() -> No
 
     names = [f"svc-{i:03d}" for i in range(100)]
     snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names]},
-                          memo_limits=ResponseMemoLimits(bytes=4096, type_multiple=0))
+                          memo_limits=ResponseMemoLimits(bytes=4096))
     eds = snap.get(EDS)
     assert eds is not None
     big = frozenset(names)
@@ -140,13 +141,13 @@ def test_a_response_larger_than_the_memo_budget_is_answered_and_not_kept() -> No
     assert eds.response(small) is eds.response(small)
 
 
-def test_the_budget_grows_with_the_type_so_every_name_of_a_large_type_stays_kept() -> None:
+def test_a_response_streams_hold_is_shared_whatever_the_budget_and_one_nobody_holds_goes() -> None:
     from pilotfish.resources import ENDPOINT
     from pilotfish.resources.parse import parse_resource
     from pilotfish.snapshot import ResponseMemoLimits, Snapshot
 
-    # Every proxy asks for the endpoints of every cluster by name: one response the size of the
-    # type, far over the fixed budget, which fan-outs must not encode again per proxy.
+    # Every proxy asks for the endpoints of every cluster by name: one response far over the
+    # budget, which fan-outs must not encode again per proxy while proxies hold it.
     names = [f"svc-{i:04d}" for i in range(2000)]
     limits = ResponseMemoLimits(bytes=4096)
     snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names]},
@@ -154,11 +155,15 @@ def test_the_budget_grows_with_the_type_so_every_name_of_a_large_type_stays_kept
     eds = snap.get(EDS)
     assert eds is not None
     everyone = frozenset(names)
-    response = eds.response(everyone)
-    assert eds.response(everyone) is response
-    for i in range(300):  # and peers asking for other large sets do not grow it past its budget
+    response = eds.response(everyone)  # held, as a stream holds the last response it was sent
+    for i in range(300):  # peers asking for other large sets meanwhile do not grow the memo
         eds.response(frozenset(names[i:]))
-        assert eds.memoized()[1] <= eds.memo_budget() <= 4096 + 4 * (len(eds.response(None).body) + 120 * 2000)
+        assert eds.memoized()[1] <= limits.bytes
+        assert eds.response(frozenset(everyone)) is response
+    held = weakref.ref(response)
+    del response
+    eds.response(frozenset(names[1:]))
+    assert held() is None, "a response no stream holds outlived the budget"
 
 
 # -- delta answers ----------------------------------------------------------------------------------
@@ -182,16 +187,16 @@ def test_a_delta_answer_keeps_no_stream_s_own_record_of_what_it_has() -> None:
 
 
 def test_the_delta_answer_memo_stays_bounded() -> None:
-    """Shared mappings are remembered up to a bound; past it the memo starts over (each answer is
-    still right), so clients cycling through subscriptions cannot grow it."""
+    """Shared mappings are remembered up to a bound; past it the least recently used are let go
+    (each answer is still right), so clients cycling through subscriptions cannot grow it."""
     ts = build(clusters=[cluster("a"), cluster("b")]).get(CDS)
     assert ts is not None
     first = MappingProxyType({"a": "x"})
     baseline = sys.getrefcount(first)
     assert ts.delta(first, wildcard=True, names=frozenset()) is not None
     assert sys.getrefcount(first) > baseline, "a shared mapping is remembered"
-    others = [MappingProxyType({"a": str(n)}) for n in range(_DELTA_MEMO_ENTRIES)]
+    others = [MappingProxyType({"a": str(n)}) for n in range(DEFAULT_MEMO_LIMITS.entries)]
     for known in others:
         answer = ts.delta(known, wildcard=True, names=frozenset())
         assert answer is not None and set(answer.sent) == {"a", "b"}
-    assert sys.getrefcount(first) == baseline, f"more than {_DELTA_MEMO_ENTRIES} entries kept"
+    assert sys.getrefcount(first) == baseline, f"more than {DEFAULT_MEMO_LIMITS.entries} entries kept"

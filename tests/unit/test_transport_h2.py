@@ -542,6 +542,39 @@ def test_a_control_frame_flood_from_a_peer_that_does_not_read_ends_the_connectio
     assert [e.error_code for e in events if isinstance(e, ConnectionTerminated)] == [ErrorCode.ENHANCE_YOUR_CALM]
 
 
+def test_responses_owed_to_a_peer_that_grants_no_window_end_the_connection() -> None:
+    limits = Limits(max_owed_bytes=1_000_000)
+    stuck = raw_server(limits=limits, settings={Setting.INITIAL_WINDOW_SIZE: 0})
+    stuck.receive(headers(1))
+    stuck.send_headers(1, RESPONSE)
+    body = b"r" * 10_000
+    sent = 0
+    while not stuck.closed and sent < 1_000:
+        stuck.send_message(1, body)
+        sent += 1
+    assert stuck.closed and 90 <= sent <= 100, sent  # each owes 10,005 bytes and its two pieces
+    assert "Limits.max_owed_bytes" in stuck.send_error
+    assert goaway_code(stuck) == ErrorCode.ENHANCE_YOUR_CALM
+
+
+def test_a_peer_that_reads_what_it_is_owed_never_reaches_the_owed_limit() -> None:
+    # Small windows: every message waits in its stream, and leaves it as the client consumes.
+    pair = Pair(client_limits=Limits(initial_window_size=20_000), server_limits=Limits(max_owed_bytes=300_000))
+    stream = pair.client.open_stream()
+    pair.client.send_headers(stream, REQUEST)
+    pair.pump()
+    pair.server.send_headers(stream, RESPONSE)
+    for _ in range(200):  # 20 MB in all, 100 KB at a time
+        pair.server.send_message(stream, b"r" * 100_000)
+        pair.pump()
+        for event in pair.client_events:
+            if isinstance(event, MessageReceived):
+                pair.client.acknowledge(event.stream_id, event.flow_controlled_length)
+        pair.client_events.clear()
+        pair.pump()
+    assert not pair.server.closed and not pair.server.send_error
+
+
 def test_reading_stops_while_the_peer_does_not_read_and_data_waits() -> None:
     server = raw_server()
     server.receive(headers(1))

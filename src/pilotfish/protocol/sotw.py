@@ -137,6 +137,10 @@ class TypeState:
     last_acked_nonce: Nonce | None = None
     warm_pending: bool = False
     """A CDS (for EDS) or LDS (for RDS) response went out since this type's last response."""
+    sent: EncodedResponse | None = None
+    """The last response sent. Held so that its snapshot's memo finds it for the next stream at
+    the same place, however many other name sets were asked for meanwhile (the memo keeps what
+    no stream holds only within its budget: :mod:`pilotfish.snapshot`)."""
 
 
 @dataclass(slots=True)
@@ -322,6 +326,7 @@ class SotwStream:
         state.sent_version = state.held_version = response.version
         state.held_names = response.names
         state.held_wildcard = watch.subscription.wildcard
+        state.sent = response
         state.warm_pending = False
         warmed = _WARMS.get(response.type_url)
         if warmed is not None:

@@ -8,14 +8,15 @@ The rules follow the xDS protocol
   after names means nothing.
 - EDS, RDS and SDS get only the named resources.
 
-Equal subscriptions are usually the same object (interned, in bounded tables: see below).
+Equal subscriptions are the same object while a stream holds one (interned: see below).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import weakref
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from pilotfish.resources import TypeUrl
 from pilotfish.resources.wire import names_run_count
@@ -26,7 +27,7 @@ __all__ = ["WILDCARD", "Subscription", "Watch", "checked_wire", "intern_names", 
 WILDCARD = "*"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Subscription:
     """The resources one stream wants of one type."""
 
@@ -40,44 +41,58 @@ class Subscription:
 
 # Intern tables. Thousands of proxies ask for the same names: they share one frozenset per
 # distinct list (memory per stream, and needs_response compares sets by identity) and one
-# Subscription per distinct set. A peer can send ever new lists, so the tables are bounded, in
-# two generations as a cheap LRU: a lookup is one dict hit in the current generation; when it is
-# full (sets, or the estimated bytes they hold), it becomes the previous one and the one before
-# is dropped; what is found in the previous generation moves back. So what many proxies ask for
-# stays shared while a peer cycles sets, and the tables never hold more than two generations.
-# A set too large for a quarter of a generation is not interned: the stream that asked keeps it.
-_INTERNED_MAX = 4096
-"""Distinct name lists per generation."""
-_INTERNED_BYTES = 32 * 1024 * 1024
-"""Estimated bytes of names (and their encoded lists) per generation."""
+# Subscription per distinct set. The tables refer to them weakly: an entry lives as long as
+# something else holds its value (a stream's subscription, a memoized response keyed by the set),
+# and goes with the last holder. So what many proxies ask for stays shared however many other
+# lists a peer sends, and what a peer sent stays no longer than the peer does: the tables cost
+# nothing of their own beyond the keys of live entries (bounded by what the streams hold).
 _PER_NAME = 100
 """What a name costs in the tables beyond its characters (tuple and set slots, str header)."""
 
-_NAME_SETS: dict[tuple[str, ...], frozenset[str]] = {}
-_BY_WIRE: dict[bytes, tuple[frozenset[str], int, bytes]] = {}
-"""Encoded name lists (checked: nothing but whole names) -> (their set, how many, the key itself)."""
-_SUBSCRIPTIONS: dict[tuple[bool, frozenset[str]], Subscription] = {}
-_interned_bytes = 0
-_OLD_NAME_SETS: dict[tuple[str, ...], frozenset[str]] = {}
-_OLD_BY_WIRE: dict[bytes, tuple[frozenset[str], int, bytes]] = {}
-"""Encoded name lists (checked: nothing but whole names) -> (their set, how many, the key itself)."""
-_OLD_SUBSCRIPTIONS: dict[tuple[bool, frozenset[str]], Subscription] = {}
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
-def _make_room(cost: int) -> bool:
-    """Account ``cost`` bytes in the current generation (starting a new one if it is full);
-    False if an entry that large is not to be interned at all."""
-    global _NAME_SETS, _BY_WIRE, _SUBSCRIPTIONS, _OLD_NAME_SETS, _OLD_BY_WIRE, _OLD_SUBSCRIPTIONS
-    global _interned_bytes
-    if cost > _INTERNED_BYTES // 4:
-        return False
-    if (_interned_bytes + cost > _INTERNED_BYTES or len(_NAME_SETS) >= _INTERNED_MAX
-            or len(_BY_WIRE) >= _INTERNED_MAX or len(_SUBSCRIPTIONS) >= _INTERNED_MAX):
-        _OLD_NAME_SETS, _OLD_BY_WIRE, _OLD_SUBSCRIPTIONS = _NAME_SETS, _BY_WIRE, _SUBSCRIPTIONS
-        _NAME_SETS, _BY_WIRE, _SUBSCRIPTIONS = {}, {}, {}
-        _interned_bytes = 0
-    _interned_bytes += cost
-    return True
+class _Held(weakref.KeyedRef[K, V]):
+    """An entry of an intern table: a weak reference to its value that knows its key (and, for
+    an encoded name list, how many names it holds)."""
+
+    __slots__ = ("count",)
+    count: int
+
+
+class _Table(Generic[K, V]):
+    """Values by key while something else holds them."""
+
+    __slots__ = ("_gone", "refs")
+
+    def __init__(self) -> None:
+        self.refs: dict[K, _Held[K, V]] = {}
+        refs = self.refs
+
+        def gone(ref: weakref.ref[V]) -> None:
+            assert isinstance(ref, _Held)
+            if refs.get(ref.key) is ref:
+                del refs[ref.key]
+
+        self._gone = gone
+
+    def get(self, key: K) -> V | None:
+        ref = self.refs.get(key)
+        return None if ref is None else ref()
+
+    def put(self, key: K, value: V, count: int = 0) -> None:
+        ref = _Held(value, self._gone, key)
+        ref.count = count
+        self.refs[key] = ref
+
+
+_NAME_SETS: _Table[tuple[str, ...], frozenset[str]] = _Table()
+_BY_WIRE: _Table[bytes, frozenset[str]] = _Table()
+"""Encoded name lists (checked: nothing but whole names) -> their set (``count``: how many)."""
+_SUBSCRIPTIONS: _Table[tuple[bool, frozenset[str]], Subscription] = _Table()
+_SETS: _Table[int, frozenset[str]] = _Table()
+"""Sets by their hash (:func:`intern_names`)."""
 
 
 def _list_cost(names: Collection[str]) -> int:
@@ -85,43 +100,33 @@ def _list_cost(names: Collection[str]) -> int:
 
 
 def interned_size() -> tuple[int, int]:
-    """(entries, estimated bytes) the intern tables hold now, both generations: for tests and
-    metrics."""
-    entries = (len(_NAME_SETS) + len(_BY_WIRE) + len(_SUBSCRIPTIONS)
-               + len(_OLD_NAME_SETS) + len(_OLD_BY_WIRE) + len(_OLD_SUBSCRIPTIONS))
-    old = (sum(_list_cost(key) for key in _OLD_NAME_SETS)
-           + sum(len(key) + _PER_NAME * count for key, (_, count, _) in _OLD_BY_WIRE.items())
-           + sum(_list_cost(names) for _, names in _OLD_SUBSCRIPTIONS))
-    return entries, _interned_bytes + old
+    """(entries, estimated bytes) the intern tables hold now, live entries: for tests and metrics."""
+    entries = len(_NAME_SETS.refs) + len(_BY_WIRE.refs) + len(_SUBSCRIPTIONS.refs) + len(_SETS.refs)
+    size = (sum(_list_cost(key) for key in list(_NAME_SETS.refs))
+            + sum(len(key) + _PER_NAME * ref.count for key, ref in list(_BY_WIRE.refs.items()))
+            + sum(_list_cost(names) for _, names in list(_SUBSCRIPTIONS.refs))
+            + sum(_list_cost(names) for ref in list(_SETS.refs.values()) if (names := ref()) is not None))
+    return entries, size
 
 
 def _name_set(requested: Sequence[str], wire: bytes | None) -> frozenset[str]:
     # ``wire`` (the names' encoded bytes, when the transport has them) finds the set without
     # decoding a name: for 100 names that is 1 us instead of 15.
     if wire is not None:
-        found = _BY_WIRE.get(wire)
-        if found is not None and found[1] == len(requested):
-            return found[0]
-        found = _OLD_BY_WIRE.pop(wire, None)
-        if found is not None and found[1] == len(requested):
-            if _make_room(len(wire) + _PER_NAME * found[1]):
-                _BY_WIRE[wire] = found
-            return found[0]
+        ref = _BY_WIRE.refs.get(wire)
+        if ref is not None and ref.count == len(requested):
+            found = ref()
+            if found is not None:
+                return found
     key = tuple(requested)
     names = _NAME_SETS.get(key)
     if names is None:
-        names = _OLD_NAME_SETS.pop(key, None)
-        if names is None:
-            names = frozenset(key)
-        if not _make_room(_list_cost(key)):
-            return names
-        _NAME_SETS[key] = names
-    # Costed with its set, which it keeps alive even when the set's own entry is gone. Only a
-    # span of nothing but these names is kept: equal bytes then mean equal names, and a stream
-    # may compare the next request's names with it (SotwStream.decode_request).
-    if (wire is not None and names_run_count(wire) == len(key)
-            and _make_room(len(wire) + _PER_NAME * len(key))):
-        _BY_WIRE[wire] = (names, len(key), wire)
+        names = frozenset(key)
+        _NAME_SETS.put(key, names)
+    # Only a span of nothing but these names is kept: equal bytes then mean equal names, and a
+    # stream may compare the next request's names with it (SotwStream.decode_request).
+    if wire is not None and names_run_count(wire) == len(key):
+        _BY_WIRE.put(wire, names, len(key))
     return names
 
 
@@ -129,26 +134,28 @@ def checked_wire(wire: bytes) -> bytes | None:
     """The interned copy of an encoded name list if the tables hold it (then it was checked to
     be nothing but whole names, see :func:`~pilotfish.resources.wire.names_run_count`), else None.
     Streams keep this one object, not a copy each."""
-    found = _BY_WIRE.get(wire) or _OLD_BY_WIRE.get(wire)
-    return found[2] if found is not None else None
+    ref = _BY_WIRE.refs.get(wire)
+    return ref.key if ref is not None and ref() is not None else None
 
 
 def _subscription(wildcard: bool, names: frozenset[str]) -> Subscription:
     found = _SUBSCRIPTIONS.get((wildcard, names))
     if found is None:
-        found = _OLD_SUBSCRIPTIONS.pop((wildcard, names), None)
-        if found is None:
-            found = Subscription(wildcard, names)
-        # Costed with its set, which it keeps alive even when the set's own entry is gone.
-        if _make_room(_list_cost(names)):
-            _SUBSCRIPTIONS[(wildcard, names)] = found
+        found = Subscription(wildcard, names)
+        _SUBSCRIPTIONS.put((wildcard, names), found)
     return found
 
 
 def intern_names(names: frozenset[str]) -> frozenset[str]:
-    """The interned set equal to ``names`` (the same bounded tables): for delta streams, whose
-    subscriptions are sets built name by name, not lists; no sorting needed."""
-    return _subscription(False, names).names
+    """The interned set equal to ``names``: for delta streams, whose subscriptions are sets built
+    name by name, not lists; no sorting needed. (By hash: a table keyed by the set itself would
+    hold it. Of two sets with one hash, the later one is interned.)"""
+    key = hash(names)
+    found = _SETS.get(key)
+    if found is not None and found == names:
+        return found
+    _SETS.put(key, names)
+    return names
 
 
 def next_subscription(

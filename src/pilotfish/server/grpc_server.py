@@ -506,6 +506,10 @@ class _Connection(asyncio.Protocol):
         out = self.h2.take_output()
         if out and not self.transport.is_closing():
             self.transport.writelines(out)  # uvloop: one writev, no joined copy
+        if self.h2.send_error and not self.transport.is_closing():  # ended while sending, not reading
+            self._server.error_log.log("closing HTTP/2 connection from %s: %s", self.peer, self.h2.send_error)
+            self.goaway_at = self._server.now()
+            self.transport.close()
 
     # -- ending ---------------------------------------------------------------------------------
 

@@ -26,7 +26,9 @@ buffer with :attr:`Connection.writing_paused`. Then :attr:`Connection.wants_to_r
 adapter stops reading the peer's requests, as Envoy does past its write buffer's watermark), DATA
 waits in its streams, and the control frames we owe (SETTINGS and PING ACKs, RST_STREAMs) are
 counted: past :attr:`Limits.max_queued_control_frames` the connection ends (nghttp2's and Envoy's
-flood rule), whatever was read before reading stopped.
+flood rule), whatever was read before reading stopped. A peer that grants no flow-control window
+fills no socket and is still read: the DATA it is owed is counted instead, and past
+:attr:`Limits.max_owed_bytes` the connection ends too.
 
 Why pilotfish's own code and not the ``h2`` package's state machine (issue 9, measured by
 ``python -m bench.h2_core_compare``, BENCHMARKS.md): both under the same ``GrpcServer`` adapter,
@@ -118,9 +120,18 @@ class Limits:
     max_consecutive_inbound_frames_with_empty_payload, CVE-2019-9518); over it: ENHANCE_YOUR_CALM."""
     max_remembered_resets: int = 256
     """Streams we reset whose late frames are ignored rather than answered (bounded memory)."""
+    max_owed_bytes: int = 64 * _MiB
+    """DATA we owe the peer, on all its streams, that its flow-control windows (or a full socket)
+    hold back, plus :data:`OWED_PIECE_COST` per piece of it held; over it: the connection ends
+    (ENHANCE_YOUR_CALM). A peer that grants no window does not fill the socket, so it is still
+    read from: without this, each request it sends could leave another response owed (Envoy ends
+    a stream whose buffer overflows its watermark the same way)."""
 
 
 _DEFAULT_HEADER_TABLE = 4096
+OWED_PIECE_COST = 512
+"""What holding one piece of an owed message costs beyond its bytes (its view, the queue's slot):
+counted in :attr:`Limits.max_owed_bytes`, so that many small messages count too."""
 _CONNECTION_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
                                  b"upgrade"})
 _REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":path", b":authority"})
@@ -259,12 +270,12 @@ class Connection:
 
     __slots__ = ("_block", "_block_flags", "_block_frames", "_block_stream", "_buffer", "_clock", "_decoder",
                  "_empty_frames", "_ended", "_goaway_sent", "_highest_remote", "_needed", "_next_local",
-                 "_on_output", "_out",
+                 "_on_output", "_out", "_owed",
                  "_peer_initial_window", "_peer_max_frame", "_peer_max_streams", "_preface_pending",
                  "_queued_control", "_recv_window", "_reset_by_us", "_reset_time", "_reset_tokens",
                  "_send_window", "_settings_seen", "_settings_time", "_settings_tokens", "_streams", "_table_update",
                  "_unacked", "_waiting",
-                 "closed", "limits", "role", "writing_paused")
+                 "closed", "limits", "role", "send_error", "writing_paused")
 
     def __init__(self, *, role: Role, limits: Limits | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -276,10 +287,15 @@ class Connection:
         """Called when output is queued and none was waiting (an adapter schedules a write)."""
         self._out: list[bytes | bytearray | memoryview] = []
         self._queued_control = 0
+        self._owed = 0
+        """Bytes of DATA waiting in streams, plus OWED_PIECE_COST per piece (Limits.max_owed_bytes)."""
         self.writing_paused = False
         """Set by the adapter while the socket does not take more (asyncio's pause_writing)."""
         self.closed = False
         """A GOAWAY has been sent or received for an error: read nothing more."""
+        self.send_error = ""
+        """Why sending ended the connection (:attr:`Limits.max_owed_bytes`), if it did: no
+        event tells the adapter, which closes the connection once it has written the GOAWAY."""
         self._buffer = bytearray()
         self._needed = 0
         self._empty_frames = 0
@@ -513,7 +529,12 @@ class Connection:
         if len(ended) > self.limits.max_remembered_resets:
             del ended[next(iter(ended))]  # the oldest (dicts keep insertion order)
         self._waiting.pop(stream, None)
-        stream.pending = None
+        self._forget_pending(stream)
+
+    def _forget_pending(self, stream: _Stream) -> None:
+        pending, stream.pending = stream.pending, None
+        if pending:
+            self._owed -= sum(map(len, pending)) + OWED_PIECE_COST * len(pending)
 
     def _remember_reset(self, stream_id: int) -> None:
         resets = self._reset_by_us
@@ -956,7 +977,7 @@ class Connection:
         if stream is None:
             return
         if abandon_pending:
-            stream.pending = None
+            self._forget_pending(stream)
             self._waiting.pop(stream, None)
         if end_stream:
             stream.local_closed = True
@@ -1010,9 +1031,16 @@ class Connection:
             return
         if stream.pending is None:
             stream.pending = deque()
-        stream.pending.append(memoryview(f.grpc_prefix(length)))
-        stream.pending.extend(memoryview(p) for p in parts if p)
+        pending = stream.pending
+        before = len(pending)
+        pending.append(memoryview(f.grpc_prefix(length)))
+        pending.extend(memoryview(p) for p in parts if p)
+        self._owed += size + OWED_PIECE_COST * (len(pending) - before)
         self._drain(stream)
+        if self._owed > self.limits.max_owed_bytes:
+            self.send_error = (f"more than {self.limits.max_owed_bytes} bytes of messages owed to a peer that "
+                               "does not take them (Limits.max_owed_bytes)")
+            self.close(ErrorCode.ENHANCE_YOUR_CALM, self.send_error)
 
     def end_stream(self, stream_id: int) -> None:
         """(Client) half-close: an empty DATA frame with END_STREAM, after any pending DATA."""
@@ -1081,10 +1109,12 @@ class Connection:
                 if take == len(chunk):
                     pieces.append(chunk)
                     pending.popleft()
+                    self._owed -= OWED_PIECE_COST
                 else:
                     pieces.append(chunk[:take])
                     pending[0] = chunk[take:]
                 size += take
+            self._owed -= size
             self._queue(f.frame_header(size, f.DATA, 0, stream.id))
             for piece in pieces:
                 self._queue(piece)

@@ -1,0 +1,56 @@
+"""The response memo's budget against a fleet: a peer asking for ever new name sets (far over the
+budget) must not make 1,000 proxies at one version each get their own encoding of one response.
+
+The proxies are real SotW state machines wired to a real cache, as ``server/xds.py`` wires them
+(:class:`conftest.StreamPair`): each response goes through the stream's ``on_response``, which
+keeps what it sent, as the server's streams do."""
+
+from __future__ import annotations
+
+import random
+
+from conftest import EDS, StreamPair, assignment
+
+from pilotfish.cache import SnapshotCache
+from pilotfish.resources import CLUSTER, ENDPOINT
+from pilotfish.resources.parse import parse_resource
+from pilotfish.snapshot import ResponseMemoLimits, Snapshot
+
+LIMITS = ResponseMemoLimits(bytes=16 * 1024, entries=4)
+"""Small: the peer's sets overflow it between any two proxies joining."""
+SERVICES = [f"svc-{i:04d}" for i in range(1000)]
+FLEET_NAMES = SERVICES[:20]
+
+
+def snapshot(port: int) -> Snapshot:
+    endpoints = [parse_resource(ENDPOINT, assignment(name, port), "")[0] for name in SERVICES]
+    return Snapshot.build({ENDPOINT: endpoints, CLUSTER: []}, memo_limits=LIMITS)
+
+
+def test_a_fleet_at_one_version_shares_one_encoded_response_while_a_peer_cycles_sets() -> None:
+    cache = SnapshotCache()
+    cache.set_snapshot(snapshot(8000))
+    rng = random.Random(19)
+    peer = StreamPair(cache)
+    fleet: list[StreamPair] = []
+    for _ in range(1000):  # the fleet connects one by one; between two, the peer asks for 4 new sets
+        for _ in range(4):
+            peer.send(EDS, rng.sample(SERVICES, 30))
+        proxy = StreamPair(cache)
+        proxy.send(EDS, FLEET_NAMES)
+        fleet.append(proxy)
+    first = {id(body) for proxy in fleet for body in proxy.bodies}
+    assert len(first) == 1, f"1,000 proxies at one version got {len(first)} encodings of their response"
+    current = cache.snapshot()
+    assert current is not None
+    eds = current.get(EDS)
+    assert eds is not None
+    assert eds.memoized()[1] <= LIMITS.bytes  # the peer's sets: within the budget
+
+    for proxy in fleet:
+        proxy.ack(proxy.inbox[-1], FLEET_NAMES)
+    peer.send(EDS, rng.sample(SERVICES, 30))
+    cache.set_snapshot(snapshot(8001))  # a push: every proxy is sent the new version
+    pushed = {id(proxy.bodies[-1]) for proxy in fleet if len(proxy.bodies) == 2}
+    assert sum(len(proxy.bodies) == 2 for proxy in fleet) == 1000
+    assert len(pushed) == 1, f"one push to 1,000 proxies was encoded {len(pushed)} times"
