@@ -156,6 +156,11 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType({
                              "status", "token", "peer", "unreported_before"),
     "registry_tokens_loaded": _spec("the tokens file changed and is in force", "file", "tokens", "reads"),
     "registry_tokens_error": _spec("the tokens file was refused; the last good tokens stay", "file", "reason"),
+    "admin_denied": _spec("the admin API refused a request (at most one per 10 s)", "method", "path",
+                          "status", "token", "peer", "unreported_before"),
+    "admin_tokens_loaded": _spec("the admin API's tokens file changed and is in force", "file", "tokens", "reads"),
+    "admin_tokens_error": _spec("the admin API's tokens file was refused; the last good tokens stay", "file",
+                                "reason"),
     # etcd
     "etcd_synced": _spec("etcd was listed", "revision", "keys", "bad"),
     "etcd_disconnected": _spec("the etcd watch broke", "reason"),

@@ -89,7 +89,7 @@ from pilotfish.transport.h2 import (
 )
 
 __all__ = ["WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "Handler", "MethodFactory", "RateLimitedLog",
-           "RpcError"]
+           "RpcError", "listening_sockets", "refuse", "source_address"]
 
 _log = logging.getLogger("pilotfish.server.grpc")
 
@@ -210,7 +210,7 @@ class ConnectionLimits:
         return total, per_address
 
 
-def _listening_sockets(host: str, port: int) -> list[socket.socket]:
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
     """Bound, listening, non-blocking sockets for ``host:port`` (every address of ``host``; all
     interfaces when it is empty), as ``loop.create_server`` makes them."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -243,7 +243,15 @@ def _keep_alive(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def _source_address(peer: object) -> str:
+def refuse(sock: socket.socket) -> None:
+    """Close an accepted socket with a reset, before any byte: a failed connection attempt to
+    the client, and no TIME_WAIT state kept here."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+    sock.close()
+
+
+def source_address(peer: object) -> str:
     """The IP address a connection comes from (an IPv4 address mapped into IPv6 as itself)."""
     if isinstance(peer, tuple) and peer:
         host = str(peer[0])
@@ -376,7 +384,7 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         server = self._server
         if not self.address:  # plaintext: asyncio accepted it
-            self.address = _source_address(peer)
+            self.address = source_address(peer)
             sock = transport.get_extra_info("socket")
             refusal = server.admit(self)
             if refusal:  # closed before any HTTP/2 byte: a failed connection attempt to the client
@@ -631,13 +639,11 @@ class GrpcServer:
                 loop.remove_reader(listener)
                 loop.call_later(ACCEPT_RETRY, self._listen_again, listener)
                 return
-            conn = _Connection(self, _source_address(peer))
+            conn = _Connection(self, source_address(peer))
             refusal = self.admit(conn)
             if refusal:  # a failed connection attempt to the client (it backs off), and no TLS handshake
                 self.refused_log.log("refused a connection from %s: %s", conn.address, refusal)
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
-                sock.close()
+                refuse(sock)
                 continue
             with contextlib.suppress(OSError):
                 sock.setblocking(False)
@@ -748,7 +754,7 @@ class GrpcServer:
                                                     backlog=LISTEN_BACKLOG, reuse_address=True)
             bound: int = self._server.sockets[0].getsockname()[1]
         else:  # our accept: the caps are checked before the TLS handshake
-            self._listeners = await loop.run_in_executor(None, _listening_sockets, host, port)
+            self._listeners = await loop.run_in_executor(None, listening_sockets, host, port)
             for listener in self._listeners:
                 loop.add_reader(listener, self._accept, listener)
             bound = self._listeners[0].getsockname()[1]
