@@ -22,6 +22,7 @@ import yaml
 from pilotfish.server.registry_auth import hash_token
 
 from .processes import ControlPlane, ProcessGroup, free_port, pilotfish_argv, pilotfish_env, wait_until
+from .snapshot_file import write_services
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -29,13 +30,9 @@ READER, OPS, WRITER = "reader-token-5e1f0c", "ops-token-c03b77", "writer-token-9
 NAMES = [f"svc-{i}" for i in range(10)]
 
 
-def snapshot_doc(*names: str) -> dict[str, Any]:
-    def cluster(name: str) -> dict[str, Any]:
-        endpoint = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9001}}}
-        return {"name": name, "type": "STATIC", "connect_timeout": "1s", "load_assignment": {
-            "cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": endpoint}]}]}}
-
-    return {"clusters": [cluster(name) for name in names]}
+def services(*names: str) -> dict[str, dict[str, Any]]:
+    """Services without listeners: a cluster each, with one endpoint."""
+    return {name: {"endpoints": ["127.0.0.1:9001"]} for name in names}
 
 
 def request(admin: str, path: str, *, method: str = "GET", token: str | None = None) -> tuple[int, Any, Any]:
@@ -60,7 +57,7 @@ def command(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 @pytest.fixture
 def served(processes: ProcessGroup, tmp_path: Path) -> tuple[ControlPlane, Path]:
     snapshot = tmp_path / "snapshot.yaml"
-    snapshot.write_text(yaml.safe_dump(snapshot_doc(*NAMES)))
+    write_services(snapshot, services(*NAMES))
     tokens = tmp_path / "admin-tokens.yaml"
     tokens.write_text(yaml.safe_dump({"tokens": {
         "dashboard": {"sha256": hash_token(READER), "read": True},
@@ -124,7 +121,7 @@ def test_status_wait_and_confirm_send_a_token(served: tuple[ControlPlane, Path],
     assert waited.returncode == 0, waited.stdout + waited.stderr
 
     # A change the guard holds (9 of 10 clusters removed): a reader may not confirm it, ops may.
-    snapshot.write_text(yaml.safe_dump(snapshot_doc("svc-0")))
+    write_services(snapshot, services("svc-0"))
 
     def held() -> Any:
         return request(admin, "/v1/held", token=READER)[1]["held"]

@@ -20,25 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from .processes import ControlPlane, ProcessGroup, free_port, wait_until
+from .processes import ControlPlane, ProcessGroup, connect_from, free_port, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 SNAPSHOT = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 TIMEOUT = 10.0
 CAP = 3
-
-
-def connect(port: int, source: str) -> socket.socket:
-    sock = socket.socket()
-    try:
-        sock.bind((source, 0))
-        sock.settimeout(TIMEOUT)
-        sock.connect(("127.0.0.1", port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def ask(sock: socket.socket, path: str) -> bytes:
@@ -73,7 +61,7 @@ def ask(sock: socket.socket, path: str) -> bytes:
 def refused(port: int, source: str, path: str) -> bool:
     """Whether a new connection from ``source`` is closed without an answer."""
     try:
-        sock = connect(port, source)
+        sock = connect_from(port, source, timeout=TIMEOUT)
     except ConnectionResetError:
         return True  # reset as soon as accepted: the connect call saw it
     with sock:
@@ -86,7 +74,7 @@ def held(port: int, sources: list[str], path: str) -> Iterator[list[socket.socke
     socks = []
     try:
         for source in sources:
-            sock = connect(port, source)
+            sock = connect_from(port, source, timeout=TIMEOUT)
             socks.append(sock)
             assert ask(sock, path).startswith(b"HTTP/1.1 "), source
         yield socks

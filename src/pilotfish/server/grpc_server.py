@@ -89,7 +89,7 @@ from pilotfish.transport.h2 import (
 )
 
 __all__ = ["WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "Handler", "MethodFactory", "RateLimitedLog",
-           "RpcError", "listening_sockets", "refuse", "source_address"]
+           "RpcError", "accept_waiting", "listening_sockets", "refuse", "source_address"]
 
 _log = logging.getLogger("pilotfish.server.grpc")
 
@@ -241,6 +241,26 @@ def _keep_alive(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in _KEEPALIVE:
         sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def accept_waiting(listener: socket.socket, take: Callable[[socket.socket, str], None], *, log: RateLimitedLog,
+                   what: str, listen_again: Callable[[socket.socket], None]) -> None:
+    """Accept what waits on a listening socket, :data:`ACCEPT_BATCH` at most (then other work
+    runs), giving each socket and its source address to ``take``. Out of descriptors (EMFILE,
+    ENFILE) or memory: stop reading the listener for :data:`ACCEPT_RETRY` seconds, as asyncio
+    does, then ``listen_again(listener)``; ``what`` names the listener in the log line."""
+    loop = asyncio.get_running_loop()
+    for _ in range(ACCEPT_BATCH):
+        try:
+            sock, peer = listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as exc:
+            log.log("%s: cannot accept connections (%s): accepting again in %g s", what, exc, ACCEPT_RETRY)
+            loop.remove_reader(listener)
+            loop.call_later(ACCEPT_RETRY, listen_again, listener)
+            return
+        take(sock, source_address(peer))
 
 
 def refuse(sock: socket.socket) -> None:
@@ -628,30 +648,22 @@ class GrpcServer:
     def _accept(self, listener: socket.socket) -> None:
         """A listening socket is readable: accept what waits (a batch), refuse what is over a cap
         (closed with a reset, nothing else made for it), hand the rest to asyncio."""
-        loop = self._loop or asyncio.get_running_loop()
-        for _ in range(ACCEPT_BATCH):
-            try:
-                sock, peer = listener.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                return
-            except OSError as exc:  # out of descriptors (EMFILE, ENFILE) or memory: pause, as asyncio does
-                self.refused_log.log("cannot accept connections (%s): accepting again in %g s", exc, ACCEPT_RETRY)
-                loop.remove_reader(listener)
-                loop.call_later(ACCEPT_RETRY, self._listen_again, listener)
-                return
-            conn = _Connection(self, source_address(peer))
-            refusal = self.admit(conn)
-            if refusal:  # a failed connection attempt to the client (it backs off), and no TLS handshake
-                self.refused_log.log("refused a connection from %s: %s", conn.address, refusal)
-                refuse(sock)
-                continue
-            with contextlib.suppress(OSError):
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _keep_alive(sock)
-            task = loop.create_task(self._set_up(conn, sock))
-            self._handshaking.add(task)
-            task.add_done_callback(self._handshaking.discard)
+        accept_waiting(listener, self._take, log=self.refused_log, what="xDS", listen_again=self._listen_again)
+
+    def _take(self, sock: socket.socket, address: str) -> None:
+        conn = _Connection(self, address)
+        refusal = self.admit(conn)
+        if refusal:  # a failed connection attempt to the client (it backs off), and no TLS handshake
+            self.refused_log.log("refused a connection from %s: %s", conn.address, refusal)
+            refuse(sock)
+            return
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keep_alive(sock)
+        task = (self._loop or asyncio.get_running_loop()).create_task(self._set_up(conn, sock))
+        self._handshaking.add(task)
+        task.add_done_callback(self._handshaking.discard)
 
     def _listen_again(self, listener: socket.socket) -> None:
         if listener in self._listeners and listener.fileno() >= 0:

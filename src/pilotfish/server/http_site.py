@@ -41,15 +41,13 @@ from aiohttp import web
 
 from pilotfish.bootstrap import split_address
 from pilotfish.server.grpc_server import (
-    ACCEPT_BATCH,
-    ACCEPT_RETRY,
     TLS_HANDSHAKE_TIMEOUT,
     ConnectionLimits,
     RateLimitedLog,
+    accept_waiting,
     descriptor_limit,
     listening_sockets,
     refuse,
-    source_address,
 )
 
 __all__ = ["ADMIN_API", "ADMIN_CONNECTIONS", "REGISTRY_API", "REST_XDS", "XDS", "CappedSite", "HttpConnectionLimits",
@@ -270,31 +268,22 @@ class CappedSite(web.BaseSite):
             self._per_address.pop(address, None)
 
     def _accept(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
         self.refused_log.flush()
-        for _ in range(ACCEPT_BATCH):
-            try:
-                sock, peer = listener.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                return
-            except OSError as exc:  # out of descriptors (EMFILE, ENFILE) or memory: pause, as asyncio does
-                self.refused_log.log("the %s cannot accept connections (%s): accepting again in %g s",
-                                     self._listener.name, exc, ACCEPT_RETRY)
-                loop.remove_reader(listener)
-                loop.call_later(ACCEPT_RETRY, self._listen_again, listener)
-                return
-            address = source_address(peer)
-            refusal = self._admit(address)
-            if refusal:
-                self.refused_log.log("the %s refused a connection from %s: %s", self._listener.name, address, refusal)
-                refuse(sock)
-                continue
-            with contextlib.suppress(OSError):
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = loop.create_task(self._set_up(sock, address))
-            self._setting_up.add(task)
-            task.add_done_callback(self._setting_up.discard)
+        accept_waiting(listener, self._take, log=self.refused_log, what=self._listener.name,
+                       listen_again=self._listen_again)
+
+    def _take(self, sock: socket.socket, address: str) -> None:
+        refusal = self._admit(address)
+        if refusal:
+            self.refused_log.log("the %s refused a connection from %s: %s", self._listener.name, address, refusal)
+            refuse(sock)
+            return
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        task = asyncio.get_running_loop().create_task(self._set_up(sock, address))
+        self._setting_up.add(task)
+        task.add_done_callback(self._setting_up.discard)
 
     def _listen_again(self, listener: socket.socket) -> None:
         if listener in self._listeners and listener.fileno() >= 0:
