@@ -88,8 +88,9 @@ from pilotfish.transport.h2 import (
     StreamReset,
 )
 
-__all__ = ["WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "Handler", "MethodFactory", "RateLimitedLog",
-           "RpcError", "accept_waiting", "listening_sockets", "refuse", "source_address"]
+__all__ = ["LISTEN_BACKLOG", "WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "Handler",
+           "MethodFactory", "RateLimitedLog", "RpcError", "accept_waiting", "listening_sockets", "refuse",
+           "reset", "source_address"]
 
 _log = logging.getLogger("pilotfish.server.grpc")
 
@@ -271,6 +272,15 @@ def refuse(sock: socket.socket) -> None:
     sock.close()
 
 
+def reset(transport: asyncio.Transport) -> None:
+    """Close a connection asyncio accepted with a reset, before any byte (as :func:`refuse`)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+    transport.abort()
+
+
 def source_address(peer: object) -> str:
     """The IP address a connection comes from (an IPv4 address mapped into IPv6 as itself)."""
     if isinstance(peer, tuple) and peer:
@@ -409,10 +419,7 @@ class _Connection(asyncio.Protocol):
             refusal = server.admit(self)
             if refusal:  # closed before any HTTP/2 byte: a failed connection attempt to the client
                 server.refused_log.log("refused a connection from %s: %s", self.address, refusal)
-                if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
-                self.transport.abort()
+                reset(self.transport)
                 return
             if sock is not None:
                 with contextlib.suppress(OSError):

@@ -15,13 +15,15 @@ xDS and the admin port at once.
 Connections are capped as on the xDS port (:class:`~pilotfish.server.grpc_server.ConnectionLimits`:
 the same meaning, the same defaults, resolved by the same function): at most
 :attr:`HttpConnectionLimits.max_connections` from all peers and
-:attr:`HttpConnectionLimits.max_connections_per_address` from one source IP. The site accepts
-connections itself (:class:`CappedSite`): one over a cap is closed with a reset at once, before
-any byte (and before a TLS handshake: one in its handshake counts), as the xDS port refuses one;
-an HTTP client sees a failed connection attempt. The others are handed to asyncio
-(``connect_accepted_socket``) and to aiohttp's protocol, wrapped only to count them out when they
-close. Refusals are logged through :class:`~pilotfish.server.grpc_server.RateLimitedLog` (a line
-per :data:`~pilotfish.server.grpc_server.WARN_EVERY` seconds at most). Idle keep-alive
+:attr:`HttpConnectionLimits.max_connections_per_address` from one source IP
+(:class:`CappedSite`). One over a cap is closed with a reset at once, before any byte (and
+before a TLS handshake: one in its handshake counts), as the xDS port refuses one; an HTTP client
+sees a failed connection attempt. As on the xDS port, a plaintext site lets asyncio accept (in C,
+on uvloop) and counts a connection in when it is made; a TLS site accepts itself, counts, and
+hands what it admits to asyncio (``connect_accepted_socket``) for the handshake. aiohttp's
+protocol is wrapped only to count the connection in and out. Refusals are logged through
+:class:`~pilotfish.server.grpc_server.RateLimitedLog` (a line per
+:data:`~pilotfish.server.grpc_server.WARN_EVERY` seconds at most). Idle keep-alive
 connections are closed by aiohttp after its keep-alive timeout (75 s).
 """
 
@@ -34,13 +36,14 @@ import ipaddress
 import logging
 import socket
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from pilotfish.bootstrap import split_address
 from pilotfish.server.grpc_server import (
+    LISTEN_BACKLOG,
     TLS_HANDSHAKE_TIMEOUT,
     ConnectionLimits,
     RateLimitedLog,
@@ -48,6 +51,8 @@ from pilotfish.server.grpc_server import (
     descriptor_limit,
     listening_sockets,
     refuse,
+    reset,
+    source_address,
 )
 
 __all__ = ["ADMIN_API", "ADMIN_CONNECTIONS", "REGISTRY_API", "REST_XDS", "XDS", "CappedSite", "HttpConnectionLimits",
@@ -177,21 +182,34 @@ connections."""
 
 
 class _Counted(asyncio.Protocol):
-    """aiohttp's protocol for one connection, counted out by the site when it closes."""
+    """aiohttp's protocol for one connection, counted in by the site (on plaintext: here, as
+    asyncio made the connection) and out when it closes."""
 
-    __slots__ = ("_inner", "_release", "made")
+    __slots__ = ("_inner", "_site", "address", "counted", "made")
 
-    def __init__(self, inner: asyncio.Protocol, release: Callable[[], None]) -> None:
+    def __init__(self, inner: asyncio.Protocol, site: CappedSite, address: str = "") -> None:
         self._inner = inner
-        self._release = release
+        self._site = site
+        self.address = address
+        """The source IP address; ``""`` until :meth:`connection_made` on plaintext."""
+        self.counted = bool(address)
+        """Counted in (TLS: at accept, by the site)."""
         self.made = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self.counted:  # plaintext: asyncio accepted it (in C, on uvloop)
+            self.address = source_address(transport.get_extra_info("peername"))
+            if not self._site.admitted(self.address):
+                reset(transport)  # type: ignore[arg-type]  # (a stream transport; connection_lost follows)
+                return
+            self.counted = True
         self.made = True
         self._inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._release()
+        if not self.made:
+            return
+        self._site.release(self.address)
         self._inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -208,7 +226,7 @@ class _Counted(asyncio.Protocol):
 
 
 class CappedSite(web.BaseSite):
-    """An aiohttp site on listening sockets of its own, accepting connections itself so that one
+    """An aiohttp site on listening sockets of its own that holds at most so many connections; one
     over a cap is refused before any byte (see the module docstring)."""
 
     def __init__(self, runner: web.BaseRunner, listeners: list[socket.socket], *, listener: Listener,
@@ -222,6 +240,7 @@ class CappedSite(web.BaseSite):
         """Connections held now (TLS handshakes included)."""
         self._per_address: dict[str, int] = {}
         self._setting_up: set[asyncio.Task[None]] = set()
+        self._servers: list[asyncio.Server] = []
         self.refused_log = RateLimitedLog(_log, what=f"connections the {listener.name} refused")
         self._tls_log = RateLimitedLog(_log, what=f"failed TLS handshakes on the {listener.name}", level=logging.INFO)
         host, port = listeners[0].getsockname()[:2]
@@ -234,18 +253,36 @@ class CappedSite(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
         for sock in self._listeners:
-            loop.add_reader(sock, self._accept, sock)
+            if self._ssl_context is None:  # asyncio's accept (in C on uvloop); counted in connection_made
+                self._servers.append(await loop.create_server(lambda: _Counted(server(), self), sock=sock,
+                                                              backlog=LISTEN_BACKLOG))
+            else:  # our accept: the caps are checked before the TLS handshake
+                loop.add_reader(sock, self._accept, sock)
 
     async def stop(self) -> None:
         loop = asyncio.get_running_loop()
         listeners, self._listeners = self._listeners, []
+        servers, self._servers = self._servers, []
+        for server in servers:
+            server.close()
         for sock in listeners:
-            loop.remove_reader(sock)
+            if self._ssl_context is not None:
+                loop.remove_reader(sock)
             sock.close()
         for task in list(self._setting_up):
             task.cancel()
         await super().stop()
+
+    def admitted(self, address: str) -> bool:
+        """Count a connection from ``address`` in; or log why it is refused (rate limited) and
+        say so (False)."""
+        refusal = self._admit(address)
+        if refusal:
+            self.refused_log.log("the %s refused a connection from %s: %s", self._listener.name, address, refusal)
+        return not refusal
 
     def _admit(self, address: str) -> str:
         """Count a connection from ``address`` in, or say why it is refused (``""``: admitted)."""
@@ -259,7 +296,8 @@ class CappedSite(web.BaseSite):
         self.connections += 1
         return ""
 
-    def _release(self, address: str) -> None:
+    def release(self, address: str) -> None:
+        """Count a connection from ``address`` out."""
         self.connections -= 1
         count = self._per_address.get(address, 0) - 1
         if count > 0:
@@ -273,9 +311,7 @@ class CappedSite(web.BaseSite):
                        listen_again=self._listen_again)
 
     def _take(self, sock: socket.socket, address: str) -> None:
-        refusal = self._admit(address)
-        if refusal:
-            self.refused_log.log("the %s refused a connection from %s: %s", self._listener.name, address, refusal)
+        if not self.admitted(address):
             refuse(sock)
             return
         with contextlib.suppress(OSError):
@@ -294,7 +330,7 @@ class CappedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         server = self._runner.server
         assert server is not None
-        protocol = _Counted(server(), lambda: self._release(address))
+        protocol = _Counted(server(), self, address)
         try:
             await loop.connect_accepted_socket(
                 lambda: protocol, sock, ssl=self._ssl_context,
@@ -304,7 +340,7 @@ class CappedSite(web.BaseSite):
                               (str(exc) or type(exc).__name__)[:200])
         finally:
             if not protocol.made:  # no connection_lost will come: count it out here
-                self._release(address)
+                self.release(address)
                 with contextlib.suppress(OSError):
                     sock.close()
 
