@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -169,9 +170,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
                        help="where to serve xDS over gRPC (default: %(default)s)")
     serve.add_argument("--admin", type=_admin_address, default=DEFAULT_ADMIN, metavar="HOST:PORT|off",
-                       help="serve the admin API here (HTTP, no tokens: keep it on loopback): the status page at /, "
-                            "and JSON: /healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, /v1/held, "
-                            "/v1/fleet, /v1/events (default: %(default)s)")
+                       help="serve the admin API here (HTTP; without --admin-tokens keep it on loopback): the status "
+                            "page at /, and JSON: /healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, "
+                            "/v1/held, /v1/fleet, /v1/events (default: %(default)s)")
+    serve.add_argument("--admin-tokens", type=Path, metavar="FILE",
+                       help="require bearer tokens on the admin API (the --registry-tokens format, followed as it "
+                            "changes): read: true to read status and config, admin: true to confirm a held snapshot "
+                            "too; /, /healthz and /readyz stay open")
     serve.add_argument("--rest", type=_address, metavar="HOST:PORT",
                        help="also serve REST xDS here: POST /v3/discovery:clusters (:endpoints, :listeners, :routes, "
                             ":secrets) with a JSON DiscoveryRequest, for Envoy's api_type REST (same TLS, grants); "
@@ -250,6 +255,17 @@ def _parser() -> argparse.ArgumentParser:
     conns.add_argument("--idle-timeout-ms", type=_whole_number, default=3_600_000, metavar="MS",
                        help="close (GOAWAY NO_ERROR) a connection without streams for this long; 0: never "
                             "(default: %(default)s, one hour, as Envoy's idle_timeout)")
+    http_conns = serve.add_argument_group(
+        "HTTP connections", "what one peer, or all of them, may hold on the registry API, REST xDS and the admin "
+                            "API; over a cap a connection is accepted and closed at once (as on the xDS port)")
+    for port, what, total, per_address in (("registry", "registry API", "as --max-connections", "as xDS"),
+                                           ("rest", "REST xDS", "as --max-connections", "as xDS"),
+                                           ("admin", "admin API", "256", "64")):
+        http_conns.add_argument(f"--{port}-max-connections", type=_positive_int, metavar="N",
+                                help=f"{what} connections held at once, from all peers (default: {total})")
+        http_conns.add_argument(f"--{port}-max-connections-per-address", type=_positive_int, metavar="N",
+                                help=f"{what} connections held at once from one source IP address "
+                                     f"(default: {per_address})")
     serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
                        help="uvloop (libuv, faster sockets) or Python's own asyncio loop (default: %(default)s)")
 
@@ -262,6 +278,9 @@ def _parser() -> argparse.ArgumentParser:
     admin_client.add_argument("--tls-cert", type=Path, metavar="FILE",
                               help="mTLS (serve --admin-client-ca): the PEM certificate chain to present")
     admin_client.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
+    admin_client.add_argument("--token-file", type=Path, metavar="FILE",
+                              help="the admin API wants a token (serve --admin-tokens): send the one in FILE (its "
+                                   "first line); default: the environment variable PILOTFISH_ADMIN_TOKEN, if set")
 
     status = commands.add_parser("status", parents=[admin_client],
                                  help="print every connected proxy and, per type, whether it has the latest "
@@ -357,6 +376,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pilotfish.reconcile import DebounceSettings, GuardSettings
     from pilotfish.server import ServeSettings, serve
     from pilotfish.server.grpc_server import ConnectionLimits
+    from pilotfish.server.http_site import ADMIN_CONNECTIONS, HttpConnectionLimits
     from pilotfish.sources.registry import SelfPreservation
 
     if args.snapshot is None and args.registry is None and args.etcd is None:
@@ -388,7 +408,17 @@ def _serve(args: argparse.Namespace) -> int:
                              etcd_keepalive=args.etcd_keepalive_s,
                              subset_size=args.subset_size, state_dir=args.state_dir,
                              subset_grace=args.subset_grace_s,
-                             registry_tokens=args.registry_tokens,
+                             registry_tokens=args.registry_tokens, admin_tokens=args.admin_tokens,
+                             registry_connections=HttpConnectionLimits(
+                                 max_connections=args.registry_max_connections,
+                                 max_connections_per_address=args.registry_max_connections_per_address),
+                             rest_connections=HttpConnectionLimits(
+                                 max_connections=args.rest_max_connections,
+                                 max_connections_per_address=args.rest_max_connections_per_address),
+                             admin_connections=HttpConnectionLimits(
+                                 max_connections=args.admin_max_connections or ADMIN_CONNECTIONS.max_connections,
+                                 max_connections_per_address=args.admin_max_connections_per_address
+                                 or ADMIN_CONNECTIONS.max_connections_per_address),
                              debounce=debounce, validate=args.validate == "on",
                              registry_self_preservation=SelfPreservation(
                                  enabled=args.registry_self_preservation == "on",
@@ -452,16 +482,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             tls = operate.client_context(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+            token = operate.admin_token(args.token_file, os.environ)
         except (OSError, ValueError) as exc:
             print(f"pilotfish {args.command}: {exc}", file=sys.stderr)
             return EXIT_USAGE
         if args.command == "status":
             return operate.status_command(args.admin, node=args.node, cluster=args.cluster, state=args.state,
-                                          out=sys.stdout, err=sys.stderr, tls=tls)
+                                          out=sys.stdout, err=sys.stderr, tls=tls, token=token)
         if args.command == "wait":
             return operate.wait_command(args.admin, version=args.version, timeout=args.timeout,
-                                        min_proxies=args.min_proxies, out=sys.stdout, err=sys.stderr, tls=tls)
-        return operate.confirm_command(args.admin, out=sys.stdout, err=sys.stderr, tls=tls)
+                                        min_proxies=args.min_proxies, out=sys.stdout, err=sys.stderr, tls=tls,
+                                        token=token)
+        return operate.confirm_command(args.admin, out=sys.stdout, err=sys.stderr, tls=tls, token=token)
     if args.command == "token":
         from pilotfish.server.registry_auth import token_command
 

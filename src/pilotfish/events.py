@@ -158,6 +158,11 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType({
     "registry_tokens_error": _spec("the tokens file was refused; the last good tokens stay", "file", "reason"),
     "grants_loaded": _spec("the SDS grants file changed and is in force", "file", "grants"),
     "grants_error": _spec("the SDS grants file was refused; the last good grants stay", "file", "reason"),
+    "admin_denied": _spec("the admin API refused a request (at most one per 10 s)", "method", "path",
+                          "status", "token", "peer", "unreported_before"),
+    "admin_tokens_loaded": _spec("the admin API's tokens file changed and is in force", "file", "tokens", "reads"),
+    "admin_tokens_error": _spec("the admin API's tokens file was refused; the last good tokens stay", "file",
+                                "reason"),
     # etcd
     "etcd_synced": _spec("etcd was listed", "revision", "keys", "bad"),
     "etcd_disconnected": _spec("the etcd watch broke, or stopped answering", "reason"),

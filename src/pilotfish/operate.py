@@ -16,6 +16,12 @@ first, for a snapshot labelled ``V`` (a snapshot file's ``version``) to be the c
 ``--for-current`` (the default) waits for whatever is current, and for a change still being
 debounced to be built first.
 
+When the admin API has tokens (``serve --admin-tokens``), each command sends one as
+``Authorization: Bearer``: the first line of ``--token-file FILE``, else the environment variable
+:data:`TOKEN_VARIABLE` (``PILOTFISH_ADMIN_TOKEN``); ``status`` and ``wait`` need ``read: true``,
+``confirm`` needs ``admin: true``. A refusal (401, 403) ends the command at once with the
+server's reason and exit status 2.
+
 Plain ``urllib``: the commands are one-shot and synchronous.
 """
 
@@ -32,13 +38,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["AdminUnreachable", "Verdict", "client_context", "confirm_command", "fleet_verdict", "get_json", "laggards",
-           "status_command", "status_table", "wait_command"]
+__all__ = ["TOKEN_VARIABLE", "AdminUnreachable", "Verdict", "admin_token", "client_context", "confirm_command",
+           "fleet_verdict", "get_json", "laggards", "status_command", "status_table", "wait_command"]
 
 TYPES = ("CDS", "EDS", "LDS", "RDS", "SDS")
 """Table columns, in ADS order."""
 _VERSION_CHARS = 12
 _NACK_CHARS = 300
+TOKEN_VARIABLE = "PILOTFISH_ADMIN_TOKEN"
+"""The environment variable holding the admin API token, when no ``--token-file`` is given."""
+MAX_TOKEN_FILE = 4096
+"""Bytes of a token file read (a token is 43 characters; `pilotfish token new`)."""
+EXIT_REFUSED = 2
 
 
 class AdminUnreachable(Exception):
@@ -60,12 +71,29 @@ def client_context(*, ca: Path | None, cert: Path | None, key: Path | None) -> s
     return context
 
 
+def admin_token(path: Path | None, environ: Mapping[str, str]) -> str | None:
+    """The token to send: the first line of ``path``, else :data:`TOKEN_VARIABLE` of
+    ``environ``; None: none. Raises ``ValueError`` (or ``OSError``) naming the file when it
+    holds no token or cannot be read."""
+    if path is None:
+        return environ.get(TOKEN_VARIABLE, "").strip() or None
+    with path.open("rb") as file:
+        data = file.read(MAX_TOKEN_FILE)
+    lines = data.decode("utf-8", "replace").splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise ValueError(f"--token-file {path}: the file is empty; its first line must be the token")
+    return token
+
+
 def get_json(admin: str, path: str, *, method: str = "GET", timeout: float = 10.0,
-             tls: ssl.SSLContext | None = None) -> tuple[int, Any]:
+             tls: ssl.SSLContext | None = None, token: str | None = None) -> tuple[int, Any]:
     """(HTTP status, decoded body) of ``method path`` on the admin API at ``host:port`` (over TLS
-    with ``tls``)."""
+    with ``tls``; with ``token`` as a bearer token)."""
     url = f"{'http' if tls is None else 'https'}://{admin}{path}"
     request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=timeout, context=tls) as response:
             return response.status, json.loads(response.read())
@@ -123,12 +151,12 @@ def status_table(proxies: list[Mapping[str, Any]]) -> str:
 
 
 def status_command(admin: str, *, node: str | None, cluster: str | None, state: str | None, out: TextIO,
-                   err: TextIO, tls: ssl.SSLContext | None = None) -> int:
+                   err: TextIO, tls: ssl.SSLContext | None = None, token: str | None = None) -> int:
     """Print the proxies table (filters are globs; ``state``: rows with a type in that state)."""
     query = urllib.parse.urlencode({key: value for key, value in
                                     (("node", node), ("cluster", cluster), ("state", state)) if value})
     try:
-        code, body = get_json(admin, "/v1/proxies" + (f"?{query}" if query else ""), tls=tls)
+        code, body = get_json(admin, "/v1/proxies" + (f"?{query}" if query else ""), tls=tls, token=token)
     except AdminUnreachable as exc:
         print(f"pilotfish status: {exc}", file=err)
         return 3
@@ -231,14 +259,18 @@ def laggards(proxies: list[Mapping[str, Any]], snapshots: Mapping[str, Any], *, 
 
 def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies: int, out: TextIO, err: TextIO,
                  every: float = 0.5, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, tls: ssl.SSLContext | None = None) -> int:
+                 sleep: Callable[[float], None] = time.sleep, tls: ssl.SSLContext | None = None,
+                 token: str | None = None) -> int:
     """Poll until :func:`fleet_verdict` says done (0), a proxy rejected the configuration (1), or
     the timeout passed (1, naming the laggards: :func:`laggards`); 3 if the admin API cannot be
-    reached."""
+    reached; 2 if it refuses the request (a token is missing or falls short)."""
     deadline = clock() + timeout
     while True:
         try:
-            _, snapshots = get_json(admin, "/v1/snapshots", tls=tls)
+            code, snapshots = get_json(admin, "/v1/snapshots", tls=tls, token=token)
+            if code in (401, 403):
+                print(f"pilotfish wait: {snapshots.get('error', snapshots)}", file=err)
+                return EXIT_REFUSED
             verdict = fleet_verdict(snapshots, version=version, min_proxies=min_proxies)
             if verdict.done:
                 served = sorted(snapshots["connected"])
@@ -248,7 +280,7 @@ def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies
                 print(f"{count} prox{'y has' if count == 1 else 'ies have'} {labels or 'nothing'}", file=out)
                 return 0
             if verdict.rejected or clock() >= deadline:
-                _, proxies = get_json(admin, "/v1/proxies", tls=tls)
+                _, proxies = get_json(admin, "/v1/proxies", tls=tls, token=token)
                 named = laggards(proxies["proxies"], snapshots, version=version, min_proxies=min_proxies)
                 break
         except AdminUnreachable as exc:
@@ -263,16 +295,17 @@ def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies
     return 1
 
 
-def confirm_command(admin: str, *, out: TextIO, err: TextIO, tls: ssl.SSLContext | None = None) -> int:
+def confirm_command(admin: str, *, out: TextIO, err: TextIO, tls: ssl.SSLContext | None = None,
+                    token: str | None = None) -> int:
     """Publish the snapshot the blast-radius guard holds (``POST /v1/held/confirm``)."""
     try:
-        code, body = get_json(admin, "/v1/held/confirm", method="POST", tls=tls)
+        code, body = get_json(admin, "/v1/held/confirm", method="POST", tls=tls, token=token)
     except AdminUnreachable as exc:
         print(f"pilotfish confirm: {exc}", file=err)
         return 3
     if code != 200:
         print(f"pilotfish confirm: {body.get('error', body)}", file=err)
-        return 1
+        return EXIT_REFUSED if code in (401, 403) else 1
     held = body["confirmed"]
     print(f"published {held['version']} ({'; '.join(held['reasons'])})", file=out)
     return 0

@@ -1,5 +1,6 @@
 """Connection caps over TLS, in-process: a connection is counted from accept, TLS handshake
-included, and one over a cap is refused before the server sends a TLS byte.
+included, and one over a cap is refused before the server sends a TLS byte; on the xDS port and
+on the HTTP ports (:class:`~pilotfish.server.http_site.CappedSite`).
 
 (The plaintext caps, the handshake and idle timeouts are exercised against a real ``pilotfish
 serve`` in tests/abuse/test_connections.py.)
@@ -16,8 +17,10 @@ import time
 from collections.abc import AsyncIterator
 
 import trustme
+from aiohttp import web
 
 from pilotfish.server.grpc_server import ConnectionLimits, GrpcServer
+from pilotfish.server.http_site import REGISTRY_API, CappedSite, HttpConnectionLimits, serve_app
 
 TIMEOUT = 5.0
 
@@ -107,3 +110,53 @@ async def test_connections_in_their_tls_handshake_count_and_one_over_the_cap_get
             await asyncio.sleep(0.01)
         assert not server.connections  # failed handshakes and closed connections are counted out
 
+
+
+async def test_the_http_ports_count_tls_handshakes_too_and_refuse_over_the_cap_before_any_tls_byte() -> None:
+    ca = trustme.CA()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="serving")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    runner, address = await serve_app(app, "127.0.0.1:0", tls=context, listener=REGISTRY_API,
+                                      limits=HttpConnectionLimits(max_connections_per_address=2))
+    (site,) = runner.sites
+    assert isinstance(site, CappedSite)
+    port = int(address.rsplit(":", 1)[1])
+    try:
+        silent = [await asyncio.to_thread(connect, port, "127.0.0.2") for _ in range(2)]  # no ClientHello
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while site.connections < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert site.connections == 2  # held in their TLS handshakes, and counted
+            try:
+                over = await asyncio.to_thread(connect, port, "127.0.0.2")
+            except ConnectionResetError:
+                pass  # reset before connect() returned: refused, no byte sent
+            else:
+                with over:
+                    with contextlib.suppress(OSError):
+                        over.sendall(client_hello())
+                    assert await asyncio.to_thread(first_bytes, over) is None  # no ServerHello
+
+            def https_get() -> bytes:
+                client = ssl.create_default_context()
+                ca.configure_trust(client)
+                with client.wrap_socket(connect(port, "127.0.0.3"), server_hostname="127.0.0.1") as tls:
+                    tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    return tls.recv(4096)
+
+            assert (await asyncio.to_thread(https_get)).startswith(b"HTTP/1.1 200")  # another address is served
+        finally:
+            for sock in silent:
+                sock.close()
+        deadline = time.monotonic() + TIMEOUT
+        while site.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert site.connections == 0  # failed handshakes and closed connections are counted out
+    finally:
+        await runner.cleanup()

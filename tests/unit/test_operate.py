@@ -1,12 +1,14 @@
-"""``pilotfish wait``'s verdict and ``pilotfish status``'s table, from admin API answers."""
+"""``pilotfish wait``'s verdict and ``pilotfish status``'s table, from admin API answers; the token
+the commands send."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pilotfish.operate import fleet_verdict, laggards, status_table
+from pilotfish.operate import TOKEN_VARIABLE, admin_token, fleet_verdict, laggards, status_table
 
 
 def proxy(node: str, *, protocol: str = "sotw", group: str = "default", **types: dict[str, Any]) -> dict[str, Any]:
@@ -125,3 +127,17 @@ def test_the_fleet_verdict_reads_the_counts_of_v1_snapshots() -> None:
     assert not fleet_verdict(fleet(CDS=progress("c2", 2, 2)), min_proxies=3).done
     orphans = fleet_verdict(fleet(connected={"default": 1, "mesh": 1}, CDS=progress("c2", 1, 1)))
     assert orphans.problems == ("node group 'mesh': nothing is published for it",)
+
+
+def test_the_token_comes_from_the_file_then_the_environment(tmp_path: Path) -> None:
+    file = tmp_path / "token"
+    file.write_text("  file-token \nsecond line\n")
+    assert admin_token(file, {TOKEN_VARIABLE: "env-token"}) == "file-token"
+    assert admin_token(None, {TOKEN_VARIABLE: " env-token\n"}) == "env-token"
+    assert admin_token(None, {TOKEN_VARIABLE: ""}) is None
+    assert admin_token(None, {}) is None
+    file.write_text("\n")
+    with pytest.raises(ValueError, match=r"--token-file .*token: the file is empty"):
+        admin_token(file, {})
+    with pytest.raises(OSError):
+        admin_token(tmp_path / "missing", {})

@@ -28,11 +28,14 @@ POST     /v1/held/confirm        publish it (as ``kill -USR1`` does; 404 when no
 
 Everything here reads: :class:`~pilotfish.status.SyncStatus` (written by the xDS and REST
 servers), the cache and the reconciler; the one write is the confirmation of a held snapshot,
-which goes through :meth:`~pilotfish.reconcile.Reconciler.confirm` like the signal. The API is
-plain HTTP and has no tokens: it binds to loopback by default, and pilotfish warns when it is
-told to listen elsewhere. With the server's certificate (``--tls-cert``) it is served over TLS
-only, and with ``--admin-client-ca`` its clients must present a certificate from that CA (mTLS),
-as the registry API.
+which goes through :meth:`~pilotfish.reconcile.Reconciler.confirm` like the signal. It binds to
+loopback by default, and pilotfish warns when it is told to listen elsewhere without tokens.
+With the server's certificate (``--tls-cert``) it is served over TLS only, and with
+``--admin-client-ca`` its clients must present a certificate from that CA (mTLS), as the
+registry API. With a tokens file (``--admin-tokens``: the registry's format, followed as it
+changes, :mod:`pilotfish.server.registry_auth`), each route needs what :data:`ROUTES` says: a
+token with ``read: true`` reads, one with ``admin: true`` reads and confirms; a request without
+a usable token gets 401, one whose token's scope falls short 403 (event ``admin_denied``).
 
 The status page is one static file of this package (HTML, CSS and a little JavaScript, no build
 step, nothing loaded from elsewhere); its script polls ``/v1/fleet``, ``/v1/snapshots`` and
@@ -66,16 +69,17 @@ from aiohttp import web
 from pilotfish.bootstrap import split_address
 from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.errors import shorten
-from pilotfish.events import RecentEvents
+from pilotfish.events import EventLog, RecentEvents
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import ENDPOINT, SECRET, type_by_url
-from pilotfish.server.http_site import is_loopback, serve_app
+from pilotfish.server.http_site import ADMIN_API, ADMIN_CONNECTIONS, HttpConnectionLimits, is_loopback, serve_app
 from pilotfish.server.metrics import CONTENT_TYPE, Metrics
+from pilotfish.server.registry_auth import Access, TokenFile, TokenGate
 from pilotfish.server.rest import response_json
 from pilotfish.status import ProxyStatus, SyncState, SyncStatus, TypeStatus
 
-__all__ = ["FLEET_NACKS", "FLEET_ROWS", "MAX_FILTER", "AdminApi", "proxy_json", "short_type", "start_admin_server",
-           "status_page", "warn_if_exposed"]
+__all__ = ["FLEET_NACKS", "FLEET_ROWS", "MAX_FILTER", "ROUTES", "AdminApi", "proxy_json", "short_type",
+           "start_admin_server", "status_page", "warn_if_exposed"]
 
 _log = logging.getLogger("pilotfish.admin")
 _STATES = {state.value for state in SyncState}
@@ -89,6 +93,18 @@ MAX_FILTER = 256
 _WORST_FIRST = {SyncState.NACKED: 0, SyncState.STALE: 1, SyncState.NOT_SENT: 2, SyncState.SYNCED: 3}
 """A proxy's rank on the status page: its worst state over its types."""
 _RANKED = sorted(_WORST_FIRST, key=_WORST_FIRST.__getitem__)
+
+ROUTES: dict[tuple[str, str], Access] = {
+    ("GET", "/"): Access.OPEN, ("GET", "/healthz"): Access.OPEN, ("GET", "/readyz"): Access.OPEN,
+    ("GET", "/v1/fleet"): Access.READ, ("GET", "/v1/events"): Access.READ, ("GET", "/v1/proxies"): Access.READ,
+    ("GET", "/v1/snapshots"): Access.READ, ("GET", "/v1/config"): Access.READ, ("GET", "/v1/held"): Access.READ,
+    ("GET", "/metrics"): Access.READ,
+    ("POST", "/v1/held/confirm"): Access.ADMIN,
+}
+"""What each route needs when the API has tokens (``serve --admin-tokens``): the status page
+itself (static; its data comes from the read routes), health and readiness are open (probes
+carry no token); the proxies' status, configuration, events and metrics are reads (``read:
+true``, or none with ``reads: open``); confirming a held snapshot needs ``admin: true``."""
 
 
 def status_page() -> tuple[bytes, str]:
@@ -161,8 +177,13 @@ class AdminApi:
                  waiting: Callable[[], list[str]] | None = None, metrics: Metrics | None = None,
                  recent: RecentEvents | None = None,
                  etcd: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-                 subset_of: Callable[[str], int | None] | None = None) -> None:
+                 subset_of: Callable[[str], int | None] | None = None, tokens: TokenFile | None = None,
+                 events: EventLog | None = None) -> None:
         self.status = status
+        self.tokens = tokens
+        """Who may read and who may confirm (``serve --admin-tokens``); None: anyone who can reach it."""
+        self._gate = None if tokens is None else TokenGate(tokens, ROUTES, events=events or EventLog(), api="admin",
+                                                           admin_action="confirm a held snapshot")
         self._subset_of = subset_of or (lambda _: None)
         """Node id -> its subsetting index (None: none): which endpoints it is served."""
         self._etcd = etcd
@@ -178,7 +199,7 @@ class AdminApi:
         self._page, self._policy = status_page()
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[] if self._gate is None else [self._gate.middleware])
         app.router.add_get("/", self._status_page)
         app.router.add_get("/v1/fleet", self._fleet)
         app.router.add_get("/v1/events", self._events)
@@ -381,13 +402,14 @@ class AdminApi:
         return _json({"confirmed": held["held"]})
 
 
-async def start_admin_server(api: AdminApi, address: str, *,
-                             tls: ssl.SSLContext | None = None) -> tuple[web.AppRunner, str]:
+async def start_admin_server(api: AdminApi, address: str, *, tls: ssl.SSLContext | None = None,
+                             limits: HttpConnectionLimits = ADMIN_CONNECTIONS) -> tuple[web.AppRunner, str]:
     """Serve ``api`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
-    given; returns the runner (``cleanup()`` stops it) and the bound ``host:port``. Warns when
-    not on loopback."""
-    warn_if_exposed(split_address(address)[0])
-    return await serve_app(api.app(), address, tls=tls)
+    given, holding at most ``limits`` connections; returns the runner (``cleanup()`` stops it)
+    and the bound ``host:port``. Warns when not on loopback without tokens."""
+    if api.tokens is None:
+        warn_if_exposed(split_address(address)[0])
+    return await serve_app(api.app(), address, tls=tls, listener=ADMIN_API, limits=limits)
 
 
 def _int_param(query: Any, name: str, *, default: int, low: int, high: int | None) -> int | web.Response:

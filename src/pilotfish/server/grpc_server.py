@@ -88,8 +88,9 @@ from pilotfish.transport.h2 import (
     StreamReset,
 )
 
-__all__ = ["WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "Handler", "MethodFactory", "RateLimitedLog",
-           "RpcError"]
+__all__ = ["LISTEN_BACKLOG", "WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "Handler",
+           "MethodFactory", "RateLimitedLog", "RpcError", "accept_waiting", "listening_sockets", "refuse",
+           "reset", "source_address"]
 
 _log = logging.getLogger("pilotfish.server.grpc")
 
@@ -210,7 +211,7 @@ class ConnectionLimits:
         return total, per_address
 
 
-def _listening_sockets(host: str, port: int) -> list[socket.socket]:
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
     """Bound, listening, non-blocking sockets for ``host:port`` (every address of ``host``; all
     interfaces when it is empty), as ``loop.create_server`` makes them."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -243,7 +244,44 @@ def _keep_alive(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def _source_address(peer: object) -> str:
+def accept_waiting(listener: socket.socket, take: Callable[[socket.socket, str], None], *, log: RateLimitedLog,
+                   what: str, listen_again: Callable[[socket.socket], None]) -> None:
+    """Accept what waits on a listening socket, :data:`ACCEPT_BATCH` at most (then other work
+    runs), giving each socket and its source address to ``take``. Out of descriptors (EMFILE,
+    ENFILE) or memory: stop reading the listener for :data:`ACCEPT_RETRY` seconds, as asyncio
+    does, then ``listen_again(listener)``; ``what`` names the listener in the log line."""
+    loop = asyncio.get_running_loop()
+    for _ in range(ACCEPT_BATCH):
+        try:
+            sock, peer = listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as exc:
+            log.log("%s: cannot accept connections (%s): accepting again in %g s", what, exc, ACCEPT_RETRY)
+            loop.remove_reader(listener)
+            loop.call_later(ACCEPT_RETRY, listen_again, listener)
+            return
+        take(sock, source_address(peer))
+
+
+def refuse(sock: socket.socket) -> None:
+    """Close an accepted socket with a reset, before any byte: a failed connection attempt to
+    the client, and no TIME_WAIT state kept here."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+    sock.close()
+
+
+def reset(transport: asyncio.Transport) -> None:
+    """Close a connection asyncio accepted with a reset, before any byte (as :func:`refuse`)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+    transport.abort()
+
+
+def source_address(peer: object) -> str:
     """The IP address a connection comes from (an IPv4 address mapped into IPv6 as itself)."""
     if isinstance(peer, tuple) and peer:
         host = str(peer[0])
@@ -376,15 +414,12 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         server = self._server
         if not self.address:  # plaintext: asyncio accepted it
-            self.address = _source_address(peer)
+            self.address = source_address(peer)
             sock = transport.get_extra_info("socket")
             refusal = server.admit(self)
             if refusal:  # closed before any HTTP/2 byte: a failed connection attempt to the client
                 server.refused_log.log("refused a connection from %s: %s", self.address, refusal)
-                if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
-                self.transport.abort()
+                reset(self.transport)
                 return
             if sock is not None:
                 with contextlib.suppress(OSError):
@@ -624,32 +659,22 @@ class GrpcServer:
     def _accept(self, listener: socket.socket) -> None:
         """A listening socket is readable: accept what waits (a batch), refuse what is over a cap
         (closed with a reset, nothing else made for it), hand the rest to asyncio."""
-        loop = self._loop or asyncio.get_running_loop()
-        for _ in range(ACCEPT_BATCH):
-            try:
-                sock, peer = listener.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                return
-            except OSError as exc:  # out of descriptors (EMFILE, ENFILE) or memory: pause, as asyncio does
-                self.refused_log.log("cannot accept connections (%s): accepting again in %g s", exc, ACCEPT_RETRY)
-                loop.remove_reader(listener)
-                loop.call_later(ACCEPT_RETRY, self._listen_again, listener)
-                return
-            conn = _Connection(self, _source_address(peer))
-            refusal = self.admit(conn)
-            if refusal:  # a failed connection attempt to the client (it backs off), and no TLS handshake
-                self.refused_log.log("refused a connection from %s: %s", conn.address, refusal)
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
-                sock.close()
-                continue
-            with contextlib.suppress(OSError):
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _keep_alive(sock)
-            task = loop.create_task(self._set_up(conn, sock))
-            self._handshaking.add(task)
-            task.add_done_callback(self._handshaking.discard)
+        accept_waiting(listener, self._take, log=self.refused_log, what="xDS", listen_again=self._listen_again)
+
+    def _take(self, sock: socket.socket, address: str) -> None:
+        conn = _Connection(self, address)
+        refusal = self.admit(conn)
+        if refusal:  # a failed connection attempt to the client (it backs off), and no TLS handshake
+            self.refused_log.log("refused a connection from %s: %s", conn.address, refusal)
+            refuse(sock)
+            return
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keep_alive(sock)
+        task = (self._loop or asyncio.get_running_loop()).create_task(self._set_up(conn, sock))
+        self._handshaking.add(task)
+        task.add_done_callback(self._handshaking.discard)
 
     def _listen_again(self, listener: socket.socket) -> None:
         if listener in self._listeners and listener.fileno() >= 0:
@@ -752,7 +777,7 @@ class GrpcServer:
                                                     backlog=LISTEN_BACKLOG, reuse_address=True)
             bound: int = self._server.sockets[0].getsockname()[1]
         else:  # our accept: the caps are checked before the TLS handshake
-            self._listeners = await loop.run_in_executor(None, _listening_sockets, host, port)
+            self._listeners = await loop.run_in_executor(None, listening_sockets, host, port)
             for listener in self._listeners:
                 loop.add_reader(listener, self._accept, listener)
             bound = self._listeners[0].getsockname()[1]

@@ -13,13 +13,13 @@ PUT      /v1/self-preservation                      ``{"enabled": false}``: let 
 GET      /healthz                                   200 when serving
 =======  =========================================  =============================================
 
-With a tokens file (:class:`~pilotfish.server.registry_auth.TokenFile`), the ``_auth`` middleware
-decides every request before its handler runs (and before its body is read): each route is
-classed in :data:`ROUTES` as open, read, write (to the ``{service}`` of its path) or admin, and
-:func:`~pilotfish.server.registry_auth.authorize` answers 401 or 403 in the error shape below, with
-``WWW-Authenticate: Bearer``. Refusals are logged and recorded (event ``registry_denied``) at
-most once per ``deny_report_every`` seconds, with the count of those left out, so a client
-guessing tokens cannot fill the log.
+With a tokens file (:class:`~pilotfish.server.registry_auth.TokenFile`), the middleware of
+:class:`~pilotfish.server.registry_auth.TokenGate` decides every request before its handler runs
+(and before its body is read): each route is classed in :data:`ROUTES` as open, read, write (to
+the ``{service}`` of its path) or admin, and :func:`~pilotfish.server.registry_auth.authorize`
+answers 401 or 403 in the error shape below, with ``WWW-Authenticate: Bearer``. Refusals are
+logged and recorded (event ``registry_denied``) at most once per ``deny_report_every`` seconds,
+with the count of those left out, so a client guessing tokens cannot fill the log.
 
 Every answer to a refused request is ``{"error": ..., "problems": [{"field": ..., "message": ...}]}``
 and the request changed nothing:
@@ -61,9 +61,9 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import web
 
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.events import EventLog, ReportGate
+from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
-from pilotfish.server.registry_auth import Access, Denied, TokenFile, authorize
+from pilotfish.server.registry_auth import Access, TokenFile, TokenGate
 from pilotfish.sources.etcd import EtcdUnavailable
 from pilotfish.sources.registry import (
     Conflict,
@@ -287,11 +287,12 @@ class RegistryApi:
         """The longest a ``GET ...?revision=N`` waits for this replica to catch up (seconds)."""
         self.tokens = tokens
         """Who may do what; None: anyone may do anything (the API without ``--registry-tokens``)."""
-        self._access: dict[tuple[str, str], Access] = {(method, path): access for method, path, _, access in ROUTES}
-        self._denied_gate = ReportGate(deny_report_every)
+        self._gate = None if tokens is None else TokenGate(
+            tokens, {(method, path): access for method, path, _, access in ROUTES}, events=self.events,
+            report_every=deny_report_every)
 
     def app(self) -> web.Application:
-        middlewares = [self._errors] if self.tokens is None else [self._errors, self._auth]
+        middlewares = [self._errors] if self._gate is None else [self._errors, self._gate.middleware]
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body)
         for method, path, handler, _ in ROUTES:
             app.router.add_route(method, path, getattr(self, handler))
@@ -388,36 +389,6 @@ class RegistryApi:
             _log.exception("%s %s failed: a bug in pilotfish, please report it", request.method, request.path)
             return _error(500, f"internal error handling {request.method} {request.path}: "
                                f"{type(exc).__name__} (a bug in pilotfish; the server log has the details)")
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        assert self.tokens is not None
-        route = request.match_info.route
-        if request.match_info.http_exception is not None or route.resource is None:
-            return await handler(request)  # no such route (404/405): nothing to protect
-        method = "GET" if request.method == "HEAD" else request.method
-        # A route missing from ROUTES (a bug) needs the most there is.
-        access = self._access.get((method, route.resource.canonical), Access.ADMIN)
-        decision = authorize(self.tokens.current(), access, request.match_info.get("service"),
-                             request.headers.get("Authorization"), request=f"{request.method} {request.path}")
-        if isinstance(decision, Denied):
-            self._report_denied(request, decision)
-            response = _error(decision.status, decision.message,
-                              [{"field": "Authorization", "message": decision.message}])
-            response.headers["WWW-Authenticate"] = decision.challenge
-            return response
-        return await handler(request)
-
-    def _report_denied(self, request: web.Request, denied: Denied) -> None:
-        """Log and record a refusal, at most once per ``deny_report_every`` seconds."""
-        left_out = self._denied_gate.admit(asyncio.get_running_loop().time())
-        if left_out is None:
-            return
-        _log.warning("registry API refused a request from %s: %d %s%s", request.remote, denied.status,
-                     denied.message[:400],
-                     f" ({left_out} more refusal(s) since the last one logged)" if left_out else "")
-        self.events.emit("registry_denied", method=request.method, path=request.path[:200], status=denied.status,
-                         token=denied.token, peer=request.remote, unreported_before=left_out)
 
     async def _body(self, request: web.Request) -> Any:
         if not request.can_read_body:

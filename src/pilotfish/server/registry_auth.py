@@ -43,6 +43,7 @@ it listens beyond loopback.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
 import hmac
@@ -50,17 +51,21 @@ import logging
 import re
 import secrets
 import sys
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from aiohttp import web
+
 from pilotfish.errors import ConfigError, Problem
+from pilotfish.events import EventLog, ReportGate
 from pilotfish.server.followed_file import FollowedFile, read_document
 from pilotfish.server.http_site import is_loopback
 
-__all__ = ["MAX_TOKENS", "MAX_TOKENS_FILE_BYTES", "Access", "Allowed", "Denied", "TokenFile", "TokenScope",
-           "TokenSet", "authorize", "hash_token", "load_tokens", "new_token", "parse_tokens", "token_command",
-           "warn_if_open"]
+__all__ = ["MAX_TOKENS", "MAX_TOKENS_FILE_BYTES", "Access", "AdminTokenFile", "Allowed", "Denied", "TokenFile",
+           "TokenGate", "TokenScope", "TokenSet", "authorize", "hash_token", "load_tokens", "new_token", "parse_tokens",
+           "token_command", "warn_if_open"]
 
 _log = logging.getLogger("pilotfish.registry")
 
@@ -276,6 +281,15 @@ class TokenFile(FollowedFile[TokenSet]):
         return {"tokens": len(value.tokens), "reads": "open" if value.reads_open else "scoped"}
 
 
+class AdminTokenFile(TokenFile):
+    """The admin API's tokens file: the same grammar and following as the registry's, its own
+    log lines and events (``admin_tokens_loaded``, ``admin_tokens_error``)."""
+
+    what = "admin tokens file"
+    event = "admin_tokens"
+    keeper = "the admin API keeps the last good tokens"
+
+
 # -- deciding --------------------------------------------------------------------------------------
 
 
@@ -296,31 +310,31 @@ class Denied:
     """The name of the token presented, when it is a listed one."""
 
 
-_REALM = 'Bearer realm="pilotfish registry"'
-
-
 def authorize(tokens: TokenSet, access: Access, service: str | None, header: str | None,
-              *, request: str) -> Allowed | Denied:
+              *, request: str, api: str = "registry",
+              admin_action: str = "change self-preservation") -> Allowed | Denied:
     """Whether a request needing ``access`` (to ``service``, for writes) may go ahead with the
     ``Authorization`` header ``header``. ``request`` (e.g. ``PUT /v1/services/web``) is named in
-    the messages."""
+    the messages, with ``api`` (whose tokens: the realm of the challenge) and ``admin_action``
+    (what ``admin: true`` allows there)."""
+    realm = f'Bearer realm="pilotfish {api}"'
     if access is Access.OPEN or (access is Access.READ and tokens.reads_open):
         return Allowed(None)
     if header is None or not header.strip():
-        return Denied(401, f"{request} needs a token: send the header 'Authorization: Bearer <token>'", _REALM)
+        return Denied(401, f"{request} needs a token: send the header 'Authorization: Bearer <token>'", realm)
     scheme, _, token = header.strip().partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         return Denied(401, f"{request}: the Authorization header must be 'Bearer <token>'",
-                      f'{_REALM}, error="invalid_request"')
+                      f'{realm}, error="invalid_request"')
     scope = tokens.find(token)
     if scope is None:
-        return Denied(401, f"{request}: the bearer token is not one the registry knows (revoked, or mistyped?)",
-                      f'{_REALM}, error="invalid_token"')
+        return Denied(401, f"{request}: the bearer token is not one the {api} API knows (revoked, or mistyped?)",
+                      f'{realm}, error="invalid_token"')
     if access is Access.READ:
         ok, needs = scope.read or scope.admin, "read (read: true)"
     elif access is Access.ADMIN:
-        ok, needs = scope.admin, "change self-preservation (admin: true)"
+        ok, needs = scope.admin, f"{admin_action} (admin: true)"
     else:
         ok, needs = service is not None and scope.may_write(service), f"write service {service!r}"
     if ok:
@@ -329,7 +343,58 @@ def authorize(tokens: TokenSet, access: Access, service: str | None, header: str
     return Denied(403, f"{request}: token {scope.name!r} may not {needs}; it may write {held}"
                        f"{', read' if scope.read else ''}{', admin' if scope.admin else ''}. "
                        "Use a token whose scope covers this, or widen this one in the tokens file",
-                  f'{_REALM}, error="insufficient_scope"', scope.name)
+                  f'{realm}, error="insufficient_scope"', scope.name)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class TokenGate:
+    """The aiohttp middleware of an API with a tokens file: decides every request before its
+    handler runs (and before its body is read) by the :class:`Access` its route needs
+    (``routes``: (method, canonical path) -> access; a route missing there needs ``admin``, a
+    path no route matches is let through to its 404 or 405), and answers a refusal with 401 or
+    403: ``{"error": ..., "problems": [{"field": "Authorization", "message": ...}]}`` and
+    ``WWW-Authenticate``. Refusals are logged and recorded (event ``<api>_denied``) at most once
+    per ``report_every`` seconds, with the count of those left out, so a client guessing tokens
+    cannot fill the log."""
+
+    def __init__(self, tokens: TokenFile, routes: Mapping[tuple[str, str], Access], *, events: EventLog,
+                 api: str = "registry", admin_action: str = "change self-preservation",
+                 report_every: float = 10.0) -> None:
+        self.tokens = tokens
+        self.routes = routes
+        self.events = events
+        self.api = api
+        self.admin_action = admin_action
+        self._gate = ReportGate(report_every)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route
+        if request.match_info.http_exception is not None or route.resource is None:
+            return await handler(request)  # no such route (404/405): nothing to protect
+        method = "GET" if request.method == "HEAD" else request.method
+        access = self.routes.get((method, route.resource.canonical), Access.ADMIN)  # missing (a bug): the most
+        decision = authorize(self.tokens.current(), access, request.match_info.get("service"),
+                             request.headers.get("Authorization"), request=f"{request.method} {request.path}",
+                             api=self.api, admin_action=self.admin_action)
+        if isinstance(decision, Denied):
+            self._report(request, decision)
+            problems = [{"field": "Authorization", "message": decision.message}]
+            return web.json_response({"error": decision.message, "problems": problems}, status=decision.status,
+                                     headers={"WWW-Authenticate": decision.challenge})
+        return await handler(request)
+
+    def _report(self, request: web.Request, denied: Denied) -> None:
+        left_out = self._gate.admit(asyncio.get_running_loop().time())
+        if left_out is None:
+            return
+        _log.warning("%s API refused a request from %s: %d %s%s", self.api, request.remote, denied.status,
+                     denied.message[:400],
+                     f" ({left_out} more refusal(s) since the last one logged)" if left_out else "")
+        self.events.emit(f"{self.api}_denied", method=request.method, path=request.path[:200], status=denied.status,
+                         token=denied.token, peer=request.remote, unreported_before=left_out)
 
 
 def warn_if_open(host: str) -> bool:

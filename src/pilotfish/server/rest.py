@@ -73,7 +73,7 @@ from pilotfish.protocol.rest import RestPoll, is_current, read_poll
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, ResourceType
 from pilotfish.resources.anytypes import ensure_type
 from pilotfish.server.grants import SecretGrants
-from pilotfish.server.http_site import serve_app
+from pilotfish.server.http_site import REST_XDS, HttpConnectionLimits, serve_app
 from pilotfish.server.tls import peer_identity
 from pilotfish.server.xds import node_info
 from pilotfish.snapshot import EncodedResponse
@@ -376,8 +376,9 @@ def _field_of(exc: Exception) -> str | None:
     return match[1] if match else None
 
 
-async def start_rest_server(rest: RestXds, address: str, *,
-                            tls: ssl.SSLContext | None = None) -> tuple[web.AppRunner, str]:
+async def start_rest_server(rest: RestXds, address: str, *, tls: ssl.SSLContext | None = None,
+                            limits: HttpConnectionLimits | None = None) -> tuple[web.AppRunner, str]:
     """Serve ``rest`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
-    given; returns the runner (``cleanup()`` stops it) and the bound ``host:port``."""
-    return await serve_app(rest.app(), address, tls=tls)
+    given, holding at most ``limits`` connections; returns the runner (``cleanup()`` stops it)
+    and the bound ``host:port``."""
+    return await serve_app(rest.app(), address, tls=tls, listener=REST_XDS, limits=limits)

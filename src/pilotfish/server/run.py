@@ -26,10 +26,20 @@ from pilotfish.server.authorize import NodeAuthorizer, NodeRule
 from pilotfish.server.grants import GrantsFile, SecretGrant, SecretGrants, Subject
 from pilotfish.server.groups import NodeGroupRule, NodeGroups
 from pilotfish.server.grpc_server import ConnectionLimits
-from pilotfish.server.http_site import serve_app
+from pilotfish.server.http_site import (
+    ADMIN_API,
+    ADMIN_CONNECTIONS,
+    REGISTRY_API,
+    REST_XDS,
+    XDS,
+    HttpConnectionLimits,
+    check_addresses,
+    naming_failures,
+    serve_app,
+)
 from pilotfish.server.metrics import Metrics
 from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
-from pilotfish.server.registry_auth import TokenFile, warn_if_open
+from pilotfish.server.registry_auth import AdminTokenFile, TokenFile, warn_if_open
 from pilotfish.server.registry_etcd import EtcdRegistry, LeaseGuard
 from pilotfish.server.rest import RestXds, start_rest_server
 from pilotfish.server.subset_etcd import READY_SOURCE as SUBSETS_READY
@@ -109,6 +119,10 @@ class ServeSettings:
     registry_tokens: Path | None = None
     """The registry API's tokens file (see :mod:`pilotfish.server.registry_auth`), followed as it
     changes; None: the API takes reads and writes from anyone who can reach it."""
+    admin_tokens: Path | None = None
+    """The admin API's tokens file (the registry's format; ``read: true`` reads, ``admin: true``
+    also confirms a held snapshot; see :data:`pilotfish.server.admin.ROUTES`), followed as it
+    changes; None: the admin API answers anyone who can reach it."""
     waiting_log_every: float = 10.0
     """While a source has not reported its first state, say which and why this often (seconds)."""
     grace_seconds: float = 1.0
@@ -146,6 +160,12 @@ class ServeSettings:
     xds_connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     """How many xDS connections are held (in total, per source address), and how long one may
     go without its HTTP/2 preface or without streams."""
+    registry_connections: HttpConnectionLimits = field(default_factory=HttpConnectionLimits)
+    """How many registry API connections are held (in total, per source address)."""
+    rest_connections: HttpConnectionLimits = field(default_factory=HttpConnectionLimits)
+    """How many REST xDS connections are held (in total, per source address)."""
+    admin_connections: HttpConnectionLimits = ADMIN_CONNECTIONS
+    """How many admin API connections are held (in total, per source address)."""
 
     def tls_files(self, *, client_ca: Path | None, alpn: tuple[str, ...]) -> TlsFiles | None:
         """The TLS files of one listener, or None for plaintext. Raises :class:`ConfigError` when
@@ -218,6 +238,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
         tokens = None if settings.registry_tokens is None else TokenFile(settings.registry_tokens, events=events)
         grants_file = None if settings.grants_file is None else GrantsFile(
             settings.grants_file, events=events, mtls=settings.client_ca is not None)
+        admin_tokens = None if settings.admin_tokens is None else AdminTokenFile(settings.admin_tokens, events=events)
         loaded = None
         if settings.snapshot is not None:
             loaded = file_signature(settings.snapshot)
@@ -228,6 +249,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 raise
         reconciler.build_now()  # the first snapshot, before any proxy can connect (if every source is in)
 
+        check_addresses([(XDS, settings.xds), (REGISTRY_API, settings.registry), (REST_XDS, settings.rest),
+                         (ADMIN_API, settings.admin)])  # every address in use named at once, before any listens
         xds_tls_files = settings.tls_files(client_ca=settings.client_ca, alpn=(ALPN_H2,))
         registry_tls_files = settings.tls_files(client_ca=settings.registry_client_ca, alpn=("http/1.1",))
         admin_tls_files = settings.tls_files(client_ca=settings.admin_client_ca, alpn=("http/1.1",))
@@ -242,8 +265,10 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                         limits=settings.xds_limits, group_of=groups.group_of, proxy_indices=proxy_indices)
         xds_holder.append(xds)
         cache.subset_of = proxy_indices.index
-        server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context,
-                                              connection_limits=settings.xds_connections)
+        with naming_failures(XDS, settings.xds):
+            server, port = await start_xds_server(xds, settings.xds, tls=None if xds_tls is None else xds_tls.context,
+                                                  connection_limits=settings.xds_connections)
+        cleanups.append(server.stop)  # (stopped gracefully below; this one is for a failed start)
         host = settings.xds.rsplit(":", 1)[0]
         if xds_tls is not None:
             tasks.append(asyncio.create_task(xds_tls.run(every=settings.tls_reload_every), name="xds-tls-reload"))
@@ -272,7 +297,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 tasks.append(asyncio.create_task(registry_tls.run(every=settings.tls_reload_every),
                                                  name="registry-tls-reload"))
             runner, registry_address = await serve_app(
-                api.app(), settings.registry, tls=None if registry_tls is None else registry_tls.context)
+                api.app(), settings.registry, tls=None if registry_tls is None else registry_tls.context,
+                listener=REGISTRY_API, limits=settings.registry_connections)
             cleanups.append(runner.cleanup)
             if store is None:
                 tasks.append(asyncio.create_task(api.expire_forever(), name="registry-expiry"))
@@ -291,7 +317,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             rest = RestXds(cache, events=events, status=xds.status, authorize=authorize, grants=grants,
                            limits=settings.xds_limits, group_of=groups.rest_group_of, proxy_indices=proxy_indices)
             rest_runner, rest_address = await start_rest_server(
-                rest, settings.rest, tls=None if rest_tls is None else rest_tls.context)
+                rest, settings.rest, tls=None if rest_tls is None else rest_tls.context,
+                limits=settings.rest_connections)
             cleanups.append(rest_runner.cleanup)
             rest_holder.append(rest)
         if grants_file is not None:
@@ -313,13 +340,16 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             admin_runner, admin_address = await start_admin_server(
                 AdminApi(status, cache, reconciler, waiting=waiting, recent=recent,
                          etcd=None if etcd is None else store.status if store is not None else etcd.status,
-                         subset_of=proxy_indices.index,
+                         subset_of=proxy_indices.index, tokens=admin_tokens, events=events,
                          metrics=Metrics(status, reconciler, open_streams=lambda: xds.open_streams,
                                          subset_of=proxy_indices.index)), settings.admin,
-                tls=None if admin_tls is None else admin_tls.context)
+                tls=None if admin_tls is None else admin_tls.context, limits=settings.admin_connections)
             cleanups.append(admin_runner.cleanup)
             tls_options = "" if admin_tls is None else " --tls-ca CA-FILE" + (
                 " --tls-cert FILE --tls-key FILE" if settings.admin_client_ca is not None else "")
+            if admin_tokens is not None:
+                tasks.append(asyncio.create_task(admin_tokens.follow(), name="admin-tokens"))
+                tls_options += " --token-file FILE"
             reconciler.confirm_hint = (f"pilotfish confirm --admin {admin_address}{tls_options}, "
                                        f"or {confirm_hint}")
         tls = "off" if xds_tls_files is None else "mtls" if settings.client_ca is not None else "tls"
