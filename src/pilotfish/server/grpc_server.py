@@ -45,6 +45,16 @@ no timer per connection: one periodic sweep (:meth:`GrpcServer._sweep`) pops exp
 deadlines from a queue in arrival order, and now and then looks at every connection for
 idleness; the sans-IO connection has no clock for them.
 
+A connection that ends (GOAWAY for a protocol error or a limit, for idleness, or the peer's own
+GOAWAY with an error) stops being read and is closed once the peer has taken everything written
+to it, the GOAWAY last: the kernel resets a socket closed with input unread, and that reset throws
+away whatever of ours is still queued, so closing at once would lose the GOAWAY exactly when it
+matters (a flooder whose earlier answers are still in flight). Whatever the peer does, the socket
+is cut off :attr:`~ConnectionLimits.close_timeout` after the GOAWAY (a peer that does not read
+cannot keep a closing connection, its descriptor and its output, alive). Envoy does the same
+with ``delayed_close_timeout`` (1 s; it stops reading and closes once flushed or on the timer), Go's
+net/http2 server with ``goAwayTimeout`` (1 s).
+
 What a peer can make happen in a loop (refusals, time-outs, protocol errors) is logged through
 :class:`RateLimitedLog`: a line per kind per :data:`WARN_EVERY` seconds at most, then how many
 were left out, never a traceback.
@@ -60,11 +70,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import resource
 import socket
 import ssl
 import struct
+import termios
 import time
 import weakref
 from collections import deque
@@ -197,6 +209,13 @@ class ConnectionLimits:
     keeps its ADS stream open, so only a connection that stopped asking for anything is closed.
     None: never. Checked every tenth of it (at most every minute), so it may take up to that much
     longer."""
+    close_timeout: float = 0.5
+    """Seconds a connection that has sent its last GOAWAY (a protocol error or a limit, idleness)
+    may take to hand the peer what is left; then it is cut off, whether or not the peer read it.
+    A peer that reads gets the GOAWAY at once and the socket closes as soon as it has; only a peer
+    that does not read waits this long (a flooder, or one that stopped reading). Envoy's
+    ``delayed_close_timeout`` (1 s) and Go's ``goAwayTimeout`` (1 s) bound the same; half of that
+    here, so that such a socket is gone within a second of the GOAWAY even on a busy event loop."""
 
     def caps(self, descriptors: int) -> tuple[int, int]:
         """(total, per address) with the defaults resolved for a process that may open
@@ -241,6 +260,23 @@ def _keep_alive(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in _KEEPALIVE:
         sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+CLOSE_POLL = 0.01
+"""Seconds between two looks at whether the peer has taken what a closing connection wrote."""
+
+
+def _unsent(transport: asyncio.BaseTransport) -> int:
+    """Bytes written to ``transport``'s socket that the peer has not acknowledged yet (the kernel's
+    send queue, SIOCOUTQ on Linux); 0 where the kernel does not say."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return queued
 
 
 def _source_address(peer: object) -> str:
@@ -345,8 +381,8 @@ class Call:
 class _Connection(asyncio.Protocol):
     """One client connection: the asyncio side of a :class:`~pilotfish.transport.h2.Connection`."""
 
-    __slots__ = ("__weakref__", "_calls", "_dirty", "_reading", "_server", "address", "goaway_at", "h2", "identity",
-                 "idle_mark", "idle_since", "peer", "transport")  # one per proxy: no __dict__
+    __slots__ = ("__weakref__", "_calls", "_closer", "_dirty", "_reading", "_server", "address", "goaway_at", "h2",
+                 "identity", "idle_mark", "idle_since", "peer", "transport")  # one per proxy: no __dict__
 
     def __init__(self, server: GrpcServer, address: str = "") -> None:
         self._server = server
@@ -366,6 +402,8 @@ class _Connection(asyncio.Protocol):
         """:attr:`Connection.last_peer_stream` when :attr:`idle_since` was taken."""
         self.goaway_at = -1.0
         """When we began closing it (GOAWAY for idleness or a protocol error); -1: not yet."""
+        self._closer: asyncio.TimerHandle | None = None
+        """While closing: the next look at whether the peer has taken what is left (see :meth:`_close`)."""
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -399,6 +437,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.release(self)
+        if self._closer is not None:
+            self._closer.cancel()
+            self._closer = None
         reason = "connection lost" if exc is None else f"connection lost: {exc}"
         calls, self._calls = self._calls, {}
         for call in calls.values():
@@ -414,6 +455,7 @@ class _Connection(asyncio.Protocol):
         self._set_reading(self.h2.wants_to_read)
 
     def _set_reading(self, reading: bool) -> None:
+        reading = reading and self.goaway_at < 0  # a closing connection is not read again
         if reading == self._reading or self.transport.is_closing():
             return
         self._reading = reading
@@ -510,13 +552,33 @@ class _Connection(asyncio.Protocol):
     # -- ending ---------------------------------------------------------------------------------
 
     def _close(self) -> None:
-        """The HTTP/2 connection is over (GOAWAY sent or received): write what is left, close
-        (every call is cancelled in connection_lost). A peer that does not read what is left
-        is cut off by the next idle sweep."""
-        if not self.transport.is_closing():
-            self.goaway_at = self._server.now()
-            self.flush_out()
-            self.transport.close()
+        """The HTTP/2 connection is over (GOAWAY sent or received): write what is left and stop
+        reading; close once the peer has taken all of it, or cut it off
+        :attr:`ConnectionLimits.close_timeout` after the GOAWAY (see the module docstring). Every
+        call is cancelled in connection_lost."""
+        if self.goaway_at >= 0 or self.transport.is_closing():
+            return
+        self.goaway_at = self._server.now()
+        self.flush_out()
+        self._set_reading(False)
+        self._check_closing()
+
+    def _check_closing(self) -> None:
+        """One look at a closing connection: closed once nothing of ours is left unacknowledged
+        (neither in the transport's buffer nor in the kernel's), cut off at its deadline."""
+        self._closer = None
+        transport, server = self.transport, self._server
+        now = server.now()
+        deadline = self.goaway_at + server.connection_limits.close_timeout
+        if now >= deadline:
+            transport.abort()  # the peer did not take what was left: its loss
+            return
+        if not transport.is_closing() and not transport.get_write_buffer_size() and not _unsent(transport):
+            transport.close()  # the peer has the GOAWAY: whatever it sent since is not read
+        loop = asyncio.get_running_loop()
+        # Closed (TLS may still say goodbye): at the deadline; else look again soon.
+        self._closer = loop.call_at(deadline, self._check_closing) if transport.is_closing() else \
+            loop.call_later(CLOSE_POLL, self._check_closing)
 
     def end_handshake_timed_out(self, timeout: float) -> None:
         """No HTTP/2 preface within ``timeout``: GOAWAY PROTOCOL_ERROR and the descriptor is
@@ -529,21 +591,15 @@ class _Connection(asyncio.Protocol):
         self.flush_out()
         self.transport.abort()
 
-    def check_idle(self, now: float, timeout: float | None, grace: float) -> None:
+    def check_idle(self, now: float, timeout: float | None) -> None:
         """One look of the idle sweep. A connection without streams since the last look (and
         none opened in between) for ``timeout`` gets GOAWAY NO_ERROR and is closed (the GOAWAY
-        written first: the client knows no stream was lost, and reconnects when it needs one).
-        One told to go (idle, or a protocol error) ``grace`` seconds ago or more and still here
-        does not read what is left: it is cut off."""
+        written first: the client knows no stream was lost, and reconnects when it needs one)."""
         transport, h2 = self.transport, self.h2
         if h2 is None:
             return  # in its TLS handshake (bounded by TLS_HANDSHAKE_TIMEOUT)
-        if self.goaway_at >= 0:
-            if now - self.goaway_at >= grace:  # told to go, and has not: a peer that does not read
-                transport.abort()
-            return
-        if transport.is_closing() or not h2.preface_received:
-            return  # closing already, or the handshake deadline's
+        if self.goaway_at >= 0 or transport.is_closing() or not h2.preface_received:
+            return  # closing already (on its own deadline), or the handshake deadline's
         if h2.open_streams:
             self.idle_since = -1.0
             return
@@ -601,7 +657,7 @@ class GrpcServer:
         self._sweeper: asyncio.TimerHandle | None = None
         idle = self.connection_limits.idle_timeout
         self._idle_every = min(idle / 10, 60.0) if idle else 60.0
-        """Seconds between two looks at every connection for idleness (and peers told to go)."""
+        """Seconds between two looks at every connection for idleness."""
         self._next_idle_look = 0.0
         self._tick = min(max(min(self.connection_limits.handshake_timeout, self._idle_every) / 10, 0.01), 1.0)
         """Seconds between two sweeps: a tenth of the handshake timeout or of the idle look
@@ -712,9 +768,9 @@ class GrpcServer:
                 conn.end_handshake_timed_out(timeout)
         if now >= self._next_idle_look:
             self._next_idle_look = now + self._idle_every
-            idle, grace = self.connection_limits.idle_timeout, max(self._idle_every, 1.0)
+            idle = self.connection_limits.idle_timeout
             for conn in list(self.connections):
-                conn.check_idle(now, idle, grace)
+                conn.check_idle(now, idle)
         for log in (self.refused_log, self.timeout_log, self.error_log, self.idle_log, self.tls_log):
             log.flush()
 
