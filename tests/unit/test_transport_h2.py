@@ -468,6 +468,15 @@ def test_streams_our_errors_reset_count_as_resets_too() -> None:
     assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
 
 
+def test_refused_streams_count_as_resets_and_so_do_the_peers_resets_of_them() -> None:
+    server = raw_server(limits=Limits(max_concurrent_streams=1, reset_burst=6, reset_rate=0.001))
+    server.receive(headers(1))  # held open: every stream after it is refused
+    server.receive(b"".join(headers(s) + f.rst_stream(s, ErrorCode.CANCEL) for s in (3, 5, 7)))  # 3 x 2 tokens
+    assert not server.closed
+    server.receive(headers(9))
+    assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
+
+
 def test_empty_data_frames_in_a_row_are_a_flood() -> None:
     server = raw_server()
     server.receive(headers(1) + headers(3) + data(1, b"") + data(1, message(b"x")) + data(1, b""))
