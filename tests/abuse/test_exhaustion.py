@@ -347,6 +347,21 @@ def limited(client: RawClient) -> str:
     return client.send_failed or "the server took every byte"
 
 
+def closed_after_flood(client: RawClient, what: str) -> list[str]:
+    """Problems unless the server has closed the socket of a client that never reads within
+    :data:`CLOSED_WITHIN` of the end of its flood (its last send, or the send that stalled or
+    failed): the server must go on reading such a peer (so as to see the flood that ends the
+    connection) and must not wait on it to take the GOAWAY."""
+    ended = time.monotonic()
+    closed = wait(lambda: not _established(client.sock), timeout=CLOSED_WITHIN + 4.0, interval=0.01)
+    elapsed = time.monotonic() - ended
+    if not closed:
+        return [f"{what}: the connection was still open {elapsed:.1f} s after the flood ({limited(client)})"]
+    if elapsed > CLOSED_WITHIN:
+        return [f"{what}: the connection closed {elapsed:.2f} s after the flood (bound {CLOSED_WITHIN:g} s)"]
+    return []
+
+
 def answered(client: RawClient, kind: int, what: str, *, flags: int = 0) -> list[str]:
     """Read the first 64 KiB the server sent to a client that had not read (the test's proof that
     the server did take the flood): a problem unless frames of ``kind`` (with ``flags``) are there,
@@ -378,13 +393,15 @@ def answered(client: RawClient, kind: int, what: str, *, flags: int = 0) -> list
 
 def test_settings_flood_from_a_client_that_never_reads(target: Target, request: pytest.FixtureRequest) -> None:
     client = flood_without_reading(target, settings_frame([]), 24)
-    problems = answered(client, FrameType.SETTINGS, "SETTINGS flood", flags=0x1)
+    problems = closed_after_flood(client, "SETTINGS flood")
+    problems += answered(client, FrameType.SETTINGS, "SETTINGS flood", flags=0x1)
     target.conclude(request.node.name, problems, mib_sent=round(client.sent / MIB, 1), outcome=limited(client))
 
 
 def test_ping_flood_from_a_client_that_never_reads(target: Target, request: pytest.FixtureRequest) -> None:
     client = flood_without_reading(target, frame(FrameType.PING, 0, 0, b"pingping"), 24)
-    problems = answered(client, FrameType.PING, "PING flood", flags=0x1)
+    problems = closed_after_flood(client, "PING flood")
+    problems += answered(client, FrameType.PING, "PING flood", flags=0x1)
     # Tighter than the other attacks: 12 MiB of PINGs once cost +51 MiB held after the flood (a
     # 17-byte object per ACK for the socket's write queue); the ACKs now share buffers.
     target.conclude(request.node.name, problems, rss_bound=24 * MIB, mib_sent=round(client.sent / MIB, 1),
@@ -406,7 +423,8 @@ def test_requests_from_a_client_that_never_reads(target: Target, request: pytest
             break
         sid += 2000
         calls += 1000
-    problems = answered(client, FrameType.DATA, "requests from a client that never reads")
+    problems = closed_after_flood(client, "requests from a client that never reads")
+    problems += answered(client, FrameType.DATA, "requests from a client that never reads")
     target.conclude(request.node.name, problems, calls_sent=calls, outcome=limited(client))
 
 

@@ -551,20 +551,37 @@ def test_a_control_frame_flood_from_a_peer_that_does_not_read_ends_the_connectio
     assert [e.error_code for e in events if isinstance(e, ConnectionTerminated)] == [ErrorCode.ENHANCE_YOUR_CALM]
 
 
-def test_reading_stops_while_the_peer_does_not_read_and_data_waits() -> None:
+def test_data_waits_while_the_peer_does_not_read_and_the_peer_is_still_read() -> None:
     server = raw_server()
     server.receive(headers(1))
     server.send_headers(1, RESPONSE)
     server.data_to_send()
-    assert server.wants_to_read
     server.writing_paused = True
-    assert not server.wants_to_read
+    assert server.wants_to_read  # what must end the connection is seen (a flood, an error)
     server.send_message(1, b"r" * 50)
     assert server.data_to_send() == b""  # the DATA waits for the peer to read
-    server.resume_writing()
-    assert server.wants_to_read
-    (kind, _, stream_id, payload), = parse_frames(server.data_to_send())
-    assert (kind, stream_id, payload) == (f.DATA, 1, message(b"r" * 50))
+    server.receive(data(1, b"") * 2)
+    assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
+    assert not server.wants_to_read
+
+
+def test_messages_queued_for_a_peer_that_does_not_read_are_bounded() -> None:
+    server = raw_server(limits=Limits(max_queued_messages=3))
+    server.receive(headers(1))
+    server.send_headers(1, RESPONSE)
+    server.writing_paused = True
+    for _ in range(3):
+        server.send_message(1, b"r" * 50)
+    server.resume_writing()  # the peer read: the count starts again
+    assert b"".join(p for k, _, _, p in parse_frames(server.data_to_send()) if k == f.DATA) == message(b"r" * 50) * 3
+    server.writing_paused = True
+    for _ in range(3):
+        server.send_message(1, b"r" * 50)
+    assert not server.closed
+    server.send_message(1, b"r" * 50)
+    assert server.closed and server.terminated is not None
+    assert server.terminated.error_code == ErrorCode.ENHANCE_YOUR_CALM
+    assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
 
 
 def test_streams_past_max_concurrent_streams_are_refused_and_the_others_go_on() -> None:

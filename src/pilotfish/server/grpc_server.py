@@ -13,12 +13,13 @@ HTTP/2 itself (RFC 9113: framing, HPACK, flow control, every rule a peer can tri
 of :class:`~pilotfish.transport.h2.Limits`) is the sans-IO :class:`pilotfish.transport.h2.Connection`;
 this module is its asyncio adapter: it moves bytes between the socket and the connection, turns
 the connection's events into calls of the registered methods, writes each connection's output
-once per turn of the event loop (batched, see :meth:`GrpcServer.mark_dirty`), and stops reading a
-peer while it does not read (``pause_writing``). What gRPC adds: trailers-only responses for
-unknown methods, UNIMPLEMENTED for compressed messages, graceful stop, TLS and mTLS (an
-``ssl.SSLContext`` given to :meth:`GrpcServer.start`; the peer's verified identity is
-:attr:`Call.peer_identity`, see :mod:`pilotfish.server.tls`). Not implemented: compression. TCP
-keepalive finds dead peers at no Python cost.
+once per turn of the event loop (batched, see :meth:`GrpcServer.mark_dirty`), and goes on reading a
+peer that does not read (``pause_writing``), as nghttp2 and Envoy do, what it makes us owe then
+bounded by the connection's limits. What gRPC adds: trailers-only responses for unknown methods,
+UNIMPLEMENTED for compressed messages, graceful stop, TLS and mTLS (an ``ssl.SSLContext`` given to
+:meth:`GrpcServer.start`; the peer's verified identity is :attr:`Call.peer_identity`, see
+:mod:`pilotfish.server.tls`). Not implemented: compression. TCP keepalive finds dead peers at no
+Python cost.
 
 Connections are bounded here (:class:`ConnectionLimits`), since each holds a descriptor and
 memory before it has said a word. One over :attr:`~ConnectionLimits.max_connections` (all
@@ -447,23 +448,19 @@ class _Connection(asyncio.Protocol):
             call.release_handler(reason)
 
     def pause_writing(self) -> None:
+        # Still read (as nghttp2 and Envoy): what a peer that does not read makes us owe is
+        # bounded by the HTTP/2 connection's limits, which it could not trip if it were not read.
         self.h2.writing_paused = True
-        self._set_reading(False)  # a peer that does not read gets no more of its requests read
 
     def resume_writing(self) -> None:
         self.h2.resume_writing()
-        self._set_reading(self.h2.wants_to_read)
 
-    def _set_reading(self, reading: bool) -> None:
-        reading = reading and self.goaway_at < 0  # a closing connection is not read again
-        if reading == self._reading or self.transport.is_closing():
+    def _stop_reading(self) -> None:
+        if not self._reading or self.transport.is_closing():
             return
-        self._reading = reading
+        self._reading = False
         with contextlib.suppress(RuntimeError, NotImplementedError):
-            if reading:
-                self.transport.resume_reading()
-            else:
-                self.transport.pause_reading()
+            self.transport.pause_reading()
 
     def data_received(self, data: bytes) -> None:
         conn = self.h2
@@ -545,9 +542,15 @@ class _Connection(asyncio.Protocol):
 
     def flush_out(self) -> None:
         self._dirty = False
-        out = self.h2.take_output()
+        h2 = self.h2
+        out = h2.take_output()
         if out and not self.transport.is_closing():
             self.transport.writelines(out)  # uvloop: one writev, no joined copy
+        if h2.closed and self.goaway_at < 0:  # ended by what we sent (a limit), not by a read
+            if h2.terminated is not None:
+                self._server.error_log.log("closing HTTP/2 connection from %s: %s", self.peer,
+                                           h2.terminated.reason[:_REASON_LIMIT])
+            self._close()
 
     # -- ending ---------------------------------------------------------------------------------
 
@@ -560,7 +563,7 @@ class _Connection(asyncio.Protocol):
             return
         self.goaway_at = self._server.now()
         self.flush_out()
-        self._set_reading(False)
+        self._stop_reading()
         self._check_closing()
 
     def _check_closing(self) -> None:
