@@ -21,6 +21,7 @@ import socket
 import struct
 import termios
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -104,25 +105,6 @@ def open_streams(client: RawClient, first: int, count: int) -> int:
 # -- floods of frames ------------------------------------------------------------------------------
 
 
-def test_rapid_reset(target: Target, request: pytest.FixtureRequest) -> None:
-    client = target.attacker().start_reader()
-    block = literal_block(request_headers())
-    sid, pairs = 1, 0
-    for batch in range(40):  # 40,000 pairs, 1,000 per write
-        if batch == 4:
-            target.change_snapshot()
-        if client.got.goaway is not None or client.got.closed is not None:
-            break
-        chunk = b"".join(frame(FrameType.HEADERS, END_HEADERS, s, block) + rst_stream(s, H2Code.CANCEL)
-                         for s in range(sid, sid + 2000, 2))
-        if not client.send(chunk):
-            break
-        sid += 2000
-        pairs += 1000
-    problems = goaway_with(client, {H2Code.ENHANCE_YOUR_CALM}, f"{pairs:,} HEADERS+RST_STREAM pairs")
-    target.conclude(request.node.name, problems, pairs_sent=pairs)
-
-
 CLOSED_WITHIN = 1.0
 """Seconds a connection the server ended may keep its socket, whatever the peer does meanwhile."""
 RAPID_RESET_STREAMS = 10_000
@@ -147,19 +129,31 @@ def goaway_received(client: RawClient, code: int, what: str, *, timeout: float =
     return []
 
 
-def rapid_reset(client: RawClient, first: int) -> int:
-    """HEADERS then RST_STREAM CANCEL on stream after stream from ``first``, 500 pairs per write,
-    up to :data:`RAPID_RESET_STREAMS` or until the server ends the connection; the pairs sent."""
+def rapid_reset(client: RawClient, first: int, streams: int = RAPID_RESET_STREAMS, *, per_write: int = 500,
+                then: Callable[[], None] = lambda: None) -> int:
+    """HEADERS then RST_STREAM CANCEL on stream after stream from ``first``, ``per_write`` pairs
+    per write, up to ``streams`` or until the server ends the connection (``then`` after the
+    fourth write); the pairs sent."""
     block = literal_block(request_headers())
-    sid, pairs = first, 0
-    while pairs < RAPID_RESET_STREAMS and client.got.goaway is None and client.got.closed is None:
+    sid, pairs, writes = first, 0, 0
+    while pairs < streams and client.got.goaway is None and client.got.closed is None:
         chunk = b"".join(frame(FrameType.HEADERS, END_HEADERS, s, block) + rst_stream(s, H2Code.CANCEL)
-                         for s in range(sid, sid + 1000, 2))
+                         for s in range(sid, sid + 2 * per_write, 2))
         if not client.send(chunk):
             break
-        sid += 1000
-        pairs += 500
+        sid += 2 * per_write
+        pairs += per_write
+        writes += 1
+        if writes == 4:
+            then()
     return pairs
+
+
+def test_rapid_reset(target: Target, request: pytest.FixtureRequest) -> None:
+    client = target.attacker().start_reader()
+    pairs = rapid_reset(client, 1, 40_000, per_write=1000, then=target.change_snapshot)
+    problems = goaway_received(client, H2Code.ENHANCE_YOUR_CALM, f"{pairs:,} HEADERS+RST_STREAM pairs")
+    target.conclude(request.node.name, problems, pairs_sent=pairs)
 
 
 @pytest.mark.parametrize("refused", [False, True], ids=["streams-opened", "streams-refused"])
