@@ -20,8 +20,8 @@ comparison is of the state machines, not of features):
 - outgoing DATA that waits for window (the package raises instead of queueing), cut at the peer's
   SETTINGS_MAX_FRAME_SIZE; held while the socket is full (``writing_paused``);
 - the reset bucket (rapid reset), the SETTINGS bucket, empty-DATA frames in a row, control
-  frames owed to a peer that does not read: each ends the connection with ENHANCE_YOUR_CALM, as
-  the own core does;
+  frames owed and messages queued for a peer that does not read (which is still read): each ends
+  the connection with ENHANCE_YOUR_CALM, as the own core does;
 - a server that ends its side of a stream the client has not ended resets it (NO_ERROR, RFC 9113
   section 8.1), as the own core does.
 
@@ -105,9 +105,8 @@ class H2PackageConnection:
         self._out: list[bytes | memoryview] = []
         self.writing_paused = False
         self.closed = False
-        self.send_error = ""
-        """Read by the adapter (the own core's Limits.max_owed_bytes); this baseline does not count
-        owed bytes, so it is always empty."""
+        self.terminated: ConnectionTerminated | None = None
+        """Why we ended the connection, once we have (as on the own core)."""
         self.preface_received = False
         """The client's preface (magic and first SETTINGS) has arrived: read by the adapter's
         handshake timeout, as on the own core."""
@@ -119,6 +118,7 @@ class H2PackageConnection:
         self._settings_time = self._reset_time
         self._empty_frames = 0
         self._queued_control = 0
+        self._queued_messages = 0
         self._goaway_sent = False
         h2 = self._h2 = H2Connection(config=_CONFIG)
         h2.incoming_buffer = _GuardedFrameBuffer(limits)
@@ -152,11 +152,12 @@ class H2PackageConnection:
 
     @property
     def wants_to_read(self) -> bool:
-        return not self.closed and not self.writing_paused
+        return not self.closed  # a peer that does not read is still read, as on the own core
 
     def resume_writing(self) -> None:
         self.writing_paused = False
         self._queued_control = 0
+        self._queued_messages = 0
         self._drain_all()
         self._collect()
 
@@ -179,8 +180,9 @@ class H2PackageConnection:
         except ProtocolError as exc:
             code = int(getattr(exc, "error_code", ErrorCodes.PROTOCOL_ERROR))
             self.closed = True
-            events.append(ConnectionTerminated(code, self._h2.highest_inbound_stream_id, False,
-                                               f"h2: {type(exc).__name__}: {str(exc)[:200]}"))
+            self.terminated = ConnectionTerminated(code, self._h2.highest_inbound_stream_id, False,
+                                                   f"h2: {type(exc).__name__}: {str(exc)[:200]}")
+            events.append(self.terminated)
         except _Calm as exc:
             self._terminate(ErrorCodes.ENHANCE_YOUR_CALM, str(exc), events)
         self._collect()
@@ -190,7 +192,8 @@ class H2PackageConnection:
         self.closed = True
         self._goaway_sent = True
         self._h2.close_connection(code, reason.encode()[:256])
-        events.append(ConnectionTerminated(code, self._h2.highest_inbound_stream_id, False, reason))
+        self.terminated = ConnectionTerminated(code, self._h2.highest_inbound_stream_id, False, reason)
+        events.append(self.terminated)
 
     def _on_event(self, event: h2e.Event, events: list[Event]) -> None:
         if isinstance(event, h2e.DataReceived):
@@ -398,6 +401,14 @@ class H2PackageConnection:
         stream = self._streams.get(stream_id)
         if stream is None or stream.ended_local or self.closed:
             return
+        if self.writing_paused:
+            self._queued_messages += 1
+            if self._queued_messages > self.limits.max_queued_messages:
+                self._terminate(ErrorCodes.ENHANCE_YOUR_CALM,
+                                f"more than {self.limits.max_queued_messages} messages queued for a peer that does "
+                                "not read (Limits.max_queued_messages)", [])
+                self._collect()
+                return
         length = sum(len(p) for p in parts)
         message = memoryview(b"".join((length.to_bytes(5, "big"), *parts)))  # flag 0 + 4-byte length
         if stream.pending is None:

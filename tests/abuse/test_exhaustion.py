@@ -15,8 +15,14 @@ attacker long before, so that each test runs in a few seconds.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import socket
+import struct
+import termios
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -32,6 +38,7 @@ from .wire import (
     grpc_message,
     headers_frame,
     literal_block,
+    parse_frames,
     request_headers,
     rst_stream,
     settings_frame,
@@ -98,23 +105,171 @@ def open_streams(client: RawClient, first: int, count: int) -> int:
 # -- floods of frames ------------------------------------------------------------------------------
 
 
-def test_rapid_reset(target: Target, request: pytest.FixtureRequest) -> None:
-    client = target.attacker().start_reader()
+CLOSED_WITHIN = 1.0
+"""Seconds a connection the server ended may keep its socket, whatever the peer does meanwhile."""
+RAPID_RESET_STREAMS = 10_000
+RAPID_RESET_TAKEN = {False: 2_500, True: 800}
+"""Streams of a rapid-reset connection's 10,000 the server may take before its GOAWAY: the reset
+budget (Limits.reset_burst, 1,000) and what its rate (33/s) gives back meanwhile, with room for a
+busy machine. A refused stream costs two (the refusal and the peer's reset of it): 500 of them."""
+
+
+def goaway_received(client: RawClient, code: int, what: str, *, timeout: float = 10.0) -> list[str]:
+    """Problems unless the client read GOAWAY ``code`` and then the end of the connection, within
+    :data:`CLOSED_WITHIN` of the GOAWAY (stricter than :func:`goaway_with`: a reset that
+    overtook the GOAWAY is a problem, since the peer then never learns why it was cut off)."""
+    got = client.wait_for(lambda got: got if got.closed is not None else None, timeout=timeout) or client.got
+    if got.goaway is None or got.goaway.code != code:
+        return [f"{what}: expected GOAWAY {H2Code.name(code)}, got {got.goaway}; " + got.describe()]
+    if got.closed_time is None or got.goaway_time is None:
+        return [f"{what}: {got.goaway} was sent, but the connection stayed open {timeout:g} s"]
+    if got.closed_time - got.goaway_time > CLOSED_WITHIN:
+        return [f"{what}: the connection closed {got.closed_time - got.goaway_time:.2f} s after its {got.goaway} "
+                f"(bound {CLOSED_WITHIN:g} s)"]
+    return []
+
+
+def rapid_reset(client: RawClient, first: int, streams: int = RAPID_RESET_STREAMS, *, per_write: int = 500,
+                then: Callable[[], None] = lambda: None) -> int:
+    """HEADERS then RST_STREAM CANCEL on stream after stream from ``first``, ``per_write`` pairs
+    per write, up to ``streams`` or until the server ends the connection (``then`` after the
+    fourth write); the pairs sent."""
     block = literal_block(request_headers())
-    sid, pairs = 1, 0
-    for batch in range(40):  # 40,000 pairs, 1,000 per write
-        if batch == 4:
-            target.change_snapshot()
-        if client.got.goaway is not None or client.got.closed is not None:
-            break
+    sid, pairs, writes = first, 0, 0
+    while pairs < streams and client.got.goaway is None and client.got.closed is None:
         chunk = b"".join(frame(FrameType.HEADERS, END_HEADERS, s, block) + rst_stream(s, H2Code.CANCEL)
-                         for s in range(sid, sid + 2000, 2))
+                         for s in range(sid, sid + 2 * per_write, 2))
         if not client.send(chunk):
             break
-        sid += 2000
-        pairs += 1000
-    problems = goaway_with(client, {H2Code.ENHANCE_YOUR_CALM}, f"{pairs:,} HEADERS+RST_STREAM pairs")
+        sid += 2 * per_write
+        pairs += per_write
+        writes += 1
+        if writes == 4:
+            then()
+    return pairs
+
+
+def test_rapid_reset(target: Target, request: pytest.FixtureRequest) -> None:
+    client = target.attacker().start_reader()
+    pairs = rapid_reset(client, 1, 40_000, per_write=1000, then=target.change_snapshot)
+    problems = goaway_received(client, H2Code.ENHANCE_YOUR_CALM, f"{pairs:,} HEADERS+RST_STREAM pairs")
     target.conclude(request.node.name, problems, pairs_sent=pairs)
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["streams-opened", "streams-refused"])
+def test_rapid_reset_on_four_connections_at_once(target: Target, request: pytest.FixtureRequest,
+                                                 refused: bool) -> None:
+    """Each RST_STREAM arrives in the same read as the HEADERS that opened its stream; with
+    ``refused``, 100 streams are held open first (the server's SETTINGS_MAX_CONCURRENT_STREAMS),
+    so the server refuses every stream that follows. Either way every connection ends with GOAWAY
+    ENHANCE_YOUR_CALM long before its 10,000 streams."""
+    clients = [target.attacker().start_reader() for _ in range(4)]
+    held = 100 if refused else 0
+    firsts = [open_streams(client, 1, held) for client in clients]
+    with ThreadPoolExecutor(len(clients)) as pool:
+        attacks = [pool.submit(rapid_reset, client, first) for client, first in zip(clients, firsts, strict=True)]
+        target.change_snapshot()
+        sent = [attack.result() for attack in attacks]
+    problems, taken = [], []
+    for n, client in enumerate(clients):
+        what = f"connection {n} ({sent[n]:,} HEADERS+RST_STREAM pairs sent{', streams refused' if refused else ''})"
+        problems += goaway_received(client, H2Code.ENHANCE_YOUR_CALM, what)
+        goaway = client.got.goaway
+        taken.append((goaway.last_stream + 1) // 2 - held if goaway is not None else 0)  # its last stream id
+        if taken[-1] > RAPID_RESET_TAKEN[refused]:
+            problems.append(f"{what}: the server took {taken[-1]:,} streams before its GOAWAY "
+                            f"(bound {RAPID_RESET_TAKEN[refused]:,})")
+    target.conclude(request.node.name, problems, pairs_sent=sent, streams_taken=taken)
+
+
+EMPTY_DATA_FRAMES = 100_000
+
+
+def answered_streams(client: RawClient, count: int) -> None:
+    """Open ``count`` ADS streams, each with one CDS request (the server answers each with the
+    whole CDS, a few KB)."""
+    body = grpc_message(discovery_request(CDS))
+    client.send(b"".join(headers_frame(s) + frame(FrameType.DATA, 0, s, body) for s in range(1, 2 * count, 2)))
+
+
+def empty_data_flood(client: RawClient) -> int:
+    """:data:`EMPTY_DATA_FRAMES` DATA frames without payload or END_STREAM on stream 1, 10,000
+    per write, until the server stops taking them; the frames sent."""
+    chunk = frame(FrameType.DATA, 0, 1) * 10_000
+    sent = 0
+    while sent < EMPTY_DATA_FRAMES and client.send(chunk):
+        sent += 10_000
+    return sent
+
+
+def test_empty_data_flood_after_the_stream_is_answered(target: Target, request: pytest.FixtureRequest) -> None:
+    """A small receive buffer, and answers still on their way when the flood arrives: the GOAWAY
+    must reach the client before the socket closes (a socket closed with the flood unread is
+    reset, and the reset throws away what is still queued behind the answers: the GOAWAY)."""
+    client = target.attacker(rcvbuf=4096, settings=[(0x4, MAX_WINDOW)]).start_reader()
+    client.send(window_update(0, MAX_WINDOW - 65_535))  # windows wide open: every answer is on its way at once
+    answered_streams(client, 100)
+    client.wait_for(lambda got: got.data.get(1), timeout=10.0)
+    target.change_snapshot()
+    sent = empty_data_flood(client)  # and on, whatever the server says meanwhile
+    problems = goaway_received(client, H2Code.ENHANCE_YOUR_CALM, f"{sent:,} empty DATA frames")
+    target.conclude(request.node.name, problems, frames_sent=sent)
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes waiting in ``sock``'s receive buffer (FIONREAD), without reading them."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def _established(sock: socket.socket) -> bool:
+    """Whether ``sock``'s TCP state is still ESTABLISHED (the first byte of TCP_INFO), without reading."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] == 1
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["room-for-the-goaway", "receive-buffer-full"])
+def test_empty_data_flood_from_a_client_that_never_reads(target: Target, request: pytest.FixtureRequest,
+                                                         full: bool) -> None:
+    """The client never reads: the server must still end the connection with GOAWAY
+    ENHANCE_YOUR_CALM (found in the client's receive buffer afterwards) and close its socket
+    within a second. With ``full``, a small receive buffer is full of answers the client asked
+    for: the GOAWAY can never reach it, and the socket must be closed within a second all the same."""
+    if full:
+        client = target.attacker(send_timeout=1.0, rcvbuf=4096, settings=[(0x4, MAX_WINDOW)])
+        client.send(window_update(0, MAX_WINDOW - 65_535))
+        answered_streams(client, 100)
+    else:
+        client = target.attacker(send_timeout=1.0)
+        answered_streams(client, 1)
+    if not wait(lambda: _unread(client.sock) > 1000, timeout=10.0):
+        pytest.fail("the server did not answer the ADS requests")
+    target.change_snapshot()
+    started = time.monotonic()
+    sent = empty_data_flood(client)
+    closed = wait(lambda: not _established(client.sock), timeout=5.0, interval=0.01)
+    elapsed = time.monotonic() - started
+    problems = []
+    if not closed:
+        problems.append(f"{sent:,} empty DATA frames: the socket was still open {elapsed:.1f} s after the flood began")
+    elif elapsed > CLOSED_WITHIN:
+        problems.append(f"{sent:,} empty DATA frames: the socket closed {elapsed:.2f} s after the flood began "
+                        f"(bound {CLOSED_WITHIN:g} s)")
+    if not full:
+        goaways = [payload for kind, _, _, payload in parse_frames(read_all(client.sock)) if kind == FrameType.GOAWAY]
+        codes = [struct.unpack_from(">I", payload, 4)[0] for payload in goaways if len(payload) >= 8]
+        if codes != [H2Code.ENHANCE_YOUR_CALM]:
+            problems.append(f"{sent:,} empty DATA frames: expected one GOAWAY ENHANCE_YOUR_CALM among what the "
+                            f"server sent, found GOAWAY codes {[H2Code.name(c) for c in codes]}")
+    target.conclude(request.node.name, problems, frames_sent=sent, seconds_to_close=round(elapsed, 3))
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """What ``sock`` holds, up to its end (EOF or reset)."""
+    data = bytearray()
+    sock.settimeout(2.0)
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+    return bytes(data)
 
 
 def test_continuation_flood(target: Target, request: pytest.FixtureRequest) -> None:
@@ -186,6 +341,21 @@ def limited(client: RawClient) -> str:
     return client.send_failed or "the server took every byte"
 
 
+def closed_after_flood(client: RawClient, what: str) -> list[str]:
+    """Problems unless the server has closed the socket of a client that never reads within
+    :data:`CLOSED_WITHIN` of the end of its flood (its last send, or the send that stalled or
+    failed): the server must go on reading such a peer (so as to see the flood that ends the
+    connection) and must not wait on it to take the GOAWAY."""
+    ended = time.monotonic()
+    closed = wait(lambda: not _established(client.sock), timeout=CLOSED_WITHIN + 4.0, interval=0.01)
+    elapsed = time.monotonic() - ended
+    if not closed:
+        return [f"{what}: the connection was still open {elapsed:.1f} s after the flood ({limited(client)})"]
+    if elapsed > CLOSED_WITHIN:
+        return [f"{what}: the connection closed {elapsed:.2f} s after the flood (bound {CLOSED_WITHIN:g} s)"]
+    return []
+
+
 def answered(client: RawClient, kind: int, what: str, *, flags: int = 0) -> list[str]:
     """Read the first 64 KiB the server sent to a client that had not read (the test's proof that
     the server did take the flood): a problem unless frames of ``kind`` (with ``flags``) are there,
@@ -217,13 +387,15 @@ def answered(client: RawClient, kind: int, what: str, *, flags: int = 0) -> list
 
 def test_settings_flood_from_a_client_that_never_reads(target: Target, request: pytest.FixtureRequest) -> None:
     client = flood_without_reading(target, settings_frame([]), 24)
-    problems = answered(client, FrameType.SETTINGS, "SETTINGS flood", flags=0x1)
+    problems = closed_after_flood(client, "SETTINGS flood")
+    problems += answered(client, FrameType.SETTINGS, "SETTINGS flood", flags=0x1)
     target.conclude(request.node.name, problems, mib_sent=round(client.sent / MIB, 1), outcome=limited(client))
 
 
 def test_ping_flood_from_a_client_that_never_reads(target: Target, request: pytest.FixtureRequest) -> None:
     client = flood_without_reading(target, frame(FrameType.PING, 0, 0, b"pingping"), 24)
-    problems = answered(client, FrameType.PING, "PING flood", flags=0x1)
+    problems = closed_after_flood(client, "PING flood")
+    problems += answered(client, FrameType.PING, "PING flood", flags=0x1)
     # Tighter than the other attacks: 12 MiB of PINGs once cost +51 MiB held after the flood (a
     # 17-byte object per ACK for the socket's write queue); the ACKs now share buffers.
     target.conclude(request.node.name, problems, rss_bound=24 * MIB, mib_sent=round(client.sent / MIB, 1),
@@ -245,7 +417,8 @@ def test_requests_from_a_client_that_never_reads(target: Target, request: pytest
             break
         sid += 2000
         calls += 1000
-    problems = answered(client, FrameType.DATA, "requests from a client that never reads")
+    problems = closed_after_flood(client, "requests from a client that never reads")
+    problems += answered(client, FrameType.DATA, "requests from a client that never reads")
     target.conclude(request.node.name, problems, calls_sent=calls, outcome=limited(client))
 
 

@@ -202,6 +202,10 @@ class Received:
     bytes: int = 0
     closed: str | None = None
     """why the connection ended (EOF, reset), once it has"""
+    goaway_time: float | None = None
+    """when (time.monotonic) the first GOAWAY was read"""
+    closed_time: float | None = None
+    """when (time.monotonic) the end of the connection was read"""
     errors: list[str] = field(default_factory=list)
     """what the reader could not make sense of"""
 
@@ -377,6 +381,7 @@ class RawClient:
             if buffer:
                 self.got.errors.append(f"{len(buffer)} bytes of an incomplete frame at the end")
             self.got.closed = reason
+            self.got.closed_time = time.monotonic()
             self.cond.notify_all()
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
@@ -386,6 +391,8 @@ class RawClient:
         if kind == FrameType.GOAWAY and len(payload) >= 8:
             last, code = struct.unpack_from(">II", payload)
             got.goaway = Goaway(last & 0x7FFF_FFFF, code, payload[8:])
+            if got.goaway_time is None:
+                got.goaway_time = time.monotonic()
         elif kind == FrameType.RST_STREAM and len(payload) == 4:
             got.resets[stream_id] = struct.unpack(">I", payload)[0]
         elif kind == FrameType.PING and flags & ACK:

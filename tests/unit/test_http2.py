@@ -6,12 +6,13 @@ over real sockets (the connection's own rules: tests/unit/test_transport_h2.py).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import hpack
 import pytest
 
-from pilotfish.server.grpc_server import Call, GrpcServer, _Connection
+from pilotfish.server.grpc_server import Call, ConnectionLimits, GrpcServer, _Connection
 from pilotfish.transport import frames as h2
 
 
@@ -21,7 +22,10 @@ class RecordingTransport:
     def __init__(self) -> None:
         self.written = bytearray()
         self.closed = False
+        self.aborted = False
         self.reading = True
+        self.buffered = 0
+        """Bytes the peer has not taken yet (``get_write_buffer_size``)."""
 
     def write(self, data: bytes) -> None:
         self.written += data
@@ -35,6 +39,12 @@ class RecordingTransport:
 
     def close(self) -> None:
         self.closed = True
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
 
     def pause_reading(self) -> None:
         self.reading = False
@@ -188,7 +198,7 @@ def test_frame_content_strips_padding_and_priority_or_refuses_bad_padding() -> N
     assert h2.frame_content(h2.HEADERS, h2.PADDED, memoryview(b"")) is None
 
 
-async def test_a_client_that_does_not_read_is_not_read_and_its_answers_wait() -> None:
+async def test_a_client_that_does_not_read_is_still_read_and_its_answers_wait() -> None:
     calls.clear()
     conn = _Connection(GrpcServer({"/svc/Method": Recorder}))
     transport = RecordingTransport()
@@ -198,12 +208,11 @@ async def test_a_client_that_does_not_read_is_not_read_and_its_answers_wait() ->
     conn.flush_out()
     transport.written.clear()
     conn.pause_writing()  # the socket buffer is full: the client does not read
-    assert not transport.reading
+    assert transport.reading  # (what it sends may be what must end the connection)
     handler.call.send(b"held")
     conn.flush_out()
     assert not [p for kind, _, _, p in frames(transport.written) if kind == h2.DATA]
     conn.resume_writing()
-    assert transport.reading
     conn.flush_out()
     assert [p for kind, _, _, p in frames(transport.written) if kind == h2.DATA] == [message(b"held")]
 
@@ -224,3 +233,35 @@ async def test_a_connection_error_is_logged_answered_with_goaway_and_frees_the_c
     conn.connection_lost(None)  # what the event loop does once the transport has closed
     [handler] = calls
     assert handler.closed_reason == "connection lost"
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.005)
+    return bool(condition())
+
+
+@pytest.mark.parametrize("peer_reads", [True, False], ids=["peer-takes-it", "peer-never-reads"])
+async def test_an_ended_connection_closes_once_the_peer_has_its_goaway_and_at_the_latest_on_time(
+        peer_reads: bool) -> None:
+    calls.clear()
+    server = GrpcServer({"/svc/Method": Recorder}, connection_limits=ConnectionLimits(close_timeout=0.3))
+    conn = _Connection(server)
+    transport = RecordingTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.data_received(client_bytes()[: len(client_bytes()) - 9 - len(message(b"echo"))])
+    transport.buffered = 10_000  # answers the peer has not taken yet
+    started = asyncio.get_running_loop().time()
+    conn.data_received(h2.frame(h2.DATA, 0, 1) * 2)  # an empty DATA flood: GOAWAY
+    assert [h2.unpack_u32(p, 4) for kind, _, _, p in frames(transport.written) if kind == h2.GOAWAY] == [
+        h2.ErrorCode.ENHANCE_YOUR_CALM]
+    assert not transport.reading and not transport.closed  # the GOAWAY is still behind the answers
+    if peer_reads:
+        transport.buffered = 0
+        assert await until(lambda: transport.closed)
+        assert not transport.aborted  # closed, not cut off: the peer had it all
+    else:
+        assert await until(lambda: transport.closed)
+        assert transport.aborted and asyncio.get_running_loop().time() - started >= 0.3  # cut off on time
+    conn.connection_lost(None)

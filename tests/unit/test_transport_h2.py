@@ -468,6 +468,15 @@ def test_streams_our_errors_reset_count_as_resets_too() -> None:
     assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
 
 
+def test_refused_streams_count_as_resets_and_so_do_the_peers_resets_of_them() -> None:
+    server = raw_server(limits=Limits(max_concurrent_streams=1, reset_burst=6, reset_rate=0.001))
+    server.receive(headers(1))  # held open: every stream after it is refused
+    server.receive(b"".join(headers(s) + f.rst_stream(s, ErrorCode.CANCEL) for s in (3, 5, 7)))  # 3 x 2 tokens
+    assert not server.closed
+    server.receive(headers(9))
+    assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
+
+
 def test_empty_data_frames_in_a_row_are_a_flood() -> None:
     server = raw_server()
     server.receive(headers(1) + headers(3) + data(1, b"") + data(1, message(b"x")) + data(1, b""))
@@ -553,7 +562,7 @@ def test_responses_owed_to_a_peer_that_grants_no_window_end_the_connection() -> 
         stuck.send_message(1, body)
         sent += 1
     assert stuck.closed and 90 <= sent <= 100, sent  # each owes 10,005 bytes and its two pieces
-    assert "Limits.max_owed_bytes" in stuck.send_error
+    assert stuck.terminated is not None and "Limits.max_owed_bytes" in stuck.terminated.reason
     assert goaway_code(stuck) == ErrorCode.ENHANCE_YOUR_CALM
 
 
@@ -572,23 +581,40 @@ def test_a_peer_that_reads_what_it_is_owed_never_reaches_the_owed_limit() -> Non
                 pair.client.acknowledge(event.stream_id, event.flow_controlled_length)
         pair.client_events.clear()
         pair.pump()
-    assert not pair.server.closed and not pair.server.send_error
+    assert not pair.server.closed and pair.server.terminated is None
 
 
-def test_reading_stops_while_the_peer_does_not_read_and_data_waits() -> None:
+def test_data_waits_while_the_peer_does_not_read_and_the_peer_is_still_read() -> None:
     server = raw_server()
     server.receive(headers(1))
     server.send_headers(1, RESPONSE)
     server.data_to_send()
-    assert server.wants_to_read
     server.writing_paused = True
-    assert not server.wants_to_read
+    assert server.wants_to_read  # what must end the connection is seen (a flood, an error)
     server.send_message(1, b"r" * 50)
     assert server.data_to_send() == b""  # the DATA waits for the peer to read
-    server.resume_writing()
-    assert server.wants_to_read
-    (kind, _, stream_id, payload), = parse_frames(server.data_to_send())
-    assert (kind, stream_id, payload) == (f.DATA, 1, message(b"r" * 50))
+    server.receive(data(1, b"") * 2)
+    assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
+    assert not server.wants_to_read
+
+
+def test_messages_queued_for_a_peer_that_does_not_read_are_bounded() -> None:
+    server = raw_server(limits=Limits(max_queued_messages=3))
+    server.receive(headers(1))
+    server.send_headers(1, RESPONSE)
+    server.writing_paused = True
+    for _ in range(3):
+        server.send_message(1, b"r" * 50)
+    server.resume_writing()  # the peer read: the count starts again
+    assert b"".join(p for k, _, _, p in parse_frames(server.data_to_send()) if k == f.DATA) == message(b"r" * 50) * 3
+    server.writing_paused = True
+    for _ in range(3):
+        server.send_message(1, b"r" * 50)
+    assert not server.closed
+    server.send_message(1, b"r" * 50)
+    assert server.closed and server.terminated is not None
+    assert server.terminated.error_code == ErrorCode.ENHANCE_YOUR_CALM
+    assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
 
 
 def test_streams_past_max_concurrent_streams_are_refused_and_the_others_go_on() -> None:

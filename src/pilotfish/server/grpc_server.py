@@ -13,12 +13,13 @@ HTTP/2 itself (RFC 9113: framing, HPACK, flow control, every rule a peer can tri
 of :class:`~pilotfish.transport.h2.Limits`) is the sans-IO :class:`pilotfish.transport.h2.Connection`;
 this module is its asyncio adapter: it moves bytes between the socket and the connection, turns
 the connection's events into calls of the registered methods, writes each connection's output
-once per turn of the event loop (batched, see :meth:`GrpcServer.mark_dirty`), and stops reading a
-peer while it does not read (``pause_writing``). What gRPC adds: trailers-only responses for
-unknown methods, UNIMPLEMENTED for compressed messages, graceful stop, TLS and mTLS (an
-``ssl.SSLContext`` given to :meth:`GrpcServer.start`; the peer's verified identity is
-:attr:`Call.peer_identity`, see :mod:`pilotfish.server.tls`). Not implemented: compression. TCP
-keepalive finds dead peers at no Python cost.
+once per turn of the event loop (batched, see :meth:`GrpcServer.mark_dirty`), and goes on reading a
+peer that does not read (``pause_writing``), as nghttp2 and Envoy do, what it makes us owe then
+bounded by the connection's limits. What gRPC adds: trailers-only responses for unknown methods,
+UNIMPLEMENTED for compressed messages, graceful stop, TLS and mTLS (an ``ssl.SSLContext`` given to
+:meth:`GrpcServer.start`; the peer's verified identity is :attr:`Call.peer_identity`, see
+:mod:`pilotfish.server.tls`). Not implemented: compression. TCP keepalive finds dead peers at no
+Python cost.
 
 Connections are bounded here (:class:`ConnectionLimits`), since each holds a descriptor and
 memory before it has said a word. One over :attr:`~ConnectionLimits.max_connections` (all
@@ -45,6 +46,16 @@ no timer per connection: one periodic sweep (:meth:`GrpcServer._sweep`) pops exp
 deadlines from a queue in arrival order, and now and then looks at every connection for
 idleness; the sans-IO connection has no clock for them.
 
+A connection that ends (GOAWAY for a protocol error or a limit, for idleness, or the peer's own
+GOAWAY with an error) stops being read and is closed once the peer has taken everything written
+to it, the GOAWAY last: the kernel resets a socket closed with input unread, and that reset throws
+away whatever of ours is still queued, so closing at once would lose the GOAWAY exactly when it
+matters (a flooder whose earlier answers are still in flight). Whatever the peer does, the socket
+is cut off :attr:`~ConnectionLimits.close_timeout` after the GOAWAY (a peer that does not read
+cannot keep a closing connection, its descriptor and its output, alive). Envoy does the same
+with ``delayed_close_timeout`` (1 s; it stops reading and closes once flushed or on the timer), Go's
+net/http2 server with ``goAwayTimeout`` (1 s).
+
 What a peer can make happen in a loop (refusals, time-outs, protocol errors) is logged through
 :class:`RateLimitedLog`: a line per kind per :data:`WARN_EVERY` seconds at most, then how many
 were left out, never a traceback.
@@ -60,11 +71,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import resource
 import socket
 import ssl
 import struct
+import termios
 import time
 import weakref
 from collections import deque
@@ -198,6 +211,13 @@ class ConnectionLimits:
     keeps its ADS stream open, so only a connection that stopped asking for anything is closed.
     None: never. Checked every tenth of it (at most every minute), so it may take up to that much
     longer."""
+    close_timeout: float = 0.5
+    """Seconds a connection that has sent its last GOAWAY (a protocol error or a limit, idleness)
+    may take to hand the peer what is left; then it is cut off, whether or not the peer read it.
+    A peer that reads gets the GOAWAY at once and the socket closes as soon as it has; only a peer
+    that does not read waits this long (a flooder, or one that stopped reading). Envoy's
+    ``delayed_close_timeout`` (1 s) and Go's ``goAwayTimeout`` (1 s) bound the same; half of that
+    here, so that such a socket is gone within a second of the GOAWAY even on a busy event loop."""
 
     def caps(self, descriptors: int) -> tuple[int, int]:
         """(total, per address) with the defaults resolved for a process that may open
@@ -242,6 +262,23 @@ def _keep_alive(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in _KEEPALIVE:
         sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+CLOSE_POLL = 0.01
+"""Seconds between two looks at whether the peer has taken what a closing connection wrote."""
+
+
+def _unsent(transport: asyncio.BaseTransport) -> int:
+    """Bytes written to ``transport``'s socket that the peer has not acknowledged yet (the kernel's
+    send queue, SIOCOUTQ on Linux); 0 where the kernel does not say."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return queued
 
 
 def accept_waiting(listener: socket.socket, take: Callable[[socket.socket, str], None], *, log: RateLimitedLog,
@@ -383,8 +420,8 @@ class Call:
 class _Connection(asyncio.Protocol):
     """One client connection: the asyncio side of a :class:`~pilotfish.transport.h2.Connection`."""
 
-    __slots__ = ("__weakref__", "_calls", "_dirty", "_reading", "_server", "address", "goaway_at", "h2", "identity",
-                 "idle_mark", "idle_since", "peer", "transport")  # one per proxy: no __dict__
+    __slots__ = ("__weakref__", "_calls", "_closer", "_dirty", "_reading", "_server", "address", "goaway_at", "h2",
+                 "identity", "idle_mark", "idle_since", "peer", "transport")  # one per proxy: no __dict__
 
     def __init__(self, server: GrpcServer, address: str = "") -> None:
         self._server = server
@@ -404,6 +441,8 @@ class _Connection(asyncio.Protocol):
         """:attr:`Connection.last_peer_stream` when :attr:`idle_since` was taken."""
         self.goaway_at = -1.0
         """When we began closing it (GOAWAY for idleness or a protocol error); -1: not yet."""
+        self._closer: asyncio.TimerHandle | None = None
+        """While closing: the next look at whether the peer has taken what is left (see :meth:`_close`)."""
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -434,6 +473,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.release(self)
+        if self._closer is not None:
+            self._closer.cancel()
+            self._closer = None
         reason = "connection lost" if exc is None else f"connection lost: {exc}"
         calls, self._calls = self._calls, {}
         for call in calls.values():
@@ -441,22 +483,19 @@ class _Connection(asyncio.Protocol):
             call.release_handler(reason)
 
     def pause_writing(self) -> None:
+        # Still read (as nghttp2 and Envoy): what a peer that does not read makes us owe is
+        # bounded by the HTTP/2 connection's limits, which it could not trip if it were not read.
         self.h2.writing_paused = True
-        self._set_reading(False)  # a peer that does not read gets no more of its requests read
 
     def resume_writing(self) -> None:
         self.h2.resume_writing()
-        self._set_reading(self.h2.wants_to_read)
 
-    def _set_reading(self, reading: bool) -> None:
-        if reading == self._reading or self.transport.is_closing():
+    def _stop_reading(self) -> None:
+        if not self._reading or self.transport.is_closing():
             return
-        self._reading = reading
+        self._reading = False
         with contextlib.suppress(RuntimeError, NotImplementedError):
-            if reading:
-                self.transport.resume_reading()
-            else:
-                self.transport.pause_reading()
+            self.transport.pause_reading()
 
     def data_received(self, data: bytes) -> None:
         conn = self.h2
@@ -538,24 +577,46 @@ class _Connection(asyncio.Protocol):
 
     def flush_out(self) -> None:
         self._dirty = False
-        out = self.h2.take_output()
+        h2 = self.h2
+        out = h2.take_output()
         if out and not self.transport.is_closing():
             self.transport.writelines(out)  # uvloop: one writev, no joined copy
-        if self.h2.send_error and not self.transport.is_closing():  # ended while sending, not reading
-            self._server.error_log.log("closing HTTP/2 connection from %s: %s", self.peer, self.h2.send_error)
-            self.goaway_at = self._server.now()
-            self.transport.close()
+        if h2.closed and self.goaway_at < 0:  # ended by what we sent (a limit), not by a read
+            if h2.terminated is not None:
+                self._server.error_log.log("closing HTTP/2 connection from %s: %s", self.peer,
+                                           h2.terminated.reason[:_REASON_LIMIT])
+            self._close()
 
     # -- ending ---------------------------------------------------------------------------------
 
     def _close(self) -> None:
-        """The HTTP/2 connection is over (GOAWAY sent or received): write what is left, close
-        (every call is cancelled in connection_lost). A peer that does not read what is left
-        is cut off by the next idle sweep."""
-        if not self.transport.is_closing():
-            self.goaway_at = self._server.now()
-            self.flush_out()
-            self.transport.close()
+        """The HTTP/2 connection is over (GOAWAY sent or received): write what is left and stop
+        reading; close once the peer has taken all of it, or cut it off
+        :attr:`ConnectionLimits.close_timeout` after the GOAWAY (see the module docstring). Every
+        call is cancelled in connection_lost."""
+        if self.goaway_at >= 0 or self.transport.is_closing():
+            return
+        self.goaway_at = self._server.now()
+        self.flush_out()
+        self._stop_reading()
+        self._check_closing()
+
+    def _check_closing(self) -> None:
+        """One look at a closing connection: closed once nothing of ours is left unacknowledged
+        (neither in the transport's buffer nor in the kernel's), cut off at its deadline."""
+        self._closer = None
+        transport, server = self.transport, self._server
+        now = server.now()
+        deadline = self.goaway_at + server.connection_limits.close_timeout
+        if now >= deadline:
+            transport.abort()  # the peer did not take what was left: its loss
+            return
+        if not transport.is_closing() and not transport.get_write_buffer_size() and not _unsent(transport):
+            transport.close()  # the peer has the GOAWAY: whatever it sent since is not read
+        loop = asyncio.get_running_loop()
+        # Closed (TLS may still say goodbye): at the deadline; else look again soon.
+        self._closer = loop.call_at(deadline, self._check_closing) if transport.is_closing() else \
+            loop.call_later(CLOSE_POLL, self._check_closing)
 
     def end_handshake_timed_out(self, timeout: float) -> None:
         """No HTTP/2 preface within ``timeout``: GOAWAY PROTOCOL_ERROR and the descriptor is
@@ -568,21 +629,15 @@ class _Connection(asyncio.Protocol):
         self.flush_out()
         self.transport.abort()
 
-    def check_idle(self, now: float, timeout: float | None, grace: float) -> None:
+    def check_idle(self, now: float, timeout: float | None) -> None:
         """One look of the idle sweep. A connection without streams since the last look (and
         none opened in between) for ``timeout`` gets GOAWAY NO_ERROR and is closed (the GOAWAY
-        written first: the client knows no stream was lost, and reconnects when it needs one).
-        One told to go (idle, or a protocol error) ``grace`` seconds ago or more and still here
-        does not read what is left: it is cut off."""
+        written first: the client knows no stream was lost, and reconnects when it needs one)."""
         transport, h2 = self.transport, self.h2
         if h2 is None:
             return  # in its TLS handshake (bounded by TLS_HANDSHAKE_TIMEOUT)
-        if self.goaway_at >= 0:
-            if now - self.goaway_at >= grace:  # told to go, and has not: a peer that does not read
-                transport.abort()
-            return
-        if transport.is_closing() or not h2.preface_received:
-            return  # closing already, or the handshake deadline's
+        if self.goaway_at >= 0 or transport.is_closing() or not h2.preface_received:
+            return  # closing already (on its own deadline), or the handshake deadline's
         if h2.open_streams:
             self.idle_since = -1.0
             return
@@ -640,7 +695,7 @@ class GrpcServer:
         self._sweeper: asyncio.TimerHandle | None = None
         idle = self.connection_limits.idle_timeout
         self._idle_every = min(idle / 10, 60.0) if idle else 60.0
-        """Seconds between two looks at every connection for idleness (and peers told to go)."""
+        """Seconds between two looks at every connection for idleness."""
         self._next_idle_look = 0.0
         self._tick = min(max(min(self.connection_limits.handshake_timeout, self._idle_every) / 10, 0.01), 1.0)
         """Seconds between two sweeps: a tenth of the handshake timeout or of the idle look
@@ -741,9 +796,9 @@ class GrpcServer:
                 conn.end_handshake_timed_out(timeout)
         if now >= self._next_idle_look:
             self._next_idle_look = now + self._idle_every
-            idle, grace = self.connection_limits.idle_timeout, max(self._idle_every, 1.0)
+            idle = self.connection_limits.idle_timeout
             for conn in list(self.connections):
-                conn.check_idle(now, idle, grace)
+                conn.check_idle(now, idle)
         for log in (self.refused_log, self.timeout_log, self.error_log, self.idle_log, self.tls_log):
             log.flush()
 

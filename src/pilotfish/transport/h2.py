@@ -22,12 +22,15 @@ than the windows it was granted). Outgoing messages wait in their stream, as vie
 bytes (shared between streams, never copied), until the peer's windows let them out.
 
 A peer that does not read cannot grow our output without bound: the adapter reports a full socket
-buffer with :attr:`Connection.writing_paused`. Then :attr:`Connection.wants_to_read` is False (the
-adapter stops reading the peer's requests, as Envoy does past its write buffer's watermark), DATA
-waits in its streams, and the control frames we owe (SETTINGS and PING ACKs, RST_STREAMs) are
-counted: past :attr:`Limits.max_queued_control_frames` the connection ends (nghttp2's and Envoy's
-flood rule), whatever was read before reading stopped. A peer that grants no flow-control window
-fills no socket and is still read: the DATA it is owed is counted instead, and past
+buffer with :attr:`Connection.writing_paused`. Then DATA waits in its streams, and what the peer
+makes us owe is counted: the control frames (SETTINGS and PING ACKs, RST_STREAMs) past
+:attr:`Limits.max_queued_control_frames`, and the messages queued in streams past
+:attr:`Limits.max_queued_messages`, end the connection (ENHANCE_YOUR_CALM; nghttp2's
+max_outbound_ack, Envoy's max_outbound_control_frames and max_outbound_frames). The peer is still
+read meanwhile, as nghttp2 and Envoy read it (Envoy's HTTP/2 codec only tells its streams that the
+connection is backed up): a connection that stopped reading would never see the flood, or the
+error, that must end it, and would hold its descriptor for as long as the peer likes. A peer that
+grants no flow-control window fills no socket: the DATA it is owed is counted instead, and past
 :attr:`Limits.max_owed_bytes` the connection ends too.
 
 Why pilotfish's own code and not the ``h2`` package's state machine (issue 9, measured by
@@ -103,6 +106,11 @@ class Limits:
     """Control frames we owe (SETTINGS/PING ACKs, RST_STREAM) queued while the peer does not read
     (nghttp2's max_outbound_ack, Envoy's max_outbound_control_frames); over it: the connection
     ends (ENHANCE_YOUR_CALM), since the peer is flooding us without reading."""
+    max_queued_messages: int = 10_000
+    """Messages queued in streams while the peer does not read (the answers to requests it goes on
+    sending; Envoy's max_outbound_frames, 10,000); over it: the connection ends (ENHANCE_YOUR_CALM).
+    Queued messages are views of bytes shared with other streams, so this bounds their count, not
+    a copy of each."""
     reset_burst: int = 1000
     """Stream resets (by the peer, or by us for its errors) allowed at once: a token bucket
     (nghttp2's stream_reset_burst). Empty bucket: ENHANCE_YOUR_CALM (rapid reset,
@@ -272,10 +280,10 @@ class Connection:
                  "_empty_frames", "_ended", "_goaway_sent", "_highest_remote", "_needed", "_next_local",
                  "_on_output", "_out", "_owed",
                  "_peer_initial_window", "_peer_max_frame", "_peer_max_streams", "_preface_pending",
-                 "_queued_control", "_recv_window", "_reset_by_us", "_reset_time", "_reset_tokens",
+                 "_queued_control", "_queued_messages", "_recv_window", "_reset_by_us", "_reset_time", "_reset_tokens",
                  "_send_window", "_settings_seen", "_settings_time", "_settings_tokens", "_streams", "_table_update",
                  "_unacked", "_waiting",
-                 "closed", "limits", "role", "send_error", "writing_paused")
+                 "closed", "limits", "role", "terminated", "writing_paused")
 
     def __init__(self, *, role: Role, limits: Limits | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -289,13 +297,13 @@ class Connection:
         self._queued_control = 0
         self._owed = 0
         """Bytes of DATA waiting in streams, plus OWED_PIECE_COST per piece (Limits.max_owed_bytes)."""
+        self._queued_messages = 0
         self.writing_paused = False
         """Set by the adapter while the socket does not take more (asyncio's pause_writing)."""
         self.closed = False
         """A GOAWAY has been sent or received for an error: read nothing more."""
-        self.send_error = ""
-        """Why sending ended the connection (:attr:`Limits.max_owed_bytes`), if it did: no
-        event tells the adapter, which closes the connection once it has written the GOAWAY."""
+        self.terminated: ConnectionTerminated | None = None
+        """Why we ended the connection, once we have (also when a ``send_*`` call did: no event then)."""
         self._buffer = bytearray()
         self._needed = 0
         self._empty_frames = 0
@@ -377,14 +385,15 @@ class Connection:
 
     @property
     def wants_to_read(self) -> bool:
-        """False while the peer does not read what we send (:attr:`writing_paused`) or the
-        connection is over: the adapter stops reading."""
-        return not self.closed and not self.writing_paused
+        """False once the connection is over: the adapter stops reading. (A peer that does not
+        read, :attr:`writing_paused`, is still read: see the module docstring.)"""
+        return not self.closed
 
     def resume_writing(self) -> None:
         """The socket takes data again: send what the windows allow."""
         self.writing_paused = False
         self._queued_control = 0
+        self._queued_messages = 0
         self._drain_waiting()
 
     # -- receiving -----------------------------------------------------------------------------
@@ -459,7 +468,8 @@ class Connection:
         self._queue(f.goaway(self._highest_remote, code, reason.encode()[:256]))
         self._goaway_sent = True
         self.closed = True
-        events.append(ConnectionTerminated(code, self._highest_remote, False, reason))
+        self.terminated = ConnectionTerminated(code, self._highest_remote, False, reason)
+        events.append(self.terminated)
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: memoryview, events: list[Event]) -> None:
         if not self._settings_seen:
@@ -1029,6 +1039,13 @@ class Connection:
             out.append(f.data_frame_header_and_prefix(stream_id, length))
             out.extend(parts)
             return
+        if self.writing_paused:
+            self._queued_messages += 1
+            if self._queued_messages > self.limits.max_queued_messages:
+                self._terminate(ErrorCode.ENHANCE_YOUR_CALM,
+                                f"more than {self.limits.max_queued_messages} messages queued for a peer that does "
+                                "not read (Limits.max_queued_messages)", [])
+                return
         if stream.pending is None:
             stream.pending = deque()
         pending = stream.pending
@@ -1038,9 +1055,8 @@ class Connection:
         self._owed += size + OWED_PIECE_COST * (len(pending) - before)
         self._drain(stream)
         if self._owed > self.limits.max_owed_bytes:
-            self.send_error = (f"more than {self.limits.max_owed_bytes} bytes of messages owed to a peer that "
-                               "does not take them (Limits.max_owed_bytes)")
-            self.close(ErrorCode.ENHANCE_YOUR_CALM, self.send_error)
+            self._terminate(ErrorCode.ENHANCE_YOUR_CALM, f"more than {self.limits.max_owed_bytes} bytes of messages "
+                            "owed to a peer that does not take them (Limits.max_owed_bytes)", [])
 
     def end_stream(self, stream_id: int) -> None:
         """(Client) half-close: an empty DATA frame with END_STREAM, after any pending DATA."""
