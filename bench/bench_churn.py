@@ -47,7 +47,7 @@ from bench.procs import REPO, start_pilotfish
 from bench.report import print_table
 from bench.workload import Workload
 
-__all__ = ["BEFORE_COMMIT", "CHURN_COLUMNS", "ChurnResult", "main", "run_churn"]
+__all__ = ["BEFORE_COMMIT", "CHURN_COLUMNS", "VARIANTS", "ChurnResult", "ChurnVariant", "main", "notes", "run_churn"]
 
 BEFORE_COMMIT = "ebbcf002030737f998cafde0bdcf88ed86a6879a"
 """pilotfish before the status limits were settings and a departed proxy's record was compacted."""
@@ -62,6 +62,38 @@ CHURN_COLUMNS = ["server", "max disconnected", "subset grace s", "steady", "chur
 MAX_ACTIVE = 100
 """Churning proxies connected at once at most: when other work slows the server, the next wait
 (a burst of thousands of half-synced connections would set the RSS high-water mark instead)."""
+
+@dataclass(frozen=True, slots=True)
+class ChurnVariant:
+    """One soak's server and limits."""
+
+    server: str
+    """``now`` or ``before`` (:data:`BEFORE_COMMIT`)."""
+    max_disconnected: int | None
+    """``--status-max-disconnected`` (None: the default)."""
+    subset_grace: float | None
+    """``--subset-grace-s`` (None: the default)."""
+
+
+VARIANTS = (ChurnVariant("now", 1000, 5.0), ChurnVariant("now", None, 5.0), ChurnVariant("before", None, 5.0),
+            ChurnVariant("now", 1000, None))
+"""What ``make bench`` runs: the cap at 1,000 (RSS flat past it?), the defaults (RSS per remembered
+proxy) now and before, each with departed proxies' subsetting indices freed after 5 s; and the cap
+with the indices' default grace (300 s), which then grow beside it."""
+
+
+def notes(*, rate: float, seconds: float) -> list[str]:
+    return [f"{rate:g} new node ids a second for {seconds:g} s beside 100 steady proxies, each with an Envoy-sized "
+            "node (~56 KB: 400 extensions, 40 metadata labels, a locality), connecting, syncing CDS, EDS, LDS and "
+            f"RDS, and leaving for good (at most {MAX_ACTIVE} connected at once). `KB / remembered proxy`: the "
+            f"least-squares slope of the server's RSS against departures from {WARMUP} departures up to the cap "
+            "(all of them remembered); `MiB / 1,000 departed past the cap`: the slope from 1.5 x the cap on "
+            "(one forgotten for each that leaves: flat means a forgotten proxy's memory is reused). `subset grace "
+            "s`: `--subset-grace-s`, how long a departed proxy keeps its subsetting index (every proxy has one, "
+            "subsetting configured or not). `before`: the commit before departed proxies were compacted (its "
+            "limits fixed at 10 minutes and 10,000). RSS is noisy on a shared machine: other work's load moves "
+            "it by a few MiB."]
+
 
 WORKLOAD = Workload(services=20, endpoints=2, listeners=4)
 """A small snapshot: the churn is about proxies, not configuration."""

@@ -29,13 +29,15 @@ per type, a float per time, the strings its requests carried) is replaced by a
 it and nothing else: the node's fields shortened to :data:`DEPARTED_NODE_FIELD` characters and
 interned (thousands of proxies share a cluster and a user agent), per type the versions sent and
 ACKed (the ACKed one the same string as the sent one when they are equal: the sent one is the
-snapshot's, shared by every proxy), the last NACK with its message shortened to share
-:data:`DEPARTED_NACK` characters between the types (its start and its end, where Envoy puts the
-reason), and the times packed as doubles in one bytes object: a tuple, a bytes object and the
-strings only it holds. An Envoy (a node of ~60 KB, a NACK or two of any length) leaves at most
-:data:`DEPARTED_BYTES` behind, about 600 bytes without a NACK; a peer that makes every field,
-version and NACK long, at most :data:`DEPARTED_BYTES_MAX`. A proxy that reconnects gets a
-:class:`ProxyStatus` back from it (:meth:`DepartedProxy.revived`).
+snapshot's, shared by every proxy; a REST poll's, interned), the last NACK with its message
+shortened to share :data:`DEPARTED_NACK` characters between the types (its start, and as much of
+its end, where Envoy puts the reason), and the times packed as doubles in one bytes object: a
+tuple, a bytes object and the strings only it holds. An Envoy (a node of ~60 KB, a NACK or two
+of any length) leaves at most :data:`DEPARTED_BYTES` behind, about 600 bytes without a NACK; a
+peer that makes every field, version and NACK long, at most :data:`DEPARTED_BYTES_MAX`. A proxy
+that reconnects gets a :class:`ProxyStatus` back from it (:meth:`DepartedProxy.revived`). A REST
+poller has no stream between its polls: it is compacted after each (its NACK messages shown as a
+departed proxy's; the event log and the warning keep them whole).
 """
 
 from __future__ import annotations
@@ -225,8 +227,9 @@ class DepartedProxy:
         nack_chars = DEPARTED_NACK // max(1, nacks)
         times = [_TIMES.pack(proxy.connected_since, proxy.disconnected_at or 0.0, left_at)]
         for type_url, status in proxy.types.items():
-            sent = status.sent_version
-            error = None if status.nack_error is None else shorten(status.nack_error, nack_chars)
+            sent = None if status.sent_version is None else sys.intern(status.sent_version)
+            error = (None if status.nack_error is None
+                     else shorten(status.nack_error, nack_chars, tail=nack_chars // 2))
             kept += (sys.intern(type_url), sent, _kept_version(status.acked_version, sent),
                      _kept_version(status.nacked_version, sent), error)
             times.append(_TYPE_TIMES.pack(status.sent_at, status.acked_at, status.nacked_at))
