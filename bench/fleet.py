@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -77,7 +78,8 @@ from bench.procs import REPO, cpu_seconds, raise_fd_limit, rss_kb
 if TYPE_CHECKING:  # for annotations only: the workers import protobuf where they use it
     from google.protobuf.message import Message
 
-__all__ = ["CDS", "EDS", "LDS", "RDS", "XDS_VARIANTS", "Fleet", "FleetError", "FleetTls", "main"]
+__all__ = ["CDS", "EDS", "LDS", "RDS", "XDS_VARIANTS", "ChurnCounts", "Fleet", "FleetError", "FleetTls",
+           "envoy_like_node", "main"]
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -318,6 +320,8 @@ class _Proxy:
         self._first = True
         """The stream's first request carries the node (``set_node_on_first_message_only``)."""
         self._lds_requested = False
+        self.on_synced: asyncio.Event | None = None
+        """Set once the proxy is synced (churn proxies leave then)."""
 
     def synced(self) -> bool:
         v = self.versions
@@ -740,6 +744,47 @@ class _StreamReport(TypedDict):
     proxies: int
 
 
+@dataclass(slots=True)
+class ChurnCounts:
+    """How far a churn got (:meth:`Fleet.churn`), in one worker or summed over all."""
+
+    started: int = 0
+    """Proxies that began to connect."""
+    synced: int = 0
+    """...of them, those that synced before they left."""
+    never_synced: int = 0
+    """...those that left after the sync timeout without having synced."""
+    departed: int = 0
+    """...those that have left (synced or not)."""
+    active: int = 0
+    """...those connected (or connecting) now."""
+
+
+ENVOY_EXTENSIONS = 400
+"""Extensions an Envoy-like node lists (Envoy 1.40's node lists several hundred: about 60 KB)."""
+
+
+def envoy_like_node(node_id: str) -> Message:
+    """A node as large as Envoy's: its build version, some metadata (a few KB, as a mesh puts
+    there), a locality, and the list of every extension it was built with (about 60 KB), sent on a
+    stream's first request as Envoy with ``set_node_on_first_message_only`` does."""
+    from envoy.config.core.v3 import base_pb2
+    from google.protobuf import struct_pb2
+
+    node = base_pb2.Node(id=node_id, cluster="bench-churn", user_agent_name="envoy")
+    node.user_agent_build_version.version.major_number = 1
+    node.user_agent_build_version.version.minor_number = 40
+    node.locality.region, node.locality.zone = "bench-region", f"zone-{sum(node_id.encode()) % 3}"
+    metadata = {f"label.{k}": f"{node_id}-value-{k}-" + "x" * 40 for k in range(40)}
+    node.metadata.CopyFrom(struct_pb2.Struct(fields={k: struct_pb2.Value(string_value=v) for k, v in metadata.items()}))
+    for k in range(ENVOY_EXTENSIONS):
+        category = ("envoy.filters.http", "envoy.filters.network", "envoy.transport_sockets", "envoy.clusters")[k % 4]
+        node.extensions.add(name=f"{category}.extension_number_{k:03d}", category=category,
+                            type_urls=[f"envoy.extensions.{category}.v3.ExtensionNumber{k:03d}Config"])
+    made: Message = node
+    return made
+
+
 class _Worker:
     """A worker process: some proxies, driven by commands from the coordinator's pipe."""
 
@@ -753,6 +798,8 @@ class _Worker:
         self.error_details: dict[str, str] = {}
         """One example message per gRPC status seen."""
         self._tls_context: ssl.SSLContext | None = None
+        self.churn = ChurnCounts()
+        self._churn_task: asyncio.Task[None] | None = None
 
     def tls_context(self, tls: FleetTls) -> ssl.SSLContext:
         """The worker's one client TLS context (ALPN h2), built from ``tls``'s files on first use."""
@@ -765,6 +812,8 @@ class _Worker:
     def on_ack(self, proxy: _Proxy) -> None:
         for waiter in self.waiters:
             waiter.on_ack(proxy)
+        if proxy.on_synced is not None and proxy.synced_at is not None:
+            proxy.on_synced.set()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -837,13 +886,76 @@ class _Worker:
         """(index, bytes of responses received so far) per proxy."""
         return [(p.index, p.bytes_received) for p in self.proxies]
 
+    async def cmd_churn(self, targets: list[str], ids: list[str], rate: float, client: str, xds: str = "sotw",
+                        envoy_node: bool = False, sync_timeout: float = 30.0, max_active: int = 0) -> None:
+        """Start churning in the background: proxies ``ids`` connect one after another, ``rate`` per
+        second, and each leaves for good (its stream and connection closed) once it is synced, or
+        after ``sync_timeout`` s; ``envoy_node``: their node is as large as Envoy's (see
+        :func:`envoy_like_node`); ``max_active``: at most that many connected at once (0: no limit;
+        the next waits, so a server slowed down by other work is not buried in connections).
+        :meth:`cmd_churned` says how far it got."""
+        if self._churn_task is not None:
+            raise RuntimeError("this worker churns already")
+        kind = _DeltaProxy if xds == "delta" else _Proxy
+        counts = self.churn
+
+        async def one(node_id: str, target: str) -> None:
+            proxy = kind(-1, node_id, self)
+            if envoy_node:
+                proxy.node = envoy_like_node(node_id)
+            proxy.on_synced = asyncio.Event()
+            task = asyncio.create_task(proxy.run(target, client, None))
+            counts.active += 1
+            try:
+                await asyncio.wait_for(proxy.on_synced.wait(), sync_timeout)
+                counts.synced += 1
+            except TimeoutError:
+                counts.never_synced += 1
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                counts.active -= 1
+                counts.departed += 1
+
+        slots = asyncio.Semaphore(max_active) if max_active > 0 else None
+
+        async def run() -> None:
+            lives: set[asyncio.Task[None]] = set()
+            begin = time.monotonic()
+            try:
+                for n, node_id in enumerate(ids):
+                    delay = begin + n / rate - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if slots is not None:
+                        await slots.acquire()
+                    life = asyncio.create_task(one(node_id, targets[n % len(targets)]))
+                    lives.add(life)
+                    life.add_done_callback(lives.discard)
+                    if slots is not None:
+                        life.add_done_callback(lambda _: slots.release())
+                    counts.started += 1
+                while lives:
+                    await asyncio.wait(set(lives))
+            finally:
+                for life in lives:
+                    life.cancel()
+                await asyncio.gather(*lives, return_exceptions=True)
+
+        self._churn_task = asyncio.create_task(run())
+
+    async def cmd_churned(self) -> dict[str, int]:
+        """How far the churn got (:class:`ChurnCounts` as a dict)."""
+        return dataclasses.asdict(self.churn)
+
     async def cmd_streams(self) -> _StreamReport:
         return {"streams": sum(p.streams for p in self.proxies), "proxies": len(self.proxies)}
 
     async def stop(self) -> None:
-        for task in self.tasks:
+        tasks = [*self.tasks, *([self._churn_task] if self._churn_task is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _worker_main(fd: int) -> None:
@@ -993,6 +1105,28 @@ class Fleet:
     def streams_opened(self) -> int:
         reports: list[_StreamReport] = self._all("streams")
         return sum(r["streams"] for r in reports)
+
+    def churn(self, *, count: int, rate: float, prefix: str = "churn", envoy_node: bool = False,
+              sync_timeout: float = 30.0, max_active: int = 0) -> None:
+        """Start ``count`` more proxies, node ids ``{prefix}-N``, ``rate`` per second over all the
+        workers, each leaving for good once synced (beside this fleet's steady proxies, which stay),
+        at most ``max_active`` at once over all the workers (0: no limit); it runs in the
+        background: :meth:`churned` says how far it got."""
+        ids = [f"{prefix}-{n:06d}" for n in range(count)]
+        shards = [ids[n::self.workers] for n in range(self.workers)]
+        self._all("churn", per_worker=[{"targets": [self.target, *self.replicas], "ids": shard,
+                                        "rate": rate / self.workers, "client": self.client, "xds": self.xds,
+                                        "envoy_node": envoy_node, "sync_timeout": sync_timeout,
+                                        "max_active": math.ceil(max_active / self.workers) if max_active else 0}
+                                       for shard in shards])
+
+    def churned(self) -> ChurnCounts:
+        """How far :meth:`churn` got, over all the workers."""
+        total = ChurnCounts()
+        for counts in self._all("churned"):
+            for name, value in counts.items():
+                setattr(total, name, getattr(total, name) + value)
+        return total
 
     def close(self) -> None:
         for conn in self._conns:

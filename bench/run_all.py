@@ -25,6 +25,7 @@ from typing import Any
 
 from bench import (
     bench_build,
+    bench_churn,
     bench_envoy,
     bench_hardening,
     bench_incremental,
@@ -98,6 +99,12 @@ class Scale:
     """Registrations per run of issue 12's write rate (in-memory vs etcd)."""
     write_clients: int = 16
     """Concurrent HTTP clients of that write rate."""
+    churn_rate: float = 60.0
+    """New node ids a second in issue 19's churn soak (bench/bench_churn.py)."""
+    churn_seconds: float = 60.0
+    """How long they come."""
+    churn_variants: tuple[bench_churn.ChurnVariant, ...] = bench_churn.VARIANTS
+    """The servers and limits of that soak."""
 
 
 FULL = Scale()
@@ -108,7 +115,8 @@ QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, end
               incremental_workload=Workload(services=50, endpoints=2, listeners=5), incremental_changes=2,
               subsetting_grid=((20, 5, 2), (40, 10, 3)), subsetting_removals=2, status_proxies=(5,),
               status_poll_proxies=(5,), status_admin_proxies=(5,), status_rounds=1, replicas_proxies=6,
-              replicas_writes=2, replicas_rounds=1, write_count=40, write_clients=4)
+              replicas_writes=2, replicas_rounds=1, write_count=40, write_clients=4, churn_rate=20.0, churn_seconds=5.0,
+              churn_variants=(bench_churn.ChurnVariant("now", 20, 2.0), bench_churn.ChurnVariant("before", None, None)))
 
 
 @dataclass
@@ -140,6 +148,7 @@ class Results:
     status_admin_rows: list[list[Any]] = field(default_factory=list)
     replica_runs: list[bench_replicas.FanoutRun] = field(default_factory=list)
     write_rates: list[bench_replicas.WriteRate] = field(default_factory=list)
+    churn: list[bench_churn.ChurnResult] = field(default_factory=list)
 
 
 def _cmd(*args: Any) -> str:
@@ -496,6 +505,21 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     section("Registry write rate: one replica, in-memory vs on etcd (issue 12)", replicas_cmd + " --skip-fanout",
             bench_replicas.WRITE_COLUMNS, write_rates, replica_notes[1:])
 
+    # 6g. issue 19: proxies that come and go, RSS sampled (a departed proxy's record, the limits).
+    def churn() -> list[list[Any]]:
+        for variant in scale.churn_variants:
+            result = bench_churn.run_churn(server=variant.server, rate=scale.churn_rate, seconds=scale.churn_seconds,
+                                           max_disconnected=variant.max_disconnected,
+                                           subset_grace=variant.subset_grace)
+            results.churn.append(result)
+            print_table(bench_churn.CHURN_COLUMNS, [result.row()])
+        return [r.row() for r in results.churn]
+
+    section("Churn: new node ids connecting, syncing and leaving beside steady proxies, server RSS (issue 19)",
+            _cmd("bench.bench_churn", "--rate", scale.churn_rate, "--seconds", scale.churn_seconds,
+                 "[--server before] [--max-disconnected N] [--subset-grace S]"),
+            bench_churn.CHURN_COLUMNS, churn, bench_churn.notes(rate=scale.churn_rate, seconds=scale.churn_seconds))
+
     # 7. profile of the server under the 1,000-proxy fan-out (py-spy).
     if scale.profile_proxies:
         def profile() -> list[list[Any]]:
@@ -589,6 +613,18 @@ def targets(results: Results) -> list[list[Any]]:
             add(f"GET {row[col('endpoint')].strip('`')} with 10,000 connected proxies (issue 11)", "answers",
                 f"median {row[col('median ms')]} ms, max {row[col('max ms')]} ms, {row[col('response KB')]} KB",
                 True)
+    for churned in results.churn:
+        if churned.server != "now":
+            continue
+        if churned.max_disconnected is not None and churned.subset_grace is not None:
+            past = churned.mib_per_1000_past_cap
+            add(f"churn, --status-max-disconnected {churned.max_disconnected:,} (issue 19)",
+                "RSS flat: < 0.25 MiB per 1,000 departed past the cap",
+                "-" if past is None else f"{past:.3f} MiB per 1,000", None if past is None else past < 0.25)
+        elif churned.max_disconnected is None:
+            per = churned.kb_per_remembered
+            add("churn, default limits: RSS per remembered proxy (issue 19)", "<= 1 KB",
+                "-" if per is None else f"{per:.2f} KB", None if per is None else per <= 1.0)
     if results.build_rows:
         col = bench_build.BUILD_COLUMNS.index
         row = max(results.build_rows, key=lambda r: r[col("endpoints")])

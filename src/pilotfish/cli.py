@@ -21,6 +21,7 @@ from pilotfish.bootstrap import (
     split_addresses,
 )
 from pilotfish.errors import ConfigError
+from pilotfish.events import RECENT_EVENTS
 from pilotfish.sources.etcd import DEFAULT_KEEPALIVE
 
 if TYPE_CHECKING:
@@ -80,6 +81,18 @@ def _whole_number(value: str) -> int:
     if not value.isdigit():
         raise argparse.ArgumentTypeError(f"{value!r} is not a whole number (0 or more)")
     return int(value)
+
+
+MAX_RECENT_EVENTS = 100_000
+"""The most ``--recent-events`` takes (at 4 KB an event: 400 MB)."""
+
+
+def _recent_events(value: str) -> int:
+    count = _positive_int(value)
+    if count > MAX_RECENT_EVENTS:
+        raise argparse.ArgumentTypeError(f"{value!r} is more than {MAX_RECENT_EVENTS:,} events (each up to 4 KB of "
+                                         "memory)")
+    return count
 
 
 def _share(value: str) -> float:
@@ -200,6 +213,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--subset-grace-s", type=float, default=300.0, metavar="S",
                        help="a disconnected proxy keeps its subset this long, e.g. for a hot restart "
                             "(default: %(default)s)")
+    serve.add_argument("--status-forget-after", type=_seconds, default=600.0, metavar="S",
+                       help="a disconnected proxy's status (/v1/proxies?all=true) is forgotten this many seconds "
+                            "after its last stream closed (default: %(default)s)")
+    serve.add_argument("--status-max-disconnected", type=_whole_number, default=10_000, metavar="N",
+                       help="remember at most N disconnected proxies, about 1 KB each; past it the one gone longest "
+                            "is forgotten (0: none; default: %(default)s)")
+    serve.add_argument("--recent-events", type=_recent_events, default=RECENT_EVENTS, metavar="N",
+                       help="events kept in memory for /v1/events and the status page, up to 4 KB each "
+                            f"(1 to {MAX_RECENT_EVENTS:,}; default: %(default)s)")
     serve.add_argument("--node-group", type=_node_group, action="append", default=[],
                        metavar="NAME[:KIND][@ZONE]=RULE",
                        help="clients whose node matches RULE (cluster:PATTERN, id:PATTERN, metadata:KEY=PATTERN, "
@@ -378,6 +400,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pilotfish.server.grpc_server import ConnectionLimits
     from pilotfish.server.http_site import ADMIN_CONNECTIONS, HttpConnectionLimits
     from pilotfish.sources.registry import SelfPreservation
+    from pilotfish.status import StatusLimits
 
     if args.snapshot is None and args.registry is None and args.etcd is None:
         print("pilotfish serve: give at least one source: --snapshot FILE, --registry HOST:PORT or --etcd HOST:PORT",
@@ -408,6 +431,9 @@ def _serve(args: argparse.Namespace) -> int:
                              etcd_keepalive=args.etcd_keepalive_s,
                              subset_size=args.subset_size, state_dir=args.state_dir,
                              subset_grace=args.subset_grace_s,
+                             status_limits=StatusLimits(forget_after=args.status_forget_after,
+                                                        max_disconnected=args.status_max_disconnected),
+                             recent_events=args.recent_events,
                              registry_tokens=args.registry_tokens, admin_tokens=args.admin_tokens,
                              registry_connections=HttpConnectionLimits(
                                  max_connections=args.registry_max_connections,

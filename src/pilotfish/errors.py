@@ -50,11 +50,12 @@ class PeerError(PilotfishError):
     """A proxy broke the xDS protocol (e.g. an ADS request without a type URL)."""
 
 
-def shorten(text: str, limit: int = 200) -> str:
+def shorten(text: str, limit: int = 200, *, tail: int | None = None) -> str:
     """``text`` if at most ``limit`` characters, else its start and end around its length:
     ``"type.googleapis.com/xx... (17,000,000 characters) ...xx"``. For repeating a peer's value
-    in an error message or a log line without repeating megabytes."""
+    in an error message or a log line without repeating megabytes. ``tail``: characters of the
+    end kept (default: a quarter of ``limit``; more for a message whose end says why)."""
     if len(text) <= limit:
         return text
-    tail = limit // 4
+    tail = limit // 4 if tail is None else min(tail, limit)
     return f"{text[:limit - tail]}... ({len(text):,} characters) ...{text[len(text) - tail:] if tail else ''}"

@@ -22,25 +22,60 @@ come and go (pods are replaced), and a peer can connect under ever new ones. At 
 is forgotten first. Disconnected proxies are kept in the order they went, so forgetting looks
 only at the oldest. What a node says about itself is shortened to :data:`MAX_NODE_FIELD`
 characters; types are only those the server serves.
+
+A departed proxy is compacted: when its last stream closes, its :class:`ProxyStatus` (an object
+per type, a float per time, the strings its requests carried) is replaced by a
+:class:`DepartedProxy`, one frozen object holding what the admin API and the status page show of
+it and nothing else: the node's fields shortened to :data:`DEPARTED_NODE_FIELD` characters and
+interned (thousands of proxies share a cluster and a user agent), per type the versions sent and
+ACKed (the ACKed one the same string as the sent one when they are equal: the sent one is the
+snapshot's, shared by every proxy; a REST poll's, interned), the last NACK with its message
+shortened to share :data:`DEPARTED_NACK` characters between the types (its start, and as much of
+its end, where Envoy puts the reason), and the times packed as doubles in one bytes object: a
+tuple, a bytes object and the strings only it holds. An Envoy (a node of ~60 KB, a NACK or two
+of any length) leaves at most :data:`DEPARTED_BYTES` behind, about 600 bytes without a NACK; a
+peer that makes every field, version and NACK long, at most :data:`DEPARTED_BYTES_MAX`. A proxy
+that reconnects gets a :class:`ProxyStatus` back from it (:meth:`DepartedProxy.revived`). A REST
+poller has no stream between its polls: it is compacted after each (its NACK messages shown as a
+departed proxy's; the event log and the warning keep them whole).
 """
 
 from __future__ import annotations
 
 import bisect
 import enum
+import struct
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar, TypeAlias
 
 from pilotfish.errors import shorten
 
-__all__ = ["ACK_BUCKETS", "MAX_NACK_MESSAGE", "MAX_NODE_FIELD", "GroupVersions", "LatencyHistogram", "NodeInfo",
-           "ProxyStatus", "StatusLimits", "SyncState", "SyncStatus", "TypeCounters", "TypeStatus", "VersionProgress"]
+__all__ = ["ACK_BUCKETS", "DEPARTED_BYTES", "DEPARTED_BYTES_MAX", "DEPARTED_NACK", "DEPARTED_NODE_FIELD",
+           "DEPARTED_VERSION", "MAX_NACK_MESSAGE", "MAX_NODE_FIELD", "DepartedProxy", "GroupVersions",
+           "LatencyHistogram", "NodeInfo", "ProxyRecord", "ProxyStatus", "StatusLimits", "SyncState", "SyncStatus",
+           "TypeCounters", "TypeStatus", "VersionProgress"]
 
 MAX_NODE_FIELD = 256
 """Characters kept of each field a node says about itself (cluster, user agent, ...)."""
 MAX_NACK_MESSAGE = 4096
 """Characters kept of a NACK's message (its start, and its end, where Envoy puts the reason)."""
+DEPARTED_NODE_FIELD = 48
+"""Characters kept of each field a node said about itself, once the proxy has departed."""
+DEPARTED_VERSION = 64
+"""Characters kept of a departed proxy's ACKed or NACKed version when it is not the one it was
+sent (a peer chose it; the server's own versions are 16 characters, or a snapshot file's version
+and 17 more)."""
+DEPARTED_NACK = 200
+"""Characters of NACK messages kept of a departed proxy, shared between its NACKed types."""
+DEPARTED_BYTES = 1024
+"""Bytes a departed Envoy's record takes at most (a node id of up to 64 characters, up to two
+NACKed types), beside what every record shares (type URLs, the snapshot's versions, interned
+node fields): what the unit tests hold :class:`DepartedProxy` to."""
+DEPARTED_BYTES_MAX = 2048
+"""...and whatever a peer sends (every field, version and type's NACK long)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,9 +83,17 @@ class StatusLimits:
     """How long, and how many, proxies that have disconnected are remembered."""
 
     forget_after: float = 600.0
-    """Seconds after a proxy's last stream closed before its status is forgotten."""
+    """Seconds after a proxy's last stream closed before its status is forgotten
+    (``serve --status-forget-after``)."""
     max_disconnected: int = 10_000
-    """Disconnected proxies remembered at most; past it the one gone longest is forgotten."""
+    """Disconnected proxies remembered at most; past it the one gone longest is forgotten
+    (``serve --status-max-disconnected``; 0: none, a proxy is forgotten as it leaves)."""
+
+    def __post_init__(self) -> None:
+        if not self.forget_after >= 0:  # (NaN too)
+            raise ValueError(f"forget_after must be 0 or more seconds, not {self.forget_after!r}")
+        if self.max_disconnected < 0:
+            raise ValueError(f"max_disconnected must be 0 or more, not {self.max_disconnected!r}")
 
 
 class SyncState(enum.Enum):
@@ -137,6 +180,107 @@ class ProxyStatus:
     """Wall-clock time its streams went from none to one."""
 
 
+_TIMES = struct.Struct("<3d")
+"""connected_since, disconnected_at (monotonic), left_at (wall clock); then per type :data:`_TYPE_TIMES`."""
+_TYPE_TIMES = struct.Struct("<3d")
+"""sent_at, acked_at, nacked_at."""
+_NODE_ITEMS = 6
+"""Items of :attr:`DepartedProxy.kept` before the types': the fields of :class:`NodeInfo`, in order."""
+_PER_TYPE = 5
+"""Items per type in :attr:`DepartedProxy.kept`: type URL, sent, ACKed and NACKed versions, NACK message."""
+
+
+def _kept_version(version: str | None, sent: str | None) -> str | None:
+    """A version of a departed proxy's type: the sent one's string when equal (the snapshot's,
+    shared by every proxy), else shortened and interned (a peer chose it)."""
+    if version is None or version == sent:
+        return sent if version is not None else None
+    return sys.intern(shorten(version, DEPARTED_VERSION))
+
+
+@dataclass(frozen=True, slots=True)
+class DepartedProxy:
+    """What is remembered of a proxy whose last stream closed: what the admin API and the status
+    page show of it, compacted into two containers (see the module docstring). It reads as a
+    :class:`ProxyStatus` with no streams; :attr:`info` and :attr:`types` are made anew on each
+    read (changing them changes nothing here)."""
+
+    node_id: str
+    kept: tuple[str | None, ...]
+    """The node's fields (:data:`_NODE_ITEMS`: cluster, user agent, its version, address, group,
+    protocol), then per type, flat (:data:`_PER_TYPE`): type URL, sent version, ACKed version,
+    NACKed version, NACK message."""
+    times: bytes
+    """:data:`_TIMES` then :data:`_TYPE_TIMES` per type, packed."""
+
+    streams: ClassVar[int] = 0
+
+    @classmethod
+    def of(cls, proxy: ProxyStatus, *, left_at: float) -> DepartedProxy:
+        """The record of ``proxy``, which has just lost its last stream (``disconnected_at`` set)."""
+        info = proxy.info
+        field_chars = DEPARTED_NODE_FIELD
+        kept: list[str | None] = [sys.intern(shorten(text, field_chars)) for text in (
+            info.cluster, info.user_agent, info.user_agent_version)]
+        kept += (shorten(info.address, field_chars), sys.intern(info.group), sys.intern(info.protocol))
+        nacks = sum(1 for status in proxy.types.values() if status.nack_error is not None)
+        nack_chars = DEPARTED_NACK // max(1, nacks)
+        times = [_TIMES.pack(proxy.connected_since, proxy.disconnected_at or 0.0, left_at)]
+        for type_url, status in proxy.types.items():
+            sent = None if status.sent_version is None else sys.intern(status.sent_version)
+            error = (None if status.nack_error is None
+                     else shorten(status.nack_error, nack_chars, tail=nack_chars // 2))
+            kept += (sys.intern(type_url), sent, _kept_version(status.acked_version, sent),
+                     _kept_version(status.nacked_version, sent), error)
+            times.append(_TYPE_TIMES.pack(status.sent_at, status.acked_at, status.nacked_at))
+        return cls(proxy.node_id, tuple(kept), b"".join(times))
+
+    @property
+    def info(self) -> NodeInfo:
+        """What its node said when its latest stream opened (each field shortened)."""
+        cluster, user_agent, version, address, group, protocol = self.kept[:_NODE_ITEMS]
+        return NodeInfo(cluster=cluster or "", user_agent=user_agent or "", user_agent_version=version or "",
+                        address=address or "", group=group or "", protocol=protocol or "")
+
+    @property
+    def connected_since(self) -> float:
+        """Wall-clock time its streams went from none to one, the last time."""
+        return float(_TIMES.unpack_from(self.times)[0])
+
+    @property
+    def disconnected_at(self) -> float:
+        """When its last stream closed (the status clock, monotonic)."""
+        return float(_TIMES.unpack_from(self.times)[1])
+
+    @property
+    def left_at(self) -> float:
+        """When its last stream closed (wall clock)."""
+        return float(_TIMES.unpack_from(self.times)[2])
+
+    @property
+    def types(self) -> dict[str, TypeStatus]:
+        """Its standing with each type, as when it left."""
+        out: dict[str, TypeStatus] = {}
+        kept = self.kept
+        for n in range((len(kept) - _NODE_ITEMS) // _PER_TYPE):
+            at = _NODE_ITEMS + n * _PER_TYPE
+            type_url, sent, acked, nacked, error = kept[at:at + _PER_TYPE]
+            sent_at, acked_at, nacked_at = _TYPE_TIMES.unpack_from(self.times, _TIMES.size + n * _TYPE_TIMES.size)
+            out[type_url or ""] = TypeStatus(sent_version=sent, acked_version=acked, nacked_version=nacked,
+                                             nack_error=error, updated=max(sent_at, acked_at, nacked_at),
+                                             sent_at=sent_at, acked_at=acked_at, nacked_at=nacked_at)
+        return out
+
+    def revived(self) -> ProxyStatus:
+        """A :class:`ProxyStatus` with what was kept, for the proxy that reconnects (no streams yet)."""
+        return ProxyStatus(self.node_id, types=self.types, info=self.info, connected_since=self.connected_since)
+
+
+ProxyRecord: TypeAlias = ProxyStatus | DepartedProxy
+"""What :meth:`SyncStatus.proxies` and :meth:`SyncStatus.get` give: a connected proxy's status, or
+what is remembered of a departed one."""
+
+
 @dataclass(slots=True)
 class TypeCounters:
     """Counts for one type since the server started (for metrics: they only grow)."""
@@ -220,48 +364,64 @@ class SyncStatus:
     def __init__(self, *, limits: StatusLimits | None = None, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self._proxies: dict[str, ProxyStatus] = {}
-        self._gone: dict[str, float] = {}
-        """Disconnected proxies, by node id, in the order they went (value: when)."""
+        """Proxies with a stream open (and, until the next :meth:`forget_gone`, those written to
+        without one: :attr:`_loose`)."""
+        self._gone: dict[str, DepartedProxy] = {}
+        """Departed proxies, by node id, in the order they went."""
+        self._loose: list[str] = []
+        """Node ids written to with no stream open (not what the server does), compacted by the
+        next :meth:`forget_gone`."""
         self._limits = limits or StatusLimits()
         self._clock = clock
         self._wall = wall_clock
         self.counters: dict[str, TypeCounters] = {}
+        """Per type URL: responses sent, ACKs and NACKs received."""
         self.ack_latency = LatencyHistogram()
         """Seconds from a version's publish to each proxy's first ACK of it (the metrics read it)."""
-        """Per type URL: responses sent, ACKs and NACKs received."""
         self.groups: dict[str, GroupVersions] = {}
         """Per node group: what is published for it now (see :meth:`published`)."""
 
+    @property
+    def limits(self) -> StatusLimits:
+        return self._limits
+
     def _went(self, proxy: ProxyStatus) -> None:
-        now = self._clock()
-        proxy.disconnected_at = now
+        """``proxy`` has no stream left: keep its compact record instead."""
+        proxy.disconnected_at = self._clock()
+        del self._proxies[proxy.node_id]
         self._gone.pop(proxy.node_id, None)
-        self._gone[proxy.node_id] = now
-        self.forget_gone()
+        self._gone[proxy.node_id] = DepartedProxy.of(proxy, left_at=self._wall())
 
     def forget_gone(self) -> int:
         """Forget the proxies gone longer than the grace period, and the oldest gone past the
         cap; return how many. Called as streams open and close, and before reading."""
+        while self._loose:
+            proxy = self._proxies.get(self._loose.pop())
+            if proxy is not None and proxy.streams == 0:
+                self._went(proxy)
         gone, limits = self._gone, self._limits
         deadline = self._clock() - limits.forget_after
         forgotten = 0
         while gone:
-            node_id, when = next(iter(gone.items()))
-            if when > deadline and len(gone) <= limits.max_disconnected:
+            node_id, record = next(iter(gone.items()))
+            if record.disconnected_at > deadline and len(gone) <= limits.max_disconnected:
                 break
             del gone[node_id]
-            del self._proxies[node_id]
             forgotten += 1
         return forgotten
 
-    def stream_opened(self, node_id: str, info: NodeInfo | None = None) -> None:
-        """A stream of ``node_id`` opened; ``info``: what its node says (None: as before)."""
+    def _revived(self, node_id: str) -> ProxyStatus:
+        """``node_id``'s status to write to: its live one, the one it left behind, or a new one."""
         proxy = self._proxies.get(node_id)
         if proxy is None:
-            proxy = self._proxies[node_id] = ProxyStatus(node_id)
-        elif proxy.disconnected_at is not None:
-            proxy.disconnected_at = None
-            self._gone.pop(node_id, None)
+            record = self._gone.pop(node_id, None)
+            proxy = self._proxies[node_id] = ProxyStatus(node_id) if record is None else record.revived()
+        return proxy
+
+    def stream_opened(self, node_id: str, info: NodeInfo | None = None) -> None:
+        """A stream of ``node_id`` opened; ``info``: what its node says (None: as before)."""
+        proxy = self._revived(node_id)
+        proxy.disconnected_at = None
         if proxy.streams == 0:
             proxy.connected_since = self._wall()
         if info is not None:
@@ -276,15 +436,16 @@ class SyncStatus:
         proxy.streams -= 1
         if proxy.streams == 0:
             self._went(proxy)
+            self.forget_gone()
 
     def _slow_type(self, node_id: str, type_url: str) -> TypeStatus:
         """The status of ``type_url`` of ``node_id``, made if new (off the hot path: once per
         proxy and type)."""
         proxy = self._proxies.get(node_id)
-        if proxy is None:
-            # Written to without an open stream (not what the server does): counts as gone now.
-            proxy = self._proxies[node_id] = ProxyStatus(node_id)
-            self._went(proxy)
+        if proxy is None or proxy.streams == 0:
+            # Written to without an open stream (not what the server does): counts as gone.
+            proxy = self._revived(node_id)
+            self._loose.append(node_id)
         status = proxy.types.get(type_url)
         if status is None:
             status = proxy.types[type_url] = TypeStatus()
@@ -376,13 +537,15 @@ class SyncStatus:
                 counts[proxy.info.group] = counts.get(proxy.info.group, 0) + 1
         return counts
 
-    def proxies(self) -> list[ProxyStatus]:
+    def proxies(self) -> list[ProxyRecord]:
+        """Every proxy remembered (connected, and departed within the grace period), by node id."""
         self.forget_gone()
-        return sorted(self._proxies.values(), key=lambda p: p.node_id)
+        records: list[ProxyRecord] = [*self._proxies.values(), *self._gone.values()]
+        return sorted(records, key=lambda p: p.node_id)
 
-    def get(self, node_id: str) -> ProxyStatus | None:
+    def get(self, node_id: str) -> ProxyRecord | None:
         self.forget_gone()
-        return self._proxies.get(node_id)
+        return self._proxies.get(node_id) or self._gone.get(node_id)
 
     def now(self) -> float:
         """The wall clock the times here are read against."""
@@ -390,4 +553,4 @@ class SyncStatus:
 
     def __len__(self) -> int:
         """Proxies remembered now (connected, and disconnected within the grace period)."""
-        return len(self._proxies)
+        return len(self._proxies) + len(self._gone)

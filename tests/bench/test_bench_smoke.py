@@ -23,6 +23,7 @@ from bench.run_all import QUICK, run_all  # noqa: E402
 
 from bench import (  # noqa: E402
     bench_build,
+    bench_churn,
     bench_envoy,
     bench_hardening,
     bench_incremental,
@@ -140,6 +141,14 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     assert [w.registry for w in results.write_rates] == ["memory", "etcd"]
     for rate in results.write_rates:
         assert rate.failed == {} and len(rate.latencies) == QUICK.write_count
+    # Churn (issue 19): now with a cap and before, every churning proxy synced and left; the server
+    # remembers at most the cap of them (the one before: all, under its fixed 10,000).
+    churn_count = int(QUICK.churn_rate * QUICK.churn_seconds)
+    assert [(r.server, r.max_disconnected) for r in results.churn] == [("now", 20), ("before", None)]
+    for churned in results.churn:
+        assert (churned.departed, churned.never_synced) == (churn_count, 0)
+        assert churned.samples and all(rss > 0 for _, _, rss in churned.samples)
+    assert [r.remembered for r in results.churn] == [20, churn_count]
     # Real Envoy: every change applied and ACKed.
     (envoy,) = results.envoy
     assert envoy.missed == 0
@@ -147,13 +156,14 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
 
     text = out.read_text()
     for columns in (fanout.FANOUT_COLUMNS, bench_build.BUILD_COLUMNS, bench_storm.STORM_COLUMNS,
-                    bench_envoy.ENVOY_COLUMNS, bench_replicas.REPLICA_COLUMNS, bench_replicas.WRITE_COLUMNS):
+                    bench_envoy.ENVOY_COLUMNS, bench_replicas.REPLICA_COLUMNS, bench_replicas.WRITE_COLUMNS,
+                    bench_churn.CHURN_COLUMNS):
         assert _header(columns) in text
     for heading in ("## Machine", "## Targets (issue 4)", "## Fan-out", "## Memory", "## Snapshot build",
                     "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios",
                     "## HTTP/2 core", "## Hardening and TLS", "## Incremental xDS", "## Subsetting",
                     "## Status tracking", "## Admin API with 5 connected proxies",
-                    "## Replicas on etcd", "## Registry write rate"):
+                    "## Replicas on etcd", "## Registry write rate", "## Churn"):
         assert heading in text
     assert _header(bench_status.ADMIN_COLUMNS) in text
     assert "Status page polls that failed" not in text

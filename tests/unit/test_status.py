@@ -3,7 +3,29 @@ state of each type, and how far a group's current version has reached."""
 
 from __future__ import annotations
 
-from pilotfish.status import NodeInfo, StatusLimits, SyncState, SyncStatus
+import gc
+import hashlib
+import sys
+import tracemalloc
+import types
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+
+from pilotfish.cli import main
+from pilotfish.server.admin import proxy_json
+from pilotfish.server.xds import node_info
+from pilotfish.status import (
+    DEPARTED_BYTES,
+    DEPARTED_BYTES_MAX,
+    DEPARTED_NACK,
+    DepartedProxy,
+    NodeInfo,
+    ProxyStatus,
+    StatusLimits,
+    SyncState,
+    SyncStatus,
+)
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -185,3 +207,176 @@ def test_connected_since_is_when_the_first_of_its_streams_opened() -> None:
     status.stream_opened("edge-1")  # a second stream (hot restart)
     proxy = status.get("edge-1")
     assert proxy is not None and proxy.connected_since == since and proxy.streams == 2
+
+
+# -- what a departed proxy leaves behind ---------------------------------------------------------
+
+LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
+RDS = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+VERSIONS = {url: hashlib.sha256(url.encode()).hexdigest() for url in (CDS, EDS, LDS, RDS)}
+"""The snapshot's versions: one string per type, which the server hands every proxy."""
+REASON = "Proto constraint validation failed (ClusterValidationError.ConnectTimeout: value must be greater than 0s)"
+
+
+def envoy_node(node_id: str) -> base_pb2.Node:
+    """A node as Envoy 1.40 sends it: metadata, a locality, its build version and ~60 KB of extensions."""
+    node = base_pb2.Node(id=node_id, cluster="edge-pool", user_agent_name="envoy")
+    node.user_agent_build_version.version.major_number, node.user_agent_build_version.version.minor_number = 1, 40
+    node.locality.zone = "zone-a"
+    node.metadata.update({f"istio.io/label-{k}": f"{node_id}-{k}-" + "v" * 200 for k in range(50)})
+    for k in range(400):
+        node.extensions.add(name=f"envoy.filters.http.extension_{k:03d}", category="envoy.filters.http",
+                            type_urls=[f"envoy.extensions.filters.http.extension_{k:03d}.v3.Config"])
+    return node
+
+
+def _depart(status: SyncStatus, n: int, *, nacked: int = 0, hostile: bool = False) -> str:
+    """Proxy ``n`` connects as Envoy does, is sent and ACKs every type (its ACKs carry versions of
+    its own, as decoded from its requests), NACKs ``nacked`` of them with Envoy's long message, and
+    leaves; ``hostile``: every string it chooses is long."""
+    node = envoy_node(f"sidecar~10.1.{n // 250}.{n % 250}~web-{n:06d}.prod~prod.svc.cluster.local")
+    if hostile:
+        node.cluster, node.user_agent_name = f"c{n}-" * 30_000, f"u{n}-" * 30_000
+    address = f"ipv4:127.0.0.1:{20_000 + n}" + ("-" * 10_000 if hostile else "")
+    status.stream_opened(node.id, node_info(node, address=address, group="default", protocol="sotw"))
+    for url, version in VERSIONS.items():
+        status.sent(node.id, url, version)
+        status.acked(node.id, url, f"{n}-" * 500 if hostile else "".join(version))  # a string of its own
+    for url in list(VERSIONS)[:nacked]:
+        status.nacked(node.id, url, VERSIONS[url], f"dump of the rejected resource of proxy {n} " * 3000 + REASON)
+    status.stream_closed(node.id)
+    return node.id
+
+
+def _reachable(root: object) -> dict[int, object]:
+    seen: dict[int, object] = {}
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type | types.ModuleType):
+            continue
+        seen[id(obj)] = obj
+        stack.extend(gc.get_referents(obj))
+    return seen
+
+
+def _own_bytes(status: SyncStatus, node_id: str, other: str) -> int:
+    """The deep size of ``node_id``'s record, without what it shares with ``other``'s (type URLs,
+    the snapshot's versions, a cluster name they both have): what one more departed proxy costs."""
+    mine, theirs = _reachable(status.get(node_id)), _reachable(status.get(other))
+    return sum(sys.getsizeof(obj) for key, obj in mine.items() if key not in theirs)
+
+
+@pytest.mark.parametrize("nacked", [0, 1, 2])
+def test_a_departed_envoy_is_remembered_in_at_most_1_kb(nacked: int) -> None:
+    status = SyncStatus()
+    first, second = _depart(status, 1, nacked=nacked), _depart(status, 2, nacked=nacked)
+    assert isinstance(status.get(first), DepartedProxy)
+    size = _own_bytes(status, first, second)
+    assert size <= DEPARTED_BYTES == 1024, f"a departed proxy keeps {size} bytes"
+
+
+def test_a_departed_peer_that_makes_everything_long_is_remembered_in_at_most_2_kb() -> None:
+    status = SyncStatus()
+    first, second = _depart(status, 1, nacked=4, hostile=True), _depart(status, 2, nacked=4, hostile=True)
+    size = _own_bytes(status, first, second)
+    assert size <= DEPARTED_BYTES_MAX == 2048, f"a departed proxy keeps {size} bytes"
+
+
+def test_thousands_of_departed_envoys_cost_at_most_1_kb_each_all_told() -> None:
+    """Counting everything the status allocates for them (its maps' entries too), per proxy."""
+    status = SyncStatus()
+    _depart(status, 0, nacked=1)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(1, 2001):
+            _depart(status, n, nacked=1 if n % 10 == 0 else 0)  # one in ten left a NACK behind
+        gc.collect()
+        per_proxy = (tracemalloc.get_traced_memory()[0] - before) / 2000
+    finally:
+        tracemalloc.stop()
+    assert len(status) == 2001
+    assert per_proxy <= 1024, f"{per_proxy:.0f} bytes per departed proxy"
+
+
+def test_a_departed_proxy_shows_what_it_showed_when_it_left() -> None:
+    wall = Wall()
+    status = SyncStatus(wall_clock=wall)
+    node = envoy_node("edge-1")
+    status.stream_opened("edge-1", node_info(node, address="ipv4:127.0.0.1:40000", group="edge", protocol="delta"))
+    for url, version in VERSIONS.items():
+        status.sent("edge-1", url, version)
+        wall.now += 1
+        status.acked("edge-1", url, version)
+    status.sent("edge-1", LDS, "l2")
+    status.nacked("edge-1", LDS, VERSIONS[LDS], "dump " * 10_000 + REASON)
+    status.sent("edge-1", RDS, "r2")  # sent, neither ACKed nor NACKed: STALE
+    wall.now += 5
+    live = status.get("edge-1")
+    assert isinstance(live, ProxyStatus)
+    shown = proxy_json(live, wall.now)
+    status.stream_closed("edge-1")
+    wall.now += 30
+    departed = status.get("edge-1")
+    assert isinstance(departed, DepartedProxy) and departed.left_at == wall.now - 30
+    after = proxy_json(departed, wall.now - 30)
+    assert (after.pop("streams"), after.pop("connected"), after.pop("left_at")) == (0, False, wall.now - 30)
+    assert (shown.pop("streams"), shown.pop("connected")) == (1, True)
+    message = shown["types"]["LDS"]["nack"].pop("message")
+    kept = after["types"]["LDS"]["nack"].pop("message")
+    assert len(kept) <= DEPARTED_NACK + 40 and kept.startswith("dump dump") and kept.endswith("greater than 0s)")
+    assert len(message) > 4000
+    assert after == shown  # every other field as it was: node, versions, states, times
+    # It comes back: its history is there to write to again.
+    status.stream_opened("edge-1")
+    status.acked("edge-1", LDS, "l2")
+    again = status.get("edge-1")
+    assert isinstance(again, ProxyStatus) and again.types[LDS].state is SyncState.SYNCED
+    assert again.types[CDS].acked_version == VERSIONS[CDS] and again.info.group == "edge"
+
+
+def test_a_write_for_a_proxy_with_no_stream_is_kept_and_compacted() -> None:
+    """Not what the server does (it writes while a stream is open), but it must not be lost."""
+    status = SyncStatus()
+    status.sent("ghost", CDS, "v1")
+    status.acked("ghost", CDS, "v1")
+    ghost = status.get("ghost")
+    assert isinstance(ghost, DepartedProxy) and ghost.types[CDS].state is SyncState.SYNCED
+
+
+@pytest.mark.parametrize(("limits", "message"), [
+    ({"forget_after": -1.0}, "forget_after must be 0 or more"),
+    ({"forget_after": float("nan")}, "forget_after must be 0 or more"),
+    ({"max_disconnected": -1}, "max_disconnected must be 0 or more"),
+])
+def test_status_limits_refuse_what_cannot_be_meant(limits: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StatusLimits(**limits)  # type: ignore[arg-type]
+
+
+def test_with_no_disconnected_proxies_allowed_a_proxy_is_forgotten_as_it_leaves() -> None:
+    status = SyncStatus(limits=StatusLimits(max_disconnected=0))
+    status.stream_opened("a")
+    status.stream_closed("a")
+    assert status.get("a") is None and len(status) == 0
+
+
+# -- the flags that set them ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--status-forget-after", "0", "is not a positive number of seconds"),
+    ("--status-forget-after", "nan", "is not a positive number of seconds"),
+    ("--status-forget-after", "soon", "is not a positive number of seconds"),
+    ("--status-max-disconnected", "-1", "is not a whole number (0 or more)"),
+    ("--status-max-disconnected", "1e3", "is not a whole number (0 or more)"),
+    ("--recent-events", "0", "is not a positive whole number"),
+    ("--recent-events", "1000000", "is more than 100,000 events"),
+])
+def test_serve_refuses_a_bad_memory_limit_naming_the_flag(flag: str, value: str, says: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--snapshot", "x.yaml", flag, value])
+    assert exited.value.code == 2
+    assert f"argument {flag}: {value!r} {says}" in capsys.readouterr().err

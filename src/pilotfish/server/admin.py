@@ -9,7 +9,7 @@ GET      /readyz                 200 once every source has reported and a snapsh
                                  503 naming what it waits for otherwise
 GET      /v1/proxies             every connected proxy and, per type, what was sent, ACKed, NACKed
                                  (filters: ``node``, ``cluster``, ``group`` (globs), ``state``;
-                                 ``all=true``: recently disconnected ones too)
+                                 ``all=true``: recently disconnected ones too, with ``left_at``)
 GET      /v1/snapshots           per node group and type: the current version, how many proxies
                                  ACKed it, and the time from its publish to the last ACK; per
                                  type, responses, ACKs and NACKs so far; whether a change is
@@ -76,7 +76,7 @@ from pilotfish.server.http_site import ADMIN_API, ADMIN_CONNECTIONS, HttpConnect
 from pilotfish.server.metrics import CONTENT_TYPE, Metrics
 from pilotfish.server.registry_auth import Access, TokenFile, TokenGate
 from pilotfish.server.rest import response_json
-from pilotfish.status import ProxyStatus, SyncState, SyncStatus, TypeStatus
+from pilotfish.status import DepartedProxy, ProxyRecord, SyncState, SyncStatus, TypeStatus
 
 __all__ = ["FLEET_NACKS", "FLEET_ROWS", "MAX_FILTER", "ROUTES", "AdminApi", "proxy_json", "short_type",
            "start_admin_server", "status_page", "warn_if_exposed"]
@@ -144,7 +144,7 @@ def _type_json(status: TypeStatus, now: float) -> dict[str, Any]:
     return out
 
 
-def proxy_json(proxy: ProxyStatus, now: float) -> dict[str, Any]:
+def proxy_json(proxy: ProxyRecord, now: float) -> dict[str, Any]:
     """One proxy as ``/v1/proxies`` shows it."""
     info = proxy.info
     return {
@@ -153,6 +153,7 @@ def proxy_json(proxy: ProxyStatus, now: float) -> dict[str, Any]:
         "streams": proxy.streams,
         "connected": proxy.streams > 0, "connected_since": proxy.connected_since,
         "types": {short_type(url): _type_json(status, now) for url, status in sorted(proxy.types.items())},
+        **({"left_at": proxy.left_at} if isinstance(proxy, DepartedProxy) else {}),
     }
 
 
@@ -243,7 +244,7 @@ class AdminApi:
             return _error(400, f"q (the filter) may have at most {MAX_FILTER} characters, not {len(needle)}")
         needle = needle.casefold()
         now = self.status.now()
-        ranked: list[list[ProxyStatus]] = [[] for _ in _RANKED]
+        ranked: list[list[ProxyRecord]] = [[] for _ in _RANKED]
         counts = dict.fromkeys((state.value for state in _RANKED), 0)
         nacks: list[tuple[float, str, str, TypeStatus]] = []
         for proxy in self.status.proxies():  # by node id

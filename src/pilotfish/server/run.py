@@ -18,7 +18,7 @@ from pathlib import Path
 from pilotfish.bootstrap import DEFAULT_REST_REFRESH, split_address
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.events import EventLog, RecentEvents
+from pilotfish.events import RECENT_EVENTS, EventLog, RecentEvents
 from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.resources import SECRET
 from pilotfish.server.admin import AdminApi, start_admin_server
@@ -50,7 +50,7 @@ from pilotfish.server.xds import XdsLimits, XdsServer, start_xds_server
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.sources.etcd import DEFAULT_KEEPALIVE, Election, EtcdClient, EtcdSource
 from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
-from pilotfish.status import SyncStatus
+from pilotfish.status import StatusLimits, SyncStatus
 from pilotfish.subsetting import IndexTable, ProxyIndices
 
 __all__ = ["ServeSettings", "serve"]
@@ -100,6 +100,11 @@ class ServeSettings:
     snapshot file's directory, or (without a snapshot file) memory only."""
     subset_grace: float = 300.0
     """Seconds a disconnected proxy keeps its subsetting index (a hot restart gets the same subset)."""
+    status_limits: StatusLimits = field(default_factory=StatusLimits)
+    """How long, and how many, proxies that have disconnected are remembered (``/v1/proxies?all=true``)."""
+    recent_events: int = RECENT_EVENTS
+    """Events kept in memory for the admin API's ``/v1/events`` and the status page (at most
+    :data:`~pilotfish.events.RECENT_LINE` bytes each)."""
     election_ttl: float = 6.0
     """With the registry on etcd: the lease (seconds) of the election for the singleton duties; a
     replica that dies hands them over within about 4/3 of it."""
@@ -187,7 +192,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     good configuration to fall back on yet.
     """
     raise_descriptor_limit()
-    recent = RecentEvents()  # the admin API's /v1/events and status page
+    recent = RecentEvents(settings.recent_events)  # the admin API's /v1/events and status page
     events = EventLog(settings.event_log, level=settings.event_log_level, recent=recent)
     cache = SnapshotCache()
     try:
@@ -195,7 +200,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     except ValueError as exc:
         raise ConfigError("--node-group", [Problem("", str(exc))]) from None
     expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd)) if configured]
-    status = SyncStatus()
+    status = SyncStatus(limits=settings.status_limits)
     confirm_hint = f"kill -USR1 {os.getpid()}"
     state_dir = settings.state_dir or (settings.snapshot.resolve().parent if settings.snapshot else None)
     state_path = state_dir / STATE_FILE if state_dir is not None else None

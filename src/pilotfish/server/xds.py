@@ -265,8 +265,8 @@ class _Stream(Generic[_Watch]):
         self.opened = True
         self.node_id = node.id
         self.group = server._group_of(node)
-        server.proxy_indices.acquire(node.id)  # (its index is looked up when its endpoints are answered)
-        server._by_node.setdefault(node.id, set()).add(self)
+        server.proxy_indices.acquire(self.node_id)  # (its index is looked up when its endpoints are answered)
+        server._by_node.setdefault(self.node_id, set()).add(self)
         server.status.stream_opened(self.node_id, node_info(node, address=self._call.peer, group=self.group,
                                                               protocol=self.protocol))
         identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
