@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.fanout import FanoutResult, run_fanout
-from bench.fleet import percentile
 from bench.procs import REPO, EtcdProcess, start_etcd, start_pilotfish
 from bench.report import fmt_ms, print_table
+from bench.stats import load_1min, percentile
 from bench.workload import Workload, service_name
 
 __all__ = ["FANOUT_VARIANTS", "REPLICA_COLUMNS", "WRITE_COLUMNS", "FanoutRun", "WriteRate", "run_replica_fanouts",
@@ -122,7 +122,7 @@ def run_replica_fanouts(*, proxies: int, writes: int, rounds: int, workload: Wor
                 if registry == "etcd":
                     etcd = start_etcd(where)
                     stack.callback(etcd.stop)
-                load = os.getloadavg()[0]
+                load = load_1min()
                 result = run_fanout(proxies=proxies, changes=writes, workload=workload, quiet_ms=quiet_ms,
                                     change="registry", event_log_level="changes", workdir=where, etcd=etcd,
                                     replicas=replicas, keep_going=True, sync_timeout=sync_timeout)
@@ -217,7 +217,7 @@ def run_write_rate(*, registry: str, count: int, clients: int, workload: Workloa
                                                                    *(("--etcd", etcd.address) if etcd else ())))
         stack.callback(server.stop)
         server.settle_cpu(quiet=0.3, limit=5)
-        out = WriteRate(registry, clients, count, os.getloadavg()[0])
+        out = WriteRate(registry, clients, count, load_1min())
         cpu_before = server.cpu_seconds()
         etcd_before = etcd.cpu_seconds() if etcd is not None else 0.0
         started = time.perf_counter()
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{w.registry}: e.g. {w.example}")
     for note in notes(proxies=args.proxies, workload=workload, clients=args.clients, count=args.count):
         print(note)
-    print(f"\n{time.monotonic() - started:.0f} s; load now {os.getloadavg()[0]:.2f}")
+    print(f"\n{time.monotonic() - started:.0f} s; load now {load_1min():.2f}")
     return 0
 
 

@@ -37,9 +37,10 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.fleet import CLIENTS, EDS, XDS_VARIANTS, Fleet, FleetTls, percentile
+from bench.fleet import CLIENTS, EDS, XDS_VARIANTS, Fleet, FleetTls
 from bench.procs import REPO, EtcdProcess, ServerProcess, start_pilotfish
 from bench.report import fmt_ms
+from bench.stats import load_1min, percentile
 from bench.workload import Workload
 
 __all__ = ["FANOUT_COLUMNS", "FanoutResult", "run_fanout", "start_naive", "stream_error_notes"]
@@ -350,7 +351,7 @@ def main() -> int:
             rows.append(result.row())
             print_table(FANOUT_COLUMNS, [rows[-1]])
     print(f"\nworkload: {workload.describe()}; client: {args.client}; TLS: {args.tls}; "
-          f"load: {os.getloadavg()[0]:.2f}")
+          f"load: {load_1min():.2f}")
     print_table(FANOUT_COLUMNS, rows)
     return 0
 

@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from bench.procs import REPO, cpu_seconds, raise_fd_limit, rss_kb
+from bench.stats import load_1min
 
 if TYPE_CHECKING:  # for annotations only: the workers import protobuf where they use it
     from google.protobuf.message import Message
@@ -1157,14 +1158,6 @@ class Fleet:
         self.close()
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) by nearest rank; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
-
 
 # --------------------------------------------------------------------------------------------
 # Command line: one fan-out run
@@ -1204,7 +1197,7 @@ def main(argv: list[str] | None = None) -> int:
                                quiet_ms=args.quiet_ms, change=args.change, workers=args.workers,
                                workdir=args.workdir, client=args.client, xds=args.xds)
     print(f"workload: {workload.describe()}; change: {result.change}; client: {args.client}; xds: {args.xds}; "
-          f"load before: {os.getloadavg()[0]:.2f}")
+          f"load before: {load_1min():.2f}")
     print_table(fanout.FANOUT_COLUMNS, [result.row()])
     if result.error_examples:
         print(f"stream errors during the changes: {result.errors_during_changes or 'none'}")

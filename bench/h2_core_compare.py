@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.fanout import FanoutResult, run_fanout
-from bench.fleet import percentile
 from bench.h2_core_launch import CORES
 from bench.procs import REPO
 from bench.report import fmt_ms, markdown_table
+from bench.stats import load_1min, percentile
 from bench.workload import Workload
 
 __all__ = ["ABUSE_COLUMNS", "FANOUT_COLUMNS", "SUMMARY_COLUMNS", "Comparison", "CoreRun", "compare", "notes",
@@ -112,7 +112,7 @@ def run_compare(*, proxies: int = 1000, changes: int = 5, rounds: int = 2, workl
     runs = []
     for round_ in range(1, rounds + 1):
         for core in CORES:
-            load = os.getloadavg()[0]
+            load = load_1min()
             result = run_fanout(proxies=proxies, changes=changes, workload=workload, quiet_ms=quiet_ms,
                                 change="registry", event_log_level=event_log_level, core=core)
             runs.append(CoreRun(core, round_, load, result))

@@ -11,6 +11,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench.stats import load_average
+
 __all__ = ["fmt_ms", "machine_facts", "markdown_table", "print_table"]
 
 
@@ -58,7 +60,7 @@ def _version(package: str) -> str:
 
 
 def machine_facts() -> dict[str, str]:
-    load = os.getloadavg()
+    load = load_average()
     mem_kb = 0
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):

@@ -36,10 +36,11 @@ from bench import (
     fanout,
     h2_core_compare,
 )
-from bench.fleet import CLIENTS, percentile
+from bench.fleet import CLIENTS
 from bench.procs import REPO
 from bench.profiles import summary_table
 from bench.report import machine_facts, markdown_table, print_table
+from bench.stats import percentile
 from bench.workload import Workload
 
 __all__ = ["Scale", "main", "run_all"]
