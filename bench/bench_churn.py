@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 One real ``pilotfish serve`` (:func:`bench.procs.start_pilotfish`, a snapshot of
-:class:`~bench.workload.Workload`, the admin API on) and the fleet simulator (bench/fleet.py):
+:class:`~bench.workload.Workload`, the admin API on) and the fleet simulator (bench/fleet/):
 ``steady`` proxies connect, sync and stay; then :meth:`bench.fleet.Fleet.churn` starts new node ids
 at ``rate`` per second beside them, each with a node as large as Envoy's
 (:func:`bench.fleet.envoy_like_node`: metadata, locality, ~400 extensions), and each leaves for

@@ -6,7 +6,7 @@ Theory of operation
 The "before" server is pilotfish at :data:`BEFORE_COMMIT` (the last commit before the hardening),
 checked out with ``git worktree add --detach`` into a temporary directory and run as ``python -m
 pilotfish serve`` with that checkout's ``src`` first on its ``PYTHONPATH``; the worktree is removed
-when the run ends. "Now" is this checkout. The simulated fleet (bench/fleet.py) is the same for
+when the run ends. "Now" is this checkout. The simulated fleet (bench/fleet/) is the same for
 every row, so rows differ only in the server and how the proxies connect:
 
 - ``before``, plaintext;
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.checkout import checkout, pythonpath_env
-from bench.fanout import FanoutResult, run_fanout, stream_error_notes
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes
 from bench.procs import REPO
 from bench.report import fmt_ms
 from bench.stats import load_1min, percentile
@@ -153,11 +153,11 @@ def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, r
                 for variant in variants:
                     key = (variant.server, variant.transport)
                     load = load_1min()
-                    result = run_fanout(proxies=n, changes=changes, workload=workload, quiet_ms=100,
+                    result = run_fanout(FanoutOptions(proxies=n, changes=changes, workload=workload, quiet_ms=100,
                                         change="registry", workdir=workdir / f"{variant.server}-{variant.transport}-"
                                         f"{n}-{round_}", server_env=before_env if variant.server == "before" else None,
                                         address_cap=variant.server != "before",
-                                        server_args=certs.server_args(variant.mode), tls=certs.fleet(variant.mode))
+                                        server_args=certs.server_args(variant.mode), tls=certs.fleet(variant.mode)))
                     pooled[key].runs.append(result)
                     pooled[key].loads.append(load)
                     print(f"  {variant.server} {variant.transport} {n} proxies (round {round_ + 1}, load {load:.2f}): "

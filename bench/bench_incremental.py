@@ -7,7 +7,7 @@ Theory of operation
 The snapshot is :class:`~bench.workload.Workload` at issue 10's size: 10,000 services x 10
 endpoints (10,000 clusters, 100,000 endpoints), a few with an HTTP listener and route. Each row is
 one :func:`bench.fanout.run_fanout`: start the server, connect N simulated proxies
-(bench/fleet.py) and wait until every one is synced, then change one endpoint through the
+(bench/fleet/) and wait until every one is synced, then change one endpoint through the
 registry API ``changes`` times, each timed until every proxy ACKed the new EDS version. The rows:
 
 - ``before`` SotW: pilotfish at :data:`BEFORE_COMMIT`, the last commit whose state-of-the-world
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.checkout import checkout, pythonpath_env
-from bench.fanout import FanoutResult, run_fanout, stream_error_notes
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes
 from bench.procs import REPO
 from bench.report import fmt_ms
 from bench.stats import load_1min, percentile
@@ -124,13 +124,14 @@ def run_incremental(*, runs: Sequence[tuple[IncrementalVariant, int]], changes: 
         results: list[FanoutResult] = []
         for variant, n in runs:
             load = load_1min()
-            result = run_fanout(proxies=n, changes=changes, workload=workload, quiet_ms=100, change="registry",
+            result = run_fanout(FanoutOptions(proxies=n, changes=changes, workload=workload, quiet_ms=100,
+                                change="registry",
                                 workdir=workdir / f"{variant.server}-{variant.xds}-{n}",
                                 server_env=before_env if variant.server == "before" else None,
                                 address_cap=variant.server != "before" or before_is_recent,
                                 event_log_level="changes",
                                 xds=variant.xds, change_timeout=change_timeout,
-                                sync_timeout=max(300.0, n / 10), rate=ramp_rate if n > ramp_above else 0.0)
+                                sync_timeout=max(300.0, n / 10), rate=ramp_rate if n > ramp_above else 0.0))
             rows.append(row(variant, result, load))
             results.append(result)
             per_change = [b for c in result.change_bytes for b in c]

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.fanout import FanoutResult, run_fanout
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout
 from bench.procs import REPO, EtcdProcess, start_etcd, start_pilotfish
 from bench.report import fmt_ms, print_table
 from bench.stats import load_1min, percentile
@@ -123,9 +123,9 @@ def run_replica_fanouts(*, proxies: int, writes: int, rounds: int, workload: Wor
                     etcd = start_etcd(where)
                     stack.callback(etcd.stop)
                 load = load_1min()
-                result = run_fanout(proxies=proxies, changes=writes, workload=workload, quiet_ms=quiet_ms,
+                result = run_fanout(FanoutOptions(proxies=proxies, changes=writes, workload=workload, quiet_ms=quiet_ms,
                                     change="registry", event_log_level="changes", workdir=where, etcd=etcd,
-                                    replicas=replicas, keep_going=True, sync_timeout=sync_timeout)
+                                    replicas=replicas, keep_going=True, sync_timeout=sync_timeout))
             run = FanoutRun(registry, replicas, round_ + 1, load, result)
             runs.append(run)
             if on_run is not None:
@@ -246,7 +246,7 @@ def run_write_rates(*, count: int, clients: int, workload: Workload, workdir: Pa
 
 def notes(*, proxies: int, workload: Workload, clients: int, count: int) -> list[str]:
     return [
-        f"Fan-out: {proxies:,} simulated proxies (bench/fleet.py, SotW, h2 client) on {workload.describe()}, served "
+        f"Fan-out: {proxies:,} simulated proxies (bench/fleet/, SotW, h2 client) on {workload.describe()}, served "
         f"by one replica or by three ({proxies // 3:,} each, spread evenly); a write registers or deregisters one "
         "instance of `svc-00000` through the first replica's `POST/DELETE /v1/services/svc-00000/instances`; t0 is "
         "just before the HTTP call, so the 100 ms quiet period is included; latencies of every proxy over every "

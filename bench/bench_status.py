@@ -6,7 +6,7 @@ Theory of operation
 -------------------
 Every row is one :func:`bench.fanout.run_fanout` (registry change of one endpoint, event log
 ``all``, as the fan-out table of BENCHMARKS.md): start the server, connect N simulated proxies
-(bench/fleet.py), wait until each is synced, then change one endpoint ``changes`` times, each timed
+(bench/fleet/), wait until each is synced, then change one endpoint ``changes`` times, each timed
 until every proxy ACKed it. The variants:
 
 - ``before``: pilotfish at :data:`BEFORE_COMMIT`, the last commit before issue 11's status work (the
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.checkout import checkout, pythonpath_env
-from bench.fanout import FanoutResult, run_fanout, stream_error_notes
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes
 from bench.procs import REPO, ServerProcess
 from bench.report import fmt_ms
 from bench.stats import load_1min, percentile
@@ -255,11 +255,11 @@ def run_status(*, proxies: Sequence[int], changes: int, workload: Workload, roun
                     endpoints = (functools.partial(_time_endpoints, timings=timings, requests=requests)
                                  if variant.admin == "on" and n in admin_proxies else None)
                     now = variant.server == "now"
-                    result = run_fanout(
+                    result = run_fanout(FanoutOptions(
                         proxies=n, changes=changes, workload=workload, quiet_ms=100, change="registry",
                         workdir=workdir / f"{variant.server}-{variant.admin.replace(' ', '-')}-{n}-{round_}",
                         server_env=None if now else before_env, admin="127.0.0.1:0" if now else None,
-                        during_changes=poller.running if poller is not None else None, after_changes=endpoints)
+                        during_changes=poller.running if poller is not None else None, after_changes=endpoints))
                     runs[variant].results.append(result)
                     runs[variant].loads.append(load)
                     if poller is not None:

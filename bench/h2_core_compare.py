@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.fanout import FanoutResult, run_fanout
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout
 from bench.h2_core_launch import CORES
 from bench.procs import REPO
 from bench.report import fmt_ms, markdown_table
@@ -113,8 +113,8 @@ def run_compare(*, proxies: int = 1000, changes: int = 5, rounds: int = 2, workl
     for round_ in range(1, rounds + 1):
         for core in CORES:
             load = load_1min()
-            result = run_fanout(proxies=proxies, changes=changes, workload=workload, quiet_ms=quiet_ms,
-                                change="registry", event_log_level=event_log_level, core=core)
+            result = run_fanout(FanoutOptions(proxies=proxies, changes=changes, workload=workload, quiet_ms=quiet_ms,
+                                change="registry", event_log_level=event_log_level, core=core))
             runs.append(CoreRun(core, round_, load, result))
             print(f"core {core} round {round_}: load {load:.2f}, CPU s / push {result.cpu:.3f}, "
                   f"p99 {fmt_ms(result.p(99))} ms, failures {result.failures}", flush=True)
