@@ -38,7 +38,6 @@ import functools
 import gc
 import io
 import json
-import os
 import pstats
 import statistics
 import subprocess
@@ -186,11 +185,11 @@ def top_functions(profile: Path, limit: int = 15) -> str:
 
 def _rows_at(commit: str, sizes: list[str], repeat: int) -> list[list[Any]]:
     """The rows of ``sizes`` measured with ``commit``'s pilotfish, in a child process."""
-    from bench.bench_hardening import before_checkout
+    from bench.checkout import checkout, pythonpath_env
     from bench.procs import REPO
 
-    with before_checkout(commit) as checkout:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(checkout / "src"), str(REPO)))}
+    with checkout(commit) as before:
+        env = pythonpath_env(before)
         done = subprocess.run([sys.executable, "-m", "bench.bench_build", "--json", "--repeat", str(repeat),
                                "--sizes", *sizes], cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 One real ``pilotfish serve`` (:func:`bench.procs.start_pilotfish`, a snapshot of
-:class:`~bench.workload.Workload`, the admin API on) and the fleet simulator (bench/fleet.py):
+:class:`~bench.workload.Workload`, the admin API on) and the fleet simulator (bench/fleet/):
 ``steady`` proxies connect, sync and stay; then :meth:`bench.fleet.Fleet.churn` starts new node ids
 at ``rate`` per second beside them, each with a node as large as Envoy's
 (:func:`bench.fleet.envoy_like_node`: metadata, locality, ~400 extensions), and each leaves for
@@ -41,10 +41,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.bench_hardening import before_checkout
+from bench.checkout import checkout, pythonpath_env
 from bench.fleet import Fleet
 from bench.procs import REPO, start_pilotfish
 from bench.report import print_table
+from bench.stats import load_1min
 from bench.workload import Workload
 
 __all__ = ["BEFORE_COMMIT", "CHURN_COLUMNS", "VARIANTS", "ChurnResult", "ChurnVariant", "main", "notes", "run_churn"]
@@ -156,8 +157,8 @@ def _server_env(server: str) -> Iterator[dict[str, str] | None]:
     if server == "now":
         yield None
         return
-    with before_checkout(BEFORE_COMMIT) as checkout:
-        yield {**os.environ, "PYTHONPATH": str(checkout / "src")}
+    with checkout(BEFORE_COMMIT) as before:
+        yield pythonpath_env(before)
 
 
 def _remembered(admin: str) -> int:
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO)
     result = run_churn(server=args.server, steady=args.steady, rate=args.rate, seconds=args.seconds,
                        max_disconnected=args.max_disconnected, subset_grace=args.subset_grace)
-    print(f"load 1 min: {os.getloadavg()[0]:.2f}")
+    print(f"load 1 min: {load_1min():.2f}")
     print_table(CHURN_COLUMNS, [result.row()])
     if args.samples is not None:
         args.samples.write_text(json.dumps(result.samples))

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import percentile
 from bench.procs import REPO, EventTail, free_port, start_pilotfish
 from bench.report import fmt_ms
+from bench.stats import percentile
 from bench.workload import Workload, endpoint_address, service_name, write_atomically
 from pilotfish.envoy import EnvoyError, EnvoySettings, start_envoy
 from pilotfish.envoy import EnvoyProcess as LaunchedEnvoy

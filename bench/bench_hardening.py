@@ -6,7 +6,7 @@ Theory of operation
 The "before" server is pilotfish at :data:`BEFORE_COMMIT` (the last commit before the hardening),
 checked out with ``git worktree add --detach`` into a temporary directory and run as ``python -m
 pilotfish serve`` with that checkout's ``src`` first on its ``PYTHONPATH``; the worktree is removed
-when the run ends. "Now" is this checkout. The simulated fleet (bench/fleet.py) is the same for
+when the run ends. "Now" is this checkout. The simulated fleet (bench/fleet/) is the same for
 every row, so rows differ only in the server and how the proxies connect:
 
 - ``before``, plaintext;
@@ -27,23 +27,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.fanout import FanoutResult, run_fanout, stream_error_notes
-from bench.fleet import percentile
+from bench.checkout import checkout, pythonpath_env
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes
 from bench.procs import REPO
 from bench.report import fmt_ms
+from bench.stats import load_1min, percentile
 from bench.tls_certs import make_certs
 from bench.workload import Workload
 
-__all__ = ["BEFORE_COMMIT", "HARDENING_COLUMNS", "VARIANTS", "Variant", "before_checkout", "run_hardening"]
+__all__ = ["BEFORE_COMMIT", "HARDENING_COLUMNS", "VARIANTS", "Variant", "run_hardening"]
 
 BEFORE_COMMIT = "b4fb69c"
 """pilotfish before issue 9 (hardened transport, TLS): the last commit before that work."""
@@ -52,20 +52,6 @@ HARDENING_COLUMNS = ["server", "transport", "proxies", "runs", "load 1 min", "p5
                      "simulator CPU s / push", "RSS KB / idle stream", "failures", "stream errors", "compared with",
                      "p99 x", "CPU x", "RSS x"]
 
-
-@contextlib.contextmanager
-def before_checkout(commit: str = BEFORE_COMMIT) -> Iterator[Path]:
-    """A detached git worktree of ``commit`` in a temporary directory, removed afterwards."""
-    with tempfile.TemporaryDirectory(prefix="pilotfish-before-") as tmp:
-        path = Path(tmp) / "checkout"
-        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(path), commit], cwd=REPO, check=True,
-                       capture_output=True)
-        try:
-            yield path
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO, check=False,
-                           capture_output=True)
-            subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=False, capture_output=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,8 +143,8 @@ def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, r
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-hardening-")))
         certs = make_certs(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-certs-"))))
-        before = stack.enter_context(before_checkout(commit))
-        before_env = {**os.environ, "PYTHONPATH": str(before / "src")}
+        before = stack.enter_context(checkout(commit))
+        before_env = pythonpath_env(before)
         rows: list[list[Any]] = []
         notes: list[str] = []
         for n in proxies:
@@ -166,12 +152,12 @@ def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, r
             for round_ in range(rounds):
                 for variant in variants:
                     key = (variant.server, variant.transport)
-                    load = os.getloadavg()[0]
-                    result = run_fanout(proxies=n, changes=changes, workload=workload, quiet_ms=100,
+                    load = load_1min()
+                    result = run_fanout(FanoutOptions(proxies=n, changes=changes, workload=workload, quiet_ms=100,
                                         change="registry", workdir=workdir / f"{variant.server}-{variant.transport}-"
                                         f"{n}-{round_}", server_env=before_env if variant.server == "before" else None,
                                         address_cap=variant.server != "before",
-                                        server_args=certs.server_args(variant.mode), tls=certs.fleet(variant.mode))
+                                        server_args=certs.server_args(variant.mode), tls=certs.fleet(variant.mode)))
                     pooled[key].runs.append(result)
                     pooled[key].loads.append(load)
                     print(f"  {variant.server} {variant.transport} {n} proxies (round {round_ + 1}, load {load:.2f}): "
@@ -207,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                                 commit=args.commit,
                                 variants=[v for v in VARIANTS if f"{v.server}-{v.mode}" in args.variants])
     print(f"\nworkload: {workload.describe()}; before = {args.commit}; started {started}, load now "
-          f"{os.getloadavg()[0]:.2f}")
+          f"{load_1min():.2f}")
     print_table(HARDENING_COLUMNS, rows)
     for note in notes:
         print(note)

@@ -18,14 +18,13 @@ Each load asks the registry API's ``GET /healthz`` and REST xDS's ``POST /v3/dis
 this process; what is compared is the *server's* CPU per request (utime + stime from /proc, the
 server idle otherwise) and the requests per second and latency the client saw, per variant. The
 "before" server is pilotfish at :data:`BEFORE_COMMIT` from a temporary ``git worktree``
-(:func:`bench.bench_hardening.before_checkout`); variants run in turn ``rounds`` times, and a row
+(:func:`bench.checkout.checkout`); variants run in turn ``rounds`` times, and a row
 pools a variant's runs (median of the runs' CPU per request, latencies pooled).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -36,9 +35,9 @@ from typing import Any
 
 import aiohttp
 
-from bench.bench_hardening import before_checkout
-from bench.fleet import percentile
+from bench.checkout import checkout, pythonpath_env
 from bench.procs import REPO, start_pilotfish
+from bench.stats import load_1min, percentile
 
 __all__ = ["BEFORE_COMMIT", "COLUMNS", "run_http_ports"]
 
@@ -82,7 +81,7 @@ def _run(variant: str, env: dict[str, str] | None, workdir: Path, *, clients: in
                    b'{"node": {"id": "bench", "cluster": "bench"}}')]
         for keep_alive in (True, False):
             for route, url, method, body in routes:
-                load = os.getloadavg()[0]
+                load = load_1min()
                 before = server.settle_cpu()
                 started = time.monotonic()
                 count, latencies = asyncio.run(_load(url, method=method, body=body, clients=clients,
@@ -100,9 +99,9 @@ def run_http_ports(*, clients: int = 16, seconds: float = 5.0, rounds: int = 3,
                    commit: str = BEFORE_COMMIT) -> list[list[Any]]:
     """The table's rows (see the module docstring)."""
     runs: list[dict[str, Any]] = []
-    with before_checkout(commit) as checkout, tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
-        before_env = {**os.environ, "PYTHONPATH": str(checkout / "src")}
-        now_env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    with checkout(commit) as before, tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
+        before_env = pythonpath_env(before)
+        now_env = pythonpath_env(REPO)
         for _ in range(rounds):
             for variant, env in (("before", before_env), ("now", now_env)):
                 runs += _run(variant, env, Path(tmp), clients=clients, seconds=seconds)
@@ -137,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--commit", default=BEFORE_COMMIT, help="the 'before' pilotfish (default: %(default)s)")
     args = parser.parse_args(argv)
     rows = run_http_ports(clients=args.clients, seconds=args.seconds, rounds=args.rounds, commit=args.commit)
-    print(f"\nbefore = {args.commit}; load now {os.getloadavg()[0]:.2f}")
+    print(f"\nbefore = {args.commit}; load now {load_1min():.2f}")
     print_table(COLUMNS, rows)
     return 0
 

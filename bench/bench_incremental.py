@@ -7,12 +7,12 @@ Theory of operation
 The snapshot is :class:`~bench.workload.Workload` at issue 10's size: 10,000 services x 10
 endpoints (10,000 clusters, 100,000 endpoints), a few with an HTTP listener and route. Each row is
 one :func:`bench.fanout.run_fanout`: start the server, connect N simulated proxies
-(bench/fleet.py) and wait until every one is synced, then change one endpoint through the
+(bench/fleet/) and wait until every one is synced, then change one endpoint through the
 registry API ``changes`` times, each timed until every proxy ACKed the new EDS version. The rows:
 
 - ``before`` SotW: pilotfish at :data:`BEFORE_COMMIT`, the last commit whose state-of-the-world
   EDS response re-sent every ClusterLoadAssignment on every change, run from a temporary ``git
-  worktree`` (:func:`bench.bench_hardening.before_checkout`, the same mechanism as issue 9's
+  worktree`` (:func:`bench.checkout.checkout`, the same mechanism as issue 9's
   comparison);
 - ``now`` SotW: this checkout, proxies on ``StreamAggregatedResources`` (EDS, RDS and SDS
   responses carry only what changed);
@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.bench_hardening import before_checkout
-from bench.fanout import FanoutResult, run_fanout, stream_error_notes
-from bench.fleet import percentile
+from bench.checkout import checkout, pythonpath_env
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes
 from bench.procs import REPO
 from bench.report import fmt_ms
+from bench.stats import load_1min, percentile
 from bench.workload import Workload
 
 __all__ = ["BEFORE_COMMIT", "INCREMENTAL_COLUMNS", "ISSUE_WORKLOAD", "VARIANTS", "IncrementalVariant",
@@ -114,8 +114,8 @@ def run_incremental(*, runs: Sequence[tuple[IncrementalVariant, int]], changes: 
         before_env = None
         before_is_recent = False
         if any(v.server == "before" for v, _ in runs):
-            before = stack.enter_context(before_checkout(commit))
-            before_env = {**os.environ, "PYTHONPATH": str(before / "src")}
+            before = stack.enter_context(checkout(commit))
+            before_env = pythonpath_env(before)
             # A later "before" (e.g. to compare a change of the build) is run as "now" is: with
             # the same connection cap and the admin API off.
             cli = (before / "src" / "pilotfish" / "cli.py").read_text()
@@ -123,14 +123,15 @@ def run_incremental(*, runs: Sequence[tuple[IncrementalVariant, int]], changes: 
         rows: list[list[Any]] = []
         results: list[FanoutResult] = []
         for variant, n in runs:
-            load = os.getloadavg()[0]
-            result = run_fanout(proxies=n, changes=changes, workload=workload, quiet_ms=100, change="registry",
+            load = load_1min()
+            result = run_fanout(FanoutOptions(proxies=n, changes=changes, workload=workload, quiet_ms=100,
+                                change="registry",
                                 workdir=workdir / f"{variant.server}-{variant.xds}-{n}",
                                 server_env=before_env if variant.server == "before" else None,
                                 address_cap=variant.server != "before" or before_is_recent,
                                 event_log_level="changes",
                                 xds=variant.xds, change_timeout=change_timeout,
-                                sync_timeout=max(300.0, n / 10), rate=ramp_rate if n > ramp_above else 0.0)
+                                sync_timeout=max(300.0, n / 10), rate=ramp_rate if n > ramp_above else 0.0))
             rows.append(row(variant, result, load))
             results.append(result)
             per_change = [b for c in result.change_bytes for b in c]
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = run_incremental(runs=runs, changes=args.changes, workload=workload, commit=args.commit,
                                     workdir=args.workdir)
     print(f"\nworkload: {workload.describe()}; before = {args.commit}; started {started}, load now "
-          f"{os.getloadavg()[0]:.2f}")
+          f"{load_1min():.2f}")
     print_table(INCREMENTAL_COLUMNS, rows)
     for (variant, _), result in zip(runs, results, strict=True):
         for line in notes(variant, result):

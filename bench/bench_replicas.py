@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.fanout import FanoutResult, run_fanout
-from bench.fleet import percentile
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout
 from bench.procs import REPO, EtcdProcess, start_etcd, start_pilotfish
 from bench.report import fmt_ms, print_table
+from bench.stats import load_1min, percentile
 from bench.workload import Workload, service_name
 
 __all__ = ["FANOUT_VARIANTS", "REPLICA_COLUMNS", "WRITE_COLUMNS", "FanoutRun", "WriteRate", "run_replica_fanouts",
@@ -122,10 +122,10 @@ def run_replica_fanouts(*, proxies: int, writes: int, rounds: int, workload: Wor
                 if registry == "etcd":
                     etcd = start_etcd(where)
                     stack.callback(etcd.stop)
-                load = os.getloadavg()[0]
-                result = run_fanout(proxies=proxies, changes=writes, workload=workload, quiet_ms=quiet_ms,
+                load = load_1min()
+                result = run_fanout(FanoutOptions(proxies=proxies, changes=writes, workload=workload, quiet_ms=quiet_ms,
                                     change="registry", event_log_level="changes", workdir=where, etcd=etcd,
-                                    replicas=replicas, keep_going=True, sync_timeout=sync_timeout)
+                                    replicas=replicas, keep_going=True, sync_timeout=sync_timeout))
             run = FanoutRun(registry, replicas, round_ + 1, load, result)
             runs.append(run)
             if on_run is not None:
@@ -217,7 +217,7 @@ def run_write_rate(*, registry: str, count: int, clients: int, workload: Workloa
                                                                    *(("--etcd", etcd.address) if etcd else ())))
         stack.callback(server.stop)
         server.settle_cpu(quiet=0.3, limit=5)
-        out = WriteRate(registry, clients, count, os.getloadavg()[0])
+        out = WriteRate(registry, clients, count, load_1min())
         cpu_before = server.cpu_seconds()
         etcd_before = etcd.cpu_seconds() if etcd is not None else 0.0
         started = time.perf_counter()
@@ -246,7 +246,7 @@ def run_write_rates(*, count: int, clients: int, workload: Workload, workdir: Pa
 
 def notes(*, proxies: int, workload: Workload, clients: int, count: int) -> list[str]:
     return [
-        f"Fan-out: {proxies:,} simulated proxies (bench/fleet.py, SotW, h2 client) on {workload.describe()}, served "
+        f"Fan-out: {proxies:,} simulated proxies (bench/fleet/, SotW, h2 client) on {workload.describe()}, served "
         f"by one replica or by three ({proxies // 3:,} each, spread evenly); a write registers or deregisters one "
         "instance of `svc-00000` through the first replica's `POST/DELETE /v1/services/svc-00000/instances`; t0 is "
         "just before the HTTP call, so the 100 ms quiet period is included; latencies of every proxy over every "
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{w.registry}: e.g. {w.example}")
     for note in notes(proxies=args.proxies, workload=workload, clients=args.clients, count=args.count):
         print(note)
-    print(f"\n{time.monotonic() - started:.0f} s; load now {os.getloadavg()[0]:.2f}")
+    print(f"\n{time.monotonic() - started:.0f} s; load now {load_1min():.2f}")
     return 0
 
 

@@ -6,12 +6,12 @@ Theory of operation
 -------------------
 Every row is one :func:`bench.fanout.run_fanout` (registry change of one endpoint, event log
 ``all``, as the fan-out table of BENCHMARKS.md): start the server, connect N simulated proxies
-(bench/fleet.py), wait until each is synced, then change one endpoint ``changes`` times, each timed
+(bench/fleet/), wait until each is synced, then change one endpoint ``changes`` times, each timed
 until every proxy ACKed it. The variants:
 
 - ``before``: pilotfish at :data:`BEFORE_COMMIT`, the last commit before issue 11's status work (the
   admin API, metrics, the recent-events ring and the per-response and per-ACK bookkeeping they
-  read), from a temporary ``git worktree`` (:func:`bench.bench_hardening.before_checkout`); it has no
+  read), from a temporary ``git worktree`` (:func:`bench.checkout.checkout`); it has no
   ``--admin``;
 - ``now``: this checkout with the admin API on (a free port on 127.0.0.1), nobody asking it;
 - ``now, page open``: the same while a client asks what one open status page asks: ``/v1/fleet``
@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.bench_hardening import before_checkout
-from bench.fanout import FanoutResult, run_fanout, stream_error_notes
-from bench.fleet import percentile
+from bench.checkout import checkout, pythonpath_env
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes
 from bench.procs import REPO, ServerProcess
 from bench.report import fmt_ms
+from bench.stats import load_1min, percentile
 from bench.workload import Workload
 
 __all__ = ["ADMIN_COLUMNS", "BEFORE_COMMIT", "ENDPOINTS", "PAGE_EVERY", "STATUS_COLUMNS", "VARIANTS",
@@ -239,8 +239,8 @@ def run_status(*, proxies: Sequence[int], changes: int, workload: Workload, roun
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-status-")))
-        before = stack.enter_context(before_checkout(commit))
-        before_env = {**os.environ, "PYTHONPATH": str(before / "src")}
+        before = stack.enter_context(checkout(commit))
+        before_env = pythonpath_env(before)
         rows: list[list[Any]] = []
         admin_rows: list[list[Any]] = []
         notes: list[str] = []
@@ -250,16 +250,16 @@ def run_status(*, proxies: Sequence[int], changes: int, workload: Workload, roun
             timings = {path: AdminTimings(path, n) for path in ENDPOINTS}
             for round_ in range(rounds):
                 for variant in variants:
-                    load = os.getloadavg()[0]
+                    load = load_1min()
                     poller = _PagePoller() if variant.admin == "page open" else None
                     endpoints = (functools.partial(_time_endpoints, timings=timings, requests=requests)
                                  if variant.admin == "on" and n in admin_proxies else None)
                     now = variant.server == "now"
-                    result = run_fanout(
+                    result = run_fanout(FanoutOptions(
                         proxies=n, changes=changes, workload=workload, quiet_ms=100, change="registry",
                         workdir=workdir / f"{variant.server}-{variant.admin.replace(' ', '-')}-{n}-{round_}",
                         server_env=None if now else before_env, admin="127.0.0.1:0" if now else None,
-                        during_changes=poller.running if poller is not None else None, after_changes=endpoints)
+                        during_changes=poller.running if poller is not None else None, after_changes=endpoints))
                     runs[variant].results.append(result)
                     runs[variant].loads.append(load)
                     if poller is not None:
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                                          rounds=args.rounds, poll_proxies=args.poll_proxies,
                                          admin_proxies=args.admin_proxies, requests=args.requests, commit=args.commit)
     print(f"\nworkload: {workload.describe()}; before = {args.commit}; started {started}, load now "
-          f"{os.getloadavg()[0]:.2f}")
+          f"{load_1min():.2f}")
     print_table(STATUS_COLUMNS, rows)
     print()
     print_table(ADMIN_COLUMNS, admin_rows)

@@ -28,8 +28,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import BY_SHORT, CLIENTS, Fleet, WaitResult, percentile
+from bench.fleet import BY_SHORT, CLIENTS, Fleet, WaitResult
 from bench.procs import EventTail, ServerProcess, free_port, start_pilotfish
+from bench.stats import percentile
 from bench.workload import Workload
 
 __all__ = ["STORM_COLUMNS", "run_storm"]

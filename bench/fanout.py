@@ -23,6 +23,7 @@ over the replicas (and etcd's CPU per change is kept apart).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -37,12 +38,14 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.fleet import CLIENTS, EDS, XDS_VARIANTS, Fleet, FleetTls, percentile
+from bench.fleet import CLIENTS, EDS, XDS_VARIANTS, Fleet, FleetTls
 from bench.procs import REPO, EtcdProcess, ServerProcess, start_pilotfish
-from bench.report import fmt_ms
+from bench.report import fmt_ms, print_table
+from bench.stats import load_1min, percentile
+from bench.tls_certs import TLS_MODES, make_certs
 from bench.workload import Workload
 
-__all__ = ["FANOUT_COLUMNS", "FanoutResult", "run_fanout", "start_naive", "stream_error_notes"]
+__all__ = ["FANOUT_COLUMNS", "FanoutOptions", "FanoutResult", "run_fanout", "start_naive", "stream_error_notes"]
 
 FANOUT_COLUMNS = ["server", "proxies", "change", "quiet ms", "event log", "all synced s", "p50 ms", "p99 ms", "max ms",
                   "p99 after publish ms", "CPU s / push", "simulator CPU s / push", "RSS KB / idle stream", "failures",
@@ -173,58 +176,94 @@ def stream_error_notes(label: str, results: Sequence[FanoutResult]) -> list[str]
             f"`{examples.get(code, '?')[:200]}`" for code, n in counts.items()]
 
 
-def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, workload: Workload,
-               quiet_ms: int = 100, change: str = "registry", workers: int = 0, workdir: str | Path | None = None,
-               profile: Path | None = None, change_timeout: float = 60.0, gap: float = 0.3,
-               client: str = "h2", event_log_level: str = "all", core: str = "own",
-               server_env: Mapping[str, str] | None = None, server_args: Sequence[str] = (),
-               tls: FleetTls | None = None, address_cap: bool = True, xds: str = "sotw",
-               sync_timeout: float | None = None, rate: float = 0.0, admin: str | None = "off",
-               during_changes: Callable[[ServerProcess], AbstractContextManager[object]] | None = None,
-               after_changes: Callable[[ServerProcess], None] | None = None, etcd: EtcdProcess | None = None,
-               replicas: int = 1, keep_going: bool = False) -> FanoutResult:
-    """One fan-out run; see the module docstring. ``profile``: py-spy raw output of the server
-    during the changes; ``client``: the simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`);
-    ``event_log_level``: pilotfish's ``--event-log-level`` (``changes`` leaves out the lines of
-    every request and response); ``core``: pilotfish's HTTP/2 core (bench/h2_core_launch.py).
-    ``server_env``, ``server_args``: pilotfish's environment (e.g. another checkout on its
-    ``PYTHONPATH``) and more ``serve`` options (e.g. ``--tls-cert``); ``tls``: how the proxies
-    connect over TLS (None: plaintext); ``address_cap``: False for a pilotfish from before
-    ``--max-connections-per-address``; ``xds``: the proxies' xDS variant
-    (:data:`bench.fleet.XDS_VARIANTS`); ``sync_timeout``: how long all may take to sync (default:
-    60 s, or a second per 100 proxies); ``rate``: proxies each client process starts per second
-    (0: all at once; the sync time then includes the ramp); ``admin``: pilotfish's admin API,
-    ``off`` (``--admin off``; none for a server older than ``--max-connections-per-address``),
-    ``HOST:PORT`` to serve it there (the bound address is ``started["admin"]``; the first replica's), or
-    None for a pilotfish from before ``--admin``; ``during_changes``: a context the changes run in (e.g.
-    a client polling the admin API); ``after_changes``: called after the last change, while every
-    proxy is still connected; ``etcd``: pilotfish runs on it (``serve --etcd``: the registry API
-    stores registrations there); ``replicas``: that many pilotfish processes on that etcd, the
-    proxies spread evenly over them; ``keep_going``: make the changes even when some proxies never
-    synced (only the synced ones are waited for; the others count as failures of every change)."""
-    if replicas > 1 and (server != "pilotfish" or etcd is None):
-        raise ValueError("several replicas need pilotfish on etcd (etcd=...): only there do they share a registry")
-    if server == "naive" and change != "file":
-        change = "file"  # the naive server has no registry
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FanoutOptions:
+    """One fan-out run (:func:`run_fanout`): the server, the fleet and the changes."""
+
+    workload: Workload
+    """The configuration served (clusters, endpoints, listeners)."""
+    proxies: int
+    """Simulated proxies, each its own stream on its own connection."""
+    changes: int = 5
+    """Endpoint changes made one after another, each timed until every proxy ACKed it."""
+    server: str = "pilotfish"
+    """``pilotfish`` or ``naive`` (bench/naive_server.py, the baseline)."""
+    change: str = "registry"
+    """How a change is made: ``registry`` (the registry API) or ``file`` (the snapshot file; always for naive)."""
+    quiet_ms: int = 100
+    """pilotfish's debounce (``--quiet-ms``)."""
+    workers: int = 0
+    """The simulator's client processes (0: :class:`bench.fleet.Fleet` chooses)."""
+    workdir: Path | None = None
+    """Keep the server's files here (None: a temporary directory)."""
+    profile: Path | None = None
+    """py-spy raw output of the server during the changes (None: no profile)."""
+    change_timeout: float = 60.0
+    """How long every proxy may take to ACK one change."""
+    gap: float = 0.3
+    """Seconds between one change's end and the next change."""
+    client: str = "h2"
+    """The simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`)."""
+    xds: str = "sotw"
+    """The proxies' xDS variant (:data:`bench.fleet.XDS_VARIANTS`)."""
+    tls: FleetTls | None = None
+    """How the proxies connect over TLS (None: plaintext); ``server_args`` gives pilotfish its certificate."""
+    event_log_level: str = "all"
+    """pilotfish's ``--event-log-level`` (``changes`` leaves out the lines of every request and response)."""
+    core: str = "own"
+    """pilotfish's HTTP/2 core (bench/h2_core_launch.py: ``own`` or ``h2``)."""
+    server_env: Mapping[str, str] | None = None
+    """pilotfish's environment (e.g. another checkout's ``src`` on ``PYTHONPATH``: :mod:`bench.checkout`)."""
+    server_args: Sequence[str] = ()
+    """More ``serve`` options (e.g. ``--tls-cert``)."""
+    address_cap: bool = True
+    """Lift pilotfish's ``--max-connections-per-address`` (every proxy connects from 127.0.0.1);
+    False for a server without that flag."""
+    admin: str | None = "off"
+    """pilotfish's admin API: ``off``, ``HOST:PORT`` (the first replica serves it), or None for a
+    server that has no ``--admin`` flag (and no ``--max-connections-per-address``)."""
+    sync_timeout: float | None = None
+    """How long all proxies may take to sync (None: 60 s, or a second per 100 proxies)."""
+    rate: float = 0.0
+    """Proxies each client process starts per second (0: all at once; the sync time then includes the ramp)."""
+    etcd: EtcdProcess | None = None
+    """pilotfish runs on this etcd (``serve --etcd``: the registry API stores registrations there)."""
+    replicas: int = 1
+    """pilotfish processes on ``etcd``, the proxies spread evenly over them."""
+    keep_going: bool = False
+    """Make the changes even when some proxies never synced (they count as failures of every change)."""
+    during_changes: Callable[[ServerProcess], AbstractContextManager[object]] | None = None
+    """A context the changes run in (e.g. a client polling the admin API)."""
+    after_changes: Callable[[ServerProcess], None] | None = None
+    """Called after the last change, while every proxy is still connected."""
+
+
+def run_fanout(options: FanoutOptions) -> FanoutResult:
+    """One fan-out run; see the module docstring."""
+    if options.replicas > 1 and (options.server != "pilotfish" or options.etcd is None):
+        raise ValueError("several replicas need pilotfish on etcd (FanoutOptions.etcd): "
+                         "only there do they share a registry")
+    change = "file" if options.server == "naive" else options.change  # the naive server has no registry
     with ExitStack() as stack:
-        if workdir is None:
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-bench-"))
-        workdir = Path(workdir)
+        workdir = options.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-bench-")))
         workdir.mkdir(parents=True, exist_ok=True)
         snapshot = workdir / "snapshot.json"
-        workload.write(snapshot)
+        options.workload.write(snapshot)
         procs: list[ServerProcess] = []
-        if server == "pilotfish":
-            on_etcd = ("--etcd", etcd.address) if etcd is not None else ()
-            for n in range(replicas):
-                serve_admin = () if admin in (None, "off") or n > 0 else ("--admin", admin)
+        if options.server == "pilotfish":
+            on_etcd = ("--etcd", options.etcd.address) if options.etcd is not None else ()
+            for n in range(options.replicas):
+                serve_admin = () if options.admin in (None, "off") or n > 0 else ("--admin", options.admin)
                 procs.append(start_pilotfish(
-                    workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=change == "registry",
-                    extra=("--event-log-level", event_log_level, *serve_admin, *on_etcd, *server_args),
-                    env=server_env,
-                    module=("pilotfish",) if core == "own" else ("bench.h2_core_launch", "--core", core),
-                    address_cap=address_cap, admin_off=address_cap and (admin == "off" or n > 0),  # older than both
-                    name="pilotfish" if replicas == 1 else f"pilotfish-{n}"))
+                    workdir, snapshot=snapshot, quiet_ms=options.quiet_ms, registry=change == "registry",
+                    extra=("--event-log-level", options.event_log_level, *serve_admin, *on_etcd,
+                           *options.server_args),
+                    env=options.server_env,
+                    module=(("pilotfish",) if options.core == "own"
+                            else ("bench.h2_core_launch", "--core", options.core)),
+                    address_cap=options.address_cap,
+                    admin_off=options.address_cap and (options.admin == "off" or n > 0),  # older than both
+                    name="pilotfish" if options.replicas == 1 else f"pilotfish-{n}"))
                 stack.callback(procs[-1].stop)
         else:
             procs.append(start_naive(workdir, snapshot=snapshot))
@@ -232,22 +271,24 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
         proc = procs[0]
         time.sleep(0.5)
         base_rss = sum(p.rss_kb() for p in procs)
-        fleet = Fleet(target=proc.xds, proxies=proxies, workers=workers, rate=rate, client=client, tls=tls, xds=xds,
+        fleet = Fleet(target=proc.xds, proxies=options.proxies, workers=options.workers, rate=options.rate,
+                      client=options.client, tls=options.tls, xds=options.xds,
                       replicas=tuple(p.xds for p in procs[1:]))
         started = time.time()
         fleet.start()
         stack.callback(fleet.close)
-        sync_timeout = sync_timeout or max(60.0, proxies / 100)
+        sync_timeout = options.sync_timeout or max(60.0, options.proxies / 100)
         synced = fleet.wait_synced(timeout=sync_timeout)
         indexed: float | None = None  # (proxies' subsetting indices in etcd: only with subsetting, none here)
-        result = FanoutResult(server=server, proxies=proxies, change=change,
-                              quiet_ms=quiet_ms if server == "pilotfish" else 0,
+        result = FanoutResult(server=options.server, proxies=options.proxies, change=change,
+                              quiet_ms=options.quiet_ms if options.server == "pilotfish" else 0,
                               sync_seconds=max(synced.latencies(started), default=float("nan")),
-                              event_log=event_log_level if server == "pilotfish" else "-", xds=xds,
+                              event_log=options.event_log_level if options.server == "pilotfish" else "-",
+                              xds=options.xds,
                               replicas=len(procs), indexed_seconds=indexed)
         result.sync_bytes = fleet.bytes_received()
         result.never_synced = synced.failures
-        if synced.failures and not keep_going:
+        if synced.failures and not options.keep_going:
             result.failures = synced.failures
             result.stream_errors = fleet.errors()
             result.error_examples = dict(fleet.error_examples)
@@ -256,31 +297,31 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
             p.settle_cpu(quiet=0.3, limit=5)
         result.rss_idle_kb = sum(p.rss_kb() for p in procs)
         result.rss_base_kb = base_rss
-        result.rss_per_stream_kb = (result.rss_idle_kb - base_rss) / proxies
+        result.rss_per_stream_kb = (result.rss_idle_kb - base_rss) / options.proxies
         result.simulator_rss_kb = fleet.rss_kb()
         received = fleet.bytes_received()
         changes_started = time.time()
-        changer = _Changer(change, proc, workload, snapshot,
-                           ssl.create_default_context(cafile=tls.ca) if tls is not None else None)
+        changer = _Changer(change, proc, options.workload, snapshot,
+                           ssl.create_default_context(cafile=options.tls.ca) if options.tls is not None else None)
         assert proc.tail is not None
-        spy = _py_spy(proc.pid, profile) if profile is not None else None
+        spy = _py_spy(proc.pid, options.profile) if options.profile is not None else None
         context = stack.enter_context(ExitStack())
-        context.enter_context(during_changes(proc) if during_changes is not None else nullcontext())
-        for _ in range(changes):
+        context.enter_context(options.during_changes(proc) if options.during_changes is not None else nullcontext())
+        for _ in range(options.changes):
             for p in procs:
                 assert p.tail is not None
                 p.tail.skip_to_end()
             cpu_before = sum(p.cpu_seconds() for p in procs)
-            etcd_before = etcd.cpu_seconds() if etcd is not None else 0.0
+            etcd_before = options.etcd.cpu_seconds() if options.etcd is not None else 0.0
             client_before = fleet.cpu_seconds()
             t0 = time.time()
             changer.change()
             loaded = proc.tail.wait_for("snapshot_loaded", timeout=30, alive=proc.alive)
-            acked = fleet.wait_acked({EDS: loaded["versions"]["EDS"]}, since=t0, timeout=change_timeout,
-                                     synced_only=keep_going)
+            acked = fleet.wait_acked({EDS: loaded["versions"]["EDS"]}, since=t0, timeout=options.change_timeout,
+                                     synced_only=options.keep_going)
             cpu_after = sum(p.settle_cpu() for p in procs)
-            if etcd is not None:
-                result.etcd_cpu_per_push.append(etcd.cpu_seconds() - etcd_before)
+            if options.etcd is not None:
+                result.etcd_cpu_per_push.append(options.etcd.cpu_seconds() - etcd_before)
             result.client_cpu_per_push.append(fleet.cpu_seconds() - client_before)
             now_received = fleet.bytes_received()
             result.change_bytes.append([b - a for a, b in zip(received, now_received, strict=True)])
@@ -298,34 +339,37 @@ def run_fanout(*, server: str = "pilotfish", proxies: int, changes: int = 5, wor
             result.after_publish += acked.latencies(published)
             result.failures = max(result.failures, acked.failures)
             result.cpu_per_push.append(cpu_after - cpu_before)
-            time.sleep(gap)
+            time.sleep(options.gap)
         context.close()
         if spy is not None:
             os.kill(spy.pid, signal.SIGINT)
             spy.wait(30)
-        if after_changes is not None:
-            after_changes(proc)
+        if options.after_changes is not None:
+            options.after_changes(proc)
         result.stream_errors = fleet.errors()
         result.errors_during_changes = fleet.errors(since=changes_started)
         result.error_examples = dict(fleet.error_examples)
         return result
 
 
-def main() -> int:
-    import argparse
-
-    from bench.report import print_table
-    from bench.tls_certs import TLS_MODES, make_certs
-
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fanout", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--proxies", type=int, nargs="+", default=[100, 1000, 10000])
-    parser.add_argument("--changes", type=int, default=5)
-    parser.add_argument("--services", type=int, default=100)
-    parser.add_argument("--endpoints", type=int, default=4)
-    parser.add_argument("--listeners", type=int, default=10)
-    parser.add_argument("--quiet-ms", type=int, default=100)
-    parser.add_argument("--server", choices=("pilotfish", "naive"), default="pilotfish")
-    parser.add_argument("--change", choices=("registry", "file"), default="registry")
+    parser.add_argument("--proxies", type=int, nargs="+", default=[100, 1000, 10000],
+                        help="simulated proxies, one run per number (default: %(default)s)")
+    parser.add_argument("--changes", type=int, default=5, help="endpoint changes to time (default: %(default)s)")
+    parser.add_argument("--services", type=int, default=100, help="clusters in the snapshot (default: %(default)s)")
+    parser.add_argument("--endpoints", type=int, default=4, help="endpoints per cluster (default: %(default)s)")
+    parser.add_argument("--listeners", type=int, default=10,
+                        help="services with an HTTP listener + route config (default: %(default)s)")
+    parser.add_argument("--quiet-ms", type=int, default=100, help="pilotfish's debounce (default: %(default)s)")
+    parser.add_argument("--server", choices=("pilotfish", "naive"), default="pilotfish",
+                        help="the server: pilotfish or the naive baseline (default: %(default)s)")
+    parser.add_argument("--change", choices=("registry", "file"), default="registry",
+                        help="how a change is made (naive: file only; default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="the simulator's client processes (default: one per 2,500 proxies, one per core)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the server's files here (default: a temporary directory)")
     parser.add_argument("--client", choices=CLIENTS, default="h2",
                         help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
     parser.add_argument("--xds", choices=XDS_VARIANTS, default="sotw",
@@ -335,24 +379,28 @@ def main() -> int:
     parser.add_argument("--tls", choices=TLS_MODES, default="off",
                         help="pilotfish serves xDS and the registry over TLS (mtls: with client certificates), "
                              "with certificates from a throwaway CA (default: %(default)s)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tls != "off" and args.server != "pilotfish":
         parser.error("--tls needs --server pilotfish")
-    workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
-    rows = []
+    workload = Workload(services=args.services, endpoints=args.endpoints,
+                        listeners=min(args.listeners, args.services))
+    results: list[FanoutResult] = []
     with tempfile.TemporaryDirectory(prefix="pilotfish-certs-") as tmp:
         certs = make_certs(Path(tmp))
         for n in args.proxies:
-            result = run_fanout(server=args.server, proxies=n, changes=args.changes, workload=workload,
+            result = run_fanout(FanoutOptions(server=args.server, proxies=n, changes=args.changes, workload=workload,
                                 quiet_ms=args.quiet_ms, change=args.change, client=args.client,
                                 event_log_level=args.event_log_level, server_args=certs.server_args(args.tls),
-                                tls=certs.fleet(args.tls), xds=args.xds)
-            rows.append(result.row())
-            print_table(FANOUT_COLUMNS, [rows[-1]])
+                                tls=certs.fleet(args.tls), xds=args.xds, workers=args.workers,
+                                workdir=args.workdir / str(n) if args.workdir else None))
+            results.append(result)
+            print_table(FANOUT_COLUMNS, [result.row()])
+            for code, example in result.error_examples.items():
+                print(f"  stream error e.g. {code}: {example}")
     print(f"\nworkload: {workload.describe()}; client: {args.client}; TLS: {args.tls}; "
-          f"load: {os.getloadavg()[0]:.2f}")
-    print_table(FANOUT_COLUMNS, rows)
-    return 0
+          f"load: {load_1min():.2f}")
+    print_table(FANOUT_COLUMNS, [r.row() for r in results])
+    return 0 if all(r.failures == 0 for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -26,13 +25,10 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2
 
+from bench.procs import cpu_seconds
+
 _SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 _METHOD = "StreamAggregatedResources"
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 async def _serve(port: int, proxies: int, rounds: int) -> None:
@@ -51,13 +47,13 @@ async def _serve(port: int, proxies: int, rounds: int) -> None:
                 for number in range(rounds):
                     answered = 0
                     all_answered.clear()
-                    cpu, wall = _cpu(), time.perf_counter()
+                    cpu, wall = cpu_seconds(os.getpid()), time.perf_counter()
                     loop = asyncio.get_running_loop()
                     writes = [loop.create_task(stream.write(payload)) for stream in streams]
                     await all_answered.wait()
                     await asyncio.gather(*writes)
                     print(f"| {proxies} | {number + 1} | {(time.perf_counter() - wall) * 1e3:.0f} | "
-                          f"{_cpu() - cpu:.3f} |", flush=True)
+                          f"{cpu_seconds(os.getpid()) - cpu:.3f} |", flush=True)
                 finished.set()
                 return
             if request.response_nonce:

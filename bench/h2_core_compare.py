@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.fanout import FanoutResult, run_fanout
-from bench.fleet import percentile
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout
 from bench.h2_core_launch import CORES
 from bench.procs import REPO
 from bench.report import fmt_ms, markdown_table
+from bench.stats import load_1min, percentile
 from bench.workload import Workload
 
 __all__ = ["ABUSE_COLUMNS", "FANOUT_COLUMNS", "SUMMARY_COLUMNS", "Comparison", "CoreRun", "compare", "notes",
@@ -112,9 +112,9 @@ def run_compare(*, proxies: int = 1000, changes: int = 5, rounds: int = 2, workl
     runs = []
     for round_ in range(1, rounds + 1):
         for core in CORES:
-            load = os.getloadavg()[0]
-            result = run_fanout(proxies=proxies, changes=changes, workload=workload, quiet_ms=quiet_ms,
-                                change="registry", event_log_level=event_log_level, core=core)
+            load = load_1min()
+            result = run_fanout(FanoutOptions(proxies=proxies, changes=changes, workload=workload, quiet_ms=quiet_ms,
+                                change="registry", event_log_level=event_log_level, core=core))
             runs.append(CoreRun(core, round_, load, result))
             print(f"core {core} round {round_}: load {load:.2f}, CPU s / push {result.cpu:.3f}, "
                   f"p99 {fmt_ms(result.p(99))} ms, failures {result.failures}", flush=True)

