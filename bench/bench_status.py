@@ -62,7 +62,7 @@ BEFORE_COMMIT = "24bc0c119c52f036f8a74a92238744288c89f34d"
 """pilotfish before issue 11's status work (admin API, metrics, status bookkeeping on the xDS path)."""
 
 PAGE_EVERY = 1.5
-"""Seconds between the status page's polls (``EVERY_MS`` in src/pilotfish/server/status_page.html)."""
+"""Seconds between the status page's polls (``EVERY_MS`` in src/pilotfish/api/status_page.html)."""
 
 PAGE_PATHS = ("/v1/fleet?limit=100&q=", "/v1/snapshots", "/v1/events?limit=100&after=0")
 """What one poll of the status page asks, together (the events: the latest 100 every time, where the

@@ -43,10 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         core, args = args[1], args[2:]
     factory = core_factory(core)
     if core != "own":
-        from pilotfish.server import grpc_server, xds
+        from pilotfish.transport import aio as grpc_server
+        from pilotfish.xds import server as xds
 
         setattr(xds, "GrpcServer", functools.partial(grpc_server.GrpcServer, connection_factory=factory))  # noqa: B010
-    from pilotfish.cli import main as cli_main
+    from pilotfish.commands.cli import main as cli_main
 
     return cli_main(args)
 

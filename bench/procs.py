@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pilotfish.etcd_member import find_etcd, member_argv, serves
+from pilotfish.etcd.member import find_etcd, member_argv, serves
 from pilotfish.events import read_lines
 from pilotfish.sources.etcd import prefix_end
 
@@ -245,7 +245,7 @@ def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100
 
 @dataclass
 class EtcdProcess:
-    """A single-member etcd of the benchmark's own (:mod:`pilotfish.etcd_member`), stopped by PID."""
+    """A single-member etcd of the benchmark's own (:mod:`pilotfish.etcd.member`), stopped by PID."""
 
     address: str
     proc: subprocess.Popen[bytes]

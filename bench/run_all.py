@@ -235,7 +235,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
             ["No xDS at all: a grpc.aio server with N streams (each on its own connection) writes one 4 KB "
              "message to every stream and waits until each has written back. This is what pilotfish would pay "
              "for the transport alone on grpc.aio, about 300 us of CPU per proxy per push; its own HTTP/2 "
-             "transport (src/pilotfish/server/grpc_server.py) does the whole fan-out, xDS included, for less "
+             "transport (src/pilotfish/transport/aio.py) does the whole fan-out, xDS included, for less "
              "(`CPU s / push` above)."])
 
     # 2. memory, from the fan-out runs.

@@ -3,14 +3,15 @@
     from pilotfish import Snapshot, SnapshotCache, XdsServer, serve
 """
 
+from pilotfish.app import ServeSettings, serve
+from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
-from pilotfish.desired import DesiredState
 from pilotfish.errors import ConfigError, PeerError, PilotfishError, Problem
 from pilotfish.reconcile import DebounceSettings, Reconciler
 from pilotfish.resources.services import Endpoint, ServiceSpec
-from pilotfish.server import ServeSettings, XdsServer, serve
 from pilotfish.snapshot import Snapshot
 from pilotfish.sources import load_snapshot
+from pilotfish.xds import XdsServer
 
 __all__ = [
     "ConfigError",

@@ -121,7 +121,7 @@ class NodeInfo:
     address: str = ""
     """The peer address of its latest stream."""
     group: str = "default"
-    """The node group it is served (see :mod:`pilotfish.server.groups`)."""
+    """The node group it is served (see :mod:`pilotfish.policy.groups`)."""
     protocol: str = "sotw"
     """``sotw``, ``delta`` (sent only what changed for it) or ``rest`` (polls)."""
 

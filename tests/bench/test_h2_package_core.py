@@ -21,7 +21,7 @@ if _ROOT not in sys.path:
 
 from bench.h2_core_launch import CORES, core_factory  # noqa: E402
 
-from pilotfish.server.grpc_server import Call, GrpcServer  # noqa: E402
+from pilotfish.transport.aio import Call, GrpcServer  # noqa: E402
 from pilotfish.transport.h2 import Limits  # noqa: E402
 
 _PATH = "/test.Echo/Stream"

@@ -12,10 +12,10 @@ import asyncio
 
 import pytest
 
+from pilotfish.api.registry_etcd import EtcdRegistry, LeaseGuard
 from pilotfish.cache import SnapshotCache
 from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
-from pilotfish.server.registry_etcd import EtcdRegistry, LeaseGuard
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import SelfPreservation
 

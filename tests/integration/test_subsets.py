@@ -19,13 +19,13 @@ from google.protobuf import json_format
 from inprocess import TIMEOUT, Running
 from inprocess import serving as serve_in_process
 
+from pilotfish.app import ServeSettings
+from pilotfish.build.desired import DesiredState, View, build_snapshots, merge_states
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
-from pilotfish.desired import DesiredState, View, build_snapshots, merge_states
 from pilotfish.resources import ENDPOINT
 from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.resources.services import Endpoint, ServiceSpec
-from pilotfish.server import ServeSettings
-from pilotfish.server.xds import XdsServer, start_xds_server
+from pilotfish.xds.server import XdsServer, start_xds_server
 
 PORTS = range(9000, 9012)
 K = 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
-from pilotfish.desired import DesiredState
 from pilotfish.events import EventLog
 from pilotfish.reconcile import GuardSettings, Reconciler
 from pilotfish.resources import CLUSTER, LISTENER

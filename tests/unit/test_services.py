@@ -6,7 +6,7 @@ import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
 
-from pilotfish.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.errors import ConfigError
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_services

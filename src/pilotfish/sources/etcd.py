@@ -8,7 +8,7 @@ Key layout under the prefix (default ``/pilotfish/``), values are JSON:
 - ``{prefix}instances/{service}/{id}``: one instance, ``{"address": ..., "port": ...,
   "weight"?: ..., "metadata"?: {...}, "zone"?: ..., "ttl"?: ...}``. An instance registered with a
   TTL (through the registry API with ``--etcd``) is attached to an etcd lease (its TTL plus a
-  slack for the elected replica to decide on it, see :mod:`pilotfish.server.registry_etcd`): its
+  slack for the elected replica to decide on it, see :mod:`pilotfish.api.registry_etcd`): its
   heartbeats keep the lease alive, and the key goes when they stop; ``ttl`` in the value says
   what the instance registered with.
 
@@ -63,7 +63,7 @@ from typing import Any
 
 import aiohttp
 
-from pilotfish.desired import DesiredState
+from pilotfish.build.desired import DesiredState
 from pilotfish.errors import Problem
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_endpoint, parse_service
 
@@ -608,7 +608,7 @@ class _Watch:
 
 class Election:
     """Holds ``key`` in etcd for this replica while it can: the replica holding it runs the duties
-    that must run once (see :mod:`pilotfish.server.registry_etcd`).
+    that must run once (see :mod:`pilotfish.api.registry_etcd`).
 
     The key is created (only if absent) attached to a lease of ``ttl`` seconds that this replica
     keeps alive every ``ttl / 3``; its value names the holder. A holder that dies stops renewing,

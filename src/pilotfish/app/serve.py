@@ -15,18 +15,30 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pilotfish.bootstrap import DEFAULT_REST_REFRESH, split_address
+from pilotfish.api.admin import AdminApi, start_admin_server
+from pilotfish.api.metrics import Metrics
+from pilotfish.api.registry import DEFAULT_MAX_BODY, RegistryApi
+from pilotfish.api.registry_etcd import EtcdRegistry, LeaseGuard
+from pilotfish.api.tokens import AdminTokenFile, TokenFile, warn_if_open
+from pilotfish.build.subsetting import IndexTable, ProxyIndices
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import RECENT_EVENTS, EventLog, RecentEvents
+from pilotfish.policy.authorize import NodeAuthorizer, NodeRule
+from pilotfish.policy.grants import GrantsFile, SecretGrant, SecretGrants, Subject
+from pilotfish.policy.groups import NodeGroupRule, NodeGroups
 from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.resources import SECRET
-from pilotfish.server.admin import AdminApi, start_admin_server
-from pilotfish.server.authorize import NodeAuthorizer, NodeRule
-from pilotfish.server.grants import GrantsFile, SecretGrant, SecretGrants, Subject
-from pilotfish.server.groups import NodeGroupRule, NodeGroups
-from pilotfish.server.grpc_server import ConnectionLimits
-from pilotfish.server.http_site import (
+from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH, split_address
+from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
+from pilotfish.sources.etcd import DEFAULT_KEEPALIVE, Election, EtcdClient, EtcdSource
+from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
+from pilotfish.status import StatusLimits, SyncStatus
+from pilotfish.subsets.etcd import READY_SOURCE as SUBSETS_READY
+from pilotfish.subsets.etcd import BackendIndexWriter, EtcdProxyIndices, SubsetKeys
+from pilotfish.subsets.state import STATE_FILE, SubsetState, keep_saving, load_or_start_fresh
+from pilotfish.transport.aio import ConnectionLimits
+from pilotfish.transport.site import (
     ADMIN_API,
     ADMIN_CONNECTIONS,
     REGISTRY_API,
@@ -37,21 +49,9 @@ from pilotfish.server.http_site import (
     naming_failures,
     serve_app,
 )
-from pilotfish.server.metrics import Metrics
-from pilotfish.server.registry_api import DEFAULT_MAX_BODY, RegistryApi
-from pilotfish.server.registry_auth import AdminTokenFile, TokenFile, warn_if_open
-from pilotfish.server.registry_etcd import EtcdRegistry, LeaseGuard
-from pilotfish.server.rest import RestXds, start_rest_server
-from pilotfish.server.subset_etcd import READY_SOURCE as SUBSETS_READY
-from pilotfish.server.subset_etcd import BackendIndexWriter, EtcdProxyIndices, SubsetKeys
-from pilotfish.server.subset_state import STATE_FILE, SubsetState, keep_saving, load_or_start_fresh
-from pilotfish.server.tls import ALPN_H2, ReloadingServerContext, TlsFiles
-from pilotfish.server.xds import XdsLimits, XdsServer, start_xds_server
-from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
-from pilotfish.sources.etcd import DEFAULT_KEEPALIVE, Election, EtcdClient, EtcdSource
-from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
-from pilotfish.status import StatusLimits, SyncStatus
-from pilotfish.subsetting import IndexTable, ProxyIndices
+from pilotfish.transport.tls import ALPN_H2, ReloadingServerContext, TlsFiles
+from pilotfish.xds.rest import RestXds, start_rest_server
+from pilotfish.xds.server import XdsLimits, XdsServer, start_xds_server
 
 __all__ = ["ServeSettings", "serve"]
 
@@ -71,14 +71,14 @@ class ServeSettings:
     event_log_level: str = "all"
     """``all``: every request and response too; ``changes``: snapshots, NACKs, streams, sources."""
     admin: str | None = None
-    """``host:port`` for the admin API (:mod:`pilotfish.server.admin`: health, readiness, the
+    """``host:port`` for the admin API (:mod:`pilotfish.api.admin`: health, readiness, the
     proxies' sync status, confirming a held snapshot; port 0: any free port); None: no admin API.
-    (``pilotfish serve`` serves it on :data:`~pilotfish.cli.DEFAULT_ADMIN` unless told
+    (``pilotfish serve`` serves it on :data:`~pilotfish.commands.cli.DEFAULT_ADMIN` unless told
     ``--admin off``.)"""
     registry: str | None = None
     """``host:port`` for the registry HTTP API (port 0: any free port); None: no registry."""
     rest: str | None = None
-    """``host:port`` for REST xDS (JSON polls, :mod:`pilotfish.server.rest`; port 0: any free
+    """``host:port`` for REST xDS (JSON polls, :mod:`pilotfish.xds.rest`; port 0: any free
     port); None: gRPC only. Uses the xDS TLS settings (certificate, client CA, grants). Polls join
     node groups of kind rest (built in: ``rest``), whose clusters and listeners poll EDS and RDS
     over REST too."""
@@ -122,11 +122,11 @@ class ServeSettings:
     registry_max_body: int = DEFAULT_MAX_BODY
     """The largest registry API request body accepted (bytes)."""
     registry_tokens: Path | None = None
-    """The registry API's tokens file (see :mod:`pilotfish.server.registry_auth`), followed as it
+    """The registry API's tokens file (see :mod:`pilotfish.api.tokens`), followed as it
     changes; None: the API takes reads and writes from anyone who can reach it."""
     admin_tokens: Path | None = None
     """The admin API's tokens file (the registry's format; ``read: true`` reads, ``admin: true``
-    also confirms a held snapshot; see :data:`pilotfish.server.admin.ROUTES`), followed as it
+    also confirms a held snapshot; see :data:`pilotfish.api.admin.ROUTES`), followed as it
     changes; None: the admin API answers anyone who can reach it."""
     waiting_log_every: float = 10.0
     """While a source has not reported its first state, say which and why this often (seconds)."""
@@ -151,13 +151,13 @@ class ServeSettings:
     """Which node ids each certificate identity may claim (needs :attr:`client_ca`); empty: any."""
     secret_grants: tuple[SecretGrant, ...] = ()
     """Which proxies may receive which SDS secrets (``identity:`` grants need :attr:`client_ca`);
-    empty: no proxy receives any secret (see :mod:`pilotfish.server.grants`)."""
+    empty: no proxy receives any secret (see :mod:`pilotfish.policy.grants`)."""
     grants_file: Path | None = None
     """A file of more SDS grants (YAML, or JSON when it ends in ``.json``: ``grants: [SECRET=...]``),
     in force beside :attr:`secret_grants` and followed as it changes (a bad version is reported
     and the last good grants kept); None: the flags' grants only."""
     node_groups: tuple[NodeGroupRule, ...] = ()
-    """Which node group a client joins (first match; see :mod:`pilotfish.server.groups`); after them
+    """Which node group a client joins (first match; see :mod:`pilotfish.policy.groups`); after them
     the built-in rules: gRPC clients to ``grpc``, everyone else to ``default``."""
 
     xds_limits: XdsLimits = field(default_factory=XdsLimits)

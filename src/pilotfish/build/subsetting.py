@@ -216,7 +216,7 @@ def _problems(indices: Mapping[Any, object]) -> list[Problem]:
 
 class ProxyIndexer(Protocol):
     """What the xDS servers need of the proxies' indices: :class:`ProxyIndices` in one process,
-    or the replicas' shared ones in etcd (:mod:`pilotfish.server.subset_etcd`)."""
+    or the replicas' shared ones in etcd (:mod:`pilotfish.subsets.etcd`)."""
 
     def index(self, node: str) -> Index | None:
         """``node``'s index (None: it has none)."""

@@ -3,9 +3,9 @@ same subsets, and a proxy that moves between replicas keeps its own.
 
 Keys, next to the source prefix (``/pilotfish/`` gives ``/pilotfish.subsets/``):
 
-- ``backends/{service}``: the service's backend :class:`~pilotfish.subsetting.IndexTable` (JSON).
+- ``backends/{service}``: the service's backend :class:`~pilotfish.build.subsetting.IndexTable` (JSON).
   Written only by the replica that holds the election (:class:`BackendIndexWriter`): after each
-  build it computes the tables the merged state needs (:func:`pilotfish.desired.subset_tables`:
+  build it computes the tables the merged state needs (:func:`pilotfish.build.desired.subset_tables`:
   the lowest free index for each new backend, freed ones dropped) and writes those that differ,
   each only if the key is still at the revision it last read (a deposed leader's late write loses).
   Every replica builds with the tables as etcd has them (the reconciler never allocates on etcd),
@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pilotfish.desired import DesiredState, Merged, subset_tables
+from pilotfish.build.desired import DesiredState, Merged, subset_tables
+from pilotfish.build.subsetting import INDEX_LIMIT, Index, IndexTable, Presence
 from pilotfish.errors import ConfigError
 from pilotfish.reconcile import Reconciler
 from pilotfish.sources.etcd import (
@@ -48,7 +49,6 @@ from pilotfish.sources.etcd import (
     Lease,
     follow_prefix,
 )
-from pilotfish.subsetting import INDEX_LIMIT, Index, IndexTable, Presence
 
 __all__ = ["READY_SOURCE", "BackendIndexWriter", "EtcdProxyIndices", "SubsetKeys"]
 
@@ -81,7 +81,7 @@ class SubsetKeys:
 
 class EtcdProxyIndices:
     """Proxies' indices shared through etcd; the interface of
-    :class:`~pilotfish.subsetting.ProxyIndices` (``acquire``, ``release``, ``index``, ``expire``)."""
+    :class:`~pilotfish.build.subsetting.ProxyIndices` (``acquire``, ``release``, ``index``, ``expire``)."""
 
     def __init__(self, client: EtcdClient, keys: SubsetKeys, reconciler: Reconciler, *, grace: float = 300.0,
                  on_moved: Callable[[str], None] | None = None, limit: int = 200_000,

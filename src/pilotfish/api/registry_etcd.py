@@ -46,9 +46,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from pilotfish.api.registry import Written
 from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
-from pilotfish.server.registry_api import Written
 from pilotfish.sources.etcd import Election, EtcdSource, EtcdUnavailable, Lease
 from pilotfish.sources.registry import (
     Conflict,
