@@ -152,10 +152,6 @@ class TypeStatus:
     """When the NACK was received."""
 
     @property
-    def in_sync(self) -> bool:
-        return self.sent_version is not None and self.sent_version == self.acked_version
-
-    @property
     def state(self) -> SyncState:
         sent = self.sent_version
         if sent is None:

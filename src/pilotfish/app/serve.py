@@ -213,6 +213,7 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
     xds_holder: list[XdsServer] = []  # (the xDS server, made below: told to restart a moved proxy's streams)
     proxy_indices: ProxyIndices | EtcdProxyIndices
     subset_writer: BackendIndexWriter | None = None
+    subset_client: EtcdClient | None = None
     if settings.etcd is not None:  # indices shared by every replica, in etcd (no state file)
         state_path = None
         subset_client = EtcdClient(settings.etcd)
@@ -429,6 +430,8 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                 await task
         for cleanup in cleanups:
             await cleanup()
+        if subset_client is not None:  # (after the tasks that use it, cancelled above)
+            await subset_client.close()
         events.close()
 
 

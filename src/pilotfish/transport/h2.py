@@ -1079,9 +1079,6 @@ class Connection:
         self._remember_reset(stream_id)
         self._close_stream(stream)
 
-    def ping(self, opaque: bytes = b"\0" * 8) -> None:
-        self._queue(f.frame(f.PING, 0, 0, opaque))
-
     def close(self, code: int = ErrorCode.NO_ERROR, reason: str = "") -> None:
         """GOAWAY: no new streams. With NO_ERROR the open ones may still finish."""
         if self._goaway_sent and code == ErrorCode.NO_ERROR:
