@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from pilotfish.envoy import free_port
+from pilotfish.etcd.client import prefix_end
 from pilotfish.etcd.member import find_etcd, member_argv, serves
 from pilotfish.events import read_lines
-from pilotfish.sources.etcd import prefix_end
 
 __all__ = [
     "REPO",

@@ -64,13 +64,13 @@ from pilotfish.api.tokens import Access, TokenFile, TokenGate
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
-from pilotfish.sources.etcd import EtcdUnavailable
 from pilotfish.sources.registry import (
     Conflict,
     Preservation,
     Registry,
     RegistryFull,
     SelfPreservation,
+    StoreUnavailable,
     UnknownInstance,
 )
 
@@ -376,7 +376,7 @@ class RegistryApi:
             return _error(409, str(exc))
         except UnknownInstance as exc:
             return _error(404, str(exc))
-        except EtcdUnavailable as exc:
+        except StoreUnavailable as exc:
             return _error(503, f"{request.method} {request.path}: {exc}. A read or a refused write changed nothing; a "
                                "write whose answer was lost may have been made: retrying it is safe")
         except web.HTTPRequestEntityTooLarge:

@@ -23,6 +23,8 @@ from pilotfish.api.tokens import AdminTokenFile, TokenFile, warn_if_open
 from pilotfish.build.subsetting import IndexTable, ProxyIndices
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError, Problem
+from pilotfish.etcd.client import DEFAULT_KEEPALIVE, EtcdClient
+from pilotfish.etcd.election import Election
 from pilotfish.events import RECENT_EVENTS, EventLog, RecentEvents
 from pilotfish.policy.authorize import NodeAuthorizer, NodeRule
 from pilotfish.policy.grants import GrantsFile, SecretGrant, SecretGrants, Subject
@@ -31,7 +33,7 @@ from pilotfish.reconcile import DebounceSettings, GuardSettings, Reconciler
 from pilotfish.resources import SECRET
 from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH, split_address
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
-from pilotfish.sources.etcd import DEFAULT_KEEPALIVE, Election, EtcdClient, EtcdSource
+from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry, RegistryLimits, SelfPreservation
 from pilotfish.status import StatusLimits, SyncStatus
 from pilotfish.subsets.etcd import READY_SOURCE as SUBSETS_READY

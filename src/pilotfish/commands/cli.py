@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pilotfish.errors import ConfigError
+from pilotfish.etcd.client import DEFAULT_KEEPALIVE
 from pilotfish.events import RECENT_EVENTS
 from pilotfish.resources.bootstrap import (
     DEFAULT_REST_REFRESH,
@@ -22,7 +23,6 @@ from pilotfish.resources.bootstrap import (
     split_address,
     split_addresses,
 )
-from pilotfish.sources.etcd import DEFAULT_KEEPALIVE
 
 if TYPE_CHECKING:
     from pilotfish.policy.authorize import NodeRule

@@ -46,6 +46,7 @@ __all__ = [
     "RegistryFull",
     "RegistryLimits",
     "SelfPreservation",
+    "StoreUnavailable",
     "UnknownInstance",
     "describe_services",
     "endpoint_document",
@@ -56,6 +57,11 @@ __all__ = [
 MAX_TTL = 24 * 3600.0
 MAX_METADATA_CHARS = 4096
 """An instance's metadata keys and values together, in characters."""
+
+
+class StoreUnavailable(Exception):
+    """The store that holds the registrations (etcd) could not be reached or did not do what was
+    asked; the message says which and why."""
 
 
 class UnknownInstance(LookupError):
