@@ -21,7 +21,7 @@ Also measured, because it is what an operator's registry sees on every call at t
 - the same for a registry-style change (``1 service changed``): the snapshot's services come from
   one source, and a second source (as the registry does on an instance registration) reports one
   more endpoint of one service, every other object left as it was. This is what a one-endpoint
-  change costs the server in the fan-out benchmarks (issue 10: ``p99 after publish`` starts after it).
+  change costs the server in the fan-out benchmarks (``p99 after publish`` starts after it).
 
 ``--before COMMIT`` runs the same rows with that commit's pilotfish (a temporary ``git worktree``,
 its ``src`` first on the ``PYTHONPATH`` of a child process) and prints both, side by side.

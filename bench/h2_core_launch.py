@@ -1,6 +1,6 @@
 """``pilotfish`` with a chosen HTTP/2 core: ``python -m bench.h2_core_launch --core own|h2 serve ...``.
 
-The comparison of issue 9 (bench/h2_core_compare.py, and the abuse suite with
+The HTTP/2 core comparison (bench/h2_core_compare.py, and the abuse suite with
 ``PILOTFISH_ABUSE_CORE=h2``) runs ``pilotfish serve`` exactly as the CLI builds it, with one
 difference: every xDS connection's HTTP/2 core is made by the factory named by ``--core`` (``own``:
 :class:`pilotfish.transport.h2.Connection`, what production runs; ``h2``:

@@ -1,4 +1,4 @@
-"""Errors, split by who is at fault (STYLE.md 6).
+"""Errors, split by who is at fault, so that each message can say who must act.
 
 - :class:`ConfigError`: the user's input (a snapshot file, an API call) is wrong. It carries
   every :class:`Problem` found, each naming where (file, resource, field) and what is wrong.

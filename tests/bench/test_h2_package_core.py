@@ -1,4 +1,4 @@
-"""The same GrpcServer adapter on either HTTP/2 core (issue 9's comparison): a grpcio client is served
+"""The same GrpcServer adapter on either HTTP/2 core (the HTTP/2 core comparison): a grpcio client is served
 alike by pilotfish's own core and by the `h2` package baseline (bench/h2_package_core.py).
 
 What the comparison relies on: through ``GrpcServer(connection_factory=...)`` each core answers

@@ -1,4 +1,4 @@
-"""The elected replica's TTL guard over many leases (issue 12): in this process, against a real
+"""The elected replica's TTL guard over many leases: in this process, against a real
 etcd, with instances registered through the registry on etcd (``EtcdRegistry``) and a guard that
 may ask etcd about only a few leases per pass (``max_asks``), as a large fleet makes it.
 

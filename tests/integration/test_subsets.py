@@ -1,4 +1,4 @@
-"""Subsets over every protocol a client may speak (issue 13): ``pilotfish serve`` in this process,
+"""Subsets over every protocol a client may speak: ``pilotfish serve`` in this process,
 a ``services:`` file with ``subset_size``, and real clients: grpcio on SotW ADS and on delta ADS,
 and REST polls over HTTP. Each gets its own subset, the same one by every protocol for one node id
 (its index is by node id), and the admin API names it."""

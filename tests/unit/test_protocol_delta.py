@@ -1,4 +1,4 @@
-"""The delta (incremental) xDS state machine through the cache, no I/O: DESIGN.md behaviour 14.
+"""The delta (incremental) xDS state machine through the cache, no I/O: docs/architecture.md, behaviour 14.
 
 A :class:`DeltaPair` is a client's delta stream wired to a real cache, as ``xds/server.py`` wires
 it; each test states the client's requests and asserts exactly what it was sent and told removed.

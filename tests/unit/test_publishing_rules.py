@@ -1,4 +1,4 @@
-"""Publishing rules 1 and 3 of DESIGN.md: nothing is published before every source has reported,
+"""docs/architecture.md, publishing rules 1 and 3: nothing is published before every source has reported,
 and a snapshot that removes too much at once is held until the operator confirms it."""
 
 from __future__ import annotations

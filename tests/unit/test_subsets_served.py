@@ -1,4 +1,4 @@
-"""Subsets as proxies receive them (issue 13): the snapshot's plan, the cache's per-proxy endpoints,
+"""Subsets as proxies receive them: the snapshot's plan, the cache's per-proxy endpoints,
 the proxies' indices and the state file. The arithmetic itself is tested in test_subsetting.py."""
 
 from __future__ import annotations

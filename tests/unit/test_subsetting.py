@@ -1,4 +1,4 @@
-"""Ringsteady subsets and their index tables (src/pilotfish/build/subsetting.py, issue 13).
+"""Ringsteady subsets and their index tables (src/pilotfish/build/subsetting.py).
 
 The issue's properties, as hypothesis tests: a subset has exactly min(k, n) distinct backends and
 does not depend on input order; adding a backend changes at most one entry per proxy; removing
