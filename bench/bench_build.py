@@ -1,6 +1,6 @@
 """Snapshot build: source state -> merged -> built, checked snapshot -> one encoded response per type.
 
-In-process (no gRPC): a registry-like :class:`~pilotfish.desired.DesiredState` with C services
+In-process (no gRPC): a registry-like :class:`~pilotfish.build.desired.DesiredState` with C services
 (ServiceSpec) and E endpoints spread evenly over them is merged (``merge_states``), built
 (``build_snapshot``: builders, cross-reference checks, Envoy's ``validate.rules``, per-resource
 encoding and hashing) and encoded into one full response per type (``TypeSnapshot.response(None)``,
@@ -21,7 +21,7 @@ Also measured, because it is what an operator's registry sees on every call at t
 - the same for a registry-style change (``1 service changed``): the snapshot's services come from
   one source, and a second source (as the registry does on an instance registration) reports one
   more endpoint of one service, every other object left as it was. This is what a one-endpoint
-  change costs the server in the fan-out benchmarks (issue 10: ``p99 after publish`` starts after it).
+  change costs the server in the fan-out benchmarks (``p99 after publish`` starts after it).
 
 ``--before COMMIT`` runs the same rows with that commit's pilotfish (a temporary ``git worktree``,
 its ``src`` first on the ``PYTHONPATH`` of a child process) and prints both, side by side.
@@ -47,13 +47,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.build.validate import default_checker
 from pilotfish.cache import SnapshotCache
-from pilotfish.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import TYPES
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.snapshot import Snapshot
-from pilotfish.validate import default_checker
 
 __all__ = ["BUILD_COLUMNS", "make_state", "run_build"]
 

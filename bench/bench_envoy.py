@@ -1,7 +1,7 @@
 """File change -> real Envoy: pilotfish (ADS, gRPC) and Sovereign (REST polling), same config.
 
 pilotfish: ``pilotfish serve --snapshot FILE --quiet-ms Q`` and one Envoy 1.40 bootstrapped by
-``pilotfish.bootstrap``. Each of ``--changes`` changes rewrites the file (temp + rename) with a
+``pilotfish.resources.bootstrap``. Each of ``--changes`` changes rewrites the file (temp + rename) with a
 fresh endpoint in ``svc-00000``; t0 is taken just before the rename. Measured per change:
 
 - **ACK**: the event log's ``ack`` of EDS with ``version_info`` = the new EDS version (its ``ts``,
@@ -131,7 +131,7 @@ def _ack_of(type_url: str, version: str) -> Callable[[dict[str, Any]], bool]:
 
 def run_pilotfish_envoy(*, changes: int = 20, quiet_ms: int = 100, services: int = 10,
                         workdir: str | Path | None = None, gap: float = 0.25) -> PropagationResult:
-    from pilotfish.bootstrap import BootstrapSettings, bootstrap
+    from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
 
     result = PropagationResult("pilotfish", "ADS (gRPC, SotW)", f"quiet {quiet_ms} ms", target_ms=quiet_ms + 50)
     workload = _workload(services)

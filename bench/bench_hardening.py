@@ -1,5 +1,5 @@
-"""What the hardened transport and TLS cost: pilotfish before issue 9's hardening and now, plaintext,
-TLS and mTLS, side by side in one run (issue 9, "How we will know").
+"""What the hardened transport and TLS cost: pilotfish before the hardening and now, plaintext,
+TLS and mTLS, side by side in one run (the hardening targets).
 
 Theory of operation
 -------------------
@@ -10,7 +10,7 @@ when the run ends. "Now" is this checkout. The simulated fleet (bench/fleet/) is
 every row, so rows differ only in the server and how the proxies connect:
 
 - ``before``, plaintext;
-- ``now``, plaintext (the hardening's cost: issue 9 allows 10 % at 1,000 proxies);
+- ``now``, plaintext (the hardening's cost: the target allows 10 % at 1,000 proxies);
 - ``now``, TLS (``--tls-cert/--tls-key``; the proxies verify the server against a test CA);
 - ``now``, mTLS (``--client-ca`` too; each proxy presents a client certificate).
 
@@ -46,7 +46,7 @@ from bench.workload import Workload
 __all__ = ["BEFORE_COMMIT", "HARDENING_COLUMNS", "VARIANTS", "Variant", "run_hardening"]
 
 BEFORE_COMMIT = "b4fb69c"
-"""pilotfish before issue 9 (hardened transport, TLS): the last commit before that work."""
+"""pilotfish before the hardened transport and TLS: the last commit before that work."""
 
 HARDENING_COLUMNS = ["server", "transport", "proxies", "runs", "load 1 min", "p50 ms", "p99 ms", "CPU s / push",
                      "simulator CPU s / push", "RSS KB / idle stream", "failures", "stream errors", "compared with",

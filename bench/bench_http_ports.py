@@ -1,10 +1,10 @@
-"""What the HTTP ports' own accept (connection caps, bench/../server/http_site.py) costs: pilotfish
+"""What the HTTP ports' own accept (connection caps, src/pilotfish/transport/site.py) costs: pilotfish
 before it and now, side by side in one run.
 
 Theory of operation
 -------------------
 Before, the registry API, REST xDS and the admin API were aiohttp sites on a socket asyncio
-accepted from; now each is a :class:`~pilotfish.server.http_site.CappedSite` that accepts itself
+accepted from; now each is a :class:`~pilotfish.transport.site.CappedSite` that accepts itself
 (counting every connection in and out) and puts a thin protocol in front of aiohttp's, one more
 Python call per chunk read. Both show in two loads:
 

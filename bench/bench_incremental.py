@@ -1,10 +1,10 @@
-"""What incremental xDS saves on a large snapshot: pilotfish before issue 10 (state of the world,
+"""What incremental xDS saves on a large snapshot: pilotfish before incremental responses (state of the world,
 every EDS response full state) and now, state of the world and delta, side by side in one run
-(issue 10, "How we will know").
+(the incremental xDS targets).
 
 Theory of operation
 -------------------
-The snapshot is :class:`~bench.workload.Workload` at issue 10's size: 10,000 services x 10
+The snapshot is :class:`~bench.workload.Workload` at the incremental benchmark's size: 10,000 services x 10
 endpoints (10,000 clusters, 100,000 endpoints), a few with an HTTP listener and route. Each row is
 one :func:`bench.fanout.run_fanout`: start the server, connect N simulated proxies
 (bench/fleet/) and wait until every one is synced, then change one endpoint through the
@@ -12,7 +12,7 @@ registry API ``changes`` times, each timed until every proxy ACKed the new EDS v
 
 - ``before`` SotW: pilotfish at :data:`BEFORE_COMMIT`, the last commit whose state-of-the-world
   EDS response re-sent every ClusterLoadAssignment on every change, run from a temporary ``git
-  worktree`` (:func:`bench.checkout.checkout`, the same mechanism as issue 9's
+  worktree`` (:func:`bench.checkout.checkout`, the same mechanism as the hardening benchmark's
   comparison);
 - ``now`` SotW: this checkout, proxies on ``StreamAggregatedResources`` (EDS, RDS and SDS
   responses carry only what changed);
@@ -50,7 +50,7 @@ __all__ = ["BEFORE_COMMIT", "INCREMENTAL_COLUMNS", "ISSUE_WORKLOAD", "VARIANTS",
            "run_incremental"]
 
 BEFORE_COMMIT = "de14338"
-"""pilotfish before issue 10's incremental responses: every SotW EDS response is full state."""
+"""pilotfish before incremental responses: every SotW EDS response is full state."""
 
 RAMP_ABOVE = 2500
 RAMP_RATE = 25.0

@@ -1,7 +1,7 @@
 """Bytes encoded per push: does a fleet at one version still share one encoded response?
 
 In one process, with no I/O: N proxies (real SotW state machines on a real cache, as
-``server/xds.py`` wires them) subscribe to the endpoints of every service and ACK what they get;
+``xds/server.py`` wires them) subscribe to the endpoints of every service and ACK what they get;
 then ``pushes`` endpoint changes are published one after another. Every DiscoveryResponse body the
 snapshots encode is counted (``pilotfish.snapshot.discovery_response`` is wrapped): at the initial
 sync (the proxies connecting one by one) and per push. With ``--peer``, a peer asks for a new

@@ -2,15 +2,15 @@
 
 What a peer can make pilotfish do, and what an edit of the grants file costs:
 
-- **refusing a hostile node id**: :meth:`~pilotfish.server.authorize.NodeAuthorizer.refusal` of
+- **refusing a hostile node id**: :meth:`~pilotfish.policy.authorize.NodeAuthorizer.refusal` of
   node ids of ``--length`` characters shaped to make a backtracking matcher blow up (many ``*``
   before a text that is missing; 100,000 ``/``), for a capture rule and a plain one; the
   identity is long too. The best of ``--repeat`` runs (what the matcher costs, not the machine's
   noise), in microseconds. A regular expression of the same patterns does not finish.
-- **grants per proxy**: :meth:`~pilotfish.server.grants.SecretGrants.for_proxy` for ``--proxies``
+- **grants per proxy**: :meth:`~pilotfish.policy.grants.SecretGrants.for_proxy` for ``--proxies``
   proxies under ``--grants`` identity grants, on fresh grants each run: what serving under new
   grants costs every open SDS stream at once (an edit of the grants file,
-  :meth:`~pilotfish.server.xds.XdsServer.set_grants`). With as many identities as proxies, and
+  :meth:`~pilotfish.xds.server.XdsServer.set_grants`). With as many identities as proxies, and
   with the proxies sharing 100 identities (the replicas of a service account).
 
 ``python -m bench.bench_policy`` prints the tables (a few seconds).
@@ -23,8 +23,8 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 
-from pilotfish.server.authorize import NodeAuthorizer, parse_rule
-from pilotfish.server.grants import SecretGrants, parse_grant
+from pilotfish.policy.authorize import NodeAuthorizer, parse_rule
+from pilotfish.policy.grants import SecretGrants, parse_grant
 
 from .report import print_table
 

@@ -1,4 +1,4 @@
-"""Replicas on etcd (issue 12): one registry write to 3,000 proxies on one replica vs three, and write rates.
+"""Replicas on etcd: one registry write to 3,000 proxies on one replica vs three, and write rates.
 
 Two measurements, reported side by side (nothing is asserted):
 

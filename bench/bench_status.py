@@ -1,6 +1,6 @@
-"""What status tracking and the admin API cost: pilotfish before issue 11's status work and now,
-side by side in one run, and the admin API's answers with a large fleet connected (issue 11,
-"How we will know").
+"""What status tracking and the admin API cost: pilotfish before the status work and now,
+side by side in one run, and the admin API's answers with a large fleet connected (the status
+tracking targets).
 
 Theory of operation
 -------------------
@@ -9,7 +9,7 @@ Every row is one :func:`bench.fanout.run_fanout` (registry change of one endpoin
 (bench/fleet/), wait until each is synced, then change one endpoint ``changes`` times, each timed
 until every proxy ACKed it. The variants:
 
-- ``before``: pilotfish at :data:`BEFORE_COMMIT`, the last commit before issue 11's status work (the
+- ``before``: pilotfish at :data:`BEFORE_COMMIT`, the last commit before the status work (the
   admin API, metrics, the recent-events ring and the per-response and per-ACK bookkeeping they
   read), from a temporary ``git worktree`` (:func:`bench.checkout.checkout`); it has no
   ``--admin``;
@@ -59,10 +59,10 @@ __all__ = ["ADMIN_COLUMNS", "BEFORE_COMMIT", "ENDPOINTS", "PAGE_EVERY", "STATUS_
            "AdminTimings", "StatusVariant", "run_status"]
 
 BEFORE_COMMIT = "24bc0c119c52f036f8a74a92238744288c89f34d"
-"""pilotfish before issue 11's status work (admin API, metrics, status bookkeeping on the xDS path)."""
+"""pilotfish before the status work (admin API, metrics, status bookkeeping on the xDS path)."""
 
 PAGE_EVERY = 1.5
-"""Seconds between the status page's polls (``EVERY_MS`` in src/pilotfish/server/status_page.html)."""
+"""Seconds between the status page's polls (``EVERY_MS`` in src/pilotfish/api/status_page.html)."""
 
 PAGE_PATHS = ("/v1/fleet?limit=100&q=", "/v1/snapshots", "/v1/events?limit=100&after=0")
 """What one poll of the status page asks, together (the events: the latest 100 every time, where the

@@ -1,9 +1,9 @@
-"""Subsetting (issue 13): balance and churn of Ringsteady vs the SRE book's algorithm vs random subsets.
+"""Subsetting: balance and churn of Ringsteady vs the SRE book's algorithm vs random subsets.
 
 In-process, no I/O. For each (proxies m, backends n, subset size k), proxies 0..m-1 each choose k of
 backends 0..n-1 with three algorithms:
 
-- ``ringsteady``: pilotfish.subsetting (:class:`~pilotfish.subsetting.Ring`, one ring per backend set);
+- ``ringsteady``: pilotfish.build.subsetting (:class:`~pilotfish.build.subsetting.Ring`, one ring per backend set);
 - ``sre-book``: deterministic subsetting from *Site Reliability Engineering* (O'Reilly 2016), ch. 20:
   ``subset_count = n // k``; proxy c shuffles the backend list with ``random.seed(c // subset_count)``
   and takes slice ``c % subset_count`` of size k (backends listed by index, as a control plane would);
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pilotfish.subsetting import Ring
+from pilotfish.build.subsetting import Ring
 
 __all__ = ["ALGORITHMS", "DEFAULT_GRID", "SUBSETTING_COLUMNS", "Churn", "run_subsetting"]
 
@@ -43,7 +43,7 @@ SUBSETTING_COLUMNS = ["algorithm", "proxies", "backends", "k", "conns / backend 
 
 DEFAULT_GRID: tuple[tuple[int, int, int], ...] = ((100, 10, 3), (1000, 100, 10), (10000, 1000, 3),
                                                   (10000, 1000, 20), (10000, 1000, 100))
-"""(proxies, backends, k) rows of issue 13's comparison, up to 10,000 x 1,000 (k = 3 as in its e2e test)."""
+"""(proxies, backends, k) rows of the subsetting comparison, up to 10,000 x 1,000 (k = 3 as in its e2e test)."""
 
 Subsets = list[frozenset[int]]
 Algorithm = Callable[[int, Sequence[int], int, int], Subsets]
@@ -140,9 +140,9 @@ def run_subsetting(*, grid: Sequence[tuple[int, int, int]] = DEFAULT_GRID, remov
 
 def notes(removals: int) -> list[str]:
     return [
-        "In-process, no I/O (src/pilotfish/subsetting.py against two baselines in bench/bench_subsetting.py). "
+        "In-process, no I/O (src/pilotfish/build/subsetting.py against two baselines in bench/bench_subsetting.py). "
         "Proxies 0..m-1 and backends 0..n-1 are dense indices, as pilotfish's index tables give them. "
-        "`ringsteady`: Ringsteady (DESIGN.md, \"Subsetting\"). `sre-book`: the deterministic subsetting of "
+        "`ringsteady`: Ringsteady (docs/architecture.md, \"Subsetting\"). `sre-book`: the deterministic subsetting of "
         "*Site Reliability Engineering*, ch. 20 (shuffle the backend list with seed `proxy // (n // k)`, take "
         "slice `proxy % (n // k)`). `random`: each proxy samples k backends, seeded per proxy, re-drawn on a "
         "change. Balance: connections per backend (proxies that chose it). Churn: `add 1` adds backend n; "

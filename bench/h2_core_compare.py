@@ -1,4 +1,4 @@
-"""pilotfish's own HTTP/2 core against the `h2` package's, under the same adapter (issue 9).
+"""pilotfish's own HTTP/2 core against the `h2` package's, under the same adapter.
 
 Theory of operation. The question: does pilotfish's transport stay its own sans-IO code
 (:class:`pilotfish.transport.h2.Connection`) or sit on python-hyper's ``h2`` state machine
@@ -13,7 +13,7 @@ Two measures, side by side:
   the proxies' ACKs, RSS per idle stream, failures. The machine is shared (2 cores, other work),
   so the cores are run interleaved (own, h2, own, h2, ...), each run with the load average at its
   start, and every run is reported, not only the best.
-- **Abuse** (tests/abuse, the attacks of issue 9 against a real ``pilotfish serve``): run once
+- **Abuse** (tests/abuse, the attacks the transport is hardened against, against a real ``pilotfish serve``): run once
   per core (``PILOTFISH_ABUSE_CORE``); for each attack, whether it held, with the server's CPU
   seconds and peak memory growth.
 """

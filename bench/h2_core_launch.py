@@ -1,6 +1,6 @@
 """``pilotfish`` with a chosen HTTP/2 core: ``python -m bench.h2_core_launch --core own|h2 serve ...``.
 
-The comparison of issue 9 (bench/h2_core_compare.py, and the abuse suite with
+The HTTP/2 core comparison (bench/h2_core_compare.py, and the abuse suite with
 ``PILOTFISH_ABUSE_CORE=h2``) runs ``pilotfish serve`` exactly as the CLI builds it, with one
 difference: every xDS connection's HTTP/2 core is made by the factory named by ``--core`` (``own``:
 :class:`pilotfish.transport.h2.Connection`, what production runs; ``h2``:
@@ -43,10 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         core, args = args[1], args[2:]
     factory = core_factory(core)
     if core != "own":
-        from pilotfish.server import grpc_server, xds
+        from pilotfish.transport import aio as grpc_server
+        from pilotfish.xds import server as xds
 
         setattr(xds, "GrpcServer", functools.partial(grpc_server.GrpcServer, connection_factory=factory))  # noqa: B010
-    from pilotfish.cli import main as cli_main
+    from pilotfish.commands.cli import main as cli_main
 
     return cli_main(args)
 

@@ -3,7 +3,7 @@
 Theory of operation. Issue 9 asks whether pilotfish's transport stays its own code
 (:class:`pilotfish.transport.h2.Connection`) or sits on python-hyper's ``h2`` package, "decided by
 measurement: put both under the same adapter". :class:`H2PackageConnection` is the second
-candidate: it has the methods and attributes :mod:`pilotfish.server.grpc_server` uses of the own
+candidate: it has the methods and attributes :mod:`pilotfish.transport.aio` uses of the own
 core (``receive``, ``send_header_block``, ``send_message``, ``reset_stream``, ``close``,
 ``take_output``, ``acknowledge``, ``writing_paused``, ``resume_writing``, ``wants_to_read``,
 ``closed``, ``on_output``) and yields the same events, but every frame is parsed, checked, queued

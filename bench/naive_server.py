@@ -37,7 +37,7 @@ import grpc
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 
-from pilotfish.desired import build_snapshot, merge_states
+from pilotfish.build.desired import build_snapshot, merge_states
 from pilotfish.sources import load_desired
 
 _ORDER = (

@@ -19,7 +19,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pilotfish.etcd_member import find_etcd, member_argv, serves
+from pilotfish.envoy import free_port
+from pilotfish.etcd.client import prefix_end
+from pilotfish.etcd.member import find_etcd, member_argv, serves
 from pilotfish.events import read_lines
-from pilotfish.sources.etcd import prefix_end
 
 __all__ = [
     "REPO",
@@ -50,13 +50,6 @@ REPO = Path(__file__).resolve().parent.parent
 # Every request goes to a loopback address, whatever proxy the environment names.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def raise_fd_limit() -> None:
@@ -245,7 +238,7 @@ def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100
 
 @dataclass
 class EtcdProcess:
-    """A single-member etcd of the benchmark's own (:mod:`pilotfish.etcd_member`), stopped by PID."""
+    """A single-member etcd of the benchmark's own (:mod:`pilotfish.etcd.member`), stopped by PID."""
 
     address: str
     proc: subprocess.Popen[bytes]

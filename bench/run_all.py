@@ -1,4 +1,4 @@
-"""Run every benchmark of issue 4 and write BENCHMARKS.md (``make bench``).
+"""Run every benchmark and write BENCHMARKS.md (``make bench``).
 
 Each section prints its table as it finishes and names the standalone command that makes it.
 ``--quick`` runs everything at smoke scale (a few proxies, a small snapshot), which is what
@@ -63,28 +63,28 @@ class Scale:
     client: str = "h2"
     """The simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`)."""
     core_proxies: int = 1000
-    """Proxies of the HTTP/2 core comparison (own core vs the `h2` package, issue 9)."""
+    """Proxies of the HTTP/2 core comparison (own core vs the `h2` package)."""
     core_rounds: int = 2
     """Fan-outs per core in that comparison, interleaved."""
     core_abuse: str = "all"
     """The attacks of tests/abuse run against each core: ``all`` or a pytest ``-k`` expression."""
     hardening_proxies: tuple[int, ...] = (1000, 10000)
-    """Fleet sizes of the before/after-hardening, plaintext/TLS/mTLS comparison (issue 9)."""
+    """Fleet sizes of the before/after-hardening, plaintext/TLS/mTLS comparison."""
     hardening_rounds: int = 1
     """Times the four variants of that comparison run in turn (pooled)."""
     incremental_proxies: tuple[int, ...] = (1000,)
-    """Fleet sizes of issue 10's comparison, every variant (before SotW, now SotW, now delta)."""
+    """Fleet sizes of the incremental xDS comparison, every variant (before SotW, now SotW, now delta)."""
     incremental_large: tuple[int, ...] = (10000,)
-    """Fleet sizes of issue 10's comparison for the ``now`` variants only."""
+    """Fleet sizes of the incremental xDS comparison for the ``now`` variants only."""
     incremental_workload: Workload = field(default_factory=lambda: bench_incremental.ISSUE_WORKLOAD)
     """Issue 10's snapshot (10,000 clusters x 10 endpoints)."""
     incremental_changes: int = 3
     subsetting_grid: tuple[tuple[int, int, int], ...] = bench_subsetting.DEFAULT_GRID
-    """(proxies, backends, k) of issue 13's subsetting comparison."""
+    """(proxies, backends, k) of the subsetting comparison."""
     subsetting_removals: int = 5
     """Backends removed in turn (averaged) for that comparison's churn."""
     status_proxies: tuple[int, ...] = (1000, 10000)
-    """Fleet sizes of issue 11's comparison (before the status work vs now, admin API on)."""
+    """Fleet sizes of the status tracking comparison (before the status work vs now, admin API on)."""
     status_poll_proxies: tuple[int, ...] = (10000,)
     """Of those, the sizes that also run with a status page polling the admin API."""
     status_admin_proxies: tuple[int, ...] = (10000,)
@@ -92,17 +92,17 @@ class Scale:
     status_rounds: int = 3
     """Times the variants of that comparison run in turn."""
     replicas_proxies: int = 3000
-    """Proxies of issue 12's fan-out: one replica on etcd vs three (a third each) vs in-memory."""
+    """Proxies of the replicas' fan-out: one replica on etcd vs three (a third each) vs in-memory."""
     replicas_writes: int = 5
     """Registry writes per run of that fan-out."""
     replicas_rounds: int = 2
     """Times each of its variants runs, interleaved."""
     write_count: int = 2000
-    """Registrations per run of issue 12's write rate (in-memory vs etcd)."""
+    """Registrations per run of the replicas' write rate (in-memory vs etcd)."""
     write_clients: int = 16
     """Concurrent HTTP clients of that write rate."""
     churn_rate: float = 60.0
-    """New node ids a second in issue 19's churn soak (bench/bench_churn.py)."""
+    """New node ids a second in the churn soak (bench/bench_churn.py)."""
     churn_seconds: float = 60.0
     """How long they come."""
     churn_variants: tuple[bench_churn.ChurnVariant, ...] = bench_churn.VARIANTS
@@ -244,7 +244,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
             ["No xDS at all: a grpc.aio server with N streams (each on its own connection) writes one 4 KB "
              "message to every stream and waits until each has written back. This is what pilotfish would pay "
              "for the transport alone on grpc.aio, about 300 us of CPU per proxy per push; its own HTTP/2 "
-             "transport (src/pilotfish/server/grpc_server.py) does the whole fan-out, xDS included, for less "
+             "transport (src/pilotfish/transport/aio.py) does the whole fan-out, xDS included, for less "
              "(`CPU s / push` above)."])
 
     # 2. memory, from the fan-out runs.
@@ -373,7 +373,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "naive / pilotfish CPU per push", "naive / pilotfish RSS per stream",
              "Sovereign / pilotfish applied p50"], lambda: [r + ["-"] * (6 - len(r)) for r in ratios()])
 
-    # 6b. the HTTP/2 core: pilotfish's own against the `h2` package's state machine (issue 9).
+    # 6b. the HTTP/2 core: pilotfish's own against the `h2` package's state machine.
     def cores() -> list[list[Any]]:
         comparison = h2_core_compare.compare(proxies=scale.core_proxies, changes=scale.changes,
                                              rounds=scale.core_rounds, workload=wl, abuse=scale.core_abuse)
@@ -393,7 +393,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "attacks are tests/abuse with `PILOTFISH_ABUSE_CORE` set."])
     results.sections[-1].notes.extend(core_notes)
 
-    # 6c. issue 9: what the hardened transport and TLS cost, before vs now, plaintext / TLS / mTLS.
+    # 6c. what the hardened transport and TLS cost, before vs now, plaintext / TLS / mTLS.
     def hardening() -> list[list[Any]]:
         rows, notes = bench_hardening.run_hardening(proxies=scale.hardening_proxies, changes=scale.changes,
                                                     workload=wl, rounds=scale.hardening_rounds,
@@ -403,11 +403,11 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         return rows
 
     hardening_notes: list[str] = []
-    section("Hardening and TLS: pilotfish before issue 9 vs now, plaintext, TLS and mTLS",
+    section("Hardening and TLS: pilotfish before the hardening vs now, plaintext, TLS and mTLS",
             _cmd("bench.bench_hardening", "--proxies", *scale.hardening_proxies, "--changes", scale.changes,
                  "--rounds", scale.hardening_rounds, *_wl(wl)),
             bench_hardening.HARDENING_COLUMNS, hardening,
-            [f"`before`: pilotfish at {bench_hardening.BEFORE_COMMIT} (the last commit before issue 9's hardened "
+            [f"`before`: pilotfish at {bench_hardening.BEFORE_COMMIT} (the last commit before the hardened "
              "transport, TLS and authorization), run from a temporary `git worktree` of that commit; `now`: this "
              "checkout. The fleet simulator is the same for every row (through the registry API, event log "
              "`all`). TLS: `--tls-cert/--tls-key` from a throwaway CA, the proxies verify it (ALPN h2); mTLS: "
@@ -418,7 +418,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "it includes each connection's TLS state."])
     results.sections[-1].notes.extend(hardening_notes)
 
-    # 6d. issue 10: incremental responses, before SotW / now SotW / now delta, on a large snapshot.
+    # 6d. incremental responses, before SotW / now SotW / now delta, on a large snapshot.
     def incremental() -> list[list[Any]]:
         variants = bench_incremental.VARIANTS
         runs = [(v, n) for n in scale.incremental_proxies for v in variants]
@@ -433,7 +433,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
 
     incremental_notes: list[str] = []
 
-    section("Incremental xDS: pilotfish before issue 10 (SotW) vs now, SotW and delta",
+    section("Incremental xDS: pilotfish before incremental responses (SotW) vs now, SotW and delta",
             _cmd("bench.bench_incremental", "--proxies", *scale.incremental_proxies, "--large",
                  *scale.incremental_large, "--changes", scale.incremental_changes,
                  *_wl(scale.incremental_workload)),
@@ -446,7 +446,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "proxies: <= 2 KB per proxy per change, p99 <= 300 ms (including the 100 ms quiet period)."])
     results.sections[-1].notes.extend(incremental_notes)
 
-    # 6e. issue 13: subsetting, Ringsteady vs the SRE book's deterministic subsetting vs random (in-process).
+    # 6e. subsetting, Ringsteady vs the SRE book's deterministic subsetting vs random (in-process).
     def subsetting() -> list[list[Any]]:
         rows = bench_subsetting.run_subsetting(grid=scale.subsetting_grid, removals=scale.subsetting_removals)
         results.subsetting_rows = rows
@@ -457,7 +457,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
                  "--removals", scale.subsetting_removals),
             bench_subsetting.SUBSETTING_COLUMNS, subsetting, bench_subsetting.notes(scale.subsetting_removals))
 
-    # 6f. issue 11: status tracking and the admin API, before vs now; the admin API at 10,000 proxies.
+    # 6f. status tracking and the admin API, before vs now; the admin API at 10,000 proxies.
     def status() -> list[list[Any]]:
         rows, admin_rows, notes = bench_status.run_status(
             proxies=scale.status_proxies, changes=scale.changes, workload=wl, rounds=scale.status_rounds,
@@ -471,9 +471,9 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     status_command = _cmd("bench.bench_status", "--proxies", *scale.status_proxies, "--poll-proxies",
                           *scale.status_poll_proxies, "--admin-proxies", *scale.status_admin_proxies, "--changes",
                           scale.changes, "--rounds", scale.status_rounds, *_wl(wl))
-    section("Status tracking: pilotfish before issue 11 vs now, admin API on, a status page open",
+    section("Status tracking: pilotfish before status tracking vs now, admin API on, a status page open",
             status_command, bench_status.STATUS_COLUMNS, status,
-            [f"`before`: pilotfish at {bench_status.BEFORE_COMMIT[:7]} (the last commit before issue 11's admin API, "
+            [f"`before`: pilotfish at {bench_status.BEFORE_COMMIT[:7]} (the last commit before the admin API, "
              "metrics and status bookkeeping), from a temporary `git worktree`; `now`: this checkout with the admin "
              "API on, nobody asking it (`on`), or asked what one open status page asks (`/v1/fleet?limit=100`, "
              f"`/v1/snapshots`, `/v1/events` together, again {bench_status.PAGE_EVERY} s after the answers) while "
@@ -491,7 +491,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "synced: each endpoint asked in turn, requests pooled over the runs. Wall time per request (urllib "
              "over loopback, client side); the server's CPU for it (utime + stime, read once the server is idle "
              "before and after); response size. `proxies SYNCED when asked`: `/v1/fleet`'s counts, per run."])
-    # 6f. issue 12: replicas on etcd: one write to N proxies on one replica vs three; registry write rates.
+    # 6f. replicas on etcd: one write to N proxies on one replica vs three; registry write rates.
     def replicas() -> list[list[Any]]:
         rows, runs = bench_replicas.run_replica_fanouts(proxies=scale.replicas_proxies, writes=scale.replicas_writes,
                                                         rounds=scale.replicas_rounds, workload=wl,
@@ -516,7 +516,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     section("Registry write rate: one replica, in-memory vs on etcd", replicas_cmd + " --skip-fanout",
             bench_replicas.WRITE_COLUMNS, write_rates, replica_notes[1:])
 
-    # 6g. issue 19: proxies that come and go, RSS sampled (a departed proxy's record, the limits).
+    # 6g. proxies that come and go, RSS sampled (a departed proxy's record, the limits).
     def churn() -> list[list[Any]]:
         for variant in scale.churn_variants:
             result = bench_churn.run_churn(server=variant.server, rate=scale.churn_rate, seconds=scale.churn_seconds,
@@ -602,14 +602,14 @@ def targets(results: Results) -> list[list[Any]]:
         if row[col("proxies")] == 1000 and (row[col("server")], row[col("transport")]) == ("now", "plaintext"):
             p99, cpu = row[col("p99 x")], row[col("CPU x")]
             ok = None if "-" in (p99, cpu) else float(p99) <= 1.1 and float(cpu) <= 1.1
-            add("hardened transport vs before, 1,000 proxies, plaintext (issue 9)", "<= 1.10x p99 and CPU / push",
+            add("hardened transport vs before, 1,000 proxies, plaintext", "<= 1.10x p99 and CPU / push",
                 f"p99 {p99}x, CPU {cpu}x", ok)
     col = bench_incremental.INCREMENTAL_COLUMNS.index
     for row in results.incremental_rows:
         if row[col("server")] == "now" and row[col("proxies")] == 1000:
             worst, p99 = row[col("bytes / proxy / change (max)")], row[col("p99 ms")]
             ok = None if "-" in (worst, p99) else int(worst) <= 2048 and float(p99) <= 300 and row[col("failures")] == 0
-            add(f"one endpoint of 10,000 clusters changed, 1,000 proxies, {row[col('xds')]} (issue 10)",
+            add(f"one endpoint of 10,000 clusters changed, 1,000 proxies, {row[col('xds')]}",
                 "<= 2 KB per proxy per change, p99 <= 300 ms", f"max {worst} B, p99 {p99} ms", ok)
     col = bench_status.STATUS_COLUMNS.index
     for row in results.status_rows:
@@ -617,12 +617,12 @@ def targets(results: Results) -> list[list[Any]]:
             p99, cpu = row[col("p99 x before")], row[col("CPU x before")]
             ok = None if "-" in (p99, cpu) else float(p99) <= 1.1 and row[col("failures")] == 0
             add(f"fan-out with status tracking vs before it, {row[col('proxies')]:,} proxies, admin API "
-                f"{row[col('admin API')]} (issue 11)", "p99 not worse (<= 1.10x, medians of interleaved runs)",
+                f"{row[col('admin API')]}", "p99 not worse (<= 1.10x, medians of interleaved runs)",
                 f"p99 {p99}x, CPU {cpu}x", ok)
     col = bench_status.ADMIN_COLUMNS.index
     for row in results.status_admin_rows:
         if row[col("proxies")] == 10000 and row[col("endpoint")] in ("`/v1/proxies`", "`/metrics`"):
-            add(f"GET {row[col('endpoint')].strip('`')} with 10,000 connected proxies (issue 11)", "answers",
+            add(f"GET {row[col('endpoint')].strip('`')} with 10,000 connected proxies", "answers",
                 f"median {row[col('median ms')]} ms, max {row[col('max ms')]} ms, {row[col('response KB')]} KB",
                 True)
     for churned in results.churn:
@@ -630,12 +630,12 @@ def targets(results: Results) -> list[list[Any]]:
             continue
         if churned.max_disconnected is not None and churned.subset_grace is not None:
             past = churned.mib_per_1000_past_cap
-            add(f"churn, --status-max-disconnected {churned.max_disconnected:,} (issue 19)",
+            add(f"churn, --status-max-disconnected {churned.max_disconnected:,}",
                 "RSS flat: < 0.25 MiB per 1,000 departed past the cap",
                 "-" if past is None else f"{past:.3f} MiB per 1,000", None if past is None else past < 0.25)
         elif churned.max_disconnected is None:
             per = churned.kb_per_remembered
-            add("churn, default limits: RSS per remembered proxy (issue 19)", "<= 1 KB",
+            add("churn, default limits: RSS per remembered proxy", "<= 1 KB",
                 "-" if per is None else f"{per:.2f} KB", None if per is None else per <= 1.0)
     if results.build_rows:
         col = bench_build.BUILD_COLUMNS.index

@@ -1,5 +1,5 @@
 import sys
 
-from pilotfish.cli import main
+from pilotfish.commands.cli import main
 
 sys.exit(main())

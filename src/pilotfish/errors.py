@@ -1,8 +1,8 @@
-"""Errors, split by who is at fault (STYLE.md 6).
+"""Errors, split by who is at fault, so that each message can say who must act.
 
 - :class:`ConfigError`: the user's input (a snapshot file, an API call) is wrong. It carries
   every :class:`Problem` found, each naming where (file, resource, field) and what is wrong.
-- :class:`PeerError`: a proxy sent something the protocol does not allow. ``server/`` turns it
+- :class:`PeerError`: a proxy sent something the protocol does not allow. ``xds/`` turns it
   into a gRPC status.
 Anything else escaping is our own bug.
 """

@@ -435,7 +435,7 @@ service of n backends has at most n distinct subsets."""
 @dataclass(frozen=True, slots=True, eq=False)
 class SubsetService:
     """One subsetted service of a snapshot: its endpoints by backend index, and how a proxy's
-    subset is chosen (:mod:`pilotfish.subsetting`)."""
+    subset is chosen (:mod:`pilotfish.build.subsetting`)."""
 
     name: str
     """The assignment's (EDS resource's) name."""

@@ -121,7 +121,7 @@ class NodeInfo:
     address: str = ""
     """The peer address of its latest stream."""
     group: str = "default"
-    """The node group it is served (see :mod:`pilotfish.server.groups`)."""
+    """The node group it is served (see :mod:`pilotfish.policy.groups`)."""
     protocol: str = "sotw"
     """``sotw``, ``delta`` (sent only what changed for it) or ``rest`` (polls)."""
 
@@ -150,10 +150,6 @@ class TypeStatus:
     """When :attr:`acked_version` was first ACKed (a repeated ACK of it does not move it)."""
     nacked_at: float = 0.0
     """When the NACK was received."""
-
-    @property
-    def in_sync(self) -> bool:
-        return self.sent_version is not None and self.sent_version == self.acked_version
 
     @property
     def state(self) -> SyncState:

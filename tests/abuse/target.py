@@ -146,7 +146,7 @@ class Target:
         self.stdout = workdir / "pilotfish.out"
         self.stderr = workdir / "pilotfish.err"
         # PILOTFISH_ABUSE_CORE=h2 runs the same server on the `h2` package's state machine
-        # (bench/h2_core_launch.py), for issue 9's side-by-side comparison; unset: the CLI itself.
+        # (bench/h2_core_launch.py), for the side-by-side comparison of the two HTTP/2 cores; unset: the CLI itself.
         core = os.environ.get("PILOTFISH_ABUSE_CORE", "")
         launcher = ["bench.h2_core_launch", "--core", core] if core else ["pilotfish"]
         argv = [sys.executable, "-m", *launcher, "serve", "--snapshot", str(self.snapshot),

@@ -1,4 +1,4 @@
-"""Connection exhaustion (issue 9): caps on connections, the handshake timeout, the idle timeout.
+"""Connection exhaustion: caps on connections, the handshake timeout, the idle timeout.
 
 Each test starts its own ``pilotfish serve`` with the option under test shortened or lowered on
 its command line (``--handshake-timeout-ms``, ``--idle-timeout-ms``, ``--max-connections``,

@@ -1,4 +1,4 @@
-"""Resource exhaustion by one unauthenticated client (issue 9): each attack bounded.
+"""Resource exhaustion by one unauthenticated client: each attack bounded.
 
 Every test starts its own ``pilotfish serve`` (so the memory and CPU it measures are the attack's
 alone), with a good client (grpcio) subscribed beside it. The attacker works from raw sockets on

@@ -6,7 +6,7 @@ peer of the first test opens 40 streams on one connection with an initial window
 sent no byte of DATA: every response stays owed to it), each subscribing to its own random half of
 5,000 clusters, then disconnects. Afterwards less than :data:`RETAINED_BOUND` may stay allocated.
 
-How "retained" is measured: the server (:func:`pilotfish.server.serve`, as ``pilotfish serve``
+How "retained" is measured: the server (:func:`pilotfish.app.serve`, as ``pilotfish serve``
 runs it) runs in the test's own process (``tests/integration/inprocess.py``), and tracemalloc
 counts the bytes Python still has allocated once the server has closed the peer's 40 streams
 (their ``stream_closed`` events are in its event log) and the garbage is collected, against what it
@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 
 from integration.inprocess import serving
+from pilotfish.app import ServeSettings
 from pilotfish.events import read_events
-from pilotfish.server import ServeSettings
 
 from .target import CDS, Target, discovery_request
 from .test_exhaustion import goaway_with, names_field

@@ -74,7 +74,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert len(result.latencies) == 5 * QUICK.changes
         assert len(result.cpu_per_push) == QUICK.changes
         assert sum(result.errors_during_changes.values()) == 0
-    # HTTP/2 cores (issue 9): both served every proxy every change, both held the attack run.
+    # HTTP/2 cores: both served every proxy every change, both held the attack run.
     comparison = results.core_comparison
     assert comparison is not None
     assert sorted(run.core for run in comparison.runs) == ["h2", "own"]
@@ -98,7 +98,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         ("before", "plaintext"), ("now", "plaintext"), ("now", "TLS"), ("now", "mTLS")]
     for row in results.hardening_rows:
         assert row[col("failures")] == 0 and row[col("stream errors")] == 0
-    # Incremental xDS (issue 10): before (full-state EDS), now SotW and now delta, every proxy
+    # Incremental xDS: before (full-state EDS), now SotW and now delta, every proxy
     # served; a one-endpoint change costs the before server's every assignment (50 here) and now
     # one, on either protocol.
     col = bench_incremental.INCREMENTAL_COLUMNS.index
@@ -109,7 +109,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     before, now_sotw, now_delta = (row[col("bytes / proxy / change (max)")] for row in results.incremental_rows)
     assert before > 10 * max(now_sotw, now_delta)
     assert 0 < now_sotw <= 2048 and 0 < now_delta <= 2048
-    # Status tracking (issue 11): before, now with the admin API on, and now with a status page
+    # Status tracking: before, now with the admin API on, and now with a status page
     # polling it, every proxy served every change; with every proxy connected, each admin endpoint
     # answered and counted them all SYNCED.
     col = bench_status.STATUS_COLUMNS.index
@@ -125,10 +125,10 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert row[col("proxies SYNCED when asked")] == "5 of 5 (each of 1 runs)"
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
     assert "pilotfish-before-" not in worktrees
-    # Subsetting (issue 13): every algorithm on every (proxies, backends, k) of the grid.
+    # Subsetting: every algorithm on every (proxies, backends, k) of the grid.
     assert [row[:4] for row in results.subsetting_rows] == [
         [name, m, n, k] for m, n, k in QUICK.subsetting_grid for name in bench_subsetting.ALGORITHMS]
-    # Replicas on etcd (issue 12): one etcd-backed replica, three on one etcd (the proxies spread
+    # Replicas on etcd: one etcd-backed replica, three on one etcd (the proxies spread
     # over them), the in-memory registry; every proxy ACKed every write, none broke during them.
     assert [(run.registry, run.replicas) for run in results.replica_runs] == list(bench_replicas.FANOUT_VARIANTS)
     for run in results.replica_runs:
@@ -141,7 +141,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     assert [w.registry for w in results.write_rates] == ["memory", "etcd"]
     for rate in results.write_rates:
         assert rate.failed == {} and len(rate.latencies) == QUICK.write_count
-    # Churn (issue 19): now with a cap and before, every churning proxy synced and left; the server
+    # Churn: now with a cap and before, every churning proxy synced and left; the server
     # remembers at most the cap of them (the one before: all, under its fixed 10,000).
     churn_count = int(QUICK.churn_rate * QUICK.churn_seconds)
     assert [(r.server, r.max_disconnected) for r in results.churn] == [("now", 20), ("before", None)]

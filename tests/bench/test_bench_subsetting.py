@@ -1,4 +1,4 @@
-"""bench/bench_subsetting.py at a tiny grid, so the subsetting comparison (issue 13) cannot rot.
+"""bench/bench_subsetting.py at a tiny grid, so the subsetting comparison cannot rot.
 
 Asserts what the table promises (every algorithm on every row, the columns it names) and what
 Ringsteady guarantees in it (at most one entry changed per proxy on an add or a removal), never

@@ -1,4 +1,4 @@
-"""The same GrpcServer adapter on either HTTP/2 core (issue 9's comparison): a grpcio client is served
+"""The same GrpcServer adapter on either HTTP/2 core (the HTTP/2 core comparison): a grpcio client is served
 alike by pilotfish's own core and by the `h2` package baseline (bench/h2_package_core.py).
 
 What the comparison relies on: through ``GrpcServer(connection_factory=...)`` each core answers
@@ -21,7 +21,7 @@ if _ROOT not in sys.path:
 
 from bench.h2_core_launch import CORES, core_factory  # noqa: E402
 
-from pilotfish.server.grpc_server import Call, GrpcServer  # noqa: E402
+from pilotfish.transport.aio import Call, GrpcServer  # noqa: E402
 from pilotfish.transport.h2 import Limits  # noqa: E402
 
 _PATH = "/test.Echo/Stream"

@@ -28,9 +28,9 @@ if _ROOT not in sys.path:
 from bench.h2client import H2Channel, H2Error, client_context  # noqa: E402
 from bench.procs import free_port  # noqa: E402
 
-from pilotfish.server.grpc_server import Call, GrpcServer  # noqa: E402
-from pilotfish.server.tls import TlsFiles, build_context  # noqa: E402
 from pilotfish.transport import frames as http2  # noqa: E402
+from pilotfish.transport.aio import Call, GrpcServer  # noqa: E402
+from pilotfish.transport.tls import TlsFiles, build_context  # noqa: E402
 
 _SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 _PATH = f"/{_SERVICE}/StreamAggregatedResources"

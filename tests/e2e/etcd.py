@@ -2,7 +2,7 @@
 
 :class:`Etcd` runs the ``etcd`` binary (Debian package etcd-server) on OS-chosen client and peer
 ports with its data dir in the test's temp dir, through the test's :class:`ProcessGroup` (killed by
-PID at teardown); the command line and the readiness check are :mod:`pilotfish.etcd_member`'s, which
+PID at teardown); the command line and the readiness check are :mod:`pilotfish.etcd.member`'s, which
 bench/ uses too. :meth:`Etcd.restart` stops it and starts it again on the same data dir and
 ports, as a restarted member would come back: its keys and revision survive. :meth:`Etcd.pause`
 and :meth:`Etcd.resume` stall it (SIGSTOP) and let it go on (SIGCONT).
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from pilotfish.etcd_member import EtcdNotFound, find_etcd, member_argv, serves
+from pilotfish.etcd.member import EtcdNotFound, find_etcd, member_argv, serves
 
 from .processes import Process, ProcessGroup, free_port, http_json, port_accepts, wait_until
 

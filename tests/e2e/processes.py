@@ -38,6 +38,7 @@ from pilotfish.envoy import (
     EnvoySettings,
     envoy_shared_memory_files,
     find_envoy,
+    free_port,
     start_envoy,
 )
 
@@ -103,46 +104,6 @@ def wait_until(
                 message += "\n" + details()
             pytest.fail(message, pytrace=False)
         time.sleep(interval)
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_PORTS_FROM = 20_000
-"""Ports tests choose lie in [_PORTS_FROM, the kernel's ephemeral range): below that range, so no
-outgoing connection (wrk's, Envoy's to its upstreams) and no ``bind(0)`` (an Envoy admin port) is
-given a port a test chose and has not bound yet; above the defaults pilotfish and Envoy use."""
-
-
-_GIVEN: set[int] = set()
-"""Ports handed out by this process: never handed out twice (a test that asks for several ports
-before binding any must not get one twice; at random in ~12,000 ports, ten ports collide once in
-~250 tests)."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now, outside the kernel's ephemeral range (see
-    :data:`_PORTS_FROM`), and not handed out before by this process: picked at random, then
-    checked by binding it."""
-    high = _ephemeral_low()
-    if len(_GIVEN) > (high - _PORTS_FROM) // 2:
-        _GIVEN.clear()  # a long session: start over (the earliest tests' ports are long closed)
-    for _ in range(200):
-        port = random.randrange(_PORTS_FROM, high)
-        if port in _GIVEN:
-            continue
-        _GIVEN.add(port)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free TCP port on 127.0.0.1 in {_PORTS_FROM}-{high - 1} after 200 tries")
 
 
 def port_accepts(port: int, host: str = "127.0.0.1") -> bool:

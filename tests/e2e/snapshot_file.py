@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from pilotfish.bootstrap import rest_config_source
+from pilotfish.resources.bootstrap import rest_config_source
 
 __all__ = ["LISTENER_NAME", "ROUTE_NAME", "snapshot_document", "write_services", "write_snapshot"]
 

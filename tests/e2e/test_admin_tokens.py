@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pilotfish.server.registry_auth import hash_token
+from pilotfish.api.tokens import hash_token
 
 from .processes import ControlPlane, ProcessGroup, free_port, pilotfish_argv, pilotfish_env, wait_until
 from .snapshot_file import write_services

@@ -17,6 +17,8 @@ from pilotfish.envoy import EnvoyError, EnvoySettings, envoy_shared_memory_files
 
 from .processes import envoy_binary
 
+pytestmark = pytest.mark.e2e
+
 
 def _bootstrap(node: str) -> dict[str, Any]:
     return {

@@ -1,4 +1,4 @@
-"""The elected replica's TTL guard over many leases (issue 12): in this process, against a real
+"""The elected replica's TTL guard over many leases: in this process, against a real
 etcd, with instances registered through the registry on etcd (``EtcdRegistry``) and a guard that
 may ask etcd about only a few leases per pass (``max_asks``), as a large fleet makes it.
 
@@ -12,10 +12,10 @@ import asyncio
 
 import pytest
 
+from pilotfish.api.registry_etcd import EtcdRegistry, LeaseGuard
 from pilotfish.cache import SnapshotCache
 from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
-from pilotfish.server.registry_etcd import EtcdRegistry, LeaseGuard
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import SelfPreservation
 

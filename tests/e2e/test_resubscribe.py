@@ -1,7 +1,7 @@
 """A real Envoy, under wrk load, gets back a listener's routes and a cluster's endpoints at once
 when they are removed and restored after pilotfish restarted.
 
-The story of issue 8: pilotfish restarts; Envoy reconnects at its current versions and is rightly
+The restart story: pilotfish restarts; Envoy reconnects at its current versions and is rightly
 sent nothing. A listener then goes away and comes back: Envoy asks again for its route
 configuration, at the same version (versions are content hashes, and the routes did not change),
 with no nonce yet on that stream. That request must be answered at once: otherwise the listener

@@ -15,12 +15,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from .event_log import LDS, is_event
 from .processes import Envoy, free_port, wait_until
 from .test_tls import Pki, write_atomically
 from .testbed import Testbed, wait_for_acks
+
+pytestmark = pytest.mark.e2e
 
 SDS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 _TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"

@@ -21,12 +21,12 @@ from aiohttp import web
 from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
 
+from pilotfish.api.admin import AdminApi
 from pilotfish.cache import SnapshotCache
 from pilotfish.events import RecentEvents
 from pilotfish.reconcile import Reconciler
-from pilotfish.server.admin import AdminApi
-from pilotfish.server.http_site import serve_app
 from pilotfish.status import NodeInfo, SyncStatus
+from pilotfish.transport.site import serve_app
 
 from .ads_client import AdsClient
 from .browser import Browser, Page

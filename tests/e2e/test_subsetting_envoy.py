@@ -1,4 +1,4 @@
-"""Endpoint subsetting with real Envoys under load (issue 13).
+"""Endpoint subsetting with real Envoys under load.
 
 Six Envoys and twelve upstreams; service ``web`` (a cluster only, from the snapshot file) sets
 ``subset_size: 3``. Each Envoy takes load from its own ``wrk`` on a static listener of its own

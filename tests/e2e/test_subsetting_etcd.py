@@ -1,4 +1,4 @@
-"""Subsetting indices in etcd (issue 13 with issue 12): replicas on one etcd give a proxy the same
+"""Subsetting indices in etcd (subsetting with replicas on etcd): replicas on one etcd give a proxy the same
 subset whichever of them it asks, and restarting every replica changes nobody's subset.
 
 A real etcd holds service ``web`` (``subset_size: 3``) and its instances; two ``pilotfish serve

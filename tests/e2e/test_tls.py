@@ -11,6 +11,7 @@ import datetime
 import os
 from pathlib import Path
 
+import pytest
 import trustme
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -21,6 +22,8 @@ from .event_log import TYPE_URLS, is_event
 from .processes import Envoy, StatValue, pilotfish, wait_until
 from .testbed import Testbed, wait_for_acks
 from .wrk import Wrk, wrk_binary
+
+pytestmark = pytest.mark.e2e
 
 LOAD_S = 10
 """Duration of the wrk run during which the server certificate is rotated."""

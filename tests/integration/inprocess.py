@@ -1,6 +1,6 @@
 """``pilotfish serve`` in the test's own event loop, for the integration tests of its HTTP APIs.
 
-:func:`serving` starts :func:`pilotfish.server.serve` with the xDS server, the registry API and
+:func:`serving` starts :func:`pilotfish.app.serve` with the xDS server, the registry API and
 the admin API on ports the OS picks (REST xDS too, when the settings ask for it) and a fast debounce, waits until it
 listens, and finds the registry's, the admin API's (and REST's) address in its event log (``server_started``);
 leaving the block stops it.
@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pilotfish.app import ServeSettings, serve
 from pilotfish.events import check_event_log, read_events
 from pilotfish.reconcile import DebounceSettings
-from pilotfish.server import ServeSettings, serve
 
 __all__ = ["TIMEOUT", "Running", "serving"]
 

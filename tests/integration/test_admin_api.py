@@ -26,10 +26,10 @@ from inprocess import TIMEOUT, Running
 from inprocess import serving as serve_in_process
 from test_tls import CDS, snapshot_doc, write_pair
 
+from pilotfish.app import ServeSettings
+from pilotfish.commands.operate import client_context, confirm_command, status_command, wait_command
 from pilotfish.events import check_event_log
-from pilotfish.operate import client_context, confirm_command, status_command, wait_command
 from pilotfish.reconcile import GuardSettings
-from pilotfish.server import ServeSettings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,6 @@
 """Connection caps over TLS, in-process: a connection is counted from accept, TLS handshake
 included, and one over a cap is refused before the server sends a TLS byte; on the xDS port and
-on the HTTP ports (:class:`~pilotfish.server.http_site.CappedSite`).
+on the HTTP ports (:class:`~pilotfish.transport.site.CappedSite`).
 
 (The plaintext caps, the handshake and idle timeouts are exercised against a real ``pilotfish
 serve`` in tests/abuse/test_connections.py.)
@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 import trustme
 from aiohttp import web
 
-from pilotfish.server.grpc_server import ConnectionLimits, GrpcServer
-from pilotfish.server.http_site import REGISTRY_API, CappedSite, HttpConnectionLimits, serve_app
+from pilotfish.transport.aio import ConnectionLimits, GrpcServer
+from pilotfish.transport.site import REGISTRY_API, CappedSite, HttpConnectionLimits, serve_app
 
 TIMEOUT = 5.0
 

@@ -16,8 +16,8 @@ import yaml
 from envoy.service.cluster.v3 import cds_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from pilotfish.app import ServeSettings, serve
 from pilotfish.events import read_events
-from pilotfish.server import ServeSettings, serve
 from pilotfish.sources import file_signature, load_desired, watch_file
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
@@ -211,7 +211,7 @@ async def test_a_change_between_the_first_read_and_the_watch_is_not_lost(tmp_pat
 async def test_an_idle_server_freezes_what_lives_on_and_a_busy_one_does_not() -> None:
     import gc
 
-    from pilotfish.server.run import _tidy_heap_when_idle
+    from pilotfish.app.serve import _tidy_heap_when_idle
 
     keep = [[n] for n in range(5_000)]  # long-lived containers the GC would keep looking at
     idle = False

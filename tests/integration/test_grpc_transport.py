@@ -20,10 +20,10 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from pilotfish.cache import SnapshotCache
-from pilotfish.server import XdsServer, start_xds_server
-from pilotfish.server.grpc_server import GrpcServer
 from pilotfish.sources import load_snapshot
 from pilotfish.transport import frames as h2
+from pilotfish.transport.aio import GrpcServer
+from pilotfish.xds import XdsServer, start_xds_server
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 TIMEOUT = 10.0

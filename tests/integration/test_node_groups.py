@@ -15,8 +15,8 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from inprocess import TIMEOUT, Running, serving
 
-from pilotfish.server import ServeSettings
-from pilotfish.server.groups import parse_node_group
+from pilotfish.app import ServeSettings
+from pilotfish.policy.groups import parse_node_group
 
 LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
 

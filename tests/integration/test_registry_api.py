@@ -21,14 +21,14 @@ from hypothesis import strategies as st
 from inprocess import Running
 from inprocess import serving as serve_in_process
 
+from pilotfish.api.registry import RegistryApi
+from pilotfish.app import ServeSettings
+from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
-from pilotfish.desired import DesiredState
 from pilotfish.events import read_events
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import ServiceSpec
-from pilotfish.server import ServeSettings
-from pilotfish.server.registry_api import RegistryApi
 from pilotfish.sources.registry import Registry
 
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"

@@ -28,12 +28,12 @@ from hypothesis import strategies as st
 from inprocess import Running as InProcess
 from inprocess import serving as serve_in_process
 
+from pilotfish.api.registry import RegistryApi
+from pilotfish.api.tokens import TokenFile, hash_token
+from pilotfish.app import ServeSettings
 from pilotfish.cache import SnapshotCache
 from pilotfish.events import read_events
 from pilotfish.reconcile import Reconciler
-from pilotfish.server import ServeSettings
-from pilotfish.server.registry_api import RegistryApi
-from pilotfish.server.registry_auth import TokenFile, hash_token
 from pilotfish.sources.registry import Registry
 
 TIMEOUT = 10.0

@@ -33,15 +33,15 @@ from inprocess import TIMEOUT, Running
 from inprocess import serving as serve_in_process
 from test_tls import spiffe_cert, write_pair
 
-from pilotfish.bootstrap import rest_config_source
+from pilotfish.app import ServeSettings
 from pilotfish.events import read_events
+from pilotfish.policy.authorize import parse_rule
+from pilotfish.policy.grants import parse_grant
+from pilotfish.policy.groups import parse_node_group
 from pilotfish.protocol import XdsLimits
 from pilotfish.resources.anytypes import ensure_types_in
-from pilotfish.server import ServeSettings
-from pilotfish.server.authorize import parse_rule
-from pilotfish.server.grants import parse_grant
-from pilotfish.server.groups import parse_node_group
-from pilotfish.server.rest import DEFAULT_MAX_BODY, PATHS
+from pilotfish.resources.bootstrap import rest_config_source
+from pilotfish.xds.rest import DEFAULT_MAX_BODY, PATHS
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"

@@ -27,12 +27,13 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 from inprocess import serving as serve_in_process
 from test_tls import CDS, TIMEOUT, Running, credentials, snapshot_doc, spiffe_cert, write_pair
 
+from pilotfish.app import ServeSettings
 from pilotfish.cache import SnapshotCache
-from pilotfish.server import ServeSettings, XdsServer, start_xds_server
-from pilotfish.server.authorize import parse_rule
-from pilotfish.server.grants import SecretGrants, parse_grant
-from pilotfish.server.xds import MAX_DENIED_RECORDED
+from pilotfish.policy.authorize import parse_rule
+from pilotfish.policy.grants import SecretGrants, parse_grant
 from pilotfish.sources import load_snapshot
+from pilotfish.xds import XdsServer, start_xds_server
+from pilotfish.xds.server import MAX_DENIED_RECORDED
 
 SDS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 EDGE = "spiffe://pilotfish.test/ns/edge/sa/edge"

@@ -18,8 +18,8 @@ from inprocess import Running
 from test_admin_api import ack, ads, get, nack, read, serving, until
 from test_tls import snapshot_doc
 
+from pilotfish.api.admin import FLEET_ROWS, MAX_FILTER
 from pilotfish.events import RECENT_EVENTS
-from pilotfish.server.admin import FLEET_ROWS, MAX_FILTER
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,7 +29,7 @@ async def test_the_page_is_the_package_file_with_a_policy_that_runs_only_its_own
             session.get(f"http://{running.admin}/") as response:
         assert response.status == 200 and response.headers["Content-Type"] == "text/html; charset=utf-8"
         page = await response.read()
-        assert page == importlib.resources.files("pilotfish.server").joinpath("status_page.html").read_bytes()
+        assert page == importlib.resources.files("pilotfish.api").joinpath("status_page.html").read_bytes()
         policy = response.headers["Content-Security-Policy"]
         assert "default-src 'none'" in policy and "script-src 'sha256-" in policy
         assert "connect-src 'self'" in policy and "unsafe-inline" not in policy

@@ -1,4 +1,4 @@
-"""Subsets over every protocol a client may speak (issue 13): ``pilotfish serve`` in this process,
+"""Subsets over every protocol a client may speak: ``pilotfish serve`` in this process,
 a ``services:`` file with ``subset_size``, and real clients: grpcio on SotW ADS and on delta ADS,
 and REST polls over HTTP. Each gets its own subset, the same one by every protocol for one node id
 (its index is by node id), and the admin API names it."""
@@ -19,13 +19,13 @@ from google.protobuf import json_format
 from inprocess import TIMEOUT, Running
 from inprocess import serving as serve_in_process
 
+from pilotfish.app import ServeSettings
+from pilotfish.build.desired import DesiredState, View, build_snapshots, merge_states
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
-from pilotfish.desired import DesiredState, View, build_snapshots, merge_states
 from pilotfish.resources import ENDPOINT
 from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.resources.services import Endpoint, ServiceSpec
-from pilotfish.server import ServeSettings
-from pilotfish.server.xds import XdsServer, start_xds_server
+from pilotfish.xds.server import XdsServer, start_xds_server
 
 PORTS = range(9000, 9012)
 K = 3

@@ -27,9 +27,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from pilotfish.app import ServeSettings, serve
 from pilotfish.events import read_events
-from pilotfish.server import ServeSettings, serve
-from pilotfish.server.authorize import NodeRule, parse_rule
+from pilotfish.policy.authorize import NodeRule, parse_rule
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 TIMEOUT = 10.0

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from pilotfish.app import ServeSettings, serve
 from pilotfish.events import read_events
-from pilotfish.server import ServeSettings, serve
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"

@@ -110,7 +110,7 @@ class Received:
 class StreamPair:
     """A proxy's stream and the server side, wired through a real cache, with no I/O.
 
-    Mirrors what ``server/xds.py`` does per stream: each request's watch replaces the previous
+    Mirrors what ``xds/server.py`` does per stream: each request's watch replaces the previous
     one of its type; responses get their nonce from the state machine and are decoded here.
     """
 

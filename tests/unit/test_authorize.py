@@ -16,8 +16,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pilotfish.cli import main
-from pilotfish.server.authorize import NodeAuthorizer, NodeRule, parse_rule
+from pilotfish.commands.cli import main
+from pilotfish.policy.authorize import NodeAuthorizer, NodeRule, parse_rule
 
 FLEET = "spiffe://mesh/ns/{ns}/sa/{sa}={sa}"
 

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pilotfish.bootstrap import (
+from pilotfish.commands.cli import main
+from pilotfish.resources.bootstrap import (
     FAILOVER_OUTLIER_DETECTION,
     XDS_CLUSTER,
     BootstrapSettings,
@@ -16,7 +17,6 @@ from pilotfish.bootstrap import (
     grpc_bootstrap,
     split_addresses,
 )
-from pilotfish.cli import main
 
 REPLICAS = ("10.0.0.1:18000", "10.0.0.2:18000", "10.0.0.3:18000")
 

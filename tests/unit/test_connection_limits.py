@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pilotfish.server.grpc_server import ConnectionLimits
+from pilotfish.transport.aio import ConnectionLimits
 
 
 @pytest.mark.parametrize(("descriptors", "total", "per_address"), [

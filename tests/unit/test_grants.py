@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pilotfish.cli import main
+from pilotfish.commands.cli import main
 from pilotfish.errors import ConfigError
 from pilotfish.events import EventLog
-from pilotfish.server.grants import MAX_GRANTS, GrantsFile, SecretGrant, SecretGrants, Subject, parse_grant
+from pilotfish.policy.grants import MAX_GRANTS, GrantsFile, SecretGrant, SecretGrants, Subject, parse_grant
 
 EDGE = "spiffe://mesh/ns/prod/sa/edge"
 

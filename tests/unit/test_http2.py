@@ -12,8 +12,8 @@ from typing import Any
 import hpack
 import pytest
 
-from pilotfish.server.grpc_server import Call, ConnectionLimits, GrpcServer, _Connection
 from pilotfish.transport import frames as h2
+from pilotfish.transport.aio import Call, ConnectionLimits, GrpcServer, _Connection
 
 
 class RecordingTransport:

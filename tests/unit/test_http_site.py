@@ -1,4 +1,4 @@
-"""What ``serve`` says when a listener cannot bind (:mod:`pilotfish.server.http_site`), with real
+"""What ``serve`` says when a listener cannot bind (:mod:`pilotfish.transport.site`), with real
 sockets: each listener named with its address and its flag, every taken one at once."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from pilotfish.server.grpc_server import ConnectionLimits
-from pilotfish.server.http_site import (
+from pilotfish.transport.aio import ConnectionLimits
+from pilotfish.transport.site import (
     ADMIN_API,
     REGISTRY_API,
     REST_XDS,

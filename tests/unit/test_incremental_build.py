@@ -17,7 +17,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pilotfish.desired import DesiredState, MergeMemo, View, build_snapshots, merge_states
+from pilotfish.build.desired import DesiredState, MergeMemo, View, build_snapshots, merge_states
 from pilotfish.errors import ConfigError
 from pilotfish.resources import ENDPOINT
 from pilotfish.resources.builders import ClientKind, ResourceMemo

@@ -1,7 +1,7 @@
 """The response memo's budget against a fleet: a peer asking for ever new name sets (far over the
 budget) must not make 1,000 proxies at one version each get their own encoding of one response.
 
-The proxies are real SotW state machines wired to a real cache, as ``server/xds.py`` wires them
+The proxies are real SotW state machines wired to a real cache, as ``xds/server.py`` wires them
 (:class:`conftest.StreamPair`): each response goes through the stream's ``on_response``, which
 keeps what it sent, as the server's streams do."""
 

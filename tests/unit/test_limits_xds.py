@@ -9,10 +9,10 @@ import pytest
 from conftest import CDS, EDS, StreamPair, assignment, build, cluster
 from envoy.service.discovery.v3 import discovery_pb2
 
+from pilotfish.app.serve import raise_descriptor_limit
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import PeerError
 from pilotfish.protocol import PeerOverLimit, SotwStream, XdsLimits
-from pilotfish.server.run import raise_descriptor_limit
 
 SHORT = 600
 """An error message repeating a peer's value is at most about this long."""
@@ -118,7 +118,7 @@ def test_serve_raises_its_open_file_limit_to_the_hard_limit() -> None:
 def test_refusals_are_logged_at_most_once_per_interval_with_how_many_were_not(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from pilotfish.server.grpc_server import WARN_EVERY, RateLimitedLog
+    from pilotfish.transport.aio import WARN_EVERY, RateLimitedLog
 
     now = [100.0]
     warnings = RateLimitedLog(logging.getLogger("pilotfish.server"), what="such streams", clock=lambda: now[0])

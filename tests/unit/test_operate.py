@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pilotfish.operate import TOKEN_VARIABLE, admin_token, fleet_verdict, laggards, status_table
+from pilotfish.commands.operate import TOKEN_VARIABLE, admin_token, fleet_verdict, laggards, status_table
 
 
 def proxy(node: str, *, protocol: str = "sotw", group: str = "default", **types: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +78,7 @@ def test_the_table_has_a_row_per_proxy_and_a_line_per_nack() -> None:
 
 
 def test_serve_has_the_admin_api_on_loopback_by_default_and_off_turns_it_off() -> None:
-    from pilotfish.cli import _parser
+    from pilotfish.commands.cli import _parser
 
     assert _parser().parse_args(["serve", "--snapshot", "s.yaml"]).admin == "127.0.0.1:18001"
     assert _parser().parse_args(["serve", "--snapshot", "s.yaml", "--admin", "off"]).admin is None
@@ -86,7 +86,7 @@ def test_serve_has_the_admin_api_on_loopback_by_default_and_off_turns_it_off() -
 
 
 def test_an_admin_api_off_loopback_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    from pilotfish.server.admin import warn_if_exposed
+    from pilotfish.api.admin import warn_if_exposed
 
     assert not warn_if_exposed("127.0.0.1") and not warn_if_exposed("[::1]") and not warn_if_exposed("localhost")
     assert not caplog.records
@@ -95,7 +95,7 @@ def test_an_admin_api_off_loopback_is_warned_about(caplog: pytest.LogCaptureFixt
 
 
 def test_an_admin_client_ca_needs_tls(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    from pilotfish.cli import main
+    from pilotfish.commands.cli import main
 
     snapshot = tmp_path / "snap.yaml"
     snapshot.write_text("clusters: []\n")

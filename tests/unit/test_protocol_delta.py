@@ -1,6 +1,6 @@
-"""The delta (incremental) xDS state machine through the cache, no I/O: DESIGN.md behaviour 14.
+"""The delta (incremental) xDS state machine through the cache, no I/O: docs/architecture.md, behaviour 14.
 
-A :class:`DeltaPair` is a client's delta stream wired to a real cache, as ``server/xds.py`` wires
+A :class:`DeltaPair` is a client's delta stream wired to a real cache, as ``xds/server.py`` wires
 it; each test states the client's requests and asserts exactly what it was sent and told removed.
 """
 
@@ -67,7 +67,7 @@ class DeltaPair:
                 assert getattr(message, "name" if decoded.type_url == CDS else "cluster_name") == resource.name
         self.inbox.append(Got(decoded.type_url, decoded.nonce, decoded.system_version_info,
                               {r.name: r.version for r in decoded.resources}, list(decoded.removed_resources)))
-        for due in again:  # as server/xds.py: warming watches open at once
+        for due in again:  # as xds/server.py: warming watches open at once
             self._open(due)
 
     def send(self, type_url: str, subscribe: Sequence[str] = (), unsubscribe: Sequence[str] = (), *,

@@ -4,7 +4,7 @@ Hypothesis drives an ADS stream (state machine + real cache, in memory) with ran
 (any type, any names including ``*`` and names that never exist, versions that are empty, old,
 current or bogus, nonces that are the latest, none, stale or bogus, with or without
 error_detail) while snapshots change under it. The test keeps its own simple model of the proxy
-(what it subscribes to, what it holds) and checks after every step (DESIGN.md behaviours 3-13):
+(what it subscribes to, what it holds) and checks after every step (docs/architecture.md, behaviours 3-13):
 
 - a request with a stale or unknown nonce gets no response and changes nothing: a twin stream
   that never saw those requests has been sent exactly the same responses;

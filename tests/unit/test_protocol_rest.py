@@ -6,12 +6,12 @@ import pytest
 from conftest import EDS, assignment, build, cluster
 from envoy.service.discovery.v3 import discovery_pb2
 
-from pilotfish.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import PeerError
 from pilotfish.protocol import PeerOverLimit, XdsLimits
 from pilotfish.protocol.rest import RestPoll, is_current, read_poll
 from pilotfish.resources import CLUSTER, ENDPOINT
+from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.snapshot import Snapshot
 
 LIMITS = XdsLimits(max_resource_names=3, max_node_id_chars=8, max_version_chars=40)

@@ -1,4 +1,4 @@
-"""The SotW state machine and cache, driven through DESIGN.md behaviours 2-13 with no I/O."""
+"""The SotW state machine and cache, driven through docs/architecture.md, behaviours 2-13 with no I/O."""
 
 from __future__ import annotations
 

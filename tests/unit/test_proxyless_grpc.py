@@ -16,18 +16,18 @@ from google.protobuf import struct_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pilotfish.bootstrap import BootstrapSettings, grpc_bootstrap
+from pilotfish.build.desired import DesiredState, View, build_snapshots, merge_states
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
-from pilotfish.cli import main
-from pilotfish.desired import DesiredState, View, build_snapshots, merge_states
+from pilotfish.commands.cli import main
 from pilotfish.errors import ConfigError
+from pilotfish.policy.authorize import compile_pattern, glob_match
+from pilotfish.policy.groups import GRPC_GROUP, MAX_GROUPS, NodeGroups, parse_node_group
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
+from pilotfish.resources.bootstrap import BootstrapSettings, grpc_bootstrap
 from pilotfish.resources.builders import ClientKind, ResourceMemo
 from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import parse_services
-from pilotfish.server.authorize import compile_pattern, glob_match
-from pilotfish.server.groups import GRPC_GROUP, MAX_GROUPS, NodeGroups, parse_node_group
 from pilotfish.snapshot import Snapshot
 from pilotfish.sources.etcd import EtcdView
 

@@ -1,12 +1,12 @@
-"""Publishing rules 1 and 3 of DESIGN.md: nothing is published before every source has reported,
+"""docs/architecture.md, publishing rules 1 and 3: nothing is published before every source has reported,
 and a snapshot that removes too much at once is held until the operator confirms it."""
 
 from __future__ import annotations
 
 import pytest
 
+from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
-from pilotfish.desired import DesiredState
 from pilotfish.events import EventLog
 from pilotfish.reconcile import GuardSettings, Reconciler
 from pilotfish.resources import CLUSTER, LISTENER

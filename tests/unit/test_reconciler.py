@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
-from pilotfish.desired import DesiredState
 from pilotfish.reconcile import DebounceSettings, Reconciler
 from pilotfish.resources import ENDPOINT
 from pilotfish.resources.services import Endpoint, ServiceSpec
@@ -182,7 +182,7 @@ async def test_an_endpoint_two_sources_report_stays_while_either_does(running: R
 
 def test_a_merge_with_the_memo_equals_a_fresh_merge_as_sources_change() -> None:
     """The merge memo reuses what an unchanged endpoint tuple became; it must never change the result."""
-    from pilotfish.desired import DesiredState, MergeMemo, merge_states
+    from pilotfish.build.desired import DesiredState, MergeMemo, merge_states
     from pilotfish.resources.services import Endpoint
 
     def eps(*ports: int) -> tuple[Endpoint, ...]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
-from pilotfish.desired import DesiredState
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import Endpoint, ServiceSpec

@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
+from pilotfish.api.registry import RegistryApi
+from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
-from pilotfish.desired import DesiredState
 from pilotfish.errors import ConfigError
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources.parse import parse_document
-from pilotfish.server.registry_api import RegistryApi
 from pilotfish.sources.registry import Registry, RegistryFull, RegistryLimits, SelfPreservation
 
 

@@ -14,9 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pilotfish.errors import ConfigError
-from pilotfish.events import EventLog
-from pilotfish.server.registry_auth import (
+from pilotfish.api.tokens import (
     MAX_TOKENS_FILE_BYTES,
     Access,
     Allowed,
@@ -31,6 +29,8 @@ from pilotfish.server.registry_auth import (
     token_command,
     warn_if_open,
 )
+from pilotfish.errors import ConfigError
+from pilotfish.events import EventLog
 
 WEB, READER, ADMIN = "tok-web-0123456789", "tok-reader-0123456789", "tok-admin-0123456789"
 

@@ -14,15 +14,15 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from google.protobuf import json_format
 
-from pilotfish.bootstrap import XDS_CLUSTER, BootstrapSettings, bootstrap
+from pilotfish.build.desired import DesiredState, View, build_snapshots, merge_states
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
-from pilotfish.cli import main
-from pilotfish.desired import DesiredState, View, build_snapshots, merge_states
+from pilotfish.commands.cli import main
+from pilotfish.policy.groups import GRPC_GROUP, MAX_GROUPS, REST_GROUP, NodeGroups, parse_node_group
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
+from pilotfish.resources.bootstrap import XDS_CLUSTER, BootstrapSettings, bootstrap
 from pilotfish.resources.builders import ClientKind, ResourceMemo
 from pilotfish.resources.services import parse_services
-from pilotfish.server.groups import GRPC_GROUP, MAX_GROUPS, REST_GROUP, NodeGroups, parse_node_group
 from pilotfish.snapshot import Snapshot
 
 ENVOYS, GRPC, REST = View(), View(kind=ClientKind.GRPC), View(kind=ClientKind.REST)

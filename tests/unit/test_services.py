@@ -6,11 +6,12 @@ import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
 
-from pilotfish.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.errors import ConfigError
+from pilotfish.etcd.client import prefix_end
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_services
-from pilotfish.sources.etcd import EtcdView, prefix_end
+from pilotfish.sources.etcd import EtcdView
 
 
 def test_services_section_parses_endpoints_and_settings() -> None:

@@ -12,9 +12,8 @@ import types
 import pytest
 from envoy.config.core.v3 import base_pb2
 
-from pilotfish.cli import main
-from pilotfish.server.admin import proxy_json
-from pilotfish.server.xds import node_info
+from pilotfish.api.admin import proxy_json
+from pilotfish.commands.cli import main
 from pilotfish.status import (
     DEPARTED_BYTES,
     DEPARTED_BYTES_MAX,
@@ -26,6 +25,7 @@ from pilotfish.status import (
     SyncState,
     SyncStatus,
 )
+from pilotfish.xds.server import node_info
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"

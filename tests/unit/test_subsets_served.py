@@ -1,4 +1,4 @@
-"""Subsets as proxies receive them (issue 13): the snapshot's plan, the cache's per-proxy endpoints,
+"""Subsets as proxies receive them: the snapshot's plan, the cache's per-proxy endpoints,
 the proxies' indices and the state file. The arithmetic itself is tested in test_subsetting.py."""
 
 from __future__ import annotations
@@ -10,21 +10,21 @@ import pytest
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
+from pilotfish.build.desired import DesiredState, View, build_snapshots, merge_states, subset_tables
+from pilotfish.build.subsetting import IndexTable, ProxyIndices
 from pilotfish.cache import SnapshotCache
-from pilotfish.desired import DesiredState, View, build_snapshots, merge_states, subset_tables
 from pilotfish.errors import ConfigError
 from pilotfish.protocol import Subscription, Watch
 from pilotfish.resources import ENDPOINT
 from pilotfish.resources.services import Endpoint, ServiceSpec
-from pilotfish.server.subset_state import (
+from pilotfish.snapshot import EncodedResponse, Snapshot
+from pilotfish.subsets.state import (
     STATE_FILE,
     SubsetState,
     load_or_start_fresh,
     load_subset_state,
     save_subset_state,
 )
-from pilotfish.snapshot import EncodedResponse, Snapshot
-from pilotfish.subsetting import IndexTable, ProxyIndices
 
 
 def state(ports: range, *, k: int | None = 3, zones: dict[int, str] | None = None) -> DesiredState:

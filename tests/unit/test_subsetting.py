@@ -1,4 +1,4 @@
-"""Ringsteady subsets and their index tables (src/pilotfish/subsetting.py, issue 13).
+"""Ringsteady subsets and their index tables (src/pilotfish/build/subsetting.py).
 
 The issue's properties, as hypothesis tests: a subset has exactly min(k, n) distinct backends and
 does not depend on input order; adding a backend changes at most one entry per proxy; removing
@@ -35,8 +35,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pilotfish.build.subsetting import INDEX_LIMIT, Index, IndexTable, Ring, ZoneRings, balance_limit, pos, subset
 from pilotfish.errors import ConfigError
-from pilotfish.subsetting import INDEX_LIMIT, Index, IndexTable, Ring, ZoneRings, balance_limit, pos, subset
 
 indices = st.integers(min_value=0, max_value=INDEX_LIMIT - 1)
 backend_sets = st.sets(indices, max_size=60)

@@ -8,11 +8,11 @@ import pytest
 import trustme
 import yaml
 
-from pilotfish.bootstrap import BootstrapSettings, bootstrap
-from pilotfish.cli import main
+from pilotfish.commands.cli import main
 from pilotfish.errors import ConfigError
-from pilotfish.server.authorize import NodeAuthorizer, parse_rule
-from pilotfish.server.tls import ReloadingServerContext, TlsFiles, build_context, peer_identity
+from pilotfish.policy.authorize import NodeAuthorizer, parse_rule
+from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
+from pilotfish.transport.tls import ReloadingServerContext, TlsFiles, build_context, peer_identity
 
 
 def test_identity_is_the_spiffe_uri_else_the_first_dns_name() -> None:

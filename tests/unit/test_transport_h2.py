@@ -657,7 +657,7 @@ def test_a_compressed_message_is_rejected_as_unimplemented() -> None:
 
 
 def test_message_reassembly_is_linear_in_the_bytes_received() -> None:
-    """The attack of issue 9: a large message, then thousands of one-byte frames. Re-copying the
+    """The attack the transport is hardened against: a large message, then thousands of one-byte frames. Re-copying the
     partial message on every frame takes seconds; appending takes milliseconds."""
     size = 4 * 1024 * 1024
     limits = Limits(initial_window_size=2 * size, connection_window_size=2 * size)

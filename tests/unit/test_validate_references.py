@@ -1,4 +1,4 @@
-"""Cross references checked before a snapshot is served (pilotfish.validate.check_references).
+"""Cross references checked before a snapshot is served (pilotfish.build.validate.check_references).
 
 What these refuse, Envoy would either reject (a filter chain that does not end in a terminal
 filter, checked against ``envoy --mode validate`` 1.40) or accept and then fail every request
@@ -14,12 +14,12 @@ from envoy.config.route.v3 import route_pb2
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from pilotfish.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.build.validate import check_references
 from pilotfish.errors import ConfigError
 from pilotfish.resources import CLUSTER, LISTENER, ROUTE, ResourceType
 from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.resources.services import Endpoint, ServiceSpec
-from pilotfish.validate import check_references
 
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 ROUTER = {"name": "envoy.filters.http.router",

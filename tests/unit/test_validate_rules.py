@@ -1,4 +1,4 @@
-"""Envoy's own ``validate.rules`` checked before anything is served (pilotfish.validate).
+"""Envoy's own ``validate.rules`` checked before anything is served (pilotfish.build.validate).
 
 Each case is a rule taken from a real Envoy proto, with a value that passes and one that breaks
 it; the problem must name the field path, the rule and the value. Then: every rule kind used by
@@ -34,11 +34,11 @@ from google.protobuf import any_pb2, descriptor, duration_pb2, wrappers_pb2
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
-from pilotfish.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.build.validate import RuleChecker, RuleNotUnderstood, understands
 from pilotfish.errors import ConfigError
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET
 from pilotfish.resources.services import Endpoint, ServiceSpec
-from pilotfish.validate import RuleChecker, RuleNotUnderstood, understands
 
 # -- helpers --------------------------------------------------------------------------------------
 
@@ -407,8 +407,8 @@ class _Stumped(RuleChecker):
 
 def test_a_rule_that_cannot_be_applied_refuses_the_resource_by_name() -> None:
     """Raw and built resources alike: the snapshot is refused, naming the resource, never served unchecked."""
+    from pilotfish.build.validate import check_rules
     from pilotfish.resources.encoded import Resource
-    from pilotfish.validate import check_rules
 
     raw_cluster = good_cluster()
     raw = {CLUSTER: [(Resource.of(CLUSTER, raw_cluster), raw_cluster)]}

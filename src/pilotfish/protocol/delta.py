@@ -9,7 +9,7 @@ and the :class:`DeltaWatch` to open); an answer the cache found goes through
 Per type, a stream remembers what the client subscribes to (everything, ``*``, and/or names)
 and what it is *known to have*: name -> version, where versions are content hashes (the same on
 every replica and after restarts). The cache answers a watch with the resources whose version
-differs from what the client has and the names it has that are gone (DESIGN.md behaviour 14,
+differs from what the client has and the names it has that are gone (docs/architecture.md, behaviour 14,
 https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol#incremental-xds):
 
 - The first request of a type may carry ``initial_resource_versions`` (a client that reconnects):

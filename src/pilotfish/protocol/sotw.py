@@ -8,7 +8,7 @@ and which :class:`Watch` to open); a response the cache produced goes through
 
 Per type, a stream remembers the last nonce it sent, the subscription, and what the proxy *holds*:
 a version and the names it has at that version. That is the heart of deciding whether to answer.
-The rules (DESIGN.md behaviours 2-13, https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol):
+The rules (docs/architecture.md, behaviours 2-13, https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol):
 
 - A request whose ``response_nonce`` is not the latest nonce sent for its type is stale: ignored.
 - No nonce: the proxy has not seen a response of this type on this stream. On its first request

@@ -1,4 +1,8 @@
-"""Envoy resource types, and Envoy JSON/YAML -> protobuf."""
+"""Envoy resource types, Envoy JSON/YAML -> protobuf, and the Envoy bootstrap and address parsing
+(:mod:`~pilotfish.resources.bootstrap`).
+
+May import only ``followed_file``, ``events`` and ``errors`` (and protobuf); everything above builds on it.
+"""
 
 from pilotfish.resources.parse import ParsedDocument, parse_document, read_document
 from pilotfish.resources.types import (

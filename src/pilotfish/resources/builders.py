@@ -10,12 +10,12 @@ requires of it (gRFC A27).
 Which listeners a client gets depends on what it is (:class:`ClientKind`): an Envoy binds every
 listener it is sent and has no use for API listeners; a gRPC client asks for listeners by target
 name and drops one with an address. So the two kinds are served different listener sets (node
-groups, :mod:`pilotfish.desired`), and a service's socket listener keeps the service's name for
+groups, :mod:`pilotfish.build.desired`), and a service's socket listener keeps the service's name for
 Envoys (stat prefixes stay as they are) while its API listener takes the same name for gRPC
 clients: ``xds:///web`` finds the API listener, never the socket one. An Envoy that polls over
 REST (``ClientKind.REST``) gets the socket listeners too, but it holds no ADS stream to follow
 ``ads: {}`` with: its clusters' EDS and its connection managers' RDS name the REST config source
-it polls (``rest_source``: the one of its bootstrap, :func:`pilotfish.bootstrap.rest_config_source`);
+it polls (``rest_source``: the one of its bootstrap, :func:`pilotfish.resources.bootstrap.rest_config_source`);
 endpoints and routes, which name no config source, are the same objects for every kind.
 Defaults, and why:
 

@@ -4,7 +4,7 @@ A :class:`Resource` is built from a message (or from bytes a builder encoded dir
 the bytes: its content hash (which versions are made of) and its ``google.protobuf.Any`` encoding
 (which responses are concatenated from) are computed once, when it is made. The message is decoded
 only if someone asks for it. It lives in the resources layer so that builders can make resources
-without importing :mod:`pilotfish.snapshot` (DESIGN.md, "Import layers"); snapshots hold them.
+without importing :mod:`pilotfish.snapshot` (docs/architecture.md, "Import layers"); snapshots hold them.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class ServiceSpec:
     an ``api_listener`` is built for them; None: none (see :mod:`pilotfish.resources.builders`)."""
     subset_size: int | None = None
     """Each proxy gets its own ``subset_size`` endpoints of the service (Ringsteady subsetting,
-    :mod:`pilotfish.subsetting`); None: every endpoint (or the server's ``--subset-size``)."""
+    :mod:`pilotfish.build.subsetting`); None: every endpoint (or the server's ``--subset-size``)."""
 
 
 def _where(prefix: str, key: str) -> str:

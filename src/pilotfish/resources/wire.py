@@ -1,6 +1,6 @@
 """Hand-assembled protobuf wire encoding for discovery responses.
 
-Serialize once, send many (DESIGN.md): a response body is the concatenation of encoded fields,
+Serialize once, send many (docs/architecture.md): a response body is the concatenation of encoded fields,
 so it is built once per (type, version, subscribed names) and every stream appends only its own
 nonce field. Protobuf parsers accept fields in any order, so appending is valid encoding.
 """

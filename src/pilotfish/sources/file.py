@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from pilotfish.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import parse_document, read_document
 from pilotfish.snapshot import Snapshot

@@ -1,7 +1,7 @@
 """The service registry: instances registered over an API, kept alive by heartbeats.
 
 This module is the registry's state, without I/O (the HTTP API lives in
-:mod:`pilotfish.server.registry_api`, which also checks every change against the merged state of
+:mod:`pilotfish.api.registry`, which also checks every change against the merged state of
 all sources before it accepts it: :meth:`Registry.undo_point` lets it take a change back).
 Services may be defined here (listen address, protocol, settings) or elsewhere (the snapshot
 file); instances may be registered for either. An instance registered with a TTL must heartbeat
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pilotfish.desired import DesiredState
+from pilotfish.build.desired import DesiredState
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_endpoint, parse_service
 
@@ -46,6 +46,7 @@ __all__ = [
     "RegistryFull",
     "RegistryLimits",
     "SelfPreservation",
+    "StoreUnavailable",
     "UnknownInstance",
     "describe_services",
     "endpoint_document",
@@ -56,6 +57,11 @@ __all__ = [
 MAX_TTL = 24 * 3600.0
 MAX_METADATA_CHARS = 4096
 """An instance's metadata keys and values together, in characters."""
+
+
+class StoreUnavailable(Exception):
+    """The store that holds the registrations (etcd) could not be reached or did not do what was
+    asked; the message says which and why."""
 
 
 class UnknownInstance(LookupError):

@@ -2,7 +2,7 @@
 blocks a gRPC peer sends, and gRPC's length-prefixed messages.
 
 Pure codecs, no state: the rules of a connection live in :mod:`pilotfish.transport.h2`. Both ends
-of pilotfish's own gRPC transport use this module: the server (:mod:`pilotfish.server.grpc_server`)
+of pilotfish's own gRPC transport use this module: the server (:mod:`pilotfish.transport.aio`)
 and the fleet simulator's client (``bench/h2client.py``).
 Header blocks are *sent* as literals that never touch the HPACK dynamic table (so a sender keeps
 no HPACK state); they are *received* with the ``hpack`` package's decoder, since a peer may use

@@ -33,7 +33,7 @@ error, that must end it, and would hold its descriptor for as long as the peer l
 grants no flow-control window fills no socket: the DATA it is owed is counted instead, and past
 :attr:`Limits.max_owed_bytes` the connection ends too.
 
-Why pilotfish's own code and not the ``h2`` package's state machine (issue 9, measured by
+Why pilotfish's own code and not the ``h2`` package's state machine (the hardened transport's choice, measured by
 ``python -m bench.h2_core_compare``, BENCHMARKS.md): both under the same ``GrpcServer`` adapter,
 the package wrapped to this interface and these limits (bench/h2_package_core.py), both hold all
 50 attacks of tests/abuse; a push to 1,000 proxies costs the server 1.6x the CPU on the package
@@ -1078,9 +1078,6 @@ class Connection:
         self._queue(f.rst_stream(stream_id, code))
         self._remember_reset(stream_id)
         self._close_stream(stream)
-
-    def ping(self, opaque: bytes = b"\0" * 8) -> None:
-        self._queue(f.frame(f.PING, 0, 0, opaque))
 
     def close(self, code: int = ErrorCode.NO_ERROR, reason: str = "") -> None:
         """GOAWAY: no new streams. With NO_ERROR the open ones may still finish."""

@@ -44,7 +44,7 @@ response), recorded as ACKed; a 304 records the stated version as both. A poller
 for the status' grace period after its last poll.
 
 Node groups: :attr:`RestXds.group_of` maps a poll's node to the group whose snapshot answers it;
-``serve`` gives it :meth:`~pilotfish.server.groups.NodeGroups.rest_group_of`, so a poll is answered
+``serve`` gives it :meth:`~pilotfish.policy.groups.NodeGroups.rest_group_of`, so a poll is answered
 from a group of kind rest, whose clusters and listeners poll EDS and RDS over REST too.
 """
 
@@ -64,21 +64,21 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
 
+from pilotfish.build.subsetting import ProxyIndexer, ProxyIndices
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.errors import PeerError
 from pilotfish.events import EventLog, ReportGate
+from pilotfish.policy.grants import SecretGrants
 from pilotfish.protocol import DEFAULT_LIMITS, WILDCARD, PeerOverLimit, Subscription, XdsLimits, next_subscription
 from pilotfish.protocol.limits import shorten
 from pilotfish.protocol.rest import RestPoll, is_current, read_poll
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, ResourceType
 from pilotfish.resources.anytypes import ensure_type
-from pilotfish.server.grants import SecretGrants
-from pilotfish.server.http_site import REST_XDS, HttpConnectionLimits, serve_app
-from pilotfish.server.tls import peer_identity
-from pilotfish.server.xds import node_info
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.status import SyncStatus
-from pilotfish.subsetting import ProxyIndexer, ProxyIndices
+from pilotfish.transport.site import REST_XDS, HttpConnectionLimits, serve_app
+from pilotfish.transport.tls import peer_identity
+from pilotfish.xds.server import node_info
 
 __all__ = ["DEFAULT_MAX_BODY", "PATHS", "RestXds", "start_rest_server"]
 
@@ -207,7 +207,7 @@ class RestXds:
         self.group_of = group_of
         """A poll's node -> the group whose snapshot answers it."""
         self.authorize = authorize
-        """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.server.authorize`)."""
+        """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.policy.authorize`)."""
         self.grants = grants if grants is not None else SecretGrants()
         """Which pollers may receive which secrets; none by default (fail closed)."""
         self.limits = limits

@@ -12,7 +12,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pilotfish.bootstrap import (
+from pilotfish.errors import ConfigError
+from pilotfish.etcd.client import DEFAULT_KEEPALIVE
+from pilotfish.events import RECENT_EVENTS
+from pilotfish.resources.bootstrap import (
     DEFAULT_REST_REFRESH,
     BootstrapSettings,
     bootstrap_yaml,
@@ -20,14 +23,11 @@ from pilotfish.bootstrap import (
     split_address,
     split_addresses,
 )
-from pilotfish.errors import ConfigError
-from pilotfish.events import RECENT_EVENTS
-from pilotfish.sources.etcd import DEFAULT_KEEPALIVE
 
 if TYPE_CHECKING:
-    from pilotfish.server.authorize import NodeRule
-    from pilotfish.server.grants import SecretGrant
-    from pilotfish.server.groups import NodeGroupRule
+    from pilotfish.policy.authorize import NodeRule
+    from pilotfish.policy.grants import SecretGrant
+    from pilotfish.policy.groups import NodeGroupRule
 
 __all__ = ["main"]
 
@@ -106,7 +106,7 @@ def _share(value: str) -> float:
 
 
 def _node_rule(value: str) -> NodeRule:
-    from pilotfish.server.authorize import parse_rule  # the server package is heavy to import: only for serve
+    from pilotfish.policy.authorize import parse_rule  # the server package is heavy to import: only for serve
 
     try:
         return parse_rule(value)
@@ -115,7 +115,7 @@ def _node_rule(value: str) -> NodeRule:
 
 
 def _grant(value: str) -> SecretGrant:
-    from pilotfish.server.grants import parse_grant
+    from pilotfish.policy.grants import parse_grant
 
     try:
         return parse_grant(value)
@@ -124,7 +124,7 @@ def _grant(value: str) -> SecretGrant:
 
 
 def _node_group(value: str) -> NodeGroupRule:
-    from pilotfish.server.groups import parse_node_group
+    from pilotfish.policy.groups import parse_node_group
 
     try:
         return parse_node_group(value)
@@ -395,12 +395,12 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from pilotfish.app import ServeSettings, serve
     from pilotfish.reconcile import DebounceSettings, GuardSettings
-    from pilotfish.server import ServeSettings, serve
-    from pilotfish.server.grpc_server import ConnectionLimits
-    from pilotfish.server.http_site import ADMIN_CONNECTIONS, HttpConnectionLimits
     from pilotfish.sources.registry import SelfPreservation
     from pilotfish.status import StatusLimits
+    from pilotfish.transport.aio import ConnectionLimits
+    from pilotfish.transport.site import ADMIN_CONNECTIONS, HttpConnectionLimits
 
     if args.snapshot is None and args.registry is None and args.etcd is None:
         print("pilotfish serve: give at least one source: --snapshot FILE, --registry HOST:PORT or --etcd HOST:PORT",
@@ -504,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command in ("status", "wait", "confirm"):
-        from pilotfish import operate
+        from pilotfish.commands import operate
 
         try:
             tls = operate.client_context(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
@@ -521,11 +521,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         token=token)
         return operate.confirm_command(args.admin, out=sys.stdout, err=sys.stderr, tls=tls, token=token)
     if args.command == "token":
-        from pilotfish.server.registry_auth import token_command
+        from pilotfish.api.tokens import token_command
 
         return token_command(args.action, sys.stdin, sys.stdout)
     if args.command == "demo":
-        from pilotfish.demo import run_demo
+        from pilotfish.commands.demo import run_demo
 
         return run_demo(args.snapshot)
     return EXIT_USAGE

@@ -13,10 +13,10 @@ PUT      /v1/self-preservation                      ``{"enabled": false}``: let 
 GET      /healthz                                   200 when serving
 =======  =========================================  =============================================
 
-With a tokens file (:class:`~pilotfish.server.registry_auth.TokenFile`), the middleware of
-:class:`~pilotfish.server.registry_auth.TokenGate` decides every request before its handler runs
+With a tokens file (:class:`~pilotfish.api.tokens.TokenFile`), the middleware of
+:class:`~pilotfish.api.tokens.TokenGate` decides every request before its handler runs
 (and before its body is read): each route is classed in :data:`ROUTES` as open, read, write (to
-the ``{service}`` of its path) or admin, and :func:`~pilotfish.server.registry_auth.authorize`
+the ``{service}`` of its path) or admin, and :func:`~pilotfish.api.tokens.authorize`
 answers 401 or 403 in the error shape below, with ``WWW-Authenticate: Bearer``. Refusals are
 logged and recorded (event ``registry_denied``) at most once per ``deny_report_every`` seconds,
 with the count of those left out, so a client guessing tokens cannot fill the log.
@@ -45,7 +45,7 @@ as the event ``registry_self_preservation``. An expiry that would leave the merg
 (a route of another source pointing at a service whose last instance lapsed) keeps the service
 known with no instances, so its cluster stays, empty. ``PUT /v1/self-preservation`` turns it on or
 off in the store (:meth:`RegistryStore.set_self_preservation`): this process's memory, or etcd,
-where it applies to every replica (:mod:`pilotfish.server.registry_etcd`).
+where it applies to every replica (:mod:`pilotfish.api.registry_etcd`).
 """
 
 from __future__ import annotations
@@ -60,17 +60,17 @@ from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
+from pilotfish.api.tokens import Access, TokenFile, TokenGate
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
-from pilotfish.server.registry_auth import Access, TokenFile, TokenGate
-from pilotfish.sources.etcd import EtcdUnavailable
 from pilotfish.sources.registry import (
     Conflict,
     Preservation,
     Registry,
     RegistryFull,
     SelfPreservation,
+    StoreUnavailable,
     UnknownInstance,
 )
 
@@ -140,7 +140,7 @@ class Written:
 
 class RegistryStore(Protocol):
     """Where registrations live: this process's memory (:class:`MemoryRegistry`) or etcd
-    (:class:`~pilotfish.server.registry_etcd.EtcdRegistry`). A write checks the request, the
+    (:class:`~pilotfish.api.registry_etcd.EtcdRegistry`). A write checks the request, the
     limits and the merged state of every source with the change (raising ``ConfigError``,
     :class:`RegistryFull`, :class:`Conflict` or :class:`UnknownInstance`, having changed nothing),
     then makes the change."""
@@ -376,7 +376,7 @@ class RegistryApi:
             return _error(409, str(exc))
         except UnknownInstance as exc:
             return _error(404, str(exc))
-        except EtcdUnavailable as exc:
+        except StoreUnavailable as exc:
             return _error(503, f"{request.method} {request.path}: {exc}. A read or a refused write changed nothing; a "
                                "write whose answer was lost may have been made: retrying it is safe")
         except web.HTTPRequestEntityTooLarge:

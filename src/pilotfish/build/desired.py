@@ -8,8 +8,8 @@ states of all sources and builds the snapshot, refusing anything ambiguous:
 - a built resource whose name clashes with a raw resource;
 - two listeners on the same address (Envoy would refuse one, or with SO_REUSEPORT silently split
   traffic between them);
-- the cross-reference problems of :func:`pilotfish.validate.check_references`;
-- any resource breaking Envoy's own ``validate.rules`` (:func:`pilotfish.validate.check_rules`).
+- the cross-reference problems of :func:`pilotfish.build.validate.check_references`;
+- any resource breaking Envoy's own ``validate.rules`` (:func:`pilotfish.build.validate.check_rules`).
 
 Node groups (:func:`build_snapshots`): each group is served its own snapshot of the same merged
 state, seen through its :class:`View`. Envoys (``ClientKind.ENVOY``) get socket listeners, proxyless
@@ -17,7 +17,7 @@ gRPC clients (``ClientKind.GRPC``) API listeners, both the same clusters and end
 go to the kind they are for (one with an ``api_listener`` to gRPC clients, others to Envoys). Envoys
 polling REST (``ClientKind.REST``) get what Envoys get, except that built clusters and listeners
 point EDS and RDS at the REST config source of their bootstrap
-(:func:`pilotfish.bootstrap.rest_config_source`, polled every ``rest_refresh`` seconds) instead of
+(:func:`pilotfish.resources.bootstrap.rest_config_source`, polled every ``rest_refresh`` seconds) instead of
 ADS, which they do not speak; raw resources are served to them as they are (a raw cluster or
 listener for them names its config sources itself). All
 groups are built in one pass from one memo, so a resource common to several groups is encoded
@@ -25,7 +25,7 @@ groups are built in one pass from one memo, so a resource common to several grou
 (the groups never serve different generations of the sources).
 
 Subsetting (:func:`subset_tables`, ``subset_size`` of a service or the server's default): each
-subsetted service's backends get stable dense indices (an :class:`~pilotfish.subsetting.IndexTable`
+subsetted service's backends get stable dense indices (an :class:`~pilotfish.build.subsetting.IndexTable`
 the caller keeps from build to build), and each group's snapshot carries a
 :class:`~pilotfish.snapshot.SubsetPlan` that gives every proxy its own ``subset_size`` of the
 endpoints the group would get (Ringsteady; within the group's zone first when it has one).
@@ -46,15 +46,15 @@ from envoy.config.listener.v3 import listener_pb2
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from pilotfish.bootstrap import DEFAULT_REST_REFRESH, rest_config_source
+from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH, rest_config_source
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType, TypeUrl
 from pilotfish.resources.builders import ClientKind, ResourceMemo, ServicesPatch, encode_for_views
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.snapshot import Resource, Snapshot, SubsetPlan, SubsetService, TypeSnapshot
-from pilotfish.subsetting import IndexTable, Ring, ZoneRings
-from pilotfish.validate import check_references, check_rules
+from pilotfish.build.subsetting import IndexTable, Ring, ZoneRings
+from pilotfish.build.validate import check_references, check_rules
 
 G = TypeVar("G", bound=Hashable)
 """A node group's key."""
@@ -294,7 +294,7 @@ def build_snapshot(
 
     ``memo`` carries encoded resources of unchanged services over from the previous build.
     ``rules``: check every resource, raw or built, against Envoy's ``validate.rules``
-    (:func:`pilotfish.validate.check_rules`); off, such content goes out as it is (for Envoy to NACK).
+    (:func:`pilotfish.build.validate.check_rules`); off, such content goes out as it is (for Envoy to NACK).
     ``view``: what the clients are served (default: Envoys). ``rest_refresh``: see :func:`build_snapshots`.
     """
     chosen = view or View()

@@ -31,7 +31,7 @@ With ``rest`` Envoy polls CDS and LDS over REST (``api_type: REST``, HTTP/1.1 + 
 ``refresh`` seconds instead of holding an ADS stream; the clusters and listeners it receives must
 point EDS and RDS at REST too (:func:`rest_config_source`), as ``ads: {}`` needs an ADS stream.
 Clusters and listeners built from ``services:`` do, for the node group of REST pollers
-(:mod:`pilotfish.server.groups`): with :data:`XDS_CLUSTER` and the server's refresh delay
+(:mod:`pilotfish.policy.groups`): with :data:`XDS_CLUSTER` and the server's refresh delay
 (``serve --rest-refresh-ms``, default :data:`DEFAULT_REST_REFRESH` as here), through this very
 function.
 

@@ -38,18 +38,21 @@ alike, so replicas build the same snapshots from the same revision.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
+from pilotfish.api.registry import Written
+from pilotfish.etcd.client import EtcdUnavailable, Lease
+from pilotfish.etcd.election import Election
 from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler
-from pilotfish.server.registry_api import Written
-from pilotfish.sources.etcd import Election, EtcdSource, EtcdUnavailable, Lease
+from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import (
     Conflict,
     Instance,
@@ -57,6 +60,7 @@ from pilotfish.sources.registry import (
     RegistryFull,
     RegistryLimits,
     SelfPreservation,
+    StoreUnavailable,
     UnknownInstance,
     describe_services,
     endpoint_document,
@@ -67,7 +71,25 @@ from pilotfish.sources.registry import (
 __all__ = ["EtcdRegistry", "LeaseGuard"]
 
 _log = logging.getLogger("pilotfish.registry")
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 _SOURCE = "etcd"
+
+
+
+def _store_errors(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+    """A store method whose etcd could not be reached raises :class:`StoreUnavailable` (same message):
+    the registry API answers 503 for any store, knowing nothing of etcd."""
+
+    @functools.wraps(method)
+    async def call(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return await method(*args, **kwargs)
+        except EtcdUnavailable as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+    return call
 
 
 class EtcdRegistry:
@@ -116,6 +138,7 @@ class EtcdRegistry:
         names = sorted(set(view.services) | set(instances)) if name is None else [name]
         return describe_services(names, view.services, instances, self._clock())
 
+    @_store_errors
     async def caught_up(self, revision: int, timeout: float) -> bool:
         return await self.source.caught_up(revision, timeout)
 
@@ -128,6 +151,7 @@ class EtcdRegistry:
         """Where ``PUT /v1/self-preservation`` stores the fleet's setting."""
         return self.source.prefix.rstrip("/") + ".self-preservation"
 
+    @_store_errors
     async def self_preservation(self, configured: SelfPreservation) -> SelfPreservation:
         """``configured`` (the flags), turned on or off as etcd's :attr:`preservation_key` says. A
         value that does not parse is reported and ignored (the flags decide)."""
@@ -146,6 +170,7 @@ class EtcdRegistry:
             return configured
         return replace(configured, enabled=stored["enabled"])
 
+    @_store_errors
     async def set_self_preservation(self, enabled: bool) -> None:
         await self.client.put(self.preservation_key, json.dumps({"enabled": enabled}))
 
@@ -153,6 +178,7 @@ class EtcdRegistry:
         election = self.election
         return {} if election is None else {"leader": election.leader, "leader_replica": election.holder}
 
+    @_store_errors
     async def status(self) -> dict[str, Any]:
         return {**await self.source.status(), **self.duties()}
 
@@ -179,6 +205,7 @@ class EtcdRegistry:
                          "(at %d); answering anyway", revision, self.local_wait, self.revision)
         return Written(None, revision)
 
+    @_store_errors
     async def define(self, name: str, body: Any) -> Written:
         parse_definition(name, body)
         key = self.source.view.service_key(name)
@@ -189,12 +216,14 @@ class EtcdRegistry:
         await self._settled(revision)
         return Written(self.describe(name)[name], revision)
 
+    @_store_errors
     async def undefine(self, name: str) -> Written:
         view = self.source.view
         key, instances = view.service_key(name), view.instances_prefix(name)
         self._check({key: None, **dict.fromkeys(view.keys_under(instances))})
         return await self._settled(await self.client.delete(key, prefixes=(instances,)))
 
+    @_store_errors
     async def register(self, service: str, body: Any) -> Written:
         endpoint, ttl = parse_registration(service, body)
         view = self.source.view
@@ -211,6 +240,7 @@ class EtcdRegistry:
         instance = Instance(service, endpoint, ttl, None if ttl is None else self._clock() + ttl)
         return Written(instance.describe(self._clock()), revision)
 
+    @_store_errors
     async def heartbeat(self, service: str, instance_id: str) -> Written:
         view = self.source.view
         key = view.instance_key(service, instance_id)
@@ -228,6 +258,7 @@ class EtcdRegistry:
         expires = None if left is None else self._clock() + left
         return Written(Instance(service, found[1], ttl, expires).describe(self._clock()))
 
+    @_store_errors
     async def deregister(self, service: str, instance_id: str) -> Written:
         view = self.source.view
         key = view.instance_key(service, instance_id)
@@ -250,7 +281,7 @@ class EtcdRegistry:
 
 class LeaseGuard:
     """TTL expiry with self-preservation for instances on etcd leases: the registry's singleton
-    duty, run by the replica that holds the election (:class:`~pilotfish.sources.etcd.Election`).
+    duty, run by the replica that holds the election (:class:`~pilotfish.etcd.election.Election`).
 
     The rule is the flags' (``configured``), on or off as etcd says (read every pass: a ``PUT
     /v1/self-preservation`` on any replica applies at the leader's next pass).

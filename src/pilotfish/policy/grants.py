@@ -3,9 +3,9 @@
 A secret is usually a private key. Without grants, any proxy that reaches the xDS port (with mTLS:
 any proxy holding a certificate from the CA) could subscribe to any secret by name. A grant
 ``SECRET=identity:PATTERN`` lets proxies whose certificate identity (its SPIFFE URI SAN, else its
-first DNS SAN; see :mod:`pilotfish.server.tls`) matches PATTERN receive the secrets whose names
+first DNS SAN; see :mod:`pilotfish.transport.tls`) matches PATTERN receive the secrets whose names
 match SECRET; ``SECRET=node:PATTERN`` does the same for the node ids proxies claim. The patterns
-are :mod:`pilotfish.server.authorize`'s (one implementation): ``*`` stands for any run of
+are :mod:`pilotfish.policy.authorize`'s (one implementation): ``*`` stands for any run of
 characters except ``/``, everything else for itself (captures are ``--authorize-node``'s only:
 here braces are text), and a pattern matches the whole string.
 
@@ -25,10 +25,10 @@ Choices, and why:
         - edge-cert=identity:spiffe://mesh/ns/edge/sa/edge
         - "ingress-*-cert=node:ingress-*"
 
-  It is followed as it changes (:class:`~pilotfish.server.followed_file.FollowedFile`, as the
+  It is followed as it changes (:class:`~pilotfish.followed_file.FollowedFile`, as the
   registry's tokens file is): a good version is in force within about a second, beside the
   flags' grants, and open streams are answered anew under it (a proxy waiting for a secret it is
-  now granted receives it at once, :meth:`~pilotfish.server.xds.XdsServer.set_grants`); a bad
+  now granted receives it at once, :meth:`~pilotfish.xds.server.XdsServer.set_grants`); a bad
   version is reported (``grants_error``, naming the file and the entry) and the last good grants
   stay in force; a bad file at start-up stops ``serve``.
 - **Identities are proven, node ids are claimed.** An ``identity:`` grant needs mTLS
@@ -38,7 +38,7 @@ Choices, and why:
   that can open a stream can claim any node id, and ``serve`` warns so. An empty node id matches no
   grant either.
 - **A denied secret does not exist for that proxy.** The server takes it out of the stream's
-  subscription before the cache sees it (:mod:`pilotfish.server.xds`), so the proxy gets the rest
+  subscription before the cache sees it (:mod:`pilotfish.xds.server`), so the proxy gets the rest
   of its secrets and waits for the denied one as it would for one not yet defined; the stream and
   the other resources are untouched. A wildcard SDS subscription (``*``) is never honoured:
   secrets must be named (Envoy always names them), so "everything" cannot leak a key.
@@ -61,8 +61,8 @@ from typing import Any
 
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
-from pilotfish.server.authorize import glob_match
-from pilotfish.server.followed_file import FollowedFile
+from pilotfish.followed_file import FollowedFile
+from pilotfish.policy.authorize import glob_match
 
 __all__ = ["MAX_GRANTS", "GrantsFile", "ProxyGrants", "SecretGrant", "SecretGrants", "Subject", "parse_grant",
            "parse_grants"]
@@ -155,7 +155,7 @@ class SecretGrants:
 @dataclass(frozen=True, slots=True)
 class ProxyGrants:
     """The secrets one proxy is granted: the exact names, and the patterns with ``*``, matched by
-    :func:`~pilotfish.server.authorize.glob_match` in linear time (a peer chooses the names it
+    :func:`~pilotfish.policy.authorize.glob_match` in linear time (a peer chooses the names it
     asks for, as many as a request may carry, and as long: no backtracking expression sees them)."""
 
     exact: frozenset[str] | None

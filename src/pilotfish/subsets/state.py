@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pilotfish.build.subsetting import IndexTable, ProxyIndices
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.reconcile import Reconciler
-from pilotfish.subsetting import IndexTable, ProxyIndices
 
 __all__ = ["STATE_FILE", "SubsetState", "keep_saving", "load_or_start_fresh", "load_subset_state",
            "save_subset_state"]

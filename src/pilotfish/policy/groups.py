@@ -1,6 +1,6 @@
 """Which node group a connecting client belongs to, and what each group is served.
 
-Each node group is served its own snapshot of the same sources (:func:`pilotfish.desired.build_snapshots`);
+Each node group is served its own snapshot of the same sources (:func:`pilotfish.build.desired.build_snapshots`);
 what differs is the group's *kind* (:class:`~pilotfish.resources.builders.ClientKind`): Envoys
 (``envoy``) get socket listeners, proxyless gRPC clients (``grpc``) get API listeners, Envoys
 polling REST xDS (``rest``) get socket listeners and clusters whose RDS and EDS are polled over
@@ -20,7 +20,7 @@ they get only the endpoints in it, while it has any) where RULE is one of
 - ``zone:PATTERN``: the node's locality zone.
 
 In a PATTERN ``*`` stands for any run of characters except ``/`` (as in ``--authorize-node``), and
-everything else for itself; the whole value must match (:func:`~pilotfish.server.authorize.glob_match`:
+everything else for itself; the whole value must match (:func:`~pilotfish.policy.authorize.glob_match`:
 time linear in the value's length, which the peer chooses). After the operator's rules come two
 built-in ones: a node whose ``user_agent_name`` starts with ``gRPC`` joins the group ``grpc``
 (kind grpc), so a proxyless client resolving ``xds:///NAME`` finds the API listener NAME with no
@@ -41,11 +41,11 @@ from dataclasses import dataclass
 
 from envoy.config.core.v3 import base_pb2
 
+from pilotfish.build.desired import View
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup
-from pilotfish.desired import View
+from pilotfish.policy.authorize import glob_match
 from pilotfish.resources.builders import ClientKind
 from pilotfish.resources.services import MAX_ZONE, is_zone
-from pilotfish.server.authorize import glob_match
 
 __all__ = ["GRPC_GROUP", "MAX_GROUPS", "REST_GROUP", "NodeGroupRule", "NodeGroups", "parse_node_group"]
 

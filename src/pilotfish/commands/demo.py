@@ -40,11 +40,11 @@ from typing import Any, TypeVar
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-from pilotfish.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.envoy import EnvoyNotFound, EnvoyProcess, EnvoySettings, find_envoy, start_envoy
 from pilotfish.errors import ConfigError
 from pilotfish.events import read_events
 from pilotfish.resources import ENDPOINT, LISTENER, ROUTE
+from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.snapshot import Snapshot
 from pilotfish.sources import load_snapshot, watch_snapshot_file
 

@@ -7,7 +7,7 @@ machine as it arrives, and the watches it asks for are opened; a response the ca
 written at once (the cache hands them over in ADS order). Responses are shared pre-encoded bytes
 (a delta answer is shared by the streams that are known to have the same); a stream appends only
 its nonce. Everything runs in the
-callbacks of pilotfish's own gRPC transport (:mod:`pilotfish.server.grpc_server`): an idle stream
+callbacks of pilotfish's own gRPC transport (:mod:`pilotfish.transport.aio`): an idle stream
 is this object and its watches, with no task or coroutine.
 
 A request a peer should not have sent ends its stream, never the server: a protocol error with
@@ -15,7 +15,7 @@ INVALID_ARGUMENT, a request over :class:`~pilotfish.protocol.XdsLimits` with RES
 each with a short message (a peer's values are repeated shortened), a ``stream_closed`` event
 and a warning logged at most once per :data:`WARN_EVERY` seconds (with how many were not).
 
-SDS secrets go only to the proxies they are granted to (:mod:`pilotfish.server.grants`): before an
+SDS secrets go only to the proxies they are granted to (:mod:`pilotfish.policy.grants`): before an
 SDS watch reaches the cache, the names the stream's proxy (its certificate identity, its node id)
 is not granted are taken out of its subscription, and a wildcard is dropped. So the cache never
 produces an ungranted secret for that stream, responses stay shared between streams with the same
@@ -39,9 +39,11 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf.message import DecodeError
 
+from pilotfish.build.subsetting import ProxyIndexer, ProxyIndices
 from pilotfish.cache import DEFAULT_GROUP, Cancel, NodeGroup, SnapshotCache
 from pilotfish.errors import PeerError
 from pilotfish.events import EventLog
+from pilotfish.policy.grants import ProxyGrants, SecretGrants
 from pilotfish.protocol import (
     DEFAULT_LIMITS,
     WILDCARD,
@@ -59,8 +61,9 @@ from pilotfish.protocol import (
 from pilotfish.protocol.limits import shorten
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field
-from pilotfish.server.grants import ProxyGrants, SecretGrants
-from pilotfish.server.grpc_server import (
+from pilotfish.snapshot import DeltaChanges, EncodedResponse
+from pilotfish.status import NodeInfo, SyncStatus
+from pilotfish.transport.aio import (
     WARN_EVERY,
     Call,
     ConnectionLimits,
@@ -69,9 +72,6 @@ from pilotfish.server.grpc_server import (
     RateLimitedLog,
     RpcError,
 )
-from pilotfish.snapshot import DeltaChanges, EncodedResponse
-from pilotfish.status import NodeInfo, SyncStatus
-from pilotfish.subsetting import ProxyIndexer, ProxyIndices
 from pilotfish.transport.frames import GrpcStatus
 
 __all__ = ["MAX_DENIED_RECORDED", "WARN_EVERY", "XdsLimits", "XdsServer", "node_info", "start_xds_server"]
@@ -151,7 +151,7 @@ class XdsServer:
         self.limits = limits
         self._group_of = group_of
         self.authorize = authorize
-        """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.server.authorize`)."""
+        """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.policy.authorize`)."""
         self.grants = grants if grants is not None else SecretGrants()
         """Which proxies may receive which secrets; none by default (fail closed). Checked at every
         SDS request: a replacement takes effect at each stream's next one (:meth:`set_grants`: at once)."""

@@ -20,13 +20,16 @@ Sources report whole views of what they know (:meth:`Reconciler.update`). The re
    listener or every cluster, or more than a set share of a type's resources or of a service's
    endpoints at once, is held, reported loudly, and published only once the operator confirms
    (:meth:`Reconciler.confirm`) or a later change makes it harmless.
-6. **serves every node group** its own snapshot (:func:`pilotfish.desired.build_snapshots`), all
+6. **serves every node group** its own snapshot (:func:`pilotfish.build.desired.build_snapshots`), all
    built in one pass from the same merged state: a group whose snapshot did not change is not
    touched; a problem, or a held snapshot, in any group stops the whole pass, so groups never
    serve different generations of the sources.
 
 The timing logic (:class:`Debouncer`, :class:`FlapDamper`) is pure: it takes ``now`` as an
 argument and never sleeps, so tests drive it with plain numbers.
+
+This package may import the cache, status, the sources' data types and the layers below; never a
+service, a store or an API.
 """
 
 from __future__ import annotations
@@ -41,16 +44,16 @@ from typing import NoReturn, Protocol
 
 from envoy.config.endpoint.v3 import endpoint_pb2
 
-from pilotfish.bootstrap import DEFAULT_REST_REFRESH
+from pilotfish.build.desired import DesiredState, Merged, MergeMemo, View, build_snapshots, merge_states, subset_tables
+from pilotfish.build.subsetting import IndexTable
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
-from pilotfish.desired import DesiredState, Merged, MergeMemo, View, build_snapshots, merge_states, subset_tables
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, TYPES, type_by_key
+from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH
 from pilotfish.resources.builders import ResourceMemo
 from pilotfish.snapshot import Snapshot
 from pilotfish.status import SyncStatus
-from pilotfish.subsetting import IndexTable
 
 __all__ = [
     "Clock",
@@ -307,7 +310,7 @@ class Reconciler:
         """The subset size of services that set none (None: only those that do are subsetted)."""
         self.subset_tables: Mapping[str, IndexTable] = dict(subset_tables or {})
         """The backend indices of each subsetted service, as last published (the state file and
-        etcd keep them; :func:`pilotfish.desired.subset_tables`)."""
+        etcd keep them; :func:`pilotfish.build.desired.subset_tables`)."""
         self.subset_tables_changed = 0
         """Counts publications that changed :attr:`subset_tables` (whoever persists them watches it)."""
         self.subset_tables_shared = False
@@ -328,7 +331,8 @@ class Reconciler:
         self._labels = dict(labels or {})
         """How errors name each source (e.g. "file" -> the file's path)."""
         self._rest_refresh = rest_refresh
-        """Seconds between the EDS and RDS polls of ``rest`` groups (:func:`~pilotfish.desired.build_snapshots`)."""
+        """Seconds between the EDS and RDS polls of ``rest`` groups (see
+        :func:`~pilotfish.build.desired.build_snapshots`)."""
         self._published_endpoints: dict[str, int] = {}
         self.held: Held | None = None
         """The snapshot the blast-radius guard is holding back (None: nothing held)."""

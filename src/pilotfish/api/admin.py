@@ -22,7 +22,7 @@ GET      /v1/fleet               what the status page shows of the proxies: how 
 GET      /v1/events              the latest events (``after=SEQ``: only newer ones; ``limit``),
                                  from the server's in-memory ring (:class:`~pilotfish.events.RecentEvents`)
 GET      /v1/held                the snapshot the blast-radius guard holds back, if any
-GET      /metrics                Prometheus metrics (:mod:`pilotfish.server.metrics`)
+GET      /metrics                Prometheus metrics (:mod:`pilotfish.api.metrics`)
 POST     /v1/held/confirm        publish it (as ``kill -USR1`` does; 404 when nothing is held)
 =======  ======================  =================================================================
 
@@ -33,7 +33,7 @@ loopback by default, and pilotfish warns when it is told to listen elsewhere wit
 With the server's certificate (``--tls-cert``) it is served over TLS only, and with
 ``--admin-client-ca`` its clients must present a certificate from that CA (mTLS), as the
 registry API. With a tokens file (``--admin-tokens``: the registry's format, followed as it
-changes, :mod:`pilotfish.server.registry_auth`), each route needs what :data:`ROUTES` says: a
+changes, :mod:`pilotfish.api.tokens`), each route needs what :data:`ROUTES` says: a
 token with ``read: true`` reads, one with ``admin: true`` reads and confirms; a request without
 a usable token gets 401, one whose token's scope falls short 403 (event ``admin_denied``).
 
@@ -66,17 +66,17 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from pilotfish.bootstrap import split_address
+from pilotfish.api.metrics import CONTENT_TYPE, Metrics
+from pilotfish.api.tokens import Access, TokenFile, TokenGate
 from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.errors import shorten
 from pilotfish.events import EventLog, RecentEvents
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import ENDPOINT, SECRET, type_by_url
-from pilotfish.server.http_site import ADMIN_API, ADMIN_CONNECTIONS, HttpConnectionLimits, is_loopback, serve_app
-from pilotfish.server.metrics import CONTENT_TYPE, Metrics
-from pilotfish.server.registry_auth import Access, TokenFile, TokenGate
-from pilotfish.server.rest import response_json
+from pilotfish.resources.bootstrap import split_address
 from pilotfish.status import DepartedProxy, ProxyRecord, SyncState, SyncStatus, TypeStatus
+from pilotfish.transport.site import ADMIN_API, ADMIN_CONNECTIONS, HttpConnectionLimits, is_loopback, serve_app
+from pilotfish.xds.rest import response_json
 
 __all__ = ["FLEET_NACKS", "FLEET_ROWS", "MAX_FILTER", "ROUTES", "AdminApi", "proxy_json", "short_type",
            "start_admin_server", "status_page", "warn_if_exposed"]
@@ -110,7 +110,7 @@ true``, or none with ``reads: open``); confirming a held snapshot needs ``admin:
 def status_page() -> tuple[bytes, str]:
     """The status page (``status_page.html`` of this package) and the Content-Security-Policy it
     is served with: its own inline script and style, by hash, and requests to this origin only."""
-    page = importlib.resources.files("pilotfish.server").joinpath("status_page.html").read_bytes()
+    page = importlib.resources.files("pilotfish.api").joinpath("status_page.html").read_bytes()
     hashes = {}
     for tag in ("script", "style"):
         bodies = re.findall(rb"<%s>(.*?)</%s>" % (tag.encode(), tag.encode()), page, re.DOTALL)
@@ -171,7 +171,7 @@ class AdminApi:
     """The admin API's handlers over the server's status, cache and reconciler.
 
     ``waiting``: what the server waits for before it can publish (each source not yet reported,
-    with why), as :func:`pilotfish.server.run` says it in its log.
+    with why), as :func:`pilotfish.app.serve` says it in its log.
     """
 
     def __init__(self, status: SyncStatus, cache: SnapshotCache, reconciler: Reconciler, *,

@@ -1,6 +1,6 @@
 """Who may change the registry: bearer tokens with scopes, read from a file that is followed.
 
-The registry API (:mod:`pilotfish.server.registry_api`) puts every route in one of four classes
+The registry API (:mod:`pilotfish.api.registry`) puts every route in one of four classes
 (:class:`Access`): ``/healthz`` is open; listing and reading services is a *read*; defining,
 removing, registering, deregistering and heartbeating is a *write* to one named service; turning
 self-preservation on or off is *admin*. With a tokens file (``serve --registry-tokens FILE``), a
@@ -31,7 +31,7 @@ service names and glob patterns (``*`` any run of characters, ``?`` one), matche
 whole name.
 
 :class:`TokenFile` keeps the last good token set of the file and looks at the file at most once a
-second (:class:`~pilotfish.server.followed_file.FollowedFile`, which follows the SDS grants file
+second (:class:`~pilotfish.followed_file.FollowedFile`, which follows the SDS grants file
 too). A file that became unreadable or invalid keeps the last good set: the problem is logged once
 per version of the file, naming the file and field, and recorded as the event
 ``registry_tokens_error``. At start-up there is no last good set, so a bad file is a
@@ -60,8 +60,8 @@ from aiohttp import web
 
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog, ReportGate
-from pilotfish.server.followed_file import FollowedFile, read_document
-from pilotfish.server.http_site import is_loopback
+from pilotfish.followed_file import FollowedFile, read_document
+from pilotfish.transport.site import is_loopback
 
 __all__ = ["MAX_TOKENS", "MAX_TOKENS_FILE_BYTES", "Access", "AdminTokenFile", "Allowed", "Denied", "TokenFile",
            "TokenGate", "TokenScope", "TokenSet", "authorize", "hash_token", "load_tokens", "new_token", "parse_tokens",
@@ -257,7 +257,7 @@ _EMPTY = "write 'tokens: {}' to let no one write"
 
 class TokenFile(FollowedFile[TokenSet]):
     """The last good :class:`TokenSet` of a file, re-read when the file changes (see
-    :class:`~pilotfish.server.followed_file.FollowedFile`: :meth:`current` looks at the file at
+    :class:`~pilotfish.followed_file.FollowedFile`: :meth:`current` looks at the file at
     most once per ``every`` seconds; a bad version is reported once and leaves the last good set
     in place)."""
 

@@ -12,7 +12,7 @@ the one place those messages are written. ``serve`` first tries every fixed addr
 (:func:`check_addresses`), so that a second server started with the defaults hears of both the
 xDS and the admin port at once.
 
-Connections are capped as on the xDS port (:class:`~pilotfish.server.grpc_server.ConnectionLimits`:
+Connections are capped as on the xDS port (:class:`~pilotfish.transport.aio.ConnectionLimits`:
 the same meaning, the same defaults, resolved by the same function): at most
 :attr:`HttpConnectionLimits.max_connections` from all peers and
 :attr:`HttpConnectionLimits.max_connections_per_address` from one source IP
@@ -22,8 +22,8 @@ sees a failed connection attempt. As on the xDS port, a plaintext site lets asyn
 on uvloop) and counts a connection in when it is made; a TLS site accepts itself, counts, and
 hands what it admits to asyncio (``connect_accepted_socket``) for the handshake. aiohttp's
 protocol is wrapped only to count the connection in and out. Refusals are logged through
-:class:`~pilotfish.server.grpc_server.RateLimitedLog` (a line per
-:data:`~pilotfish.server.grpc_server.WARN_EVERY` seconds at most). Idle keep-alive
+:class:`~pilotfish.transport.aio.RateLimitedLog` (a line per
+:data:`~pilotfish.transport.aio.WARN_EVERY` seconds at most). Idle keep-alive
 connections are closed by aiohttp after its keep-alive timeout (75 s).
 """
 
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from pilotfish.bootstrap import split_address
-from pilotfish.server.grpc_server import (
+from pilotfish.resources.bootstrap import split_address
+from pilotfish.transport.aio import (
     LISTEN_BACKLOG,
     TLS_HANDSHAKE_TIMEOUT,
     ConnectionLimits,
@@ -159,7 +159,7 @@ def is_loopback(host: str) -> bool:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HttpConnectionLimits:
     """How many connections an HTTP port (registry API, REST xDS, admin API) holds at once. The
-    same caps as the xDS port's (:class:`~pilotfish.server.grpc_server.ConnectionLimits`), with
+    same caps as the xDS port's (:class:`~pilotfish.transport.aio.ConnectionLimits`), with
     the same defaults; a connection over one is accepted and closed at once with a reset."""
 
     max_connections: int | None = None

@@ -1,4 +1,4 @@
-"""Per-proxy endpoint subsets: stable dense indices and Ringsteady (DESIGN.md, "Subsetting").
+"""Per-proxy endpoint subsets: stable dense indices and Ringsteady (docs/architecture.md, "Subsetting").
 
 With thousands of proxies and hundreds of backends, full mesh costs every backend a connection
 (and health checks) from every proxy. Subsetting gives each proxy k of a service's n backends.
@@ -32,7 +32,7 @@ property test in tests/unit/test_subsetting.py):
   at most ``n * (k + w) / (k * N)`` times the mean, where w is the largest number of wide gaps among
   k consecutive ones (:func:`balance_limit`). That tends to 1 as k grows, but is up to ~2 for k = 1
   (n = 7: 1.75). A finite fleet adds at most the sequence's discrepancy, ``2 * (log2(m) / 3 + 1)``
-  proxies per backend. "Max load <= 1.15 x mean" (issue 13) therefore needs k large enough and
+  proxies per backend. "Max load <= 1.15 x mean" (the subsetting target) therefore needs k large enough and
   m * k / n large enough; where it holds, measured, is in the test module's docstring.
 
 Rings are precomputed once per backend set (:class:`Ring`) and each proxy's subset is one bisect
@@ -216,7 +216,7 @@ def _problems(indices: Mapping[Any, object]) -> list[Problem]:
 
 class ProxyIndexer(Protocol):
     """What the xDS servers need of the proxies' indices: :class:`ProxyIndices` in one process,
-    or the replicas' shared ones in etcd (:mod:`pilotfish.server.subset_etcd`)."""
+    or the replicas' shared ones in etcd (:mod:`pilotfish.subsets.etcd`)."""
 
     def index(self, node: str) -> Index | None:
         """``node``'s index (None: it has none)."""
@@ -404,7 +404,7 @@ class Ring:
 
 
 def subset(*, proxy: int, backends: Iterable[int], k: int) -> tuple[Index, ...]:
-    """One proxy's subset (DESIGN.md): ``Ring(backends).subset(proxy, k)``. For many proxies over
+    """One proxy's subset (docs/architecture.md): ``Ring(backends).subset(proxy, k)``. For many proxies over
     the same backends, build the :class:`Ring` once."""
     return Ring(backends).subset(proxy, k)
 

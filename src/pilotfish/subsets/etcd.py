@@ -3,9 +3,9 @@ same subsets, and a proxy that moves between replicas keeps its own.
 
 Keys, next to the source prefix (``/pilotfish/`` gives ``/pilotfish.subsets/``):
 
-- ``backends/{service}``: the service's backend :class:`~pilotfish.subsetting.IndexTable` (JSON).
+- ``backends/{service}``: the service's backend :class:`~pilotfish.build.subsetting.IndexTable` (JSON).
   Written only by the replica that holds the election (:class:`BackendIndexWriter`): after each
-  build it computes the tables the merged state needs (:func:`pilotfish.desired.subset_tables`:
+  build it computes the tables the merged state needs (:func:`pilotfish.build.desired.subset_tables`:
   the lowest free index for each new backend, freed ones dropped) and writes those that differ,
   each only if the key is still at the revision it last read (a deposed leader's late write loses).
   Every replica builds with the tables as etcd has them (the reconciler never allocates on etcd),
@@ -28,27 +28,29 @@ Keys, next to the source prefix (``/pilotfish/`` gives ``/pilotfish.subsets/``):
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
-from pilotfish.desired import DesiredState, Merged, subset_tables
+from pilotfish.build.desired import DesiredState, Merged, subset_tables
+from pilotfish.build.subsetting import INDEX_LIMIT, Index, IndexTable, Presence
 from pilotfish.errors import ConfigError
-from pilotfish.reconcile import Reconciler
-from pilotfish.sources.etcd import (
+from pilotfish.etcd.client import (
     DEFAULT_KEEPALIVE,
     Change,
     EtcdClient,
     EtcdUnavailable,
     KeyValue,
     Lease,
+    compare,
+    delete_op,
     follow_prefix,
+    put_op,
+    unb64,
 )
-from pilotfish.subsetting import INDEX_LIMIT, Index, IndexTable, Presence
+from pilotfish.reconcile import Reconciler
 
 __all__ = ["READY_SOURCE", "BackendIndexWriter", "EtcdProxyIndices", "SubsetKeys"]
 
@@ -57,10 +59,6 @@ READY_SOURCE = "etcd-subsets"
 listed: a build before that would serve every proxy every endpoint."""
 
 _log = logging.getLogger("pilotfish.subsets")
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
 
 
 class SubsetKeys:
@@ -81,7 +79,7 @@ class SubsetKeys:
 
 class EtcdProxyIndices:
     """Proxies' indices shared through etcd; the interface of
-    :class:`~pilotfish.subsetting.ProxyIndices` (``acquire``, ``release``, ``index``, ``expire``)."""
+    :class:`~pilotfish.build.subsetting.ProxyIndices` (``acquire``, ``release``, ``index``, ``expire``)."""
 
     def __init__(self, client: EtcdClient, keys: SubsetKeys, reconciler: Reconciler, *, grace: float = 300.0,
                  on_moved: Callable[[str], None] | None = None, limit: int = 200_000,
@@ -321,27 +319,24 @@ class EtcdProxyIndices:
         keys = self.keys
         value = str(mine)
         if known is not None and known[0] == mine:  # take it over: still this index, on our lease
-            compare = [{"key": _b64(keys.proxy(node)), "target": "VALUE", "value": _b64(value)}]
+            compares = [compare(keys.proxy(node), "VALUE", value)]
         else:
-            compare = [{"key": _b64(keys.proxy(node)), "target": "CREATE", "create_revision": "0"},
-                       {"key": _b64(keys.index(mine)), "target": "CREATE", "create_revision": "0"}]
-        puts = [{"request_put": {"key": _b64(keys.proxy(node)), "value": _b64(value), "lease": str(self.lease)}},
-                {"request_put": {"key": _b64(keys.index(mine)), "value": _b64(node), "lease": str(self.lease)}}]
-        answer = await self.client.call("/v3/kv/txn", {"compare": compare, "success": puts})
+            compares = [compare(keys.proxy(node), "CREATE", 0), compare(keys.index(mine), "CREATE", 0)]
+        puts = [put_op(keys.proxy(node), value, lease=self.lease), put_op(keys.index(mine), node, lease=self.lease)]
+        answer = await self.client.txn(compares, puts)
         if answer.get("succeeded"):
             return
         # Lost a race: etcd's word wins. The node has an index there (another replica gave it one
         # just now), or our candidate index went to another node.
         current = await self.client.range(keys.proxy(node))
         kvs = current.get("kvs", [])
-        text = base64.b64decode(kvs[0].get("value", "")).decode(errors="replace") if kvs else ""
+        text = unb64(kvs[0].get("value", "")) if kvs else ""
         if text.isdigit() and int(text) < INDEX_LIMIT:
             adopted = Index(int(text))
         elif kvs:  # a value that is not an index: overwrite it (if it is still that value)
             _log.error("etcd key %s is not a proxy index (%r); writing it again", keys.proxy(node), text[:100])
-            await self.client.call("/v3/kv/txn", {"compare": [
-                {"key": _b64(keys.proxy(node)), "target": "MOD", "mod_revision": kvs[0].get("mod_revision", "0")}],
-                "success": [{"request_delete_range": {"key": _b64(keys.proxy(node))}}]})
+            await self.client.txn([compare(keys.proxy(node), "MOD", kvs[0].get("mod_revision", "0"))],
+                                  [delete_op(keys.proxy(node))])
             self._queue(node)
             return
         else:
@@ -355,11 +350,9 @@ class EtcdProxyIndices:
 
     async def _delete_if_ours(self, node: str, index: Index) -> None:
         keys = self.keys
-        await self.client.call("/v3/kv/txn", {
-            "compare": [{"key": _b64(keys.proxy(node)), "target": "LEASE", "lease": str(self.lease)},
-                        {"key": _b64(keys.proxy(node)), "target": "VALUE", "value": _b64(str(index))}],
-            "success": [{"request_delete_range": {"key": _b64(keys.proxy(node))}},
-                        {"request_delete_range": {"key": _b64(keys.index(index))}}]})
+        await self.client.txn([compare(keys.proxy(node), "LEASE", self.lease),
+                               compare(keys.proxy(node), "VALUE", str(index))],
+                              [delete_op(keys.proxy(node)), delete_op(keys.index(index))])
 
     # -- backends (the elected replica) -------------------------------------------------------------
 
@@ -421,11 +414,10 @@ class BackendIndexWriter:
             if known is not None and known[0] == table:
                 continue
             key = self.keys.backends(service)
-            compare: list[dict[str, Any]] = ([{"key": _b64(key), "target": "MOD", "mod_revision": str(known[1])}]
-                                             if known is not None else
-                                             [{"key": _b64(key), "target": "CREATE", "create_revision": "0"}])
-            answer = await self.client.call("/v3/kv/txn", {"compare": compare, "success": [
-                {"request_put": {"key": _b64(key), "value": _b64(json.dumps(table.to_json(), sort_keys=True))}}]})
+            compares = ([compare(key, "MOD", known[1])]
+                        if known is not None else
+                        [compare(key, "CREATE", 0)])
+            answer = await self.client.txn(compares, [put_op(key, json.dumps(table.to_json(), sort_keys=True))])
             if not answer.get("succeeded"):
                 # The key changed since this replica read it (another leader wrote, or the watch
                 # lags): look again once the watch has the news.
@@ -433,8 +425,7 @@ class BackendIndexWriter:
                 raise _Stale(service)
         for service in sorted(current.keys() - wanted.keys()):
             known = current[service]
-            await self.client.call("/v3/kv/txn", {
-                "compare": [{"key": _b64(self.keys.backends(service)), "target": "MOD", "mod_revision": str(known[1])}],
-                "success": [{"request_delete_range": {"key": _b64(self.keys.backends(service))}}]})
+            await self.client.txn([compare(self.keys.backends(service), "MOD", known[1])],
+                                  [delete_op(self.keys.backends(service))])
 
 

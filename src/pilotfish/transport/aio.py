@@ -18,7 +18,7 @@ peer that does not read (``pause_writing``), as nghttp2 and Envoy do, what it ma
 bounded by the connection's limits. What gRPC adds: trailers-only responses for unknown methods,
 UNIMPLEMENTED for compressed messages, graceful stop, TLS and mTLS (an ``ssl.SSLContext`` given to
 :meth:`GrpcServer.start`; the peer's verified identity is :attr:`Call.peer_identity`, see
-:mod:`pilotfish.server.tls`). Not implemented: compression. TCP keepalive finds dead peers at no
+:mod:`pilotfish.transport.tls`). Not implemented: compression. TCP keepalive finds dead peers at no
 Python cost.
 
 Connections are bounded here (:class:`ConnectionLimits`), since each holds a descriptor and
@@ -86,7 +86,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pilotfish.events import ReportGate
-from pilotfish.server.tls import peer_identity
 from pilotfish.transport import frames as h2
 from pilotfish.transport.frames import ErrorCode, GrpcStatus
 from pilotfish.transport.h2 import (
@@ -100,6 +99,7 @@ from pilotfish.transport.h2 import (
     StreamEnded,
     StreamReset,
 )
+from pilotfish.transport.tls import peer_identity
 
 __all__ = ["LISTEN_BACKLOG", "WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "Handler",
            "MethodFactory", "RateLimitedLog", "RpcError", "accept_waiting", "listening_sockets", "refuse",
