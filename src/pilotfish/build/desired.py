@@ -46,15 +46,15 @@ from envoy.config.listener.v3 import listener_pb2
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH, rest_config_source
+from pilotfish.build.subsetting import IndexTable, Ring, ZoneRings
+from pilotfish.build.validate import check_references, check_rules
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType, TypeUrl
+from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH, rest_config_source
 from pilotfish.resources.builders import ClientKind, ResourceMemo, ServicesPatch, encode_for_views
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.snapshot import Resource, Snapshot, SubsetPlan, SubsetService, TypeSnapshot
-from pilotfish.build.subsetting import IndexTable, Ring, ZoneRings
-from pilotfish.build.validate import check_references, check_rules
 
 G = TypeVar("G", bound=Hashable)
 """A node group's key."""

@@ -229,11 +229,12 @@ class DeltaStream:
                 f"this stream subscribes to {len(names):,} {state.type_url.rsplit('.', 1)[-1]} names, over "
                 f"the limit of {self.limits.max_resource_names:,} (XdsLimits.max_resource_names): "
                 "unsubscribe from some, or raise the limit")
-        if forgotten and state.known:
-            known = dict(state.known)
-            for name in forgotten:
-                known.pop(name, None)
-            state.known = known
+        if forgotten:
+            # The client no longer runs what it unsubscribed from: it counts neither as had nor as
+            # ACKed (a listener it dropped must not hold back the removal of a cluster it used,
+            # behaviour 12, since no answer of that listener will ever be ACKed again).
+            state.known = _without(state.known, forgotten)
+            state.acked_known = _without(state.acked_known, forgotten)
         if names != state.names:
             state.names = intern_names(frozenset(names))
 
@@ -278,3 +279,15 @@ class DeltaStream:
             return None
         state.known = known
         return state
+
+
+def _without(known: Mapping[str, str], names: Iterable[str]) -> Mapping[str, str]:
+    """``known`` without ``names``: a new mapping if any was in it (shared mappings are never
+    changed in place), else ``known`` itself."""
+    gone = [name for name in names if name in known]
+    if not gone:
+        return known
+    kept = dict(known)
+    for name in gone:
+        del kept[name]
+    return kept
