@@ -1,4 +1,4 @@
-"""The event log's contract: ``pilotfish.events.EVENTS`` names every event and its fields, README's
+"""The event log's contract: ``pilotfish.events.EVENTS`` names every event and its fields, docs/operations.md's
 table documents exactly those, and a record with an unknown event or field is caught."""
 
 from __future__ import annotations
@@ -8,13 +8,15 @@ from pathlib import Path
 
 from pilotfish.events import EVENTS, check_event_log, contract_problems
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TABLE = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
 
 def _table() -> dict[str, str]:
-    """README's event table: event name -> its fields column."""
-    text = README.read_text()
-    section = text[text.index("## The event log"):text.index("## xDS behaviour")]
+    """docs/operations.md's event table: event name -> its fields column."""
+    text = TABLE.read_text()
+    start = text.index("## The event log")
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end >= 0 else len(text)]
     rows = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -26,8 +28,8 @@ def _table() -> dict[str, str]:
 
 def test_the_readme_table_documents_every_event_and_no_other() -> None:
     documented = set(_table())
-    assert documented - set(EVENTS) == set(), "README documents events pilotfish does not write"
-    assert set(EVENTS) - documented == set(), "events missing from README's table"
+    assert documented - set(EVENTS) == set(), "docs/operations.md documents events pilotfish does not write"
+    assert set(EVENTS) - documented == set(), "events missing from docs/operations.md's table"
 
 
 def test_the_readme_table_names_every_field_of_each_event() -> None:
@@ -38,7 +40,7 @@ def test_the_readme_table_names_every_field_of_each_event() -> None:
         named = set(re.findall(r"`([a-z_]+)`", column))
         if inherited:
             named |= set(re.findall(r"`([a-z_]+)`", table[inherited.group(1)]))
-        assert spec.fields <= named, f"README's row of {name!r} does not name {sorted(spec.fields - named)}"
+        assert spec.fields <= named, f"docs/operations.md's row of {name!r} does not name {sorted(spec.fields - named)}"
 
 
 def test_records_outside_the_contract_are_caught(tmp_path: Path) -> None:

@@ -476,6 +476,8 @@ class _Connection(asyncio.Protocol):
         if self._closer is not None:
             self._closer.cancel()
             self._closer = None
+        if self.h2 is not None:
+            self.h2.discard()
         reason = "connection lost" if exc is None else f"connection lost: {exc}"
         calls, self._calls = self._calls, {}
         for call in calls.values():

@@ -1079,6 +1079,20 @@ class Connection:
         self._remember_reset(stream_id)
         self._close_stream(stream)
 
+    def discard(self) -> None:
+        """The socket is gone: drop what is held for the peer (queued output, the messages
+        streams wait to send, a partial frame), so that it is freed at once, however long
+        something else still refers to this connection (a frozen or uncollected cycle)."""
+        self.closed = True
+        self._out = []
+        self._buffer = bytearray()
+        self._block = bytearray()
+        for stream in self._streams.values():
+            stream.pending = None
+        self._streams.clear()
+        self._waiting.clear()
+        self._owed = 0
+
     def close(self, code: int = ErrorCode.NO_ERROR, reason: str = "") -> None:
         """GOAWAY: no new streams. With NO_ERROR the open ones may still finish."""
         if self._goaway_sent and code == ErrorCode.NO_ERROR:
