@@ -46,7 +46,7 @@ from bench.report import fmt_ms
 from bench.stats import load_1min, percentile
 from bench.workload import Workload
 
-__all__ = ["BEFORE_COMMIT", "INCREMENTAL_COLUMNS", "ISSUE_WORKLOAD", "VARIANTS", "IncrementalVariant",
+__all__ = ["BEFORE_COMMIT", "INCREMENTAL_COLUMNS", "LARGE_WORKLOAD", "VARIANTS", "IncrementalVariant",
            "run_incremental"]
 
 BEFORE_COMMIT = "de14338"
@@ -59,8 +59,8 @@ client process (2,500 proxies each) instead of all at once: every proxy holds it
 responses (~5 MB) until they are complete, and 10,000 of them at once in the simulator's four
 processes outgrew this machine's 24 GiB (the server itself stayed under 1 GB)."""
 
-ISSUE_WORKLOAD = Workload(services=10000, endpoints=10, listeners=10)
-"""Issue 10's snapshot: 10,000 clusters, 100,000 endpoints."""
+LARGE_WORKLOAD = Workload(services=10000, endpoints=10, listeners=10)
+"""The fleet-sized snapshot: 10,000 clusters, 100,000 endpoints."""
 
 INCREMENTAL_COLUMNS = ["server", "xds", "proxies", "load 1 min", "all synced s", "KB / proxy, initial sync",
                        "bytes / proxy / change (mean)", "bytes / proxy / change (max)", "p50 ms", "p99 ms", "max ms",
@@ -153,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large", type=int, nargs="*", default=[10000],
                         help="fleet sizes for the `now` variants only (default: %(default)s)")
     parser.add_argument("--changes", type=int, default=3)
-    parser.add_argument("--services", type=int, default=ISSUE_WORKLOAD.services)
-    parser.add_argument("--endpoints", type=int, default=ISSUE_WORKLOAD.endpoints)
-    parser.add_argument("--listeners", type=int, default=ISSUE_WORKLOAD.listeners)
+    parser.add_argument("--services", type=int, default=LARGE_WORKLOAD.services)
+    parser.add_argument("--endpoints", type=int, default=LARGE_WORKLOAD.endpoints)
+    parser.add_argument("--listeners", type=int, default=LARGE_WORKLOAD.listeners)
     parser.add_argument("--commit", default=BEFORE_COMMIT, help="the 'before' pilotfish (default: %(default)s)")
     names = [f"{v.server}-{v.xds}" for v in VARIANTS]
     parser.add_argument("--variants", nargs="+", choices=names, default=names)

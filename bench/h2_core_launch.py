@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Sequence
-from typing import cast
 
+from pilotfish.transport.aio import HTTP2Core
 from pilotfish.transport.h2 import Connection
 
 __all__ = ["CORES", "core_factory", "main"]
@@ -24,15 +24,14 @@ __all__ = ["CORES", "core_factory", "main"]
 CORES = ("own", "h2")
 
 
-def core_factory(core: str) -> Callable[..., Connection]:
+def core_factory(core: str) -> Callable[..., HTTP2Core]:
     """The connection factory of ``core`` (one of :data:`CORES`)."""
     if core == "own":
         return Connection
     if core == "h2":
         from bench.h2_package_core import H2PackageConnection
 
-        # Not a Connection subclass: it has the part of its interface grpc_server uses.
-        return cast(Callable[..., Connection], H2PackageConnection)
+        return H2PackageConnection
     raise ValueError(f"unknown HTTP/2 core {core!r} (choose from {', '.join(CORES)})")
 
 

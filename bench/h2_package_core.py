@@ -1,15 +1,13 @@
 """The `h2` package's state machine behind the interface of pilotfish's own HTTP/2 core: a baseline.
 
-Theory of operation. Issue 9 asks whether pilotfish's transport stays its own code
-(:class:`pilotfish.transport.h2.Connection`) or sits on python-hyper's ``h2`` package, "decided by
-measurement: put both under the same adapter". :class:`H2PackageConnection` is the second
-candidate: it has the methods and attributes :mod:`pilotfish.transport.aio` uses of the own
-core (``receive``, ``send_header_block``, ``send_message``, ``reset_stream``, ``close``,
-``take_output``, ``acknowledge``, ``writing_paused``, ``resume_writing``, ``wants_to_read``,
-``closed``, ``on_output``) and yields the same events, but every frame is parsed, checked, queued
-and serialized by ``h2.connection.H2Connection``. ``GrpcServer(connection_factory=...)`` runs it
-(see bench/h2_core_launch.py). It lives in bench/ because it is a measurement baseline, not a second
-stack: production code never imports it.
+Theory of operation. Whether pilotfish's transport stays its own code
+(:class:`pilotfish.transport.h2.Connection`) or sits on python-hyper's ``h2`` package is decided by
+measurement, both under the same adapter. :class:`H2PackageConnection` is the second candidate: it
+is a :class:`pilotfish.transport.aio.HTTP2Core` (what the adapter drives of a core; mypy checks
+that it still is, see bench/h2_core_launch.py) and yields the same events, but every frame is
+parsed, checked, queued and serialized by ``h2.connection.H2Connection``.
+``GrpcServer(connection_factory=...)`` runs it. It lives in bench/ because it is a measurement
+baseline, not a second stack: production code never imports it.
 
 What this wrapper adds to the package, because gRPC or :class:`~pilotfish.transport.h2.Limits`
 need it and the package has no such rule (the same code as the own core would be, so that the
@@ -102,7 +100,7 @@ class H2PackageConnection:
         self.limits = limits = limits or Limits()
         self._clock = clock
         self._on_output = on_output
-        self._out: list[bytes | memoryview] = []
+        self._out: list[bytes | bytearray | memoryview] = []
         self.writing_paused = False
         self.closed = False
         self.terminated: ConnectionTerminated | None = None
@@ -143,7 +141,7 @@ class H2PackageConnection:
                 self._on_output()
             self._out.append(data)
 
-    def take_output(self) -> list[bytes | memoryview]:
+    def take_output(self) -> list[bytes | bytearray | memoryview]:
         out, self._out = self._out, []
         return out
 
@@ -462,6 +460,14 @@ class H2PackageConnection:
         if code != ErrorCodes.NO_ERROR:
             self.closed = True
         self._collect()
+
+    def discard(self) -> None:
+        """The socket is gone: drop what is held for the peer at once (as the own core does)."""
+        self.closed = True
+        self._out = []
+        for stream in self._streams.values():
+            stream.pending = None
+        self._streams.clear()
 
     @property
     def open_streams(self) -> int:

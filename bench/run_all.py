@@ -76,8 +76,8 @@ class Scale:
     """Fleet sizes of the incremental xDS comparison, every variant (before SotW, now SotW, now delta)."""
     incremental_large: tuple[int, ...] = (10000,)
     """Fleet sizes of the incremental xDS comparison for the ``now`` variants only."""
-    incremental_workload: Workload = field(default_factory=lambda: bench_incremental.ISSUE_WORKLOAD)
-    """Issue 10's snapshot (10,000 clusters x 10 endpoints)."""
+    incremental_workload: Workload = field(default_factory=lambda: bench_incremental.LARGE_WORKLOAD)
+    """The fleet-sized snapshot (10,000 clusters x 10 endpoints)."""
     incremental_changes: int = 3
     subsetting_grid: tuple[tuple[int, int, int], ...] = bench_subsetting.DEFAULT_GRID
     """(proxies, backends, k) of the subsetting comparison."""
@@ -442,7 +442,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "a temporary `git worktree`; `now`: this checkout, proxies on SotW (`StreamAggregatedResources`) or "
              "delta (`DeltaAggregatedResources`). One endpoint changed through the registry API per change; "
              "every proxy subscribes to every cluster's endpoints. Bytes: response message bodies each proxy "
-             "received (no HTTP/2 framing). Event log `changes` for every row. Issue 10's targets at 1,000 "
+             "received (no HTTP/2 framing). Event log `changes` for every row. The targets at 1,000 "
              "proxies: <= 2 KB per proxy per change, p99 <= 300 ms (including the 100 ms quiet period)."])
     results.sections[-1].notes.extend(incremental_notes)
 

@@ -191,7 +191,7 @@ def test_per_backend_load_is_at_most_1_15_times_the_mean_for_k_of_20_or_more(n: 
 
 
 def test_the_benchmark_grid_is_balanced_within_1_15() -> None:
-    # Issue 13's largest row: 10,000 proxies, 1,000 backends, k = 20 (and 100).
+    # The benchmark's largest row: 10,000 proxies, 1,000 backends, k = 20 (and 100).
     for k in (20, 100):
         load = loads(proxies=10_000, backends=1_000, k=k)
         assert max(load) <= 1.15 * 10_000 * k / 1_000

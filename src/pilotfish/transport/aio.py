@@ -91,6 +91,7 @@ from pilotfish.transport.frames import ErrorCode, GrpcStatus
 from pilotfish.transport.h2 import (
     Connection,
     ConnectionTerminated,
+    Event,
     HeadersReceived,
     Limits,
     MessageReceived,
@@ -101,7 +102,7 @@ from pilotfish.transport.h2 import (
 )
 from pilotfish.transport.tls import peer_identity
 
-__all__ = ["LISTEN_BACKLOG", "WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "Handler",
+__all__ = ["LISTEN_BACKLOG", "WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "HTTP2Core", "Handler",
            "MethodFactory", "RateLimitedLog", "RpcError", "accept_waiting", "listening_sockets", "refuse",
            "reset", "source_address"]
 
@@ -355,6 +356,38 @@ def _trailers(code: int, message: str) -> list[tuple[bytes, bytes]]:
     return trailers
 
 
+class HTTP2Core(Protocol):
+    """What this adapter drives of a connection's sans-IO HTTP/2 core: the own
+    :class:`~pilotfish.transport.h2.Connection`, or another state machine under the same adapter
+    (bench/h2_package_core.py puts the `h2` package's there, to compare the two)."""
+
+    writing_paused: bool
+    """The socket is full: queue, do not write (see :meth:`resume_writing`)."""
+
+    @property
+    def closed(self) -> bool:
+        """We have ended the connection (GOAWAY sent) or its socket is gone."""
+    @property
+    def terminated(self) -> ConnectionTerminated | None:
+        """Why we ended it, once we have."""
+    @property
+    def preface_received(self) -> bool:
+        """The peer's preface (magic and first SETTINGS) has arrived."""
+    @property
+    def open_streams(self) -> int: ...
+    @property
+    def last_peer_stream(self) -> int: ...
+    def receive(self, data: bytes) -> list[Event]: ...
+    def take_output(self) -> list[bytes | bytearray | memoryview]: ...
+    def acknowledge(self, stream_id: int, size: int) -> None: ...
+    def send_header_block(self, stream_id: int, block: bytes, *, end_stream: bool = False,
+                          abandon_pending: bool = False) -> None: ...
+    def send_message(self, stream_id: int, *parts: bytes) -> None: ...
+    def close(self, code: int = ..., reason: str = "") -> None: ...
+    def resume_writing(self) -> None: ...
+    def discard(self) -> None: ...
+
+
 class Call:
     """One gRPC call: one HTTP/2 stream of a connection."""
 
@@ -428,7 +461,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set in connection_made
         self._dirty = False
         self._reading = True
-        self.h2: Connection = None  # type: ignore[assignment]  # made in connection_made, if admitted
+        self.h2: HTTP2Core = None  # type: ignore[assignment]  # made in connection_made, if admitted
         self.peer = ""
         self.address = address
         """The source IP address: what :attr:`ConnectionLimits.max_connections_per_address` counts."""
@@ -671,7 +704,7 @@ class GrpcServer:
 
     def __init__(self, methods: Mapping[str, MethodFactory], *, limits: Limits | None = None,
                  connection_limits: ConnectionLimits | None = None,
-                 connection_factory: Callable[..., Connection] = Connection) -> None:
+                 connection_factory: Callable[..., HTTP2Core] = Connection) -> None:
         self.limits = limits or Limits()
         """What each connection lets a peer do (see :class:`~pilotfish.transport.h2.Limits`)."""
         self.connection_factory = connection_factory
