@@ -27,7 +27,7 @@ from inprocess import serving as serve_in_process
 from test_tls import CDS, snapshot_doc, write_pair
 
 from pilotfish.app import ServeSettings
-from pilotfish.commands.operate import client_context, confirm_command, status_command, wait_command
+from pilotfish.commands.operate import AdminClient, client_context, confirm_command, status_command, wait_command
 from pilotfish.events import check_event_log
 from pilotfish.reconcile import GuardSettings
 
@@ -123,7 +123,7 @@ async def test_a_proxys_states_as_it_acks_and_nacks_and_what_wait_and_status_say
         assert (proxy["node"], proxy["cluster"], proxy["user_agent"], proxy["user_agent_version"], proxy["group"],
                 proxy["protocol"], proxy["streams"]) == ("edge-1", "edge", "grpc-test", "9.9", "default", "sotw", 1)
         assert proxy["address"].startswith("ipv4:127.0.0.1:") and proxy["connected_since"] > 0
-        code, _, err = await run(wait_command, running.admin, version=None, timeout=0.3, min_proxies=1,
+        code, _, err = await run(wait_command, AdminClient(running.admin), version=None, timeout=0.3, min_proxies=1,
                                  every=0.05)
         assert code == 1 and f"edge-1: CDS STALE {first.version_info[:12]}" in err
 
@@ -134,7 +134,8 @@ async def test_a_proxys_states_as_it_acks_and_nacks_and_what_wait_and_status_say
         cds = snapshots["groups"]["default"]["types"]["CDS"]
         assert cds["summary"] == f"{first.version_info}: 1 of 1" and cds["seconds_to_last_ack"] >= 0
         assert snapshots["counters"]["CDS"] == {"responses": 1, "acks": 1, "nacks": 0}
-        code, out, _ = await run(wait_command, running.admin, version=None, timeout=5, min_proxies=1, every=0.05)
+        code, out, _ = await run(wait_command, AdminClient(running.admin), version=None, timeout=5, min_proxies=1,
+                                 every=0.05)
         assert code == 0 and out == f"1 proxy has {snapshots['groups']['default']['label']}\n"
 
         # A new version the proxy rejects.
@@ -144,13 +145,15 @@ async def test_a_proxys_states_as_it_acks_and_nacks_and_what_wait_and_status_say
         nacked = await until("the NACK", lambda: _in_state(running, "edge-1", "NACKED"))
         assert nacked["nack"]["version"] == second.version_info and nacked["acked_version"] == first.version_info
         assert "greater than 0s" in nacked["nack"]["message"]
-        code, _, err = await run(wait_command, running.admin, version=None, timeout=30, min_proxies=0, every=0.05)
+        code, _, err = await run(wait_command, AdminClient(running.admin), version=None, timeout=30, min_proxies=0,
+                                 every=0.05)
         assert code == 1 and "a proxy rejected the configuration" in err
         assert f"edge-1: CDS NACKED {second.version_info}: cluster api: value must be greater than 0s" in err
-        code, out, _ = await run(status_command, running.admin, node="edge-*", cluster=None, state="NACKED")
+        code, out, _ = await run(status_command, AdminClient(running.admin), node="edge-*", cluster=None,
+                                 state="NACKED")
         assert code == 0 and out.splitlines()[1].startswith("edge-1") and "NACKED" in out
         assert "edge-1 rejected CDS" in out
-        code, out, _ = await run(status_command, running.admin, node="other-*", cluster=None, state=None)
+        code, out, _ = await run(status_command, AdminClient(running.admin), node="other-*", cluster=None, state=None)
         assert code == 0 and out == "no proxy is connected that matches\n"
         status, snapshots = await get(running, "/v1/snapshots")
         cds = snapshots["groups"]["default"]["types"]["CDS"]
@@ -197,7 +200,7 @@ async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(tmp_path: 
     settings = {"guard": GuardSettings(max_removed_share=0.5, min_count=10)}
     async with serving(tmp_path, *names, **settings) as (running, snapshot):
         assert await get(running, "/v1/held") == (200, {"held": None})
-        code, _, err = await run(confirm_command, running.admin)
+        code, _, err = await run(confirm_command, AdminClient(running.admin))
         assert code == 1 and "nothing to confirm" in err
         before = (await get(running, "/v1/snapshots"))[1]["groups"]["default"]["label"]
         snapshot.write_text(yaml.safe_dump(snapshot_doc("svc-0")))  # removes 9 of 10 clusters: held
@@ -209,7 +212,7 @@ async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(tmp_path: 
         assert any("cluster" in reason for reason in shown["reasons"]), shown
         assert f"to publish it anyway: pilotfish confirm --admin {running.admin}, or kill -USR1" in caplog.text
         assert (await get(running, "/v1/snapshots"))[1]["held"]["version"] == shown["version"]
-        code, out, _ = await run(confirm_command, running.admin)
+        code, out, _ = await run(confirm_command, AdminClient(running.admin))
         assert code == 0 and out.startswith(f"published {shown['version']}")
         status, snapshots = await get(running, "/v1/snapshots")
         assert status == 200
@@ -249,13 +252,14 @@ async def test_with_tls_the_admin_api_is_https_only_and_asks_for_a_client_certif
     settings = {"tls_cert": cert, "tls_key": key, "admin_client_ca": ca_file}
     async with serving(tmp_path, "web", **settings) as (running, _):
         tls = client_context(ca=ca_file, cert=client_cert, key=client_key)
-        code, out, err = await run(status_command, running.admin, node=None, cluster=None, state=None, tls=tls)
+        code, out, err = await run(status_command, AdminClient(running.admin, tls=tls), node=None, cluster=None,
+                                   state=None)
         assert (code, out) == (0, "no proxy is connected\n"), err
         no_certificate = client_context(ca=ca_file, cert=None, key=None)
-        code, _, err = await run(status_command, running.admin, node=None, cluster=None, state=None,
-                                 tls=no_certificate)
+        code, _, err = await run(status_command, AdminClient(running.admin, tls=no_certificate), node=None,
+                                 cluster=None, state=None)
         assert code == 3 and f"https://{running.admin}/v1/proxies" in err
-        code, _, err = await run(status_command, running.admin, node=None, cluster=None, state=None)
+        code, _, err = await run(status_command, AdminClient(running.admin), node=None, cluster=None, state=None)
         assert code == 3 and f"http://{running.admin}/v1/proxies" in err  # plain HTTP is not answered
     with pytest.raises(ValueError, match="give --tls-ca"):
         client_context(ca=None, cert=client_cert, key=client_key)

@@ -583,6 +583,29 @@ class RuleChecker:
             raise
         return self._functions[name]
 
+    def _look_at(self, desc: Descriptor) -> tuple[bool, list[Descriptor]]:
+        """Whether a message type needs work of its own (rules, required oneofs, Any fields), and
+        the message types of its fields that checking may descend into."""
+        disabled, ignored = _message_flags(desc)
+        if disabled or ignored:
+            return False, []
+        kids: list[Descriptor] = []
+        has_work = any(self._oneof_required(o) for o in desc.oneofs)
+        for field in desc.fields:
+            rules = _rules_of(field)
+            if rules is not None:
+                _check_understood(rules, field)
+                has_work = True
+            target = _target(field)
+            if target is None:
+                continue
+            if target.full_name == _ANY:
+                has_work = True
+            elif (target.full_name not in _WRAPPERS and target.full_name not in (_DURATION, _TIMESTAMP)
+                  and (rules is None or not _skipped(rules, field))):
+                kids.append(target)
+        return has_work, kids
+
     def _compile_closure(self, root: Descriptor) -> None:
         # Every type reachable from root, and whether each needs any work (own rules, Any
         # fields, or a reachable type that does). Then one function per type that does.
@@ -595,34 +618,17 @@ class RuleChecker:
             if desc.full_name in reach or desc.full_name in self._functions:
                 continue
             reach[desc.full_name] = desc
-            disabled, ignored = _message_flags(desc)
-            kids: list[str] = []
-            has_work = False
-            if not (disabled or ignored):
-                has_work = any(self._oneof_required(o) for o in desc.oneofs)
-                for field in desc.fields:
-                    rules = _rules_of(field)
-                    if rules is not None:
-                        _check_understood(rules, field)
-                        has_work = True
-                    target = _target(field)
-                    if target is None:
-                        continue
-                    if target.full_name == _ANY:
-                        has_work = True
-                    elif (target.full_name not in _WRAPPERS and target.full_name not in (_DURATION, _TIMESTAMP)
-                          and (rules is None or not _skipped(rules, field))):
-                        kids.append(target.full_name)
-                        stack.append(target)
+            has_work, kids = self._look_at(desc)
+            stack.extend(kids)
             own[desc.full_name] = has_work
-            children[desc.full_name] = kids
+            children[desc.full_name] = [kid.full_name for kid in kids]
         needs = dict(own)
         changed = True
         while changed:
             changed = False
-            for full_name, kids in children.items():
+            for full_name, names in children.items():
                 if not needs[full_name] and any(
-                    needs.get(kid, self._functions.get(kid) is not None) for kid in kids
+                    needs.get(kid, self._functions.get(kid) is not None) for kid in names
                 ):
                     needs[full_name] = True
                     changed = True
@@ -835,7 +841,7 @@ class _Writer:
         rules = _rules_of(field)
         value = self.fresh("v")
         saved, self.lines = self.lines, []
-        self.value(field, _value_kind(field), rules, value, self.p, repr("." + field.name), indent,
+        self.value(field, rules, value, self.p, repr("." + field.name), indent,
                    field.message_type if field.type == FieldDescriptor.TYPE_MESSAGE else None)
         lines, self.lines = self.lines, saved
         if lines:
@@ -879,8 +885,8 @@ class _Writer:
             key_rules = own.keys if own is not None and own.HasField("keys") else None
             value_rules = own.values if own is not None and own.HasField("values") else None
             key, item = self.fresh("k"), self.fresh("x")
-            self.value(key_field, _value_kind(key_field), key_rules, key, parent, f"_Key({key})", inner + 1, None)
-            self.value(value_field, _value_kind(value_field), value_rules, item, parent, f"_Key({key})", inner + 1,
+            self.value(key_field, key_rules, key, parent, f"_Key({key})", inner + 1, None)
+            self.value(value_field, value_rules, item, parent, f"_Key({key})", inner + 1,
                        value_field.message_type if value_field.type == FieldDescriptor.TYPE_MESSAGE else None,
                        opaque=f"{self.desc.full_name}.{field.name}" in _OPAQUE_ANY_FIELDS)
             header = f"for {key}, {item} in {items}.items():"
@@ -888,7 +894,7 @@ class _Writer:
             item_rules = own.items if own is not None and own.HasField("items") else None
             skip = rules is not None and rules.message.skip
             index, item = self.fresh("i"), self.fresh("x")
-            self.value(field, _value_kind(field), item_rules, item, parent, index, inner + 1,
+            self.value(field, item_rules, item, parent, index, inner + 1,
                        None if skip else target)
             header = f"for {index}, {item} in enumerate({items}):"
         self.lines = body
@@ -921,69 +927,84 @@ class _Writer:
 
     # one value
 
-    def value(self, field: FieldDescriptor, kind: str, rules: pgv.FieldRules | None, var: str, parent: str,
+    def value(self, field: FieldDescriptor, rules: pgv.FieldRules | None, var: str, parent: str,
               seg: str, indent: int, target: Descriptor | None, *, opaque: bool = False) -> None:
         """Checks of one value ``var`` (a field's, an item's, a map key's or value's)."""
+        kind = _value_kind(field)
         if rules is not None:
-            for set_kind, _ in rules.ListFields():
-                name = set_kind.name
-                if name == "message":
-                    if field.type != FieldDescriptor.TYPE_MESSAGE:
-                        raise self.fail(field, "validate rule message on a scalar field is not understood")
-                elif name != kind and not _only_required(rules, name, field):
-                    raise self.fail(field, f"validate rule {name} on a {kind} value is not understood")
+            self._check_rule_kinds(field, kind, rules)
         own = getattr(rules, kind) if rules is not None and kind != "message" and rules.HasField(kind) else None
         skip = rules is not None and rules.message.skip
-        if kind in _NUMBER_KINDS:
+        if kind == "any":
             if own is not None:
-                self.number(own, kind, self.unwrapped(field, var, indent), parent, seg, indent, _number_text,
-                            lambda x: x)
+                self.any_(own, var, parent, seg, indent)
+            if not skip:
+                self.emit(indent, f"_any({var}, ({parent}, {seg}), out{', True' if opaque else ''})")
+        elif kind == "message":
+            if target is not None and not skip:
+                self.message(field, target, var, f"({parent}, {seg})", indent)
+        elif own is not None:
+            self.scalar(field, kind, own, var, parent, seg, indent)
+
+    def _check_rule_kinds(self, field: FieldDescriptor, kind: str, rules: pgv.FieldRules) -> None:
+        """Every rule set on the field is one for its kind of value (or for any message)."""
+        for set_kind, _ in rules.ListFields():
+            name = set_kind.name
+            if name == "message":
+                if field.type != FieldDescriptor.TYPE_MESSAGE:
+                    raise self.fail(field, "validate rule message on a scalar field is not understood")
+            elif name != kind and not _only_required(rules, name, field):
+                raise self.fail(field, f"validate rule {name} on a {kind} value is not understood")
+
+    def scalar(self, field: FieldDescriptor, kind: str, own: Any, var: str, parent: str, seg: str,
+               indent: int) -> None:
+        """The rules ``own`` of a number, bool, string, bytes, enum, duration or timestamp value."""
+        if kind in _NUMBER_KINDS:
+            self.number(own, kind, self.unwrapped(field, var, indent), parent, seg, indent, _number_text,
+                        lambda x: x)
         elif kind == "bool":
-            if own is not None and own.HasField("const"):
+            if own.HasField("const"):
                 self.emit(indent, f"if {self.unwrapped(field, var, indent)} != {own.const!r}:")
                 self.bad(indent + 1, parent, seg, "bool.const", f"must be {str(own.const).lower()}",
                          lambda v: str(v).lower(), self.unwrapped(field, var, indent))
         elif kind == "string":
-            if own is not None:
-                self.string(own, self.unwrapped(field, var, indent), parent, seg, indent)
+            self.string(own, self.unwrapped(field, var, indent), parent, seg, indent)
         elif kind == "bytes":
-            if own is not None:
-                self.bytes_(own, self.unwrapped(field, var, indent), parent, seg, indent)
+            self.bytes_(own, self.unwrapped(field, var, indent), parent, seg, indent)
         elif kind == "enum":
-            if own is not None:
-                enum = field.enum_type
-                assert enum is not None
-                self.enum(own, enum, var, parent, seg, indent)
-        elif kind in ("duration", "timestamp"):
-            if own is not None and any(f.name != "required" for f, _ in own.ListFields()):
-                nanos = self.fresh("n")
-                self.emit(indent, f"{nanos} = {var}.seconds * 1000000000 + {var}.nanos")
-                show = _duration_text if kind == "duration" else _timestamp_text
-                self.number(own, kind, nanos, parent, seg, indent, show, _nanos)
-                if kind == "timestamp":
-                    self.timestamp_now(own, nanos, parent, seg, indent)
-        elif kind == "any":
-            if own is not None and (getattr(own, "in") or own.not_in):
-                url = f"{var}.type_url"
-                if getattr(own, "in"):
-                    allowed = self.const(frozenset(getattr(own, "in")))
-                    self.emit(indent, f"if {url} not in {allowed}:")
-                    self.bad(indent + 1, parent, seg, "any.in",
-                             f"must hold one of the types {list(getattr(own, 'in'))}", _text, url)
-                if own.not_in:
-                    denied = self.const(frozenset(own.not_in))
-                    self.emit(indent, f"if {url} in {denied}:")
-                    self.bad(indent + 1, parent, seg, "any.not_in",
-                             f"must not hold any of the types {list(own.not_in)}", _text, url)
-            if not skip:
-                self.emit(indent, f"_any({var}, ({parent}, {seg}), out{', True' if opaque else ''})")
-        elif kind == "message" and target is not None and not skip:
-            try:
-                function = self.checker._function_name(target.full_name)
-            except KeyError:
-                raise self.fail(field, f"no plan for {target.full_name} (checker bug)") from None
-            if function is not None and not self.inline(target, var, f"({parent}, {seg})", indent):
-                self.emit(indent, f"{function}({var}, ({parent}, {seg}), out)")
+            enum = field.enum_type
+            assert enum is not None
+            self.enum(own, enum, var, parent, seg, indent)
+        elif kind in ("duration", "timestamp") and any(f.name != "required" for f, _ in own.ListFields()):
+            nanos = self.fresh("n")
+            self.emit(indent, f"{nanos} = {var}.seconds * 1000000000 + {var}.nanos")
+            show = _duration_text if kind == "duration" else _timestamp_text
+            self.number(own, kind, nanos, parent, seg, indent, show, _nanos)
+            if kind == "timestamp":
+                self.timestamp_now(own, nanos, parent, seg, indent)
+
+    def any_(self, own: pgv.AnyRules, var: str, parent: str, seg: str, indent: int) -> None:
+        """An Any's ``in`` and ``not_in`` (the type URLs it may, or may not, hold)."""
+        url = f"{var}.type_url"
+        if getattr(own, "in"):
+            allowed = self.const(frozenset(getattr(own, "in")))
+            self.emit(indent, f"if {url} not in {allowed}:")
+            self.bad(indent + 1, parent, seg, "any.in",
+                     f"must hold one of the types {list(getattr(own, 'in'))}", _text, url)
+        if own.not_in:
+            denied = self.const(frozenset(own.not_in))
+            self.emit(indent, f"if {url} in {denied}:")
+            self.bad(indent + 1, parent, seg, "any.not_in",
+                     f"must not hold any of the types {list(own.not_in)}", _text, url)
+
+    def message(self, field: FieldDescriptor, target: Descriptor, var: str, path: str, indent: int) -> None:
+        """A sub-message: its type's checks, in place or called."""
+        try:
+            function = self.checker._function_name(target.full_name)
+        except KeyError:
+            raise self.fail(field, f"no plan for {target.full_name} (checker bug)") from None
+        if function is not None and not self.inline(target, var, path, indent):
+            self.emit(indent, f"{function}({var}, {path}, out)")
 
     def inline(self, target: Descriptor, var: str, path: str, indent: int) -> bool:
         """Write a small sub-message's checks in place (no call, and its path is built only on a
@@ -1107,7 +1128,7 @@ class _Writer:
                 test, text = _WELL_KNOWN[well_known]
                 check(f"not {self.const(test)}({var})", well_known, text)
 
-        self._sized(own, "string.", "characters", str, var, parent, seg, indent, more)
+        self._sized(own, str, var, parent, seg, indent, more)
 
     def bytes_(self, own: pgv.BytesRules, var: str, parent: str, seg: str, indent: int) -> None:
         def more(check: Callable[[str, str, str], None]) -> None:
@@ -1118,13 +1139,14 @@ class _Writer:
                                "ipv6": ((16,), "must be an IPv6 address (16 bytes)")}[well_known]
                 check(f"len({var}) not in {sizes!r}", well_known, text)
 
-        self._sized(own, "bytes.", "bytes", bytes, var, parent, seg, indent, more)
+        self._sized(own, bytes, var, parent, seg, indent, more)
 
-    def _sized(self, own: pgv.StringRules | pgv.BytesRules, rule: str, unit: str, kind: type[str] | type[bytes],
+    def _sized(self, own: pgv.StringRules | pgv.BytesRules, kind: type[str] | type[bytes],
                var: str, parent: str, seg: str, indent: int, more: Callable[[Callable[[str, str, str], None]], None],
                ) -> None:
         """The rules strings and bytes share (const, in, lengths, affixes, pattern), then ``more``;
         all of them skipped for an empty value under ``ignore_empty``."""
+        rule, unit = ("string.", "characters") if kind is str else ("bytes.", "bytes")
         body: list[str] = []
         saved, self.lines = self.lines, body
 
@@ -1412,60 +1434,70 @@ def check_references(
     cluster_names = {m.name for m in resources.get(CLUSTER, ())}  # type: ignore[attr-defined]
     cluster_names.update(more_clusters)
 
-    def missing_cluster(where: str, name: str) -> Problem:
-        return Problem(where, f"cluster {name!r} does not exist: add it under 'clusters' (or define service "
-                              f"{name!r}); Envoy would answer 503")
-
     for index, cluster in enumerate(resources.get(CLUSTER, ())):
         assert isinstance(cluster, cluster_pb2.Cluster)
-        if cluster.WhichOneof("cluster_discovery_type") != "type" or cluster.type != cluster_pb2.Cluster.EDS:
-            continue
-        eds = cluster.eds_cluster_config
-        if eds.HasField("eds_config") and not _served_by_xds(eds.eds_config):
-            continue
-        wanted = eds.service_name or cluster.name
-        if wanted not in endpoint_names:
-            problems.append(Problem(
-                f"clusters[{index}] (name {cluster.name!r})",
-                f"EDS cluster needs endpoints: add an entry with cluster_name {wanted!r} under 'endpoints'",
-            ))
-
+        problems.extend(_cluster_problems(f"clusters[{index}] (name {cluster.name!r})", cluster, endpoint_names))
     for index, listener in enumerate(resources.get(LISTENER, ())):
         assert isinstance(listener, listener_pb2.Listener)
-        label = f"listeners[{index}] (name {listener.name!r})"
-        for chain_where, chain in _chains(listener):
-            problems.extend(_check_chain(f"{label}.{chain_where}", chain))
-            for fi, network_filter in enumerate(chain.filters):
-                if _filter_type(network_filter) == tcp_proxy_pb2.TcpProxy.DESCRIPTOR.full_name:
-                    proxy = tcp_proxy_pb2.TcpProxy()
-                    network_filter.typed_config.Unpack(proxy)
-                    where = f"{label}.{chain_where}.filters[{fi}].typed_config"
-                    if proxy.WhichOneof("cluster_specifier") == "cluster" and proxy.cluster not in cluster_names:
-                        problems.append(missing_cluster(f"{where}.cluster", proxy.cluster))
-                    for ci, weighted in enumerate(proxy.weighted_clusters.clusters):
-                        if weighted.name not in cluster_names:
-                            problems.append(missing_cluster(f"{where}.weighted_clusters.clusters[{ci}].name",
-                                                            weighted.name))
-        for where, hcm in connection_managers(listener):
-            hcm_where = f"{label}.{where}.typed_config" if where != "api_listener" else f"{label}.api_listener"
-            problems.extend(_check_http_filters(hcm_where, hcm))
-            specifier = hcm.WhichOneof("route_specifier")
-            if specifier == "route_config":
-                for cluster_where, name in _route_clusters(hcm.route_config):
-                    if name not in cluster_names:
-                        problems.append(missing_cluster(f"{hcm_where}.route_config.{cluster_where}", name))
-            if specifier != "rds" or not _served_by_xds(hcm.rds.config_source):
-                continue
-            wanted = hcm.rds.route_config_name
-            if wanted not in route_names:
-                problems.append(Problem(
-                    f"{label}.{where}",
-                    f"RDS route_config_name {wanted!r} has no route configuration: add it under 'routes'",
-                ))
-
+        problems.extend(_listener_problems(f"listeners[{index}] (name {listener.name!r})", listener,
+                                           cluster_names, route_names))
     for index, config in enumerate(resources.get(ROUTE, ())):
         assert isinstance(config, route_pb2.RouteConfiguration)
         for where, name in _route_clusters(config):
             if name not in cluster_names:
-                problems.append(missing_cluster(f"routes[{index}] (name {config.name!r}).{where}", name))
+                problems.append(_missing_cluster(f"routes[{index}] (name {config.name!r}).{where}", name))
     return problems
+
+
+def _missing_cluster(where: str, name: str) -> Problem:
+    return Problem(where, f"cluster {name!r} does not exist: add it under 'clusters' (or define service "
+                          f"{name!r}); Envoy would answer 503")
+
+
+def _cluster_problems(label: str, cluster: cluster_pb2.Cluster, endpoint_names: set[str]) -> Iterator[Problem]:
+    """An EDS cluster served over xDS whose endpoints do not exist."""
+    if cluster.WhichOneof("cluster_discovery_type") != "type" or cluster.type != cluster_pb2.Cluster.EDS:
+        return
+    eds = cluster.eds_cluster_config
+    if eds.HasField("eds_config") and not _served_by_xds(eds.eds_config):
+        return
+    wanted = eds.service_name or cluster.name
+    if wanted not in endpoint_names:
+        yield Problem(label, f"EDS cluster needs endpoints: add an entry with cluster_name {wanted!r} "
+                             "under 'endpoints'")
+
+
+def _listener_problems(label: str, listener: listener_pb2.Listener, cluster_names: set[str],
+                       route_names: set[str]) -> Iterator[Problem]:
+    """A listener's filter chains, the clusters its tcp proxies and inline routes name, and the
+    route configurations it asks RDS for."""
+    for chain_where, chain in _chains(listener):
+        yield from _check_chain(f"{label}.{chain_where}", chain)
+        for fi, network_filter in enumerate(chain.filters):
+            if _filter_type(network_filter) == tcp_proxy_pb2.TcpProxy.DESCRIPTOR.full_name:
+                proxy = tcp_proxy_pb2.TcpProxy()
+                network_filter.typed_config.Unpack(proxy)
+                yield from _tcp_proxy_problems(f"{label}.{chain_where}.filters[{fi}].typed_config", proxy,
+                                               cluster_names)
+    for where, hcm in connection_managers(listener):
+        hcm_where = f"{label}.{where}.typed_config" if where != "api_listener" else f"{label}.api_listener"
+        yield from _check_http_filters(hcm_where, hcm)
+        specifier = hcm.WhichOneof("route_specifier")
+        if specifier == "route_config":
+            for cluster_where, name in _route_clusters(hcm.route_config):
+                if name not in cluster_names:
+                    yield _missing_cluster(f"{hcm_where}.route_config.{cluster_where}", name)
+        if specifier != "rds" or not _served_by_xds(hcm.rds.config_source):
+            continue
+        wanted = hcm.rds.route_config_name
+        if wanted not in route_names:
+            yield Problem(f"{label}.{where}",
+                          f"RDS route_config_name {wanted!r} has no route configuration: add it under 'routes'")
+
+
+def _tcp_proxy_problems(where: str, proxy: tcp_proxy_pb2.TcpProxy, cluster_names: set[str]) -> Iterator[Problem]:
+    if proxy.WhichOneof("cluster_specifier") == "cluster" and proxy.cluster not in cluster_names:
+        yield _missing_cluster(f"{where}.cluster", proxy.cluster)
+    for ci, weighted in enumerate(proxy.weighted_clusters.clusters):
+        if weighted.name not in cluster_names:
+            yield _missing_cluster(f"{where}.weighted_clusters.clusters[{ci}].name", weighted.name)

@@ -512,14 +512,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"pilotfish {args.command}: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        admin = operate.AdminClient(args.admin, tls=tls, token=token)
         if args.command == "status":
-            return operate.status_command(args.admin, node=args.node, cluster=args.cluster, state=args.state,
-                                          out=sys.stdout, err=sys.stderr, tls=tls, token=token)
+            return operate.status_command(admin, node=args.node, cluster=args.cluster, state=args.state,
+                                          out=sys.stdout, err=sys.stderr)
         if args.command == "wait":
-            return operate.wait_command(args.admin, version=args.version, timeout=args.timeout,
-                                        min_proxies=args.min_proxies, out=sys.stdout, err=sys.stderr, tls=tls,
-                                        token=token)
-        return operate.confirm_command(args.admin, out=sys.stdout, err=sys.stderr, tls=tls, token=token)
+            return operate.wait_command(admin, version=args.version, timeout=args.timeout,
+                                        min_proxies=args.min_proxies, out=sys.stdout, err=sys.stderr)
+        return operate.confirm_command(admin, out=sys.stdout, err=sys.stderr)
     if args.command == "token":
         from pilotfish.api.tokens import token_command
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["TOKEN_VARIABLE", "AdminUnreachable", "Verdict", "admin_token", "client_context", "confirm_command",
-           "fleet_verdict", "get_json", "laggards", "status_command", "status_table", "wait_command"]
+__all__ = ["TOKEN_VARIABLE", "AdminClient", "AdminUnreachable", "Verdict", "admin_token", "client_context",
+           "confirm_command", "fleet_verdict", "laggards", "status_command", "status_table", "wait_command"]
 
 TYPES = ("CDS", "EDS", "LDS", "RDS", "SDS")
 """Table columns, in ADS order."""
@@ -86,24 +86,33 @@ def admin_token(path: Path | None, environ: Mapping[str, str]) -> str | None:
     return token
 
 
-def get_json(admin: str, path: str, *, method: str = "GET", timeout: float = 10.0,
-             tls: ssl.SSLContext | None = None, token: str | None = None) -> tuple[int, Any]:
-    """(HTTP status, decoded body) of ``method path`` on the admin API at ``host:port`` (over TLS
-    with ``tls``; with ``token`` as a bearer token)."""
-    url = f"{'http' if tls is None else 'https'}://{admin}{path}"
-    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout, context=tls) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
+@dataclass(frozen=True, slots=True)
+class AdminClient:
+    """How a command reaches the admin API: ``address`` (``host:port``), over TLS with ``tls``,
+    sending ``token`` as a bearer token."""
+
+    address: str
+    tls: ssl.SSLContext | None = None
+    token: str | None = None
+    timeout: float = 10.0
+    """Seconds one request may take."""
+
+    def get_json(self, path: str, *, method: str = "GET") -> tuple[int, Any]:
+        """(HTTP status, decoded body) of ``method path``. Raises :class:`AdminUnreachable`."""
+        url = f"{'http' if self.tls is None else 'https'}://{self.address}{path}"
+        request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+        if self.token is not None:
+            request.add_header("Authorization", f"Bearer {self.token}")
         try:
-            return exc.code, json.loads(exc.read())
-        except ValueError:
-            raise AdminUnreachable(f"{url}: HTTP {exc.code}, not JSON") from None
-    except (OSError, ValueError) as exc:
-        raise AdminUnreachable(f"{url}: {exc} (is `pilotfish serve --admin {admin}` running?)") from None
+            with urllib.request.urlopen(request, timeout=self.timeout, context=self.tls) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                return exc.code, json.loads(exc.read())
+            except ValueError:
+                raise AdminUnreachable(f"{url}: HTTP {exc.code}, not JSON") from None
+        except (OSError, ValueError) as exc:
+            raise AdminUnreachable(f"{url}: {exc} (is `pilotfish serve --admin {self.address}` running?)") from None
 
 
 def _short(version: str | None) -> str:
@@ -150,13 +159,13 @@ def status_table(proxies: list[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def status_command(admin: str, *, node: str | None, cluster: str | None, state: str | None, out: TextIO,
-                   err: TextIO, tls: ssl.SSLContext | None = None, token: str | None = None) -> int:
+def status_command(admin: AdminClient, *, node: str | None, cluster: str | None, state: str | None, out: TextIO,
+                   err: TextIO) -> int:
     """Print the proxies table (filters are globs; ``state``: rows with a type in that state)."""
     query = urllib.parse.urlencode({key: value for key, value in
                                     (("node", node), ("cluster", cluster), ("state", state)) if value})
     try:
-        code, body = get_json(admin, "/v1/proxies" + (f"?{query}" if query else ""), tls=tls, token=token)
+        code, body = admin.get_json("/v1/proxies" + (f"?{query}" if query else ""))
     except AdminUnreachable as exc:
         print(f"pilotfish status: {exc}", file=err)
         return 3
@@ -257,17 +266,16 @@ def laggards(proxies: list[Mapping[str, Any]], snapshots: Mapping[str, Any], *, 
     return Verdict(not problems, rejected, tuple(problems), len(connected))
 
 
-def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies: int, out: TextIO, err: TextIO,
-                 every: float = 0.5, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, tls: ssl.SSLContext | None = None,
-                 token: str | None = None) -> int:
+def wait_command(admin: AdminClient, *, version: str | None, timeout: float, min_proxies: int, out: TextIO,
+                 err: TextIO, every: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> int:
     """Poll until :func:`fleet_verdict` says done (0), a proxy rejected the configuration (1), or
     the timeout passed (1, naming the laggards: :func:`laggards`); 3 if the admin API cannot be
     reached; 2 if it refuses the request (a token is missing or falls short)."""
     deadline = clock() + timeout
     while True:
         try:
-            code, snapshots = get_json(admin, "/v1/snapshots", tls=tls, token=token)
+            code, snapshots = admin.get_json("/v1/snapshots")
             if code in (401, 403):
                 print(f"pilotfish wait: {snapshots.get('error', snapshots)}", file=err)
                 return EXIT_REFUSED
@@ -280,7 +288,7 @@ def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies
                 print(f"{count} prox{'y has' if count == 1 else 'ies have'} {labels or 'nothing'}", file=out)
                 return 0
             if verdict.rejected or clock() >= deadline:
-                _, proxies = get_json(admin, "/v1/proxies", tls=tls, token=token)
+                _, proxies = admin.get_json("/v1/proxies")
                 named = laggards(proxies["proxies"], snapshots, version=version, min_proxies=min_proxies)
                 break
         except AdminUnreachable as exc:
@@ -295,11 +303,10 @@ def wait_command(admin: str, *, version: str | None, timeout: float, min_proxies
     return 1
 
 
-def confirm_command(admin: str, *, out: TextIO, err: TextIO, tls: ssl.SSLContext | None = None,
-                    token: str | None = None) -> int:
+def confirm_command(admin: AdminClient, *, out: TextIO, err: TextIO) -> int:
     """Publish the snapshot the blast-radius guard holds (``POST /v1/held/confirm``)."""
     try:
-        code, body = get_json(admin, "/v1/held/confirm", method="POST", tls=tls, token=token)
+        code, body = admin.get_json("/v1/held/confirm", method="POST")
     except AdminUnreachable as exc:
         print(f"pilotfish confirm: {exc}", file=err)
         return 3

@@ -197,28 +197,9 @@ class SotwStream:
         ``names_as_before``: only as :meth:`decode_request` says (the request's names are those
         of the previous request of its type, and were not decoded)."""
         limits = self.limits
-        type_url, rtype = requested_type(request.type_url, self.type_url, limits)
-        requested = request.resource_names
-        count = len(requested)
-        if count > limits.max_resource_names:
-            raise PeerOverLimit(
-                f"this {rtype.short} request names {count:,} resources, over the limit of "
-                f"{limits.max_resource_names:,} per request (XdsLimits.max_resource_names): subscribe to "
-                "fewer, or raise the limit")
-        if self.node is None:
-            # Envoy may send the node only on a stream's first request.
-            self.node = kept_node(request.node, limits) if request.HasField("node") else base_pb2.Node()
-        version_info = request.version_info
-        if len(version_info) > limits.max_version_chars:
-            version_info = shorten(version_info, limits.max_version_chars)
-
-        state = self.types.get(type_url)
-        if state is None:
-            state = self.types[type_url] = TypeState(type_url, wildcard_capable=rtype.wildcard)
+        state, version_info, error = self._look_at(request)
+        type_url = state.type_url
         nonce = request.response_nonce
-        error = shorten(request.error_detail.message, limits.max_error_chars) if request.HasField(
-            "error_detail") else None
-
         if nonce and nonce != state.nonce:
             return RequestOutcome(RequestKind.STALE, type_url, version_info, shorten(nonce, limits.echo_chars),
                                   error, ())
@@ -231,7 +212,7 @@ class SotwStream:
             subscription = previous
         else:
             subscription = next_subscription(
-                requested, wildcard_capable=state.wildcard_capable, ever_named=state.ever_named,
+                request.resource_names, wildcard_capable=state.wildcard_capable, ever_named=state.ever_named,
                 wire=names_wire,
             )
             if subscription.names:
@@ -254,16 +235,7 @@ class SotwStream:
         if changed and not stated and not state.wildcard_capable:
             _narrow(state, subscription)
 
-        force = False
-        if state.warm_pending:
-            # The resources depending on this type changed: the proxy is warming and waits. Answer
-            # a changed subscription or a repeated request: the same nonce again, or (before any
-            # response of this type on the stream) a request without one. Once a response is on
-            # its way, a nonce-less request needs nothing more: that response answers it.
-            if nonce:
-                force = changed or nonce == state.last_acked_nonce
-            elif state.nonce is None:
-                force = True
+        force = state.warm_pending and _answers_warming(state, nonce, changed)
         rejected = None
         if kind is RequestKind.ACK:
             state.acked_version = version_info
@@ -291,6 +263,31 @@ class SotwStream:
             if clusters is not None:
                 watches += (clusters,)
         return RequestOutcome(kind, type_url, version_info, nonce, error, watches, rejected, changed)
+
+    def _look_at(self, request: discovery_pb2.DiscoveryRequest) -> tuple[TypeState, str, str | None]:
+        """The request's type state (made on its first request), its version_info and error
+        message, both cut to their limits; its node kept if it is the stream's first. Raises
+        :class:`PeerError` for an unknown type or too many names."""
+        limits = self.limits
+        type_url, rtype = requested_type(request.type_url, self.type_url, limits)
+        count = len(request.resource_names)
+        if count > limits.max_resource_names:
+            raise PeerOverLimit(
+                f"this {rtype.short} request names {count:,} resources, over the limit of "
+                f"{limits.max_resource_names:,} per request (XdsLimits.max_resource_names): subscribe to "
+                "fewer, or raise the limit")
+        if self.node is None:
+            # Envoy may send the node only on a stream's first request.
+            self.node = kept_node(request.node, limits) if request.HasField("node") else base_pb2.Node()
+        version_info = request.version_info
+        if len(version_info) > limits.max_version_chars:
+            version_info = shorten(version_info, limits.max_version_chars)
+        state = self.types.get(type_url)
+        if state is None:
+            state = self.types[type_url] = TypeState(type_url, wildcard_capable=rtype.wildcard)
+        error = shorten(request.error_detail.message, limits.max_error_chars) if request.HasField(
+            "error_detail") else None
+        return state, version_info, error
 
     def _routing_acked(self) -> tuple[str | None, str | None]:
         listeners, routes = self.types.get(LISTENER.url), self.types.get(ROUTE.url)
@@ -339,6 +336,16 @@ class SotwStream:
             if warmed_state is not None:
                 warmed_state.warm_pending = True
         return nonce, response
+
+
+def _answers_warming(state: TypeState, nonce: str, changed: bool) -> bool:
+    """Whether a request of a type whose dependants changed (the proxy is warming and waits) is
+    answered even at an unchanged version: a changed subscription or a repeated request (the same
+    nonce again, or, before any response of this type on the stream, one without a nonce). Once a
+    response is on its way, a nonce-less request needs nothing more: that response answers it."""
+    if nonce:
+        return changed or nonce == state.last_acked_nonce
+    return state.nonce is None
 
 
 def _held_from_request(state: TypeState, subscription: Subscription, version: str | None, *, first: bool) -> None:

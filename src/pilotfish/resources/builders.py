@@ -436,149 +436,177 @@ def encode_for_views(
     ``patch``: how ``specs`` and ``endpoints`` were made from earlier ones; when those are what
     ``memo`` last built from, only the patch's names are looked at (a change to one service
     among 10,000 costs that service and the output lists it is in)."""
-    memo = memo or ResourceMemo()
-    wanted = tuple(dict.fromkeys(views))
-    if rest_source is None and any(kind is ClientKind.REST for kind, _ in wanted):
-        raise ValueError("a rest view needs the REST config source its clients poll (rest_source)")
-    rest_key = b"" if rest_source is None else rest_source.SerializeToString(deterministic=True)
-    kinds = {kind for kind, _ in wanted}
-    want_ads = bool(kinds - {ClientKind.REST})
-    want_rest = ClientKind.REST in kinds
-    want_sockets, want_apis = ClientKind.ENVOY in kinds, ClientKind.GRPC in kinds
-    zones = tuple(dict.fromkeys(zone for _, zone in wanted if zone))
-    memo.start((wanted, rest_key))
+    build = _ViewsBuild(memo or ResourceMemo(), tuple(dict.fromkeys(views)), rest_source, endpoints)
+    build.visit_services(specs, patch)
+    return build.outputs(specs, endpoints)
 
-    def make(name: str, spec: ServiceSpec, found: tuple[Endpoint, ...], old: _Service | None) -> _Service:
+
+class _ViewsBuild:
+    """One :func:`encode_for_views`: what its views want, the services visited, the output lists."""
+
+    def __init__(self, memo: ResourceMemo, wanted: tuple[ViewKey, ...],
+                 rest_source: config_source_pb2.ConfigSource | None,
+                 endpoints: Mapping[str, Iterable[Endpoint]]) -> None:
+        if rest_source is None and any(kind is ClientKind.REST for kind, _ in wanted):
+            raise ValueError("a rest view needs the REST config source its clients poll (rest_source)")
+        self.memo, self.wanted, self.rest_source, self.endpoints = memo, wanted, rest_source, endpoints
+        kinds = {kind for kind, _ in wanted}
+        self.want_ads = bool(kinds - {ClientKind.REST})
+        self.want_rest = ClientKind.REST in kinds
+        self.want_sockets, self.want_apis = ClientKind.ENVOY in kinds, ClientKind.GRPC in kinds
+        self.zones = tuple(dict.fromkeys(zone for _, zone in wanted if zone))
+        memo.start((wanted, b"" if rest_source is None else rest_source.SerializeToString(deterministic=True)))
+        self.last = memo.services()
+        self.changed: set[_ListKey] = set()
+        """The output lists in which some visited service's entry differs from the last build's."""
+        self.services: dict[str, _Service] = {}
+        self.names: tuple[str, ...] = ()
+        self._entries: list[_Service] | None = None
+        self._all_changed = False
+        self._lists: dict[_ListKey, list[Resource]] = {}
+
+    # -- the resources of one service ------------------------------------------------------------
+
+    def _cluster(self, spec: ServiceSpec) -> Resource:
+        return Resource(CLUSTER, spec.name, encode_cluster(spec))
+
+    def _rest_cluster(self, spec: ServiceSpec) -> Resource:
+        return Resource(CLUSTER, spec.name, encode_cluster(spec, self.rest_source))
+
+    @staticmethod
+    def _assignment(name: str, found: tuple[Endpoint, ...]) -> Resource:
+        return Resource(ENDPOINT, name, encode_assignment(name, found))
+
+    @staticmethod
+    def _listener(spec: ServiceSpec) -> Resource:
+        return Resource.of(LISTENER, build_listener(spec))
+
+    def _rest_listener(self, spec: ServiceSpec) -> Resource:
+        return Resource.of(LISTENER, build_listener(spec, rds=self.rest_source))
+
+    @staticmethod
+    def _api_listener(spec: ServiceSpec) -> Resource:
+        return Resource.of(LISTENER, build_api_listener(spec))
+
+    @staticmethod
+    def _route(spec: ServiceSpec) -> Resource:
+        return Resource.of(ROUTE, _route_config(spec))
+
+    def _make_config(self, entry: _Service, spec: ServiceSpec, old: _Service | None) -> None:
+        """The service's clusters, listeners and route, made again (its definition changed)."""
+        make = self.memo.make
+        if self.want_ads:
+            entry.cluster = make(self._cluster, spec)
+        if self.want_rest:
+            entry.rest_cluster = make(self._rest_cluster, spec)
+        if spec.listen is not None and self.want_sockets:
+            entry.socket = make(self._listener, spec)
+        if spec.listen is not None and self.want_rest:
+            if spec.protocol == "tcp":  # no RDS: the very listener Envoys on ADS get
+                entry.rest_socket = entry.socket or make(self._listener, spec)
+            else:
+                entry.rest_socket = make(self._rest_listener, spec)
+        if spec.grpc is not None and self.want_apis:
+            entry.api = make(self._api_listener, spec)
+        if spec.protocol == "http" and (spec.listen is not None or spec.grpc is not None):
+            # Every kind gets the same routes (clients ask for routes by name, so one no listener
+            # of theirs uses is never sent); made of the name, timeout and retries only, so a
+            # change of listener settings keeps the route object.
+            if old is not None and old.route is not None and (old.spec.timeout, old.spec.retries) == (
+                    spec.timeout, spec.retries):
+                entry.route = old.route
+            else:
+                entry.route = make(self._route, spec)
+
+    def _make(self, name: str, spec: ServiceSpec, found: tuple[Endpoint, ...], old: _Service | None) -> _Service:
         """The service's resources, each taken from ``old`` (its last build) where its input is the same."""
         entry = _Service(spec, found)
         same_spec = old is not None and old.spec == spec
-        same_found = old is not None and old.found == found
         if old is not None and same_spec:
             entry.cluster, entry.rest_cluster = old.cluster, old.rest_cluster
             entry.socket, entry.rest_socket, entry.api, entry.route = old.socket, old.rest_socket, old.api, old.route
         else:
-            if want_ads:
-                entry.cluster = memo.make(cluster, spec)
-            if want_rest:
-                entry.rest_cluster = memo.make(rest_cluster, spec)
-            if spec.listen is not None and want_sockets:
-                entry.socket = memo.make(listener, spec)
-            if spec.listen is not None and want_rest:
-                if spec.protocol == "tcp":  # no RDS: the very listener Envoys on ADS get
-                    entry.rest_socket = entry.socket or memo.make(listener, spec)
-                else:
-                    entry.rest_socket = memo.make(rest_listener, spec)
-            if spec.grpc is not None and want_apis:
-                entry.api = memo.make(api_listener, spec)
-            if spec.protocol == "http" and (spec.listen is not None or spec.grpc is not None):
-                # Every kind gets the same routes (clients ask for routes by name, so one no listener
-                # of theirs uses is never sent); made of the name, timeout and retries only, so a
-                # change of listener settings keeps the route object.
-                if old is not None and old.route is not None and (old.spec.timeout, old.spec.retries) == (
-                        spec.timeout, spec.retries):
-                    entry.route = old.route
-                else:
-                    entry.route = memo.make(route, spec)
-        if old is not None and same_found and (same_spec or old.spec.zone_local == spec.zone_local):
+            self._make_config(entry, spec, old)
+        if old is not None and old.found == found and (same_spec or old.spec.zone_local == spec.zone_local):
             entry.every, entry.zonal = old.every, old.zonal
             return entry
         ordered = tuple(sorted(found))
-        every = entry.every = memo.make(assignment, name, ordered)
+        every = entry.every = self.memo.make(self._assignment, name, ordered)
         zonal = []
-        for zone in zones:
+        for zone in self.zones:
             local = tuple(e for e in ordered if e.zone == zone) if spec.zone_local else ()
-            zonal.append(memo.make(assignment, name, local) if local else every)
+            zonal.append(self.memo.make(self._assignment, name, local) if local else every)
         entry.zonal = tuple(zonal)
         return entry
 
-    def cluster(spec: ServiceSpec) -> Resource:
-        return Resource(CLUSTER, spec.name, encode_cluster(spec))
-
-    def rest_cluster(spec: ServiceSpec) -> Resource:
-        return Resource(CLUSTER, spec.name, encode_cluster(spec, rest_source))
-
-    def assignment(name: str, found: tuple[Endpoint, ...]) -> Resource:
-        return Resource(ENDPOINT, name, encode_assignment(name, found))
-
-    def listener(spec: ServiceSpec) -> Resource:
-        return Resource.of(LISTENER, build_listener(spec))
-
-    def rest_listener(spec: ServiceSpec) -> Resource:
-        return Resource.of(LISTENER, build_listener(spec, rds=rest_source))
-
-    def api_listener(spec: ServiceSpec) -> Resource:
-        return Resource.of(LISTENER, build_api_listener(spec))
-
-    def route(spec: ServiceSpec) -> Resource:
-        return Resource.of(ROUTE, _route_config(spec))
-
-    last = memo.services()
-    changed: set[_ListKey] = set()
-
-    def visit(name: str, spec: ServiceSpec) -> _Service:
+    def _visit(self, name: str, spec: ServiceSpec) -> _Service:
         """The service's entry: the last build's if its input is the same, else made again."""
-        found = endpoints.get(name, ())
+        found = self.endpoints.get(name, ())
         if type(found) is not tuple:
             found = tuple(found)
-        old = last.get(name)
+        old = self.last.get(name)
         if old is not None and (old.spec is spec or old.spec == spec) and (old.found is found or old.found == found):
             return old
-        entry = make(name, spec, found, old)
+        entry = self._make(name, spec, found, old)
         if old is not None:
-            changed.update(entry.changed_lists(old))
+            self.changed.update(entry.changed_lists(old))
         return entry
 
-    services: dict[str, _Service]
-    if memo.continues(patch):
-        assert patch is not None
-        # Every other name's input is the very object the last build had: its entry stands.
-        services = dict(last)
-        came_or_went = False
-        for name in patch.names:
-            spec = specs.get(name)
-            if spec is not None:
-                came_or_went = came_or_went or name not in last
-                services[name] = visit(name, spec)
-            elif services.pop(name, None) is not None:
-                came_or_went = True
-        names = memo.names(specs) if came_or_went else memo.last_names()
-    else:
-        names = memo.names(specs)
-        services = {name: visit(name, specs[name]) for name in names}
-    all_changed = not memo.same_names(names)  # a service came or went: every list is made again
-    entries: list[_Service] | None = None
-    lists: dict[_ListKey, list[Resource]] = {}
+    # -- every service, then the lists -----------------------------------------------------------
 
-    def output(key: _ListKey) -> list[Resource]:
+    def visit_services(self, specs: Mapping[str, ServiceSpec], patch: ServicesPatch | None) -> None:
+        memo, last = self.memo, self.last
+        if memo.continues(patch):
+            assert patch is not None
+            # Every other name's input is the very object the last build had: its entry stands.
+            services = self.services = dict(last)
+            came_or_went = False
+            for name in patch.names:
+                spec = specs.get(name)
+                if spec is not None:
+                    came_or_went = came_or_went or name not in last
+                    services[name] = self._visit(name, spec)
+                elif services.pop(name, None) is not None:
+                    came_or_went = True
+            self.names = memo.names(specs) if came_or_went else memo.last_names()
+        else:
+            self.names = memo.names(specs)
+            self.services = {name: self._visit(name, specs[name]) for name in self.names}
+        self._all_changed = not memo.same_names(self.names)  # a service came or went: every list is made again
+
+    def _output(self, key: _ListKey) -> list[Resource]:
         """One output list: the last build's when no resource in it changed (kept by identity)."""
-        nonlocal entries
-        previous = memo.previous_list(key)
-        if previous is not None and not all_changed and key not in changed:
+        previous = self.memo.previous_list(key)
+        if previous is not None and not self._all_changed and key not in self.changed:
             made = previous
         else:
+            entries = self._entries
             if entries is None:
-                entries = list(map(services.__getitem__, names))
+                entries = self._entries = list(map(self.services.__getitem__, self.names))
             picked = map(operator.attrgetter(key), entries) if isinstance(key, str) else (
                 entry.zonal[key] for entry in entries)
             made = [r for r in picked if r is not None]
-        lists[key] = made
+        self._lists[key] = made
         return made
 
-    ads_clusters = output("cluster") if want_ads else []
-    rest_clusters = output("rest_cluster") if want_rest else []
-    every_list = output("every")
-    by_zone: dict[str, list[Resource]] = {"": every_list}
-    for number, zone in enumerate(zones):
-        in_zone = output(number)
-        # Nothing zone-local in this zone: the same list, shared.
-        by_zone[zone] = every_list if all(map(operator.is_, in_zone, every_list)) else in_zone
-    by_kind = {
-        ClientKind.ENVOY: output("socket") if want_sockets else [],
-        ClientKind.GRPC: output("api") if want_apis else [],
-        ClientKind.REST: output("rest_socket") if want_rest else [],
-    }
-    routes = output("route")
-    memo.finish(names, services, lists, (specs, endpoints))
-    return {(kind, zone): {CLUSTER: rest_clusters if kind is ClientKind.REST else ads_clusters,
-                           ENDPOINT: by_zone[zone], LISTENER: by_kind[kind], ROUTE: routes}
-            for kind, zone in wanted}
+    def outputs(self, specs: Mapping[str, ServiceSpec], endpoints: Mapping[str, Iterable[Endpoint]],
+                ) -> dict[ViewKey, dict[ResourceType, list[Resource]]]:
+        output = self._output
+        ads_clusters = output("cluster") if self.want_ads else []
+        rest_clusters = output("rest_cluster") if self.want_rest else []
+        every_list = output("every")
+        by_zone: dict[str, list[Resource]] = {"": every_list}
+        for number, zone in enumerate(self.zones):
+            in_zone = output(number)
+            # Nothing zone-local in this zone: the same list, shared.
+            by_zone[zone] = every_list if all(map(operator.is_, in_zone, every_list)) else in_zone
+        by_kind = {
+            ClientKind.ENVOY: output("socket") if self.want_sockets else [],
+            ClientKind.GRPC: output("api") if self.want_apis else [],
+            ClientKind.REST: output("rest_socket") if self.want_rest else [],
+        }
+        routes = output("route")
+        self.memo.finish(self.names, self.services, self._lists, (specs, endpoints))
+        return {(kind, zone): {CLUSTER: rest_clusters if kind is ClientKind.REST else ads_clusters,
+                               ENDPOINT: by_zone[zone], LISTENER: by_kind[kind], ROUTE: routes}
+                for kind, zone in self.wanted}

@@ -265,13 +265,23 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     health = None
     if value.get("health_check") is not None:
         health = _health_check(value["health_check"], _where(where, "health_check"), problems)
-    endpoints: list[Endpoint] = []
-    raw_endpoints = value.get("endpoints", [])
-    if not isinstance(raw_endpoints, list):
+    endpoints = _endpoints(value.get("endpoints", []), where, problems)
+    if problems or connect_timeout is None or timeout is None or retries is None:
+        return None, (), problems
+    spec = ServiceSpec(name=name, listen=listen, protocol=protocol, connect_timeout=connect_timeout,
+                       timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health, grpc=grpc,
+                       zone_local=zone_local is True, subset_size=subset_size)
+    return spec, endpoints, problems
+
+
+def _endpoints(raw: Any, where: str, problems: list[Problem]) -> tuple[Endpoint, ...]:
+    """A service's ``endpoints`` list, sorted; each one listed twice is a problem."""
+    if not isinstance(raw, list):
         problems.append(Problem(_where(where, "endpoints"), "must be a list of HOST:PORT or mappings"))
-        raw_endpoints = []
+        return ()
+    endpoints: list[Endpoint] = []
     seen: dict[str, int] = {}
-    for index, item in enumerate(raw_endpoints):
+    for index, item in enumerate(raw):
         endpoint = parse_endpoint(item, f"{where}.endpoints[{index}]", problems)
         if endpoint is None:
             continue
@@ -282,12 +292,7 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
             continue
         seen[endpoint.address] = index
         endpoints.append(endpoint)
-    if problems or connect_timeout is None or timeout is None or retries is None:
-        return None, (), problems
-    spec = ServiceSpec(name=name, listen=listen, protocol=protocol, connect_timeout=connect_timeout,
-                       timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health, grpc=grpc,
-                       zone_local=zone_local is True, subset_size=subset_size)
-    return spec, tuple(sorted(endpoints)), problems
+    return tuple(sorted(endpoints))
 
 
 _HEALTH_CHECK_FIELDS = ("path", "interval", "timeout")

@@ -216,6 +216,14 @@ class ProtocolUsageError(Exception):
     """The application asked the connection for something HTTP/2 forbids (our own bug)."""
 
 
+_OUT_OF_PLACE = {
+    f.PUSH_PROMISE: "PUSH_PROMISE, but push is disabled (SETTINGS_ENABLE_PUSH 0; a client never pushes)",
+    f.CONTINUATION: "CONTINUATION on stream {stream_id} without a HEADERS frame before it",
+}
+"""Frame types that are a connection error wherever they come (a CONTINUATION that continues a
+header block is handled before this table is looked at)."""
+
+
 class _ConnectionError(Exception):
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason)
@@ -494,18 +502,14 @@ class Connection:
                 self._on_rst_stream(stream_id, payload, events)
             elif kind == f.SETTINGS:
                 self._on_settings(flags, stream_id, payload)
-            elif kind == f.PUSH_PROMISE:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE, but push is disabled "
-                                       "(SETTINGS_ENABLE_PUSH 0; a client never pushes)")
             elif kind == f.PING:
                 self._on_ping(flags, stream_id, payload)
             elif kind == f.GOAWAY:
                 self._on_goaway(stream_id, payload, events)
             elif kind == f.WINDOW_UPDATE:
                 self._on_window_update(stream_id, payload, events)
-            elif kind == f.CONTINUATION:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"CONTINUATION on stream {stream_id} "
-                                       "without a HEADERS frame before it")
+            elif kind in _OUT_OF_PLACE:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, _OUT_OF_PLACE[kind].format(stream_id=stream_id))
             # Unknown frame types are ignored (RFC 9113 section 5.5).
         except _StreamError as exc:
             self._reset(stream_id, exc.code, exc.reason, events)
@@ -879,32 +883,36 @@ class Connection:
                                    f"SETTINGS with {len(payload) // 6} entries, over "
                                    f"{self.limits.max_settings_entries} (Limits.max_settings_entries)")
         for key, value in f.parse_settings(payload):
-            if key == Setting.ENABLE_PUSH:
-                if value > 1 or (value == 1 and self.role is Role.CLIENT):
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {value}")
-            elif key == Setting.INITIAL_WINDOW_SIZE:
-                if value > f.MAX_WINDOW:
-                    raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR,
-                                           f"SETTINGS_INITIAL_WINDOW_SIZE {value} over 2^31-1")
-                delta, self._peer_initial_window = value - self._peer_initial_window, value
-                for stream in self._streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > f.MAX_WINDOW:
-                        raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR,
-                                               f"SETTINGS_INITIAL_WINDOW_SIZE {value} overflows stream "
-                                               f"{stream.id}'s window")
-            elif key == Setting.MAX_FRAME_SIZE:
-                if not f.DEFAULT_MAX_FRAME <= value <= f.MAX_FRAME_SIZE_LIMIT:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR,
-                                           f"SETTINGS_MAX_FRAME_SIZE {value} outside 16384..16777215")
-                self._peer_max_frame = value
-            elif key == Setting.MAX_CONCURRENT_STREAMS:
-                self._peer_max_streams = value
-            elif key == Setting.HEADER_TABLE_SIZE and value < _DEFAULT_HEADER_TABLE:
-                # We never index, but a decoder that shrank its table expects to hear it.
-                self._table_update = f.table_size_update(value)
+            self._apply_setting(key, value)
         self._queue_control(f.frame(f.SETTINGS, f.ACK, 0))
         self._drain_all()
+
+    def _apply_setting(self, key: int, value: int) -> None:
+        """One entry of the peer's SETTINGS (unknown ones are ignored, RFC 9113 section 6.5.2)."""
+        if key == Setting.ENABLE_PUSH:
+            if value > 1 or (value == 1 and self.role is Role.CLIENT):
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {value}")
+        elif key == Setting.INITIAL_WINDOW_SIZE:
+            if value > f.MAX_WINDOW:
+                raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR,
+                                       f"SETTINGS_INITIAL_WINDOW_SIZE {value} over 2^31-1")
+            delta, self._peer_initial_window = value - self._peer_initial_window, value
+            for stream in self._streams.values():
+                stream.send_window += delta
+                if stream.send_window > f.MAX_WINDOW:
+                    raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR,
+                                           f"SETTINGS_INITIAL_WINDOW_SIZE {value} overflows stream "
+                                           f"{stream.id}'s window")
+        elif key == Setting.MAX_FRAME_SIZE:
+            if not f.DEFAULT_MAX_FRAME <= value <= f.MAX_FRAME_SIZE_LIMIT:
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR,
+                                       f"SETTINGS_MAX_FRAME_SIZE {value} outside 16384..16777215")
+            self._peer_max_frame = value
+        elif key == Setting.MAX_CONCURRENT_STREAMS:
+            self._peer_max_streams = value
+        elif key == Setting.HEADER_TABLE_SIZE and value < _DEFAULT_HEADER_TABLE:
+            # We never index, but a decoder that shrank its table expects to hear it.
+            self._table_update = f.table_size_update(value)
 
     def _on_ping(self, flags: int, stream_id: int, payload: memoryview) -> None:
         if stream_id:
