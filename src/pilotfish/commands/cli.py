@@ -354,6 +354,9 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--refresh-ms", type=_positive_int, default=int(DEFAULT_REST_REFRESH * 1000), metavar="MS",
                       help="with --rest: poll every MS milliseconds, plus up to as much again of jitter "
                            "(default: %(default)s)")
+    boot.add_argument("--lrs", action="store_true",
+                      help="report load to pilotfish over LRS on the xDS port (per cluster: requests that "
+                           "succeeded, failed and are in flight), which rollouts gate on")
     boot.add_argument("--grpc", action="store_true",
                       help="print the JSON bootstrap of a proxyless gRPC client (GRPC_XDS_BOOTSTRAP) instead; it "
                            "then resolves xds:///NAME to the services with 'grpc: true' (or 'grpc: NAME')")
@@ -490,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          admin_port=args.admin_port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                                          tls_key=args.tls_key, tls_server_name=args.tls_server_name,
                                          delta=args.delta, rest=None if args.rest is None else tuple(args.rest),
-                                         refresh=args.refresh_ms / 1000,
+                                         refresh=args.refresh_ms / 1000, lrs=args.lrs,
                                          zone=args.zone, region=args.region)
             if args.grpc and (args.delta or args.rest):
                 raise ValueError("--delta and --rest are for Envoy bootstraps; gRPC clients choose their xDS "

@@ -148,6 +148,10 @@ class BootstrapSettings:
     listeners (``api_type: REST``) instead of ADS over gRPC; :attr:`xds` is then not used."""
     refresh: float = DEFAULT_REST_REFRESH
     """With :attr:`rest`: seconds between polls (Envoy adds up to as much again of jitter)."""
+    lrs: bool = False
+    """Report load to pilotfish (LRS, on the xDS port: ``cluster_manager.load_stats_config``):
+    per cluster, the requests that succeeded, failed and are in flight, every interval the
+    server asks for (a rollout's gates compare a wave's error ratio with the baseline's)."""
     region: str = ""
     """The node's locality region (gRPC bootstraps)."""
     zone: str = ""
@@ -170,6 +174,9 @@ class BootstrapSettings:
             raise ValueError("--rest and --delta exclude each other: REST polls are state of the world")
         if not self.refresh > 0:
             raise ValueError("the REST refresh delay must be positive")
+        if self.rest is not None and self.lrs:
+            raise ValueError("--lrs needs a gRPC connection to the xDS port (load reports are a gRPC stream): "
+                             "it does not go with --rest")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("give both a TLS certificate and key (--tls-cert, --tls-key), or neither")
         if self.tls_ca is None and (self.tls_cert is not None or self.tls_server_name is not None):
@@ -264,7 +271,7 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     """The bootstrap as plain values (Envoy's JSON shape)."""
     if settings.rest is not None:
         return _rest_bootstrap(settings)
-    return {
+    config: dict[str, Any] = {
         "node": {"id": settings.node_id, "cluster": settings.cluster},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": settings.admin_port}}},
         "dynamic_resources": {
@@ -284,6 +291,13 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
         },
         "static_resources": {"clusters": [_xds_cluster(settings, settings.xds_addresses, http2=True)]},
     }
+    if settings.lrs:
+        config["cluster_manager"] = {"load_stats_config": {
+            "api_type": "GRPC",
+            "transport_api_version": "V3",
+            "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+        }}
+    return config
 
 
 def _rest_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
@@ -311,6 +325,9 @@ def grpc_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     if settings.tls_server_name is not None:
         raise ValueError("a gRPC bootstrap cannot set the TLS server name: gRPC checks pilotfish's certificate "
                          "against the host of --xds")
+    if settings.lrs:
+        raise ValueError("a gRPC client reports load for the clusters that ask it to (lrs_server in CDS), not "
+                         "from its bootstrap: leave out --lrs with --grpc")
     creds: dict[str, Any] = {"type": "insecure"}
     if settings.tls_ca is not None:
         config = {"ca_certificate_file": settings.tls_ca}
