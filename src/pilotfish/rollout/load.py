@@ -214,6 +214,10 @@ class LoadStore:
         """Cluster entries folded into :data:`OTHER`."""
 
     @property
+    def retention(self) -> float:
+        return self.settings.retention
+
+    @property
     def proxies(self) -> int:
         return len(self._proxies)
 

@@ -181,6 +181,10 @@ class CommandRefused(ValueError):
 class LoadWindow(Protocol):
     """Request counts per cluster over a window (:class:`~pilotfish.rollout.load.LoadStore`)."""
 
+    @property
+    def retention(self) -> float:
+        """Seconds of history it keeps."""
+
     def window(self, nodes: Iterable[str], start: float, end: float | None = None) -> dict[str, Counts]: ...
 
 
@@ -263,6 +267,10 @@ class RolloutMachine:
         self._gate: AckGate | None = None
         self._before: dict[str, Counts] = {}
         self.last_health: HealthResult | None = None
+        needed = settings.ack.timeout + settings.bake
+        if loads is not None and settings.health is not None and loads.retention < needed:
+            raise ValueError(f"the load store keeps {loads.retention:g} s of load reports, and a wave reads up to "
+                             f"its ACK timeout plus its bake time ({needed:g} s) of them: keep at least that much")
         if state is not None:
             self._restore(state)
 
@@ -450,7 +458,7 @@ class RolloutMachine:
     def _stop(self) -> None:
         self.candidate = None
         self.phase = Phase.IDLE
-        self.wave = 0
+        self.wave, self.wave_started, self.bake_started = 0, 0.0, 0.0
         self.paused, self._paused_for_traffic = None, False
         self._gate = None
         self._before = {}
