@@ -16,6 +16,7 @@ from pilotfish.rollout.gates import AckSettings, HealthSettings
 from pilotfish.rollout.load import ClusterLoad, LoadReport, LoadSettings, LoadStore
 from pilotfish.rollout.machine import (
     DEFAULT_TYPES,
+    EVENTS,
     CommandRefused,
     Decision,
     Phase,
@@ -68,6 +69,22 @@ def kinds(steps: list[Step]) -> list[str]:
 
 def served(machine: RolloutMachine) -> dict[str, str | None]:
     return {n: machine.serves(n) for n in NODES}
+
+
+def test_every_event_is_declared_with_its_fields() -> None:
+    machine = make(bake=0.0)
+    steps = [machine.offer("v2", {CDS}, 0.0), machine.pause(0.1), machine.resume(0.2), machine.promote(0.3)]
+    steps += [machine.offer("v3", {CDS}, 0.4), machine.abort(0.5), machine.offer("v3", {CDS}, 0.6)]
+    steps += [machine.offer("v4", {CDS}, 0.7), *ack(machine, NODES, "v4", 0.8)]
+    while machine.running:
+        steps.append(machine.promote(0.85))
+    steps += [machine.offer("v5", {CDS}, 0.9), machine.nacked("canary-1", CDS, "v5", "no", 1.0)]
+    seen = set()
+    for step in steps:
+        for event in step.events:
+            assert set(event.fields) <= set(EVENTS[event.kind][1]), event
+            seen.add(event.kind)
+    assert seen == set(EVENTS) - {"rollout_baseline_set"}  # (make() saw that one)
 
 
 def test_the_first_change_is_the_baseline_for_every_proxy() -> None:
@@ -533,6 +550,9 @@ def test_no_proxy_is_ever_served_a_held_candidate_and_wake_says_who_moved(script
             assert not machine.running or command in ("pause", "resume")
             continue
         after = {n: machine.serves(n) for n in NODES}
+        for event in step.events:
+            assert set(event.fields) <= set(EVENTS[event.kind][1]), event
+            json.dumps(dict(event.fields))
         for n in NODES:
             assert after[n] in (machine.baseline, machine.candidate)
             assert after[n] not in machine.held
