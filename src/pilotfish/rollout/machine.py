@@ -393,7 +393,9 @@ class RolloutMachine:
         return step.done()
 
     def acked(self, node_id: str, type_url: str, change_id: str, now: float) -> Step:
-        """``node_id`` ACKed ``type_url`` of ``change_id``."""
+        """``node_id`` ACKed ``type_url`` of ``change_id``. Report as an ACK too a reconnecting proxy's first
+        request whose ``version_info`` is the candidate's: it accepted it on a stream that broke before
+        its ACK arrived, and is sent nothing again (docs/architecture.md, behaviour 11)."""
         with _Recorder(self) as step:
             if self._gate is not None and self.phase is Phase.ACKING and change_id == self.candidate:
                 self._gate.acked(node_id, type_url)
@@ -402,7 +404,8 @@ class RolloutMachine:
 
     def nacked(self, node_id: str, type_url: str, change_id: str, message: str, now: float) -> Step:
         """``node_id`` NACKed ``type_url`` of ``change_id`` with ``message``: a NACK of the candidate fails
-        the rollout, whoever sent it."""
+        the rollout, whoever sent it. ``change_id`` is that of the response the NACK answers (by its
+        nonce), not the NACK's ``version_info``, which is the last version the proxy accepted."""
         with _Recorder(self) as step:
             if self.running and change_id == self.candidate:
                 text = " ".join(message.split())

@@ -146,10 +146,10 @@ def test_a_flood_of_proxies_and_clusters_stays_within_the_memory_bound() -> None
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        flood = report(*(load(f"cluster-{i}", 10, 1) for i in range(300)))
+        flood = report(*(load(f"cluster-{i}", 10, 1) for i in range(150)))
         for step in range(2):
             clock.now = 100.0 + step * 5
-            for p in range(300):  # 1.5 times max_proxies, each with three times max_clusters
+            for p in range(250):  # beyond max_proxies, each beyond max_clusters, together beyond max_series
                 store.ingest(f"p{p}-{'x' * 100}", flood)
         used = tracemalloc.get_traced_memory()[0] - base
     finally:

@@ -240,6 +240,22 @@ def test_a_proxy_that_disconnects_mid_wave_may_come_back_and_ack() -> None:
     assert kinds(ack(machine, ["canary-2"], now=12.0)) == ["rollout_wave_acked"]
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.permutations(NODES), st.lists(st.sampled_from(NODES), max_size=6))
+def test_the_proxies_of_a_wave_do_not_depend_on_the_order_they_connect_or_reconnect_in(
+        order: list[str], reconnects: list[str]) -> None:
+    machine = make(connect=False)
+    for node in order:
+        machine.connected(node, "default", 0.0)
+    for node in reconnects:
+        machine.disconnected(node, 0.0)
+        machine.connected(node, "default", 0.0)
+    step = machine.offer("v2", {CDS}, 1.0)
+    assert step.wake == {"canary-1", "canary-2"}
+    reference = make()
+    assert {n: machine.wave_of(n) for n in NODES} == {n: reference.wave_of(n) for n in NODES}
+
+
 def test_two_streams_of_one_node_id_are_one_proxy() -> None:
     machine = make()
     machine.connected("canary-1", "default", 0.0)  # a hot restart: a second Envoy with the same id
