@@ -56,6 +56,7 @@ OTHER = "(other clusters)"
 MAX_COUNT = 2**40
 """The largest count one report may add to one counter (a trillion requests in one interval)."""
 _FIELDS = 4  # successful, errors, issued, dropped
+_SATURATED = 2**63  # a bucket's counter stops there (an unsigned 64-bit array holds it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,17 +154,19 @@ class _Series:
         self.counts = array("Q", [0]) * (slots * _FIELDS)
         self.in_progress = 0
 
-    def add(self, bucket: int, values: tuple[int, int, int, int]) -> None:
+    def add(self, bucket: int, successful: int, errors: int, issued: int, dropped: int) -> None:
         slot = bucket % len(self.stamps)
         base = slot * _FIELDS
+        counts = self.counts
         if self.stamps[slot] != bucket:
             if self.stamps[slot] > bucket:  # older than the ring remembers: gone already
                 return
             self.stamps[slot] = bucket
-            for i in range(_FIELDS):
-                self.counts[base + i] = 0
-        for i, value in enumerate(values):
-            self.counts[base + i] = min(self.counts[base + i] + value, 2**63)
+            counts[base] = counts[base + 1] = counts[base + 2] = counts[base + 3] = 0
+        counts[base] = min(counts[base] + successful, _SATURATED)
+        counts[base + 1] = min(counts[base + 1] + errors, _SATURATED)
+        counts[base + 2] = min(counts[base + 2] + issued, _SATURATED)
+        counts[base + 3] = min(counts[base + 3] + dropped, _SATURATED)
 
     def total(self, first: int, last: int) -> tuple[int, int, int, int]:
         """The sums over buckets ``first`` to ``last`` inclusive (only the slots they map to are read)."""
@@ -244,8 +247,8 @@ class LoadStore:
             else:
                 kept += 1
             start = now - min(load.interval, self.settings.retention)
-            series.add(math.floor(start / self.settings.bucket),
-                       (load.successful, load.errors, load.issued, load.dropped))
+            series.add(math.floor(start / self.settings.bucket), load.successful, load.errors, load.issued,
+                       load.dropped)
             series.in_progress = load.in_progress
         self.folded += folded
         return Ingested(kept=kept, folded=folded, refused=False)
