@@ -39,7 +39,9 @@ waits for ACKs; ``baking``: it bakes while its health is watched)::
 
 *Pause* stops only the start of the next wave: ACKs are still awaited, health still watched, and a
 failing gate still rolls back (a paused rollout must not keep hurting its proxies). Resuming after
-a pause for too little traffic starts the bake again, so the new window can gather requests.
+a pause for too little traffic starts the bake again, so the new window can gather requests. The
+operator's pause outlives a superseded rollout: the newer candidate's first wave starts, and the
+rollout stays paused there (an operator who paused wants nothing to spread until they resume).
 
 *Failure* holds the candidate with its reason (``wave canary: edge-3 NACKed CDS: ...``): every proxy
 that had it is served the baseline again, no proxy is sent it again (a proxy that connects later
@@ -109,6 +111,7 @@ DEFAULT_TYPES: frozenset[str] = frozenset({CLUSTER.url, LISTENER.url, ROUTE.url,
 STATE_VERSION = 1
 """The version of :meth:`RolloutMachine.to_dict`'s format."""
 _SHOWN = 10  # node ids listed in an event; the count says how many there were
+_OPERATOR = "operator"  # RolloutMachine.paused when the operator paused
 
 EVENTS: Mapping[str, tuple[str, tuple[str, ...]]] = MappingProxyType({
     "rollout_baseline_set": ("the first change is the baseline of every proxy", ("baseline",)),
@@ -345,12 +348,17 @@ class RolloutMachine:
                 step.event("rollout_held", candidate=change_id, reason=self.held[change_id].reason)
                 step.decision = Decision.HELD
             else:
+                frozen = self.paused == _OPERATOR
                 self._supersede(step, change_id)
                 self.candidate = change_id
                 step.event("rollout_started", candidate=change_id, baseline=self.baseline,
                            waves=[w.name for w in self.settings.waves.waves],
                            types=sorted(short_type(t) for t in rolled))
                 self._start_wave(step, 0, now)
+                if frozen:  # the operator's pause outlives the rollout it was given in, as a freeze
+                    self.paused = _OPERATOR
+                    step.event("rollout_paused", candidate=change_id, wave=self.wave_name,
+                               reason="still paused by the operator: the superseded rollout was")
                 self._advance(step, now)
                 step.decision = Decision.ROLL_OUT
         return step.done()
@@ -451,7 +459,7 @@ class RolloutMachine:
         if self.paused:
             raise CommandRefused(f"pause: the rollout is already paused ({self.paused}); resume it to go on")
         with _Recorder(self) as step:
-            self.paused = "operator"
+            self.paused = _OPERATOR
             step.event("rollout_paused", candidate=self.candidate, wave=self.wave_name, reason="paused by the operator")
         return step.done()
 

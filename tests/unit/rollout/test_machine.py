@@ -198,6 +198,31 @@ def test_a_proxy_that_does_not_ack_within_the_timeout_fails_the_wave() -> None:
     assert step.events[0].fields["reason"] == "wave canary: canary-2 did not ACK CDS within 30 s"
 
 
+def test_a_wave_that_loses_too_many_proxies_before_they_ack_fails() -> None:
+    machine = make(ack=AckSettings(timeout=30.0, max_lost=0.1))
+    machine.offer("v2", {CDS}, 0.0)
+    ack(machine, ["canary-1"], now=1.0)
+    machine.sent("canary-2", CDS, "v2", 1.0)
+    machine.disconnected("canary-2", 2.0)  # and never comes back: one of two is more than 10 %
+    step = machine.tick(30.0)
+    assert step.kinds == ["rollout_failed", "rollout_rolled_back"]
+    assert step.events[0].fields["reason"] == ("wave canary: 1 of 2 proxies disconnected before ACKing (canary-2); "
+                                               "at most 10% may")
+    assert step.wake == {"canary-1"}  # canary-2 is gone; it gets the baseline when it connects
+
+
+def test_a_wave_forgives_a_lost_proxy_within_its_share_and_names_it() -> None:
+    machine = make(waves="50%,100%", ack=AckSettings(timeout=30.0, max_lost=0.5))
+    members = [n for n in NODES if machine.wave_of(n) == 0]
+    machine.offer("v2", {CDS}, 0.0)
+    ack(machine, members[1:], now=1.0)
+    machine.sent(members[0], CDS, "v2", 1.0)
+    machine.disconnected(members[0], 2.0)
+    step = machine.tick(30.0)
+    assert step.kinds == ["rollout_wave_acked"]
+    assert step.events[0].fields["lost_proxies"] == [members[0]]
+
+
 def test_a_wave_with_no_connected_proxy_passes_at_once_and_reports_who_it_skipped() -> None:
     machine = make()
     machine.disconnected("canary-1", 0.5)
@@ -290,6 +315,25 @@ def test_going_back_to_the_baseline_ends_the_rollout() -> None:
     assert step.decision is Decision.BASELINE and step.kinds == ["rollout_superseded"]
     assert step.wake == {"canary-1", "canary-2"} and set(served(machine).values()) == {"v1"}
     assert machine.offer("v1", {CDS}, 2.0).events == ()  # the baseline again, nothing running
+
+
+def test_an_operators_pause_outlives_a_superseded_rollout_a_pause_for_traffic_does_not() -> None:
+    machine = make(bake=0.0)
+    machine.offer("v2", {CDS}, 0.0)
+    machine.pause(0.5)
+    step = machine.offer("v3", {CDS}, 1.0)
+    assert step.kinds == ["rollout_superseded", "rollout_started", "rollout_wave_started", "rollout_paused"]
+    assert machine.paused == "operator" and machine.candidate == "v3"
+    ack(machine, ["canary-1", "canary-2"], "v3", now=2.0)
+    assert machine.wave == 0 and machine.phase is Phase.BAKING  # the first wave, and no further
+    machine.resume(3.0)
+    assert machine.wave == 1
+    healthy, _, _, waves = healthy_setup()
+    healthy.offer("v2", {CDS}, 0.0)
+    ack(healthy, waves[0], now=1.0)
+    assert healthy.tick(31.0).kinds == ["rollout_paused"]  # no traffic at all
+    assert healthy.offer("v3", {CDS}, 32.0).kinds == ["rollout_superseded", "rollout_started", "rollout_wave_started"]
+    assert healthy.paused is None
 
 
 def test_the_same_candidate_offered_again_changes_nothing() -> None:
