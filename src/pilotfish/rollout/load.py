@@ -24,7 +24,8 @@ Windows. A report received at ``t`` covers ``[t - interval, t]``; it is filed in
 begin at or after ``start``. So a window never counts load from before it began (from before the
 candidate was served), at the price of leaving out up to one bucket at its start.
 
-Bounds (a proxy chooses what it reports): at most ``max_proxies`` proxies; per proxy at most
+Bounds (a proxy chooses what it reports): at most ``max_proxies`` proxies, with node ids of at most
+``max_node_id`` characters; per proxy at most
 ``max_clusters`` clusters and in all at most ``max_series`` (proxy, cluster) series; a cluster
 beyond those, or with an empty name or one longer than ``max_name``, is folded into the proxy's
 :data:`OTHER` series, so its requests still count in the proxy's overall ratio (flooding the
@@ -130,12 +131,14 @@ class LoadSettings:
     """(proxy, cluster) series in all; beyond, new clusters are folded into :data:`OTHER`."""
     max_name: int = 256
     """Longest cluster name kept apart (characters)."""
+    max_node_id: int = 1024
+    """Longest node id whose reports are taken (characters); a longer one's are refused."""
 
     def __post_init__(self) -> None:
         if not (self.bucket > 0 and self.retention >= self.bucket and math.isfinite(self.retention)):
             raise ValueError(f"load store: bucket {self.bucket} s and retention {self.retention} s: both positive, "
                              "retention at least one bucket")
-        if min(self.max_proxies, self.max_clusters, self.max_series, self.max_name) < 1:
+        if min(self.max_proxies, self.max_clusters, self.max_series, self.max_name, self.max_node_id) < 1:
             raise ValueError("load store: every bound must be at least 1")
 
     @property
@@ -198,7 +201,8 @@ class Ingested:
     folded: int
     """Clusters counted in :data:`OTHER` (beyond a bound, or a name not kept apart)."""
     refused: bool
-    """The proxy was not taken: ``max_proxies`` are known and none is stale."""
+    """The proxy was not taken: ``max_proxies`` are known and none is stale, or its node id is longer
+    than ``max_node_id``."""
 
 
 class LoadStore:
@@ -212,7 +216,7 @@ class LoadStore:
         self._proxies: dict[str, _Proxy] = {}
         self._series = 0
         self.refused = 0
-        """Reports refused as ``max_proxies`` were known."""
+        """Reports refused (``max_proxies`` were known, or the node id was too long)."""
         self.folded = 0
         """Cluster entries folded into :data:`OTHER`."""
 
@@ -233,7 +237,8 @@ class LoadStore:
         now = self._clock()
         proxy = self._proxies.get(node_id)
         if proxy is None:
-            if len(self._proxies) >= self.settings.max_proxies and not self._evict(now):
+            if len(node_id) > self.settings.max_node_id or (
+                    len(self._proxies) >= self.settings.max_proxies and not self._evict(now)):
                 self.refused += 1
                 return Ingested(kept=0, folded=0, refused=True)
             proxy = self._proxies[node_id] = _Proxy()

@@ -139,6 +139,13 @@ def test_a_proxy_beyond_max_proxies_is_refused_until_a_stale_one_makes_room() ->
     assert store.proxies == 2
 
 
+def test_a_node_id_beyond_reason_is_refused() -> None:
+    store = LoadStore(LoadSettings(max_node_id=64), clock=Clock())
+    assert store.ingest("n" * 65, report(load("web", 1))).refused
+    assert not store.ingest("n" * 64, report(load("web", 1))).refused
+    assert store.proxies == 1 and store.refused == 1
+
+
 def test_a_flood_of_proxies_and_clusters_stays_within_the_memory_bound() -> None:
     clock = Clock(100.0)
     settings = LoadSettings(max_proxies=200, max_clusters=100, max_series=2_000, bucket=5.0, retention=300.0)
