@@ -1,0 +1,167 @@
+"""Load reports: the LoadStatsRequest decoder, and the windowed load store within its bounds, which
+a hostile proxy tries to cross (docs/rollout.md, "Health from load reports")."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+from envoy.config.core.v3 import base_pb2
+from envoy.config.endpoint.v3 import load_report_pb2
+from envoy.service.load_stats.v3 import lrs_pb2
+
+from pilotfish.rollout.gates import Counts
+from pilotfish.rollout.load import (
+    MAX_COUNT,
+    OTHER,
+    ClusterLoad,
+    LoadReport,
+    LoadSettings,
+    LoadStore,
+    decode_load_report,
+)
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def load(cluster: str, successful: int = 0, errors: int = 0, interval: float = 5.0, issued: int = 0) -> ClusterLoad:
+    return ClusterLoad(cluster=cluster, service="", successful=successful, errors=errors, issued=issued,
+                       in_progress=0, dropped=0, interval=interval)
+
+
+def report(*clusters: ClusterLoad) -> LoadReport:
+    return LoadReport(node_id=None, clusters=clusters)
+
+
+def test_a_load_stats_request_becomes_plain_values_with_localities_summed() -> None:
+    message = lrs_pb2.LoadStatsRequest(node=base_pb2.Node(id="edge-1"))
+    stats = message.cluster_stats.add(cluster_name="web", cluster_service_name="web-eds", total_dropped_requests=4)
+    stats.load_report_interval.FromNanoseconds(2_500_000_000)
+    for zone, ok, bad in (("a", 90, 10), ("b", 5, 1)):
+        stats.upstream_locality_stats.append(load_report_pb2.UpstreamLocalityStats(
+            locality=base_pb2.Locality(zone=zone), total_successful_requests=ok, total_error_requests=bad,
+            total_issued_requests=ok + bad + 2, total_requests_in_progress=2))
+    message.cluster_stats.add(cluster_name="api")  # no localities, no interval
+    decoded = decode_load_report(lrs_pb2.LoadStatsRequest.FromString(message.SerializeToString()))
+    assert decoded.node_id == "edge-1"
+    assert decoded.clusters == (
+        ClusterLoad(cluster="web", service="web-eds", successful=95, errors=11, issued=110, in_progress=4, dropped=4,
+                    interval=2.5),
+        ClusterLoad(cluster="api", service="", successful=0, errors=0, issued=0, in_progress=0, dropped=0,
+                    interval=0.0),
+    )
+    assert decode_load_report(lrs_pb2.LoadStatsRequest()).node_id is None  # later messages leave the node out
+
+
+def test_counts_beyond_reason_are_bounded() -> None:
+    message = lrs_pb2.LoadStatsRequest()
+    stats = message.cluster_stats.add(cluster_name="web")
+    for _ in range(3):
+        stats.upstream_locality_stats.add(total_error_requests=2**64 - 1)
+    assert decode_load_report(message).clusters[0].errors == MAX_COUNT
+
+
+def test_a_window_counts_the_reports_that_began_in_it_per_cluster_summed_over_proxies() -> None:
+    clock = Clock(1000.0)
+    store = LoadStore(LoadSettings(bucket=1.0, retention=120.0), clock=clock)
+    clock.now = 1010.0
+    store.ingest("a", report(load("web", 90, 10, interval=10)))  # covers [1000, 1010]
+    clock.now = 1020.0
+    store.ingest("a", report(load("web", 50, 0, interval=10)))  # [1010, 1020]
+    store.ingest("b", report(load("web", 100, 0, interval=10), load("api", 7, 1, interval=10)))
+    assert store.window(["a"], 1000.0) == {"web": Counts(successful=140, errors=10)}
+    assert store.window(["a"], 1005.0) == {"web": Counts(successful=50)}  # began before 1005: not counted
+    assert store.window(["a", "b"], 1010.0) == {"web": Counts(successful=150), "api": Counts(successful=7, errors=1)}
+    assert store.window(["a"], 1000.0, 1010.0) == {"web": Counts(successful=90, errors=10)}
+    assert store.window(["nobody"], 0.0) == {}
+
+
+def test_a_window_never_counts_load_from_before_it_began() -> None:
+    clock = Clock(1002.5)
+    store = LoadStore(LoadSettings(bucket=5.0, retention=60.0), clock=clock)
+    clock.now = 1012.5
+    store.ingest("a", report(load("web", 10, 0, interval=10)))  # began at 1002.5, bucket [1000, 1005)
+    assert store.window(["a"], 1001.0) == {}  # a window from 1001 starts counting at the bucket of 1005
+    assert store.window(["a"], 1000.0) == {"web": Counts(successful=10)}
+
+
+def test_history_older_than_the_retention_is_gone() -> None:
+    clock = Clock(0.0)
+    store = LoadStore(LoadSettings(bucket=1.0, retention=30.0), clock=clock)
+    clock.now = 10.0
+    store.ingest("a", report(load("web", 5, 0, interval=1)))
+    assert store.window(["a"], 0.0) == {"web": Counts(successful=5)}
+    clock.now = 100.0
+    store.ingest("a", report(load("web", 1, 0, interval=1)))
+    assert store.window(["a"], 0.0) == {"web": Counts(successful=1)}
+
+
+def test_clusters_beyond_a_proxys_bound_are_folded_so_they_still_count() -> None:
+    clock = Clock(100.0)
+    store = LoadStore(LoadSettings(max_clusters=3, max_name=20), clock=clock)
+    clusters = [load(f"c{i}", 10, 1) for i in range(10)] + [load("x" * 21, 10, 1), load("", 10, 1)]
+    done = store.ingest("hostile", report(*clusters))
+    assert (done.kept, done.folded, done.refused) == (3, 9, False)
+    assert store.series == 3
+    totals = store.window(["hostile"], 0.0)
+    assert set(totals) == {"c0", "c1", "c2", OTHER}
+    assert totals[OTHER] == Counts(successful=90, errors=9)
+    assert sum(c.errors for c in totals.values()) == 12  # flooding with names hides no error
+
+
+def test_the_store_keeps_at_most_max_series_in_all() -> None:
+    clock = Clock(100.0)
+    store = LoadStore(LoadSettings(max_series=50, max_clusters=10), clock=clock)
+    for p in range(20):
+        store.ingest(f"p{p}", report(*(load(f"c{i}", 1) for i in range(10))))
+    assert store.series == 50
+    assert store.folded == 150
+    store.forget("p0")
+    assert store.series == 40
+
+
+def test_a_proxy_beyond_max_proxies_is_refused_until_a_stale_one_makes_room() -> None:
+    clock = Clock(100.0)
+    store = LoadStore(LoadSettings(max_proxies=3, retention=60.0), clock=clock)
+    for p in range(3):
+        store.ingest(f"p{p}", report(load("web", 1)))
+    assert store.ingest("p3", report(load("web", 1))).refused
+    assert store.refused == 1 and store.proxies == 3
+    clock.now = 150.0
+    store.ingest("p0", report(load("web", 1)))
+    clock.now = 200.0  # p1 and p2 reported nothing for 100 s: stale
+    assert not store.ingest("p3", report(load("web", 1))).refused
+    assert store.proxies == 2
+
+
+def test_a_node_id_beyond_reason_is_refused() -> None:
+    store = LoadStore(LoadSettings(max_node_id=64), clock=Clock())
+    assert store.ingest("n" * 65, report(load("web", 1))).refused
+    assert not store.ingest("n" * 64, report(load("web", 1))).refused
+    assert store.proxies == 1 and store.refused == 1
+
+
+def test_a_flood_of_proxies_and_clusters_stays_within_the_memory_bound() -> None:
+    clock = Clock(100.0)
+    settings = LoadSettings(max_proxies=200, max_clusters=100, max_series=2_000, bucket=5.0, retention=300.0)
+    store = LoadStore(settings, clock=clock)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        flood = report(*(load(f"cluster-{i}", 10, 1) for i in range(150)))
+        for step in range(2):
+            clock.now = 100.0 + step * 5
+            for p in range(250):  # beyond max_proxies, each beyond max_clusters, together beyond max_series
+                store.ingest(f"p{p}-{'x' * 100}", flood)
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert store.proxies == 200 and store.series == 2_000
+    # the bound the module states: (max_series + max_proxies) series of slots * 40 bytes, plus overheads
+    bound = (settings.max_series + settings.max_proxies) * (settings.slots * 40 + 400)
+    assert used < bound, (used, bound)
