@@ -40,6 +40,7 @@ import gc
 import io
 import json
 import pstats
+import resource
 import statistics
 import subprocess
 import sys
@@ -191,20 +192,25 @@ _CHILD = ("import json, sys; from bench import bench_build as b; print(json.dump
 """What :func:`rows_in_child` runs: the checkout's own columns, then its rows as JSON (``--json``)."""
 
 
-def rows_in_child(path: Path, sizes: list[str], repeat: int) -> list[dict[str, Any]]:
+def rows_in_child(path: Path, sizes: list[str], repeat: int) -> tuple[list[dict[str, Any]], float]:
     """The rows of ``sizes`` measured in a child process by the checkout at ``path`` (its own
     bench/bench_build.py and ``src``: :func:`bench.checkout.pythonpath_env` with ``own_bench``),
-    each a mapping column -> value, since another commit's columns may differ from these."""
+    each a mapping column -> value, since another commit's columns may differ from these; and the
+    child's CPU seconds (user + system, the whole run: imports and every repeat of every size),
+    which a busy machine inflates less than the rows' wall times."""
     from bench.checkout import pythonpath_env
 
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, "-c", _CHILD, "--json", "--repeat", str(repeat), "--sizes", *sizes],
                           cwd=path, env=pythonpath_env(path, own_bench=True), capture_output=True, text=True,
                           check=False)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise RuntimeError(f"bench_build in {path} failed:\n{done.stderr[-2000:]}")
     lines = done.stdout.strip().splitlines()
     columns: list[str] = json.loads(lines[0])
-    return [dict(zip(columns, row, strict=True)) for row in json.loads(lines[-1])]
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return [dict(zip(columns, row, strict=True)) for row in json.loads(lines[-1])], cpu
 
 
 def _rows_at(commit: str, sizes: list[str], repeat: int) -> list[list[Any]]:
@@ -212,7 +218,7 @@ def _rows_at(commit: str, sizes: list[str], repeat: int) -> list[list[Any]]:
     from bench.checkout import checkout
 
     with checkout(commit) as before:
-        rows = rows_in_child(before, sizes, repeat)
+        rows, _ = rows_in_child(before, sizes, repeat)
     return [[row.get(column, "-") for column in BUILD_COLUMNS] for row in rows]
 
 

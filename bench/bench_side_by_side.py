@@ -6,8 +6,10 @@ The other commit is checked out into a temporary ``git worktree`` (:func:`bench.
 the one mechanism for a run beside a commit) and removed afterwards. ``rounds`` times, in turn
 (the order of the two flips every round, so a drift in the machine's load falls on both alike):
 
-- the snapshot build, in a child process per commit (:func:`bench.bench_build.rows_in_child`: each
-  commit's own bench/bench_build.py on its own ``src``), each row the median of ``repeat`` builds;
+- the snapshot build, in a child process per commit and size (:func:`bench.bench_build.rows_in_child`:
+  each commit's own bench/bench_build.py on its own ``src``), each row the median of ``repeat``
+  builds, with the child's CPU seconds (the whole child: imports and every build and rebuild of
+  the row), which other work on the machine inflates less than wall times;
 - for each xDS variant (``sotw``, ``delta``), one :func:`bench.fanout.run_fanout` per commit at
   each fleet size: the server ``python -m pilotfish serve`` of that commit (the other one with its
   ``src`` first on ``PYTHONPATH``), the same simulated fleet (bench/fleet/) and workload, one
@@ -54,7 +56,7 @@ BUILD_MEASURES = ("merge s", "build_snapshot s", "encode responses s", "total s"
 """The build's columns compared (bench/bench_build.py's names)."""
 
 BUILD_COLUMNS = ["pilotfish", "clusters / endpoints", "runs", "load 1 min (each run)",
-                 *(f"{measure} (median, range)" for measure in BUILD_MEASURES)]
+                 "child CPU s (median, range)", *(f"{measure} (median, range)" for measure in BUILD_MEASURES)]
 
 
 @dataclass
@@ -117,16 +119,18 @@ def run_side_by_side(*, commit: str, proxies: Sequence[int], xds: Sequence[str] 
                    for x in xds for n in proxies for who in ("other", "this")}
         builds: dict[tuple[str, str], list[dict[str, Any]]] = {}
         build_loads: dict[tuple[str, str], list[float]] = {}
+        build_cpu: dict[tuple[str, str], list[float]] = {}
         for round_ in range(rounds):
             order = ("other", "this") if round_ % 2 == 0 else ("this", "other")
-            for who in order if build_sizes else ():
-                load = load_1min()
-                for size, row in zip(build_sizes, rows_in_child(paths[who], list(build_sizes), build_repeat),
-                                     strict=True):
+            for who in order:
+                for size in build_sizes:
+                    load = load_1min()
+                    (row,), cpu = rows_in_child(paths[who], [size], build_repeat)
                     builds.setdefault((who, size), []).append(row)
                     build_loads.setdefault((who, size), []).append(load)
-                print(f"  build {labels[who]} (round {round_ + 1}, load {load:.2f}): total s "
-                      + ", ".join(f"{b[-1].get('total s')}" for (w, _), b in builds.items() if w == who), flush=True)
+                    build_cpu.setdefault((who, size), []).append(cpu)
+                    print(f"  build {labels[who]} {size} (round {round_ + 1}, load {load:.2f}): total s "
+                          f"{row.get('total s')}, child CPU {cpu:.2f} s", flush=True)
             for x in xds:
                 for n in proxies:
                     for who in order:
@@ -152,9 +156,10 @@ def run_side_by_side(*, commit: str, proxies: Sequence[int], xds: Sequence[str] 
             medians: dict[str, list[float]] = {}
             for who in ("other", "this"):
                 cells = []
-                for measure in BUILD_MEASURES:
-                    median, low, high = spread([float(row[measure]) for row in builds[(who, size)]
-                                                if row.get(measure) not in (None, "-")])
+                for values in (build_cpu[(who, size)],
+                               *([float(row[m]) for row in builds[(who, size)] if row.get(m) not in (None, "-")]
+                                 for m in BUILD_MEASURES)):
+                    median, low, high = spread(values)
                     medians.setdefault(who, []).append(median)
                     cells.append(f"{median:.4g} ({low:.4g}-{high:.4g})")
                 done.build_rows.append([labels[who], size.replace(":", " / "), len(builds[(who, size)]),
