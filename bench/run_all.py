@@ -612,9 +612,11 @@ def _side_by_side(scale: Scale, commit: str, results: Results, section: Callable
     results.sections[-1].notes.extend(notes)
     section(f"{title}: snapshot build", f"(from the same run: {command})", bench_side_by_side.BUILD_COLUMNS,
             lambda: results.side_by_side.build_rows if results.side_by_side is not None else [],
-            ["bench/bench_build.py's rows, each commit's own copy of it on its own `src` in a child process, in "
-             "turn with the fan-outs; each run's value the median of `--build-repeat` builds, the cell the median "
-             "over runs (lowest-highest). `this / other`: this checkout's median over the other's."])
+            ["bench/bench_build.py's rows, each commit's own copy of it on its own `src` in a child process per "
+             "size, in turn with the fan-outs; each run's value the median of `--build-repeat` builds, the cell the "
+             "median over runs (lowest-highest). `child CPU s`: that child's user + system CPU seconds (imports and "
+             "every repeat), which other work on the machine inflates less than wall times. `this / other`: this "
+             "checkout's median over the other's."])
 
 
 def _error_notes(r: fanout.FanoutResult) -> list[str]:
