@@ -23,8 +23,9 @@ Also measured, because it is what an operator's registry sees on every call at t
   more endpoint of one service, every other object left as it was. This is what a one-endpoint
   change costs the server in the fan-out benchmarks (``p99 after publish`` starts after it).
 
-``--before COMMIT`` runs the same rows with that commit's pilotfish (a temporary ``git worktree``,
-its ``src`` first on the ``PYTHONPATH`` of a child process) and prints both, side by side.
+``--before COMMIT`` runs the same rows with that commit's pilotfish (a temporary ``git worktree``)
+in a child process, with that commit's own copy of this module (whose imports match its
+``src``), and prints both, side by side (bench/bench_side_by_side.py repeats both in turn).
 
 ``--profile FILE`` writes a cProfile of one full build + encode (``pstats`` format) and prints the
 top functions.
@@ -39,6 +40,7 @@ import gc
 import io
 import json
 import pstats
+import resource
 import statistics
 import subprocess
 import sys
@@ -55,7 +57,7 @@ from pilotfish.resources import TYPES
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.snapshot import Snapshot
 
-__all__ = ["BUILD_COLUMNS", "make_state", "run_build"]
+__all__ = ["BUILD_COLUMNS", "make_state", "rows_in_child", "run_build", "top_functions"]
 
 BUILD_COLUMNS = ["pilotfish", "clusters", "endpoints", "merge s", "build_snapshot s", "build_snapshot, rules off s",
                  "encode responses s", "total s", "response bytes (CDS / EDS)", "rebuild after 1 change s",
@@ -168,11 +170,13 @@ def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path |
 def _revision() -> str:
     """The commit of the pilotfish imported (its checkout's HEAD), with ``+`` when it has changes."""
     import pilotfish
+    from bench.checkout import revision
 
-    root = Path(pilotfish.__file__).resolve().parents[2]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True, text=True)
-    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+    try:
+        head, dirty = revision(Path(pilotfish.__file__).resolve().parents[2])
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return head + ("+" if dirty else "")
 
 
 def top_functions(profile: Path, limit: int = 15) -> str:
@@ -183,19 +187,39 @@ def top_functions(profile: Path, limit: int = 15) -> str:
     return out.getvalue()
 
 
+_CHILD = ("import json, sys; from bench import bench_build as b; print(json.dumps(b.BUILD_COLUMNS)); "
+          "sys.exit(b.main(sys.argv[1:]))")
+"""What :func:`rows_in_child` runs: the checkout's own columns, then its rows as JSON (``--json``)."""
+
+
+def rows_in_child(path: Path, sizes: list[str], repeat: int) -> tuple[list[dict[str, Any]], float]:
+    """The rows of ``sizes`` measured in a child process by the checkout at ``path`` (its own
+    bench/bench_build.py and ``src``: :func:`bench.checkout.pythonpath_env` with ``own_bench``),
+    each a mapping column -> value, since another commit's columns may differ from these; and the
+    child's CPU seconds (user + system, the whole run: imports and every repeat of every size),
+    which a busy machine inflates less than the rows' wall times."""
+    from bench.checkout import pythonpath_env
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, "-c", _CHILD, "--json", "--repeat", str(repeat), "--sizes", *sizes],
+                          cwd=path, env=pythonpath_env(path, own_bench=True), capture_output=True, text=True,
+                          check=False)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_build in {path} failed:\n{done.stderr[-2000:]}")
+    lines = done.stdout.strip().splitlines()
+    columns: list[str] = json.loads(lines[0])
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return [dict(zip(columns, row, strict=True)) for row in json.loads(lines[-1])], cpu
+
+
 def _rows_at(commit: str, sizes: list[str], repeat: int) -> list[list[Any]]:
-    """The rows of ``sizes`` measured with ``commit``'s pilotfish, in a child process."""
-    from bench.checkout import checkout, pythonpath_env
-    from bench.procs import REPO
+    """The rows of ``sizes`` measured with ``commit``'s pilotfish (:func:`rows_in_child`), in these columns."""
+    from bench.checkout import checkout
 
     with checkout(commit) as before:
-        env = pythonpath_env(before)
-        done = subprocess.run([sys.executable, "-m", "bench.bench_build", "--json", "--repeat", str(repeat),
-                               "--sizes", *sizes], cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench_build at {commit} failed:\n{done.stderr[-2000:]}")
-    rows: list[list[Any]] = json.loads(done.stdout.strip().splitlines()[-1])
-    return rows
+        rows, _ = rows_in_child(before, sizes, repeat)
+    return [[row.get(column, "-") for column in BUILD_COLUMNS] for row in rows]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -43,7 +42,7 @@ from pathlib import Path
 
 from bench.checkout import checkout, pythonpath_env
 from bench.fleet import Fleet
-from bench.procs import REPO, start_pilotfish
+from bench.procs import REPO, start_pilotfish, work_dir
 from bench.report import print_table
 from bench.stats import load_1min
 from bench.workload import Workload
@@ -64,7 +63,7 @@ MAX_ACTIVE = 100
 """Churning proxies connected at once at most: when other work slows the server, the next wait
 (a burst of thousands of half-synced connections would set the RSS high-water mark instead)."""
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChurnVariant:
     """One soak's server and limits."""
 
@@ -76,8 +75,10 @@ class ChurnVariant:
     """``--subset-grace-s`` (None: the default)."""
 
 
-VARIANTS = (ChurnVariant("now", 1000, 5.0), ChurnVariant("now", None, 5.0), ChurnVariant("before", None, 5.0),
-            ChurnVariant("now", 1000, None))
+VARIANTS = (ChurnVariant(server="now", max_disconnected=1000, subset_grace=5.0),
+            ChurnVariant(server="now", max_disconnected=None, subset_grace=5.0),
+            ChurnVariant(server="before", max_disconnected=None, subset_grace=5.0),
+            ChurnVariant(server="now", max_disconnected=1000, subset_grace=None))
 """What ``make bench`` runs: the cap at 1,000 (RSS flat past it?), the defaults (RSS per remembered
 proxy) now and before, each with departed proxies' subsetting indices freed after 5 s; and the cap
 with the indices' default grace (300 s), which then grow beside it."""
@@ -181,8 +182,7 @@ def run_churn(*, server: str = "now", steady: int = 100, rate: float = 60.0, sec
                          rate=rate)
     count = int(rate * seconds)
     with contextlib.ExitStack() as stack:
-        if workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-churn-")))
+        workdir = work_dir(stack, workdir, "pilotfish-churn-")
         env = stack.enter_context(_server_env(server))
         snapshot = workdir / "snapshot.json"
         WORKLOAD.write(snapshot)
@@ -191,9 +191,8 @@ def run_churn(*, server: str = "now", steady: int = 100, rate: float = 60.0, sec
             limits += ("--status-max-disconnected", str(max_disconnected))
         if subset_grace is not None:
             limits += ("--subset-grace-s", f"{subset_grace:g}")
-        proc = start_pilotfish(workdir, snapshot=snapshot, registry=False, env=env, admin_off=False,
-                               extra=("--event-log-level", "changes", "--admin", "127.0.0.1:0", *limits,
-                                      *server_args))
+        proc = start_pilotfish(workdir, snapshot=snapshot, registry=False, env=env, admin="127.0.0.1:0",
+                               extra=("--event-log-level", "changes", *limits, *server_args))
         stack.callback(proc.stop)
         admin = proc.started["admin"]
         fleet = Fleet(target=proc.xds, proxies=steady, workers=2, client="h2")

@@ -25,7 +25,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.procs import REPO, EventTail, free_port, start_pilotfish
+from bench.procs import REPO, EventTail, free_port, start_pilotfish, work_dir
 from bench.report import fmt_ms
 from bench.stats import percentile
 from bench.workload import Workload, endpoint_address, service_name, write_atomically
@@ -136,10 +135,7 @@ def run_pilotfish_envoy(*, changes: int = 20, quiet_ms: int = 100, services: int
     result = PropagationResult("pilotfish", "ADS (gRPC, SotW)", f"quiet {quiet_ms} ms", target_ms=quiet_ms + 50)
     workload = _workload(services)
     with ExitStack() as stack:
-        if workdir is None:
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-envoy-bench-"))
-        workdir = Path(workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
+        workdir = work_dir(stack, workdir, "pilotfish-envoy-bench-")
         snapshot = workdir / "snapshot.json"
         workload.write(snapshot)
         server = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=False)
@@ -234,10 +230,7 @@ def run_sovereign_envoy(*, changes: int = 20, refresh_seconds: int = 1, refresh_
                                f"source refresh {refresh_seconds} s, Envoy refresh_delay {refresh_delay}")
     workload = _workload(services)
     with ExitStack() as stack:
-        if workdir is None:
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="sovereign-envoy-bench-"))
-        workdir = Path(workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
+        workdir = work_dir(stack, workdir, "sovereign-envoy-bench-")
         instances = workdir / "instances.json"
         write_atomically(instances, _instances(workload, None))
         (workdir / "clusters_template.py").write_text(_SOVEREIGN_CLUSTERS % {"refresh": refresh_delay})

@@ -1,26 +1,26 @@
-"""What the hardened transport and TLS cost: pilotfish before the hardening and now, plaintext,
-TLS and mTLS, side by side in one run (the hardening targets).
+"""What TLS and mTLS cost on the hardened transport: pilotfish plaintext, TLS and mTLS, side by
+side in one run (the hardening targets).
 
 Theory of operation
 -------------------
-The "before" server is pilotfish at :data:`BEFORE_COMMIT` (the last commit before the hardening),
-checked out with ``git worktree add --detach`` into a temporary directory and run as ``python -m
-pilotfish serve`` with that checkout's ``src`` first on its ``PYTHONPATH``; the worktree is removed
-when the run ends. "Now" is this checkout. The simulated fleet (bench/fleet/) is the same for
-every row, so rows differ only in the server and how the proxies connect:
+The simulated fleet (bench/fleet/) is the same for every row, so rows differ only in how the
+proxies connect to this checkout's pilotfish:
 
-- ``before``, plaintext;
-- ``now``, plaintext (the hardening's cost: the target allows 10 % at 1,000 proxies);
-- ``now``, TLS (``--tls-cert/--tls-key``; the proxies verify the server against a test CA);
-- ``now``, mTLS (``--client-ca`` too; each proxy presents a client certificate).
+- plaintext;
+- TLS (``--tls-cert/--tls-key``; the proxies verify the server against a test CA);
+- mTLS (``--client-ca`` too; each proxy presents a client certificate).
 
 Certificates come from a throwaway CA (:mod:`bench.tls_certs`) in a temporary directory. Each row is one
 :func:`bench.fanout.run_fanout` (registry change, event log ``all``), with the load average read
-before it; ``--rounds`` repeats the four in turn and pools each variant's results (latencies pooled,
+before it; ``--rounds`` repeats the three in turn and pools each variant's results (latencies pooled,
 CPU averaged; RSS per idle stream is the lowest run's, each run's in brackets, since noise in RSS
-only adds), which evens out a machine whose load drifts. The ratio columns compare a
-row with its baseline: ``now`` plaintext with ``before`` plaintext, TLS and mTLS with ``now``
-plaintext.
+only adds), which evens out a machine whose load drifts. The ratio columns compare TLS and mTLS
+with plaintext.
+
+The comparison with pilotfish before the hardening (commit b4fb69c, the hardening's cost in
+plaintext) is no longer run: that commit's ``serve`` has neither ``--max-connections-per-address``
+nor ``--admin``, which every server of the benchmarks is started with now
+(:func:`bench.procs.start_pilotfish`). Its numbers stand in BENCHMARKS.md as measured then.
 """
 
 from __future__ import annotations
@@ -35,20 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.checkout import checkout, pythonpath_env
-from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes
-from bench.procs import REPO
-from bench.report import fmt_ms
-from bench.stats import load_1min, percentile
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes, stream_errors_cell
+from bench.procs import REPO, work_dir
+from bench.report import fmt_loads, fmt_ms
+from bench.stats import load_1min, percentile, ratio
 from bench.tls_certs import make_certs
 from bench.workload import Workload
 
-__all__ = ["BEFORE_COMMIT", "HARDENING_COLUMNS", "VARIANTS", "Variant", "run_hardening"]
+__all__ = ["HARDENING_COLUMNS", "VARIANTS", "Variant", "run_hardening"]
 
-BEFORE_COMMIT = "b4fb69c"
-"""pilotfish before the hardened transport and TLS: the last commit before that work."""
-
-HARDENING_COLUMNS = ["server", "transport", "proxies", "runs", "load 1 min", "p50 ms", "p99 ms", "CPU s / push",
+HARDENING_COLUMNS = ["transport", "proxies", "runs", "load 1 min", "p50 ms", "p99 ms", "CPU s / push",
                      "simulator CPU s / push", "RSS KB / idle stream", "failures", "stream errors", "compared with",
                      "p99 x", "CPU x", "RSS x"]
 
@@ -56,23 +52,20 @@ HARDENING_COLUMNS = ["server", "transport", "proxies", "runs", "load 1 min", "p5
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Variant:
-    """One server and one way of connecting to it."""
+    """One way of connecting to the server."""
 
-    server: str
-    """``before`` or ``now``."""
     transport: str
     """``plaintext``, ``TLS`` or ``mTLS``."""
     mode: str
     """The transport as :data:`bench.tls_certs.TLS_MODES` names it."""
-    baseline: tuple[str, str] | None
-    """The (server, transport) this row's ratios compare with; None: none."""
+    baseline: str | None
+    """The transport this row's ratios compare with; None: none."""
 
 
 VARIANTS = (
-    Variant(server="before", transport="plaintext", mode="off", baseline=None),
-    Variant(server="now", transport="plaintext", mode="off", baseline=("before", "plaintext")),
-    Variant(server="now", transport="TLS", mode="tls", baseline=("now", "plaintext")),
-    Variant(server="now", transport="mTLS", mode="mtls", baseline=("now", "plaintext")),
+    Variant(transport="plaintext", mode="off", baseline=None),
+    Variant(transport="TLS", mode="tls", baseline="plaintext"),
+    Variant(transport="mTLS", mode="mtls", baseline="plaintext"),
 )
 
 
@@ -110,63 +103,47 @@ class _Pooled:
 
     def notes(self) -> list[str]:
         """One line per gRPC status the proxies saw, with an example and how many came during the changes."""
-        return stream_error_notes(f"{self.variant.server} {self.variant.transport}, {self.proxies} proxies", self.runs)
+        return stream_error_notes(f"{self.variant.transport}, {self.proxies} proxies", self.runs)
 
     def row(self, baseline: _Pooled | None) -> list[Any]:
-        errors: dict[str, int] = {}
-        for r in self.runs:
-            for code, n in r.stream_errors.items():
-                errors[code] = errors.get(code, 0) + n
-        total = sum(errors.values())
         ratios: list[Any] = ["-", "-", "-", "-"]
         if baseline is not None:
-            ratios = [f"{baseline.variant.server} {baseline.variant.transport}", _ratio(self.p(99), baseline.p(99)),
-                      _ratio(self.cpu(), baseline.cpu()), _ratio(self.rss(), baseline.rss())]
-        return [self.variant.server, self.variant.transport, self.proxies, len(self.runs),
-                " / ".join(f"{x:.2f}" for x in self.loads), fmt_ms(self.p(50)), fmt_ms(self.p(99)),
+            ratios = [baseline.variant.transport, ratio(self.p(99), baseline.p(99)), ratio(self.cpu(), baseline.cpu()),
+                      ratio(self.rss(), baseline.rss())]
+        return [self.variant.transport, self.proxies, len(self.runs),
+                fmt_loads(self.loads), fmt_ms(self.p(50)), fmt_ms(self.p(99)),
                 round(self.cpu(), 3), round(self.client_cpu(), 3), self.rss_cell(),
-                sum(r.failures for r in self.runs), total if not total else f"{total} {errors}", *ratios]
-
-
-def _ratio(value: float, baseline: float) -> str:
-    if not value or not baseline or value != value or baseline != baseline:
-        return "-"
-    return f"{value / baseline:.2f}"
+                sum(r.failures for r in self.runs), stream_errors_cell(self.runs), *ratios]
 
 
 def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, rounds: int = 1,
-                  workdir: Path | None = None, commit: str = BEFORE_COMMIT,
-                  variants: Sequence[Variant] = VARIANTS) -> tuple[list[list[Any]], list[str]]:
+                  workdir: Path | None = None, variants: Sequence[Variant] = VARIANTS
+                  ) -> tuple[list[list[Any]], list[str]]:
     """The table (see the module docstring): one row per variant and fleet size, its runs pooled;
     and notes on the stream errors the proxies saw."""
     with contextlib.ExitStack() as stack:
-        if workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-hardening-")))
+        workdir = work_dir(stack, workdir, "pilotfish-hardening-")
         certs = make_certs(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-certs-"))))
-        before = stack.enter_context(checkout(commit))
-        before_env = pythonpath_env(before)
         rows: list[list[Any]] = []
         notes: list[str] = []
         for n in proxies:
-            pooled = {(v.server, v.transport): _Pooled(v, n) for v in variants}
+            pooled = {v.transport: _Pooled(v, n) for v in variants}
             for round_ in range(rounds):
                 for variant in variants:
-                    key = (variant.server, variant.transport)
+                    key = variant.transport
                     load = load_1min()
                     result = run_fanout(FanoutOptions(proxies=n, changes=changes, workload=workload, quiet_ms=100,
-                                        change="registry", workdir=workdir / f"{variant.server}-{variant.transport}-"
-                                        f"{n}-{round_}", server_env=before_env if variant.server == "before" else None,
-                                        address_cap=variant.server != "before",
+                                        change="registry", workdir=workdir / f"{variant.transport}-{n}-{round_}",
                                         server_args=certs.server_args(variant.mode), tls=certs.fleet(variant.mode)))
                     pooled[key].runs.append(result)
                     pooled[key].loads.append(load)
-                    print(f"  {variant.server} {variant.transport} {n} proxies (round {round_ + 1}, load {load:.2f}): "
+                    print(f"  {variant.transport} {n} proxies (round {round_ + 1}, load {load:.2f}): "
                           f"p99 {fmt_ms(result.p(99))} ms, CPU {result.cpu:.3f} s/push, "
                           f"{result.rss_per_stream_kb:.1f} KB/stream, failures {result.failures}", flush=True)
             for variant in variants:
                 base = pooled.get(variant.baseline) if variant.baseline is not None else None
-                rows.append(pooled[(variant.server, variant.transport)].row(base))
-                notes += pooled[(variant.server, variant.transport)].notes()
+                rows.append(pooled[variant.transport].row(base))
+                notes += pooled[variant.transport].notes()
         return rows, notes
 
 
@@ -178,21 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_hardening", description=__doc__.split("\n\n")[0])
     parser.add_argument("--proxies", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--changes", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=1, help="run the four variants in turn this many times")
+    parser.add_argument("--rounds", type=int, default=1, help="run the three variants in turn this many times")
     parser.add_argument("--services", type=int, default=100)
     parser.add_argument("--endpoints", type=int, default=4)
     parser.add_argument("--listeners", type=int, default=10)
-    parser.add_argument("--commit", default=BEFORE_COMMIT, help="the 'before' pilotfish (default: %(default)s)")
-    names = [f"{v.server}-{v.mode}" for v in VARIANTS]
+    names = [v.mode for v in VARIANTS]
     parser.add_argument("--variants", nargs="+", choices=names, default=names,
                         help="which rows to measure (default: all)")
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     started = time.strftime("%H:%M:%S")
     rows, notes = run_hardening(proxies=args.proxies, changes=args.changes, workload=workload, rounds=args.rounds,
-                                commit=args.commit,
-                                variants=[v for v in VARIANTS if f"{v.server}-{v.mode}" in args.variants])
-    print(f"\nworkload: {workload.describe()}; before = {args.commit}; started {started}, load now "
+                                variants=[v for v in VARIANTS if v.mode in args.variants])
+    print(f"\nworkload: {workload.describe()}; started {started}, load now "
           f"{load_1min():.2f}")
     print_table(HARDENING_COLUMNS, rows)
     for note in notes:

@@ -1,6 +1,5 @@
-"""What incremental xDS saves on a large snapshot: pilotfish before incremental responses (state of the world,
-every EDS response full state) and now, state of the world and delta, side by side in one run
-(the incremental xDS targets).
+"""What incremental xDS sends on a large snapshot: pilotfish over state of the world and over delta,
+side by side in one run (the incremental xDS targets).
 
 Theory of operation
 -------------------
@@ -10,13 +9,8 @@ one :func:`bench.fanout.run_fanout`: start the server, connect N simulated proxi
 (bench/fleet/) and wait until every one is synced, then change one endpoint through the
 registry API ``changes`` times, each timed until every proxy ACKed the new EDS version. The rows:
 
-- ``before`` SotW: pilotfish at :data:`BEFORE_COMMIT`, the last commit whose state-of-the-world
-  EDS response re-sent every ClusterLoadAssignment on every change, run from a temporary ``git
-  worktree`` (:func:`bench.checkout.checkout`, the same mechanism as the hardening benchmark's
-  comparison);
-- ``now`` SotW: this checkout, proxies on ``StreamAggregatedResources`` (EDS, RDS and SDS
-  responses carry only what changed);
-- ``now`` delta: this checkout, proxies on ``DeltaAggregatedResources``.
+- SotW: proxies on ``StreamAggregatedResources`` (EDS, RDS and SDS responses carry only what changed);
+- delta: proxies on ``DeltaAggregatedResources``.
 
 Every proxy subscribes to every cluster's endpoints, so every proxy receives each change. The
 simulator counts the bytes of the response messages each proxy receives (gRPC message bodies,
@@ -25,6 +19,11 @@ without HTTP/2 framing): until all were synced (``KB / proxy, initial sync``), a
 server's event log is at ``changes`` level for every row (a line per request and response would
 name 10,000 resources per proxy at the initial sync, which is logging, not xDS). The load average
 is read before each row: the simulator shares the server's cores.
+
+The row of pilotfish before incremental responses (commit de14338, every SotW EDS response full
+state) is no longer run: that commit's ``serve`` has neither ``--max-connections-per-address``
+nor ``--admin``, which every server of the benchmarks is started with now
+(:func:`bench.procs.start_pilotfish`). Its numbers stand in BENCHMARKS.md as measured then.
 """
 
 from __future__ import annotations
@@ -32,25 +31,19 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.checkout import checkout, pythonpath_env
-from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes
-from bench.procs import REPO
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes, stream_errors_cell
+from bench.fleet import XDS_VARIANTS
+from bench.procs import REPO, work_dir
 from bench.report import fmt_ms
 from bench.stats import load_1min, percentile
 from bench.workload import Workload
 
-__all__ = ["BEFORE_COMMIT", "INCREMENTAL_COLUMNS", "LARGE_WORKLOAD", "VARIANTS", "IncrementalVariant",
-           "run_incremental"]
-
-BEFORE_COMMIT = "de14338"
-"""pilotfish before incremental responses: every SotW EDS response is full state."""
+__all__ = ["INCREMENTAL_COLUMNS", "LARGE_WORKLOAD", "VARIANTS", "run_incremental"]
 
 RAMP_ABOVE = 2500
 RAMP_RATE = 25.0
@@ -62,83 +55,58 @@ processes outgrew this machine's 24 GiB (the server itself stayed under 1 GB).""
 LARGE_WORKLOAD = Workload(services=10000, endpoints=10, listeners=10)
 """The fleet-sized snapshot: 10,000 clusters, 100,000 endpoints."""
 
-INCREMENTAL_COLUMNS = ["server", "xds", "proxies", "load 1 min", "all synced s", "KB / proxy, initial sync",
+INCREMENTAL_COLUMNS = ["xds", "proxies", "load 1 min", "all synced s", "KB / proxy, initial sync",
                        "bytes / proxy / change (mean)", "bytes / proxy / change (max)", "p50 ms", "p99 ms", "max ms",
                        "p99 after publish ms", "CPU s / push", "simulator CPU s / push", "server RSS MB (synced)",
                        "simulator RSS MB", "failures", "stream errors"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class IncrementalVariant:
-    """One server and one protocol."""
-
-    server: str
-    """``before`` (:data:`BEFORE_COMMIT`) or ``now`` (this checkout)."""
-    xds: str
-    """``sotw`` or ``delta`` (:data:`bench.fleet.XDS_VARIANTS`)."""
+VARIANTS = XDS_VARIANTS
+"""The rows at each fleet size: the proxies' xDS variants (``sotw``, ``delta``)."""
 
 
-VARIANTS = (IncrementalVariant(server="before", xds="sotw"), IncrementalVariant(server="now", xds="sotw"),
-            IncrementalVariant(server="now", xds="delta"))
-
-
-def row(variant: IncrementalVariant, result: FanoutResult, load: float) -> list[Any]:
+def row(result: FanoutResult, load: float) -> list[Any]:
     """The table's row for one run."""
     per_change = [b for change in result.change_bytes for b in change]
     sync = result.sync_bytes
-    errors = sum(result.stream_errors.values())
-    return [variant.server, variant.xds, result.proxies, f"{load:.2f}", round(result.sync_seconds, 2),
+    return [result.xds, result.proxies, f"{load:.2f}", round(result.sync_seconds, 2),
             round(sum(sync) / len(sync) / 1024, 1) if sync else "-",
             round(sum(per_change) / len(per_change)) if per_change else "-", max(per_change, default="-"),
             fmt_ms(result.p(50)), fmt_ms(result.p(99)), fmt_ms(max(result.latencies, default=float("nan"))),
             fmt_ms(percentile(result.after_publish, 99)), round(result.cpu, 3),
             round(sum(result.client_cpu_per_push) / max(1, len(result.client_cpu_per_push)), 3),
             round(result.rss_idle_kb / 1024), round(result.simulator_rss_kb / 1024), result.failures,
-            errors if not errors else f"{errors} {result.stream_errors}"]
+            stream_errors_cell([result])]
 
 
-def notes(variant: IncrementalVariant, result: FanoutResult) -> list[str]:
+def notes(result: FanoutResult) -> list[str]:
     """One line per gRPC status the run's proxies saw: how many, how many during the changes, an example."""
-    return stream_error_notes(f"{variant.server} {variant.xds}, {result.proxies} proxies", [result])
+    return stream_error_notes(f"{result.xds}, {result.proxies} proxies", [result])
 
 
-def run_incremental(*, runs: Sequence[tuple[IncrementalVariant, int]], changes: int, workload: Workload,
-                    workdir: Path | None = None, commit: str = BEFORE_COMMIT, change_timeout: float = 120.0,
+def run_incremental(*, runs: Sequence[tuple[str, int]], changes: int, workload: Workload,
+                    workdir: Path | None = None, change_timeout: float = 120.0,
                     ramp_above: int = RAMP_ABOVE, ramp_rate: float = RAMP_RATE
                     ) -> tuple[list[list[Any]], list[FanoutResult]]:
-    """One row per (variant, proxies) in ``runs``, in that order; and each run's result. Fleets
+    """One row per (xDS variant, proxies) in ``runs``, in that order; and each run's result. Fleets
     larger than ``ramp_above`` connect at ``ramp_rate`` proxies per second per client process."""
     with contextlib.ExitStack() as stack:
-        if workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-incremental-")))
-        before_env = None
-        before_is_recent = False
-        if any(v.server == "before" for v, _ in runs):
-            before = stack.enter_context(checkout(commit))
-            before_env = pythonpath_env(before)
-            # A later "before" (e.g. to compare a change of the build) is run as "now" is: with
-            # the same connection cap and the admin API off.
-            cli = (before / "src" / "pilotfish" / "cli.py").read_text()
-            before_is_recent = '"--max-connections-per-address"' in cli and '"--admin"' in cli
+        workdir = work_dir(stack, workdir, "pilotfish-incremental-")
         rows: list[list[Any]] = []
         results: list[FanoutResult] = []
-        for variant, n in runs:
+        for xds, n in runs:
             load = load_1min()
             result = run_fanout(FanoutOptions(proxies=n, changes=changes, workload=workload, quiet_ms=100,
-                                change="registry",
-                                workdir=workdir / f"{variant.server}-{variant.xds}-{n}",
-                                server_env=before_env if variant.server == "before" else None,
-                                address_cap=variant.server != "before" or before_is_recent,
-                                event_log_level="changes",
-                                xds=variant.xds, change_timeout=change_timeout,
+                                change="registry", workdir=workdir / f"{xds}-{n}", event_log_level="changes",
+                                xds=xds, change_timeout=change_timeout,
                                 sync_timeout=max(300.0, n / 10), rate=ramp_rate if n > ramp_above else 0.0))
-            rows.append(row(variant, result, load))
+            rows.append(row(result, load))
             results.append(result)
             per_change = [b for c in result.change_bytes for b in c]
-            print(f"  {variant.server} {variant.xds} {n} proxies (load {load:.2f}): synced in "
+            print(f"  {xds} {n} proxies (load {load:.2f}): synced in "
                   f"{result.sync_seconds:.1f} s, p99 {fmt_ms(result.p(99))} ms, "
                   f"{percentile([float(b) for b in per_change], 50)} B/proxy/change, failures {result.failures}",
-                  *notes(variant, result), sep="\n    ", flush=True)
+                  *notes(result), sep="\n    ", flush=True)
         return rows, results
 
 
@@ -148,31 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     from bench.report import print_table
 
     parser = argparse.ArgumentParser(prog="python -m bench.bench_incremental", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--proxies", type=int, nargs="*", default=[1000],
-                        help="fleet sizes for every variant (default: %(default)s)")
-    parser.add_argument("--large", type=int, nargs="*", default=[10000],
-                        help="fleet sizes for the `now` variants only (default: %(default)s)")
+    parser.add_argument("--proxies", type=int, nargs="*", default=[1000, 10000],
+                        help="fleet sizes, every variant at each (default: %(default)s)")
     parser.add_argument("--changes", type=int, default=3)
     parser.add_argument("--services", type=int, default=LARGE_WORKLOAD.services)
     parser.add_argument("--endpoints", type=int, default=LARGE_WORKLOAD.endpoints)
     parser.add_argument("--listeners", type=int, default=LARGE_WORKLOAD.listeners)
-    parser.add_argument("--commit", default=BEFORE_COMMIT, help="the 'before' pilotfish (default: %(default)s)")
-    names = [f"{v.server}-{v.xds}" for v in VARIANTS]
-    parser.add_argument("--variants", nargs="+", choices=names, default=names)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--workdir", type=Path, default=None, help="keep the servers' files here (default: a temp dir)")
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
-    chosen = [v for v in VARIANTS if f"{v.server}-{v.xds}" in args.variants]
-    runs = [(v, n) for n in args.proxies for v in chosen]
-    runs += [(v, n) for n in args.large for v in chosen if v.server == "now"]
+    runs = [(xds, n) for n in args.proxies for xds in VARIANTS if xds in args.variants]
     started = time.strftime("%H:%M:%S")
-    rows, results = run_incremental(runs=runs, changes=args.changes, workload=workload, commit=args.commit,
-                                    workdir=args.workdir)
-    print(f"\nworkload: {workload.describe()}; before = {args.commit}; started {started}, load now "
+    rows, results = run_incremental(runs=runs, changes=args.changes, workload=workload, workdir=args.workdir)
+    print(f"\nworkload: {workload.describe()}; started {started}, load now "
           f"{load_1min():.2f}")
     print_table(INCREMENTAL_COLUMNS, rows)
-    for (variant, _), result in zip(runs, results, strict=True):
-        for line in notes(variant, result):
+    for result in results:
+        for line in notes(result):
             print(line)
     return 0 if all(r[INCREMENTAL_COLUMNS.index("failures")] == 0 for r in rows) else 1
 

@@ -43,7 +43,7 @@ from typing import Any
 from bench.fanout import FanoutOptions, FanoutResult, run_fanout
 from bench.procs import REPO, EtcdProcess, start_etcd, start_pilotfish
 from bench.report import fmt_ms, print_table
-from bench.stats import load_1min, percentile
+from bench.stats import load_1min, percentile, ratio
 from bench.workload import Workload, service_name
 
 __all__ = ["FANOUT_VARIANTS", "REPLICA_COLUMNS", "WRITE_COLUMNS", "FanoutRun", "WriteRate", "run_replica_fanouts",
@@ -76,12 +76,6 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def _ratio(a: float, b: float) -> str:
-    if not a or not b or a != a or b != b:
-        return "-"
-    return f"{a / b:.2f}x"
-
-
 def _fanout_row(registry: str, replicas: int, proxies: int, label: str, loads: Sequence[float],
                 results: Sequence[FanoutResult], base_p99: float) -> list[Any]:
     latencies = [x for r in results for x in r.latencies]
@@ -99,7 +93,7 @@ def _fanout_row(registry: str, replicas: int, proxies: int, label: str, loads: S
             sum(r.never_synced for r in results), fmt_ms(percentile(latencies, 50)),
             fmt_ms(p99), fmt_ms(max(latencies, default=float("nan"))), fmt_ms(percentile(after, 99)),
             " / ".join(fmt_ms(x) for x in results[0].change_p99) if len(results) == 1 else "-",
-            _ratio(p99, base_p99) if base_p99 == base_p99 else "-", round(_mean(cpu) / replicas, 3),
+            ratio(p99, base_p99, suffix="x") if base_p99 == base_p99 else "-", round(_mean(cpu) / replicas, 3),
             round(_mean(cpu), 3), round(_mean(etcd), 3) if etcd else "-", round(_mean(sim), 3),
             sum(r.failures for r in results), during]
 

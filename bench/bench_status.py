@@ -1,6 +1,6 @@
-"""What status tracking and the admin API cost: pilotfish before the status work and now,
-side by side in one run, and the admin API's answers with a large fleet connected (the status
-tracking targets).
+"""What an open status page costs the fan-out: pilotfish with the admin API on, and with a page
+polling it, side by side in one run; and the admin API's answers with a large fleet connected
+(the status tracking targets).
 
 Theory of operation
 -------------------
@@ -9,26 +9,27 @@ Every row is one :func:`bench.fanout.run_fanout` (registry change of one endpoin
 (bench/fleet/), wait until each is synced, then change one endpoint ``changes`` times, each timed
 until every proxy ACKed it. The variants:
 
-- ``before``: pilotfish at :data:`BEFORE_COMMIT`, the last commit before the status work (the
-  admin API, metrics, the recent-events ring and the per-response and per-ACK bookkeeping they
-  read), from a temporary ``git worktree`` (:func:`bench.checkout.checkout`); it has no
-  ``--admin``;
-- ``now``: this checkout with the admin API on (a free port on 127.0.0.1), nobody asking it;
-- ``now, page open``: the same while a client asks what one open status page asks: ``/v1/fleet``
+- ``on``: this checkout with the admin API on (a free port on 127.0.0.1), nobody asking it;
+- ``page open``: the same while a client asks what one open status page asks: ``/v1/fleet``
   (100 rows), ``/v1/snapshots`` and ``/v1/events`` together, then again 1.5 s after the answers (the
   page's rate), for as long as the changes run. Only at the fleet sizes in ``poll_proxies``.
 
-The variants run in turn (before, now, [now, page open]) ``rounds`` times per fleet size, so load
-from other work on the machine falls on each alike; the load average is read before each run and
-shown. A row gives each variant's median over its runs of the run's p99 (all proxies' latencies
-over the run's changes) and of its mean server CPU seconds per push, with the range over runs;
-the ratio columns divide the medians by ``before``'s.
+The variants run in turn (on, [page open]) ``rounds`` times per fleet size, so load from other
+work on the machine falls on each alike; the load average is read before each run and shown. A
+row gives each variant's median over its runs of the run's p99 (all proxies' latencies over the
+run's changes) and of its mean server CPU seconds per push, with the range over runs; the ratio
+columns divide the medians by ``on``'s.
 
-After the changes of every ``now`` run at a size in ``admin_proxies`` (every proxy connected and
+After the changes of every ``on`` run at a size in ``admin_proxies`` (every proxy connected and
 synced), each admin endpoint is asked ``requests`` times in turn: wall time per request (client
 side, urllib over loopback), the server's CPU for it (utime + stime, the server idle otherwise)
 and the response's size; the table pools the requests over the runs. ``/v1/fleet``'s ``states``
 confirms every proxy counts as ``SYNCED`` when they are asked.
+
+The comparison with pilotfish before the status work (commit 24bc0c1: no admin API, metrics or
+status bookkeeping) is no longer run: that commit's ``serve`` has no ``--admin``, which every
+server of the benchmarks is started with now (:func:`bench.procs.start_pilotfish`). Its numbers
+stand in BENCHMARKS.md as measured then.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -48,18 +48,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.checkout import checkout, pythonpath_env
-from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes
-from bench.procs import REPO, ServerProcess
-from bench.report import fmt_ms
-from bench.stats import load_1min, percentile
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes, stream_errors_cell
+from bench.procs import REPO, ServerProcess, work_dir
+from bench.report import fmt_loads, fmt_ms
+from bench.stats import load_1min, percentile, ratio
 from bench.workload import Workload
 
-__all__ = ["ADMIN_COLUMNS", "BEFORE_COMMIT", "ENDPOINTS", "PAGE_EVERY", "STATUS_COLUMNS", "VARIANTS",
+__all__ = ["ADMIN_COLUMNS", "ENDPOINTS", "PAGE_EVERY", "STATUS_COLUMNS", "VARIANTS",
            "AdminTimings", "StatusVariant", "run_status"]
-
-BEFORE_COMMIT = "24bc0c119c52f036f8a74a92238744288c89f34d"
-"""pilotfish before the status work (admin API, metrics, status bookkeeping on the xDS path)."""
 
 PAGE_EVERY = 1.5
 """Seconds between the status page's polls (``EVERY_MS`` in src/pilotfish/api/status_page.html)."""
@@ -71,10 +67,10 @@ page asks only for those after the last it saw once it has some)."""
 ENDPOINTS = ("/v1/proxies", "/v1/fleet?limit=100", "/v1/snapshots", "/v1/events?limit=100", "/metrics")
 """The admin endpoints timed with every proxy connected."""
 
-STATUS_COLUMNS = ["server", "admin API", "proxies", "runs", "load 1 min (each run)", "p99 ms (median)",
+STATUS_COLUMNS = ["admin API", "proxies", "runs", "load 1 min (each run)", "p99 ms (median)",
                   "p99 ms (range)", "p50 ms (median)", "p99 after publish ms (median)", "CPU s / push (median)",
-                  "CPU s / push (range)", "page polls", "failures", "stream errors", "p99 x before",
-                  "CPU x before"]
+                  "CPU s / push (range)", "page polls", "failures", "stream errors", "p99 x on",
+                  "CPU x on"]
 
 ADMIN_COLUMNS = ["endpoint", "proxies", "requests", "median ms", "max ms", "server CPU ms (median)", "response KB",
                  "proxies SYNCED when asked"]
@@ -82,16 +78,13 @@ ADMIN_COLUMNS = ["endpoint", "proxies", "requests", "median ms", "max ms", "serv
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatusVariant:
-    """One server and what asks its admin API."""
+    """What asks the server's admin API."""
 
-    server: str
-    """``before`` (:data:`BEFORE_COMMIT`) or ``now`` (this checkout)."""
     admin: str
-    """``-`` (no admin API), ``on`` (nobody asks it) or ``page open`` (polled as the status page does)."""
+    """``on`` (nobody asks it) or ``page open`` (polled as the status page does)."""
 
 
-VARIANTS = (StatusVariant(server="before", admin="-"), StatusVariant(server="now", admin="on"),
-            StatusVariant(server="now", admin="page open"))
+VARIANTS = (StatusVariant(admin="on"), StatusVariant(admin="page open"))
 
 
 class _PagePoller:
@@ -195,28 +188,23 @@ class _Runs:
     def cpus(self) -> list[float]:
         return [r.cpu for r in self.results]
 
-    def row(self, before: _Runs | None) -> list[Any]:
-        errors: dict[str, int] = {}
-        for r in self.results:
-            for code, n in r.stream_errors.items():
-                errors[code] = errors.get(code, 0) + n
-        total = sum(errors.values())
+    def row(self, base: _Runs | None) -> list[Any]:
         p99s, cpus = self.p99s(), self.cpus()
         ratios: list[Any] = ["-", "-"]
-        if before is not None and before is not self and before.results:
-            ratios = [_ratio(statistics.median(p99s), statistics.median(before.p99s())),
-                      _ratio(statistics.median(cpus), statistics.median(before.cpus()))]
-        return [self.variant.server, self.variant.admin, self.proxies, len(self.results),
-                " / ".join(f"{x:.2f}" for x in self.loads), fmt_ms(statistics.median(p99s)),
+        if base is not None and base is not self and base.results:
+            ratios = [ratio(statistics.median(p99s), statistics.median(base.p99s())),
+                      ratio(statistics.median(cpus), statistics.median(base.cpus()))]
+        return [self.variant.admin, self.proxies, len(self.results),
+                fmt_loads(self.loads), fmt_ms(statistics.median(p99s)),
                 f"{fmt_ms(min(p99s))}-{fmt_ms(max(p99s))}",
                 fmt_ms(statistics.median([r.p(50) for r in self.results])),
                 fmt_ms(statistics.median([percentile(r.after_publish, 99) for r in self.results])),
                 round(statistics.median(cpus), 3), f"{min(cpus):.3f}-{max(cpus):.3f}",
                 " / ".join(str(n) for n in self.polls) if self.polls else "-",
-                sum(r.failures for r in self.results), total if not total else f"{total} {errors}", *ratios]
+                sum(r.failures for r in self.results), stream_errors_cell(self.results), *ratios]
 
     def notes(self) -> list[str]:
-        lines = stream_error_notes(f"{self.variant.server} ({self.variant.admin}), {self.proxies} proxies",
+        lines = stream_error_notes(f"admin API {self.variant.admin}, {self.proxies} proxies",
                                    self.results)
         if self.poll_errors:
             lines.append(f"Status page polls that failed, {self.proxies} proxies: {len(self.poll_errors)}, e.g. "
@@ -224,23 +212,13 @@ class _Runs:
         return lines
 
 
-def _ratio(value: float, baseline: float) -> str:
-    if not value or not baseline or value != value or baseline != baseline:
-        return "-"
-    return f"{value / baseline:.2f}"
-
-
 def run_status(*, proxies: Sequence[int], changes: int, workload: Workload, rounds: int = 3,
                poll_proxies: Sequence[int] = (10000,), admin_proxies: Sequence[int] = (10000,), requests: int = 3,
-               workdir: Path | None = None, commit: str = BEFORE_COMMIT
-               ) -> tuple[list[list[Any]], list[list[Any]], list[str]]:
+               workdir: Path | None = None) -> tuple[list[list[Any]], list[list[Any]], list[str]]:
     """The fan-out table (one row per variant and fleet size), the admin endpoints' table, and
     notes (stream errors, failed polls); see the module docstring."""
     with contextlib.ExitStack() as stack:
-        if workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-status-")))
-        before = stack.enter_context(checkout(commit))
-        before_env = pythonpath_env(before)
+        workdir = work_dir(stack, workdir, "pilotfish-status-")
         rows: list[list[Any]] = []
         admin_rows: list[list[Any]] = []
         notes: list[str] = []
@@ -254,18 +232,16 @@ def run_status(*, proxies: Sequence[int], changes: int, workload: Workload, roun
                     poller = _PagePoller() if variant.admin == "page open" else None
                     endpoints = (functools.partial(_time_endpoints, timings=timings, requests=requests)
                                  if variant.admin == "on" and n in admin_proxies else None)
-                    now = variant.server == "now"
                     result = run_fanout(FanoutOptions(
                         proxies=n, changes=changes, workload=workload, quiet_ms=100, change="registry",
-                        workdir=workdir / f"{variant.server}-{variant.admin.replace(' ', '-')}-{n}-{round_}",
-                        server_env=None if now else before_env, admin="127.0.0.1:0" if now else None,
+                        workdir=workdir / f"{variant.admin.replace(' ', '-')}-{n}-{round_}", admin="127.0.0.1:0",
                         during_changes=poller.running if poller is not None else None, after_changes=endpoints))
                     runs[variant].results.append(result)
                     runs[variant].loads.append(load)
                     if poller is not None:
                         runs[variant].polls.append(poller.polls)
                         runs[variant].poll_errors += poller.errors
-                    print(f"  {variant.server} ({variant.admin}) {n} proxies (round {round_ + 1}, load {load:.2f}): "
+                    print(f"  admin API {variant.admin}, {n} proxies (round {round_ + 1}, load {load:.2f}): "
                           f"p99 {fmt_ms(result.p(99))} ms, CPU {result.cpu:.3f} s/push, failures {result.failures}"
                           + (f", {poller.polls} page polls" if poller is not None else ""), flush=True)
             base = runs[VARIANTS[0]]
@@ -286,21 +262,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-proxies", type=int, nargs="*", default=[10000],
                         help="fleet sizes that also run with the status page open (default: %(default)s)")
     parser.add_argument("--admin-proxies", type=int, nargs="*", default=[10000],
-                        help="fleet sizes whose `now` runs time the admin endpoints (default: %(default)s)")
+                        help="fleet sizes whose `on` runs time the admin endpoints (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=3, help="requests per endpoint per run (default: %(default)s)")
     parser.add_argument("--changes", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="times the variants run in turn (default: %(default)s)")
     parser.add_argument("--services", type=int, default=100)
     parser.add_argument("--endpoints", type=int, default=4)
     parser.add_argument("--listeners", type=int, default=10)
-    parser.add_argument("--commit", default=BEFORE_COMMIT, help="the 'before' pilotfish (default: %(default)s)")
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     started = time.strftime("%H:%M:%S")
     rows, admin_rows, notes = run_status(proxies=args.proxies, changes=args.changes, workload=workload,
                                          rounds=args.rounds, poll_proxies=args.poll_proxies,
-                                         admin_proxies=args.admin_proxies, requests=args.requests, commit=args.commit)
-    print(f"\nworkload: {workload.describe()}; before = {args.commit}; started {started}, load now "
+                                         admin_proxies=args.admin_proxies, requests=args.requests)
+    print(f"\nworkload: {workload.describe()}; started {started}, load now "
           f"{load_1min():.2f}")
     print_table(STATUS_COLUMNS, rows)
     print()

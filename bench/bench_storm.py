@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from bench.fleet import BY_SHORT, CLIENTS, Fleet, WaitResult
-from bench.procs import EventTail, ServerProcess, free_port, start_pilotfish
+from bench.procs import EventTail, ServerProcess, free_port, start_pilotfish, work_dir
 from bench.stats import percentile
 from bench.workload import Workload
 
@@ -55,10 +54,7 @@ def run_storm(*, proxies: int, workload: Workload, workers: int = 0, timeout: fl
     simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`)."""
     rows: list[list[Any]] = []
     with ExitStack() as stack:
-        if workdir is None:
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-storm-"))
-        workdir = Path(workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
+        workdir = work_dir(stack, workdir, "pilotfish-storm-")
         snapshot = workdir / "snapshot.json"
         workload.write(snapshot)
         port = free_port()

@@ -4,6 +4,13 @@
 removes it afterwards (also when the benchmark fails). A benchmark runs that commit's server as
 ``python -m pilotfish serve`` with the checkout's ``src`` first on ``PYTHONPATH``
 (:func:`pythonpath_env`), so both servers run from the same venv and differ only in their code.
+The server is started with the options this checkout's benchmarks pass: a commit that lacks one
+of them cannot be compared this way (its numbers stand in BENCHMARKS.md as measured then).
+
+An in-process benchmark (one that imports pilotfish, such as bench/bench_build.py) runs in a
+child process with ``own_bench``: the checkout's own ``bench`` package beside its ``src`` (and the
+checkout as the working directory), so the benchmark's imports match the code it measures, where
+this checkout's benchmark may import modules the other commit has elsewhere.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from pathlib import Path
 
 from bench.procs import REPO
 
-__all__ = ["checkout", "pythonpath_env"]
+__all__ = ["checkout", "pythonpath_env", "revision"]
 
 
 @contextlib.contextmanager
@@ -35,6 +42,18 @@ def checkout(commit: str) -> Iterator[Path]:
             subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=False, capture_output=True)
 
 
-def pythonpath_env(path: Path) -> dict[str, str]:
-    """The environment that runs the checkout at ``path``: its ``src`` first on ``PYTHONPATH``."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(path / "src"), str(REPO)])}
+def pythonpath_env(path: Path, *, own_bench: bool = False) -> dict[str, str]:
+    """The environment that runs the checkout at ``path``: its ``src`` first on ``PYTHONPATH``, then
+    this checkout's ``bench`` (``own_bench``: the checkout's own; run the child in ``path`` then,
+    since ``python -m`` puts the working directory first on ``sys.path``)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(path / "src"), str(path if own_bench else REPO)])}
+
+
+def revision(path: Path) -> tuple[str, bool]:
+    """The checkout at ``path``: its HEAD's short hash, and whether its ``src`` has uncommitted
+    changes (what the numbers measured). OSError or CalledProcessError outside a git checkout."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=path, capture_output=True, text=True,
+                           check=True).stdout.strip()
+    return head, bool(dirty)

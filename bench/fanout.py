@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.fleet import CLIENTS, EDS, XDS_VARIANTS, Fleet, FleetTls
-from bench.procs import REPO, EtcdProcess, ServerProcess, start_pilotfish
+from bench.procs import REPO, EtcdProcess, ServerProcess, start_pilotfish, work_dir
 from bench.report import fmt_ms, print_table
 from bench.stats import load_1min, percentile
 from bench.tls_certs import TLS_MODES, make_certs
 from bench.workload import Workload
 
-__all__ = ["FANOUT_COLUMNS", "FanoutOptions", "FanoutResult", "run_fanout", "start_naive", "stream_error_notes"]
+__all__ = ["FANOUT_COLUMNS", "FanoutOptions", "FanoutResult", "run_fanout", "start_naive", "stream_error_notes",
+           "stream_errors_cell"]
 
 FANOUT_COLUMNS = ["server", "proxies", "change", "quiet ms", "event log", "all synced s", "p50 ms", "p99 ms", "max ms",
                   "p99 after publish ms", "CPU s / push", "simulator CPU s / push", "RSS KB / idle stream", "failures",
@@ -101,13 +102,23 @@ class FanoutResult:
         return sum(self.cpu_per_push) / len(self.cpu_per_push) if self.cpu_per_push else float("nan")
 
     def row(self) -> list[object]:
-        errors = sum(self.stream_errors.values())
         return [self.server, self.proxies, self.change, self.quiet_ms, self.event_log, round(self.sync_seconds, 2),
                 fmt_ms(self.p(50)), fmt_ms(self.p(99)), fmt_ms(max(self.latencies, default=float("nan"))),
                 fmt_ms(percentile(self.after_publish, 99)), round(self.cpu, 3),
                 round(sum(self.client_cpu_per_push) / max(1, len(self.client_cpu_per_push)), 3),
                 round(self.rss_per_stream_kb, 1),
-                self.failures, errors if not errors else f"{errors} {self.stream_errors}"]
+                self.failures, stream_errors_cell([self])]
+
+
+def stream_errors_cell(results: Sequence[FanoutResult]) -> int | str:
+    """The streams that broke in ``results`` (runs pooled), as a table cell: 0, or how many with a
+    count per gRPC status."""
+    errors: dict[str, int] = {}
+    for r in results:
+        for code, n in r.stream_errors.items():
+            errors[code] = errors.get(code, 0) + n
+    total = sum(errors.values())
+    return total if not total else f"{total} {errors}"
 
 
 def start_naive(workdir: Path, *, snapshot: Path, xds_port: int = 0, name: str = "naive") -> ServerProcess:
@@ -216,12 +227,8 @@ class FanoutOptions:
     """pilotfish's environment (e.g. another checkout's ``src`` on ``PYTHONPATH``: :mod:`bench.checkout`)."""
     server_args: Sequence[str] = ()
     """More ``serve`` options (e.g. ``--tls-cert``)."""
-    address_cap: bool = True
-    """Lift pilotfish's ``--max-connections-per-address`` (every proxy connects from 127.0.0.1);
-    False for a server without that flag."""
-    admin: str | None = "off"
-    """pilotfish's admin API: ``off``, ``HOST:PORT`` (the first replica serves it), or None for a
-    server that has no ``--admin`` flag (and no ``--max-connections-per-address``)."""
+    admin: str = "off"
+    """pilotfish's admin API: ``off`` or ``HOST:PORT`` (the first replica serves it; the others none)."""
     sync_timeout: float | None = None
     """How long all proxies may take to sync (None: 60 s, or a second per 100 proxies)."""
     rate: float = 0.0
@@ -245,24 +252,20 @@ def run_fanout(options: FanoutOptions) -> FanoutResult:
                          "only there do they share a registry")
     change = "file" if options.server == "naive" else options.change  # the naive server has no registry
     with ExitStack() as stack:
-        workdir = options.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-bench-")))
-        workdir.mkdir(parents=True, exist_ok=True)
+        workdir = work_dir(stack, options.workdir, "pilotfish-bench-")
         snapshot = workdir / "snapshot.json"
         options.workload.write(snapshot)
         procs: list[ServerProcess] = []
         if options.server == "pilotfish":
             on_etcd = ("--etcd", options.etcd.address) if options.etcd is not None else ()
             for n in range(options.replicas):
-                serve_admin = () if options.admin in (None, "off") or n > 0 else ("--admin", options.admin)
                 procs.append(start_pilotfish(
                     workdir, snapshot=snapshot, quiet_ms=options.quiet_ms, registry=change == "registry",
-                    extra=("--event-log-level", options.event_log_level, *serve_admin, *on_etcd,
-                           *options.server_args),
+                    extra=("--event-log-level", options.event_log_level, *on_etcd, *options.server_args),
                     env=options.server_env,
                     module=(("pilotfish",) if options.core == "own"
                             else ("bench.h2_core_launch", "--core", options.core)),
-                    address_cap=options.address_cap,
-                    admin_off=options.address_cap and (options.admin == "off" or n > 0),  # older than both
+                    admin=options.admin if n == 0 else "off",
                     name="pilotfish" if options.replicas == 1 else f"pilotfish-{n}"))
                 stack.callback(procs[-1].stop)
         else:

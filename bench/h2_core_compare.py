@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.fanout import FanoutOptions, FanoutResult, run_fanout
+from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_errors_cell
 from bench.h2_core_launch import CORES
 from bench.procs import REPO
 from bench.report import fmt_ms, markdown_table
@@ -56,10 +56,9 @@ class CoreRun:
 
     def row(self) -> list[Any]:
         r = self.result
-        errors = sum(r.stream_errors.values())
         return [self.core, self.round, round(self.load, 2), r.proxies, round(r.cpu, 3), fmt_ms(r.p(50)),
                 fmt_ms(r.p(99)), round(r.rss_per_stream_kb, 1), r.failures,
-                errors if not errors else f"{errors} {r.stream_errors}"]
+                stream_errors_cell([r])]
 
 
 @dataclass

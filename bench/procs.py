@@ -21,6 +21,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,7 @@ __all__ = [
     "rss_kb",
     "start_etcd",
     "start_pilotfish",
+    "work_dir",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,6 +59,16 @@ def raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def work_dir(stack: contextlib.ExitStack[Any], workdir: str | Path | None, prefix: str) -> Path:
+    """Where a benchmark keeps its servers' files: ``workdir`` (made if missing), or a temporary
+    directory named ``prefix...`` that ``stack`` removes."""
+    if workdir is None:
+        return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir
 
 
 def cpu_seconds(pid: int) -> float:
@@ -210,23 +222,20 @@ def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100
                     registry: bool = True, extra: Sequence[str] = (), name: str = "pilotfish",
                     python: str = sys.executable, wrapper: Sequence[str] = (),
                     module: Sequence[str] = ("pilotfish",), env: Mapping[str, str] | None = None,
-                    address_cap: bool = True, admin_off: bool = True) -> ServerProcess:
+                    admin: str = "off") -> ServerProcess:
     """``python -m pilotfish serve`` with an event log in ``workdir``; started and ready.
 
     ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``); ``module`` is
     what ``-m`` runs (bench/h2_core_launch.py runs the CLI with another HTTP/2 core); ``env``: the
     server's environment (e.g. a ``PYTHONPATH`` naming another checkout's ``src``);
-    ``address_cap``: False for a pilotfish from before ``--max-connections-per-address``;
-    ``admin_off``: False for one from before ``--admin`` (which serves no admin API, so needs no
-    ``--admin off`` to leave port 18001 to other servers).
+    ``admin``: ``--admin`` (``off`` by default, which leaves port 18001 to other servers; a
+    ``HOST:PORT``, e.g. ``127.0.0.1:0``, serves it: its address is in ``started["admin"]``).
     """
     event_log = workdir / f"{name}-events.jsonl"
     # Every simulated proxy connects from 127.0.0.1: lift the per-address cap (default 4,096).
-    lift = ("--max-connections-per-address", "1000000") if address_cap else ()
     argv = [*wrapper, python, "-m", *module, "serve", "--xds", f"127.0.0.1:{xds_port}",
-            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms), *lift, *extra]
-    if admin_off:
-        argv += ["--admin", "off"]
+            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms),
+            "--max-connections-per-address", "1000000", "--admin", admin, *extra]
     if snapshot is not None:
         argv += ["--snapshot", str(snapshot)]
     if registry:

@@ -20,13 +20,18 @@ from typing import Any
 
 from pilotfish.envoy import find_envoy
 
-__all__ = ["envoy_version", "fmt_ms", "load_line", "machine_facts", "markdown_table", "print_table"]
+__all__ = ["envoy_version", "fmt_loads", "fmt_ms", "load_line", "machine_facts", "markdown_table", "print_table"]
 
 
 def fmt_ms(seconds: float | None) -> str:
     if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
         return "-"
     return f"{seconds * 1000:.0f}" if seconds >= 0.1 else f"{seconds * 1000:.1f}"
+
+
+def fmt_loads(loads: Sequence[float]) -> str:
+    """Load averages read before each run, as one cell: ``2.01 / 3.47 / 2.80``."""
+    return " / ".join(f"{x:.2f}" for x in loads)
 
 
 def _cell(value: Any) -> str:

@@ -31,35 +31,50 @@ from bench import (
     bench_hardening,
     bench_incremental,
     bench_replicas,
+    bench_side_by_side,
     bench_status,
     bench_storm,
     bench_subsetting,
     fanout,
     h2_core_compare,
 )
+from bench.checkout import revision
 from bench.fleet import CLIENTS
 from bench.procs import REPO
 from bench.profiles import summary_table
 from bench.report import load_line, machine_facts, markdown_table, print_table
-from bench.stats import load_1min, percentile
+from bench.stats import load_1min, percentile, ratio
 from bench.workload import Workload
 
 __all__ = ["Scale", "main", "run_all"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Scale:
+    """How large each benchmark of one run is (:data:`FULL`: ``make bench``; :data:`QUICK`: the smoke run)."""
+
     fanout_proxies: tuple[int, ...] = (100, 1000, 10000)
+    """Fleet sizes of the fan-out table (each at both event log levels)."""
     changes: int = 5
+    """Endpoint changes per fan-out run."""
     workload: Workload = field(default_factory=Workload)
+    """The snapshot every fan-out serves."""
     build_sizes: tuple[tuple[int, int], ...] = ((1000, 10000), (10000, 100000))
+    """(clusters, endpoints) of the snapshot build rows."""
     build_repeat: int = 3
+    """Builds per row (the median is shown)."""
     storm_proxies: int = 10000
+    """Proxies of the reconnect storm."""
     envoy_changes: int = 20
+    """File changes to a real Envoy."""
     envoy_quiet_ms: tuple[int, ...] = (100, 20)
+    """pilotfish's debounce in those runs, one run each."""
     baseline_proxies: tuple[int, ...] = (100, 1000)
+    """Fleet sizes of pilotfish vs the naive server."""
     profile_proxies: int = 1000
+    """Proxies of the py-spy profiled fan-out (0: none)."""
     sovereign: bool = True
+    """Run Sovereign beside the real Envoy (from bench/.venv-sovereign)."""
     client: str = "h2"
     """The simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`)."""
     core_proxies: int = 1000
@@ -69,13 +84,11 @@ class Scale:
     core_abuse: str = "all"
     """The attacks of tests/abuse run against each core: ``all`` or a pytest ``-k`` expression."""
     hardening_proxies: tuple[int, ...] = (1000, 10000)
-    """Fleet sizes of the before/after-hardening, plaintext/TLS/mTLS comparison."""
+    """Fleet sizes of the plaintext/TLS/mTLS comparison."""
     hardening_rounds: int = 1
-    """Times the four variants of that comparison run in turn (pooled)."""
-    incremental_proxies: tuple[int, ...] = (1000,)
-    """Fleet sizes of the incremental xDS comparison, every variant (before SotW, now SotW, now delta)."""
-    incremental_large: tuple[int, ...] = (10000,)
-    """Fleet sizes of the incremental xDS comparison for the ``now`` variants only."""
+    """Times the three variants of that comparison run in turn (pooled)."""
+    incremental_proxies: tuple[int, ...] = (1000, 10000)
+    """Fleet sizes of the incremental xDS comparison (SotW and delta at each)."""
     incremental_workload: Workload = field(default_factory=lambda: bench_incremental.LARGE_WORKLOAD)
     """The fleet-sized snapshot (10,000 clusters x 10 endpoints)."""
     incremental_changes: int = 3
@@ -84,11 +97,11 @@ class Scale:
     subsetting_removals: int = 5
     """Backends removed in turn (averaged) for that comparison's churn."""
     status_proxies: tuple[int, ...] = (1000, 10000)
-    """Fleet sizes of the status tracking comparison (before the status work vs now, admin API on)."""
+    """Fleet sizes of the status tracking comparison (admin API on, a status page polling it)."""
     status_poll_proxies: tuple[int, ...] = (10000,)
     """Of those, the sizes that also run with a status page polling the admin API."""
     status_admin_proxies: tuple[int, ...] = (10000,)
-    """Of those, the sizes whose ``now`` runs time the admin endpoints."""
+    """Of those, the sizes whose ``on`` runs time the admin endpoints."""
     status_rounds: int = 3
     """Times the variants of that comparison run in turn."""
     replicas_proxies: int = 3000
@@ -107,7 +120,21 @@ class Scale:
     """How long they come."""
     churn_variants: tuple[bench_churn.ChurnVariant, ...] = bench_churn.VARIANTS
     """The servers and limits of that soak."""
+    side_by_side: str | None = None
+    """Another commit to run beside this checkout (bench/bench_side_by_side.py: fan-outs, SotW and
+    delta, and the snapshot build, in turn); None (the default, and in the smoke run): not run."""
+    side_by_side_title: str = ""
+    """That section's title (empty: named after the commit)."""
+    side_by_side_proxies: tuple[int, ...] = (1000,)
+    """Fleet sizes of those fan-outs."""
+    side_by_side_rounds: int = 3
+    """Times both commits run in turn."""
 
+
+HISTORICAL = ("The comparison with {what} (commit {commit}) is no longer run: that commit's `serve` has neither "
+              "{lacks}, which every server of the benchmarks is started with now. Its numbers stand as measured "
+              "then, in BENCHMARKS.md at commit 685690b.")
+"""The note of a section whose comparison with an earlier commit was dropped ({what}, {commit}, {lacks})."""
 
 FULL = Scale()
 QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, endpoints=2, listeners=5),
@@ -116,12 +143,12 @@ QUICK = Scale(fanout_proxies=(5,), changes=2, workload=Workload(services=50, end
               # (one attack: the four-connection rapid resets are their own tests)
               core_abuse="test_rapid_reset and not four_connections", hardening_proxies=(5,),
               incremental_proxies=(5,),
-              incremental_large=(),
               incremental_workload=Workload(services=50, endpoints=2, listeners=5), incremental_changes=2,
               subsetting_grid=((20, 5, 2), (40, 10, 3)), subsetting_removals=2, status_proxies=(5,),
               status_poll_proxies=(5,), status_admin_proxies=(5,), status_rounds=1, replicas_proxies=6,
               replicas_writes=2, replicas_rounds=1, write_count=40, write_clients=4, churn_rate=20.0, churn_seconds=5.0,
-              churn_variants=(bench_churn.ChurnVariant("now", 20, 2.0), bench_churn.ChurnVariant("before", None, None)))
+              churn_variants=(bench_churn.ChurnVariant(server="now", max_disconnected=20, subset_grace=2.0),
+                              bench_churn.ChurnVariant(server="before", max_disconnected=None, subset_grace=None)))
 
 
 @dataclass
@@ -156,6 +183,7 @@ class Results:
     replica_runs: list[bench_replicas.FanoutRun] = field(default_factory=list)
     write_rates: list[bench_replicas.WriteRate] = field(default_factory=list)
     churn: list[bench_churn.ChurnResult] = field(default_factory=list)
+    side_by_side: bench_side_by_side.SideBySide | None = None
 
 
 def _cmd(*args: Any) -> str:
@@ -393,7 +421,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
              "attacks are tests/abuse with `PILOTFISH_ABUSE_CORE` set."])
     results.sections[-1].notes.extend(core_notes)
 
-    # 6c. what the hardened transport and TLS cost, before vs now, plaintext / TLS / mTLS.
+    # 6c. what TLS and mTLS cost on the hardened transport.
     def hardening() -> list[list[Any]]:
         rows, notes = bench_hardening.run_hardening(proxies=scale.hardening_proxies, changes=scale.changes,
                                                     workload=wl, rounds=scale.hardening_rounds,
@@ -403,47 +431,44 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         return rows
 
     hardening_notes: list[str] = []
-    section("Hardening and TLS: pilotfish before the hardening vs now, plaintext, TLS and mTLS",
+    section("Hardening and TLS: pilotfish plaintext, TLS and mTLS",
             _cmd("bench.bench_hardening", "--proxies", *scale.hardening_proxies, "--changes", scale.changes,
                  "--rounds", scale.hardening_rounds, *_wl(wl)),
             bench_hardening.HARDENING_COLUMNS, hardening,
-            [f"`before`: pilotfish at {bench_hardening.BEFORE_COMMIT} (the last commit before the hardened "
-             "transport, TLS and authorization), run from a temporary `git worktree` of that commit; `now`: this "
-             "checkout. The fleet simulator is the same for every row (through the registry API, event log "
-             "`all`). TLS: `--tls-cert/--tls-key` from a throwaway CA, the proxies verify it (ALPN h2); mTLS: "
-             "`--client-ca` too, every proxy presents a client certificate. `load 1 min`: the load average "
-             "before each run (the machine is shared). Ratios compare with the row named in `compared with` "
-             "(now plaintext vs before plaintext: the hardening's cost; TLS and mTLS vs now plaintext: TLS's "
-             "cost). RSS per idle stream: the lowest run's (each run's in brackets; noise in RSS only adds); "
-             "it includes each connection's TLS state."])
+            ["This checkout's pilotfish; the fleet simulator is the same for every row (through the registry "
+             "API, event log `all`). TLS: `--tls-cert/--tls-key` from a throwaway CA, the proxies verify it "
+             "(ALPN h2); mTLS: `--client-ca` too, every proxy presents a client certificate. `load 1 min`: the "
+             "load average before each run (the machine is shared). Ratios compare with the row named in "
+             "`compared with` (TLS and mTLS vs plaintext: TLS's cost). RSS per idle stream: the lowest run's "
+             "(each run's in brackets; noise in RSS only adds); it includes each connection's TLS state.",
+             HISTORICAL.format(what="pilotfish before the hardened transport", commit="b4fb69c",
+                               lacks="`--max-connections-per-address` nor `--admin`")])
     results.sections[-1].notes.extend(hardening_notes)
 
-    # 6d. incremental responses, before SotW / now SotW / now delta, on a large snapshot.
+    # 6d. incremental responses, SotW and delta, on a large snapshot.
     def incremental() -> list[list[Any]]:
-        variants = bench_incremental.VARIANTS
-        runs = [(v, n) for n in scale.incremental_proxies for v in variants]
-        runs += [(v, n) for n in scale.incremental_large for v in variants if v.server == "now"]
+        runs = [(xds, n) for n in scale.incremental_proxies for xds in bench_incremental.VARIANTS]
         rows, done = bench_incremental.run_incremental(runs=runs, changes=scale.incremental_changes,
                                                        workload=scale.incremental_workload,
                                                        workdir=workdir / "incremental")
         results.incremental_rows = rows
-        for (variant, _), result in zip(runs, done, strict=True):
-            incremental_notes.extend(bench_incremental.notes(variant, result))
+        for result in done:
+            incremental_notes.extend(bench_incremental.notes(result))
         return rows
 
     incremental_notes: list[str] = []
 
-    section("Incremental xDS: pilotfish before incremental responses (SotW) vs now, SotW and delta",
-            _cmd("bench.bench_incremental", "--proxies", *scale.incremental_proxies, "--large",
-                 *scale.incremental_large, "--changes", scale.incremental_changes,
-                 *_wl(scale.incremental_workload)),
+    section("Incremental xDS: pilotfish over SotW and delta",
+            _cmd("bench.bench_incremental", "--proxies", *scale.incremental_proxies, "--changes",
+                 scale.incremental_changes, *_wl(scale.incremental_workload)),
             bench_incremental.INCREMENTAL_COLUMNS, incremental,
-            [f"`before`: pilotfish at {bench_incremental.BEFORE_COMMIT} (every SotW EDS response full state), from "
-             "a temporary `git worktree`; `now`: this checkout, proxies on SotW (`StreamAggregatedResources`) or "
-             "delta (`DeltaAggregatedResources`). One endpoint changed through the registry API per change; "
+            ["This checkout's pilotfish, proxies on SotW (`StreamAggregatedResources`) or delta "
+             "(`DeltaAggregatedResources`). One endpoint changed through the registry API per change; "
              "every proxy subscribes to every cluster's endpoints. Bytes: response message bodies each proxy "
              "received (no HTTP/2 framing). Event log `changes` for every row. The targets at 1,000 "
-             "proxies: <= 2 KB per proxy per change, p99 <= 300 ms (including the 100 ms quiet period)."])
+             "proxies: <= 2 KB per proxy per change, p99 <= 300 ms (including the 100 ms quiet period).",
+             HISTORICAL.format(what="pilotfish before incremental responses (SotW, every EDS response full "
+                               "state)", commit="de14338", lacks="`--max-connections-per-address` nor `--admin`")])
     results.sections[-1].notes.extend(incremental_notes)
 
     # 6e. subsetting, Ringsteady vs the SRE book's deterministic subsetting vs random (in-process).
@@ -457,7 +482,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
                  "--removals", scale.subsetting_removals),
             bench_subsetting.SUBSETTING_COLUMNS, subsetting, bench_subsetting.notes(scale.subsetting_removals))
 
-    # 6f. status tracking and the admin API, before vs now; the admin API at 10,000 proxies.
+    # 6f. status tracking and the admin API: a status page open; the admin API at 10,000 proxies.
     def status() -> list[list[Any]]:
         rows, admin_rows, notes = bench_status.run_status(
             proxies=scale.status_proxies, changes=scale.changes, workload=wl, rounds=scale.status_rounds,
@@ -471,23 +496,23 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     status_command = _cmd("bench.bench_status", "--proxies", *scale.status_proxies, "--poll-proxies",
                           *scale.status_poll_proxies, "--admin-proxies", *scale.status_admin_proxies, "--changes",
                           scale.changes, "--rounds", scale.status_rounds, *_wl(wl))
-    section("Status tracking: pilotfish before status tracking vs now, admin API on, a status page open",
+    section("Status tracking: pilotfish with the admin API on, and with a status page open",
             status_command, bench_status.STATUS_COLUMNS, status,
-            [f"`before`: pilotfish at {bench_status.BEFORE_COMMIT[:7]} (the last commit before the admin API, "
-             "metrics and status bookkeeping), from a temporary `git worktree`; `now`: this checkout with the admin "
-             "API on, nobody asking it (`on`), or asked what one open status page asks (`/v1/fleet?limit=100`, "
+            ["This checkout's pilotfish with the admin API on, nobody asking it (`on`), or asked what one open "
+             "status page asks (`/v1/fleet?limit=100`, "
              f"`/v1/snapshots`, `/v1/events` together, again {bench_status.PAGE_EVERY} s after the answers) while "
              "the changes run (`page open`; `page polls`: how many per run). Fan-out as in the first table "
              "(registry change, event log `all`). The variants run in turn, `rounds` times; each row gives the "
              "median over its runs of the run's p99 (all proxies over the run's changes) and of its mean server "
-             "CPU per push, with the range; the ratios divide medians by `before`'s. `load 1 min`: the load "
-             "average before each run: other work shares this machine's 2 cores."])
+             "CPU per push, with the range; the ratios divide medians by `on`'s. `load 1 min`: the load "
+             "average before each run: other work shares this machine's 2 cores.",
+             HISTORICAL.format(what="pilotfish before status tracking", commit="24bc0c1", lacks="`--admin`")])
     results.sections[-1].notes.extend(status_notes)
 
     admin_n = ", ".join(f"{n:,}" for n in scale.status_admin_proxies)
     section(f"Admin API with {admin_n} connected proxies", f"(from the `now` runs above: {status_command})",
             bench_status.ADMIN_COLUMNS, lambda: results.status_admin_rows,
-            ["After the changes of each `now` run (admin API on, nobody else asking), every proxy connected and "
+            ["After the changes of each `on` run (admin API on, nobody else asking), every proxy connected and "
              "synced: each endpoint asked in turn, requests pooled over the runs. Wall time per request (urllib "
              "over loopback, client side); the server's CPU for it (utime + stime, read once the server is idle "
              "before and after); response size. `proxies SYNCED when asked`: `/v1/fleet`'s counts, per run."])
@@ -531,6 +556,10 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
                  "[--server before] [--max-disconnected N] [--subset-grace S]"),
             bench_churn.CHURN_COLUMNS, churn, bench_churn.notes(rate=scale.churn_rate, seconds=scale.churn_seconds))
 
+    # 6h. another commit beside this checkout (only when asked for: --side-by-side COMMIT).
+    if scale.side_by_side is not None:
+        _side_by_side(scale, scale.side_by_side, results, section)
+
     # 7. profile of the server under the 1,000-proxy fan-out (py-spy).
     if scale.profile_proxies:
         def profile() -> list[list[Any]]:
@@ -558,15 +587,45 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
     return results
 
 
+def _side_by_side(scale: Scale, commit: str, results: Results, section: Callable[..., None]) -> None:
+    """Two sections: the fan-outs and the builds of one interleaved run beside ``commit``."""
+    title = scale.side_by_side_title or f"Beside commit {commit}"
+    sizes = [f"{c}:{e}" for c, e in scale.build_sizes]
+
+    def fanouts() -> list[list[Any]]:
+        results.side_by_side = bench_side_by_side.run_side_by_side(
+            commit=commit, proxies=scale.side_by_side_proxies, rounds=scale.side_by_side_rounds, changes=scale.changes,
+            workload=scale.workload, build_sizes=sizes, build_repeat=scale.build_repeat)
+        notes.extend(results.side_by_side.notes)
+        return results.side_by_side.fanout_rows
+
+    notes: list[str] = []
+    command = _cmd("bench.bench_side_by_side", "--commit", commit, "--proxies", *scale.side_by_side_proxies,
+                   "--rounds", scale.side_by_side_rounds, "--changes", scale.changes, *_wl(scale.workload),
+                   "--build-sizes", *sizes, "--build-repeat", scale.build_repeat)
+    section(f"{title}: fan-out", command, bench_side_by_side.FANOUT_COLUMNS, fanouts,
+            [f"This checkout's pilotfish and commit {commit}'s (a temporary `git worktree`, its `src` first on "
+             "`PYTHONPATH`), the same simulated fleet and snapshot, in turn `rounds` times (the order flips every "
+             "round): one endpoint changed through the registry API per change, SotW and delta. Each row: the "
+             "median over the runs (each run's p99 over all proxies and changes), the range beside it; the "
+             "ratios divide this checkout's medians by the other's. `load 1 min`: before each run."])
+    results.sections[-1].notes.extend(notes)
+    section(f"{title}: snapshot build", f"(from the same run: {command})", bench_side_by_side.BUILD_COLUMNS,
+            lambda: results.side_by_side.build_rows if results.side_by_side is not None else [],
+            ["bench/bench_build.py's rows, each commit's own copy of it on its own `src` in a child process per "
+             "size, in turn with the fan-outs; each run's value the median of `--build-repeat` builds, the cell the "
+             "median over runs (lowest-highest). `child CPU s`: that child's user + system CPU seconds (imports and "
+             "every repeat), which other work on the machine inflates less than wall times. `this / other`: this "
+             "checkout's median over the other's."])
+
+
 def _error_notes(r: fanout.FanoutResult) -> list[str]:
     """One line per gRPC status the proxies saw, with an example message."""
     return fanout.stream_error_notes(f"{r.server}, {r.proxies} proxies", [r])
 
 
 def _ratio(a: float, b: float) -> str:
-    if not a or not b or a != a or b != b:
-        return "-"
-    return f"{a / b:.1f}x"
+    return ratio(a, b, digits=1, suffix="x")
 
 
 def targets(results: Results) -> list[list[Any]]:
@@ -597,28 +656,13 @@ def targets(results: Results) -> list[list[Any]]:
             "0 failures, all synced within 30 s",
             f"{failures} never synced, {broken} streams broken by the server, last synced after {synced} s",
             failures == 0 and broken == 0 and synced <= 30)
-    col = bench_hardening.HARDENING_COLUMNS.index
-    for row in results.hardening_rows:
-        if row[col("proxies")] == 1000 and (row[col("server")], row[col("transport")]) == ("now", "plaintext"):
-            p99, cpu = row[col("p99 x")], row[col("CPU x")]
-            ok = None if "-" in (p99, cpu) else float(p99) <= 1.1 and float(cpu) <= 1.1
-            add("hardened transport vs before, 1,000 proxies, plaintext", "<= 1.10x p99 and CPU / push",
-                f"p99 {p99}x, CPU {cpu}x", ok)
     col = bench_incremental.INCREMENTAL_COLUMNS.index
     for row in results.incremental_rows:
-        if row[col("server")] == "now" and row[col("proxies")] == 1000:
+        if row[col("proxies")] == 1000:
             worst, p99 = row[col("bytes / proxy / change (max)")], row[col("p99 ms")]
             ok = None if "-" in (worst, p99) else int(worst) <= 2048 and float(p99) <= 300 and row[col("failures")] == 0
             add(f"one endpoint of 10,000 clusters changed, 1,000 proxies, {row[col('xds')]}",
                 "<= 2 KB per proxy per change, p99 <= 300 ms", f"max {worst} B, p99 {p99} ms", ok)
-    col = bench_status.STATUS_COLUMNS.index
-    for row in results.status_rows:
-        if row[col("server")] == "now" and row[col("proxies")] in (1000, 10000):
-            p99, cpu = row[col("p99 x before")], row[col("CPU x before")]
-            ok = None if "-" in (p99, cpu) else float(p99) <= 1.1 and row[col("failures")] == 0
-            add(f"fan-out with status tracking vs before it, {row[col('proxies')]:,} proxies, admin API "
-                f"{row[col('admin API')]}", "p99 not worse (<= 1.10x, medians of interleaved runs)",
-                f"p99 {p99}x, CPU {cpu}x", ok)
     col = bench_status.ADMIN_COLUMNS.index
     for row in results.status_admin_rows:
         if row[col("proxies")] == 10000 and row[col("endpoint")] in ("`/v1/proxies`", "`/metrics`"):
@@ -656,10 +700,7 @@ def targets(results: Results) -> list[list[Any]]:
 def _git_describe() -> str:
     """The commit the run measured, and whether src/ had uncommitted changes."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=REPO, capture_output=True,
-                               text=True, check=True).stdout.strip()
+        head, dirty = revision(REPO)
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return f"commit {head}" + (" with uncommitted changes in src/" if dirty else "")
@@ -708,8 +749,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", choices=CLIENTS, default="h2",
                         help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
     parser.add_argument("--workdir", type=Path, help="keep profiles and server files here (default: a temp dir)")
+    parser.add_argument("--side-by-side", metavar="COMMIT",
+                        help="also run this checkout beside COMMIT (bench/bench_side_by_side.py; default: not run)")
+    parser.add_argument("--side-by-side-title", default="", metavar="TITLE",
+                        help="that section's title (default: named after the commit)")
     args = parser.parse_args(argv)
-    scale = replace(QUICK if args.quick else FULL, client=args.client)
+    scale = replace(QUICK if args.quick else FULL, client=args.client, side_by_side=args.side_by_side,
+                    side_by_side_title=args.side_by_side_title)
     if args.no_sovereign:
         scale = replace(scale, sovereign=False)
     os.chdir(REPO)
