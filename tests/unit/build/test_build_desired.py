@@ -1,28 +1,30 @@
-"""Node groups of kind rest: Envoys polling REST xDS are built clusters and listeners whose EDS and
-RDS name the REST config source of their bootstrap (an ``ads: {}`` source needs an ADS stream they do
-not have); everything else is what Envoys on ADS get, shared."""
+"""Building snapshots for node groups from the desired state (pilotfish.build.desired): what each
+kind of client is served, and resources shared between groups.
+
+Envoys on ADS get socket listeners, proxyless gRPC clients an API listener of the same name,
+zone groups only their zone's endpoints of a zone-local service. Node groups of kind rest: Envoys
+polling REST xDS are built clusters and listeners whose EDS and RDS name the REST config source of
+their bootstrap (an ``ads: {}`` source needs an ADS stream they do not have); everything else is
+what Envoys on ADS get, shared."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import base_pb2, config_source_pb2
+from envoy.config.core.v3 import config_source_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from google.protobuf import json_format
 
-from pilotfish.build.desired import DesiredState, View, build_snapshots, merge_states
-from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
-from pilotfish.commands.cli import main
-from pilotfish.policy.groups import GRPC_GROUP, MAX_GROUPS, REST_GROUP, NodeGroups, parse_node_group
-from pilotfish.reconcile import Reconciler
+from pilotfish.build.desired import DesiredState, View, build_snapshot, build_snapshots, merge_states
+from pilotfish.errors import ConfigError
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.resources.bootstrap import XDS_CLUSTER, BootstrapSettings, bootstrap
 from pilotfish.resources.builders import ClientKind, ResourceMemo
-from pilotfish.resources.services import parse_services
+from pilotfish.resources.parse import parse_document
+from pilotfish.resources.services import Endpoint, ServiceSpec, parse_services
 from pilotfish.snapshot import Snapshot
 
 ENVOYS, GRPC, REST = View(), View(kind=ClientKind.GRPC), View(kind=ClientKind.REST)
@@ -121,60 +123,184 @@ def test_the_refresh_delay_shapes_the_rest_clusters_and_an_unchanged_build_reuse
     assert slower.types[CLUSTER.url].version != first.types[CLUSTER.url].version
 
 
-def _node(**fields: str) -> base_pb2.Node:
-    return base_pb2.Node(**fields)  # type: ignore[arg-type]
+_TYPES = "type.googleapis.com/"
 
 
-def test_rest_polls_join_rest_groups_and_grpc_streams_the_others() -> None:
-    groups = NodeGroups([parse_node_group("edge:rest=cluster:rest-*"), parse_node_group("front=cluster:*-1")],
-                        rest=True)
-    views = groups.views()
-    assert views[REST_GROUP] == REST and views["edge"] == REST and views["front"] == ENVOYS
-    # A poll is matched against the rules of rest groups only, else joins the built-in one.
-    assert groups.rest_group_of(_node(cluster="rest-1")) == "edge"
-    assert groups.rest_group_of(_node(cluster="other")) == REST_GROUP
-    assert groups.rest_group_of(_node(cluster="x", user_agent_name="gRPC C-core")) == REST_GROUP
-    # A gRPC stream never joins a rest group, whatever its node says.
-    assert groups.group_of(_node(cluster="rest-1")) == "front"
-    assert groups.group_of(_node(user_agent_name="gRPC C-core", cluster="")) == GRPC_GROUP
-    assert NodeGroups([], rest=True).group_of(_node(cluster="rest-1")) == DEFAULT_GROUP
+def _state(section: dict[str, object], **resources: list[dict[str, object]]) -> DesiredState:
+    specs, endpoints, problems = parse_services(section)
+    assert problems == []
+    raw = parse_document(dict(resources), "test").resources if resources else {}
+    return DesiredState(services=specs, endpoints=endpoints, resources=raw)
 
 
-def test_rest_groups_need_rest_served_and_the_built_in_rest_group_is_of_kind_rest() -> None:
-    assert REST_GROUP not in NodeGroups([]).views()  # no --rest: no snapshot built for pollers
-    with pytest.raises(ValueError, match=re.escape("give --rest HOST:PORT too")):
-        NodeGroups([parse_node_group("edge:rest=cluster:rest-*")])
-    with pytest.raises(ValueError, match="of kind rest"):
-        NodeGroups([parse_node_group("rest=cluster:x")], rest=True)
-    assert parse_node_group("e:rest@us-east-1=zone:us-east-*").view == View(kind=ClientKind.REST, zone="us-east-1")
+def _names(snapshot: Snapshot) -> dict[str, list[str]]:
+    return {ts.rtype.key: sorted(ts.resources) for ts in snapshot.types.values() if ts.resources}
 
 
-def test_the_built_in_rest_group_counts_against_the_bound() -> None:
-    rules = [parse_node_group(f"g{i}=id:n{i}") for i in range(MAX_GROUPS - 3)]
-    NodeGroups(rules, rest=True)
-    with pytest.raises(ValueError, match=f"more than the {MAX_GROUPS}"):
-        NodeGroups([*rules, parse_node_group("one-more=id:x")], rest=True)
+WEB = {"listen": "127.0.0.1:10000", "grpc": True, "endpoints": ["127.0.0.1:9001", "127.0.0.1:9002"]}
 
 
-def test_serve_refuses_a_rest_group_without_rest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "services.yaml"
-    path.write_text("services:\n  web:\n    endpoints: ['127.0.0.1:9001']\n")
-    assert main(["serve", "--snapshot", str(path), "--xds", "127.0.0.1:0",
-                 "--node-group", "edge:rest=cluster:rest-*"]) != 0
-    assert "give --rest HOST:PORT too" in capsys.readouterr().err
+def test_envoys_get_the_socket_listener_and_grpc_clients_an_api_listener_of_the_same_name() -> None:
+    snapshots = build_snapshots(merge_states({"file": _state({"web": WEB})}), "test",
+                                {"envoy": ENVOYS, "grpc": GRPC})
+    envoy, grpc = snapshots["envoy"], snapshots["grpc"]
+    assert _names(envoy) == _names(grpc) == {"clusters": ["web"], "endpoints": ["web"], "listeners": ["web"],
+                                             "routes": ["web"]}
+    socket = envoy.get(LISTENER.url).resources["web"].message  # type: ignore[union-attr]
+    assert isinstance(socket, listener_pb2.Listener) and socket.address.socket_address.port_value == 10000
+    api = grpc.get(LISTENER.url).resources["web"].message  # type: ignore[union-attr]
+    assert isinstance(api, listener_pb2.Listener)
+    # What gRPC needs (gRFC A27): no address, an api_listener with an HTTP connection manager that
+    # gets its routes over RDS (ADS) and ends in the router filter.
+    assert not api.HasField("address") and not api.filter_chains
+    manager = hcm_pb2.HttpConnectionManager()
+    assert api.api_listener.api_listener.Unpack(manager)
+    assert manager.rds.route_config_name == "web" and manager.rds.config_source.HasField("ads")
+    assert [f.name for f in manager.http_filters] == ["envoy.filters.http.router"]
+    assert manager.http_filters[0].typed_config.Is(router_pb2.Router.DESCRIPTOR)
+    # Clusters, endpoints and routes are the very same objects in both groups (built and hashed
+    # once; a response encoded for one group serves the other).
+    for rtype in (CLUSTER, ENDPOINT, ROUTE):
+        assert envoy.get(rtype.url) is grpc.get(rtype.url)
 
 
-def test_the_reconciler_builds_the_rest_group_with_the_servers_refresh_delay_and_guards_it() -> None:
-    cache = SnapshotCache()
-    rec = Reconciler(cache, groups={DEFAULT_GROUP: ENVOYS, REST_GROUP: REST}, rest_refresh=0.5)
-    rec.update("file", _merged())
-    rec.build_now()
-    rest, envoy = cache.snapshot(REST_GROUP), cache.snapshot(DEFAULT_GROUP)
-    assert rest is not None and envoy is not None
-    assert _eds_source(_cluster(rest, "web")) == _bootstrap_source(0.5)
-    assert _eds_source(_cluster(envoy, "web")) == ADS
-    # The blast-radius guard holds a change that would take the pollers' listeners away.
-    rec.update("file", _merged({name: {**spec, "listen": None} for name, spec in SERVICES.items()}))
-    assert rec.build_now() is None
-    assert rec.held is not None and "it removes every listener (2)" in rec.held.reasons
-    assert cache.snapshot(REST_GROUP) is rest
+def test_grpc_endpoints_carry_a_locality_with_a_non_zero_weight() -> None:
+    # Without a locality weight a gRPC client's calls time out, and nothing is NACKed.
+    snapshot = build_snapshots(merge_states({"file": _state({"web": WEB})}), "test", {"g": GRPC})["g"]
+    assignment = snapshot.get(ENDPOINT.url).resources["web"].message  # type: ignore[union-attr]
+    assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
+    [locality] = assignment.endpoints
+    assert locality.HasField("locality") and locality.load_balancing_weight.value > 0
+    assert sorted(e.endpoint.address.socket_address.port_value for e in locality.lb_endpoints) == [9001, 9002]
+
+
+def test_a_grpc_only_service_has_no_socket_listener_and_an_envoy_only_one_no_api_listener() -> None:
+    state = _state({"rpc": {"grpc": True, "endpoints": ["127.0.0.1:9001"]},
+                    "web": {"listen": "127.0.0.1:10000", "endpoints": ["127.0.0.1:9002"]}})
+    snapshots = build_snapshots(merge_states({"file": state}), "test", {"envoy": ENVOYS, "grpc": GRPC})
+    assert sorted(snapshots["envoy"].get(LISTENER.url).resources) == ["web"]  # type: ignore[union-attr]
+    assert sorted(snapshots["grpc"].get(LISTENER.url).resources) == ["rpc"]  # type: ignore[union-attr]
+
+
+def test_raw_listeners_go_to_the_kind_they_are_for() -> None:
+    router = {"name": "router", "typed_config": {"@type": f"{_TYPES}{router_pb2.Router.DESCRIPTOR.full_name}"}}
+    api = {"name": "raw-api", "api_listener": {"api_listener": {
+        "@type": f"{_TYPES}{hcm_pb2.HttpConnectionManager.DESCRIPTOR.full_name}", "stat_prefix": "x",
+        "rds": {"route_config_name": "web", "config_source": {"ads": {}}}, "http_filters": [router]}}}
+    state = _state({"web": WEB}, listeners=[api])
+    snapshots = build_snapshots(merge_states({"file": state}), "test", {"envoy": ENVOYS, "grpc": GRPC})
+    assert sorted(snapshots["envoy"].get(LISTENER.url).resources) == ["web"]  # type: ignore[union-attr]
+    assert sorted(snapshots["grpc"].get(LISTENER.url).resources) == ["raw-api", "web"]  # type: ignore[union-attr]
+
+
+def test_two_services_resolved_by_one_grpc_name_are_an_error() -> None:
+    state = _state({"a": {"grpc": "shared"}, "b": {"grpc": "shared"}})
+    with pytest.raises(ConfigError) as caught:
+        build_snapshots(merge_states({"file": state}), "test", {"g": GRPC})
+    assert [(p.where, "services.a" in p.message) for p in caught.value.problems] == [("services.b.grpc", True)]
+
+
+def test_building_two_groups_encodes_each_resource_once() -> None:
+    memo = ResourceMemo()
+    state = _state({"web": WEB})
+    built = build_snapshots(merge_states({"file": state}), "test", {"envoy": ENVOYS, "grpc": GRPC}, memo=memo)
+    assert memo.made == 5  # cluster, endpoints, route, two listeners: each made once for both groups
+    for url in (CLUSTER.url, ENDPOINT.url, ROUTE.url):
+        assert built["envoy"].types[url].resources["web"] is built["grpc"].types[url].resources["web"]
+    build_snapshots(merge_states({"file": state}), "test", {"envoy": ENVOYS, "grpc": GRPC}, memo=memo)
+    assert memo.made == 5  # the next pass reuses every one of them
+
+
+ZONED = {"zone_local": True, "grpc": True, "endpoints": [
+    {"address": "127.0.0.1", "port": 9001, "zone": "east"},
+    {"address": "127.0.0.1", "port": 9002, "zone": "east", "weight": 3},
+    {"address": "127.0.0.1", "port": 9003, "zone": "west"}]}
+
+
+def _ports(snapshot: Snapshot, name: str) -> dict[str, tuple[int, list[int]]]:
+    """Per locality zone: its weight and its endpoints' ports."""
+    assignment = snapshot.get(ENDPOINT.url).resources[name].message  # type: ignore[union-attr]
+    assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
+    return {group.locality.zone: (group.load_balancing_weight.value,
+                                  [e.endpoint.address.socket_address.port_value for e in group.lb_endpoints])
+            for group in assignment.endpoints}
+
+
+def test_a_zone_group_gets_only_its_zones_endpoints_of_a_zone_local_service() -> None:
+    state = _state({"web": ZONED, "plain": {**ZONED, "zone_local": False}})
+    groups = {"all": GRPC, "east": View(kind=ClientKind.GRPC, zone="east"), "north": View(zone="north")}
+    snapshots = build_snapshots(merge_states({"file": state}), "test", groups)
+    # Without a zone: every endpoint, one locality per zone, weighted by its endpoints' weights.
+    assert _ports(snapshots["all"], "web") == {"east": (4, [9001, 9002]), "west": (1, [9003])}
+    assert _ports(snapshots["east"], "web") == {"east": (4, [9001, 9002])}
+    # A service that does not ask for it, or a zone with none of its endpoints: every endpoint.
+    assert _ports(snapshots["east"], "plain") == _ports(snapshots["north"], "web") == _ports(snapshots["all"], "web")
+    every = snapshots["all"].get(ENDPOINT.url).resources  # type: ignore[union-attr]
+    assert snapshots["east"].get(ENDPOINT.url).resources["plain"] is every["plain"]  # type: ignore[union-attr]
+    # Without a zone-local service, a zone's endpoints are the very ones of every other view.
+    plain = build_snapshots(merge_states({"file": _state({"plain": {**ZONED, "zone_local": False}})}), "test", groups)
+    assert plain["east"].get(ENDPOINT.url) is plain["all"].get(ENDPOINT.url)
+    # The gRPC views share their listeners; the Envoy view has none (no service has listen).
+    assert snapshots["all"].get(LISTENER.url) is snapshots["east"].get(LISTENER.url)
+    assert not snapshots["north"].get(LISTENER.url).resources  # type: ignore[union-attr]
+
+
+def built(*states: tuple[str, DesiredState]) -> dict[str, list[str]]:
+    snapshot = build_snapshot(merge_states(dict(states)), "test")
+    return {ts.rtype.key: sorted(ts.resources) for ts in snapshot.types.values() if ts.resources}
+
+
+def test_an_http_service_becomes_listener_route_cluster_and_endpoints() -> None:
+    state = DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 9001),)})
+    snapshot = build_snapshot(merge_states({"file": state}), "test")
+    names = {ts.rtype.key: sorted(ts.resources) for ts in snapshot.types.values() if ts.resources}
+    assert names == {"clusters": ["web"], "endpoints": ["web"], "listeners": ["web"], "routes": ["web"]}
+    cluster = snapshot.get(CLUSTER.url).resources["web"].message  # type: ignore[union-attr]
+    assert isinstance(cluster, cluster_pb2.Cluster)
+    assert cluster.type == cluster_pb2.Cluster.EDS and cluster.ignore_health_on_host_removal
+    assignment = snapshot.get(ENDPOINT.url).resources["web"].message  # type: ignore[union-attr]
+    assert assignment.endpoints[0].load_balancing_weight.value == 1  # type: ignore[attr-defined]
+    route = snapshot.get(ROUTE.url).resources["web"].message  # type: ignore[union-attr]
+    assert "connect-failure" in route.virtual_hosts[0].routes[0].route.retry_policy.retry_on  # type: ignore[attr-defined]
+
+
+def test_a_tcp_service_has_no_route_configuration() -> None:
+    tcp = ServiceSpec(name="db", listen=("127.0.0.1", 15432), protocol="tcp")
+    assert built(("file", DesiredState(services={"db": tcp}))) == {
+        "clusters": ["db"], "endpoints": ["db"], "listeners": ["db"]}
+
+
+def test_endpoints_from_several_sources_are_merged() -> None:
+    file = DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 9001),)})
+    registry = DesiredState(endpoints={"web": (Endpoint("127.0.0.1", 9002),), "api": (Endpoint("127.0.0.1", 7000),)})
+    merged = merge_states({"file": file, "registry": registry})
+    assert [e.port for e in merged.endpoints["web"]] == [9001, 9002]
+    assert merged.services["api"] == ServiceSpec(name="api")  # instances alone: a cluster with defaults
+
+
+def test_a_service_defined_twice_is_an_error_naming_both_sources() -> None:
+    other = ServiceSpec(name="web", listen=("127.0.0.1", 10001))
+    with pytest.raises(ConfigError, match="defined by both etcd and file"):
+        built(("file", DesiredState(services={"web": WEB})), ("etcd", DesiredState(services={"web": other})))
+
+
+def test_two_services_on_one_address_are_an_error() -> None:
+    api = ServiceSpec(name="api", listen=("127.0.0.1", 10000))
+    with pytest.raises(ConfigError, match=r"services.web.listen: 127.0.0.1:10000 is already used by services.api"):
+        built(("file", DesiredState(services={"web": WEB, "api": api})))
+
+
+def test_a_service_clashing_with_a_raw_resource_is_an_error() -> None:
+    raw = listener_pb2.Listener(name="web")
+    raw.address.socket_address.address = "127.0.0.1"
+    raw.address.socket_address.port_value = 11000
+    with pytest.raises(ConfigError, match=r"its listener 'web' clashes with listeners\[0\]"):
+        built(("file", DesiredState(services={"web": WEB}, resources={LISTENER: (raw,)})))
+
+
+def test_the_same_services_give_the_same_versions() -> None:
+    a = DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 2), Endpoint("127.0.0.1", 1))})
+    b = DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 1), Endpoint("127.0.0.1", 2))})
+    assert a == b
+    assert (build_snapshot(merge_states({"x": a}), "t").versions()
+            == build_snapshot(merge_states({"y": b}), "t").versions())
