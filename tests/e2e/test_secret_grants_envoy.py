@@ -20,7 +20,7 @@ import yaml
 
 from .event_log import LDS, is_event
 from .processes import Envoy, free_port, wait_until
-from .test_tls import Pki, write_atomically
+from .test_tls_envoy import Pki, write_atomically
 from .testbed import Testbed, wait_for_acks
 
 pytestmark = pytest.mark.e2e
