@@ -72,7 +72,7 @@ T = TypeVar("T")
 
 
 def wait_until(
-    condition: Callable[[], T],
+    condition: Callable[[], T | None],
     *,
     timeout: float,
     what: str,

@@ -14,6 +14,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import config_source_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from google.protobuf import json_format
@@ -184,7 +185,7 @@ def test_a_grpc_only_service_has_no_socket_listener_and_an_envoy_only_one_no_api
 
 def test_raw_listeners_go_to_the_kind_they_are_for() -> None:
     router = {"name": "router", "typed_config": {"@type": f"{_TYPES}{router_pb2.Router.DESCRIPTOR.full_name}"}}
-    api = {"name": "raw-api", "api_listener": {"api_listener": {
+    api: dict[str, object] = {"name": "raw-api", "api_listener": {"api_listener": {
         "@type": f"{_TYPES}{hcm_pb2.HttpConnectionManager.DESCRIPTOR.full_name}", "stat_prefix": "x",
         "rds": {"route_config_name": "web", "config_source": {"ads": {}}}, "http_filters": [router]}}}
     state = _state({"web": WEB}, listeners=[api])
@@ -245,13 +246,16 @@ def test_a_zone_group_gets_only_its_zones_endpoints_of_a_zone_local_service() ->
     assert not snapshots["north"].get(LISTENER.url).resources  # type: ignore[union-attr]
 
 
+WEB_SPEC = ServiceSpec(name="web", listen=("127.0.0.1", 10000))
+
+
 def built(*states: tuple[str, DesiredState]) -> dict[str, list[str]]:
     snapshot = build_snapshot(merge_states(dict(states)), "test")
     return {ts.rtype.key: sorted(ts.resources) for ts in snapshot.types.values() if ts.resources}
 
 
 def test_an_http_service_becomes_listener_route_cluster_and_endpoints() -> None:
-    state = DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 9001),)})
+    state = DesiredState(services={"web": WEB_SPEC}, endpoints={"web": (Endpoint("127.0.0.1", 9001),)})
     snapshot = build_snapshot(merge_states({"file": state}), "test")
     names = {ts.rtype.key: sorted(ts.resources) for ts in snapshot.types.values() if ts.resources}
     assert names == {"clusters": ["web"], "endpoints": ["web"], "listeners": ["web"], "routes": ["web"]}
@@ -259,9 +263,11 @@ def test_an_http_service_becomes_listener_route_cluster_and_endpoints() -> None:
     assert isinstance(cluster, cluster_pb2.Cluster)
     assert cluster.type == cluster_pb2.Cluster.EDS and cluster.ignore_health_on_host_removal
     assignment = snapshot.get(ENDPOINT.url).resources["web"].message  # type: ignore[union-attr]
-    assert assignment.endpoints[0].load_balancing_weight.value == 1  # type: ignore[attr-defined]
+    assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
+    assert assignment.endpoints[0].load_balancing_weight.value == 1
     route = snapshot.get(ROUTE.url).resources["web"].message  # type: ignore[union-attr]
-    assert "connect-failure" in route.virtual_hosts[0].routes[0].route.retry_policy.retry_on  # type: ignore[attr-defined]
+    assert isinstance(route, route_pb2.RouteConfiguration)
+    assert "connect-failure" in route.virtual_hosts[0].routes[0].route.retry_policy.retry_on
 
 
 def test_a_tcp_service_has_no_route_configuration() -> None:
@@ -271,7 +277,7 @@ def test_a_tcp_service_has_no_route_configuration() -> None:
 
 
 def test_endpoints_from_several_sources_are_merged() -> None:
-    file = DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 9001),)})
+    file = DesiredState(services={"web": WEB_SPEC}, endpoints={"web": (Endpoint("127.0.0.1", 9001),)})
     registry = DesiredState(endpoints={"web": (Endpoint("127.0.0.1", 9002),), "api": (Endpoint("127.0.0.1", 7000),)})
     merged = merge_states({"file": file, "registry": registry})
     assert [e.port for e in merged.endpoints["web"]] == [9001, 9002]
@@ -281,13 +287,13 @@ def test_endpoints_from_several_sources_are_merged() -> None:
 def test_a_service_defined_twice_is_an_error_naming_both_sources() -> None:
     other = ServiceSpec(name="web", listen=("127.0.0.1", 10001))
     with pytest.raises(ConfigError, match="defined by both etcd and file"):
-        built(("file", DesiredState(services={"web": WEB})), ("etcd", DesiredState(services={"web": other})))
+        built(("file", DesiredState(services={"web": WEB_SPEC})), ("etcd", DesiredState(services={"web": other})))
 
 
 def test_two_services_on_one_address_are_an_error() -> None:
     api = ServiceSpec(name="api", listen=("127.0.0.1", 10000))
     with pytest.raises(ConfigError, match=r"services.web.listen: 127.0.0.1:10000 is already used by services.api"):
-        built(("file", DesiredState(services={"web": WEB, "api": api})))
+        built(("file", DesiredState(services={"web": WEB_SPEC, "api": api})))
 
 
 def test_a_service_clashing_with_a_raw_resource_is_an_error() -> None:
@@ -295,12 +301,14 @@ def test_a_service_clashing_with_a_raw_resource_is_an_error() -> None:
     raw.address.socket_address.address = "127.0.0.1"
     raw.address.socket_address.port_value = 11000
     with pytest.raises(ConfigError, match=r"its listener 'web' clashes with listeners\[0\]"):
-        built(("file", DesiredState(services={"web": WEB}, resources={LISTENER: (raw,)})))
+        built(("file", DesiredState(services={"web": WEB_SPEC}, resources={LISTENER: (raw,)})))
 
 
 def test_the_same_services_give_the_same_versions() -> None:
-    a = DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 2), Endpoint("127.0.0.1", 1))})
-    b = DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 1), Endpoint("127.0.0.1", 2))})
+    a = DesiredState(services={"web": WEB_SPEC},
+                     endpoints={"web": (Endpoint("127.0.0.1", 2), Endpoint("127.0.0.1", 1))})
+    b = DesiredState(services={"web": WEB_SPEC},
+                     endpoints={"web": (Endpoint("127.0.0.1", 1), Endpoint("127.0.0.1", 2))})
     assert a == b
     assert (build_snapshot(merge_states({"x": a}), "t").versions()
             == build_snapshot(merge_states({"y": b}), "t").versions())

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from pilotfish.build.desired import DesiredState, MergeMemo, View, build_snapshots, merge_states
 from pilotfish.errors import ConfigError
+from pilotfish.resources import ENDPOINT
 from pilotfish.resources.builders import ClientKind, ResourceMemo
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.snapshot import Snapshot
@@ -122,6 +123,6 @@ def test_one_changed_endpoint_makes_one_resource_and_keeps_the_other_types() -> 
     for url in before.keys() - changed:
         # The very type served before: the cache knows nothing waiting on it is due.
         assert after[url] is before[url], f"{url}: the same type snapshot, not rebuilt"
-    eds = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+    eds = ENDPOINT.url
     assert after[eds].resources["s8"] is before[eds].resources["s8"], "an unchanged assignment is the same object"
     assert merged.endpoints["s8"] is file.endpoints["s8"], "an unchanged service keeps its endpoint tuple"

@@ -19,7 +19,7 @@ import pkgutil
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import validate.validate_pb2 as pgv
@@ -106,34 +106,34 @@ def _lb_endpoint(weight: int | None = None, port: int = 8080, address: str = "10
         endpoint=endpoint_components_pb2.Endpoint(address=socket(address, port)))
     if weight is not None:
         endpoint.load_balancing_weight.value = weight
-    return endpoint_pb2.ClusterLoadAssignment(
-        cluster_name="web", endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[endpoint])])
+    return cast(Message, endpoint_pb2.ClusterLoadAssignment(
+        cluster_name="web", endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[endpoint])]))
 
 
 def _health(method: int) -> Message:
-    return health_check_pb2.HealthCheck(
+    return cast(Message, health_check_pb2.HealthCheck(
         timeout=duration_pb2.Duration(seconds=1), interval=duration_pb2.Duration(seconds=1),
         unhealthy_threshold=wrappers_pb2.UInt32Value(value=1), healthy_threshold=wrappers_pb2.UInt32Value(value=1),
-        http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path="/", method=method))
+        http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path="/", method=method)))
 
 
 def _redirect(headers: list[str]) -> Message:
     config = route_config()
     config.virtual_hosts[0].routes[0].route.internal_redirect_policy.response_headers_to_copy.extend(headers)
-    return config
+    return cast(Message, config)
 
 
 def _with_metadata(key: str) -> Message:
     cluster = good_cluster()
     cluster.metadata.filter_metadata[key].update({"a": "b"})
-    return cluster
+    return cast(Message, cluster)
 
 
 def _listener_with(http_filter: hcm_pb2.HttpFilter) -> Message:
-    return listener_pb2.Listener(
+    return cast(Message, listener_pb2.Listener(
         name="in", address=socket("0.0.0.0", 80),
         filter_chains=[listener_components_pb2.FilterChain(filters=[listener_components_pb2.Filter(
-            name="hcm", typed_config=packed(manager(http_filter, ROUTER)))])])
+            name="hcm", typed_config=packed(manager(http_filter, ROUTER)))])]))
 
 
 def _buffer(size: int) -> hcm_pb2.HttpFilter:
@@ -146,28 +146,29 @@ def _hits_addend(text: str) -> Message:
     limit = config.virtual_hosts[0].rate_limits.add()
     limit.actions.add().generic_key.descriptor_value = "x"
     limit.hits_addend.format = text
-    return config
+    return cast(Message, config)
 
 
 def _http2(window: int) -> Message:
-    return protocol_pb2.Http2ProtocolOptions(initial_stream_window_size=wrappers_pb2.UInt32Value(value=window))
+    return cast(Message, protocol_pb2.Http2ProtocolOptions(
+        initial_stream_window_size=wrappers_pb2.UInt32Value(value=window)))
 
 
 def _path_separated_prefix(prefix: str) -> Message:
     config = route_config()
     match = config.virtual_hosts[0].routes[0].match
     match.path_separated_prefix = prefix
-    return config
+    return cast(Message, config)
 
 
 def _secret(name: str) -> Message:
     secret = secret_pb2.Secret(name="tls")
     secret.tls_certificate.certificate_chain.filename = name
-    return secret
+    return cast(Message, secret)
 
 
 def _header_value(raw: bytes) -> Message:
-    return base_pb2.HeaderValue(key="x-a", raw_value=raw)
+    return cast(Message, base_pb2.HeaderValue(key="x-a", raw_value=raw))
 
 
 CASES: list[Case] = [
@@ -318,7 +319,7 @@ def test_every_rule_kind_reachable_from_the_five_resource_types_is_understood() 
     started = time.monotonic()
     _import_api()  # every extension registered, so every typed_config type is reachable
     every = _all_messages()
-    roots = [t.message.DESCRIPTOR for t in (CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET)]
+    roots = [cast(Descriptor, t.message.DESCRIPTOR) for t in (CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET)]
     reachable = _reachable(roots, every)
     kinds: set[str] = set()
     for desc in reachable.values():
@@ -481,7 +482,7 @@ def listener(*filters: dict[str, Any]) -> Message:
         "filter_chains": [{"filters": list(filters)}],
     }
     assert ensure_types_in(document) == []
-    return json_format.ParseDict(document, listener_pb2.Listener())
+    return cast(Message, json_format.ParseDict(document, listener_pb2.Listener()))
 
 
 def problems(**resources: list[Message]) -> list[str]:

@@ -11,7 +11,7 @@ from envoy.config.core.v3 import base_pb2
 from google.protobuf import struct_pb2
 
 from pilotfish.build.desired import View
-from pilotfish.cache import DEFAULT_GROUP
+from pilotfish.cache import DEFAULT_GROUP, NodeGroup
 from pilotfish.commands.cli import main
 from pilotfish.policy.groups import GRPC_GROUP, MAX_GROUPS, REST_GROUP, NodeGroups, parse_node_group
 from pilotfish.resources.builders import ClientKind
@@ -25,9 +25,9 @@ _TYPES = "type.googleapis.com/"
 
 def _node(**fields: object) -> base_pb2.Node:
     metadata = fields.pop("metadata", {})
-    node = base_pb2.Node(**fields)  # type: ignore[arg-type]
+    node = base_pb2.Node(**fields)
     node.metadata.CopyFrom(struct_pb2.Struct())
-    node.metadata.update(metadata)  # type: ignore[arg-type]
+    node.metadata.update(metadata)
     return node
 
 
@@ -50,7 +50,7 @@ def test_the_first_matching_rule_picks_the_group_then_the_built_in_ones() -> Non
     assert groups.group_of(_node(user_agent_name="curl")) == DEFAULT_GROUP
     views = groups.views()
     assert list(views) == [DEFAULT_GROUP, GRPC_GROUP, "proxyless", "edge", "east", "zonal", "canary"]
-    assert views["proxyless"] == views[GRPC_GROUP] == GRPC and views["edge"] == ENVOYS
+    assert views[NodeGroup("proxyless")] == views[GRPC_GROUP] == GRPC and views[NodeGroup("edge")] == ENVOYS
 
 
 @pytest.mark.parametrize(
@@ -110,7 +110,7 @@ def test_rest_polls_join_rest_groups_and_grpc_streams_the_others() -> None:
     groups = NodeGroups([parse_node_group("edge:rest=cluster:rest-*"), parse_node_group("front=cluster:*-1")],
                         rest=True)
     views = groups.views()
-    assert views[REST_GROUP] == REST and views["edge"] == REST and views["front"] == ENVOYS
+    assert views[REST_GROUP] == REST and views[NodeGroup("edge")] == REST and views[NodeGroup("front")] == ENVOYS
     # A poll is matched against the rules of rest groups only, else joins the built-in one.
     assert groups.rest_group_of(_node(cluster="rest-1")) == "edge"
     assert groups.rest_group_of(_node(cluster="other")) == REST_GROUP

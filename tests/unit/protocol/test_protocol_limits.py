@@ -15,7 +15,7 @@ SHORT = 600
 
 
 def request(type_url: str = EDS, names: list[str] | None = None, **fields: object) -> discovery_pb2.DiscoveryRequest:
-    return discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=names or [], **fields)  # type: ignore[arg-type]
+    return discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=names or [], **fields)
 
 
 def test_a_request_naming_more_resources_than_the_limit_is_refused_and_names_the_limit() -> None:

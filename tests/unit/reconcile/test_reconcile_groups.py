@@ -4,6 +4,8 @@ listeners (proxyless gRPC and REST groups beside the Envoys on ADS)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import config_source_pb2
 from google.protobuf import json_format
@@ -102,7 +104,9 @@ def test_the_reconciler_builds_the_rest_group_with_the_servers_refresh_delay_and
     assert _eds_source(_cluster(rest, "web")) == _bootstrap_source(0.5)
     assert _eds_source(_cluster(envoy, "web")) == ADS
     # The blast-radius guard holds a change that would take the pollers' listeners away.
-    rec.update("file", _merged({name: {**spec, "listen": None} for name, spec in SERVICES.items()}))
+    unlistened: dict[str, object] = {
+        name: {**cast(dict[str, object], spec), "listen": None} for name, spec in SERVICES.items()}
+    rec.update("file", _merged(unlistened))
     assert rec.build_now() is None
     assert rec.held is not None and "it removes every listener (2)" in rec.held.reasons
     assert cache.snapshot(REST_GROUP) is rest

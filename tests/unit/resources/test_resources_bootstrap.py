@@ -23,7 +23,8 @@ REPLICAS = ("10.0.0.1:18000", "10.0.0.2:18000", "10.0.0.3:18000")
 
 
 def xds_cluster(config: dict[str, Any]) -> dict[str, Any]:
-    [cluster] = config["static_resources"]["clusters"]
+    clusters: list[dict[str, Any]] = config["static_resources"]["clusters"]
+    [cluster] = clusters
     assert cluster["name"] == XDS_CLUSTER
     return cluster
 
