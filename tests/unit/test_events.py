@@ -22,7 +22,6 @@ from pilotfish.events import (
     check_event_log,
     contract_problems,
     read_events,
-    shorten,
 )
 
 
@@ -146,13 +145,6 @@ def test_fields_a_peer_makes_huge_are_shortened_and_the_line_stays_bounded(tmp_p
     assert big["error"].endswith(reason[-MAX_FIELD // 4:]) and f"{len(nack):,} characters" in big["error"]
     assert big["resource_names"] == names[:MAX_ITEMS] and big["resource_names_omitted"] == 100_000 - MAX_ITEMS
     assert small["node"] == "edge-1" and small["resource_names"] == ["a", "b"]  # a usual line is untouched
-
-
-def test_shorten_keeps_start_end_and_says_how_long() -> None:
-    assert shorten("short") == "short"
-    url = "type.googleapis.com/" + "x" * 17_000_000
-    short = shorten(url)
-    assert len(short) < 250 and short.startswith("type.googleapis.com/xx") and "17,000,020 characters" in short
 
 
 TABLE = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
