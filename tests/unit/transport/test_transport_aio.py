@@ -190,16 +190,6 @@ async def test_a_large_response_within_the_windows_is_cut_at_the_peer_frame_size
     assert b"".join(p for _, p in data) == message(first + second)
 
 
-def test_frame_content_strips_padding_and_priority_or_refuses_bad_padding() -> None:
-    padded = memoryview(bytes([3]) + b"abc" + b"\0\0\0")
-    assert bytes(h2.frame_content(h2.DATA, h2.PADDED, padded) or b"?") == b"abc"
-    with_priority = memoryview(bytes([1]) + b"\0\0\0\x01\x10" + b"block" + b"\0")
-    assert bytes(h2.frame_content(h2.HEADERS, h2.PADDED | h2.PRIORITY_FLAG, with_priority) or b"?") == b"block"
-    assert bytes(h2.frame_content(h2.DATA, 0, memoryview(b"as is")) or b"?") == b"as is"
-    assert h2.frame_content(h2.DATA, h2.PADDED, memoryview(bytes([5]) + b"abc")) is None
-    assert h2.frame_content(h2.HEADERS, h2.PADDED, memoryview(b"")) is None
-
-
 async def test_a_client_that_does_not_read_is_still_read_and_its_answers_wait() -> None:
     calls.clear()
     conn = _Connection(GrpcServer({"/svc/Method": Recorder}))
