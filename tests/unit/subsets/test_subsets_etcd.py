@@ -1,12 +1,12 @@
 """Subsetting indices in etcd (pilotfish.subsets.etcd): the key layout, and what replicas sharing
 one real etcd write there.
 
-Each test starts its own etcd member (the launcher of tests/e2e, on OS-picked ports, in the test's
-temp dir) and runs two replicas' :class:`EtcdProxyIndices` on it in this process, each with its
-own client, lease and reconciler, as ``serve --etcd`` wires them. What a proxy's index is, every
-replica reads from etcd: ``proxies/{node}`` -> index and ``index/{i}`` -> node, on the lease of the
-replica serving the proxy. The elected replica's :class:`BackendIndexWriter` keeps
-``backends/{service}`` up to date with the merged state, and only it.
+Each test starts its own etcd member (the ``etcd`` fixture of tests/unit/conftest.py) and runs
+two replicas' :class:`EtcdProxyIndices` on it in this process, each with its own client, lease and
+reconciler, as ``serve --etcd`` wires them. What a proxy's index is, every replica reads from etcd:
+``proxies/{node}`` -> index and ``index/{i}`` -> node, on the lease of the replica serving the
+proxy. The elected replica's :class:`BackendIndexWriter` keeps ``backends/{service}`` up to date
+with the merged state, and only it.
 """
 
 from __future__ import annotations
@@ -15,14 +15,11 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import pytest
 
-from e2e.etcd import Etcd
-from e2e.processes import ProcessGroup
 from pilotfish.build.desired import DesiredState, merge_states
 from pilotfish.build.subsetting import Index, IndexTable
 from pilotfish.cache import SnapshotCache
@@ -56,16 +53,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[str]:
-    """A real etcd member's client address; stopped by PID at teardown."""
-    group = ProcessGroup(tmp_path)
-    try:
-        yield Etcd.start(group).address
-    finally:
-        group.close()
 
 
 async def until(what: str, condition: Callable[[], Awaitable[T | None]]) -> T:
