@@ -25,7 +25,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2
 
-from bench.procs import cpu_seconds
+from bench.procs import cpu_seconds, free_port
 
 _SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 _METHOD = "StreamAggregatedResources"
@@ -115,9 +115,7 @@ def main() -> int:
         return 0
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     print("| streams | round | all answered ms | server CPU s |\n|---|---|---|---|", flush=True)
     server = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve", str(port),
                                "--proxies", str(args.proxies), "--rounds", str(args.rounds)])

@@ -37,6 +37,8 @@ from pathlib import Path
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from pilotfish.envoy import free_port
+
 from .wire import RawClient, wait
 
 __all__ = ["CDS", "EDS", "RSS_BOUND", "GoodClient", "Target", "discovery_request"]
@@ -71,13 +73,6 @@ def write_snapshot(path: Path, version: int) -> None:
     temp = path.with_suffix(".tmp")
     temp.write_text(json.dumps({"version": f"v{version}", "clusters": clusters}))
     os.replace(temp, path)
-
-
-def free_port() -> int:
-    """A free port outside the kernel's ephemeral range (as tests/e2e/processes.py's)."""
-    from e2e.processes import free_port as outside_the_ephemeral_range
-
-    return outside_the_ephemeral_range()
 
 
 class GoodClient:

@@ -21,6 +21,8 @@ import time
 
 import pytest
 
+from loopback import connect_from
+
 from .conftest import StartTarget
 from .target import CDS, GoodClient, Target, discovery_request
 from .wire import (
@@ -39,17 +41,6 @@ LOG_LINES = 3
 """Log lines one kind of refusal or time-out may cause during a test (one per 10 s, and the count
 of those left out), however many connections it concerns."""
 
-
-def connect(port: int, source: str) -> socket.socket:
-    sock = socket.socket()
-    try:
-        sock.bind((source, 0))
-        sock.settimeout(5.0)
-        sock.connect(("127.0.0.1", port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def read_until_closed(sock: socket.socket, deadline: float) -> tuple[bytes, str | None]:
@@ -72,7 +63,7 @@ def refused(port: int, source: str) -> str:
     """``""`` when a connection from ``source`` is refused (closed before any byte), else what
     happened instead."""
     try:
-        sock = connect(port, source)
+        sock = connect_from(port, source, timeout=5.0)
     except ConnectionResetError:
         return ""  # reset as soon as accepted: the connect call saw it
     with contextlib.suppress(OSError):  # already reset: refused
@@ -88,7 +79,7 @@ def refused(port: int, source: str) -> str:
 
 def accepted(port: int, source: str) -> bool:
     """Whether a connection from ``source`` is served (the server's SETTINGS arrive)."""
-    sock = connect(port, source)
+    sock = connect_from(port, source, timeout=5.0)
     try:
         received, _ = read_until_closed(sock, time.monotonic() + 0.5)
         return any(kind == FrameType.SETTINGS for kind, _, _, _ in parse_frames(received))
@@ -127,7 +118,7 @@ def test_connections_without_a_preface_are_closed_after_the_handshake_timeout(
     starts = [b"", PREFACE[:10], PREFACE, PREFACE + b"\x00\x00\x00\x04"]
     sockets = []
     for i in range(120):
-        sock = connect(target.port, "127.0.0.2")
+        sock = connect_from(target.port, "127.0.0.2", timeout=5.0)
         if starts[i % 4]:
             sock.sendall(starts[i % 4])
         sockets.append((starts[i % 4], sock))

@@ -218,7 +218,8 @@ def test_empty_data_flood_after_the_stream_is_answered(target: Target, request: 
 
 def _unread(sock: socket.socket) -> int:
     """Bytes waiting in ``sock``'s receive buffer (FIONREAD), without reading them."""
-    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    unread: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    return unread
 
 
 def _established(sock: socket.socket) -> bool:

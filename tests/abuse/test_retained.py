@@ -32,8 +32,8 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from inprocess import serving
 
-from integration.inprocess import serving
 from pilotfish.app import ServeSettings
 from pilotfish.events import read_events
 

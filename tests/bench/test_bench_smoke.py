@@ -123,12 +123,13 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     # Replicas on etcd: one etcd-backed replica, three on one etcd (the proxies spread
     # over them), the in-memory registry; every proxy ACKed every write, none broke during them.
     assert [(run.registry, run.replicas) for run in results.replica_runs] == list(bench_replicas.FANOUT_VARIANTS)
-    for run in results.replica_runs:
-        assert run.result.replicas == run.replicas
-        assert run.result.failures == 0
-        assert len(run.result.latencies) == QUICK.replicas_proxies * QUICK.replicas_writes
-        assert sum(run.result.errors_during_changes.values()) == 0
-        assert len(run.result.etcd_cpu_per_push) == (QUICK.replicas_writes if run.registry == "etcd" else 0)
+    for replica_run in results.replica_runs:
+        assert replica_run.result.replicas == replica_run.replicas
+        assert replica_run.result.failures == 0
+        assert len(replica_run.result.latencies) == QUICK.replicas_proxies * QUICK.replicas_writes
+        assert sum(replica_run.result.errors_during_changes.values()) == 0
+        assert len(replica_run.result.etcd_cpu_per_push) == (
+            QUICK.replicas_writes if replica_run.registry == "etcd" else 0)
     # ... and the write rate: every registration answered 2xx, in memory and on etcd.
     assert [w.registry for w in results.write_rates] == ["memory", "etcd"]
     for rate in results.write_rates:

@@ -13,6 +13,17 @@ from .browser import Browser, chromium_binary
 from .processes import ProcessGroup, envoy_binary
 from .testbed import Testbed
 
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of tests/e2e carries the ``e2e`` marker (``-m "not e2e"`` leaves out what starts
+    real Envoys, etcd or pilotfish processes), whether or not its module says ``pytestmark``.
+    The hook sees the whole session's items: only those collected from this folder are marked."""
+    for item in items:
+        if item.path.is_relative_to(HERE):
+            item.add_marker(pytest.mark.e2e)
+
 
 @pytest.fixture(autouse=True)
 def event_log_contract(request: pytest.FixtureRequest) -> Iterator[None]:

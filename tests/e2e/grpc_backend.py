@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--name", required=True)
     parser.add_argument("--drain-s", type=float, default=5.0)
     args = parser.parse_args()
-    answer = args.name.encode()
+    answer: bytes = args.name.encode()
 
     def who(request: bytes, context: Any) -> bytes:
         return answer

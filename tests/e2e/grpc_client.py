@@ -39,7 +39,7 @@ def main() -> None:
                 answer = who(b"", timeout=args.deadline_s if not first else 30.0, wait_for_ready=first or None)
                 out.write(answer.decode() + "\n")
             except grpc.RpcError as exc:
-                out.write(f"ERROR {exc.code().name} {exc.details()}\n")  # type: ignore[attr-defined]
+                out.write(f"ERROR {exc.code().name} {exc.details()}\n")
             first = False
 
 

@@ -52,7 +52,6 @@ __all__ = [
     "Process",
     "ProcessGroup",
     "Upstream",
-    "connect_from",
     "envoy_binary",
     "free_port",
     "http_get",
@@ -73,7 +72,7 @@ T = TypeVar("T")
 
 
 def wait_until(
-    condition: Callable[[], T],
+    condition: Callable[[], T | None],
     *,
     timeout: float,
     what: str,
@@ -113,20 +112,6 @@ def port_accepts(port: int, host: str = "127.0.0.1") -> bool:
             return True
     except OSError:
         return False
-
-
-def connect_from(port: int, source: str, *, timeout: float = 10.0) -> socket.socket:
-    """A TCP connection to 127.0.0.1:``port`` from the loopback address ``source`` (127.0.0.2,
-    ...: a source address of its own, as another host would have), with ``timeout`` on its calls."""
-    sock = socket.socket()
-    try:
-        sock.bind((source, 0))
-        sock.settimeout(timeout)
-        sock.connect(("127.0.0.1", port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 # No proxy: every request of these tests goes to 127.0.0.1, whatever the environment says.

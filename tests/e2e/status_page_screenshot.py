@@ -14,6 +14,7 @@ the eye cannot tell apart and which takes a third of the bytes.
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 import tempfile
@@ -82,10 +83,13 @@ def palette_png(png: bytes, colours: int = 256) -> bytes:
     counts = Counter(row[i:i + 3] for row in rows for i in range(0, len(row), 3))
     palette = [colour for colour, _ in counts.most_common(colours)]
     index = {colour: n for n, colour in enumerate(palette)}
+
+    def distance(colour: bytes, n: int) -> int:
+        return sum((x - y) ** 2 for x, y in zip(colour, palette[n], strict=True))
+
     for colour in counts:
         if colour not in index:
-            index[colour] = min(range(len(palette)),
-                                key=lambda n, c=colour: sum((x - y) ** 2 for x, y in zip(c, palette[n], strict=True)))
+            index[colour] = min(range(len(palette)), key=functools.partial(distance, colour))
     pixels = b"".join(b"\0" + bytes(index[row[i:i + 3]] for i in range(0, len(row), 3)) for row in rows)
     header = struct.pack(">IIBBBBB", width, height, 8, 3, 0, 0, 0)
     return (png[:8] + _chunk(b"IHDR", header) + _chunk(b"PLTE", b"".join(palette))

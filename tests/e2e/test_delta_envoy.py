@@ -100,7 +100,7 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
     control_plane.stop()
     events = control_plane.start()
     wait_until(lambda: envoy.stat("control_plane.connected_state") == 1 and bool(events.select(
-        lambda e: is_event("request", node=NODE, type=EDS)(e) and e.get("initial_resources"))),
+        lambda e: is_event("request", node=NODE, type=EDS)(e) and bool(e.get("initial_resources")))),
         timeout=15, what="Envoy to reconnect and state the endpoints it has")
     stated = events.select(lambda e: is_event("request", node=NODE)(e) and "initial_resources" in e)
     assert {e["type"] for e in stated} >= {CDS, EDS}, events.describe()

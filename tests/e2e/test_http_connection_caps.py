@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from .processes import ControlPlane, ProcessGroup, connect_from, free_port, wait_until
+from loopback import connect_from
+
+from .processes import ControlPlane, ProcessGroup, free_port, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -60,7 +60,7 @@ class Fleet:
     def stderr(self) -> str:
         return self.testbed.control_plane.process.stderr_path.read_text(errors="replace")
 
-    def case(self, name: str, make_mistake: Callable[[], None], *, event: Callable[[Event], bool],
+    def case(self, name: str, make_mistake: Callable[[], object], *, event: Callable[[Event], bool],
              log_says: str) -> Event:
         """Make one mistake; wait until pilotfish reports it; check that nothing reached Envoy."""
         mark, logged = self.events.mark(), len(self.stderr())

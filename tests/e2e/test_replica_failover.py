@@ -19,6 +19,7 @@ first is down.
 
 from __future__ import annotations
 
+import functools
 import signal
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,8 @@ def test_envoy_fails_over_to_a_live_replica_and_is_sent_nothing_it_has(processes
                                and "initial_resources" in e, after=after_open)
         return events.find(is_event("request", node=NODE, type=type_url), after=after_open)
 
-    requests = {t: wait_until(lambda t=t: stated(t), timeout=10, what=f"Envoy's first {t} request to the live replica",
+    requests = {t: wait_until(functools.partial(stated, t), timeout=10,
+                              what=f"Envoy's first {t} request to the live replica",
                               details=lambda: events.describe(after=after_open)) for t in types}
     wait_until(lambda: envoy.stat("control_plane.connected_state") == 1, timeout=10,
                what="Envoy to count itself connected again")

@@ -19,6 +19,7 @@ two of them, and that one is SIGKILLed.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -94,9 +95,10 @@ class Fleet:
 
     def wait_for_traffic_to(self, upstream: Upstream, *, at_least: int = 10) -> None:
         for envoy in self.envoys.values():
-            wait_until(lambda envoy=envoy: envoy.host_requests(SERVICE).get(address(upstream), 0) >= at_least,
+            wait_until(functools.partial(lambda e: e.host_requests(SERVICE).get(address(upstream), 0) >= at_least,
+                                         envoy),
                        timeout=CHANGE_TIMEOUT_S, what=f"{envoy.name} to send requests to {upstream.name}",
-                       details=lambda envoy=envoy: str(envoy.host_requests(SERVICE)))
+                       details=functools.partial(lambda e: str(e.host_requests(SERVICE)), envoy))
 
     def assert_under_load(self) -> None:
         """Every wrk is still running: what the test did so far happened under load."""
@@ -153,8 +155,8 @@ def check_sent_only_changes(plane: ControlPlane, node: str, *, had: dict[str, st
                     and e.get("version" if delta else "version_info") == now["EDS"],
                     after=after_open, what=f"{node}'s ACK of the latest endpoints on {plane.name}")
     for kind in TYPES:  # it stated what it had
-        request = events.find(lambda e, kind=kind: is_event("request", node=node, type=TYPE_URLS[kind])(e)
-                              and (not delta or "initial_resources" in e), after=after_open)
+        request = events.find(functools.partial(lambda k, e: is_event("request", node=node, type=TYPE_URLS[k])(e)
+                                                and (not delta or "initial_resources" in e), kind), after=after_open)
         assert request is not None, (node, kind, events.describe(after=after_open))
         if delta:  # web and api; web's listener and route
             assert request["initial_resources"] == {"CDS": 2, "EDS": 2, "LDS": 1, "RDS": 1}[kind], (node, request)
@@ -207,7 +209,7 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
     had = wait_until(lambda: same_versions(planes), timeout=15, what="the replicas to serve the same versions",
                      details=lambda: describe_snapshots(planes))
     for node, plane in placed.items():
-        wait_until(lambda node=node, plane=plane: synced(plane, node), timeout=15,
+        wait_until(functools.partial(synced, plane, node), timeout=15,
                    what=f"{node} to ACK every type on {plane.name}")
     held = Counter(plane.name for plane in placed.values())
     victim = next(plane for plane in planes if plane.name == held.most_common(1)[0][0])

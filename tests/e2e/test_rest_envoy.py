@@ -19,7 +19,7 @@ import pytest
 from .event_log import EventLog, is_event
 from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, http_get, wait_until
 from .snapshot_file import write_services, write_snapshot
-from .test_tls import Pki
+from .test_tls_envoy import Pki
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

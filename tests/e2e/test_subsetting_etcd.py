@@ -8,6 +8,7 @@ A real etcd holds service ``web`` (``subset_size: 3``) and its instances; two ``
 from __future__ import annotations
 
 import base64
+import functools
 import json
 
 import pytest
@@ -60,14 +61,17 @@ def test_replicas_share_the_indices_in_etcd_and_a_restart_keeps_every_subset(pro
     def served(node: str) -> list[tuple[set[str], str]]:
         return [subset(replica, node) for replica in replicas]
 
+    def same_everywhere(node: str) -> bool:
+        return len({(frozenset(s), v) for s, v in served(node)}) == 1
+
     def agreed() -> dict[str, tuple[set[str], str]]:
         """Each node's subset and version, once every replica serves it the same (polled: a
         replica applies etcd's keys a moment after another)."""
         out = {}
         for node in NODES:
-            wait_until(lambda node=node: len({(frozenset(s), v) for s, v in served(node)}) == 1, timeout=15,
+            wait_until(functools.partial(same_everywhere, node), timeout=15,
                        what=f"both replicas to serve {node} the same subset",
-                       details=lambda node=node: str(served(node)))
+                       details=functools.partial(lambda n: str(served(n)), node))
             out[node] = served(node)[0]
         return out
 

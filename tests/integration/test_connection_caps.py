@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 import trustme
 from aiohttp import web
 
+from loopback import connect_from
 from pilotfish.transport.aio import ConnectionLimits, GrpcServer
 from pilotfish.transport.site import REGISTRY_API, CappedSite, HttpConnectionLimits, serve_app
 
@@ -37,17 +38,6 @@ async def tls_server(ca: trustme.CA, limits: ConnectionLimits) -> AsyncIterator[
     finally:
         await server.stop()
 
-
-def connect(port: int, source: str) -> socket.socket:
-    sock = socket.socket()
-    try:
-        sock.bind((source, 0))
-        sock.settimeout(TIMEOUT)
-        sock.connect(("127.0.0.1", port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def first_bytes(sock: socket.socket) -> bytes | None:
@@ -74,7 +64,7 @@ def h2_over_tls(port: int, source: str, ca: trustme.CA) -> bytes:
     context = ssl.create_default_context()
     ca.configure_trust(context)
     context.set_alpn_protocols(["h2"])
-    with context.wrap_socket(connect(port, source), server_hostname="127.0.0.1") as tls:
+    with context.wrap_socket(connect_from(port, source, timeout=TIMEOUT), server_hostname="127.0.0.1") as tls:
         tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
         return tls.recv(9)
 
@@ -82,7 +72,8 @@ def h2_over_tls(port: int, source: str, ca: trustme.CA) -> bytes:
 async def test_connections_in_their_tls_handshake_count_and_one_over_the_cap_gets_no_tls_byte() -> None:
     ca = trustme.CA()
     async with tls_server(ca, ConnectionLimits(max_connections_per_address=2)) as (server, port):
-        silent = [await asyncio.to_thread(connect, port, "127.0.0.2") for _ in range(2)]  # no ClientHello
+        silent = [await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
+                  for _ in range(2)]  # no ClientHello
         try:
             deadline = time.monotonic() + TIMEOUT
             while len(server.connections) < 2 and time.monotonic() < deadline:
@@ -90,7 +81,7 @@ async def test_connections_in_their_tls_handshake_count_and_one_over_the_cap_get
             assert len(server.connections) == 2  # held in their TLS handshakes, and counted
 
             try:
-                over = await asyncio.to_thread(connect, port, "127.0.0.2")
+                over = await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
             except ConnectionResetError:
                 pass  # reset before connect() returned (a busy machine): refused, no byte sent
             else:
@@ -127,14 +118,15 @@ async def test_the_http_ports_count_tls_handshakes_too_and_refuse_over_the_cap_b
     assert isinstance(site, CappedSite)
     port = int(address.rsplit(":", 1)[1])
     try:
-        silent = [await asyncio.to_thread(connect, port, "127.0.0.2") for _ in range(2)]  # no ClientHello
+        silent = [await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
+                  for _ in range(2)]  # no ClientHello
         try:
             deadline = time.monotonic() + TIMEOUT
             while site.connections < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             assert site.connections == 2  # held in their TLS handshakes, and counted
             try:
-                over = await asyncio.to_thread(connect, port, "127.0.0.2")
+                over = await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
             except ConnectionResetError:
                 pass  # reset before connect() returned: refused, no byte sent
             else:
@@ -146,7 +138,8 @@ async def test_the_http_ports_count_tls_handshakes_too_and_refuse_over_the_cap_b
             def https_get() -> bytes:
                 client = ssl.create_default_context()
                 ca.configure_trust(client)
-                with client.wrap_socket(connect(port, "127.0.0.3"), server_hostname="127.0.0.1") as tls:
+                sock = connect_from(port, "127.0.0.3", timeout=TIMEOUT)
+                with client.wrap_socket(sock, server_hostname="127.0.0.1") as tls:
                     tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                     return tls.recv(4096)
 

@@ -60,7 +60,7 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
 
 
 def cds_request(node: str = "n1", **fields: object) -> discovery_pb2.DiscoveryRequest:
-    request = discovery_pb2.DiscoveryRequest(type_url=CDS, **fields)  # type: ignore[arg-type]
+    request = discovery_pb2.DiscoveryRequest(type_url=CDS, **fields)
     request.node.id = node
     return request
 

@@ -339,7 +339,7 @@ ETCD_STATE = DesiredState(services={"api": ServiceSpec(name="api", listen=("127.
 NAMES = st.sampled_from(["web", "web2", "api", "shared", "legacy", "edge", "x.y", "bad name", "é"])
 LISTEN = st.sampled_from(["127.0.0.1:10000", "127.0.0.1:10001", "127.0.0.1:10002", "127.0.0.1:10003",
                           "127.0.0.1:10004", "[::1]:10000", "nowhere", 7, None])
-SERVICE_BODIES = st.fixed_dictionaries({}, optional={
+SERVICE_BODIES: st.SearchStrategy[object] = st.fixed_dictionaries({}, optional={
     "listen": LISTEN,
     "protocol": st.sampled_from(["http", "tcp", "udp"]),
     "connect_timeout": st.sampled_from([1, "250ms", 0, -1, "x", 1e300, "nans", True]),
@@ -350,7 +350,7 @@ SERVICE_BODIES = st.fixed_dictionaries({}, optional={
     "endpoints": st.just(["127.0.0.1:1"]),
     "colour": st.just("red"),
 }) | st.sampled_from([None, [], "x", 3, {"listen": {"deep": [1]}}])
-INSTANCE_BODIES = st.fixed_dictionaries({}, optional={
+INSTANCE_BODIES: st.SearchStrategy[object] = st.fixed_dictionaries({}, optional={
     "address": st.sampled_from(["127.0.0.1", "10.0.0.2", "::1", "host", ""]),
     "port": st.sampled_from([9001, 9002, 0, 70000, "80"]),
     "weight": st.sampled_from([1, 128, 0, 1.5]),

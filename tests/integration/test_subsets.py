@@ -130,7 +130,7 @@ async def test_a_proxy_whose_index_moves_is_sent_its_new_subset_on_the_same_stre
             (response.resources[0].resource if hasattr(response.resources[0], "resource")
              else response.resources[0]).Unpack(assignment)
             return addresses(assignment)
-        own = {i: addresses(snapshot.endpoints_for(i).resources["web"].message) for i in (0, 5)}  # type: ignore[union-attr,arg-type]
+        own = {i: addresses(snapshot.endpoints_for(i).resources["web"].message) for i in (0, 5)}  # type: ignore[union-attr]
         assert own[0] != own[5]
         assert endpoints(first) == endpoints(delta_first) == own[0]
         assert endpoints(second) == endpoints(delta_second) == own[5]

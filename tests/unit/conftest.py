@@ -1,10 +1,12 @@
-"""Shared pieces for unit tests: snapshot builders and an in-memory stream pair."""
+"""Shared pieces for unit tests: snapshot builders, an in-memory stream pair, and a real etcd
+member for the modules that talk to etcd."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -180,3 +182,18 @@ def cache() -> SnapshotCache:
 @pytest.fixture
 def pair(cache: SnapshotCache) -> StreamPair:
     return StreamPair(cache)
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[str]:
+    """A real etcd member's client address (``host:port``), started by the launcher of tests/e2e on
+    OS-picked ports in the test's temp dir, and stopped by PID at teardown. Tests using it carry
+    the ``e2e`` marker: they need the etcd binary."""
+    from e2e.etcd import Etcd
+    from e2e.processes import ProcessGroup
+
+    group = ProcessGroup(tmp_path)
+    try:
+        yield Etcd.start(group).address
+    finally:
+        group.close()

@@ -1,13 +1,28 @@
-"""The event log: JSON lines, and the ``changes`` level that leaves out the routine conversation."""
+"""The event log (pilotfish.events): JSON lines, the ``changes`` level that leaves out the routine
+conversation, lines kept bounded whatever a peer puts in their fields, and the contract:
+``EVENTS`` names every event and its fields, docs/operations.md's table documents exactly those,
+and a record with an unknown event or field is caught."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from pilotfish.events import CONVERSATION, RECENT_LINE, EventLog, RecentEvents, contract_problems, read_events
+from pilotfish.events import (
+    CONVERSATION,
+    EVENTS,
+    MAX_FIELD,
+    MAX_ITEMS,
+    RECENT_LINE,
+    EventLog,
+    RecentEvents,
+    check_event_log,
+    contract_problems,
+    read_events,
+)
 
 
 def lines(path: Path) -> list[dict[str, object]]:
@@ -111,3 +126,68 @@ def test_since_answers_what_came_after_a_sequence_number_the_latest_first_when_l
     assert recent.since(8) == [] and recent.since(100) == []
     with pytest.raises(ValueError, match="at least one"):
         RecentEvents(size=0)
+
+
+def test_fields_a_peer_makes_huge_are_shortened_and_the_line_stays_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    node = "n" * (64 * 1024)
+    reason = "Proto constraint validation failed (ClusterValidationError.ConnectTimeout)"
+    nack = "dump " * 200_000 + reason  # Envoy puts the resource first and the reason last
+    names = [f"cluster-{i}" for i in range(100_000)]
+    log.emit("nack", stream=1, node=node, error=nack, resource_names=names)
+    log.emit("ack", stream=2, node="edge-1", resource_names=["a", "b"])
+    log.close()
+    raw = path.read_bytes().splitlines()
+    assert all(len(line) <= 4 * MAX_FIELD + MAX_ITEMS * 64 for line in raw)
+    big, small = (json.loads(line) for line in raw)
+    assert big["node"].startswith("nnnn") and "65,536 characters" in big["node"]
+    assert big["error"].endswith(reason[-MAX_FIELD // 4:]) and f"{len(nack):,} characters" in big["error"]
+    assert big["resource_names"] == names[:MAX_ITEMS] and big["resource_names_omitted"] == 100_000 - MAX_ITEMS
+    assert small["node"] == "edge-1" and small["resource_names"] == ["a", "b"]  # a usual line is untouched
+
+
+TABLE = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+
+
+def _table() -> dict[str, str]:
+    """docs/operations.md's event table: event name -> its fields column."""
+    text = TABLE.read_text()
+    start = text.index("## The event log")
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end >= 0 else len(text)]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            for name in re.findall(r"`([a-z_]+)`", cells[0]):
+                rows[name] = cells[2]
+    return rows
+
+
+def test_the_readme_table_documents_every_event_and_no_other() -> None:
+    documented = set(_table())
+    assert documented - set(EVENTS) == set(), "docs/operations.md documents events pilotfish does not write"
+    assert set(EVENTS) - documented == set(), "events missing from docs/operations.md's table"
+
+
+def test_the_readme_table_names_every_field_of_each_event() -> None:
+    table = _table()
+    for name, spec in EVENTS.items():
+        column = table[name]
+        inherited = re.match(r"as `([a-z_]+)`", column)
+        named = set(re.findall(r"`([a-z_]+)`", column))
+        if inherited:
+            named |= set(re.findall(r"`([a-z_]+)`", table[inherited.group(1)]))
+        assert spec.fields <= named, f"docs/operations.md's row of {name!r} does not name {sorted(spec.fields - named)}"
+
+
+def test_records_outside_the_contract_are_caught(tmp_path: Path) -> None:
+    assert contract_problems({"ts": 1.0, "event": "sent", "stream": 1, "node": "a", "resources": 2}) == []
+    assert contract_problems({"ts": 1.0, "event": "sent", "names": ["x"], "names_omitted": 5}) == []
+    assert contract_problems({"ts": 1.0, "event": "snet"}) == ["unknown event 'snet'"]
+    assert contract_problems({"ts": 1.0, "event": "sent", "colour": "red"}) == [
+        "event 'sent' has fields not in its contract: ['colour']"]
+    log = tmp_path / "events.jsonl"
+    log.write_bytes(b'{"ts": 1, "event": "server_stopped"}\n{"ts": 2, "event": "nope"}\n{"ts": 3, "ev')
+    assert check_event_log(log) == [f"{log}:2: unknown event 'nope'"], "a half-written last line is not read"

@@ -10,6 +10,7 @@ import pytest
 from conftest import CDS, EDS, assignment, build, cluster
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf.message import Message
 
 from pilotfish.resources.wire import nonce_field
 from pilotfish.snapshot import DEFAULT_MEMO_LIMITS
@@ -57,32 +58,14 @@ def test_responses_are_encoded_once_per_name_set() -> None:
     assert eds.response(None).names == frozenset({"a", "b"})
 
 
-def test_request_names_span_finds_the_encoded_names_or_declines() -> None:
-    from envoy.service.discovery.v3 import discovery_pb2
 
-    from pilotfish.protocol.subscription import next_subscription
-    from pilotfish.resources.wire import request_names_span
+def _assignments(names: list[str]) -> list[Message]:
+    """A parsed ClusterLoadAssignment per name, one endpoint each."""
+    from pilotfish.resources import ENDPOINT
+    from pilotfish.resources.parse import parse_resource
 
-    eds = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-
-    def span(**fields: object) -> bytes | None:
-        request = discovery_pb2.DiscoveryRequest(type_url=eds, **fields)  # type: ignore[arg-type]
-        data = request.SerializeToString()
-        return request_names_span(data, request.type_url, request.response_nonce)
-
-    ack = span(version_info="v1", resource_names=["a", "b"], response_nonce="7")
-    assert ack is not None and discovery_pb2.DiscoveryRequest.FromString(ack).resource_names == ["a", "b"]
-    # the same names under another version and nonce: the same span; other names: another one
-    assert span(version_info="v2", resource_names=["a", "b"], response_nonce="12") == ack
-    assert span(version_info="v1", resource_names=["a", "c"], response_nonce="7") != ack
-    assert span(resource_names=[]) == b""
-    # a node before the names (a stream's first request) is skipped
-    assert span(resource_names=["a", "b"], node={"id": "n"}) == span(resource_names=["a", "b"])
-    # layouts it does not know: the caller decodes the names
-    assert span(resource_names=["a"], response_nonce="1", error_detail={"message": "no"}) is None
-    # the shortcut gives the very set the decoded names give
-    via_wire = next_subscription(["a", "b"], wildcard_capable=False, ever_named=True, wire=ack)
-    assert via_wire is next_subscription(["a", "b"], wildcard_capable=False, ever_named=True)
+    parsed = [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names]
+    return [message for message in parsed if message is not None]
 
 
 def _names_of(body: bytes) -> list[str]:
@@ -99,12 +82,11 @@ def _names_of(body: bytes) -> list[str]:
 
 def test_the_response_memo_stays_bounded_and_keeps_the_set_everyone_asks_for() -> None:
     from pilotfish.resources import CLUSTER, ENDPOINT
-    from pilotfish.resources.parse import parse_resource
     from pilotfish.snapshot import ResponseMemoLimits, Snapshot
 
     names = [f"svc-{i:03d}" for i in range(200)]
     limits = ResponseMemoLimits(entries=64, bytes=256 * 1024)
-    snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names],
+    snap = Snapshot.build({ENDPOINT: _assignments(names),
                            CLUSTER: []}, memo_limits=limits)
     eds = snap.get(EDS)
     assert eds is not None
@@ -126,11 +108,10 @@ def test_the_response_memo_stays_bounded_and_keeps_the_set_everyone_asks_for() -
 
 def test_a_response_larger_than_the_memo_budget_is_answered_and_not_kept() -> None:
     from pilotfish.resources import ENDPOINT
-    from pilotfish.resources.parse import parse_resource
     from pilotfish.snapshot import ResponseMemoLimits, Snapshot
 
     names = [f"svc-{i:03d}" for i in range(100)]
-    snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names]},
+    snap = Snapshot.build({ENDPOINT: _assignments(names)},
                           memo_limits=ResponseMemoLimits(bytes=4096))
     eds = snap.get(EDS)
     assert eds is not None
@@ -143,14 +124,13 @@ def test_a_response_larger_than_the_memo_budget_is_answered_and_not_kept() -> No
 
 def test_a_response_streams_hold_is_shared_whatever_the_budget_and_one_nobody_holds_goes() -> None:
     from pilotfish.resources import ENDPOINT
-    from pilotfish.resources.parse import parse_resource
     from pilotfish.snapshot import ResponseMemoLimits, Snapshot
 
     # Every proxy asks for the endpoints of every cluster by name: one response far over the
     # budget, which fan-outs must not encode again per proxy while proxies hold it.
     names = [f"svc-{i:04d}" for i in range(2000)]
     limits = ResponseMemoLimits(bytes=4096)
-    snap = Snapshot.build({ENDPOINT: [parse_resource(ENDPOINT, assignment(n, 8000), "")[0] for n in names]},
+    snap = Snapshot.build({ENDPOINT: _assignments(names)},
                           memo_limits=limits)
     eds = snap.get(EDS)
     assert eds is not None

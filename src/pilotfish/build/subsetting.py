@@ -20,7 +20,7 @@ sits at ring position :func:`pos` ``(i)``, the 32-bit bit reversal of ``i`` (the
 sequence: the first n indices spread evenly around the ring, and each new one splits one of the
 largest gaps). Sort the backends by position; proxy ``c`` takes the k backends starting at the first
 whose position is ``>= pos(c)``, wrapping around; all of them when ``n <= k``. Consequences (each a
-property test in tests/unit/test_subsetting.py):
+property test in tests/unit/build/test_build_subsetting.py):
 
 - a subset has exactly ``min(k, n)`` distinct backends and depends only on the index sets;
 - adding a backend changes at most one entry of any subset (the newcomer joins a window and pushes

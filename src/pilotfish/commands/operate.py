@@ -33,7 +33,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -138,7 +138,7 @@ def _reason(message: str) -> str:
     return message if len(message) <= _NACK_CHARS else "..." + message[-_NACK_CHARS:]
 
 
-def status_table(proxies: list[Mapping[str, Any]]) -> str:
+def status_table(proxies: Sequence[Mapping[str, Any]]) -> str:
     """The proxies as a table, then one line per NACK with Envoy's reason."""
     header = ("NAME", "CLUSTER", "GROUP", *TYPES, "AGENT")
     rows = [header]
@@ -229,7 +229,7 @@ def fleet_verdict(snapshots: Mapping[str, Any], *, version: str | None = None, m
     return Verdict(not problems, rejected, tuple(problems), total)
 
 
-def laggards(proxies: list[Mapping[str, Any]], snapshots: Mapping[str, Any], *, version: str | None = None,
+def laggards(proxies: Sequence[Mapping[str, Any]], snapshots: Mapping[str, Any], *, version: str | None = None,
              min_proxies: int = 0) -> Verdict:
     """Judge ``/v1/proxies`` (connected ones) against ``/v1/snapshots``: see the module docstring."""
     groups = snapshots["groups"]

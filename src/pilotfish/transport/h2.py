@@ -38,7 +38,8 @@ Why pilotfish's own code and not the ``h2`` package's state machine (the hardene
 the package wrapped to this interface and these limits (bench/h2_package_core.py), both hold all
 50 attacks of tests/abuse; a push to 1,000 proxies costs the server 1.6x the CPU on the package
 (0.100 against 0.063 CPU-s per push, mean of six interleaved runs each; every pair 1.4-1.8x), and
-an idle stream 2-3x the memory. The package stays the test oracle (tests/unit/test_transport_h2_oracle.py).
+an idle stream 2-3x the memory. The package stays the test oracle
+(tests/unit/transport/test_transport_h2_properties.py).
 
 Time-outs are the adapter's, which owns the clock and the timers: it reads
 :attr:`Connection.preface_received` (handshake timeout), :attr:`Connection.open_streams` and

@@ -21,9 +21,7 @@ from pilotfish.build.desired import DesiredState, MergeMemo, View, build_snapsho
 from pilotfish.errors import ConfigError
 from pilotfish.resources import ENDPOINT
 from pilotfish.resources.builders import ClientKind, ResourceMemo
-from pilotfish.resources.encoded import Resource
 from pilotfish.resources.services import Endpoint, ServiceSpec
-from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint
 from pilotfish.snapshot import Snapshot
 
 NAMES = ("a", "b", "c", "d")
@@ -125,124 +123,6 @@ def test_one_changed_endpoint_makes_one_resource_and_keeps_the_other_types() -> 
     for url in before.keys() - changed:
         # The very type served before: the cache knows nothing waiting on it is due.
         assert after[url] is before[url], f"{url}: the same type snapshot, not rebuilt"
-    eds = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+    eds = ENDPOINT.url
     assert after[eds].resources["s8"] is before[eds].resources["s8"], "an unchanged assignment is the same object"
     assert merged.endpoints["s8"] is file.endpoints["s8"], "an unchanged service keeps its endpoint tuple"
-
-
-# -- sources report only what changed as changed ---------------------------------------------------
-
-etcd_keys = st.sampled_from(["/pf/services/web", "/pf/services/api", "/pf/instances/web/a", "/pf/instances/web/b",
-                             "/pf/instances/api/a", "/pf/instances/db/a", "/pf/other"])
-etcd_values = st.sampled_from([
-    '{"address": "127.0.0.1", "port": 9001}', '{"address": "127.0.0.1", "port": 9002, "weight": 3}',
-    '{"endpoints": ["127.0.0.1:9001", "127.0.0.1:9003"]}', '{"listen": "127.0.0.1:10000"}', "{oops",
-])
-etcd_edits = st.one_of(st.tuples(st.just("put"), etcd_keys, etcd_values), st.tuples(st.just("delete"), etcd_keys))
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.lists(etcd_edits, min_size=1, max_size=15))
-def test_the_etcd_view_redoes_changed_services_only_and_says_what_its_keys_say(steps: list[tuple[str, ...]]) -> None:
-    from pilotfish.sources.etcd import EtcdView
-
-    view = EtcdView("/pf/")
-    last = view.state()
-    for step in steps:
-        if step[0] == "put":
-            view.put(step[1], step[2])
-        else:
-            view.delete(step[1])
-        if len(step) == 3 and step[2] == "{oops":
-            view.state_with({step[1]: None})  # a hypothetical state in between changes nothing
-        state = view.state()
-        # What the keys say, worked out from the parsed keys alone: listed endpoints, then instances.
-        expected: dict[str, dict[str, Endpoint]] = {
-            name: {e.address: e for e in found} for name, found in view.service_endpoints.items()}
-        for name, endpoint in view.instances.values():
-            expected.setdefault(name, {})[endpoint.address] = endpoint
-        assert state == DesiredState(services=view.services, endpoints={
-            name: tuple(found.values()) for name, found in expected.items()})
-        service = [*step[1].split("/"), ""][3]  # /pf/KIND/SERVICE[/ID]
-        for name, found in state.endpoints.items():
-            if name != service and name in last.endpoints:
-                assert found is last.endpoints[name], f"{name}: unchanged, yet made again"
-        last = state
-
-
-# -- a state-of-the-world response carries what changed since what the stream has ----------------
-
-def _eds(name: str, body: str) -> Resource:
-    port = {"x": 1, "y": 2, "z": 3}[body]
-    return Resource(ENDPOINT, name, cluster_load_assignment(name, [lb_endpoint("127.0.0.1", port, 1)]))
-
-
-universe = st.sampled_from(["a", "b", "c", "d", "e"])
-
-
-@settings(max_examples=200, deadline=None)
-@given(before=st.dictionaries(universe, st.sampled_from(["x", "y"])),
-       after=st.dictionaries(universe, st.sampled_from(["x", "y", "same object", "z"])),
-       names=st.frozensets(st.sampled_from(["a", "b", "c", "d", "e", "f"])),
-       held=st.frozensets(universe))
-def test_changes_carry_the_subscribed_resources_that_differ_or_are_not_held(
-        before: dict[str, str], after: dict[str, str], names: frozenset[str], held: frozenset[str]) -> None:
-    old = {name: _eds(name, body) for name, body in before.items()}
-    # "same object": the resource of ``before`` itself, as a build that left it alone hands it on.
-    new = {name: old[name] if body == "same object" and name in old else _eds(name, body.replace("same object", "x"))
-           for name, body in after.items()}
-    since = Snapshot.build({ENDPOINT: list(old.values())}).types[ENDPOINT.url]
-    now = Snapshot.build({ENDPOINT: list(new.values())}).types[ENDPOINT.url]
-    response = now.changes(names, since=since, held=held)
-    expected = sorted(name for name in names if name in new and (
-        name not in held or name not in old or old[name].hash != new[name].hash))
-    assert _sent_names(response.body) == expected
-    assert response.carried == len(expected)
-    assert response.names == frozenset(n for n in names if n in new)
-
-
-def _sent_names(body: bytes) -> list[str]:
-    from envoy.config.endpoint.v3 import endpoint_pb2
-    from envoy.service.discovery.v3 import discovery_pb2
-
-    response = discovery_pb2.DiscoveryResponse.FromString(body)
-    out = []
-    for packed in response.resources:
-        assignment = endpoint_pb2.ClusterLoadAssignment()
-        packed.Unpack(assignment)
-        out.append(assignment.cluster_name)
-    return out
-
-
-@settings(max_examples=300, deadline=None)
-@given(current=st.dictionaries(universe, st.sampled_from(["x", "y", "z"])),
-       known=st.dictionaries(st.sampled_from(["a", "b", "c", "d", "e", "f"]),
-                             st.sampled_from(["x", "y", "z", "absent", "other"])),
-       names=st.frozensets(st.sampled_from(["a", "b", "c", "d", "e", "f"])),
-       wildcard=st.booleans(), shared=st.booleans())
-def test_a_delta_answer_sends_what_differs_and_removes_what_is_gone(
-        current: dict[str, str], known: dict[str, str], names: frozenset[str], wildcard: bool,
-        shared: bool) -> None:
-    from pilotfish.snapshot import ABSENT
-
-    snapshot = Snapshot.build({ENDPOINT: [_eds(name, body) for name, body in current.items()]}).types[ENDPOINT.url]
-    versions = snapshot.versions()
-    ids = {"x": _eds("_", "x").version}  # a version that is no resource's here
-    had: Mapping[str, str] = versions if shared else {
-        name: versions[name] if body == "x" and name in versions else ABSENT if body == "absent"
-        else ids["x"] + body for name, body in known.items()}
-    answer = snapshot.delta(had, wildcard=wildcard, names=names)
-    # What behaviour 14 asks, worked out name by name.
-    sent = sorted(name for name, version in versions.items()
-                  if (wildcard or name in names) and had.get(name) != version)
-    removed = sorted({name for name, version in had.items()
-                      if wildcard and name not in versions and version != ABSENT and name not in names}
-                     | {name for name in names if name not in versions and had.get(name) != ABSENT})
-    if not sent and not removed:
-        assert answer is None
-        return
-    assert answer is not None
-    assert (list(answer.sent), list(answer.removed)) == (sent, removed)
-    after = {**{name: versions[name] for name in versions if wildcard or name in names},
-             **{name: ABSENT for name in names if name not in versions}}
-    assert dict(answer.known) == after

@@ -11,6 +11,7 @@ secret and its TLS listener is still waiting for it.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import yaml
 
 from .event_log import LDS, is_event
 from .processes import Envoy, free_port, wait_until
-from .test_tls import Pki, write_atomically
+from .test_tls_envoy import Pki, write_atomically
 from .testbed import Testbed, wait_for_acks
 
 pytestmark = pytest.mark.e2e
@@ -144,6 +145,7 @@ def test_an_edited_grants_file_reaches_a_waiting_envoy_without_a_restart(testbed
     assert "grants[1]" in error["reason"]
     write_snapshot(testbed, pki, secure_port, version="2")
     for envoy in (granted, waiting):
-        wait_until(lambda envoy=envoy: secrets(envoy).get("edge-cert", {}).get("version_info") == "2", timeout=10,
+        wait_until(functools.partial(lambda e: secrets(e).get("edge-cert", {}).get("version_info") == "2", envoy),
+                   timeout=10,
                    what=f"{envoy.name} to hold the rotated secret under the last good grants",
                    details=envoy.log_tail)

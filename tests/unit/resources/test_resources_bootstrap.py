@@ -3,6 +3,7 @@ delta, REST), each one's name accepted under TLS, and each one an ``xds_servers`
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -22,7 +23,8 @@ REPLICAS = ("10.0.0.1:18000", "10.0.0.2:18000", "10.0.0.3:18000")
 
 
 def xds_cluster(config: dict[str, Any]) -> dict[str, Any]:
-    [cluster] = config["static_resources"]["clusters"]
+    clusters: list[dict[str, Any]] = config["static_resources"]["clusters"]
+    [cluster] = clusters
     assert cluster["name"] == XDS_CLUSTER
     return cluster
 
@@ -138,3 +140,39 @@ def test_the_cli_refuses_a_replica_given_twice(capsys: pytest.CaptureFixture[str
         main(["bootstrap", "--node-id", "edge-1", "--xds", "10.0.0.1:18000,nonsense"])
     assert exit_info.value.code == 2
     assert "'nonsense' is not HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_grpc_bootstrap_names_the_server_and_a_node_with_a_locality(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bootstrap", "--grpc", "--node-id", "client-1", "--xds", "127.0.0.1:18001", "--zone", "z1"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config == {
+        "xds_servers": [{"server_uri": "127.0.0.1:18001", "channel_creds": [{"type": "insecure"}],
+                         "server_features": ["xds_v3"]}],
+        "node": {"id": "client-1", "cluster": "pilotfish", "locality": {"region": "", "zone": "z1"}},
+    }
+
+
+def test_the_grpc_bootstrap_over_tls_names_the_files() -> None:
+    config = grpc_bootstrap(BootstrapSettings(node_id="c", tls_ca="ca.pem", tls_cert="c.pem", tls_key="c.key"))
+    assert config["xds_servers"][0]["channel_creds"] == [{"type": "tls", "config": {
+        "ca_certificate_file": "ca.pem", "certificate_file": "c.pem", "private_key_file": "c.key"}}]
+    with pytest.raises(ValueError, match="server name"):
+        grpc_bootstrap(BootstrapSettings(node_id="c", tls_ca="ca.pem", tls_server_name="x"))
+
+
+def test_bootstrap_checks_the_server_name_and_sends_sni_for_host_names() -> None:
+    by_ip = bootstrap(BootstrapSettings(node_id="n", xds="127.0.0.1:18000", tls_ca="/ca.pem"))
+    socket = by_ip["static_resources"]["clusters"][0]["transport_socket"]["typed_config"]
+    assert "sni" not in socket  # SNI carries no IP addresses
+    common = socket["common_tls_context"]
+    assert common["alpn_protocols"] == ["h2"] and "tls_certificates" not in common
+    assert common["validation_context"]["match_typed_subject_alt_names"] == [
+        {"san_type": "IP_ADDRESS", "matcher": {"exact": "127.0.0.1"}}]
+    by_name = bootstrap(BootstrapSettings(node_id="n", xds="127.0.0.1:18000", tls_ca="/ca.pem",
+                                          tls_server_name="xds.example", tls_cert="/c.pem", tls_key="/k.pem"))
+    socket = by_name["static_resources"]["clusters"][0]["transport_socket"]["typed_config"]
+    assert socket["sni"] == "xds.example"
+    assert socket["common_tls_context"]["tls_certificates"] == [
+        {"certificate_chain": {"filename": "/c.pem"}, "private_key": {"filename": "/k.pem"}}]
+    plain = bootstrap(BootstrapSettings(node_id="n"))
+    assert "transport_socket" not in plain["static_resources"]["clusters"][0]

@@ -1,11 +1,13 @@
 """The gRPC server's asyncio adapter over the sans-IO HTTP/2 connection, fed bytes the way TCP
 may deliver them: whole, or cut anywhere. The transport under it is a recorder (named as such):
 these tests are about framing, and tests/integration/test_grpc_transport.py runs the same code
-over real sockets (the connection's own rules: tests/unit/test_transport_h2.py)."""
+over real sockets (the connection's own rules: tests/unit/transport/test_transport_h2.py). Last, the
+connection caps (ConnectionLimits): defaults from the open-file limit."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -135,7 +137,7 @@ async def test_messages_arrive_whole_however_the_bytes_are_cut(chunk: int) -> No
     # the call ended OK after the client half-closed: trailers with END_STREAM
     last = [f for f in sent if f[0] == h2.HEADERS][-1]
     assert last[1] & h2.END_STREAM
-    assert (b"grpc-status", b"0") in hpack.Decoder().decode(last[3], raw=True)
+    assert (b"grpc-status", b"0") in list(hpack.Decoder().decode(last[3], raw=True))
 
 
 async def test_a_response_waits_for_window_and_goes_out_in_peer_sized_frames() -> None:
@@ -186,16 +188,6 @@ async def test_a_large_response_within_the_windows_is_cut_at_the_peer_frame_size
     data = [(flags, p) for kind, flags, _, p in frames(transport.written) if kind == h2.DATA]
     assert [len(p) for _, p in data] == [16_384, 16_384, 17_920 + 20_000 + 5 - 2 * 16_384]
     assert b"".join(p for _, p in data) == message(first + second)
-
-
-def test_frame_content_strips_padding_and_priority_or_refuses_bad_padding() -> None:
-    padded = memoryview(bytes([3]) + b"abc" + b"\0\0\0")
-    assert bytes(h2.frame_content(h2.DATA, h2.PADDED, padded) or b"?") == b"abc"
-    with_priority = memoryview(bytes([1]) + b"\0\0\0\x01\x10" + b"block" + b"\0")
-    assert bytes(h2.frame_content(h2.HEADERS, h2.PADDED | h2.PRIORITY_FLAG, with_priority) or b"?") == b"block"
-    assert bytes(h2.frame_content(h2.DATA, 0, memoryview(b"as is")) or b"?") == b"as is"
-    assert h2.frame_content(h2.DATA, h2.PADDED, memoryview(bytes([5]) + b"abc")) is None
-    assert h2.frame_content(h2.HEADERS, h2.PADDED, memoryview(b"")) is None
 
 
 async def test_a_client_that_does_not_read_is_still_read_and_its_answers_wait() -> None:
@@ -265,3 +257,44 @@ async def test_an_ended_connection_closes_once_the_peer_has_its_goaway_and_at_th
         assert await until(lambda: transport.closed)
         assert transport.aborted and asyncio.get_running_loop().time() - started >= 0.3  # cut off on time
     conn.connection_lost(None)
+
+
+@pytest.mark.parametrize(("descriptors", "total", "per_address"), [
+    (1024, 896, 448),  # the usual soft limit: 128 kept for the process, one address half of the rest
+    (20_000, 18_000, 4096),
+    (1 << 20, 943_719, 4096),  # a tenth kept
+    (200, 100, 50),  # a tiny limit: half of it, never less
+])
+def test_default_caps_leave_descriptors_for_the_process_and_no_address_takes_all(
+    descriptors: int, total: int, per_address: int
+) -> None:
+    assert ConnectionLimits().caps(descriptors) == (total, per_address)
+
+
+def test_given_caps_are_kept() -> None:
+    limits = ConnectionLimits(max_connections=10, max_connections_per_address=10)
+    assert limits.caps(1024) == (10, 10)
+    assert ConnectionLimits(max_connections=10).caps(1 << 20) == (10, 5)
+    assert ConnectionLimits(max_connections_per_address=10_000).caps(1024) == (896, 10_000)
+
+
+def test_refusals_are_logged_at_most_once_per_interval_with_how_many_were_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from pilotfish.transport.aio import WARN_EVERY, RateLimitedLog
+
+    now = [100.0]
+    warnings = RateLimitedLog(logging.getLogger("pilotfish.server"), what="such streams", clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="pilotfish.server"):
+        for i in range(300):  # a peer refused in a loop, 16 times per second
+            warnings.log("stream %d ended: %s", i, "too many names")
+            now[0] += 0.0625
+        warnings.flush()  # the interval is not over: nothing yet
+        now[0] += WARN_EVERY
+        warnings.flush()  # the flood stopped: what was left out is still counted
+        warnings.flush()
+    assert WARN_EVERY == 10.0
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["stream 0 ended: too many names",
+                        "stream 160 ended: too many names (and 159 more such streams since the last one logged)",
+                        "139 more such streams not logged in the last 10 s"]

@@ -1,5 +1,6 @@
 """Subsets as proxies receive them: the snapshot's plan, the cache's per-proxy endpoints,
-the proxies' indices and the state file. The arithmetic itself is tested in test_subsetting.py."""
+the proxies' indices and the state file. The arithmetic itself is tested in
+tests/unit/build/test_build_subsetting.py."""
 
 from __future__ import annotations
 

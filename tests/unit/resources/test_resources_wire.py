@@ -27,7 +27,8 @@ from pilotfish.resources.wire import names_run_count, request_names_span, split_
 
 def fields(**values: object) -> bytes:
     """The encoded fields of a DiscoveryRequest with these values (protobuf's own encoding)."""
-    return discovery_pb2.DiscoveryRequest(**values).SerializeToString()  # type: ignore[arg-type]
+    encoded: bytes = discovery_pb2.DiscoveryRequest(**values).SerializeToString()
+    return encoded
 
 
 NAMES = [f"svc-{i:05d}" for i in range(300)]
@@ -249,3 +250,34 @@ def test_the_shortcut_decides_exactly_as_the_full_decode(data: st.DataObject, pe
                 assert typed is not None
                 nonce, _ = stream.on_response(watch, typed.response(watch.subscription.names_to_send()))
         nonces.append(int(nonce))
+
+
+# -- the names of an encoded response, as a request repeats them ---------------------------------
+
+
+def test_request_names_span_finds_the_encoded_names_or_declines() -> None:
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    from pilotfish.protocol.subscription import next_subscription
+    from pilotfish.resources.wire import request_names_span
+
+    eds = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+    def span(**fields: object) -> bytes | None:
+        request = discovery_pb2.DiscoveryRequest(type_url=eds, **fields)
+        data = request.SerializeToString()
+        return request_names_span(data, request.type_url, request.response_nonce)
+
+    ack = span(version_info="v1", resource_names=["a", "b"], response_nonce="7")
+    assert ack is not None and discovery_pb2.DiscoveryRequest.FromString(ack).resource_names == ["a", "b"]
+    # the same names under another version and nonce: the same span; other names: another one
+    assert span(version_info="v2", resource_names=["a", "b"], response_nonce="12") == ack
+    assert span(version_info="v1", resource_names=["a", "c"], response_nonce="7") != ack
+    assert span(resource_names=[]) == b""
+    # a node before the names (a stream's first request) is skipped
+    assert span(resource_names=["a", "b"], node={"id": "n"}) == span(resource_names=["a", "b"])
+    # layouts it does not know: the caller decodes the names
+    assert span(resource_names=["a"], response_nonce="1", error_detail={"message": "no"}) is None
+    # the shortcut gives the very set the decoded names give
+    via_wire = next_subscription(["a", "b"], wildcard_capable=False, ever_named=True, wire=ack)
+    assert via_wire is next_subscription(["a", "b"], wildcard_capable=False, ever_named=True)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pilotfish.commands.cli import main
-from pilotfish.policy.authorize import NodeAuthorizer, NodeRule, parse_rule
+from pilotfish.policy.authorize import NodeAuthorizer, NodeRule, compile_pattern, glob_match, parse_rule
 
 FLEET = "spiffe://mesh/ns/{ns}/sa/{sa}={sa}"
 
@@ -140,3 +140,30 @@ def test_a_hostile_node_id_and_identity_of_100000_characters_are_matched_at_once
         assert best < 0.05  # quadratic matching would take seconds; exponential, forever
     # And the matcher still says yes where it should, as fast.
     assert authorizer.refusal(long_identity, "a" * 50_008 + "c" + "a" * 50_000) is None
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text("ab/*", max_size=8), st.text("ab/", max_size=10))
+def test_glob_match_agrees_with_the_pattern_expression(pattern: str, value: str) -> None:
+    assert glob_match(pattern, value) == (compile_pattern(pattern).fullmatch(value) is not None)
+
+
+def test_node_rules_bind_identities_to_node_ids() -> None:
+    authorizer = NodeAuthorizer([parse_rule("spiffe://mesh/ns/*/sa/edge=edge-*"),
+                                 parse_rule("ingress.mesh.example=ingress")])
+    assert authorizer.refusal("spiffe://mesh/ns/prod/sa/edge", "edge-1") is None
+    assert authorizer.refusal("ingress.mesh.example", "ingress") is None
+    refused = {
+        ("spiffe://mesh/ns/prod/sa/edge", "ingress"): "may not claim it",
+        ("spiffe://mesh/ns/prod/extra/sa/edge", "edge-1"): "no --authorize-node rule",  # '*' stops at '/'
+        ("spiffe://mesh/ns/prod/sa/edge", "edge-1/x"): "may not claim it",
+        ("ingress.mesh.example", "ingress-2"): "may not claim it",
+        ("", "edge-1"): "no verified client certificate",
+    }
+    for (identity, node), why in refused.items():
+        reason = authorizer.refusal(identity, node)
+        assert reason is not None and why in reason, (identity, node, reason)
+    assert len(authorizer.refusal("", "n" * 100_000) or "") < 400  # a peer's long node id is not echoed whole
+    for bad in ("no-equals", "=node", "identity="):
+        with pytest.raises(ValueError, match="IDENTITY=NODE"):
+            parse_rule(bad)

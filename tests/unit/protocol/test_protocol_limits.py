@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-import resource
-
 import pytest
 from conftest import CDS, EDS, StreamPair, assignment, build, cluster
 from envoy.service.discovery.v3 import discovery_pb2
 
-from pilotfish.app.serve import raise_descriptor_limit
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import PeerError
 from pilotfish.protocol import PeerOverLimit, SotwStream, XdsLimits
@@ -19,7 +15,7 @@ SHORT = 600
 
 
 def request(type_url: str = EDS, names: list[str] | None = None, **fields: object) -> discovery_pb2.DiscoveryRequest:
-    return discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=names or [], **fields)  # type: ignore[arg-type]
+    return discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=names or [], **fields)
 
 
 def test_a_request_naming_more_resources_than_the_limit_is_refused_and_names_the_limit() -> None:
@@ -103,35 +99,3 @@ def test_a_long_stated_version_is_only_sent_the_current_one_again() -> None:
     pair.publish(snapshot)
     [got] = pair.send(EDS, ["a"], version="x" * 5000)
     assert got.version == snapshot.version(EDS) and got.names == ["a"]
-
-
-def test_serve_raises_its_open_file_limit_to_the_hard_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == hard:  # make room to raise it (the hard limit stays)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
-    limit = raise_descriptor_limit()
-    now_soft, now_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    assert now_hard == hard and now_soft == limit
-    assert now_soft == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
-
-
-def test_refusals_are_logged_at_most_once_per_interval_with_how_many_were_not(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    from pilotfish.transport.aio import WARN_EVERY, RateLimitedLog
-
-    now = [100.0]
-    warnings = RateLimitedLog(logging.getLogger("pilotfish.server"), what="such streams", clock=lambda: now[0])
-    with caplog.at_level("WARNING", logger="pilotfish.server"):
-        for i in range(300):  # a peer refused in a loop, 16 times per second
-            warnings.log("stream %d ended: %s", i, "too many names")
-            now[0] += 0.0625
-        warnings.flush()  # the interval is not over: nothing yet
-        now[0] += WARN_EVERY
-        warnings.flush()  # the flood stopped: what was left out is still counted
-        warnings.flush()
-    assert WARN_EVERY == 10.0
-    messages = [r.getMessage() for r in caplog.records]
-    assert messages == ["stream 0 ended: too many names",
-                        "stream 160 ended: too many names (and 159 more such streams since the last one logged)",
-                        "139 more such streams not logged in the last 10 s"]

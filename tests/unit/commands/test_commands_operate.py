@@ -77,34 +77,6 @@ def test_the_table_has_a_row_per_proxy_and_a_line_per_nack() -> None:
     assert blank == "" and nack == "edge-1 rejected CDS 3: ClusterValidationError.ConnectTimeout"
 
 
-def test_serve_has_the_admin_api_on_loopback_by_default_and_off_turns_it_off() -> None:
-    from pilotfish.commands.cli import _parser
-
-    assert _parser().parse_args(["serve", "--snapshot", "s.yaml"]).admin == "127.0.0.1:18001"
-    assert _parser().parse_args(["serve", "--snapshot", "s.yaml", "--admin", "off"]).admin is None
-    assert _parser().parse_args(["serve", "--snapshot", "s.yaml", "--admin", "0.0.0.0:0"]).admin == "0.0.0.0:0"
-
-
-def test_an_admin_api_off_loopback_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    from pilotfish.api.admin import warn_if_exposed
-
-    assert not warn_if_exposed("127.0.0.1") and not warn_if_exposed("[::1]") and not warn_if_exposed("localhost")
-    assert not caplog.records
-    assert warn_if_exposed("0.0.0.0")
-    assert "answers anyone who can reach it" in caplog.text
-
-
-def test_an_admin_client_ca_needs_tls(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    from pilotfish.commands.cli import main
-
-    snapshot = tmp_path / "snap.yaml"
-    snapshot.write_text("clusters: []\n")
-    assert main(["serve", "--snapshot", str(snapshot), "--admin-client-ca", "ca.pem"]) == 2
-    assert "--admin-client-ca need TLS" in capsys.readouterr().err
-    assert main(["status", "--tls-cert", "c.pem", "--tls-key", "k.pem"]) == 2
-    assert "give --tls-ca FILE too" in capsys.readouterr().err
-
-
 def progress(version: str, proxies: int, current: int, nacked: int = 0) -> dict[str, Any]:
     return {"version": version, "proxies": proxies, "current": current, "acked": current, "nacked": nacked}
 

@@ -1,0 +1,51 @@
+"""The command line (pilotfish.commands.cli): flags that need other flags are refused naming them,
+the admin API's address, and the proxyless gRPC example validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pilotfish.commands.cli import main
+
+
+def test_the_example_file_validates(capsys: pytest.CaptureFixture[str]) -> None:
+    example = Path(__file__).resolve().parents[3] / "examples" / "proxyless-grpc.yaml"
+    assert main(["validate", str(example)]) == 0, capsys.readouterr().err
+
+
+def test_serve_has_the_admin_api_on_loopback_by_default_and_off_turns_it_off() -> None:
+    from pilotfish.commands.cli import _parser
+
+    assert _parser().parse_args(["serve", "--snapshot", "s.yaml"]).admin == "127.0.0.1:18001"
+    assert _parser().parse_args(["serve", "--snapshot", "s.yaml", "--admin", "off"]).admin is None
+    assert _parser().parse_args(["serve", "--snapshot", "s.yaml", "--admin", "0.0.0.0:0"]).admin == "0.0.0.0:0"
+
+
+def test_an_admin_client_ca_needs_tls(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from pilotfish.commands.cli import main
+
+    snapshot = tmp_path / "snap.yaml"
+    snapshot.write_text("clusters: []\n")
+    assert main(["serve", "--snapshot", str(snapshot), "--admin-client-ca", "ca.pem"]) == 2
+    assert "--admin-client-ca need TLS" in capsys.readouterr().err
+    assert main(["status", "--tls-cert", "c.pem", "--tls-key", "k.pem"]) == 2
+    assert "give --tls-ca FILE too" in capsys.readouterr().err
+
+
+def test_cli_refuses_incomplete_tls_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    snapshot = tmp_path / "snap.yaml"
+    snapshot.write_text(yaml.safe_dump({"clusters": []}))
+    assert main(["serve", "--snapshot", str(snapshot), "--tls-cert", "c.pem"]) == 2
+    assert "--tls-key" in capsys.readouterr().err
+    assert main(["serve", "--snapshot", str(snapshot), "--client-ca", "ca.pem"]) == 2
+    assert "--tls-cert" in capsys.readouterr().err
+    assert main(["bootstrap", "--node-id", "n", "--tls-cert", "c.pem", "--tls-key", "k.pem"]) == 2
+    assert "--tls-ca" in capsys.readouterr().err
+    absent = str(tmp_path / "absent.pem")
+    assert main(["serve", "--snapshot", str(snapshot), "--xds", "127.0.0.1:0", "--event-loop", "asyncio",
+                 "--tls-cert", absent, "--tls-key", absent]) == 1
+    assert f"{absent}: 1 problem(s)\n  no such file" in capsys.readouterr().err
