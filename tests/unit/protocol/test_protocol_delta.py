@@ -241,6 +241,30 @@ def test_a_removed_cluster_stays_until_the_routes_have_moved(pair: DeltaPair) ->
     assert (final.type_url, final.removed) == (CDS, ["a"])
 
 
+def test_a_cluster_on_its_way_to_the_routes_comes_even_if_the_next_snapshot_drops_it(cache: SnapshotCache) -> None:
+    """A client reconnects with an older cluster a and has not ACKed the clusters answer (Envoy
+    holds a clusters ACK while a cluster warms) when a snapshot adds cluster c with route r sending
+    to it, and the next one drops c and points r back at a before the client ACKs. Its route went out first (a clusters
+    answer waits for the ACK of the last one) and still sends to c: the next clusters answer brings
+    c (the bridge: a later snapshot does not take it off its way), and c goes only once the route
+    has moved and that is ACKed (make before break)."""
+    cache.set_snapshot(V1)
+    v2 = build(clusters=[cluster("a"), cluster("b"), cluster("c")],
+               endpoints=[assignment("a", 1), assignment("b", 2), assignment("c", 3)],
+               listeners=[listener("l", "r")], routes=[route("r", "c")])
+    pair = DeltaPair(cache)
+    [clusters] = pair.send(CDS, initial={**versions(V1, CDS), "a": "an older a"})
+    assert pair.send(RDS, ["r"], initial=versions(V1, RDS)) == []
+    [to_c] = pair.publish(v2)
+    assert (to_c.type_url, to_c.names) == (RDS, ["r"]), "the clusters answer waits for the client's ACK"
+    assert pair.publish(V1) == []
+    [bridge] = pair.ack(clusters)
+    assert (bridge.names, bridge.removed) == (["c"], []), "route r still sends traffic to c"
+    [to_a] = pair.ack(to_c)
+    assert (to_a.type_url, to_a.versions) == (RDS, versions(V1, RDS))
+    [final] = pair.ack(to_a)
+    assert (final.type_url, final.names, final.removed) == (CDS, [], ["c"])
+
 # -- sharing and limits ----------------------------------------------------------------------------
 
 
