@@ -193,11 +193,11 @@ async def test_a_grant_change_takes_effect_at_the_next_request(tmp_path: Path) -
             await call.write(request(SDS, ["edge-cert"], node="edge-1"))
             first = await read(call)
             assert secret_names(first) == []  # no grants: it does not exist for this proxy
-            xds.grants = SecretGrants([parse_grant("edge-cert=node:edge-1")])
+            xds.policy.grants.value = SecretGrants([parse_grant("edge-cert=node:edge-1")])
             await call.write(request(SDS, ["edge-cert"], response=first))
             second = await read(call)
             assert secret_names(second) == ["edge-cert"] and second.version_info == "1"
-            xds.grants = SecretGrants()
+            xds.policy.grants.value = SecretGrants()
             await call.write(request(SDS, ["edge-cert"], response=second))
             write("2")
             cache.set_snapshot(load_snapshot(snapshot))
