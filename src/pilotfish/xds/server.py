@@ -164,7 +164,9 @@ class XdsPolicy:
     """What the gRPC services (:class:`XdsServer`) and REST xDS (:class:`~pilotfish.xds.rest.RestXds`)
     share: who may claim which node, who may get which secrets, the limits on a peer's requests,
     the subsetting indices, and where the conversation is recorded. One object, made once
-    (``serve``) and given to both, so a change of grants is made in one place."""
+    (``serve``) and given to both, so a change of grants is made in one place. Not in it: which
+    group's snapshot answers a node, which each service is given (REST answers from the groups of
+    kind rest)."""
 
     events: EventLog = field(default_factory=EventLog)
     """Where the conversation is recorded (``stream_open``, ACKs, NACKs, refusals...)."""
