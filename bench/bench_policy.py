@@ -10,7 +10,7 @@ What a peer can make pilotfish do, and what an edit of the grants file costs:
 - **grants per proxy**: :meth:`~pilotfish.policy.grants.SecretGrants.for_proxy` for ``--proxies``
   proxies under ``--grants`` identity grants, on fresh grants each run: what serving under new
   grants costs every open SDS stream at once (an edit of the grants file,
-  :meth:`~pilotfish.xds.server.XdsServer.set_grants`). With as many identities as proxies, and
+  :meth:`~pilotfish.xds.server.XdsPolicy.set_grants`). With as many identities as proxies, and
   with the proxies sharing 100 identities (the replicas of a service account).
 
 ``python -m bench.bench_policy`` prints the tables (a few seconds).

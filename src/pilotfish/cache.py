@@ -1,8 +1,11 @@
 """Snapshots per node group, and the watches streams hold on them.
 
-The cache owns what exists; a stream owns what it has seen. They meet at one narrow interface
-(as go-control-plane's ``ConfigWatcher``): :meth:`SnapshotCache.create_watch` takes a
-:class:`~pilotfish.protocol.Watch` and a callback and returns a function that cancels it. A watch
+The cache owns what exists; a stream owns what it has seen. They meet at one narrow interface,
+:class:`ConfigWatcher` (as go-control-plane's): :meth:`SnapshotCache.create_watch` takes a
+:class:`~pilotfish.protocol.Watch` and a callback and returns a function that cancels it
+(:meth:`~SnapshotCache.create_delta_watch` likewise for delta). REST xDS, which has no streams,
+reads through :class:`ConfigFetcher` instead: the current snapshot of a group and a kept version.
+The services in :mod:`pilotfish.xds` are typed against these Protocols, not this class. A watch
 is answered at most once: immediately if the current snapshot already has something for it, or
 later by :meth:`SnapshotCache.set_snapshot`. Watches are answered type by type in ADS order (CDS,
 EDS, LDS, RDS, SDS), so on an aggregated stream what is referred to arrives before what refers
@@ -25,20 +28,26 @@ listeners or routes used, the cache also keeps a *bridge* cluster set (new clust
 A proxy whose ACKed listeners and routes are not yet the new ones gets the bridge, so no route
 points at a missing cluster; once it ACKs the new routing, its cluster watch is re-opened and it
 gets the final set.
+
+Response memos: the cache makes one :class:`~pilotfish.snapshot.MemoBudget` (or is given one) and
+counts every snapshot it serves in it (:meth:`~pilotfish.snapshot.TypeSnapshot.count_in`), so the
+memos of every group and version it serves share one bound, and another cache in the process
+(another server, a test) has its own.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import NewType
+from typing import NewType, Protocol
 
 from pilotfish.protocol import DeltaWatch, Watch, needs_response
 from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.refs import referenced_clusters
-from pilotfish.snapshot import DeltaChanges, EncodedResponse, Resource, Snapshot, TypeSnapshot, with_kept
+from pilotfish.snapshot import DeltaChanges, EncodedResponse, MemoBudget, Resource, Snapshot, TypeSnapshot, with_kept
 
-__all__ = ["DEFAULT_GROUP", "Cancel", "NodeGroup", "Respond", "SnapshotCache"]
+__all__ = ["DEFAULT_GROUP", "Cancel", "ConfigFetcher", "ConfigWatcher", "DeltaRespond", "NodeGroup", "Respond",
+           "SnapshotCache"]
 
 NodeGroup = NewType("NodeGroup", str)
 """Proxies in one group are served the same snapshot."""
@@ -62,6 +71,37 @@ _Entry = tuple[Watch, Respond] | tuple[DeltaWatch, DeltaRespond]
 Cancel = Callable[[], None]
 
 
+
+
+class ConfigWatcher(Protocol):
+    """What the gRPC xDS services need of the cache: watches (go-control-plane's ``ConfigWatcher``).
+
+    A watch is answered at most once, synchronously through its callback: at once if there is
+    something for it, else when a snapshot has. The returned function cancels it (an answered
+    watch's is a no-op)."""
+
+    def create_watch(self, watch: Watch, respond: Respond, group: NodeGroup) -> Cancel:
+        """Answer a SotW ``watch`` of ``group``'s snapshot when it is due (now, or later)."""
+        ...
+
+    def create_delta_watch(self, watch: DeltaWatch, respond: DeltaRespond, group: NodeGroup) -> Cancel:
+        """Answer a delta ``watch`` of ``group``'s snapshot when the client lacks something."""
+        ...
+
+
+class ConfigFetcher(Protocol):
+    """What REST xDS needs of the cache: no watches (a poll is answered at once), the current
+    snapshot and the versions kept to compare with (go-control-plane's ``ConfigFetcher``)."""
+
+    def snapshot(self, group: NodeGroup) -> Snapshot | None:
+        """``group``'s current snapshot (None before the first is published)."""
+        ...
+
+    def kept(self, type_url: TypeUrl, version: str, group: NodeGroup) -> TypeSnapshot | None:
+        """``type_url`` as it was at ``version`` in ``group``, if that version is still kept."""
+        ...
+
+
 def _nothing() -> None:
     return None
 
@@ -82,10 +122,14 @@ class _Cancel:
 class SnapshotCache:
     """The current snapshot of each node group, and the open watches on it."""
 
-    def __init__(self, *, subset_of: Callable[[str], int | None] | None = None) -> None:
+    def __init__(self, *, subset_of: Callable[[str], int | None] | None = None,
+                 memo_budget: MemoBudget | None = None) -> None:
         self.subset_of: Callable[[str], int | None] = subset_of or (lambda _: None)
         """Node id -> its subsetting index (None: none): which of a snapshot's per-proxy endpoint
         views answers its EDS watches (set by the wiring)."""
+        self.memo_budget = memo_budget if memo_budget is not None else MemoBudget()
+        """The budget every snapshot served here counts its memoized responses in (this cache's
+        own unless given one)."""
         self._snapshots: dict[NodeGroup, Snapshot] = {}
         # group -> type -> watch id -> (watch, respond); dicts keep insertion (arrival) order.
         self._watches: dict[NodeGroup, dict[TypeUrl, dict[int, _Entry]]] = {}
@@ -120,6 +164,8 @@ class SnapshotCache:
         Returns how many watches were answered.
         """
         previous = self._snapshots.get(group)
+        for served in snapshot.types.values():
+            served.count_in(self.memo_budget)
         self._snapshots[group] = snapshot
         self._remember(group, previous, snapshot)
         for own in self._own.get(group, {}).values():

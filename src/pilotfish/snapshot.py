@@ -17,9 +17,13 @@ The memos are bounded in bytes, in total (:class:`ResponseMemoLimits`): a peer t
 new name sets must not make the server grow. What a memo keeps has two parts:
 
 - responses kept *for their own sake*, least recently used first out, within one byte and entry
-  budget shared by every snapshot and type made with the same limits (the server's: one for the
-  process). An entry costs the bytes of its encoded response and an estimate of its name set. A
-  response larger than half the budget is never kept this way;
+  budget (a :class:`MemoBudget`) shared by every snapshot and type counted in it. The budget is an
+  object, not a table of the module: the cache makes one (:class:`~pilotfish.cache.SnapshotCache`,
+  made once by ``serve``) and counts every snapshot it serves in it, so two servers in one process
+  keep two budgets. A snapshot served by no cache counts in the budget given to
+  :meth:`Snapshot.build`, else in one of its own (default limits, per type). An entry costs the
+  bytes of its encoded response and an estimate of its name set. A response larger than half the
+  budget is never kept this way;
 - responses some stream still *holds* (a stream keeps the last response it was sent of each type,
   :attr:`~pilotfish.protocol.sotw.TypeState.sent`): found again by weak reference, whatever the
   budget. So a fleet of proxies at one version shares one encoded response however many other
@@ -38,7 +42,7 @@ import hashlib
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from types import MappingProxyType
 
 from google.protobuf.message import Message
@@ -50,7 +54,8 @@ from pilotfish.resources.services import Endpoint
 from pilotfish.resources.wire import delta_discovery_response, discovery_response
 
 __all__ = [
-    "ABSENT", "DeltaChanges", "EncodedResponse", "Resource", "ResponseMemoLimits", "Snapshot", "SubsetPlan",
+    "ABSENT", "DeltaChanges", "EncodedResponse", "MemoBudget", "Resource", "ResponseMemoLimits", "Snapshot",
+    "SubsetPlan",
     "SubsetService", "TypeSnapshot", "with_kept",
 ]
 
@@ -58,7 +63,7 @@ __all__ = [
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ResponseMemoLimits:
     """How much the snapshots keep of the responses they encoded for name sets, beyond those a
-    stream holds (see the module's docstring). Snapshots made with equal limits share one budget."""
+    stream holds (see the module's docstring): the limits of one :class:`MemoBudget`."""
 
     entries: int = 4096
     """Responses (and delta answers) kept that no stream holds, in all. Beyond it the least
@@ -128,14 +133,25 @@ class TypeSnapshot:
     resources: Mapping[str, Resource]
     content_hash: str = ""
     """Hash of the resources alone (equal to ``version`` unless the user set a version)."""
-    memo_limits: ResponseMemoLimits = field(default=DEFAULT_MEMO_LIMITS, repr=False)
+    memo_budget: InitVar[MemoBudget | None] = None
+    """The budget its memo counts in (None: the first cache that serves it gives one, see
+    :meth:`count_in`)."""
     _memo: _ResponseMemo = field(default_factory=lambda: _ResponseMemo(), repr=False)
 
+    def __post_init__(self, memo_budget: MemoBudget | None) -> None:
+        self._memo.budget = memo_budget
+
+    def count_in(self, budget: MemoBudget) -> None:
+        """Count this type's memo in ``budget`` from now on, unless it counts in one already (a
+        snapshot served by two caches counts in the first one's)."""
+        if self._memo.budget is None:
+            self._memo.budget = budget
+
     def renewed(self, version: str | None = None) -> TypeSnapshot:
-        """The same resources in a snapshot of their own (its own memo of responses), at
-        ``version`` (None: by content)."""
+        """The same resources in a snapshot of their own (its own memo of responses, in the same
+        budget), at ``version`` (None: by content)."""
         return TypeSnapshot(self.rtype, version if version is not None else self.content_hash, self.resources,
-                            self.content_hash, memo_limits=self.memo_limits)
+                            self.content_hash, memo_budget=self._memo.budget)
 
     def response(self, names: frozenset[str] | None) -> EncodedResponse:
         """The encoded response carrying ``names`` (those that exist), or everything for None."""
@@ -149,7 +165,7 @@ class TypeSnapshot:
         if cached is not None:
             memo.used(names)
             return cached
-        return memo.miss(names, names, self, self._encode)
+        return memo.miss(names, names, self._encode)
 
     def changes(self, names: frozenset[str], *, since: TypeSnapshot, held: frozenset[str]) -> EncodedResponse:
         """The response for a proxy that holds ``held`` (of ``names``, its subscription) at
@@ -176,7 +192,7 @@ class TypeSnapshot:
             existing = names if resources.keys() >= names else frozenset(resources.keys() & names)
             return EncodedResponse(self.rtype.url, self.version, existing, body, len(changed), self)
 
-        return memo.miss(key, names, self, encode)
+        return memo.miss(key, names, encode)
 
     def versions(self) -> Mapping[str, str]:
         """Name -> delta version of every resource (made once)."""
@@ -230,7 +246,7 @@ class TypeSnapshot:
             # A mapping answers hand out (read-only, shared by the streams that took the answer).
             # A plain dict is one stream's own (what it stated on reconnecting, or had after
             # unsubscribing): no other stream asks with it, and keeping it would keep it alive.
-            memo.keep_delta(known, wildcard, names, result, self.memo_limits)
+            memo.keep_delta(known, wildcard, names, result)
         return result
 
     def retire(self) -> None:
@@ -261,13 +277,14 @@ changes, or the identity of what a delta client is known to have."""
 _DeltaEntry = tuple[Mapping[str, str], bool, frozenset[str], DeltaChanges | None]
 
 
-class _Budget:
-    """The entries and bytes every memo made with one :class:`ResponseMemoLimits` keeps for
-    their own sake, least recently used first."""
+class MemoBudget:
+    """The entries and bytes that the memos counted in it keep for their own sake, least
+    recently used first, within ``limits`` (see the module's docstring). One per cache: made
+    where the cache is, and handed to the snapshots it serves (:meth:`TypeSnapshot.count_in`)."""
 
     __slots__ = ("bytes", "limits", "order")
 
-    def __init__(self, limits: ResponseMemoLimits) -> None:
+    def __init__(self, limits: ResponseMemoLimits = DEFAULT_MEMO_LIMITS) -> None:
         self.limits = limits
         self.order: OrderedDict[tuple[_ResponseMemo, _Key], int] = OrderedDict()
         """(memo, key) -> cost, least recently used first."""
@@ -291,16 +308,6 @@ class _Budget:
         self.bytes -= self.order.pop((memo, key))
 
 
-_BUDGETS: dict[ResponseMemoLimits, _Budget] = {}
-
-
-def _budget(limits: ResponseMemoLimits) -> _Budget:
-    found = _BUDGETS.get(limits)
-    if found is None:
-        found = _BUDGETS[limits] = _Budget(limits)
-    return found
-
-
 class _ResponseMemo:
     """One type snapshot's encoded responses and delta answers (see the module's docstring)."""
 
@@ -314,7 +321,9 @@ class _ResponseMemo:
         self.held: weakref.WeakValueDictionary[_Key, EncodedResponse] | None = None
         """Every response encoded, while something (a stream, or ``kept``) holds it."""
         self.everything: EncodedResponse | None = None
-        self.budget: _Budget | None = None
+        self.budget: MemoBudget | None = None
+        """Where its entries are counted (None until one is given, or its first entry: then one of
+        its own, with the default limits)."""
         self.versions: Mapping[str, str] | None = None
         self.delta: dict[int, _DeltaEntry] = {}
 
@@ -324,7 +333,7 @@ class _ResponseMemo:
             self.budget.order.move_to_end((self, key))
 
     def miss(self, key: frozenset[str] | tuple[str, frozenset[str], frozenset[str]], names: frozenset[str],
-             owner: TypeSnapshot, encode: Callable[[frozenset[str]], EncodedResponse]) -> EncodedResponse:
+             encode: Callable[[frozenset[str]], EncodedResponse]) -> EncodedResponse:
         """Not kept: one a stream holds, or newly encoded; kept if the budget takes it. ``key``
         is ``names`` for a full response, or a tuple naming a response of changes."""
         held = self.held
@@ -335,7 +344,7 @@ class _ResponseMemo:
             found = held[key] = encode(names)
         budget = self.budget
         if budget is None:
-            budget = self.budget = _budget(owner.memo_limits)
+            budget = self.budget = MemoBudget()
         cost = _cost(names, found)
         if budget.admit(self, key, cost):
             self.kept[key] = found
@@ -343,13 +352,13 @@ class _ResponseMemo:
         return found
 
     def keep_delta(self, known: Mapping[str, str], wildcard: bool, names: frozenset[str],
-                   result: DeltaChanges | None, limits: ResponseMemoLimits) -> None:
+                   result: DeltaChanges | None) -> None:
         """Keep a delta answer by the identity of ``known`` (which the entry holds, so that the
         identity stays its own), if the budget takes it."""
         key = id(known)
         budget = self.budget
         if budget is None:
-            budget = self.budget = _budget(limits)
+            budget = self.budget = MemoBudget()
         if key in self.costs:
             self.costs.pop(key)
             budget.forget(self, key)
@@ -386,10 +395,11 @@ def _cost(names: frozenset[str], response: EncodedResponse) -> int:
 
 
 def with_kept(current: TypeSnapshot, kept: Mapping[str, Resource]) -> TypeSnapshot:
-    """``current`` plus resources ``kept`` from an earlier snapshot, versioned by content."""
+    """``current`` plus resources ``kept`` from an earlier snapshot, versioned by content (its
+    memo in ``current``'s budget)."""
     merged = {**kept, **current.resources}
     content = _content_version(merged)
-    return TypeSnapshot(current.rtype, content, MappingProxyType(merged), content, memo_limits=current.memo_limits)
+    return TypeSnapshot(current.rtype, content, MappingProxyType(merged), content, memo_budget=current._memo.budget)
 
 
 def _content_version(resources: Mapping[str, Resource]) -> str:
@@ -518,7 +528,7 @@ class SubsetPlan:
             # they are in its version too (a proxy with another subset is not "current").
             version = content if base.version == base.content_hash else f"{base.version}/{content}"
             found = TypeSnapshot(base.rtype, version, _Overlay(base.resources, top), content,
-                                 memo_limits=base.memo_limits)
+                                 memo_budget=base._memo.budget)
             if len(self._by_choice) >= _SUBSET_VIEWS:
                 self._by_choice.clear()
             self._by_choice[choice] = found
@@ -547,10 +557,11 @@ class Snapshot:
     @classmethod
     def build(
         cls, resources: Mapping[ResourceType, Iterable[Message | Resource]], *, version: str | None = None,
-        memo_limits: ResponseMemoLimits = DEFAULT_MEMO_LIMITS,
+        memo_budget: MemoBudget | None = None,
     ) -> Snapshot:
         """Encode and hash ``resources``; ``version`` (if given) becomes every type's version.
-        ``memo_limits``: how many encoded responses each type keeps."""
+        ``memo_budget``: where each type's memo of encoded responses counts (None: in the budget
+        of the cache that serves it, see :meth:`TypeSnapshot.count_in`)."""
         types: dict[TypeUrl, TypeSnapshot] = {}
         for rtype in TYPES:
             by_name = {}
@@ -560,7 +571,7 @@ class Snapshot:
             content = _content_version(by_name)
             type_version = version if version is not None else content
             types[rtype.url] = TypeSnapshot(rtype, type_version, MappingProxyType(by_name), content,
-                                            memo_limits=memo_limits)
+                                            memo_budget=memo_budget)
         return cls(types=MappingProxyType(types), explicit_version=version)
 
     def same_content(self, other: Snapshot) -> bool:

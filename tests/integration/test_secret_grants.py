@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 import trustme
@@ -32,7 +33,7 @@ from pilotfish.cache import SnapshotCache
 from pilotfish.policy.authorize import parse_rule
 from pilotfish.policy.grants import SecretGrants, parse_grant
 from pilotfish.sources import load_snapshot
-from pilotfish.xds import XdsServer, start_xds_server
+from pilotfish.xds import RestXds, XdsPolicy, XdsServer, start_rest_server, start_xds_server
 from pilotfish.xds.server import MAX_DENIED_RECORDED
 
 SDS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
@@ -193,17 +194,52 @@ async def test_a_grant_change_takes_effect_at_the_next_request(tmp_path: Path) -
             await call.write(request(SDS, ["edge-cert"], node="edge-1"))
             first = await read(call)
             assert secret_names(first) == []  # no grants: it does not exist for this proxy
-            xds.grants = SecretGrants([parse_grant("edge-cert=node:edge-1")])
+            xds.policy.grants.value = SecretGrants([parse_grant("edge-cert=node:edge-1")])
             await call.write(request(SDS, ["edge-cert"], response=first))
             second = await read(call)
             assert secret_names(second) == ["edge-cert"] and second.version_info == "1"
-            xds.grants = SecretGrants()
+            xds.policy.grants.value = SecretGrants()
             await call.write(request(SDS, ["edge-cert"], response=second))
             write("2")
             cache.set_snapshot(load_snapshot(snapshot))
             third = await read(call)
             assert third.version_info == "2" and secret_names(third) == []
     finally:
+        await server.stop(0.5)
+
+
+async def test_one_change_of_the_shared_policy_reaches_open_streams_and_rest_polls(tmp_path: Path) -> None:
+    """gRPC and REST xDS share one XdsPolicy: one ``set_grants`` (what ``serve`` does when the
+    grants file changes) sends an open SotW stream the secret it now may have, without another
+    request, and answers the next REST poll with it too."""
+    snapshot = tmp_path / "snap.yaml"
+    snapshot.write_text(yaml.safe_dump({"version": "1", "secrets": [secret("edge-cert")]}))
+    cache = SnapshotCache()
+    cache.set_snapshot(load_snapshot(snapshot))
+    policy = XdsPolicy()
+    server, port = await start_xds_server(XdsServer(cache, policy), "127.0.0.1:0")
+    runner, rest_address = await start_rest_server(RestXds(cache, policy), "127.0.0.1:0")
+    body = {"node": {"id": "edge-1"}, "resource_names": ["edge-cert"]}
+
+    async def rest_secrets(session: aiohttp.ClientSession) -> list[str]:
+        async with session.post(f"http://{rest_address}/v3/discovery:secrets", json=body) as answer:
+            assert answer.status == 200, await answer.text()
+            return sorted(resource["name"] for resource in (await answer.json()).get("resources", []))
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as session:
+            call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+            await call.write(request(SDS, ["edge-cert"], node="edge-1"))
+            first = await read(call)
+            assert secret_names(first) == []  # no grants: it does not exist for this proxy
+            await call.write(request(SDS, ["edge-cert"], response=first))  # the ACK
+            assert await rest_secrets(session) == []
+            policy.set_grants(SecretGrants([parse_grant("edge-cert=node:edge-1")]))
+            assert secret_names(await read(call)) == ["edge-cert"]  # no request in between
+            assert await rest_secrets(session) == ["edge-cert"]
+    finally:
+        await runner.cleanup()
         await server.stop(0.5)
 
 

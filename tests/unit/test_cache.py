@@ -14,7 +14,7 @@ from conftest import EDS, StreamPair, assignment
 from pilotfish.cache import SnapshotCache
 from pilotfish.resources import CLUSTER, ENDPOINT
 from pilotfish.resources.parse import parse_resource
-from pilotfish.snapshot import ResponseMemoLimits, Snapshot
+from pilotfish.snapshot import MemoBudget, ResponseMemoLimits, Snapshot
 
 LIMITS = ResponseMemoLimits(bytes=16 * 1024, entries=4)
 """Small: the peer's sets overflow it between any two proxies joining."""
@@ -24,11 +24,11 @@ FLEET_NAMES = SERVICES[:20]
 
 def snapshot(port: int) -> Snapshot:
     endpoints = [parse_resource(ENDPOINT, assignment(name, port), "")[0] for name in SERVICES]
-    return Snapshot.build({ENDPOINT: endpoints, CLUSTER: []}, memo_limits=LIMITS)
+    return Snapshot.build({ENDPOINT: endpoints, CLUSTER: []})  # counted in the cache's budget
 
 
 def test_a_fleet_at_one_version_shares_one_encoded_response_while_a_peer_cycles_sets() -> None:
-    cache = SnapshotCache()
+    cache = SnapshotCache(memo_budget=MemoBudget(LIMITS))
     cache.set_snapshot(snapshot(8000))
     rng = random.Random(19)
     peer = StreamPair(cache)
@@ -54,3 +54,26 @@ def test_a_fleet_at_one_version_shares_one_encoded_response_while_a_peer_cycles_
     pushed = {id(proxy.bodies[-1]) for proxy in fleet if len(proxy.bodies) == 2}
     assert sum(len(proxy.bodies) == 2 for proxy in fleet) == 1000
     assert len(pushed) == 1, f"one push to 1,000 proxies was encoded {len(pushed)} times"
+
+
+def test_two_caches_in_one_process_keep_budgets_of_their_own() -> None:
+    """The budget is an object each cache makes (``serve`` makes the cache once), not a table the
+    module keeps: a peer cycling sets on one server evicts nothing another server memoized, and
+    each stays within its own bound."""
+    quiet, busy = SnapshotCache(memo_budget=MemoBudget(LIMITS)), SnapshotCache(memo_budget=MemoBudget(LIMITS))
+    assert quiet.memo_budget is not busy.memo_budget
+    quiet.set_snapshot(snapshot(8000))
+    busy.set_snapshot(snapshot(8000))
+    kept = StreamPair(quiet)
+    kept.send(EDS, FLEET_NAMES)
+    quiet_eds = quiet.snapshot()
+    assert quiet_eds is not None
+    memoized = quiet_eds.get(EDS)
+    assert memoized is not None and memoized.memoized()[0] == 1
+    rng = random.Random(7)
+    peer = StreamPair(busy)
+    for _ in range(50):  # far over the busy server's budget
+        peer.send(EDS, rng.sample(SERVICES, 30))
+    assert memoized.memoized()[0] == 1, "another server's peer evicted this server's memoized response"
+    assert busy.memo_budget.bytes <= LIMITS.bytes and len(busy.memo_budget.order) <= LIMITS.entries
+    assert quiet.memo_budget.bytes <= LIMITS.bytes

@@ -82,12 +82,12 @@ def _names_of(body: bytes) -> list[str]:
 
 def test_the_response_memo_stays_bounded_and_keeps_the_set_everyone_asks_for() -> None:
     from pilotfish.resources import CLUSTER, ENDPOINT
-    from pilotfish.snapshot import ResponseMemoLimits, Snapshot
+    from pilotfish.snapshot import MemoBudget, ResponseMemoLimits, Snapshot
 
     names = [f"svc-{i:03d}" for i in range(200)]
     limits = ResponseMemoLimits(entries=64, bytes=256 * 1024)
     snap = Snapshot.build({ENDPOINT: _assignments(names),
-                           CLUSTER: []}, memo_limits=limits)
+                           CLUSTER: []}, memo_budget=MemoBudget(limits))
     eds = snap.get(EDS)
     assert eds is not None
     hot = frozenset(names[:10])
@@ -108,11 +108,11 @@ def test_the_response_memo_stays_bounded_and_keeps_the_set_everyone_asks_for() -
 
 def test_a_response_larger_than_the_memo_budget_is_answered_and_not_kept() -> None:
     from pilotfish.resources import ENDPOINT
-    from pilotfish.snapshot import ResponseMemoLimits, Snapshot
+    from pilotfish.snapshot import MemoBudget, ResponseMemoLimits, Snapshot
 
     names = [f"svc-{i:03d}" for i in range(100)]
     snap = Snapshot.build({ENDPOINT: _assignments(names)},
-                          memo_limits=ResponseMemoLimits(bytes=4096))
+                          memo_budget=MemoBudget(ResponseMemoLimits(bytes=4096)))
     eds = snap.get(EDS)
     assert eds is not None
     big = frozenset(names)
@@ -124,14 +124,14 @@ def test_a_response_larger_than_the_memo_budget_is_answered_and_not_kept() -> No
 
 def test_a_response_streams_hold_is_shared_whatever_the_budget_and_one_nobody_holds_goes() -> None:
     from pilotfish.resources import ENDPOINT
-    from pilotfish.snapshot import ResponseMemoLimits, Snapshot
+    from pilotfish.snapshot import MemoBudget, ResponseMemoLimits, Snapshot
 
     # Every proxy asks for the endpoints of every cluster by name: one response far over the
     # budget, which fan-outs must not encode again per proxy while proxies hold it.
     names = [f"svc-{i:04d}" for i in range(2000)]
     limits = ResponseMemoLimits(bytes=4096)
     snap = Snapshot.build({ENDPOINT: _assignments(names)},
-                          memo_limits=limits)
+                          memo_budget=MemoBudget(limits))
     eds = snap.get(EDS)
     assert eds is not None
     everyone = frozenset(names)

@@ -50,7 +50,7 @@ from pilotfish.transport.site import (
 )
 from pilotfish.transport.tls import ALPN_H2, ReloadingServerContext
 from pilotfish.xds.rest import RestXds, start_rest_server
-from pilotfish.xds.server import XdsServer, start_xds_server
+from pilotfish.xds.server import GrantsInForce, XdsPolicy, XdsServer, start_xds_server
 
 __all__ = ["ServeSettings", "serve"]
 
@@ -139,8 +139,9 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
                                                                "ids: they need mTLS, give --client-ca FILE too")])
         authorize = NodeAuthorizer(settings.authorize_nodes).refusal if settings.authorize_nodes else None
         grants = _secret_grants(settings, cache, () if grants_file is None else grants_file.value)
-        xds = XdsServer(cache, events=events, status=status, authorize=authorize, grants=grants,
-                        limits=settings.xds_limits, group_of=groups.group_of, proxy_indices=proxy_indices)
+        policy = XdsPolicy(events=events, status=status, authorize=authorize, grants=GrantsInForce(grants),
+                           limits=settings.xds_limits, proxy_indices=proxy_indices)  # gRPC and REST xDS share it
+        xds = XdsServer(cache, policy, group_of=groups.group_of)
         xds_holder.append(xds)
         cache.subset_of = proxy_indices.index
         with naming_failures(XDS, settings.xds):
@@ -185,26 +186,20 @@ async def serve(settings: ServeSettings, *, started: asyncio.Future[int] | None 
             if tokens is not None:
                 tasks.append(asyncio.create_task(tokens.follow(), name="registry-tokens"))
         rest_address = None
-        rest_holder: list[RestXds] = []
         if settings.rest is not None:
             rest_tls_files = settings.tls_files(client_ca=settings.client_ca, alpn=("http/1.1",))
             rest_tls = None
             if rest_tls_files is not None:
                 rest_tls = ReloadingServerContext(rest_tls_files, on_event=events.emit, name="rest")
                 tasks.append(asyncio.create_task(rest_tls.run(every=settings.tls_reload_every), name="rest-tls-reload"))
-            rest = RestXds(cache, events=events, status=xds.status, authorize=authorize, grants=grants,
-                           limits=settings.xds_limits, group_of=groups.rest_group_of, proxy_indices=proxy_indices)
+            rest = RestXds(cache, policy, group_of=groups.rest_group_of)
             rest_runner, rest_address = await start_rest_server(
                 rest, settings.rest, tls=None if rest_tls is None else rest_tls.context,
                 limits=settings.rest_connections)
             cleanups.append(rest_runner.cleanup)
-            rest_holder.append(rest)
         if grants_file is not None:
             def regrant(granted: tuple[SecretGrant, ...]) -> None:
-                new = _secret_grants(settings, cache, granted)
-                xds.set_grants(new)
-                for poller in rest_holder:
-                    poller.grants = new
+                policy.set_grants(_secret_grants(settings, cache, granted))  # gRPC streams and REST polls
 
             grants_file.on_change = regrant
             tasks.append(asyncio.create_task(grants_file.follow(), name="grants-file"))

@@ -28,8 +28,11 @@ the protocol (``type_url`` of another type, a node id over the limit), **413** f
 (``rest_refused``) at most once per ``report_every`` seconds, with how many were left out.
 
 Security is the gRPC server's: the same TLS certificate (ALPN ``http/1.1``), the same client CA
-(mTLS) and the same identities, so ``--authorize-node`` and ``--grant-secret`` hold per poll as
-they hold per stream. A secret not granted to the poller (its certificate identity, its claimed
+(mTLS), the same identities and the same :class:`~pilotfish.xds.server.XdsPolicy` (one object
+given to both), so ``--authorize-node`` and ``--grant-secret`` hold per poll as they hold per
+stream, and a changed grants file holds for both at once. The cache is seen through the narrow
+:class:`~pilotfish.cache.ConfigFetcher` (a group's current snapshot, a kept version): a poll
+watches nothing. A secret not granted to the poller (its certificate identity, its claimed
 node id) is left out of the answer as if it did not exist (``secret_denied``, once per node and
 name, up to a bound), and a wildcard SDS poll is never honoured. A refused node claim is recorded
 (``node_refused``) once per identity and node id.
@@ -64,21 +67,18 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
 
-from pilotfish.build.subsetting import ProxyIndexer, ProxyIndices
-from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
+from pilotfish.cache import DEFAULT_GROUP, ConfigFetcher, NodeGroup
 from pilotfish.errors import PeerError
-from pilotfish.events import EventLog, ReportGate
-from pilotfish.policy.grants import SecretGrants
-from pilotfish.protocol import DEFAULT_LIMITS, WILDCARD, PeerOverLimit, Subscription, XdsLimits, next_subscription
+from pilotfish.events import ReportGate
+from pilotfish.protocol import WILDCARD, PeerOverLimit, Subscription, next_subscription
 from pilotfish.protocol.limits import shorten
 from pilotfish.protocol.rest import RestPoll, is_current, read_poll
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, ResourceType
 from pilotfish.resources.anytypes import ensure_type
 from pilotfish.snapshot import EncodedResponse
-from pilotfish.status import SyncStatus
 from pilotfish.transport.site import REST_XDS, HttpConnectionLimits, serve_app
 from pilotfish.transport.tls import peer_identity
-from pilotfish.xds.server import node_info
+from pilotfish.xds.server import XdsPolicy, node_info
 
 __all__ = ["DEFAULT_MAX_BODY", "PATHS", "RestXds", "start_rest_server"]
 
@@ -186,31 +186,20 @@ class RestXds:
 
     def __init__(
         self,
-        cache: SnapshotCache,
+        cache: ConfigFetcher,
+        policy: XdsPolicy | None = None,
         *,
-        events: EventLog | None = None,
-        status: SyncStatus | None = None,
         group_of: Callable[[base_pb2.Node], NodeGroup] = _default_group,
-        authorize: Callable[[str, str], str | None] | None = None,
-        grants: SecretGrants | None = None,
-        limits: XdsLimits = DEFAULT_LIMITS,
         max_body: int = DEFAULT_MAX_BODY,
         report_every: float = 10.0,
-        proxy_indices: ProxyIndexer | None = None,
     ) -> None:
         self.cache = cache
-        self.proxy_indices: ProxyIndexer = proxy_indices if proxy_indices is not None else ProxyIndices()
-        """Subsetting indices by node id (shared with the gRPC server: a poller is indexed at each
-        poll, and keeps its index the grace period between polls)."""
-        self.events = events or EventLog()
-        self.status = status if status is not None else SyncStatus()  # (an empty one is falsy)
+        self.policy = policy if policy is not None else XdsPolicy()
+        """The gRPC server's (``serve`` gives both one): node claims, the grants in force, the
+        limits, the subsetting indices (a poller is indexed at each poll, and keeps its index the
+        grace period between polls), the status and the event log."""
         self.group_of = group_of
         """A poll's node -> the group whose snapshot answers it."""
-        self.authorize = authorize
-        """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.policy.authorize`)."""
-        self.grants = grants if grants is not None else SecretGrants()
-        """Which pollers may receive which secrets; none by default (fail closed)."""
-        self.limits = limits
         self.max_body = max_body
         self._json = _JsonMemo()
         self._recorded: set[tuple[str, str, str]] = set()
@@ -245,7 +234,7 @@ class RestXds:
             return self._refuse(request, _error(400, f"the body is not a JSON DiscoveryRequest: "
                                                      f"{shorten(str(exc), 400)}", field=_field_of(exc)))
         try:
-            poll = read_poll(message, rtype, self.limits)
+            poll = read_poll(message, rtype, self.policy.limits)
         except PeerOverLimit as exc:
             return self._refuse(request, _error(413, str(exc), field=_field_of(exc)))
         except PeerError as exc:
@@ -256,18 +245,19 @@ class RestXds:
         """Everything from here on runs without an await: the poll sees one snapshot."""
         node_id, type_url = poll.node.id, poll.rtype.url
         identity = _identity(request)
-        if self.authorize is not None:
-            refusal = self.authorize(identity, node_id)
+        policy = self.policy
+        if policy.authorize is not None:
+            refusal = policy.authorize(identity, node_id)
             if refusal is not None:
                 if self._first_time("node_refused", identity, node_id):
-                    self.events.emit("node_refused", rest=True, node=node_id, identity=identity, peer=request.remote,
+                    policy.events.emit("node_refused", rest=True, node=node_id, identity=identity, peer=request.remote,
                                      reason=refusal)
                 return self._refuse(request, _error(403, refusal, field="node.id"))
         group = self.group_of(poll.node)
         snapshot = self.cache.snapshot(group)
         current = snapshot.get(type_url) if snapshot is not None else None
         if snapshot is not None and snapshot.subsets is not None and poll.rtype is ENDPOINT:
-            current = snapshot.endpoints_for(self.proxy_indices.touch(node_id))  # its own subsets
+            current = snapshot.endpoints_for(policy.proxy_indices.touch(node_id))  # its own subsets
         if current is None:
             self._record(poll, answer=503)
             response = _error(503, "no configuration is published yet (pilotfish is waiting for its sources); "
@@ -282,7 +272,7 @@ class RestXds:
         stated = None
         if poll.version_info and poll.version_info != current.version and not subscription.wildcard:
             stated = self.cache.kept(type_url, poll.version_info, group)
-        status = self.status
+        status = policy.status
         # A poll is a stream of one request: remembered the grace period after.
         status.stream_opened(node_id, node_info(poll.node, address=request.remote or "", group=group, protocol="rest"))
         try:
@@ -299,15 +289,16 @@ class RestXds:
         finally:
             status.stream_closed(node_id)
         self._record(poll, answer=200)
-        if self.events.conversation:
-            self.events.emit("sent", node=node_id, type=type_url, version=encoded.version, rest=True,
+        if policy.events.conversation:
+            policy.events.emit("sent", node=node_id, type=type_url, version=encoded.version, rest=True,
                              resources=encoded.carried)
         return web.Response(body=body, status=200, content_type="application/json")
 
     def _granted(self, poll: RestPoll, identity: str, peer: str | None) -> Subscription:
         """The poll's SDS subscription without the secrets not granted to the poller (nor a wildcard)."""
         subscription = poll.subscription
-        names, denied = self.grants.for_proxy(identity=identity, node_id=poll.node.id).split(subscription.names)
+        grants = self.policy.grants.value.for_proxy(identity=identity, node_id=poll.node.id)
+        names, denied = grants.split(subscription.names)
         if subscription.wildcard:
             denied.append(WILDCARD)
         if not denied:
@@ -316,7 +307,7 @@ class RestXds:
         for name in denied:
             if not self._first_time("secret_denied", poll.node.id, name):
                 continue
-            self.events.emit("secret_denied", rest=True, node=poll.node.id, identity=identity, peer=peer,
+            self.policy.events.emit("secret_denied", rest=True, node=poll.node.id, identity=identity, peer=peer,
                              secret=name)
             _log.warning("node %r (identity %r, %s) asked over REST for secret %r, not granted to it: not sent",
                          shorten(poll.node.id, 200), identity, peer, shorten(name, 200))
@@ -336,11 +327,12 @@ class RestXds:
         return True
 
     def _record(self, poll: RestPoll, *, answer: int) -> None:
-        if not self.events.conversation:
+        events = self.policy.events
+        if not events.conversation:
             return
         subscription = poll.subscription
         names = {} if subscription.wildcard else {"resource_names": sorted(subscription.names)}
-        self.events.emit("rest_request", node=poll.node.id, type=poll.rtype.url, version_info=poll.version_info,
+        events.emit("rest_request", node=poll.node.id, type=poll.rtype.url, version_info=poll.version_info,
                          answer=answer, **names)
 
     def _refuse(self, request: web.Request, response: web.Response) -> web.Response:
@@ -352,7 +344,7 @@ class RestXds:
         _log.warning("REST xDS refused %s %s from %s: %d %s%s", request.method, shorten(request.path, 200),
                      request.remote, response.status, shorten(reason, 400),
                      f" ({left_out} more refusal(s) since the last one logged)" if left_out else "")
-        self.events.emit("rest_refused", method=request.method, path=shorten(request.path, 200),
+        self.policy.events.emit("rest_refused", method=request.method, path=shorten(request.path, 200),
                          status=response.status, peer=request.remote, reason=shorten(reason, 1000),
                          unreported_before=left_out)
         return response

@@ -1,14 +1,25 @@
 """xDS over gRPC: the aggregated service and the per-type services, SotW and incremental (delta).
 
 This layer only moves bytes. Each stream pairs a :class:`~pilotfish.protocol.SotwStream` or a
-:class:`~pilotfish.protocol.DeltaStream` (what the stream has seen) with watches on the
-:class:`~pilotfish.cache.SnapshotCache` (what exists). A request is parsed and fed to the state
-machine as it arrives, and the watches it asks for are opened; a response the cache hands back is
-written at once (the cache hands them over in ADS order). Responses are shared pre-encoded bytes
-(a delta answer is shared by the streams that are known to have the same); a stream appends only
-its nonce. Everything runs in the
-callbacks of pilotfish's own gRPC transport (:mod:`pilotfish.transport.aio`): an idle stream
-is this object and its watches, with no task or coroutine.
+:class:`~pilotfish.protocol.DeltaStream` (what the stream has seen) with watches on the cache
+(what exists), seen through the narrow :class:`~pilotfish.cache.ConfigWatcher` (create a watch,
+cancel it): the :class:`~pilotfish.cache.SnapshotCache`, or anything else that answers watches.
+A request is parsed and fed to the state machine as it arrives, and the watches it asks for are
+opened; a response the cache hands back is written at once (the cache hands them over in ADS
+order). Responses are shared pre-encoded bytes (a delta answer is shared by the streams that are
+known to have the same); a stream appends only its nonce. Everything runs in the callbacks of
+pilotfish's own gRPC transport (:mod:`pilotfish.transport.aio`): an idle stream is this object and
+its watches, with no task or coroutine.
+
+One stream core (``_Stream``) serves both variants: the call's callbacks, the first request (the
+node claim checked, the group, the ``stream_open`` record), the ACK and NACK records, the watches
+opened (secrets filtered by the grants, endpoints per proxy), the refusals and the end. A variant
+says only how its requests are decoded and fed to its state machine, what is recorded of a request
+and a response, and what of a secrets watch is granted.
+
+What the gRPC services share with REST xDS is one :class:`XdsPolicy`: node authorization, the
+secret grants in force (:class:`GrantsInForce`), the request limits, the subsetting indices, the
+status and the event log.
 
 A request a peer should not have sent ends its stream, never the server: a protocol error with
 INVALID_ARGUMENT, a request over :class:`~pilotfish.protocol.XdsLimits` with RESOURCE_EXHAUSTED,
@@ -20,7 +31,7 @@ SDS watch reaches the cache, the names the stream's proxy (its certificate ident
 is not granted are taken out of its subscription, and a wildcard is dropped. So the cache never
 produces an ungranted secret for that stream, responses stay shared between streams with the same
 granted set, and the proxy waits for a denied secret as for one that does not exist. New grants
-(:meth:`XdsServer.set_grants`, an edited grants file) are applied to every open stream's SDS
+(:meth:`XdsPolicy.set_grants`, an edited grants file) are applied to every open stream's SDS
 watch at once: a proxy waiting for a secret it is now granted receives it without asking again.
 Each denied
 name is recorded once per stream (a ``secret_denied`` event, up to :data:`MAX_DENIED_RECORDED`
@@ -32,15 +43,16 @@ from __future__ import annotations
 import itertools
 import logging
 import ssl
-from collections.abc import Callable
-from typing import Any, Generic, NoReturn, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf.message import DecodeError
 
 from pilotfish.build.subsetting import ProxyIndexer, ProxyIndices
-from pilotfish.cache import DEFAULT_GROUP, Cancel, NodeGroup, SnapshotCache
+from pilotfish.cache import DEFAULT_GROUP, Cancel, ConfigWatcher, NodeGroup
 from pilotfish.errors import PeerError
 from pilotfish.events import EventLog
 from pilotfish.policy.grants import ProxyGrants, SecretGrants
@@ -48,10 +60,12 @@ from pilotfish.protocol import (
     DEFAULT_LIMITS,
     WILDCARD,
     DeltaKind,
+    DeltaOutcome,
     DeltaStream,
     DeltaWatch,
     PeerOverLimit,
     RequestKind,
+    RequestOutcome,
     SotwStream,
     Subscription,
     Watch,
@@ -59,6 +73,7 @@ from pilotfish.protocol import (
     next_subscription,
 )
 from pilotfish.protocol.limits import shorten
+from pilotfish.protocol.sotw import DecodedRequest
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field
 from pilotfish.snapshot import DeltaChanges, EncodedResponse
@@ -74,34 +89,28 @@ from pilotfish.transport.aio import (
 )
 from pilotfish.transport.frames import GrpcStatus
 
-__all__ = ["MAX_DENIED_RECORDED", "WARN_EVERY", "XdsLimits", "XdsServer", "node_info", "start_xds_server"]
+__all__ = ["MAX_DENIED_RECORDED", "WARN_EVERY", "GrantsInForce", "XdsLimits", "XdsPolicy", "XdsServer", "node_info",
+           "start_xds_server"]
 
 _log = logging.getLogger("pilotfish.server")
 
-# (service, method, type served; None = any, i.e. aggregated)
-_SOTW_METHODS: tuple[tuple[str, str, TypeUrl | None], ...] = (
-    ("envoy.service.discovery.v3.AggregatedDiscoveryService", "StreamAggregatedResources", None),
-    ("envoy.service.cluster.v3.ClusterDiscoveryService", "StreamClusters", CLUSTER.url),
-    ("envoy.service.endpoint.v3.EndpointDiscoveryService", "StreamEndpoints", ENDPOINT.url),
-    ("envoy.service.listener.v3.ListenerDiscoveryService", "StreamListeners", LISTENER.url),
-    ("envoy.service.route.v3.RouteDiscoveryService", "StreamRoutes", ROUTE.url),
-    ("envoy.service.secret.v3.SecretDiscoveryService", "StreamSecrets", SECRET.url),
+_SERVICES: tuple[tuple[str, str, TypeUrl | None], ...] = (
+    ("envoy.service.discovery.v3.AggregatedDiscoveryService", "AggregatedResources", None),
+    ("envoy.service.cluster.v3.ClusterDiscoveryService", "Clusters", CLUSTER.url),
+    ("envoy.service.endpoint.v3.EndpointDiscoveryService", "Endpoints", ENDPOINT.url),
+    ("envoy.service.listener.v3.ListenerDiscoveryService", "Listeners", LISTENER.url),
+    ("envoy.service.route.v3.RouteDiscoveryService", "Routes", ROUTE.url),
+    ("envoy.service.secret.v3.SecretDiscoveryService", "Secrets", SECRET.url),
 )
+"""(service, what its methods serve, type served; None = any, i.e. aggregated): each has a SotW
+method ``Stream<what>`` and a delta one ``Delta<what>``."""
 
 
-_DELTA_METHODS: tuple[tuple[str, str, TypeUrl | None], ...] = (
-    ("envoy.service.discovery.v3.AggregatedDiscoveryService", "DeltaAggregatedResources", None),
-    ("envoy.service.cluster.v3.ClusterDiscoveryService", "DeltaClusters", CLUSTER.url),
-    ("envoy.service.endpoint.v3.EndpointDiscoveryService", "DeltaEndpoints", ENDPOINT.url),
-    ("envoy.service.listener.v3.ListenerDiscoveryService", "DeltaListeners", LISTENER.url),
-    ("envoy.service.route.v3.RouteDiscoveryService", "DeltaRoutes", ROUTE.url),
-    ("envoy.service.secret.v3.SecretDiscoveryService", "DeltaSecrets", SECRET.url),
-)
-
-
-_W = TypeVar("_W")
-_R = TypeVar("_R")
 _Watch = TypeVar("_Watch", Watch, DeltaWatch)
+_Decoded = TypeVar("_Decoded")
+"""A request as the variant decoded it."""
+_Answer = TypeVar("_Answer", EncodedResponse, DeltaChanges)
+"""What the cache answers a watch of the variant with."""
 
 
 def _default_group(node: base_pb2.Node) -> NodeGroup:
@@ -127,42 +136,85 @@ _MESSAGE_CHARS = 1024
 """A gRPC status message is at most about this long (the limits' messages are shorter)."""
 
 
+class GrantsInForce:
+    """The SDS grants in force, one for every service of an :class:`XdsPolicy`: read at every SDS
+    request and REST poll, replaced (:meth:`XdsPolicy.set_grants`) when the grants file changes.
+    Those who follow it (the gRPC server, :meth:`follow`) are told of each replacement."""
+
+    __slots__ = ("_followers", "value")
+
+    def __init__(self, grants: SecretGrants | None = None) -> None:
+        self.value = grants if grants is not None else SecretGrants()
+        """Which proxies may receive which secrets; none by default (fail closed)."""
+        self._followers: list[Callable[[], None]] = []
+
+    def follow(self, on_change: Callable[[], None]) -> None:
+        """Call ``on_change`` after every :meth:`replace`."""
+        self._followers.append(on_change)
+
+    def replace(self, grants: SecretGrants) -> None:
+        """Serve under ``grants`` from now on, and tell the followers."""
+        self.value = grants
+        for on_change in list(self._followers):
+            on_change()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class XdsPolicy:
+    """What the gRPC services (:class:`XdsServer`) and REST xDS (:class:`~pilotfish.xds.rest.RestXds`)
+    share: who may claim which node, who may get which secrets, the limits on a peer's requests,
+    the subsetting indices, and where the conversation is recorded. One object, made once
+    (``serve``) and given to both, so a change of grants is made in one place. Not in it: which
+    group's snapshot answers a node, which each service is given (REST answers from the groups of
+    kind rest)."""
+
+    events: EventLog = field(default_factory=EventLog)
+    """Where the conversation is recorded (``stream_open``, ACKs, NACKs, refusals...)."""
+    status: SyncStatus = field(default_factory=SyncStatus)
+    """What each proxy was sent, ACKed and NACKed."""
+    authorize: Callable[[str, str], str | None] | None = None
+    """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.policy.authorize`);
+    None: any claim is taken."""
+    grants: GrantsInForce = field(default_factory=GrantsInForce)
+    """Which proxies may receive which secrets (none by default: fail closed). Checked at every SDS
+    request and poll; :meth:`set_grants` replaces them and opens every stream's SDS watch again."""
+    limits: XdsLimits = DEFAULT_LIMITS
+    """What a peer's request may hold (node id, names, types...)."""
+    proxy_indices: ProxyIndexer = field(default_factory=ProxyIndices)
+    """Each connected proxy's subsetting index (by node id): which subset of a subsetted service's
+    endpoints it gets. A stream holds its proxy's index while open; a poll touches it (kept the
+    grace period between polls)."""
+
+    def set_grants(self, grants: SecretGrants) -> None:
+        """Serve under ``grants`` from now on, over gRPC and REST: every open stream's SDS watch is
+        opened again with what the new grants let its proxy have (a secret newly granted is sent at
+        once; one no longer granted gets no later version), and the next poll is answered by them."""
+        self.grants.replace(grants)
+
+
 class XdsServer:
     """Serves the cache's snapshots to xDS streams and records the conversation."""
 
     def __init__(
         self,
-        cache: SnapshotCache,
+        cache: ConfigWatcher,
+        policy: XdsPolicy | None = None,
         *,
-        events: EventLog | None = None,
-        status: SyncStatus | None = None,
         group_of: Callable[[base_pb2.Node], NodeGroup] = _default_group,
-        authorize: Callable[[str, str], str | None] | None = None,
-        grants: SecretGrants | None = None,
-        limits: XdsLimits = DEFAULT_LIMITS,
-        proxy_indices: ProxyIndexer | None = None,
     ) -> None:
         self.cache = cache
-        self.proxy_indices: ProxyIndexer = proxy_indices if proxy_indices is not None else ProxyIndices()
-        """Each connected proxy's subsetting index (by node id): which subset of a subsetted
-        service's endpoints it gets."""
-        self.events = events or EventLog()
-        self.status = status if status is not None else SyncStatus()  # (an empty one is falsy)
-        self.limits = limits
+        self.policy = policy if policy is not None else XdsPolicy()
         self._group_of = group_of
-        self.authorize = authorize
-        """(identity, node id) -> why the claim is refused, or None (see :mod:`pilotfish.policy.authorize`)."""
-        self.grants = grants if grants is not None else SecretGrants()
-        """Which proxies may receive which secrets; none by default (fail closed). Checked at every
-        SDS request: a replacement takes effect at each stream's next one (:meth:`set_grants`: at once)."""
+        """A stream's node -> the group whose snapshot answers it."""
         self._warnings = RateLimitedLog(_log, what="such streams")
         """A peer that breaks the rules in a loop must not fill the log (the event log has a
         ``stream_closed`` line per stream)."""
         self._denials = RateLimitedLog(_log, what="such requests for secrets")
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
-        self._by_node: dict[str, set[_Stream[Any]]] = {}
+        self._by_node: dict[str, set[_Stream[Any, Any, Any]]] = {}
         """Open streams by node id (to end them when the node's subsetting index moved)."""
+        self.policy.grants.follow(self._regrant)
 
     def refresh_endpoints(self, node: str) -> None:
         """``node``'s subsetting index changed: answer its streams' endpoint watches again (its
@@ -170,43 +222,56 @@ class XdsServer:
         for stream in list(self._by_node.get(node, ())):
             stream.rewatch(ENDPOINT.url)
 
-    def set_grants(self, grants: SecretGrants) -> None:
-        """Serve under ``grants`` from now on: every open stream's SDS watch is opened again with
-        what the new grants let its proxy have (a secret newly granted is sent at once; one no
-        longer granted gets no later version)."""
-        self.grants = grants
+    def _regrant(self) -> None:
+        """The policy's grants were replaced: every open stream opens its SDS watch again."""
         for streams in list(self._by_node.values()):
             for stream in list(streams):
                 stream.regrant()
 
     def methods(self) -> dict[str, MethodFactory]:
         """``{path: factory}`` for every xDS method pilotfish serves, SotW and delta."""
-        def factory(kind: type[_Stream[Any]], type_url: TypeUrl | None) -> MethodFactory:
-            return lambda call: kind(self, call, type_url)  # type: ignore[return-value]  # a Handler
+        def factory(kind: type[_SotwConnection | _DeltaConnection], type_url: TypeUrl | None) -> MethodFactory:
+            return lambda call: kind(self, call, type_url)
 
-        methods = {f"/{service}/{method}": factory(_SotwConnection, type_url)
-                   for service, method, type_url in _SOTW_METHODS}
-        methods.update((f"/{service}/{method}", factory(_DeltaConnection, type_url))
-                       for service, method, type_url in _DELTA_METHODS)
-        return methods
+        return {f"/{service}/{kind.method_prefix}{what}": factory(kind, type_url)
+                for kind in (_SotwConnection, _DeltaConnection)
+                for service, what, type_url in _SERVICES}
 
 
-class _Stream(Generic[_Watch]):
-    """What SotW and delta streams share: the call, the proxy's node and group, the watches, the
-    refusals, the secrets granted, the NACK warnings and the end."""
+class _State(Protocol):
+    """What the stream core reads of its state machine (:class:`~pilotfish.protocol.SotwStream`,
+    :class:`~pilotfish.protocol.DeltaStream`)."""
 
-    __slots__ = ("_asked_secrets", "_call", "_cancels", "_current", "_denied", "_grants", "_last_nack", "_server",
-                 "closed", "group", "id", "node_id", "opened", "type_url")
+    @property
+    def node(self) -> base_pb2.Node | None: ...
+
+
+class _Stream(Generic[_Watch, _Decoded, _Answer]):
+    """The stream core, what SotW and delta streams share: the call's callbacks, the first request
+    (the node claim checked, the group, the ``stream_open`` record), the request's record (ACK,
+    NACK), its watches opened on the cache (secrets filtered by the grants, endpoints per proxy),
+    the responses' record, the refusals and the end. A variant (:class:`_SotwConnection`,
+    :class:`_DeltaConnection`) says how a request is decoded and fed to its state machine, how a
+    request and a response are recorded, and what of a secrets watch is granted."""
+
+    __slots__ = ("_asked_secrets", "_call", "_cancels", "_create", "_current", "_denied", "_grants", "_last_nack",
+                 "_server", "closed", "group", "id", "node_id", "opened", "type_url")
 
     service = "ads"
     """How ``stream_open`` names an aggregated stream of this kind."""
     protocol = "sotw"
     """How the status names its variant of xDS."""
+    method_prefix = "Stream"
+    """Its methods' names: ``StreamClusters``... (see :data:`_SERVICES`)."""
+    state: _State
 
-    def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
+    def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None,
+                 create: Callable[[_Watch, Callable[[_Watch, _Answer], None], NodeGroup], Cancel]) -> None:
         self._server = server
         self._call = call
         self.type_url = type_url
+        self._create: Callable[[_Watch, Callable[[_Watch, _Answer], None], NodeGroup], Cancel] = create
+        """The cache's ``create_watch`` of the variant."""
         self.id = next(server._stream_ids)
         self.node_id = ""
         self.group = DEFAULT_GROUP
@@ -221,13 +286,23 @@ class _Stream(Generic[_Watch]):
         self._last_nack: tuple[TypeUrl, str | None] | None = None
         """The type and version of the last NACK warned about: a repeated one is not warned again."""
         self._grants: tuple[SecretGrants, ProxyGrants] | None = None
-        """The server's grants, and what of them is this stream's proxy's (its node id and identity
+        """The policy's grants, and what of them is this stream's proxy's (its node id and identity
         do not change)."""
         self._denied: set[str] = set()
         """Secret names denied on this stream so far (recorded once each, up to a bound)."""
         server.open_streams += 1
 
     # -- the call's callbacks -------------------------------------------------------------------
+
+    def on_message(self, data: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            self._on_request(data)
+        except PeerOverLimit as exc:
+            self._refuse(GrpcStatus.RESOURCE_EXHAUSTED, str(exc))
+        except PeerError as exc:
+            self._refuse(GrpcStatus.INVALID_ARGUMENT, str(exc))
 
     def on_half_close(self) -> None:
         self._close("closed by client")
@@ -244,16 +319,45 @@ class _Stream(Generic[_Watch]):
         self._close(f"{what}: {message}")
         raise RpcError(code, message)
 
-    # -- the first request ------------------------------------------------------------------------
+    # -- a request ------------------------------------------------------------------------------
+
+    def _on_request(self, data: bytes) -> None:
+        decoded = self._decode(data)
+        first = self.state.node is None
+        if first:
+            self._authorize(self._node_id(decoded))
+        outcome = self._step(decoded)
+        if first:
+            node = self.state.node
+            assert node is not None
+            self._open(node)
+        for watch in self._record(data, decoded, outcome):
+            self._watch(watch)
+
+    def _decode(self, data: bytes) -> _Decoded:
+        """The request (raises :class:`PeerError` for one that does not decode)."""
+        raise NotImplementedError
+
+    def _node_id(self, decoded: _Decoded) -> str:
+        raise NotImplementedError
+
+    def _step(self, decoded: _Decoded) -> Any:
+        """Feed the request to the state machine: its outcome."""
+        raise NotImplementedError
+
+    def _record(self, data: bytes, decoded: _Decoded, outcome: Any) -> Sequence[_Watch]:
+        """Record the request (its event; an ACK or NACK through :meth:`_acked`, :meth:`_nacked`);
+        the watches it asks for."""
+        raise NotImplementedError
 
     def _authorize(self, node_id: str) -> None:
         """Refuse the stream (PERMISSION_DENIED) if the proxy's certificate may not claim ``node_id``."""
-        server = self._server
-        if server.authorize is None:
+        policy = self._server.policy
+        if policy.authorize is None:
             return
-        refusal = server.authorize(self._call.peer_identity, node_id)
+        refusal = policy.authorize(self._call.peer_identity, node_id)
         if refusal is not None:
-            server.events.emit("node_refused", stream=self.id, identity=self._call.peer_identity,
+            policy.events.emit("node_refused", stream=self.id, identity=self._call.peer_identity,
                                peer=self._call.peer, reason=refusal)
             _log.warning("%s: %s", self._call.peer, refusal)
             self._close(f"permission denied: {refusal}")
@@ -261,44 +365,94 @@ class _Stream(Generic[_Watch]):
 
     def _open(self, node: base_pb2.Node) -> None:
         """The stream's proxy is known: its group, its status, the ``stream_open`` event."""
-        server = self._server
+        server, policy = self._server, self._server.policy
         self.opened = True
         self.node_id = node.id
         self.group = server._group_of(node)
-        server.proxy_indices.acquire(self.node_id)  # (its index is looked up when its endpoints are answered)
+        policy.proxy_indices.acquire(self.node_id)  # (its index is looked up when its endpoints are answered)
         server._by_node.setdefault(self.node_id, set()).add(self)
-        server.status.stream_opened(self.node_id, node_info(node, address=self._call.peer, group=self.group,
+        policy.status.stream_opened(self.node_id, node_info(node, address=self._call.peer, group=self.group,
                                                               protocol=self.protocol))
         identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
-        server.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
+        policy.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
                            service=self.service if self.type_url is None else self.type_url, group=self.group,
                            **({"identity": identity} if identity else {}))
 
-    def _record_nack(self, type_url: TypeUrl, version: str | None, error: str | None) -> None:
-        self._server.status.nacked(self.node_id, type_url, version, error or "")
+    def _acked(self, type_url: TypeUrl, version: str) -> None:
+        self._server.policy.status.acked(self.node_id, type_url, version)
+
+    def _nacked(self, type_url: TypeUrl, version: str | None, error: str | None) -> None:
+        self._server.policy.status.nacked(self.node_id, type_url, version, error or "")
         nack = (type_url, version)
         if nack != self._last_nack:  # a peer repeating its NACK does not fill the log
             self._last_nack = nack
             _log.warning("%s rejected %s version %s: %s", self.node_id or f"stream {self.id}",
                          type_url.rsplit(".", 1)[-1], version, error)
 
-    def _replace_watch(self, type_url: TypeUrl, create: Callable[[_W, Callable[[_W, _R], None], NodeGroup], Cancel],
-                       watch: _W, respond: Callable[[_W, _R], None]) -> None:
-        """Cancel the stream's watch of ``type_url`` and open ``watch`` in its place (the cache
-        may answer it at once, through ``respond``)."""
+    # -- watches --------------------------------------------------------------------------------
+
+    def _watch(self, watch: _Watch) -> None:
+        """Open a watch the request asks for, in place of the stream's previous one of its type:
+        a secrets watch only for what is granted, an endpoints watch for this proxy's own."""
+        if watch.type_url == SECRET.url:
+            self._asked_secrets = watch
+            watch = self._granted_only(watch)
+        elif watch.type_url == ENDPOINT.url:
+            watch = watch._replace(proxy=self.node_id)
+        self._current[watch.type_url] = watch
+        self._replace_watch(watch)
+
+    def _replace_watch(self, watch: _Watch) -> None:
+        """Cancel the stream's watch of ``watch``'s type and open ``watch`` in its place (the
+        cache may answer it at once, through :meth:`_send`)."""
+        type_url = watch.type_url
         previous = self._cancels.pop(type_url, None)
         if previous is not None:
             previous()
-        self._cancels[type_url] = create(watch, respond, self.group)
+        self._cancels[type_url] = self._create(watch, self._send, self.group)
+
+    def _send(self, watch: _Watch, answer: _Answer) -> None:
+        """The cache's callback: write the answer now (the transport queues what flow control
+        holds back) and record it, unless a newer request superseded the watch it answers; then
+        open the watches it made due."""
+        if self.closed or self._current.get(answer.type_url) is not watch:
+            return
+        nonce, sent, due = self._on_response(watch, answer)
+        self._call.send(sent.body, nonce_field(nonce))
+        policy = self._server.policy
+        policy.status.sent(self.node_id, sent.type_url, sent.version)
+        if policy.events.conversation:
+            policy.events.emit("sent", **self._sent_event(sent, nonce))
+        for again in due:
+            self._current[again.type_url] = again
+            self._replace_watch(again)
+
+    def _on_response(self, watch: _Watch, answer: _Answer) -> tuple[str, _Answer, Sequence[_Watch]]:
+        """Tell the state machine: the nonce, what is sent (the answer, or what it became), and
+        the watches that are due now."""
+        raise NotImplementedError
+
+    def _sent_event(self, sent: _Answer, nonce: str) -> dict[str, object]:
+        """The fields of the ``sent`` event."""
+        raise NotImplementedError
+
+    def rewatch(self, type_url: TypeUrl) -> None:
+        """Open the stream's latest watch of ``type_url`` again (the cache looks at it anew)."""
+        watch = self._current.get(type_url)
+        if watch is not None and not self.closed:
+            self._replace_watch(watch)
 
     # -- secrets ----------------------------------------------------------------------------------
 
     def _proxy_grants(self) -> ProxyGrants:
-        server_grants = self._server.grants
-        if self._grants is None or self._grants[0] is not server_grants:
-            self._grants = (server_grants, server_grants.for_proxy(identity=self._call.peer_identity,
-                                                                   node_id=self.node_id))
+        grants = self._server.policy.grants.value
+        if self._grants is None or self._grants[0] is not grants:
+            self._grants = (grants, grants.for_proxy(identity=self._call.peer_identity, node_id=self.node_id))
         return self._grants[1]
+
+    def _granted_only(self, watch: _Watch) -> _Watch:
+        """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
+        raise NotImplementedError
 
     def _record_denied(self, names: list[str]) -> None:
         server, identity = self._server, self._call.peer_identity
@@ -308,26 +462,16 @@ class _Stream(Generic[_Watch]):
             if name in self._denied:
                 continue
             self._denied.add(name)
-            server.events.emit("secret_denied", stream=self.id, node=self.node_id, identity=identity,
-                               peer=self._call.peer, secret=name)
+            server.policy.events.emit("secret_denied", stream=self.id, node=self.node_id, identity=identity,
+                                      peer=self._call.peer, secret=name)
         shown = shorten(", ".join(names[:_DENIED_SHOWN]), 400)
         if len(names) > _DENIED_SHOWN:
             shown += f" and {len(names) - _DENIED_SHOWN:,} more"
         server._denials.log("node %r (identity %r, %s) asked for secrets not granted to it, not sent: %s",
                              shorten(self.node_id, 200), identity, self._call.peer, shown)
 
-    # -- the end ----------------------------------------------------------------------------------
-
-    def rewatch(self, type_url: TypeUrl) -> None:
-        """Open the stream's latest watch of ``type_url`` again (the cache looks at it anew)."""
-        raise NotImplementedError
-
-    def _granted_only(self, watch: _Watch) -> _Watch:
-        """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
-        raise NotImplementedError
-
     def regrant(self) -> None:
-        """The server's grants changed: open the stream's SDS watch again, with what its proxy
+        """The policy's grants changed: open the stream's SDS watch again, with what its proxy
         last asked for filtered by them (unless that leaves the same names)."""
         asked = self._asked_secrets
         if asked is None or self.closed:
@@ -337,97 +481,76 @@ class _Stream(Generic[_Watch]):
             self._current[SECRET.url] = watch
             self.rewatch(SECRET.url)
 
-    def _forget_watches(self) -> None:
-        """Drop what the stream waits for (subclasses drop their own state too)."""
-        for cancel in self._cancels.values():
-            cancel()
-        self._cancels.clear()
-        self._current.clear()
-        self._asked_secrets = None
+    # -- the end ----------------------------------------------------------------------------------
 
     def _close(self, reason: str) -> None:
         if self.closed:
             return
         self.closed = True
-        server = self._server
+        server, policy = self._server, self._server.policy
         server.open_streams -= 1
-        self._forget_watches()
+        for cancel in self._cancels.values():
+            cancel()
+        self._cancels.clear()
+        self._current.clear()
+        self._asked_secrets = None
         if self.opened:
-            server.status.stream_closed(self.node_id)
-            server.proxy_indices.release(self.node_id)
+            policy.status.stream_closed(self.node_id)
+            policy.proxy_indices.release(self.node_id)
             streams = server._by_node.get(self.node_id)
             if streams is not None:
                 streams.discard(self)
                 if not streams:
                     del server._by_node[self.node_id]
-        server.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=reason)
+        policy.events.emit("stream_closed", stream=self.id, node=self.node_id, reason=reason)
 
 
-class _SotwConnection(_Stream[Watch]):
-    """One SotW stream, driven by its call's callbacks: a request is handled as it arrives, and
-    the cache's responses are written as it hands them over."""
+class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
+    """One SotW stream: :class:`~pilotfish.protocol.SotwStream` decides, and the cache answers
+    with shared encoded responses."""
 
     __slots__ = ("_granted", "state")
 
+    state: SotwStream
+
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
-        super().__init__(server, call, type_url)
-        self.state = SotwStream(type_url=type_url, limits=server.limits)
+        super().__init__(server, call, type_url, server.cache.create_watch)
+        self.state = SotwStream(type_url=type_url, limits=server.policy.limits)
         self._granted: tuple[ProxyGrants, Subscription, Subscription] | None = None
         """The last SDS subscription asked for and what of it is granted (under those grants)."""
 
-    def on_message(self, data: bytes) -> None:
-        if self.closed:
-            return
-        try:
-            self._on_request(data)
-        except PeerOverLimit as exc:
-            self._refuse(GrpcStatus.RESOURCE_EXHAUSTED, str(exc))
-        except PeerError as exc:
-            self._refuse(GrpcStatus.INVALID_ARGUMENT, str(exc))
+    def _decode(self, data: bytes) -> DecodedRequest:
+        return self.state.decode_request(data)
 
-    def _on_request(self, data: bytes) -> None:
-        server, state = self._server, self.state
-        decoded = state.decode_request(data)
-        request = decoded.request
-        first = state.node is None
-        if first:
-            self._authorize(request.node.id)
-        outcome = state.on_request(request, names_wire=decoded.names_wire, names_as_before=decoded.names_as_before)
-        if first:
-            assert state.node is not None
-            self._open(state.node)
+    def _node_id(self, decoded: DecodedRequest) -> str:
+        node_id: str = decoded.request.node.id
+        return node_id
+
+    def _step(self, decoded: DecodedRequest) -> RequestOutcome:
+        return self.state.on_request(decoded.request, names_wire=decoded.names_wire,
+                                     names_as_before=decoded.names_as_before)
+
+    def _record(self, data: bytes, decoded: DecodedRequest, outcome: RequestOutcome) -> Sequence[Watch]:
+        events = self._server.policy.events
         kind = outcome.kind
-        if kind is RequestKind.NACK or server.events.conversation:
+        if kind is RequestKind.NACK or events.conversation:
             # Names only when they say something new: an ACK repeats the names it subscribed to.
             names = None
             if kind is not RequestKind.ACK or outcome.subscription_changed:
                 # (Left undecoded if they were the previous request's: decoded for the record.)
                 names = list((discovery_pb2.DiscoveryRequest.FromString(data) if decoded.names_as_before
-                              else request).resource_names)
-            server.events.emit(
+                              else decoded.request).resource_names)
+            events.emit(
                 "stale" if kind is RequestKind.STALE else kind.value,
                 stream=self.id, node=self.node_id, type=outcome.type_url,
                 version_info=outcome.version_info, response_nonce=outcome.response_nonce,
                 error=outcome.error, **({"resource_names": names} if names is not None else {}),
             )
         if kind is RequestKind.ACK:
-            server.status.acked(self.node_id, outcome.type_url, outcome.version_info)
+            self._acked(outcome.type_url, outcome.version_info)
         elif kind is RequestKind.NACK:
-            self._record_nack(outcome.type_url, outcome.rejected_version, outcome.error)
-        for watch in outcome.watches:
-            if watch.type_url == SECRET.url:
-                self._asked_secrets = watch
-                watch = self._granted_only(watch)
-            elif watch.type_url == ENDPOINT.url:
-                watch = watch._replace(proxy=self.node_id)
-            self._current[watch.type_url] = watch
-            self._replace_watch(watch.type_url, server.cache.create_watch, watch, self._send)
-
-    def rewatch(self, type_url: TypeUrl) -> None:
-        """Open the stream's latest watch of ``type_url`` again (the cache looks at it anew)."""
-        watch = self._current.get(type_url)
-        if watch is not None and not self.closed:
-            self._replace_watch(type_url, self._server.cache.create_watch, watch, self._send)
+            self._nacked(outcome.type_url, outcome.rejected_version, outcome.error)
+        return outcome.watches
 
     def _granted_only(self, watch: Watch) -> Watch:
         """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
@@ -449,86 +572,63 @@ class _SotwConnection(_Stream[Watch]):
                 self._record_denied(denied)
         return watch if granted is subscription else watch._replace(subscription=granted)
 
-    def _send(self, watch: Watch, response: EncodedResponse) -> None:
-        """The cache's callback: write the response now (the transport queues what flow control
-        holds back), unless a newer request superseded the watch it answers."""
-        if self.closed or self._current.get(response.type_url) is not watch:
-            return
-        server = self._server
+    def _on_response(self, watch: Watch, response: EncodedResponse) -> tuple[str, EncodedResponse, Sequence[Watch]]:
         nonce, response = self.state.on_response(watch, response)
-        self._call.send(response.body, nonce_field(nonce))
-        server.status.sent(self.node_id, response.type_url, response.version)
-        if server.events.conversation:
-            server.events.emit("sent", stream=self.id, node=self.node_id, type=response.type_url,
-                               version=response.version, nonce=nonce, resources=response.carried)
+        return nonce, response, ()
+
+    def _sent_event(self, response: EncodedResponse, nonce: str) -> dict[str, object]:
+        return {"stream": self.id, "node": self.node_id, "type": response.type_url, "version": response.version,
+                "nonce": nonce, "resources": response.carried}
 
 
-class _DeltaConnection(_Stream[DeltaWatch]):
-    """One incremental (delta) stream: as a SotW one, with :class:`~pilotfish.protocol.DeltaStream`
-    deciding and the cache answering with what the client lacks."""
+class _DeltaConnection(_Stream[DeltaWatch, discovery_pb2.DeltaDiscoveryRequest, DeltaChanges]):
+    """One incremental (delta) stream: :class:`~pilotfish.protocol.DeltaStream` decides, and the
+    cache answers with what the client lacks."""
 
     __slots__ = ("state",)
 
     service = "delta-ads"
     protocol = "delta"
+    method_prefix = "Delta"
+    state: DeltaStream
 
     def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None) -> None:
-        super().__init__(server, call, type_url)
-        self.state = DeltaStream(type_url=type_url, limits=server.limits)
+        super().__init__(server, call, type_url, server.cache.create_delta_watch)
+        self.state = DeltaStream(type_url=type_url, limits=server.policy.limits)
 
-    def on_message(self, data: bytes) -> None:
-        if self.closed:
-            return
+    def _decode(self, data: bytes) -> discovery_pb2.DeltaDiscoveryRequest:
         try:
-            request = discovery_pb2.DeltaDiscoveryRequest.FromString(data)
+            return discovery_pb2.DeltaDiscoveryRequest.FromString(data)
         except DecodeError as exc:
-            self._refuse(GrpcStatus.INVALID_ARGUMENT, f"undecodable DeltaDiscoveryRequest: {exc}")
-        try:
-            self._on_request(request)
-        except PeerOverLimit as exc:
-            self._refuse(GrpcStatus.RESOURCE_EXHAUSTED, str(exc))
-        except PeerError as exc:
-            self._refuse(GrpcStatus.INVALID_ARGUMENT, str(exc))
+            raise PeerError(f"undecodable DeltaDiscoveryRequest: {exc}") from None
 
-    def _on_request(self, request: discovery_pb2.DeltaDiscoveryRequest) -> None:
-        server, state = self._server, self.state
-        first = state.node is None
-        if first:
-            self._authorize(request.node.id)
-        outcome = state.on_request(request)
-        if first:
-            assert state.node is not None
-            self._open(state.node)
+    def _node_id(self, decoded: discovery_pb2.DeltaDiscoveryRequest) -> str:
+        node_id: str = decoded.node.id
+        return node_id
+
+    def _step(self, decoded: discovery_pb2.DeltaDiscoveryRequest) -> DeltaOutcome:
+        return self.state.on_request(decoded)
+
+    def _record(self, data: bytes, decoded: discovery_pb2.DeltaDiscoveryRequest,
+                outcome: DeltaOutcome) -> Sequence[DeltaWatch]:
+        events = self._server.policy.events
         kind = outcome.kind
-        if kind is DeltaKind.NACK or server.events.conversation:
+        if kind is DeltaKind.NACK or events.conversation:
             changes: dict[str, object] = {}
             if outcome.subscribed:
                 changes["subscribe"] = list(outcome.subscribed)
             if outcome.unsubscribed:
                 changes["unsubscribe"] = list(outcome.unsubscribed)
-            if request.initial_resource_versions:
-                changes["initial_resources"] = len(request.initial_resource_versions)
-            server.events.emit(kind.value, stream=self.id, node=self.node_id, type=outcome.type_url, delta=True,
-                               version=outcome.version, response_nonce=outcome.response_nonce,
-                               error=outcome.error, **changes)
+            if decoded.initial_resource_versions:
+                changes["initial_resources"] = len(decoded.initial_resource_versions)
+            events.emit(kind.value, stream=self.id, node=self.node_id, type=outcome.type_url, delta=True,
+                        version=outcome.version, response_nonce=outcome.response_nonce,
+                        error=outcome.error, **changes)
         if kind is DeltaKind.ACK:
-            server.status.acked(self.node_id, outcome.type_url, outcome.version or "")
+            self._acked(outcome.type_url, outcome.version or "")
         elif kind is DeltaKind.NACK:
-            self._record_nack(outcome.type_url, outcome.version, outcome.error)
-        for watch in outcome.watches:
-            if watch.type_url == SECRET.url:
-                self._asked_secrets = watch
-                watch = self._granted_only(watch)
-            elif watch.type_url == ENDPOINT.url:
-                watch = watch._replace(proxy=self.node_id)
-            self._current[watch.type_url] = watch
-            self._replace_watch(watch.type_url, server.cache.create_delta_watch, watch, self._send)
-
-    def rewatch(self, type_url: TypeUrl) -> None:
-        """Open the stream's latest watch of ``type_url`` again (the cache looks at it anew)."""
-        watch = self._current.get(type_url)
-        if watch is not None and not self.closed:
-            self._replace_watch(type_url, self._server.cache.create_delta_watch, watch, self._send)
+            self._nacked(outcome.type_url, outcome.version, outcome.error)
+        return outcome.watches
 
     def _granted_only(self, watch: DeltaWatch) -> DeltaWatch:
         """``watch`` asking only for the secrets granted to this stream's proxy (no wildcard)."""
@@ -545,22 +645,15 @@ class _DeltaConnection(_Stream[DeltaWatch]):
         granted = next_subscription(names, wildcard_capable=False, ever_named=True).names
         return watch._replace(wildcard=False, names=granted)
 
-    def _send(self, watch: DeltaWatch, changes: DeltaChanges) -> None:
-        """The cache's callback: write what the client lacks, unless a newer request superseded
-        the watch."""
-        if self.closed or self._current.get(changes.type_url) is not watch:
-            return
-        server = self._server
-        nonce, again = self.state.on_response(watch, changes)
-        self._call.send(changes.body, nonce_field(nonce))
-        server.status.sent(self.node_id, changes.type_url, changes.version)
-        if server.events.conversation:
-            server.events.emit("sent", stream=self.id, node=self.node_id, type=changes.type_url, delta=True,
-                               version=changes.version, nonce=nonce, resources=len(changes.sent),
-                               names=list(changes.sent), removed=list(changes.removed))
-        for due in again:  # warming: what the clusters (listeners) just sent wait for, now
-            self._current[due.type_url] = due
-            self._replace_watch(due.type_url, server.cache.create_delta_watch, due, self._send)
+    def _on_response(self, watch: DeltaWatch, changes: DeltaChanges
+                     ) -> tuple[str, DeltaChanges, Sequence[DeltaWatch]]:
+        nonce, again = self.state.on_response(watch, changes)  # again: warming, what the clusters
+        return nonce, changes, again  # (listeners) just sent wait for, now
+
+    def _sent_event(self, changes: DeltaChanges, nonce: str) -> dict[str, object]:
+        return {"stream": self.id, "node": self.node_id, "type": changes.type_url, "delta": True,
+                "version": changes.version, "nonce": nonce, "resources": len(changes.sent),
+                "names": list(changes.sent), "removed": list(changes.removed)}
 
 
 async def start_xds_server(xds: XdsServer, address: str, *, tls: ssl.SSLContext | None = None,
