@@ -42,8 +42,8 @@ def write_snapshot(path: Path, clusters: int) -> None:
 
 
 class Running:
-    def __init__(self, xds: XdsServer, server: GrpcServer, port: int) -> None:
-        self.xds, self.server, self.port = xds, server, port
+    def __init__(self, cache: SnapshotCache, xds: XdsServer, server: GrpcServer, port: int) -> None:
+        self.cache, self.xds, self.server, self.port = cache, xds, server, port
         self.address = f"127.0.0.1:{port}"
 
 
@@ -55,7 +55,7 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
     cache.set_snapshot(load_snapshot(snapshot_file))
     xds = XdsServer(cache)
     server, port = await start_xds_server(xds, "127.0.0.1:0")
-    yield Running(xds, server, port)
+    yield Running(cache, xds, server, port)
     await server.stop(0.5)
 
 
@@ -131,10 +131,10 @@ async def test_a_cancelled_client_frees_its_stream_and_watches(running: Running)
         response = await asyncio.wait_for(call.read(), TIMEOUT)
         await call.write(discovery_pb2.DiscoveryRequest(type_url=CDS, version_info=response.version_info,
                                                         response_nonce=response.nonce))
-        await wait_until(lambda: running.xds.cache.watch_count() == 1)
+        await wait_until(lambda: running.cache.watch_count() == 1)
         call.cancel()
         await wait_until(lambda: running.xds.open_streams == 0)
-        assert running.xds.cache.watch_count() == 0
+        assert running.cache.watch_count() == 0
 
 
 async def test_stopping_the_server_ends_streams_unavailable(running: Running) -> None:
