@@ -297,13 +297,16 @@ class Reconciler:
         groups: Mapping[NodeGroup, View] | None = None,
         expect: Iterable[str] = (),
         guard: GuardSettings | None = None,
-        confirm_hint: str = "",
+        confirm_hint: str | Callable[[], str] = "",
         rules: bool = True,
         labels: Mapping[str, str] | None = None,
         rest_refresh: float = DEFAULT_REST_REFRESH,
         status: SyncStatus | None = None,
         subset_size: int | None = None,
         subset_tables: Mapping[str, IndexTable] | None = None,
+        shared_subset_tables: bool = False,
+        expect_after: Mapping[str, str] | None = None,
+        on_merged: Callable[[Merged], None] | None = None,
     ) -> None:
         self.cache = cache
         self.subset_size = subset_size
@@ -313,19 +316,20 @@ class Reconciler:
         etcd keep them; :func:`pilotfish.build.desired.subset_tables`)."""
         self.subset_tables_changed = 0
         """Counts publications that changed :attr:`subset_tables` (whoever persists them watches it)."""
-        self.subset_tables_shared = False
+        self.subset_tables_shared = shared_subset_tables
         """True on etcd: the tables are set from outside (:meth:`set_subset_tables`), never allocated
         here, so every replica builds with the same ones."""
-        self.on_merged: Callable[[Merged], None] | None = None
+        self.on_merged = on_merged
         """Told the merged state of every build (the replica that allocates shared indices)."""
         self._status = status
         """Told each group's versions as they are published (what proxies are measured against)."""
         self.settings = settings or DebounceSettings()
         self.guard = guard or GuardSettings()
-        self.confirm_hint = confirm_hint
-        """How the operator confirms a held snapshot (printed with it)."""
-        self._expected = frozenset(expect)
-        self._after: dict[str, str] = {}
+        self._confirm_hint = confirm_hint
+        self._after: dict[str, str] = dict(expect_after or {})
+        """Sources awaited only once another has reported (something read from the same place,
+        e.g. the subsetting indices in etcd: while etcd is away, etcd is what is awaited)."""
+        self._expected = frozenset(expect) | self._after.keys()
         self._rules = rules
         """Check Envoy's validate.rules before publishing (off: let Envoy NACK what breaks them)."""
         self._labels = dict(labels or {})
@@ -431,15 +435,15 @@ class Reconciler:
 
     def waiting_for(self) -> list[str]:
         """The expected sources that have not reported their first complete state yet (a source
-        that follows another, :meth:`expect_after`, only once that one has)."""
+        that follows another, ``expect_after``, only once that one has)."""
         missing = self._expected - self._states.keys()
         return sorted(name for name in missing if self._after.get(name) not in missing)
 
-    def expect_after(self, name: str, source: str) -> None:
-        """Wait for ``name`` too, once ``source`` has reported (something read from the same
-        place, e.g. the subsetting indices in etcd: while etcd is away, etcd is what is awaited)."""
-        self._expected |= {name}
-        self._after[name] = source
+    @property
+    def confirm_hint(self) -> str:
+        """How the operator confirms a held snapshot (printed with it)."""
+        hint = self._confirm_hint
+        return hint if isinstance(hint, str) else hint()
 
     def confirm(self, *, by: str = "") -> Snapshot | None:
         """The operator says the held snapshot is meant: publish it. Returns it (None: nothing held).
