@@ -47,11 +47,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any, ParamSpec, TypeVar
 
-from pilotfish.api.registry import Written
+from pilotfish.api.registry import Admitting, Written
 from pilotfish.etcd.client import EtcdUnavailable, Lease
 from pilotfish.etcd.election import Leadership
 from pilotfish.events import EventLog
-from pilotfish.reconcile import Reconciler
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import (
     Conflict,
@@ -95,7 +94,7 @@ def _store_errors(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P,
 class EtcdRegistry:
     """Registry operations on etcd keys (see the module docstring)."""
 
-    def __init__(self, source: EtcdSource, reconciler: Reconciler, *, limits: RegistryLimits | None = None,
+    def __init__(self, source: EtcdSource, reconciler: Admitting, *, limits: RegistryLimits | None = None,
                  local_wait: float = 2.0, lease_slack: float = 10.0,
                  election: Leadership | None = None,
                  self_preservation: Callable[[], SelfPreservation] | None = None,

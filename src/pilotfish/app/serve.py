@@ -207,7 +207,8 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             status, cache, reconciler, waiting=_waiting(settings, reconciler, etcd), recent=recent,
             etcd=None if etcd is None else store.status if store is not None else etcd.status,
             subset_of=proxy_indices.index, tokens=admin_tokens, events=events,
-            metrics=Metrics(status, reconciler, open_streams=lambda: xds.open_streams, subset_of=proxy_indices.index))
+            metrics=Metrics(status, reconciler, cache=cache, open_streams=lambda: xds.open_streams,
+                            subset_of=proxy_indices.index))
         admin_tls = tls_reload("admin", tls.admin_client_ca, ("http/1.1",))
 
         async def serve_admin(context: ssl.SSLContext | None) -> tuple[Runner, str]:
@@ -236,7 +237,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         ]
     elif state_path is not None and isinstance(proxy_indices, ProxyIndices):
         path, local = state_path, proxy_indices
-        subsets.append(Task("subset-state", lambda: keep_saving(path, reconciler, local)))
+        subsets.append(Task("subset-state", lambda: keep_saving(path, reconciler.tables, local)))
 
     signals = StopSignals(reconciler)
     components: list[Component | None] = [
