@@ -38,7 +38,7 @@ from pilotfish.app.parts import (
     source_labels,
     warn_about_grants,
 )
-from pilotfish.app.settings import ServeSettings
+from pilotfish.app.settings import AdminSettings, RegistrySettings, RestSettings, ServeSettings
 from pilotfish.build.subsetting import IndexTable, ProxyIndices
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import ConfigError, Problem
@@ -154,40 +154,21 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     xds_listener = XdsListener(xds, settings.xds, tls=xds_tls, events=events)
     listening: list[Component | None] = [xds_tls, xds_listener]
 
-    registry = store = registry_listener = None
-    if settings.registry.address is not None:
-        registry = Registry(clock=time.monotonic, self_preservation=settings.registry.self_preservation,
-                            limits=settings.registry.limits)
-        configured = registry
-        store = None if etcd is None else EtcdRegistry(
-            etcd, reconciler, limits=settings.registry.limits, election=leadership, events=events,
-            self_preservation=lambda: configured.self_preservation,
-            lease_slack=settings.etcd.election_ttl * 4 / 3 + 2 * settings.registry.self_preservation.recheck)
-        if store is None:
-            _log.warning("the registry keeps registrations in this process's memory: a restart forgets them, "
-                         "and other replicas never see them. With --etcd they live in etcd")
-        api = RegistryApi(registry, reconciler, events=events, max_body=settings.registry.max_body,
-                          tokens=registry_tokens, store=store)
-        if registry_tokens is None:
-            warn_if_open(split_address(settings.registry.address)[0])
-        registry_address = settings.registry.address
-        registry_tls = tls_reload("registry", tls.registry_client_ca, ("http/1.1",))
-        registry_listener = HttpListener("registry", lambda context: serve_app(
-            api.app(), registry_address, tls=context, listener=REGISTRY_API,
-            limits=settings.registry.connections), tls=registry_tls)
-        listening += [registry_tls, registry_listener,
-                      Task("registry-expiry", api.expire_forever) if store is None else None,
-                      None if registry_tokens is None else Task("registry-tokens", registry_tokens.follow)]
+    store = None if etcd is None or settings.registry.address is None else EtcdRegistry(
+        etcd, reconciler, limits=settings.registry.limits, election=leadership, events=events,
+        self_preservation=lambda: settings.registry.self_preservation,
+        lease_slack=settings.etcd.election_ttl * 4 / 3 + 2 * settings.registry.self_preservation.recheck)
+    registry = _registry(settings.registry, reconciler, events, store=store, tokens=registry_tokens,
+                         tls=tls_reload("registry", tls.registry_client_ca, ("http/1.1",)))
+    listening += registry.components
 
-    rest = rest_listener = None
+    rest: RestXds | None = None
+    rest_listener = None
     if settings.rest.address is not None:
         rest = RestXds(cache, events=events, status=xds.status, authorize=authorize, grants=grants,
                        limits=settings.xds.limits, group_of=groups.rest_group_of, proxy_indices=proxy_indices)
-        rest_address, served_rest = settings.rest.address, rest
-        rest_tls = tls_reload("rest", tls.client_ca, ("http/1.1",))
-        rest_listener = HttpListener("rest", lambda context: start_rest_server(
-            served_rest, rest_address, tls=context, limits=settings.rest.connections), tls=rest_tls)
-        listening += [rest_tls, rest_listener]
+        rest_listener = _rest(settings.rest, rest, tls=tls_reload("rest", tls.client_ca, ("http/1.1",)))
+        listening += rest_listener.components
 
     if grants_file is not None:
         def regrant(granted: tuple[SecretGrant, ...]) -> None:
@@ -200,27 +181,19 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         followed = grants_file
         listening.append(Task("grants-file", lambda: followed.follow(on_change=regrant)))
 
-    admin_listener = None
+
+    admin = None
     if settings.admin.address is not None:
-        admin_address = settings.admin.address
-        api_of_admin = AdminApi(
+        admin_api = AdminApi(
             status, cache, reconciler, waiting=_waiting(settings, reconciler, etcd), recent=recent,
             etcd=None if etcd is None else store.status if store is not None else etcd.status,
             subset_of=proxy_indices.index, tokens=admin_tokens, events=events,
             metrics=Metrics(status, reconciler, cache=cache, open_streams=lambda: xds.open_streams,
                             subset_of=proxy_indices.index))
-        admin_tls = tls_reload("admin", tls.admin_client_ca, ("http/1.1",))
-
-        async def serve_admin(context: ssl.SSLContext | None) -> tuple[Runner, str]:
-            runner, address = await start_admin_server(api_of_admin, admin_address, tls=context,
-                                                        limits=settings.admin.connections)
-            hint.admin_listens(address, tls=context is not None, mtls=tls.admin_client_ca is not None,
-                               tokens=admin_tokens is not None)
-            return runner, address
-
-        admin_listener = HttpListener("admin", serve_admin, tls=admin_tls)
-        listening += [admin_tls, admin_listener,
-                      None if admin_tokens is None else Task("admin-tokens", admin_tokens.follow)]
+        admin = _admin(settings.admin, admin_api, hint, tokens=admin_tokens,
+                       tls=tls_reload("admin", tls.admin_client_ca, ("http/1.1",)),
+                       mtls=tls.admin_client_ca is not None)
+        listening += admin.components
 
     if etcd is not None:
         assert isinstance(proxy_indices, EtcdProxyIndices) and writer is not None
@@ -249,8 +222,9 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             (XDS, settings.xds.address), (REGISTRY_API, settings.registry.address),
             (REST_XDS, settings.rest.address), (ADMIN_API, settings.admin.address)])),
         *listening,
-        Announcement(settings, events, xds_listener, registry=registry_listener, rest=rest_listener,
-                     admin=admin_listener),
+        Announcement(settings, events, xds_listener, registry=registry.listener,
+                     rest=None if rest_listener is None else rest_listener.listener,
+                     admin=None if admin is None else admin.listener),
         *subsets,
         Task("reconciler", reconciler.run),
         HeapTidier(lambda: reconciler.idle),
@@ -259,6 +233,60 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         signals,
     ]
     return _Process([c for c in components if c is not None], xds_listener, signals)
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """A listener (None: not configured) and the components it starts with, in order: its TLS
+    reload before it, the background tasks it needs after it."""
+
+    listener: HttpListener | None
+    components: list[Component | None]
+
+
+def _registry(settings: RegistrySettings, reconciler: Reconciler, events: EventLog, *, store: EtcdRegistry | None,
+              tokens: TokenFile | None, tls: TlsReload | None) -> _Part:
+    """The registry API (in memory, or on etcd's ``store``), with its TTL expiry and tokens file."""
+    address = settings.address
+    if address is None:
+        return _Part(None, [])
+    registry = Registry(clock=time.monotonic, self_preservation=settings.self_preservation, limits=settings.limits)
+    if store is None:
+        _log.warning("the registry keeps registrations in this process's memory: a restart forgets them, "
+                     "and other replicas never see them. With --etcd they live in etcd")
+    api = RegistryApi(registry, reconciler, events=events, max_body=settings.max_body, tokens=tokens, store=store)
+    if tokens is None:
+        warn_if_open(split_address(address)[0])
+    listener = HttpListener("registry", lambda context: serve_app(
+        api.app(), address, tls=context, listener=REGISTRY_API, limits=settings.connections), tls=tls)
+    return _Part(listener, [tls, listener,
+                            # (on etcd, leases end in etcd; self-preservation runs on the elected replica)
+                            Task("registry-expiry", api.expire_forever) if store is None else None,
+                            None if tokens is None else Task("registry-tokens", tokens.follow)])
+
+
+def _rest(settings: RestSettings, rest: RestXds, *, tls: TlsReload | None) -> _Part:
+    """REST xDS on its address."""
+    address = settings.address
+    assert address is not None
+    listener = HttpListener("rest", lambda context: start_rest_server(rest, address, tls=context,
+                                                                      limits=settings.connections), tls=tls)
+    return _Part(listener, [tls, listener])
+
+
+def _admin(settings: AdminSettings, api: AdminApi, hint: ConfirmHint, *, tokens: AdminTokenFile | None,
+           tls: TlsReload | None, mtls: bool) -> _Part:
+    """The admin API on its address (it tells ``hint`` where it listens), with its tokens file."""
+    address = settings.address
+    assert address is not None
+
+    async def serve_admin(context: ssl.SSLContext | None) -> tuple[Runner, str]:
+        runner, bound = await start_admin_server(api, address, tls=context, limits=settings.connections)
+        hint.admin_listens(bound, tls=context is not None, mtls=mtls, tokens=tokens is not None)
+        return runner, bound
+
+    listener = HttpListener("admin", serve_admin, tls=tls)
+    return _Part(listener, [tls, listener, None if tokens is None else Task("admin-tokens", tokens.follow)])
 
 
 def _waiting(settings: ServeSettings, reconciler: Reconciler, etcd: EtcdSource | None) -> Callable[[], list[str]]:
