@@ -102,12 +102,12 @@ class FollowedFile(Generic[T]):
     """What to write instead of an empty file."""
 
     def __init__(self, path: Path, *, events: EventLog | None = None, every: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, on_change: Callable[[T], None] | None = None) -> None:
         self.path = path
         self.events = events or EventLog()
         self.every = every
         self.clock = clock
-        self.on_change: Callable[[T], None] | None = None
+        self.on_change = on_change
         """Called with each new good value (after it is in force)."""
         signature = _signature(path)
         self.value: T = self.load()  # at start-up, a bad file is an error: nothing good to fall back on
@@ -170,19 +170,26 @@ class FollowedFile(Generic[T]):
         self.value = value
         _log.warning("%s %s reloaded: %s", self.what, self.path, self._summary_text(value))
         self.events.emit(f"{self.event}_loaded", file=str(self.path), **self.summary(value))
-        if self.on_change is not None:
-            try:
-                self.on_change(value)
-            except Exception:  # our bug: say so, and keep following the file
-                _log.exception("applying %s %s failed unexpectedly", self.what, self.path)
+        self._tell(self.on_change, value)
         return True
 
-    async def follow(self) -> None:
+    def _tell(self, on_change: Callable[[T], None] | None, value: T) -> None:
+        if on_change is not None:
+            try:
+                on_change(value)
+            except Exception:  # our bug: say so, and keep following the file
+                _log.exception("applying %s %s failed unexpectedly", self.what, self.path)
+
+    async def follow(self, on_change: Callable[[T], None] | None = None) -> None:
         """Look at the file every ``every`` seconds, so a change applies (and a bad version is
-        reported) even while nobody asks (:meth:`current`)."""
+        reported) even while nobody asks (:meth:`current`). ``on_change`` (for whoever was built
+        after this file was read, from its first value) is called with each new good value too."""
         while True:
             await asyncio.sleep(self.every)
+            before = self.value
             self.current()
+            if self.value is not before:
+                self._tell(on_change, self.value)
 
     def _summary_text(self, value: T) -> str:
         return ", ".join(f"{key} {item}" for key, item in self.summary(value).items()) or "loaded"

@@ -27,6 +27,7 @@ from inprocess import serving as serve_in_process
 from test_tls import CDS, snapshot_doc, write_pair
 
 from pilotfish.app import ServeSettings
+from pilotfish.app.settings import EtcdSettings, RestSettings, TlsSettings
 from pilotfish.commands.operate import AdminClient, client_context, confirm_command, status_command, wait_command
 from pilotfish.events import check_event_log
 from pilotfish.reconcile import GuardSettings
@@ -105,7 +106,7 @@ async def test_health_and_readiness(tmp_path: Path) -> None:
 
 
 async def test_not_ready_says_what_it_waits_for(tmp_path: Path) -> None:
-    settings = ServeSettings(etcd="127.0.0.1:1", waiting_log_every=60)
+    settings = ServeSettings(etcd=EtcdSettings(address="127.0.0.1:1"), waiting_log_every=60)
     async with serve_in_process(tmp_path, settings) as running:
         status, body = await get(running, "/readyz")
         assert status == 503 and body["ready"] is False
@@ -227,7 +228,7 @@ async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(tmp_path: 
 
 async def test_rest_pollers_are_in_the_same_status_as_streams(tmp_path: Path) -> None:
     """A REST poll is recorded where the admin API reads (it used to get a status of its own)."""
-    async with serving(tmp_path, "web", rest="127.0.0.1:0") as (running, _), \
+    async with serving(tmp_path, "web", rest=RestSettings(address="127.0.0.1:0")) as (running, _), \
             aiohttp.ClientSession() as session:
         body = {"version_info": "", "node": {"id": "poller-1", "cluster": "edge", "user_agent_name": "envoy"}}
         async with session.post(f"http://{running.rest}/v3/discovery:clusters", json=body) as response:
@@ -249,7 +250,7 @@ async def test_with_tls_the_admin_api_is_https_only_and_asks_for_a_client_certif
     client = ca.issue_cert("operator@example.com")
     client_cert.write_bytes(client.cert_chain_pems[0].bytes())
     client_key.write_bytes(client.private_key_pem.bytes())
-    settings = {"tls_cert": cert, "tls_key": key, "admin_client_ca": ca_file}
+    settings = {"tls": TlsSettings(cert=cert, key=key, admin_client_ca=ca_file)}
     async with serving(tmp_path, "web", **settings) as (running, _):
         tls = client_context(ca=ca_file, cert=client_cert, key=client_key)
         code, out, err = await run(status_command, AdminClient(running.admin, tls=tls), node=None, cluster=None,

@@ -17,6 +17,7 @@ from envoy.service.cluster.v3 import cds_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from pilotfish.app import ServeSettings, serve
+from pilotfish.app.settings import EventSettings, XdsSettings
 from pilotfish.events import read_events
 from pilotfish.sources import file_signature, load_desired, watch_file
 
@@ -79,7 +80,8 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[str, Path, Events]]:
     snapshot.write_text(yaml.safe_dump(document("1", 9001, 9002)))
     log = tmp_path / "events.jsonl"
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(ServeSettings(snapshot=snapshot, xds="127.0.0.1:0", event_log=log),
+    task = asyncio.create_task(serve(ServeSettings(
+        snapshot=snapshot, xds=XdsSettings(address="127.0.0.1:0"), events=EventSettings(log=log)),
                                      started=started))
     port = await asyncio.wait_for(started, TIMEOUT)
     events = Events(log)
@@ -211,7 +213,7 @@ async def test_a_change_between_the_first_read_and_the_watch_is_not_lost(tmp_pat
 async def test_an_idle_server_freezes_what_lives_on_and_a_busy_one_does_not() -> None:
     import gc
 
-    from pilotfish.app.serve import _tidy_heap_when_idle
+    from pilotfish.app.parts import tidy_heap_when_idle
 
     keep = [[n] for n in range(5_000)]  # long-lived containers the GC would keep looking at
     idle = False
@@ -226,7 +228,7 @@ async def test_an_idle_server_freezes_what_lives_on_and_a_busy_one_does_not() ->
     # loop counts as busy). This test is about a pending build, not a busy loop, which a loaded machine
     # makes of every loop: with a wide busy_after only idle() decides.
     patience = 3 * TIMEOUT
-    task = asyncio.create_task(_tidy_heap_when_idle(is_idle, every=0.02, young_limit=1_000, busy_after=60.0))
+    task = asyncio.create_task(tidy_heap_when_idle(is_idle, every=0.02, young_limit=1_000, busy_after=60.0))
     try:
         frozen = gc.get_freeze_count()
         # It looked (more than once) and found a build pending: it must leave the heap alone.

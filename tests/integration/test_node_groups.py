@@ -16,6 +16,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from inprocess import TIMEOUT, Running, serving
 
 from pilotfish.app import ServeSettings
+from pilotfish.app.settings import PolicySettings
 from pilotfish.policy.groups import parse_node_group
 
 LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -48,7 +49,7 @@ async def listeners(running: Running, node: dict[str, Any], names: list[str]) ->
 
 
 async def test_envoys_and_grpc_clients_get_their_own_listeners_of_a_registry_service(tmp_path: Path) -> None:
-    settings = ServeSettings(node_groups=(parse_node_group("mesh:grpc=cluster:mesh-*"),))
+    settings = ServeSettings(policy=PolicySettings(node_groups=(parse_node_group("mesh:grpc=cluster:mesh-*"),)))
     async with serving(tmp_path, settings) as running, aiohttp.ClientSession() as http:
         put = await http.put(running.url("/v1/services/web"), json={"listen": "127.0.0.1:10000", "grpc": True})
         assert put.status == 200, await put.text()

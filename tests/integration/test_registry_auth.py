@@ -31,6 +31,7 @@ from inprocess import serving as serve_in_process
 from pilotfish.api.registry import RegistryApi
 from pilotfish.api.tokens import TokenFile, hash_token
 from pilotfish.app import ServeSettings
+from pilotfish.app.settings import RegistrySettings
 from pilotfish.cache import SnapshotCache
 from pilotfish.events import read_events
 from pilotfish.reconcile import Reconciler
@@ -79,7 +80,7 @@ class Running:
 async def serving(tmp_path: Path, reads: str = "scoped") -> AsyncIterator[Running]:
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(json.dumps(tokens_document(reads)))  # JSON is YAML
-    async with serve_in_process(tmp_path, ServeSettings(registry_tokens=tokens)) as server:
+    async with serve_in_process(tmp_path, ServeSettings(registry=RegistrySettings(tokens=tokens))) as server:
         yield Running(server, tokens)
 
 

@@ -34,6 +34,7 @@ from inprocess import serving as serve_in_process
 from test_tls import spiffe_cert, write_pair
 
 from pilotfish.app import ServeSettings
+from pilotfish.app.settings import EtcdSettings, PolicySettings, RestSettings, TlsSettings, XdsSettings
 from pilotfish.events import read_events
 from pilotfish.policy.authorize import parse_rule
 from pilotfish.policy.grants import parse_grant
@@ -96,7 +97,8 @@ async def serving(tmp_path: Path, settings: ServeSettings | None = None, *,
                   doc: dict[str, Any] | None = None) -> AsyncIterator[Running]:
     snapshot = tmp_path / "snapshot.yaml"
     write(snapshot, doc or document())
-    settings = replace(settings or ServeSettings(), snapshot=snapshot, rest="127.0.0.1:0")
+    settings = settings or ServeSettings()
+    settings = replace(settings, snapshot=snapshot, rest=replace(settings.rest, address="127.0.0.1:0"))
     async with serve_in_process(tmp_path, settings) as running:
         yield running
 
@@ -172,7 +174,7 @@ async def test_clusters_and_listeners_come_whole_and_a_current_poll_gets_304(tmp
 
 
 async def test_endpoints_routes_and_secrets_are_the_named_ones(tmp_path: Path) -> None:
-    settings = ServeSettings(secret_grants=(parse_grant("*-cert=node:edge-*"),))
+    settings = ServeSettings(policy=PolicySettings(secret_grants=(parse_grant("*-cert=node:edge-*"),)))
     async with serving(tmp_path, settings) as running, client(running) as rest:
         endpoints = await rest.discover("endpoints", poll(names=["web"]))
         assert names_of(endpoints, "cluster_name") == ["web"] and endpoints.type_url == EDS
@@ -208,7 +210,7 @@ async def test_a_named_poll_is_current_while_its_resources_are_unchanged(tmp_pat
 
 
 async def test_secrets_go_only_to_the_pollers_granted_them(tmp_path: Path) -> None:
-    settings = ServeSettings(secret_grants=(parse_grant("edge-cert=node:edge-*"),))
+    settings = ServeSettings(policy=PolicySettings(secret_grants=(parse_grant("edge-cert=node:edge-*"),)))
     async with serving(tmp_path, settings) as running, client(running) as rest:
         granted = await rest.discover("secrets", poll(node="edge-1", names=["edge-cert", "ops-cert"]))
         assert names_of(granted) == ["edge-cert"], "ops-cert is granted to no one"
@@ -221,7 +223,8 @@ async def test_secrets_go_only_to_the_pollers_granted_them(tmp_path: Path) -> No
 async def test_an_edited_grants_file_applies_to_the_next_poll(tmp_path: Path) -> None:
     grants = tmp_path / "grants.yaml"
     write(grants, {"grants": ["edge-cert=node:edge-*"]})
-    async with serving(tmp_path, ServeSettings(grants_file=grants)) as running, client(running) as rest:
+    settings = ServeSettings(policy=PolicySettings(grants_file=grants))
+    async with serving(tmp_path, settings) as running, client(running) as rest:
         assert names_of(await rest.discover("secrets", poll(node="edge-1", names=["ops-cert"]))) == []
         write(grants, {"grants": ["edge-cert=node:edge-*", "ops-cert=node:edge-1"]})
         async with asyncio.timeout(TIMEOUT):  # the file is looked at every second
@@ -240,9 +243,9 @@ async def test_secrets_over_mtls_go_by_certificate_identity_and_node_claims_are_
     (tmp_path / "edge.key").write_bytes(edge_key)
     context = ssl.create_default_context(cafile=str(client_ca))
     context.load_cert_chain(tmp_path / "edge.pem", tmp_path / "edge.key")
-    settings = ServeSettings(tls_cert=cert, tls_key=key, client_ca=client_ca,
-                             authorize_nodes=(parse_rule(f"{EDGE}=edge-*"),),
-                             secret_grants=(parse_grant(f"edge-cert=identity:{EDGE}"),))
+    settings = ServeSettings(tls=TlsSettings(cert=cert, key=key, client_ca=client_ca),
+                             policy=PolicySettings(authorize_nodes=(parse_rule(f"{EDGE}=edge-*"),),
+                                                   secret_grants=(parse_grant(f"edge-cert=identity:{EDGE}"),)))
     async with serving(tmp_path, settings) as running, client(running, ssl_context=context) as rest:
         secrets = await rest.discover("secrets", poll(node="edge-1", names=["edge-cert", "ops-cert"]))
         assert names_of(secrets) == ["edge-cert"]
@@ -260,7 +263,7 @@ async def test_secrets_over_mtls_go_by_certificate_identity_and_node_claims_are_
 
 async def test_bad_polls_are_refused_with_the_field_at_fault(tmp_path: Path) -> None:
     limits = XdsLimits(max_resource_names=10, max_node_id_chars=64)
-    async with serving(tmp_path, ServeSettings(xds_limits=limits)) as running, client(running) as rest:
+    async with serving(tmp_path, ServeSettings(xds=XdsSettings(limits=limits))) as running, client(running) as rest:
         status, text = await rest.post("/v3/discovery:nothing", poll())
         assert status == 404 and json.loads(text)["paths"] == list(PATHS)
         async with rest.session.get(rest.base + "/v3/discovery:clusters") as response:
@@ -298,8 +301,9 @@ async def test_bad_polls_are_refused_with_the_field_at_fault(tmp_path: Path) -> 
 async def test_nothing_is_served_before_the_first_snapshot(tmp_path: Path) -> None:
     """etcd never answers: no snapshot is published, and polls get 503 with the reason (Envoy
     keeps what it has and polls again)."""
-    settings = ServeSettings(etcd="127.0.0.1:1", waiting_log_every=60)
-    async with serve_in_process(tmp_path, replace(settings, rest="127.0.0.1:0")) as running, \
+    settings = ServeSettings(etcd=EtcdSettings(address="127.0.0.1:1"), waiting_log_every=60,
+                             rest=RestSettings(address="127.0.0.1:0"))
+    async with serve_in_process(tmp_path, settings) as running, \
             client(running) as rest:
         status, text = await rest.post("/v3/discovery:clusters", poll())
         assert status == 503 and "waiting for its sources" in json.loads(text)["error"]
@@ -332,7 +336,8 @@ async def test_services_reach_pollers_with_eds_and_rds_over_rest_and_streams_ove
     REST config source of its bootstrap (refresh delay: --rest-refresh-ms), and a gRPC stream
     of the very same node at ADS. A poller joins the rest group its node matches (here: one in
     zone east, so of the zone-local service it gets east's endpoint only), else ``rest``."""
-    settings = ServeSettings(rest_refresh=0.3, node_groups=tuple(parse_node_group(rule) for rule in rules))
+    settings = ServeSettings(rest=RestSettings(refresh=0.3),
+                             policy=PolicySettings(node_groups=tuple(parse_node_group(rule) for rule in rules)))
     expected = json_format.ParseDict(rest_config_source(refresh=0.3), config_source_pb2.ConfigSource())
     async with serving(tmp_path, settings, doc=SERVICES) as running, client(running) as rest:
         clusters = await rest.discover("clusters", poll())

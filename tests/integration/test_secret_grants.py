@@ -29,6 +29,7 @@ from inprocess import serving as serve_in_process
 from test_tls import CDS, TIMEOUT, Running, credentials, snapshot_doc, spiffe_cert, write_pair
 
 from pilotfish.app import ServeSettings
+from pilotfish.app.settings import PolicySettings, TlsSettings
 from pilotfish.cache import SnapshotCache
 from pilotfish.policy.authorize import parse_rule
 from pilotfish.policy.grants import SecretGrants, parse_grant
@@ -56,8 +57,8 @@ async def serving(tmp_path: Path, ca: trustme.CA, *grants: str, **settings: Any)
     client_ca = tmp_path / "client-ca.pem"
     ca.cert_pem.write_to_path(str(client_ca))
     async with serve_in_process(tmp_path, ServeSettings(
-            snapshot=snapshot, tls_cert=cert, tls_key=key, client_ca=client_ca,
-            secret_grants=tuple(map(parse_grant, grants)), **settings)) as running:
+            snapshot=snapshot, tls=TlsSettings(cert=cert, key=key, client_ca=client_ca),
+            policy=PolicySettings(secret_grants=tuple(map(parse_grant, grants)), **settings))) as running:
         yield Running(running.xds, running.registry, running.events, cert, key)
 
 

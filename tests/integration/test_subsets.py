@@ -20,6 +20,7 @@ from inprocess import TIMEOUT, Running
 from inprocess import serving as serve_in_process
 
 from pilotfish.app import ServeSettings
+from pilotfish.app.settings import RestSettings, SubsetSettings
 from pilotfish.build.desired import DesiredState, View, build_snapshots, merge_states
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
 from pilotfish.resources import ENDPOINT
@@ -77,7 +78,8 @@ async def test_every_protocol_serves_a_node_its_own_subset(tmp_path: Path) -> No
     snapshot = tmp_path / "services.yaml"
     snapshot.write_text(json.dumps({"services": {"web": {"subset_size": K,
                                                          "endpoints": [f"127.0.0.1:{p}" for p in PORTS]}}}))
-    settings = ServeSettings(snapshot=snapshot, rest="127.0.0.1:0", state_dir=tmp_path)
+    settings = ServeSettings(snapshot=snapshot, rest=RestSettings(address="127.0.0.1:0"),
+                             subsets=SubsetSettings(state_dir=tmp_path))
     async with serve_in_process(tmp_path, replace(settings)) as running:
         nodes = [f"edge-{n}" for n in range(4)]
         got = {node: await sotw(running, node) for node in nodes}

@@ -28,6 +28,7 @@ from cryptography.x509.oid import NameOID
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from pilotfish.app import ServeSettings, serve
+from pilotfish.app.settings import EventSettings, PolicySettings, RegistrySettings, TlsSettings, XdsSettings
 from pilotfish.events import read_events
 from pilotfish.policy.authorize import NodeRule, parse_rule
 
@@ -114,10 +115,11 @@ async def serving(tmp_path: Path, ca: trustme.CA, *, client_ca: trustme.CA | Non
             files[name] = tmp_path / name
             authority.cert_pem.write_to_path(str(files[name]))
     log = tmp_path / "events.jsonl"
-    settings = ServeSettings(snapshot=snapshot, xds="127.0.0.1:0", registry="127.0.0.1:0", event_log=log,
-                             tls_cert=cert, tls_key=key, client_ca=files.get("client-ca.pem"),
-                             registry_client_ca=files.get("registry-ca.pem"), tls_reload_every=0.05,
-                             authorize_nodes=authorize_nodes)
+    settings = ServeSettings(snapshot=snapshot, xds=XdsSettings(address="127.0.0.1:0"),
+                             registry=RegistrySettings(address="127.0.0.1:0"), events=EventSettings(log=log),
+                             tls=TlsSettings(cert=cert, key=key, client_ca=files.get("client-ca.pem"),
+                                             registry_client_ca=files.get("registry-ca.pem"), reload_every=0.05),
+                             policy=PolicySettings(authorize_nodes=authorize_nodes))
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(settings, started=started))
     try:

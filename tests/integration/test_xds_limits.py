@@ -17,6 +17,7 @@ import yaml
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from pilotfish.app import ServeSettings, serve
+from pilotfish.app.settings import EventSettings, XdsSettings
 from pilotfish.events import read_events
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
@@ -59,7 +60,8 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     snapshot.write_text(yaml.safe_dump(snapshot_document()))
     log = tmp_path / "events.jsonl"
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(ServeSettings(snapshot=snapshot, xds="127.0.0.1:0", event_log=log),
+    task = asyncio.create_task(serve(ServeSettings(
+        snapshot=snapshot, xds=XdsSettings(address="127.0.0.1:0"), events=EventSettings(log=log)),
                                      started=started))
     port = await asyncio.wait_for(started, TIMEOUT)
     yield Served(f"127.0.0.1:{port}", log)

@@ -23,7 +23,8 @@ FLEET_NAMES = SERVICES[:20]
 
 
 def snapshot(port: int) -> Snapshot:
-    endpoints = [parse_resource(ENDPOINT, assignment(name, port), "")[0] for name in SERVICES]
+    endpoints = [message for name in SERVICES
+                 if (message := parse_resource(ENDPOINT, assignment(name, port), "")[0]) is not None]
     return Snapshot.build({ENDPOINT: endpoints, CLUSTER: []})  # counted in the cache's budget
 
 

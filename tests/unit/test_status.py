@@ -24,11 +24,17 @@ from pilotfish.status import (
     StatusLimits,
     SyncState,
     SyncStatus,
+    TypeStatus,
 )
 from pilotfish.xds.server import node_info
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+
+def state_of(status: TypeStatus) -> SyncState:
+    """A type's state, read anew (mypy would keep what an earlier assert narrowed it to)."""
+    return status.state
 
 
 class Clock:
@@ -125,17 +131,17 @@ def test_a_types_state_follows_what_was_sent_acked_and_nacked() -> None:
     assert cds.state is SyncState.STALE and cds.sent_at == wall.now
     wall.now += 2
     status.acked("edge-1", CDS, "v1")
-    assert cds.state is SyncState.SYNCED and cds.acked_at == wall.now
+    assert state_of(cds) is SyncState.SYNCED and cds.acked_at == wall.now
     wall.now += 5
     status.acked("edge-1", CDS, "v1")  # a repeated ACK (after an unchanged resend) does not move acked_at
     assert cds.acked_at == wall.now - 5
     status.sent("edge-1", CDS, "v2")
     status.nacked("edge-1", CDS, "v2", "...connect_timeout: value must be greater than 0s")
-    assert cds.state is SyncState.NACKED and cds.acked_version == "v1" and cds.nacked_at == wall.now
+    assert state_of(cds) is SyncState.NACKED and cds.acked_version == "v1" and cds.nacked_at == wall.now
     status.sent("edge-1", CDS, "v3")  # a fix is on its way: not NACKED any more, not yet SYNCED
-    assert cds.state is SyncState.STALE
+    assert state_of(cds) is SyncState.STALE
     status.acked("edge-1", CDS, "v3")
-    assert cds.state is SyncState.SYNCED and cds.nack_error is None
+    assert state_of(cds) is SyncState.SYNCED and cds.nack_error is None
     assert (status.counters[CDS].responses, status.counters[CDS].acks, status.counters[CDS].nacks) == (3, 3, 1)
 
 
@@ -245,7 +251,7 @@ def _depart(status: SyncStatus, n: int, *, nacked: int = 0, hostile: bool = Fals
     for url in list(VERSIONS)[:nacked]:
         status.nacked(node.id, url, VERSIONS[url], f"dump of the rejected resource of proxy {n} " * 3000 + REASON)
     status.stream_closed(node.id)
-    return node.id
+    return str(node.id)
 
 
 def _reachable(root: object) -> dict[int, object]:

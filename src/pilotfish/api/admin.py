@@ -61,7 +61,7 @@ import logging
 import re
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -71,14 +71,15 @@ from pilotfish.api.tokens import Access, TokenFile, TokenGate
 from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.errors import shorten
 from pilotfish.events import EventLog, RecentEvents
-from pilotfish.reconcile import Reconciler
+from pilotfish.reconcile import PublishState
 from pilotfish.resources import ENDPOINT, SECRET, type_by_url
 from pilotfish.resources.bootstrap import split_address
+from pilotfish.snapshot import Snapshot
 from pilotfish.status import DepartedProxy, ProxyRecord, SyncState, SyncStatus, TypeStatus
 from pilotfish.transport.site import ADMIN_API, ADMIN_CONNECTIONS, HttpConnectionLimits, is_loopback, serve_app
 from pilotfish.xds.rest import response_json
 
-__all__ = ["FLEET_NACKS", "FLEET_ROWS", "MAX_FILTER", "ROUTES", "AdminApi", "proxy_json", "short_type",
+__all__ = ["FLEET_NACKS", "FLEET_ROWS", "MAX_FILTER", "ROUTES", "AdminApi", "HeldSnapshots", "proxy_json", "short_type",
            "start_admin_server", "status_page", "warn_if_exposed"]
 
 _log = logging.getLogger("pilotfish.admin")
@@ -167,14 +168,21 @@ def warn_if_exposed(host: str) -> bool:
     return True
 
 
+class HeldSnapshots(PublishState, Protocol):
+    """What the admin API needs of the reconcile loop: to read it, and to publish the snapshot
+    its guard holds, as the operator confirms (the one write)."""
+
+    def confirm(self, *, by: str = "") -> Snapshot | None: ...
+
+
 class AdminApi:
-    """The admin API's handlers over the server's status, cache and reconciler.
+    """The admin API's handlers over the server's status, cache and reconcile loop.
 
     ``waiting``: what the server waits for before it can publish (each source not yet reported,
     with why), as :func:`pilotfish.app.serve` says it in its log.
     """
 
-    def __init__(self, status: SyncStatus, cache: SnapshotCache, reconciler: Reconciler, *,
+    def __init__(self, status: SyncStatus, cache: SnapshotCache, reconciler: HeldSnapshots, *,
                  waiting: Callable[[], list[str]] | None = None, metrics: Metrics | None = None,
                  recent: RecentEvents | None = None,
                  etcd: Callable[[], Awaitable[dict[str, Any]]] | None = None,
@@ -191,7 +199,7 @@ class AdminApi:
         """This replica's etcd revision and lag (and who leads), for ``/healthz``; None: no etcd."""
         self.cache = cache
         self.reconciler = reconciler
-        self._waiting = waiting or reconciler.waiting_for
+        self._waiting = waiting or reconciler.readiness.waiting_for
         self.metrics = metrics
         """What ``/metrics`` renders (None: no such route)."""
         self.recent = recent
@@ -299,7 +307,7 @@ class AdminApi:
             return _json({"ready": True})
         reasons = [f"waiting for {what}" for what in waiting]
         if not published and not waiting:
-            error = self.reconciler.last_error
+            error = self.reconciler.stats.last_error
             reasons.append("no snapshot is published yet" + (f": {error.describe()}" if error else ""))
         return _json({"ready": False, "waiting_for": waiting, "reasons": reasons}, status=503)
 
@@ -348,13 +356,13 @@ class AdminApi:
     def _refused_json(self) -> dict[str, Any]:
         """What was refused and still is: the latest build (invalid resources, broken references),
         and each source whose latest input could not be read; the last good snapshot serves."""
-        reconciler = self.reconciler
-        error = reconciler.last_error
+        stats, readiness = self.reconciler.stats, self.reconciler.readiness
+        error = stats.last_error
         return {
-            "count": reconciler.refused,
-            "build": None if error is None else {"reason": error.describe(), "at": reconciler.last_error_at},
+            "count": stats.refused,
+            "build": None if error is None else {"reason": error.describe(), "at": stats.last_error_at},
             "sources": {source: {"reason": reason, "at": at}
-                        for source, (reason, at) in sorted(reconciler.source_problems.items())},
+                        for source, (reason, at) in sorted(readiness.source_problems.items())},
         }
 
     async def _config(self, request: web.Request) -> web.Response:

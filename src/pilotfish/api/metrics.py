@@ -22,8 +22,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from pilotfish.cache import NodeGroup
-from pilotfish.reconcile import Reconciler
+from pilotfish.cache import NodeGroup, SnapshotCache
+from pilotfish.reconcile import PublishState
 from pilotfish.resources import type_by_url
 from pilotfish.status import ACK_BUCKETS, SyncStatus
 
@@ -39,16 +39,18 @@ def _short(type_url: str) -> str:
 
 
 class _Collector(Collector):
-    def __init__(self, status: SyncStatus, reconciler: Reconciler, open_streams: Callable[[], int],
-                 sources: Callable[[], list[str]], subset_of: Callable[[str], int | None]) -> None:
+    def __init__(self, status: SyncStatus, reconciler: PublishState, cache: SnapshotCache,
+                 open_streams: Callable[[], int], subset_of: Callable[[str], int | None]) -> None:
         self._subset_of = subset_of
         self._status = status
         self._reconciler = reconciler
+        self._cache = cache
         self._open_streams = open_streams
-        self._sources = sources
+        self._sources = reconciler.readiness.expected_sources
 
     def collect(self) -> Iterator[Metric]:
-        status, reconciler = self._status, self._reconciler
+        status, stats = self._status, self._reconciler.stats
+        readiness = self._reconciler.readiness
         proxies = GaugeMetricFamily("pilotfish_proxies_connected", "Proxies with an open stream (or a REST poll "
                                     "being answered), per node group", labels=["group"])
         for group, count in sorted(status.connected().items()):
@@ -76,22 +78,22 @@ class _Collector(Collector):
         yield HistogramMetricFamily("pilotfish_publish_to_ack_seconds", "Seconds from a version's publish to "
                                     "each proxy's first ACK of it", buckets=buckets, sum_value=histogram.total)
         yield SummaryMetricFamily("pilotfish_snapshot_build_seconds", "Time spent building and checking snapshots "
-                                  "(validation included)", count_value=reconciler.builds,
-                                  sum_value=reconciler.build_seconds)
+                                  "(validation included)", count_value=stats.builds,
+                                  sum_value=stats.build_seconds)
         yield CounterMetricFamily("pilotfish_source_changes", "Source updates that changed what a source says",
-                                  value=reconciler.changes)
+                                  value=stats.changes)
         yield CounterMetricFamily("pilotfish_debounce_coalesced_changes", "Source changes that did not make a "
                                   "build of their own (the debounce merged them into another)",
-                                  value=max(0, reconciler.changes - reconciler.builds))
+                                  value=max(0, stats.changes - stats.builds))
         yield CounterMetricFamily("pilotfish_snapshots_published", "Snapshots handed to the proxies",
-                                  value=reconciler.published)
+                                  value=stats.published)
         yield CounterMetricFamily("pilotfish_snapshots_refused", "Builds refused as invalid (the last good "
-                                  "snapshot kept serving)", value=reconciler.refused)
+                                  "snapshot kept serving)", value=stats.refused)
         yield CounterMetricFamily("pilotfish_snapshots_held", "Snapshots the blast-radius guard held back",
-                                  value=reconciler.held_count)
+                                  value=self._reconciler.held_count)
         yield GaugeMetricFamily("pilotfish_snapshot_held", "1 while a snapshot is held back for confirmation",
-                                value=1 if reconciler.held is not None else 0)
-        waiting = set(reconciler.waiting_for())
+                                value=1 if self._reconciler.held is not None else 0)
+        waiting = set(readiness.waiting_for())
         ready = GaugeMetricFamily("pilotfish_source_ready", "1 once a source has reported its first complete "
                                   "state", labels=["source"])
         for source in self._sources():
@@ -102,12 +104,12 @@ class _Collector(Collector):
         errors = CounterMetricFamily("pilotfish_source_errors", "Inputs of a source refused where they were read "
                                      "(an unreadable or invalid file)", labels=["source"])
         for source in self._sources():
-            failing.add_metric([source], 1 if source in reconciler.failing_sources else 0)
-            errors.add_metric([source], reconciler.source_errors.get(source, 0))
+            failing.add_metric([source], 1 if source in readiness.failing_sources else 0)
+            errors.add_metric([source], readiness.source_errors.get(source, 0))
         yield failing
         yield errors
         yield GaugeMetricFamily("pilotfish_snapshot_refused", "1 while the latest build is refused (the merged "
-                                "sources are invalid)", value=1 if reconciler.last_error is not None else 0)
+                                "sources are invalid)", value=1 if stats.last_error is not None else 0)
         yield self._subset_spread()
 
     def _subset_spread(self) -> Metric:
@@ -120,7 +122,7 @@ class _Collector(Collector):
             if index is not None:
                 by_group.setdefault(proxy.info.group, []).append(index)
         for group, indices in sorted(by_group.items()):
-            snapshot = self._reconciler.cache.snapshot(NodeGroup(group))
+            snapshot = self._cache.snapshot(NodeGroup(group))
             if snapshot is not None and snapshot.subsets is not None:
                 for service, value in sorted(snapshot.subsets.spread(indices).items()):
                     spread.add_metric([group, service], value)
@@ -131,11 +133,10 @@ class Metrics:
     """The registry ``/metrics`` renders: pilotfish's collector only (no process metrics of the
     client library's own, which would read /proc at every scrape)."""
 
-    def __init__(self, status: SyncStatus, reconciler: Reconciler, *, open_streams: Callable[[], int],
-                 subset_of: Callable[[str], int | None] | None = None) -> None:
+    def __init__(self, status: SyncStatus, reconciler: PublishState, *, cache: SnapshotCache,
+                 open_streams: Callable[[], int], subset_of: Callable[[str], int | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(status, reconciler, open_streams, reconciler.expected_sources,
-                                          subset_of or (lambda _: None)))
+        self.registry.register(_Collector(status, reconciler, cache, open_streams, subset_of or (lambda _: None)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -61,9 +61,9 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import web
 
 from pilotfish.api.tokens import Access, TokenFile, TokenGate
+from pilotfish.build.desired import DesiredState
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
-from pilotfish.reconcile import Reconciler
 from pilotfish.sources.registry import (
     Conflict,
     Preservation,
@@ -74,7 +74,7 @@ from pilotfish.sources.registry import (
     UnknownInstance,
 )
 
-__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_MAX_DEPTH", "ROUTES", "Conflict", "MemoryRegistry", "RegistryApi",
+__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_MAX_DEPTH", "ROUTES", "Admitting", "Conflict", "MemoryRegistry", "RegistryApi",
            "RegistryStore", "Written"]
 
 _log = logging.getLogger("pilotfish.registry")
@@ -138,6 +138,16 @@ class Written:
     revision: int | None = None
 
 
+class Admitting(Protocol):
+    """What the registry needs of the reconcile loop: to check a proposed state of the registry
+    against the other sources' without publishing (409 when it adds a problem), and to hand over
+    the state it accepted (see :class:`~pilotfish.reconcile.admission.Admission`)."""
+
+    def check(self, source: str, state: DesiredState) -> list[Problem]: ...
+
+    def update(self, source: str, state: DesiredState) -> None: ...
+
+
 class RegistryStore(Protocol):
     """Where registrations live: this process's memory (:class:`MemoryRegistry`) or etcd
     (:class:`~pilotfish.api.registry_etcd.EtcdRegistry`). A write checks the request, the
@@ -182,7 +192,7 @@ class RegistryStore(Protocol):
 class MemoryRegistry:
     """Registrations in this process's memory (a :class:`Registry`): lost when it stops."""
 
-    def __init__(self, registry: Registry, reconciler: Reconciler, *, changed: Callable[[], None]) -> None:
+    def __init__(self, registry: Registry, reconciler: Admitting, *, changed: Callable[[], None]) -> None:
         self.registry = registry
         self.reconciler = reconciler
         self._changed = changed
@@ -264,7 +274,7 @@ class RegistryApi:
     def __init__(
         self,
         registry: Registry,
-        reconciler: Reconciler,
+        reconciler: Admitting,
         *,
         events: EventLog | None = None,
         max_body: int = DEFAULT_MAX_BODY,

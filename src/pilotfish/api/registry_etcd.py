@@ -47,11 +47,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any, ParamSpec, TypeVar
 
-from pilotfish.api.registry import Written
+from pilotfish.api.registry import Admitting, Written
 from pilotfish.etcd.client import EtcdUnavailable, Lease
-from pilotfish.etcd.election import Election
+from pilotfish.etcd.election import Leadership
 from pilotfish.events import EventLog
-from pilotfish.reconcile import Reconciler
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import (
     Conflict,
@@ -95,17 +94,22 @@ def _store_errors(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P,
 class EtcdRegistry:
     """Registry operations on etcd keys (see the module docstring)."""
 
-    def __init__(self, source: EtcdSource, reconciler: Reconciler, *, limits: RegistryLimits | None = None,
+    def __init__(self, source: EtcdSource, reconciler: Admitting, *, limits: RegistryLimits | None = None,
                  local_wait: float = 2.0, lease_slack: float = 10.0,
+                 election: Leadership | None = None,
+                 self_preservation: Callable[[], SelfPreservation] | None = None,
+                 events: EventLog | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.source = source
         self.client = source.client
         self.reconciler = reconciler
         self.limits = limits or RegistryLimits()
-        self.election: Election | None = None
-        """Who runs the singleton duties (set by the wiring)."""
-        self.guard: LeaseGuard | None = None
-        """The duty itself, while this replica leads."""
+        self.election = election
+        """Who runs the singleton duties (None: no election; this replica decides alone)."""
+        self.guard = None if self_preservation is None else LeaseGuard(self, self_preservation,
+                                                                       events=events or EventLog())
+        """The duty itself (:meth:`LeaseGuard.run` while this replica leads), given the flags'
+        self-preservation rule; None: nobody expires leases but etcd."""
         self.lease_slack = lease_slack
         """Seconds an instance's lease outlasts its TTL: the elected replica's time to decide (see
         :class:`LeaseGuard`); longer than an election hand-over."""
@@ -176,7 +180,9 @@ class EtcdRegistry:
 
     def duties(self) -> dict[str, Any]:
         election = self.election
-        return {} if election is None else {"leader": election.leader, "leader_replica": election.holder}
+        if election is None or not election.elected:
+            return {}
+        return {"leader": election.leader, "leader_replica": election.holder}
 
     @_store_errors
     async def status(self) -> dict[str, Any]:

@@ -1,5 +1,12 @@
-"""The settings of ``pilotfish serve`` (:class:`ServeSettings`): one keyword-only field per flag,
-each with its docstring; :func:`pilotfish.app.serve.serve` wires a process from them."""
+"""The settings of ``pilotfish serve`` (:class:`ServeSettings`), one frozen keyword-only dataclass
+per part of the process (xDS, REST xDS, the registry API, the admin API, etcd, TLS, access policy,
+subsetting, the event log), each field with its docstring.
+
+Every check that spans fields (TLS files given in pairs, a client CA needs TLS, node rules and
+identity grants need mTLS, at least one source) is made in one place, :meth:`ServeSettings.validate`,
+which names the flag and what to do; ``pilotfish serve`` only parses flags into these classes and
+lets it speak. :func:`pilotfish.app.serve.serve` calls it too.
+"""
 
 from __future__ import annotations
 
@@ -11,145 +18,248 @@ from pilotfish.errors import ConfigError, Problem
 from pilotfish.etcd.client import DEFAULT_KEEPALIVE
 from pilotfish.events import RECENT_EVENTS
 from pilotfish.policy.authorize import NodeRule
-from pilotfish.policy.grants import SecretGrant
+from pilotfish.policy.grants import SecretGrant, Subject
 from pilotfish.policy.groups import NodeGroupRule
 from pilotfish.reconcile import DebounceSettings, GuardSettings
 from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH
 from pilotfish.sources.registry import RegistryLimits, SelfPreservation
 from pilotfish.status import StatusLimits
 from pilotfish.transport.aio import ConnectionLimits
-from pilotfish.transport.site import (
-    ADMIN_CONNECTIONS,
-    HttpConnectionLimits,
-)
+from pilotfish.transport.site import ADMIN_CONNECTIONS, HttpConnectionLimits
 from pilotfish.transport.tls import TlsFiles
 from pilotfish.xds.server import XdsLimits
 
-__all__ = ["ServeSettings"]
+__all__ = [
+    "AdminSettings",
+    "EtcdSettings",
+    "EventSettings",
+    "PolicySettings",
+    "RegistrySettings",
+    "RestSettings",
+    "ServeSettings",
+    "SubsetSettings",
+    "TlsSettings",
+    "XdsSettings",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class XdsSettings:
+    """The xDS gRPC server."""
+
+    address: str = "127.0.0.1:18000"
+    """``host:port`` it listens on (port 0: any free port; ``--xds``)."""
+    limits: XdsLimits = field(default_factory=XdsLimits)
+    """What one xDS request may carry (names, node size) and how much of it a stream keeps."""
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    """How many xDS connections are held (in total, per source address), and how long one may
+    go without its HTTP/2 preface or without streams (``--max-connections`` ...)."""
+    grace: float = 1.0
+    """On shutdown, how long open streams get to finish (seconds)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestSettings:
+    """REST xDS (JSON polls, :mod:`pilotfish.xds.rest`). Uses the xDS TLS settings (certificate,
+    client CA, grants). Polls join node groups of kind rest (built in: ``rest``), whose clusters
+    and listeners poll EDS and RDS over REST too."""
+
+    address: str | None = None
+    """``host:port`` it listens on (port 0: any free port); None: gRPC only (``--rest``)."""
+    refresh: float = DEFAULT_REST_REFRESH
+    """Seconds between the EDS and RDS polls that clusters and listeners served to REST pollers
+    ask for: give it the ``--refresh-ms`` of their bootstraps (``--rest-refresh-ms``)."""
+    connections: HttpConnectionLimits = field(default_factory=HttpConnectionLimits)
+    """How many REST xDS connections are held (in total, per source address)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistrySettings:
+    """The registry HTTP API (in memory, or on etcd with :class:`EtcdSettings`)."""
+
+    address: str | None = None
+    """``host:port`` it listens on (port 0: any free port); None: no registry (``--registry``)."""
+    tokens: Path | None = None
+    """Its tokens file (see :mod:`pilotfish.api.tokens`), followed as it changes; None: the API
+    takes reads and writes from anyone who can reach it (``--registry-tokens``)."""
+    self_preservation: SelfPreservation = field(default_factory=SelfPreservation)
+    """When its TTL expiry pauses because too many instances lapse at once."""
+    limits: RegistryLimits = field(default_factory=RegistryLimits)
+    """How many services and instances it accepts."""
+    max_body: int = DEFAULT_MAX_BODY
+    """The largest request body accepted (bytes)."""
+    connections: HttpConnectionLimits = field(default_factory=HttpConnectionLimits)
+    """How many registry API connections are held (in total, per source address)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdminSettings:
+    """The admin API (:mod:`pilotfish.api.admin`: health, readiness, the proxies' sync status,
+    confirming a held snapshot). ``pilotfish serve`` serves it on
+    :data:`~pilotfish.commands.cli.DEFAULT_ADMIN` unless told ``--admin off``."""
+
+    address: str | None = None
+    """``host:port`` it listens on (port 0: any free port); None: no admin API (``--admin``)."""
+    tokens: Path | None = None
+    """Its tokens file (the registry's format; ``read: true`` reads, ``admin: true`` also confirms
+    a held snapshot; see :data:`pilotfish.api.admin.ROUTES`), followed as it changes; None: it
+    answers anyone who can reach it (``--admin-tokens``)."""
+    connections: HttpConnectionLimits = ADMIN_CONNECTIONS
+    """How many admin API connections are held (in total, per source address)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EtcdSettings:
+    """etcd as a source (and, with a registry, its store; and the subsetting indices' home)."""
+
+    address: str | None = None
+    """``host:port`` of etcd's client API to read services and instances from; None: no etcd."""
+    prefix: str = "/pilotfish/"
+    """The key prefix (see :mod:`pilotfish.sources.etcd` for the layout)."""
+    keepalive: float = DEFAULT_KEEPALIVE
+    """Seconds within which a watch on etcd that stopped answering (a stalled etcd, a half-open
+    connection) is noticed, reported as etcd lost and made again (see :mod:`pilotfish.sources.etcd`)."""
+    election_ttl: float = 6.0
+    """The lease (seconds) of the election for the singleton duties; a replica that dies hands
+    them over within about 4/3 of it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TlsSettings:
+    """TLS on every listener: with :attr:`cert` and :attr:`key`, xDS, REST xDS, the registry API
+    and the admin API are served over TLS only; the files are reloaded as they change."""
+
+    cert: Path | None = None
+    """PEM certificate chain (``--tls-cert``); None: plaintext."""
+    key: Path | None = None
+    """PEM private key of :attr:`cert` (``--tls-key``)."""
+    client_ca: Path | None = None
+    """PEM CA bundle: xDS (and REST xDS) clients must present a certificate from it (mTLS,
+    ``--client-ca``); None: not asked for."""
+    registry_client_ca: Path | None = None
+    """PEM CA bundle: registry API clients must present a certificate from it; None: not asked for.
+    Separate from :attr:`client_ca`: the registry's clients (deploy tools, agents) are not proxies."""
+    admin_client_ca: Path | None = None
+    """PEM CA bundle: admin API clients must present a certificate from it; None: not asked for."""
+    reload_every: float = 1.0
+    """How often the certificate, key and CA files are checked for changes (seconds)."""
+
+    @property
+    def mode(self) -> str:
+        """``off``, ``tls`` or ``mtls`` (xDS), as the ``server_started`` event says."""
+        return "off" if self.cert is None else "mtls" if self.client_ca is not None else "tls"
+
+    def files(self, *, client_ca: Path | None, alpn: tuple[str, ...]) -> TlsFiles | None:
+        """The TLS files of one listener, or None for plaintext (the settings are valid:
+        :meth:`ServeSettings.validate`)."""
+        if self.cert is None or self.key is None:
+            return None
+        return TlsFiles(cert=self.cert, key=self.key, client_ca=client_ca, alpn=alpn)
+
+    def problems(self) -> list[Problem]:
+        problems = []
+        if (self.cert is None) != (self.key is None):
+            problems.append(Problem("--tls-cert", "give both --tls-cert FILE and --tls-key FILE, or neither"))
+        elif self.cert is None and any(ca is not None for ca in (self.client_ca, self.registry_client_ca,
+                                                                 self.admin_client_ca)):
+            problems.append(Problem("--client-ca", "--client-ca, --registry-client-ca and --admin-client-ca need "
+                                                   "TLS: give --tls-cert and --tls-key too"))
+        return problems
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicySettings:
+    """Who may get what: node-id rules for certificate identities, SDS grants, node groups."""
+
+    authorize_nodes: tuple[NodeRule, ...] = ()
+    """Which node ids each certificate identity may claim (needs :attr:`TlsSettings.client_ca`);
+    empty: any (``--authorize-node``)."""
+    secret_grants: tuple[SecretGrant, ...] = ()
+    """Which proxies may receive which SDS secrets (``identity:`` grants need
+    :attr:`TlsSettings.client_ca`); empty: no proxy receives any secret (see
+    :mod:`pilotfish.policy.grants`; ``--grant-secret``)."""
+    grants_file: Path | None = None
+    """A file of more SDS grants (YAML, or JSON when it ends in ``.json``: ``grants: [SECRET=...]``),
+    in force beside :attr:`secret_grants` and followed as it changes (a bad version is reported
+    and the last good grants kept); None: the flags' grants only (``--grants-file``)."""
+    node_groups: tuple[NodeGroupRule, ...] = ()
+    """Which node group a client joins (first match; see :mod:`pilotfish.policy.groups`); after them
+    the built-in rules: gRPC clients to ``grpc``, everyone else to ``default`` (``--node-group``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SubsetSettings:
+    """Subsetting: which endpoints of a service each proxy gets, and where the indices are kept."""
+
+    size: int | None = None
+    """Give each proxy this many endpoints of every service that sets no ``subset_size`` of its own
+    (None: only services that set one are subsetted; ``--subset-size``)."""
+    state_dir: Path | None = None
+    """Where the indices are kept across restarts (``pilotfish-subsets.json``); None: the snapshot
+    file's directory, or (without a snapshot file) memory only. On etcd they live in etcd."""
+    grace: float = 300.0
+    """Seconds a disconnected proxy keeps its index (a hot restart gets the same subset)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventSettings:
+    """The JSON-lines event log and the events kept in memory."""
+
+    log: Path | None = None
+    """Where to append the event log; None: no event log (``--event-log``)."""
+    level: str = "all"
+    """``all``: every request and response too; ``changes``: snapshots, NACKs, streams, sources."""
+    recent: int = RECENT_EVENTS
+    """Events kept in memory for the admin API's ``/v1/events`` and the status page (at most
+    :data:`~pilotfish.events.RECENT_LINE` bytes each)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServeSettings:
-    """How ``pilotfish serve`` runs."""
+    """How ``pilotfish serve`` runs: one part per component of the process."""
 
     snapshot: Path | None = None
     """The snapshot file (JSON or YAML) to serve and watch; None: no file source."""
-    xds: str = "127.0.0.1:18000"
-    """``host:port`` the xDS gRPC server listens on (port 0: any free port)."""
-    event_log: Path | None = None
-    """Where to append the JSON-lines event log; None: no event log."""
-    event_log_level: str = "all"
-    """``all``: every request and response too; ``changes``: snapshots, NACKs, streams, sources."""
-    admin: str | None = None
-    """``host:port`` for the admin API (:mod:`pilotfish.api.admin`: health, readiness, the
-    proxies' sync status, confirming a held snapshot; port 0: any free port); None: no admin API.
-    (``pilotfish serve`` serves it on :data:`~pilotfish.commands.cli.DEFAULT_ADMIN` unless told
-    ``--admin off``.)"""
-    registry: str | None = None
-    """``host:port`` for the registry HTTP API (port 0: any free port); None: no registry."""
-    rest: str | None = None
-    """``host:port`` for REST xDS (JSON polls, :mod:`pilotfish.xds.rest`; port 0: any free
-    port); None: gRPC only. Uses the xDS TLS settings (certificate, client CA, grants). Polls join
-    node groups of kind rest (built in: ``rest``), whose clusters and listeners poll EDS and RDS
-    over REST too."""
-    rest_refresh: float = DEFAULT_REST_REFRESH
-    """Seconds between the EDS and RDS polls that clusters and listeners served to REST pollers
-    ask for: give it the ``--refresh-ms`` of their bootstraps (``pilotfish bootstrap --rest``)."""
-    etcd: str | None = None
-    """``host:port`` of etcd's client API to read services and instances from; None: no etcd."""
-    etcd_prefix: str = "/pilotfish/"
-    """The etcd key prefix (see :mod:`pilotfish.sources.etcd` for the layout)."""
-    etcd_keepalive: float = DEFAULT_KEEPALIVE
-    """Seconds within which a watch on etcd that stopped answering (a stalled etcd, a half-open
-    connection) is noticed, reported as etcd lost and made again (see :mod:`pilotfish.sources.etcd`)."""
-    subset_size: int | None = None
-    """Give each proxy this many endpoints of every service that sets no ``subset_size`` of its own
-    (None: only services that set one are subsetted)."""
-    state_dir: Path | None = None
-    """Where the subsetting indices are kept across restarts (``pilotfish-subsets.json``); None: the
-    snapshot file's directory, or (without a snapshot file) memory only."""
-    subset_grace: float = 300.0
-    """Seconds a disconnected proxy keeps its subsetting index (a hot restart gets the same subset)."""
+    xds: XdsSettings = field(default_factory=XdsSettings)
+    rest: RestSettings = field(default_factory=RestSettings)
+    registry: RegistrySettings = field(default_factory=RegistrySettings)
+    admin: AdminSettings = field(default_factory=AdminSettings)
+    etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    subsets: SubsetSettings = field(default_factory=SubsetSettings)
+    events: EventSettings = field(default_factory=EventSettings)
     status_limits: StatusLimits = field(default_factory=StatusLimits)
     """How long, and how many, proxies that have disconnected are remembered (``/v1/proxies?all=true``)."""
-    recent_events: int = RECENT_EVENTS
-    """Events kept in memory for the admin API's ``/v1/events`` and the status page (at most
-    :data:`~pilotfish.events.RECENT_LINE` bytes each)."""
-    election_ttl: float = 6.0
-    """With the registry on etcd: the lease (seconds) of the election for the singleton duties; a
-    replica that dies hands them over within about 4/3 of it."""
     debounce: DebounceSettings = field(default_factory=DebounceSettings)
     """How bursts of changes are batched and flapping endpoints damped."""
-    validate: bool = True
-    """Check every resource against Envoy's own validate.rules before publishing; False lets such
-    content through, for Envoy to NACK."""
     guard: GuardSettings = field(default_factory=GuardSettings)
     """Which snapshots remove too much at once to publish without the operator's confirmation."""
-    registry_self_preservation: SelfPreservation = field(default_factory=SelfPreservation)
-    """When the registry's TTL expiry pauses because too many instances lapse at once."""
-    registry_limits: RegistryLimits = field(default_factory=RegistryLimits)
-    """How many services and instances the registry API accepts."""
-    registry_max_body: int = DEFAULT_MAX_BODY
-    """The largest registry API request body accepted (bytes)."""
-    registry_tokens: Path | None = None
-    """The registry API's tokens file (see :mod:`pilotfish.api.tokens`), followed as it
-    changes; None: the API takes reads and writes from anyone who can reach it."""
-    admin_tokens: Path | None = None
-    """The admin API's tokens file (the registry's format; ``read: true`` reads, ``admin: true``
-    also confirms a held snapshot; see :data:`pilotfish.api.admin.ROUTES`), followed as it
-    changes; None: the admin API answers anyone who can reach it."""
+    validate_rules: bool = True
+    """Check every resource against Envoy's own validate.rules before publishing; False lets such
+    content through, for Envoy to NACK (``--validate``)."""
     waiting_log_every: float = 10.0
     """While a source has not reported its first state, say which and why this often (seconds)."""
-    grace_seconds: float = 1.0
-    """On shutdown, how long open streams get to finish."""
-    tls_cert: Path | None = None
-    """PEM certificate chain: with :attr:`tls_key`, xDS (and the registry API) are served over TLS
-    only. None: plaintext."""
-    tls_key: Path | None = None
-    """PEM private key of :attr:`tls_cert`."""
-    client_ca: Path | None = None
-    """PEM CA bundle: xDS clients must present a certificate from it (mTLS); None: not asked for."""
-    admin_client_ca: Path | None = None
-    """PEM CA bundle: admin API clients must present a certificate from it; None: not asked for.
-    (With :attr:`tls_cert`, the admin API is served over TLS only, as the registry API is.)"""
-    registry_client_ca: Path | None = None
-    """PEM CA bundle: registry API clients must present a certificate from it; None: not asked for.
-    Separate from :attr:`client_ca`: the registry's clients (deploy tools, agents) are not proxies."""
-    tls_reload_every: float = 1.0
-    """How often the certificate, key and CA files are checked for changes (seconds)."""
-    authorize_nodes: tuple[NodeRule, ...] = ()
-    """Which node ids each certificate identity may claim (needs :attr:`client_ca`); empty: any."""
-    secret_grants: tuple[SecretGrant, ...] = ()
-    """Which proxies may receive which SDS secrets (``identity:`` grants need :attr:`client_ca`);
-    empty: no proxy receives any secret (see :mod:`pilotfish.policy.grants`)."""
-    grants_file: Path | None = None
-    """A file of more SDS grants (YAML, or JSON when it ends in ``.json``: ``grants: [SECRET=...]``),
-    in force beside :attr:`secret_grants` and followed as it changes (a bad version is reported
-    and the last good grants kept); None: the flags' grants only."""
-    node_groups: tuple[NodeGroupRule, ...] = ()
-    """Which node group a client joins (first match; see :mod:`pilotfish.policy.groups`); after them
-    the built-in rules: gRPC clients to ``grpc``, everyone else to ``default``."""
 
-    xds_limits: XdsLimits = field(default_factory=XdsLimits)
-    """What one xDS request may carry (names, node size) and how much of it a stream keeps."""
-    xds_connections: ConnectionLimits = field(default_factory=ConnectionLimits)
-    """How many xDS connections are held (in total, per source address), and how long one may
-    go without its HTTP/2 preface or without streams."""
-    registry_connections: HttpConnectionLimits = field(default_factory=HttpConnectionLimits)
-    """How many registry API connections are held (in total, per source address)."""
-    rest_connections: HttpConnectionLimits = field(default_factory=HttpConnectionLimits)
-    """How many REST xDS connections are held (in total, per source address)."""
-    admin_connections: HttpConnectionLimits = ADMIN_CONNECTIONS
-    """How many admin API connections are held (in total, per source address)."""
+    def problems(self) -> list[Problem]:
+        """Every way the parts contradict each other (empty: none), each naming its flag."""
+        problems = []
+        if self.snapshot is None and self.registry.address is None and self.etcd.address is None:
+            problems.append(Problem("--snapshot", "give at least one source: --snapshot FILE, --registry HOST:PORT "
+                                                  "or --etcd HOST:PORT"))
+        problems += self.tls.problems()
+        if self.policy.authorize_nodes and self.tls.client_ca is None:
+            problems.append(Problem("--authorize-node", "--authorize-node binds certificate identities to node ids: "
+                                                        "it needs mTLS, give --client-ca FILE (and --tls-cert, "
+                                                        "--tls-key) too"))
+        if self.tls.client_ca is None and any(g.subject is Subject.IDENTITY for g in self.policy.secret_grants):
+            problems.append(Problem("--grant-secret", "--grant-secret ...=identity: names certificate identities: "
+                                                      "it needs mTLS, give --client-ca FILE (and --tls-cert, "
+                                                      "--tls-key) too"))
+        return problems
 
-    def tls_files(self, *, client_ca: Path | None, alpn: tuple[str, ...]) -> TlsFiles | None:
-        """The TLS files of one listener, or None for plaintext. Raises :class:`ConfigError` when
-        the settings are incomplete."""
-        if self.tls_cert is None and self.tls_key is None:
-            if client_ca is not None:
-                raise ConfigError(str(client_ca), [Problem("", "a client CA needs TLS: give --tls-cert and "
-                                                               "--tls-key too")])
-            return None
-        if self.tls_cert is None or self.tls_key is None:
-            raise ConfigError("TLS settings", [Problem("", "give both --tls-cert and --tls-key, or neither")])
-        return TlsFiles(cert=self.tls_cert, key=self.tls_key, client_ca=client_ca, alpn=alpn)
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming every contradiction (:meth:`problems`)."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError("pilotfish serve", problems)

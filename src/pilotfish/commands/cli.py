@@ -399,72 +399,64 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def _serve(args: argparse.Namespace) -> int:
     from pilotfish.app import ServeSettings, serve
+    from pilotfish.app.settings import (
+        AdminSettings,
+        EtcdSettings,
+        EventSettings,
+        PolicySettings,
+        RegistrySettings,
+        RestSettings,
+        SubsetSettings,
+        TlsSettings,
+        XdsSettings,
+    )
     from pilotfish.reconcile import DebounceSettings, GuardSettings
     from pilotfish.sources.registry import SelfPreservation
     from pilotfish.status import StatusLimits
     from pilotfish.transport.aio import ConnectionLimits
     from pilotfish.transport.site import ADMIN_CONNECTIONS, HttpConnectionLimits
 
-    if args.snapshot is None and args.registry is None and args.etcd is None:
-        print("pilotfish serve: give at least one source: --snapshot FILE, --registry HOST:PORT or --etcd HOST:PORT",
-              file=sys.stderr)
+    settings = ServeSettings(
+        snapshot=args.snapshot,
+        xds=XdsSettings(address=args.xds, connections=ConnectionLimits(
+            max_connections=args.max_connections, max_connections_per_address=args.max_connections_per_address,
+            handshake_timeout=args.handshake_timeout_ms / 1000,
+            idle_timeout=args.idle_timeout_ms / 1000 if args.idle_timeout_ms else None)),
+        rest=RestSettings(address=args.rest, refresh=args.rest_refresh_ms / 1000,
+                          connections=HttpConnectionLimits(
+                              max_connections=args.rest_max_connections,
+                              max_connections_per_address=args.rest_max_connections_per_address)),
+        registry=RegistrySettings(address=args.registry, tokens=args.registry_tokens,
+                                  self_preservation=SelfPreservation(enabled=args.registry_self_preservation == "on",
+                                                                     share=args.registry_self_preservation_share),
+                                  connections=HttpConnectionLimits(
+                                      max_connections=args.registry_max_connections,
+                                      max_connections_per_address=args.registry_max_connections_per_address)),
+        admin=AdminSettings(address=args.admin, tokens=args.admin_tokens, connections=HttpConnectionLimits(
+            max_connections=args.admin_max_connections or ADMIN_CONNECTIONS.max_connections,
+            max_connections_per_address=args.admin_max_connections_per_address
+            or ADMIN_CONNECTIONS.max_connections_per_address)),
+        etcd=EtcdSettings(address=args.etcd, prefix=args.etcd_prefix, keepalive=args.etcd_keepalive_s),
+        tls=TlsSettings(cert=args.tls_cert, key=args.tls_key, client_ca=args.client_ca,
+                        registry_client_ca=args.registry_client_ca, admin_client_ca=args.admin_client_ca,
+                        reload_every=args.tls_reload_ms / 1000),
+        policy=PolicySettings(authorize_nodes=tuple(args.authorize_node), secret_grants=tuple(args.grant_secret),
+                              grants_file=args.grants_file, node_groups=tuple(args.node_group)),
+        subsets=SubsetSettings(size=args.subset_size, state_dir=args.state_dir, grace=args.subset_grace_s),
+        events=EventSettings(log=args.event_log, level=args.event_log_level, recent=args.recent_events),
+        status_limits=StatusLimits(forget_after=args.status_forget_after,
+                                   max_disconnected=args.status_max_disconnected),
+        debounce=DebounceSettings(quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000,
+                                  hold=args.flap_hold_ms / 1000),
+        guard=GuardSettings(enabled=args.guard == "on", max_removed_share=args.guard_max_removed,
+                            min_count=args.guard_min_count),
+        validate_rules=args.validate == "on")
+    try:
+        settings.validate()
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"pilotfish serve: {problem.message}", file=sys.stderr)
         return EXIT_USAGE
-    if (args.tls_cert is None) != (args.tls_key is None):
-        print("pilotfish serve: give both --tls-cert FILE and --tls-key FILE, or neither", file=sys.stderr)
-        return EXIT_USAGE
-    if args.authorize_node and args.client_ca is None:
-        print("pilotfish serve: --authorize-node binds certificate identities to node ids: it needs mTLS, "
-              "give --client-ca FILE (and --tls-cert, --tls-key) too", file=sys.stderr)
-        return EXIT_USAGE
-    if args.client_ca is None and any(grant.subject.value == "identity" for grant in args.grant_secret):
-        print("pilotfish serve: --grant-secret ...=identity: names certificate identities: it needs mTLS, "
-              "give --client-ca FILE (and --tls-cert, --tls-key) too", file=sys.stderr)
-        return EXIT_USAGE
-    if args.tls_cert is None and any(ca is not None for ca in (args.client_ca, args.registry_client_ca,
-                                                               args.admin_client_ca)):
-        print("pilotfish serve: --client-ca, --registry-client-ca and --admin-client-ca need TLS: give --tls-cert "
-              "and --tls-key too", file=sys.stderr)
-        return EXIT_USAGE
-    debounce = DebounceSettings(quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000,
-                                hold=args.flap_hold_ms / 1000)
-    settings = ServeSettings(snapshot=args.snapshot, xds=args.xds, event_log=args.event_log,
-                             event_log_level=args.event_log_level,
-                             registry=args.registry, rest=args.rest, admin=args.admin,
-                             rest_refresh=args.rest_refresh_ms / 1000, etcd=args.etcd, etcd_prefix=args.etcd_prefix,
-                             etcd_keepalive=args.etcd_keepalive_s,
-                             subset_size=args.subset_size, state_dir=args.state_dir,
-                             subset_grace=args.subset_grace_s,
-                             status_limits=StatusLimits(forget_after=args.status_forget_after,
-                                                        max_disconnected=args.status_max_disconnected),
-                             recent_events=args.recent_events,
-                             registry_tokens=args.registry_tokens, admin_tokens=args.admin_tokens,
-                             registry_connections=HttpConnectionLimits(
-                                 max_connections=args.registry_max_connections,
-                                 max_connections_per_address=args.registry_max_connections_per_address),
-                             rest_connections=HttpConnectionLimits(
-                                 max_connections=args.rest_max_connections,
-                                 max_connections_per_address=args.rest_max_connections_per_address),
-                             admin_connections=HttpConnectionLimits(
-                                 max_connections=args.admin_max_connections or ADMIN_CONNECTIONS.max_connections,
-                                 max_connections_per_address=args.admin_max_connections_per_address
-                                 or ADMIN_CONNECTIONS.max_connections_per_address),
-                             debounce=debounce, validate=args.validate == "on",
-                             registry_self_preservation=SelfPreservation(
-                                 enabled=args.registry_self_preservation == "on",
-                                 share=args.registry_self_preservation_share),
-                             guard=GuardSettings(enabled=args.guard == "on", max_removed_share=args.guard_max_removed,
-                                                 min_count=args.guard_min_count),
-                             tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.client_ca,
-                             registry_client_ca=args.registry_client_ca, admin_client_ca=args.admin_client_ca,
-                             tls_reload_every=args.tls_reload_ms / 1000,
-                             authorize_nodes=tuple(args.authorize_node), secret_grants=tuple(args.grant_secret),
-                             grants_file=args.grants_file,
-                             xds_connections=ConnectionLimits(
-                                 max_connections=args.max_connections,
-                                 max_connections_per_address=args.max_connections_per_address,
-                                 handshake_timeout=args.handshake_timeout_ms / 1000,
-                                 idle_timeout=args.idle_timeout_ms / 1000 if args.idle_timeout_ms else None),
-                             node_groups=tuple(args.node_group))
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))

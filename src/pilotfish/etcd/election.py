@@ -11,9 +11,36 @@ from collections.abc import Callable
 
 from pilotfish.etcd.client import EtcdClient, EtcdUnavailable, Lease, unb64
 
-__all__ = ["Election"]
+__all__ = ["Election", "Leadership"]
 
 _log = logging.getLogger("pilotfish.sources.etcd")
+
+
+class Leadership:
+    """This replica's standing in the election, for those that ask before the election exists
+    (it needs the bound xDS address, known once the server listens): not leading, no known
+    holder, until an :class:`Election` made with it takes over the answers."""
+
+    def __init__(self) -> None:
+        self._election: Election | None = None
+
+    @property
+    def leader(self) -> bool:
+        """Whether this replica runs the singleton duties now (see :attr:`Election.leader`)."""
+        return self._election is not None and self._election.leader
+
+    @property
+    def holder(self) -> str | None:
+        """Who holds the election, as last seen (None: nobody, or not known)."""
+        return None if self._election is None else self._election.holder
+
+    @property
+    def elected(self) -> bool:
+        """Whether an election answers (with ``--etcd``, once the server listens)."""
+        return self._election is not None
+
+    def _follow(self, election: Election) -> None:
+        self._election = election
 
 
 class Election:
@@ -31,6 +58,7 @@ class Election:
     def __init__(self, client: EtcdClient, key: str, identity: str, *, ttl: float = 6.0,
                  on_event: Callable[..., None] | None = None,
                  on_change: Callable[[bool], None] | None = None,
+                 leadership: Leadership | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.key = key
@@ -44,6 +72,8 @@ class Election:
         self._emit = on_event or (lambda *_, **__: None)
         self._on_change = on_change or (lambda _: None)
         self._clock = clock
+        if leadership is not None:  # (it answers for this election from now on)
+            leadership._follow(self)
 
     @property
     def leader(self) -> bool:

@@ -233,9 +233,10 @@ class GrantsFile(FollowedFile[tuple[SecretGrant, ...]]):
     empty = "write 'grants: []' to grant nothing"
 
     def __init__(self, path: Path, *, mtls: bool, events: EventLog | None = None, every: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[tuple[SecretGrant, ...]], None] | None = None) -> None:
         self.mtls = mtls
-        super().__init__(path, events=events, every=every, clock=clock)
+        super().__init__(path, events=events, every=every, clock=clock, on_change=on_change)
 
     def parse(self, document: Any, source: str) -> tuple[SecretGrant, ...]:
         return parse_grants(document, source, mtls=self.mtls)

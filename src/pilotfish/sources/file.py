@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
@@ -50,7 +50,7 @@ def file_signature(path: Path) -> FileSignature | None:
 
 
 async def watch_file(path: Path, *, quiet_ms: int = 20,
-                     loaded: FileSignature | None = None) -> AsyncIterator[DesiredState | ConfigError]:
+                     loaded: FileSignature | None = None) -> AsyncGenerator[DesiredState | ConfigError, None]:
     """Yield the file's new desired state (or the error that kept it out) on each change.
 
     ``quiet_ms``: how long the directory must be quiet before a burst of writes is read.

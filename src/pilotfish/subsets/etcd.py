@@ -33,6 +33,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from pilotfish.build.desired import DesiredState, Merged, subset_tables
 from pilotfish.build.subsetting import INDEX_LIMIT, Index, IndexTable, Presence
@@ -50,15 +51,23 @@ from pilotfish.etcd.client import (
     put_op,
     unb64,
 )
-from pilotfish.reconcile import Reconciler
 
-__all__ = ["READY_SOURCE", "BackendIndexWriter", "EtcdProxyIndices", "SubsetKeys"]
+__all__ = ["READY_SOURCE", "BackendIndexWriter", "EtcdProxyIndices", "SharedTables", "SubsetKeys"]
 
 READY_SOURCE = "etcd-subsets"
 """The reconciler waits for this "source" (it contributes nothing) until the subset keys are
 listed: a build before that would serve every proxy every endpoint."""
 
 _log = logging.getLogger("pilotfish.subsets")
+
+
+class SharedTables(Protocol):
+    """What the indices feed (the reconciler): the backend tables every replica builds with, as
+    etcd has them, and the readiness of the keys (a "source" contributing nothing)."""
+
+    def set_subset_tables(self, tables: Mapping[str, IndexTable]) -> None: ...
+
+    def update(self, source: str, state: DesiredState) -> None: ...
 
 
 class SubsetKeys:
@@ -81,18 +90,22 @@ class EtcdProxyIndices:
     """Proxies' indices shared through etcd; the interface of
     :class:`~pilotfish.build.subsetting.ProxyIndices` (``acquire``, ``release``, ``index``, ``expire``)."""
 
-    def __init__(self, client: EtcdClient, keys: SubsetKeys, reconciler: Reconciler, *, grace: float = 300.0,
-                 on_moved: Callable[[str], None] | None = None, limit: int = 200_000,
+    def __init__(self, client: EtcdClient, keys: SubsetKeys, *, grace: float = 300.0, limit: int = 200_000,
                  keepalive: float = DEFAULT_KEEPALIVE, clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.keys = keys
-        self.reconciler = reconciler
         self.grace = grace
         self.keepalive = keepalive
         """Seconds within which a watch of the keys that stopped answering is noticed and made again."""
         self.limit = limit
-        self._on_moved = on_moved or (lambda _: None)
+        self._into: SharedTables | None = None
+        """Told the backend tables as etcd has them, and that the keys are listed (while :meth:`run` runs)."""
+        self._on_moved: Callable[[str], None] = lambda _: None
         """Called with a node whose index changed under its open streams (they are sent its new subset)."""
+        self._on_listed: Callable[[], None] = lambda: None
+        """Called after each full listing (the backend writer looks again)."""
+        self._subsetting = False
+        """Whether etcd holds any backend table (until then no proxy needs an index)."""
         self._nodes: dict[str, tuple[Index, Lease, int]] = {}
         """Node -> (index, lease, mod revision) as etcd has it."""
         self._holders: dict[int, str] = {}
@@ -106,8 +119,6 @@ class EtcdProxyIndices:
         self._work: dict[str, None] = {}
         """Nodes whose keys this replica has to settle in etcd (each once, in arrival order)."""
         self._wake = asyncio.Event()
-        self.on_listed: Callable[[], None] = lambda: None
-        """Called after each full listing (the backend writer looks again)."""
         self.changes = 0
         self.connected = False
         self.listed_once = False
@@ -142,7 +153,7 @@ class EtcdProxyIndices:
         return index
 
     def _give(self, node: str) -> Index | None:
-        if not self.connected or not self.reconciler.subset_tables:
+        if not self.connected or not self._subsetting:
             return self.index(node)
         index = self.index(node)
         if index is None:
@@ -191,8 +202,15 @@ class EtcdProxyIndices:
 
     # -- etcd -------------------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Follow the keys, keep this replica's lease, and write what acquire/expire queued."""
+    async def run(self, into: SharedTables, *, on_moved: Callable[[str], None] | None = None,
+                  on_listed: Callable[[], None] | None = None) -> None:
+        """Follow the keys, keep this replica's lease, and write what acquire/expire queued.
+        ``into`` (the reconciler) is told the backend tables and when the keys are first listed;
+        ``on_moved`` a node whose index changed under its open streams (the xDS server sends
+        them its new subset); ``on_listed`` each full listing (the backend writer looks again)."""
+        self._into = into
+        self._on_moved = on_moved or (lambda _: None)
+        self._on_listed = on_listed or (lambda: None)
         tasks = [asyncio.create_task(follow_prefix(self.client, self.keys.base, listed=self._listed,
                                                    changed=self._changed, lost=self._lost,
                                                    keepalive=self.keepalive), name="subset-keys"),
@@ -221,9 +239,10 @@ class EtcdProxyIndices:
         self._tables_changed()
         if self.listed_once is False:
             self.listed_once = True
-            self.reconciler.update(READY_SOURCE, DesiredState())  # the subset keys are known: builds may start
+            if self._into is not None:  # the subset keys are known: builds may start
+                self._into.update(READY_SOURCE, DesiredState())
         self.give_present()
-        self.on_listed()
+        self._on_listed()
 
     async def _changed(self, changes: list[Change], revision: int) -> None:
         backends = False
@@ -268,9 +287,12 @@ class EtcdProxyIndices:
 
     def _tables_changed(self) -> None:
         self.changes += 1
-        started = not self.reconciler.subset_tables
-        self.reconciler.set_subset_tables({service: table for service, (table, _) in self._backends.items()})
-        if started and self.reconciler.subset_tables:
+        tables = {service: table for service, (table, _) in self._backends.items()}
+        started = not self._subsetting and bool(tables)
+        self._subsetting = bool(tables)
+        if self._into is not None:
+            self._into.set_subset_tables(tables)
+        if started:
             self.give_present()  # subsetting started: proxies need indices now
 
     async def _keep_lease(self) -> None:
@@ -366,15 +388,16 @@ class _Stale(Exception):
 
 class BackendIndexWriter:
     """The elected replica's duty: keep etcd's backend index tables up to date with the merged
-    state (see the module docstring). Told every build's merged state (:attr:`Reconciler.on_merged`);
-    writes in the background, at most one write per service at a time."""
+    state (see the module docstring). Told every build's merged state (:meth:`merged`: the
+    reconciler's ``on_merged``); writes in the background (:meth:`run`, beside the indices it
+    keeps in step), at most one write per service at a time. ``default_size``: the subset size of
+    services that set none; ``leading``: whether this replica holds the election now."""
 
-    def __init__(self, client: EtcdClient, keys: SubsetKeys, indices: EtcdProxyIndices, reconciler: Reconciler,
-                 *, leading: Callable[[], bool]) -> None:
+    def __init__(self, client: EtcdClient, keys: SubsetKeys, *, leading: Callable[[], bool],
+                 default_size: int | None = None) -> None:
         self.client = client
         self.keys = keys
-        self.indices = indices
-        self.reconciler = reconciler
+        self.default_size = default_size
         self._leading = leading
         self._pending: Merged | None = None
         self._wake = asyncio.Event()
@@ -387,15 +410,16 @@ class BackendIndexWriter:
         """Look again (leadership or etcd's tables changed)."""
         self._wake.set()
 
-    async def run(self) -> None:
+    async def run(self, indices: EtcdProxyIndices) -> None:
+        """Write the tables ``indices`` (this replica's view of the keys) lack, until cancelled."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             merged = self._pending
-            if merged is None or not self._leading() or not self.indices.connected:
+            if merged is None or not self._leading() or not indices.connected:
                 continue
             try:
-                await self._write(merged)
+                await self._write(merged, indices)
             except (EtcdUnavailable, _Stale) as exc:
                 _log.info("backend indices not written yet (%s); retrying", exc)
                 await asyncio.sleep(1.0 if isinstance(exc, EtcdUnavailable) else 0.2)
@@ -405,10 +429,10 @@ class BackendIndexWriter:
                 await asyncio.sleep(1.0)
                 self._wake.set()
 
-    async def _write(self, merged: Merged) -> None:
-        current = self.indices.backend_tables()
+    async def _write(self, merged: Merged, indices: EtcdProxyIndices) -> None:
+        current = indices.backend_tables()
         wanted = subset_tables(merged, {service: table for service, (table, _) in current.items()},
-                               default_size=self.reconciler.subset_size)
+                               default_size=self.default_size)
         for service, table in sorted(wanted.items()):
             known = current.get(service)
             if known is not None and known[0] == table:

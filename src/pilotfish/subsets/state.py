@@ -21,12 +21,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from pilotfish.build.subsetting import IndexTable, ProxyIndices
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.reconcile import Reconciler
 
-__all__ = ["STATE_FILE", "SubsetState", "keep_saving", "load_or_start_fresh", "load_subset_state",
+__all__ = ["STATE_FILE", "BackendTables", "SubsetState", "keep_saving", "load_or_start_fresh", "load_subset_state",
            "save_subset_state"]
 
 _log = logging.getLogger("pilotfish.subsets")
@@ -89,18 +89,29 @@ def load_or_start_fresh(path: Path) -> SubsetState:
         return SubsetState({}, IndexTable())
 
 
-async def keep_saving(path: Path, reconciler: Reconciler, proxies: ProxyIndices, *, every: float = 1.0) -> None:
+class BackendTables(Protocol):
+    """The backend index tables as the reconciler last published them
+    (:class:`pilotfish.reconcile.tables.SubsetTables`), and a count of their changes."""
+
+    @property
+    def tables(self) -> Mapping[str, IndexTable]: ...
+
+    @property
+    def changed(self) -> int: ...
+
+
+async def keep_saving(path: Path, backends: BackendTables, proxies: ProxyIndices, *, every: float = 1.0) -> None:
     """Write the state whenever it changed, at most once per ``every`` seconds; free the indices
     of proxies whose grace period ended. Runs until cancelled (and then writes a last time)."""
-    saved = (reconciler.subset_tables_changed, proxies.changes)
+    saved = (backends.changed, proxies.changes)
 
     def save() -> None:
         nonlocal saved
-        now = (reconciler.subset_tables_changed, proxies.changes)
+        now = (backends.changed, proxies.changes)
         if now == saved:
             return
         try:
-            save_subset_state(path, SubsetState(reconciler.subset_tables, proxies.table()))
+            save_subset_state(path, SubsetState(backends.tables, proxies.table()))
         except OSError as exc:
             _log.error("could not write the subsetting state to %s: %s (retrying)", path, exc)
             return
@@ -110,8 +121,8 @@ async def keep_saving(path: Path, reconciler: Reconciler, proxies: ProxyIndices,
         while True:
             await asyncio.sleep(every)
             proxies.expire()
-            if reconciler.subset_tables:  # nothing is subsetted: nothing worth keeping
+            if backends.tables:  # nothing is subsetted: nothing worth keeping
                 save()
     finally:
-        if reconciler.subset_tables:
+        if backends.tables:
             save()

@@ -34,7 +34,7 @@ class Wall:
 
 def scrape(status: SyncStatus, reconciler: Reconciler, *, streams: int = 0) -> list[str]:
     """The sample lines of one scrape (the ``# HELP`` and ``# TYPE`` lines left out)."""
-    text = Metrics(status, reconciler, open_streams=lambda: streams).render().decode()
+    text = Metrics(status, reconciler, cache=reconciler.cache, open_streams=lambda: streams).render().decode()
     return [line for line in text.splitlines() if not line.startswith("#")]
 
 
@@ -136,7 +136,8 @@ def test_the_text_is_the_prometheus_exposition_format_its_own_parser_reads() -> 
     status = SyncStatus()
     status.stream_opened("edge-1", NodeInfo(group="default"))
     status.sent("edge-1", CDS, "c1")
-    text = Metrics(status, Reconciler(SnapshotCache()), open_streams=lambda: 1).render().decode()
+    cache = SnapshotCache()
+    text = Metrics(status, Reconciler(cache), cache=cache, open_streams=lambda: 1).render().decode()
     families = {family.name: family for family in text_string_to_metric_families(text)}
     assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
     assert families["pilotfish_xds_responses"].type == "counter"

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from test_protocol_delta import DeltaPair, Got
 
 from pilotfish.cache import SnapshotCache
+from pilotfish.resources import TypeUrl
 from pilotfish.resources.refs import referenced_clusters
 from pilotfish.snapshot import Snapshot
 
@@ -68,7 +69,7 @@ class Reconnect:
     pass
 
 
-def _names(type_url: str) -> st.SearchStrategy[tuple[str, ...]]:
+def _names(type_url: TypeUrl) -> st.SearchStrategy[tuple[str, ...]]:
     return st.lists(st.sampled_from((*UNIVERSE[type_url], "zz", "*")), max_size=3, unique=True).map(tuple)
 
 
@@ -224,12 +225,12 @@ class Run:
                     self.received(self.pair.ack(got))
             if len(self.pair.inbox) == before:
                 break
-        for type_url in self.client.started:
-            current = self.snapshot.get(type_url)
+        for started in self.client.started:
+            current = self.snapshot.get(TypeUrl(started))
             assert current is not None
             wanted = {n: r.version for n, r in current.resources.items()
-                      if self.client.wildcard[type_url] or n in self.client.names[type_url]}
-            assert self.client.held[type_url] == wanted, f"{type_url}: the client holds {self.client.held[type_url]}"
+                      if self.client.wildcard[started] or n in self.client.names[started]}
+            assert self.client.held[started] == wanted, f"{started}: the client holds {self.client.held[started]}"
 
 
 ON_ITS_WAY: list[object] = [

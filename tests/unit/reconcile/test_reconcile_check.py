@@ -41,7 +41,7 @@ def test_checking_publishes_nothing_and_changes_no_state() -> None:
     published = checker.cache.snapshot()
     assert checker.check("registry", defines(service("api", 10001))) == []
     assert checker.check("registry", defines(service("web2", 10000))) != []
-    assert checker.cache.snapshot() is published and checker.published == 1
+    assert checker.cache.snapshot() is published and checker.stats.published == 1
     assert checker.build_now() is None  # the state it builds is still the file's alone
 
 

@@ -66,4 +66,4 @@ async def test_changes_are_read_and_a_bad_or_deleted_file_is_reported(tmp_path: 
         back = await next_item(watch)
         assert isinstance(back, DesiredState) and sorted(back.services) == ["db"]
     finally:
-        await watch.aclose()  # type: ignore[attr-defined]
+        await watch.aclose()

@@ -78,15 +78,13 @@ class Replica:
 
     def __init__(self, address: str, clock: Clock) -> None:
         self.client = EtcdClient(address)
-        self.reconciler = Reconciler(SnapshotCache(), expect=(READY_SOURCE,))
-        self.reconciler.subset_tables_shared = True
+        self.reconciler = Reconciler(SnapshotCache(), expect=(READY_SOURCE,), shared_subset_tables=True)
         self.moved: list[str] = []
-        self.indices = EtcdProxyIndices(self.client, KEYS, self.reconciler, grace=300.0, clock=clock,
-                                        on_moved=self.moved.append)
+        self.indices = EtcdProxyIndices(self.client, KEYS, grace=300.0, clock=clock)
         self.task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self.task = asyncio.create_task(self.indices.run())
+        self.task = asyncio.create_task(self.indices.run(self.reconciler, on_moved=self.moved.append))
 
         async def ready() -> bool:
             return self.indices.connected and bool(self.indices.lease)
@@ -117,7 +115,7 @@ async def replicas(address: str, clock: Clock, count: int = 2) -> AsyncIterator[
     try:
         for replica in started:
             await replica.start()
-            assert replica.reconciler.subset_tables == {"web": table}  # every replica builds with etcd's table
+            assert replica.reconciler.tables.tables == {"web": table}  # every replica builds with etcd's table
             assert replica.reconciler.waiting_for() == []  # the keys are listed: builds may start
         yield started
     finally:
@@ -213,9 +211,8 @@ async def test_two_replicas_giving_one_index_at_the_same_moment_agree_the_loser_
 async def test_the_elected_replica_writes_the_backend_tables_the_merged_state_needs(etcd: str) -> None:
     async with replicas(etcd, Clock(), count=1) as [replica]:
         leading = False  # a replica that is not elected writes no table
-        writer = BackendIndexWriter(replica.client, KEYS, replica.indices, replica.reconciler,
-                                    leading=lambda: leading)
-        task = asyncio.create_task(writer.run())
+        writer = BackendIndexWriter(replica.client, KEYS, leading=lambda: leading)
+        task = asyncio.create_task(writer.run(replica.indices))
         try:
             endpoints = tuple(Endpoint("127.0.0.1", port) for port in (9001, 9002, 9003))
             merged = merge_states({"file": DesiredState(
@@ -238,7 +235,7 @@ async def test_the_elected_replica_writes_the_backend_tables_the_merged_state_ne
             assert await stored(replica.client, KEYS.backends("api")) is None  # api is not subsetted
 
             async def read_back() -> bool:
-                return replica.reconciler.subset_tables.get("web") == table
+                return bool(replica.reconciler.tables.tables.get("web") == table)
 
             await until("every replica to build with the written table", read_back)
         finally:

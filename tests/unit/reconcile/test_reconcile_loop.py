@@ -95,7 +95,7 @@ async def test_a_change_is_published_after_the_quiet_period(running: Running) ->
     assert published_ports(cache) == [9001, 9002]
     await clock.advance(0.02)
     assert published_ports(cache) == [9001]
-    assert reconciler.published == 2
+    assert reconciler.stats.published == 2
 
 
 async def test_100_changes_within_50ms_make_one_push(running: Running) -> None:
@@ -104,7 +104,7 @@ async def test_100_changes_within_50ms_make_one_push(running: Running) -> None:
         reconciler.update("registry", state(9001, 9100 + i))
         await clock.advance(0.0005)
     await clock.advance(0.2)
-    assert reconciler.published == 2  # the start-up snapshot, then one for the whole burst
+    assert reconciler.stats.published == 2  # the start-up snapshot, then one for the whole burst
     assert published_ports(cache) == [9001, 9199]
 
 
@@ -112,7 +112,7 @@ async def test_the_same_state_again_builds_nothing(running: Running) -> None:
     reconciler, clock, _ = running
     reconciler.update("registry", state(9002, 9001))
     await clock.advance(2.0)
-    assert (reconciler.builds, reconciler.published) == (1, 1)
+    assert (reconciler.stats.builds, reconciler.stats.published) == (1, 1)
 
 
 async def test_a_flapping_endpoint_makes_a_bounded_number_of_pushes(running: Running) -> None:
@@ -123,7 +123,7 @@ async def test_a_flapping_endpoint_makes_a_bounded_number_of_pushes(running: Run
     reconciler.update("registry", state(9001, 9002))
     await clock.advance(3.0)
     # Removal at once (1), re-added once it stayed for the hold (1): 2 pushes after start-up.
-    assert reconciler.published - 1 <= 2
+    assert reconciler.stats.published - 1 <= 2
     assert published_ports(cache) == [9001, 9002]
 
 

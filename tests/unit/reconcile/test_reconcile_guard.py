@@ -1,16 +1,18 @@
-"""docs/architecture.md, publishing rules 1 and 3: nothing is published before every source has reported,
-and a snapshot that removes too much at once is held until the operator confirms it."""
+"""docs/architecture.md, publishing rule 3: a snapshot that removes too much at once is held until
+the operator confirms it (:mod:`pilotfish.reconcile.guard`, alone and in the loop)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pilotfish.build.desired import DesiredState
-from pilotfish.cache import SnapshotCache
+from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
 from pilotfish.events import EventLog
 from pilotfish.reconcile import GuardSettings, Reconciler
-from pilotfish.resources import CLUSTER, LISTENER
+from pilotfish.reconcile.guard import Guard
+from pilotfish.resources import LISTENER
 from pilotfish.resources.services import Endpoint, ServiceSpec
+from pilotfish.snapshot import Snapshot
 
 
 class Recorder(EventLog):
@@ -42,25 +44,6 @@ def names(cache: SnapshotCache, url: str) -> set[str]:
     assert snapshot is not None
     found = snapshot.get(url)
     return set(found.resources) if found else set()
-
-
-# -- every source first -----------------------------------------------------------------------
-
-def test_nothing_is_published_until_every_expected_source_has_reported() -> None:
-    rec, cache, _ = reconciler(expect=("etcd", "file"))
-    rec.update("file", services("web"))
-    assert rec.waiting_for() == ["etcd"]
-    assert rec.build_now() is None and cache.snapshot() is None, "etcd's part is not known yet"
-    rec.update("etcd", services("api", listen=False))
-    assert rec.waiting_for() == []
-    assert rec.build_now() is not None
-    assert names(cache, CLUSTER.url) == {"web", "api"}
-
-
-def test_an_empty_first_report_counts_as_reported() -> None:
-    rec, cache, _ = reconciler(expect=("etcd",))
-    rec.update("etcd", DesiredState())
-    assert rec.build_now() is not None and names(cache, CLUSTER.url) == set()
 
 
 # -- the blast-radius guard -------------------------------------------------------------------
@@ -166,3 +149,52 @@ def test_the_guard_can_be_turned_off() -> None:
     rec.update("file", services("web", listen=False))
     assert rec.build_now() is not None and names(cache, LISTENER.url) == set()
     assert not events.named("snapshot_held")
+
+
+# -- the guard alone ------------------------------------------------------------------------------
+
+
+def snapshot_of(state: DesiredState) -> Snapshot:
+    cache = SnapshotCache()
+    rec = Reconciler(cache)
+    rec.update("file", state)
+    rec.build_now()
+    found = cache.snapshot()
+    assert found is not None
+    return found
+
+
+def test_the_guard_holds_reports_and_hands_back_what_the_operator_confirms() -> None:
+    served, emptied = snapshot_of(services("web", "api")), snapshot_of(services("web", "api", listen=False))
+    events = Recorder()
+    guard = Guard(GuardSettings(), current=lambda group: served, events=events, confirm_hint=lambda: "say so")
+    reasons, counts = guard.assess({DEFAULT_GROUP: emptied}, {}, {})
+    assert reasons == ["it removes every listener (2)"] and counts["listeners"]["removed"] == 2
+    guard.hold({DEFAULT_GROUP: emptied}, reasons, counts, {}, {})
+    guard.hold({DEFAULT_GROUP: emptied}, reasons, counts, {}, {})
+    assert guard.held is not None and guard.held_count == 1, "held (and said) once"
+    assert [e["event"] for e in events.records] == ["snapshot_held"]
+    held = guard.confirm(by="signal")
+    assert held is not None and held.snapshot is emptied and guard.held is None
+    assert events.named("snapshot_confirmed")[0]["by"] == "signal"
+    assert guard.confirm() is None, "nothing held any more"
+
+
+def test_the_guard_off_or_with_nothing_served_finds_nothing_to_hold() -> None:
+    emptied = snapshot_of(services("web", listen=False))
+    off = Guard(GuardSettings(enabled=False), current=lambda group: snapshot_of(services("web")))
+    assert off.assess({DEFAULT_GROUP: emptied}, {}, {}) == ([], {})
+    first = Guard(GuardSettings(), current=lambda group: None)
+    assert first.assess({DEFAULT_GROUP: emptied}, {}, {}) == ([], {})
+
+
+def test_a_released_hold_is_said_to_be_dropped() -> None:
+    served, emptied = snapshot_of(services("web")), snapshot_of(services("web", listen=False))
+    events = Recorder()
+    guard = Guard(current=lambda group: served, events=events)
+    guard.release("nothing held: nothing said")
+    guard.hold({DEFAULT_GROUP: emptied}, ["why"], {}, {}, {})
+    guard.release("the source went back")
+    assert guard.held is None
+    assert events.named("snapshot_hold_released") == [{"event": "snapshot_hold_released",
+                                                       "version": emptied.label(), "reason": "the source went back"}]

@@ -1,0 +1,475 @@
+"""The components :func:`pilotfish.app.serve.serve` is made of (see :mod:`pilotfish.app.components`):
+the listeners and the TLS context each serves with, the file source, the election and its duties,
+the heap tidier, the stop signals, and the ``server_started`` announcement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import resource
+import signal
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
+
+from pilotfish.api.registry_etcd import LeaseGuard
+from pilotfish.app.components import Task
+from pilotfish.app.settings import EtcdSettings, ServeSettings, XdsSettings
+from pilotfish.cache import SnapshotCache
+from pilotfish.errors import ConfigError
+from pilotfish.etcd.client import EtcdClient
+from pilotfish.etcd.election import Election, Leadership
+from pilotfish.events import EventLog
+from pilotfish.policy.grants import SecretGrant, SecretGrants, Subject
+from pilotfish.reconcile import Reconciler
+from pilotfish.resources import SECRET
+from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
+from pilotfish.subsets.etcd import READY_SOURCE as SUBSETS_READY
+from pilotfish.subsets.etcd import BackendIndexWriter
+from pilotfish.transport.site import XDS, naming_failures
+from pilotfish.transport.tls import ReloadingServerContext, TlsFiles
+from pilotfish.xds.server import XdsServer, start_xds_server
+
+__all__ = [
+    "Announcement",
+    "ConfirmHint",
+    "ElectionDuties",
+    "FileSource",
+    "HeapTidier",
+    "HttpListener",
+    "Runner",
+    "StopSignals",
+    "TlsReload",
+    "XdsListener",
+    "raise_descriptor_limit",
+    "say_what_we_wait_for",
+    "secret_grants",
+    "source_labels",
+    "tidy_heap_when_idle",
+    "warn_about_grants",
+]
+
+_log = logging.getLogger("pilotfish")
+
+
+# -- TLS and the listeners -------------------------------------------------------------------------
+
+
+class TlsReload:
+    """The TLS context of one listener, following its certificate, key and CA files: the
+    context is built at :meth:`start` (a bad file is an error then: nothing to fall back on) and
+    rebuilt every ``every`` seconds a file changed, without dropping open connections."""
+
+    def __init__(self, name: str, files: TlsFiles, *, events: EventLog, every: float) -> None:
+        self.name = f"{name}-tls-reload"
+        self._listener = name
+        self._files = files
+        self._events = events
+        self._every = every
+        self._reloading: ReloadingServerContext | None = None
+        self._task: Task | None = None
+
+    @property
+    def context(self) -> ssl.SSLContext:
+        assert self._reloading is not None, "started before the listener that serves with it"
+        return self._reloading.context
+
+    async def start(self) -> None:
+        reloading = self._reloading = ReloadingServerContext(self._files, on_event=self._events.emit,
+                                                             name=self._listener)
+        self._task = Task(self.name, lambda: reloading.run(every=self._every))
+        await self._task.start()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await self._task.stop()
+
+
+class XdsListener:
+    """The xDS gRPC server on its address; stopped gracefully (open streams get
+    :attr:`XdsSettings.grace` to finish), then ``server_stopped``."""
+
+    name = "xds"
+
+    def __init__(self, xds: XdsServer, settings: XdsSettings, *, tls: TlsReload | None, events: EventLog) -> None:
+        self.xds = xds
+        self._settings = settings
+        self._tls = tls
+        self._events = events
+        self.port = 0
+        self.max_connections = 0
+        self.max_connections_per_address = 0
+        self._stop: Callable[[float], Awaitable[None]] | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as bound (once started)."""
+        return f"{self._settings.address.rsplit(':', 1)[0]}:{self.port}"
+
+    async def start(self) -> None:
+        with naming_failures(XDS, self._settings.address):
+            server, self.port = await start_xds_server(self.xds, self._settings.address,
+                                                       tls=None if self._tls is None else self._tls.context,
+                                                       connection_limits=self._settings.connections)
+        self.max_connections = server.max_connections
+        self.max_connections_per_address = server.max_connections_per_address
+        self._stop = server.stop
+
+    async def stop(self) -> None:
+        if self._stop is not None:
+            await self._stop(self._settings.grace)
+            self._events.emit("server_stopped")
+
+
+class Runner(Protocol):
+    """What serving an aiohttp app hands back (a ``web.AppRunner``): how to stop it."""
+
+    async def cleanup(self) -> None: ...
+
+
+class HttpListener:
+    """An aiohttp API (registry, REST xDS, admin) on its address: ``serve(tls)`` starts it and
+    returns its runner and bound ``host:port``."""
+
+    def __init__(self, name: str, serve: Callable[[ssl.SSLContext | None], Awaitable[tuple[Runner, str]]], *,
+                 tls: TlsReload | None) -> None:
+        self.name = name
+        self._serve = serve
+        self.tls = tls
+        self.address: str | None = None
+        """``host:port`` as bound (once started)."""
+        self._cleanup: Callable[[], Awaitable[None]] | None = None
+
+    async def start(self) -> None:
+        runner, self.address = await self._serve(None if self.tls is None else self.tls.context)
+        self._cleanup = runner.cleanup
+
+    async def stop(self) -> None:
+        if self._cleanup is not None:
+            await self._cleanup()
+
+
+class ConfirmHint:
+    """How the operator confirms a held snapshot, as the reconciler prints it: ``kill -USR1``,
+    and once the admin API listens, ``pilotfish confirm`` with the options it needs. Built first
+    (the reconciler is given :meth:`text`), told the admin address when that listens."""
+
+    def __init__(self) -> None:
+        self.signal = f"kill -USR1 {os.getpid()}"
+        self._admin = ""
+
+    def admin_listens(self, address: str, *, tls: bool, mtls: bool, tokens: bool) -> None:
+        options = "" if not tls else " --tls-ca CA-FILE" + (" --tls-cert FILE --tls-key FILE" if mtls else "")
+        if tokens:
+            options += " --token-file FILE"
+        self._admin = f"pilotfish confirm --admin {address}{options}, or "
+
+    def text(self) -> str:
+        return self._admin + self.signal
+
+
+class Announcement:
+    """Once everything listens: the ``server_started`` event and the log lines naming each listener."""
+
+    name = "announcement"
+
+    def __init__(self, settings: ServeSettings, events: EventLog, xds: XdsListener, *,
+                 registry: HttpListener | None, rest: HttpListener | None, admin: HttpListener | None) -> None:
+        self._settings = settings
+        self._events = events
+        self._xds = xds
+        self._registry = registry
+        self._rest = rest
+        self._admin = admin
+
+    async def start(self) -> None:
+        settings, xds = self._settings, self._xds
+        registry = None if self._registry is None else self._registry.address
+        rest = None if self._rest is None else self._rest.address
+        admin = None if self._admin is None else self._admin.address
+        tls = settings.tls.mode
+        self._events.emit("server_started", xds=xds.address, registry=registry,
+                          snapshot=str(settings.snapshot) if settings.snapshot else None, tls=tls,
+                          **({"rest": rest} if rest else {}), **({"admin": admin} if admin else {}))
+        scheme = "http" if self._registry is None or self._registry.tls is None else "https"
+        _log.info("serving xDS on %s (TLS: %s; at most %d connections, %d per address)%s%s", xds.address, tls,
+                  xds.max_connections, xds.max_connections_per_address,
+                  f", registry API on {scheme}://{registry}" if registry else "",
+                  f", REST xDS on {'http' if tls == 'off' else 'https'}://{rest}" if rest else "")
+        if admin:
+            scheme = "http" if self._admin is None or self._admin.tls is None else "https"
+            _log.info("admin API on %s://%s (status page at /; /healthz, /readyz, /v1/proxies, /v1/snapshots, "
+                      "/v1/config, /v1/held, /v1/events)", scheme, admin)
+
+    async def stop(self) -> None:
+        pass
+
+
+# -- sources ------------------------------------------------------------------------------------------
+
+
+class FileSource:
+    """The snapshot file: read at :meth:`start` (a bad file stops the start: there is no last
+    good configuration yet), then followed (:func:`follow_file`)."""
+
+    name = "file-source"
+
+    def __init__(self, path: Path, reconciler: Reconciler, events: EventLog) -> None:
+        self._path = path
+        self._reconciler = reconciler
+        self._events = events
+        self._task: Task | None = None
+
+    async def start(self) -> None:
+        path = self._path
+        loaded = file_signature(path)
+        try:
+            self._reconciler.update("file", load_desired(path))
+        except ConfigError as exc:
+            self._events.emit("snapshot_error", file=str(path), reason=exc.describe())
+            raise
+        self._task = Task(self.name, lambda: follow_file(path, loaded, self._reconciler, self._events))
+        await self._task.start()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await self._task.stop()
+
+
+async def follow_file(path: Path, loaded: FileSignature | None, reconciler: Reconciler, events: EventLog,
+                      *, retry: float = 1.0) -> None:
+    """Feed the file's changes to the reconciler; report every bad one. Supervised: if the watch
+    itself fails (e.g. the directory went away), say so and start it again; nothing ends it."""
+    while True:
+        try:
+            async for item in watch_file(path, loaded=loaded):
+                if isinstance(item, ConfigError):
+                    reconciler.source_error("file", item.describe())
+                    events.emit("snapshot_error", file=str(path), reason=item.describe())
+                    _log.error("%s\nstill serving the last good snapshot", item.describe())
+                else:
+                    loaded = None
+                    reconciler.update("file", item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            events.emit("snapshot_error", file=str(path), reason=f"watching the file failed: {exc!r}")
+            _log.error("watching %s failed (%r); still serving the last good snapshot, watching again in %.0f s",
+                       path, exc, retry)
+        loaded = None  # a restarted watch reads the file at once
+        await asyncio.sleep(retry)
+
+
+def source_labels(settings: ServeSettings) -> dict[str, str]:
+    """How errors and snapshots name each source."""
+    labels = {"registry": "the registry"}
+    if settings.snapshot is not None:
+        labels["file"] = str(settings.snapshot)
+    if settings.etcd.address is not None:
+        labels["etcd"] = f"etcd at {settings.etcd.address}"
+        labels[SUBSETS_READY] = f"the subsetting indices in etcd at {settings.etcd.address}"
+    return labels
+
+
+async def say_what_we_wait_for(reconciler: Reconciler, waiting: Callable[[], list[str]], events: EventLog,
+                               *, first: float = 0.5, every: float = 10.0) -> None:
+    """Until every source has reported, say which ones are awaited and why: soon after start,
+    then every ``every`` seconds. Proxies that connect meanwhile are held (they keep what they have)."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(first)
+    said_at: float | None = None
+    while sources := reconciler.waiting_for():
+        if said_at is None or loop.time() - said_at >= every:
+            why = waiting()
+            events.emit("waiting_for_sources", sources=sources, reasons=why)
+            _log.warning("not serving any configuration yet: waiting for %s", "; ".join(why))
+            said_at = loop.time()
+        await asyncio.sleep(0.1)
+    if said_at is not None:
+        _log.warning("every source has reported: serving")
+
+
+# -- policy -----------------------------------------------------------------------------------------
+
+
+def secret_grants(settings: ServeSettings, from_file: tuple[SecretGrant, ...]) -> SecretGrants:
+    """The SDS grants: the flags', then the grants file's (both checked where they are read)."""
+    return SecretGrants(settings.policy.secret_grants + from_file)
+
+
+def warn_about_grants(settings: ServeSettings, grants: SecretGrants, cache: SnapshotCache) -> None:
+    """Say what ``grants`` leave open (node: grants without node rules) or shut (secrets of the
+    current snapshot that no grant covers)."""
+    if grants.of(Subject.NODE) and not settings.policy.authorize_nodes:
+        _log.warning("node: grants trust the node id a proxy claims, and without --authorize-node "
+                     "any peer that reaches the xDS port can claim any node id and receive these secrets: %s",
+                     ", ".join(map(str, grants.of(Subject.NODE))))
+    snapshot = cache.snapshot()
+    secrets = snapshot.get(SECRET.url) if snapshot is not None else None
+    ungranted = grants.ungranted(secrets.resources) if secrets is not None else []
+    if ungranted:
+        _log.warning("no grant (--grant-secret, --grants-file) covers these secrets: no proxy will receive them: %s",
+                     ", ".join(ungranted))
+
+
+# -- the election -------------------------------------------------------------------------------------
+
+
+class ElectionDuties:
+    """The election for the singleton duties on etcd (TTL expiry with self-preservation, with the
+    registry; the subsetting backend indices): campaigns from :meth:`start` (the replica is named
+    by its bound xDS address, ``identity()``), and starts and stops the duties with leadership.
+    ``leadership`` answers for it to those built before it (the registry's store, the writer)."""
+
+    name = "election"
+
+    def __init__(self, settings: EtcdSettings, events: EventLog, leadership: Leadership, *,
+                 identity: Callable[[], str], guard: LeaseGuard | None, writer: BackendIndexWriter) -> None:
+        assert settings.address is not None
+        self._settings = settings
+        self._events = events
+        self._leadership = leadership
+        self._identity = identity
+        self._guard = guard
+        self._writer = writer
+        self._guarding: list[asyncio.Task[None]] = []
+        self._task: Task | None = None
+
+    def _changed(self, leader: bool) -> None:
+        for task in self._guarding:
+            task.cancel()
+        self._guarding.clear()
+        if leader and self._guard is not None:
+            self._guarding.append(asyncio.create_task(self._guard.run(), name="registry-lease-guard"))
+        self._writer.poke()
+
+    async def start(self) -> None:
+        settings = self._settings
+        assert settings.address is not None
+        ttl = settings.election_ttl
+        election = Election(EtcdClient(settings.address, timeout=ttl / 3), settings.prefix.rstrip("/") + ".leader",
+                            f"{socket.gethostname()}:{os.getpid()} ({self._identity()})", ttl=ttl,
+                            on_event=self._events.emit, on_change=self._changed, leadership=self._leadership)
+
+        async def campaign() -> None:
+            try:
+                await election.run()
+            finally:
+                await election.client.close()
+
+        self._task = Task(self.name, campaign)
+        await self._task.start()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await self._task.stop()
+        for task in self._guarding:
+            task.cancel()
+
+
+# -- the process ------------------------------------------------------------------------------------
+
+
+class StopSignals:
+    """SIGINT and SIGTERM set :attr:`stopped`; SIGUSR1 confirms the snapshot the guard holds."""
+
+    name = "signals"
+
+    def __init__(self, reconciler: Reconciler) -> None:
+        self._reconciler = reconciler
+        self.stopped = asyncio.Event()
+
+    def _confirm_held(self) -> None:
+        if self._reconciler.confirm(by="signal") is None:
+            _log.warning("SIGUSR1: no snapshot is held, nothing to confirm")
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stopped.set)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGUSR1, self._confirm_held)
+
+    async def stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+
+
+class HeapTidier:
+    """Long-lived objects (the API modules, snapshots, streams) need no cyclic collection; a
+    fan-out allocates many short-lived ones, so collect the young generation less often, and
+    keep freezing what lives on (:func:`tidy_heap_when_idle`)."""
+
+    name = "gc"
+
+    def __init__(self, idle: Callable[[], bool]) -> None:
+        self._task = Task(self.name, lambda: tidy_heap_when_idle(idle))
+
+    async def start(self) -> None:
+        await self._task.start()
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
+
+    async def stop(self) -> None:
+        await self._task.stop()
+
+
+async def tidy_heap_when_idle(idle: Callable[[], bool], *, every: float = 1.0, young_limit: int = 20_000,
+                              full_every: float = 3600.0, busy_after: float = 0.02) -> None:
+    """Keep cyclic GC pauses off the path of a change.
+
+    A GC pass costs time in proportion to the objects it looks at, and thousands of streams are
+    hundreds of thousands of long-lived objects: left to itself, a collection that happens to
+    start during a fan-out stalls it for tens of milliseconds (measured: 40 ms at 1,000 proxies).
+    So when nothing is waiting to be built and the event loop is not busy, freeze what exists
+    (``gc.freeze``: constant time), so that later passes look only at newer objects; first, if
+    the youngest generation is small enough for it to be quick, collect it. Streams leave no
+    reference cycles behind, so little garbage is frozen; once every ``full_every`` seconds, at
+    such a moment, everything is unfrozen and collected (at 10,000 streams, a pause of a few
+    hundred milliseconds), so none stays for long. The loop counts as busy when a sleep of
+    ``every`` overshot by more than ``busy_after``.
+    """
+    loop = asyncio.get_running_loop()
+    last_full = loop.time()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(every)
+        if loop.time() - start > every + busy_after or not idle():
+            continue  # the loop is busy, or a build is coming: not now
+        if loop.time() - last_full >= full_every:
+            gc.unfreeze()
+            gc.collect()
+            last_full = loop.time()
+        elif gc.get_count()[0] <= young_limit:  # about the size of the youngest generation
+            gc.collect(0)
+        gc.freeze()
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's open-file soft limit (RLIMIT_NOFILE) to its hard limit, as servers
+    do: each proxy holds a connection, and the usual soft limit of 1,024 would refuse proxies
+    long before memory or CPU runs out. Logs and returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        target = 1 << 20  # Linux refuses an infinite soft limit (above fs.nr_open)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            _log.warning("could not raise the open-file limit from %d to %d (%s): at most about %d proxies "
+                         "can connect; raise it with `ulimit -n` or LimitNOFILE=", soft, target, exc, soft)
+            return soft
+        _log.info("open-file limit (RLIMIT_NOFILE) raised from %d to %d", soft, target)
+        return target
+    _log.info("open-file limit (RLIMIT_NOFILE): %d", soft)
+    return soft

@@ -1,0 +1,307 @@
+"""The reconcile loop: the sources' states in, checked snapshots out to the cache.
+
+:class:`Reconciler` composes the parts of this package and runs the loop. Sources report whole
+views (:meth:`Reconciler.update`): the view is kept, :class:`~pilotfish.reconcile.damping.Damping`
+sees which endpoints came and went, :class:`~pilotfish.reconcile.readiness.Readiness` that the
+source is in, and the :class:`~pilotfish.reconcile.debounce.Debouncer` that a change arrived.
+:meth:`Reconciler.run` builds when the debounce (or a flap hold) says so: merge every source's
+view, take out what the damper holds back, build every node group's snapshot in one pass
+(:func:`pilotfish.build.desired.build_snapshots`), refuse it on any problem (the last good one keeps
+serving), skip groups whose content did not change, ask the
+:class:`~pilotfish.reconcile.guard.Guard` whether it removes too much, and publish. Nothing is
+built while an expected source has not reported. :meth:`Reconciler.check`
+(:class:`~pilotfish.reconcile.admission.Admission`) tries a proposed state without publishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import NoReturn
+
+from pilotfish.build.desired import DesiredState, Merged, MergeMemo, View, build_snapshots, merge_states
+from pilotfish.build.subsetting import IndexTable
+from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
+from pilotfish.errors import ConfigError, Problem
+from pilotfish.events import EventLog
+from pilotfish.reconcile.admission import Admission
+from pilotfish.reconcile.damping import Damping
+from pilotfish.reconcile.debounce import Clock, Debouncer, DebounceSettings, MonotonicClock
+from pilotfish.reconcile.guard import Guard, GuardSettings, Held, endpoint_counts
+from pilotfish.reconcile.readiness import Readiness
+from pilotfish.reconcile.stats import ReconcileStats
+from pilotfish.reconcile.tables import SubsetTables
+from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH
+from pilotfish.resources.builders import ResourceMemo
+from pilotfish.snapshot import Snapshot
+from pilotfish.status import SyncStatus
+
+__all__ = ["Reconciler"]
+
+_log = logging.getLogger("pilotfish.reconcile")
+
+
+class Reconciler:
+    """Turns the desired state of all sources into the cache's snapshots, debounced and checked
+    (see the module docstring). Its parts are public: :attr:`readiness`, :attr:`guard`,
+    :attr:`tables`, :attr:`damping`, :attr:`stats`."""
+
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        *,
+        settings: DebounceSettings | None = None,
+        clock: Clock | None = None,
+        events: EventLog | None = None,
+        groups: Mapping[NodeGroup, View] | None = None,
+        expect: Iterable[str] = (),
+        expect_after: Mapping[str, str] | None = None,
+        guard: GuardSettings | None = None,
+        confirm_hint: str | Callable[[], str] = "",
+        rules: bool = True,
+        labels: Mapping[str, str] | None = None,
+        rest_refresh: float = DEFAULT_REST_REFRESH,
+        status: SyncStatus | None = None,
+        subset_size: int | None = None,
+        subset_tables: Mapping[str, IndexTable] | None = None,
+        shared_subset_tables: bool = False,
+        on_merged: Callable[[Merged], None] | None = None,
+    ) -> None:
+        self.cache = cache
+        self.settings = settings or DebounceSettings()
+        self._clock: Clock = clock or MonotonicClock()
+        self._events = events or EventLog()
+        self._groups: dict[NodeGroup, View] = dict(groups or {DEFAULT_GROUP: View()})
+        """The node groups served, and what each is served (default: one group of Envoys)."""
+        self._rules = rules
+        """Check Envoy's validate.rules before publishing (off: let Envoy NACK what breaks them)."""
+        self._labels = dict(labels or {})
+        """How errors name each source (e.g. "file" -> the file's path)."""
+        self._rest_refresh = rest_refresh
+        """Seconds between the EDS and RDS polls of ``rest`` groups."""
+        self._status = status
+        """Told each group's versions as they are published (what proxies are measured against)."""
+        self._on_merged = on_merged
+        """Told the merged state of every build served (the replica that allocates shared indices)."""
+        self._states: dict[str, DesiredState] = {}
+        self.readiness = Readiness(expect, after=expect_after)
+        self.guard = Guard(guard, current=cache.snapshot, events=self._events, confirm_hint=confirm_hint)
+        self.tables = SubsetTables(subset_tables, shared=shared_subset_tables, default_size=subset_size)
+        self.damping = Damping(flap_window=self.settings.flap_window, hold=self.settings.hold)
+        self.stats = ReconcileStats()
+        self._admission = Admission(self._states, self._trial, labels=self._labels)
+        self._debouncer = Debouncer(quiet=self.settings.quiet, max_delay=self.settings.max_delay)
+        self._hold_until: float | None = None
+        self._wake = asyncio.Event()
+        self._memo = ResourceMemo()
+        self._merge_memo = MergeMemo()
+        self._published_endpoints: dict[str, int] = {}
+
+    # -- what sources say -------------------------------------------------------------------------
+
+    def update(self, source: str, state: DesiredState) -> None:
+        """A source's whole current view. Equal to what it said before: nothing happens."""
+        self.readiness.reported(source)
+        previous = self._states.get(source)
+        if previous == state:
+            return
+        self._states[source] = state
+        self.stats.changes += 1
+        now = self._clock.now()
+        self.damping.report(previous, state, now)
+        self._changed(now)
+
+    def source_error(self, source: str, reason: str = "") -> None:
+        """``source``'s latest input was refused (and reported) where it was read, for ``reason``."""
+        self.readiness.refused(source, reason)
+
+    def set_subset_tables(self, tables: Mapping[str, IndexTable]) -> None:
+        """Shared tables changed (etcd): build with them (and only them) from now on."""
+        if self.tables.set_shared(tables):
+            self.stats.changes += 1
+            self._changed(self._clock.now())
+
+    def check(self, source: str, state: DesiredState) -> list[Problem]:
+        """The problems ``state`` would add if ``source`` reported it now (see
+        :class:`~pilotfish.reconcile.admission.Admission`); empty: safe to accept."""
+        return self._admission.check(source, state)
+
+    def confirm(self, *, by: str = "") -> Snapshot | None:
+        """The operator says the held snapshot is meant: publish it. Returns it (None: nothing held)."""
+        held = self.guard.confirm(by=by)
+        if held is None:
+            return None
+        self._publish(held.snapshots, held.endpoints, held.tables)
+        return held.snapshot
+
+    # -- what readers see (PublishState) ------------------------------------------------------------
+
+    @property
+    def held(self) -> Held | None:
+        return self.guard.held
+
+    @property
+    def held_count(self) -> int:
+        return self.guard.held_count
+
+    @property
+    def confirm_hint(self) -> str:
+        return self.guard.confirm_hint
+
+    @property
+    def last_error(self) -> ConfigError | None:
+        return self.stats.last_error
+
+    def waiting_for(self) -> list[str]:
+        return self.readiness.waiting_for()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is waiting to be built (no debounce or flap-hold deadline pending)."""
+        return self._next_deadline() is None
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def build_now(self) -> Snapshot | None:
+        """Build and publish at once, skipping the debounce (at start-up). Returns the snapshot
+        handed over, or None if nothing changed or a source has not reported yet; raises
+        :class:`ConfigError` if it is refused."""
+        self._debouncer.start_build()
+        started = time.perf_counter()
+        try:
+            return self._build()
+        finally:
+            self.stats.build_seconds += time.perf_counter() - started
+            self._debouncer.finish_build()
+
+    async def run(self) -> None:
+        """Build whenever the debounce (or a flap hold) says so, until cancelled."""
+        while True:
+            deadline = self._next_deadline()
+            if deadline is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = self._clock.now()
+            if now < deadline:
+                await self._clock.sleep(deadline - now)
+                continue
+            self._hold_until = None
+            self._debouncer.start_build()
+            started = time.perf_counter()
+            try:
+                self._build()
+            except ConfigError:
+                pass  # reported in _build; the last good snapshot keeps serving
+            except Exception:
+                _log.exception("building the snapshot failed; keeping the last good one")
+                self._events.emit("snapshot_error", reason="internal error while building (see log)")
+            finally:
+                self.stats.build_seconds += time.perf_counter() - started
+                self._debouncer.finish_build()
+
+    def _changed(self, now: float) -> None:
+        self._debouncer.change(now)
+        self._wake.set()
+
+    def _next_deadline(self) -> float | None:
+        deadlines = [d for d in (self._debouncer.deadline(), self._hold_until) if d is not None]
+        return min(deadlines) if deadlines else None
+
+    def _source_names(self) -> str:
+        return " + ".join(self._labels.get(name, name) for name in sorted(self._states)) or "no sources"
+
+    def _snapshots(self, merged: Merged, sources: str, tables: Mapping[str, IndexTable], *,
+                   memo: ResourceMemo) -> dict[NodeGroup, Snapshot]:
+        return build_snapshots(merged, sources, self._groups, memo=memo, rules=self._rules,
+                               rest_refresh=self._rest_refresh, subsets=tables,
+                               subset_size=self.tables.default_size)
+
+    def _trial(self, states: Mapping[str, DesiredState]) -> list[Problem]:
+        """Build ``states`` merged, publishing nothing: the problems (admission's trial)."""
+        try:
+            merged = merge_states(states)
+            self._snapshots(merged, ", ".join(sorted(states)), self.tables.for_build(merged), memo=self._memo)
+        except ConfigError as exc:
+            return list(exc.problems)
+        return []
+
+    def _build(self) -> Snapshot | None:
+        if self.readiness.waiting_for():
+            return None  # publishing now would serve "empty because not yet known"
+        self.stats.builds += 1
+        merged, self._hold_until = self.damping.damped(merge_states(self._states, memo=self._merge_memo),
+                                                       self._clock.now())
+        tables = self.tables.for_build(merged)
+        try:
+            built = self._snapshots(merged, self._source_names(), tables, memo=self._memo)
+        except ConfigError as exc:
+            self._refuse(exc)
+        snapshots: dict[NodeGroup, Snapshot] = {group: built[group] for group in self._groups}
+        changed: dict[NodeGroup, Snapshot] = {}
+        for group, snapshot in snapshots.items():
+            current = self.cache.snapshot(group)
+            same_version = current is not None and current.explicit_version == snapshot.explicit_version
+            if current is not None and same_version and current.same_content(snapshot):
+                continue
+            if same_version and snapshot.explicit_version is not None:
+                # Proxies at that version would never be sent the new content: refuse, loudly.
+                self._refuse(ConfigError(self._source_names(), [Problem(
+                    "version", f"the content changed but the version is still {snapshot.explicit_version!r}: "
+                               "set a new version, or remove it to version by content")]))
+            changed[group] = snapshot
+        self.stats.last_error = None
+        first = next(iter(snapshots.values()))
+        if not changed:
+            self.guard.release("the sources are back to what is served")
+            self._events.emit("snapshot_unchanged", version=first.label())
+            self._merged_served(merged)
+            return None
+        endpoints = endpoint_counts(merged)
+        reasons, counts = self.guard.assess(changed, self._published_endpoints, endpoints)
+        if reasons:
+            self.guard.hold(changed, reasons, counts, endpoints, tables)
+            return None
+        self.guard.release("a later change replaced it")
+        self._publish(changed, endpoints, tables)
+        self._merged_served(merged)
+        return snapshots.get(DEFAULT_GROUP, first)
+
+    def _merged_served(self, merged: Merged) -> None:
+        """``merged`` is what is served now (published, or unchanged): tell ``on_merged``. A
+        refused or held state is not (so shared indices are not freed for a removal held back)."""
+        if self._on_merged is not None:
+            self._on_merged(merged)
+
+    def _refuse(self, error: ConfigError) -> NoReturn:
+        self.stats.last_error = error
+        self.stats.last_error_at = time.time()
+        self.stats.refused += 1
+        self._events.emit("snapshot_error", reason=error.describe())
+        _log.error("%s\nstill serving the last good snapshot", error.describe())
+        raise error
+
+    def _publish(self, snapshots: Mapping[NodeGroup, Snapshot], endpoints: dict[str, int],
+                 tables: Mapping[str, IndexTable]) -> None:
+        """Hand each group's new snapshot to the cache; one ``snapshot_loaded`` event names the
+        default group's (else the first changed group's) snapshot and, with several groups, each
+        group's."""
+        self.tables.published(tables)
+        started = time.perf_counter()
+        status = self._status
+        if status is not None:  # before the fan-out: ACKs are measured from here
+            for group, snapshot in snapshots.items():
+                status.published(group, label=snapshot.label(),
+                                 versions={url: ts.version for url, ts in snapshot.types.items()})
+        answered = sum(self.cache.set_snapshot(snapshot, group) for group, snapshot in snapshots.items())
+        pushed_ms = round((time.perf_counter() - started) * 1000, 3)
+        self._published_endpoints = endpoints
+        self.stats.published += 1
+        shown = self.cache.snapshot(DEFAULT_GROUP) or next(iter(snapshots.values()))
+        more = {"groups": {group: s.label() for group, s in snapshots.items()}} if len(self._groups) > 1 else {}
+        self._events.emit("snapshot_loaded", version=shown.label(), versions=shown.versions(),
+                          watches_answered=answered, push_ms=pushed_ms, **more)
+        _log.info("snapshot %s published (%s)%s", shown.label(), shown.versions(),
+                  f", node groups {', '.join(sorted(snapshots))}" if len(self._groups) > 1 else "")
