@@ -48,7 +48,7 @@ from pilotfish.events import EventLog, RecentEvents
 from pilotfish.policy.authorize import NodeAuthorizer
 from pilotfish.policy.grants import GrantsFile, SecretGrant
 from pilotfish.policy.groups import NodeGroups
-from pilotfish.reconcile import Reconciler
+from pilotfish.reconcile import BuildOptions, Reconciler, SubsetOptions
 from pilotfish.resources.bootstrap import split_address
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry
@@ -124,12 +124,14 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     hint = ConfirmHint()
     expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd.address))
                 if configured]
-    reconciler = Reconciler(cache, settings=settings.debounce, events=events, expect=expected,
-                            guard=settings.guard, confirm_hint=hint.text, rules=settings.validate_rules,
-                            labels=source_labels(settings), groups=groups.views(), rest_refresh=settings.rest.refresh,
-                            status=status, subset_size=settings.subsets.size, subset_tables=kept.backends,
-                            shared_subset_tables=on_etcd, expect_after={SUBSETS_READY: "etcd"} if on_etcd else None,
-                            on_merged=None if writer is None else writer.merged)
+    reconciler = Reconciler(
+        cache, settings=settings.debounce, events=events, expect=expected, guard=settings.guard,
+        confirm_hint=hint.text, status=status,
+        build=BuildOptions(groups=groups.views(), rules=settings.validate_rules, labels=source_labels(settings),
+                           rest_refresh=settings.rest.refresh),
+        subsets=SubsetOptions(size=settings.subsets.size, tables=kept.backends, shared=on_etcd,
+                              ready_after={SUBSETS_READY: "etcd"} if on_etcd else None,
+                              on_merged=None if writer is None else writer.merged))
 
     # A bad tokens or grants file is an error before anything listens (there is no last good one yet).
     registry_tokens = None if settings.registry.tokens is None else TokenFile(settings.registry.tokens, events=events)

@@ -37,7 +37,7 @@ from pilotfish.reconcile.admission import Admission
 from pilotfish.reconcile.damping import Damping, FlapDamper
 from pilotfish.reconcile.debounce import Clock, Debouncer, DebounceSettings, MonotonicClock
 from pilotfish.reconcile.guard import Guard, GuardSettings, Held, blast_radius
-from pilotfish.reconcile.loop import Reconciler
+from pilotfish.reconcile.loop import BuildOptions, Reconciler, SubsetOptions
 from pilotfish.reconcile.readiness import Readiness, ReadinessView
 from pilotfish.reconcile.stats import ReconcileStats
 from pilotfish.reconcile.tables import SubsetTables
@@ -45,6 +45,7 @@ from pilotfish.reconcile.view import PublishState
 
 __all__ = [
     "Admission",
+    "BuildOptions",
     "Clock",
     "Damping",
     "DebounceSettings",
@@ -59,6 +60,7 @@ __all__ = [
     "ReadinessView",
     "ReconcileStats",
     "Reconciler",
+    "SubsetOptions",
     "SubsetTables",
     "blast_radius",
 ]

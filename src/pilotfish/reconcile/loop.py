@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from pilotfish.build.desired import DesiredState, Merged, MergeMemo, View, build_snapshots, merge_states
@@ -38,9 +39,39 @@ from pilotfish.resources.builders import ResourceMemo
 from pilotfish.snapshot import Snapshot
 from pilotfish.status import SyncStatus
 
-__all__ = ["Reconciler"]
+__all__ = ["BuildOptions", "Reconciler", "SubsetOptions"]
 
 _log = logging.getLogger("pilotfish.reconcile")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BuildOptions:
+    """What every build makes, beside the sources' state."""
+
+    groups: Mapping[NodeGroup, View] | None = None
+    """The node groups served, and what each is served (None: one group of Envoys)."""
+    rules: bool = True
+    """Check Envoy's validate.rules before publishing (False: let Envoy NACK what breaks them)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """How errors name each source (e.g. "file" -> the file's path)."""
+    rest_refresh: float = DEFAULT_REST_REFRESH
+    """Seconds between the EDS and RDS polls of ``rest`` groups."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SubsetOptions:
+    """Subsetting: the default subset size and the backend index tables builds use."""
+
+    size: int | None = None
+    """The subset size of services that set none (None: only those that set one are subsetted)."""
+    tables: Mapping[str, IndexTable] | None = None
+    """The backend index tables to start from (a state file's)."""
+    shared: bool = False
+    """The tables are shared by every replica (in etcd): builds take them as etcd has them."""
+    ready_after: Mapping[str, str] | None = None
+    """Sources that report only once another has (the indices in etcd after the etcd source)."""
+    on_merged: Callable[[Merged], None] | None = None
+    """Told the merged state of every build served (the replica that writes the shared tables)."""
 
 
 class Reconciler:
@@ -55,40 +86,35 @@ class Reconciler:
         settings: DebounceSettings | None = None,
         clock: Clock | None = None,
         events: EventLog | None = None,
-        groups: Mapping[NodeGroup, View] | None = None,
+        build: BuildOptions | None = None,
         expect: Iterable[str] = (),
-        expect_after: Mapping[str, str] | None = None,
         guard: GuardSettings | None = None,
         confirm_hint: str | Callable[[], str] = "",
-        rules: bool = True,
-        labels: Mapping[str, str] | None = None,
-        rest_refresh: float = DEFAULT_REST_REFRESH,
         status: SyncStatus | None = None,
-        subset_size: int | None = None,
-        subset_tables: Mapping[str, IndexTable] | None = None,
-        shared_subset_tables: bool = False,
-        on_merged: Callable[[Merged], None] | None = None,
+        subsets: SubsetOptions | None = None,
     ) -> None:
         self.cache = cache
         self.settings = settings or DebounceSettings()
         self._clock: Clock = clock or MonotonicClock()
         self._events = events or EventLog()
-        self._groups: dict[NodeGroup, View] = dict(groups or {DEFAULT_GROUP: View()})
+        build = build or BuildOptions()
+        subsets = subsets or SubsetOptions()
+        self._groups: dict[NodeGroup, View] = dict(build.groups or {DEFAULT_GROUP: View()})
         """The node groups served, and what each is served (default: one group of Envoys)."""
-        self._rules = rules
+        self._rules = build.rules
         """Check Envoy's validate.rules before publishing (off: let Envoy NACK what breaks them)."""
-        self._labels = dict(labels or {})
+        self._labels = dict(build.labels)
         """How errors name each source (e.g. "file" -> the file's path)."""
-        self._rest_refresh = rest_refresh
+        self._rest_refresh = build.rest_refresh
         """Seconds between the EDS and RDS polls of ``rest`` groups."""
         self._status = status
         """Told each group's versions as they are published (what proxies are measured against)."""
-        self._on_merged = on_merged
+        self._on_merged = subsets.on_merged
         """Told the merged state of every build served (the replica that allocates shared indices)."""
         self._states: dict[str, DesiredState] = {}
-        self.readiness = Readiness(expect, after=expect_after)
+        self.readiness = Readiness(expect, after=subsets.ready_after)
         self.guard = Guard(guard, current=cache.snapshot, events=self._events, confirm_hint=confirm_hint)
-        self.tables = SubsetTables(subset_tables, shared=shared_subset_tables, default_size=subset_size)
+        self.tables = SubsetTables(subsets.tables, shared=subsets.shared, default_size=subsets.size)
         self.damping = Damping(flap_window=self.settings.flap_window, hold=self.settings.hold)
         self.stats = ReconcileStats()
         self._admission = Admission(self._states, self._trial, labels=self._labels)

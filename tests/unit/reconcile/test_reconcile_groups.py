@@ -13,7 +13,7 @@ from google.protobuf import json_format
 from pilotfish.build.desired import DesiredState, View
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
 from pilotfish.policy.groups import GRPC_GROUP, REST_GROUP
-from pilotfish.reconcile import Reconciler
+from pilotfish.reconcile import BuildOptions, Reconciler
 from pilotfish.resources import CLUSTER, LISTENER
 from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.resources.builders import ClientKind
@@ -36,7 +36,7 @@ WEB = {"listen": "127.0.0.1:10000", "grpc": True, "endpoints": ["127.0.0.1:9001"
 
 def test_the_reconciler_publishes_each_group_and_leaves_an_unchanged_one_alone() -> None:
     cache = SnapshotCache()
-    rec = Reconciler(cache, groups={DEFAULT_GROUP: ENVOYS, GRPC_GROUP: GRPC}, guard=None)
+    rec = Reconciler(cache, build=BuildOptions(groups={DEFAULT_GROUP: ENVOYS, GRPC_GROUP: GRPC}), guard=None)
     rec.update("file", _state({"web": WEB, "rpc": {"grpc": True}}))
     rec.build_now()
     envoy, grpc = cache.snapshot(DEFAULT_GROUP), cache.snapshot(GRPC_GROUP)
@@ -50,7 +50,7 @@ def test_the_reconciler_publishes_each_group_and_leaves_an_unchanged_one_alone()
 
 def test_the_guard_holds_every_group_when_one_would_lose_all_its_listeners() -> None:
     cache = SnapshotCache()
-    rec = Reconciler(cache, groups={DEFAULT_GROUP: ENVOYS, GRPC_GROUP: GRPC})
+    rec = Reconciler(cache, build=BuildOptions(groups={DEFAULT_GROUP: ENVOYS, GRPC_GROUP: GRPC}))
     rec.update("file", _state({"web": WEB, "rpc": {"grpc": True}}))
     rec.build_now()
     before = cache.snapshot(GRPC_GROUP), cache.snapshot(DEFAULT_GROUP)
@@ -96,7 +96,7 @@ ADS = json_format.ParseDict({"ads": {}, "resource_api_version": "V3"}, config_so
 
 def test_the_reconciler_builds_the_rest_group_with_the_servers_refresh_delay_and_guards_it() -> None:
     cache = SnapshotCache()
-    rec = Reconciler(cache, groups={DEFAULT_GROUP: ENVOYS, REST_GROUP: REST}, rest_refresh=0.5)
+    rec = Reconciler(cache, build=BuildOptions(groups={DEFAULT_GROUP: ENVOYS, REST_GROUP: REST}, rest_refresh=0.5))
     rec.update("file", _merged())
     rec.build_now()
     rest, envoy = cache.snapshot(REST_GROUP), cache.snapshot(DEFAULT_GROUP)

@@ -24,7 +24,7 @@ from pilotfish.build.desired import DesiredState, merge_states
 from pilotfish.build.subsetting import Index, IndexTable
 from pilotfish.cache import SnapshotCache
 from pilotfish.etcd.client import EtcdClient, unb64
-from pilotfish.reconcile import Reconciler
+from pilotfish.reconcile import Reconciler, SubsetOptions
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.subsets.etcd import READY_SOURCE, BackendIndexWriter, EtcdProxyIndices, SubsetKeys
 
@@ -78,7 +78,7 @@ class Replica:
 
     def __init__(self, address: str, clock: Clock) -> None:
         self.client = EtcdClient(address)
-        self.reconciler = Reconciler(SnapshotCache(), expect=(READY_SOURCE,), shared_subset_tables=True)
+        self.reconciler = Reconciler(SnapshotCache(), expect=(READY_SOURCE,), subsets=SubsetOptions(shared=True))
         self.moved: list[str] = []
         self.indices = EtcdProxyIndices(self.client, KEYS, grace=300.0, clock=clock)
         self.task: asyncio.Task[None] | None = None
