@@ -66,12 +66,14 @@ run: setup
 test: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(PYTHON) -m pytest --durations=20 $(PYTEST_WORKERS) $(PYTEST_ARGS) $(TEST_DIRS)
 
-# ruff on src, tests and bench; mypy strict on src/pilotfish and bench (pyproject.toml's
+# ruff on src, tests and bench (its rules, complexity and argument counts included, and its
+# formatter: `ruff format src tests bench` fixes what --check finds); mypy strict on src/pilotfish and bench (pyproject.toml's
 # [tool.mypy]); the import layers of docs/architecture.md (import-linter contracts, [tool.importlinter]).
 # lint-imports finds pilotfish on sys.path: src/ first, so it reads this checkout's code even when
 # the venv's editable install points at another one (a worktree sharing a venv).
 lint: setup
 	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy
 	PYTHONPATH="$(CURDIR)/src" $(BIN)/lint-imports --no-logo
 

@@ -59,10 +59,22 @@ from pilotfish.snapshot import Snapshot
 
 __all__ = ["BUILD_COLUMNS", "make_state", "rows_in_child", "run_build", "top_functions"]
 
-BUILD_COLUMNS = ["pilotfish", "clusters", "endpoints", "merge s", "build_snapshot s", "build_snapshot, rules off s",
-                 "encode responses s", "total s", "response bytes (CDS / EDS)", "rebuild after 1 change s",
-                 "rebuild after 1 change, rules off s", "Reconciler.update s", "Reconciler rebuild after 1 change s",
-                 "Reconciler rebuild, 1 service changed s"]
+BUILD_COLUMNS = [
+    "pilotfish",
+    "clusters",
+    "endpoints",
+    "merge s",
+    "build_snapshot s",
+    "build_snapshot, rules off s",
+    "encode responses s",
+    "total s",
+    "response bytes (CDS / EDS)",
+    "rebuild after 1 change s",
+    "rebuild after 1 change, rules off s",
+    "Reconciler.update s",
+    "Reconciler rebuild after 1 change s",
+    "Reconciler rebuild, 1 service changed s",
+]
 
 
 def make_state(clusters: int, endpoints: int, *, extra: int = 0) -> DesiredState:
@@ -74,8 +86,9 @@ def make_state(clusters: int, endpoints: int, *, extra: int = 0) -> DesiredState
         name = f"svc-{i:05d}"
         services[name] = ServiceSpec(name=name)
         count = per + (1 if i < rest else 0) + (extra if i == 0 else 0)
-        found[name] = tuple(Endpoint(f"10.{(i >> 8) & 255}.{i & 255}.{1 + e % 250}", 8000 + e // 250)
-                            for e in range(count))
+        found[name] = tuple(
+            Endpoint(f"10.{(i >> 8) & 255}.{i & 255}.{1 + e % 250}", 8000 + e // 250) for e in range(count)
+        )
     return DesiredState(services=services, endpoints=found)
 
 
@@ -97,8 +110,10 @@ def _rebuild_and_encode(reconciler: Reconciler) -> dict[str, int]:
     """The reconciler's rebuild after a change, then the responses the first proxy asks for."""
     snapshot = reconciler.build_now()
     if snapshot is None:
-        raise RuntimeError("the reconciler published nothing after an endpoint change: "
-                           "make_state(extra=1) no longer changes the snapshot")
+        raise RuntimeError(
+            "the reconciler published nothing after an endpoint change: "
+            "make_state(extra=1) no longer changes the snapshot"
+        )
     return _encode_all(snapshot)
 
 
@@ -140,7 +155,8 @@ def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path |
         encode_t.append(t_encode)
         total_t.append(t_merge + t_build + t_encode)
         t_bare_rebuild, _ = _timed(
-            lambda: _encode_all(build_snapshot(merge_states({"registry": changed}), "bench", rules=False)))
+            lambda: _encode_all(build_snapshot(merge_states({"registry": changed}), "bench", rules=False))
+        )
         bare_rebuild_t.append(t_bare_rebuild)
         t_rebuild, _ = _timed(lambda: _encode_all(build_snapshot(merge_states({"registry": changed}), "bench")))
         rebuild_t.append(t_rebuild)
@@ -161,10 +177,22 @@ def run_build(clusters: int, endpoints: int, *, repeat: int = 3, profile: Path |
         profiler.dump_stats(profile)
     one_t = _one_service_changed(clusters, endpoints, max(repeat, 5))
     med = statistics.median
-    return [_revision(), clusters, endpoints, round(med(merge_t), 3), round(med(build_t), 3), round(med(bare_t), 3),
-            round(med(encode_t), 3), round(med(total_t), 3), f"{sizes.get('CDS', 0):,} / {sizes.get('EDS', 0):,}",
-            round(med(rebuild_t), 3), round(med(bare_rebuild_t), 3), round(med(update_t), 3),
-            round(med(incremental_t), 3), round(med(one_t), 4)]
+    return [
+        _revision(),
+        clusters,
+        endpoints,
+        round(med(merge_t), 3),
+        round(med(build_t), 3),
+        round(med(bare_t), 3),
+        round(med(encode_t), 3),
+        round(med(total_t), 3),
+        f"{sizes.get('CDS', 0):,} / {sizes.get('EDS', 0):,}",
+        round(med(rebuild_t), 3),
+        round(med(bare_rebuild_t), 3),
+        round(med(update_t), 3),
+        round(med(incremental_t), 3),
+        round(med(one_t), 4),
+    ]
 
 
 def _revision() -> str:
@@ -187,8 +215,10 @@ def top_functions(profile: Path, limit: int = 15) -> str:
     return out.getvalue()
 
 
-_CHILD = ("import json, sys; from bench import bench_build as b; print(json.dumps(b.BUILD_COLUMNS)); "
-          "sys.exit(b.main(sys.argv[1:]))")
+_CHILD = (
+    "import json, sys; from bench import bench_build as b; print(json.dumps(b.BUILD_COLUMNS)); "
+    "sys.exit(b.main(sys.argv[1:]))"
+)
 """What :func:`rows_in_child` runs: the checkout's own columns, then its rows as JSON (``--json``)."""
 
 
@@ -201,9 +231,14 @@ def rows_in_child(path: Path, sizes: list[str], repeat: int) -> tuple[list[dict[
     from bench.checkout import pythonpath_env
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([sys.executable, "-c", _CHILD, "--json", "--repeat", str(repeat), "--sizes", *sizes],
-                          cwd=path, env=pythonpath_env(path, own_bench=True), capture_output=True, text=True,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, "--json", "--repeat", str(repeat), "--sizes", *sizes],
+        cwd=path,
+        env=pythonpath_env(path, own_bench=True),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise RuntimeError(f"bench_build in {path} failed:\n{done.stderr[-2000:]}")
@@ -226,8 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     from bench.report import print_table
 
     parser = argparse.ArgumentParser(prog="python -m bench.bench_build", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=["1000:10000", "10000:100000"],
-                        help="CLUSTERS:ENDPOINTS pairs (default: %(default)s)")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=["1000:10000", "10000:100000"],
+        help="CLUSTERS:ENDPOINTS pairs (default: %(default)s)",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", type=Path, help="cProfile dump of the largest size's build + encode")
     parser.add_argument("--before", metavar="COMMIT", help="also run the rows with this commit's pilotfish")

@@ -55,13 +55,27 @@ BEFORE_COMMIT = "ebbcf002030737f998cafde0bdcf88ed86a6879a"
 WARMUP = 500
 """Departures before the per-proxy slope starts (the first arenas, the recent-events ring)."""
 
-CHURN_COLUMNS = ["server", "max disconnected", "subset grace s", "steady", "churn / s", "departed", "never synced",
-                 "seconds", "RSS before MiB", "RSS end MiB", "RSS max MiB", "KB / remembered proxy",
-                 "MiB / 1,000 departed past the cap", "remembered at end"]
+CHURN_COLUMNS = [
+    "server",
+    "max disconnected",
+    "subset grace s",
+    "steady",
+    "churn / s",
+    "departed",
+    "never synced",
+    "seconds",
+    "RSS before MiB",
+    "RSS end MiB",
+    "RSS max MiB",
+    "KB / remembered proxy",
+    "MiB / 1,000 departed past the cap",
+    "remembered at end",
+]
 
 MAX_ACTIVE = 100
 """Churning proxies connected at once at most: when other work slows the server, the next wait
 (a burst of thousands of half-synced connections would set the RSS high-water mark instead)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChurnVariant:
@@ -75,26 +89,30 @@ class ChurnVariant:
     """``--subset-grace-s`` (None: the default)."""
 
 
-VARIANTS = (ChurnVariant(server="now", max_disconnected=1000, subset_grace=5.0),
-            ChurnVariant(server="now", max_disconnected=None, subset_grace=5.0),
-            ChurnVariant(server="before", max_disconnected=None, subset_grace=5.0),
-            ChurnVariant(server="now", max_disconnected=1000, subset_grace=None))
+VARIANTS = (
+    ChurnVariant(server="now", max_disconnected=1000, subset_grace=5.0),
+    ChurnVariant(server="now", max_disconnected=None, subset_grace=5.0),
+    ChurnVariant(server="before", max_disconnected=None, subset_grace=5.0),
+    ChurnVariant(server="now", max_disconnected=1000, subset_grace=None),
+)
 """What ``make bench`` runs: the cap at 1,000 (RSS flat past it?), the defaults (RSS per remembered
 proxy) now and before, each with departed proxies' subsetting indices freed after 5 s; and the cap
 with the indices' default grace (300 s), which then grow beside it."""
 
 
 def notes(*, rate: float, seconds: float) -> list[str]:
-    return [f"{rate:g} new node ids a second for {seconds:g} s beside 100 steady proxies, each with an Envoy-sized "
-            "node (~56 KB: 400 extensions, 40 metadata labels, a locality), connecting, syncing CDS, EDS, LDS and "
-            f"RDS, and leaving for good (at most {MAX_ACTIVE} connected at once). `KB / remembered proxy`: the "
-            f"least-squares slope of the server's RSS against departures from {WARMUP} departures up to the cap "
-            "(all of them remembered); `MiB / 1,000 departed past the cap`: the slope from 1.5 x the cap on "
-            "(one forgotten for each that leaves: flat means a forgotten proxy's memory is reused). `subset grace "
-            "s`: `--subset-grace-s`, how long a departed proxy keeps its subsetting index (every proxy has one, "
-            "subsetting configured or not). `before`: the commit before departed proxies were compacted (its "
-            "limits fixed at 10 minutes and 10,000). RSS is noisy on a shared machine: other work's load moves "
-            "it by a few MiB."]
+    return [
+        f"{rate:g} new node ids a second for {seconds:g} s beside 100 steady proxies, each with an Envoy-sized "
+        "node (~56 KB: 400 extensions, 40 metadata labels, a locality), connecting, syncing CDS, EDS, LDS and "
+        f"RDS, and leaving for good (at most {MAX_ACTIVE} connected at once). `KB / remembered proxy`: the "
+        f"least-squares slope of the server's RSS against departures from {WARMUP} departures up to the cap "
+        "(all of them remembered); `MiB / 1,000 departed past the cap`: the slope from 1.5 x the cap on "
+        "(one forgotten for each that leaves: flat means a forgotten proxy's memory is reused). `subset grace "
+        "s`: `--subset-grace-s`, how long a departed proxy keeps its subsetting index (every proxy has one, "
+        "subsetting configured or not). `before`: the commit before departed proxies were compacted (its "
+        "limits fixed at 10 minutes and 10,000). RSS is noisy on a shared machine: other work's load moves "
+        "it by a few MiB."
+    ]
 
 
 WORKLOAD = Workload(services=20, endpoints=2, listeners=4)
@@ -147,10 +165,22 @@ class ChurnResult:
         per, past = self.kb_per_remembered, self.mib_per_1000_past_cap
         grace = "default (300)" if self.subset_grace is None else f"{self.subset_grace:g}"
         cap = "default (10,000)" if self.max_disconnected is None else self.max_disconnected
-        return [self.server, cap, grace, self.steady, f"{self.rate:g}", self.departed, self.never_synced,
-                f"{self.seconds:.0f}", f"{self.rss_before_kb / 1024:.1f}",
-                f"{rss[-1] / 1024:.1f}", f"{max(rss) / 1024:.1f}", "-" if per is None else f"{per:.2f}",
-                "-" if past is None else f"{past:.3f}", "-" if self.remembered is None else self.remembered]
+        return [
+            self.server,
+            cap,
+            grace,
+            self.steady,
+            f"{self.rate:g}",
+            self.departed,
+            self.never_synced,
+            f"{self.seconds:.0f}",
+            f"{self.rss_before_kb / 1024:.1f}",
+            f"{rss[-1] / 1024:.1f}",
+            f"{max(rss) / 1024:.1f}",
+            "-" if per is None else f"{per:.2f}",
+            "-" if past is None else f"{past:.3f}",
+            "-" if self.remembered is None else self.remembered,
+        ]
 
 
 @contextlib.contextmanager
@@ -168,9 +198,18 @@ def _remembered(admin: str) -> int:
     return sum(1 for proxy in proxies if not proxy["connected"])
 
 
-def run_churn(*, server: str = "now", steady: int = 100, rate: float = 60.0, seconds: float = 60.0,
-              max_disconnected: int | None = None, subset_grace: float | None = None, every: float = 1.0,
-              workdir: Path | None = None, server_args: Sequence[str] = ()) -> ChurnResult:
+def run_churn(
+    *,
+    server: str = "now",
+    steady: int = 100,
+    rate: float = 60.0,
+    seconds: float = 60.0,
+    max_disconnected: int | None = None,
+    subset_grace: float | None = None,
+    every: float = 1.0,
+    workdir: Path | None = None,
+    server_args: Sequence[str] = (),
+) -> ChurnResult:
     """One soak (see the module docstring): ``steady`` proxies stay, ``rate`` new ones a second for
     ``seconds`` connect, sync and leave; ``max_disconnected``: ``--status-max-disconnected`` (None:
     the default, and the only choice for ``server="before"``); ``subset_grace``:
@@ -178,8 +217,9 @@ def run_churn(*, server: str = "now", steady: int = 100, rate: float = 60.0, sec
     (every proxy gets one, subsetting configured or not: the other memory a departure leaves)."""
     if server == "before" and max_disconnected is not None:
         raise ValueError("the server before has no --status-max-disconnected")
-    result = ChurnResult(server=server, max_disconnected=max_disconnected, subset_grace=subset_grace, steady=steady,
-                         rate=rate)
+    result = ChurnResult(
+        server=server, max_disconnected=max_disconnected, subset_grace=subset_grace, steady=steady, rate=rate
+    )
     count = int(rate * seconds)
     with contextlib.ExitStack() as stack:
         workdir = work_dir(stack, workdir, "pilotfish-churn-")
@@ -191,8 +231,14 @@ def run_churn(*, server: str = "now", steady: int = 100, rate: float = 60.0, sec
             limits += ("--status-max-disconnected", str(max_disconnected))
         if subset_grace is not None:
             limits += ("--subset-grace-s", f"{subset_grace:g}")
-        proc = start_pilotfish(workdir, snapshot=snapshot, registry=False, env=env, admin="127.0.0.1:0",
-                               extra=("--event-log-level", "changes", *limits, *server_args))
+        proc = start_pilotfish(
+            workdir,
+            snapshot=snapshot,
+            registry=False,
+            env=env,
+            admin="127.0.0.1:0",
+            extra=("--event-log-level", "changes", *limits, *server_args),
+        )
         stack.callback(proc.stop)
         admin = proc.started["admin"]
         fleet = Fleet(target=proc.xds, proxies=steady, workers=2, client="h2")
@@ -232,8 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=Path, help="write the (seconds, departed, RSS KiB) samples here as JSON")
     args = parser.parse_args(argv)
     os.chdir(REPO)
-    result = run_churn(server=args.server, steady=args.steady, rate=args.rate, seconds=args.seconds,
-                       max_disconnected=args.max_disconnected, subset_grace=args.subset_grace)
+    result = run_churn(
+        server=args.server,
+        steady=args.steady,
+        rate=args.rate,
+        seconds=args.seconds,
+        max_disconnected=args.max_disconnected,
+        subset_grace=args.subset_grace,
+    )
     print(f"load 1 min: {load_1min():.2f}")
     print_table(CHURN_COLUMNS, [result.row()])
     if args.samples is not None:

@@ -43,9 +43,19 @@ from pilotfish.envoy import EnvoyProcess as LaunchedEnvoy
 
 __all__ = ["ENVOY_COLUMNS", "EnvoyProcess", "PropagationResult", "run_pilotfish_envoy", "run_sovereign_envoy"]
 
-ENVOY_COLUMNS = ["control plane", "how Envoy gets config", "debounce / polling", "changes", "ACK p50 ms",
-                 "ACK max ms", "target (quiet + 50 ms)", "applied p50 ms", "applied p90 ms", "applied max ms",
-                 "missed"]
+ENVOY_COLUMNS = [
+    "control plane",
+    "how Envoy gets config",
+    "debounce / polling",
+    "changes",
+    "ACK p50 ms",
+    "ACK max ms",
+    "target (quiet + 50 ms)",
+    "applied p50 ms",
+    "applied p90 ms",
+    "applied max ms",
+    "missed",
+]
 SOVEREIGN_VENV = REPO / "bench" / ".venv-sovereign"
 _CLUSTER_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 _CLA_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -60,8 +70,9 @@ class EnvoyProcess:
         self.admin = ""
 
     def start(self, timeout: float = 30.0) -> None:
-        self.launched = start_envoy(self.bootstrap, EnvoySettings(work_dir=self.workdir, name=self.name,
-                                                                   log_level="warning"))
+        self.launched = start_envoy(
+            self.bootstrap, EnvoySettings(work_dir=self.workdir, name=self.name, log_level="warning")
+        )
         try:
             self.admin = self.launched.wait_for_admin(timeout=timeout)
         except EnvoyError:
@@ -99,12 +110,19 @@ class PropagationResult:
     missed: int = 0
 
     def row(self) -> list[Any]:
-        return [self.control_plane, self.transport, self.settings, len(self.applied) + self.missed,
-                fmt_ms(percentile(self.acks, 50)) if self.acks else "n/a (REST has no ACK)",
-                fmt_ms(max(self.acks)) if self.acks else "-",
-                f"{self.target_ms:.0f}" if self.target_ms is not None else "-",
-                fmt_ms(percentile(self.applied, 50)), fmt_ms(percentile(self.applied, 90)),
-                fmt_ms(max(self.applied, default=float("nan"))), self.missed]
+        return [
+            self.control_plane,
+            self.transport,
+            self.settings,
+            len(self.applied) + self.missed,
+            fmt_ms(percentile(self.acks, 50)) if self.acks else "n/a (REST has no ACK)",
+            fmt_ms(max(self.acks)) if self.acks else "-",
+            f"{self.target_ms:.0f}" if self.target_ms is not None else "-",
+            fmt_ms(percentile(self.applied, 50)),
+            fmt_ms(percentile(self.applied, 90)),
+            fmt_ms(max(self.applied, default=float("nan"))),
+            self.missed,
+        ]
 
 
 def _workload(services: int) -> Workload:
@@ -122,14 +140,16 @@ def _visible(extra: tuple[str, int]) -> str:
 
 def _ack_of(type_url: str, version: str) -> Callable[[dict[str, Any]], bool]:
     """Matches the event log's ``ack`` record of ``version`` of ``type_url``."""
+
     def matches(event: dict[str, Any]) -> bool:
         return event.get("type") == type_url and event.get("version_info") == version
 
     return matches
 
 
-def run_pilotfish_envoy(*, changes: int = 20, quiet_ms: int = 100, services: int = 10,
-                        workdir: str | Path | None = None, gap: float = 0.25) -> PropagationResult:
+def run_pilotfish_envoy(
+    *, changes: int = 20, quiet_ms: int = 100, services: int = 10, workdir: str | Path | None = None, gap: float = 0.25
+) -> PropagationResult:
     from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
 
     result = PropagationResult("pilotfish", "ADS (gRPC, SotW)", f"quiet {quiet_ms} ms", target_ms=quiet_ms + 50)
@@ -140,8 +160,7 @@ def run_pilotfish_envoy(*, changes: int = 20, quiet_ms: int = 100, services: int
         workload.write(snapshot)
         server = start_pilotfish(workdir, snapshot=snapshot, quiet_ms=quiet_ms, registry=False)
         stack.callback(server.stop)
-        envoy = EnvoyProcess(workdir, bootstrap(BootstrapSettings(node_id="bench-envoy", xds=server.xds,
-                                                                   admin_port=0)))
+        envoy = EnvoyProcess(workdir, bootstrap(BootstrapSettings(node_id="bench-envoy", xds=server.xds, admin_port=0)))
         envoy.start()
         stack.callback(envoy.stop)
         if envoy.wait_for_text("/clusters", f"{service_name(0)}::", timeout=30) is None:
@@ -167,7 +186,7 @@ def run_pilotfish_envoy(*, changes: int = 20, quiet_ms: int = 100, services: int
 
 # -- Sovereign -----------------------------------------------------------------------------------
 
-_SOVEREIGN_CLUSTERS = '''
+_SOVEREIGN_CLUSTERS = """
 def call(instances, discovery_request=None, **kwargs):
     for service in instances:
         yield {
@@ -179,9 +198,9 @@ def call(instances, discovery_request=None, **kwargs):
                 "api_type": "REST", "transport_api_version": "V3", "cluster_names": ["sovereign"],
                 "refresh_delay": "%(refresh)s"}}},
         }
-'''
+"""
 
-_SOVEREIGN_ENDPOINTS = '''
+_SOVEREIGN_ENDPOINTS = """
 def call(instances, discovery_request=None, **kwargs):
     for service in instances:
         yield {
@@ -191,7 +210,7 @@ def call(instances, discovery_request=None, **kwargs):
                 {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
                 for host, port in service["endpoints"]]}],
         }
-'''
+"""
 
 
 def _instances(workload: Workload, extra: tuple[str, int] | None) -> str:
@@ -205,29 +224,57 @@ def _instances(workload: Workload, extra: tuple[str, int] | None) -> str:
 
 
 def _sovereign_bootstrap(port: int, refresh: str) -> dict[str, Any]:
-    rest = {"api_type": "REST", "transport_api_version": "V3", "cluster_names": ["sovereign"],
-            "refresh_delay": refresh}
+    rest = {"api_type": "REST", "transport_api_version": "V3", "cluster_names": ["sovereign"], "refresh_delay": refresh}
     return {
         "node": {"id": "bench-envoy", "cluster": "bench"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
         "dynamic_resources": {"cds_config": {"resource_api_version": "V3", "api_config_source": rest}},
-        "static_resources": {"clusters": [{
-            "name": "sovereign", "type": "STATIC", "connect_timeout": "1s",
-            "load_assignment": {"cluster_name": "sovereign", "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]},
-        }]},
+        "static_resources": {
+            "clusters": [
+                {
+                    "name": "sovereign",
+                    "type": "STATIC",
+                    "connect_timeout": "1s",
+                    "load_assignment": {
+                        "cluster_name": "sovereign",
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {
+                                        "endpoint": {
+                                            "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+                                        }
+                                    }
+                                ]
+                            }
+                        ],
+                    },
+                }
+            ]
+        },
     }
 
 
-def run_sovereign_envoy(*, changes: int = 20, refresh_seconds: int = 1, refresh_delay: str = "1s",
-                        services: int = 10, workdir: str | Path | None = None,
-                        gap: float = 0.25) -> PropagationResult:
+def run_sovereign_envoy(
+    *,
+    changes: int = 20,
+    refresh_seconds: int = 1,
+    refresh_delay: str = "1s",
+    services: int = 10,
+    workdir: str | Path | None = None,
+    gap: float = 0.25,
+) -> PropagationResult:
     python = SOVEREIGN_VENV / "bin" / "sovereign"
     if not python.exists():
-        raise FileNotFoundError(f"Sovereign is not installed: python3 -m venv {SOVEREIGN_VENV} && "
-                                f"{SOVEREIGN_VENV}/bin/pip install sovereign")
-    result = PropagationResult("Sovereign", "REST polling (CDS + EDS)",
-                               f"source refresh {refresh_seconds} s, Envoy refresh_delay {refresh_delay}")
+        raise FileNotFoundError(
+            f"Sovereign is not installed: python3 -m venv {SOVEREIGN_VENV} && "
+            f"{SOVEREIGN_VENV}/bin/pip install sovereign"
+        )
+    result = PropagationResult(
+        "Sovereign",
+        "REST polling (CDS + EDS)",
+        f"source refresh {refresh_seconds} s, Envoy refresh_delay {refresh_delay}",
+    )
     workload = _workload(services)
     with ExitStack() as stack:
         workdir = work_dir(stack, workdir, "sovereign-envoy-bench-")
@@ -239,21 +286,47 @@ def run_sovereign_envoy(*, changes: int = 20, refresh_seconds: int = 1, refresh_
             "sources": [{"type": "file", "scope": "default", "config": {"path": f"file+json://{instances}"}}],
             "source_config": {"refresh_rate": refresh_seconds},
             "matching": {"enabled": False},
-            "templates": {"default": [
-                {"type": "clusters", "spec": {"protocol": "python", "serialization": "raw",
-                                              "path": str(workdir / "clusters_template.py")}},
-                {"type": "endpoints", "spec": {"protocol": "python", "serialization": "raw",
-                                               "path": str(workdir / "endpoints_template.py")}},
-            ]},
+            "templates": {
+                "default": [
+                    {
+                        "type": "clusters",
+                        "spec": {
+                            "protocol": "python",
+                            "serialization": "raw",
+                            "path": str(workdir / "clusters_template.py"),
+                        },
+                    },
+                    {
+                        "type": "endpoints",
+                        "spec": {
+                            "protocol": "python",
+                            "serialization": "raw",
+                            "path": str(workdir / "endpoints_template.py"),
+                        },
+                    },
+                ]
+            },
         }
         (workdir / "sovereign.yaml").write_text(json.dumps(config))
         port = free_port()
-        env = {**os.environ, "SOVEREIGN_CONFIG": f"file+json://{workdir / 'sovereign.yaml'}",
-               "SOVEREIGN_HOST": "127.0.0.1", "SOVEREIGN_PORT": str(port), "SOVEREIGN_WORKERS": "1",
-               "SOVEREIGN_SOURCES_REFRESH_RATE": str(refresh_seconds)}
+        env = {
+            **os.environ,
+            "SOVEREIGN_CONFIG": f"file+json://{workdir / 'sovereign.yaml'}",
+            "SOVEREIGN_HOST": "127.0.0.1",
+            "SOVEREIGN_PORT": str(port),
+            "SOVEREIGN_WORKERS": "1",
+            "SOVEREIGN_SOURCES_REFRESH_RATE": str(refresh_seconds),
+        }
         log = open(workdir / "sovereign.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen([str(python)], env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(python)],
+            env=env,
+            cwd=workdir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
 
         def stop_sovereign() -> None:
@@ -305,8 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--services", type=int, default=10)
     parser.add_argument("--sovereign", action="store_true", help="also run Sovereign (its own venv)")
     args = parser.parse_args(argv)
-    rows = [run_pilotfish_envoy(changes=args.changes, quiet_ms=q, services=args.services).row()
-            for q in args.quiet_ms]
+    rows = [run_pilotfish_envoy(changes=args.changes, quiet_ms=q, services=args.services).row() for q in args.quiet_ms]
     if args.sovereign:
         rows.append(run_sovereign_envoy(changes=args.changes, services=args.services).row())
     print_table(ENVOY_COLUMNS, rows)

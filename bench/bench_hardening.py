@@ -44,10 +44,23 @@ from bench.workload import Workload
 
 __all__ = ["HARDENING_COLUMNS", "VARIANTS", "Variant", "run_hardening"]
 
-HARDENING_COLUMNS = ["transport", "proxies", "runs", "load 1 min", "p50 ms", "p99 ms", "CPU s / push",
-                     "simulator CPU s / push", "RSS KB / idle stream", "failures", "stream errors", "compared with",
-                     "p99 x", "CPU x", "RSS x"]
-
+HARDENING_COLUMNS = [
+    "transport",
+    "proxies",
+    "runs",
+    "load 1 min",
+    "p50 ms",
+    "p99 ms",
+    "CPU s / push",
+    "simulator CPU s / push",
+    "RSS KB / idle stream",
+    "failures",
+    "stream errors",
+    "compared with",
+    "p99 x",
+    "CPU x",
+    "RSS x",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,17 +121,37 @@ class _Pooled:
     def row(self, baseline: _Pooled | None) -> list[Any]:
         ratios: list[Any] = ["-", "-", "-", "-"]
         if baseline is not None:
-            ratios = [baseline.variant.transport, ratio(self.p(99), baseline.p(99)), ratio(self.cpu(), baseline.cpu()),
-                      ratio(self.rss(), baseline.rss())]
-        return [self.variant.transport, self.proxies, len(self.runs),
-                fmt_loads(self.loads), fmt_ms(self.p(50)), fmt_ms(self.p(99)),
-                round(self.cpu(), 3), round(self.client_cpu(), 3), self.rss_cell(),
-                sum(r.failures for r in self.runs), stream_errors_cell(self.runs), *ratios]
+            ratios = [
+                baseline.variant.transport,
+                ratio(self.p(99), baseline.p(99)),
+                ratio(self.cpu(), baseline.cpu()),
+                ratio(self.rss(), baseline.rss()),
+            ]
+        return [
+            self.variant.transport,
+            self.proxies,
+            len(self.runs),
+            fmt_loads(self.loads),
+            fmt_ms(self.p(50)),
+            fmt_ms(self.p(99)),
+            round(self.cpu(), 3),
+            round(self.client_cpu(), 3),
+            self.rss_cell(),
+            sum(r.failures for r in self.runs),
+            stream_errors_cell(self.runs),
+            *ratios,
+        ]
 
 
-def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, rounds: int = 1,
-                  workdir: Path | None = None, variants: Sequence[Variant] = VARIANTS
-                  ) -> tuple[list[list[Any]], list[str]]:
+def run_hardening(
+    *,
+    proxies: Sequence[int],
+    changes: int,
+    workload: Workload,
+    rounds: int = 1,
+    workdir: Path | None = None,
+    variants: Sequence[Variant] = VARIANTS,
+) -> tuple[list[list[Any]], list[str]]:
     """The table (see the module docstring): one row per variant and fleet size, its runs pooled;
     and notes on the stream errors the proxies saw."""
     with contextlib.ExitStack() as stack:
@@ -132,14 +165,26 @@ def run_hardening(*, proxies: Sequence[int], changes: int, workload: Workload, r
                 for variant in variants:
                     key = variant.transport
                     load = load_1min()
-                    result = run_fanout(FanoutOptions(proxies=n, changes=changes, workload=workload, quiet_ms=100,
-                                        change="registry", workdir=workdir / f"{variant.transport}-{n}-{round_}",
-                                        server_args=certs.server_args(variant.mode), tls=certs.fleet(variant.mode)))
+                    result = run_fanout(
+                        FanoutOptions(
+                            proxies=n,
+                            changes=changes,
+                            workload=workload,
+                            quiet_ms=100,
+                            change="registry",
+                            workdir=workdir / f"{variant.transport}-{n}-{round_}",
+                            server_args=certs.server_args(variant.mode),
+                            tls=certs.fleet(variant.mode),
+                        )
+                    )
                     pooled[key].runs.append(result)
                     pooled[key].loads.append(load)
-                    print(f"  {variant.transport} {n} proxies (round {round_ + 1}, load {load:.2f}): "
-                          f"p99 {fmt_ms(result.p(99))} ms, CPU {result.cpu:.3f} s/push, "
-                          f"{result.rss_per_stream_kb:.1f} KB/stream, failures {result.failures}", flush=True)
+                    print(
+                        f"  {variant.transport} {n} proxies (round {round_ + 1}, load {load:.2f}): "
+                        f"p99 {fmt_ms(result.p(99))} ms, CPU {result.cpu:.3f} s/push, "
+                        f"{result.rss_per_stream_kb:.1f} KB/stream, failures {result.failures}",
+                        flush=True,
+                    )
             for variant in variants:
                 base = pooled.get(variant.baseline) if variant.baseline is not None else None
                 rows.append(pooled[variant.transport].row(base))
@@ -160,15 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoints", type=int, default=4)
     parser.add_argument("--listeners", type=int, default=10)
     names = [v.mode for v in VARIANTS]
-    parser.add_argument("--variants", nargs="+", choices=names, default=names,
-                        help="which rows to measure (default: all)")
+    parser.add_argument(
+        "--variants", nargs="+", choices=names, default=names, help="which rows to measure (default: all)"
+    )
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     started = time.strftime("%H:%M:%S")
-    rows, notes = run_hardening(proxies=args.proxies, changes=args.changes, workload=workload, rounds=args.rounds,
-                                variants=[v for v in VARIANTS if v.mode in args.variants])
-    print(f"\nworkload: {workload.describe()}; started {started}, load now "
-          f"{load_1min():.2f}")
+    rows, notes = run_hardening(
+        proxies=args.proxies,
+        changes=args.changes,
+        workload=workload,
+        rounds=args.rounds,
+        variants=[v for v in VARIANTS if v.mode in args.variants],
+    )
+    print(f"\nworkload: {workload.describe()}; started {started}, load now {load_1min():.2f}")
     print_table(HARDENING_COLUMNS, rows)
     for note in notes:
         print(note)

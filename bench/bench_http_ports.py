@@ -43,19 +43,31 @@ __all__ = ["BEFORE_COMMIT", "COLUMNS", "run_http_ports"]
 
 BEFORE_COMMIT = "ebbcf00"
 """pilotfish before the HTTP ports accepted connections themselves."""
-COLUMNS = ["server", "route", "connections", "runs", "load 1 min", "requests/s", "p50 ms", "p99 ms",
-           "server CPU us / request", "CPU x"]
+COLUMNS = [
+    "server",
+    "route",
+    "connections",
+    "runs",
+    "load 1 min",
+    "requests/s",
+    "p50 ms",
+    "p99 ms",
+    "server CPU us / request",
+    "CPU x",
+]
 _SNAPSHOT = REPO / "examples" / "demo.yaml"
 
 
-async def _load(url: str, *, method: str, body: bytes | None, clients: int, seconds: float,
-                keep_alive: bool) -> tuple[int, list[float]]:
+async def _load(
+    url: str, *, method: str, body: bytes | None, clients: int, seconds: float, keep_alive: bool
+) -> tuple[int, list[float]]:
     """(requests answered, latencies) of ``clients`` loops asking ``url`` for ``seconds``."""
     latencies: list[float] = []
     deadline = time.monotonic() + seconds
     headers = {"Content-Type": "application/json", **({} if keep_alive else {"Connection": "close"})}
     connector = aiohttp.TCPConnector(limit=clients, force_close=not keep_alive)
     async with aiohttp.ClientSession(connector=connector) as session:
+
         async def client() -> None:
             while time.monotonic() < deadline:
                 start = time.perf_counter()
@@ -69,34 +81,53 @@ async def _load(url: str, *, method: str, body: bytes | None, clients: int, seco
     return len(latencies), latencies
 
 
-def _run(variant: str, env: dict[str, str] | None, workdir: Path, *, clients: int, seconds: float
-         ) -> list[dict[str, Any]]:
-    server = start_pilotfish(workdir, snapshot=_SNAPSHOT, name=f"pilotfish-{variant}", env=env,
-                             extra=("--rest", "127.0.0.1:0"))
+def _run(
+    variant: str, env: dict[str, str] | None, workdir: Path, *, clients: int, seconds: float
+) -> list[dict[str, Any]]:
+    server = start_pilotfish(
+        workdir, snapshot=_SNAPSHOT, name=f"pilotfish-{variant}", env=env, extra=("--rest", "127.0.0.1:0")
+    )
     results = []
     try:
         registry, rest = server.started["registry"], server.started["rest"]
-        routes = [("GET /healthz (registry)", f"http://{registry}/healthz", "GET", None),
-                  ("POST /v3/discovery:clusters", f"http://{rest}/v3/discovery:clusters", "POST",
-                   b'{"node": {"id": "bench", "cluster": "bench"}}')]
+        routes = [
+            ("GET /healthz (registry)", f"http://{registry}/healthz", "GET", None),
+            (
+                "POST /v3/discovery:clusters",
+                f"http://{rest}/v3/discovery:clusters",
+                "POST",
+                b'{"node": {"id": "bench", "cluster": "bench"}}',
+            ),
+        ]
         for keep_alive in (True, False):
             for route, url, method, body in routes:
                 load = load_1min()
                 before = server.settle_cpu()
                 started = time.monotonic()
-                count, latencies = asyncio.run(_load(url, method=method, body=body, clients=clients,
-                                                     seconds=seconds, keep_alive=keep_alive))
+                count, latencies = asyncio.run(
+                    _load(url, method=method, body=body, clients=clients, seconds=seconds, keep_alive=keep_alive)
+                )
                 elapsed = time.monotonic() - started
                 cpu = server.settle_cpu() - before
-                results.append({"variant": variant, "route": route, "keep_alive": keep_alive, "load": load,
-                                "rate": count / elapsed, "latencies": latencies, "cpu_per_request": cpu / count})
+                results.append(
+                    {
+                        "variant": variant,
+                        "route": route,
+                        "keep_alive": keep_alive,
+                        "load": load,
+                        "rate": count / elapsed,
+                        "latencies": latencies,
+                        "cpu_per_request": cpu / count,
+                    }
+                )
     finally:
         server.stop()
     return results
 
 
-def run_http_ports(*, clients: int = 16, seconds: float = 5.0, rounds: int = 3,
-                   commit: str = BEFORE_COMMIT) -> list[list[Any]]:
+def run_http_ports(
+    *, clients: int = 16, seconds: float = 5.0, rounds: int = 3, commit: str = BEFORE_COMMIT
+) -> list[list[Any]]:
     """The table's rows (see the module docstring)."""
     runs: list[dict[str, Any]] = []
     with checkout(commit) as before, tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
@@ -116,11 +147,20 @@ def run_http_ports(*, clients: int = 16, seconds: float = 5.0, rounds: int = 3,
                 if variant == "before":
                     baseline[(route, keep_alive)] = cpu
                 ratio = cpu / baseline[(route, keep_alive)] if baseline.get((route, keep_alive)) else float("nan")
-                rows.append([variant, route, f"{clients} {'keep-alive' if keep_alive else 'new per request'}",
-                             len(mine), " ".join(f"{r['load']:.1f}" for r in mine),
-                             f"{statistics.median(r['rate'] for r in mine):.0f}",
-                             f"{percentile(latencies, 50) * 1e3:.2f}", f"{percentile(latencies, 99) * 1e3:.2f}",
-                             f"{cpu * 1e6:.0f}", "" if variant == "before" else f"{ratio:.2f}"])
+                rows.append(
+                    [
+                        variant,
+                        route,
+                        f"{clients} {'keep-alive' if keep_alive else 'new per request'}",
+                        len(mine),
+                        " ".join(f"{r['load']:.1f}" for r in mine),
+                        f"{statistics.median(r['rate'] for r in mine):.0f}",
+                        f"{percentile(latencies, 50) * 1e3:.2f}",
+                        f"{percentile(latencies, 99) * 1e3:.2f}",
+                        f"{cpu * 1e6:.0f}",
+                        "" if variant == "before" else f"{ratio:.2f}",
+                    ]
+                )
     return rows
 
 

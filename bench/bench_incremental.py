@@ -55,10 +55,25 @@ processes outgrew this machine's 24 GiB (the server itself stayed under 1 GB).""
 LARGE_WORKLOAD = Workload(services=10000, endpoints=10, listeners=10)
 """The fleet-sized snapshot: 10,000 clusters, 100,000 endpoints."""
 
-INCREMENTAL_COLUMNS = ["xds", "proxies", "load 1 min", "all synced s", "KB / proxy, initial sync",
-                       "bytes / proxy / change (mean)", "bytes / proxy / change (max)", "p50 ms", "p99 ms", "max ms",
-                       "p99 after publish ms", "CPU s / push", "simulator CPU s / push", "server RSS MB (synced)",
-                       "simulator RSS MB", "failures", "stream errors"]
+INCREMENTAL_COLUMNS = [
+    "xds",
+    "proxies",
+    "load 1 min",
+    "all synced s",
+    "KB / proxy, initial sync",
+    "bytes / proxy / change (mean)",
+    "bytes / proxy / change (max)",
+    "p50 ms",
+    "p99 ms",
+    "max ms",
+    "p99 after publish ms",
+    "CPU s / push",
+    "simulator CPU s / push",
+    "server RSS MB (synced)",
+    "simulator RSS MB",
+    "failures",
+    "stream errors",
+]
 
 
 VARIANTS = XDS_VARIANTS
@@ -69,14 +84,25 @@ def row(result: FanoutResult, load: float) -> list[Any]:
     """The table's row for one run."""
     per_change = [b for change in result.change_bytes for b in change]
     sync = result.sync_bytes
-    return [result.xds, result.proxies, f"{load:.2f}", round(result.sync_seconds, 2),
-            round(sum(sync) / len(sync) / 1024, 1) if sync else "-",
-            round(sum(per_change) / len(per_change)) if per_change else "-", max(per_change, default="-"),
-            fmt_ms(result.p(50)), fmt_ms(result.p(99)), fmt_ms(max(result.latencies, default=float("nan"))),
-            fmt_ms(percentile(result.after_publish, 99)), round(result.cpu, 3),
-            round(sum(result.client_cpu_per_push) / max(1, len(result.client_cpu_per_push)), 3),
-            round(result.rss_idle_kb / 1024), round(result.simulator_rss_kb / 1024), result.failures,
-            stream_errors_cell([result])]
+    return [
+        result.xds,
+        result.proxies,
+        f"{load:.2f}",
+        round(result.sync_seconds, 2),
+        round(sum(sync) / len(sync) / 1024, 1) if sync else "-",
+        round(sum(per_change) / len(per_change)) if per_change else "-",
+        max(per_change, default="-"),
+        fmt_ms(result.p(50)),
+        fmt_ms(result.p(99)),
+        fmt_ms(max(result.latencies, default=float("nan"))),
+        fmt_ms(percentile(result.after_publish, 99)),
+        round(result.cpu, 3),
+        round(sum(result.client_cpu_per_push) / max(1, len(result.client_cpu_per_push)), 3),
+        round(result.rss_idle_kb / 1024),
+        round(result.simulator_rss_kb / 1024),
+        result.failures,
+        stream_errors_cell([result]),
+    ]
 
 
 def notes(result: FanoutResult) -> list[str]:
@@ -84,10 +110,16 @@ def notes(result: FanoutResult) -> list[str]:
     return stream_error_notes(f"{result.xds}, {result.proxies} proxies", [result])
 
 
-def run_incremental(*, runs: Sequence[tuple[str, int]], changes: int, workload: Workload,
-                    workdir: Path | None = None, change_timeout: float = 120.0,
-                    ramp_above: int = RAMP_ABOVE, ramp_rate: float = RAMP_RATE
-                    ) -> tuple[list[list[Any]], list[FanoutResult]]:
+def run_incremental(
+    *,
+    runs: Sequence[tuple[str, int]],
+    changes: int,
+    workload: Workload,
+    workdir: Path | None = None,
+    change_timeout: float = 120.0,
+    ramp_above: int = RAMP_ABOVE,
+    ramp_rate: float = RAMP_RATE,
+) -> tuple[list[list[Any]], list[FanoutResult]]:
     """One row per (xDS variant, proxies) in ``runs``, in that order; and each run's result. Fleets
     larger than ``ramp_above`` connect at ``ramp_rate`` proxies per second per client process."""
     with contextlib.ExitStack() as stack:
@@ -96,17 +128,32 @@ def run_incremental(*, runs: Sequence[tuple[str, int]], changes: int, workload: 
         results: list[FanoutResult] = []
         for xds, n in runs:
             load = load_1min()
-            result = run_fanout(FanoutOptions(proxies=n, changes=changes, workload=workload, quiet_ms=100,
-                                change="registry", workdir=workdir / f"{xds}-{n}", event_log_level="changes",
-                                xds=xds, change_timeout=change_timeout,
-                                sync_timeout=max(300.0, n / 10), rate=ramp_rate if n > ramp_above else 0.0))
+            result = run_fanout(
+                FanoutOptions(
+                    proxies=n,
+                    changes=changes,
+                    workload=workload,
+                    quiet_ms=100,
+                    change="registry",
+                    workdir=workdir / f"{xds}-{n}",
+                    event_log_level="changes",
+                    xds=xds,
+                    change_timeout=change_timeout,
+                    sync_timeout=max(300.0, n / 10),
+                    rate=ramp_rate if n > ramp_above else 0.0,
+                )
+            )
             rows.append(row(result, load))
             results.append(result)
             per_change = [b for c in result.change_bytes for b in c]
-            print(f"  {xds} {n} proxies (load {load:.2f}): synced in "
-                  f"{result.sync_seconds:.1f} s, p99 {fmt_ms(result.p(99))} ms, "
-                  f"{percentile([float(b) for b in per_change], 50)} B/proxy/change, failures {result.failures}",
-                  *notes(result), sep="\n    ", flush=True)
+            print(
+                f"  {xds} {n} proxies (load {load:.2f}): synced in "
+                f"{result.sync_seconds:.1f} s, p99 {fmt_ms(result.p(99))} ms, "
+                f"{percentile([float(b) for b in per_change], 50)} B/proxy/change, failures {result.failures}",
+                *notes(result),
+                sep="\n    ",
+                flush=True,
+            )
         return rows, results
 
 
@@ -116,8 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     from bench.report import print_table
 
     parser = argparse.ArgumentParser(prog="python -m bench.bench_incremental", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--proxies", type=int, nargs="*", default=[1000, 10000],
-                        help="fleet sizes, every variant at each (default: %(default)s)")
+    parser.add_argument(
+        "--proxies",
+        type=int,
+        nargs="*",
+        default=[1000, 10000],
+        help="fleet sizes, every variant at each (default: %(default)s)",
+    )
     parser.add_argument("--changes", type=int, default=3)
     parser.add_argument("--services", type=int, default=LARGE_WORKLOAD.services)
     parser.add_argument("--endpoints", type=int, default=LARGE_WORKLOAD.endpoints)
@@ -129,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(xds, n) for n in args.proxies for xds in VARIANTS if xds in args.variants]
     started = time.strftime("%H:%M:%S")
     rows, results = run_incremental(runs=runs, changes=args.changes, workload=workload, workdir=args.workdir)
-    print(f"\nworkload: {workload.describe()}; started {started}, load now "
-          f"{load_1min():.2f}")
+    print(f"\nworkload: {workload.describe()}; started {started}, load now {load_1min():.2f}")
     print_table(INCREMENTAL_COLUMNS, rows)
     for result in results:
         for line in notes(result):

@@ -53,9 +53,21 @@ def build(services: list[str], change: int) -> Snapshot:
     for i, name in enumerate(services):
         base = 20000 if change and i == change % len(services) else 10000
         ports = [base + change * 4 + k if base == 20000 else base + k for k in range(4)]
-        message, problems = parse_resource(ENDPOINT, {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-            for p in ports]}]}, "")
+        message, problems = parse_resource(
+            ENDPOINT,
+            {
+                "cluster_name": name,
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+                            for p in ports
+                        ]
+                    }
+                ],
+            },
+            "",
+        )
         assert message is not None, problems
         assignments.append(message)
     return Snapshot.build({ENDPOINT: assignments, CLUSTER: []})
@@ -75,8 +87,9 @@ class Proxy:
         self.last = (sent.version, nonce)
 
     def ask(self, names: list[str], version: str = "", nonce: str = "") -> None:
-        request = discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=names, version_info=version,
-                                                 response_nonce=nonce)
+        request = discovery_pb2.DiscoveryRequest(
+            type_url=EDS, resource_names=names, version_info=version, response_nonce=nonce
+        )
         request.node.id = "proxy"
         for watch in self.stream.on_request(request).watches:
             if self.cancel is not None:
@@ -113,9 +126,11 @@ def main() -> int:
         fleet.append(proxy)
     peer_encoded = 0
     sync = _encoded[mark:]
-    print(f"initial sync of {args.proxies} proxies{' (a peer asking for a new half before each)' if args.peer else ''}:"
-          f" {len(sync) - (args.proxies if args.peer else 0)} fleet encodings, "
-          f"{time.perf_counter() - started:.2f} s")
+    print(
+        f"initial sync of {args.proxies} proxies{' (a peer asking for a new half before each)' if args.peer else ''}:"
+        f" {len(sync) - (args.proxies if args.peer else 0)} fleet encodings, "
+        f"{time.perf_counter() - started:.2f} s"
+    )
     for push in range(1, args.pushes + 1):
         for proxy in fleet:
             assert proxy.last is not None
@@ -130,9 +145,11 @@ def main() -> int:
         cache.set_snapshot(snapshot)
         elapsed = time.perf_counter() - started
         pushed = _encoded[mark:]
-        print(f"push {push}: {len(pushed)} encodings, {sum(pushed):,} bytes encoded for {args.proxies} proxies "
-              f"({elapsed * 1000:.1f} ms)" + (f"; the peer's 40 sets before it: {peer_encoded} encodings"
-                                              if args.peer else ""))
+        print(
+            f"push {push}: {len(pushed)} encodings, {sum(pushed):,} bytes encoded for {args.proxies} proxies "
+            f"({elapsed * 1000:.1f} ms)"
+            + (f"; the peer's 40 sets before it: {peer_encoded} encodings" if args.peer else "")
+        )
     return 0
 
 

@@ -63,15 +63,18 @@ def run_authorize(length: int, repeat: int) -> list[Sequence[object]]:
 def run_grants(proxies: int, grants: int, repeat: int) -> list[Sequence[object]]:
     rows: list[Sequence[object]] = []
     for identities in (proxies, 100):
+
         def regrant(identities: int = identities) -> None:
-            fresh = SecretGrants(parse_grant(f"svc-{i}-cert=identity:spiffe://mesh/ns/*/sa/svc-{i}")
-                                 for i in range(grants))
+            fresh = SecretGrants(
+                parse_grant(f"svc-{i}-cert=identity:spiffe://mesh/ns/*/sa/svc-{i}") for i in range(grants)
+            )
             for i in range(proxies):
                 fresh.for_proxy(identity=f"spiffe://mesh/ns/prod/sa/svc-{i % identities}", node_id=f"proxy-{i}")
 
         seconds = _best(regrant, repeat)
-        rows.append((f"{proxies:,}", grants, f"{identities:,}", f"{seconds * 1e3:.0f} ms",
-                     f"{seconds / proxies * 1e6:.1f} us"))
+        rows.append(
+            (f"{proxies:,}", grants, f"{identities:,}", f"{seconds * 1e3:.0f} ms", f"{seconds / proxies * 1e6:.1f} us")
+        )
     return rows
 
 

@@ -46,16 +46,54 @@ from bench.report import fmt_ms, print_table
 from bench.stats import load_1min, percentile, ratio
 from bench.workload import Workload, service_name
 
-__all__ = ["FANOUT_VARIANTS", "REPLICA_COLUMNS", "WRITE_COLUMNS", "FanoutRun", "WriteRate", "run_replica_fanouts",
-           "run_write_rate", "run_write_rates"]
+__all__ = [
+    "FANOUT_VARIANTS",
+    "REPLICA_COLUMNS",
+    "WRITE_COLUMNS",
+    "FanoutRun",
+    "WriteRate",
+    "run_replica_fanouts",
+    "run_write_rate",
+    "run_write_rates",
+]
 
-REPLICA_COLUMNS = ["registry", "replicas", "proxies (each)", "run", "load 1 min", "all synced s",
-                   "indices in etcd s", "stream errors while syncing", "never synced", "p50 ms", "p99 ms", "max ms",
-                   "p99 after publish ms", "p99 of each write ms", "p99 vs etcd x1", "CPU s / replica / write",
-                   "CPU s / write (all replicas)", "etcd CPU s / write", "simulator CPU s / write", "failures",
-                   "stream errors during writes"]
-WRITE_COLUMNS = ["registry", "clients", "registrations", "load 1 min", "seconds", "writes / s", "p50 ms", "p99 ms",
-                 "max ms", "server CPU ms / write", "etcd CPU ms / write", "non-2xx"]
+REPLICA_COLUMNS = [
+    "registry",
+    "replicas",
+    "proxies (each)",
+    "run",
+    "load 1 min",
+    "all synced s",
+    "indices in etcd s",
+    "stream errors while syncing",
+    "never synced",
+    "p50 ms",
+    "p99 ms",
+    "max ms",
+    "p99 after publish ms",
+    "p99 of each write ms",
+    "p99 vs etcd x1",
+    "CPU s / replica / write",
+    "CPU s / write (all replicas)",
+    "etcd CPU s / write",
+    "simulator CPU s / write",
+    "failures",
+    "stream errors during writes",
+]
+WRITE_COLUMNS = [
+    "registry",
+    "clients",
+    "registrations",
+    "load 1 min",
+    "seconds",
+    "writes / s",
+    "p50 ms",
+    "p99 ms",
+    "max ms",
+    "server CPU ms / write",
+    "etcd CPU ms / write",
+    "non-2xx",
+]
 
 FANOUT_VARIANTS: tuple[tuple[str, int], ...] = (("etcd", 1), ("etcd", 3), ("memory", 1))
 """(registry, replicas) of the fan-out comparison, in the order each round runs them."""
@@ -76,8 +114,15 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def _fanout_row(registry: str, replicas: int, proxies: int, label: str, loads: Sequence[float],
-                results: Sequence[FanoutResult], base_p99: float) -> list[Any]:
+def _fanout_row(
+    registry: str,
+    replicas: int,
+    proxies: int,
+    label: str,
+    loads: Sequence[float],
+    results: Sequence[FanoutResult],
+    base_p99: float,
+) -> list[Any]:
     latencies = [x for r in results for x in r.latencies]
     after = [x for r in results for x in r.after_publish]
     cpu = [c for r in results for c in r.cpu_per_push]
@@ -87,21 +132,43 @@ def _fanout_row(registry: str, replicas: int, proxies: int, label: str, loads: S
     sync_errors = sum(sum(r.stream_errors.values()) - sum(r.errors_during_changes.values()) for r in results)
     during = sum(sum(r.errors_during_changes.values()) for r in results)
     indexed = [r.indexed_seconds for r in results if r.indexed_seconds is not None]
-    return [registry, replicas, proxies // replicas, label, " / ".join(f"{x:.1f}" for x in loads),
-            round(max(r.sync_seconds for r in results), 2),
-            round(max(indexed), 2) if len(indexed) == len(results) and registry == "etcd" else "-", sync_errors,
-            sum(r.never_synced for r in results), fmt_ms(percentile(latencies, 50)),
-            fmt_ms(p99), fmt_ms(max(latencies, default=float("nan"))), fmt_ms(percentile(after, 99)),
-            " / ".join(fmt_ms(x) for x in results[0].change_p99) if len(results) == 1 else "-",
-            ratio(p99, base_p99, suffix="x") if base_p99 == base_p99 else "-", round(_mean(cpu) / replicas, 3),
-            round(_mean(cpu), 3), round(_mean(etcd), 3) if etcd else "-", round(_mean(sim), 3),
-            sum(r.failures for r in results), during]
+    return [
+        registry,
+        replicas,
+        proxies // replicas,
+        label,
+        " / ".join(f"{x:.1f}" for x in loads),
+        round(max(r.sync_seconds for r in results), 2),
+        round(max(indexed), 2) if len(indexed) == len(results) and registry == "etcd" else "-",
+        sync_errors,
+        sum(r.never_synced for r in results),
+        fmt_ms(percentile(latencies, 50)),
+        fmt_ms(p99),
+        fmt_ms(max(latencies, default=float("nan"))),
+        fmt_ms(percentile(after, 99)),
+        " / ".join(fmt_ms(x) for x in results[0].change_p99) if len(results) == 1 else "-",
+        ratio(p99, base_p99, suffix="x") if base_p99 == base_p99 else "-",
+        round(_mean(cpu) / replicas, 3),
+        round(_mean(cpu), 3),
+        round(_mean(etcd), 3) if etcd else "-",
+        round(_mean(sim), 3),
+        sum(r.failures for r in results),
+        during,
+    ]
 
 
-def run_replica_fanouts(*, proxies: int, writes: int, rounds: int, workload: Workload, workdir: Path,
-                        variants: Sequence[tuple[str, int]] = FANOUT_VARIANTS, quiet_ms: int = 100,
-                        sync_timeout: float = 20.0,
-                        on_run: Callable[[FanoutRun], None] | None = None) -> tuple[list[list[Any]], list[FanoutRun]]:
+def run_replica_fanouts(
+    *,
+    proxies: int,
+    writes: int,
+    rounds: int,
+    workload: Workload,
+    workdir: Path,
+    variants: Sequence[tuple[str, int]] = FANOUT_VARIANTS,
+    quiet_ms: int = 100,
+    sync_timeout: float = 20.0,
+    on_run: Callable[[FanoutRun], None] | None = None,
+) -> tuple[list[list[Any]], list[FanoutRun]]:
     """Every variant ``rounds`` times, interleaved; rows of :data:`REPLICA_COLUMNS`: each run, then
     each variant pooled over its runs. Proxies not synced within ``sync_timeout`` seconds (on etcd:
     twice, before and after etcd holds every proxy's index) are left out of the writes and counted
@@ -117,9 +184,21 @@ def run_replica_fanouts(*, proxies: int, writes: int, rounds: int, workload: Wor
                     etcd = start_etcd(where)
                     stack.callback(etcd.stop)
                 load = load_1min()
-                result = run_fanout(FanoutOptions(proxies=proxies, changes=writes, workload=workload, quiet_ms=quiet_ms,
-                                    change="registry", event_log_level="changes", workdir=where, etcd=etcd,
-                                    replicas=replicas, keep_going=True, sync_timeout=sync_timeout))
+                result = run_fanout(
+                    FanoutOptions(
+                        proxies=proxies,
+                        changes=writes,
+                        workload=workload,
+                        quiet_ms=quiet_ms,
+                        change="registry",
+                        event_log_level="changes",
+                        workdir=where,
+                        etcd=etcd,
+                        replicas=replicas,
+                        keep_going=True,
+                        sync_timeout=sync_timeout,
+                    )
+                )
             run = FanoutRun(registry, replicas, round_ + 1, load, result)
             runs.append(run)
             if on_run is not None:
@@ -131,13 +210,17 @@ def run_replica_fanouts(*, proxies: int, writes: int, rounds: int, workload: Wor
 
     for run in runs:
         same_round = [r for r in runs if r.round == run.round]
-        rows.append(_fanout_row(run.registry, run.replicas, proxies, str(run.round), [run.load], [run.result],
-                                base(same_round)))
+        rows.append(
+            _fanout_row(run.registry, run.replicas, proxies, str(run.round), [run.load], [run.result], base(same_round))
+        )
     if rounds > 1:
         for registry, replicas in variants:
             mine = [r for r in runs if (r.registry, r.replicas) == (registry, replicas)]
-            rows.append(_fanout_row(registry, replicas, proxies, "all", [r.load for r in mine],
-                                    [r.result for r in mine], base(runs)))
+            rows.append(
+                _fanout_row(
+                    registry, replicas, proxies, "all", [r.load for r in mine], [r.result for r in mine], base(runs)
+                )
+            )
     return rows, runs
 
 
@@ -161,11 +244,20 @@ class WriteRate:
         return self.count / self.seconds if self.seconds else float("nan")
 
     def row(self) -> list[Any]:
-        return [self.registry, self.clients, self.count, round(self.load, 1), round(self.seconds, 2),
-                round(self.rate), fmt_ms(percentile(self.latencies, 50)), fmt_ms(percentile(self.latencies, 99)),
-                fmt_ms(max(self.latencies, default=float("nan"))), round(self.server_cpu / self.count * 1000, 2),
-                "-" if self.etcd_cpu is None else round(self.etcd_cpu / self.count * 1000, 2),
-                sum(self.failed.values()) if not self.failed else f"{sum(self.failed.values())} {self.failed}"]
+        return [
+            self.registry,
+            self.clients,
+            self.count,
+            round(self.load, 1),
+            round(self.seconds, 2),
+            round(self.rate),
+            fmt_ms(percentile(self.latencies, 50)),
+            fmt_ms(percentile(self.latencies, 99)),
+            fmt_ms(max(self.latencies, default=float("nan"))),
+            round(self.server_cpu / self.count * 1000, 2),
+            "-" if self.etcd_cpu is None else round(self.etcd_cpu / self.count * 1000, 2),
+            sum(self.failed.values()) if not self.failed else f"{sum(self.failed.values())} {self.failed}",
+        ]
 
 
 async def _register_all(base: str, *, count: int, clients: int, services: int, out: WriteRate) -> None:
@@ -179,8 +271,9 @@ async def _register_all(base: str, *, count: int, clients: int, services: int, o
             body = {"address": f"10.254.{(i >> 8) & 255}.{i & 255}", "port": 9000 + (i >> 16)}
             started = time.perf_counter()
             try:
-                async with session.post(f"{base}/v1/services/{service_name(i % services)}/instances",
-                                        json=body) as answer:
+                async with session.post(
+                    f"{base}/v1/services/{service_name(i % services)}/instances", json=body
+                ) as answer:
                     text = await answer.text()
                     status = answer.status
             except aiohttp.ClientError as exc:
@@ -207,16 +300,22 @@ def run_write_rate(*, registry: str, count: int, clients: int, workload: Workloa
             stack.callback(etcd.stop)
         snapshot = workdir / "snapshot.json"
         workload.write(snapshot)
-        server = start_pilotfish(workdir, snapshot=snapshot, extra=("--event-log-level", "changes",
-                                                                   *(("--etcd", etcd.address) if etcd else ())))
+        server = start_pilotfish(
+            workdir,
+            snapshot=snapshot,
+            extra=("--event-log-level", "changes", *(("--etcd", etcd.address) if etcd else ())),
+        )
         stack.callback(server.stop)
         server.settle_cpu(quiet=0.3, limit=5)
         out = WriteRate(registry, clients, count, load_1min())
         cpu_before = server.cpu_seconds()
         etcd_before = etcd.cpu_seconds() if etcd is not None else 0.0
         started = time.perf_counter()
-        asyncio.run(_register_all(f"http://{server.registry}", count=count, clients=clients,
-                                  services=workload.services, out=out))
+        asyncio.run(
+            _register_all(
+                f"http://{server.registry}", count=count, clients=clients, services=workload.services, out=out
+            )
+        )
         out.seconds = time.perf_counter() - started
         # CPU until the writes' builds and pushes are done too.
         out.server_cpu = server.settle_cpu(quiet=0.3, limit=10) - cpu_before
@@ -225,14 +324,28 @@ def run_write_rate(*, registry: str, count: int, clients: int, workload: Workloa
     return out
 
 
-def run_write_rates(*, count: int, clients: int, workload: Workload, workdir: Path, rounds: int = 1,
-                    on_run: Callable[[WriteRate], None] | None = None) -> list[WriteRate]:
+def run_write_rates(
+    *,
+    count: int,
+    clients: int,
+    workload: Workload,
+    workdir: Path,
+    rounds: int = 1,
+    on_run: Callable[[WriteRate], None] | None = None,
+) -> list[WriteRate]:
     """In-memory and etcd in turn, ``rounds`` times."""
     done = []
     for round_ in range(rounds):
         for registry in ("memory", "etcd"):
-            done.append(run_write_rate(registry=registry, count=count, clients=clients, workload=workload,
-                                       workdir=workdir / f"writes-{registry}-{round_ + 1}"))
+            done.append(
+                run_write_rate(
+                    registry=registry,
+                    count=count,
+                    clients=clients,
+                    workload=workload,
+                    workdir=workdir / f"writes-{registry}-{round_ + 1}",
+                )
+            )
             if on_run is not None:
                 on_run(done[-1])
     return done
@@ -262,7 +375,8 @@ def notes(*, proxies: int, workload: Workload, clients: int, count: int) -> list
         "of the snapshot file, as fast as the replica answers. `writes / s` = registrations / (last answer - first "
         "request); latency per request; CPU per registration of the replica (until idle, builds and pushes "
         "included) and of etcd. On etcd a write is answered once etcd has it and this replica's watch has seen "
-        "its revision (README, \"Registrations in etcd\")."]
+        'its revision (README, "Registrations in etcd").',
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,8 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--proxies", type=int, default=3000)
     parser.add_argument("--writes", type=int, default=5, help="registry writes per fan-out run")
     parser.add_argument("--rounds", type=int, default=2, help="times each fan-out variant runs (interleaved)")
-    parser.add_argument("--variants", nargs="+", default=[f"{r}:{n}" for r, n in FANOUT_VARIANTS],
-                        help="REGISTRY:REPLICAS fan-out variants, each round in this order (default: %(default)s)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[f"{r}:{n}" for r, n in FANOUT_VARIANTS],
+        help="REGISTRY:REPLICAS fan-out variants, each round in this order (default: %(default)s)",
+    )
     parser.add_argument("--count", type=int, default=2000, help="registrations per write-rate run")
     parser.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients of the write-rate runs")
     parser.add_argument("--write-rounds", type=int, default=1)
@@ -291,20 +409,36 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pilotfish-bench-replicas-") as tmp:
         if not args.skip_fanout:
+
             def show_run(run: FanoutRun) -> None:
                 r = run.result
-                print(f"  {run.registry} x{run.replicas} round {run.round} (load {run.load:.2f}): synced "
-                      f"{r.sync_seconds:.1f} s, indices in etcd {r.indexed_seconds} s, p99 {fmt_ms(r.p(99))} ms, "
-                      f"CPU {r.cpu:.3f} s / write, failures {r.failures}, errors {r.stream_errors} "
-                      f"{r.error_examples}", flush=True)
+                print(
+                    f"  {run.registry} x{run.replicas} round {run.round} (load {run.load:.2f}): synced "
+                    f"{r.sync_seconds:.1f} s, indices in etcd {r.indexed_seconds} s, p99 {fmt_ms(r.p(99))} ms, "
+                    f"CPU {r.cpu:.3f} s / write, failures {r.failures}, errors {r.stream_errors} "
+                    f"{r.error_examples}",
+                    flush=True,
+                )
 
-            rows, _ = run_replica_fanouts(proxies=args.proxies, writes=args.writes, rounds=args.rounds,
-                                          workload=workload, workdir=Path(tmp), variants=variants, on_run=show_run)
+            rows, _ = run_replica_fanouts(
+                proxies=args.proxies,
+                writes=args.writes,
+                rounds=args.rounds,
+                workload=workload,
+                workdir=Path(tmp),
+                variants=variants,
+                on_run=show_run,
+            )
             print_table(REPLICA_COLUMNS, rows)
         if not args.skip_writes:
-            rates = run_write_rates(count=args.count, clients=args.clients, workload=workload, workdir=Path(tmp),
-                                    rounds=args.write_rounds,
-                                    on_run=lambda w: print_table(WRITE_COLUMNS, [w.row()]))
+            rates = run_write_rates(
+                count=args.count,
+                clients=args.clients,
+                workload=workload,
+                workdir=Path(tmp),
+                rounds=args.write_rounds,
+                on_run=lambda w: print_table(WRITE_COLUMNS, [w.row()]),
+            )
             print_table(WRITE_COLUMNS, [w.row() for w in rates])
             for w in rates:
                 if w.example:

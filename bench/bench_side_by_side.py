@@ -45,18 +45,46 @@ from bench.workload import Workload
 
 __all__ = ["BUILD_MEASURES", "FANOUT_COLUMNS", "SideBySide", "run_side_by_side"]
 
-FANOUT_COLUMNS = ["pilotfish", "xds", "proxies", "runs", "load 1 min (each run)", "all synced s (median)",
-                  "p50 ms (median)", "p99 ms (median)", "p99 ms (range)", "p99 after publish ms (median)",
-                  "CPU s / push (median)", "CPU s / push (range)", "RSS KB / idle stream (median)", "failures",
-                  "stream errors", "p99 x", "CPU x"]
+FANOUT_COLUMNS = [
+    "pilotfish",
+    "xds",
+    "proxies",
+    "runs",
+    "load 1 min (each run)",
+    "all synced s (median)",
+    "p50 ms (median)",
+    "p99 ms (median)",
+    "p99 ms (range)",
+    "p99 after publish ms (median)",
+    "CPU s / push (median)",
+    "CPU s / push (range)",
+    "RSS KB / idle stream (median)",
+    "failures",
+    "stream errors",
+    "p99 x",
+    "CPU x",
+]
 
-BUILD_MEASURES = ("merge s", "build_snapshot s", "encode responses s", "total s", "rebuild after 1 change s",
-                  "Reconciler.update s", "Reconciler rebuild after 1 change s",
-                  "Reconciler rebuild, 1 service changed s")
+BUILD_MEASURES = (
+    "merge s",
+    "build_snapshot s",
+    "encode responses s",
+    "total s",
+    "rebuild after 1 change s",
+    "Reconciler.update s",
+    "Reconciler rebuild after 1 change s",
+    "Reconciler rebuild, 1 service changed s",
+)
 """The build's columns compared (bench/bench_build.py's names)."""
 
-BUILD_COLUMNS = ["pilotfish", "clusters / endpoints", "runs", "load 1 min (each run)",
-                 "child CPU s (median, range)", *(f"{measure} (median, range)" for measure in BUILD_MEASURES)]
+BUILD_COLUMNS = [
+    "pilotfish",
+    "clusters / endpoints",
+    "runs",
+    "load 1 min (each run)",
+    "child CPU s (median, range)",
+    *(f"{measure} (median, range)" for measure in BUILD_MEASURES),
+]
 
 
 @dataclass
@@ -76,16 +104,27 @@ class _FanoutRuns:
     def row(self, baseline: _FanoutRuns | None) -> list[Any]:
         p99s = [r.p(99) for r in self.results]
         cpus = [r.cpu for r in self.results]
-        ratios = (["-", "-"] if baseline is None
-                  else [ratio(self.p99(), baseline.p99()), ratio(self.cpu(), baseline.cpu())])
-        return [self.label, self.xds, self.proxies, len(self.results), fmt_loads(self.loads),
-                round(spread([r.sync_seconds for r in self.results])[0], 2),
-                fmt_ms(spread([r.p(50) for r in self.results])[0]), fmt_ms(spread(p99s)[0]),
-                f"{fmt_ms(min(p99s))}-{fmt_ms(max(p99s))}",
-                fmt_ms(spread([percentile(r.after_publish, 99) for r in self.results])[0]),
-                round(spread(cpus)[0], 3), f"{min(cpus):.3f}-{max(cpus):.3f}",
-                round(spread([r.rss_per_stream_kb for r in self.results])[0], 1),
-                sum(r.failures for r in self.results), stream_errors_cell(self.results), *ratios]
+        ratios = (
+            ["-", "-"] if baseline is None else [ratio(self.p99(), baseline.p99()), ratio(self.cpu(), baseline.cpu())]
+        )
+        return [
+            self.label,
+            self.xds,
+            self.proxies,
+            len(self.results),
+            fmt_loads(self.loads),
+            round(spread([r.sync_seconds for r in self.results])[0], 2),
+            fmt_ms(spread([r.p(50) for r in self.results])[0]),
+            fmt_ms(spread(p99s)[0]),
+            f"{fmt_ms(min(p99s))}-{fmt_ms(max(p99s))}",
+            fmt_ms(spread([percentile(r.after_publish, 99) for r in self.results])[0]),
+            round(spread(cpus)[0], 3),
+            f"{min(cpus):.3f}-{max(cpus):.3f}",
+            round(spread([r.rss_per_stream_kb for r in self.results])[0], 1),
+            sum(r.failures for r in self.results),
+            stream_errors_cell(self.results),
+            *ratios,
+        ]
 
 
 @dataclass
@@ -103,9 +142,18 @@ def _label(path: Path) -> str:
     return head + (" with changes in src/" if dirty else "")
 
 
-def run_side_by_side(*, commit: str, proxies: Sequence[int], xds: Sequence[str] = XDS_VARIANTS, rounds: int = 3,
-                     changes: int = 5, workload: Workload | None = None, build_sizes: Sequence[str] = (),
-                     build_repeat: int = 3, workdir: Path | None = None) -> SideBySide:
+def run_side_by_side(
+    *,
+    commit: str,
+    proxies: Sequence[int],
+    xds: Sequence[str] = XDS_VARIANTS,
+    rounds: int = 3,
+    changes: int = 5,
+    workload: Workload | None = None,
+    build_sizes: Sequence[str] = (),
+    build_repeat: int = 3,
+    workdir: Path | None = None,
+) -> SideBySide:
     """See the module docstring. ``build_sizes``: ``CLUSTERS:ENDPOINTS`` (none: no build rows)."""
     workload = workload or Workload()
     done = SideBySide()
@@ -115,8 +163,9 @@ def run_side_by_side(*, commit: str, proxies: Sequence[int], xds: Sequence[str] 
         labels = {"other": _label(other), "this": f"{_label(REPO)} (this checkout)"}
         envs = {"other": pythonpath_env(other), "this": None}
         paths = {"other": other, "this": REPO}
-        fanouts = {(who, x, n): _FanoutRuns(labels[who], x, n)
-                   for x in xds for n in proxies for who in ("other", "this")}
+        fanouts = {
+            (who, x, n): _FanoutRuns(labels[who], x, n) for x in xds for n in proxies for who in ("other", "this")
+        }
         builds: dict[tuple[str, str], list[dict[str, Any]]] = {}
         build_loads: dict[tuple[str, str], list[float]] = {}
         build_cpu: dict[tuple[str, str], list[float]] = {}
@@ -129,21 +178,36 @@ def run_side_by_side(*, commit: str, proxies: Sequence[int], xds: Sequence[str] 
                     builds.setdefault((who, size), []).append(row)
                     build_loads.setdefault((who, size), []).append(load)
                     build_cpu.setdefault((who, size), []).append(cpu)
-                    print(f"  build {labels[who]} {size} (round {round_ + 1}, load {load:.2f}): total s "
-                          f"{row.get('total s')}, child CPU {cpu:.2f} s", flush=True)
+                    print(
+                        f"  build {labels[who]} {size} (round {round_ + 1}, load {load:.2f}): total s "
+                        f"{row.get('total s')}, child CPU {cpu:.2f} s",
+                        flush=True,
+                    )
             for x in xds:
                 for n in proxies:
                     for who in order:
                         runs = fanouts[(who, x, n)]
                         load = load_1min()
-                        result = run_fanout(FanoutOptions(
-                            proxies=n, changes=changes, workload=workload, quiet_ms=100, change="registry", xds=x,
-                            server_env=envs[who], workdir=workdir / f"{who}-{x}-{n}-{round_}"))
+                        result = run_fanout(
+                            FanoutOptions(
+                                proxies=n,
+                                changes=changes,
+                                workload=workload,
+                                quiet_ms=100,
+                                change="registry",
+                                xds=x,
+                                server_env=envs[who],
+                                workdir=workdir / f"{who}-{x}-{n}-{round_}",
+                            )
+                        )
                         runs.results.append(result)
                         runs.loads.append(load)
-                        print(f"  {labels[who]} {x} {n} proxies (round {round_ + 1}, load {load:.2f}): "
-                              f"p99 {fmt_ms(result.p(99))} ms, CPU {result.cpu:.3f} s/push, "
-                              f"failures {result.failures}", flush=True)
+                        print(
+                            f"  {labels[who]} {x} {n} proxies (round {round_ + 1}, load {load:.2f}): "
+                            f"p99 {fmt_ms(result.p(99))} ms, CPU {result.cpu:.3f} s/push, "
+                            f"failures {result.failures}",
+                            flush=True,
+                        )
         for x in xds:
             for n in proxies:
                 base = fanouts[("other", x, n)]
@@ -156,16 +220,34 @@ def run_side_by_side(*, commit: str, proxies: Sequence[int], xds: Sequence[str] 
             medians: dict[str, list[float]] = {}
             for who in ("other", "this"):
                 cells = []
-                for values in (build_cpu[(who, size)],
-                               *([float(row[m]) for row in builds[(who, size)] if row.get(m) not in (None, "-")]
-                                 for m in BUILD_MEASURES)):
+                for values in (
+                    build_cpu[(who, size)],
+                    *(
+                        [float(row[m]) for row in builds[(who, size)] if row.get(m) not in (None, "-")]
+                        for m in BUILD_MEASURES
+                    ),
+                ):
                     median, low, high = spread(values)
                     medians.setdefault(who, []).append(median)
                     cells.append(f"{median:.4g} ({low:.4g}-{high:.4g})")
-                done.build_rows.append([labels[who], size.replace(":", " / "), len(builds[(who, size)]),
-                                        fmt_loads(build_loads[(who, size)]), *cells])
-            done.build_rows.append(["this / other", size.replace(":", " / "), "-", "-",
-                                    *(ratio(a, b) for a, b in zip(medians["this"], medians["other"], strict=True))])
+                done.build_rows.append(
+                    [
+                        labels[who],
+                        size.replace(":", " / "),
+                        len(builds[(who, size)]),
+                        fmt_loads(build_loads[(who, size)]),
+                        *cells,
+                    ]
+                )
+            done.build_rows.append(
+                [
+                    "this / other",
+                    size.replace(":", " / "),
+                    "-",
+                    "-",
+                    *(ratio(a, b) for a, b in zip(medians["this"], medians["other"], strict=True)),
+                ]
+            )
     return done
 
 
@@ -173,22 +255,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_side_by_side", description=__doc__.split("\n\n")[0])
     parser.add_argument("--commit", required=True, help="the other pilotfish (a commit git knows)")
     parser.add_argument("--proxies", type=int, nargs="*", default=[1000], help="fleet sizes (default: %(default)s)")
-    parser.add_argument("--xds", nargs="*", choices=XDS_VARIANTS, default=list(XDS_VARIANTS),
-                        help="the proxies' xDS variants (default: %(default)s)")
+    parser.add_argument(
+        "--xds",
+        nargs="*",
+        choices=XDS_VARIANTS,
+        default=list(XDS_VARIANTS),
+        help="the proxies' xDS variants (default: %(default)s)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="times both commits run in turn (default: %(default)s)")
     parser.add_argument("--changes", type=int, default=5, help="endpoint changes per fan-out (default: %(default)s)")
     parser.add_argument("--services", type=int, default=100)
     parser.add_argument("--endpoints", type=int, default=4)
     parser.add_argument("--listeners", type=int, default=10)
-    parser.add_argument("--build-sizes", nargs="*", default=["1000:10000", "10000:100000"],
-                        help="CLUSTERS:ENDPOINTS of the build rows (none: no build; default: %(default)s)")
+    parser.add_argument(
+        "--build-sizes",
+        nargs="*",
+        default=["1000:10000", "10000:100000"],
+        help="CLUSTERS:ENDPOINTS of the build rows (none: no build; default: %(default)s)",
+    )
     parser.add_argument("--build-repeat", type=int, default=3, help="builds per row and run (default: %(default)s)")
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    done = run_side_by_side(commit=args.commit, proxies=args.proxies, xds=args.xds, rounds=args.rounds,
-                            changes=args.changes, workload=workload, build_sizes=args.build_sizes,
-                            build_repeat=args.build_repeat)
+    done = run_side_by_side(
+        commit=args.commit,
+        proxies=args.proxies,
+        xds=args.xds,
+        rounds=args.rounds,
+        changes=args.changes,
+        workload=workload,
+        build_sizes=args.build_sizes,
+        build_repeat=args.build_repeat,
+    )
     print(f"\nworkload: {workload.describe()}; other = {args.commit}; started {started}, load now {load_1min():.2f}")
     if done.fanout_rows:
         print_table(FANOUT_COLUMNS, done.fanout_rows)

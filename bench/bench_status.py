@@ -54,8 +54,16 @@ from bench.report import fmt_loads, fmt_ms
 from bench.stats import load_1min, percentile, ratio
 from bench.workload import Workload
 
-__all__ = ["ADMIN_COLUMNS", "ENDPOINTS", "PAGE_EVERY", "STATUS_COLUMNS", "VARIANTS",
-           "AdminTimings", "StatusVariant", "run_status"]
+__all__ = [
+    "ADMIN_COLUMNS",
+    "ENDPOINTS",
+    "PAGE_EVERY",
+    "STATUS_COLUMNS",
+    "VARIANTS",
+    "AdminTimings",
+    "StatusVariant",
+    "run_status",
+]
 
 PAGE_EVERY = 1.5
 """Seconds between the status page's polls (``EVERY_MS`` in src/pilotfish/api/status_page.html)."""
@@ -67,13 +75,34 @@ page asks only for those after the last it saw once it has some)."""
 ENDPOINTS = ("/v1/proxies", "/v1/fleet?limit=100", "/v1/snapshots", "/v1/events?limit=100", "/metrics")
 """The admin endpoints timed with every proxy connected."""
 
-STATUS_COLUMNS = ["admin API", "proxies", "runs", "load 1 min (each run)", "p99 ms (median)",
-                  "p99 ms (range)", "p50 ms (median)", "p99 after publish ms (median)", "CPU s / push (median)",
-                  "CPU s / push (range)", "page polls", "failures", "stream errors", "p99 x on",
-                  "CPU x on"]
+STATUS_COLUMNS = [
+    "admin API",
+    "proxies",
+    "runs",
+    "load 1 min (each run)",
+    "p99 ms (median)",
+    "p99 ms (range)",
+    "p50 ms (median)",
+    "p99 after publish ms (median)",
+    "CPU s / push (median)",
+    "CPU s / push (range)",
+    "page polls",
+    "failures",
+    "stream errors",
+    "p99 x on",
+    "CPU x on",
+]
 
-ADMIN_COLUMNS = ["endpoint", "proxies", "requests", "median ms", "max ms", "server CPU ms (median)", "response KB",
-                 "proxies SYNCED when asked"]
+ADMIN_COLUMNS = [
+    "endpoint",
+    "proxies",
+    "requests",
+    "median ms",
+    "max ms",
+    "server CPU ms (median)",
+    "response KB",
+    "proxies SYNCED when asked",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,11 +175,18 @@ class AdminTimings:
     """Per run: ``SYNCED`` proxies of those connected, from /v1/fleet when the endpoints were asked."""
 
     def row(self) -> list[Any]:
-        return [f"`{self.path}`", self.proxies, len(self.seconds), fmt_ms(statistics.median(self.seconds)),
-                fmt_ms(max(self.seconds)), round(statistics.median(self.cpu) * 1000),
-                round(statistics.median(self.sizes) / 1024, 1),
-                f"{self.synced[0]} (each of {len(self.synced)} runs)" if len(set(self.synced)) == 1
-                else " / ".join(self.synced)]
+        return [
+            f"`{self.path}`",
+            self.proxies,
+            len(self.seconds),
+            fmt_ms(statistics.median(self.seconds)),
+            fmt_ms(max(self.seconds)),
+            round(statistics.median(self.cpu) * 1000),
+            round(statistics.median(self.sizes) / 1024, 1),
+            f"{self.synced[0]} (each of {len(self.synced)} runs)"
+            if len(set(self.synced)) == 1
+            else " / ".join(self.synced),
+        ]
 
 
 def _time_endpoints(server: ServerProcess, *, timings: dict[str, AdminTimings], requests: int) -> None:
@@ -192,29 +228,48 @@ class _Runs:
         p99s, cpus = self.p99s(), self.cpus()
         ratios: list[Any] = ["-", "-"]
         if base is not None and base is not self and base.results:
-            ratios = [ratio(statistics.median(p99s), statistics.median(base.p99s())),
-                      ratio(statistics.median(cpus), statistics.median(base.cpus()))]
-        return [self.variant.admin, self.proxies, len(self.results),
-                fmt_loads(self.loads), fmt_ms(statistics.median(p99s)),
-                f"{fmt_ms(min(p99s))}-{fmt_ms(max(p99s))}",
-                fmt_ms(statistics.median([r.p(50) for r in self.results])),
-                fmt_ms(statistics.median([percentile(r.after_publish, 99) for r in self.results])),
-                round(statistics.median(cpus), 3), f"{min(cpus):.3f}-{max(cpus):.3f}",
-                " / ".join(str(n) for n in self.polls) if self.polls else "-",
-                sum(r.failures for r in self.results), stream_errors_cell(self.results), *ratios]
+            ratios = [
+                ratio(statistics.median(p99s), statistics.median(base.p99s())),
+                ratio(statistics.median(cpus), statistics.median(base.cpus())),
+            ]
+        return [
+            self.variant.admin,
+            self.proxies,
+            len(self.results),
+            fmt_loads(self.loads),
+            fmt_ms(statistics.median(p99s)),
+            f"{fmt_ms(min(p99s))}-{fmt_ms(max(p99s))}",
+            fmt_ms(statistics.median([r.p(50) for r in self.results])),
+            fmt_ms(statistics.median([percentile(r.after_publish, 99) for r in self.results])),
+            round(statistics.median(cpus), 3),
+            f"{min(cpus):.3f}-{max(cpus):.3f}",
+            " / ".join(str(n) for n in self.polls) if self.polls else "-",
+            sum(r.failures for r in self.results),
+            stream_errors_cell(self.results),
+            *ratios,
+        ]
 
     def notes(self) -> list[str]:
-        lines = stream_error_notes(f"admin API {self.variant.admin}, {self.proxies} proxies",
-                                   self.results)
+        lines = stream_error_notes(f"admin API {self.variant.admin}, {self.proxies} proxies", self.results)
         if self.poll_errors:
-            lines.append(f"Status page polls that failed, {self.proxies} proxies: {len(self.poll_errors)}, e.g. "
-                         f"`{self.poll_errors[0][:200]}`")
+            lines.append(
+                f"Status page polls that failed, {self.proxies} proxies: {len(self.poll_errors)}, e.g. "
+                f"`{self.poll_errors[0][:200]}`"
+            )
         return lines
 
 
-def run_status(*, proxies: Sequence[int], changes: int, workload: Workload, rounds: int = 3,
-               poll_proxies: Sequence[int] = (10000,), admin_proxies: Sequence[int] = (10000,), requests: int = 3,
-               workdir: Path | None = None) -> tuple[list[list[Any]], list[list[Any]], list[str]]:
+def run_status(
+    *,
+    proxies: Sequence[int],
+    changes: int,
+    workload: Workload,
+    rounds: int = 3,
+    poll_proxies: Sequence[int] = (10000,),
+    admin_proxies: Sequence[int] = (10000,),
+    requests: int = 3,
+    workdir: Path | None = None,
+) -> tuple[list[list[Any]], list[list[Any]], list[str]]:
     """The fan-out table (one row per variant and fleet size), the admin endpoints' table, and
     notes (stream errors, failed polls); see the module docstring."""
     with contextlib.ExitStack() as stack:
@@ -230,20 +285,35 @@ def run_status(*, proxies: Sequence[int], changes: int, workload: Workload, roun
                 for variant in variants:
                     load = load_1min()
                     poller = _PagePoller() if variant.admin == "page open" else None
-                    endpoints = (functools.partial(_time_endpoints, timings=timings, requests=requests)
-                                 if variant.admin == "on" and n in admin_proxies else None)
-                    result = run_fanout(FanoutOptions(
-                        proxies=n, changes=changes, workload=workload, quiet_ms=100, change="registry",
-                        workdir=workdir / f"{variant.admin.replace(' ', '-')}-{n}-{round_}", admin="127.0.0.1:0",
-                        during_changes=poller.running if poller is not None else None, after_changes=endpoints))
+                    endpoints = (
+                        functools.partial(_time_endpoints, timings=timings, requests=requests)
+                        if variant.admin == "on" and n in admin_proxies
+                        else None
+                    )
+                    result = run_fanout(
+                        FanoutOptions(
+                            proxies=n,
+                            changes=changes,
+                            workload=workload,
+                            quiet_ms=100,
+                            change="registry",
+                            workdir=workdir / f"{variant.admin.replace(' ', '-')}-{n}-{round_}",
+                            admin="127.0.0.1:0",
+                            during_changes=poller.running if poller is not None else None,
+                            after_changes=endpoints,
+                        )
+                    )
                     runs[variant].results.append(result)
                     runs[variant].loads.append(load)
                     if poller is not None:
                         runs[variant].polls.append(poller.polls)
                         runs[variant].poll_errors += poller.errors
-                    print(f"  admin API {variant.admin}, {n} proxies (round {round_ + 1}, load {load:.2f}): "
-                          f"p99 {fmt_ms(result.p(99))} ms, CPU {result.cpu:.3f} s/push, failures {result.failures}"
-                          + (f", {poller.polls} page polls" if poller is not None else ""), flush=True)
+                    print(
+                        f"  admin API {variant.admin}, {n} proxies (round {round_ + 1}, load {load:.2f}): "
+                        f"p99 {fmt_ms(result.p(99))} ms, CPU {result.cpu:.3f} s/push, failures {result.failures}"
+                        + (f", {poller.polls} page polls" if poller is not None else ""),
+                        flush=True,
+                    )
             base = runs[VARIANTS[0]]
             for variant in variants:
                 rows.append(runs[variant].row(base))
@@ -259,10 +329,20 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m bench.bench_status", description=__doc__.split("\n\n")[0])
     parser.add_argument("--proxies", type=int, nargs="+", default=[1000, 10000])
-    parser.add_argument("--poll-proxies", type=int, nargs="*", default=[10000],
-                        help="fleet sizes that also run with the status page open (default: %(default)s)")
-    parser.add_argument("--admin-proxies", type=int, nargs="*", default=[10000],
-                        help="fleet sizes whose `on` runs time the admin endpoints (default: %(default)s)")
+    parser.add_argument(
+        "--poll-proxies",
+        type=int,
+        nargs="*",
+        default=[10000],
+        help="fleet sizes that also run with the status page open (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--admin-proxies",
+        type=int,
+        nargs="*",
+        default=[10000],
+        help="fleet sizes whose `on` runs time the admin endpoints (default: %(default)s)",
+    )
     parser.add_argument("--requests", type=int, default=3, help="requests per endpoint per run (default: %(default)s)")
     parser.add_argument("--changes", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="times the variants run in turn (default: %(default)s)")
@@ -272,11 +352,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     started = time.strftime("%H:%M:%S")
-    rows, admin_rows, notes = run_status(proxies=args.proxies, changes=args.changes, workload=workload,
-                                         rounds=args.rounds, poll_proxies=args.poll_proxies,
-                                         admin_proxies=args.admin_proxies, requests=args.requests)
-    print(f"\nworkload: {workload.describe()}; started {started}, load now "
-          f"{load_1min():.2f}")
+    rows, admin_rows, notes = run_status(
+        proxies=args.proxies,
+        changes=args.changes,
+        workload=workload,
+        rounds=args.rounds,
+        poll_proxies=args.poll_proxies,
+        admin_proxies=args.admin_proxies,
+        requests=args.requests,
+    )
+    print(f"\nworkload: {workload.describe()}; started {started}, load now {load_1min():.2f}")
     print_table(STATUS_COLUMNS, rows)
     print()
     print_table(ADMIN_COLUMNS, admin_rows)

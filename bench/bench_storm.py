@@ -34,8 +34,18 @@ from bench.workload import Workload
 
 __all__ = ["STORM_COLUMNS", "run_storm"]
 
-STORM_COLUMNS = ["phase", "proxies", "all synced s", "p50 s", "p99 s", "failures", "streams broken by the server",
-                 "client stream errors (server up)", "server CPU s", "server RSS MB"]
+STORM_COLUMNS = [
+    "phase",
+    "proxies",
+    "all synced s",
+    "p50 s",
+    "p99 s",
+    "failures",
+    "streams broken by the server",
+    "client stream errors (server up)",
+    "server CPU s",
+    "server RSS MB",
+]
 
 
 def _broken_streams(event_log: Path) -> int:
@@ -48,8 +58,15 @@ def _errors_text(errors: dict[str, int]) -> str:
     return "0" if not total else f"{total} {errors}"
 
 
-def run_storm(*, proxies: int, workload: Workload, workers: int = 0, timeout: float = 120.0,
-              workdir: str | Path | None = None, client: str = "h2") -> tuple[list[list[Any]], dict[str, str]]:
+def run_storm(
+    *,
+    proxies: int,
+    workload: Workload,
+    workers: int = 0,
+    timeout: float = 120.0,
+    workdir: str | Path | None = None,
+    client: str = "h2",
+) -> tuple[list[list[Any]], dict[str, str]]:
     """Both phases; table rows and one example message per stream error status. ``client``: the
     simulated proxies' gRPC client (:data:`bench.fleet.CLIENTS`)."""
     rows: list[list[Any]] = []
@@ -81,14 +98,23 @@ def run_storm(*, proxies: int, workload: Workload, workers: int = 0, timeout: fl
         return rows, dict(fleet.error_examples)
 
 
-def _row(phase: str, result: WaitResult, since: float, server: ServerProcess, cpu_before: float,
-         fleet: Fleet) -> list[Any]:
+def _row(
+    phase: str, result: WaitResult, since: float, server: ServerProcess, cpu_before: float, fleet: Fleet
+) -> list[Any]:
     """One table row: a phase's sync times from ``since``, and what it cost ``server``."""
     lat = result.latencies(since)
-    return [phase, fleet.proxies, round(max(lat, default=float("nan")), 2), round(percentile(lat, 50), 2),
-            round(percentile(lat, 99), 2), result.failures, _broken_streams(server.event_log),
-            _errors_text(fleet.errors(since=since)), round(server.cpu_seconds() - cpu_before, 2),
-            round(server.rss_kb() / 1024)]
+    return [
+        phase,
+        fleet.proxies,
+        round(max(lat, default=float("nan")), 2),
+        round(percentile(lat, 50), 2),
+        round(percentile(lat, 99), 2),
+        result.failures,
+        _broken_streams(server.event_log),
+        _errors_text(fleet.errors(since=since)),
+        round(server.cpu_seconds() - cpu_before, 2),
+        round(server.rss_kb() / 1024),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,12 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoints", type=int, default=4)
     parser.add_argument("--listeners", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=120.0)
-    parser.add_argument("--client", choices=CLIENTS, default="h2",
-                        help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
+    parser.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="h2",
+        help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
-    rows, examples = run_storm(proxies=args.proxies, workload=workload, workers=args.workers, timeout=args.timeout,
-                               client=args.client)
+    rows, examples = run_storm(
+        proxies=args.proxies, workload=workload, workers=args.workers, timeout=args.timeout, client=args.client
+    )
     print(f"workload: {workload.describe()}; client: {args.client}")
     print_table(STORM_COLUMNS, rows)
     for code, example in examples.items():

@@ -36,13 +36,32 @@ from pilotfish.build.subsetting import Ring
 
 __all__ = ["ALGORITHMS", "DEFAULT_GRID", "SUBSETTING_COLUMNS", "Churn", "run_subsetting"]
 
-SUBSETTING_COLUMNS = ["algorithm", "proxies", "backends", "k", "conns / backend (mean)", "min", "max", "max / mean",
-                      "min / max", "add 1: proxies changed %", "add 1: entries changed / proxy",
-                      "add 1: most changed", "remove 1: proxies changed %", "remove 1: entries changed / proxy",
-                      "remove 1: most changed", "all subsets ms"]
+SUBSETTING_COLUMNS = [
+    "algorithm",
+    "proxies",
+    "backends",
+    "k",
+    "conns / backend (mean)",
+    "min",
+    "max",
+    "max / mean",
+    "min / max",
+    "add 1: proxies changed %",
+    "add 1: entries changed / proxy",
+    "add 1: most changed",
+    "remove 1: proxies changed %",
+    "remove 1: entries changed / proxy",
+    "remove 1: most changed",
+    "all subsets ms",
+]
 
-DEFAULT_GRID: tuple[tuple[int, int, int], ...] = ((100, 10, 3), (1000, 100, 10), (10000, 1000, 3),
-                                                  (10000, 1000, 20), (10000, 1000, 100))
+DEFAULT_GRID: tuple[tuple[int, int, int], ...] = (
+    (100, 10, 3),
+    (1000, 100, 10),
+    (10000, 1000, 3),
+    (10000, 1000, 20),
+    (10000, 1000, 100),
+)
 """(proxies, backends, k) rows of the subsetting comparison, up to 10,000 x 1,000 (k = 3 as in its e2e test)."""
 
 Subsets = list[frozenset[int]]
@@ -66,7 +85,7 @@ def sre_book(proxies: int, backends: Sequence[int], k: int, seed: int) -> Subset
             shuffled = rounds[round_] = list(backends)
             random.Random(round_).shuffle(shuffled)
         start = (proxy % subset_count) * k
-        out.append(frozenset(shuffled[start:start + k]))
+        out.append(frozenset(shuffled[start : start + k]))
     return out
 
 
@@ -98,8 +117,11 @@ def churn(before: Subsets, after: Subsets) -> Churn:
 
 
 def _mean(values: Sequence[Churn]) -> Churn:
-    return Churn(statistics.fmean(c.changed_share for c in values),
-                 statistics.fmean(c.entries_per_proxy for c in values), max(c.most for c in values))
+    return Churn(
+        statistics.fmean(c.changed_share for c in values),
+        statistics.fmean(c.entries_per_proxy for c in values),
+        max(c.most for c in values),
+    )
 
 
 def run_one(name: str, *, proxies: int, backends: int, k: int, removals: int, seed: int) -> list[Any]:
@@ -118,16 +140,39 @@ def run_one(name: str, *, proxies: int, backends: int, k: int, removals: int, se
     mean = statistics.fmean(count)
     added = churn(subsets, algorithm(proxies, [*base, backends], k, seed))
     rnd = random.Random(seed)
-    removed = _mean([churn(subsets, algorithm(proxies, [b for b in base if b != gone], k, seed))
-                     for gone in rnd.sample(base, min(removals, backends))])
-    return [name, proxies, backends, k, round(mean, 1), min(count), max(count), round(max(count) / mean, 3),
-            round(min(count) / max(count), 3), round(100 * added.changed_share, 1), round(added.entries_per_proxy, 3),
-            added.most, round(100 * removed.changed_share, 1), round(removed.entries_per_proxy, 3), removed.most,
-            round(statistics.median(times) * 1000, 1)]
+    removed = _mean(
+        [
+            churn(subsets, algorithm(proxies, [b for b in base if b != gone], k, seed))
+            for gone in rnd.sample(base, min(removals, backends))
+        ]
+    )
+    return [
+        name,
+        proxies,
+        backends,
+        k,
+        round(mean, 1),
+        min(count),
+        max(count),
+        round(max(count) / mean, 3),
+        round(min(count) / max(count), 3),
+        round(100 * added.changed_share, 1),
+        round(added.entries_per_proxy, 3),
+        added.most,
+        round(100 * removed.changed_share, 1),
+        round(removed.entries_per_proxy, 3),
+        removed.most,
+        round(statistics.median(times) * 1000, 1),
+    ]
 
 
-def run_subsetting(*, grid: Sequence[tuple[int, int, int]] = DEFAULT_GRID, removals: int = 5, seed: int = 1,
-                   on_row: Callable[[list[Any]], None] | None = None) -> list[list[Any]]:
+def run_subsetting(
+    *,
+    grid: Sequence[tuple[int, int, int]] = DEFAULT_GRID,
+    removals: int = 5,
+    seed: int = 1,
+    on_row: Callable[[list[Any]], None] | None = None,
+) -> list[list[Any]]:
     """Every algorithm on every (proxies, backends, k) of ``grid``, side by side."""
     rows = []
     for proxies, backends, k in grid:
@@ -142,7 +187,7 @@ def notes(removals: int) -> list[str]:
     return [
         "In-process, no I/O (src/pilotfish/build/subsetting.py against two baselines in bench/bench_subsetting.py). "
         "Proxies 0..m-1 and backends 0..n-1 are dense indices, as pilotfish's index tables give them. "
-        "`ringsteady`: Ringsteady (docs/architecture.md, \"Subsetting\"). `sre-book`: the deterministic subsetting of "
+        '`ringsteady`: Ringsteady (docs/architecture.md, "Subsetting"). `sre-book`: the deterministic subsetting of '
         "*Site Reliability Engineering*, ch. 20 (shuffle the backend list with seed `proxy // (n // k)`, take "
         "slice `proxy % (n // k)`). `random`: each proxy samples k backends, seeded per proxy, re-drawn on a "
         "change. Balance: connections per backend (proxies that chose it). Churn: `add 1` adds backend n; "
@@ -154,15 +199,20 @@ def notes(removals: int) -> list[str]:
         "`random`'s small churn when a backend is added (for k well below n) is Python's `random.sample` at work, "
         "not a property of random subsetting one could rely on: it draws list positions from the same random bits "
         "while n and n + 1 have the same bit length, and the newcomer is last in the list, so only draws of "
-        "position n change. Removing a backend shifts the positions after it, and most subsets are re-drawn."]
+        "position n change. Removing a backend shifts the positions after it, and most subsets are re-drawn.",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     from bench.report import print_table
 
     parser = argparse.ArgumentParser(prog="python -m bench.bench_subsetting", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--grid", nargs="+", default=[f"{m}:{n}:{k}" for m, n, k in DEFAULT_GRID],
-                        help="PROXIES:BACKENDS:K triples (default: %(default)s)")
+    parser.add_argument(
+        "--grid",
+        nargs="+",
+        default=[f"{m}:{n}:{k}" for m, n, k in DEFAULT_GRID],
+        help="PROXIES:BACKENDS:K triples (default: %(default)s)",
+    )
     parser.add_argument("--removals", type=int, default=5, help="backends removed in turn for the churn (averaged)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
@@ -170,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     for triple in args.grid:
         m, n, k = (int(x) for x in triple.split(":"))
         grid.append((m, n, k))
-    rows = run_subsetting(grid=grid, removals=args.removals, seed=args.seed,
-                          on_row=lambda row: print_table(SUBSETTING_COLUMNS, [row]))
+    rows = run_subsetting(
+        grid=grid, removals=args.removals, seed=args.seed, on_row=lambda row: print_table(SUBSETTING_COLUMNS, [row])
+    )
     print()
     print_table(SUBSETTING_COLUMNS, rows)
     for note in notes(args.removals):

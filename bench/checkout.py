@@ -32,13 +32,18 @@ def checkout(commit: str) -> Iterator[Path]:
     """A detached git worktree of ``commit`` in a temporary directory, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="pilotfish-before-") as tmp:
         path = Path(tmp) / "checkout"
-        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(path), commit], cwd=REPO, check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", "--quiet", str(path), commit],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
         try:
             yield path
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO, check=False,
-                           capture_output=True)
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(path)], cwd=REPO, check=False, capture_output=True
+            )
             subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=False, capture_output=True)
 
 
@@ -52,8 +57,10 @@ def pythonpath_env(path: Path, *, own_bench: bool = False) -> dict[str, str]:
 def revision(path: Path) -> tuple[str, bool]:
     """The checkout at ``path``: its HEAD's short hash, and whether its ``src`` has uncommitted
     changes (what the numbers measured). OSError or CalledProcessError outside a git checkout."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True,
-                          check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=path, capture_output=True, text=True,
-                           check=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "src"], cwd=path, capture_output=True, text=True, check=True
+    ).stdout.strip()
     return head, bool(dirty)

@@ -45,12 +45,33 @@ from bench.stats import load_1min, percentile
 from bench.tls_certs import TLS_MODES, make_certs
 from bench.workload import Workload
 
-__all__ = ["FANOUT_COLUMNS", "FanoutOptions", "FanoutResult", "run_fanout", "start_naive", "stream_error_notes",
-           "stream_errors_cell"]
+__all__ = [
+    "FANOUT_COLUMNS",
+    "FanoutOptions",
+    "FanoutResult",
+    "run_fanout",
+    "start_naive",
+    "stream_error_notes",
+    "stream_errors_cell",
+]
 
-FANOUT_COLUMNS = ["server", "proxies", "change", "quiet ms", "event log", "all synced s", "p50 ms", "p99 ms", "max ms",
-                  "p99 after publish ms", "CPU s / push", "simulator CPU s / push", "RSS KB / idle stream", "failures",
-                  "stream errors"]
+FANOUT_COLUMNS = [
+    "server",
+    "proxies",
+    "change",
+    "quiet ms",
+    "event log",
+    "all synced s",
+    "p50 ms",
+    "p99 ms",
+    "max ms",
+    "p99 after publish ms",
+    "CPU s / push",
+    "simulator CPU s / push",
+    "RSS KB / idle stream",
+    "failures",
+    "stream errors",
+]
 
 
 @dataclass
@@ -102,12 +123,23 @@ class FanoutResult:
         return sum(self.cpu_per_push) / len(self.cpu_per_push) if self.cpu_per_push else float("nan")
 
     def row(self) -> list[object]:
-        return [self.server, self.proxies, self.change, self.quiet_ms, self.event_log, round(self.sync_seconds, 2),
-                fmt_ms(self.p(50)), fmt_ms(self.p(99)), fmt_ms(max(self.latencies, default=float("nan"))),
-                fmt_ms(percentile(self.after_publish, 99)), round(self.cpu, 3),
-                round(sum(self.client_cpu_per_push) / max(1, len(self.client_cpu_per_push)), 3),
-                round(self.rss_per_stream_kb, 1),
-                self.failures, stream_errors_cell([self])]
+        return [
+            self.server,
+            self.proxies,
+            self.change,
+            self.quiet_ms,
+            self.event_log,
+            round(self.sync_seconds, 2),
+            fmt_ms(self.p(50)),
+            fmt_ms(self.p(99)),
+            fmt_ms(max(self.latencies, default=float("nan"))),
+            fmt_ms(percentile(self.after_publish, 99)),
+            round(self.cpu, 3),
+            round(sum(self.client_cpu_per_push) / max(1, len(self.client_cpu_per_push)), 3),
+            round(self.rss_per_stream_kb, 1),
+            self.failures,
+            stream_errors_cell([self]),
+        ]
 
 
 def stream_errors_cell(results: Sequence[FanoutResult]) -> int | str:
@@ -124,8 +156,17 @@ def stream_errors_cell(results: Sequence[FanoutResult]) -> int | str:
 def start_naive(workdir: Path, *, snapshot: Path, xds_port: int = 0, name: str = "naive") -> ServerProcess:
     """The naive baseline server (bench/naive_server.py) in its own process."""
     event_log = workdir / f"{name}-events.jsonl"
-    argv = [sys.executable, "-m", "bench.naive_server", "--snapshot", str(snapshot),
-            "--xds", f"127.0.0.1:{xds_port}", "--event-log", str(event_log)]
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.naive_server",
+        "--snapshot",
+        str(snapshot),
+        "--xds",
+        f"127.0.0.1:{xds_port}",
+        "--event-log",
+        str(event_log),
+    ]
     server = ServerProcess(name=name, argv=argv, workdir=workdir, event_log=event_log)
     server.start()
     return server
@@ -134,8 +175,9 @@ def start_naive(workdir: Path, *, snapshot: Path, xds_port: int = 0, name: str =
 class _Changer:
     """Makes one endpoint change at a time: through the registry API, or by rewriting the file."""
 
-    def __init__(self, how: str, server: ServerProcess, workload: Workload, snapshot: Path,
-                 tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, how: str, server: ServerProcess, workload: Workload, snapshot: Path, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.how, self.server, self.workload, self.snapshot = how, server, workload, snapshot
         self.count = 0
         self.registered: str | None = None
@@ -152,8 +194,9 @@ class _Changer:
         base = f"{scheme}://{self.server.registry}/v1/services/svc-00000/instances"
         if self.registered is None:
             body = json.dumps({"address": "10.255.0.1", "port": 9000 + self.count}).encode()
-            request = urllib.request.Request(base, data=body, method="POST",
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                base, data=body, method="POST", headers={"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(request, timeout=10, context=self.tls) as response:
                 self.registered = json.loads(response.read())["id"]
         else:
@@ -164,10 +207,23 @@ class _Changer:
 
 def _py_spy(pid: int, output: Path, rate: int = 250) -> subprocess.Popen[bytes]:
     spy = Path(sys.executable).with_name("py-spy")
-    return subprocess.Popen([str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", str(rate),
-                             "--output", str(output), "--nonblocking"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
+    return subprocess.Popen(
+        [
+            str(spy),
+            "record",
+            "--pid",
+            str(pid),
+            "--format",
+            "raw",
+            "--rate",
+            str(rate),
+            "--output",
+            str(output),
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def stream_error_notes(label: str, results: Sequence[FanoutResult]) -> list[str]:
@@ -183,8 +239,11 @@ def stream_error_notes(label: str, results: Sequence[FanoutResult]) -> list[str]
             during[code] = during.get(code, 0) + r.errors_during_changes.get(code, 0)
         examples.update(r.error_examples)
     runs = f" over {len(results)} runs" if len(results) > 1 else ""
-    return [f"Stream errors, {label}: {n} x {code}{runs} (during the changes: {during[code]}), e.g. "
-            f"`{examples.get(code, '?')[:200]}`" for code, n in counts.items()]
+    return [
+        f"Stream errors, {label}: {n} x {code}{runs} (during the changes: {during[code]}), e.g. "
+        f"`{examples.get(code, '?')[:200]}`"
+        for code, n in counts.items()
+    ]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,8 +307,9 @@ class FanoutOptions:
 def run_fanout(options: FanoutOptions) -> FanoutResult:
     """One fan-out run; see the module docstring."""
     if options.replicas > 1 and (options.server != "pilotfish" or options.etcd is None):
-        raise ValueError("several replicas need pilotfish on etcd (FanoutOptions.etcd): "
-                         "only there do they share a registry")
+        raise ValueError(
+            "several replicas need pilotfish on etcd (FanoutOptions.etcd): only there do they share a registry"
+        )
     change = "file" if options.server == "naive" else options.change  # the naive server has no registry
     with ExitStack() as stack:
         workdir = work_dir(stack, options.workdir, "pilotfish-bench-")
@@ -259,14 +319,23 @@ def run_fanout(options: FanoutOptions) -> FanoutResult:
         if options.server == "pilotfish":
             on_etcd = ("--etcd", options.etcd.address) if options.etcd is not None else ()
             for n in range(options.replicas):
-                procs.append(start_pilotfish(
-                    workdir, snapshot=snapshot, quiet_ms=options.quiet_ms, registry=change == "registry",
-                    extra=("--event-log-level", options.event_log_level, *on_etcd, *options.server_args),
-                    env=options.server_env,
-                    module=(("pilotfish",) if options.core == "own"
-                            else ("bench.h2_core_launch", "--core", options.core)),
-                    admin=options.admin if n == 0 else "off",
-                    name="pilotfish" if options.replicas == 1 else f"pilotfish-{n}"))
+                procs.append(
+                    start_pilotfish(
+                        workdir,
+                        snapshot=snapshot,
+                        quiet_ms=options.quiet_ms,
+                        registry=change == "registry",
+                        extra=("--event-log-level", options.event_log_level, *on_etcd, *options.server_args),
+                        env=options.server_env,
+                        module=(
+                            ("pilotfish",)
+                            if options.core == "own"
+                            else ("bench.h2_core_launch", "--core", options.core)
+                        ),
+                        admin=options.admin if n == 0 else "off",
+                        name="pilotfish" if options.replicas == 1 else f"pilotfish-{n}",
+                    )
+                )
                 stack.callback(procs[-1].stop)
         else:
             procs.append(start_naive(workdir, snapshot=snapshot))
@@ -274,21 +343,33 @@ def run_fanout(options: FanoutOptions) -> FanoutResult:
         proc = procs[0]
         time.sleep(0.5)
         base_rss = sum(p.rss_kb() for p in procs)
-        fleet = Fleet(target=proc.xds, proxies=options.proxies, workers=options.workers, rate=options.rate,
-                      client=options.client, tls=options.tls, xds=options.xds,
-                      replicas=tuple(p.xds for p in procs[1:]))
+        fleet = Fleet(
+            target=proc.xds,
+            proxies=options.proxies,
+            workers=options.workers,
+            rate=options.rate,
+            client=options.client,
+            tls=options.tls,
+            xds=options.xds,
+            replicas=tuple(p.xds for p in procs[1:]),
+        )
         started = time.time()
         fleet.start()
         stack.callback(fleet.close)
         sync_timeout = options.sync_timeout or max(60.0, options.proxies / 100)
         synced = fleet.wait_synced(timeout=sync_timeout)
         indexed: float | None = None  # (proxies' subsetting indices in etcd: only with subsetting, none here)
-        result = FanoutResult(server=options.server, proxies=options.proxies, change=change,
-                              quiet_ms=options.quiet_ms if options.server == "pilotfish" else 0,
-                              sync_seconds=max(synced.latencies(started), default=float("nan")),
-                              event_log=options.event_log_level if options.server == "pilotfish" else "-",
-                              xds=options.xds,
-                              replicas=len(procs), indexed_seconds=indexed)
+        result = FanoutResult(
+            server=options.server,
+            proxies=options.proxies,
+            change=change,
+            quiet_ms=options.quiet_ms if options.server == "pilotfish" else 0,
+            sync_seconds=max(synced.latencies(started), default=float("nan")),
+            event_log=options.event_log_level if options.server == "pilotfish" else "-",
+            xds=options.xds,
+            replicas=len(procs),
+            indexed_seconds=indexed,
+        )
         result.sync_bytes = fleet.bytes_received()
         result.never_synced = synced.failures
         if synced.failures and not options.keep_going:
@@ -304,8 +385,13 @@ def run_fanout(options: FanoutOptions) -> FanoutResult:
         result.simulator_rss_kb = fleet.rss_kb()
         received = fleet.bytes_received()
         changes_started = time.time()
-        changer = _Changer(change, proc, options.workload, snapshot,
-                           ssl.create_default_context(cafile=options.tls.ca) if options.tls is not None else None)
+        changer = _Changer(
+            change,
+            proc,
+            options.workload,
+            snapshot,
+            ssl.create_default_context(cafile=options.tls.ca) if options.tls is not None else None,
+        )
         assert proc.tail is not None
         spy = _py_spy(proc.pid, options.profile) if options.profile is not None else None
         context = stack.enter_context(ExitStack())
@@ -320,8 +406,12 @@ def run_fanout(options: FanoutOptions) -> FanoutResult:
             t0 = time.time()
             changer.change()
             loaded = proc.tail.wait_for("snapshot_loaded", timeout=30, alive=proc.alive)
-            acked = fleet.wait_acked({EDS: loaded["versions"]["EDS"]}, since=t0, timeout=options.change_timeout,
-                                     synced_only=options.keep_going)
+            acked = fleet.wait_acked(
+                {EDS: loaded["versions"]["EDS"]},
+                since=t0,
+                timeout=options.change_timeout,
+                synced_only=options.keep_going,
+            )
             cpu_after = sum(p.settle_cpu() for p in procs)
             if options.etcd is not None:
                 result.etcd_cpu_per_push.append(options.etcd.cpu_seconds() - etcd_before)
@@ -357,51 +447,96 @@ def run_fanout(options: FanoutOptions) -> FanoutResult:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fanout", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--proxies", type=int, nargs="+", default=[100, 1000, 10000],
-                        help="simulated proxies, one run per number (default: %(default)s)")
+    parser.add_argument(
+        "--proxies",
+        type=int,
+        nargs="+",
+        default=[100, 1000, 10000],
+        help="simulated proxies, one run per number (default: %(default)s)",
+    )
     parser.add_argument("--changes", type=int, default=5, help="endpoint changes to time (default: %(default)s)")
     parser.add_argument("--services", type=int, default=100, help="clusters in the snapshot (default: %(default)s)")
     parser.add_argument("--endpoints", type=int, default=4, help="endpoints per cluster (default: %(default)s)")
-    parser.add_argument("--listeners", type=int, default=10,
-                        help="services with an HTTP listener + route config (default: %(default)s)")
+    parser.add_argument(
+        "--listeners", type=int, default=10, help="services with an HTTP listener + route config (default: %(default)s)"
+    )
     parser.add_argument("--quiet-ms", type=int, default=100, help="pilotfish's debounce (default: %(default)s)")
-    parser.add_argument("--server", choices=("pilotfish", "naive"), default="pilotfish",
-                        help="the server: pilotfish or the naive baseline (default: %(default)s)")
-    parser.add_argument("--change", choices=("registry", "file"), default="registry",
-                        help="how a change is made (naive: file only; default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=0,
-                        help="the simulator's client processes (default: one per 2,500 proxies, one per core)")
-    parser.add_argument("--workdir", type=Path, default=None,
-                        help="keep the server's files here (default: a temporary directory)")
-    parser.add_argument("--client", choices=CLIENTS, default="h2",
-                        help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)")
-    parser.add_argument("--xds", choices=XDS_VARIANTS, default="sotw",
-                        help="the simulated proxies' xDS: state of the world or delta (default: %(default)s)")
-    parser.add_argument("--event-log-level", choices=("all", "changes"), default="all",
-                        help="pilotfish's --event-log-level (default: %(default)s)")
-    parser.add_argument("--tls", choices=TLS_MODES, default="off",
-                        help="pilotfish serves xDS and the registry over TLS (mtls: with client certificates), "
-                             "with certificates from a throwaway CA (default: %(default)s)")
+    parser.add_argument(
+        "--server",
+        choices=("pilotfish", "naive"),
+        default="pilotfish",
+        help="the server: pilotfish or the naive baseline (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--change",
+        choices=("registry", "file"),
+        default="registry",
+        help="how a change is made (naive: file only; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="the simulator's client processes (default: one per 2,500 proxies, one per core)",
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="keep the server's files here (default: a temporary directory)"
+    )
+    parser.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="h2",
+        help="the simulated proxies' gRPC client: bench/h2client.py or grpc.aio (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--xds",
+        choices=XDS_VARIANTS,
+        default="sotw",
+        help="the simulated proxies' xDS: state of the world or delta (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--event-log-level",
+        choices=("all", "changes"),
+        default="all",
+        help="pilotfish's --event-log-level (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tls",
+        choices=TLS_MODES,
+        default="off",
+        help="pilotfish serves xDS and the registry over TLS (mtls: with client certificates), "
+        "with certificates from a throwaway CA (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.tls != "off" and args.server != "pilotfish":
         parser.error("--tls needs --server pilotfish")
-    workload = Workload(services=args.services, endpoints=args.endpoints,
-                        listeners=min(args.listeners, args.services))
+    workload = Workload(services=args.services, endpoints=args.endpoints, listeners=min(args.listeners, args.services))
     results: list[FanoutResult] = []
     with tempfile.TemporaryDirectory(prefix="pilotfish-certs-") as tmp:
         certs = make_certs(Path(tmp))
         for n in args.proxies:
-            result = run_fanout(FanoutOptions(server=args.server, proxies=n, changes=args.changes, workload=workload,
-                                quiet_ms=args.quiet_ms, change=args.change, client=args.client,
-                                event_log_level=args.event_log_level, server_args=certs.server_args(args.tls),
-                                tls=certs.fleet(args.tls), xds=args.xds, workers=args.workers,
-                                workdir=args.workdir / str(n) if args.workdir else None))
+            result = run_fanout(
+                FanoutOptions(
+                    server=args.server,
+                    proxies=n,
+                    changes=args.changes,
+                    workload=workload,
+                    quiet_ms=args.quiet_ms,
+                    change=args.change,
+                    client=args.client,
+                    event_log_level=args.event_log_level,
+                    server_args=certs.server_args(args.tls),
+                    tls=certs.fleet(args.tls),
+                    xds=args.xds,
+                    workers=args.workers,
+                    workdir=args.workdir / str(n) if args.workdir else None,
+                )
+            )
             results.append(result)
             print_table(FANOUT_COLUMNS, [result.row()])
             for code, example in result.error_examples.items():
                 print(f"  stream error e.g. {code}: {example}")
-    print(f"\nworkload: {workload.describe()}; client: {args.client}; TLS: {args.tls}; "
-          f"load: {load_1min():.2f}")
+    print(f"\nworkload: {workload.describe()}; client: {args.client}; TLS: {args.tls}; load: {load_1min():.2f}")
     print_table(FANOUT_COLUMNS, [r.row() for r in results])
     return 0 if all(r.failures == 0 for r in results) else 1
 

@@ -33,8 +33,9 @@ _METHOD = "StreamAggregatedResources"
 
 async def _serve(port: int, proxies: int, rounds: int) -> None:
     resource_ = any_pb2.Any(type_url="type.googleapis.com/floor", value=b"\x00" * 4096)
-    payload = discovery_pb2.DiscoveryResponse(version_info="1", type_url="floor", nonce="1",
-                                              resources=[resource_]).SerializeToString()
+    payload = discovery_pb2.DiscoveryResponse(
+        version_info="1", type_url="floor", nonce="1", resources=[resource_]
+    ).SerializeToString()
     streams: list[grpc.aio.ServicerContext] = []
     answered = 0
     all_answered = asyncio.Event()
@@ -52,8 +53,11 @@ async def _serve(port: int, proxies: int, rounds: int) -> None:
                     writes = [loop.create_task(stream.write(payload)) for stream in streams]
                     await all_answered.wait()
                     await asyncio.gather(*writes)
-                    print(f"| {proxies} | {number + 1} | {(time.perf_counter() - wall) * 1e3:.0f} | "
-                          f"{cpu_seconds(os.getpid()) - cpu:.3f} |", flush=True)
+                    print(
+                        f"| {proxies} | {number + 1} | {(time.perf_counter() - wall) * 1e3:.0f} | "
+                        f"{cpu_seconds(os.getpid()) - cpu:.3f} |",
+                        flush=True,
+                    )
                 finished.set()
                 return
             if request.response_nonce:
@@ -64,10 +68,18 @@ async def _serve(port: int, proxies: int, rounds: int) -> None:
                 streams.append(context)
 
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(_SERVICE, {
-        _METHOD: grpc.stream_stream_rpc_method_handler(
-            handler, request_deserializer=discovery_pb2.DiscoveryRequest.FromString),
-    })])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                _SERVICE,
+                {
+                    _METHOD: grpc.stream_stream_rpc_method_handler(
+                        handler, request_deserializer=discovery_pb2.DiscoveryRequest.FromString
+                    ),
+                },
+            )
+        ]
+    )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await finished.wait()
@@ -117,8 +129,19 @@ def main() -> int:
 
     port = free_port()
     print("| streams | round | all answered ms | server CPU s |\n|---|---|---|---|", flush=True)
-    server = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve", str(port),
-                               "--proxies", str(args.proxies), "--rounds", str(args.rounds)])
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.grpc_floor",
+            "--serve",
+            str(port),
+            "--proxies",
+            str(args.proxies),
+            "--rounds",
+            str(args.rounds),
+        ]
+    )
     try:
         for _ in range(100):
             try:

@@ -68,9 +68,14 @@ from pilotfish.transport.h2 import (
 
 __all__ = ["H2PackageConnection"]
 
-_CONFIG = H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=True,
-                          normalize_inbound_headers=False, validate_outbound_headers=False,
-                          normalize_outbound_headers=False)
+_CONFIG = H2Configuration(
+    client_side=False,
+    header_encoding=None,
+    validate_inbound_headers=True,
+    normalize_inbound_headers=False,
+    validate_outbound_headers=False,
+    normalize_outbound_headers=False,
+)
 
 
 class _Stream:
@@ -91,9 +96,14 @@ class _Stream:
 class H2PackageConnection:
     """A server-side HTTP/2 connection on ``h2.connection.H2Connection`` (see the module docstring)."""
 
-    def __init__(self, *, role: Role, limits: Limits | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_output: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        role: Role,
+        limits: Limits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_output: Callable[[], None] | None = None,
+    ) -> None:
         if role is not Role.SERVER:
             raise ValueError("the h2 package baseline plays the server role only")
         self.role = role
@@ -120,12 +130,15 @@ class H2PackageConnection:
         self._goaway_sent = False
         h2 = self._h2 = H2Connection(config=_CONFIG)
         h2.incoming_buffer = _GuardedFrameBuffer(limits)
-        h2.local_settings = Settings(client=False, initial_values={
-            SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
-            SettingCodes.INITIAL_WINDOW_SIZE: limits.initial_window_size,
-            SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
-            SettingCodes.ENABLE_PUSH: 0,
-        })
+        h2.local_settings = Settings(
+            client=False,
+            initial_values={
+                SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
+                SettingCodes.INITIAL_WINDOW_SIZE: limits.initial_window_size,
+                SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
+                SettingCodes.ENABLE_PUSH: 0,
+            },
+        )
         h2.decoder.max_header_list_size = limits.max_header_list_size
         h2.initiate_connection()
         if limits.connection_window_size > 65_535:
@@ -178,8 +191,9 @@ class H2PackageConnection:
         except ProtocolError as exc:
             code = int(getattr(exc, "error_code", ErrorCodes.PROTOCOL_ERROR))
             self.closed = True
-            self.terminated = ConnectionTerminated(code, self._h2.highest_inbound_stream_id, False,
-                                                   f"h2: {type(exc).__name__}: {str(exc)[:200]}")
+            self.terminated = ConnectionTerminated(
+                code, self._h2.highest_inbound_stream_id, False, f"h2: {type(exc).__name__}: {str(exc)[:200]}"
+            )
             events.append(self.terminated)
         except _Calm as exc:
             self._terminate(ErrorCodes.ENHANCE_YOUR_CALM, str(exc), events)
@@ -199,8 +213,9 @@ class H2PackageConnection:
         elif isinstance(event, h2e.RequestReceived):
             self._empty_frames = 0
             self._streams[event.stream_id] = _Stream()
-            events.append(HeadersReceived(event.stream_id, list(event.headers or ()),
-                                          event.stream_ended is not None, False))
+            events.append(
+                HeadersReceived(event.stream_id, list(event.headers or ()), event.stream_ended is not None, False)
+            )
         elif isinstance(event, h2e.StreamEnded):
             stream = self._streams.get(event.stream_id)
             incomplete = stream is not None and stream.message is not None
@@ -222,31 +237,53 @@ class H2PackageConnection:
             if not event.remote_reset:
                 self._count_control()
             if self._forget(event.stream_id):
-                events.append(StreamReset(event.stream_id, int(event.error_code or 0), event.remote_reset,
-                                          f"reset (error code {event.error_code})"))
+                events.append(
+                    StreamReset(
+                        event.stream_id,
+                        int(event.error_code or 0),
+                        event.remote_reset,
+                        f"reset (error code {event.error_code})",
+                    )
+                )
         elif isinstance(event, h2e.RemoteSettingsChanged):
             self.preface_received = True
             now = self._clock()
             limits = self.limits
-            self._settings_tokens = min(float(limits.settings_burst), self._settings_tokens
-                                        + (now - self._settings_time) * limits.settings_rate) - 1
+            self._settings_tokens = (
+                min(
+                    float(limits.settings_burst),
+                    self._settings_tokens + (now - self._settings_time) * limits.settings_rate,
+                )
+                - 1
+            )
             self._settings_time = now
             if self._settings_tokens < 0:
-                raise _Calm(f"more than {limits.settings_burst} SETTINGS frames at {limits.settings_rate}/s "
-                            "(a SETTINGS flood; Limits.settings_burst, Limits.settings_rate)")
+                raise _Calm(
+                    f"more than {limits.settings_burst} SETTINGS frames at {limits.settings_rate}/s "
+                    "(a SETTINGS flood; Limits.settings_burst, Limits.settings_rate)"
+                )
             self._count_control()
-            if SettingCodes.INITIAL_WINDOW_SIZE in event.changed_settings or \
-                    SettingCodes.MAX_FRAME_SIZE in event.changed_settings:
+            if (
+                SettingCodes.INITIAL_WINDOW_SIZE in event.changed_settings
+                or SettingCodes.MAX_FRAME_SIZE in event.changed_settings
+            ):
                 self._drain_all()
         elif isinstance(event, h2e.PingReceived):
             self._count_control()
         elif isinstance(event, h2e.TrailersReceived):
-            events.append(HeadersReceived(event.stream_id, list(event.headers or ()),
-                                          event.stream_ended is not None, True))
+            events.append(
+                HeadersReceived(event.stream_id, list(event.headers or ()), event.stream_ended is not None, True)
+            )
         elif isinstance(event, h2e.ConnectionTerminated):
             code = int(event.error_code or 0)
-            events.append(ConnectionTerminated(code, event.last_stream_id or 0, True,
-                                               f"GOAWAY from the peer: {(event.additional_data or b'')[:200]!r}"))
+            events.append(
+                ConnectionTerminated(
+                    code,
+                    event.last_stream_id or 0,
+                    True,
+                    f"GOAWAY from the peer: {(event.additional_data or b'')[:200]!r}",
+                )
+            )
             if code != ErrorCodes.NO_ERROR:
                 self.closed = True
 
@@ -254,18 +291,23 @@ class H2PackageConnection:
         if self.writing_paused:
             self._queued_control += 1
             if self._queued_control > self.limits.max_queued_control_frames:
-                raise _Calm(f"more than {self.limits.max_queued_control_frames} control frames owed to a peer "
-                            "that does not read (Limits.max_queued_control_frames)")
+                raise _Calm(
+                    f"more than {self.limits.max_queued_control_frames} control frames owed to a peer "
+                    "that does not read (Limits.max_queued_control_frames)"
+                )
 
     def _spend_reset_token(self) -> None:
         now = self._clock()
         limits = self.limits
-        self._reset_tokens = min(float(limits.reset_burst),
-                                 self._reset_tokens + (now - self._reset_time) * limits.reset_rate) - 1
+        self._reset_tokens = (
+            min(float(limits.reset_burst), self._reset_tokens + (now - self._reset_time) * limits.reset_rate) - 1
+        )
         self._reset_time = now
         if self._reset_tokens < 0:
-            raise _Calm(f"more than {limits.reset_burst} stream resets at {limits.reset_rate}/s "
-                        "(rapid reset; Limits.reset_burst, Limits.reset_rate)")
+            raise _Calm(
+                f"more than {limits.reset_burst} stream resets at {limits.reset_rate}/s "
+                "(rapid reset; Limits.reset_burst, Limits.reset_rate)"
+            )
 
     def _on_data(self, event: h2e.DataReceived, events: list[Event]) -> None:
         data = event.data or b""
@@ -276,8 +318,10 @@ class H2PackageConnection:
         else:
             self._empty_frames += 1
             if self._empty_frames > self.limits.max_consecutive_empty_frames:
-                raise _Calm(f"more than {self.limits.max_consecutive_empty_frames} empty DATA frames in a row "
-                            "(Limits.max_consecutive_empty_frames)")
+                raise _Calm(
+                    f"more than {self.limits.max_consecutive_empty_frames} empty DATA frames in a row "
+                    "(Limits.max_consecutive_empty_frames)"
+                )
         stream = self._streams.get(stream_id)
         delivered = self._on_messages(stream_id, stream, data, events) if stream is not None and data else 0
         if size > delivered:
@@ -303,7 +347,7 @@ class H2PackageConnection:
                     return 0
                 stream.message_need = 5 + length
             take = min(stream.message_need - len(buffer), end - offset)
-            buffer += data[offset:offset + take]
+            buffer += data[offset : offset + take]
             offset += take
             if len(buffer) < stream.message_need:
                 return 0
@@ -318,7 +362,7 @@ class H2PackageConnection:
             total = 5 + length
             if end - offset < total:
                 break
-            events.append(MessageReceived(stream_id, data[offset + 5:offset + total], total))
+            events.append(MessageReceived(stream_id, data[offset + 5 : offset + total], total))
             delivered += total
             offset += total
         if offset < end:
@@ -333,8 +377,10 @@ class H2PackageConnection:
             reason = f"stream {stream_id}: a compressed message; pilotfish accepts uncompressed messages only"
         else:
             status = GrpcStatus.RESOURCE_EXHAUSTED
-            reason = (f"stream {stream_id}: a message of {length} bytes is over the limit of "
-                      f"{self.limits.max_message_size} (Limits.max_message_size)")
+            reason = (
+                f"stream {stream_id}: a message of {length} bytes is over the limit of "
+                f"{self.limits.max_message_size} (Limits.max_message_size)"
+            )
         stream.rejected = True
         stream.message, stream.message_need = None, 0
         events.append(MessageRejected(stream_id, status, reason))
@@ -362,8 +408,9 @@ class H2PackageConnection:
                 self._headers_memo[block] = headers
         return headers
 
-    def send_header_block(self, stream_id: int, block: bytes, *, end_stream: bool = False,
-                          abandon_pending: bool = False) -> None:
+    def send_header_block(
+        self, stream_id: int, block: bytes, *, end_stream: bool = False, abandon_pending: bool = False
+    ) -> None:
         stream = self._streams.get(stream_id)
         if stream is None or stream.ended_local or self.closed:
             return
@@ -378,8 +425,9 @@ class H2PackageConnection:
         self._send_headers(stream_id, stream, headers, end_stream)
         self._collect()
 
-    def _send_headers(self, stream_id: int, stream: _Stream, headers: list[tuple[bytes, bytes]],
-                      end_stream: bool) -> None:
+    def _send_headers(
+        self, stream_id: int, stream: _Stream, headers: list[tuple[bytes, bytes]], end_stream: bool
+    ) -> None:
         try:
             self._h2.send_headers(stream_id, headers, end_stream=end_stream)
         except H2Error:
@@ -402,9 +450,12 @@ class H2PackageConnection:
         if self.writing_paused:
             self._queued_messages += 1
             if self._queued_messages > self.limits.max_queued_messages:
-                self._terminate(ErrorCodes.ENHANCE_YOUR_CALM,
-                                f"more than {self.limits.max_queued_messages} messages queued for a peer that does "
-                                "not read (Limits.max_queued_messages)", [])
+                self._terminate(
+                    ErrorCodes.ENHANCE_YOUR_CALM,
+                    f"more than {self.limits.max_queued_messages} messages queued for a peer that does "
+                    "not read (Limits.max_queued_messages)",
+                    [],
+                )
                 self._collect()
                 return
         length = sum(len(p) for p in parts)
@@ -496,8 +547,10 @@ class _GuardedFrameBuffer(FrameBuffer):
         limits = self._limits
         if isinstance(f, SettingsFrame):
             if f.body_len // 6 > limits.max_settings_entries:
-                raise DenialOfServiceError(f"SETTINGS with {f.body_len // 6} entries, over "
-                                           f"{limits.max_settings_entries} (Limits.max_settings_entries)")
+                raise DenialOfServiceError(
+                    f"SETTINGS with {f.body_len // 6} entries, over "
+                    f"{limits.max_settings_entries} (Limits.max_settings_entries)"
+                )
         elif isinstance(f, HeadersFrame):
             self._block_size, self._block_frames = len(f.data), 0
             self._check_block()
@@ -505,8 +558,10 @@ class _GuardedFrameBuffer(FrameBuffer):
             self._block_frames += 1
             self._block_size += len(f.data)
             if self._block_frames > limits.max_continuation_frames:
-                raise DenialOfServiceError(f"more than {limits.max_continuation_frames} CONTINUATION frames in "
-                                           "one header block (Limits.max_continuation_frames)")
+                raise DenialOfServiceError(
+                    f"more than {limits.max_continuation_frames} CONTINUATION frames in "
+                    "one header block (Limits.max_continuation_frames)"
+                )
             self._check_block()
         whole = super()._update_header_buffer(f)
         if isinstance(whole, HeadersFrame):
@@ -515,8 +570,9 @@ class _GuardedFrameBuffer(FrameBuffer):
 
     def _check_block(self) -> None:
         if self._block_size > self._limits.max_header_block_size:
-            raise DenialOfServiceError(f"header block over {self._limits.max_header_block_size} bytes "
-                                       "(Limits.max_header_block_size)")
+            raise DenialOfServiceError(
+                f"header block over {self._limits.max_header_block_size} bytes (Limits.max_header_block_size)"
+            )
 
     def _count_table_updates(self, block: bytes) -> None:
         """The dynamic table size updates (001xxxxx) that open ``block``, as the own core counts them."""
@@ -524,8 +580,10 @@ class _GuardedFrameBuffer(FrameBuffer):
         while offset < end and block[offset] & 0xE0 == 0x20:
             count += 1
             if count > self._limits.max_table_size_updates:
-                raise DenialOfServiceError(f"more than {self._limits.max_table_size_updates} HPACK table size "
-                                           "updates in one header block (Limits.max_table_size_updates)")
+                raise DenialOfServiceError(
+                    f"more than {self._limits.max_table_size_updates} HPACK table size "
+                    "updates in one header block (Limits.max_table_size_updates)"
+                )
             first = block[offset] & 0x1F
             offset += 1
             if first == 0x1F:

@@ -64,9 +64,25 @@ from pilotfish.transport.h2 import (
 
 __all__ = ["STATUS_NAMES", "H2Call", "H2Channel", "H2Error", "client_context"]
 
-STATUS_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-                "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
-                "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED")
+STATUS_NAMES = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
 """gRPC status names by code, as ``grpc.StatusCode`` names them."""
 
 WINDOW = 256 * 1024 * 1024
@@ -77,11 +93,23 @@ MAX_MESSAGE = 512 * 1024 * 1024
 USER_AGENT = b"pilotfish-bench-h2client/2"
 
 # RST_STREAM error code -> gRPC status (PROTOCOL-HTTP2.md, "Errors"); any other code: INTERNAL.
-_RESET_STATUS = {ErrorCode.REFUSED_STREAM: "UNAVAILABLE", ErrorCode.CANCEL: "CANCELLED",
-                 ErrorCode.ENHANCE_YOUR_CALM: "RESOURCE_EXHAUSTED", ErrorCode.INADEQUATE_SECURITY: "PERMISSION_DENIED"}
+_RESET_STATUS = {
+    ErrorCode.REFUSED_STREAM: "UNAVAILABLE",
+    ErrorCode.CANCEL: "CANCELLED",
+    ErrorCode.ENHANCE_YOUR_CALM: "RESOURCE_EXHAUSTED",
+    ErrorCode.INADEQUATE_SECURITY: "PERMISSION_DENIED",
+}
 # HTTP status of a response without grpc-status -> gRPC status (http-grpc-status-mapping.md).
-_HTTP_STATUS = {400: "INTERNAL", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "UNIMPLEMENTED",
-                429: "UNAVAILABLE", 502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "UNAVAILABLE"}
+_HTTP_STATUS = {
+    400: "INTERNAL",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "UNIMPLEMENTED",
+    429: "UNAVAILABLE",
+    502: "UNAVAILABLE",
+    503: "UNAVAILABLE",
+    504: "UNAVAILABLE",
+}
 
 
 def _http_status_name(status: bytes | None) -> str:
@@ -118,9 +146,14 @@ class H2Channel(asyncio.Protocol):
     def __init__(self, authority: bytes, *, window: int = WINDOW, scheme: bytes = b"http") -> None:
         self._authority = authority
         self._scheme = scheme
-        self.h2 = Connection(role=Role.CLIENT, limits=Limits(
-            initial_window_size=window, connection_window_size=max(window, DEFAULT_WINDOW),
-            max_message_size=MAX_MESSAGE))
+        self.h2 = Connection(
+            role=Role.CLIENT,
+            limits=Limits(
+                initial_window_size=window,
+                connection_window_size=max(window, DEFAULT_WINDOW),
+                max_message_size=MAX_MESSAGE,
+            ),
+        )
         self._transport: asyncio.Transport | None = None
         """None once closed (by us or the peer): nothing more is written."""
         self._call: H2Call | None = None
@@ -130,8 +163,16 @@ class H2Channel(asyncio.Protocol):
         """What the server's GOAWAY said, for the error of a call the connection loss ends."""
 
     @classmethod
-    async def connect(cls, host: str, port: int, *, timeout: float = 20.0, window: int = WINDOW,
-                      tls: ssl.SSLContext | None = None, server_hostname: str | None = None) -> H2Channel:
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        timeout: float = 20.0,
+        window: int = WINDOW,
+        tls: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+    ) -> H2Channel:
         """A new connection (its preface and SETTINGS already written); :class:`H2Error`
         UNAVAILABLE if it cannot be made within ``timeout`` seconds. ``window``: our receive
         window; ``tls``: connect over TLS with this context (``server_hostname``: the name to
@@ -141,8 +182,12 @@ class H2Channel(asyncio.Protocol):
         try:
             async with asyncio.timeout(timeout):
                 transport, channel = await loop.create_connection(
-                    lambda: cls(f"{host}:{port}".encode(), window=window, scheme=scheme), host, port, ssl=tls,
-                    server_hostname=(server_hostname or host) if tls is not None else None)
+                    lambda: cls(f"{host}:{port}".encode(), window=window, scheme=scheme),
+                    host,
+                    port,
+                    ssl=tls,
+                    server_hostname=(server_hostname or host) if tls is not None else None,
+                )
         except (OSError, ssl.SSLError) as exc:  # refused, unreachable, timed out, handshake failed
             raise H2Error("UNAVAILABLE", f"connect to {host}:{port}: {str(exc) or type(exc).__name__}") from None
         ssl_object = transport.get_extra_info("ssl_object")
@@ -151,8 +196,13 @@ class H2Channel(asyncio.Protocol):
             raise H2Error("UNAVAILABLE", f"connect to {host}:{port}: the server did not choose ALPN h2")
         return channel
 
-    def call(self, path: str, *, on_message: Callable[[bytes], None] | None = None,
-             metadata: tuple[tuple[bytes, bytes], ...] = ()) -> H2Call:
+    def call(
+        self,
+        path: str,
+        *,
+        on_message: Callable[[bytes], None] | None = None,
+        metadata: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> H2Call:
         """Start the channel's one call to ``path`` (``/package.Service/Method``). Messages go to
         ``on_message`` as they arrive, or (without it) to :meth:`H2Call.read`."""
         if self._call is not None:
@@ -163,11 +213,19 @@ class H2Channel(asyncio.Protocol):
             return call
         stream_id = self.h2.open_stream()
         call = self._call = H2Call(self, stream_id, on_message)
-        self.h2.send_headers(stream_id, [
-            (b":method", b"POST"), (b":scheme", self._scheme), (b":path", path.encode()),
-            (b":authority", self._authority), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
-            (b"user-agent", USER_AGENT), *metadata,
-        ])
+        self.h2.send_headers(
+            stream_id,
+            [
+                (b":method", b"POST"),
+                (b":scheme", self._scheme),
+                (b":path", path.encode()),
+                (b":authority", self._authority),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+                (b"user-agent", USER_AGENT),
+                *metadata,
+            ],
+        )
         self._flush()
         return call
 
@@ -221,8 +279,12 @@ class H2Channel(asyncio.Protocol):
                     call._on_stream_ended(event.incomplete_message)
                 elif isinstance(event, StreamReset):
                     if event.remote:
-                        call._finish(H2Error(_RESET_STATUS.get(event.error_code, "INTERNAL"),
-                                             f"stream reset by the server (HTTP/2 error {event.error_code})"))
+                        call._finish(
+                            H2Error(
+                                _RESET_STATUS.get(event.error_code, "INTERNAL"),
+                                f"stream reset by the server (HTTP/2 error {event.error_code})",
+                            )
+                        )
                     else:  # the server broke a stream rule: we reset it
                         call._finish(H2Error("INTERNAL", f"HTTP/2 stream error {event.error_code}: {event.reason}"))
                 elif isinstance(event, MessageRejected):

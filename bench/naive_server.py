@@ -97,8 +97,13 @@ class Store:
 
 
 def _short(versions: dict[str, str]) -> dict[str, str]:
-    names = {"Cluster": "CDS", "ClusterLoadAssignment": "EDS", "Listener": "LDS", "RouteConfiguration": "RDS",
-             "Secret": "SDS"}
+    names = {
+        "Cluster": "CDS",
+        "ClusterLoadAssignment": "EDS",
+        "Listener": "LDS",
+        "RouteConfiguration": "RDS",
+        "Secret": "SDS",
+    }
     return {names[url.rsplit(".", 1)[-1]]: v for url, v in versions.items()}
 
 
@@ -155,8 +160,7 @@ class Ads:
                     if last is None and have == version:
                         continue
                     nonces += 1
-                    response = discovery_pb2.DiscoveryResponse(version_info=version, type_url=url,
-                                                               nonce=str(nonces))
+                    response = discovery_pb2.DiscoveryResponse(version_info=version, type_url=url, nonce=str(nonces))
                     for name in chosen:
                         packed = any_pb2.Any()
                         packed.Pack(by_name[name])
@@ -188,14 +192,21 @@ def main(argv: list[str] | None = None) -> int:
     store.mtime = os.stat(args.snapshot).st_mtime_ns
     store.load()
     ads = Ads(store)
-    server = grpc.server(ThreadPoolExecutor(max_workers=args.max_workers),
-                         maximum_concurrent_rpcs=None,
-                         options=[("grpc.max_send_message_length", 512 * 1024 * 1024)])
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=args.max_workers),
+        maximum_concurrent_rpcs=None,
+        options=[("grpc.max_send_message_length", 512 * 1024 * 1024)],
+    )
     handler = grpc.method_handlers_generic_handler(
         "envoy.service.discovery.v3.AggregatedDiscoveryService",
-        {"StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
-            ads.stream, request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
-            response_serializer=discovery_pb2.DiscoveryResponse.SerializeToString)})
+        {
+            "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
+                ads.stream,
+                request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+                response_serializer=discovery_pb2.DiscoveryResponse.SerializeToString,
+            )
+        },
+    )
     server.add_generic_rpc_handlers([handler])
     port = server.add_insecure_port(args.xds)
     server.start()

@@ -74,7 +74,7 @@ def work_dir(stack: contextlib.ExitStack[Any], workdir: str | Path | None, prefi
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds the process has used so far."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
     return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime are fields 14 and 15
 
 
@@ -113,8 +113,14 @@ class EventTail:
         lines, self._pending = self._pending, []
         return [json.loads(line) for line in lines if contains is None or contains in line]
 
-    def wait_for(self, event: str, *, timeout: float, where: Callable[[dict[str, Any]], bool] | None = None,
-                 alive: Callable[[], bool] | None = None) -> dict[str, Any]:
+    def wait_for(
+        self,
+        event: str,
+        *,
+        timeout: float,
+        where: Callable[[dict[str, Any]], bool] | None = None,
+        alive: Callable[[], bool] | None = None,
+    ) -> dict[str, Any]:
         """The next event named ``event`` (matching ``where``), consuming the lines up to it;
         TimeoutError after ``timeout`` seconds."""
         needle = f'"event":"{event}"'.encode()
@@ -127,7 +133,7 @@ class EventTail:
                 if needle in line:
                     record: dict[str, Any] = json.loads(line)
                     if where is None or where(record):
-                        del self._pending[:index + 1]
+                        del self._pending[: index + 1]
                         return record
             scanned = len(self._pending)
             if alive is not None and not alive():
@@ -166,8 +172,9 @@ class ServerProcess:
         # The child inherits the raised limit. (Not a preexec_fn: that runs Python between fork and
         # exec in a process whose gRPC threads are running, which can break the child.)
         raise_fd_limit()
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=REPO, env=self.env)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=self.env
+        )
         log.close()
         try:
             self.started = self.tail.wait_for("server_started", timeout=timeout, alive=self.alive)
@@ -218,11 +225,21 @@ class ServerProcess:
             self.proc.wait(5)
 
 
-def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100, xds_port: int = 0,
-                    registry: bool = True, extra: Sequence[str] = (), name: str = "pilotfish",
-                    python: str = sys.executable, wrapper: Sequence[str] = (),
-                    module: Sequence[str] = ("pilotfish",), env: Mapping[str, str] | None = None,
-                    admin: str = "off") -> ServerProcess:
+def start_pilotfish(
+    workdir: Path,
+    *,
+    snapshot: Path | None,
+    quiet_ms: int = 100,
+    xds_port: int = 0,
+    registry: bool = True,
+    extra: Sequence[str] = (),
+    name: str = "pilotfish",
+    python: str = sys.executable,
+    wrapper: Sequence[str] = (),
+    module: Sequence[str] = ("pilotfish",),
+    env: Mapping[str, str] | None = None,
+    admin: str = "off",
+) -> ServerProcess:
     """``python -m pilotfish serve`` with an event log in ``workdir``; started and ready.
 
     ``wrapper`` prefixes the command (e.g. a profiler that takes ``python -m ...``); ``module`` is
@@ -233,9 +250,24 @@ def start_pilotfish(workdir: Path, *, snapshot: Path | None, quiet_ms: int = 100
     """
     event_log = workdir / f"{name}-events.jsonl"
     # Every simulated proxy connects from 127.0.0.1: lift the per-address cap (default 4,096).
-    argv = [*wrapper, python, "-m", *module, "serve", "--xds", f"127.0.0.1:{xds_port}",
-            "--event-log", str(event_log), "--quiet-ms", str(quiet_ms),
-            "--max-connections-per-address", "1000000", "--admin", admin, *extra]
+    argv = [
+        *wrapper,
+        python,
+        "-m",
+        *module,
+        "serve",
+        "--xds",
+        f"127.0.0.1:{xds_port}",
+        "--event-log",
+        str(event_log),
+        "--quiet-ms",
+        str(quiet_ms),
+        "--max-connections-per-address",
+        "1000000",
+        "--admin",
+        admin,
+        *extra,
+    ]
     if snapshot is not None:
         argv += ["--snapshot", str(snapshot)]
     if registry:
@@ -261,10 +293,17 @@ class EtcdProcess:
 
     def count(self, prefix: str) -> int:
         """How many keys start with ``prefix`` (through the JSON gateway)."""
-        body = {"key": base64.b64encode(prefix.encode()).decode(),
-                "range_end": base64.b64encode(prefix_end(prefix).encode("latin-1")).decode(), "count_only": True}
-        request = urllib.request.Request(f"http://{self.address}/v3/kv/range", data=json.dumps(body).encode(),
-                                         method="POST", headers={"Content-Type": "application/json"})
+        body = {
+            "key": base64.b64encode(prefix.encode()).decode(),
+            "range_end": base64.b64encode(prefix_end(prefix).encode("latin-1")).decode(),
+            "count_only": True,
+        }
+        request = urllib.request.Request(
+            f"http://{self.address}/v3/kv/range",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         with _OPENER.open(request, timeout=10) as response:
             return int(json.loads(response.read()).get("count", 0))
 
@@ -294,8 +333,14 @@ def start_etcd(workdir: Path, *, name: str = "etcd", timeout: float = 30.0) -> E
     client_port, peer_port = free_port(), free_port()
     while peer_port == client_port:
         peer_port = free_port()
-    argv = member_argv(find_etcd(), name=name, data_dir=workdir / f"{name}.data", client_port=client_port,
-                       peer_port=peer_port, token="pilotfish-bench")
+    argv = member_argv(
+        find_etcd(),
+        name=name,
+        data_dir=workdir / f"{name}.data",
+        client_port=client_port,
+        peer_port=peer_port,
+        token="pilotfish-bench",
+    )
     with open(workdir / f"{name}.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir)
     etcd = EtcdProcess(f"127.0.0.1:{client_port}", proc)

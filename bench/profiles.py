@@ -40,8 +40,9 @@ def summarize(raw: Path) -> tuple[int, Counter[str], Counter[str]]:
         if not stack or not count_text.isdigit():
             continue
         count = int(count_text)
-        frames = [_name(f) for f in stack.split(";") if f and not f.startswith("process ") and
-                  not f.startswith("thread ")]
+        frames = [
+            _name(f) for f in stack.split(";") if f and not f.startswith("process ") and not f.startswith("thread ")
+        ]
         if not frames:
             continue
         total += count

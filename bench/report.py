@@ -115,5 +115,7 @@ def load_line(samples: Sequence[float]) -> str:
     if not samples:
         return "not sampled"
     ordered = sorted(samples)
-    return (f"{ordered[0]:.2f} min, {ordered[len(ordered) // 2]:.2f} median, {ordered[-1]:.2f} max "
-            f"({len(ordered)} samples, at the start and end of each section)")
+    return (
+        f"{ordered[0]:.2f} min, {ordered[len(ordered) // 2]:.2f} median, {ordered[-1]:.2f} max "
+        f"({len(ordered)} samples, at the start and end of each section)"
+    )

@@ -53,8 +53,13 @@ def make_certs(directory: Path) -> Certs:
     ca = trustme.CA()
     server = ca.issue_cert("localhost", "127.0.0.1")
     client = ca.issue_cert("proxy.bench.test")
-    certs = Certs(ca=directory / "ca.pem", server_cert=directory / "server.pem", server_key=directory / "server.key",
-                  client_cert=directory / "client.pem", client_key=directory / "client.key")
+    certs = Certs(
+        ca=directory / "ca.pem",
+        server_cert=directory / "server.pem",
+        server_key=directory / "server.key",
+        client_cert=directory / "client.pem",
+        client_key=directory / "client.key",
+    )
     ca.cert_pem.write_to_path(str(certs.ca))
     server.private_key_pem.write_to_path(str(certs.server_key))
     client.private_key_pem.write_to_path(str(certs.client_key))

@@ -37,11 +37,14 @@ class Workload:
     """Listener i listens on 127.0.0.1:(base + i); simulated proxies bind nothing."""
 
     def describe(self) -> str:
-        return (f"{self.services} clusters x {self.endpoints} endpoints, {self.listeners} HTTP listeners "
-                f"(+ {self.listeners} route configs)")
+        return (
+            f"{self.services} clusters x {self.endpoints} endpoints, {self.listeners} HTTP listeners "
+            f"(+ {self.listeners} route configs)"
+        )
 
-    def services_section(self, *, extra_endpoint: tuple[str, int] | None = None,
-                         extra_services: int = 0) -> dict[str, Any]:
+    def services_section(
+        self, *, extra_endpoint: tuple[str, int] | None = None, extra_services: int = 0
+    ) -> dict[str, Any]:
         """The ``services:`` mapping; ``extra_endpoint`` is added to the first service."""
         out: dict[str, Any] = {}
         for i in range(self.services + extra_services):

@@ -70,5 +70,20 @@ from bench.fleet.messages import (
 )
 from bench.fleet.proxy import envoy_like_node
 
-__all__ = ["BY_SHORT", "CDS", "CLIENTS", "EDS", "LDS", "MAX_PER_WORKER", "RDS", "SHORT", "XDS_VARIANTS",
-           "ChurnCounts", "Fleet", "FleetError", "FleetTls", "WaitResult", "envoy_like_node"]
+__all__ = [
+    "BY_SHORT",
+    "CDS",
+    "CLIENTS",
+    "EDS",
+    "LDS",
+    "MAX_PER_WORKER",
+    "RDS",
+    "SHORT",
+    "XDS_VARIANTS",
+    "ChurnCounts",
+    "Fleet",
+    "FleetError",
+    "FleetTls",
+    "WaitResult",
+    "envoy_like_node",
+]

@@ -29,7 +29,6 @@ from bench.procs import REPO, cpu_seconds, rss_kb
 __all__ = ["Fleet", "WaitResult"]
 
 
-
 @dataclass
 class WaitResult:
     """When each proxy reached what was waited for (epoch seconds; None: never, within the timeout)."""
@@ -77,8 +76,9 @@ class Fleet:
             raise ValueError(f"xds {self.xds!r}: one of {', '.join(XDS_VARIANTS)}")
         if self.workers <= 0:
             # Real proxies run in parallel: use every core for a fleet big enough to keep them busy.
-            self.workers = max(min(os.cpu_count() or 1, math.ceil(self.proxies / 250)),
-                               math.ceil(self.proxies / MAX_PER_WORKER), 1)
+            self.workers = max(
+                min(os.cpu_count() or 1, math.ceil(self.proxies / 250)), math.ceil(self.proxies / MAX_PER_WORKER), 1
+            )
         self.workers = min(self.workers, max(1, self.proxies))
 
     def start(self) -> None:
@@ -87,8 +87,12 @@ class Fleet:
         for _ in range(self.workers):
             ours, theirs = socket.socketpair()
             fd = theirs.detach()
-            proc = subprocess.Popen([sys.executable, "-m", "bench.fleet.worker", str(fd)], pass_fds=(fd,),
-                                    cwd=REPO, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "bench.fleet.worker", str(fd)],
+                pass_fds=(fd,),
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+            )
             os.close(fd)
             self._conns.append(Connection(ours.detach()))
             self._procs.append(proc)
@@ -101,8 +105,14 @@ class Fleet:
         # seconds, longer when its event loop is busy syncing the ones it started first (10,000
         # delta proxies at 10 per second per worker: past the usual two minutes).
         ramp = max(map(len, shards)) / self.rate if self.rate > 0 else 0.0
-        self._all("start", per_worker=[{"targets": targets, "ids": s, "rate": self.rate, "client": self.client,
-                                        "tls": tls, "xds": self.xds} for s in shards], timeout=max(60.0, 2 * ramp))
+        self._all(
+            "start",
+            per_worker=[
+                {"targets": targets, "ids": s, "rate": self.rate, "client": self.client, "tls": tls, "xds": self.xds}
+                for s in shards
+            ],
+            timeout=max(60.0, 2 * ramp),
+        )
 
     def _all(self, command: str, *, per_worker: list[dict[str, Any]] | None = None, **args: Any) -> list[Any]:
         for n, conn in enumerate(self._conns):
@@ -128,13 +138,13 @@ class Fleet:
         """Until every proxy has ACKed CDS, EDS, LDS and RDS at least once."""
         return self._gather(self._all("wait", versions=None, since=0.0, timeout=timeout))
 
-    def wait_acked(self, versions: dict[str, str], *, since: float, timeout: float,
-                   synced_only: bool = False) -> WaitResult:
+    def wait_acked(
+        self, versions: dict[str, str], *, since: float, timeout: float, synced_only: bool = False
+    ) -> WaitResult:
         """Until every proxy has ACKed these versions (type URL -> version) at or after ``since``
         (``synced_only``: every proxy that had synced when the wait began; the others are counted
         as they are, usually as failures)."""
-        return self._gather(self._all("wait", versions=versions, since=since, timeout=timeout,
-                                      synced_only=synced_only))
+        return self._gather(self._all("wait", versions=versions, since=since, timeout=timeout, synced_only=synced_only))
 
     def errors(self, since: float = 0.0) -> dict[str, int]:
         """Errors, by gRPC status code, of streams opened since ``since`` (epoch seconds)."""
@@ -165,19 +175,38 @@ class Fleet:
         reports: list[StreamReport] = self._all("streams")
         return sum(r["streams"] for r in reports)
 
-    def churn(self, *, count: int, rate: float, prefix: str = "churn", envoy_node: bool = False,
-              sync_timeout: float = 30.0, max_active: int = 0) -> None:
+    def churn(
+        self,
+        *,
+        count: int,
+        rate: float,
+        prefix: str = "churn",
+        envoy_node: bool = False,
+        sync_timeout: float = 30.0,
+        max_active: int = 0,
+    ) -> None:
         """Start ``count`` more proxies, node ids ``{prefix}-N``, ``rate`` per second over all the
         workers, each leaving for good once synced (beside this fleet's steady proxies, which stay),
         at most ``max_active`` at once over all the workers (0: no limit); it runs in the
         background: :meth:`churned` says how far it got."""
         ids = [f"{prefix}-{n:06d}" for n in range(count)]
-        shards = [ids[n::self.workers] for n in range(self.workers)]
-        self._all("churn", per_worker=[{"targets": [self.target, *self.replicas], "ids": shard,
-                                        "rate": rate / self.workers, "client": self.client, "xds": self.xds,
-                                        "envoy_node": envoy_node, "sync_timeout": sync_timeout,
-                                        "max_active": math.ceil(max_active / self.workers) if max_active else 0}
-                                       for shard in shards])
+        shards = [ids[n :: self.workers] for n in range(self.workers)]
+        self._all(
+            "churn",
+            per_worker=[
+                {
+                    "targets": [self.target, *self.replicas],
+                    "ids": shard,
+                    "rate": rate / self.workers,
+                    "client": self.client,
+                    "xds": self.xds,
+                    "envoy_node": envoy_node,
+                    "sync_timeout": sync_timeout,
+                    "max_active": math.ceil(max_active / self.workers) if max_active else 0,
+                }
+                for shard in shards
+            ],
+        )
 
     def churned(self) -> ChurnCounts:
         """How far :meth:`churn` got, over all the workers."""

@@ -10,8 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
-__all__ = ["BY_SHORT", "CDS", "CLIENTS", "EDS", "LDS", "MAX_PER_WORKER", "RDS", "SHORT", "XDS_VARIANTS",
-           "ChurnCounts", "ErrorReport", "FleetError", "FleetTls", "StreamReport"]
+__all__ = [
+    "BY_SHORT",
+    "CDS",
+    "CLIENTS",
+    "EDS",
+    "LDS",
+    "MAX_PER_WORKER",
+    "RDS",
+    "SHORT",
+    "XDS_VARIANTS",
+    "ChurnCounts",
+    "ErrorReport",
+    "FleetError",
+    "FleetTls",
+    "StreamReport",
+]
 
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"

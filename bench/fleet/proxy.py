@@ -24,8 +24,7 @@ if TYPE_CHECKING:  # for annotations only: the workers import protobuf where the
 __all__ = ["DeltaHoldings", "DeltaProxy", "Names", "ProxyHost", "SotwProxy", "envoy_like_node"]
 
 ADS_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
-_HCM_URL = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
-            "HttpConnectionManager")
+_HCM_URL = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _MB = 1024 * 1024
 
 # Each channel gets its own connection (grpc shares subchannels between channels by default) and
@@ -58,8 +57,6 @@ class ProxyHost(Protocol):
 
     def tls_context(self, tls: FleetTls) -> ssl.SSLContext:
         """The worker's client TLS context for ``tls``."""
-
-
 
 
 def _cluster_eds_name(value: bytes) -> str | None:
@@ -164,9 +161,12 @@ def _encode(request: _Req) -> tuple[bytes, ...]:
     if found is None or found[0] is not names:
         if len(_PREFIXES) > 4096:
             _PREFIXES.clear()
-        found = _PREFIXES[key] = (names, discovery_pb2.DiscoveryRequest(
-            type_url=request.type_url, version_info=request.version_info,
-            resource_names=names).SerializeToString())
+        found = _PREFIXES[key] = (
+            names,
+            discovery_pb2.DiscoveryRequest(
+                type_url=request.type_url, version_info=request.version_info, resource_names=names
+            ).SerializeToString(),
+        )
     prefix = found[1]
     return (prefix, nonce_field(request.response_nonce)) if request.response_nonce else (prefix,)
 
@@ -176,8 +176,12 @@ def _message(request: _Req) -> Message:
 
     # xds-protos ships no type stubs: name the message's type here (node=None leaves it unset).
     message: Message = discovery_pb2.DiscoveryRequest(
-        type_url=request.type_url, version_info=request.version_info, response_nonce=request.response_nonce,
-        resource_names=request.resource_names, node=request.node)
+        type_url=request.type_url,
+        version_info=request.version_info,
+        response_nonce=request.response_nonce,
+        resource_names=request.resource_names,
+        node=request.node,
+    )
     return message
 
 
@@ -215,13 +219,13 @@ class SotwProxy:
 
     def synced(self) -> bool:
         v = self.versions
-        return (CDS in v and LDS in v and (not self.names[EDS] or EDS in v)
-                and (not self.names[RDS] or RDS in v))
+        return CDS in v and LDS in v and (not self.names[EDS] or EDS in v) and (not self.names[RDS] or RDS in v)
 
     # -- the xDS conversation ------------------------------------------------------------------
 
-    def _request(self, type_url: str, version: str, nonce: str, resource_names: tuple[str, ...] = (),
-                 ack: bool = False) -> _Send:
+    def _request(
+        self, type_url: str, version: str, nonce: str, resource_names: tuple[str, ...] = (), ack: bool = False
+    ) -> _Send:
         node = None
         if self._first:
             node = self.node
@@ -283,8 +287,9 @@ class SotwProxy:
             wanted = self.worker.names.eds(response) if type_url == CDS else self.worker.names.rds(response)
             if wanted != names[dependent]:
                 names[dependent] = wanted
-                sends.append(self._request(dependent, versions.get(dependent, ""), nonces.get(dependent, ""),
-                                           _in_order(wanted)))
+                sends.append(
+                    self._request(dependent, versions.get(dependent, ""), nonces.get(dependent, ""), _in_order(wanted))
+                )
             sends.append(self._request(type_url, version, nonce, ack=True))
             if type_url == CDS and not self._lds_requested:
                 self._lds_requested = True
@@ -322,12 +327,16 @@ class SotwProxy:
                 channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
             else:
                 credentials = grpc.ssl_channel_credentials(
-                    Path(tls.ca).read_bytes(), Path(tls.key).read_bytes() if tls.key else None,
-                    Path(tls.cert).read_bytes() if tls.cert else None)
-                channel = grpc.aio.secure_channel(target, credentials, options=[
-                    *CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)])
-            method = channel.stream_stream(self.method, request_serializer=lambda m: m.SerializeToString(),
-                                           response_deserializer=self.decoder())
+                    Path(tls.ca).read_bytes(),
+                    Path(tls.key).read_bytes() if tls.key else None,
+                    Path(tls.cert).read_bytes() if tls.cert else None,
+                )
+                channel = grpc.aio.secure_channel(
+                    target, credentials, options=[*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)]
+                )
+            method = channel.stream_stream(
+                self.method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=self.decoder()
+            )
 
             async def converse() -> tuple[str, str]:
                 return await self._converse_grpc(method)
@@ -336,6 +345,7 @@ class SotwProxy:
 
             async def converse() -> tuple[str, str]:
                 return await self._converse_h2(host, int(port), tls)
+
         attempt = 0
         try:
             while True:
@@ -348,7 +358,7 @@ class SotwProxy:
                     self.worker.error_details.setdefault(code, details[:300])
                 if self.responses > before:
                     attempt = 0
-                interval = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** attempt)
+                interval = min(BACKOFF_MAX, BACKOFF_BASE * 2**attempt)
                 attempt += 1
                 await asyncio.sleep(random.uniform(0, interval))
         finally:
@@ -365,8 +375,9 @@ class SotwProxy:
             if tls is None:
                 channel = await H2Channel.connect(host, port)
             else:
-                channel = await H2Channel.connect(host, port, tls=self.worker.tls_context(tls),
-                                                  server_hostname=tls.server_name)
+                channel = await H2Channel.connect(
+                    host, port, tls=self.worker.tls_context(tls), server_hostname=tls.server_name
+                )
         except H2Error as exc:
             return exc.code, exc.details
         decode, encode = self.decoder(), self.encode
@@ -497,9 +508,13 @@ def _delta_message(request: _DeltaReq) -> Message:
     from envoy.service.discovery.v3 import discovery_pb2
 
     message: Message = discovery_pb2.DeltaDiscoveryRequest(
-        type_url=request.type_url, response_nonce=request.response_nonce,
-        resource_names_subscribe=request.subscribe, resource_names_unsubscribe=request.unsubscribe,
-        initial_resource_versions=request.initial, node=request.node)
+        type_url=request.type_url,
+        response_nonce=request.response_nonce,
+        resource_names_subscribe=request.subscribe,
+        resource_names_unsubscribe=request.unsubscribe,
+        initial_resource_versions=request.initial,
+        node=request.node,
+    )
     return message
 
 
@@ -567,9 +582,17 @@ class DeltaProxy(SotwProxy):
     def message(request: Any) -> Message:
         return _delta_message(request)
 
-    def _delta(self, type_url: str, *, nonce: str = "", subscribe: tuple[str, ...] = (),
-               unsubscribe: tuple[str, ...] = (), initial: dict[str, str] | None = None, version: str = "",
-               ack: bool = False) -> _Send:
+    def _delta(
+        self,
+        type_url: str,
+        *,
+        nonce: str = "",
+        subscribe: tuple[str, ...] = (),
+        unsubscribe: tuple[str, ...] = (),
+        initial: dict[str, str] | None = None,
+        version: str = "",
+        ack: bool = False,
+    ) -> _Send:
         node = None
         if self._first:
             node = self.node
@@ -604,10 +627,8 @@ class DeltaProxy(SotwProxy):
                 gone = had - held.names
                 if gone:  # Envoy forgets what it unsubscribes from
                     kept = self.held[dependent]
-                    self.held[dependent] = _Held({n: v for n, v in kept.versions.items() if n not in gone},
-                                                 kept.names)
-                sends.append(self._delta(dependent, subscribe=_in_order(held.names - had),
-                                         unsubscribe=_in_order(gone)))
+                    self.held[dependent] = _Held({n: v for n, v in kept.versions.items() if n not in gone}, kept.names)
+                sends.append(self._delta(dependent, subscribe=_in_order(held.names - had), unsubscribe=_in_order(gone)))
             sends.append(self._delta(type_url, nonce=nonce, version=response.system_version_info, ack=True))
             if type_url == CDS and not self._lds_requested:
                 self._lds_requested = True
@@ -615,7 +636,6 @@ class DeltaProxy(SotwProxy):
         else:
             sends.append(self._delta(type_url, nonce=nonce, version=response.system_version_info, ack=True))
         return sends
-
 
 
 ENVOY_EXTENSIONS = 400
@@ -637,7 +657,10 @@ def envoy_like_node(node_id: str) -> Message:
     node.metadata.CopyFrom(struct_pb2.Struct(fields={k: struct_pb2.Value(string_value=v) for k, v in metadata.items()}))
     for k in range(ENVOY_EXTENSIONS):
         category = ("envoy.filters.http", "envoy.filters.network", "envoy.transport_sockets", "envoy.clusters")[k % 4]
-        node.extensions.add(name=f"{category}.extension_number_{k:03d}", category=category,
-                            type_urls=[f"envoy.extensions.{category}.v3.ExtensionNumber{k:03d}Config"])
+        node.extensions.add(
+            name=f"{category}.extension_number_{k:03d}",
+            category=category,
+            type_urls=[f"envoy.extensions.{category}.v3.ExtensionNumber{k:03d}Config"],
+        )
     made: Message = node
     return made

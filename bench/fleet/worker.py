@@ -59,7 +59,6 @@ class _Waiter:
                 self.event.set()
 
 
-
 class _Worker:
     """A worker process: some proxies, driven by commands from the coordinator's pipe."""
 
@@ -115,8 +114,15 @@ class _Worker:
             except Exception as exc:
                 self.conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
-    async def cmd_start(self, targets: list[str], ids: list[tuple[int, str]], rate: float, client: str,
-                        tls: dict[str, str | None] | None = None, xds: str = "sotw") -> int:
+    async def cmd_start(
+        self,
+        targets: list[str],
+        ids: list[tuple[int, str]],
+        rate: float,
+        client: str,
+        tls: dict[str, str | None] | None = None,
+        xds: str = "sotw",
+    ) -> int:
         """Start proxies ``ids`` (index, node id), proxy i connecting to ``targets[i % len(targets)]``;
         ``rate`` proxies per second (0: all at once); ``client``: ``h2`` or ``grpc``; ``tls``: a
         :class:`FleetTls` as a dict (None: plaintext); ``xds``: ``sotw`` or ``delta``."""
@@ -135,12 +141,14 @@ class _Worker:
         await launch()
         return len(ids)
 
-    async def cmd_wait(self, versions: dict[str, str] | None, since: float, timeout: float,
-                       synced_only: bool = False) -> list[tuple[int, float | None]]:
+    async def cmd_wait(
+        self, versions: dict[str, str] | None, since: float, timeout: float, synced_only: bool = False
+    ) -> list[tuple[int, float | None]]:
         """Wait until every proxy (``synced_only``: every proxy that has synced) ACKed ``versions``
         at or after ``since`` (None: is synced); (index, when) per proxy."""
-        waiter = _Waiter(versions, since,
-                         [p for p in self.proxies if p.synced_at is not None] if synced_only else self.proxies)
+        waiter = _Waiter(
+            versions, since, [p for p in self.proxies if p.synced_at is not None] if synced_only else self.proxies
+        )
         self.waiters.append(waiter)
         try:
             await asyncio.wait_for(waiter.event.wait(), timeout)
@@ -161,8 +169,17 @@ class _Worker:
         """(index, bytes of responses received so far) per proxy."""
         return [(p.index, p.bytes_received) for p in self.proxies]
 
-    async def cmd_churn(self, targets: list[str], ids: list[str], rate: float, client: str, xds: str = "sotw",
-                        envoy_node: bool = False, sync_timeout: float = 30.0, max_active: int = 0) -> None:
+    async def cmd_churn(
+        self,
+        targets: list[str],
+        ids: list[str],
+        rate: float,
+        client: str,
+        xds: str = "sotw",
+        envoy_node: bool = False,
+        sync_timeout: float = 30.0,
+        max_active: int = 0,
+    ) -> None:
         """Start churning in the background: proxies ``ids`` connect one after another, ``rate`` per
         second, and each leaves for good (its stream and connection closed) once it is synced, or
         after ``sync_timeout`` s; ``envoy_node``: their node is as large as Envoy's (see
@@ -239,7 +256,6 @@ def main(fd: int) -> None:
     # h2 client: 0.11-0.12 CPU s per push either way; most of it is protobuf and socket syscalls).
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_Worker(Connection(fd)).run())
-
 
 
 if __name__ == "__main__":

@@ -46,8 +46,16 @@ from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, T
 from pilotfish.resources.refs import referenced_clusters
 from pilotfish.snapshot import DeltaChanges, EncodedResponse, MemoBudget, Resource, Snapshot, TypeSnapshot, with_kept
 
-__all__ = ["DEFAULT_GROUP", "Cancel", "ConfigFetcher", "ConfigWatcher", "DeltaRespond", "NodeGroup", "Respond",
-           "SnapshotCache"]
+__all__ = [
+    "DEFAULT_GROUP",
+    "Cancel",
+    "ConfigFetcher",
+    "ConfigWatcher",
+    "DeltaRespond",
+    "NodeGroup",
+    "Respond",
+    "SnapshotCache",
+]
 
 NodeGroup = NewType("NodeGroup", str)
 """Proxies in one group are served the same snapshot."""
@@ -69,8 +77,6 @@ DeltaRespond = Callable[[DeltaWatch, DeltaChanges], None]
 """Called once, synchronously, with what a delta watch waited for."""
 _Entry = tuple[Watch, Respond] | tuple[DeltaWatch, DeltaRespond]
 Cancel = Callable[[], None]
-
-
 
 
 class ConfigWatcher(Protocol):
@@ -122,8 +128,9 @@ class _Cancel:
 class SnapshotCache:
     """The current snapshot of each node group, and the open watches on it."""
 
-    def __init__(self, *, subset_of: Callable[[str], int | None] | None = None,
-                 memo_budget: MemoBudget | None = None) -> None:
+    def __init__(
+        self, *, subset_of: Callable[[str], int | None] | None = None, memo_budget: MemoBudget | None = None
+    ) -> None:
         self.subset_of: Callable[[str], int | None] = subset_of or (lambda _: None)
         """Node id -> its subsetting index (None: none): which of a snapshot's per-proxy endpoint
         views answers its EDS watches (set by the wiring)."""
@@ -182,8 +189,9 @@ class SnapshotCache:
         answered = 0
         for type_url in ADS_ORDER:
             watches = by_type.get(type_url)
-            if not watches or (previous is not None and _nothing_new(type_url, previous, snapshot,
-                                                                      bridged or bridge is not None)):
+            if not watches or (
+                previous is not None and _nothing_new(type_url, previous, snapshot, bridged or bridge is not None)
+            ):
                 continue
             due: list[tuple[int, _Entry, TypeSnapshot]] = []
             for wid, entry in watches.items():
@@ -310,7 +318,7 @@ class SnapshotCache:
         kept = self._own.setdefault(group, {})
         if own.version not in kept:
             if len(kept) >= OWN_HISTORY:
-                for version in list(kept)[:len(kept) // 2]:  # the oldest half
+                for version in list(kept)[: len(kept) // 2]:  # the oldest half
                     del kept[version]
             kept[own.version] = own
 

@@ -258,9 +258,11 @@ def start_envoy(bootstrap: Mapping[str, Any] | Path, settings: EnvoySettings) ->
         argv += ["--use-dynamic-base-id", "--base-id-path", str(work / f"{name}.base-id")]
     else:
         argv += ["--base-id", str(settings.base_id), "--restart-epoch", str(settings.restart_epoch)]
-    for option, value in (("--drain-time-s", settings.drain_time_s),
-                          ("--parent-shutdown-time-s", settings.parent_shutdown_time_s),
-                          ("--concurrency", settings.concurrency)):
+    for option, value in (
+        ("--drain-time-s", settings.drain_time_s),
+        ("--parent-shutdown-time-s", settings.parent_shutdown_time_s),
+        ("--concurrency", settings.concurrency),
+    ):
         if value is not None:
             argv += [option, str(value)]
     # Stale files from an earlier Envoy of the same name would pass for this one's.

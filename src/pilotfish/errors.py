@@ -58,4 +58,4 @@ def shorten(text: str, limit: int = 200, *, tail: int | None = None) -> str:
     if len(text) <= limit:
         return text
     tail = limit // 4 if tail is None else min(tail, limit)
-    return f"{text[:limit - tail]}... ({len(text):,} characters) ...{text[len(text) - tail:] if tail else ''}"
+    return f"{text[: limit - tail]}... ({len(text):,} characters) ...{text[len(text) - tail :] if tail else ''}"

@@ -91,6 +91,7 @@ def _bounded(record: dict[str, Any], *, max_field: int = MAX_FIELD, max_items: i
         out[key] = value
     return out
 
+
 # -- the contract: every event and its fields ----------------------------------------------------
 
 
@@ -107,70 +108,122 @@ def _spec(when: str, *fields: str) -> EventSpec:
     return EventSpec(when, frozenset(fields))
 
 
-_REQUEST = ("stream", "node", "type", "version_info", "response_nonce", "error", "resource_names",
-            # delta streams:
-            "delta", "version", "subscribe", "unsubscribe", "initial_resources")
+_REQUEST = (
+    "stream",
+    "node",
+    "type",
+    "version_info",
+    "response_nonce",
+    "error",
+    "resource_names",
+    # delta streams:
+    "delta",
+    "version",
+    "subscribe",
+    "unsubscribe",
+    "initial_resources",
+)
 _INSTANCE = ("everywhere", "services", "service_count", "lapsed", "lost_in_window", "ttl_instances")
 
-EVENTS: Mapping[str, EventSpec] = MappingProxyType({
-    # the server
-    "server_started": _spec("the servers listen", "xds", "registry", "snapshot", "tls", "rest", "admin"),
-    "server_stopped": _spec("the xDS server stopped"),
-    "tls_reloaded": _spec("a certificate, key or CA file changed and is in force", "listener", "cert"),
-    "tls_reload_failed": _spec("a changed TLS file could not be used; the last good one serves", "listener",
-                               "reason"),
-    # snapshots
-    "snapshot_loaded": _spec("a new snapshot is served", "version", "versions", "watches_answered", "push_ms",
-                             "groups"),
-    "snapshot_unchanged": _spec("a change left the content as it was: nothing is sent", "version"),
-    "snapshot_error": _spec("a change was refused; the last good snapshot serves", "reason", "file"),
-    "snapshot_held": _spec("the blast-radius guard holds a snapshot back", "version", "reasons", "counts"),
-    "snapshot_confirmed": _spec("the operator confirmed the held snapshot", "version", "reasons", "by"),
-    "snapshot_hold_released": _spec("a held snapshot was dropped", "version", "reason"),
-    "waiting_for_sources": _spec("nothing is published yet: a source has not reported", "sources", "reasons"),
-    # streams and the xDS conversation
-    "stream_open": _spec("a stream's first request", "stream", "node", "peer", "service", "group", "identity"),
-    "stream_closed": _spec("a stream ended", "stream", "node", "reason"),
-    "node_refused": _spec("a certificate may not claim the node id it sent", "stream", "identity", "peer",
-                          "reason", "node", "rest"),
-    "secret_denied": _spec("a proxy asked for an SDS secret not granted to it", "stream", "node", "identity",
-                           "peer", "secret", "rest"),
-    "request": _spec("a request without a nonce", *_REQUEST),
-    "ack": _spec("a request acknowledging the latest response", *_REQUEST),
-    "nack": _spec("a request rejecting the latest response", *_REQUEST),
-    "stale": _spec("a request with an older nonce: ignored", *_REQUEST),
-    "sent": _spec("a response went out", "stream", "node", "type", "version", "nonce", "resources", "delta",
-                  "names", "removed", "rest"),
-    "rest_request": _spec("a REST poll", "node", "type", "version_info", "answer", "resource_names"),
-    "rest_refused": _spec("the REST server refused a poll (at most one per 10 s)", "method", "path", "status",
-                          "reason", "peer", "unreported_before"),
-    # the registry
-    "registry_service_defined": _spec("a service was defined or changed", "service"),
-    "registry_service_removed": _spec("a service was removed", "service"),
-    "registry_registered": _spec("an instance registered (or re-registered)", "service", "instance", "ttl"),
-    "registry_deregistered": _spec("an instance deregistered", "service", "instance"),
-    "registry_expired": _spec("an instance's TTL lapsed", "service", "instance"),
-    "registry_error": _spec("the registry's TTL expiry failed (see the log)", "reason"),
-    "registry_self_preservation": _spec("TTL expiry paused or resumed", "state", "expired_now", *_INSTANCE),
-    "registry_denied": _spec("the registry API refused a request (at most one per 10 s)", "method", "path",
-                             "status", "token", "peer", "unreported_before"),
-    "registry_tokens_loaded": _spec("the tokens file changed and is in force", "file", "tokens", "reads"),
-    "registry_tokens_error": _spec("the tokens file was refused; the last good tokens stay", "file", "reason"),
-    "grants_loaded": _spec("the SDS grants file changed and is in force", "file", "grants"),
-    "grants_error": _spec("the SDS grants file was refused; the last good grants stay", "file", "reason"),
-    "admin_denied": _spec("the admin API refused a request (at most one per 10 s)", "method", "path",
-                          "status", "token", "peer", "unreported_before"),
-    "admin_tokens_loaded": _spec("the admin API's tokens file changed and is in force", "file", "tokens", "reads"),
-    "admin_tokens_error": _spec("the admin API's tokens file was refused; the last good tokens stay", "file",
-                                "reason"),
-    # etcd
-    "etcd_synced": _spec("etcd was listed", "revision", "keys", "bad"),
-    "etcd_disconnected": _spec("the etcd watch broke, or stopped answering", "reason"),
-    "etcd_bad_value": _spec("a value in etcd was left out", "key", "reason"),
-    "leader_elected": _spec("this replica now runs the registry's singleton duties (etcd election)", "replica",
-                            "reason"),
-    "leader_lost": _spec("this replica no longer runs them", "replica", "reason"),
-})
+EVENTS: Mapping[str, EventSpec] = MappingProxyType(
+    {
+        # the server
+        "server_started": _spec("the servers listen", "xds", "registry", "snapshot", "tls", "rest", "admin"),
+        "server_stopped": _spec("the xDS server stopped"),
+        "tls_reloaded": _spec("a certificate, key or CA file changed and is in force", "listener", "cert"),
+        "tls_reload_failed": _spec(
+            "a changed TLS file could not be used; the last good one serves", "listener", "reason"
+        ),
+        # snapshots
+        "snapshot_loaded": _spec(
+            "a new snapshot is served", "version", "versions", "watches_answered", "push_ms", "groups"
+        ),
+        "snapshot_unchanged": _spec("a change left the content as it was: nothing is sent", "version"),
+        "snapshot_error": _spec("a change was refused; the last good snapshot serves", "reason", "file"),
+        "snapshot_held": _spec("the blast-radius guard holds a snapshot back", "version", "reasons", "counts"),
+        "snapshot_confirmed": _spec("the operator confirmed the held snapshot", "version", "reasons", "by"),
+        "snapshot_hold_released": _spec("a held snapshot was dropped", "version", "reason"),
+        "waiting_for_sources": _spec("nothing is published yet: a source has not reported", "sources", "reasons"),
+        # streams and the xDS conversation
+        "stream_open": _spec("a stream's first request", "stream", "node", "peer", "service", "group", "identity"),
+        "stream_closed": _spec("a stream ended", "stream", "node", "reason"),
+        "node_refused": _spec(
+            "a certificate may not claim the node id it sent", "stream", "identity", "peer", "reason", "node", "rest"
+        ),
+        "secret_denied": _spec(
+            "a proxy asked for an SDS secret not granted to it", "stream", "node", "identity", "peer", "secret", "rest"
+        ),
+        "request": _spec("a request without a nonce", *_REQUEST),
+        "ack": _spec("a request acknowledging the latest response", *_REQUEST),
+        "nack": _spec("a request rejecting the latest response", *_REQUEST),
+        "stale": _spec("a request with an older nonce: ignored", *_REQUEST),
+        "sent": _spec(
+            "a response went out",
+            "stream",
+            "node",
+            "type",
+            "version",
+            "nonce",
+            "resources",
+            "delta",
+            "names",
+            "removed",
+            "rest",
+        ),
+        "rest_request": _spec("a REST poll", "node", "type", "version_info", "answer", "resource_names"),
+        "rest_refused": _spec(
+            "the REST server refused a poll (at most one per 10 s)",
+            "method",
+            "path",
+            "status",
+            "reason",
+            "peer",
+            "unreported_before",
+        ),
+        # the registry
+        "registry_service_defined": _spec("a service was defined or changed", "service"),
+        "registry_service_removed": _spec("a service was removed", "service"),
+        "registry_registered": _spec("an instance registered (or re-registered)", "service", "instance", "ttl"),
+        "registry_deregistered": _spec("an instance deregistered", "service", "instance"),
+        "registry_expired": _spec("an instance's TTL lapsed", "service", "instance"),
+        "registry_error": _spec("the registry's TTL expiry failed (see the log)", "reason"),
+        "registry_self_preservation": _spec("TTL expiry paused or resumed", "state", "expired_now", *_INSTANCE),
+        "registry_denied": _spec(
+            "the registry API refused a request (at most one per 10 s)",
+            "method",
+            "path",
+            "status",
+            "token",
+            "peer",
+            "unreported_before",
+        ),
+        "registry_tokens_loaded": _spec("the tokens file changed and is in force", "file", "tokens", "reads"),
+        "registry_tokens_error": _spec("the tokens file was refused; the last good tokens stay", "file", "reason"),
+        "grants_loaded": _spec("the SDS grants file changed and is in force", "file", "grants"),
+        "grants_error": _spec("the SDS grants file was refused; the last good grants stay", "file", "reason"),
+        "admin_denied": _spec(
+            "the admin API refused a request (at most one per 10 s)",
+            "method",
+            "path",
+            "status",
+            "token",
+            "peer",
+            "unreported_before",
+        ),
+        "admin_tokens_loaded": _spec("the admin API's tokens file changed and is in force", "file", "tokens", "reads"),
+        "admin_tokens_error": _spec(
+            "the admin API's tokens file was refused; the last good tokens stay", "file", "reason"
+        ),
+        # etcd
+        "etcd_synced": _spec("etcd was listed", "revision", "keys", "bad"),
+        "etcd_disconnected": _spec("the etcd watch broke, or stopped answering", "reason"),
+        "etcd_bad_value": _spec("a value in etcd was left out", "key", "reason"),
+        "leader_elected": _spec(
+            "this replica now runs the registry's singleton duties (etcd election)", "replica", "reason"
+        ),
+        "leader_lost": _spec("this replica no longer runs them", "replica", "reason"),
+    }
+)
 """Every event pilotfish writes, and its fields: the event log's contract with whoever reads it
 (README's table is checked against it, and the tests check every line they make)."""
 
@@ -182,7 +235,7 @@ def contract_problems(record: Mapping[str, Any]) -> list[str]:
     if spec is None:
         return [f"unknown event {name!r}"]
     extra = set(record) - spec.fields - {"ts", "event"}
-    extra = {key for key in extra if not (key.endswith("_omitted") and key[:-len("_omitted")] in spec.fields)}
+    extra = {key for key in extra if not (key.endswith("_omitted") and key[: -len("_omitted")] in spec.fields)}
     return [f"event {name!r} has fields not in its contract: {sorted(extra)}"] if extra else []
 
 
@@ -330,8 +383,14 @@ class EventLog:
     ``/v1/events``), with or without a file.
     """
 
-    def __init__(self, path: Path | None = None, *, level: str = "all", clock: Any = time.time,
-                 recent: RecentEvents | None = None) -> None:
+    def __init__(
+        self,
+        path: Path | None = None,
+        *,
+        level: str = "all",
+        clock: Any = time.time,
+        recent: RecentEvents | None = None,
+    ) -> None:
         if level not in LEVELS:
             raise ValueError(f"event log level must be one of {', '.join(LEVELS)}, not {level!r}")
         self.recent = recent

@@ -60,8 +60,9 @@ def read_document(path: Path, *, max_bytes: int = MAX_FILE_BYTES, empty: str) ->
     try:
         document = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(source, [Problem(f"line {exc.lineno}, column {exc.colno}",
-                                           f"invalid JSON: {exc.msg}")]) from exc
+        raise ConfigError(
+            source, [Problem(f"line {exc.lineno}, column {exc.colno}", f"invalid JSON: {exc.msg}")]
+        ) from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -101,8 +102,15 @@ class FollowedFile(Generic[T]):
     empty: ClassVar[str] = "write the settings into it"
     """What to write instead of an empty file."""
 
-    def __init__(self, path: Path, *, events: EventLog | None = None, every: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, on_change: Callable[[T], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        events: EventLog | None = None,
+        every: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[T], None] | None = None,
+    ) -> None:
         self.path = path
         self.events = events or EventLog()
         self.every = every
@@ -196,6 +204,5 @@ class FollowedFile(Generic[T]):
 
     def _report(self, exc: ConfigError) -> None:
         self.problem = exc
-        _log.error("%s\n%s until the file is fixed (%s)", exc.describe(), self.keeper,
-                   self._summary_text(self.value))
+        _log.error("%s\n%s until the file is fixed (%s)", exc.describe(), self.keeper, self._summary_text(self.value))
         self.events.emit(f"{self.event}_error", file=str(self.path), reason=exc.describe())

@@ -54,9 +54,17 @@ from pilotfish.resources.services import Endpoint
 from pilotfish.resources.wire import delta_discovery_response, discovery_response
 
 __all__ = [
-    "ABSENT", "DeltaChanges", "EncodedResponse", "MemoBudget", "Resource", "ResponseMemoLimits", "Snapshot",
+    "ABSENT",
+    "DeltaChanges",
+    "EncodedResponse",
+    "MemoBudget",
+    "Resource",
+    "ResponseMemoLimits",
+    "Snapshot",
     "SubsetPlan",
-    "SubsetService", "TypeSnapshot", "with_kept",
+    "SubsetService",
+    "TypeSnapshot",
+    "with_kept",
 ]
 
 
@@ -108,6 +116,7 @@ ABSENT = ""
 """In what a delta client is known to have: the version of a resource it subscribed to by name and
 was told does not exist (in ``removed_resources``), so it is not told again."""
 
+
 @dataclass(frozen=True, slots=True)
 class DeltaChanges:
     """What a delta client that is known to have some versions needs: a DeltaDiscoveryResponse body
@@ -150,8 +159,13 @@ class TypeSnapshot:
     def renewed(self, version: str | None = None) -> TypeSnapshot:
         """The same resources in a snapshot of their own (its own memo of responses, in the same
         budget), at ``version`` (None: by content)."""
-        return TypeSnapshot(self.rtype, version if version is not None else self.content_hash, self.resources,
-                            self.content_hash, memo_budget=self._memo.budget)
+        return TypeSnapshot(
+            self.rtype,
+            version if version is not None else self.content_hash,
+            self.resources,
+            self.content_hash,
+            memo_budget=self._memo.budget,
+        )
 
     def response(self, names: frozenset[str] | None) -> EncodedResponse:
         """The encoded response carrying ``names`` (those that exist), or everything for None."""
@@ -185,8 +199,9 @@ class TypeSnapshot:
             # Unchanged resources are mostly the very objects of ``since``: the set operations
             # (in C) leave the few others, whose content is then compared.
             differ = resources.items() - before.items() if resources is not before else ()
-            content = {name for name, resource in differ
-                       if (old := before.get(name)) is None or old.hash != resource.hash}
+            content = {
+                name for name, resource in differ if (old := before.get(name)) is None or old.hash != resource.hash
+            }
             changed = sorted((content & names) | (resources.keys() & (names - held)))
             body = discovery_response(self.version, self.rtype.url, (resources[n].encoded for n in changed))
             existing = names if resources.keys() >= names else frozenset(resources.keys() & names)
@@ -223,8 +238,11 @@ class TypeSnapshot:
             sent = [name for name in names if (version := current(name)) is not None and have(name) != version]
         else:
             sent = [name for name, version in versions.items() if have(name) != version and name in names]
-        removed = [name for name in known.keys() - versions.keys()
-                   if known[name] != ABSENT and name not in names] if wildcard else []
+        removed = (
+            [name for name in known.keys() - versions.keys() if known[name] != ABSENT and name not in names]
+            if wildcard
+            else []
+        )
         absent = names - versions.keys() if names and not versions.keys() >= names else frozenset()
         removed.extend(name for name in absent if have(name) != ABSENT)
         result = None
@@ -239,8 +257,9 @@ class TypeSnapshot:
             else:
                 after = MappingProxyType({name: versions.get(name, ABSENT) for name in names})
             resources = self.resources
-            body = delta_discovery_response(self.version, self.rtype.url,
-                                            (resources[n].delta_encoded() for n in sent), removed)
+            body = delta_discovery_response(
+                self.version, self.rtype.url, (resources[n].delta_encoded() for n in sent), removed
+            )
             result = DeltaChanges(self.rtype.url, self.version, body, tuple(sent), tuple(removed), after)
         if type(known) is not dict or not known:
             # A mapping answers hand out (read-only, shared by the streams that took the answer).
@@ -332,8 +351,12 @@ class _ResponseMemo:
         if self.budget is not None:
             self.budget.order.move_to_end((self, key))
 
-    def miss(self, key: frozenset[str] | tuple[str, frozenset[str], frozenset[str]], names: frozenset[str],
-             encode: Callable[[frozenset[str]], EncodedResponse]) -> EncodedResponse:
+    def miss(
+        self,
+        key: frozenset[str] | tuple[str, frozenset[str], frozenset[str]],
+        names: frozenset[str],
+        encode: Callable[[frozenset[str]], EncodedResponse],
+    ) -> EncodedResponse:
         """Not kept: one a stream holds, or newly encoded; kept if the budget takes it. ``key``
         is ``names`` for a full response, or a tuple naming a response of changes."""
         held = self.held
@@ -351,8 +374,9 @@ class _ResponseMemo:
             self.costs[key] = cost
         return found
 
-    def keep_delta(self, known: Mapping[str, str], wildcard: bool, names: frozenset[str],
-                   result: DeltaChanges | None) -> None:
+    def keep_delta(
+        self, known: Mapping[str, str], wildcard: bool, names: frozenset[str], result: DeltaChanges | None
+    ) -> None:
         """Keep a delta answer by the identity of ``known`` (which the entry holds, so that the
         identity stays its own), if the budget takes it."""
         key = id(known)
@@ -489,8 +513,10 @@ class SubsetPlan:
 
     def chosen(self, proxy: int) -> dict[str, list[str]]:
         """Service -> the addresses of proxy ``proxy``'s subset (for operators: the admin API)."""
-        return {name: [service.endpoints[i].address for i in service.choose(proxy)]
-                for name, service in sorted(self.services.items())}
+        return {
+            name: [service.endpoints[i].address for i in service.choose(proxy)]
+            for name, service in sorted(self.services.items())
+        }
 
     def spread(self, proxies: Iterable[int]) -> dict[str, float]:
         """Service -> the busiest backend's share of ``proxies`` over the mean (1.0: perfectly
@@ -527,8 +553,9 @@ class SubsetPlan:
             # An explicit version names the file's content; each proxy's subsets are its own, so
             # they are in its version too (a proxy with another subset is not "current").
             version = content if base.version == base.content_hash else f"{base.version}/{content}"
-            found = TypeSnapshot(base.rtype, version, _Overlay(base.resources, top), content,
-                                 memo_budget=base._memo.budget)
+            found = TypeSnapshot(
+                base.rtype, version, _Overlay(base.resources, top), content, memo_budget=base._memo.budget
+            )
             if len(self._by_choice) >= _SUBSET_VIEWS:
                 self._by_choice.clear()
             self._by_choice[choice] = found
@@ -556,7 +583,10 @@ class Snapshot:
 
     @classmethod
     def build(
-        cls, resources: Mapping[ResourceType, Iterable[Message | Resource]], *, version: str | None = None,
+        cls,
+        resources: Mapping[ResourceType, Iterable[Message | Resource]],
+        *,
+        version: str | None = None,
         memo_budget: MemoBudget | None = None,
     ) -> Snapshot:
         """Encode and hash ``resources``; ``version`` (if given) becomes every type's version.
@@ -570,8 +600,9 @@ class Snapshot:
                 by_name[resource.name] = resource
             content = _content_version(by_name)
             type_version = version if version is not None else content
-            types[rtype.url] = TypeSnapshot(rtype, type_version, MappingProxyType(by_name), content,
-                                            memo_budget=memo_budget)
+            types[rtype.url] = TypeSnapshot(
+                rtype, type_version, MappingProxyType(by_name), content, memo_budget=memo_budget
+            )
         return cls(types=MappingProxyType(types), explicit_version=version)
 
     def same_content(self, other: Snapshot) -> bool:

@@ -53,10 +53,28 @@ from typing import ClassVar, TypeAlias
 
 from pilotfish.errors import shorten
 
-__all__ = ["ACK_BUCKETS", "DEPARTED_BYTES", "DEPARTED_BYTES_MAX", "DEPARTED_NACK", "DEPARTED_NODE_FIELD",
-           "DEPARTED_VERSION", "MAX_NACK_MESSAGE", "MAX_NODE_FIELD", "DepartedProxy", "GroupVersions",
-           "LatencyHistogram", "NodeInfo", "ProxyRecord", "ProxyStatus", "StatusLimits", "SyncState", "SyncStatus",
-           "TypeCounters", "TypeStatus", "VersionProgress"]
+__all__ = [
+    "ACK_BUCKETS",
+    "DEPARTED_BYTES",
+    "DEPARTED_BYTES_MAX",
+    "DEPARTED_NACK",
+    "DEPARTED_NODE_FIELD",
+    "DEPARTED_VERSION",
+    "MAX_NACK_MESSAGE",
+    "MAX_NODE_FIELD",
+    "DepartedProxy",
+    "GroupVersions",
+    "LatencyHistogram",
+    "NodeInfo",
+    "ProxyRecord",
+    "ProxyStatus",
+    "StatusLimits",
+    "SyncState",
+    "SyncStatus",
+    "TypeCounters",
+    "TypeStatus",
+    "VersionProgress",
+]
 
 MAX_NODE_FIELD = 256
 """Characters kept of each field a node says about itself (cluster, user agent, ...)."""
@@ -127,11 +145,14 @@ class NodeInfo:
 
     def bounded(self) -> NodeInfo:
         """The same, each field shortened to :data:`MAX_NODE_FIELD` characters (peers choose them)."""
-        return NodeInfo(cluster=shorten(self.cluster, MAX_NODE_FIELD),
-                        user_agent=shorten(self.user_agent, MAX_NODE_FIELD),
-                        user_agent_version=shorten(self.user_agent_version, MAX_NODE_FIELD),
-                        address=shorten(self.address, MAX_NODE_FIELD), group=self.group,
-                        protocol=self.protocol)
+        return NodeInfo(
+            cluster=shorten(self.cluster, MAX_NODE_FIELD),
+            user_agent=shorten(self.user_agent, MAX_NODE_FIELD),
+            user_agent_version=shorten(self.user_agent_version, MAX_NODE_FIELD),
+            address=shorten(self.address, MAX_NODE_FIELD),
+            group=self.group,
+            protocol=self.protocol,
+        )
 
 
 @dataclass(slots=True)
@@ -216,18 +237,23 @@ class DepartedProxy:
         """The record of ``proxy``, which has just lost its last stream (``disconnected_at`` set)."""
         info = proxy.info
         field_chars = DEPARTED_NODE_FIELD
-        kept: list[str | None] = [sys.intern(shorten(text, field_chars)) for text in (
-            info.cluster, info.user_agent, info.user_agent_version)]
+        kept: list[str | None] = [
+            sys.intern(shorten(text, field_chars)) for text in (info.cluster, info.user_agent, info.user_agent_version)
+        ]
         kept += (shorten(info.address, field_chars), sys.intern(info.group), sys.intern(info.protocol))
         nacks = sum(1 for status in proxy.types.values() if status.nack_error is not None)
         nack_chars = DEPARTED_NACK // max(1, nacks)
         times = [_TIMES.pack(proxy.connected_since, proxy.disconnected_at or 0.0, left_at)]
         for type_url, status in proxy.types.items():
             sent = None if status.sent_version is None else sys.intern(status.sent_version)
-            error = (None if status.nack_error is None
-                     else shorten(status.nack_error, nack_chars, tail=nack_chars // 2))
-            kept += (sys.intern(type_url), sent, _kept_version(status.acked_version, sent),
-                     _kept_version(status.nacked_version, sent), error)
+            error = None if status.nack_error is None else shorten(status.nack_error, nack_chars, tail=nack_chars // 2)
+            kept += (
+                sys.intern(type_url),
+                sent,
+                _kept_version(status.acked_version, sent),
+                _kept_version(status.nacked_version, sent),
+                error,
+            )
             times.append(_TYPE_TIMES.pack(status.sent_at, status.acked_at, status.nacked_at))
         return cls(proxy.node_id, tuple(kept), b"".join(times))
 
@@ -235,8 +261,14 @@ class DepartedProxy:
     def info(self) -> NodeInfo:
         """What its node said when its latest stream opened (each field shortened)."""
         cluster, user_agent, version, address, group, protocol = self.kept[:_NODE_ITEMS]
-        return NodeInfo(cluster=cluster or "", user_agent=user_agent or "", user_agent_version=version or "",
-                        address=address or "", group=group or "", protocol=protocol or "")
+        return NodeInfo(
+            cluster=cluster or "",
+            user_agent=user_agent or "",
+            user_agent_version=version or "",
+            address=address or "",
+            group=group or "",
+            protocol=protocol or "",
+        )
 
     @property
     def connected_since(self) -> float:
@@ -260,11 +292,18 @@ class DepartedProxy:
         kept = self.kept
         for n in range((len(kept) - _NODE_ITEMS) // _PER_TYPE):
             at = _NODE_ITEMS + n * _PER_TYPE
-            type_url, sent, acked, nacked, error = kept[at:at + _PER_TYPE]
+            type_url, sent, acked, nacked, error = kept[at : at + _PER_TYPE]
             sent_at, acked_at, nacked_at = _TYPE_TIMES.unpack_from(self.times, _TIMES.size + n * _TYPE_TIMES.size)
-            out[type_url or ""] = TypeStatus(sent_version=sent, acked_version=acked, nacked_version=nacked,
-                                             nack_error=error, updated=max(sent_at, acked_at, nacked_at),
-                                             sent_at=sent_at, acked_at=acked_at, nacked_at=nacked_at)
+            out[type_url or ""] = TypeStatus(
+                sent_version=sent,
+                acked_version=acked,
+                nacked_version=nacked,
+                nack_error=error,
+                updated=max(sent_at, acked_at, nacked_at),
+                sent_at=sent_at,
+                acked_at=acked_at,
+                nacked_at=nacked_at,
+            )
         return out
 
     def revived(self) -> ProxyStatus:
@@ -357,8 +396,13 @@ class SyncStatus:
     stamps the times people read (``sent_at``, ``acked_at``, ...).
     """
 
-    def __init__(self, *, limits: StatusLimits | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        limits: StatusLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._proxies: dict[str, ProxyStatus] = {}
         """Proxies with a stream open (and, until the next :meth:`forget_gone`, those written to
         without one: :attr:`_loose`)."""
@@ -502,8 +546,9 @@ class SyncStatus:
         out: dict[tuple[str, str], VersionProgress] = {}
         for group, current in self.groups.items():
             for type_url, (version, published_at) in current.types.items():
-                out[group, type_url] = VersionProgress(group=group, type_url=type_url, version=version,
-                                                       published_at=published_at)
+                out[group, type_url] = VersionProgress(
+                    group=group, type_url=type_url, version=version, published_at=published_at
+                )
         for proxy in self._proxies.values():
             if proxy.streams == 0:
                 continue

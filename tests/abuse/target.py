@@ -66,10 +66,27 @@ def write_snapshot(path: Path, version: int) -> None:
     """``CLUSTERS`` static clusters; the version (explicit, so every type carries it) and a
     timeout change with ``version``. Replaced by rename, so the server never reads half a file."""
     clusters = [
-        {"name": f"cluster-{i:03d}", "type": "STATIC", "connect_timeout": f"{version}s",
-         "load_assignment": {"cluster_name": f"cluster-{i:03d}", "endpoints": [{"lb_endpoints": [
-             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9000 + i}}}}]}]}}
-        for i in range(CLUSTERS)]
+        {
+            "name": f"cluster-{i:03d}",
+            "type": "STATIC",
+            "connect_timeout": f"{version}s",
+            "load_assignment": {
+                "cluster_name": f"cluster-{i:03d}",
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {
+                                "endpoint": {
+                                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 9000 + i}}
+                                }
+                            }
+                        ]
+                    }
+                ],
+            },
+        }
+        for i in range(CLUSTERS)
+    ]
     temp = path.with_suffix(".tmp")
     temp.write_text(json.dumps({"version": f"v{version}", "clusters": clusters}))
     os.replace(temp, path)
@@ -96,8 +113,11 @@ class GoodClient:
     def _read(self) -> None:
         try:
             for response in self._call:
-                self._requests.put(discovery_pb2.DiscoveryRequest(
-                    type_url=response.type_url, version_info=response.version_info, response_nonce=response.nonce))
+                self._requests.put(
+                    discovery_pb2.DiscoveryRequest(
+                        type_url=response.type_url, version_info=response.version_info, response_nonce=response.nonce
+                    )
+                )
                 with self._cond:
                     self.versions.append(response.version_info)
                     self._cond.notify_all()
@@ -109,7 +129,8 @@ class GoodClient:
     def wait_for_version(self, version: str, timeout: float) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: version in self.versions or self.error is not None, timeout) and (
-                version in self.versions)
+                version in self.versions
+            )
 
     def close(self) -> None:
         self._requests.put(None)
@@ -128,8 +149,14 @@ def _status_kib(pid: int, field: str) -> int:
 class Target:
     """``pilotfish serve`` on a small snapshot, its good client, and the measures of an attack."""
 
-    def __init__(self, workdir: Path, *, nofile: int | None = None, nofile_hard: int | None = None,
-                 serve_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        nofile: int | None = None,
+        nofile_hard: int | None = None,
+        serve_args: Sequence[str] = (),
+    ) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.snapshot = workdir / "snapshot.json"
@@ -144,9 +171,25 @@ class Target:
         # (bench/h2_core_launch.py), for the side-by-side comparison of the two HTTP/2 cores; unset: the CLI itself.
         core = os.environ.get("PILOTFISH_ABUSE_CORE", "")
         launcher = ["bench.h2_core_launch", "--core", core] if core else ["pilotfish"]
-        argv = [sys.executable, "-m", *launcher, "serve", "--snapshot", str(self.snapshot),
-                "--xds", self.address, "--event-log", str(self.event_log), "--quiet-ms", "10",
-                "--max-delay-ms", "100", "--admin", "off", *serve_args]
+        argv = [
+            sys.executable,
+            "-m",
+            *launcher,
+            "serve",
+            "--snapshot",
+            str(self.snapshot),
+            "--xds",
+            self.address,
+            "--event-log",
+            str(self.event_log),
+            "--quiet-ms",
+            "10",
+            "--max-delay-ms",
+            "100",
+            "--admin",
+            "off",
+            *serve_args,
+        ]
         if nofile is not None:  # the usual soft descriptor limit of a service: prlimit execs, same PID
             hard = nofile_hard or resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # serve raises soft to hard
             prlimit = shutil.which("prlimit")
@@ -154,12 +197,14 @@ class Target:
                 raise RuntimeError("the descriptor test needs prlimit (Debian package util-linux)")
             argv = [prlimit, f"--nofile={nofile}:{hard}", "--", *argv]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), str(REPO) if core else "",
-                                                        env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO / "src"), str(REPO) if core else "", env.get("PYTHONPATH")) if p
+        )
         env["PYTHONUNBUFFERED"] = "1"
         with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
-            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                            cwd=workdir)
+            self.process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=workdir
+            )
         self.pid = self.process.pid
         self.good: GoodClient | None = None
         self.extra_clients: list[GoodClient] = []
@@ -247,7 +292,7 @@ class Target:
 
     def stderr_lines(self, containing: str = "") -> list[str]:
         """The lines the server wrote to stderr since the attack began (with ``containing``)."""
-        text = self._read(self.stderr)[self._stderr_offset:].decode(errors="replace")
+        text = self._read(self.stderr)[self._stderr_offset :].decode(errors="replace")
         return [line for line in text.splitlines() if containing in line]
 
     def event_log_size(self) -> int:
@@ -282,22 +327,34 @@ class Target:
             high = self.peak_rss()
             peak = high - self._rss_before if high > self._peak_before else growth
             self.numbers.update(cpu_s=round(self.cpu_used(), 2))
-        self.numbers.update(peak_rss_growth_mib=round(peak / MIB, 1), rss_growth_mib=round(growth / MIB, 1),
-                            seconds=round(elapsed, 2))
+        self.numbers.update(
+            peak_rss_growth_mib=round(peak / MIB, 1), rss_growth_mib=round(growth / MIB, 1), seconds=round(elapsed, 2)
+        )
         if not served:
-            problems.append(f"the good client did not get snapshot v{self.version} within {served_timeout:g} s "
-                            f"(it has {self.good.versions}, error {self.good.error})")
+            problems.append(
+                f"the good client did not get snapshot v{self.version} within {served_timeout:g} s "
+                f"(it has {self.good.versions}, error {self.good.error})"
+            )
         if peak > rss_bound:
-            problems.append(f"server memory grew by {peak / MIB:.0f} MiB at its peak ({growth / MIB:.0f} MiB now), "
-                            f"over the bound of {rss_bound / MIB:.0f} MiB")
-        stderr = self._read(self.stderr)[self._stderr_offset:].decode(errors="replace")
+            problems.append(
+                f"server memory grew by {peak / MIB:.0f} MiB at its peak ({growth / MIB:.0f} MiB now), "
+                f"over the bound of {rss_bound / MIB:.0f} MiB"
+            )
+        stderr = self._read(self.stderr)[self._stderr_offset :].decode(errors="replace")
         if "Traceback" in stderr:
             start = stderr.index("Traceback")
-            problems.append(f"traceback in the server's stderr:\n{stderr[start:start + 1500]}")
+            problems.append(f"traceback in the server's stderr:\n{stderr[start : start + 1500]}")
         return problems
 
-    def conclude(self, name: str, problems: list[str], *, served_timeout: float = SERVED_TIMEOUT,
-                 rss_bound: int = RSS_BOUND, **numbers: object) -> None:
+    def conclude(
+        self,
+        name: str,
+        problems: list[str],
+        *,
+        served_timeout: float = SERVED_TIMEOUT,
+        rss_bound: int = RSS_BOUND,
+        **numbers: object,
+    ) -> None:
         """Fail with every problem of the attack (its own checks and :meth:`harm`), after
         recording its numbers."""
         problems = problems + self.harm(served_timeout=served_timeout, rss_bound=rss_bound)
@@ -309,5 +366,9 @@ class Target:
         path = os.environ.get("PILOTFISH_ABUSE_REPORT")
         if path:
             with open(path, "a") as out:
-                out.write(json.dumps({"test": name, "held": not problems, **self.numbers,
-                                      "problems": [p[:300] for p in problems]}) + "\n")
+                out.write(
+                    json.dumps(
+                        {"test": name, "held": not problems, **self.numbers, "problems": [p[:300] for p in problems]}
+                    )
+                    + "\n"
+                )

@@ -42,7 +42,6 @@ LOG_LINES = 3
 of those left out), however many connections it concerns."""
 
 
-
 def read_until_closed(sock: socket.socket, deadline: float) -> tuple[bytes, str | None]:
     """What the server sent, and how the connection ended (None: still open at ``deadline``)."""
     received = bytearray()
@@ -89,8 +88,11 @@ def accepted(port: int, source: str) -> bool:
 
 def goaways(received: bytes) -> list[tuple[int, int]]:
     """(error code, last stream id) of each GOAWAY in ``received``."""
-    return [(int.from_bytes(p[4:8], "big"), int.from_bytes(p[:4], "big") & 0x7FFF_FFFF)
-            for kind, _, _, p in parse_frames(received) if kind == FrameType.GOAWAY and len(p) >= 8]
+    return [
+        (int.from_bytes(p[4:8], "big"), int.from_bytes(p[:4], "big") & 0x7FFF_FFFF)
+        for kind, _, _, p in parse_frames(received)
+        if kind == FrameType.GOAWAY and len(p) >= 8
+    ]
 
 
 def log_bounded(target: Target, containing: str, what: str) -> list[str]:
@@ -129,12 +131,15 @@ def test_connections_without_a_preface_are_closed_after_the_handshake_timeout(
             received, ended = read_until_closed(sock, deadline)
             codes = [code for code, _ in goaways(received)]
             if ended is None:
-                problems.append(f"a connection that sent {start!r} was still open 15 s after a handshake timeout "
-                                "of 0.3 s")
+                problems.append(
+                    f"a connection that sent {start!r} was still open 15 s after a handshake timeout of 0.3 s"
+                )
                 break
             if codes != [H2Code.PROTOCOL_ERROR]:
-                problems.append(f"a connection that sent {start!r} was closed ({ended}) with GOAWAYs {codes}, not "
-                                "one GOAWAY PROTOCOL_ERROR")
+                problems.append(
+                    f"a connection that sent {start!r} was closed ({ended}) with GOAWAYs {codes}, not "
+                    "one GOAWAY PROTOCOL_ERROR"
+                )
                 break
         target.change_snapshot()
         if not wait(lambda: target.open_descriptors() <= descriptors + 2, timeout=10.0):
@@ -168,12 +173,17 @@ def test_a_connection_without_streams_is_closed_with_goaway_after_the_idle_timeo
     never = target.attacker(source="127.0.0.4").start_reader()  # a preface, and never a stream
     for client, last in ((done, 1), (never, 0)):
         if not client.wait_for(lambda got: got.closed, timeout=10.0):
-            problems.append(f"an idle connection (last stream {last}) was not closed within 10 s of an idle timeout "
-                            f"of 0.5 s: {client.got.describe()}")
+            problems.append(
+                f"an idle connection (last stream {last}) was not closed within 10 s of an idle timeout "
+                f"of 0.5 s: {client.got.describe()}"
+            )
         elif client.got.goaway is None or (client.got.goaway.code, client.got.goaway.last_stream) != (
-                H2Code.NO_ERROR, last):
-            problems.append(f"an idle connection was closed without GOAWAY NO_ERROR (last stream {last}): "
-                            f"{client.got.describe()}")
+            H2Code.NO_ERROR,
+            last,
+        ):
+            problems.append(
+                f"an idle connection was closed without GOAWAY NO_ERROR (last stream {last}): {client.got.describe()}"
+            )
     target.change_snapshot()
     # The connection with an open stream has been there longer than the idle timeout, and is kept.
     if busy.got.goaway is not None or not busy.barrier(timeout=5.0):
@@ -192,8 +202,11 @@ def test_an_address_over_its_connection_cap_is_refused_while_another_is_served(
 ) -> None:
     target = start_target(serve_args=["--max-connections-per-address", "5"])
     held = [target.attacker(source="127.0.0.2").start_reader() for _ in range(5)]
-    problems = [f"connection {i} of 5 from 127.0.0.2 was not served: {c.got.describe()}"
-                for i, c in enumerate(held) if not c.barrier(timeout=5.0)]
+    problems = [
+        f"connection {i} of 5 from 127.0.0.2 was not served: {c.got.describe()}"
+        for i, c in enumerate(held)
+        if not c.barrier(timeout=5.0)
+    ]
     for attempt in range(200):  # the sixth, and a reconnect flood after it
         why = refused(target.port, "127.0.0.2")
         if why:
@@ -222,8 +235,11 @@ def test_connections_over_the_total_cap_are_refused_and_the_proxies_within_it_se
     why = refused(target.port, "127.0.0.2")
     problems = [f"a fourth connection from 127.0.0.2 (default per-address cap: half of 6): {why}"] if why else []
     held += [target.attacker(source="127.0.0.3").start_reader() for _ in range(2)]
-    problems += [f"connection {i} within the cap was not served: {c.got.describe()}"
-                 for i, c in enumerate(held) if not c.barrier(timeout=5.0)]
+    problems += [
+        f"connection {i} within the cap was not served: {c.got.describe()}"
+        for i, c in enumerate(held)
+        if not c.barrier(timeout=5.0)
+    ]
     for attempt, source in enumerate(["127.0.0.4", "127.0.0.5", "127.0.0.1"] * 30):
         why = refused(target.port, source)
         if why:
@@ -235,7 +251,6 @@ def test_connections_over_the_total_cap_are_refused_and_the_proxies_within_it_se
         problems.append("a new address was still refused after a connection closed (5 of 6 open)")
     problems += log_bounded(target, "refused a connection", "91 refused connections")
     target.conclude(request.node.name, problems)
-
 
 
 def test_at_1024_descriptors_a_silent_flood_from_one_address_leaves_room_for_proxies(
@@ -257,15 +272,20 @@ def test_at_1024_descriptors_a_silent_flood_from_one_address_leaves_room_for_pro
         target.extra_clients.append(newcomer)
         problems = []
         if not newcomer.wait_for_version(f"v{target.version}", 5.0):
-            problems.append(f"a proxy from 127.0.0.1 was not served within 5 s of 2,000 silent connections from "
-                            f"127.0.0.2 (error: {newcomer.error}); the server holds {target.open_descriptors()} "
-                            "descriptors of 1,024")
+            problems.append(
+                f"a proxy from 127.0.0.1 was not served within 5 s of 2,000 silent connections from "
+                f"127.0.0.2 (error: {newcomer.error}); the server holds {target.open_descriptors()} "
+                "descriptors of 1,024"
+            )
         if target.open_descriptors() > 600:
-            problems.append(f"the server holds {target.open_descriptors()} descriptors: more than 448 silent "
-                            "connections from one address were kept")
+            problems.append(
+                f"the server holds {target.open_descriptors()} descriptors: more than 448 silent "
+                "connections from one address were kept"
+            )
         problems += log_bounded(target, "refused a connection", "1,552 refused connections")
-        target.conclude(request.node.name, problems, served_timeout=5.0, descriptors=target.open_descriptors(),
-                        saturated=bool(held))
+        target.conclude(
+            request.node.name, problems, served_timeout=5.0, descriptors=target.open_descriptors(), saturated=bool(held)
+        )
     finally:
         for sock in silent:
             sock.close()

@@ -80,13 +80,16 @@ def goaway_with(client: RawClient, codes: set[int], what: str, *, barrier: bool 
 
 def call_refused(client: RawClient, stream_id: int, statuses: set[int], what: str, timeout: float = 10.0) -> list[str]:
     """Problems unless the call on ``stream_id`` ended with one of the gRPC ``statuses`` (trailers)."""
-    client.wait_for(lambda got: stream_id in got.ended or stream_id in got.resets or got.closed is not None,
-                    timeout=timeout)
+    client.wait_for(
+        lambda got: stream_id in got.ended or stream_id in got.resets or got.closed is not None, timeout=timeout
+    )
     status = client.got.grpc_status(stream_id)
     if status in statuses:
         return []
-    return [f"{what}: expected the call to end with gRPC status {sorted(statuses)}, it got {status}; "
-            + client.got.describe()]
+    return [
+        f"{what}: expected the call to end with gRPC status {sorted(statuses)}, it got {status}; "
+        + client.got.describe()
+    ]
 
 
 def cpu_bound(target: Target, seconds: float, what: str) -> list[str]:
@@ -124,21 +127,31 @@ def goaway_received(client: RawClient, code: int, what: str, *, timeout: float =
     if got.closed_time is None or got.goaway_time is None:
         return [f"{what}: {got.goaway} was sent, but the connection stayed open {timeout:g} s"]
     if got.closed_time - got.goaway_time > CLOSED_WITHIN:
-        return [f"{what}: the connection closed {got.closed_time - got.goaway_time:.2f} s after its {got.goaway} "
-                f"(bound {CLOSED_WITHIN:g} s)"]
+        return [
+            f"{what}: the connection closed {got.closed_time - got.goaway_time:.2f} s after its {got.goaway} "
+            f"(bound {CLOSED_WITHIN:g} s)"
+        ]
     return []
 
 
-def rapid_reset(client: RawClient, first: int, streams: int = RAPID_RESET_STREAMS, *, per_write: int = 500,
-                then: Callable[[], None] = lambda: None) -> int:
+def rapid_reset(
+    client: RawClient,
+    first: int,
+    streams: int = RAPID_RESET_STREAMS,
+    *,
+    per_write: int = 500,
+    then: Callable[[], None] = lambda: None,
+) -> int:
     """HEADERS then RST_STREAM CANCEL on stream after stream from ``first``, ``per_write`` pairs
     per write, up to ``streams`` or until the server ends the connection (``then`` after the
     fourth write); the pairs sent."""
     block = literal_block(request_headers())
     sid, pairs, writes = first, 0, 0
     while pairs < streams and client.got.goaway is None and client.got.closed is None:
-        chunk = b"".join(frame(FrameType.HEADERS, END_HEADERS, s, block) + rst_stream(s, H2Code.CANCEL)
-                         for s in range(sid, sid + 2 * per_write, 2))
+        chunk = b"".join(
+            frame(FrameType.HEADERS, END_HEADERS, s, block) + rst_stream(s, H2Code.CANCEL)
+            for s in range(sid, sid + 2 * per_write, 2)
+        )
         if not client.send(chunk):
             break
         sid += 2 * per_write
@@ -157,8 +170,7 @@ def test_rapid_reset(target: Target, request: pytest.FixtureRequest) -> None:
 
 
 @pytest.mark.parametrize("refused", [False, True], ids=["streams-opened", "streams-refused"])
-def test_rapid_reset_on_four_connections_at_once(target: Target, request: pytest.FixtureRequest,
-                                                 refused: bool) -> None:
+def test_rapid_reset_on_four_connections_at_once(target: Target, request: pytest.FixtureRequest, refused: bool) -> None:
     """Each RST_STREAM arrives in the same read as the HEADERS that opened its stream; with
     ``refused``, 100 streams are held open first (the server's SETTINGS_MAX_CONCURRENT_STREAMS),
     so the server refuses every stream that follows. Either way every connection ends with GOAWAY
@@ -177,8 +189,10 @@ def test_rapid_reset_on_four_connections_at_once(target: Target, request: pytest
         goaway = client.got.goaway
         taken.append((goaway.last_stream + 1) // 2 - held if goaway is not None else 0)  # its last stream id
         if taken[-1] > RAPID_RESET_TAKEN[refused]:
-            problems.append(f"{what}: the server took {taken[-1]:,} streams before its GOAWAY "
-                            f"(bound {RAPID_RESET_TAKEN[refused]:,})")
+            problems.append(
+                f"{what}: the server took {taken[-1]:,} streams before its GOAWAY "
+                f"(bound {RAPID_RESET_TAKEN[refused]:,})"
+            )
     target.conclude(request.node.name, problems, pairs_sent=sent, streams_taken=taken)
 
 
@@ -228,8 +242,9 @@ def _established(sock: socket.socket) -> bool:
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["room-for-the-goaway", "receive-buffer-full"])
-def test_empty_data_flood_from_a_client_that_never_reads(target: Target, request: pytest.FixtureRequest,
-                                                         full: bool) -> None:
+def test_empty_data_flood_from_a_client_that_never_reads(
+    target: Target, request: pytest.FixtureRequest, full: bool
+) -> None:
     """The client never reads: the server must still end the connection with GOAWAY
     ENHANCE_YOUR_CALM (found in the client's receive buffer afterwards) and close its socket
     within a second. With ``full``, a small receive buffer is full of answers the client asked
@@ -252,14 +267,18 @@ def test_empty_data_flood_from_a_client_that_never_reads(target: Target, request
     if not closed:
         problems.append(f"{sent:,} empty DATA frames: the socket was still open {elapsed:.1f} s after the flood began")
     elif elapsed > CLOSED_WITHIN:
-        problems.append(f"{sent:,} empty DATA frames: the socket closed {elapsed:.2f} s after the flood began "
-                        f"(bound {CLOSED_WITHIN:g} s)")
+        problems.append(
+            f"{sent:,} empty DATA frames: the socket closed {elapsed:.2f} s after the flood began "
+            f"(bound {CLOSED_WITHIN:g} s)"
+        )
     if not full:
         goaways = [payload for kind, _, _, payload in parse_frames(read_all(client.sock)) if kind == FrameType.GOAWAY]
         codes = [struct.unpack_from(">I", payload, 4)[0] for payload in goaways if len(payload) >= 8]
         if codes != [H2Code.ENHANCE_YOUR_CALM]:
-            problems.append(f"{sent:,} empty DATA frames: expected one GOAWAY ENHANCE_YOUR_CALM among what the "
-                            f"server sent, found GOAWAY codes {[H2Code.name(c) for c in codes]}")
+            problems.append(
+                f"{sent:,} empty DATA frames: expected one GOAWAY ENHANCE_YOUR_CALM among what the "
+                f"server sent, found GOAWAY codes {[H2Code.name(c) for c in codes]}"
+            )
     target.conclude(request.node.name, problems, frames_sent=sent, seconds_to_close=round(elapsed, 3))
 
 
@@ -278,8 +297,9 @@ def test_continuation_flood(target: Target, request: pytest.FixtureRequest) -> N
     client.send(frame(FrameType.HEADERS, 0, 1, literal_block(request_headers())))
     # 1 MiB of valid header literals, cut into CONTINUATION frames; sent again and again.
     pattern = literal_block([(b"x-filler", b"f" * 1000)] * 1040)
-    megabyte = b"".join(frame(FrameType.CONTINUATION, 0, 1, pattern[i:i + 16_384])
-                        for i in range(0, len(pattern), 16_384))
+    megabyte = b"".join(
+        frame(FrameType.CONTINUATION, 0, 1, pattern[i : i + 16_384]) for i in range(0, len(pattern), 16_384)
+    )
     sent = 0
     for n in range(96):
         if n == 8:
@@ -287,8 +307,12 @@ def test_continuation_flood(target: Target, request: pytest.FixtureRequest) -> N
         if client.got.closed is not None or not client.send(megabyte):
             break
         sent += 1
-    problems = goaway_with(client, {H2Code.ENHANCE_YOUR_CALM, H2Code.PROTOCOL_ERROR, H2Code.COMPRESSION_ERROR},
-                           f"{sent} MiB of CONTINUATION without END_HEADERS", barrier=False)
+    problems = goaway_with(
+        client,
+        {H2Code.ENHANCE_YOUR_CALM, H2Code.PROTOCOL_ERROR, H2Code.COMPRESSION_ERROR},
+        f"{sent} MiB of CONTINUATION without END_HEADERS",
+        barrier=False,
+    )
     target.conclude(request.node.name, problems, mib_sent=sent)
 
 
@@ -305,8 +329,11 @@ def test_hpack_table_size_update_flood(target: Target, request: pytest.FixtureRe
         if not client.send(frame(FrameType.HEADERS, END_HEADERS | END_STREAM, sid, updates + headers)):
             break
         blocks += 1
-    problems = goaway_with(client, {H2Code.COMPRESSION_ERROR, H2Code.ENHANCE_YOUR_CALM, H2Code.PROTOCOL_ERROR},
-                           f"{blocks} header blocks of {len(updates):,} table size updates each")
+    problems = goaway_with(
+        client,
+        {H2Code.COMPRESSION_ERROR, H2Code.ENHANCE_YOUR_CALM, H2Code.PROTOCOL_ERROR},
+        f"{blocks} header blocks of {len(updates):,} table size updates each",
+    )
     problems += cpu_bound(target, 1.0, "table size updates")
     target.conclude(request.node.name, problems, blocks=blocks)
 
@@ -377,7 +404,7 @@ def answered(client: RawClient, kind: int, what: str, *, flags: int = 0) -> list
         pass
     offset = count = 0
     while len(data) - offset >= 9:
-        length = int.from_bytes(data[offset:offset + 3], "big")
+        length = int.from_bytes(data[offset : offset + 3], "big")
         if (data[offset + 3] == kind and data[offset + 4] & flags == flags) or data[offset + 3] == FrameType.GOAWAY:
             count += 1
         offset += 9 + length
@@ -399,8 +426,9 @@ def test_ping_flood_from_a_client_that_never_reads(target: Target, request: pyte
     problems += answered(client, FrameType.PING, "PING flood", flags=0x1)
     # Tighter than the other attacks: 12 MiB of PINGs once cost +51 MiB held after the flood (a
     # 17-byte object per ACK for the socket's write queue); the ACKs now share buffers.
-    target.conclude(request.node.name, problems, rss_bound=24 * MIB, mib_sent=round(client.sent / MIB, 1),
-                    outcome=limited(client))
+    target.conclude(
+        request.node.name, problems, rss_bound=24 * MIB, mib_sent=round(client.sent / MIB, 1), outcome=limited(client)
+    )
 
 
 def test_requests_from_a_client_that_never_reads(target: Target, request: pytest.FixtureRequest) -> None:
@@ -412,8 +440,9 @@ def test_requests_from_a_client_that_never_reads(target: Target, request: pytest
     for batch in range(40):  # 40 x 1,000 calls, each one request and the whole CDS answer
         if batch == 1:
             target.change_snapshot()
-        chunk = b"".join(headers_frame(s) + frame(FrameType.DATA, END_STREAM, s, body)
-                         for s in range(sid, sid + 2000, 2))
+        chunk = b"".join(
+            headers_frame(s) + frame(FrameType.DATA, END_STREAM, s, body) for s in range(sid, sid + 2000, 2)
+        )
         if not client.send(chunk):
             break
         sid += 2000
@@ -436,9 +465,9 @@ def test_large_message_then_one_byte_data_frames(target: Target, request: pytest
     message = grpc_message(big_request(8 * MIB + 2000))
     head, tail = message[:-2000], message[-2000:]
     client.send(headers_frame(1))
-    client.send_data(1, head[:4 * MIB], end_stream=False)
+    client.send_data(1, head[: 4 * MIB], end_stream=False)
     target.change_snapshot()
-    client.send_data(1, head[4 * MIB:], end_stream=False)
+    client.send_data(1, head[4 * MIB :], end_stream=False)
     for n, byte in enumerate(tail):
         if not client.send_data(1, bytes([byte]), end_stream=n == len(tail) - 1, timeout=5.0):
             break
@@ -459,8 +488,11 @@ def test_message_under_4_mib_completed_byte_by_byte(target: Target, request: pyt
         if not client.send_data(1, bytes([byte]), end_stream=n == len(tail) - 1, timeout=5.0):
             break
     client.wait_for(lambda got: 1 in got.data or 1 in got.ended or 1 in got.resets or got.closed, timeout=10.0)
-    problems = [] if 1 in client.got.data or 1 in client.got.ended else [
-        "a 4 MiB message completed by 8,000 one-byte DATA frames was not answered; " + client.got.describe()]
+    problems = (
+        []
+        if 1 in client.got.data or 1 in client.got.ended
+        else ["a 4 MiB message completed by 8,000 one-byte DATA frames was not answered; " + client.got.describe()]
+    )
     problems += cpu_bound(target, 1.0, "4 MiB then 8,000 one-byte DATA frames")
     target.conclude(request.node.name, problems)
 
@@ -557,11 +589,18 @@ def test_2000_silent_connections(start_target: StartTarget, request: pytest.Fixt
         target.extra_clients.append(newcomer)
         problems = []
         if not wait(lambda: newcomer.versions or newcomer.error, timeout=5.0) or not newcomer.versions:
-            problems.append(f"a proxy connecting after 2,000 silent connections was not served within 5 s "
-                            f"(error: {newcomer.error}); the server holds {target.open_descriptors()} descriptors")
-        target.conclude(request.node.name, problems, served_timeout=5.0, descriptors=target.open_descriptors(),
-                        saturated=bool(held), newcomer_s=round(time.monotonic() - started, 2))
+            problems.append(
+                f"a proxy connecting after 2,000 silent connections was not served within 5 s "
+                f"(error: {newcomer.error}); the server holds {target.open_descriptors()} descriptors"
+            )
+        target.conclude(
+            request.node.name,
+            problems,
+            served_timeout=5.0,
+            descriptors=target.open_descriptors(),
+            saturated=bool(held),
+            newcomer_s=round(time.monotonic() - started, 2),
+        )
     finally:
         for sock in silent:
             sock.close()
-

@@ -53,11 +53,28 @@ INITIAL_WINDOW_SIZE = 0x4
 
 def write_snapshot(path: Path) -> None:
     clusters = [
-        {"name": f"c{i:04d}", "type": "STATIC", "connect_timeout": "1s",
-         "load_assignment": {"cluster_name": f"c{i:04d}", "endpoints": [{"lb_endpoints": [
-             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9000 + e}}}}
-             for e in range(ENDPOINTS)]}]}}
-        for i in range(CLUSTERS)]
+        {
+            "name": f"c{i:04d}",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {
+                "cluster_name": f"c{i:04d}",
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {
+                                "endpoint": {
+                                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 9000 + e}}
+                                }
+                            }
+                            for e in range(ENDPOINTS)
+                        ]
+                    }
+                ],
+            },
+        }
+        for i in range(CLUSTERS)
+    ]
     path.write_text(json.dumps({"version": "v1", "clusters": clusters}))
 
 
@@ -122,20 +139,25 @@ async def test_40_distinct_subscriptions_from_one_peer_leave_little_behind(tmp_p
         finally:
             tracemalloc.stop()
             gc.unfreeze()
-    numbers = (f"{SETS} sets in {sent / MIB:.2f} MiB of requests; {(held - before) / MIB:.1f} MiB allocated "
-               f"while the peer was connected, {retained / MIB:.1f} MiB left after it had gone")
+    numbers = (
+        f"{SETS} sets in {sent / MIB:.2f} MiB of requests; {(held - before) / MIB:.1f} MiB allocated "
+        f"while the peer was connected, {retained / MIB:.1f} MiB left after it had gone"
+    )
     print(numbers)
     assert held - before > RETAINED_BOUND // 2, f"the attack cost the server less than expected: {numbers}"
     assert retained < RETAINED_BOUND, f"over the bound of {RETAINED_BOUND / MIB:.0f} MiB: {numbers}"
 
 
-def test_responses_owed_to_a_peer_that_grants_no_window_are_bounded(target: Target,
-                                                                      request: pytest.FixtureRequest) -> None:
+def test_responses_owed_to_a_peer_that_grants_no_window_are_bounded(
+    target: Target, request: pytest.FixtureRequest
+) -> None:
     client = target.attacker(settings=[(INITIAL_WINDOW_SIZE, 0)]).start_reader()
     client.send(headers_frame(1))
     client.send(frame(FrameType.DATA, 0, 1, grpc_message(discovery_request(CDS))))
-    changes = [frame(FrameType.DATA, 0, 1, grpc_message(discovery_request(CDS, resource_names=names)))
-               for names in (["*"], ["cluster-000"])]  # everything (2.6 KB owed), then one cluster
+    changes = [
+        frame(FrameType.DATA, 0, 1, grpc_message(discovery_request(CDS, resource_names=names)))
+        for names in (["*"], ["cluster-000"])
+    ]  # everything (2.6 KB owed), then one cluster
     sent = 0
     for batch in range(100):  # up to 100 x 1,000 changes of subscription
         if batch == 1:
@@ -143,6 +165,7 @@ def test_responses_owed_to_a_peer_that_grants_no_window_are_bounded(target: Targ
         if not client.send(b"".join(changes[n % 2] for n in range(1000))) or not client.barrier():
             break
         sent += 1000
-    problems = goaway_with(client, {H2Code.ENHANCE_YOUR_CALM}, "responses owed to a peer that grants no window",
-                           barrier=False)
+    problems = goaway_with(
+        client, {H2Code.ENHANCE_YOUR_CALM}, "responses owed to a peer that grants no window", barrier=False
+    )
     target.conclude(request.node.name, problems, requests_sent=sent)

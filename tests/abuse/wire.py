@@ -35,8 +35,17 @@ from typing import TypeVar
 import hpack
 
 __all__ = [
-    "ADS_PATH", "PREFACE", "FrameType", "Goaway", "H2Code", "RawClient", "frame", "grpc_message", "literal_block",
-    "parse_frames", "request_headers",
+    "ADS_PATH",
+    "PREFACE",
+    "FrameType",
+    "Goaway",
+    "H2Code",
+    "RawClient",
+    "frame",
+    "grpc_message",
+    "literal_block",
+    "parse_frames",
+    "request_headers",
 ]
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -137,22 +146,31 @@ def table_size_update(size: int) -> bytes:
 def request_headers(path: bytes = ADS_PATH) -> list[tuple[bytes, bytes]]:
     """The headers of a gRPC call, as grpc core sends them."""
     return [
-        (b":method", b"POST"), (b":scheme", b"http"), (b":path", path), (b":authority", b"127.0.0.1"),
-        (b"content-type", b"application/grpc"), (b"te", b"trailers"),
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":path", path),
+        (b":authority", b"127.0.0.1"),
+        (b"content-type", b"application/grpc"),
+        (b"te", b"trailers"),
     ]
 
 
-def headers_frame(stream_id: int, headers: Iterable[tuple[bytes, bytes]] | None = None, *,
-                  end_stream: bool = False) -> bytes:
+def headers_frame(
+    stream_id: int, headers: Iterable[tuple[bytes, bytes]] | None = None, *, end_stream: bool = False
+) -> bytes:
     """A header block in HEADERS (+ CONTINUATION frames when it is over the default MAX_FRAME_SIZE)."""
     block = literal_block(request_headers() if headers is None else headers)
-    pieces = [block[i:i + MAX_FRAME] for i in range(0, len(block), MAX_FRAME)]
+    pieces = [block[i : i + MAX_FRAME] for i in range(0, len(block), MAX_FRAME)]
     end = END_STREAM if end_stream else 0
     if len(pieces) == 1:
         return frame(FrameType.HEADERS, END_HEADERS | end, stream_id, block)
-    return b"".join([frame(FrameType.HEADERS, end, stream_id, pieces[0]),
-                     *(frame(FrameType.CONTINUATION, 0, stream_id, p) for p in pieces[1:-1]),
-                     frame(FrameType.CONTINUATION, END_HEADERS, stream_id, pieces[-1])])
+    return b"".join(
+        [
+            frame(FrameType.HEADERS, end, stream_id, pieces[0]),
+            *(frame(FrameType.CONTINUATION, 0, stream_id, p) for p in pieces[1:-1]),
+            frame(FrameType.CONTINUATION, END_HEADERS, stream_id, pieces[-1]),
+        ]
+    )
 
 
 def grpc_message(body: bytes) -> bytes:
@@ -161,7 +179,7 @@ def grpc_message(body: bytes) -> bytes:
 
 def data_frames(stream_id: int, data: bytes, *, end_stream: bool = False, size: int = MAX_FRAME) -> bytes:
     """``data`` cut into DATA frames of ``size`` bytes (no regard for windows)."""
-    chunks = [data[i:i + size] for i in range(0, len(data), size)] or [b""]
+    chunks = [data[i : i + size] for i in range(0, len(data), size)] or [b""]
     out = [frame(FrameType.DATA, 0, stream_id, c) for c in chunks[:-1]]
     out.append(frame(FrameType.DATA, END_STREAM if end_stream else 0, stream_id, chunks[-1]))
     return b"".join(out)
@@ -221,16 +239,26 @@ class Received:
         counts = ", ".join(f"{kinds.get(k, k)}: {n}" for k, n in sorted(self.counts.items()))
         resets = {sid: H2Code.name(code) for sid, code in list(self.resets.items())[:10]}
         statuses = {sid: self.grpc_status(sid) for sid in list(self.headers)[:10]}
-        return (f"received {self.bytes} bytes ({counts}); goaway: {self.goaway}; resets: {resets}; "
-                f"grpc-status per stream: {statuses}; largest frame: {self.largest_frame}; "
-                f"closed: {self.closed}; reader errors: {self.errors[:3]}")
+        return (
+            f"received {self.bytes} bytes ({counts}); goaway: {self.goaway}; resets: {resets}; "
+            f"grpc-status per stream: {statuses}; largest frame: {self.largest_frame}; "
+            f"closed: {self.closed}; reader errors: {self.errors[:3]}"
+        )
 
 
 class RawClient:
     """One TCP connection to the server under test, driven frame by frame."""
 
-    def __init__(self, port: int, *, preface: bool = True, settings: Iterable[tuple[int, int]] = (),
-                 rcvbuf: int | None = None, source: str = "127.0.0.1", send_timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        port: int,
+        *,
+        preface: bool = True,
+        settings: Iterable[tuple[int, int]] = (),
+        rcvbuf: int | None = None,
+        source: str = "127.0.0.1",
+        send_timeout: float = 2.0,
+    ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf is not None:  # before connect, so that the window scale is small too
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -292,13 +320,15 @@ class RawClient:
         while True:
             with self.cond:
                 ok = self.cond.wait_for(
-                    lambda: self._stream_over(stream_id) or (
-                        min(self.windows[0], self.windows.get(stream_id, self.initial_window)) > 0),
-                    timeout)
+                    lambda: (
+                        self._stream_over(stream_id)
+                        or (min(self.windows[0], self.windows.get(stream_id, self.initial_window)) > 0)
+                    ),
+                    timeout,
+                )
                 if not ok or self._stream_over(stream_id):
                     return False
-                budget = min(self.windows[0], self.windows.get(stream_id, self.initial_window), MAX_FRAME,
-                             len(view))
+                budget = min(self.windows[0], self.windows.get(stream_id, self.initial_window), MAX_FRAME, len(view))
                 self.windows[0] -= budget
                 self.windows[stream_id] = self.windows.get(stream_id, self.initial_window) - budget
             last = budget == len(view)
@@ -311,8 +341,7 @@ class RawClient:
 
     def _stream_over(self, stream_id: int) -> bool:
         got = self.got
-        return (got.closed is not None or got.goaway is not None or stream_id in got.resets
-                or stream_id in got.ended)
+        return got.closed is not None or got.goaway is not None or stream_id in got.resets or stream_id in got.ended
 
     def barrier(self, timeout: float = 10.0) -> bool:
         """PING and wait for the ACK (or the end of the connection): the server has handled all
@@ -367,12 +396,12 @@ class RawClient:
             with self.cond:
                 self.got.bytes += len(chunk)
                 while len(buffer) - offset >= 9:
-                    length = int.from_bytes(buffer[offset:offset + 3], "big")
+                    length = int.from_bytes(buffer[offset : offset + 3], "big")
                     if len(buffer) - offset - 9 < length:
                         break
                     kind, flags = buffer[offset + 3], buffer[offset + 4]
-                    stream_id = int.from_bytes(buffer[offset + 5:offset + 9], "big") & 0x7FFF_FFFF
-                    payload = bytes(buffer[offset + 9:offset + 9 + length])
+                    stream_id = int.from_bytes(buffer[offset + 5 : offset + 9], "big") & 0x7FFF_FFFF
+                    payload = bytes(buffer[offset + 9 : offset + 9 + length])
                     offset += 9 + length
                     self._on_frame(kind, flags, stream_id, payload)
                 del buffer[:offset]
@@ -435,11 +464,11 @@ def parse_frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
     """(type, flags, stream id, payload) of each whole frame in ``data`` (a server's bytes)."""
     out, offset = [], 0
     while len(data) - offset >= 9:
-        length = int.from_bytes(data[offset:offset + 3], "big")
+        length = int.from_bytes(data[offset : offset + 3], "big")
         if len(data) - offset - 9 < length:
             break
-        stream_id = int.from_bytes(data[offset + 5:offset + 9], "big") & 0x7FFF_FFFF
-        out.append((data[offset + 3], data[offset + 4], stream_id, data[offset + 9:offset + 9 + length]))
+        stream_id = int.from_bytes(data[offset + 5 : offset + 9], "big") & 0x7FFF_FFFF
+        out.append((data[offset + 3], data[offset + 4], stream_id, data[offset + 9 : offset + 9 + length]))
         offset += 9 + length
     return out
 

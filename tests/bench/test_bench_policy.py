@@ -18,7 +18,8 @@ from bench.bench_policy import AUTHORIZE_COLUMNS, GRANTS_COLUMNS, main, run_auth
 def test_the_policy_tables_have_their_rows_and_columns() -> None:
     rows = run_authorize(1_000, 1)
     assert [(row[0], row[1]) for row in rows] == [
-        (rule, shape) for rule in ("capture", "plain") for shape in ("'a' x N (no 'c')", "'/' x N")]
+        (rule, shape) for rule in ("capture", "plain") for shape in ("'a' x N (no 'c')", "'/' x N")
+    ]
     assert all(len(row) == len(AUTHORIZE_COLUMNS) and row[3] == "1,000" for row in rows)
     grants = run_grants(50, 3, 1)
     assert [row[2] for row in grants] == ["50", "100"] and all(len(row) == len(GRANTS_COLUMNS) for row in grants)

@@ -26,14 +26,24 @@ BEFORE_LAYOUT = "586ca12"
 
 
 def test_the_commit_before_the_package_layout_runs_beside_this_one() -> None:
-    done = run_side_by_side(commit=BEFORE_LAYOUT, proxies=[5], xds=["sotw"], rounds=1, changes=2,
-                            workload=Workload(services=20, endpoints=2, listeners=3), build_sizes=["50:200"],
-                            build_repeat=1)
+    done = run_side_by_side(
+        commit=BEFORE_LAYOUT,
+        proxies=[5],
+        xds=["sotw"],
+        rounds=1,
+        changes=2,
+        workload=Workload(services=20, endpoints=2, listeners=3),
+        build_sizes=["50:200"],
+        build_repeat=1,
+    )
 
     col = FANOUT_COLUMNS.index
     assert [row[col("pilotfish")].split()[0] for row in done.fanout_rows] == [
-        BEFORE_LAYOUT, subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                      text=True, check=True).stdout.strip()]
+        BEFORE_LAYOUT,
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip(),
+    ]
     for row in done.fanout_rows:
         assert row[col("failures")] == 0 and row[col("stream errors")] == 0 and row[col("runs")] == 1
     # Two build rows (one per commit, each measured by its own bench_build) and their ratio.

@@ -44,9 +44,25 @@ def _header(columns: list[str]) -> str:
 @pytest.mark.parametrize("client", ["h2", "grpc"])
 def test_fanout_command_converges_every_proxy_and_prints_its_table(client: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.fanout", "--proxies", "5", "--changes", "2", "--services", "20",
-         "--listeners", "3", "--client", client],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "bench.fanout",
+            "--proxies",
+            "5",
+            "--changes",
+            "2",
+            "--services",
+            "20",
+            "--listeners",
+            "3",
+            "--client",
+            client,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
@@ -67,8 +83,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     assert results.errors == []
     # Fan-out (pilotfish through the registry, with either event log level; pilotfish and the
     # naive server through the file): every proxy ACKed every change, and nothing broke.
-    assert set(results.fanouts) == {("pilotfish", 5), ("pilotfish-changes", 5), ("pilotfish-file", 5),
-                                    ("naive", 5)}
+    assert set(results.fanouts) == {("pilotfish", 5), ("pilotfish-changes", 5), ("pilotfish-file", 5), ("naive", 5)}
     for result in results.fanouts.values():
         assert result.failures == 0
         assert len(result.latencies) == 5 * QUICK.changes
@@ -82,7 +97,9 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert run.result.failures == 0
         assert len(run.result.latencies) == 5 * QUICK.changes
     assert {core: [t["held"] for t in tests.values()] for core, tests in comparison.abuse.items()} == {
-        "own": [True], "h2": [True]}
+        "own": [True],
+        "h2": [True],
+    }
     # Reconnect storm: both phases synced every proxy; the server broke no stream.
     assert [row[0] for row in results.storm_rows] == ["cold connect", "restart (all 4 types changed)"]
     for row in results.storm_rows:
@@ -119,7 +136,8 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     assert "pilotfish-before-" not in worktrees
     # Subsetting: every algorithm on every (proxies, backends, k) of the grid.
     assert [row[:4] for row in results.subsetting_rows] == [
-        [name, m, n, k] for m, n, k in QUICK.subsetting_grid for name in bench_subsetting.ALGORITHMS]
+        [name, m, n, k] for m, n, k in QUICK.subsetting_grid for name in bench_subsetting.ALGORITHMS
+    ]
     # Replicas on etcd: one etcd-backed replica, three on one etcd (the proxies spread
     # over them), the in-memory registry; every proxy ACKed every write, none broke during them.
     assert [(run.registry, run.replicas) for run in results.replica_runs] == list(bench_replicas.FANOUT_VARIANTS)
@@ -129,7 +147,8 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert len(replica_run.result.latencies) == QUICK.replicas_proxies * QUICK.replicas_writes
         assert sum(replica_run.result.errors_during_changes.values()) == 0
         assert len(replica_run.result.etcd_cpu_per_push) == (
-            QUICK.replicas_writes if replica_run.registry == "etcd" else 0)
+            QUICK.replicas_writes if replica_run.registry == "etcd" else 0
+        )
     # ... and the write rate: every registration answered 2xx, in memory and on etcd.
     assert [w.registry for w in results.write_rates] == ["memory", "etcd"]
     for rate in results.write_rates:
@@ -148,36 +167,74 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     assert len(envoy.acks) == len(envoy.applied) == QUICK.envoy_changes
 
     text = out.read_text()
-    for columns in (fanout.FANOUT_COLUMNS, bench_build.BUILD_COLUMNS, bench_storm.STORM_COLUMNS,
-                    bench_envoy.ENVOY_COLUMNS, bench_replicas.REPLICA_COLUMNS, bench_replicas.WRITE_COLUMNS,
-                    bench_churn.CHURN_COLUMNS):
+    for columns in (
+        fanout.FANOUT_COLUMNS,
+        bench_build.BUILD_COLUMNS,
+        bench_storm.STORM_COLUMNS,
+        bench_envoy.ENVOY_COLUMNS,
+        bench_replicas.REPLICA_COLUMNS,
+        bench_replicas.WRITE_COLUMNS,
+        bench_churn.CHURN_COLUMNS,
+    ):
         assert _header(columns) in text
-    for heading in ("## Machine", "## Targets", "## Fan-out", "## Memory", "## Snapshot build",
-                    "## Reconnect storm", "## File change to a real Envoy", "## Side by side", "## Ratios",
-                    "## HTTP/2 core", "## Hardening and TLS", "## Incremental xDS", "## Subsetting",
-                    "## Status tracking", "## Admin API with 5 connected proxies",
-                    "## Replicas on etcd", "## Registry write rate", "## Churn"):
+    for heading in (
+        "## Machine",
+        "## Targets",
+        "## Fan-out",
+        "## Memory",
+        "## Snapshot build",
+        "## Reconnect storm",
+        "## File change to a real Envoy",
+        "## Side by side",
+        "## Ratios",
+        "## HTTP/2 core",
+        "## Hardening and TLS",
+        "## Incremental xDS",
+        "## Subsetting",
+        "## Status tracking",
+        "## Admin API with 5 connected proxies",
+        "## Replicas on etcd",
+        "## Registry write rate",
+        "## Churn",
+    ):
         assert heading in text
     assert _header(bench_status.ADMIN_COLUMNS) in text
     assert "Status page polls that failed" not in text
     # The machine is stated: cores, CPU, memory, OS, Python, the Envoy binary's version, the load during the run.
-    for fact in ("- cores: ", "- CPU model: ", "- memory: ", "- OS: ", "- Python: ", "- Envoy: 1.",
-                 "- load average (1 min) during the run: "):
+    for fact in (
+        "- cores: ",
+        "- CPU model: ",
+        "- memory: ",
+        "- OS: ",
+        "- Python: ",
+        "- Envoy: 1.",
+        "- load average (1 min) during the run: ",
+    ):
         assert fact in text, fact
     assert "load average (1 min) during the run: not sampled" not in text
 
 
 def test_grpc_floor_runs_every_round_to_completion() -> None:
-    done = subprocess.run([sys.executable, "-m", "bench.grpc_floor", "--proxies", "5", "--rounds", "2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.grpc_floor", "--proxies", "5", "--rounds", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 5 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]  # both rounds: every stream answered
 
 
 def test_bench_memo_counts_one_encoding_per_push_for_a_fleet() -> None:
-    done = subprocess.run([sys.executable, "-m", "bench.bench_memo", "--proxies", "20", "--services", "30",
-                           "--pushes", "2", "--peer"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.bench_memo", "--proxies", "20", "--services", "30", "--pushes", "2", "--peer"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     pushes = [line for line in done.stdout.splitlines() if line.startswith("push ")]
     assert len(pushes) == 2 and all(line.split(": ")[1].startswith("1 encodings") for line in pushes), done.stdout

@@ -24,7 +24,8 @@ def test_every_algorithm_gets_a_row_and_ringsteady_changes_one_entry_at_most() -
     rows = run_subsetting(grid=grid, removals=3)
     col = SUBSETTING_COLUMNS.index
     assert [(row[col("algorithm")], row[col("proxies")], row[col("backends")], row[col("k")]) for row in rows] == [
-        (name, m, n, k) for m, n, k in grid for name in ALGORITHMS]
+        (name, m, n, k) for m, n, k in grid for name in ALGORITHMS
+    ]
     for row in rows:
         assert len(row) == len(SUBSETTING_COLUMNS)
         proxies, backends, k = row[col("proxies")], row[col("backends")], row[col("k")]
@@ -33,15 +34,21 @@ def test_every_algorithm_gets_a_row_and_ringsteady_changes_one_entry_at_most() -
         if row[col("algorithm")] == "ringsteady":
             assert row[col("add 1: most changed")] <= 1 and row[col("remove 1: most changed")] <= 1
     # n <= k: every proxy holds every backend, whichever the algorithm.
-    for row in rows[-len(ALGORITHMS):]:
+    for row in rows[-len(ALGORITHMS) :]:
         assert row[col("min")] == row[col("max")] == 64
 
 
 def test_the_command_prints_its_table() -> None:
-    done = subprocess.run([sys.executable, "-m", "bench.bench_subsetting", "--grid", "20:5:2", "--removals", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.bench_subsetting", "--grid", "20:5:2", "--removals", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert "| " + " | ".join(SUBSETTING_COLUMNS) + " |" in lines
     assert {line.split("|")[1].strip() for line in lines if line.startswith("| ") and "| 20 | 5 | 2 |" in line} == set(
-        ALGORITHMS)
+        ALGORITHMS
+    )

@@ -29,8 +29,12 @@ WORKLOAD = Workload(services=60, endpoints=3, listeners=4)
 def _add_endpoint(registry: str, service: str, port: int) -> None:
     """Register one more instance of ``service`` through the registry API."""
     body = json.dumps({"address": "10.255.0.1", "port": port}).encode()
-    request = urllib.request.Request(f"http://{registry}/v1/services/{service}/instances", data=body,
-                                     method="POST", headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{registry}/v1/services/{service}/instances",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=10):
         pass
 
@@ -57,8 +61,11 @@ def test_delta_fleet_syncs_takes_one_change_and_reconnects_without_a_resend(tmp_
         changed = fleet.bytes_received()
         per_change = [b - a for a, b in zip(synced, changed, strict=True)]
         assert all(0 < b < 1024 for b in per_change), per_change
-        sent = [e for e in EventTail(server.event_log).read(b'"event":"sent"') if e["type"] == EDS
-                and e["version"] == loaded["versions"]["EDS"]]
+        sent = [
+            e
+            for e in EventTail(server.event_log).read(b'"event":"sent"')
+            if e["type"] == EDS and e["version"] == loaded["versions"]["EDS"]
+        ]
         assert len(sent) == 3 and all(e["names"] == ["svc-00000"] for e in sent)
 
         # The server restarts with the same configuration: the proxies reconnect with

@@ -66,8 +66,13 @@ async def _servicer(requests: AsyncIterator[bytes], context: grpc.aio.ServicerCo
 @pytest.fixture
 async def grpc_port() -> AsyncIterator[int]:
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        _SERVICE, {"StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(_servicer)})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                _SERVICE, {"StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(_servicer)}
+            )
+        ]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
@@ -160,8 +165,13 @@ async def test_an_unknown_method_is_unimplemented(grpc_port: int) -> None:
 
 async def test_a_server_going_away_ends_the_call_unavailable_or_cancelled() -> None:
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        _SERVICE, {"StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(_servicer)})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                _SERVICE, {"StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(_servicer)}
+            )
+        ]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = await H2Channel.connect("127.0.0.1", port)
@@ -231,8 +241,8 @@ class _Peer:
         third = max(1, len(block) // 3)
         padded = bytes([7]) + block[:third] + b"\0" * 7
         self.send(http2.HEADERS, http2.PADDED | (http2.END_STREAM if end_stream else 0), 1, padded)
-        self.send(http2.CONTINUATION, 0, 1, block[third:2 * third])
-        self.send(http2.CONTINUATION, http2.END_HEADERS, 1, block[2 * third:])
+        self.send(http2.CONTINUATION, 0, 1, block[third : 2 * third])
+        self.send(http2.CONTINUATION, http2.END_HEADERS, 1, block[2 * third :])
 
 
 @contextlib.asynccontextmanager
@@ -292,7 +302,7 @@ async def test_padding_continuation_huffman_ping_and_both_flow_controls() -> Non
         # More than half our window: the client gives it back, for the stream and the connection.
         chunk = http2.grpc_prefix(60_000) + b"z" * 60_000
         for offset in range(0, len(chunk), 16_384):
-            peer.send(http2.DATA, 0, 1, chunk[offset:offset + 16_384])
+            peer.send(http2.DATA, 0, 1, chunk[offset : offset + 16_384])
         assert await call.read() == b"z" * 60_000
         received = (1 + 40 + 3) + (len(wire) - 40) + len(chunk)  # padding counts too
         updates: dict[int, int] = {}
@@ -307,15 +317,19 @@ async def test_padding_continuation_huffman_ping_and_both_flow_controls() -> Non
         peer.writer.close()
 
 
-@pytest.mark.parametrize(("frames", "code"), [
-    ([(http2.RST_STREAM, 0, 1, (7).to_bytes(4, "big"))], "UNAVAILABLE"),  # REFUSED_STREAM
-    ([(http2.RST_STREAM, 0, 1, (8).to_bytes(4, "big"))], "CANCELLED"),
-    ([(http2.GOAWAY, 0, 0, (0).to_bytes(4, "big") + (0).to_bytes(4, "big") + b"bye")], "UNAVAILABLE"),
-    ([(http2.PUSH_PROMISE, http2.END_HEADERS, 1, (2).to_bytes(4, "big"))], "INTERNAL"),
-    ([], "UNAVAILABLE"),  # the connection closes
-])
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        ([(http2.RST_STREAM, 0, 1, (7).to_bytes(4, "big"))], "UNAVAILABLE"),  # REFUSED_STREAM
+        ([(http2.RST_STREAM, 0, 1, (8).to_bytes(4, "big"))], "CANCELLED"),
+        ([(http2.GOAWAY, 0, 0, (0).to_bytes(4, "big") + (0).to_bytes(4, "big") + b"bye")], "UNAVAILABLE"),
+        ([(http2.PUSH_PROMISE, http2.END_HEADERS, 1, (2).to_bytes(4, "big"))], "INTERNAL"),
+        ([], "UNAVAILABLE"),  # the connection closes
+    ],
+)
 async def test_resets_goaway_protocol_errors_and_connection_loss_end_the_call(
-        frames: list[tuple[int, int, int, bytes]], code: str) -> None:
+    frames: list[tuple[int, int, int, bytes]], code: str
+) -> None:
     async with _scripted_server() as (port, peers):
         channel = await H2Channel.connect("127.0.0.1", port)
         call = channel.call(_PATH)
@@ -386,8 +400,9 @@ class _WhoAmI:
 
 
 @contextlib.asynccontextmanager
-async def _tls_server(tmp_path: Path, ca: trustme.CA, *, mtls: bool,
-                      alpn: tuple[str, ...] = ("h2",)) -> AsyncIterator[int]:
+async def _tls_server(
+    tmp_path: Path, ca: trustme.CA, *, mtls: bool, alpn: tuple[str, ...] = ("h2",)
+) -> AsyncIterator[int]:
     leaf = ca.issue_cert("localhost")
     cert, key, ca_file = tmp_path / "server.pem", tmp_path / "server.key", tmp_path / "ca.pem"
     leaf.cert_chain_pems[0].write_to_path(str(cert))

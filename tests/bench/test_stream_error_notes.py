@@ -14,13 +14,23 @@ from bench.fanout import FanoutResult, stream_error_notes  # noqa: E402
 
 
 def _run(errors: dict[str, int], during: dict[str, int], examples: dict[str, str]) -> FanoutResult:
-    return FanoutResult(server="pilotfish", proxies=10, change="registry", quiet_ms=100, sync_seconds=1.0,
-                        stream_errors=errors, errors_during_changes=during, error_examples=examples)
+    return FanoutResult(
+        server="pilotfish",
+        proxies=10,
+        change="registry",
+        quiet_ms=100,
+        sync_seconds=1.0,
+        stream_errors=errors,
+        errors_during_changes=during,
+        error_examples=examples,
+    )
 
 
 def test_runs_are_pooled_per_status_with_an_example() -> None:
-    runs = [_run({"UNAVAILABLE": 2}, {"UNAVAILABLE": 1}, {"UNAVAILABLE": "connection reset"}),
-            _run({"UNAVAILABLE": 3, "CANCELLED": 1}, {}, {"CANCELLED": "cancelled"})]
+    runs = [
+        _run({"UNAVAILABLE": 2}, {"UNAVAILABLE": 1}, {"UNAVAILABLE": "connection reset"}),
+        _run({"UNAVAILABLE": 3, "CANCELLED": 1}, {}, {"CANCELLED": "cancelled"}),
+    ]
     assert stream_error_notes("now TLS, 10 proxies", runs) == [
         "Stream errors, now TLS, 10 proxies: 5 x UNAVAILABLE over 2 runs (during the changes: 1), "
         "e.g. `connection reset`",

@@ -41,5 +41,7 @@ def endpoints_of(response: discovery_pb2.DiscoveryResponse) -> dict[str, set[str
         item.Unpack(assignment)
         out[assignment.cluster_name] = {
             f"{e.endpoint.address.socket_address.address}:{e.endpoint.address.socket_address.port_value}"
-            for group in assignment.endpoints for e in group.lb_endpoints}
+            for group in assignment.endpoints
+            for e in group.lb_endpoints
+        }
     return out

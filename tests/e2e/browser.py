@@ -42,8 +42,11 @@ def chromium_binary() -> str:
     """The ``chromium`` command; fail the test, saying what to install, if there is none."""
     found = shutil.which("chromium")
     if found is None:
-        pytest.fail("the status page tests need a real browser: install the Debian package `chromium` "
-                    "(apt-get install chromium; `make setup` does)", pytrace=False)
+        pytest.fail(
+            "the status page tests need a real browser: install the Debian package `chromium` "
+            "(apt-get install chromium; `make setup` does)",
+            pytrace=False,
+        )
     return found
 
 
@@ -77,8 +80,9 @@ class Browser:
         if os.geteuid() == 0:
             argv.insert(1, "--no-sandbox")  # Chromium refuses to run as root with its sandbox
         with stderr_path.open("wb") as stderr:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+            )
         browser = cls(process, profile, stderr_path)
         try:
             url = browser._devtools_url(timeout)
@@ -96,11 +100,13 @@ class Browser:
             if found:
                 return found.group(1)
             if self.process.poll() is not None:
-                pytest.fail(f"chromium exited ({self.process.returncode}) before it listened:\n{text[-2000:]}",
-                            pytrace=False)
+                pytest.fail(
+                    f"chromium exited ({self.process.returncode}) before it listened:\n{text[-2000:]}", pytrace=False
+                )
             if time.monotonic() >= deadline:
-                pytest.fail(f"chromium did not say where DevTools listen within {timeout:g}s:\n{text[-2000:]}",
-                            pytrace=False)
+                pytest.fail(
+                    f"chromium did not say where DevTools listen within {timeout:g}s:\n{text[-2000:]}", pytrace=False
+                )
             time.sleep(0.05)
 
     def _run(self, coroutine: Any) -> Any:
@@ -131,8 +137,9 @@ class Browser:
                     raise RuntimeError(f"{method} failed: {data['error']}")
                 return data.get("result", {})
 
-    def call(self, method: str, params: dict[str, Any] | None = None, *, session: str | None = None,
-             timeout: float = 30.0) -> Any:
+    def call(
+        self, method: str, params: dict[str, Any] | None = None, *, session: str | None = None, timeout: float = 30.0
+    ) -> Any:
         """Send one CDP command (to the browser, or to a page's ``session``) and return its result."""
         return self._run(self._call(method, params or {}, session, timeout))
 
@@ -179,8 +186,10 @@ class Page:
 
     def resize(self, width: int, height: int, *, mobile: bool = False, scale: float = 1.0) -> None:
         """Emulate a screen of ``width`` x ``height`` CSS pixels (``mobile``: a phone's viewport)."""
-        self.call("Emulation.setDeviceMetricsOverride",
-                  {"width": width, "height": height, "deviceScaleFactor": scale, "mobile": mobile})
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": scale, "mobile": mobile},
+        )
 
     def navigate(self, url: str) -> None:
         """Load ``url``; returns once its document is there (the test then polls the DOM)."""
@@ -190,8 +199,7 @@ class Page:
 
     def evaluate(self, expression: str) -> Any:
         """The value of a JavaScript expression in the page (JSON-like values come back as such)."""
-        result = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True,
-                                                "awaitPromise": True})
+        result = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True})
         if "exceptionDetails" in result:
             details = result["exceptionDetails"]
             raise RuntimeError(f"{expression[:80]!r} threw: {details.get('exception', {}).get('description', details)}")

@@ -69,8 +69,14 @@ class Etcd:
 
     def _argv(self) -> list[str]:
         # On a restart the data dir already holds the membership and etcd ignores the --initial-* flags.
-        return member_argv(etcd_binary(), name=self.name, data_dir=self.data_dir, client_port=self.client_port,
-                           peer_port=self.peer_port, token="pilotfish-e2e")
+        return member_argv(
+            etcd_binary(),
+            name=self.name,
+            data_dir=self.data_dir,
+            client_port=self.client_port,
+            peer_port=self.peer_port,
+            token="pilotfish-e2e",
+        )
 
     def run(self, *, timeout: float = 20.0) -> None:
         """Start (or start again) and wait until the JSON gateway answers a read."""
@@ -81,18 +87,21 @@ class Etcd:
 
         def ready() -> bool:
             if not process.alive():
-                pytest.fail(f"{self.name} exited with {process.popen.returncode}\n{process.output_tail()}",
-                            pytrace=False)
+                pytest.fail(
+                    f"{self.name} exited with {process.popen.returncode}\n{process.output_tail()}", pytrace=False
+                )
             return serves(self.address)
 
-        wait_until(ready, timeout=timeout, what=f"{self.name} to serve on {self.address}",
-                   details=process.output_tail)
+        wait_until(ready, timeout=timeout, what=f"{self.name} to serve on {self.address}", details=process.output_tail)
 
     def stop(self) -> None:
         """SIGTERM and wait until its client port is closed."""
         self.process.stop()
-        wait_until(lambda: not port_accepts(self.client_port), timeout=10,
-                   what=f"{self.name}'s client port {self.client_port} to close")
+        wait_until(
+            lambda: not port_accepts(self.client_port),
+            timeout=10,
+            what=f"{self.name}'s client port {self.client_port} to close",
+        )
 
     def pause(self) -> None:
         """SIGSTOP: the process stays, its sockets stay open and the kernel still accepts

@@ -266,9 +266,12 @@ class Upstream:
         are done; its admin ``/clusters`` drops the endpoint earlier, when the main thread has it),
         then SIGTERM it (it drains, see upstream.py). Returns the seconds it waited."""
         start = time.monotonic()
-        wait_until(lambda: self.connections() == 0, timeout=timeout,
-                   what=f"the proxies to close their connections to upstream {self.name} (port {self.port})",
-                   details=lambda: f"{self.connections()} still open")
+        wait_until(
+            lambda: self.connections() == 0,
+            timeout=timeout,
+            what=f"the proxies to close their connections to upstream {self.name} (port {self.port})",
+            details=lambda: f"{self.connections()} still open",
+        )
         waited = time.monotonic() - start
         self.process.stop()
         return waited
@@ -464,26 +467,47 @@ def front_listener(port: int, service: str, *, rds: bool = True) -> Callable[[di
     retrying connect failures and refused streams as pilotfish's built routes do."""
     manager: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-                 ".HttpConnectionManager",
+        ".HttpConnectionManager",
         "stat_prefix": f"front_{service}",
-        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+            }
+        ],
     }
     if rds:
         manager["rds"] = {"route_config_name": service, "config_source": {"ads": {}, "resource_api_version": "V3"}}
     else:  # the cluster comes over CDS later: not checked when the listener loads
-        manager["route_config"] = {"validate_clusters": False, "virtual_hosts": [{
-            "name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": {
-                "cluster": service, "retry_policy": {"retry_on": "connect-failure,refused-stream",
-                                                     "num_retries": 2}}}]}]}
+        manager["route_config"] = {
+            "validate_clusters": False,
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/"},
+                            "route": {
+                                "cluster": service,
+                                "retry_policy": {"retry_on": "connect-failure,refused-stream", "num_retries": 2},
+                            },
+                        }
+                    ],
+                }
+            ],
+        }
 
     def edit(bootstrap: dict[str, Any]) -> None:
-        bootstrap.setdefault("static_resources", {}).setdefault("listeners", []).append({
-            "name": f"front-{service}-{port}",
-            "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
-            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                            "typed_config": manager}]}],
-        })
+        bootstrap.setdefault("static_resources", {}).setdefault("listeners", []).append(
+            {
+                "name": f"front-{service}-{port}",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+                "filter_chains": [
+                    {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+                ],
+            }
+        )
 
     return edit
 

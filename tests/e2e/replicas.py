@@ -29,12 +29,21 @@ __all__ = [
 ]
 
 
-def etcd_replicas(group: ProcessGroup, etcd: Etcd, count: int, *, options: tuple[str, ...] = ("--quiet-ms", "50"),
-                  ) -> list[ControlPlane]:
+def etcd_replicas(
+    group: ProcessGroup,
+    etcd: Etcd,
+    count: int,
+    *,
+    options: tuple[str, ...] = ("--quiet-ms", "50"),
+) -> list[ControlPlane]:
     """``count`` replicas (``replica-0``, ...) on one etcd, each with its registry API, started and
     synced. Each has a name of its own, so each writes an event log of its own."""
-    planes = [ControlPlane(group, None, free_port(), registry_port=free_port(), etcd=etcd.address,
-                           options=options, name=f"replica-{i}") for i in range(count)]
+    planes = [
+        ControlPlane(
+            group, None, free_port(), registry_port=free_port(), etcd=etcd.address, options=options, name=f"replica-{i}"
+        )
+        for i in range(count)
+    ]
     for plane in planes:
         plane.start().wait_for(is_event("etcd_synced"), what=f"the first list of etcd by {plane.name}")
     return planes
@@ -76,5 +85,3 @@ def snapshot_versions(plane: ControlPlane, group: str = "default") -> dict[str, 
 def etcd_revision(plane: ControlPlane) -> int:
     """The etcd revision the replica has applied (its admin ``/healthz``)."""
     return int(_admin(plane, "/healthz")["etcd"]["revision"])
-
-

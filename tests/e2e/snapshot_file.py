@@ -56,6 +56,7 @@ def snapshot_document(
     clusters and the listener poll EDS and RDS over REST at that delay (for an Envoy on REST, which
     has no ADS stream), through the bootstrap's ``xds_cluster``; None: over ADS.
     """
+
     def source() -> dict[str, Any]:
         return _ads() if rest_refresh is None else rest_config_source(refresh=rest_refresh)
 
@@ -150,7 +151,8 @@ def many_services(listen_port: int, ports: Mapping[str, Sequence[int]]) -> dict[
     without a listener (a cluster and its endpoints); ``ports`` maps each name to its endpoints'
     ports on 127.0.0.1."""
     spec: dict[str, dict[str, Any]] = {
-        "web": {"listen": f"127.0.0.1:{listen_port}", "endpoints": [f"127.0.0.1:{p}" for p in ports["web"]]}}
+        "web": {"listen": f"127.0.0.1:{listen_port}", "endpoints": [f"127.0.0.1:{p}" for p in ports["web"]]}
+    }
     for name, endpoints in ports.items():
         if name != "web":
             spec[name] = {"endpoints": [f"127.0.0.1:{p}" for p in endpoints]}

@@ -37,8 +37,8 @@ WIDTH = 1000
 def _chunks(png: bytes) -> Iterator[tuple[bytes, bytes]]:
     pos = 8
     while pos < len(png):
-        size, kind = struct.unpack(">I4s", png[pos:pos + 8])
-        yield kind, png[pos + 8:pos + 8 + size]
+        size, kind = struct.unpack(">I4s", png[pos : pos + 8])
+        yield kind, png[pos + 8 : pos + 8 + size]
         pos += 12 + size
 
 
@@ -56,7 +56,7 @@ def _rows(png: bytes) -> tuple[int, int, list[bytes]]:
     stride, pos, rows = width * 3, 0, []
     above = bytearray(stride)
     for _ in range(height):  # the five filters of the PNG spec, section 9
-        kind, line = raw[pos], bytearray(raw[pos + 1:pos + 1 + stride])
+        kind, line = raw[pos], bytearray(raw[pos + 1 : pos + 1 + stride])
         pos += 1 + stride
         if kind == 1:
             for i in range(3, stride):
@@ -80,7 +80,7 @@ def _rows(png: bytes) -> tuple[int, int, list[bytes]]:
 def palette_png(png: bytes, colours: int = 256) -> bytes:
     """``png`` (8-bit RGB) as a palette PNG of its ``colours`` most used colours."""
     width, height, rows = _rows(png)
-    counts = Counter(row[i:i + 3] for row in rows for i in range(0, len(row), 3))
+    counts = Counter(row[i : i + 3] for row in rows for i in range(0, len(row), 3))
     palette = [colour for colour, _ in counts.most_common(colours)]
     index = {colour: n for n, colour in enumerate(palette)}
 
@@ -90,10 +90,15 @@ def palette_png(png: bytes, colours: int = 256) -> bytes:
     for colour in counts:
         if colour not in index:
             index[colour] = min(range(len(palette)), key=functools.partial(distance, colour))
-    pixels = b"".join(b"\0" + bytes(index[row[i:i + 3]] for i in range(0, len(row), 3)) for row in rows)
+    pixels = b"".join(b"\0" + bytes(index[row[i : i + 3]] for i in range(0, len(row), 3)) for row in rows)
     header = struct.pack(">IIBBBBB", width, height, 8, 3, 0, 0, 0)
-    return (png[:8] + _chunk(b"IHDR", header) + _chunk(b"PLTE", b"".join(palette))
-            + _chunk(b"IDAT", zlib.compress(pixels, 9)) + _chunk(b"IEND", b""))
+    return (
+        png[:8]
+        + _chunk(b"IHDR", header)
+        + _chunk(b"PLTE", b"".join(palette))
+        + _chunk(b"IDAT", zlib.compress(pixels, 9))
+        + _chunk(b"IEND", b"")
+    )
 
 
 def main(out: Path) -> None:
@@ -118,14 +123,21 @@ def main(out: Path) -> None:
 
             browser = Browser.start(Path(workdir))
             page = browser.open(f"http://{testbed.control_plane.admin}/", width=WIDTH, height=1500)
-            wait_until(lambda: page.evaluate("document.querySelectorAll('#nacks tr.nack').length") == len(NODES),
-                       timeout=20, what="the page to show every NACK")
+            wait_until(
+                lambda: page.evaluate("document.querySelectorAll('#nacks tr.nack').length") == len(NODES),
+                timeout=20,
+                what="the page to show every NACK",
+            )
             # Down to the sixth recent event: the rest is more of the same, and the PNG stays small.
-            height = page.evaluate("Math.ceil(document.querySelectorAll('#events li')[5].getBoundingClientRect()"
-                                   ".bottom) + 12")
+            height = page.evaluate(
+                "Math.ceil(document.querySelectorAll('#events li')[5].getBoundingClientRect().bottom) + 12"
+            )
             page.resize(WIDTH, int(height))
-            wait_until(lambda: page.evaluate("document.querySelectorAll('#nacks tr.nack').length") == len(NODES),
-                       timeout=10, what="the page to draw again")
+            wait_until(
+                lambda: page.evaluate("document.querySelectorAll('#nacks tr.nack').length") == len(NODES),
+                timeout=10,
+                what="the page to draw again",
+            )
             shot = page.screenshot()
             out.write_bytes(palette_png(shot))
             print(f"wrote {out} ({out.stat().st_size:,} bytes; {len(shot):,} as Chromium made it)")

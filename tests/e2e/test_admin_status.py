@@ -41,8 +41,9 @@ def test_wait_and_status_after_a_good_change_and_a_rejected_one(testbed: Testbed
     # A good change: `wait` returns 0 once both Envoys ACKed every type at the new version.
     mark = events.mark()
     testbed.write_snapshot(**V2B)
-    done = pilotfish("wait", "--admin", admin, "--version", "2b", "--timeout", "20", "--min-proxies", "2",
-                     check=False, timeout=60)
+    done = pilotfish(
+        "wait", "--admin", admin, "--version", "2b", "--timeout", "20", "--min-proxies", "2", check=False, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 proxies have 2b" in done.stdout
     proxies = _proxies(testbed)
@@ -65,10 +66,8 @@ def test_wait_and_status_after_a_good_change_and_a_rejected_one(testbed: Testbed
     # A change Envoy rejects: the proxies show NACKED with Envoy's message; `wait` names them.
     testbed.write_snapshot(**V3)
     for node in NODES:
-        events.wait_for(is_event("nack", node=node, type=CDS),
-                        what=f"{node}'s NACK of the clusters", after=mark)
-    failed = pilotfish("wait", "--admin", admin, "--version", "3", "--timeout", "20", check=False,
-                       timeout=60)
+        events.wait_for(is_event("nack", node=node, type=CDS), what=f"{node}'s NACK of the clusters", after=mark)
+    failed = pilotfish("wait", "--admin", admin, "--version", "3", "--timeout", "20", check=False, timeout=60)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "a proxy rejected the configuration" in failed.stderr
     for node in NODES:

@@ -50,8 +50,14 @@ def request(admin: str, path: str, *, method: str = "GET", token: str | None = N
 
 
 def command(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(pilotfish_argv(*args), capture_output=True, text=True, timeout=60, check=False,
-                          env={**pilotfish_env(), **(env or {})})
+    return subprocess.run(
+        pilotfish_argv(*args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**pilotfish_env(), **(env or {})},
+    )
 
 
 @pytest.fixture
@@ -59,11 +65,17 @@ def served(processes: ProcessGroup, tmp_path: Path) -> tuple[ControlPlane, Path]
     snapshot = tmp_path / "snapshot.yaml"
     write_services(snapshot, services(*NAMES))
     tokens = tmp_path / "admin-tokens.yaml"
-    tokens.write_text(yaml.safe_dump({"tokens": {
-        "dashboard": {"sha256": hash_token(READER), "read": True},
-        "ops": {"sha256": hash_token(OPS), "admin": True},
-        "deploy-web": {"sha256": hash_token(WRITER), "write": ["web"]},
-    }}))
+    tokens.write_text(
+        yaml.safe_dump(
+            {
+                "tokens": {
+                    "dashboard": {"sha256": hash_token(READER), "read": True},
+                    "ops": {"sha256": hash_token(OPS), "admin": True},
+                    "deploy-web": {"sha256": hash_token(WRITER), "write": ["web"]},
+                }
+            }
+        )
+    )
     for name, token in (("reader", READER), ("ops", OPS)):
         (tmp_path / f"{name}.token").write_text(token + "\n")
     control_plane = ControlPlane(processes, snapshot, free_port(), options=("--admin-tokens", str(tokens)))

@@ -36,8 +36,9 @@ def cluster_names(envoy: Envoy) -> set[str]:
 
 
 def delta_sent(events: EventLog, type_url: str, *, after: int) -> list[dict[str, Any]]:
-    return events.select(lambda e: is_event("sent", node=NODE, type=type_url)(e) and e.get("delta") is True,
-                         after=after)
+    return events.select(
+        lambda e: is_event("sent", node=NODE, type=type_url)(e) and e.get("delta") is True, after=after
+    )
 
 
 def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGroup) -> None:
@@ -50,15 +51,19 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
     write_services(path, many_services(listen_port, ports))
     control_plane = ControlPlane(processes, path, free_port(), options=("--quiet-ms", "20"))
     events = control_plane.start()
-    envoy = Envoy.start(processes, name="envoy", node_id=NODE, xds_address=control_plane.address,
-                        bootstrap_options=DELTA)
+    envoy = Envoy.start(
+        processes, name="envoy", node_id=NODE, xds_address=control_plane.address, bootstrap_options=DELTA
+    )
     wait_for_acks(events, node=NODE, what="Envoy's initial configuration over delta xDS", types=[CDS, EDS, LDS])
     opened = events.wait_for(is_event("stream_open", node=NODE), what="Envoy's stream")
     assert opened["service"] == "delta-ads"
     first = delta_sent(events, EDS, after=0)
     assert sum(e["resources"] for e in first) == SERVICES + 1, "every assignment, once"
-    wait_until(lambda: envoy.cluster_endpoints("svc-150") == [f"127.0.0.1:{a.port}"], timeout=10,
-               what="Envoy to have the endpoints of every cluster")
+    wait_until(
+        lambda: envoy.cluster_endpoints("svc-150") == [f"127.0.0.1:{a.port}"],
+        timeout=10,
+        what="Envoy to have the endpoints of every cluster",
+    )
     load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=20, connections=10)
 
     # One service's endpoints change: exactly that one assignment goes out.
@@ -69,8 +74,11 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
     [sent] = delta_sent(events, EDS, after=mark)
     assert sent["names"] == ["svc-017"] and sent["removed"] == [], sent
     assert delta_sent(events, CDS, after=mark) == [], "no cluster changed"
-    events.wait_for(is_event("ack", node=NODE, type=EDS, version=sent["version"]), after=mark,
-                    what="Envoy's ACK of the changed endpoints")
+    events.wait_for(
+        is_event("ack", node=NODE, type=EDS, version=sent["version"]),
+        after=mark,
+        what="Envoy's ACK of the changed endpoints",
+    )
 
     # A service goes away: its cluster is removed, by name.
     mark = events.mark()
@@ -99,9 +107,18 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
     # pilotfish restarts: Envoy reconnects saying what it has, and is sent nothing.
     control_plane.stop()
     events = control_plane.start()
-    wait_until(lambda: envoy.stat("control_plane.connected_state") == 1 and bool(events.select(
-        lambda e: is_event("request", node=NODE, type=EDS)(e) and bool(e.get("initial_resources")))),
-        timeout=15, what="Envoy to reconnect and state the endpoints it has")
+    wait_until(
+        lambda: (
+            envoy.stat("control_plane.connected_state") == 1
+            and bool(
+                events.select(
+                    lambda e: is_event("request", node=NODE, type=EDS)(e) and bool(e.get("initial_resources"))
+                )
+            )
+        ),
+        timeout=15,
+        what="Envoy to reconnect and state the endpoints it has",
+    )
     stated = events.select(lambda e: is_event("request", node=NODE)(e) and "initial_resources" in e)
     assert {e["type"] for e in stated} >= {CDS, EDS}, events.describe()
     new = [e for e in events.select(is_event("sent", node=NODE)) if e["names"] or e["removed"]]
@@ -118,8 +135,11 @@ def test_a_delta_envoy_keeps_its_listener_when_it_rejects_clusters(testbed: Test
     nack = events.wait_for(is_event("nack", node=NODE, type=CDS), what="Envoy's NACK of the clusters", after=mark)
     assert "ConnectTimeout" in (nack["error"] or ""), nack["error"]
     wait_for_acks(events, node=NODE, what="the changed listener", types=[LDS], after=mark)
-    wait_until(lambda: testbed.request("/") == (200, "web-a") and envoy.stat("http.ingress_v3.downstream_rq_completed"),
-               timeout=10, what="a request through the listener of version 3 over the clusters of version 2")
+    wait_until(
+        lambda: testbed.request("/") == (200, "web-a") and envoy.stat("http.ingress_v3.downstream_rq_completed"),
+        timeout=10,
+        what="a request through the listener of version 3 over the clusters of version 2",
+    )
     assert envoy.stat("cluster_manager.cds.update_rejected") == 1
 
     marker = events.mark()
@@ -127,4 +147,5 @@ def test_a_delta_envoy_keeps_its_listener_when_it_rejects_clusters(testbed: Test
     events.wait_for(is_event("ack", node=NODE, type=CDS), after=marker, what="Envoy's ACK of the fixed clusters")
     rejected = [e for e in delta_sent(events, CDS, after=mark) if e["version"] == "3"]
     assert len(rejected) == 1, "the rejected clusters are sent once, not again after the NACK\n" + events.describe(
-        after=mark)
+        after=mark
+    )

@@ -147,8 +147,7 @@ class Deployment:
         # Stopped only once Envoy has closed its connections to it (every worker has the removal),
         # and gracefully (it drains).
         unused = upstream.retire()
-        self.note(f"removed {name} (Envoy dropped it after {took:.2f}s and closed its connections "
-                  f"{unused:.2f}s later)")
+        self.note(f"removed {name} (Envoy dropped it after {took:.2f}s and closed its connections {unused:.2f}s later)")
 
     def wait_for_traffic_to(self, name: str, *, at_least: int = 20) -> None:
         """Wait until Envoy has sent ``at_least`` requests to upstream ``name`` (it carries load)."""
@@ -242,8 +241,10 @@ def check_clean(result: WrkResult, label: str, changes: list[str], envoy: Envoy)
     if problems:
         counters = {name: value for name, value in envoy.stats(ENVOY_ERROR_STATS).items() if value}
         pytest.fail(
-            f"{label}: {'; '.join(problems)}\nchanges:\n" + "\n".join(changes)
-            + f"\nEnvoy's error counters: {counters}\n" + result.output,
+            f"{label}: {'; '.join(problems)}\nchanges:\n"
+            + "\n".join(changes)
+            + f"\nEnvoy's error counters: {counters}\n"
+            + result.output,
             pytrace=False,
         )
 
@@ -451,8 +452,10 @@ def test_control_plane_sigkill_under_load_then_restart_sends_nothing(processes: 
 
     def write_file(upstream: Upstream | None = None) -> None:
         serving = [*(deployment.upstreams[name] for name in deployment.serving), *([upstream] if upstream else [])]
-        write_services(snapshot, {SERVICE: {
-            "listen": deployment.listen, "protocol": "http", "endpoints": [address(u) for u in serving]}})
+        write_services(
+            snapshot,
+            {SERVICE: {"listen": deployment.listen, "protocol": "http", "endpoints": [address(u) for u in serving]}},
+        )
 
     write_file()
     control_plane = deployment.control_plane
@@ -464,8 +467,11 @@ def test_control_plane_sigkill_under_load_then_restart_sends_nothing(processes: 
     wrk = Wrk.start(processes, deployment.url, duration_s=10)
     wait_for_load(envoy)
     control_plane.stop(kill=True)
-    wait_until(lambda: envoy.stat("control_plane.connected_state") == 0, timeout=5,
-               what="Envoy to notice the control plane is gone")
+    wait_until(
+        lambda: envoy.stat("control_plane.connected_state") == 0,
+        timeout=5,
+        what="Envoy to notice the control plane is gone",
+    )
     wait_for_load(envoy)  # Envoy keeps proxying without its control plane
 
     second = control_plane.start()
@@ -476,8 +482,7 @@ def test_control_plane_sigkill_under_load_then_restart_sends_nothing(processes: 
             what=f"Envoy's reconnect request for {short_type(type_url)}",
             timeout=10,
         )
-    wait_until(lambda: envoy.stat("control_plane.connected_state") == 1, timeout=5,
-               what="Envoy to be connected again")
+    wait_until(lambda: envoy.stat("control_plane.connected_state") == 1, timeout=5, what="Envoy to be connected again")
     assert {kind: r["version_info"] for kind, r in requests.items()} == acked, (
         "Envoy reconnects with the versions it ACKed before"
     )
@@ -503,9 +508,7 @@ def test_control_plane_sigkill_under_load_then_restart_sends_nothing(processes: 
 # -- the registry without Envoy: no-ops, bursts, flapping -----------------------------------------
 
 
-def start_registry_only(
-    processes: ProcessGroup, *options: str
-) -> tuple[RegistryClient, EventLog, str]:
+def start_registry_only(processes: ProcessGroup, *options: str) -> tuple[RegistryClient, EventLog, str]:
     """pilotfish with only the registry as source and service ``web`` defined through it, and
     served: the definition's snapshot is loaded."""
     control_plane = ControlPlane(processes, None, free_port(), registry_port=free_port(), options=options)
@@ -547,8 +550,11 @@ def wait_for_server_clock(
         if event["ts"] >= past:
             break
         if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}: pilotfish's clock did not reach "
-                        f"{past:.3f} (last event at {event['ts']:.3f})", pytrace=False)
+            pytest.fail(
+                f"timed out after {timeout:g}s waiting for {what}: pilotfish's clock did not reach "
+                f"{past:.3f} (last event at {event['ts']:.3f})",
+                pytrace=False,
+            )
         time.sleep(0.1)  # the poll interval: each poke is a request to the server
     for _ in range(2):
         mark = events.mark()
@@ -620,11 +626,12 @@ def test_a_burst_of_registrations_is_one_snapshot(processes: ProcessGroup) -> No
     statuses, took = asyncio.run(register_concurrently(registry.base_url, list(range(20000, 20100))))
     assert statuses == [201] * 100
     # The 201s can arrive before the server has written the events of the last registrations.
-    registered = events.wait_for_count(is_event("registry_registered"), 100, what="the 100 registrations",
-                                       after=mark)
+    registered = events.wait_for_count(is_event("registry_registered"), 100, what="the 100 registrations", after=mark)
     spread = registered[-1]["ts"] - registered[0]["ts"]
-    print(f"\n100 registrations: {took * 1e3:.0f} ms on the client, {spread * 1e3:.0f} ms between the first "
-          "and last registered on the server")
+    print(
+        f"\n100 registrations: {took * 1e3:.0f} ms on the client, {spread * 1e3:.0f} ms between the first "
+        "and last registered on the server"
+    )
 
     burst = events.wait_for(is_event("snapshot_loaded"), what="the burst's snapshot", after=mark)
     assert events.index_of(burst) > events.index_of(registered[-1]), (
@@ -680,8 +687,12 @@ def test_a_flapping_endpoint_makes_a_bounded_number_of_pushes(
     flapped_for = time.monotonic() - start
 
     # Once it has stayed for the hold, the endpoint is back: the very content from before.
-    back = events.wait_for(lambda e: e["event"] == "snapshot_loaded" and e["versions"] == stable,
-                           what="the endpoint re-added after the hold", after=mark, timeout=5)
+    back = events.wait_for(
+        lambda e: e["event"] == "snapshot_loaded" and e["versions"] == stable,
+        what="the endpoint re-added after the hold",
+        after=mark,
+        timeout=5,
+    )
     # A marker registration once the endpoint is back: nothing the flapping caused comes after it.
     marker_mark = events.mark()
     registry.register(SERVICE, "127.0.0.1", 9003)
@@ -689,8 +700,10 @@ def test_a_flapping_endpoint_makes_a_bounded_number_of_pushes(
     loaded = events.select(is_event("snapshot_loaded"), after=mark)
     assert loaded[-1] is marker, events.describe(after=mark)
     loaded = loaded[:-1]
-    print(f"\nflapping {flips} times in {flapped_for:.2f}s: {len(loaded)} snapshots pushed "
-          f"({len(events.select(is_event('snapshot_unchanged'), after=mark))} builds changed nothing)")
+    print(
+        f"\nflapping {flips} times in {flapped_for:.2f}s: {len(loaded)} snapshots pushed "
+        f"({len(events.select(is_event('snapshot_unchanged'), after=mark))} builds changed nothing)"
+    )
     assert 1 <= len(loaded) <= FLAP_PUSH_BOUND, events.describe(after=mark)
     assert loaded[0]["versions"] != stable, "the first push removes the flapping endpoint"
     assert loaded[-1] is back, "nothing was pushed after the endpoint came back"
@@ -711,11 +724,18 @@ def test_an_instance_without_heartbeats_leaves_envoy_when_its_ttl_lapses(process
 
     registry.register(SERVICE, "127.0.0.1", lapsing.port, ttl=1)
     # Seen in Envoy first (within a debounce window; polled fast, as the TTL is only 1 s) ...
-    wait_until(lambda: address(lapsing) in envoy.cluster_endpoints(SERVICE), timeout=5, interval=0.02,
-               what="the TTL instance to reach Envoy")
+    wait_until(
+        lambda: address(lapsing) in envoy.cluster_endpoints(SERVICE),
+        timeout=5,
+        interval=0.02,
+        what="the TTL instance to reach Envoy",
+    )
     # ... then gone, with no heartbeat.
-    events.wait_for(is_event("registry_expired", service=SERVICE, instance=address(lapsing)),
-                    what="the TTL instance to expire", timeout=5)
+    events.wait_for(
+        is_event("registry_expired", service=SERVICE, instance=address(lapsing)),
+        what="the TTL instance to expire",
+        timeout=5,
+    )
     envoy.wait_for_endpoints(SERVICE, [address(lasting)], timeout=CHANGE_TIMEOUT_S)
     assert http_get(f"http://{deployment.listen}/") == (200, "u0")
 
@@ -754,4 +774,3 @@ def test_bad_etcd_values_are_reported_and_left_out(processes: ProcessGroup) -> N
     assert not events.select(is_event("snapshot_error"), after=mark), "a bad value is left out, not an error"
     replies = {http_get(deployment.url)[1] for _ in range(10)}
     assert replies == {"u0", "u1"}, replies
-

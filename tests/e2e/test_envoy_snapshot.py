@@ -32,6 +32,7 @@ WITHOUT_VALIDATION = ("--validate", "off")
 """V3 breaks Envoy's own rules, which pilotfish checks before serving; the tests of Envoy's NACK
 turn that off so the content reaches Envoy (tests/e2e/test_never_break_the_fleet.py has it on)."""
 
+
 def sent_then_acked(testbed: Testbed, type_url: str, version: str, *, after: int) -> None:
     """The server sent ``type_url`` at ``version`` and Envoy ACKed that very response."""
     events = testbed.events
@@ -147,8 +148,11 @@ def test_rejected_clusters_keep_last_good_version(testbed: Testbed) -> None:
         "the rejected clusters are sent once on Envoy's one stream, not again after the NACK\n"
         + events.describe(after=mark)
     )
-    wait_until(lambda: envoy.stat("cluster_manager.cds.version_text") == "4", timeout=10,
-               what="Envoy to accept the fixed clusters")
+    wait_until(
+        lambda: envoy.stat("cluster_manager.cds.version_text") == "4",
+        timeout=10,
+        what="Envoy to accept the fixed clusters",
+    )
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
@@ -199,12 +203,17 @@ def test_envoy_keeps_serving_and_reconnects_across_server_restart(testbed: Testb
 
 @pytest.mark.parametrize("variant", ["sotw", "delta"])
 def test_hot_restart_finishes_in_flight_request_and_child_gets_everything(
-    testbed: Testbed, variant: str,
+    testbed: Testbed,
+    variant: str,
 ) -> None:
     base_id = random_base_id()
     # The parent must outlive the slow request: the child ends it after parent_shutdown_time_s.
-    hot_restart: dict[str, Any] = {"base_id": base_id, "drain_time_s": 2, "parent_shutdown_time_s": 15,
-                                   "bootstrap_options": ("--delta",) if variant == "delta" else ()}
+    hot_restart: dict[str, Any] = {
+        "base_id": base_id,
+        "drain_time_s": 2,
+        "parent_shutdown_time_s": 15,
+        "bootstrap_options": ("--delta",) if variant == "delta" else (),
+    }
     parent = testbed.start(version="1", envoy_options=hot_restart | {"restart_epoch": 0})
     events = testbed.events
 
@@ -303,8 +312,11 @@ def test_equal_content_without_version_sends_nothing(testbed: Testbed) -> None:
     marker = events.wait_for(is_event("snapshot_loaded"), what="the marker change loaded", after=marker_mark)
     assert events.select(is_event("snapshot_loaded"), after=mark) == [marker], events.describe(after=mark)
     assert events.select(is_event("snapshot_error"), after=mark) == [], events.describe(after=mark)
-    resent = [e for e in events.select(is_event("sent"), after=mark)
-              if e["version"] == loaded["versions"][short_type(e["type"])]]
+    resent = [
+        e
+        for e in events.select(is_event("sent"), after=mark)
+        if e["version"] == loaded["versions"][short_type(e["type"])]
+    ]
     assert resent == [], "equal content was pushed again\n" + events.describe(after=mark)
     wait_until(
         lambda: testbed.request("/direct") == (200, "direct marker"),

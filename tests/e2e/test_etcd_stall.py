@@ -39,7 +39,8 @@ def instance_ids(registry_url: str) -> list[str]:
 
 
 def test_a_stalled_etcd_is_reported_within_the_keepalive_and_followed_again_when_it_resumes(
-        processes: ProcessGroup) -> None:
+    processes: ProcessGroup,
+) -> None:
     etcd = Etcd.start(processes)
     etcd.put_json("/pilotfish/services/web", {"listen": f"127.0.0.1:{free_port()}", "protocol": "http"})
     etcd.put_json("/pilotfish/instances/web/a", {"address": "127.0.0.1", "port": 9001})
@@ -52,8 +53,9 @@ def test_a_stalled_etcd_is_reported_within_the_keepalive_and_followed_again_when
     paused_at = time.time()
     etcd.pause()
     try:
-        lost = events.wait_for(is_event("etcd_disconnected"), after=mark, timeout=KEEPALIVE_S + 10,
-                               what="the stalled etcd to be reported")
+        lost = events.wait_for(
+            is_event("etcd_disconnected"), after=mark, timeout=KEEPALIVE_S + 10, what="the stalled etcd to be reported"
+        )
         noticed = lost["ts"] - paused_at
         assert noticed <= KEEPALIVE_S + SLACK_S, f"noticed {noticed:.2f}s after the stall: {lost}"
         assert f"etcd at {etcd.address}" in lost["reason"], lost
@@ -68,12 +70,19 @@ def test_a_stalled_etcd_is_reported_within_the_keepalive_and_followed_again_when
     events.wait_for(is_event("etcd_synced"), after=resumed, timeout=20, what="the replica to list etcd again")
     built = events.mark()
     revision = etcd.put_json("/pilotfish/instances/web/b", {"address": "127.0.0.1", "port": 9002})
-    events.wait_for(is_event("snapshot_loaded"), after=built, timeout=10,
-                    what="the change written after etcd resumed to reach the served snapshot")
+    events.wait_for(
+        is_event("snapshot_loaded"),
+        after=built,
+        timeout=10,
+        what="the change written after etcd resumed to reach the served snapshot",
+    )
     assert instance_ids(plane.registry_url) == ["127.0.0.1:9001", "127.0.0.1:9002"]
-    wait_until(lambda: http_json("GET", f"http://{plane.admin}/healthz")[1]["etcd"].get("lag") == 0, timeout=10,
-               what="the replica to report itself caught up",
-               details=lambda: str(http_json("GET", f"http://{plane.admin}/healthz")[1]))
+    wait_until(
+        lambda: http_json("GET", f"http://{plane.admin}/healthz")[1]["etcd"].get("lag") == 0,
+        timeout=10,
+        what="the replica to report itself caught up",
+        details=lambda: str(http_json("GET", f"http://{plane.admin}/healthz")[1]),
+    )
     status, health = http_json("GET", f"http://{plane.admin}/healthz")
     assert health["etcd"]["connected"] is True and health["etcd"]["revision"] >= revision, health
 
@@ -111,8 +120,9 @@ class SilentMiddlebox:
         if first.startswith(b"POST /v3/watch"):
             self._watches.append(state)
         etcd_writer.write(first)
-        await asyncio.gather(self._pipe(client_reader, etcd_writer, state),
-                             self._pipe(etcd_reader, client_writer, state))
+        await asyncio.gather(
+            self._pipe(client_reader, etcd_writer, state), self._pipe(etcd_reader, client_writer, state)
+        )
 
     @staticmethod
     async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, bool]) -> None:
@@ -125,7 +135,8 @@ class SilentMiddlebox:
 
 
 def test_a_watch_connection_dropped_silently_is_made_again_by_the_first_change_it_misses(
-        processes: ProcessGroup) -> None:
+    processes: ProcessGroup,
+) -> None:
     etcd = Etcd.start(processes)
     asyncio.run(_dropped_watch(etcd))
 
@@ -134,8 +145,13 @@ async def _dropped_watch(etcd: Etcd) -> None:
     middlebox = SilentMiddlebox(etcd.client_port)
     await middlebox.start()
     events: list[tuple[str, dict[str, Any]]] = []
-    source = EtcdSource(f"127.0.0.1:{middlebox.port}", "/pilotfish/", on_state=lambda _: None,
-                        on_event=lambda name, **fields: events.append((name, fields)), keepalive=KEEPALIVE_S)
+    source = EtcdSource(
+        f"127.0.0.1:{middlebox.port}",
+        "/pilotfish/",
+        on_state=lambda _: None,
+        on_event=lambda name, **fields: events.append((name, fields)),
+        keepalive=KEEPALIVE_S,
+    )
     following = asyncio.create_task(source.run())
 
     async def seen(key: str, timeout: float) -> float:

@@ -50,8 +50,9 @@ def ask(sock: socket.socket, path: str) -> bytes:
             return b""
         received += chunk
     head, _, rest = received.partition(b"\r\n\r\n")
-    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)
+    length = next(
+        (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+    )
     while len(rest) < length:  # read the body, so the next request's answer starts clean
         chunk = sock.recv(65536)
         if not chunk:
@@ -93,10 +94,22 @@ def rest_port() -> int:
 @pytest.fixture
 def control_plane(processes: ProcessGroup, rest_port: int) -> ControlPlane:
     rest = rest_port
-    cp = ControlPlane(processes, SNAPSHOT, free_port(), registry_port=free_port(), options=(
-        "--rest", f"127.0.0.1:{rest}",
-        "--registry-max-connections-per-address", str(CAP), "--rest-max-connections", str(CAP),
-        "--admin-max-connections-per-address", str(CAP)))
+    cp = ControlPlane(
+        processes,
+        SNAPSHOT,
+        free_port(),
+        registry_port=free_port(),
+        options=(
+            "--rest",
+            f"127.0.0.1:{rest}",
+            "--registry-max-connections-per-address",
+            str(CAP),
+            "--rest-max-connections",
+            str(CAP),
+            "--admin-max-connections-per-address",
+            str(CAP),
+        ),
+    )
     cp.start()
     return cp
 
@@ -107,7 +120,8 @@ def _stderr(cp: ControlPlane) -> str:
 
 @pytest.mark.parametrize("port_name", ["registry", "admin"])
 def test_a_connection_over_the_per_address_cap_is_refused_and_those_under_it_are_answered(
-        control_plane: ControlPlane, port_name: str) -> None:
+    control_plane: ControlPlane, port_name: str
+) -> None:
     port = control_plane.registry_port if port_name == "registry" else control_plane.admin_port
     assert port is not None
     source = "127.0.0.2" if port_name == "registry" else "127.0.0.3"
@@ -117,19 +131,29 @@ def test_a_connection_over_the_per_address_cap_is_refused_and_those_under_it_are
             assert ask(sock, "/healthz") == b"HTTP/1.1 200 OK"
         assert not refused(port, "127.0.0.9", "/healthz")  # another address is served
         flag = f"--{port_name}-max-connections-per-address"
-        wait_until(lambda: f"refused a connection from {source}: {CAP} connections from this address are open, "
-                           f"the limit ({flag})" in _stderr(control_plane),
-                   timeout=TIMEOUT, what="the refusal in the log", details=lambda: _stderr(control_plane))
+        wait_until(
+            lambda: (
+                f"refused a connection from {source}: {CAP} connections from this address are open, "
+                f"the limit ({flag})" in _stderr(control_plane)
+            ),
+            timeout=TIMEOUT,
+            what="the refusal in the log",
+            details=lambda: _stderr(control_plane),
+        )
         socks[0].close()
         # Its place is free once the server has seen it close.
-        wait_until(lambda: not refused(port, source, "/healthz"), timeout=TIMEOUT,
-                   what="a new connection to be served once one closed")
+        wait_until(
+            lambda: not refused(port, source, "/healthz"),
+            timeout=TIMEOUT,
+            what="a new connection to be served once one closed",
+        )
         for sock in socks[1:]:
             assert ask(sock, "/healthz") == b"HTTP/1.1 200 OK"
 
 
 def test_a_connection_over_the_total_cap_of_rest_xds_is_refused_and_those_under_it_are_answered(
-        control_plane: ControlPlane, rest_port: int) -> None:
+    control_plane: ControlPlane, rest_port: int
+) -> None:
     port = rest_port
     path = "/v3/discovery:clusters"  # a GET: 405, an answer all the same
     sources = [f"127.0.0.{10 + i}" for i in range(CAP)]
@@ -137,9 +161,16 @@ def test_a_connection_over_the_total_cap_of_rest_xds_is_refused_and_those_under_
         assert refused(port, "127.0.0.20", path)
         for sock in socks:
             assert ask(sock, path).startswith(b"HTTP/1.1 405")
-        wait_until(lambda: "the limit (--rest-max-connections)" in _stderr(control_plane), timeout=TIMEOUT,
-                   what="the refusal in the log", details=lambda: _stderr(control_plane))
+        wait_until(
+            lambda: "the limit (--rest-max-connections)" in _stderr(control_plane),
+            timeout=TIMEOUT,
+            what="the refusal in the log",
+            details=lambda: _stderr(control_plane),
+        )
         socks[0].close()
-        wait_until(lambda: not refused(port, "127.0.0.20", path), timeout=TIMEOUT,
-                   what="a new connection to be served once one closed")
+        wait_until(
+            lambda: not refused(port, "127.0.0.20", path),
+            timeout=TIMEOUT,
+            what="a new connection to be served once one closed",
+        )
     assert "Traceback" not in _stderr(control_plane)

@@ -34,8 +34,8 @@ def endpoints_by_cluster(envoy: Envoy) -> dict[str, list[str]]:
     for status in data.get("cluster_statuses", []):
         hosts = status.get("host_statuses", [])
         found[status["name"]] = sorted(
-            f"{h['address']['socket_address']['address']}:{h['address']['socket_address']['port_value']}"
-            for h in hosts)
+            f"{h['address']['socket_address']['address']}:{h['address']['socket_address']['port_value']}" for h in hosts
+        )
     return found
 
 
@@ -53,8 +53,11 @@ def test_one_service_changed_among_many_sends_one_assignment(processes: ProcessG
     wait_for_acks(events, node=NODE, what="Envoy's initial configuration")
     first = events.select(is_event("sent", node=NODE, type=EDS))
     assert [e["resources"] for e in first] == [SERVICES + 1], "the first response carries every assignment"
-    wait_until(lambda: all(endpoints_by_cluster(envoy).get(n) == [f"127.0.0.1:{a.port}"] for n in ["web", *names]),
-               timeout=10, what="Envoy to have every cluster's endpoint")
+    wait_until(
+        lambda: all(endpoints_by_cluster(envoy).get(n) == [f"127.0.0.1:{a.port}"] for n in ["web", *names]),
+        timeout=10,
+        what="Envoy to have every cluster's endpoint",
+    )
     load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=8, connections=10)
 
     # One service's endpoints change: one assignment is sent, and Envoy keeps every other one.
@@ -63,8 +66,11 @@ def test_one_service_changed_among_many_sends_one_assignment(processes: ProcessG
     write_services(path, many_services(listen_port, ports))
     envoy.wait_for_endpoints("svc-17", [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"])
     sent = events.wait_for(is_event("sent", node=NODE, type=EDS), after=mark, what="the EDS response")
-    events.wait_for(is_event("ack", node=NODE, type=EDS, version_info=sent["version"]), after=mark,
-                    what="Envoy's ACK of the new endpoints")
+    events.wait_for(
+        is_event("ack", node=NODE, type=EDS, version_info=sent["version"]),
+        after=mark,
+        what="Envoy's ACK of the new endpoints",
+    )
     assert sent["resources"] == 1, f"one changed assignment, not {sent['resources']}"
     have = endpoints_by_cluster(envoy)
     lost = [n for n in ["web", *names] if n != "svc-17" and have.get(n) != [f"127.0.0.1:{a.port}"]]

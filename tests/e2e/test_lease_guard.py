@@ -47,8 +47,9 @@ async def _scenario(address: str) -> None:
             # Self-preservation off: every lapsed instance would be expired, so any expiry of a
             # heartbeating one shows.
             events = EventLog()
-            guard = LeaseGuard(registry, lambda: SelfPreservation(enabled=False, recheck=0.2), events=events,
-                               max_asks=3)
+            guard = LeaseGuard(
+                registry, lambda: SelfPreservation(enabled=False, recheck=0.2), events=events, max_asks=3
+            )
             silent = "127.0.0.1:9000"
             for _ in range(int(2.5 * TTL / 0.2)):  # 2.5 TTLs of passes, heartbeating all but one
                 for service, endpoint in list(source.view.instances.values()):
@@ -65,7 +66,8 @@ async def _scenario(address: str) -> None:
 
 
 def test_the_stored_self_preservation_setting_decides_and_a_bad_one_is_reported(
-        processes: ProcessGroup, caplog: pytest.LogCaptureFixture) -> None:
+    processes: ProcessGroup, caplog: pytest.LogCaptureFixture
+) -> None:
     """What ``PUT /v1/self-preservation`` stores in etcd is the rule the guard applies; a value
     someone else wrote there that does not parse is named in the log and the flags decide."""
     etcd = Etcd.start(processes)

@@ -60,14 +60,19 @@ class Fleet:
     def stderr(self) -> str:
         return self.testbed.control_plane.process.stderr_path.read_text(errors="replace")
 
-    def case(self, name: str, make_mistake: Callable[[], object], *, event: Callable[[Event], bool],
-             log_says: str) -> Event:
+    def case(
+        self, name: str, make_mistake: Callable[[], object], *, event: Callable[[Event], bool], log_says: str
+    ) -> Event:
         """Make one mistake; wait until pilotfish reports it; check that nothing reached Envoy."""
         mark, logged = self.events.mark(), len(self.stderr())
         make_mistake()
         found = self.events.wait_for(event, what=f"{name}: pilotfish reports it", after=mark, timeout=15)
-        wait_until(lambda: log_says in self.stderr()[logged:], timeout=10, what=f"{name}: the log says {log_says!r}",
-                   details=lambda: self.stderr()[logged:][-2000:])
+        wait_until(
+            lambda: log_says in self.stderr()[logged:],
+            timeout=10,
+            what=f"{name}: the log says {log_says!r}",
+            details=lambda: self.stderr()[logged:][-2000:],
+        )
         assert not self.events.select(is_event("snapshot_loaded"), after=mark), f"{name}: nothing is published"
         assert not self.events.select(is_event("nack"), after=mark), f"{name}: Envoy never saw it to NACK it"
         assert dynamic_config_hash(self.envoy) == self.config, f"{name}: Envoy's configuration is unchanged"
@@ -86,21 +91,40 @@ def test_no_mistake_reaches_a_proxy_under_load(processes: ProcessGroup) -> None:
     fleet = Fleet(testbed, envoy)
     path, good = fleet.path, fleet.good_text
     wrk = Wrk.start(processes, f"http://127.0.0.1:{testbed.listener_port}/", duration_s=LOAD_S)
-    wait_until(lambda: int(envoy.stat("cluster.web.upstream_rq_completed") or 0) > 100, timeout=15,
-               what="wrk's requests to reach the web cluster")
+    wait_until(
+        lambda: int(envoy.stat("cluster.web.upstream_rq_completed") or 0) > 100,
+        timeout=15,
+        what="wrk's requests to reach the web cluster",
+    )
 
-    fleet.case("truncate to empty", lambda: path.write_bytes(b""),
-               event=snapshot_error("the file is empty"), log_says="the file is empty")
-    fleet.case("comment-only file", lambda: path.write_text("# moved to etcd\n# clusters: []\n"),
-               event=snapshot_error("only comments"), log_says="only comments")
-    fleet.case("a byte that is not UTF-8", lambda: path.write_bytes(good.encode() + b"# \xff\n"),
-               event=snapshot_error("not UTF-8"), log_says="not UTF-8 (byte 0xff)")
+    fleet.case(
+        "truncate to empty",
+        lambda: path.write_bytes(b""),
+        event=snapshot_error("the file is empty"),
+        log_says="the file is empty",
+    )
+    fleet.case(
+        "comment-only file",
+        lambda: path.write_text("# moved to etcd\n# clusters: []\n"),
+        event=snapshot_error("only comments"),
+        log_says="only comments",
+    )
+    fleet.case(
+        "a byte that is not UTF-8",
+        lambda: path.write_bytes(good.encode() + b"# \xff\n"),
+        event=snapshot_error("not UTF-8"),
+        log_says="not UTF-8 (byte 0xff)",
+    )
 
     # Half a file, then (once pilotfish has seen the half) the rest: the half is refused or held,
     # the whole is what is served already.
     half = len(good) // 2
-    fleet.case("half a file", lambda: path.write_text(good[:half]),
-               event=lambda e: e["event"] in ("snapshot_error", "snapshot_held"), log_says=str(path))
+    fleet.case(
+        "half a file",
+        lambda: path.write_text(good[:half]),
+        event=lambda e: e["event"] in ("snapshot_error", "snapshot_held"),
+        log_says=str(path),
+    )
     mark = fleet.events.mark()
     with path.open("a") as file:
         file.write(good[half:])
@@ -112,8 +136,9 @@ def test_no_mistake_reaches_a_proxy_under_load(processes: ProcessGroup) -> None:
         document["clusters"][0]["connect_timeout"] = "0s"
         path.write_text(yaml.safe_dump(document))
 
-    fleet.case("connect_timeout: 0s", zero_connect_timeout,
-               event=snapshot_error("connect_timeout"), log_says="connect_timeout")
+    fleet.case(
+        "connect_timeout: 0s", zero_connect_timeout, event=snapshot_error("connect_timeout"), log_says="connect_timeout"
+    )
     path.write_text(good)
 
     # A registry service on the listener's address: refused (409) against the merged state.
@@ -122,7 +147,8 @@ def test_no_mistake_reaches_a_proxy_under_load(processes: ProcessGroup) -> None:
 
     def conflicting_put() -> None:
         status["code"], status["body"] = http_json(
-            "PUT", f"{registry}/v1/services/web2", {"listen": f"127.0.0.1:{testbed.listener_port}"})
+            "PUT", f"{registry}/v1/services/web2", {"listen": f"127.0.0.1:{testbed.listener_port}"}
+        )
 
     mark = fleet.events.mark()
     conflicting_put()
@@ -135,8 +161,12 @@ def test_no_mistake_reaches_a_proxy_under_load(processes: ProcessGroup) -> None:
 
     without_listeners = yaml.safe_load(good)
     without_listeners["listeners"] = []
-    held = fleet.case("remove every listener", lambda: path.write_text(yaml.safe_dump(without_listeners)),
-                      event=is_event("snapshot_held"), log_says="HELD")
+    held = fleet.case(
+        "remove every listener",
+        lambda: path.write_text(yaml.safe_dump(without_listeners)),
+        event=is_event("snapshot_held"),
+        log_says="HELD",
+    )
     assert held["reasons"] == ["it removes every listener (1)"]
     assert f"kill -USR1 {testbed.control_plane.process.pid}" in fleet.stderr(), "pilotfish says how to confirm"
 
@@ -166,21 +196,30 @@ def test_serve_restarted_while_etcd_is_down_keeps_the_fleet(processes: ProcessGr
     events = control_plane.start()
     envoy = Envoy.start(processes, name="envoy", node_id=NODE, xds_address=control_plane.address)
     wait_for_acks(events, node=NODE, what="the configuration from etcd")
-    wait_until(lambda: envoy.cluster_endpoints("web") == sorted(f"127.0.0.1:{u.port}" for u in upstreams),
-               timeout=10, what="Envoy to have both endpoints")
+    wait_until(
+        lambda: envoy.cluster_endpoints("web") == sorted(f"127.0.0.1:{u.port}" for u in upstreams),
+        timeout=10,
+        what="Envoy to have both endpoints",
+    )
     config = dynamic_config_hash(envoy)
 
     wrk = Wrk.start(processes, f"http://{listen}/", duration_s=25)
-    wait_until(lambda: int(envoy.stat("cluster.web.upstream_rq_completed") or 0) > 100, timeout=15,
-               what="wrk's requests to reach the web cluster")
+    wait_until(
+        lambda: int(envoy.stat("cluster.web.upstream_rq_completed") or 0) > 100,
+        timeout=15,
+        what="wrk's requests to reach the web cluster",
+    )
 
     etcd.stop()
     control_plane.stop()
     events = control_plane.start()
     waiting = events.wait_for(is_event("waiting_for_sources"), what="serve says it waits for etcd", timeout=5)
     assert waiting["sources"] == ["etcd"] and etcd.address in waiting["reasons"][0], waiting
-    wait_until(lambda: f"etcd at {etcd.address}" in control_plane.process.stderr_path.read_text(), timeout=5,
-               what="the log to name etcd")
+    wait_until(
+        lambda: f"etcd at {etcd.address}" in control_plane.process.stderr_path.read_text(),
+        timeout=5,
+        what="the log to name etcd",
+    )
     stream = events.wait_for(is_event("stream_open", node=NODE), what="Envoy to reconnect", timeout=15)
     assert not events.select(is_event("snapshot_loaded")), "nothing is published while etcd is unknown"
     assert not events.select(is_event("sent", node=NODE)), "the reconnected Envoy is sent nothing"
@@ -191,10 +230,12 @@ def test_serve_restarted_while_etcd_is_down_keeps_the_fleet(processes: ProcessGr
     etcd.delete("/pilotfish/instances/web/u1")
     mark = events.index_of(stream)
     events.wait_for(is_event("snapshot_loaded"), what="etcd's state published once it is back", after=mark, timeout=20)
-    wait_until(lambda: envoy.cluster_endpoints("web") == [f"127.0.0.1:{upstreams[0].port}"], timeout=10,
-               what="Envoy to follow etcd's current state")
+    wait_until(
+        lambda: envoy.cluster_endpoints("web") == [f"127.0.0.1:{upstreams[0].port}"],
+        timeout=10,
+        what="Envoy to follow etcd's current state",
+    )
     assert wrk.running(), "etcd was down and back under load"
     result = wrk.result()
     print(f"\nwrk across the restart: {result.summary()}")
     assert result.problems() == [], result.summary()
-

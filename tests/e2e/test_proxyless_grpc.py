@@ -46,12 +46,14 @@ SETTLED = 100
 
 def _after(client: GrpcClient, start: int, count: int) -> list[str] | None:
     calls = client.calls()
-    return calls[start:start + count] if len(calls) >= start + count else None
+    return calls[start : start + count] if len(calls) >= start + count else None
 
 
 @pytest.mark.parametrize("source", ["file", "registry"])
 def test_calls_through_xds_spread_over_two_backends_and_follow_a_removal_without_a_failed_call(
-    processes: ProcessGroup, tmp_path: Path, source: str,
+    processes: ProcessGroup,
+    tmp_path: Path,
+    source: str,
 ) -> None:
     a, b = GrpcBackend.start(processes, "a"), GrpcBackend.start(processes, "b")
     snapshot = tmp_path / "services.yaml"  # the file source's
@@ -72,8 +74,12 @@ def test_calls_through_xds_spread_over_two_backends_and_follow_a_removal_without
     assert json.loads(bootstrap.read_text())["node"]["locality"] == {"region": "", "zone": ""}
 
     client = GrpcClient.start(processes, "grpc-client", target="xds:///echo", bootstrap=bootstrap)
-    first = wait_until(lambda: _after(client, 0, SPREAD_CALLS), timeout=30, what=f"{SPREAD_CALLS} calls",
-                       details=lambda: client.process.output_tail() + "\n" + events.describe())
+    first = wait_until(
+        lambda: _after(client, 0, SPREAD_CALLS),
+        timeout=30,
+        what=f"{SPREAD_CALLS} calls",
+        details=lambda: client.process.output_tail() + "\n" + events.describe(),
+    )
     # The client joined the built-in gRPC group (its user agent says gRPC) and so was sent the
     # API listener "echo", not a socket listener it would drop.
     opened = events.find(lambda e: e["event"] == "stream_open" and e["node"] == "client-1")
@@ -93,40 +99,65 @@ def test_calls_through_xds_spread_over_two_backends_and_follow_a_removal_without
         last_b = max((i for i, who in enumerate(calls) if who == "b"), default=-1)
         return removed_at + last_b + 1 if len(calls) - (last_b + 1) >= SETTLED else None
 
-    moved_at = wait_until(settled, timeout=20, what=f"{SETTLED} calls in a row to backend a after removing b",
-                          details=lambda: "\n".join(client.calls()[-20:]) + "\n" + events.describe())
+    moved_at = wait_until(
+        settled,
+        timeout=20,
+        what=f"{SETTLED} calls in a row to backend a after removing b",
+        details=lambda: "\n".join(client.calls()[-20:]) + "\n" + events.describe(),
+    )
     b.process.stop()
-    after = wait_until(lambda: _after(client, moved_at, 2 * SETTLED + SPREAD_CALLS), timeout=30,
-                       what="calls after stopping backend b")
+    after = wait_until(
+        lambda: _after(client, moved_at, 2 * SETTLED + SPREAD_CALLS), timeout=30, what="calls after stopping backend b"
+    )
     assert set(after) == {"a"}, Counter(after)
     calls = client.calls()
     assert [c for c in calls if c.startswith("ERROR")] == [], "a call failed"
-    print(f"\n{source}: {len(calls)} calls; spread before the removal {dict(counts)}; "
-          f"{moved_at - removed_at} calls between the removal and the last call to b")
+    print(
+        f"\n{source}: {len(calls)} calls; spread before the removal {dict(counts)}; "
+        f"{moved_at - removed_at} calls between the removal and the last call to b"
+    )
 
 
 def test_a_zone_group_calls_only_its_zones_backend_of_a_zone_local_service(
-    processes: ProcessGroup, tmp_path: Path,
+    processes: ProcessGroup,
+    tmp_path: Path,
 ) -> None:
     east, west = GrpcBackend.start(processes, "east"), GrpcBackend.start(processes, "west")
     snapshot = tmp_path / "services.yaml"
-    write_services(snapshot, {"echo": {"grpc": True, "zone_local": True, "endpoints": [
-        {"address": "127.0.0.1", "port": east.port, "zone": "east"},
-        {"address": "127.0.0.1", "port": west.port, "zone": "west"}]}})
-    control = ControlPlane(processes, snapshot, free_port(),
-                           options=("--quiet-ms", "20", "--node-group", "east:grpc@east=zone:east"))
+    write_services(
+        snapshot,
+        {
+            "echo": {
+                "grpc": True,
+                "zone_local": True,
+                "endpoints": [
+                    {"address": "127.0.0.1", "port": east.port, "zone": "east"},
+                    {"address": "127.0.0.1", "port": west.port, "zone": "west"},
+                ],
+            }
+        },
+    )
+    control = ControlPlane(
+        processes, snapshot, free_port(), options=("--quiet-ms", "20", "--node-group", "east:grpc@east=zone:east")
+    )
     events = control.start()
     clients = {}
     for zone in ("east", "west"):
         bootstrap = tmp_path / f"grpc-bootstrap-{zone}.json"
-        bootstrap.write_text(pilotfish("bootstrap", "--grpc", "--node-id", f"client-{zone}", "--zone", zone,
-                                       "--xds", control.address).stdout)
+        bootstrap.write_text(
+            pilotfish(
+                "bootstrap", "--grpc", "--node-id", f"client-{zone}", "--zone", zone, "--xds", control.address
+            ).stdout
+        )
         clients[zone] = GrpcClient.start(processes, f"grpc-client-{zone}", target="xds:///echo", bootstrap=bootstrap)
     calls = {}
     for zone, client in clients.items():
-        calls[zone] = wait_until(functools.partial(_after, client, 0, SPREAD_CALLS), timeout=30,
-                                 what=f"{SPREAD_CALLS} calls of the {zone} client",
-                                 details=functools.partial(client.process.output_tail))
+        calls[zone] = wait_until(
+            functools.partial(_after, client, 0, SPREAD_CALLS),
+            timeout=30,
+            what=f"{SPREAD_CALLS} calls of the {zone} client",
+            details=functools.partial(client.process.output_tail),
+        )
     # The east client's group has the zone east: only the east backend. No rule names west: that
     # client is in the built-in gRPC group, which sees every endpoint.
     assert Counter(calls["east"]) == {"east": SPREAD_CALLS}
@@ -136,7 +167,8 @@ def test_a_zone_group_calls_only_its_zones_backend_of_a_zone_local_service(
 
 
 def test_one_service_serves_an_envoy_its_socket_listener_and_grpc_clients_its_api_listener(
-    processes: ProcessGroup, tmp_path: Path,
+    processes: ProcessGroup,
+    tmp_path: Path,
 ) -> None:
     # The clash of the issue: a client resolving xds:///web used to be sent the socket listener
     # "web" and drop it. Now the Envoy and the gRPC client are in different node groups, each
@@ -144,13 +176,23 @@ def test_one_service_serves_an_envoy_its_socket_listener_and_grpc_clients_its_ap
     a, b = GrpcBackend.start(processes, "a"), GrpcBackend.start(processes, "b")
     listen = free_port()
     snapshot = tmp_path / "services.yaml"
-    write_services(snapshot, {"web": {"listen": f"127.0.0.1:{listen}", "grpc": True, "upstream_protocol": "http2",
-                                      "endpoints": [a.address, b.address]}})
+    write_services(
+        snapshot,
+        {
+            "web": {
+                "listen": f"127.0.0.1:{listen}",
+                "grpc": True,
+                "upstream_protocol": "http2",
+                "endpoints": [a.address, b.address],
+            }
+        },
+    )
     control = ControlPlane(processes, snapshot, free_port(), options=("--quiet-ms", "20"))
     events = control.start()
     envoy = Envoy.start(processes, name="envoy", node_id="edge-1", xds_address=control.address)
-    wait_until(lambda: port_accepts(listen), timeout=20, what=f"Envoy's listener web on port {listen}",
-               details=envoy.log_tail)
+    wait_until(
+        lambda: port_accepts(listen), timeout=20, what=f"Envoy's listener web on port {listen}", details=envoy.log_tail
+    )
     bootstrap = tmp_path / "grpc-bootstrap.json"
     bootstrap.write_text(pilotfish("bootstrap", "--grpc", "--node-id", "client-1", "--xds", control.address).stdout)
     clients = {
@@ -158,9 +200,12 @@ def test_one_service_serves_an_envoy_its_socket_listener_and_grpc_clients_its_ap
         "via-envoy": GrpcClient.start(processes, "via-envoy", target=f"ipv4:127.0.0.1:{listen}", bootstrap=bootstrap),
     }
     for name, client in clients.items():
-        calls = wait_until(functools.partial(_after, client, 0, SPREAD_CALLS), timeout=30,
-                           what=f"{SPREAD_CALLS} calls of the {name} client",
-                           details=functools.partial(client.process.output_tail))
+        calls = wait_until(
+            functools.partial(_after, client, 0, SPREAD_CALLS),
+            timeout=30,
+            what=f"{SPREAD_CALLS} calls of the {name} client",
+            details=functools.partial(client.process.output_tail),
+        )
         assert set(calls) == {"a", "b"}, (name, Counter(calls))
     groups = {e["node"]: e["group"] for e in events.read() if e["event"] == "stream_open"}
     assert groups == {"edge-1": "default", "client-1": "grpc"}

@@ -38,16 +38,17 @@ def instance_ids(plane: ControlPlane, service: str, *, revision: int | None = No
 def test_a_write_on_one_replica_reads_on_another_and_survives_restarting_them_all(processes: ProcessGroup) -> None:
     etcd = Etcd.start(processes)
     a, b = etcd_replicas(processes, etcd, 2)
-    status, defined = http_json("PUT", a.registry_url + "/v1/services/web",
-                                {"listen": f"127.0.0.1:{free_port()}", "protocol": "http"})
+    status, defined = http_json(
+        "PUT", a.registry_url + "/v1/services/web", {"listen": f"127.0.0.1:{free_port()}", "protocol": "http"}
+    )
     assert status == 200 and defined["revision"] > 0, defined
-    status, registered = http_json("POST", a.registry_url + "/v1/services/web/instances",
-                                   {"address": "127.0.0.1", "port": 9001, "ttl": 60})
+    status, registered = http_json(
+        "POST", a.registry_url + "/v1/services/web/instances", {"address": "127.0.0.1", "port": 9001, "ttl": 60}
+    )
     assert status == 201, registered
     revision = registered["revision"]
     assert revision > defined["revision"]
-    assert etcd.get_json("/pilotfish/instances/web/127.0.0.1:9001") == {"address": "127.0.0.1", "port": 9001,
-                                                                         "ttl": 60}
+    assert etcd.get_json("/pilotfish/instances/web/127.0.0.1:9001") == {"address": "127.0.0.1", "port": 9001, "ttl": 60}
 
     # Read your writes: B answers once it has applied the write's revision, and says its revision.
     assert instance_ids(b, "web", revision=revision) == ["127.0.0.1:9001"]
@@ -143,11 +144,15 @@ def test_an_instance_that_stops_heartbeating_is_dropped_by_every_envoy(processes
     wait_for_acks(b.events, node=NODE, what="Envoy's configuration from replica B")
     both = sorted(f"127.0.0.1:{u.port}" for u in (web, stays))
     envoy.wait_for_endpoints("web", both, timeout=10)
-    wait_until(lambda: time.monotonic() - registered > 2 * TTL_S and heartbeats.sent >= 3, timeout=30,
-               what="the instance to outlive its TTL on B's heartbeats")
+    wait_until(
+        lambda: time.monotonic() - registered > 2 * TTL_S and heartbeats.sent >= 3,
+        timeout=30,
+        what="the instance to outlive its TTL on B's heartbeats",
+    )
     heartbeats.stop()
     assert envoy.cluster_endpoints("web") == both, (
-        f"kept alive by heartbeats through another replica (failed heartbeats: {heartbeats.failures})")
+        f"kept alive by heartbeats through another replica (failed heartbeats: {heartbeats.failures})"
+    )
     assert heartbeats.registered_again == 0, "its lease never ended while it heartbeated"
     envoy.wait_for_endpoints("web", [f"127.0.0.1:{stays.port}"], timeout=15)
     status, answer = http_json("PUT", b.registry_url + f"/v1/services/web/instances/{lapsing}/heartbeat")
@@ -163,19 +168,28 @@ def test_writes_while_etcd_is_down_answer_503_and_the_fleet_keeps_its_config(pro
     a.events.wait_for(is_event("snapshot_loaded"), what="the snapshot with web")
 
     etcd.process.stop()
-    status, answer = http_json("POST", a.registry_url + "/v1/services/web/instances",
-                               {"address": "127.0.0.1", "port": 9002})
+    status, answer = http_json(
+        "POST", a.registry_url + "/v1/services/web/instances", {"address": "127.0.0.1", "port": 9002}
+    )
     assert status == 503 and f"etcd at {etcd.address}" in answer["error"], answer
     assert instance_ids(a, "web") == ["127.0.0.1:9001"], "reads keep serving the last view"
     status, health = get(a, "/healthz")
     assert status == 200 and health["etcd"]["problem"], health
 
     etcd.run()
-    wait_until(lambda: http_json("POST", a.registry_url + "/v1/services/web/instances",
-                                 {"address": "127.0.0.1", "port": 9002})[0] == 201,
-               timeout=20, what="a registration to succeed once etcd is back")
-    wait_until(lambda: instance_ids(a, "web") == ["127.0.0.1:9001", "127.0.0.1:9002"], timeout=10,
-               what="the registration made after etcd came back")
+    wait_until(
+        lambda: (
+            http_json("POST", a.registry_url + "/v1/services/web/instances", {"address": "127.0.0.1", "port": 9002})[0]
+            == 201
+        ),
+        timeout=20,
+        what="a registration to succeed once etcd is back",
+    )
+    wait_until(
+        lambda: instance_ids(a, "web") == ["127.0.0.1:9001", "127.0.0.1:9002"],
+        timeout=10,
+        what="the registration made after etcd came back",
+    )
 
 
 def test_a_write_that_conflicts_with_the_merged_state_is_refused_and_not_stored(processes: ProcessGroup) -> None:
@@ -217,11 +231,13 @@ def test_self_preservation_runs_on_the_elected_replica_and_moves_when_it_dies(pr
     # keeps them.
     for heartbeats in beating:
         heartbeats.stop()
-    first.events.wait_for(is_event("registry_self_preservation", state="entered"), timeout=3 * TTL_S,
-                          what="self-preservation on the elected replica")
+    first.events.wait_for(
+        is_event("registry_self_preservation", state="entered"),
+        timeout=3 * TTL_S,
+        what="self-preservation on the elected replica",
+    )
     silent_since = time.monotonic()
-    wait_until(lambda: time.monotonic() - silent_since > 2 * TTL_S, timeout=3 * TTL_S,
-               what="two TTLs of silence")
+    wait_until(lambda: time.monotonic() - silent_since > 2 * TTL_S, timeout=3 * TTL_S, what="two TTLs of silence")
     assert instance_ids(follower, "web") == sorted(ids), "the partitioned instances are kept"
 
     first.process.stop(kill=True)
@@ -236,8 +252,11 @@ def test_self_preservation_runs_on_the_elected_replica_and_moves_when_it_dies(pr
     on_follower = RegistryClient(follower.registry_url)
     beating = [Heartbeats(on_follower, "web", instance) for instance in ids[:3]]
     try:
-        wait_until(lambda: instance_ids(follower, "web") == sorted(ids[:3]), timeout=6 * TTL_S,
-                   what="the one silent instance to end once the others heartbeat again")
+        wait_until(
+            lambda: instance_ids(follower, "web") == sorted(ids[:3]),
+            timeout=6 * TTL_S,
+            what="the one silent instance to end once the others heartbeat again",
+        )
     finally:
         for heartbeats in beating:
             heartbeats.stop()
@@ -252,7 +271,8 @@ def preservation_enabled(plane: ControlPlane) -> bool:
 
 
 def test_self_preservation_set_on_any_replica_applies_fleet_wide_and_survives_the_election_moving(
-        processes: ProcessGroup) -> None:
+    processes: ProcessGroup,
+) -> None:
     """Turned off on the elected replica, self-preservation stays off once that replica is SIGKILLed
     and another is elected: four instances that stop heartbeating at once (a partition, to
     self-preservation) are expired by the new leader. Turned on again through a replica that does
@@ -281,10 +301,16 @@ def test_self_preservation_set_on_any_replica_applies_fleet_wide_and_survives_th
     mark = second.events.mark()
     for n in range(4):
         client.register("web", "127.0.0.1", 9001 + n, ttl=TTL_S)
-    second.events.wait_for_count(is_event("registry_expired", service="web"), 4, after=mark, timeout=6 * TTL_S,
-                                 what="the new leader to expire the four lapsed instances")
+    second.events.wait_for_count(
+        is_event("registry_expired", service="web"),
+        4,
+        after=mark,
+        timeout=6 * TTL_S,
+        what="the new leader to expire the four lapsed instances",
+    )
     assert second.events.find(is_event("registry_self_preservation", state="entered"), after=mark) is None, (
-        "self-preservation is off: the new leader must not keep them")
+        "self-preservation is off: the new leader must not keep them"
+    )
     wait_until(lambda: instance_ids(follower, "web") == [], timeout=10, what="the expired instances to go")
 
     # Turned on through the replica that does not lead: the leader keeps the next four.
@@ -293,7 +319,11 @@ def test_self_preservation_set_on_any_replica_applies_fleet_wide_and_survives_th
     assert preservation_enabled(second) is True
     mark = second.events.mark()
     ids = [client.register("web", "127.0.0.1", 9101 + n, ttl=TTL_S) for n in range(4)]
-    second.events.wait_for(is_event("registry_self_preservation", state="entered"), after=mark, timeout=6 * TTL_S,
-                           what="self-preservation on the leader, turned on through another replica")
+    second.events.wait_for(
+        is_event("registry_self_preservation", state="entered"),
+        after=mark,
+        timeout=6 * TTL_S,
+        what="self-preservation on the leader, turned on through another replica",
+    )
     assert second.events.find(is_event("registry_expired"), after=mark) is None
     assert instance_ids(follower, "web") == sorted(ids), "the lapsed instances are kept"

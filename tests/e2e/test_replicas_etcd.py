@@ -68,9 +68,14 @@ class Fleet:
 
     def start(self, processes: ProcessGroup, node: str, xds: str, *, delta: bool = False) -> Envoy:
         port = free_port()
-        envoy = Envoy.start(processes, name=f"envoy-{node}", node_id=node, xds_address=xds,
-                            bootstrap_options=("--delta",) if delta else (),
-                            bootstrap_edit=front_listener(port, SERVICE))
+        envoy = Envoy.start(
+            processes,
+            name=f"envoy-{node}",
+            node_id=node,
+            xds_address=xds,
+            bootstrap_options=("--delta",) if delta else (),
+            bootstrap_edit=front_listener(port, SERVICE),
+        )
         self.envoys[node], self.ports[node] = envoy, port
         return envoy
 
@@ -80,30 +85,36 @@ class Fleet:
 
     def start_load(self, processes: ProcessGroup, duration_s: int) -> None:
         for node, port in self.ports.items():
-            self.loads[node] = Wrk.start(processes, f"http://127.0.0.1:{port}/", duration_s=duration_s,
-                                         threads=1, connections=4)
+            self.loads[node] = Wrk.start(
+                processes, f"http://127.0.0.1:{port}/", duration_s=duration_s, threads=1, connections=4
+            )
         for envoy in self.envoys.values():
             self.wait_for_requests(envoy)
 
     @staticmethod
     def wait_for_requests(envoy: Envoy, *, at_least: int = 50) -> None:
         """Wait until ``at_least`` more requests went through ``envoy`` to ``web``."""
+
         def sent() -> int:
             return int(envoy.stat(f"cluster.{SERVICE}.upstream_rq_total") or 0)
+
         before = sent()
         wait_until(lambda: sent() >= before + at_least, timeout=15, what=f"load through {envoy.name}")
 
     def wait_for_traffic_to(self, upstream: Upstream, *, at_least: int = 10) -> None:
         for envoy in self.envoys.values():
-            wait_until(functools.partial(lambda e: e.host_requests(SERVICE).get(address(upstream), 0) >= at_least,
-                                         envoy),
-                       timeout=CHANGE_TIMEOUT_S, what=f"{envoy.name} to send requests to {upstream.name}",
-                       details=functools.partial(lambda e: str(e.host_requests(SERVICE)), envoy))
+            wait_until(
+                functools.partial(lambda e: e.host_requests(SERVICE).get(address(upstream), 0) >= at_least, envoy),
+                timeout=CHANGE_TIMEOUT_S,
+                what=f"{envoy.name} to send requests to {upstream.name}",
+                details=functools.partial(lambda e: str(e.host_requests(SERVICE)), envoy),
+            )
 
     def assert_under_load(self) -> None:
         """Every wrk is still running: what the test did so far happened under load."""
         assert all(load.running() for load in self.loads.values()), (
-            "the changes took longer than the load runs: they were not all made under load")
+            "the changes took longer than the load runs: they were not all made under load"
+        )
 
     def check_loads(self) -> dict[str, WrkResult]:
         """Every wrk finished clean: no non-2xx, no socket error."""
@@ -112,7 +123,8 @@ class Fleet:
             print(f"\nwrk through {node}: {result.summary()}")
         problems = {node: result.problems() for node, result in results.items() if result.problems()}
         assert not problems, f"traffic through the Envoys: {problems}\n" + "\n".join(
-            results[node].output for node in problems)
+            results[node].output for node in problems
+        )
         return results
 
 
@@ -142,8 +154,9 @@ def same_versions(planes: list[ControlPlane]) -> dict[str, str] | None:
     return seen[0]
 
 
-def check_sent_only_changes(plane: ControlPlane, node: str, *, had: dict[str, str], now: dict[str, str],
-                            delta: bool) -> None:
+def check_sent_only_changes(
+    plane: ControlPlane, node: str, *, had: dict[str, str], now: dict[str, str], delta: bool
+) -> None:
     """``node``, which moved to ``plane`` holding the versions ``had`` (those of the replica that
     died), stated them on its new stream and was sent only web's changed assignment (never a
     cluster, listener or route, nor another service's assignment), up to ``now``."""
@@ -151,12 +164,23 @@ def check_sent_only_changes(plane: ControlPlane, node: str, *, had: dict[str, st
     opened = events.select(is_event("stream_open", node=node))[-1]
     after_open = events.index_of(opened)
     # Its ACK of the latest endpoints: everything sent to it is in the log before that.
-    events.wait_for(lambda e: is_event("ack", node=node, type=EDS)(e)
-                    and e.get("version" if delta else "version_info") == now["EDS"],
-                    after=after_open, what=f"{node}'s ACK of the latest endpoints on {plane.name}")
+    events.wait_for(
+        lambda e: (
+            is_event("ack", node=node, type=EDS)(e) and e.get("version" if delta else "version_info") == now["EDS"]
+        ),
+        after=after_open,
+        what=f"{node}'s ACK of the latest endpoints on {plane.name}",
+    )
     for kind in TYPES:  # it stated what it had
-        request = events.find(functools.partial(lambda k, e: is_event("request", node=node, type=TYPE_URLS[k])(e)
-                                                and (not delta or "initial_resources" in e), kind), after=after_open)
+        request = events.find(
+            functools.partial(
+                lambda k, e: (
+                    is_event("request", node=node, type=TYPE_URLS[k])(e) and (not delta or "initial_resources" in e)
+                ),
+                kind,
+            ),
+            after=after_open,
+        )
         assert request is not None, (node, kind, events.describe(after=after_open))
         if delta:  # web and api; web's listener and route
             assert request["initial_resources"] == {"CDS": 2, "EDS": 2, "LDS": 1, "RDS": 1}[kind], (node, request)
@@ -170,18 +194,21 @@ def check_sent_only_changes(plane: ControlPlane, node: str, *, had: dict[str, st
         resent = [e for e in sent if e["type"] != EDS or e["version"] == had["EDS"] or e["resources"] != 1]
     assert sent and not resent, (
         f"{node}, moved to {plane.name}, was sent more than web's changed endpoints:\n"
-        + events.describe(after=after_open))
+        + events.describe(after=after_open)
+    )
 
 
 def describe_snapshots(planes: list[ControlPlane]) -> str:
     """Each live replica's ``/v1/snapshots``, for a failure message."""
-    return "\n".join(f"{plane.name}: {http_json('GET', f'http://{plane.admin}/v1/snapshots')[1]}"
-                     for plane in planes if plane.process.alive())
+    return "\n".join(
+        f"{plane.name}: {http_json('GET', f'http://{plane.admin}/v1/snapshots')[1]}"
+        for plane in planes
+        if plane.process.alive()
+    )
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["sotw", "delta"])
-def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes: ProcessGroup,
-                                                                       delta: bool) -> None:
+def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes: ProcessGroup, delta: bool) -> None:
     """Three replicas, four Envoys spread over them (SotW, or incremental xDS), wrk through each.
     The replica holding two (or more) Envoys is SIGKILLed; meanwhile an instance is registered and
     another deregistered through a live replica. The orphaned Envoys reconnect to live replicas and
@@ -204,13 +231,17 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
     for i in range(4):
         fleet.start(processes, f"edge-{i}", xds, delta=delta)
     fleet.wait_for_endpoints([address(u0), address(u1)], timeout=20)
-    placed = wait_until(lambda: where_connected(planes, fleet.envoys), timeout=15,
-                        what="every Envoy's stream on one replica")
-    had = wait_until(lambda: same_versions(planes), timeout=15, what="the replicas to serve the same versions",
-                     details=lambda: describe_snapshots(planes))
+    placed = wait_until(
+        lambda: where_connected(planes, fleet.envoys), timeout=15, what="every Envoy's stream on one replica"
+    )
+    had = wait_until(
+        lambda: same_versions(planes),
+        timeout=15,
+        what="the replicas to serve the same versions",
+        details=lambda: describe_snapshots(planes),
+    )
     for node, plane in placed.items():
-        wait_until(functools.partial(synced, plane, node), timeout=15,
-                   what=f"{node} to ACK every type on {plane.name}")
+        wait_until(functools.partial(synced, plane, node), timeout=15, what=f"{node} to ACK every type on {plane.name}")
     held = Counter(plane.name for plane in placed.values())
     victim = next(plane for plane in planes if plane.name == held.most_common(1)[0][0])
     orphans = sorted(node for node, plane in placed.items() if plane is victim)
@@ -231,12 +262,15 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
     fleet.assert_under_load()
 
     # The orphans are on live replicas, and were sent only what changed: EDS with web's assignment.
-    moved = wait_until(lambda: where_connected(planes, orphans), timeout=15,
-                       what="the orphaned Envoys' streams on live replicas")
+    moved = wait_until(
+        lambda: where_connected(planes, orphans), timeout=15, what="the orphaned Envoys' streams on live replicas"
+    )
     assert all(plane is not victim and plane.process.alive() for plane in moved.values()), moved
     now = wait_until(lambda: same_versions(planes), timeout=15, what="the live replicas to agree")
-    assert {kind: now[kind] == had[kind] for kind in TYPES} == {"CDS": True, "EDS": False, "LDS": True,
-                                                                "RDS": True}, (had, now)
+    assert {kind: now[kind] == had[kind] for kind in TYPES} == {"CDS": True, "EDS": False, "LDS": True, "RDS": True}, (
+        had,
+        now,
+    )
     for node, plane in moved.items():
         check_sent_only_changes(plane, node, had=had, now=now, delta=delta)
 
@@ -250,11 +284,17 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
     # The killed replica comes back: it lists etcd, reaches the others' revision, serves their versions.
     victim.start().wait_for(is_event("etcd_synced"), what="the restarted replica's list of etcd")
     live = [plane for plane in planes if plane is not victim]
-    wait_until(lambda: etcd_revision(victim) >= max(etcd_revision(plane) for plane in live), timeout=15,
-               what="the restarted replica to reach the others' etcd revision")
-    wait_until(lambda: same_versions(planes) == now, timeout=15,
-               what="the restarted replica to serve the versions the others serve",
-               details=lambda: str({plane.name: snapshot_versions(plane) for plane in planes}))
+    wait_until(
+        lambda: etcd_revision(victim) >= max(etcd_revision(plane) for plane in live),
+        timeout=15,
+        what="the restarted replica to reach the others' etcd revision",
+    )
+    wait_until(
+        lambda: same_versions(planes) == now,
+        timeout=15,
+        what="the restarted replica to serve the versions the others serve",
+        details=lambda: str({plane.name: snapshot_versions(plane) for plane in planes}),
+    )
 
 
 def test_etcd_restarted_under_load(processes: ProcessGroup) -> None:
@@ -283,11 +323,13 @@ def test_etcd_restarted_under_load(processes: ProcessGroup) -> None:
     marks = {plane.name: plane.events.mark() for plane in planes}
     etcd.stop()
     for plane in planes:
-        plane.events.wait_for(is_event("etcd_disconnected"), after=marks[plane.name],
-                              what=f"{plane.name} to notice etcd is gone")
+        plane.events.wait_for(
+            is_event("etcd_disconnected"), after=marks[plane.name], what=f"{plane.name} to notice etcd is gone"
+        )
     for plane in planes:
-        status, answer = http_json("POST", plane.registry_url + f"/v1/services/{SERVICE}/instances",
-                                   {"address": "127.0.0.1", "port": u2.port})
+        status, answer = http_json(
+            "POST", plane.registry_url + f"/v1/services/{SERVICE}/instances", {"address": "127.0.0.1", "port": u2.port}
+        )
         assert status == 503 and f"etcd at {etcd.address}" in answer["error"], answer
         status, answer = http_json("DELETE", plane.registry_url + f"/v1/services/{SERVICE}/instances/{address(u0)}")
         assert status == 503 and f"etcd at {etcd.address}" in answer["error"], answer
@@ -296,8 +338,9 @@ def test_etcd_restarted_under_load(processes: ProcessGroup) -> None:
 
     etcd.run()
     for plane in planes:
-        plane.events.wait_for(is_event("etcd_synced"), after=marks[plane.name], timeout=15,
-                              what=f"{plane.name} to list etcd again")
+        plane.events.wait_for(
+            is_event("etcd_synced"), after=marks[plane.name], timeout=15, what=f"{plane.name} to list etcd again"
+        )
     wait_until(lambda: same_versions(planes), timeout=15, what="the replicas idle after listing etcd again")
     assert etcd.get_json(f"/pilotfish/instances/{SERVICE}/{address(u2)}") is None, "a refused write was not made"
     for envoy in fleet.envoys.values():
@@ -311,9 +354,11 @@ def test_etcd_restarted_under_load(processes: ProcessGroup) -> None:
     fleet.assert_under_load()
     for plane in planes:
         events = plane.events
-        loaded = events.wait_for(is_event("snapshot_loaded"), after=written[plane.name],
-                                 what=f"{plane.name}'s snapshot with u2")
+        loaded = events.wait_for(
+            is_event("snapshot_loaded"), after=written[plane.name], what=f"{plane.name}'s snapshot with u2"
+        )
         assert events.select(is_event("snapshot_loaded"), after=marks[plane.name]) == [loaded], (
             f"{plane.name} published while etcd was away or being listed again:\n"
-            + events.describe(after=marks[plane.name]))
+            + events.describe(after=marks[plane.name])
+        )
     fleet.check_loads()

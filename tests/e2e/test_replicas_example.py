@@ -67,20 +67,31 @@ def test_the_replicas_example_runs_and_stops_everything_it_started(processes: Pr
     etcd_binary()
     envoy_binary()
     base = _free_block()
-    env = {**pilotfish_env(), "PILOTFISH": f"{sys.executable} -m pilotfish", "WORK": str(processes.workdir / "work"),
-           "BASE_PORT": str(base), "NODE_ID": "edge-1"}
+    env = {
+        **pilotfish_env(),
+        "PILOTFISH": f"{sys.executable} -m pilotfish",
+        "WORK": str(processes.workdir / "work"),
+        "BASE_PORT": str(base),
+        "NODE_ID": "edge-1",
+    }
     script = processes.start("run.sh", ["bash", str(SCRIPT)], env=env)
     try:
-        wait_until(lambda: "ready:" in script.stderr_path.read_text() or not script.alive(), timeout=60,
-                   what="the example to be ready", details=script.output_tail)
+        wait_until(
+            lambda: "ready:" in script.stderr_path.read_text() or not script.alive(),
+            timeout=60,
+            what="the example to be ready",
+            details=script.output_tail,
+        )
         assert script.alive(), script.output_tail()
         printed = script.stderr_path.read_text()
         pids = [int(line.split("pid ", 1)[1].split(",", 1)[0]) for line in printed.splitlines() if " pid " in line]
         assert len(pids) == 4, printed  # etcd and three replicas
         bootstrap = yaml.safe_load(script.stdout_path.read_text())
         [cluster] = bootstrap["static_resources"]["clusters"]
-        xds = [f"127.0.0.1:{e['endpoint']['address']['socket_address']['port_value']}"
-               for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+        xds = [
+            f"127.0.0.1:{e['endpoint']['address']['socket_address']['port_value']}"
+            for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        ]
         assert xds == [f"127.0.0.1:{base + 10 * i}" for i in range(3)]
         assert bootstrap["node"]["id"] == "edge-1"
 
@@ -90,8 +101,11 @@ def test_the_replicas_example_runs_and_stops_everything_it_started(processes: Pr
 
         listen = f"127.0.0.1:{base + 95}"
         service = {"listen": listen, "endpoints": [f"127.0.0.1:{base + 96}"]}
-        status, _ = http_json("POST", f"http://127.0.0.1:{base + 79}/v3/kv/put",
-                              {"key": b64("/pilotfish/services/web"), "value": b64(json.dumps(service))})
+        status, _ = http_json(
+            "POST",
+            f"http://127.0.0.1:{base + 79}/v3/kv/put",
+            {"key": b64("/pilotfish/services/web"), "value": b64(json.dumps(service))},
+        )
         assert status == 200
 
         def labels() -> set[str]:
@@ -102,11 +116,19 @@ def test_the_replicas_example_runs_and_stops_everything_it_started(processes: Pr
                 found.add(json.dumps(groups.get("default", {}).get("types", {}).get("LDS", {}).get("version")))
             return found
 
-        wait_until(lambda: len(labels()) == 1 and labels() != {"null"}, timeout=15,
-                   what="the three replicas to serve one version of the service", details=lambda: str(labels()))
+        wait_until(
+            lambda: len(labels()) == 1 and labels() != {"null"},
+            timeout=15,
+            what="the three replicas to serve one version of the service",
+            details=lambda: str(labels()),
+        )
         envoy = Envoy.start(processes, name="envoy", node_id="edge-1", xds_address=",".join(xds))
-        wait_until(lambda: envoy.stat("listener_manager.total_listeners_active") == 1, timeout=15,
-                   what="Envoy to take the listener of the service from a replica", details=envoy.log_tail)
+        wait_until(
+            lambda: envoy.stat("listener_manager.total_listeners_active") == 1,
+            timeout=15,
+            what="Envoy to take the listener of the service from a replica",
+            details=envoy.log_tail,
+        )
     finally:
         if script.alive():
             script.popen.send_signal(signal.SIGTERM)

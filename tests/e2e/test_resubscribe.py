@@ -67,25 +67,37 @@ def _listener(name: str, port: int, route_name: str) -> dict[str, Any]:
     return {
         "name": name,
         "address": _address(port),
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager",
-            "typed_config": {
-                "@type": _HCM,
-                "stat_prefix": name,
-                "rds": {"route_config_name": route_name, "config_source": _ads()},
-                "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
-            },
-        }]}],
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": _HCM,
+                            "stat_prefix": name,
+                            "rds": {"route_config_name": route_name, "config_source": _ads()},
+                            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
+                        },
+                    }
+                ]
+            }
+        ],
     }
 
 
 def _route(name: str, routes: list[tuple[str, str]]) -> dict[str, Any]:
     return {
         "name": name,
-        "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
-            {"match": {"prefix": prefix}, "route": {"cluster": cluster, "prefix_rewrite": "/"}}
-            for prefix, cluster in routes
-        ]}],
+        "virtual_hosts": [
+            {
+                "name": "all",
+                "domains": ["*"],
+                "routes": [
+                    {"match": {"prefix": prefix}, "route": {"cluster": cluster, "prefix_rewrite": "/"}}
+                    for prefix, cluster in routes
+                ],
+            }
+        ],
     }
 
 
@@ -105,8 +117,10 @@ def document(testbed: Testbed, side_port: int, *, side: bool = True, spare: bool
             for name in clusters
         ],
         "endpoints": [
-            {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": _address(port)}} for port in upstream_ports]}]}
+            {
+                "cluster_name": name,
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(port)}} for port in upstream_ports]}],
+            }
             for name, upstream_ports in endpoints.items()
         ],
         "listeners": [
@@ -146,9 +160,13 @@ def get(port: int, path: str) -> tuple[int, str]:
 def requested_names(events: EventLog, type_url: str, names: list[str], *, after: int, what: str) -> Event:
     """Wait for a request (or ACK/NACK) from Envoy naming exactly ``names`` of ``type_url``."""
     return events.wait_for(
-        lambda e: (e.get("event") in ("request", "ack", "nack") and e.get("node") == NODE
-                   and e.get("type") == type_url and sorted(e.get("resource_names") or []) == sorted(names)
-                   and "resource_names" in e),
+        lambda e: (
+            e.get("event") in ("request", "ack", "nack")
+            and e.get("node") == NODE
+            and e.get("type") == type_url
+            and sorted(e.get("resource_names") or []) == sorted(names)
+            and "resource_names" in e
+        ),
         what=what,
         after=after,
         timeout=APPLY_TIMEOUT_S,
@@ -179,8 +197,12 @@ def test_restored_listener_and_cluster_are_served_at_once_after_a_restart(
     control_plane.start()
     envoy = testbed.start_envoy(node_id=NODE)
     wait_for_acks(control_plane.events, node=NODE, what="the first configuration")
-    wait_until(lambda: get(side_port, "/spare")[0] == 200 and get(testbed.listener_port, "/")[0] == 200,
-               timeout=APPLY_TIMEOUT_S, what="both listeners and every cluster to serve", details=envoy.log_tail)
+    wait_until(
+        lambda: get(side_port, "/spare")[0] == 200 and get(testbed.listener_port, "/")[0] == 200,
+        timeout=APPLY_TIMEOUT_S,
+        what="both listeners and every cluster to serve",
+        details=envoy.log_tail,
+    )
     before = {t: control_plane.events.select(is_event("ack", node=NODE, type=t))[-1]["version_info"] for t in TYPE_URLS}
 
     main_load = Wrk.start(processes, f"http://127.0.0.1:{testbed.listener_port}/", duration_s=LOAD_S, connections=20)
@@ -188,34 +210,45 @@ def test_restored_listener_and_cluster_are_served_at_once_after_a_restart(
 
     # pilotfish restarts; Envoy reconnects at the versions it has and is sent nothing.
     control_plane.stop()
-    wait_until(lambda: envoy.stat("control_plane.connected_state") == 0, timeout=10,
-               what="Envoy to see the control plane gone")
+    wait_until(
+        lambda: envoy.stat("control_plane.connected_state") == 0, timeout=10, what="Envoy to see the control plane gone"
+    )
     events = control_plane.start()
     events.wait_for(is_event("stream_open", node=NODE), what="Envoy's new stream", timeout=APPLY_TIMEOUT_S)
     for type_url in TYPE_URLS:
-        request = events.wait_for(is_event("request", node=NODE, type=type_url), timeout=APPLY_TIMEOUT_S,
-                                  what=f"Envoy's reconnect request for {short_type(type_url)}")
+        request = events.wait_for(
+            is_event("request", node=NODE, type=type_url),
+            timeout=APPLY_TIMEOUT_S,
+            what=f"Envoy's reconnect request for {short_type(type_url)}",
+        )
         assert request["version_info"] == before[type_url], "Envoy reconnects with the versions it has"
-    wait_until(lambda: envoy.stat("control_plane.connected_state") == 1, timeout=10,
-               what="Envoy to be connected again")
+    wait_until(lambda: envoy.stat("control_plane.connected_state") == 1, timeout=10, what="Envoy to be connected again")
 
     # A listener goes away: Envoy drops its route configuration (unsubscribes) ...
     mark = events.mark()
     write(testbed.snapshot_path, document(testbed, side_port, side=False))
-    wait_until(lambda: SIDE not in listener_names(envoy), timeout=APPLY_TIMEOUT_S,
-               what=f"Envoy to remove listener {SIDE}", details=lambda: events.describe(after=mark))
+    wait_until(
+        lambda: SIDE not in listener_names(envoy),
+        timeout=APPLY_TIMEOUT_S,
+        what=f"Envoy to remove listener {SIDE}",
+        details=lambda: events.describe(after=mark),
+    )
     requested_names(events, RDS, ["local_route"], after=mark, what=f"Envoy to unsubscribe from {SIDE_ROUTE}")
 
     # ... and comes back: Envoy asks for the same route configuration, at the same version.
     mark, written = events.mark(), time.monotonic()
     write(testbed.snapshot_path, document(testbed, side_port))
-    wait_until(lambda: get(side_port, "/")[0] == 200, timeout=APPLY_TIMEOUT_S,
-               what=f"the restored listener {SIDE} to route requests",
-               details=lambda: events.describe(after=mark) + "\n" + envoy.log_tail())
+    wait_until(
+        lambda: get(side_port, "/")[0] == 200,
+        timeout=APPLY_TIMEOUT_S,
+        what=f"the restored listener {SIDE} to route requests",
+        details=lambda: events.describe(after=mark) + "\n" + envoy.log_tail(),
+    )
     print(f"\nlistener {SIDE} restored and routing {time.monotonic() - written:.2f} s after the file was written")
     routes = events.wait_for(is_event("sent", node=NODE, type=RDS), what="the routes sent again", after=mark)
     assert routes["version"] == before[RDS] and routes["resources"] == 2, (
-        "the unchanged route configurations, both, at their unchanged version")
+        "the unchanged route configurations, both, at their unchanged version"
+    )
     assert envoy.stat(f"http.{SIDE}.rds.{SIDE_ROUTE}.init_fetch_timeout") == 0
     side_load = Wrk.start(processes, f"http://127.0.0.1:{side_port}/", duration_s=CHECK_LOAD_S, connections=10)
     check_clean(side_load.result(), f"restored listener {SIDE}")
@@ -223,20 +256,28 @@ def test_restored_listener_and_cluster_are_served_at_once_after_a_restart(
     # A cluster goes away (with the route to it): Envoy unsubscribes from its endpoints ...
     mark = events.mark()
     write(testbed.snapshot_path, document(testbed, side_port, spare=False))
-    wait_until(lambda: SPARE not in cluster_names(envoy), timeout=APPLY_TIMEOUT_S,
-               what=f"Envoy to remove cluster {SPARE}", details=lambda: events.describe(after=mark))
+    wait_until(
+        lambda: SPARE not in cluster_names(envoy),
+        timeout=APPLY_TIMEOUT_S,
+        what=f"Envoy to remove cluster {SPARE}",
+        details=lambda: events.describe(after=mark),
+    )
     requested_names(events, EDS, ["api", "web"], after=mark, what=f"Envoy to unsubscribe from {SPARE}'s endpoints")
 
     # ... and comes back: its endpoints (unchanged) must arrive at once.
     mark, written = events.mark(), time.monotonic()
     write(testbed.snapshot_path, document(testbed, side_port))
-    wait_until(lambda: get(side_port, "/spare")[0] == 200, timeout=APPLY_TIMEOUT_S,
-               what=f"the restored cluster {SPARE} to serve",
-               details=lambda: events.describe(after=mark) + "\n" + envoy.log_tail())
+    wait_until(
+        lambda: get(side_port, "/spare")[0] == 200,
+        timeout=APPLY_TIMEOUT_S,
+        what=f"the restored cluster {SPARE} to serve",
+        details=lambda: events.describe(after=mark) + "\n" + envoy.log_tail(),
+    )
     print(f"\ncluster {SPARE} restored and serving {time.monotonic() - written:.2f} s after the file was written")
     endpoints = events.wait_for(is_event("sent", node=NODE, type=EDS), what="the endpoints sent again", after=mark)
     assert endpoints["version"] == before[EDS] and endpoints["resources"] == 3, (
-        "every endpoint assignment, at its unchanged version")
+        "every endpoint assignment, at its unchanged version"
+    )
     assert envoy.stat(f"cluster.{SPARE}.init_fetch_timeout") == 0
     spare_load = Wrk.start(processes, f"http://127.0.0.1:{side_port}/spare", duration_s=CHECK_LOAD_S, connections=10)
     check_clean(spare_load.result(), f"restored cluster {SPARE}")

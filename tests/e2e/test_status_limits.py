@@ -40,8 +40,9 @@ def _visit(control_plane: ControlPlane, node: str, *, nack: str | None = None) -
         first.node.id, first.node.cluster, first.node.user_agent_name = node, "pods", "envoy"
         first.node.metadata.update({f"label-{k}": "v" * 500 for k in range(20)})  # not what is kept
         response = client.ask(first)
-        answer = discovery_pb2.DiscoveryRequest(type_url=CDS, version_info=response.version_info,
-                                                response_nonce=response.nonce)
+        answer = discovery_pb2.DiscoveryRequest(
+            type_url=CDS, version_info=response.version_info, response_nonce=response.nonce
+        )
         if nack is not None:
             answer.version_info = ""
             answer.error_detail.CopyFrom(status_pb2.Status(code=3, message=nack))
@@ -59,7 +60,8 @@ def _departed(control_plane: ControlPlane) -> dict[str, Any]:
 
 
 def test_at_most_max_disconnected_departed_proxies_are_listed_and_the_events_ring_has_its_size(
-        processes: ProcessGroup) -> None:
+    processes: ProcessGroup,
+) -> None:
     control_plane = _serve(processes, "--status-max-disconnected", "2", "--recent-events", "5")
     _visit(control_plane, "pod-1")
     _visit(control_plane, "pod-2", nack="dump " * 5000 + REASON)
@@ -82,5 +84,6 @@ def test_departed_proxies_are_forgotten_after_status_forget_after(processes: Pro
     control_plane = _serve(processes, "--status-forget-after", "5")
     _visit(control_plane, "pod-1")
     assert "pod-1" in _departed(control_plane)  # (asked within 5 s of its leaving)
-    wait_until(lambda: "pod-1" not in _departed(control_plane), timeout=30,
-               what="pod-1 to be forgotten 5 s after it left")
+    wait_until(
+        lambda: "pod-1" not in _departed(control_plane), timeout=30, what="pod-1 to be forgotten 5 s after it left"
+    )

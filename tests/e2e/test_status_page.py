@@ -51,15 +51,17 @@ EVENTS_JS = "Array.from(document.querySelectorAll('#events li.event b')).map(b =
 VERSIONS_JS = "Array.from(document.querySelectorAll('#versions tbody tr')).map(row => row.textContent)"
 
 
-
-
 def _proxies(page: Page) -> dict[str, dict[str, Any]]:
     return {proxy["node"]: proxy for proxy in page.evaluate(PROXIES_JS)}
 
 
 def _wait_on_page(page: Page, check: Any, what: str) -> Any:
-    return wait_until(check, timeout=20, what=f"the status page to show {what}",
-                      details=lambda: "page text:\n" + str(page.evaluate("document.body.innerText"))[-3000:])
+    return wait_until(
+        check,
+        timeout=20,
+        what=f"the status page to show {what}",
+        details=lambda: "page text:\n" + str(page.evaluate("document.body.innerText"))[-3000:],
+    )
 
 
 def test_the_page_lists_envoy_synced_then_its_nack_without_a_reload(testbed: Testbed, browser: Browser) -> None:
@@ -84,8 +86,7 @@ def test_the_page_lists_envoy_synced_then_its_nack_without_a_reload(testbed: Tes
     # A change Envoy rejects: the page shows it NACKED, and Envoy's message, by itself.
     mark = testbed.events.mark()
     testbed.write_snapshot(**V3)
-    testbed.events.wait_for(is_event("nack", node="edge-1", type=CDS), what="edge-1's NACK of the clusters",
-                            after=mark)
+    testbed.events.wait_for(is_event("nack", node="edge-1", type=CDS), what="edge-1's NACK of the clusters", after=mark)
 
     def nacked() -> list[dict[str, Any]]:
         edge = _proxies(page).get("edge-1", {})
@@ -102,8 +103,11 @@ def test_the_page_lists_envoy_synced_then_its_nack_without_a_reload(testbed: Tes
 
     # On a phone's screen the page fits its width (tables scroll inside their own box).
     page.resize(390, 844, mobile=True)
-    wait_until(lambda: page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), timeout=10,
-               what="the page to fit a 390 px wide phone screen")
+    wait_until(
+        lambda: page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"),
+        timeout=10,
+        what="the page to fit a 390 px wide phone screen",
+    )
     assert page.evaluate("getComputedStyle(document.querySelector('#proxies tr.proxy')).display") == "block"
 
 
@@ -121,9 +125,14 @@ def test_what_peers_say_shows_as_text_and_never_runs(testbed: Testbed, browser: 
         first.node.id, first.node.cluster = HOSTILE_NODE, HOSTILE_CLUSTER
         client.requests.put(first)
         response = next(client.responses)
-        client.requests.put(discovery_pb2.DiscoveryRequest(
-            type_url=CDS, version_info="", response_nonce=response.nonce,
-            error_detail=status_pb2.Status(code=3, message=HOSTILE_NACK)))
+        client.requests.put(
+            discovery_pb2.DiscoveryRequest(
+                type_url=CDS,
+                version_info="",
+                response_nonce=response.nonce,
+                error_detail=status_pb2.Status(code=3, message=HOSTILE_NACK),
+            )
+        )
         testbed.events.wait_for(is_event("nack", node=HOSTILE_NODE), what="the hostile client's NACK")
 
         page = browser.open(f"http://{testbed.control_plane.admin}/")
@@ -156,8 +165,10 @@ def test_refused_and_held_snapshots_are_shown_with_why_and_what_to_do(testbed: T
     testbed.write_snapshot(**V3)
 
     def refused() -> str:
-        panel = page.evaluate("document.getElementById('refused').classList.contains('hidden') ? '' : "
-                              "document.getElementById('refused-body').textContent")
+        panel = page.evaluate(
+            "document.getElementById('refused').classList.contains('hidden') ? '' : "
+            "document.getElementById('refused-body').textContent"
+        )
         return str(panel) if "connect_timeout" in str(panel) else ""
 
     assert "The latest change" in _wait_on_page(page, refused, "the refused change and why")
@@ -170,8 +181,10 @@ def test_refused_and_held_snapshots_are_shown_with_why_and_what_to_do(testbed: T
     staged.replace(testbed.snapshot_path)
 
     def held() -> str:
-        panel = page.evaluate("document.getElementById('held').classList.contains('hidden') ? '' : "
-                              "document.getElementById('held-body').textContent")
+        panel = page.evaluate(
+            "document.getElementById('held').classList.contains('hidden') ? '' : "
+            "document.getElementById('held-body').textContent"
+        )
         return str(panel) if "pilotfish confirm --admin" in str(panel) else ""
 
     shown = _wait_on_page(page, held, "the held snapshot and how to confirm it")
@@ -180,9 +193,15 @@ def test_refused_and_held_snapshots_are_shown_with_why_and_what_to_do(testbed: T
 
 
 FLEET = 10_000
-TYPE_URLS = {short: f"type.googleapis.com/envoy.{path}" for short, path in (
-    ("CDS", "config.cluster.v3.Cluster"), ("EDS", "config.endpoint.v3.ClusterLoadAssignment"),
-    ("LDS", "config.listener.v3.Listener"), ("RDS", "config.route.v3.RouteConfiguration"))}
+TYPE_URLS = {
+    short: f"type.googleapis.com/envoy.{path}"
+    for short, path in (
+        ("CDS", "config.cluster.v3.Cluster"),
+        ("EDS", "config.endpoint.v3.ClusterLoadAssignment"),
+        ("LDS", "config.listener.v3.Listener"),
+        ("RDS", "config.route.v3.RouteConfiguration"),
+    )
+}
 
 
 def _fleet_status() -> SyncStatus:
@@ -233,8 +252,10 @@ def test_ten_thousand_proxies_counts_for_all_rows_for_the_worst_and_a_filter(bro
     api = AdminApi(_fleet_status(), cache, Reconciler(cache), recent=RecentEvents())
     with _admin_api_on_a_thread(api) as address:
         page = browser.open(f"http://{address}/")
-        counts = ("Object.fromEntries(Array.from(document.querySelectorAll('#summary .n'))"
-                  ".map(n => [n.className, n.textContent]))")
+        counts = (
+            "Object.fromEntries(Array.from(document.querySelectorAll('#summary .n'))"
+            ".map(n => [n.className, n.textContent]))"
+        )
         expected = {"n": str(FLEET), "n NACKED": "100", "n STALE": "40", "n NOT_SENT": "0", "n SYNCED": "9860"}
         _wait_on_page(page, lambda: page.evaluate(counts) == expected, "the counts of all 10,000 proxies")
         rows = _proxies(page)
@@ -246,8 +267,10 @@ def test_ten_thousand_proxies_counts_for_all_rows_for_the_worst_and_a_filter(bro
         assert any(row.startswith("defaultCDSv7") and "v7: 9860 of 10000" in row for row in versions), versions
 
         # The filter asks the server: the ten proxies edge-0975x, the STALE one first.
-        page.evaluate("const box = document.getElementById('filter'); box.value = 'EDGE-0975';"
-                      "box.dispatchEvent(new Event('input'))")
+        page.evaluate(
+            "const box = document.getElementById('filter'); box.value = 'EDGE-0975';"
+            "box.dispatchEvent(new Event('input'))"
+        )
         _wait_on_page(page, lambda: len(_proxies(page)) == 10, "the ten proxies the filter matches")
         assert list(_proxies(page)) == ["edge-09757", *(f"edge-0975{n}" for n in (0, 1, 2, 3, 4, 5, 6, 8, 9))]
         assert page.evaluate("document.getElementById('shown').textContent").startswith("10 proxies matching")

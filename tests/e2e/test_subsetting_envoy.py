@@ -52,8 +52,7 @@ def address(upstream: Upstream) -> str:
 
 
 def write(path: Path, upstreams: list[Upstream]) -> None:
-    write_services(path, {"web": {"protocol": "http", "subset_size": K,
-                                  "endpoints": [address(u) for u in upstreams]}})
+    write_services(path, {"web": {"protocol": "http", "subset_size": K, "endpoints": [address(u) for u in upstreams]}})
 
 
 def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGroup, browser: Browser) -> None:
@@ -65,23 +64,35 @@ def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGro
     serving = upstreams[:BACKENDS]
     snapshot = processes.workdir / "services.yaml"
     write(snapshot, serving)
-    control_plane = ControlPlane(processes, snapshot, free_port(),
-                                 options=("--state-dir", str(state_dir), "--quiet-ms", "50"))
+    control_plane = ControlPlane(
+        processes, snapshot, free_port(), options=("--state-dir", str(state_dir), "--quiet-ms", "50")
+    )
     events = control_plane.start()
 
     envoys: list[Envoy] = []
     ports: list[int] = []
     for n in range(ENVOYS):
         ports.append(free_port())
-        envoys.append(Envoy.start(processes, name=f"envoy{n}", node_id=f"edge-{n}", xds_address=control_plane.address,
-                                  bootstrap_edit=front_listener(ports[-1], "web", rds=False)))
+        envoys.append(
+            Envoy.start(
+                processes,
+                name=f"envoy{n}",
+                node_id=f"edge-{n}",
+                xds_address=control_plane.address,
+                bootstrap_edit=front_listener(ports[-1], "web", rds=False),
+            )
+        )
         wait_for_acks(events, node=f"edge-{n}", what=f"edge-{n}'s configuration", types=TYPES)
 
     def subsets() -> list[set[str]]:
         return [set(envoy.cluster_endpoints("web")) for envoy in envoys]
 
-    wait_until(lambda: all(len(s) == K for s in subsets()), timeout=15, what=f"every Envoy to list {K} endpoints",
-               details=lambda: str(subsets()))
+    wait_until(
+        lambda: all(len(s) == K for s in subsets()),
+        timeout=15,
+        what=f"every Envoy to list {K} endpoints",
+        details=lambda: str(subsets()),
+    )
     first = subsets()
     assert set().union(*first) == {address(u) for u in serving}, "together they use every backend"
     # The admin API says which subset each proxy is served; /metrics how even the load is.
@@ -94,19 +105,26 @@ def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGro
     assert 1.0 <= float(spread[0].rsplit(" ", 1)[1]) <= 2.0, spread
     # The status page shows each proxy's subset.
     page = browser.open(f"http://{control_plane.admin}/")
-    wait_until(lambda: page.evaluate("document.body.innerText").count("subset #") == ENVOYS, timeout=15,
-               what="the status page to show every proxy's subset")
+    wait_until(
+        lambda: page.evaluate("document.body.innerText").count("subset #") == ENVOYS,
+        timeout=15,
+        what="the status page to show every proxy's subset",
+    )
     text = page.evaluate("document.body.innerText")
     assert all(address in text for address in set().union(*first))
 
-    loads = [Wrk.start(processes, f"http://127.0.0.1:{port}/", duration_s=LOAD_S, threads=1, connections=4)
-             for port in ports]
+    loads = [
+        Wrk.start(processes, f"http://127.0.0.1:{port}/", duration_s=LOAD_S, threads=1, connections=4) for port in ports
+    ]
 
     # A 13th backend: at most one endpoint changes per Envoy.
     write(snapshot, upstreams)
-    wait_until(lambda: any(s != f for s, f in zip(subsets(), first, strict=True)) and
-               all(len(s) == K for s in subsets()), timeout=15, what="the 13th backend to join some subsets",
-               details=lambda: str(subsets()))
+    wait_until(
+        lambda: any(s != f for s, f in zip(subsets(), first, strict=True)) and all(len(s) == K for s in subsets()),
+        timeout=15,
+        what="the 13th backend to join some subsets",
+        details=lambda: str(subsets()),
+    )
     second = subsets()
     for before, after in zip(first, second, strict=True):
         assert len(before - after) <= 1 and len(after - before) <= 1, (before, after)
@@ -116,8 +134,12 @@ def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGro
     gone = next(u for u in upstreams if sum(address(u) in s for s in second) >= 1)
     serving = [u for u in upstreams if u is not gone]
     write(snapshot, serving)
-    wait_until(lambda: all(address(gone) not in s and len(s) == K for s in subsets()), timeout=15,
-               what=f"every Envoy to drop {address(gone)}", details=lambda: str(subsets()))
+    wait_until(
+        lambda: all(address(gone) not in s and len(s) == K for s in subsets()),
+        timeout=15,
+        what=f"every Envoy to drop {address(gone)}",
+        details=lambda: str(subsets()),
+    )
     third = subsets()
     for before, after in zip(second, third, strict=True):
         if address(gone) in before:
@@ -132,14 +154,20 @@ def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGro
         assert not result.problems(), f"{envoy.name}: {result.summary()}\n{result.output}"
 
     # Restart pilotfish on the same state: the Envoys reconnect with what they have; nothing is sent.
-    acked = {(f"edge-{n}", short_type(t)): events.select(is_event("ack", node=f"edge-{n}", type=t))[-1]["version_info"]
-             for n in range(ENVOYS) for t in TYPES}
+    acked = {
+        (f"edge-{n}", short_type(t)): events.select(is_event("ack", node=f"edge-{n}", type=t))[-1]["version_info"]
+        for n in range(ENVOYS)
+        for t in TYPES
+    }
     control_plane.stop()
     second_run = control_plane.start()
     for n in range(ENVOYS):
         for type_url in TYPES:
-            second_run.wait_for(is_event("request", node=f"edge-{n}", type=type_url), timeout=15,
-                                what=f"edge-{n}'s reconnect request for {short_type(type_url)}")
+            second_run.wait_for(
+                is_event("request", node=f"edge-{n}", type=type_url),
+                timeout=15,
+                what=f"edge-{n}'s reconnect request for {short_type(type_url)}",
+            )
     mark = second_run.mark()
     # A marker change: whatever the restarted server (wrongly) sent on reconnect is logged before it.
     marker = Upstream.start(processes, "marker")
@@ -147,6 +175,7 @@ def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGro
     second_run.wait_for(is_event("snapshot_loaded"), what="the marker change", after=mark)
     sent = second_run.select(is_event("sent"))
     assert [e for e in sent if second_run.index_of(e) < mark] == [], (
-        "a restart on the same state sent something before the marker change:\n" + second_run.describe())
+        "a restart on the same state sent something before the marker change:\n" + second_run.describe()
+    )
     resent = [e for e in sent if e["version"] == acked[(e["node"], short_type(e["type"]))]]
     assert resent == [], "a restart on the same state re-sent what the Envoys had:\n" + second_run.describe()

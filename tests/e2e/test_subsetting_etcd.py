@@ -51,12 +51,17 @@ def test_replicas_share_the_indices_in_etcd_and_a_restart_keeps_every_subset(pro
     etcd.put_json("/pilotfish/services/web", {"subset_size": 3})
     for port in range(9000, 9012):
         put_instance(etcd, port)
-    replicas = [ControlPlane(processes, None, free_port(), etcd=etcd.address, name=f"replica{n}",
-                             options=("--quiet-ms", "50")) for n in range(2)]
+    replicas = [
+        ControlPlane(processes, None, free_port(), etcd=etcd.address, name=f"replica{n}", options=("--quiet-ms", "50"))
+        for n in range(2)
+    ]
     for replica in replicas:
         replica.start().wait_for(is_event("etcd_synced"), what="the first list of etcd")
-    wait_until(lambda: len(backend_table(etcd)) == 12, timeout=15,
-               what="the elected replica to write web's backend indices to etcd")
+    wait_until(
+        lambda: len(backend_table(etcd)) == 12,
+        timeout=15,
+        what="the elected replica to write web's backend indices to etcd",
+    )
 
     def served(node: str) -> list[tuple[set[str], str]]:
         return [subset(replica, node) for replica in replicas]
@@ -69,17 +74,24 @@ def test_replicas_share_the_indices_in_etcd_and_a_restart_keeps_every_subset(pro
         replica applies etcd's keys a moment after another)."""
         out = {}
         for node in NODES:
-            wait_until(functools.partial(same_everywhere, node), timeout=15,
-                       what=f"both replicas to serve {node} the same subset",
-                       details=functools.partial(lambda n: str(served(n)), node))
+            wait_until(
+                functools.partial(same_everywhere, node),
+                timeout=15,
+                what=f"both replicas to serve {node} the same subset",
+                details=functools.partial(lambda n: str(served(n)), node),
+            )
             out[node] = served(node)[0]
         return out
 
     first = agreed()
     assert all(len(chosen) == 3 for chosen, _ in first.values())
     assert len({frozenset(chosen) for chosen, _ in first.values()}) == len(NODES), "each node its own subset"
-    indices = {node: int(base64.b64decode(kv["value"]))
-               for node in NODES for kv in [etcd_kv(etcd, f"/pilotfish.subsets/proxies/{node}")] if kv}
+    indices = {
+        node: int(base64.b64decode(kv["value"]))
+        for node in NODES
+        for kv in [etcd_kv(etcd, f"/pilotfish.subsets/proxies/{node}")]
+        if kv
+    }
     assert sorted(indices.values()) == list(range(len(NODES))), indices
 
     # A 13th backend: indexed once, in etcd; every replica still agrees.
@@ -105,8 +117,9 @@ def test_replicas_share_the_indices_in_etcd_and_a_restart_keeps_every_subset(pro
 
 
 def etcd_kv(etcd: Etcd, key: str) -> dict[str, str] | None:
-    status, answer = http_json("POST", f"http://{etcd.address}/v3/kv/range",
-                               {"key": base64.b64encode(key.encode()).decode()})
+    status, answer = http_json(
+        "POST", f"http://{etcd.address}/v3/kv/range", {"key": base64.b64encode(key.encode()).decode()}
+    )
     assert status == 200, answer
     kvs = answer.get("kvs", [])
     return kvs[0] if kvs else None
@@ -126,8 +139,11 @@ def test_a_corrupt_index_table_in_etcd_is_reported_and_rewritten(processes: Proc
     etcd.put("/pilotfish.subsets/backends/web", json.dumps({"version": 1, "indices": {"127.0.0.1:9000": -1}}))
     etcd.put("/pilotfish.subsets/proxies/edge-9", "not an index")
     replica.start()
-    wait_until(lambda: len(backend_table(etcd)) == 6 and min(backend_table(etcd).values()) == 0, timeout=15,
-               what="the elected replica to write a good table again")
+    wait_until(
+        lambda: len(backend_table(etcd)) == 6 and min(backend_table(etcd).values()) == 0,
+        timeout=15,
+        what="the elected replica to write a good table again",
+    )
     log = replica.process.output_tail(400)
     assert "/pilotfish.subsets/backends/web is not a backend index table" in log
     assert "/pilotfish.subsets/proxies/edge-9 is not a proxy index" in log

@@ -42,15 +42,22 @@ def uri_cert(ca: trustme.CA, uri: str) -> tuple[bytes, bytes]:
     issuer = x509.load_pem_x509_certificate(ca.cert_pem.bytes()).subject
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "proxy")]))
-            .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]  # trustme's CA key is EC or RSA
-    return (cert.public_bytes(serialization.Encoding.PEM),
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                              serialization.NoEncryption()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "proxy")]))
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]  # trustme's CA key is EC or RSA
+    )
+    return (
+        cert.public_bytes(serialization.Encoding.PEM),
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
 
 
 class Pki:
@@ -112,8 +119,11 @@ def test_envoy_over_mtls_is_served_and_named_and_others_are_refused(testbed: Tes
 
     # A certificate from another CA, and no certificate at all: the handshake fails, no stream opens.
     strangers = [
-        testbed.start_envoy(name="stranger", node_id="edge-2",
-                            bootstrap_options=pki.client("edge-2", "edge-2.pilotfish.test", ca=trustme.CA())),
+        testbed.start_envoy(
+            name="stranger",
+            node_id="edge-2",
+            bootstrap_options=pki.client("edge-2", "edge-2.pilotfish.test", ca=trustme.CA()),
+        ),
         testbed.start_envoy(name="anonymous", node_id="edge-3", bootstrap_options=("--tls-ca", str(pki.ca_path))),
     ]
     for envoy in strangers:
@@ -121,8 +131,12 @@ def test_envoy_over_mtls_is_served_and_named_and_others_are_refused(testbed: Tes
         def failed_twice(envoy: Envoy = envoy) -> bool:
             return count(envoy.stat("cluster.xds_cluster.upstream_cx_connect_fail")) >= 2
 
-        wait_until(failed_twice, timeout=15, what=f"{envoy.name}'s connections to pilotfish to fail (twice)",
-                   details=envoy.log_tail)
+        wait_until(
+            failed_twice,
+            timeout=15,
+            what=f"{envoy.name}'s connections to pilotfish to fail (twice)",
+            details=envoy.log_tail,
+        )
         assert count(envoy.stat("cluster.xds_cluster.ssl.handshake")) == 0
         assert envoy.stat("control_plane.connected_state") == 0
         assert envoy.cluster_endpoints("web") == []
@@ -144,13 +158,17 @@ def test_rotating_the_server_certificate_under_load_drops_nothing(testbed: Testb
     [opened] = events.select(is_event("stream_open", node="edge-1"))
 
     wrk = Wrk.start(testbed.group, f"http://127.0.0.1:{testbed.listener_port}/direct", duration_s=LOAD_S)
-    wait_until(lambda: count(envoy.stat("http.ingress.downstream_rq_2xx")) >= 100, timeout=10,
-               what="wrk's load to flow through Envoy")
+    wait_until(
+        lambda: count(envoy.stat("http.ingress.downstream_rq_2xx")) >= 100,
+        timeout=10,
+        what="wrk's load to flow through Envoy",
+    )
     for ca in (pki.ca, new_ca):
         mark = events.mark()
         pki.install_server_cert(ca)
-        events.wait_for(is_event("tls_reloaded", listener="xds"), what="pilotfish to load the new certificate",
-                        after=mark)
+        events.wait_for(
+            is_event("tls_reloaded", listener="xds"), what="pilotfish to load the new certificate", after=mark
+        )
     testbed.write_snapshot(direct_body="direct v2", version="2")
     wait_for_acks(events, node="edge-1", version="2", stream=opened["stream"], what="a change after the rotation")
     assert wrk.running(), "the rotation took longer than the load run: it was not made under load"
@@ -165,27 +183,43 @@ def test_rotating_the_server_certificate_under_load_drops_nothing(testbed: Testb
     (tmp_path / "new-ca.pem").write_bytes(new_ca.cert_pem.bytes())
     (tmp_path / "edge-2.pem").write_bytes(only_new.cert_chain_pems[0].bytes())
     (tmp_path / "edge-2.key").write_bytes(only_new.private_key_pem.bytes())
-    testbed.start_envoy(name="after", node_id="edge-2", bootstrap_options=(
-        "--tls-ca", str(tmp_path / "new-ca.pem"), "--tls-cert", str(tmp_path / "edge-2.pem"),
-        "--tls-key", str(tmp_path / "edge-2.key")))
+    testbed.start_envoy(
+        name="after",
+        node_id="edge-2",
+        bootstrap_options=(
+            "--tls-ca",
+            str(tmp_path / "new-ca.pem"),
+            "--tls-cert",
+            str(tmp_path / "edge-2.pem"),
+            "--tls-key",
+            str(tmp_path / "edge-2.key"),
+        ),
+    )
     wait_for_acks(events, node="edge-2", types=TYPE_URLS, what="an Envoy trusting only the new CA")
 
 
-def test_an_envoy_claiming_a_node_id_its_certificate_is_not_granted_is_refused(testbed: Testbed,
-                                                                               tmp_path: Path) -> None:
+def test_an_envoy_claiming_a_node_id_its_certificate_is_not_granted_is_refused(
+    testbed: Testbed, tmp_path: Path
+) -> None:
     pki = Pki(tmp_path)
-    testbed.control_plane.options = (*pki.serve_options(mtls=True),
-                                     "--authorize-node", "edge-1.pilotfish.test=edge-1")
+    testbed.control_plane.options = (*pki.serve_options(mtls=True), "--authorize-node", "edge-1.pilotfish.test=edge-1")
     testbed.start(envoy_options={"bootstrap_options": pki.client("edge-1", "edge-1.pilotfish.test")})
     # A valid certificate from the same CA, for another identity, claiming edge-1's node id.
-    impostor = testbed.start_envoy(name="impostor", node_id="edge-1",
-                                   bootstrap_options=pki.client("edge-2", "edge-2.pilotfish.test"))
-    refusal = testbed.events.wait_for(is_event("node_refused", identity="edge-2.pilotfish.test"),
-                                      what="pilotfish to refuse the impostor's claim to node edge-1")
+    impostor = testbed.start_envoy(
+        name="impostor", node_id="edge-1", bootstrap_options=pki.client("edge-2", "edge-2.pilotfish.test")
+    )
+    refusal = testbed.events.wait_for(
+        is_event("node_refused", identity="edge-2.pilotfish.test"),
+        what="pilotfish to refuse the impostor's claim to node edge-1",
+    )
     assert "'edge-1'" in refusal["reason"]
     # Envoy sees gRPC status 7 (PERMISSION_DENIED) and the reason.
-    wait_until(lambda: "closed: 7, node id 'edge-1' refused" in impostor.log_tail(200), timeout=10,
-               what="the impostor to log the refusal", details=impostor.log_tail)
+    wait_until(
+        lambda: "closed: 7, node id 'edge-1' refused" in impostor.log_tail(200),
+        timeout=10,
+        what="the impostor to log the refusal",
+        details=impostor.log_tail,
+    )
     assert impostor.cluster_endpoints("web") == []
     assert len(testbed.events.select(is_event("stream_open", node="edge-1"))) == 1
 
@@ -195,8 +229,11 @@ def test_one_capture_rule_lets_each_certificate_claim_only_its_own_node_id(testb
     account edge-a is served as node edge-a; the same certificate claiming edge-b is refused."""
     pki = Pki(tmp_path)
     testbed.write_snapshot()
-    testbed.control_plane.options = (*pki.serve_options(mtls=True),
-                                     "--authorize-node", "spiffe://pilotfish.test/ns/{ns}/sa/{sa}={sa}")
+    testbed.control_plane.options = (
+        *pki.serve_options(mtls=True),
+        "--authorize-node",
+        "spiffe://pilotfish.test/ns/{ns}/sa/{sa}={sa}",
+    )
     events = testbed.control_plane.start()
     edge_a = "spiffe://pilotfish.test/ns/edge/sa/edge-a"
     owner = testbed.start_envoy(name="edge-a", node_id="edge-a", bootstrap_options=pki.client("edge-a", edge_a))
@@ -205,13 +242,17 @@ def test_one_capture_rule_lets_each_certificate_claim_only_its_own_node_id(testb
     assert opened is not None and opened["identity"] == edge_a
     assert owner.cluster_endpoints("web")
 
-    impostor = testbed.start_envoy(name="impostor", node_id="edge-b",
-                                   bootstrap_options=pki.client("impostor", edge_a))
-    refusal = events.wait_for(is_event("node_refused", identity=edge_a),
-                              what="pilotfish to refuse edge-a's certificate the node id edge-b")
+    impostor = testbed.start_envoy(name="impostor", node_id="edge-b", bootstrap_options=pki.client("impostor", edge_a))
+    refusal = events.wait_for(
+        is_event("node_refused", identity=edge_a), what="pilotfish to refuse edge-a's certificate the node id edge-b"
+    )
     assert "'edge-b'" in refusal["reason"] and "'edge-a'" in refusal["reason"]  # and what it may claim
-    wait_until(lambda: "closed: 7, node id 'edge-b' refused" in impostor.log_tail(200), timeout=10,
-               what="the impostor to log PERMISSION_DENIED", details=impostor.log_tail)
+    wait_until(
+        lambda: "closed: 7, node id 'edge-b' refused" in impostor.log_tail(200),
+        timeout=10,
+        what="the impostor to log PERMISSION_DENIED",
+        details=impostor.log_tail,
+    )
     assert impostor.cluster_endpoints("web") == []
     assert not events.select(is_event("stream_open", node="edge-b"))
 
@@ -220,10 +261,23 @@ def test_a_capture_named_twice_or_never_defined_stops_serve_at_start(tmp_path: P
     pki = Pki(tmp_path)
     snapshot = tmp_path / "snapshot.yaml"
     snapshot.write_text("clusters: []\n")
-    for rule, says in (("spiffe://pilotfish.test/ns/{sa}/sa/{sa}={sa}", "the capture {sa} appears twice in IDENTITY"),
-                       ("spiffe://pilotfish.test/ns/{ns}/sa/*={sa}", "the capture {sa} in NODE is not defined")):
-        result = pilotfish("serve", "--snapshot", str(snapshot), "--xds", "127.0.0.1:0", "--admin", "off",
-                           *pki.serve_options(mtls=True), "--authorize-node", rule, check=False)
+    for rule, says in (
+        ("spiffe://pilotfish.test/ns/{sa}/sa/{sa}={sa}", "the capture {sa} appears twice in IDENTITY"),
+        ("spiffe://pilotfish.test/ns/{ns}/sa/*={sa}", "the capture {sa} in NODE is not defined"),
+    ):
+        result = pilotfish(
+            "serve",
+            "--snapshot",
+            str(snapshot),
+            "--xds",
+            "127.0.0.1:0",
+            "--admin",
+            "off",
+            *pki.serve_options(mtls=True),
+            "--authorize-node",
+            rule,
+            check=False,
+        )
         assert result.returncode == 2, result.stdout + result.stderr
         assert "Traceback" not in result.stderr
         assert f"argument --authorize-node: rule '{rule}': {says}" in result.stderr, result.stderr

@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--drain-s", type=float, default=5.0,
-                        help="on SIGTERM, wait at most this long for open connections to close")
+    parser.add_argument(
+        "--drain-s", type=float, default=5.0, help="on SIGTERM, wait at most this long for open connections to close"
+    )
     args = parser.parse_args(argv)
 
     # SIGTERM is taken by this thread (sigwait), never delivered while the server thread is

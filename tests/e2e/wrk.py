@@ -139,8 +139,15 @@ class Wrk:
         default, 2 s, turns a request merely slowed by a busy machine into an error (p99 reached
         1.35 s on a 2-CPU machine running other work); 10 s still catches a request that hangs.
         """
-        argv = [wrk_binary(), f"-t{threads}", f"-c{connections}", f"-d{duration_s}s", "--latency",
-                f"--timeout={timeout_s}s", url]
+        argv = [
+            wrk_binary(),
+            f"-t{threads}",
+            f"-c{connections}",
+            f"-d{duration_s}s",
+            "--latency",
+            f"--timeout={timeout_s}s",
+            url,
+        ]
         return cls(group.start("wrk", argv), url, duration_s)
 
     def running(self) -> bool:
@@ -152,8 +159,9 @@ class Wrk:
             returncode = self.process.popen.wait(self.duration_s + slack_s)
         except subprocess.TimeoutExpired:
             self.process.stop(kill=True)
-            pytest.fail(f"wrk did not finish within {self.duration_s + slack_s:g}s\n{self.process.output_tail()}",
-                        pytrace=False)
+            pytest.fail(
+                f"wrk did not finish within {self.duration_s + slack_s:g}s\n{self.process.output_tail()}", pytrace=False
+            )
         output = self.process.stdout_path.read_text(errors="replace")
         if returncode != 0:
             pytest.fail(f"wrk exited with {returncode}\n{self.process.output_tail()}", pytrace=False)

@@ -41,18 +41,22 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path: Path, settings: ServeSettings | None = None, *,
-                  timeout: float = TIMEOUT) -> AsyncIterator[Running]:
+async def serving(
+    tmp_path: Path, settings: ServeSettings | None = None, *, timeout: float = TIMEOUT
+) -> AsyncIterator[Running]:
     """Serve (``settings`` may set sources and options; addresses and the event log are set here);
     ``timeout``: how long it may take to listen (a large snapshot takes longer to build)."""
     log = tmp_path / "events.jsonl"
     settings = settings or ServeSettings()
-    settings = replace(settings, xds=replace(settings.xds, address="127.0.0.1:0"),
-                       registry=replace(settings.registry, address="127.0.0.1:0"),
-                       admin=replace(settings.admin, address="127.0.0.1:0"),
-                       events=replace(settings.events, log=log),
-                       rest=replace(settings.rest, address=None if settings.rest.address is None else "127.0.0.1:0"),
-                       debounce=DebounceSettings(quiet=0.02, max_delay=0.2))
+    settings = replace(
+        settings,
+        xds=replace(settings.xds, address="127.0.0.1:0"),
+        registry=replace(settings.registry, address="127.0.0.1:0"),
+        admin=replace(settings.admin, address="127.0.0.1:0"),
+        events=replace(settings.events, log=log),
+        rest=replace(settings.rest, address=None if settings.rest.address is None else "127.0.0.1:0"),
+        debounce=DebounceSettings(quiet=0.02, max_delay=0.2),
+    )
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(settings, started=started))
     port = await asyncio.wait_for(started, timeout)

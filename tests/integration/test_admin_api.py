@@ -78,13 +78,18 @@ async def read(call: Any) -> discovery_pb2.DiscoveryResponse:
 
 
 def ack(response: discovery_pb2.DiscoveryResponse) -> discovery_pb2.DiscoveryRequest:
-    return discovery_pb2.DiscoveryRequest(type_url=CDS, version_info=response.version_info,
-                                          response_nonce=response.nonce)
+    return discovery_pb2.DiscoveryRequest(
+        type_url=CDS, version_info=response.version_info, response_nonce=response.nonce
+    )
 
 
 def nack(response: discovery_pb2.DiscoveryResponse, accepted: str, message: str) -> discovery_pb2.DiscoveryRequest:
-    return discovery_pb2.DiscoveryRequest(type_url=CDS, version_info=accepted, response_nonce=response.nonce,
-                                          error_detail=status_pb2.Status(code=3, message=message))
+    return discovery_pb2.DiscoveryRequest(
+        type_url=CDS,
+        version_info=accepted,
+        response_nonce=response.nonce,
+        error_detail=status_pb2.Status(code=3, message=message),
+    )
 
 
 async def cds_of(running: Running, node: str) -> dict[str, Any]:
@@ -121,11 +126,19 @@ async def test_a_proxys_states_as_it_acks_and_nacks_and_what_wait_and_status_say
         assert stale["state"] == "STALE" and stale["sent_version"] == first.version_info
         status, body = await get(running, "/v1/proxies")
         (proxy,) = body["proxies"]
-        assert (proxy["node"], proxy["cluster"], proxy["user_agent"], proxy["user_agent_version"], proxy["group"],
-                proxy["protocol"], proxy["streams"]) == ("edge-1", "edge", "grpc-test", "9.9", "default", "sotw", 1)
+        assert (
+            proxy["node"],
+            proxy["cluster"],
+            proxy["user_agent"],
+            proxy["user_agent_version"],
+            proxy["group"],
+            proxy["protocol"],
+            proxy["streams"],
+        ) == ("edge-1", "edge", "grpc-test", "9.9", "default", "sotw", 1)
         assert proxy["address"].startswith("ipv4:127.0.0.1:") and proxy["connected_since"] > 0
-        code, _, err = await run(wait_command, AdminClient(running.admin), version=None, timeout=0.3, min_proxies=1,
-                                 every=0.05)
+        code, _, err = await run(
+            wait_command, AdminClient(running.admin), version=None, timeout=0.3, min_proxies=1, every=0.05
+        )
         assert code == 1 and f"edge-1: CDS STALE {first.version_info[:12]}" in err
 
         await call.write(ack(first))
@@ -135,8 +148,9 @@ async def test_a_proxys_states_as_it_acks_and_nacks_and_what_wait_and_status_say
         cds = snapshots["groups"]["default"]["types"]["CDS"]
         assert cds["summary"] == f"{first.version_info}: 1 of 1" and cds["seconds_to_last_ack"] >= 0
         assert snapshots["counters"]["CDS"] == {"responses": 1, "acks": 1, "nacks": 0}
-        code, out, _ = await run(wait_command, AdminClient(running.admin), version=None, timeout=5, min_proxies=1,
-                                 every=0.05)
+        code, out, _ = await run(
+            wait_command, AdminClient(running.admin), version=None, timeout=5, min_proxies=1, every=0.05
+        )
         assert code == 0 and out == f"1 proxy has {snapshots['groups']['default']['label']}\n"
 
         # A new version the proxy rejects.
@@ -146,12 +160,14 @@ async def test_a_proxys_states_as_it_acks_and_nacks_and_what_wait_and_status_say
         nacked = await until("the NACK", lambda: _in_state(running, "edge-1", "NACKED"))
         assert nacked["nack"]["version"] == second.version_info and nacked["acked_version"] == first.version_info
         assert "greater than 0s" in nacked["nack"]["message"]
-        code, _, err = await run(wait_command, AdminClient(running.admin), version=None, timeout=30, min_proxies=0,
-                                 every=0.05)
+        code, _, err = await run(
+            wait_command, AdminClient(running.admin), version=None, timeout=30, min_proxies=0, every=0.05
+        )
         assert code == 1 and "a proxy rejected the configuration" in err
         assert f"edge-1: CDS NACKED {second.version_info}: cluster api: value must be greater than 0s" in err
-        code, out, _ = await run(status_command, AdminClient(running.admin), node="edge-*", cluster=None,
-                                 state="NACKED")
+        code, out, _ = await run(
+            status_command, AdminClient(running.admin), node="edge-*", cluster=None, state="NACKED"
+        )
         assert code == 0 and out.splitlines()[1].startswith("edge-1") and "NACKED" in out
         assert "edge-1 rejected CDS" in out
         code, out, _ = await run(status_command, AdminClient(running.admin), node="other-*", cluster=None, state=None)
@@ -183,11 +199,15 @@ async def test_bad_admin_requests_are_answered_with_the_reason(tmp_path: Path) -
 
 async def test_secrets_are_shown_by_name_only(tmp_path: Path) -> None:
     snapshot = tmp_path / "snap.yaml"
-    secret = {"name": "edge-cert", "tls_certificate": {"certificate_chain": {"inline_string": "chain"},
-                                                        "private_key": {"inline_string": "THE KEY"}}}
+    secret = {
+        "name": "edge-cert",
+        "tls_certificate": {
+            "certificate_chain": {"inline_string": "chain"},
+            "private_key": {"inline_string": "THE KEY"},
+        },
+    }
     snapshot.write_text(yaml.safe_dump({**snapshot_doc("web"), "secrets": [secret]}))
-    async with serve_in_process(tmp_path, ServeSettings(snapshot=snapshot)) as running, \
-            ads(running, "edge-1") as call:
+    async with serve_in_process(tmp_path, ServeSettings(snapshot=snapshot)) as running, ads(running, "edge-1") as call:
         await read(call)
         await until("edge-1 to be listed", lambda: cds_of(running, "edge-1"))
         status, config = await get(running, "/v1/config?node=edge-1")
@@ -195,8 +215,9 @@ async def test_secrets_are_shown_by_name_only(tmp_path: Path) -> None:
         assert "THE KEY" not in str(config)
 
 
-async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(tmp_path: Path,
-                                                                     caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     names = [f"svc-{i}" for i in range(10)]
     settings = {"guard": GuardSettings(max_removed_share=0.5, min_count=10)}
     async with serving(tmp_path, *names, **settings) as (running, snapshot):
@@ -220,7 +241,9 @@ async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(tmp_path: 
         assert snapshots["groups"]["default"]["label"] == shown["version"] != before
         assert snapshots["held"] is None
         assert await get(running, "/v1/held/confirm", method="POST") == (
-            404, {"error": "no snapshot is held: nothing to confirm"})
+            404,
+            {"error": "no snapshot is held: nothing to confirm"},
+        )
     confirmed = [line for line in running.events.read_text().splitlines() if '"snapshot_confirmed"' in line]
     assert len(confirmed) == 1 and '"by":"admin API"' in confirmed[0]
     assert not check_event_log(running.events)
@@ -228,8 +251,10 @@ async def test_a_held_snapshot_is_shown_and_confirmed_through_the_api(tmp_path: 
 
 async def test_rest_pollers_are_in_the_same_status_as_streams(tmp_path: Path) -> None:
     """A REST poll is recorded where the admin API reads (it used to get a status of its own)."""
-    async with serving(tmp_path, "web", rest=RestSettings(address="127.0.0.1:0")) as (running, _), \
-            aiohttp.ClientSession() as session:
+    async with (
+        serving(tmp_path, "web", rest=RestSettings(address="127.0.0.1:0")) as (running, _),
+        aiohttp.ClientSession() as session,
+    ):
         body = {"version_info": "", "node": {"id": "poller-1", "cluster": "edge", "user_agent_name": "envoy"}}
         async with session.post(f"http://{running.rest}/v3/discovery:clusters", json=body) as response:
             assert response.status == 200
@@ -253,12 +278,14 @@ async def test_with_tls_the_admin_api_is_https_only_and_asks_for_a_client_certif
     settings = {"tls": TlsSettings(cert=cert, key=key, admin_client_ca=ca_file)}
     async with serving(tmp_path, "web", **settings) as (running, _):
         tls = client_context(ca=ca_file, cert=client_cert, key=client_key)
-        code, out, err = await run(status_command, AdminClient(running.admin, tls=tls), node=None, cluster=None,
-                                   state=None)
+        code, out, err = await run(
+            status_command, AdminClient(running.admin, tls=tls), node=None, cluster=None, state=None
+        )
         assert (code, out) == (0, "no proxy is connected\n"), err
         no_certificate = client_context(ca=ca_file, cert=None, key=None)
-        code, _, err = await run(status_command, AdminClient(running.admin, tls=no_certificate), node=None,
-                                 cluster=None, state=None)
+        code, _, err = await run(
+            status_command, AdminClient(running.admin, tls=no_certificate), node=None, cluster=None, state=None
+        )
         assert code == 3 and f"https://{running.admin}/v1/proxies" in err
         code, _, err = await run(status_command, AdminClient(running.admin), node=None, cluster=None, state=None)
         assert code == 3 and f"http://{running.admin}/v1/proxies" in err  # plain HTTP is not answered

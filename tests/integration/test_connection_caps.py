@@ -39,7 +39,6 @@ async def tls_server(ca: trustme.CA, limits: ConnectionLimits) -> AsyncIterator[
         await server.stop()
 
 
-
 def first_bytes(sock: socket.socket) -> bytes | None:
     """What the server sends first (None: it closed or reset the connection, sending nothing)."""
     if not select.select([sock], [], [], TIMEOUT)[0]:
@@ -72,8 +71,9 @@ def h2_over_tls(port: int, source: str, ca: trustme.CA) -> bytes:
 async def test_connections_in_their_tls_handshake_count_and_one_over_the_cap_gets_no_tls_byte() -> None:
     ca = trustme.CA()
     async with tls_server(ca, ConnectionLimits(max_connections_per_address=2)) as (server, port):
-        silent = [await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
-                  for _ in range(2)]  # no ClientHello
+        silent = [
+            await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT) for _ in range(2)
+        ]  # no ClientHello
         try:
             deadline = time.monotonic() + TIMEOUT
             while len(server.connections) < 2 and time.monotonic() < deadline:
@@ -102,24 +102,30 @@ async def test_connections_in_their_tls_handshake_count_and_one_over_the_cap_get
         assert not server.connections  # failed handshakes and closed connections are counted out
 
 
-
 async def test_the_http_ports_count_tls_handshakes_too_and_refuse_over_the_cap_before_any_tls_byte() -> None:
     ca = trustme.CA()
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ca.issue_cert("127.0.0.1").configure_cert(context)
+
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="serving")
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)
-    runner, address = await serve_app(app, "127.0.0.1:0", tls=context, listener=REGISTRY_API,
-                                      limits=HttpConnectionLimits(max_connections_per_address=2))
+    runner, address = await serve_app(
+        app,
+        "127.0.0.1:0",
+        tls=context,
+        listener=REGISTRY_API,
+        limits=HttpConnectionLimits(max_connections_per_address=2),
+    )
     (site,) = runner.sites
     assert isinstance(site, CappedSite)
     port = int(address.rsplit(":", 1)[1])
     try:
-        silent = [await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
-                  for _ in range(2)]  # no ClientHello
+        silent = [
+            await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT) for _ in range(2)
+        ]  # no ClientHello
         try:
             deadline = time.monotonic() + TIMEOUT
             while site.connections < 2 and time.monotonic() < deadline:

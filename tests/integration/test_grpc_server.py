@@ -28,14 +28,27 @@ TIMEOUT = 10.0
 
 def document(version: str | None, *ports: int, timeout: str = "1s") -> dict[str, Any]:
     """Clusters "web" (endpoints on ``ports``) and "api" (one endpoint)."""
+
     def cluster(name: str) -> dict[str, Any]:
-        return {"name": name, "type": "EDS", "connect_timeout": timeout,
-                "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}}}
+        return {
+            "name": name,
+            "type": "EDS",
+            "connect_timeout": timeout,
+            "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
+        }
 
     def endpoints(name: str, ports: tuple[int, ...]) -> dict[str, Any]:
-        return {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-            for p in ports]}]}
+        return {
+            "cluster_name": name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+                        for p in ports
+                    ]
+                }
+            ],
+        }
 
     doc: dict[str, Any] = {
         "clusters": [cluster("web"), cluster("api")],
@@ -80,9 +93,12 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[str, Path, Events]]:
     snapshot.write_text(yaml.safe_dump(document("1", 9001, 9002)))
     log = tmp_path / "events.jsonl"
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(ServeSettings(
-        snapshot=snapshot, xds=XdsSettings(address="127.0.0.1:0"), events=EventSettings(log=log)),
-                                     started=started))
+    task = asyncio.create_task(
+        serve(
+            ServeSettings(snapshot=snapshot, xds=XdsSettings(address="127.0.0.1:0"), events=EventSettings(log=log)),
+            started=started,
+        )
+    )
     port = await asyncio.wait_for(started, TIMEOUT)
     events = Events(log)
     # No wait for the file watcher: a change made before it is in place is still seen, as the
@@ -118,8 +134,11 @@ async def test_file_change_is_pushed_and_bad_file_keeps_last_good(server: tuple[
         await call.write(request)
         first = await read(call)
         assert first.version_info == "1" and len(first.resources) == 1
-        await call.write(discovery_pb2.DiscoveryRequest(
-            type_url=EDS, resource_names=["web"], version_info="1", response_nonce=first.nonce))
+        await call.write(
+            discovery_pb2.DiscoveryRequest(
+                type_url=EDS, resource_names=["web"], version_info="1", response_nonce=first.nonce
+            )
+        )
 
         # A broken (half-written) file is reported and not served.
         replace(snapshot, "endpoints:\n  - cluster_name: web\n    endpoints: [{lb_endpoints: [")
@@ -130,8 +149,11 @@ async def test_file_change_is_pushed_and_bad_file_keeps_last_good(server: tuple[
         replace(snapshot, yaml.safe_dump(document("2", 9001)))
         pushed = await read(call)
         assert pushed.version_info == "2" and pushed.nonce != first.nonce
-        await call.write(discovery_pb2.DiscoveryRequest(
-            type_url=EDS, resource_names=["web"], version_info="2", response_nonce=pushed.nonce))
+        await call.write(
+            discovery_pb2.DiscoveryRequest(
+                type_url=EDS, resource_names=["web"], version_info="2", response_nonce=pushed.nonce
+            )
+        )
         ack = await events.wait_for(lambda e: e["event"] == "ack" and e["version_info"] == "2")
         assert ack["node"] == "proxy-1" and ack["type"] == EDS
         sent = [e for e in events.all() if e["event"] == "sent"]  # logged before the ack of the last
@@ -180,8 +202,11 @@ async def test_rewriting_equal_content_pushes_nothing(tmp_path: Path, server: tu
         call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
         await call.write(discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=["web"], node={"id": "p"}))
         first = await read(call)
-        await call.write(discovery_pb2.DiscoveryRequest(
-            type_url=EDS, resource_names=["web"], version_info=first.version_info, response_nonce=first.nonce))
+        await call.write(
+            discovery_pb2.DiscoveryRequest(
+                type_url=EDS, resource_names=["web"], version_info=first.version_info, response_nonce=first.nonce
+            )
+        )
         # The same content, resources and sections in another order, written as JSON: same hashes.
         original = document(None, 9001, 9002)
         reordered = {"endpoints": original["endpoints"][::-1], "clusters": original["clusters"][::-1]}
@@ -194,7 +219,6 @@ async def test_rewriting_equal_content_pushes_nothing(tmp_path: Path, server: tu
         await events.wait_for(lambda e: e["event"] == "sent" and e["version"] == changed.version_info)
         assert sum(1 for e in events.all() if e["event"] == "sent") == 2
         await call.done_writing()
-
 
 
 async def test_a_change_between_the_first_read_and_the_watch_is_not_lost(tmp_path: Path) -> None:

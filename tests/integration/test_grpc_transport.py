@@ -32,12 +32,32 @@ ADS_PATH = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggrega
 
 def write_snapshot(path: Path, clusters: int) -> None:
     """``clusters`` STATIC clusters with long names: about 200 bytes each once encoded."""
-    doc = {"clusters": [
-        {"name": f"cluster-{i:06d}-" + "x" * 120, "type": "STATIC", "connect_timeout": "1s",
-         "load_assignment": {"cluster_name": f"c{i}", "endpoints": [{"lb_endpoints": [
-             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 1000 + i % 5000}}}}
-         ]}]}}
-        for i in range(clusters)]}
+    doc = {
+        "clusters": [
+            {
+                "name": f"cluster-{i:06d}-" + "x" * 120,
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "load_assignment": {
+                    "cluster_name": f"c{i}",
+                    "endpoints": [
+                        {
+                            "lb_endpoints": [
+                                {
+                                    "endpoint": {
+                                        "address": {
+                                            "socket_address": {"address": "127.0.0.1", "port_value": 1000 + i % 5000}
+                                        }
+                                    }
+                                }
+                            ]
+                        }
+                    ],
+                },
+            }
+            for i in range(clusters)
+        ]
+    }
     path.write_text(json.dumps(doc))
 
 
@@ -81,8 +101,11 @@ async def test_a_response_larger_than_windows_and_frames_arrives_whole(running: 
         names = [cluster_pb2.Cluster.FromString(r.value).name for r in response.resources]
         assert len(names) == 2000 and names[0].startswith("cluster-000000-")
         # ...and the stream goes on: the ACK is taken, a later request answered.
-        await call.write(discovery_pb2.DiscoveryRequest(type_url=CDS, version_info=response.version_info,
-                                                        response_nonce=response.nonce))
+        await call.write(
+            discovery_pb2.DiscoveryRequest(
+                type_url=CDS, version_info=response.version_info, response_nonce=response.nonce
+            )
+        )
         await call.done_writing()
         assert await asyncio.wait_for(call.read(), TIMEOUT) == grpc.aio.EOF
         assert await call.code() == grpc.StatusCode.OK
@@ -129,8 +152,11 @@ async def test_a_cancelled_client_frees_its_stream_and_watches(running: Running)
         call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
         await call.write(cds_request())
         response = await asyncio.wait_for(call.read(), TIMEOUT)
-        await call.write(discovery_pb2.DiscoveryRequest(type_url=CDS, version_info=response.version_info,
-                                                        response_nonce=response.nonce))
+        await call.write(
+            discovery_pb2.DiscoveryRequest(
+                type_url=CDS, version_info=response.version_info, response_nonce=response.nonce
+            )
+        )
         await wait_until(lambda: running.cache.watch_count() == 1)
         call.cancel()
         await wait_until(lambda: running.xds.open_streams == 0)
@@ -155,7 +181,7 @@ def _frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
         length, kind, flags, stream = h2.parse_frame_header(data, offset)
         if len(data) - offset - 9 < length:
             break
-        frames.append((kind, flags, stream, data[offset + 9: offset + 9 + length]))
+        frames.append((kind, flags, stream, data[offset + 9 : offset + 9 + length]))
         offset += 9 + length
     return frames
 
@@ -199,4 +225,3 @@ async def test_a_refused_port_is_reported(tmp_path: Path) -> None:
             await start_xds_server(XdsServer(SnapshotCache()), f"127.0.0.1:{taken.getsockname()[1]}")
     finally:
         taken.close()
-

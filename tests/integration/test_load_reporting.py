@@ -48,9 +48,12 @@ class Lrs:
 async def lrs() -> AsyncIterator[Lrs]:
     sink, clock = Received(), Clock()
     service = LoadReporting(
-        sink, settings=LrsSettings(interval=2.0), clock=clock,
+        sink,
+        settings=LrsSettings(interval=2.0),
+        clock=clock,
         authorize=lambda identity, node: None if not node.startswith("forbidden") else f"{node!r} may not report",
-        clusters_for=lambda node: ["web", "api"])
+        clusters_for=lambda node: ["web", "api"],
+    )
     server = GrpcServer(service.methods())
     port = await server.start("127.0.0.1", 0)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -61,15 +64,24 @@ async def lrs() -> AsyncIterator[Lrs]:
         await server.stop(0)
 
 
-def report(node: str | None, *, cluster: str = "web", ok: int = 0, errors: int = 0,
-           features: tuple[str, ...] = (SEND_ALL_FEATURE,)) -> lrs_pb2.LoadStatsRequest:
+def report(
+    node: str | None,
+    *,
+    cluster: str = "web",
+    ok: int = 0,
+    errors: int = 0,
+    features: tuple[str, ...] = (SEND_ALL_FEATURE,),
+) -> lrs_pb2.LoadStatsRequest:
     request = lrs_pb2.LoadStatsRequest()
     if node is not None:
         request.node.CopyFrom(base_pb2.Node(id=node, client_features=list(features)))
     if ok or errors:
         stats = request.cluster_stats.add(cluster_name=cluster)
-        stats.upstream_locality_stats.append(load_report_pb2.UpstreamLocalityStats(
-            total_successful_requests=ok, total_error_requests=errors, total_issued_requests=ok + errors))
+        stats.upstream_locality_stats.append(
+            load_report_pb2.UpstreamLocalityStats(
+                total_successful_requests=ok, total_error_requests=errors, total_issued_requests=ok + errors
+            )
+        )
     return request
 
 
@@ -95,8 +107,11 @@ async def test_a_client_is_told_what_to_report_and_how_often_and_its_reports_rea
     node, got = lrs.sink.reports[0]
     assert node == "edge-1"
     locality = got.cluster_stats[0].upstream_locality_stats[0]
-    assert (got.cluster_stats[0].cluster_name, locality.total_successful_requests,
-            locality.total_error_requests) == ("web", 40, 2)
+    assert (got.cluster_stats[0].cluster_name, locality.total_successful_requests, locality.total_error_requests) == (
+        "web",
+        40,
+        2,
+    )
     assert lrs.service.open_streams == 1 and lrs.service.reports == 1
     await call.done_writing()
     assert await asyncio.wait_for(call.code(), TIMEOUT) == grpc.StatusCode.OK
@@ -120,19 +135,22 @@ async def test_reports_faster_than_the_interval_allows_are_dropped_unparsed(lrs:
     lrs.clock.now += 0.5  # a quarter of the 2 s interval: the next one is taken
     await call.write(report(None, ok=7))
     await wait_for(lambda: lrs.sink.reports, "the report after the flood")
-    assert [r.cluster_stats[0].upstream_locality_stats[0].total_successful_requests
-            for _, r in lrs.sink.reports] == [7]
+    assert [r.cluster_stats[0].upstream_locality_stats[0].total_successful_requests for _, r in lrs.sink.reports] == [7]
     assert lrs.service.dropped == 200
     call.cancel()
 
 
-@pytest.mark.parametrize(("first", "code", "says"), [
-    (report(None, ok=1), grpc.StatusCode.INVALID_ARGUMENT, "must carry node.id"),
-    (report("forbidden-1"), grpc.StatusCode.PERMISSION_DENIED, "may not report"),
-    (report("x" * 100_000), grpc.StatusCode.INVALID_ARGUMENT, "a shorter node id"),
-])
+@pytest.mark.parametrize(
+    ("first", "code", "says"),
+    [
+        (report(None, ok=1), grpc.StatusCode.INVALID_ARGUMENT, "must carry node.id"),
+        (report("forbidden-1"), grpc.StatusCode.PERMISSION_DENIED, "may not report"),
+        (report("x" * 100_000), grpc.StatusCode.INVALID_ARGUMENT, "a shorter node id"),
+    ],
+)
 async def test_a_stream_that_does_not_say_who_reports_or_may_not_is_refused(
-        lrs: Lrs, first: lrs_pb2.LoadStatsRequest, code: grpc.StatusCode, says: str) -> None:
+    lrs: Lrs, first: lrs_pb2.LoadStatsRequest, code: grpc.StatusCode, says: str
+) -> None:
     call = lrs.stub.StreamLoadStats()
     await call.write(first)
     assert await asyncio.wait_for(call.code(), TIMEOUT) == code

@@ -20,8 +20,11 @@ async def scrape(running: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     async with aiohttp.ClientSession() as session, session.get(f"http://{running.admin}/metrics") as response:
         assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
         text = await response.text()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
@@ -67,7 +70,9 @@ async def test_metrics_move_as_proxies_are_pushed_to_ack_and_nack(tmp_path: Path
 async def test_a_held_snapshot_and_a_refused_change_show(tmp_path: Path) -> None:
     names = [f"svc-{i}" for i in range(10)]
     async with serving(tmp_path, *names, guard=GuardSettings(max_removed_share=0.5, min_count=10)) as (
-            running, snapshot):
+        running,
+        snapshot,
+    ):
         snapshot.write_text(yaml.safe_dump(snapshot_doc("svc-0")))  # removes 9 of 10 clusters: held
 
         async def held() -> Any:

@@ -42,9 +42,14 @@ async def listeners(running: Running, node: dict[str, Any], names: list[str]) ->
                 listener = listener_pb2.Listener()
                 item.Unpack(listener)
                 found[listener.name] = listener
-            await call.write(discovery_pb2.DiscoveryRequest(type_url=LDS, resource_names=names,
-                                                            version_info=response.version_info,
-                                                            response_nonce=response.nonce))
+            await call.write(
+                discovery_pb2.DiscoveryRequest(
+                    type_url=LDS,
+                    resource_names=names,
+                    version_info=response.version_info,
+                    response_nonce=response.nonce,
+                )
+            )
     return found
 
 
@@ -53,8 +58,9 @@ async def test_envoys_and_grpc_clients_get_their_own_listeners_of_a_registry_ser
     async with serving(tmp_path, settings) as running, aiohttp.ClientSession() as http:
         put = await http.put(running.url("/v1/services/web"), json={"listen": "127.0.0.1:10000", "grpc": True})
         assert put.status == 200, await put.text()
-        created = await http.post(running.url("/v1/services/web/instances"), json={"address": "127.0.0.1",
-                                                                                  "port": 9001})
+        created = await http.post(
+            running.url("/v1/services/web/instances"), json={"address": "127.0.0.1", "port": 9001}
+        )
         assert created.status == 201
         shown = await (await http.get(running.url("/v1/services/web"))).json()
         assert shown["grpc"] == "web", shown

@@ -55,15 +55,23 @@ class EdsWatcher:
 
     async def next_ports(self) -> list[int]:
         response = await asyncio.wait_for(self.call.read(), TIMEOUT)
-        await self.call.write(discovery_pb2.DiscoveryRequest(
-            type_url=EDS, resource_names=[self.service], version_info=response.version_info,
-            response_nonce=response.nonce))
+        await self.call.write(
+            discovery_pb2.DiscoveryRequest(
+                type_url=EDS,
+                resource_names=[self.service],
+                version_info=response.version_info,
+                response_nonce=response.nonce,
+            )
+        )
         ports: list[int] = []
         for item in response.resources:
             assignment = endpoint_pb2.ClusterLoadAssignment()
             item.Unpack(assignment)
-            ports += [lb.endpoint.address.socket_address.port_value
-                      for group in assignment.endpoints for lb in group.lb_endpoints]
+            ports += [
+                lb.endpoint.address.socket_address.port_value
+                for group in assignment.endpoints
+                for lb in group.lb_endpoints
+            ]
         return sorted(ports)
 
     async def until(self, expected: list[int]) -> list[list[int]]:
@@ -89,8 +97,9 @@ async def test_registered_instances_reach_xds_and_leave_on_deregister(running: R
         put = await http.put(running.url("/v1/services/web"), json={"listen": "127.0.0.1:10000"})
         assert put.status == 200, await put.text()
         for port in (9001, 9002):
-            created = await http.post(running.url("/v1/services/web/instances"),
-                                      json={"address": "127.0.0.1", "port": port, "weight": 2})
+            created = await http.post(
+                running.url("/v1/services/web/instances"), json={"address": "127.0.0.1", "port": port, "weight": 2}
+            )
             assert created.status == 201
             assert (await created.json())["id"] == f"127.0.0.1:{port}"
         async with eds_watch(running.xds, "web") as eds:
@@ -129,8 +138,9 @@ async def test_bad_registrations_name_the_field_and_lose_nothing(
 
 async def test_malformed_json_and_unknown_ids(running: Running) -> None:
     async with aiohttp.ClientSession() as http:
-        bad = await http.post(running.url("/v1/services/web/instances"), data=b"{not json",
-                              headers={"Content-Type": "application/json"})
+        bad = await http.post(
+            running.url("/v1/services/web/instances"), data=b"{not json", headers={"Content-Type": "application/json"}
+        )
         assert bad.status == 400 and "not valid JSON" in (await bad.json())["error"]
         missing = await http.put(running.url("/v1/services/web/instances/127.0.0.1:1/heartbeat"))
         assert missing.status == 404 and "register it again" in (await missing.json())["error"]
@@ -142,8 +152,9 @@ async def test_malformed_json_and_unknown_ids(running: Running) -> None:
 async def test_an_instance_without_heartbeats_expires_after_its_ttl(running: Running) -> None:
     async with aiohttp.ClientSession() as http:
         await http.post(running.url("/v1/services/web/instances"), json={"address": "127.0.0.1", "port": 9001})
-        await http.post(running.url("/v1/services/web/instances"),
-                        json={"address": "127.0.0.1", "port": 9002, "ttl": 0.6})
+        await http.post(
+            running.url("/v1/services/web/instances"), json={"address": "127.0.0.1", "port": 9002, "ttl": 0.6}
+        )
         async with eds_watch(running.xds, "web") as eds:
             await eds.until([9001, 9002])
             # Heartbeats keep it for longer than its TTL...
@@ -189,8 +200,9 @@ async def test_a_listen_address_in_use_is_refused_and_later_changes_are_served(t
         # ...while every valid change after the refused ones is served.
         async with eds_watch(running.xds, "web") as eds:
             await eds.until([9001])
-            created = await http.post(running.url("/v1/services/web/instances"),
-                                      json={"address": "127.0.0.1", "port": 9002})
+            created = await http.post(
+                running.url("/v1/services/web/instances"), json={"address": "127.0.0.1", "port": 9002}
+            )
             assert created.status == 201
             assert (await eds.until([9001, 9002]))[-1] == [9001, 9002]
         assert events_named(running.events, "snapshot_error") == []
@@ -199,8 +211,9 @@ async def test_a_listen_address_in_use_is_refused_and_later_changes_are_served(t
 async def test_a_redefinition_that_moves_a_listener_onto_another_is_refused_and_kept(running: Running) -> None:
     async with aiohttp.ClientSession() as http:
         for name, port in (("a", 10010), ("b", 10011)):
-            assert (await http.put(running.url(f"/v1/services/{name}"),
-                                   json={"listen": f"127.0.0.1:{port}"})).status == 200
+            assert (
+                await http.put(running.url(f"/v1/services/{name}"), json={"listen": f"127.0.0.1:{port}"})
+            ).status == 200
         moved = await http.put(running.url("/v1/services/b"), json={"listen": "127.0.0.1:10010"})
         assert moved.status == 409
         kept = await (await http.get(running.url("/v1/services/b"))).json()
@@ -226,8 +239,9 @@ async def test_bad_bodies_get_a_4xx_and_the_server_goes_on(
     running: Running, caplog: pytest.LogCaptureFixture, body: bytes, status: int, words: str
 ) -> None:
     async with aiohttp.ClientSession() as http:
-        bad = await http.put(running.url("/v1/services/web"), data=io.BytesIO(body),
-                             headers={"Content-Type": "application/json"})
+        bad = await http.put(
+            running.url("/v1/services/web"), data=io.BytesIO(body), headers={"Content-Type": "application/json"}
+        )
         assert bad.status == status
         assert words in (await bad.json())["error"]
         assert (await http.put(running.url("/v1/services/web"), json={"listen": "127.0.0.1:10000"})).status == 200
@@ -291,8 +305,9 @@ async def test_when_every_instance_stops_heartbeating_expiry_pauses_until_turned
     ports = list(range(9001, 9011))
     async with aiohttp.ClientSession() as http:
         for port in ports:
-            created = await http.post(running.url("/v1/services/web/instances"),
-                                      json={"address": "127.0.0.1", "port": port, "ttl": 0.5})
+            created = await http.post(
+                running.url("/v1/services/web/instances"), json={"address": "127.0.0.1", "port": port, "ttl": 0.5}
+            )
             assert created.status == 201
         entered = await wait_for_event(running.events, "registry_self_preservation", state="entered")
         assert entered["everywhere"] and entered["ttl_instances"] == 10
@@ -302,8 +317,9 @@ async def test_when_every_instance_stops_heartbeating_expiry_pauses_until_turned
         kept = sorted(i["port"] for i in listing["instances"])
         assert len(kept) >= 5 and entered["lost_in_window"] > 5
         async with asyncio.timeout(TIMEOUT):  # the kept ones lapse too, and stay
-            while (status := await (await http.get(running.url("/v1/self-preservation"))).json())[
-                    "kept"]["lapsed"] < len(kept):
+            while (status := await (await http.get(running.url("/v1/self-preservation"))).json())["kept"][
+                "lapsed"
+            ] < len(kept):
                 await asyncio.sleep(0.02)
         assert status["active"] and status["kept"]["lapsed"] == len(kept)
         listing = await (await http.get(running.url("/v1/services/web"))).json()
@@ -316,47 +332,94 @@ async def test_when_every_instance_stops_heartbeating_expiry_pauses_until_turned
         assert off.status == 200 and not (await off.json())["enabled"]
         await wait_for_event(running.events, "registry_self_preservation", state="exited")
         assert (await http.get(running.url("/v1/services/web"))).status == 404
-        assert sorted(int(e["instance"].rsplit(":", 1)[1])
-                      for e in events_named(running.events, "registry_expired")) == ports
+        assert (
+            sorted(int(e["instance"].rsplit(":", 1)[1]) for e in events_named(running.events, "registry_expired"))
+            == ports
+        )
 
 
 # -- property: any sequence of requests gets 2xx/4xx answers and leaves a state that builds --------
 
 FILE_DOCUMENT = {
     "services": {"shared": {"listen": "127.0.0.1:10003", "endpoints": ["127.0.0.1:9100"]}},
-    "clusters": [{"name": "legacy", "type": "STATIC", "connect_timeout": "1s", "load_assignment": {
-        "cluster_name": "legacy", "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9200}}}}]}]}}],
-    "listeners": [{
-        "name": "edge", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10002}},
-        "filter_chains": [{"filters": [{"name": "tcp", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
-            "stat_prefix": "edge", "cluster": "legacy"}}]}],
-    }],
+    "clusters": [
+        {
+            "name": "legacy",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {
+                "cluster_name": "legacy",
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9200}}}}
+                        ]
+                    }
+                ],
+            },
+        }
+    ],
+    "listeners": [
+        {
+            "name": "edge",
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10002}},
+            "filter_chains": [
+                {
+                    "filters": [
+                        {
+                            "name": "tcp",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                                "stat_prefix": "edge",
+                                "cluster": "legacy",
+                            },
+                        }
+                    ]
+                }
+            ],
+        }
+    ],
 }
 ETCD_STATE = DesiredState(services={"api": ServiceSpec(name="api", listen=("127.0.0.1", 10001))})
 
 NAMES = st.sampled_from(["web", "web2", "api", "shared", "legacy", "edge", "x.y", "bad name", "é"])
-LISTEN = st.sampled_from(["127.0.0.1:10000", "127.0.0.1:10001", "127.0.0.1:10002", "127.0.0.1:10003",
-                          "127.0.0.1:10004", "[::1]:10000", "nowhere", 7, None])
-SERVICE_BODIES: st.SearchStrategy[object] = st.fixed_dictionaries({}, optional={
-    "listen": LISTEN,
-    "protocol": st.sampled_from(["http", "tcp", "udp"]),
-    "connect_timeout": st.sampled_from([1, "250ms", 0, -1, "x", 1e300, "nans", True]),
-    "timeout": st.sampled_from([0, "15s", -3]),
-    "retries": st.sampled_from([0, 3, 11, True, 2.5]),
-    "upstream_protocol": st.sampled_from(["http1", "http2", "h3"]),
-    "health_check": st.sampled_from([True, {"path": "/h"}, {"path": "h"}, {"interval": "1s", "timeout": 0}, 5]),
-    "endpoints": st.just(["127.0.0.1:1"]),
-    "colour": st.just("red"),
-}) | st.sampled_from([None, [], "x", 3, {"listen": {"deep": [1]}}])
-INSTANCE_BODIES: st.SearchStrategy[object] = st.fixed_dictionaries({}, optional={
-    "address": st.sampled_from(["127.0.0.1", "10.0.0.2", "::1", "host", ""]),
-    "port": st.sampled_from([9001, 9002, 0, 70000, "80"]),
-    "weight": st.sampled_from([1, 128, 0, 1.5]),
-    "metadata": st.sampled_from([{}, {"zone": "a"}, {"k": 1}, []]),
-    "ttl": st.sampled_from([None, 5, 30, 0, -1, "x"]),
-}) | st.sampled_from([None, [], "127.0.0.1:9001"])
+LISTEN = st.sampled_from(
+    [
+        "127.0.0.1:10000",
+        "127.0.0.1:10001",
+        "127.0.0.1:10002",
+        "127.0.0.1:10003",
+        "127.0.0.1:10004",
+        "[::1]:10000",
+        "nowhere",
+        7,
+        None,
+    ]
+)
+SERVICE_BODIES: st.SearchStrategy[object] = st.fixed_dictionaries(
+    {},
+    optional={
+        "listen": LISTEN,
+        "protocol": st.sampled_from(["http", "tcp", "udp"]),
+        "connect_timeout": st.sampled_from([1, "250ms", 0, -1, "x", 1e300, "nans", True]),
+        "timeout": st.sampled_from([0, "15s", -3]),
+        "retries": st.sampled_from([0, 3, 11, True, 2.5]),
+        "upstream_protocol": st.sampled_from(["http1", "http2", "h3"]),
+        "health_check": st.sampled_from([True, {"path": "/h"}, {"path": "h"}, {"interval": "1s", "timeout": 0}, 5]),
+        "endpoints": st.just(["127.0.0.1:1"]),
+        "colour": st.just("red"),
+    },
+) | st.sampled_from([None, [], "x", 3, {"listen": {"deep": [1]}}])
+INSTANCE_BODIES: st.SearchStrategy[object] = st.fixed_dictionaries(
+    {},
+    optional={
+        "address": st.sampled_from(["127.0.0.1", "10.0.0.2", "::1", "host", ""]),
+        "port": st.sampled_from([9001, 9002, 0, 70000, "80"]),
+        "weight": st.sampled_from([1, 128, 0, 1.5]),
+        "metadata": st.sampled_from([{}, {"zone": "a"}, {"k": 1}, []]),
+        "ttl": st.sampled_from([None, 5, 30, 0, -1, "x"]),
+    },
+) | st.sampled_from([None, [], "127.0.0.1:9001"])
 IDS = st.sampled_from(["127.0.0.1:9001", "127.0.0.1:9002", "10.0.0.2:9001", "nope"])
 RAW_BODIES = st.binary(max_size=64) | st.sampled_from([b"[" * 5000, b'{"listen": NaN}', b"\xff", b""])
 
@@ -368,8 +431,11 @@ REQUESTS: st.SearchStrategy[Request] = st.one_of(
     st.tuples(st.just("POST"), NAMES.map("/v1/services/{}/instances".format), INSTANCE_BODIES),
     st.tuples(st.just("PUT"), st.builds("/v1/services/{}/instances/{}/heartbeat".format, NAMES, IDS), st.none()),
     st.tuples(st.just("DELETE"), st.builds("/v1/services/{}/instances/{}".format, NAMES, IDS), st.none()),
-    st.tuples(st.sampled_from(["PUT", "POST"]), st.sampled_from(["/v1/services/web", "/v1/services/web/instances",
-                                                                 "/v1/self-preservation"]), RAW_BODIES),
+    st.tuples(
+        st.sampled_from(["PUT", "POST"]),
+        st.sampled_from(["/v1/services/web", "/v1/services/web/instances", "/v1/self-preservation"]),
+        RAW_BODIES,
+    ),
     st.tuples(st.just("TICK"), st.just(""), st.sampled_from([1.0, 6.0, 40.0])),
 )
 

@@ -48,9 +48,14 @@ SCOPES: dict[str, dict[str, Any]] = {
 
 
 def tokens_document(reads: str = "scoped", drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {"reads": reads, "tokens": {
-        name: {"sha256": hash_token(scope["token"]), **{k: v for k, v in scope.items() if k != "token"}}
-        for name, scope in SCOPES.items() if name not in drop}}
+    return {
+        "reads": reads,
+        "tokens": {
+            name: {"sha256": hash_token(scope["token"]), **{k: v for k, v in scope.items() if k != "token"}}
+            for name, scope in SCOPES.items()
+            if name not in drop
+        },
+    }
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -110,23 +115,36 @@ async def test_a_token_writes_the_services_its_scope_covers_and_no_others(runnin
             defined = await http.put(running.url(f"/v1/services/{name}"), json={}, headers=bearer(WEB))
             assert defined.status == 200, await defined.text()
         instances = running.url("/v1/services/web/instances")
-        created = await http.post(instances, json={"address": "127.0.0.1", "port": 9001, "ttl": 30},
-                                  headers=bearer(WEB))
+        created = await http.post(
+            instances, json={"address": "127.0.0.1", "port": 9001, "ttl": 30}, headers=bearer(WEB)
+        )
         assert created.status == 201
         beat = await http.put(running.url("/v1/services/web/instances/127.0.0.1:9001/heartbeat"), headers=bearer(WEB))
         assert beat.status == 200
         # ...while another token's service, and any write without a token, are refused and change nothing.
         message = await refused(await http.put(running.url("/v1/services/api"), json={}, headers=bearer(WEB)), 403)
         assert "'deploy-web' may not write service 'api'" in message and WEB not in message
-        await refused(await http.post(running.url("/v1/services/webx/instances"),
-                                      json={"address": "127.0.0.1", "port": 9002}, headers=bearer(WEB)), 403)
+        await refused(
+            await http.post(
+                running.url("/v1/services/webx/instances"),
+                json={"address": "127.0.0.1", "port": 9002},
+                headers=bearer(WEB),
+            ),
+            403,
+        )
         message = await refused(await http.post(instances, json={"address": "127.0.0.1", "port": 9003}), 401)
         assert "Authorization: Bearer <token>" in message
         await refused(await http.delete(running.url("/v1/services/web"), headers=bearer("web-token-4f1c9b")), 401)
-        await refused(await http.delete(running.url("/v1/services/web/instances/127.0.0.1:9001"),
-                                        headers=bearer(READER)), 403)
-        await refused(await http.put(running.url("/v1/services/web/instances/127.0.0.1:9001/heartbeat"),
-                                     headers={"Authorization": f"Basic {WEB}"}), 401)
+        await refused(
+            await http.delete(running.url("/v1/services/web/instances/127.0.0.1:9001"), headers=bearer(READER)), 403
+        )
+        await refused(
+            await http.put(
+                running.url("/v1/services/web/instances/127.0.0.1:9001/heartbeat"),
+                headers={"Authorization": f"Basic {WEB}"},
+            ),
+            401,
+        )
         listing = await (await http.get(running.url("/v1/services"), headers=bearer(READER))).json()
         assert sorted(listing["services"]) == ["web", "web-canary"]
         assert [i["port"] for i in listing["services"]["web"]["instances"]] == [9001]
@@ -171,8 +189,11 @@ async def test_self_preservation_is_changed_only_with_an_admin_token(running: Ru
 
 async def test_the_token_is_checked_before_the_body_is_read(running: Running) -> None:
     async with aiohttp.ClientSession() as http:
-        big = await http.put(running.url("/v1/services/web"), data=io.BytesIO(b"x" * (2 << 20)),
-                             headers={"Content-Type": "application/json"})
+        big = await http.put(
+            running.url("/v1/services/web"),
+            data=io.BytesIO(b"x" * (2 << 20)),
+            headers={"Content-Type": "application/json"},
+        )
         await refused(big, 401)  # not 413: an unauthenticated body is not looked at
         bad = await http.put(running.url("/v1/services/web"), data=b"{not json", headers=bearer(WEB))
         assert bad.status == 400  # with a token, it is
@@ -213,13 +234,13 @@ async def test_the_file_is_followed_revoking_tokens_and_a_bad_version_keeps_the_
     print(f"revocation took effect after {took:.2f} s")
 
 
-async def test_refusals_are_logged_at_most_once_per_interval(running: Running,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+async def test_refusals_are_logged_at_most_once_per_interval(
+    running: Running, caplog: pytest.LogCaptureFixture
+) -> None:
     start = time.monotonic()
     async with aiohttp.ClientSession() as http:
         for i in range(50):
-            async with http.put(running.url(f"/v1/services/s{i}"), json={},
-                                headers=bearer(f"guess-{i}")) as response:
+            async with http.put(running.url(f"/v1/services/s{i}"), json={}, headers=bearer(f"guess-{i}")) as response:
                 assert response.status == 401
     most = 1 + int((time.monotonic() - start) // 10)  # one per 10 s (a slow machine may take longer than 10 s)
     assert 1 <= len([r for r in caplog.records if "registry API refused" in r.getMessage()]) <= most
@@ -231,9 +252,26 @@ def test_serve_refuses_to_start_with_a_bad_tokens_file(tmp_path: Path) -> None:
     tokens.write_text("reads: scoped\ntokens:\n  ci:\n    sha256: my-secret-token\n    write: [web]\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
-        [sys.executable, "-m", "pilotfish", "serve", "--registry", "127.0.0.1:0", "--xds", "127.0.0.1:0",
-         "--registry-tokens", str(tokens), "--event-loop", "asyncio"],
-        capture_output=True, text=True, timeout=60, env=env, check=False)
+        [
+            sys.executable,
+            "-m",
+            "pilotfish",
+            "serve",
+            "--registry",
+            "127.0.0.1:0",
+            "--xds",
+            "127.0.0.1:0",
+            "--registry-tokens",
+            str(tokens),
+            "--event-loop",
+            "asyncio",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 1, done
     assert str(tokens) in done.stderr and "tokens.ci.sha256" in done.stderr
     assert "the token itself never goes in the file" in done.stderr
@@ -246,23 +284,37 @@ SERVICES = ["web", "web-1", "web-", "webx", "xweb", "api", "api2", "a.b", "web-*
 KNOWN = [s["token"] for s in SCOPES.values()]
 PRINTABLE = st.text(string.ascii_letters + string.digits + string.punctuation + " ", max_size=30)
 KNOWN_TOKENS = st.sampled_from(KNOWN)
-WELL_FORMED = st.builds("{}{}{}{}".format, st.sampled_from(["", " "]), st.sampled_from(["Bearer", "bearer", "BEARER"]),
-                        st.sampled_from([" ", "  "]), KNOWN_TOKENS)
-WRONG_SCHEME = st.builds("{} {}".format, st.sampled_from(["Basic", "Token", "Bearer:", "Bearerx", "", "Bearer Bearer"]),
-                         KNOWN_TOKENS)
+WELL_FORMED = st.builds(
+    "{}{}{}{}".format,
+    st.sampled_from(["", " "]),
+    st.sampled_from(["Bearer", "bearer", "BEARER"]),
+    st.sampled_from([" ", "  "]),
+    KNOWN_TOKENS,
+)
+WRONG_SCHEME = st.builds(
+    "{} {}".format, st.sampled_from(["Basic", "Token", "Bearer:", "Bearerx", "", "Bearer Bearer"]), KNOWN_TOKENS
+)
 NEAR_MISS = st.builds(lambda t, cut, extra: f"Bearer {t[:cut]}{extra}", KNOWN_TOKENS, st.integers(0, 20), PRINTABLE)
 HEADERS = st.one_of(WELL_FORMED, WELL_FORMED, WRONG_SCHEME, NEAR_MISS, PRINTABLE, st.none())
 WRITES = st.one_of(
     st.tuples(st.just("PUT"), st.sampled_from(SERVICES).map("/v1/services/{}".format), st.just({})),
     st.tuples(st.just("DELETE"), st.sampled_from(SERVICES).map("/v1/services/{}".format), st.none()),
-    st.tuples(st.just("POST"), st.sampled_from(SERVICES).map("/v1/services/{}/instances".format),
-              st.just({"address": "127.0.0.1", "port": 9001})),
-    st.tuples(st.just("PUT"),
-              st.sampled_from(SERVICES).map("/v1/services/{}/instances/127.0.0.1:9001/heartbeat".format), st.none()),
-    st.tuples(st.just("DELETE"), st.sampled_from(SERVICES).map("/v1/services/{}/instances/127.0.0.1:9001".format),
-              st.none()),
-    st.tuples(st.just("PUT"), st.just("/v1/self-preservation"), st.sampled_from([{"enabled": True},
-                                                                                 {"enabled": False}])),
+    st.tuples(
+        st.just("POST"),
+        st.sampled_from(SERVICES).map("/v1/services/{}/instances".format),
+        st.just({"address": "127.0.0.1", "port": 9001}),
+    ),
+    st.tuples(
+        st.just("PUT"),
+        st.sampled_from(SERVICES).map("/v1/services/{}/instances/127.0.0.1:9001/heartbeat".format),
+        st.none(),
+    ),
+    st.tuples(
+        st.just("DELETE"), st.sampled_from(SERVICES).map("/v1/services/{}/instances/127.0.0.1:9001".format), st.none()
+    ),
+    st.tuples(
+        st.just("PUT"), st.just("/v1/self-preservation"), st.sampled_from([{"enabled": True}, {"enabled": False}])
+    ),
 )
 
 
@@ -300,8 +352,7 @@ async def play(tokens: Path, requests: list[tuple[tuple[str, str, Any], str | No
             for (method, path, body), header in requests:
                 before = (registry.describe(), registry.self_preservation)
                 headers = {} if header is None else {"Authorization": header}
-                async with http.request(method, f"http://{host}:{port}{path}", json=body,
-                                        headers=headers) as response:
+                async with http.request(method, f"http://{host}:{port}{path}", json=body, headers=headers) as response:
                     if covered(header, path):
                         assert response.status not in (401, 403), (method, path, header, await response.text())
                     else:
@@ -312,8 +363,12 @@ async def play(tokens: Path, requests: list[tuple[tuple[str, str, Any], str | No
         await runner.cleanup()
 
 
-@settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                                   HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(requests=st.lists(st.tuples(WRITES, HEADERS), min_size=1, max_size=12))
 def test_no_header_makes_a_write_outside_its_scope_succeed(
     tmp_path: Path, requests: list[tuple[tuple[str, str, Any], str | None]]

@@ -56,32 +56,74 @@ EDGE = "spiffe://pilotfish.test/ns/edge/sa/edge"
 
 def document(*, version: str = "1", web_port: int = 9001) -> dict[str, Any]:
     """Two EDS clusters, their endpoints, a listener using RDS, its route, two secrets."""
-    rest = {"api_config_source": {"api_type": "REST", "transport_api_version": "V3",
-                                  "cluster_names": ["xds_cluster"], "refresh_delay": "1s"},
-            "resource_api_version": "V3"}
+    rest = {
+        "api_config_source": {
+            "api_type": "REST",
+            "transport_api_version": "V3",
+            "cluster_names": ["xds_cluster"],
+            "refresh_delay": "1s",
+        },
+        "resource_api_version": "V3",
+    }
 
     def address(port: int) -> dict[str, Any]:
         return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
     def secret(name: str) -> dict[str, Any]:
-        return {"name": name, "tls_certificate": {"certificate_chain": {"inline_string": f"chain of {name}"},
-                                                  "private_key": {"inline_string": f"key of {name}"}}}
+        return {
+            "name": name,
+            "tls_certificate": {
+                "certificate_chain": {"inline_string": f"chain of {name}"},
+                "private_key": {"inline_string": f"key of {name}"},
+            },
+        }
 
     ports = {"web": web_port, "api": 9002}
     return {
         "version": version,
-        "clusters": [{"name": name, "type": "EDS", "connect_timeout": "1s",
-                      "eds_cluster_config": {"eds_config": rest}} for name in ports],
-        "endpoints": [{"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {
-            "address": address(port)}}]}]} for name, port in ports.items()],
-        "listeners": [{"name": "ingress", "address": address(10000), "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager",
-            "typed_config": {"@type": HCM, "stat_prefix": "ingress",
-                             "rds": {"route_config_name": "local_route", "config_source": rest},
-                             "http_filters": [{"name": "envoy.filters.http.router",
-                                               "typed_config": {"@type": ROUTER}}]}}]}]}],
-        "routes": [{"name": "local_route", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
-            {"match": {"prefix": "/"}, "route": {"cluster": "web"}}]}]}],
+        "clusters": [
+            {"name": name, "type": "EDS", "connect_timeout": "1s", "eds_cluster_config": {"eds_config": rest}}
+            for name in ports
+        ],
+        "endpoints": [
+            {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address(port)}}]}]}
+            for name, port in ports.items()
+        ],
+        "listeners": [
+            {
+                "name": "ingress",
+                "address": address(10000),
+                "filter_chains": [
+                    {
+                        "filters": [
+                            {
+                                "name": "envoy.filters.network.http_connection_manager",
+                                "typed_config": {
+                                    "@type": HCM,
+                                    "stat_prefix": "ingress",
+                                    "rds": {"route_config_name": "local_route", "config_source": rest},
+                                    "http_filters": [
+                                        {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}}
+                                    ],
+                                },
+                            }
+                        ]
+                    }
+                ],
+            }
+        ],
+        "routes": [
+            {
+                "name": "local_route",
+                "virtual_hosts": [
+                    {
+                        "name": "all",
+                        "domains": ["*"],
+                        "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "web"}}],
+                    }
+                ],
+            }
+        ],
         "secrets": [secret("edge-cert"), secret("ops-cert")],
     }
 
@@ -93,8 +135,9 @@ def write(path: Path, doc: dict[str, Any]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path: Path, settings: ServeSettings | None = None, *,
-                  doc: dict[str, Any] | None = None) -> AsyncIterator[Running]:
+async def serving(
+    tmp_path: Path, settings: ServeSettings | None = None, *, doc: dict[str, Any] | None = None
+) -> AsyncIterator[Running]:
     snapshot = tmp_path / "snapshot.yaml"
     write(snapshot, doc or document())
     settings = settings or ServeSettings()
@@ -105,8 +148,7 @@ async def serving(tmp_path: Path, settings: ServeSettings | None = None, *,
 
 def poll(node: str = "edge-1", names: list[str] | None = None, version: str = "", **extra: Any) -> dict[str, Any]:
     """A poll as Envoy sends it (proto field names; Envoy's node carries more, ignored here)."""
-    return {"version_info": version, "node": {"id": node, "cluster": "edge"},
-            "resource_names": names or [], **extra}
+    return {"version_info": version, "node": {"id": node, "cluster": "edge"}, "resource_names": names or [], **extra}
 
 
 class Client:
@@ -115,8 +157,9 @@ class Client:
 
     async def post(self, path: str, body: Any, *, raw: bytes | None = None) -> tuple[int, bytes]:
         data = raw if raw is not None else json.dumps(body).encode()
-        async with self.session.post(self.base + path, data=io.BytesIO(data),
-                                     headers={"Content-Type": "application/json"}) as response:
+        async with self.session.post(
+            self.base + path, data=io.BytesIO(data), headers={"Content-Type": "application/json"}
+        ) as response:
             return response.status, await response.read()
 
     async def discover(self, kind: str, body: dict[str, Any]) -> discovery_pb2.DiscoveryResponse:
@@ -169,8 +212,15 @@ async def test_clusters_and_listeners_come_whole_and_a_current_poll_gets_304(tmp
     answers = [(e["type"], e["answer"]) for e in events(running) if e["event"] == "rest_request"]
     assert answers == [(CDS, 200), (LDS, 200), (LDS, 200), (CDS, 304), (LDS, 304), (CDS, 200)]
     sent = [e for e in events(running) if e["event"] == "sent"]
-    assert sent[0] | {"ts": 0} == {"ts": 0, "event": "sent", "node": "edge-1", "type": CDS, "version": "1",
-                                   "rest": True, "resources": 2}
+    assert sent[0] | {"ts": 0} == {
+        "ts": 0,
+        "event": "sent",
+        "node": "edge-1",
+        "type": CDS,
+        "version": "1",
+        "rest": True,
+        "resources": 2,
+    }
 
 
 async def test_endpoints_routes_and_secrets_are_the_named_ones(tmp_path: Path) -> None:
@@ -178,8 +228,10 @@ async def test_endpoints_routes_and_secrets_are_the_named_ones(tmp_path: Path) -
     async with serving(tmp_path, settings) as running, client(running) as rest:
         endpoints = await rest.discover("endpoints", poll(names=["web"]))
         assert names_of(endpoints, "cluster_name") == ["web"] and endpoints.type_url == EDS
-        assert names_of(await rest.discover("endpoints", poll(names=["web", "api", "nope"])),
-                        "cluster_name") == ["api", "web"]
+        assert names_of(await rest.discover("endpoints", poll(names=["web", "api", "nope"])), "cluster_name") == [
+            "api",
+            "web",
+        ]
         assert len((await rest.discover("endpoints", poll(names=["nope"]))).resources) == 0
         routes = await rest.discover("routes", poll(names=["local_route"]))
         assert names_of(routes) == ["local_route"] and routes.type_url == RDS
@@ -243,9 +295,12 @@ async def test_secrets_over_mtls_go_by_certificate_identity_and_node_claims_are_
     (tmp_path / "edge.key").write_bytes(edge_key)
     context = ssl.create_default_context(cafile=str(client_ca))
     context.load_cert_chain(tmp_path / "edge.pem", tmp_path / "edge.key")
-    settings = ServeSettings(tls=TlsSettings(cert=cert, key=key, client_ca=client_ca),
-                             policy=PolicySettings(authorize_nodes=(parse_rule(f"{EDGE}=edge-*"),),
-                                                   secret_grants=(parse_grant(f"edge-cert=identity:{EDGE}"),)))
+    settings = ServeSettings(
+        tls=TlsSettings(cert=cert, key=key, client_ca=client_ca),
+        policy=PolicySettings(
+            authorize_nodes=(parse_rule(f"{EDGE}=edge-*"),), secret_grants=(parse_grant(f"edge-cert=identity:{EDGE}"),)
+        ),
+    )
     async with serving(tmp_path, settings) as running, client(running, ssl_context=context) as rest:
         secrets = await rest.discover("secrets", poll(node="edge-1", names=["edge-cert", "ops-cert"]))
         assert names_of(secrets) == ["edge-cert"]
@@ -301,17 +356,27 @@ async def test_bad_polls_are_refused_with_the_field_at_fault(tmp_path: Path) -> 
 async def test_nothing_is_served_before_the_first_snapshot(tmp_path: Path) -> None:
     """etcd never answers: no snapshot is published, and polls get 503 with the reason (Envoy
     keeps what it has and polls again)."""
-    settings = ServeSettings(etcd=EtcdSettings(address="127.0.0.1:1"), waiting_log_every=60,
-                             rest=RestSettings(address="127.0.0.1:0"))
-    async with serve_in_process(tmp_path, settings) as running, \
-            client(running) as rest:
+    settings = ServeSettings(
+        etcd=EtcdSettings(address="127.0.0.1:1"), waiting_log_every=60, rest=RestSettings(address="127.0.0.1:0")
+    )
+    async with serve_in_process(tmp_path, settings) as running, client(running) as rest:
         status, text = await rest.post("/v3/discovery:clusters", poll())
         assert status == 503 and "waiting for its sources" in json.loads(text)["error"]
     assert [e["answer"] for e in events(running) if e["event"] == "rest_request"] == [503]
 
 
-SERVICES = {"services": {"web": {"listen": "127.0.0.1:10000", "zone_local": True, "endpoints": [
-    {"address": "127.0.0.1", "port": 9001, "zone": "east"}, {"address": "127.0.0.1", "port": 9002, "zone": "west"}]}}}
+SERVICES = {
+    "services": {
+        "web": {
+            "listen": "127.0.0.1:10000",
+            "zone_local": True,
+            "endpoints": [
+                {"address": "127.0.0.1", "port": 9001, "zone": "east"},
+                {"address": "127.0.0.1", "port": 9002, "zone": "west"},
+            ],
+        }
+    }
+}
 
 
 async def _ads_clusters(xds: str, node: dict[str, Any]) -> list[cluster_pb2.Cluster]:
@@ -328,16 +393,22 @@ async def _ads_clusters(xds: str, node: dict[str, Any]) -> list[cluster_pb2.Clus
     return clusters
 
 
-@pytest.mark.parametrize(("rules", "ports"), [((), [9001, 9002]), (("east:rest@east=cluster:edge",), [9001])],
-                         ids=["built-in rest group", "a rest group in a zone"])
+@pytest.mark.parametrize(
+    ("rules", "ports"),
+    [((), [9001, 9002]), (("east:rest@east=cluster:edge",), [9001])],
+    ids=["built-in rest group", "a rest group in a zone"],
+)
 async def test_services_reach_pollers_with_eds_and_rds_over_rest_and_streams_over_ads(
-        tmp_path: Path, rules: tuple[str, ...], ports: list[int]) -> None:
+    tmp_path: Path, rules: tuple[str, ...], ports: list[int]
+) -> None:
     """Clusters and listeners built from ``services:`` point a REST poller's EDS and RDS at the
     REST config source of its bootstrap (refresh delay: --rest-refresh-ms), and a gRPC stream
     of the very same node at ADS. A poller joins the rest group its node matches (here: one in
     zone east, so of the zone-local service it gets east's endpoint only), else ``rest``."""
-    settings = ServeSettings(rest=RestSettings(refresh=0.3),
-                             policy=PolicySettings(node_groups=tuple(parse_node_group(rule) for rule in rules)))
+    settings = ServeSettings(
+        rest=RestSettings(refresh=0.3),
+        policy=PolicySettings(node_groups=tuple(parse_node_group(rule) for rule in rules)),
+    )
     expected = json_format.ParseDict(rest_config_source(refresh=0.3), config_source_pb2.ConfigSource())
     async with serving(tmp_path, settings, doc=SERVICES) as running, client(running) as rest:
         clusters = await rest.discover("clusters", poll())
@@ -353,8 +424,14 @@ async def test_services_reach_pollers_with_eds_and_rds_over_rest_and_streams_ove
         endpoints = await rest.discover("endpoints", poll(names=["web"]))
         assignment = endpoint_pb2.ClusterLoadAssignment()
         endpoints.resources[0].Unpack(assignment)
-        assert sorted(lb.endpoint.address.socket_address.port_value
-                      for locality in assignment.endpoints for lb in locality.lb_endpoints) == ports
+        assert (
+            sorted(
+                lb.endpoint.address.socket_address.port_value
+                for locality in assignment.endpoints
+                for lb in locality.lb_endpoints
+            )
+            == ports
+        )
         assert names_of(await rest.discover("routes", poll(names=["web"]))) == ["web"]
 
         (over_ads,) = await _ads_clusters(running.xds, {"id": "edge-1", "cluster": "edge"})

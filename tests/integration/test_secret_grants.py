@@ -43,22 +43,34 @@ API = "spiffe://pilotfish.test/ns/api/sa/api"
 
 
 def secret(name: str) -> dict[str, Any]:
-    return {"name": name, "tls_certificate": {
-        "certificate_chain": {"inline_string": f"chain of {name}"},
-        "private_key": {"inline_string": f"private key of {name}"}}}
+    return {
+        "name": name,
+        "tls_certificate": {
+            "certificate_chain": {"inline_string": f"chain of {name}"},
+            "private_key": {"inline_string": f"private key of {name}"},
+        },
+    }
 
 
 @asynccontextmanager
 async def serving(tmp_path: Path, ca: trustme.CA, *grants: str, **settings: Any) -> AsyncIterator[Running]:
     snapshot = tmp_path / "snap.yaml"
-    snapshot.write_text(yaml.safe_dump({**snapshot_doc("web"),
-                                        "secrets": [secret("edge-cert"), secret("api-cert"), secret("ops-cert")]}))
+    snapshot.write_text(
+        yaml.safe_dump(
+            {**snapshot_doc("web"), "secrets": [secret("edge-cert"), secret("api-cert"), secret("ops-cert")]}
+        )
+    )
     cert, key = write_pair(tmp_path, ca.issue_cert("127.0.0.1"))
     client_ca = tmp_path / "client-ca.pem"
     ca.cert_pem.write_to_path(str(client_ca))
-    async with serve_in_process(tmp_path, ServeSettings(
-            snapshot=snapshot, tls=TlsSettings(cert=cert, key=key, client_ca=client_ca),
-            policy=PolicySettings(secret_grants=tuple(map(parse_grant, grants)), **settings))) as running:
+    async with serve_in_process(
+        tmp_path,
+        ServeSettings(
+            snapshot=snapshot,
+            tls=TlsSettings(cert=cert, key=key, client_ca=client_ca),
+            policy=PolicySettings(secret_grants=tuple(map(parse_grant, grants)), **settings),
+        ),
+    ) as running:
         yield Running(running.xds, running.registry, running.events, cert, key)
 
 
@@ -68,8 +80,9 @@ async def ads_stream(address: str, creds: grpc.ChannelCredentials) -> AsyncItera
         yield ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
 
 
-def request(type_url: str, names: Sequence[str] = (), node: str | None = None, response: Any = None
-            ) -> discovery_pb2.DiscoveryRequest:
+def request(
+    type_url: str, names: Sequence[str] = (), node: str | None = None, response: Any = None
+) -> discovery_pb2.DiscoveryRequest:
     message = discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=names)
     if node is not None:
         message.node.id = node
@@ -98,8 +111,7 @@ def secret_names(response: discovery_pb2.DiscoveryResponse) -> list[str]:
 
 async def test_a_secret_goes_only_to_the_identity_it_is_granted_to(tmp_path: Path) -> None:
     ca = trustme.CA()
-    async with serving(tmp_path, ca, f"edge-cert=identity:{EDGE}",
-                       f"api-cert=identity:{API}") as server:
+    async with serving(tmp_path, ca, f"edge-cert=identity:{EDGE}", f"api-cert=identity:{API}") as server:
         edge, api = credentials(ca, spiffe_cert(ca, EDGE)), credentials(ca, spiffe_cert(ca, API))
         async with ads_stream(server.xds, edge) as call:
             # Both names asked for: only the granted one comes.
@@ -118,7 +130,10 @@ async def test_a_secret_goes_only_to_the_identity_it_is_granted_to(tmp_path: Pat
             assert await server.wait_for("secret_denied", secret="ops-cert")
             # Recorded once per stream and name, however often it is asked for.
             assert sorted(e["secret"] for e in server.events() if e["event"] == "secret_denied") == [
-                "*", "api-cert", "ops-cert"]
+                "*",
+                "api-cert",
+                "ops-cert",
+            ]
 
         # The identity it is granted to gets it, on the per-type SDS service too.
         async with grpc.aio.secure_channel(server.xds, api) as channel:
@@ -228,8 +243,10 @@ async def test_one_change_of_the_shared_policy_reaches_open_streams_and_rest_pol
             return sorted(resource["name"] for resource in (await answer.json()).get("resources", []))
 
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as session:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as session,
+        ):
             call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
             await call.write(request(SDS, ["edge-cert"], node="edge-1"))
             first = await read(call)
@@ -251,8 +268,9 @@ async def test_a_delta_stream_gets_only_granted_secrets(tmp_path: Path) -> None:
         edge = credentials(ca, spiffe_cert(ca, EDGE))
         async with grpc.aio.secure_channel(server.xds, edge) as channel:
             call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).DeltaAggregatedResources()
-            first = discovery_pb2.DeltaDiscoveryRequest(type_url=SDS,
-                                                        resource_names_subscribe=["api-cert", "edge-cert"])
+            first = discovery_pb2.DeltaDiscoveryRequest(
+                type_url=SDS, resource_names_subscribe=["api-cert", "edge-cert"]
+            )
             first.node.id = "edge-1"
             await call.write(first)
             got: discovery_pb2.DeltaDiscoveryResponse = await asyncio.wait_for(call.read(), TIMEOUT)
@@ -260,8 +278,11 @@ async def test_a_delta_stream_gets_only_granted_secrets(tmp_path: Path) -> None:
             assert secret_pb2.Secret.FromString(got.resources[0].resource.value).name == "edge-cert"
             assert (await server.wait_for("secret_denied", secret="api-cert"))["node"] == "edge-1"
             # A wildcard, then CDS: the CDS answer comes next, nothing about secrets before it.
-            await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=SDS, resource_names_subscribe=["*"],
-                                                                  response_nonce=got.nonce))
+            await call.write(
+                discovery_pb2.DeltaDiscoveryRequest(
+                    type_url=SDS, resource_names_subscribe=["*"], response_nonce=got.nonce
+                )
+            )
             await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=CDS))
             nxt: discovery_pb2.DeltaDiscoveryResponse = await asyncio.wait_for(call.read(), TIMEOUT)
             assert nxt.type_url == CDS, f"an ungranted secret or a wildcard was answered: {nxt}"
@@ -275,8 +296,7 @@ def write_grants(path: Path, *grants: str) -> None:
     os.replace(tmp, path)
 
 
-async def test_an_edited_grants_file_applies_to_open_streams_and_a_bad_edit_keeps_the_last_good(
-        tmp_path: Path) -> None:
+async def test_an_edited_grants_file_applies_to_open_streams_and_a_bad_edit_keeps_the_last_good(tmp_path: Path) -> None:
     """``--grants-file``: a grant added to the file reaches the proxy already waiting for the
     secret, on its open SotW and delta streams, without a restart or a new request; a bad edit is
     reported and changes nothing; a grant removed stops the secret for new streams."""

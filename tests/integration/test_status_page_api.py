@@ -25,8 +25,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def test_the_page_is_the_package_file_with_a_policy_that_runs_only_its_own_script(tmp_path: Path) -> None:
-    async with serving(tmp_path, "web") as (running, _), aiohttp.ClientSession() as session, \
-            session.get(f"http://{running.admin}/") as response:
+    async with (
+        serving(tmp_path, "web") as (running, _),
+        aiohttp.ClientSession() as session,
+        session.get(f"http://{running.admin}/") as response,
+    ):
         assert response.status == 200 and response.headers["Content-Type"] == "text/html; charset=utf-8"
         page = await response.read()
         assert page == importlib.resources.files("pilotfish.api").joinpath("status_page.html").read_bytes()
@@ -44,8 +47,10 @@ async def _fleet(running: Running, query: str = "") -> dict[str, Any]:
 
 async def test_fleet_counts_every_proxy_and_lists_the_worst_first(tmp_path: Path) -> None:
     async with serving(tmp_path, "web") as (running, _), AsyncExitStack() as stack:
-        calls = {node: await stack.enter_async_context(ads(running, node))
-                 for node in ("a-synced", "b-stale", "c-nacked", "d-synced")}
+        calls = {
+            node: await stack.enter_async_context(ads(running, node))
+            for node in ("a-synced", "b-stale", "c-nacked", "d-synced")
+        }
         first = {node: await read(call) for node, call in calls.items()}
         for node in ("a-synced", "d-synced"):
             await calls[node].write(ack(first[node]))
@@ -60,7 +65,11 @@ async def test_fleet_counts_every_proxy_and_lists_the_worst_first(tmp_path: Path
         assert [p["node"] for p in fleet["proxies"]] == ["c-nacked", "b-stale", "a-synced", "d-synced"]
         (latest,) = fleet["nacks"]
         assert (latest["node"], latest["type"], latest["message"], latest["state"]) == (
-            "c-nacked", "CDS", "cluster web: <b>no</b>", "NACKED")
+            "c-nacked",
+            "CDS",
+            "cluster web: <b>no</b>",
+            "NACKED",
+        )
 
         # The filter (node id, cluster or group, any case) and the cap; the counts stay the whole fleet's.
         only = await _fleet(running, "?q=SYNCED")
@@ -73,9 +82,12 @@ async def test_fleet_counts_every_proxy_and_lists_the_worst_first(tmp_path: Path
 
 async def test_fleet_refuses_what_crosses_its_bounds(tmp_path: Path) -> None:
     async with serving(tmp_path, "web") as (running, _):
-        for query, says in ((f"limit={FLEET_ROWS + 1}", f"limit must be a whole number from 0 to {FLEET_ROWS}"),
-                            ("limit=-1", "limit must be"), ("limit=many", "not 'many'"),
-                            ("q=" + "x" * (MAX_FILTER + 1), f"at most {MAX_FILTER} characters")):
+        for query, says in (
+            (f"limit={FLEET_ROWS + 1}", f"limit must be a whole number from 0 to {FLEET_ROWS}"),
+            ("limit=-1", "limit must be"),
+            ("limit=many", "not 'many'"),
+            ("q=" + "x" * (MAX_FILTER + 1), f"at most {MAX_FILTER} characters"),
+        ):
             status, body = await get(running, f"/v1/fleet?{query}")
             assert status == 400 and says in body["error"], (query, body)
         assert (await get(running, f"/v1/fleet?limit={FLEET_ROWS}&q={'x' * MAX_FILTER}"))[0] == 200
@@ -99,8 +111,9 @@ async def test_recent_events_are_kept_in_a_bounded_ring_and_read_from_a_sequence
             await call.write(nack(await read(call), "", "cluster web: refused"))
 
             async def the_nack() -> list[dict[str, Any]]:
-                return [e for e in (await _events(running, f"?after={start['last']}"))["events"]
-                        if e["event"] == "nack"]
+                return [
+                    e for e in (await _events(running, f"?after={start['last']}"))["events"] if e["event"] == "nack"
+                ]
 
             (event,) = await until("the NACK among the recent events", the_nack)
             assert event["node"] == "edge-1" and event["error"] == "cluster web: refused"
@@ -115,8 +128,9 @@ async def test_recent_events_are_kept_in_a_bounded_ring_and_read_from_a_sequence
         # Many more events than the ring holds: it keeps the latest RECENT_EVENTS, in order.
         async with aiohttp.ClientSession() as http:
             for n in range(RECENT_EVENTS + 50):
-                async with http.put(running.url(f"/v1/services/svc-{n % 5}"),
-                                    json={"listen": f"127.0.0.1:{20000 + n}"}) as response:
+                async with http.put(
+                    running.url(f"/v1/services/svc-{n % 5}"), json={"listen": f"127.0.0.1:{20000 + n}"}
+                ) as response:
                     assert response.status in (200, 201), await response.text()
         flooded = await _events(running, f"?limit={RECENT_EVENTS}")
         assert flooded["kept"] == RECENT_EVENTS == len(flooded["events"])
@@ -127,9 +141,12 @@ async def test_recent_events_are_kept_in_a_bounded_ring_and_read_from_a_sequence
 
 async def test_events_refuse_what_crosses_their_bounds(tmp_path: Path) -> None:
     async with serving(tmp_path, "web") as (running, _):
-        for query, says in ((f"limit={RECENT_EVENTS + 1}", f"limit must be a whole number from 1 to {RECENT_EVENTS}"),
-                            ("limit=0", "limit must be"), ("after=-1", "after must be a whole number at least 0"),
-                            ("after=" + "9" * 5000, "after must be")):
+        for query, says in (
+            (f"limit={RECENT_EVENTS + 1}", f"limit must be a whole number from 1 to {RECENT_EVENTS}"),
+            ("limit=0", "limit must be"),
+            ("after=-1", "after must be a whole number at least 0"),
+            ("after=" + "9" * 5000, "after must be"),
+        ):
             status, body = await get(running, f"/v1/events?{query}")
             assert status == 400 and says in body["error"], (query, body)
             assert len(body["error"]) < 200

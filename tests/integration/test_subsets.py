@@ -33,15 +33,19 @@ K = 3
 
 
 def addresses(assignment: endpoint_pb2.ClusterLoadAssignment) -> set[str]:
-    return {f"{e.endpoint.address.socket_address.address}:{e.endpoint.address.socket_address.port_value}"
-            for group in assignment.endpoints for e in group.lb_endpoints}
+    return {
+        f"{e.endpoint.address.socket_address.address}:{e.endpoint.address.socket_address.port_value}"
+        for group in assignment.endpoints
+        for e in group.lb_endpoints
+    }
 
 
 async def sotw(running: Running, node: str) -> set[str]:
     async with grpc.aio.insecure_channel(running.xds) as channel, asyncio.timeout(TIMEOUT):
         call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
-        await call.write(discovery_pb2.DiscoveryRequest(type_url=ENDPOINT.url, node={"id": node},
-                                                        resource_names=["web"]))
+        await call.write(
+            discovery_pb2.DiscoveryRequest(type_url=ENDPOINT.url, node={"id": node}, resource_names=["web"])
+        )
         response = await call.read()
         call.cancel()
     assignment = endpoint_pb2.ClusterLoadAssignment()
@@ -52,8 +56,11 @@ async def sotw(running: Running, node: str) -> set[str]:
 async def delta(running: Running, node: str) -> set[str]:
     async with grpc.aio.insecure_channel(running.xds) as channel, asyncio.timeout(TIMEOUT):
         call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).DeltaAggregatedResources()
-        await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT.url, node={"id": node},
-                                                             resource_names_subscribe=["web"]))
+        await call.write(
+            discovery_pb2.DeltaDiscoveryRequest(
+                type_url=ENDPOINT.url, node={"id": node}, resource_names_subscribe=["web"]
+            )
+        )
         response = await call.read()
         call.cancel()
     assignment = endpoint_pb2.ClusterLoadAssignment()
@@ -63,8 +70,10 @@ async def delta(running: Running, node: str) -> set[str]:
 
 async def rest(running: Running, node: str) -> set[str]:
     body = {"version_info": "", "node": {"id": node}, "resource_names": ["web"]}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as session, session.post(
-            f"http://{running.rest}/v3/discovery:endpoints", json=body) as answer:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as session,
+        session.post(f"http://{running.rest}/v3/discovery:endpoints", json=body) as answer,
+    ):
         assert answer.status == 200, await answer.text()
         message: dict[str, Any] = json.loads(await answer.read())
     ensure_types_in(message)
@@ -76,10 +85,12 @@ async def rest(running: Running, node: str) -> set[str]:
 
 async def test_every_protocol_serves_a_node_its_own_subset(tmp_path: Path) -> None:
     snapshot = tmp_path / "services.yaml"
-    snapshot.write_text(json.dumps({"services": {"web": {"subset_size": K,
-                                                         "endpoints": [f"127.0.0.1:{p}" for p in PORTS]}}}))
-    settings = ServeSettings(snapshot=snapshot, rest=RestSettings(address="127.0.0.1:0"),
-                             subsets=SubsetSettings(state_dir=tmp_path))
+    snapshot.write_text(
+        json.dumps({"services": {"web": {"subset_size": K, "endpoints": [f"127.0.0.1:{p}" for p in PORTS]}}})
+    )
+    settings = ServeSettings(
+        snapshot=snapshot, rest=RestSettings(address="127.0.0.1:0"), subsets=SubsetSettings(state_dir=tmp_path)
+    )
     async with serve_in_process(tmp_path, replace(settings)) as running:
         nodes = [f"edge-{n}" for n in range(4)]
         got = {node: await sotw(running, node) for node in nodes}
@@ -88,8 +99,10 @@ async def test_every_protocol_serves_a_node_its_own_subset(tmp_path: Path) -> No
         for node in nodes:  # one node id, one index: the same subset whatever the protocol
             assert await delta(running, node) == got[node]
             assert await rest(running, node) == got[node]
-        async with aiohttp.ClientSession() as session, session.get(
-                f"http://{running.admin}/v1/config?node=edge-2") as answer:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://{running.admin}/v1/config?node=edge-2") as answer,
+        ):
             config = await answer.json()
         assert set(config["subsets"]["services"]["web"]) == got["edge-2"]
     saved = json.loads((tmp_path / "pilotfish-subsets.json").read_text())
@@ -99,9 +112,14 @@ async def test_every_protocol_serves_a_node_its_own_subset(tmp_path: Path) -> No
 async def test_a_proxy_whose_index_moves_is_sent_its_new_subset_on_the_same_stream(tmp_path: Path) -> None:
     """On etcd, the loser of an index race takes another index; its open streams, SotW and delta,
     are sent the subset of the new one without reconnecting (XdsServer.refresh_endpoints)."""
-    merged = merge_states({"file": DesiredState(
-        services={"web": ServiceSpec(name="web", subset_size=K)},
-        endpoints={"web": tuple(Endpoint("127.0.0.1", port) for port in PORTS)})})
+    merged = merge_states(
+        {
+            "file": DesiredState(
+                services={"web": ServiceSpec(name="web", subset_size=K)},
+                endpoints={"web": tuple(Endpoint("127.0.0.1", port) for port in PORTS)},
+            )
+        }
+    )
     snapshot = build_snapshots(merged, "test", {DEFAULT_GROUP: View()})[DEFAULT_GROUP]
     index = {"edge-1": 0}
     cache = SnapshotCache(subset_of=index.get)
@@ -112,26 +130,38 @@ async def test_a_proxy_whose_index_moves_is_sent_its_new_subset_on_the_same_stre
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, asyncio.timeout(TIMEOUT):
             stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
             sotw_call = stub.StreamAggregatedResources()
-            await sotw_call.write(discovery_pb2.DiscoveryRequest(type_url=ENDPOINT.url, node={"id": "edge-1"},
-                                                                 resource_names=["web"]))
+            await sotw_call.write(
+                discovery_pb2.DiscoveryRequest(type_url=ENDPOINT.url, node={"id": "edge-1"}, resource_names=["web"])
+            )
             first = await sotw_call.read()
-            await sotw_call.write(discovery_pb2.DiscoveryRequest(
-                type_url=ENDPOINT.url, resource_names=["web"], version_info=first.version_info,
-                response_nonce=first.nonce))  # the ACK
+            await sotw_call.write(
+                discovery_pb2.DiscoveryRequest(
+                    type_url=ENDPOINT.url,
+                    resource_names=["web"],
+                    version_info=first.version_info,
+                    response_nonce=first.nonce,
+                )
+            )  # the ACK
             delta_call = stub.DeltaAggregatedResources()
-            await delta_call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT.url, node={"id": "edge-1"},
-                                                                       resource_names_subscribe=["web"]))
+            await delta_call.write(
+                discovery_pb2.DeltaDiscoveryRequest(
+                    type_url=ENDPOINT.url, node={"id": "edge-1"}, resource_names_subscribe=["web"]
+                )
+            )
             delta_first = await delta_call.read()
 
             index["edge-1"] = 5  # moved
             xds.refresh_endpoints("edge-1")
             second = await sotw_call.read()
             delta_second = await delta_call.read()
+
         def endpoints(response: Any) -> set[str]:
             assignment = endpoint_pb2.ClusterLoadAssignment()
-            (response.resources[0].resource if hasattr(response.resources[0], "resource")
-             else response.resources[0]).Unpack(assignment)
+            (
+                response.resources[0].resource if hasattr(response.resources[0], "resource") else response.resources[0]
+            ).Unpack(assignment)
             return addresses(assignment)
+
         own = {i: addresses(snapshot.endpoints_for(i).resources["web"].message) for i in (0, 5)}  # type: ignore[union-attr]
         assert own[0] != own[5]
         assert endpoints(first) == endpoints(delta_first) == own[0]

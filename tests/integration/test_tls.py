@@ -40,8 +40,12 @@ SPIFFE_ID = "spiffe://pilotfish.test/ns/edge/sa/edge"
 def snapshot_doc(*names: str) -> dict[str, Any]:
     def cluster(name: str) -> dict[str, Any]:
         endpoint = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9001}}}
-        return {"name": name, "type": "STATIC", "connect_timeout": "1s", "load_assignment": {
-            "cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": endpoint}]}]}}
+        return {
+            "name": name,
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": endpoint}]}]},
+        }
 
     return {"clusters": [cluster(name) for name in names]}
 
@@ -52,18 +56,21 @@ def spiffe_cert(ca: trustme.CA, uri: str) -> tuple[bytes, bytes]:
     ca_cert = x509.load_pem_x509_certificate(ca.cert_pem.bytes())
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edge")]))
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]  # trustme's CA key is EC or RSA
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edge")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]  # trustme's CA key is EC or RSA
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
@@ -103,9 +110,14 @@ def ca() -> trustme.CA:
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path: Path, ca: trustme.CA, *, client_ca: trustme.CA | None = None,
-                  registry_client_ca: trustme.CA | None = None,
-                  authorize_nodes: tuple[NodeRule, ...] = ()) -> AsyncIterator[Running]:
+async def serving(
+    tmp_path: Path,
+    ca: trustme.CA,
+    *,
+    client_ca: trustme.CA | None = None,
+    registry_client_ca: trustme.CA | None = None,
+    authorize_nodes: tuple[NodeRule, ...] = (),
+) -> AsyncIterator[Running]:
     snapshot = tmp_path / "snap.yaml"
     snapshot.write_text(yaml.safe_dump(snapshot_doc("web")))
     cert, key = write_pair(tmp_path, ca.issue_cert("127.0.0.1", "localhost"))
@@ -115,11 +127,20 @@ async def serving(tmp_path: Path, ca: trustme.CA, *, client_ca: trustme.CA | Non
             files[name] = tmp_path / name
             authority.cert_pem.write_to_path(str(files[name]))
     log = tmp_path / "events.jsonl"
-    settings = ServeSettings(snapshot=snapshot, xds=XdsSettings(address="127.0.0.1:0"),
-                             registry=RegistrySettings(address="127.0.0.1:0"), events=EventSettings(log=log),
-                             tls=TlsSettings(cert=cert, key=key, client_ca=files.get("client-ca.pem"),
-                                             registry_client_ca=files.get("registry-ca.pem"), reload_every=0.05),
-                             policy=PolicySettings(authorize_nodes=authorize_nodes))
+    settings = ServeSettings(
+        snapshot=snapshot,
+        xds=XdsSettings(address="127.0.0.1:0"),
+        registry=RegistrySettings(address="127.0.0.1:0"),
+        events=EventSettings(log=log),
+        tls=TlsSettings(
+            cert=cert,
+            key=key,
+            client_ca=files.get("client-ca.pem"),
+            registry_client_ca=files.get("registry-ca.pem"),
+            reload_every=0.05,
+        ),
+        policy=PolicySettings(authorize_nodes=authorize_nodes),
+    )
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(settings, started=started))
     try:
@@ -137,8 +158,9 @@ def credentials(trusted: trustme.CA, client: tuple[bytes, bytes] | None = None) 
     if client is None:
         return grpc.ssl_channel_credentials(root_certificates=trusted.cert_pem.bytes())
     cert, key = client
-    return grpc.ssl_channel_credentials(root_certificates=trusted.cert_pem.bytes(), private_key=key,
-                                        certificate_chain=cert)
+    return grpc.ssl_channel_credentials(
+        root_certificates=trusted.cert_pem.bytes(), private_key=key, certificate_chain=cert
+    )
 
 
 def leaf_pems(leaf: trustme.LeafCert) -> tuple[bytes, bytes]:
@@ -157,8 +179,9 @@ async def ads(address: str, creds: grpc.ChannelCredentials | None, node: str) ->
         yield call
 
 
-async def first_response(address: str, creds: grpc.ChannelCredentials | None, node: str = "proxy-1"
-                         ) -> discovery_pb2.DiscoveryResponse:
+async def first_response(
+    address: str, creds: grpc.ChannelCredentials | None, node: str = "proxy-1"
+) -> discovery_pb2.DiscoveryResponse:
     async with ads(address, creds, node) as call:
         response: discovery_pb2.DiscoveryResponse = await asyncio.wait_for(call.read(), TIMEOUT)
         return response
@@ -178,8 +201,9 @@ async def test_tls_serves_a_client_that_trusts_the_ca(tmp_path: Path, ca: trustm
         assert (await server.wait_for("server_started"))["tls"] == "tls"
 
 
-async def test_tls_refuses_a_plaintext_client_and_one_that_does_not_trust_the_ca(tmp_path: Path,
-                                                                                  ca: trustme.CA) -> None:
+async def test_tls_refuses_a_plaintext_client_and_one_that_does_not_trust_the_ca(
+    tmp_path: Path, ca: trustme.CA
+) -> None:
     async with serving(tmp_path, ca) as server:
         await refused(server.xds, None)
         await refused(server.xds, credentials(trustme.CA()))
@@ -192,8 +216,7 @@ async def test_mtls_serves_a_client_certificate_and_records_its_identity(tmp_pat
         opened = await server.wait_for("stream_open", node="edge-1")
         assert opened["identity"] == SPIFFE_ID
         # No URI SAN: the first DNS SAN names the proxy.
-        await first_response(server.xds, credentials(ca, leaf_pems(ca.issue_cert("edge-2.pilotfish.test"))),
-                             "edge-2")
+        await first_response(server.xds, credentials(ca, leaf_pems(ca.issue_cert("edge-2.pilotfish.test"))), "edge-2")
         assert (await server.wait_for("stream_open", node="edge-2"))["identity"] == "edge-2.pilotfish.test"
         assert (await server.wait_for("server_started"))["tls"] == "mtls"
 
@@ -211,14 +234,18 @@ async def test_mtls_refuses_a_certificate_from_another_ca(tmp_path: Path, ca: tr
         assert not [e for e in server.events() if e["event"] == "stream_open"]
 
 
-async def test_a_new_certificate_is_used_for_new_connections_and_open_streams_stay(tmp_path: Path,
-                                                                                  ca: trustme.CA) -> None:
+async def test_a_new_certificate_is_used_for_new_connections_and_open_streams_stay(
+    tmp_path: Path, ca: trustme.CA
+) -> None:
     new_ca = trustme.CA()
     async with serving(tmp_path, ca) as server:
         async with ads(server.xds, credentials(ca), "before") as call:
             first = await asyncio.wait_for(call.read(), TIMEOUT)
-            await call.write(discovery_pb2.DiscoveryRequest(type_url=CDS, version_info=first.version_info,
-                                                            response_nonce=first.nonce))  # ACK
+            await call.write(
+                discovery_pb2.DiscoveryRequest(
+                    type_url=CDS, version_info=first.version_info, response_nonce=first.nonce
+                )
+            )  # ACK
             write_pair(tmp_path, new_ca.issue_cert("127.0.0.1"))
             await server.wait_for("tls_reloaded", listener="xds")
             # New handshakes present the new certificate: a client trusting only the old CA fails.
@@ -228,8 +255,11 @@ async def test_a_new_certificate_is_used_for_new_connections_and_open_streams_st
             (tmp_path / "snap.yaml").write_text(yaml.safe_dump(snapshot_doc("web", "api")))
             response = await asyncio.wait_for(call.read(), TIMEOUT)
             assert len(response.resources) == 2
-        assert not [e for e in server.events() if e["event"] == "stream_closed" and e["node"] == "before"
-                    and "closed by client" not in e["reason"]]
+        assert not [
+            e
+            for e in server.events()
+            if e["event"] == "stream_closed" and e["node"] == "before" and "closed by client" not in e["reason"]
+        ]
 
 
 async def test_a_bad_certificate_file_is_reported_and_the_previous_one_kept(tmp_path: Path, ca: trustme.CA) -> None:

@@ -30,10 +30,26 @@ SHORT = 1200
 def snapshot_document() -> dict[str, Any]:
     return {
         "version": "1",
-        "clusters": [{"name": "web", "type": "EDS", "connect_timeout": "1s",
-                      "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}}}],
-        "endpoints": [{"cluster_name": "web", "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9001}}}}]}]}],
+        "clusters": [
+            {
+                "name": "web",
+                "type": "EDS",
+                "connect_timeout": "1s",
+                "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
+            }
+        ],
+        "endpoints": [
+            {
+                "cluster_name": "web",
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9001}}}}
+                        ]
+                    }
+                ],
+            }
+        ],
     }
 
 
@@ -60,9 +76,12 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     snapshot.write_text(yaml.safe_dump(snapshot_document()))
     log = tmp_path / "events.jsonl"
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(ServeSettings(
-        snapshot=snapshot, xds=XdsSettings(address="127.0.0.1:0"), events=EventSettings(log=log)),
-                                     started=started))
+    task = asyncio.create_task(
+        serve(
+            ServeSettings(snapshot=snapshot, xds=XdsSettings(address="127.0.0.1:0"), events=EventSettings(log=log)),
+            started=started,
+        )
+    )
     port = await asyncio.wait_for(started, TIMEOUT)
     yield Served(f"127.0.0.1:{port}", log)
     task.cancel()
@@ -91,8 +110,9 @@ async def test_requests_over_the_limits_end_their_stream_and_others_are_served(
         clusters = await asyncio.wait_for(good.read(), TIMEOUT)
         assert clusters.version_info == "1"
 
-        too_many = discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=[f"c{i}" for i in range(100_001)],
-                                                  node={"id": "greedy"})
+        too_many = discovery_pb2.DiscoveryRequest(
+            type_url=EDS, resource_names=[f"c{i}" for i in range(100_001)], node={"id": "greedy"}
+        )
         error = await refused(channel, too_many)
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         details = error.details() or ""
@@ -105,8 +125,9 @@ async def test_requests_over_the_limits_end_their_stream_and_others_are_served(
         assert "max_node_id_chars" in details and "65,536 characters" in details and len(details) < SHORT
 
         # 3 MB: under any gRPC message limit, so it is the xDS layer that answers.
-        huge_type = discovery_pb2.DiscoveryRequest(type_url="type.googleapis.com/" + "x" * 3_000_000,
-                                                   node={"id": "odd"})
+        huge_type = discovery_pb2.DiscoveryRequest(
+            type_url="type.googleapis.com/" + "x" * 3_000_000, node={"id": "odd"}
+        )
         error = await refused(channel, huge_type)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         details = error.details() or ""

@@ -35,10 +35,14 @@ def cluster(name: str, timeout: str = "1s") -> dict[str, Any]:
 def assignment(name: str, *ports: int) -> dict[str, Any]:
     return {
         "cluster_name": name,
-        "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-            for p in ports
-        ]}],
+        "endpoints": [
+            {
+                "lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+                    for p in ports
+                ]
+            }
+        ],
     }
 
 
@@ -49,24 +53,44 @@ def listener(name: str, route: str, port: int = 10000) -> dict[str, Any]:
     return {
         "name": name,
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
-        "filter_chains": [{"filters": [{
-            "name": "hcm",
-            "typed_config": {
-                "@type": HCM_TYPE,
-                "stat_prefix": name,
-                "rds": {"route_config_name": route, "config_source": {"ads": {}, "resource_api_version": "V3"}},
-                "http_filters": [{"name": "router", "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
-            },
-        }]}],
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "hcm",
+                        "typed_config": {
+                            "@type": HCM_TYPE,
+                            "stat_prefix": name,
+                            "rds": {
+                                "route_config_name": route,
+                                "config_source": {"ads": {}, "resource_api_version": "V3"},
+                            },
+                            "http_filters": [
+                                {
+                                    "name": "router",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                                    },
+                                }
+                            ],
+                        },
+                    }
+                ]
+            }
+        ],
     }
 
 
 def route(name: str, cluster_name: str) -> dict[str, Any]:
     return {
         "name": name,
-        "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
-            {"match": {"prefix": "/"}, "route": {"cluster": cluster_name}}]}],
+        "virtual_hosts": [
+            {
+                "name": "all",
+                "domains": ["*"],
+                "routes": [{"match": {"prefix": "/"}, "route": {"cluster": cluster_name}}],
+            }
+        ],
     }
 
 
@@ -78,14 +102,19 @@ def build(
     version: str | None = None,
 ) -> Snapshot:
     """A snapshot from resources in Envoy JSON shape."""
+
     def parse(rtype: Any, items: Iterable[dict[str, Any]]) -> list[Any]:
         parsed = [parse_resource(rtype, item, rtype.key) for item in items]
         assert all(not problems for _, problems in parsed), parsed
         return [message for message, _ in parsed]
 
     return Snapshot.build(
-        {CLUSTER: parse(CLUSTER, clusters), ENDPOINT: parse(ENDPOINT, endpoints),
-         LISTENER: parse(LISTENER, listeners), ROUTE: parse(ROUTE, routes)},
+        {
+            CLUSTER: parse(CLUSTER, clusters),
+            ENDPOINT: parse(ENDPOINT, endpoints),
+            LISTENER: parse(LISTENER, listeners),
+            ROUTE: parse(ROUTE, routes),
+        },
         version=version,
     )
 
@@ -94,8 +123,9 @@ def mixes(pool: Sequence[Snapshot], rng: random.Random, count: int) -> list[Snap
     """``count`` snapshots each made type by type of the very TypeSnapshot objects of snapshots of
     ``pool``, as builds keep the object of a type nothing changed in (so the cache sees types it
     has served before, and answers only what is new)."""
-    return [Snapshot(MappingProxyType({url: rng.choice(pool).types[url] for url in pool[0].types}))
-            for _ in range(count)]
+    return [
+        Snapshot(MappingProxyType({url: rng.choice(pool).types[url] for url in pool[0].types})) for _ in range(count)
+    ]
 
 
 @dataclass
@@ -130,8 +160,15 @@ class StreamPair:
         decoded = discovery_pb2.DiscoveryResponse.FromString(response.body + nonce_field(nonce))
         names = []
         for any_msg in decoded.resources:
-            message = (CLUSTER if decoded.type_url == CDS else ENDPOINT if decoded.type_url == EDS
-                       else LISTENER if decoded.type_url == LDS else ROUTE).message()
+            message = (
+                CLUSTER
+                if decoded.type_url == CDS
+                else ENDPOINT
+                if decoded.type_url == EDS
+                else LISTENER
+                if decoded.type_url == LDS
+                else ROUTE
+            ).message()
             any_msg.Unpack(message)
             names.append(getattr(message, "cluster_name" if decoded.type_url == EDS else "name"))
         self.inbox.append(Received(decoded.type_url, decoded.version_info, decoded.nonce, names))

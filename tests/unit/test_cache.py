@@ -23,8 +23,9 @@ FLEET_NAMES = SERVICES[:20]
 
 
 def snapshot(port: int) -> Snapshot:
-    endpoints = [message for name in SERVICES
-                 if (message := parse_resource(ENDPOINT, assignment(name, port), "")[0]) is not None]
+    endpoints = [
+        message for name in SERVICES if (message := parse_resource(ENDPOINT, assignment(name, port), "")[0]) is not None
+    ]
     return Snapshot.build({ENDPOINT: endpoints, CLUSTER: []})  # counted in the cache's budget
 
 

@@ -33,8 +33,13 @@ def test_the_venvs_envoy_comes_before_the_one_on_path(tmp_path: Path, monkeypatc
 
 def test_shared_memory_files_are_those_of_one_base_id_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(envoy, "SHM_DIR", tmp_path)
-    for name in ("envoy_shared_memory_120", "envoy_shared_memory_121", "envoy_shared_memory_1200",
-                 "envoy_shared_memory_12", "envoy_shared_memory_20"):
+    for name in (
+        "envoy_shared_memory_120",
+        "envoy_shared_memory_121",
+        "envoy_shared_memory_1200",
+        "envoy_shared_memory_12",
+        "envoy_shared_memory_20",
+    ):
         (tmp_path / name).touch()
     found = sorted(path.name for path in envoy_shared_memory_files(12))
     assert found == ["envoy_shared_memory_120", "envoy_shared_memory_121"]  # not base id 120's, nor 2's

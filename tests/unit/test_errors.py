@@ -10,14 +10,22 @@ from pilotfish.errors import ConfigError, PeerError, PilotfishError, Problem, sh
 
 
 def test_a_config_error_names_its_source_and_every_problem_with_where_it_is() -> None:
-    error = ConfigError("snapshot.yaml", [
-        Problem("clusters[0] (name 'web').connect_timeout", "must be greater than 0s"),
-        Problem("", "the file is empty; write clusters: [] for none"),
-    ])
-    assert str(error) == error.describe() == (
-        "snapshot.yaml: 2 problem(s)\n"
-        "  clusters[0] (name 'web').connect_timeout: must be greater than 0s\n"
-        "  the file is empty; write clusters: [] for none")
+    error = ConfigError(
+        "snapshot.yaml",
+        [
+            Problem("clusters[0] (name 'web').connect_timeout", "must be greater than 0s"),
+            Problem("", "the file is empty; write clusters: [] for none"),
+        ],
+    )
+    assert (
+        str(error)
+        == error.describe()
+        == (
+            "snapshot.yaml: 2 problem(s)\n"
+            "  clusters[0] (name 'web').connect_timeout: must be greater than 0s\n"
+            "  the file is empty; write clusters: [] for none"
+        )
+    )
     assert error.source == "snapshot.yaml" and len(error.problems) == 2
     assert isinstance(error, PilotfishError) and issubclass(PeerError, PilotfishError)
     with pytest.raises(ConfigError, match="1 problem"):

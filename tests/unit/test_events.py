@@ -142,7 +142,7 @@ def test_fields_a_peer_makes_huge_are_shortened_and_the_line_stays_bounded(tmp_p
     assert all(len(line) <= 4 * MAX_FIELD + MAX_ITEMS * 64 for line in raw)
     big, small = (json.loads(line) for line in raw)
     assert big["node"].startswith("nnnn") and "65,536 characters" in big["node"]
-    assert big["error"].endswith(reason[-MAX_FIELD // 4:]) and f"{len(nack):,} characters" in big["error"]
+    assert big["error"].endswith(reason[-MAX_FIELD // 4 :]) and f"{len(nack):,} characters" in big["error"]
     assert big["resource_names"] == names[:MAX_ITEMS] and big["resource_names_omitted"] == 100_000 - MAX_ITEMS
     assert small["node"] == "edge-1" and small["resource_names"] == ["a", "b"]  # a usual line is untouched
 
@@ -155,7 +155,7 @@ def _table() -> dict[str, str]:
     text = TABLE.read_text()
     start = text.index("## The event log")
     end = text.find("\n## ", start + 1)
-    section = text[start:end if end >= 0 else len(text)]
+    section = text[start : end if end >= 0 else len(text)]
     rows = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -187,7 +187,8 @@ def test_records_outside_the_contract_are_caught(tmp_path: Path) -> None:
     assert contract_problems({"ts": 1.0, "event": "sent", "names": ["x"], "names_omitted": 5}) == []
     assert contract_problems({"ts": 1.0, "event": "snet"}) == ["unknown event 'snet'"]
     assert contract_problems({"ts": 1.0, "event": "sent", "colour": "red"}) == [
-        "event 'sent' has fields not in its contract: ['colour']"]
+        "event 'sent' has fields not in its contract: ['colour']"
+    ]
     log = tmp_path / "events.jsonl"
     log.write_bytes(b'{"ts": 1, "event": "server_stopped"}\n{"ts": 2, "event": "nope"}\n{"ts": 3, "ev')
     assert check_event_log(log) == [f"{log}:2: unknown event 'nope'"], "a half-written last line is not read"

@@ -53,15 +53,19 @@ def events(log: EventLog) -> list[str]:
     return [json.loads(line)["event"] for _, line in log.recent.since(0)]
 
 
-@pytest.mark.parametrize(("name", "content", "where", "says"), [
-    ("a.yaml", b"", "", "the file is empty; list the ports"),
-    ("a.yaml", b"ports: [1, 2\n", "line 2, column 1", "invalid YAML"),
-    ("a.json", b'{"ports": [1,]}', "line 1, column 14", "invalid JSON"),
-    ("a.yaml", b"ports: \xff\n", "byte 7", "not UTF-8: save the file as UTF-8"),
-    ("a.yaml", b"x" * 2000, "", "larger than 1000 bytes"),
-])
+@pytest.mark.parametrize(
+    ("name", "content", "where", "says"),
+    [
+        ("a.yaml", b"", "", "the file is empty; list the ports"),
+        ("a.yaml", b"ports: [1, 2\n", "line 2, column 1", "invalid YAML"),
+        ("a.json", b'{"ports": [1,]}', "line 1, column 14", "invalid JSON"),
+        ("a.yaml", b"ports: \xff\n", "byte 7", "not UTF-8: save the file as UTF-8"),
+        ("a.yaml", b"x" * 2000, "", "larger than 1000 bytes"),
+    ],
+)
 def test_a_file_that_cannot_be_read_is_an_error_naming_the_file_and_where(
-        tmp_path: Path, name: str, content: bytes, where: str, says: str) -> None:
+    tmp_path: Path, name: str, content: bytes, where: str, says: str
+) -> None:
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(ConfigError) as caught:

@@ -39,8 +39,14 @@ def readme_commands() -> list[tuple[str, list[str]]]:
 
 @cache
 def help_text(subcommand: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "pilotfish", subcommand, "--help"], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src")})
+    done = subprocess.run(
+        [sys.executable, "-m", "pilotfish", subcommand, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT / "src")},
+    )
     assert done.returncode == 0, f"`pilotfish {subcommand} --help` failed:\n{done.stderr}"
     return done.stdout
 
@@ -49,8 +55,9 @@ def test_the_readme_shows_pilotfish_commands() -> None:
     assert {name for name, _ in readme_commands()} >= {"serve", "status", "wait"}
 
 
-@pytest.mark.parametrize(("subcommand", "flags"), readme_commands(), ids=lambda v: " ".join(v) if isinstance(v, list)
-                         else v)
+@pytest.mark.parametrize(
+    ("subcommand", "flags"), readme_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else v
+)
 def test_every_readme_command_names_a_subcommand_and_flags_it_takes(subcommand: str, flags: list[str]) -> None:
     text = help_text(subcommand)
     missing = [flag for flag in flags if not re.search(rf"{re.escape(flag)}\b", text)]

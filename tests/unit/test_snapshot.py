@@ -58,7 +58,6 @@ def test_responses_are_encoded_once_per_name_set() -> None:
     assert eds.response(None).names == frozenset({"a", "b"})
 
 
-
 def _assignments(names: list[str]) -> list[Message]:
     """A parsed ClusterLoadAssignment per name, one endpoint each."""
     from pilotfish.resources import ENDPOINT
@@ -86,8 +85,7 @@ def test_the_response_memo_stays_bounded_and_keeps_the_set_everyone_asks_for() -
 
     names = [f"svc-{i:03d}" for i in range(200)]
     limits = ResponseMemoLimits(entries=64, bytes=256 * 1024)
-    snap = Snapshot.build({ENDPOINT: _assignments(names),
-                           CLUSTER: []}, memo_budget=MemoBudget(limits))
+    snap = Snapshot.build({ENDPOINT: _assignments(names), CLUSTER: []}, memo_budget=MemoBudget(limits))
     eds = snap.get(EDS)
     assert eds is not None
     hot = frozenset(names[:10])
@@ -111,8 +109,7 @@ def test_a_response_larger_than_the_memo_budget_is_answered_and_not_kept() -> No
     from pilotfish.snapshot import MemoBudget, ResponseMemoLimits, Snapshot
 
     names = [f"svc-{i:03d}" for i in range(100)]
-    snap = Snapshot.build({ENDPOINT: _assignments(names)},
-                          memo_budget=MemoBudget(ResponseMemoLimits(bytes=4096)))
+    snap = Snapshot.build({ENDPOINT: _assignments(names)}, memo_budget=MemoBudget(ResponseMemoLimits(bytes=4096)))
     eds = snap.get(EDS)
     assert eds is not None
     big = frozenset(names)
@@ -130,8 +127,7 @@ def test_a_response_streams_hold_is_shared_whatever_the_budget_and_one_nobody_ho
     # budget, which fan-outs must not encode again per proxy while proxies hold it.
     names = [f"svc-{i:04d}" for i in range(2000)]
     limits = ResponseMemoLimits(bytes=4096)
-    snap = Snapshot.build({ENDPOINT: _assignments(names)},
-                          memo_budget=MemoBudget(limits))
+    snap = Snapshot.build({ENDPOINT: _assignments(names)}, memo_budget=MemoBudget(limits))
     eds = snap.get(EDS)
     assert eds is not None
     everyone = frozenset(names)
@@ -147,6 +143,7 @@ def test_a_response_streams_hold_is_shared_whatever_the_budget_and_one_nobody_ho
 
 
 # -- delta answers ----------------------------------------------------------------------------------
+
 
 def test_a_delta_answer_keeps_no_stream_s_own_record_of_what_it_has() -> None:
     """A reconnecting client states what it has (initial_resource_versions): that dict is its own,

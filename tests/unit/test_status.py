@@ -231,8 +231,11 @@ def envoy_node(node_id: str) -> base_pb2.Node:
     node.locality.zone = "zone-a"
     node.metadata.update({f"istio.io/label-{k}": f"{node_id}-{k}-" + "v" * 200 for k in range(50)})
     for k in range(400):
-        node.extensions.add(name=f"envoy.filters.http.extension_{k:03d}", category="envoy.filters.http",
-                            type_urls=[f"envoy.extensions.filters.http.extension_{k:03d}.v3.Config"])
+        node.extensions.add(
+            name=f"envoy.filters.http.extension_{k:03d}",
+            category="envoy.filters.http",
+            type_urls=[f"envoy.extensions.filters.http.extension_{k:03d}.v3.Config"],
+        )
     return node
 
 
@@ -351,11 +354,14 @@ def test_a_write_for_a_proxy_with_no_stream_is_kept_and_compacted() -> None:
     assert isinstance(ghost, DepartedProxy) and ghost.types[CDS].state is SyncState.SYNCED
 
 
-@pytest.mark.parametrize(("limits", "message"), [
-    ({"forget_after": -1.0}, "forget_after must be 0 or more"),
-    ({"forget_after": float("nan")}, "forget_after must be 0 or more"),
-    ({"max_disconnected": -1}, "max_disconnected must be 0 or more"),
-])
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({"forget_after": -1.0}, "forget_after must be 0 or more"),
+        ({"forget_after": float("nan")}, "forget_after must be 0 or more"),
+        ({"max_disconnected": -1}, "max_disconnected must be 0 or more"),
+    ],
+)
 def test_status_limits_refuse_what_cannot_be_meant(limits: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StatusLimits(**limits)  # type: ignore[arg-type]
@@ -371,17 +377,21 @@ def test_with_no_disconnected_proxies_allowed_a_proxy_is_forgotten_as_it_leaves(
 # -- the flags that set them ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("flag", "value", "says"), [
-    ("--status-forget-after", "0", "is not a positive number of seconds"),
-    ("--status-forget-after", "nan", "is not a positive number of seconds"),
-    ("--status-forget-after", "soon", "is not a positive number of seconds"),
-    ("--status-max-disconnected", "-1", "is not a whole number (0 or more)"),
-    ("--status-max-disconnected", "1e3", "is not a whole number (0 or more)"),
-    ("--recent-events", "0", "is not a positive whole number"),
-    ("--recent-events", "1000000", "is more than 100,000 events"),
-])
-def test_serve_refuses_a_bad_memory_limit_naming_the_flag(flag: str, value: str, says: str,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--status-forget-after", "0", "is not a positive number of seconds"),
+        ("--status-forget-after", "nan", "is not a positive number of seconds"),
+        ("--status-forget-after", "soon", "is not a positive number of seconds"),
+        ("--status-max-disconnected", "-1", "is not a whole number (0 or more)"),
+        ("--status-max-disconnected", "1e3", "is not a whole number (0 or more)"),
+        ("--recent-events", "0", "is not a positive whole number"),
+        ("--recent-events", "1000000", "is more than 100,000 events"),
+    ],
+)
+def test_serve_refuses_a_bad_memory_limit_naming_the_flag(
+    flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--snapshot", "x.yaml", flag, value])
     assert exited.value.code == 2

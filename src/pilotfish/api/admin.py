@@ -79,8 +79,19 @@ from pilotfish.status import DepartedProxy, ProxyRecord, SyncState, SyncStatus, 
 from pilotfish.transport.site import ADMIN_API, ADMIN_CONNECTIONS, HttpConnectionLimits, is_loopback, serve_app
 from pilotfish.xds.rest import response_json
 
-__all__ = ["FLEET_NACKS", "FLEET_ROWS", "MAX_FILTER", "ROUTES", "AdminApi", "HeldSnapshots", "proxy_json", "short_type",
-           "start_admin_server", "status_page", "warn_if_exposed"]
+__all__ = [
+    "FLEET_NACKS",
+    "FLEET_ROWS",
+    "MAX_FILTER",
+    "ROUTES",
+    "AdminApi",
+    "HeldSnapshots",
+    "proxy_json",
+    "short_type",
+    "start_admin_server",
+    "status_page",
+    "warn_if_exposed",
+]
 
 _log = logging.getLogger("pilotfish.admin")
 _STATES = {state.value for state in SyncState}
@@ -96,9 +107,15 @@ _WORST_FIRST = {SyncState.NACKED: 0, SyncState.STALE: 1, SyncState.NOT_SENT: 2, 
 _RANKED = sorted(_WORST_FIRST, key=_WORST_FIRST.__getitem__)
 
 ROUTES: dict[tuple[str, str], Access] = {
-    ("GET", "/"): Access.OPEN, ("GET", "/healthz"): Access.OPEN, ("GET", "/readyz"): Access.OPEN,
-    ("GET", "/v1/fleet"): Access.READ, ("GET", "/v1/events"): Access.READ, ("GET", "/v1/proxies"): Access.READ,
-    ("GET", "/v1/snapshots"): Access.READ, ("GET", "/v1/config"): Access.READ, ("GET", "/v1/held"): Access.READ,
+    ("GET", "/"): Access.OPEN,
+    ("GET", "/healthz"): Access.OPEN,
+    ("GET", "/readyz"): Access.OPEN,
+    ("GET", "/v1/fleet"): Access.READ,
+    ("GET", "/v1/events"): Access.READ,
+    ("GET", "/v1/proxies"): Access.READ,
+    ("GET", "/v1/snapshots"): Access.READ,
+    ("GET", "/v1/config"): Access.READ,
+    ("GET", "/v1/held"): Access.READ,
     ("GET", "/metrics"): Access.READ,
     ("POST", "/v1/held/confirm"): Access.ADMIN,
 }
@@ -117,10 +134,13 @@ def status_page() -> tuple[bytes, str]:
         bodies = re.findall(rb"<%s>(.*?)</%s>" % (tag.encode(), tag.encode()), page, re.DOTALL)
         if not bodies:  # a tag with attributes would go unhashed, and the browser would refuse it
             raise RuntimeError(f"status_page.html has no plain <{tag}> element to allow by hash")
-        hashes[tag] = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(body).digest()).decode()}'"
-                               for body in bodies)
-    policy = (f"default-src 'none'; script-src {hashes['script']}; style-src {hashes['style']}; "
-              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+        hashes[tag] = " ".join(
+            f"'sha256-{base64.b64encode(hashlib.sha256(body).digest()).decode()}'" for body in bodies
+        )
+    policy = (
+        f"default-src 'none'; script-src {hashes['script']}; style-src {hashes['style']}; "
+        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
     return page, policy
 
 
@@ -132,8 +152,11 @@ def short_type(type_url: str) -> str:
 
 def _type_json(status: TypeStatus, now: float) -> dict[str, Any]:
     state = status.state
-    out: dict[str, Any] = {"state": state.value, "sent_version": status.sent_version,
-                           "acked_version": status.acked_version}
+    out: dict[str, Any] = {
+        "state": state.value,
+        "sent_version": status.sent_version,
+        "acked_version": status.acked_version,
+    }
     if status.sent_version is not None:
         out["sent_at"] = status.sent_at
     if status.acked_version is not None:
@@ -149,10 +172,16 @@ def proxy_json(proxy: ProxyRecord, now: float) -> dict[str, Any]:
     """One proxy as ``/v1/proxies`` shows it."""
     info = proxy.info
     return {
-        "node": proxy.node_id, "cluster": info.cluster, "group": info.group, "user_agent": info.user_agent,
-        "user_agent_version": info.user_agent_version, "protocol": info.protocol, "address": info.address,
+        "node": proxy.node_id,
+        "cluster": info.cluster,
+        "group": info.group,
+        "user_agent": info.user_agent,
+        "user_agent_version": info.user_agent_version,
+        "protocol": info.protocol,
+        "address": info.address,
         "streams": proxy.streams,
-        "connected": proxy.streams > 0, "connected_since": proxy.connected_since,
+        "connected": proxy.streams > 0,
+        "connected_since": proxy.connected_since,
         "types": {short_type(url): _type_json(status, now) for url, status in sorted(proxy.types.items())},
         **({"left_at": proxy.left_at} if isinstance(proxy, DepartedProxy) else {}),
     }
@@ -163,8 +192,11 @@ def warn_if_exposed(host: str) -> bool:
     loopback only. Whether it warned."""
     if is_loopback(host):
         return False
-    _log.warning("the admin API on %s answers anyone who can reach it (the proxies' status and configuration, "
-                 "and POST /v1/held/confirm): keep it on loopback or behind a firewall", host or "every address")
+    _log.warning(
+        "the admin API on %s answers anyone who can reach it (the proxies' status and configuration, "
+        "and POST /v1/held/confirm): keep it on loopback or behind a firewall",
+        host or "every address",
+    )
     return True
 
 
@@ -182,17 +214,30 @@ class AdminApi:
     with why), as :func:`pilotfish.app.serve` says it in its log.
     """
 
-    def __init__(self, status: SyncStatus, cache: SnapshotCache, reconciler: HeldSnapshots, *,
-                 waiting: Callable[[], list[str]] | None = None, metrics: Metrics | None = None,
-                 recent: RecentEvents | None = None,
-                 etcd: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-                 subset_of: Callable[[str], int | None] | None = None, tokens: TokenFile | None = None,
-                 events: EventLog | None = None) -> None:
+    def __init__(
+        self,
+        status: SyncStatus,
+        cache: SnapshotCache,
+        reconciler: HeldSnapshots,
+        *,
+        waiting: Callable[[], list[str]] | None = None,
+        metrics: Metrics | None = None,
+        recent: RecentEvents | None = None,
+        etcd: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        subset_of: Callable[[str], int | None] | None = None,
+        tokens: TokenFile | None = None,
+        events: EventLog | None = None,
+    ) -> None:
         self.status = status
         self.tokens = tokens
         """Who may read and who may confirm (``serve --admin-tokens``); None: anyone who can reach it."""
-        self._gate = None if tokens is None else TokenGate(tokens, ROUTES, events=events or EventLog(), api="admin",
-                                                           admin_action="confirm a held snapshot")
+        self._gate = (
+            None
+            if tokens is None
+            else TokenGate(
+                tokens, ROUTES, events=events or EventLog(), api="admin", admin_action="confirm a held snapshot"
+            )
+        )
         self._subset_of = subset_of or (lambda _: None)
         """Node id -> its subsetting index (None: none): which endpoints it is served."""
         self._etcd = etcd
@@ -230,9 +275,16 @@ class AdminApi:
     # -- the status page ------------------------------------------------------------------------------
 
     async def _status_page(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._page, headers={
-            "Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": self._policy,
-            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"})
+        return web.Response(
+            body=self._page,
+            headers={
+                "Content-Type": "text/html; charset=utf-8",
+                "Content-Security-Policy": self._policy,
+                "X-Content-Type-Options": "nosniff",
+                "Referrer-Policy": "no-referrer",
+                "Cache-Control": "no-store",
+            },
+        )
 
     def _with_subset(self, row: dict[str, Any]) -> dict[str, Any]:
         """A proxy row, with its subsets (index, addresses per service) when its group has any."""
@@ -269,16 +321,31 @@ class AdminApi:
                 continue
             ranked[rank].append(proxy)
         matched = sum(len(proxies) for proxies in ranked)
-        shown = [self._with_subset(proxy_json(proxy, now))
-                 for proxy in itertools.islice(itertools.chain(*ranked), limit)]
+        shown = [
+            self._with_subset(proxy_json(proxy, now)) for proxy in itertools.islice(itertools.chain(*ranked), limit)
+        ]
         latest = heapq.nlargest(FLEET_NACKS, nacks, key=lambda nack: nack[0])
-        return _json({
-            "now": now, "connected": sum(counts.values()), "states": counts, "matched": matched,
-            "limit": limit, "proxies": shown,
-            "nacks": [{"node": node, "type": short_type(url), "version": status.nacked_version,
-                       "message": status.nack_error, "at": at, "state": status.state.value}
-                      for at, node, url, status in latest],
-        })
+        return _json(
+            {
+                "now": now,
+                "connected": sum(counts.values()),
+                "states": counts,
+                "matched": matched,
+                "limit": limit,
+                "proxies": shown,
+                "nacks": [
+                    {
+                        "node": node,
+                        "type": short_type(url),
+                        "version": status.nacked_version,
+                        "message": status.nack_error,
+                        "at": at,
+                        "state": status.state.value,
+                    }
+                    for at, node, url, status in latest
+                ],
+            }
+        )
 
     async def _events(self, request: web.Request) -> web.Response:
         recent = self.recent
@@ -341,17 +408,31 @@ class AdminApi:
             entry = groups[progress.group]["types"]
             version = progress.version
             entry[short_type(progress.type_url)] = {
-                "version": version, "published_at": progress.published_at, "proxies": progress.proxies,
-                "acked": progress.acked, "current": progress.current, "nacked": progress.nacked,
+                "version": version,
+                "published_at": progress.published_at,
+                "proxies": progress.proxies,
+                "acked": progress.acked,
+                "current": progress.current,
+                "nacked": progress.nacked,
                 "last_ack_at": progress.last_ack_at,
                 "seconds_to_last_ack": progress.seconds_to_last_ack,
                 "summary": f"{version}: {progress.acked} of {progress.proxies}",
             }
-        counters = {short_type(url): {"responses": c.responses, "acks": c.acks, "nacks": c.nacks}
-                    for url, c in sorted(self.status.counters.items())}
-        return _json({"groups": groups, "connected": self.status.connected(), "counters": counters,
-                      "pending": not self.reconciler.idle,
-                      "held": self._held_json()["held"], "refused": self._refused_json(), "now": self.status.now()})
+        counters = {
+            short_type(url): {"responses": c.responses, "acks": c.acks, "nacks": c.nacks}
+            for url, c in sorted(self.status.counters.items())
+        }
+        return _json(
+            {
+                "groups": groups,
+                "connected": self.status.connected(),
+                "counters": counters,
+                "pending": not self.reconciler.idle,
+                "held": self._held_json()["held"],
+                "refused": self._refused_json(),
+                "now": self.status.now(),
+            }
+        )
 
     def _refused_json(self) -> dict[str, Any]:
         """What was refused and still is: the latest build (invalid resources, broken references),
@@ -361,8 +442,10 @@ class AdminApi:
         return {
             "count": stats.refused,
             "build": None if error is None else {"reason": error.describe(), "at": stats.last_error_at},
-            "sources": {source: {"reason": reason, "at": at}
-                        for source, (reason, at) in sorted(readiness.source_problems.items())},
+            "sources": {
+                source: {"reason": reason, "at": at}
+                for source, (reason, at) in sorted(readiness.source_problems.items())
+            },
         }
 
     async def _config(self, request: web.Request) -> web.Response:
@@ -386,8 +469,11 @@ class AdminApi:
             else:
                 resources = orjson.loads(response_json(current.response(None))).get("resources", [])
             types[short_type(url)] = {"version": current.version, "resources": resources}
-        subsets = {} if snapshot.subsets is None or index is None else {
-            "subsets": {"index": index, "services": snapshot.subsets.chosen(index)}}
+        subsets = (
+            {}
+            if snapshot.subsets is None or index is None
+            else {"subsets": {"index": index, "services": snapshot.subsets.chosen(index)}}
+        )
         return _json({"node": node_id, "group": group, "label": snapshot.label(), **subsets, "types": types})
 
     # -- the blast-radius guard -----------------------------------------------------------------------
@@ -396,9 +482,14 @@ class AdminApi:
         held = self.reconciler.held
         if held is None:
             return {"held": None}
-        return {"held": {"version": held.snapshot.label(), "reasons": list(held.reasons),
-                         "groups": {group: snapshot.label() for group, snapshot in held.snapshots.items()},
-                         "confirm": self.reconciler.confirm_hint}}
+        return {
+            "held": {
+                "version": held.snapshot.label(),
+                "reasons": list(held.reasons),
+                "groups": {group: snapshot.label() for group, snapshot in held.snapshots.items()},
+                "confirm": self.reconciler.confirm_hint,
+            }
+        }
 
     async def _held(self, request: web.Request) -> web.Response:
         return _json(self._held_json())
@@ -411,8 +502,9 @@ class AdminApi:
         return _json({"confirmed": held["held"]})
 
 
-async def start_admin_server(api: AdminApi, address: str, *, tls: ssl.SSLContext | None = None,
-                             limits: HttpConnectionLimits = ADMIN_CONNECTIONS) -> tuple[web.AppRunner, str]:
+async def start_admin_server(
+    api: AdminApi, address: str, *, tls: ssl.SSLContext | None = None, limits: HttpConnectionLimits = ADMIN_CONNECTIONS
+) -> tuple[web.AppRunner, str]:
     """Serve ``api`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
     given, holding at most ``limits`` connections; returns the runner (``cleanup()`` stops it)
     and the bound ``host:port``. Warns when not on loopback without tokens."""

@@ -39,8 +39,14 @@ def _short(type_url: str) -> str:
 
 
 class _Collector(Collector):
-    def __init__(self, status: SyncStatus, reconciler: PublishState, cache: SnapshotCache,
-                 open_streams: Callable[[], int], subset_of: Callable[[str], int | None]) -> None:
+    def __init__(
+        self,
+        status: SyncStatus,
+        reconciler: PublishState,
+        cache: SnapshotCache,
+        open_streams: Callable[[], int],
+        subset_of: Callable[[str], int | None],
+    ) -> None:
         self._subset_of = subset_of
         self._status = status
         self._reconciler = reconciler
@@ -51,17 +57,22 @@ class _Collector(Collector):
     def collect(self) -> Iterator[Metric]:
         status, stats = self._status, self._reconciler.stats
         readiness = self._reconciler.readiness
-        proxies = GaugeMetricFamily("pilotfish_proxies_connected", "Proxies with an open stream (or a REST poll "
-                                    "being answered), per node group", labels=["group"])
+        proxies = GaugeMetricFamily(
+            "pilotfish_proxies_connected",
+            "Proxies with an open stream (or a REST poll being answered), per node group",
+            labels=["group"],
+        )
         for group, count in sorted(status.connected().items()):
             proxies.add_metric([group], count)
         yield proxies
-        yield GaugeMetricFamily("pilotfish_xds_streams", "Open gRPC xDS streams (SotW and delta)",
-                                value=self._open_streams())
+        yield GaugeMetricFamily(
+            "pilotfish_xds_streams", "Open gRPC xDS streams (SotW and delta)", value=self._open_streams()
+        )
         responses = CounterMetricFamily("pilotfish_xds_responses", "xDS responses sent, per type", labels=["type"])
         acks = CounterMetricFamily("pilotfish_xds_acks", "ACKs received, per type", labels=["type"])
-        nacks = CounterMetricFamily("pilotfish_xds_nacks", "NACKs received (a proxy rejected a response), per type",
-                                    labels=["type"])
+        nacks = CounterMetricFamily(
+            "pilotfish_xds_nacks", "NACKs received (a proxy rejected a response), per type", labels=["type"]
+        )
         for type_url, counts in sorted(status.counters.items()):
             short = _short(type_url)
             responses.add_metric([short], counts.responses)
@@ -75,47 +86,78 @@ class _Collector(Collector):
         for bound, count in zip((*map(str, ACK_BUCKETS), "+Inf"), histogram.counts, strict=True):
             running += count
             buckets.append((bound, running))
-        yield HistogramMetricFamily("pilotfish_publish_to_ack_seconds", "Seconds from a version's publish to "
-                                    "each proxy's first ACK of it", buckets=buckets, sum_value=histogram.total)
-        yield SummaryMetricFamily("pilotfish_snapshot_build_seconds", "Time spent building and checking snapshots "
-                                  "(validation included)", count_value=stats.builds,
-                                  sum_value=stats.build_seconds)
-        yield CounterMetricFamily("pilotfish_source_changes", "Source updates that changed what a source says",
-                                  value=stats.changes)
-        yield CounterMetricFamily("pilotfish_debounce_coalesced_changes", "Source changes that did not make a "
-                                  "build of their own (the debounce merged them into another)",
-                                  value=max(0, stats.changes - stats.builds))
-        yield CounterMetricFamily("pilotfish_snapshots_published", "Snapshots handed to the proxies",
-                                  value=stats.published)
-        yield CounterMetricFamily("pilotfish_snapshots_refused", "Builds refused as invalid (the last good "
-                                  "snapshot kept serving)", value=stats.refused)
-        yield CounterMetricFamily("pilotfish_snapshots_held", "Snapshots the blast-radius guard held back",
-                                  value=self._reconciler.held_count)
-        yield GaugeMetricFamily("pilotfish_snapshot_held", "1 while a snapshot is held back for confirmation",
-                                value=1 if self._reconciler.held is not None else 0)
+        yield HistogramMetricFamily(
+            "pilotfish_publish_to_ack_seconds",
+            "Seconds from a version's publish to each proxy's first ACK of it",
+            buckets=buckets,
+            sum_value=histogram.total,
+        )
+        yield SummaryMetricFamily(
+            "pilotfish_snapshot_build_seconds",
+            "Time spent building and checking snapshots (validation included)",
+            count_value=stats.builds,
+            sum_value=stats.build_seconds,
+        )
+        yield CounterMetricFamily(
+            "pilotfish_source_changes", "Source updates that changed what a source says", value=stats.changes
+        )
+        yield CounterMetricFamily(
+            "pilotfish_debounce_coalesced_changes",
+            "Source changes that did not make a build of their own (the debounce merged them into another)",
+            value=max(0, stats.changes - stats.builds),
+        )
+        yield CounterMetricFamily(
+            "pilotfish_snapshots_published", "Snapshots handed to the proxies", value=stats.published
+        )
+        yield CounterMetricFamily(
+            "pilotfish_snapshots_refused",
+            "Builds refused as invalid (the last good snapshot kept serving)",
+            value=stats.refused,
+        )
+        yield CounterMetricFamily(
+            "pilotfish_snapshots_held", "Snapshots the blast-radius guard held back", value=self._reconciler.held_count
+        )
+        yield GaugeMetricFamily(
+            "pilotfish_snapshot_held",
+            "1 while a snapshot is held back for confirmation",
+            value=1 if self._reconciler.held is not None else 0,
+        )
         waiting = set(readiness.waiting_for())
-        ready = GaugeMetricFamily("pilotfish_source_ready", "1 once a source has reported its first complete "
-                                  "state", labels=["source"])
+        ready = GaugeMetricFamily(
+            "pilotfish_source_ready", "1 once a source has reported its first complete state", labels=["source"]
+        )
         for source in self._sources():
             ready.add_metric([source], 0 if source in waiting else 1)
         yield ready
-        failing = GaugeMetricFamily("pilotfish_source_failing", "1 while a source's latest input is refused "
-                                    "(its last good state keeps serving)", labels=["source"])
-        errors = CounterMetricFamily("pilotfish_source_errors", "Inputs of a source refused where they were read "
-                                     "(an unreadable or invalid file)", labels=["source"])
+        failing = GaugeMetricFamily(
+            "pilotfish_source_failing",
+            "1 while a source's latest input is refused (its last good state keeps serving)",
+            labels=["source"],
+        )
+        errors = CounterMetricFamily(
+            "pilotfish_source_errors",
+            "Inputs of a source refused where they were read (an unreadable or invalid file)",
+            labels=["source"],
+        )
         for source in self._sources():
             failing.add_metric([source], 1 if source in readiness.failing_sources else 0)
             errors.add_metric([source], readiness.source_errors.get(source, 0))
         yield failing
         yield errors
-        yield GaugeMetricFamily("pilotfish_snapshot_refused", "1 while the latest build is refused (the merged "
-                                "sources are invalid)", value=1 if stats.last_error is not None else 0)
+        yield GaugeMetricFamily(
+            "pilotfish_snapshot_refused",
+            "1 while the latest build is refused (the merged sources are invalid)",
+            value=1 if stats.last_error is not None else 0,
+        )
         yield self._subset_spread()
 
     def _subset_spread(self) -> Metric:
         """Per subsetted service and node group: the busiest backend's connected proxies over the mean."""
-        spread = GaugeMetricFamily("pilotfish_subset_load_spread", "Subsetting balance: connected proxies of the "
-                                   "busiest backend over the mean (1 = even)", labels=["group", "service"])
+        spread = GaugeMetricFamily(
+            "pilotfish_subset_load_spread",
+            "Subsetting balance: connected proxies of the busiest backend over the mean (1 = even)",
+            labels=["group", "service"],
+        )
         by_group: dict[str, list[int]] = {}
         for proxy in self._status.proxies():
             index = self._subset_of(proxy.node_id) if proxy.streams else None
@@ -133,8 +175,15 @@ class Metrics:
     """The registry ``/metrics`` renders: pilotfish's collector only (no process metrics of the
     client library's own, which would read /proc at every scrape)."""
 
-    def __init__(self, status: SyncStatus, reconciler: PublishState, *, cache: SnapshotCache,
-                 open_streams: Callable[[], int], subset_of: Callable[[str], int | None] | None = None) -> None:
+    def __init__(
+        self,
+        status: SyncStatus,
+        reconciler: PublishState,
+        *,
+        cache: SnapshotCache,
+        open_streams: Callable[[], int],
+        subset_of: Callable[[str], int | None] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(status, reconciler, cache, open_streams, subset_of or (lambda _: None)))
 

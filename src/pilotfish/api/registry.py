@@ -74,8 +74,17 @@ from pilotfish.sources.registry import (
     UnknownInstance,
 )
 
-__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_MAX_DEPTH", "ROUTES", "Admitting", "Conflict", "MemoryRegistry", "RegistryApi",
-           "RegistryStore", "Written"]
+__all__ = [
+    "DEFAULT_MAX_BODY",
+    "DEFAULT_MAX_DEPTH",
+    "ROUTES",
+    "Admitting",
+    "Conflict",
+    "MemoryRegistry",
+    "RegistryApi",
+    "RegistryStore",
+    "Written",
+]
 
 _log = logging.getLogger("pilotfish.registry")
 _SOURCE = "registry"
@@ -297,9 +306,16 @@ class RegistryApi:
         """The longest a ``GET ...?revision=N`` waits for this replica to catch up (seconds)."""
         self.tokens = tokens
         """Who may do what; None: anyone may do anything (the API without ``--registry-tokens``)."""
-        self._gate = None if tokens is None else TokenGate(
-            tokens, {(method, path): access for method, path, _, access in ROUTES}, events=self.events,
-            report_every=deny_report_every)
+        self._gate = (
+            None
+            if tokens is None
+            else TokenGate(
+                tokens,
+                {(method, path): access for method, path, _, access in ROUTES},
+                events=self.events,
+                report_every=deny_report_every,
+            )
+        )
 
     def app(self) -> web.Application:
         middlewares = [self._errors] if self._gate is None else [self._errors, self._gate.middleware]
@@ -344,8 +360,12 @@ class RegistryApi:
                 "keeping %d lapsed instance(s) of %s instead of expiring them (a network partition is likelier "
                 "than a dead fleet). Expiry resumes when heartbeats come back; PUT /v1/self-preservation "
                 '{"enabled": false} lets them expire now',
-                kept.lost_in_window, kept.ttl_instances, self.registry.self_preservation.window, kept.lapsed,
-                "every service" if kept.everywhere else ", ".join(kept.services[:20]))
+                kept.lost_in_window,
+                kept.ttl_instances,
+                self.registry.self_preservation.window,
+                kept.lapsed,
+                "every service" if kept.everywhere else ", ".join(kept.services[:20]),
+            )
             self.events.emit("registry_self_preservation", state="entered", **kept.describe())
         if done.exited:
             _log.warning("registry self-preservation over: TTL expiry resumed")
@@ -364,12 +384,17 @@ class RegistryApi:
             # what refers to them stays valid, and say why.
             for service in gone:
                 self.registry.keep_known(service)
-            _log.warning("kept service(s) %s with no instances after their last instance expired, because "
-                         "removing them would break the merged state:\n  %s\nDELETE /v1/services/NAME once "
-                         "nothing refers to them", ", ".join(gone), "\n  ".join(str(p) for p in problems))
+            _log.warning(
+                "kept service(s) %s with no instances after their last instance expired, because "
+                "removing them would break the merged state:\n  %s\nDELETE /v1/services/NAME once "
+                "nothing refers to them",
+                ", ".join(gone),
+                "\n  ".join(str(p) for p in problems),
+            )
         for instance in done.expired:
-            _log.info("instance %s of %s expired (no heartbeat within %ss)",
-                      instance.id, instance.service, instance.ttl)
+            _log.info(
+                "instance %s of %s expired (no heartbeat within %ss)", instance.id, instance.service, instance.ttl
+            )
             self.events.emit("registry_expired", service=instance.service, instance=instance.id)
         self.reconciler.update(_SOURCE, self.registry.state())
 
@@ -380,15 +405,22 @@ class RegistryApi:
         except ConfigError as exc:
             return _error(400, "; ".join(str(p) for p in exc.problems), _problems(exc.problems))
         except Conflict as exc:
-            return _error(409, f"{request.method} {request.path} conflicts with the state pilotfish serves; "
-                               f"nothing was changed: {exc}", _problems(exc.problems))
+            return _error(
+                409,
+                f"{request.method} {request.path} conflicts with the state pilotfish serves; "
+                f"nothing was changed: {exc}",
+                _problems(exc.problems),
+            )
         except RegistryFull as exc:
             return _error(409, str(exc))
         except UnknownInstance as exc:
             return _error(404, str(exc))
         except StoreUnavailable as exc:
-            return _error(503, f"{request.method} {request.path}: {exc}. A read or a refused write changed nothing; a "
-                               "write whose answer was lost may have been made: retrying it is safe")
+            return _error(
+                503,
+                f"{request.method} {request.path}: {exc}. A read or a refused write changed nothing; a "
+                "write whose answer was lost may have been made: retrying it is safe",
+            )
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"the body of {request.method} {request.path} is larger than {self.max_body} bytes")
         except web.HTTPException as exc:
@@ -397,8 +429,11 @@ class RegistryApi:
             raise
         except Exception as exc:
             _log.exception("%s %s failed: a bug in pilotfish, please report it", request.method, request.path)
-            return _error(500, f"internal error handling {request.method} {request.path}: "
-                               f"{type(exc).__name__} (a bug in pilotfish; the server log has the details)")
+            return _error(
+                500,
+                f"internal error handling {request.method} {request.path}: "
+                f"{type(exc).__name__} (a bug in pilotfish; the server log has the details)",
+            )
 
     async def _body(self, request: web.Request) -> Any:
         if not request.can_read_body:
@@ -407,13 +442,17 @@ class RegistryApi:
         try:
             value = json.loads(raw, parse_constant=_reject_constant)
         except RecursionError as exc:
-            raise ConfigError("request", [Problem("", f"the body nests arrays or objects too deeply "
-                                                      f"(at most {self.max_depth} levels)")]) from exc
+            raise ConfigError(
+                "request",
+                [Problem("", f"the body nests arrays or objects too deeply (at most {self.max_depth} levels)")],
+            ) from exc
         except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
             raise ConfigError("request", [Problem("", f"the body is not valid JSON: {exc}")]) from exc
         if _too_deep(value, self.max_depth):
-            raise ConfigError("request", [Problem("", f"the body nests arrays or objects too deeply "
-                                                      f"(at most {self.max_depth} levels)")])
+            raise ConfigError(
+                "request",
+                [Problem("", f"the body nests arrays or objects too deeply (at most {self.max_depth} levels)")],
+            )
         return value
 
     def _answer(self, body: Any, *, status: int = 200, revision: int | None = None) -> web.Response:
@@ -436,11 +475,21 @@ class RegistryApi:
             wanted = int(raw)
             wait = min(float(request.query.get("wait", "5")), self.max_revision_wait)
         except ValueError:
-            raise ConfigError("request", [Problem("revision", "expected ?revision=N (an etcd revision, as a write "
-                                                              "answered) and optionally &wait=SECONDS")]) from None
+            raise ConfigError(
+                "request",
+                [
+                    Problem(
+                        "revision",
+                        "expected ?revision=N (an etcd revision, as a write answered) and optionally &wait=SECONDS",
+                    )
+                ],
+            ) from None
         if not await self.store.caught_up(wanted, max(0.0, wait)):
-            return _error(503, f"this replica has applied etcd revision {self.store.revision}, not yet {wanted}; "
-                               "retry, or read from another replica")
+            return _error(
+                503,
+                f"this replica has applied etcd revision {self.store.revision}, not yet {wanted}; "
+                "retry, or read from another replica",
+            )
         return None
 
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -448,8 +497,9 @@ class RegistryApi:
         return self._answer({"status": "serving", **({"etcd": status} if status is not None else {})})
 
     async def _list(self, request: web.Request) -> web.Response:
-        return await self._read_revision(request) or self._answer({"services": self.store.describe()},
-                                                                 revision=self.store.revision)
+        return await self._read_revision(request) or self._answer(
+            {"services": self.store.describe()}, revision=self.store.revision
+        )
 
     async def _get(self, request: web.Request) -> web.Response:
         name = request.match_info["service"]
@@ -507,6 +557,9 @@ class RegistryApi:
     async def _preservation_view(self) -> dict[str, Any]:
         kept = self.store.preservation
         rule = await self.store.self_preservation(self.registry.self_preservation)
-        return {"enabled": rule.enabled, "active": kept is not None,
-                **self.store.duties(),
-                **({"kept": kept.describe()} if kept is not None else {})}
+        return {
+            "enabled": rule.enabled,
+            "active": kept is not None,
+            **self.store.duties(),
+            **({"kept": kept.describe()} if kept is not None else {}),
+        }

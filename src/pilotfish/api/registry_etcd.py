@@ -76,7 +76,6 @@ _T = TypeVar("_T")
 _SOURCE = "etcd"
 
 
-
 def _store_errors(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
     """A store method whose etcd could not be reached raises :class:`StoreUnavailable` (same message):
     the registry API answers 503 for any store, knowing nothing of etcd."""
@@ -94,20 +93,28 @@ def _store_errors(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P,
 class EtcdRegistry:
     """Registry operations on etcd keys (see the module docstring)."""
 
-    def __init__(self, source: EtcdSource, reconciler: Admitting, *, limits: RegistryLimits | None = None,
-                 local_wait: float = 2.0, lease_slack: float = 10.0,
-                 election: Leadership | None = None,
-                 self_preservation: Callable[[], SelfPreservation] | None = None,
-                 events: EventLog | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        source: EtcdSource,
+        reconciler: Admitting,
+        *,
+        limits: RegistryLimits | None = None,
+        local_wait: float = 2.0,
+        lease_slack: float = 10.0,
+        election: Leadership | None = None,
+        self_preservation: Callable[[], SelfPreservation] | None = None,
+        events: EventLog | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.source = source
         self.client = source.client
         self.reconciler = reconciler
         self.limits = limits or RegistryLimits()
         self.election = election
         """Who runs the singleton duties (None: no election; this replica decides alone)."""
-        self.guard = None if self_preservation is None else LeaseGuard(self, self_preservation,
-                                                                       events=events or EventLog())
+        self.guard = (
+            None if self_preservation is None else LeaseGuard(self, self_preservation, events=events or EventLog())
+        )
         """The duty itself (:meth:`LeaseGuard.run` while this replica leads), given the flags'
         self-preservation rule; None: nobody expires leases but etcd."""
         self.lease_slack = lease_slack
@@ -168,8 +175,12 @@ class EtcdRegistry:
             stored = None
         if not (isinstance(stored, dict) and isinstance(stored.get("enabled"), bool)):
             if value != self._bad_preservation:
-                _log.error('etcd key %s holds %.200r, not {"enabled": true|false}: ignored (the flags decide); '
-                           "PUT /v1/self-preservation writes it again", self.preservation_key, value)
+                _log.error(
+                    'etcd key %s holds %.200r, not {"enabled": true|false}: ignored (the flags decide); '
+                    "PUT /v1/self-preservation writes it again",
+                    self.preservation_key,
+                    value,
+                )
                 self._bad_preservation = value
             return configured
         return replace(configured, enabled=stored["enabled"])
@@ -198,17 +209,29 @@ class EtcdRegistry:
     def _room_for(self, service: str, *, instance_key: str | None = None) -> None:
         view = self.source.view
         if not self.knows(service) and len(self.describe()) >= self.limits.max_services:
-            raise RegistryFull(f"the registry holds its limit of {self.limits.max_services} services "
-                               "(max_services): remove unused services or raise the limit")
-        if instance_key is not None and instance_key not in view.instances and \
-                len(view.instances) >= self.limits.max_instances:
-            raise RegistryFull(f"the registry holds its limit of {self.limits.max_instances} instances "
-                               "(max_instances): deregister unused instances or raise the limit")
+            raise RegistryFull(
+                f"the registry holds its limit of {self.limits.max_services} services "
+                "(max_services): remove unused services or raise the limit"
+            )
+        if (
+            instance_key is not None
+            and instance_key not in view.instances
+            and len(view.instances) >= self.limits.max_instances
+        ):
+            raise RegistryFull(
+                f"the registry holds its limit of {self.limits.max_instances} instances "
+                "(max_instances): deregister unused instances or raise the limit"
+            )
 
     async def _settled(self, revision: int) -> Written:
         if not await self.source.caught_up(revision, self.local_wait):
-            _log.warning("registry write at etcd revision %d not yet seen by this replica's watch after %.1fs "
-                         "(at %d); answering anyway", revision, self.local_wait, self.revision)
+            _log.warning(
+                "registry write at etcd revision %d not yet seen by this replica's watch after %.1fs "
+                "(at %d); answering anyway",
+                revision,
+                self.local_wait,
+                self.revision,
+            )
         return Written(None, revision)
 
     @_store_errors
@@ -259,8 +282,9 @@ class EtcdRegistry:
         if lease:
             left = await self.client.keepalive(lease) - self.lease_slack
             if left <= -self.lease_slack:
-                raise UnknownInstance(f"instance {instance_id} of service {service!r} expired (its etcd lease "
-                                      "ended): register it again")
+                raise UnknownInstance(
+                    f"instance {instance_id} of service {service!r} expired (its etcd lease ended): register it again"
+                )
         expires = None if left is None else self._clock() + left
         return Written(Instance(service, found[1], ttl, expires).describe(self._clock()))
 
@@ -306,8 +330,15 @@ class LeaseGuard:
     most ``max_asks`` per pass).
     """
 
-    def __init__(self, registry: EtcdRegistry, configured: Callable[[], SelfPreservation], *,
-                 events: EventLog, clock: Callable[[], float] = time.monotonic, max_asks: int = 512) -> None:
+    def __init__(
+        self,
+        registry: EtcdRegistry,
+        configured: Callable[[], SelfPreservation],
+        *,
+        events: EventLog,
+        clock: Callable[[], float] = time.monotonic,
+        max_asks: int = 512,
+    ) -> None:
         self.registry = registry
         self._configured = configured
         """The flags' rule; whether it is on comes from etcd (:meth:`EtcdRegistry.self_preservation`)."""
@@ -344,8 +375,11 @@ class LeaseGuard:
         rule = await self.registry.self_preservation(self._configured())
         now = self._clock()
         view, client, slack = self.registry.source.view, self.registry.client, self.registry.lease_slack
-        leased = {key: (view.instances[key][0], lease) for key in view.ttls
-                  if key in view.instances and (lease := view.lease_of(key))}
+        leased = {
+            key: (view.instances[key][0], lease)
+            for key in view.ttls
+            if key in view.instances and (lease := view.lease_of(key))
+        }
         while self._expired and self._expired[0][0] <= now - rule.window:
             self._expired.popleft()
         live = {lease for _, lease in leased.values()}
@@ -353,27 +387,36 @@ class LeaseGuard:
             del self._deadline[lease]
         unknown = float("-inf")
         soon = now + slack + 2 * rule.recheck
-        due = sorted((self._deadline.get(lease, unknown), lease) for lease in live
-                     if self._deadline.get(lease, unknown) <= soon)[:self.max_asks]
+        due = sorted(
+            (self._deadline.get(lease, unknown), lease) for lease in live if self._deadline.get(lease, unknown) <= soon
+        )[: self.max_asks]
         asked = set()
         for _, lease in due:
             self._deadline[lease] = now + await client.time_to_live(lease)
             asked.add(lease)
         # Lapsed: asked this pass, and past its TTL. (A lease not asked yet, or estimated from an
         # older answer, is not known to be: a heartbeat may have renewed it since.)
-        lapsed = {key: found for key, found in leased.items()
-                  if found[1] in asked and self._deadline[found[1]] <= now + slack}
+        lapsed = {
+            key: found for key, found in leased.items() if found[1] in asked and self._deadline[found[1]] <= now + slack
+        }
         # Counted with them: those that lapse before the next pass (instances that stopped
         # heartbeating together lapse together, not one pass apart), and the kept ones, until etcd
         # shows their lease renewed by a heartbeat.
-        lapsing = {key: found for key, found in leased.items()
-                   if self._deadline.get(found[1], float("inf")) <= now + slack + rule.recheck}
-        self._kept = {key: found for key, found in self._kept.items() if key in leased
-                      and not (found[1] in asked and self._deadline[found[1]] > now + slack)}
+        lapsing = {
+            key: found
+            for key, found in leased.items()
+            if self._deadline.get(found[1], float("inf")) <= now + slack + rule.recheck
+        }
+        self._kept = {
+            key: found
+            for key, found in self._kept.items()
+            if key in leased and not (found[1] in asked and self._deadline[found[1]] > now + slack)
+        }
         everywhere, held, lost, total = rule.verdict(
             Counter(service for service, _ in (lapsing | self._kept).values()),
             Counter(service for service, _ in leased.values()),
-            Counter(service for _, service in self._expired))
+            Counter(service for _, service in self._expired),
+        )
         self._kept = {key: found for key, found in self._kept.items() if found[0] in held}
         for key, (service, lease) in lapsed.items():
             if service in held:
@@ -385,21 +428,33 @@ class LeaseGuard:
             self._deadline.pop(lease, None)
             self._expired.append((now, service))
             instance_id = key.rsplit("/", 1)[1]
-            _log.info("instance %s of %s expired (no heartbeat within %ss)", instance_id, service,
-                      view.ttls.get(key))
+            _log.info("instance %s of %s expired (no heartbeat within %ss)", instance_id, service, view.ttls.get(key))
             self._events.emit("registry_expired", service=service, instance=instance_id)
         self._report(rule, everywhere, held, lost, total)
 
     def _report(self, rule: SelfPreservation, everywhere: bool, held: list[str], lost: int, total: int) -> None:
         before = self.preservation
-        self.preservation = None if not held else Preservation(
-            everywhere=everywhere, services=tuple(held), lapsed=len(self._kept), lost_in_window=lost,
-            ttl_instances=total)
+        self.preservation = (
+            None
+            if not held
+            else Preservation(
+                everywhere=everywhere,
+                services=tuple(held),
+                lapsed=len(self._kept),
+                lost_in_window=lost,
+                ttl_instances=total,
+            )
+        )
         if before is None and self.preservation is not None:
-            _log.warning("registry self-preservation: %d of %d TTL instances stopped heartbeating within %.0fs; "
-                         "renewing the leases of %d lapsed instance(s) of %s instead of expiring them",
-                         lost, total, rule.window, len(self._kept),
-                         "every service" if everywhere else ", ".join(held[:20]))
+            _log.warning(
+                "registry self-preservation: %d of %d TTL instances stopped heartbeating within %.0fs; "
+                "renewing the leases of %d lapsed instance(s) of %s instead of expiring them",
+                lost,
+                total,
+                rule.window,
+                len(self._kept),
+                "every service" if everywhere else ", ".join(held[:20]),
+            )
             self._events.emit("registry_self_preservation", state="entered", **self.preservation.describe())
         elif before is not None and self.preservation is None:
             _log.warning("registry self-preservation over: TTL expiry resumed")

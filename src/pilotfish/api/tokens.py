@@ -63,9 +63,25 @@ from pilotfish.events import EventLog, ReportGate
 from pilotfish.followed_file import FollowedFile, read_document
 from pilotfish.transport.site import is_loopback
 
-__all__ = ["MAX_TOKENS", "MAX_TOKENS_FILE_BYTES", "Access", "AdminTokenFile", "Allowed", "Denied", "TokenFile",
-           "TokenGate", "TokenScope", "TokenSet", "authorize", "hash_token", "load_tokens", "new_token", "parse_tokens",
-           "token_command", "warn_if_open"]
+__all__ = [
+    "MAX_TOKENS",
+    "MAX_TOKENS_FILE_BYTES",
+    "Access",
+    "AdminTokenFile",
+    "Allowed",
+    "Denied",
+    "TokenFile",
+    "TokenGate",
+    "TokenScope",
+    "TokenSet",
+    "authorize",
+    "hash_token",
+    "load_tokens",
+    "new_token",
+    "parse_tokens",
+    "token_command",
+    "warn_if_open",
+]
 
 _log = logging.getLogger("pilotfish.registry")
 
@@ -160,9 +176,11 @@ def token_command(action: str, stdin: IO[str], stdout: IO[str]) -> int:
     from ``stdin`` (its line ending is not part of it). The exit status."""
     if action == "new":
         token = new_token()
-        stdout.write(f"token (give it to the client; it is not stored anywhere): {token}\n"
-                     f"its entry under 'tokens:' in the tokens file (name it, and set its scope):\n"
-                     f"  NAME:\n    sha256: {hash_token(token)}\n    write: []\n    read: false\n")
+        stdout.write(
+            f"token (give it to the client; it is not stored anywhere): {token}\n"
+            f"its entry under 'tokens:' in the tokens file (name it, and set its scope):\n"
+            f"  NAME:\n    sha256: {hash_token(token)}\n    write: []\n    read: false\n"
+        )
         return 0
     token = stdin.readline().rstrip("\r\n")
     if not token:
@@ -179,18 +197,29 @@ def parse_tokens(document: Any, source: str) -> TokenSet:
     """A :class:`TokenSet` from the file's plain values; :class:`ConfigError` naming every problem."""
     problems: list[Problem] = []
     if not isinstance(document, dict):
-        raise ConfigError(source, [Problem("", "the file must be a mapping with 'tokens' (and 'reads'); "
-                                               f"found {type(document).__name__}")])
+        raise ConfigError(
+            source,
+            [Problem("", f"the file must be a mapping with 'tokens' (and 'reads'); found {type(document).__name__}")],
+        )
     for key in sorted(set(document) - {"reads", "tokens"}, key=str):
         problems.append(Problem(str(key), "unknown setting; the file has 'reads' and 'tokens'"))
     reads = document.get("reads", "scoped")
     if reads not in ("open", "scoped"):
-        problems.append(Problem("reads", f"{reads!r} is neither 'open' (reads need no token) nor 'scoped' "
-                                         "(reads need a token with read: true)"))
+        problems.append(
+            Problem(
+                "reads",
+                f"{reads!r} is neither 'open' (reads need no token) nor 'scoped' (reads need a token with read: true)",
+            )
+        )
     listed = document.get("tokens")
     if not isinstance(listed, dict):
-        problems.append(Problem("tokens", "a mapping of token names to {sha256, write, read, admin} is required "
-                                          "(an empty mapping {} lets no one write)"))
+        problems.append(
+            Problem(
+                "tokens",
+                "a mapping of token names to {sha256, write, read, admin} is required "
+                "(an empty mapping {} lets no one write)",
+            )
+        )
         listed = {}
     elif len(listed) > MAX_TOKENS:
         problems.append(Problem("tokens", f"{len(listed)} tokens; at most {MAX_TOKENS} are read"))
@@ -203,8 +232,13 @@ def parse_tokens(document: Any, source: str) -> TokenSet:
         if scope is None:
             continue
         if scope.digest in seen:
-            problems.append(Problem(f"{where}.sha256", f"the same digest as tokens.{seen[scope.digest]}: one token "
-                                                       "must have one scope; merge the two entries"))
+            problems.append(
+                Problem(
+                    f"{where}.sha256",
+                    f"the same digest as tokens.{seen[scope.digest]}: one token "
+                    "must have one scope; merge the two entries",
+                )
+            )
             continue
         seen[scope.digest] = scope.name
         tokens.append(scope)
@@ -222,18 +256,31 @@ def _parse_token(name: str, entry: Any, where: str, problems: list[Problem]) -> 
         problems.append(Problem(f"{where}.{key}", "unknown field; a token has sha256, write, read and admin"))
     digest = entry.get("sha256")
     if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-        problems.append(Problem(f"{where}.sha256", "64 hexadecimal digits are required: the SHA-256 of the token "
-                                                   "(printf %s \"$TOKEN\" | sha256sum, or pilotfish token new); "
-                                                   "the token itself never goes in the file"))
+        problems.append(
+            Problem(
+                f"{where}.sha256",
+                "64 hexadecimal digits are required: the SHA-256 of the token "
+                '(printf %s "$TOKEN" | sha256sum, or pilotfish token new); '
+                "the token itself never goes in the file",
+            )
+        )
     write = entry.get("write", [])
     if not isinstance(write, list):
-        problems.append(Problem(f"{where}.write", f"a list of service names or patterns is required, "
-                                                  f"e.g. [web, 'web-*']; found {type(write).__name__}"))
+        problems.append(
+            Problem(
+                f"{where}.write",
+                f"a list of service names or patterns is required, e.g. [web, 'web-*']; found {type(write).__name__}",
+            )
+        )
         write = []
     for i, pattern in enumerate(write):
         if not isinstance(pattern, str) or not _PATTERN.fullmatch(pattern):
-            problems.append(Problem(f"{where}.write[{i}]", f"{pattern!r} is not a service name or pattern: "
-                                                           "letters, digits, '-', '_', '.', and '*' or '?'"))
+            problems.append(
+                Problem(
+                    f"{where}.write[{i}]",
+                    f"{pattern!r} is not a service name or pattern: letters, digits, '-', '_', '.', and '*' or '?'",
+                )
+            )
     flags = {}
     for key in ("read", "admin"):
         value = entry.get(key, False)
@@ -310,9 +357,16 @@ class Denied:
     """The name of the token presented, when it is a listed one."""
 
 
-def authorize(tokens: TokenSet, access: Access, service: str | None, header: str | None,
-              *, request: str, api: str = "registry",
-              admin_action: str = "change self-preservation") -> Allowed | Denied:
+def authorize(
+    tokens: TokenSet,
+    access: Access,
+    service: str | None,
+    header: str | None,
+    *,
+    request: str,
+    api: str = "registry",
+    admin_action: str = "change self-preservation",
+) -> Allowed | Denied:
     """Whether a request needing ``access`` (to ``service``, for writes) may go ahead with the
     ``Authorization`` header ``header``. ``request`` (e.g. ``PUT /v1/services/web``) is named in
     the messages, with ``api`` (whose tokens: the realm of the challenge) and ``admin_action``
@@ -325,12 +379,16 @@ def authorize(tokens: TokenSet, access: Access, service: str | None, header: str
     scheme, _, token = header.strip().partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
-        return Denied(401, f"{request}: the Authorization header must be 'Bearer <token>'",
-                      f'{realm}, error="invalid_request"')
+        return Denied(
+            401, f"{request}: the Authorization header must be 'Bearer <token>'", f'{realm}, error="invalid_request"'
+        )
     scope = tokens.find(token)
     if scope is None:
-        return Denied(401, f"{request}: the bearer token is not one the {api} API knows (revoked, or mistyped?)",
-                      f'{realm}, error="invalid_token"')
+        return Denied(
+            401,
+            f"{request}: the bearer token is not one the {api} API knows (revoked, or mistyped?)",
+            f'{realm}, error="invalid_token"',
+        )
     if access is Access.READ:
         ok, needs = scope.read or scope.admin, "read (read: true)"
     elif access is Access.ADMIN:
@@ -340,10 +398,14 @@ def authorize(tokens: TokenSet, access: Access, service: str | None, header: str
     if ok:
         return Allowed(scope.name)
     held = ", ".join(scope.write) or "no service"
-    return Denied(403, f"{request}: token {scope.name!r} may not {needs}; it may write {held}"
-                       f"{', read' if scope.read else ''}{', admin' if scope.admin else ''}. "
-                       "Use a token whose scope covers this, or widen this one in the tokens file",
-                  f'{realm}, error="insufficient_scope"', scope.name)
+    return Denied(
+        403,
+        f"{request}: token {scope.name!r} may not {needs}; it may write {held}"
+        f"{', read' if scope.read else ''}{', admin' if scope.admin else ''}. "
+        "Use a token whose scope covers this, or widen this one in the tokens file",
+        f'{realm}, error="insufficient_scope"',
+        scope.name,
+    )
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -359,9 +421,16 @@ class TokenGate:
     per ``report_every`` seconds, with the count of those left out, so a client guessing tokens
     cannot fill the log."""
 
-    def __init__(self, tokens: TokenFile, routes: Mapping[tuple[str, str], Access], *, events: EventLog,
-                 api: str = "registry", admin_action: str = "change self-preservation",
-                 report_every: float = 10.0) -> None:
+    def __init__(
+        self,
+        tokens: TokenFile,
+        routes: Mapping[tuple[str, str], Access],
+        *,
+        events: EventLog,
+        api: str = "registry",
+        admin_action: str = "change self-preservation",
+        report_every: float = 10.0,
+    ) -> None:
         self.tokens = tokens
         self.routes = routes
         self.events = events
@@ -376,25 +445,46 @@ class TokenGate:
             return await handler(request)  # no such route (404/405): nothing to protect
         method = "GET" if request.method == "HEAD" else request.method
         access = self.routes.get((method, route.resource.canonical), Access.ADMIN)  # missing (a bug): the most
-        decision = authorize(self.tokens.current(), access, request.match_info.get("service"),
-                             request.headers.get("Authorization"), request=f"{request.method} {request.path}",
-                             api=self.api, admin_action=self.admin_action)
+        decision = authorize(
+            self.tokens.current(),
+            access,
+            request.match_info.get("service"),
+            request.headers.get("Authorization"),
+            request=f"{request.method} {request.path}",
+            api=self.api,
+            admin_action=self.admin_action,
+        )
         if isinstance(decision, Denied):
             self._report(request, decision)
             problems = [{"field": "Authorization", "message": decision.message}]
-            return web.json_response({"error": decision.message, "problems": problems}, status=decision.status,
-                                     headers={"WWW-Authenticate": decision.challenge})
+            return web.json_response(
+                {"error": decision.message, "problems": problems},
+                status=decision.status,
+                headers={"WWW-Authenticate": decision.challenge},
+            )
         return await handler(request)
 
     def _report(self, request: web.Request, denied: Denied) -> None:
         left_out = self._gate.admit(asyncio.get_running_loop().time())
         if left_out is None:
             return
-        _log.warning("%s API refused a request from %s: %d %s%s", self.api, request.remote, denied.status,
-                     denied.message[:400],
-                     f" ({left_out} more refusal(s) since the last one logged)" if left_out else "")
-        self.events.emit(f"{self.api}_denied", method=request.method, path=request.path[:200], status=denied.status,
-                         token=denied.token, peer=request.remote, unreported_before=left_out)
+        _log.warning(
+            "%s API refused a request from %s: %d %s%s",
+            self.api,
+            request.remote,
+            denied.status,
+            denied.message[:400],
+            f" ({left_out} more refusal(s) since the last one logged)" if left_out else "",
+        )
+        self.events.emit(
+            f"{self.api}_denied",
+            method=request.method,
+            path=request.path[:200],
+            status=denied.status,
+            token=denied.token,
+            peer=request.remote,
+            unreported_before=left_out,
+        )
 
 
 def warn_if_open(host: str) -> bool:
@@ -402,6 +492,9 @@ def warn_if_open(host: str) -> bool:
     unless ``host`` is loopback only. Whether it warned."""
     if is_loopback(host):
         return False
-    _log.warning("the registry API on %s accepts writes from anyone who can reach it: give --registry-tokens "
-                 "FILE to require bearer tokens (see the README, 'Registry API tokens')", host or "every address")
+    _log.warning(
+        "the registry API on %s accepts writes from anyone who can reach it: give --registry-tokens "
+        "FILE to require bearer tokens (see the README, 'Registry API tokens')",
+        host or "every address",
+    )
     return True

@@ -54,8 +54,9 @@ class Component(Protocol):
 class Step:
     """A component from two plain functions (either may be left out): ``start`` and ``stop``."""
 
-    def __init__(self, name: str, start: Callable[[], object] | None = None,
-                 stop: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self, name: str, start: Callable[[], object] | None = None, stop: Callable[[], object] | None = None
+    ) -> None:
         self.name = name
         self._start = start
         self._stop = stop
@@ -103,8 +104,12 @@ def _report_death(task: asyncio.Task[None]) -> None:
     if task.cancelled() or task.exception() is None:
         return  # (some end by design: the wait for sources, once they are in)
     error = task.exception()
-    _log.critical("background task %s failed with %r: a bug in pilotfish, please report it; restart this replica",
-                  task.get_name(), error, exc_info=error)
+    _log.critical(
+        "background task %s failed with %r: a bug in pilotfish, please report it; restart this replica",
+        task.get_name(),
+        error,
+        exc_info=error,
+    )
 
 
 @contextlib.asynccontextmanager

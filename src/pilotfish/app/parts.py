@@ -81,8 +81,9 @@ class TlsReload:
         return self._reloading.context
 
     async def start(self) -> None:
-        reloading = self._reloading = ReloadingServerContext(self._files, on_event=self._events.emit,
-                                                             name=self._listener)
+        reloading = self._reloading = ReloadingServerContext(
+            self._files, on_event=self._events.emit, name=self._listener
+        )
         self._task = Task(self.name, lambda: reloading.run(every=self._every))
         await self._task.start()
 
@@ -114,9 +115,12 @@ class XdsListener:
 
     async def start(self) -> None:
         with naming_failures(XDS, self._settings.address):
-            server, self.port = await start_xds_server(self.xds, self._settings.address,
-                                                       tls=None if self._tls is None else self._tls.context,
-                                                       connection_limits=self._settings.connections)
+            server, self.port = await start_xds_server(
+                self.xds,
+                self._settings.address,
+                tls=None if self._tls is None else self._tls.context,
+                connection_limits=self._settings.connections,
+            )
         self.max_connections = server.max_connections
         self.max_connections_per_address = server.max_connections_per_address
         self._stop = server.stop
@@ -137,8 +141,13 @@ class HttpListener:
     """An aiohttp API (registry, REST xDS, admin) on its address: ``serve(tls)`` starts it and
     returns its runner and bound ``host:port``."""
 
-    def __init__(self, name: str, serve: Callable[[ssl.SSLContext | None], Awaitable[tuple[Runner, str]]], *,
-                 tls: TlsReload | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        serve: Callable[[ssl.SSLContext | None], Awaitable[tuple[Runner, str]]],
+        *,
+        tls: TlsReload | None,
+    ) -> None:
         self.name = name
         self._serve = serve
         self.tls = tls
@@ -179,8 +188,16 @@ class Announcement:
 
     name = "announcement"
 
-    def __init__(self, settings: ServeSettings, events: EventLog, xds: XdsListener, *,
-                 registry: HttpListener | None, rest: HttpListener | None, admin: HttpListener | None) -> None:
+    def __init__(
+        self,
+        settings: ServeSettings,
+        events: EventLog,
+        xds: XdsListener,
+        *,
+        registry: HttpListener | None,
+        rest: HttpListener | None,
+        admin: HttpListener | None,
+    ) -> None:
         self._settings = settings
         self._events = events
         self._xds = xds
@@ -194,18 +211,33 @@ class Announcement:
         rest = None if self._rest is None else self._rest.address
         admin = None if self._admin is None else self._admin.address
         tls = settings.tls.mode
-        self._events.emit("server_started", xds=xds.address, registry=registry,
-                          snapshot=str(settings.snapshot) if settings.snapshot else None, tls=tls,
-                          **({"rest": rest} if rest else {}), **({"admin": admin} if admin else {}))
+        self._events.emit(
+            "server_started",
+            xds=xds.address,
+            registry=registry,
+            snapshot=str(settings.snapshot) if settings.snapshot else None,
+            tls=tls,
+            **({"rest": rest} if rest else {}),
+            **({"admin": admin} if admin else {}),
+        )
         scheme = "http" if self._registry is None or self._registry.tls is None else "https"
-        _log.info("serving xDS on %s (TLS: %s; at most %d connections, %d per address)%s%s", xds.address, tls,
-                  xds.max_connections, xds.max_connections_per_address,
-                  f", registry API on {scheme}://{registry}" if registry else "",
-                  f", REST xDS on {'http' if tls == 'off' else 'https'}://{rest}" if rest else "")
+        _log.info(
+            "serving xDS on %s (TLS: %s; at most %d connections, %d per address)%s%s",
+            xds.address,
+            tls,
+            xds.max_connections,
+            xds.max_connections_per_address,
+            f", registry API on {scheme}://{registry}" if registry else "",
+            f", REST xDS on {'http' if tls == 'off' else 'https'}://{rest}" if rest else "",
+        )
         if admin:
             scheme = "http" if self._admin is None or self._admin.tls is None else "https"
-            _log.info("admin API on %s://%s (status page at /; /healthz, /readyz, /v1/proxies, /v1/snapshots, "
-                      "/v1/config, /v1/held, /v1/events)", scheme, admin)
+            _log.info(
+                "admin API on %s://%s (status page at /; /healthz, /readyz, /v1/proxies, /v1/snapshots, "
+                "/v1/config, /v1/held, /v1/events)",
+                scheme,
+                admin,
+            )
 
     async def stop(self) -> None:
         pass
@@ -242,8 +274,9 @@ class FileSource:
             await self._task.stop()
 
 
-async def follow_file(path: Path, loaded: FileSignature | None, reconciler: Reconciler, events: EventLog,
-                      *, retry: float = 1.0) -> None:
+async def follow_file(
+    path: Path, loaded: FileSignature | None, reconciler: Reconciler, events: EventLog, *, retry: float = 1.0
+) -> None:
     """Feed the file's changes to the reconciler; report every bad one. Supervised: if the watch
     itself fails (e.g. the directory went away), say so and start it again; nothing ends it."""
     while True:
@@ -260,8 +293,12 @@ async def follow_file(path: Path, loaded: FileSignature | None, reconciler: Reco
             raise
         except Exception as exc:
             events.emit("snapshot_error", file=str(path), reason=f"watching the file failed: {exc!r}")
-            _log.error("watching %s failed (%r); still serving the last good snapshot, watching again in %.0f s",
-                       path, exc, retry)
+            _log.error(
+                "watching %s failed (%r); still serving the last good snapshot, watching again in %.0f s",
+                path,
+                exc,
+                retry,
+            )
         loaded = None  # a restarted watch reads the file at once
         await asyncio.sleep(retry)
 
@@ -277,8 +314,14 @@ def source_labels(settings: ServeSettings) -> dict[str, str]:
     return labels
 
 
-async def say_what_we_wait_for(reconciler: Reconciler, waiting: Callable[[], list[str]], events: EventLog,
-                               *, first: float = 0.5, every: float = 10.0) -> None:
+async def say_what_we_wait_for(
+    reconciler: Reconciler,
+    waiting: Callable[[], list[str]],
+    events: EventLog,
+    *,
+    first: float = 0.5,
+    every: float = 10.0,
+) -> None:
     """Until every source has reported, say which ones are awaited and why: soon after start,
     then every ``every`` seconds. Proxies that connect meanwhile are held (they keep what they have)."""
     loop = asyncio.get_running_loop()
@@ -307,15 +350,19 @@ def warn_about_grants(settings: ServeSettings, grants: SecretGrants, cache: Snap
     """Say what ``grants`` leave open (node: grants without node rules) or shut (secrets of the
     current snapshot that no grant covers)."""
     if grants.of(Subject.NODE) and not settings.policy.authorize_nodes:
-        _log.warning("node: grants trust the node id a proxy claims, and without --authorize-node "
-                     "any peer that reaches the xDS port can claim any node id and receive these secrets: %s",
-                     ", ".join(map(str, grants.of(Subject.NODE))))
+        _log.warning(
+            "node: grants trust the node id a proxy claims, and without --authorize-node "
+            "any peer that reaches the xDS port can claim any node id and receive these secrets: %s",
+            ", ".join(map(str, grants.of(Subject.NODE))),
+        )
     snapshot = cache.snapshot()
     secrets = snapshot.get(SECRET.url) if snapshot is not None else None
     ungranted = grants.ungranted(secrets.resources) if secrets is not None else []
     if ungranted:
-        _log.warning("no grant (--grant-secret, --grants-file) covers these secrets: no proxy will receive them: %s",
-                     ", ".join(ungranted))
+        _log.warning(
+            "no grant (--grant-secret, --grants-file) covers these secrets: no proxy will receive them: %s",
+            ", ".join(ungranted),
+        )
 
 
 # -- the election -------------------------------------------------------------------------------------
@@ -329,8 +376,16 @@ class ElectionDuties:
 
     name = "election"
 
-    def __init__(self, settings: EtcdSettings, events: EventLog, leadership: Leadership, *,
-                 identity: Callable[[], str], guard: LeaseGuard | None, writer: BackendIndexWriter) -> None:
+    def __init__(
+        self,
+        settings: EtcdSettings,
+        events: EventLog,
+        leadership: Leadership,
+        *,
+        identity: Callable[[], str],
+        guard: LeaseGuard | None,
+        writer: BackendIndexWriter,
+    ) -> None:
         assert settings.address is not None
         self._settings = settings
         self._events = events
@@ -353,9 +408,15 @@ class ElectionDuties:
         settings = self._settings
         assert settings.address is not None
         ttl = settings.election_ttl
-        election = Election(EtcdClient(settings.address, timeout=ttl / 3), settings.prefix.rstrip("/") + ".leader",
-                            f"{socket.gethostname()}:{os.getpid()} ({self._identity()})", ttl=ttl,
-                            on_event=self._events.emit, on_change=self._changed, leadership=self._leadership)
+        election = Election(
+            EtcdClient(settings.address, timeout=ttl / 3),
+            settings.prefix.rstrip("/") + ".leader",
+            f"{socket.gethostname()}:{os.getpid()} ({self._identity()})",
+            ttl=ttl,
+            on_event=self._events.emit,
+            on_change=self._changed,
+            leadership=self._leadership,
+        )
 
         async def campaign() -> None:
             try:
@@ -423,8 +484,14 @@ class HeapTidier:
         await self._task.stop()
 
 
-async def tidy_heap_when_idle(idle: Callable[[], bool], *, every: float = 1.0, young_limit: int = 20_000,
-                              full_every: float = 3600.0, busy_after: float = 0.02) -> None:
+async def tidy_heap_when_idle(
+    idle: Callable[[], bool],
+    *,
+    every: float = 1.0,
+    young_limit: int = 20_000,
+    full_every: float = 3600.0,
+    busy_after: float = 0.02,
+) -> None:
     """Keep cyclic GC pauses off the path of a change.
 
     A GC pass costs time in proportion to the objects it looks at, and thousands of streams are
@@ -466,8 +533,14 @@ def raise_descriptor_limit() -> int:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as exc:
-            _log.warning("could not raise the open-file limit from %d to %d (%s): at most about %d proxies "
-                         "can connect; raise it with `ulimit -n` or LimitNOFILE=", soft, target, exc, soft)
+            _log.warning(
+                "could not raise the open-file limit from %d to %d (%s): at most about %d proxies "
+                "can connect; raise it with `ulimit -n` or LimitNOFILE=",
+                soft,
+                target,
+                exc,
+                soft,
+            )
             return soft
         _log.info("open-file limit (RLIMIT_NOFILE) raised from %d to %d", soft, target)
         return target

@@ -114,38 +114,68 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     if settings.etcd.address is not None:  # indices shared by every replica, in etcd (no state file)
         client = EtcdClient(settings.etcd.address)
         keys = SubsetKeys(settings.etcd.prefix)
-        proxy_indices = EtcdProxyIndices(client, keys, grace=settings.subsets.grace,
-                                         keepalive=settings.etcd.keepalive)
-        writer = BackendIndexWriter(client, keys, leading=lambda: leadership.leader,
-                                    default_size=settings.subsets.size)
+        proxy_indices = EtcdProxyIndices(client, keys, grace=settings.subsets.grace, keepalive=settings.etcd.keepalive)
+        writer = BackendIndexWriter(client, keys, leading=lambda: leadership.leader, default_size=settings.subsets.size)
     else:
         proxy_indices = ProxyIndices(kept.proxies, grace=settings.subsets.grace)
     cache = SnapshotCache(subset_of=proxy_indices.index)
     hint = ConfirmHint()
-    expected = [name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd.address))
-                if configured]
+    expected = [
+        name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd.address)) if configured
+    ]
     reconciler = Reconciler(
-        cache, settings=settings.debounce, events=events, expect=expected, guard=settings.guard,
-        confirm_hint=hint.text, status=status,
-        build=BuildOptions(groups=groups.views(), rules=settings.validate_rules, labels=source_labels(settings),
-                           rest_refresh=settings.rest.refresh),
-        subsets=SubsetOptions(size=settings.subsets.size, tables=kept.backends, shared=on_etcd,
-                              ready_after={SUBSETS_READY: "etcd"} if on_etcd else None,
-                              on_merged=None if writer is None else writer.merged))
+        cache,
+        settings=settings.debounce,
+        events=events,
+        expect=expected,
+        guard=settings.guard,
+        confirm_hint=hint.text,
+        status=status,
+        build=BuildOptions(
+            groups=groups.views(),
+            rules=settings.validate_rules,
+            labels=source_labels(settings),
+            rest_refresh=settings.rest.refresh,
+        ),
+        subsets=SubsetOptions(
+            size=settings.subsets.size,
+            tables=kept.backends,
+            shared=on_etcd,
+            ready_after={SUBSETS_READY: "etcd"} if on_etcd else None,
+            on_merged=None if writer is None else writer.merged,
+        ),
+    )
 
     # A bad tokens or grants file is an error before anything listens (there is no last good one yet).
     registry_tokens = None if settings.registry.tokens is None else TokenFile(settings.registry.tokens, events=events)
-    grants_file = None if settings.policy.grants_file is None else GrantsFile(
-        settings.policy.grants_file, events=events, mtls=settings.tls.client_ca is not None)
+    grants_file = (
+        None
+        if settings.policy.grants_file is None
+        else GrantsFile(settings.policy.grants_file, events=events, mtls=settings.tls.client_ca is not None)
+    )
     admin_tokens = None if settings.admin.tokens is None else AdminTokenFile(settings.admin.tokens, events=events)
-    etcd = None if settings.etcd.address is None else EtcdSource(
-        settings.etcd.address, settings.etcd.prefix, on_event=events.emit,
-        on_state=lambda state: reconciler.update("etcd", state), keepalive=settings.etcd.keepalive)
+    etcd = (
+        None
+        if settings.etcd.address is None
+        else EtcdSource(
+            settings.etcd.address,
+            settings.etcd.prefix,
+            on_event=events.emit,
+            on_state=lambda state: reconciler.update("etcd", state),
+            keepalive=settings.etcd.keepalive,
+        )
+    )
 
     authorize = NodeAuthorizer(settings.policy.authorize_nodes).refusal if settings.policy.authorize_nodes else None
     grants = secret_grants(settings, () if grants_file is None else grants_file.value)
-    policy = XdsPolicy(events=events, status=status, authorize=authorize, grants=GrantsInForce(grants),
-                       limits=settings.xds.limits, proxy_indices=proxy_indices)  # gRPC and REST xDS share it
+    policy = XdsPolicy(
+        events=events,
+        status=status,
+        authorize=authorize,
+        grants=GrantsInForce(grants),
+        limits=settings.xds.limits,
+        proxy_indices=proxy_indices,
+    )  # gRPC and REST xDS share it
     xds = XdsServer(cache, policy, group_of=groups.group_of)
     tls = settings.tls
 
@@ -157,12 +187,27 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     xds_listener = XdsListener(xds, settings.xds, tls=xds_tls, events=events)
     listening: list[Component | None] = [xds_tls, xds_listener]
 
-    store = None if etcd is None or settings.registry.address is None else EtcdRegistry(
-        etcd, reconciler, limits=settings.registry.limits, election=leadership, events=events,
-        self_preservation=lambda: settings.registry.self_preservation,
-        lease_slack=settings.etcd.election_ttl * 4 / 3 + 2 * settings.registry.self_preservation.recheck)
-    registry = _registry(settings.registry, reconciler, events, store=store, tokens=registry_tokens,
-                         tls=tls_reload("registry", tls.registry_client_ca, ("http/1.1",)))
+    store = (
+        None
+        if etcd is None or settings.registry.address is None
+        else EtcdRegistry(
+            etcd,
+            reconciler,
+            limits=settings.registry.limits,
+            election=leadership,
+            events=events,
+            self_preservation=lambda: settings.registry.self_preservation,
+            lease_slack=settings.etcd.election_ttl * 4 / 3 + 2 * settings.registry.self_preservation.recheck,
+        )
+    )
+    registry = _registry(
+        settings.registry,
+        reconciler,
+        events,
+        store=store,
+        tokens=registry_tokens,
+        tls=tls_reload("registry", tls.registry_client_ca, ("http/1.1",)),
+    )
     listening += registry.components
 
     rest: RestXds | None = None
@@ -173,6 +218,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         listening += rest_listener.components
 
     if grants_file is not None:
+
         def regrant(granted: tuple[SecretGrant, ...]) -> None:
             new = secret_grants(settings, granted)
             warn_about_grants(settings, new, cache)
@@ -181,18 +227,30 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         followed = grants_file
         listening.append(Task("grants-file", lambda: followed.follow(on_change=regrant)))
 
-
     admin = None
     if settings.admin.address is not None:
         admin_api = AdminApi(
-            status, cache, reconciler, waiting=_waiting(settings, reconciler, etcd), recent=recent,
+            status,
+            cache,
+            reconciler,
+            waiting=_waiting(settings, reconciler, etcd),
+            recent=recent,
             etcd=None if etcd is None else store.status if store is not None else etcd.status,
-            subset_of=proxy_indices.index, tokens=admin_tokens, events=events,
-            metrics=Metrics(status, reconciler, cache=cache, open_streams=lambda: xds.open_streams,
-                            subset_of=proxy_indices.index))
-        admin = _admin(settings.admin, admin_api, hint, tokens=admin_tokens,
-                       tls=tls_reload("admin", tls.admin_client_ca, ("http/1.1",)),
-                       mtls=tls.admin_client_ca is not None)
+            subset_of=proxy_indices.index,
+            tokens=admin_tokens,
+            events=events,
+            metrics=Metrics(
+                status, reconciler, cache=cache, open_streams=lambda: xds.open_streams, subset_of=proxy_indices.index
+            ),
+        )
+        admin = _admin(
+            settings.admin,
+            admin_api,
+            hint,
+            tokens=admin_tokens,
+            tls=tls_reload("admin", tls.admin_client_ca, ("http/1.1",)),
+            mtls=tls.admin_client_ca is not None,
+        )
         listening += admin.components
 
     if etcd is not None:
@@ -200,11 +258,19 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         indices, backends = proxy_indices, writer
         subsets += [
             Task("etcd-source", etcd.run),
-            ElectionDuties(settings.etcd, events, leadership, identity=lambda: f"xds {xds_listener.address}",
-                           guard=None if store is None else store.guard, writer=backends),
+            ElectionDuties(
+                settings.etcd,
+                events,
+                leadership,
+                identity=lambda: f"xds {xds_listener.address}",
+                guard=None if store is None else store.guard,
+                writer=backends,
+            ),
             Step("subset-client", stop=client.close),  # (stopped after the tasks that use it)
-            Task("subset-indices", lambda: indices.run(reconciler, on_moved=xds.refresh_endpoints,
-                                                       on_listed=backends.poke)),
+            Task(
+                "subset-indices",
+                lambda: indices.run(reconciler, on_moved=xds.refresh_endpoints, on_listed=backends.poke),
+            ),
             Task("subset-grace", lambda: _expire_forever(indices)),
             Task("subset-backends", lambda: backends.run(indices)),
         ]
@@ -218,18 +284,35 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         # The first snapshot, before any proxy can connect (if every source is in).
         Step("first-build", start=reconciler.build_now),
         Step("grant-warnings", start=lambda: warn_about_grants(settings, grants, cache)),
-        Step("addresses", start=lambda: check_addresses([  # every address in use named at once, before any listens
-            (XDS, settings.xds.address), (REGISTRY_API, settings.registry.address),
-            (REST_XDS, settings.rest.address), (ADMIN_API, settings.admin.address)])),
+        Step(
+            "addresses",
+            start=lambda: check_addresses(
+                [  # every address in use named at once, before any listens
+                    (XDS, settings.xds.address),
+                    (REGISTRY_API, settings.registry.address),
+                    (REST_XDS, settings.rest.address),
+                    (ADMIN_API, settings.admin.address),
+                ]
+            ),
+        ),
         *listening,
-        Announcement(settings, events, xds_listener, registry=registry.listener,
-                     rest=None if rest_listener is None else rest_listener.listener,
-                     admin=None if admin is None else admin.listener),
+        Announcement(
+            settings,
+            events,
+            xds_listener,
+            registry=registry.listener,
+            rest=None if rest_listener is None else rest_listener.listener,
+            admin=None if admin is None else admin.listener,
+        ),
         *subsets,
         Task("reconciler", reconciler.run),
         HeapTidier(lambda: reconciler.idle),
-        Task("waiting", lambda: say_what_we_wait_for(reconciler, _waiting(settings, reconciler, etcd), events,
-                                                     every=settings.waiting_log_every)),
+        Task(
+            "waiting",
+            lambda: say_what_we_wait_for(
+                reconciler, _waiting(settings, reconciler, etcd), events, every=settings.waiting_log_every
+            ),
+        ),
         signals,
     ]
     return _Process([c for c in components if c is not None], xds_listener, signals)
@@ -244,38 +327,64 @@ class _Part:
     components: list[Component | None]
 
 
-def _registry(settings: RegistrySettings, reconciler: Reconciler, events: EventLog, *, store: EtcdRegistry | None,
-              tokens: TokenFile | None, tls: TlsReload | None) -> _Part:
+def _registry(
+    settings: RegistrySettings,
+    reconciler: Reconciler,
+    events: EventLog,
+    *,
+    store: EtcdRegistry | None,
+    tokens: TokenFile | None,
+    tls: TlsReload | None,
+) -> _Part:
     """The registry API (in memory, or on etcd's ``store``), with its TTL expiry and tokens file."""
     address = settings.address
     if address is None:
         return _Part(None, [])
     registry = Registry(clock=time.monotonic, self_preservation=settings.self_preservation, limits=settings.limits)
     if store is None:
-        _log.warning("the registry keeps registrations in this process's memory: a restart forgets them, "
-                     "and other replicas never see them. With --etcd they live in etcd")
+        _log.warning(
+            "the registry keeps registrations in this process's memory: a restart forgets them, "
+            "and other replicas never see them. With --etcd they live in etcd"
+        )
     api = RegistryApi(registry, reconciler, events=events, max_body=settings.max_body, tokens=tokens, store=store)
     if tokens is None:
         warn_if_open(split_address(address)[0])
-    listener = HttpListener("registry", lambda context: serve_app(
-        api.app(), address, tls=context, listener=REGISTRY_API, limits=settings.connections), tls=tls)
-    return _Part(listener, [tls, listener,
-                            # (on etcd, leases end in etcd; self-preservation runs on the elected replica)
-                            Task("registry-expiry", api.expire_forever) if store is None else None,
-                            None if tokens is None else Task("registry-tokens", tokens.follow)])
+    listener = HttpListener(
+        "registry",
+        lambda context: serve_app(api.app(), address, tls=context, listener=REGISTRY_API, limits=settings.connections),
+        tls=tls,
+    )
+    return _Part(
+        listener,
+        [
+            tls,
+            listener,
+            # (on etcd, leases end in etcd; self-preservation runs on the elected replica)
+            Task("registry-expiry", api.expire_forever) if store is None else None,
+            None if tokens is None else Task("registry-tokens", tokens.follow),
+        ],
+    )
 
 
 def _rest(settings: RestSettings, rest: RestXds, *, tls: TlsReload | None) -> _Part:
     """REST xDS on its address."""
     address = settings.address
     assert address is not None
-    listener = HttpListener("rest", lambda context: start_rest_server(rest, address, tls=context,
-                                                                      limits=settings.connections), tls=tls)
+    listener = HttpListener(
+        "rest", lambda context: start_rest_server(rest, address, tls=context, limits=settings.connections), tls=tls
+    )
     return _Part(listener, [tls, listener])
 
 
-def _admin(settings: AdminSettings, api: AdminApi, hint: ConfirmHint, *, tokens: AdminTokenFile | None,
-           tls: TlsReload | None, mtls: bool) -> _Part:
+def _admin(
+    settings: AdminSettings,
+    api: AdminApi,
+    hint: ConfirmHint,
+    *,
+    tokens: AdminTokenFile | None,
+    tls: TlsReload | None,
+    mtls: bool,
+) -> _Part:
     """The admin API on its address (it tells ``hint`` where it listens), with its tokens file."""
     address = settings.address
     assert address is not None
@@ -292,8 +401,10 @@ def _admin(settings: AdminSettings, api: AdminApi, hint: ConfirmHint, *, tokens:
 def _waiting(settings: ServeSettings, reconciler: Reconciler, etcd: EtcdSource | None) -> Callable[[], list[str]]:
     """Why each source the reconciler waits for has not reported yet."""
     at = settings.etcd.address
-    reasons = {"etcd": lambda: f"etcd at {at}: {etcd.problem if etcd and etcd.problem else 'listing'}",
-               SUBSETS_READY: lambda: f"the subsetting indices in etcd at {at}: listing"}
+    reasons = {
+        "etcd": lambda: f"etcd at {at}: {etcd.problem if etcd and etcd.problem else 'listing'}",
+        SUBSETS_READY: lambda: f"the subsetting indices in etcd at {at}: listing",
+    }
 
     def waiting() -> list[str]:
         return [reasons[name]() if name in reasons else name for name in reconciler.waiting_for()]

@@ -160,10 +160,16 @@ class TlsSettings:
         problems = []
         if (self.cert is None) != (self.key is None):
             problems.append(Problem("--tls-cert", "give both --tls-cert FILE and --tls-key FILE, or neither"))
-        elif self.cert is None and any(ca is not None for ca in (self.client_ca, self.registry_client_ca,
-                                                                 self.admin_client_ca)):
-            problems.append(Problem("--client-ca", "--client-ca, --registry-client-ca and --admin-client-ca need "
-                                                   "TLS: give --tls-cert and --tls-key too"))
+        elif self.cert is None and any(
+            ca is not None for ca in (self.client_ca, self.registry_client_ca, self.admin_client_ca)
+        ):
+            problems.append(
+                Problem(
+                    "--client-ca",
+                    "--client-ca, --registry-client-ca and --admin-client-ca need "
+                    "TLS: give --tls-cert and --tls-key too",
+                )
+            )
         return problems
 
 
@@ -245,17 +251,30 @@ class ServeSettings:
         """Every way the parts contradict each other (empty: none), each naming its flag."""
         problems = []
         if self.snapshot is None and self.registry.address is None and self.etcd.address is None:
-            problems.append(Problem("--snapshot", "give at least one source: --snapshot FILE, --registry HOST:PORT "
-                                                  "or --etcd HOST:PORT"))
+            problems.append(
+                Problem(
+                    "--snapshot", "give at least one source: --snapshot FILE, --registry HOST:PORT or --etcd HOST:PORT"
+                )
+            )
         problems += self.tls.problems()
         if self.policy.authorize_nodes and self.tls.client_ca is None:
-            problems.append(Problem("--authorize-node", "--authorize-node binds certificate identities to node ids: "
-                                                        "it needs mTLS, give --client-ca FILE (and --tls-cert, "
-                                                        "--tls-key) too"))
+            problems.append(
+                Problem(
+                    "--authorize-node",
+                    "--authorize-node binds certificate identities to node ids: "
+                    "it needs mTLS, give --client-ca FILE (and --tls-cert, "
+                    "--tls-key) too",
+                )
+            )
         if self.tls.client_ca is None and any(g.subject is Subject.IDENTITY for g in self.policy.secret_grants):
-            problems.append(Problem("--grant-secret", "--grant-secret ...=identity: names certificate identities: "
-                                                      "it needs mTLS, give --client-ca FILE (and --tls-cert, "
-                                                      "--tls-key) too"))
+            problems.append(
+                Problem(
+                    "--grant-secret",
+                    "--grant-secret ...=identity: names certificate identities: "
+                    "it needs mTLS, give --client-ca FILE (and --tls-cert, "
+                    "--tls-key) too",
+                )
+            )
         return problems
 
     def validate(self) -> None:

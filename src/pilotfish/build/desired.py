@@ -59,8 +59,16 @@ from pilotfish.snapshot import Resource, Snapshot, SubsetPlan, SubsetService, Ty
 G = TypeVar("G", bound=Hashable)
 """A node group's key."""
 
-__all__ = ["DesiredState", "MergeMemo", "Merged", "View", "build_snapshot", "build_snapshots", "merge_states",
-           "subset_tables"]
+__all__ = [
+    "DesiredState",
+    "MergeMemo",
+    "Merged",
+    "View",
+    "build_snapshot",
+    "build_snapshots",
+    "merge_states",
+    "subset_tables",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,8 +114,12 @@ class DesiredState:
 
     @classmethod
     def of_document(cls, document: ParsedDocument) -> DesiredState:
-        return cls(services=dict(document.services), endpoints=dict(document.endpoints),
-                   resources=dict(document.resources), version=document.version)
+        return cls(
+            services=dict(document.services),
+            endpoints=dict(document.endpoints),
+            resources=dict(document.resources),
+            version=document.version,
+        )
 
     def is_empty(self) -> bool:
         return not self.services and not any(self.endpoints.values()) and not any(self.resources.values())
@@ -156,8 +168,9 @@ class MergeMemo:
             old, state = before.get(source, _NO_STATE), states.get(source, _NO_STATE)
             if old is state:
                 continue
-            resources_changed = resources_changed or (old.resources is not state.resources
-                                                      and old.resources != state.resources)
+            resources_changed = resources_changed or (
+                old.resources is not state.resources and old.resources != state.resources
+            )
             _changed_keys(old.services, state.services, names)
             _changed_keys(old.endpoints, state.endpoints, names)
         services, endpoints = dict(last.services), dict(last.endpoints)
@@ -180,16 +193,23 @@ class MergeMemo:
                 continue
             if spec is None:  # endpoints of a service nobody defined (see merge_states)
                 previous = last.services.get(name)
-                spec = previous if previous is not None and previous == ServiceSpec(name=name) else ServiceSpec(
-                    name=name)
+                spec = (
+                    previous if previous is not None and previous == ServiceSpec(name=name) else ServiceSpec(name=name)
+                )
             services[name] = spec
             if parts:
                 endpoints[name] = _normalized(parts)
             else:
                 endpoints.pop(name, None)
         resources = _merged_resources(ordered) if resources_changed else last.resources
-        return Merged(services=services, endpoints=endpoints, resources=resources, version=_version(states),
-                      problems=(), patch=ServicesPatch(last.services, last.endpoints, frozenset(names)))
+        return Merged(
+            services=services,
+            endpoints=endpoints,
+            resources=resources,
+            version=_version(states),
+            problems=(),
+            patch=ServicesPatch(last.services, last.endpoints, frozenset(names)),
+        )
 
     def keep(self, states: Mapping[str, DesiredState], merged: Merged) -> None:
         self._states, self._merged = dict(states), merged
@@ -252,8 +272,11 @@ def _merge_all(states: Mapping[str, DesiredState]) -> Merged:
         state = states[source]
         for name, spec in state.services.items():
             if name in services and services[name] != spec:
-                problems.append(Problem(f"services.{name}",
-                                        f"defined by both {defined_by[name]} and {source}; define it in one place"))
+                problems.append(
+                    Problem(
+                        f"services.{name}", f"defined by both {defined_by[name]} and {source}; define it in one place"
+                    )
+                )
                 continue
             services[name] = spec
             defined_by[name] = source
@@ -287,7 +310,12 @@ def _is_api_listener(listener: Message) -> bool:
 
 
 def build_snapshot(
-    merged: Merged, source: str, *, memo: ResourceMemo | None = None, rules: bool = True, view: View | None = None,
+    merged: Merged,
+    source: str,
+    *,
+    memo: ResourceMemo | None = None,
+    rules: bool = True,
+    view: View | None = None,
     rest_refresh: float = DEFAULT_REST_REFRESH,
 ) -> Snapshot:
     """Build the snapshot of merged desired state; raise :class:`ConfigError` naming every problem.
@@ -298,12 +326,12 @@ def build_snapshot(
     ``view``: what the clients are served (default: Envoys). ``rest_refresh``: see :func:`build_snapshots`.
     """
     chosen = view or View()
-    return build_snapshots(merged, source, {chosen: chosen}, memo=memo, rules=rules,
-                           rest_refresh=rest_refresh)[chosen]
+    return build_snapshots(merged, source, {chosen: chosen}, memo=memo, rules=rules, rest_refresh=rest_refresh)[chosen]
 
 
-def subset_tables(merged: Merged, tables: Mapping[str, IndexTable], *,
-                  default_size: int | None = None, allocate: bool = True) -> dict[str, IndexTable]:
+def subset_tables(
+    merged: Merged, tables: Mapping[str, IndexTable], *, default_size: int | None = None, allocate: bool = True
+) -> dict[str, IndexTable]:
     """The backend index table of every service that is subsetted (its ``subset_size``, else
     ``default_size``), updated from ``tables`` (the previous build's) for the endpoints it has now.
     A pure function: every replica with the same previous tables computes the same ones.
@@ -313,16 +341,18 @@ def subset_tables(merged: Merged, tables: Mapping[str, IndexTable], *,
     for name, spec in merged.services.items():
         if (spec.subset_size or default_size) is not None:
             previous = tables.get(name, _NO_INDICES)
-            out[name] = previous.update(present=(e.address for e in merged.endpoints.get(name, ()))) if allocate \
-                else previous
+            out[name] = (
+                previous.update(present=(e.address for e in merged.endpoints.get(name, ()))) if allocate else previous
+            )
     return out
 
 
 _NO_INDICES = IndexTable()
 
 
-def _subset_plan(merged: Merged, view: View, tables: Mapping[str, IndexTable],
-                 default_size: int | None) -> SubsetPlan | None:
+def _subset_plan(
+    merged: Merged, view: View, tables: Mapping[str, IndexTable], default_size: int | None
+) -> SubsetPlan | None:
     services: dict[str, SubsetService] = {}
     digest = hashlib.sha256()
     for name in sorted(tables):
@@ -365,9 +395,15 @@ def _ring_subset(ring: Ring, k: int, proxy: int) -> tuple[int, ...]:
 
 
 def build_snapshots(
-    merged: Merged, source: str, groups: Mapping[G, View], *, memo: ResourceMemo | None = None,
-    rules: bool = True, rest_refresh: float = DEFAULT_REST_REFRESH,
-    subsets: Mapping[str, IndexTable] | None = None, subset_size: int | None = None,
+    merged: Merged,
+    source: str,
+    groups: Mapping[G, View],
+    *,
+    memo: ResourceMemo | None = None,
+    rules: bool = True,
+    rest_refresh: float = DEFAULT_REST_REFRESH,
+    subsets: Mapping[str, IndexTable] | None = None,
+    subset_size: int | None = None,
 ) -> dict[G, Snapshot]:
     """The snapshot of each group (by its :class:`View`), all from ``merged`` in one pass; raise
     :class:`ConfigError` naming every problem. Groups with equal views share one snapshot.
@@ -386,8 +422,14 @@ def build_snapshots(
     views = list(dict.fromkeys(groups.values())) or [View()]
     memo = memo or ResourceMemo()
     rest_source = _rest_source(rest_refresh) if any(v.kind is ClientKind.REST for v in views) else None
-    built = encode_for_views(merged.services, merged.endpoints, memo, views=[(v.kind, v.zone) for v in views],
-                             rest_source=rest_source, patch=merged.patch)
+    built = encode_for_views(
+        merged.services,
+        merged.endpoints,
+        memo,
+        views=[(v.kind, v.zone) for v in views],
+        rest_source=rest_source,
+        patch=merged.patch,
+    )
     union: dict[ResourceType, list[Resource]] = {}
     for rtype in TYPES:
         # Views share lists (and resources in them): each distinct one is checked once.
@@ -402,12 +444,14 @@ def build_snapshots(
     problems.extend(_name_clashes(raw, {kind: by_type for (kind, _), by_type in built.items()}))
     problems.extend(_api_listener_clashes(merged))
     problems.extend(_address_clashes(merged))
-    problems.extend(check_references(
-        merged.resources,
-        more_endpoints=(r.name for r in union[ENDPOINT]),
-        more_routes=(r.name for r in union[ROUTE]),
-        more_clusters=(r.name for r in union[CLUSTER]),
-    ))
+    problems.extend(
+        check_references(
+            merged.resources,
+            more_endpoints=(r.name for r in union[ENDPOINT]),
+            more_routes=(r.name for r in union[ROUTE]),
+            more_clusters=(r.name for r in union[CLUSTER]),
+        )
+    )
     if rules:
         problems.extend(check_rules(raw, union))
     if problems:
@@ -426,16 +470,25 @@ def build_snapshots(
                 # (by identity: one endpoint changed leaves the clusters' list as it was).
                 served = tuple(r.hash for r, m in raw.get(rtype, ()) if _serves(view.kind, rtype, m))
                 derived = (rtype, view.kind, view.zone)
-                last = memo.derived(derived, (by_type.get(rtype), served), functools.partial(
-                    _type_snapshot, raw, view, by_type, rtype)).types[rtype.url]
+                last = memo.derived(
+                    derived, (by_type.get(rtype), served), functools.partial(_type_snapshot, raw, view, by_type, rtype)
+                ).types[rtype.url]
                 # At the same version too, the very TypeSnapshot of the last build: the cache
                 # then knows that nothing waiting on this type has news (and keeps its responses).
-                shared[key] = memo.derived((*derived, "served"), (last, merged.version),
-                                           functools.partial(last.renewed, merged.version))
+                shared[key] = memo.derived(
+                    (*derived, "served"), (last, merged.version), functools.partial(last.renewed, merged.version)
+                )
             types[rtype.url] = shared[key]
-        snapshots[view] = Snapshot(MappingProxyType(types), explicit_version=merged.version, subsets=_subset_plan(
-            merged, view, subsets if subsets is not None else subset_tables(merged, {}, default_size=subset_size),
-            subset_size))
+        snapshots[view] = Snapshot(
+            MappingProxyType(types),
+            explicit_version=merged.version,
+            subsets=_subset_plan(
+                merged,
+                view,
+                subsets if subsets is not None else subset_tables(merged, {}, default_size=subset_size),
+                subset_size,
+            ),
+        )
     return {group: snapshots[view] for group, view in groups.items()}
 
 
@@ -456,7 +509,10 @@ _Raw = Mapping[ResourceType, list[tuple[Resource, Message]]]
 
 
 def _combined(
-    raw: _Raw, view: View, built: Mapping[ResourceType, list[Resource]], types: tuple[ResourceType, ...] = TYPES,
+    raw: _Raw,
+    view: View,
+    built: Mapping[ResourceType, list[Resource]],
+    types: tuple[ResourceType, ...] = TYPES,
 ) -> dict[ResourceType, tuple[Resource, ...]]:
     combined: dict[ResourceType, tuple[Resource, ...]] = {}
     for rtype in types:
@@ -466,8 +522,12 @@ def _combined(
     return combined
 
 
-def _type_snapshot(raw: _Raw, view: View, built: Mapping[ResourceType, list[Resource]], rtype: ResourceType,
-                   ) -> Snapshot:
+def _type_snapshot(
+    raw: _Raw,
+    view: View,
+    built: Mapping[ResourceType, list[Resource]],
+    rtype: ResourceType,
+) -> Snapshot:
     """A snapshot of ``rtype`` alone, as ``view`` is served it, versioned by content."""
     return Snapshot.build(_combined(raw, view, built, (rtype,)))
 
@@ -486,10 +546,13 @@ def _name_clashes(raw: _Raw, built: Mapping[ClientKind, Mapping[ResourceType, li
                 continue
             for resource in by_type.get(rtype, []):
                 if resource.name in raw_names:
-                    problems.append(Problem(
-                        f"services.{resource.name}",
-                        f"its {rtype.key[:-1]} {resource.name!r} clashes with "
-                        f"{rtype.key}[{raw_names[resource.name]}]; rename the service or the resource"))
+                    problems.append(
+                        Problem(
+                            f"services.{resource.name}",
+                            f"its {rtype.key[:-1]} {resource.name!r} clashes with "
+                            f"{rtype.key}[{raw_names[resource.name]}]; rename the service or the resource",
+                        )
+                    )
     return problems
 
 
@@ -499,8 +562,13 @@ def _api_listener_clashes(merged: Merged) -> list[Problem]:
     owners: dict[str, str] = {}
     for name, target in sorted((name, spec.grpc) for name, spec in merged.services.items() if spec.grpc is not None):
         if target in owners:
-            problems.append(Problem(f"services.{name}.grpc", f"gRPC clients of services.{owners[target]} resolve "
-                                                             f"xds:///{target} already; give each its own name"))
+            problems.append(
+                Problem(
+                    f"services.{name}.grpc",
+                    f"gRPC clients of services.{owners[target]} resolve "
+                    f"xds:///{target} already; give each its own name",
+                )
+            )
         else:
             owners[target] = name
     return problems
@@ -514,12 +582,17 @@ def _address_clashes(merged: Merged) -> list[Problem]:
         address = _listen_address(listener)
         if address:
             owners.setdefault(address, f"listeners[{index}] (name {listener.name!r})")  # type: ignore[attr-defined]
-    for name, (host, port) in sorted((name, spec.listen) for name, spec in merged.services.items()
-                                     if spec.listen is not None):
+    for name, (host, port) in sorted(
+        (name, spec.listen) for name, spec in merged.services.items() if spec.listen is not None
+    ):
         address = f"{host}:{port}"
         if address in owners:
-            problems.append(Problem(f"services.{name}.listen",
-                                    f"{address} is already used by {owners[address]}; give each its own address"))
+            problems.append(
+                Problem(
+                    f"services.{name}.listen",
+                    f"{address} is already used by {owners[address]}; give each its own address",
+                )
+            )
         else:
             owners[address] = f"services.{name}"
     return problems

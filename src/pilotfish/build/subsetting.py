@@ -171,12 +171,17 @@ class IndexTable:
         two keys.
         """
         if not isinstance(data, dict):
-            raise ConfigError(source, [Problem("", f"expected an object with 'version' and 'indices', got "
-                                                   f"{type(data).__name__}")])
+            raise ConfigError(
+                source, [Problem("", f"expected an object with 'version' and 'indices', got {type(data).__name__}")]
+            )
         problems: list[Problem] = []
         if data.get("version") != _FORMAT:
-            problems.append(Problem("version", f"expected {_FORMAT}, got {data.get('version')!r}; was this "
-                                               "written by a newer pilotfish?"))
+            problems.append(
+                Problem(
+                    "version",
+                    f"expected {_FORMAT}, got {data.get('version')!r}; was this written by a newer pilotfish?",
+                )
+            )
         unknown = sorted(str(key) for key in data if key not in ("version", "indices"))
         if unknown:
             problems.append(Problem(", ".join(unknown[:_MAX_REPORTED]), "unknown field(s)"))
@@ -189,8 +194,13 @@ class IndexTable:
             if len(problems) > _MAX_REPORTED:
                 more = len(problems) - _MAX_REPORTED
                 problems = [*problems[:_MAX_REPORTED], Problem("", f"... and {more} more problem(s)")]
-            raise ConfigError(source, [*problems, Problem("", "fix or remove it: pilotfish then assigns "
-                                                              "indices afresh (subsets re-balance once)")])
+            raise ConfigError(
+                source,
+                [
+                    *problems,
+                    Problem("", "fix or remove it: pilotfish then assigns indices afresh (subsets re-balance once)"),
+                ],
+            )
         assert isinstance(indices, dict)
         return cls(MappingProxyType({key: Index(value) for key, value in indices.items()}))
 
@@ -296,8 +306,14 @@ class ProxyIndices:
 
     __slots__ = ("_free", "_indices", "_next", "_presence", "changes", "limit")
 
-    def __init__(self, table: IndexTable | None = None, *, grace: float = 300.0, limit: int = 200_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        table: IndexTable | None = None,
+        *,
+        grace: float = 300.0,
+        limit: int = 200_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.limit = limit
         self._indices: dict[str, Index] = dict(table.indices) if table is not None else {}
         self._presence = Presence(grace=grace, clock=clock)
@@ -400,7 +416,7 @@ class Ring:
         end = start + min(k, n)
         if end <= n:
             return self._order[start:end]
-        return self._order[start:] + self._order[:end - n]
+        return self._order[start:] + self._order[: end - n]
 
 
 def subset(*, proxy: int, backends: Iterable[int], k: int) -> tuple[Index, ...]:
@@ -442,8 +458,11 @@ class ZoneRings:
             by_zone.setdefault(zone, []).append(backend)
         self._zones = {zone: Ring(members) for zone, members in by_zone.items()}
         # Only zones smaller than k ever read their "rest" ring.
-        self._rest = {zone: Ring(b for b, z in backends.items() if z != zone)
-                      for zone, members in by_zone.items() if len(members) < k}
+        self._rest = {
+            zone: Ring(b for b, z in backends.items() if z != zone)
+            for zone, members in by_zone.items()
+            if len(members) < k
+        }
 
     def subset(self, proxy: int, *, zone: str | None) -> tuple[Index, ...]:
         """The backends of proxy ``proxy`` in ``zone``: its zone's first, in ring order."""
@@ -471,7 +490,7 @@ def balance_limit(n: int, k: int) -> float:
     positions = [pos(i) for i in order]
     gaps = [((positions[j] - positions[j - 1]) % INDEX_LIMIT or INDEX_LIMIT) // unit for j in range(n)]
     # Sliding sums of k consecutive gaps around the ring.
-    window = current = sum(gaps[n - k:])
+    window = current = sum(gaps[n - k :])
     for j in range(n):
         current += gaps[j] - gaps[j - k]
         window = max(window, current)

@@ -74,17 +74,71 @@ __all__ = [
 # -- which rules exist, and which we understand ---------------------------------------------------
 
 _NUMBER_RULES = frozenset({"const", "lt", "lte", "gt", "gte", "in", "not_in", "ignore_empty"})
-_NUMBER_KINDS = ("float", "double", "int32", "int64", "uint32", "uint64", "sint32", "sint64",
-                 "fixed32", "fixed64", "sfixed32", "sfixed64")
+_NUMBER_KINDS = (
+    "float",
+    "double",
+    "int32",
+    "int64",
+    "uint32",
+    "uint64",
+    "sint32",
+    "sint64",
+    "fixed32",
+    "fixed64",
+    "sfixed32",
+    "sfixed64",
+)
 _UNDERSTOOD: dict[str, frozenset[str]] = {
     **{kind: _NUMBER_RULES for kind in _NUMBER_KINDS},
     "bool": frozenset({"const"}),
-    "string": frozenset({"const", "len", "min_len", "max_len", "len_bytes", "min_bytes", "max_bytes", "pattern",
-                         "prefix", "suffix", "contains", "not_contains", "in", "not_in", "email", "hostname",
-                         "ip", "ipv4", "ipv6", "uri", "uri_ref", "address", "uuid", "well_known_regex",
-                         "strict", "ignore_empty"}),
-    "bytes": frozenset({"const", "len", "min_len", "max_len", "pattern", "prefix", "suffix", "contains", "in",
-                        "not_in", "ip", "ipv4", "ipv6", "ignore_empty"}),
+    "string": frozenset(
+        {
+            "const",
+            "len",
+            "min_len",
+            "max_len",
+            "len_bytes",
+            "min_bytes",
+            "max_bytes",
+            "pattern",
+            "prefix",
+            "suffix",
+            "contains",
+            "not_contains",
+            "in",
+            "not_in",
+            "email",
+            "hostname",
+            "ip",
+            "ipv4",
+            "ipv6",
+            "uri",
+            "uri_ref",
+            "address",
+            "uuid",
+            "well_known_regex",
+            "strict",
+            "ignore_empty",
+        }
+    ),
+    "bytes": frozenset(
+        {
+            "const",
+            "len",
+            "min_len",
+            "max_len",
+            "pattern",
+            "prefix",
+            "suffix",
+            "contains",
+            "in",
+            "not_in",
+            "ip",
+            "ipv4",
+            "ipv6",
+            "ignore_empty",
+        }
+    ),
     "enum": frozenset({"const", "defined_only", "in", "not_in"}),
     "message": frozenset({"skip", "required"}),
     "repeated": frozenset({"min_items", "max_items", "unique", "items", "ignore_empty"}),
@@ -238,7 +292,7 @@ def _is_hostname(value: str) -> bool:
 
 def _is_email(value: str) -> bool:
     if value.endswith(">") and "<" in value:  # "Name <addr>"
-        value = value[value.rindex("<") + 1:-1]
+        value = value[value.rindex("<") + 1 : -1]
     local, at, domain = value.rpartition("@")
     return bool(at and local and len(local.encode()) <= 64 and _is_hostname(domain))
 
@@ -346,24 +400,36 @@ class _Generations:
 # -- the checker ----------------------------------------------------------------------------------
 
 _WRAPPERS = {
-    "google.protobuf.DoubleValue": "double", "google.protobuf.FloatValue": "float",
-    "google.protobuf.Int64Value": "int64", "google.protobuf.UInt64Value": "uint64",
-    "google.protobuf.Int32Value": "int32", "google.protobuf.UInt32Value": "uint32",
-    "google.protobuf.BoolValue": "bool", "google.protobuf.StringValue": "string",
+    "google.protobuf.DoubleValue": "double",
+    "google.protobuf.FloatValue": "float",
+    "google.protobuf.Int64Value": "int64",
+    "google.protobuf.UInt64Value": "uint64",
+    "google.protobuf.Int32Value": "int32",
+    "google.protobuf.UInt32Value": "uint32",
+    "google.protobuf.BoolValue": "bool",
+    "google.protobuf.StringValue": "string",
     "google.protobuf.BytesValue": "bytes",
 }
 _DURATION = "google.protobuf.Duration"
 _TIMESTAMP = "google.protobuf.Timestamp"
 _ANY = "google.protobuf.Any"
 _SCALAR_KINDS = {
-    FieldDescriptor.TYPE_DOUBLE: "double", FieldDescriptor.TYPE_FLOAT: "float",
-    FieldDescriptor.TYPE_INT32: "int32", FieldDescriptor.TYPE_INT64: "int64",
-    FieldDescriptor.TYPE_UINT32: "uint32", FieldDescriptor.TYPE_UINT64: "uint64",
-    FieldDescriptor.TYPE_SINT32: "sint32", FieldDescriptor.TYPE_SINT64: "sint64",
-    FieldDescriptor.TYPE_FIXED32: "fixed32", FieldDescriptor.TYPE_FIXED64: "fixed64",
-    FieldDescriptor.TYPE_SFIXED32: "sfixed32", FieldDescriptor.TYPE_SFIXED64: "sfixed64",
-    FieldDescriptor.TYPE_BOOL: "bool", FieldDescriptor.TYPE_STRING: "string",
-    FieldDescriptor.TYPE_BYTES: "bytes", FieldDescriptor.TYPE_ENUM: "enum",
+    FieldDescriptor.TYPE_DOUBLE: "double",
+    FieldDescriptor.TYPE_FLOAT: "float",
+    FieldDescriptor.TYPE_INT32: "int32",
+    FieldDescriptor.TYPE_INT64: "int64",
+    FieldDescriptor.TYPE_UINT32: "uint32",
+    FieldDescriptor.TYPE_UINT64: "uint64",
+    FieldDescriptor.TYPE_SINT32: "sint32",
+    FieldDescriptor.TYPE_SINT64: "sint64",
+    FieldDescriptor.TYPE_FIXED32: "fixed32",
+    FieldDescriptor.TYPE_FIXED64: "fixed64",
+    FieldDescriptor.TYPE_SFIXED32: "sfixed32",
+    FieldDescriptor.TYPE_SFIXED64: "sfixed64",
+    FieldDescriptor.TYPE_BOOL: "bool",
+    FieldDescriptor.TYPE_STRING: "string",
+    FieldDescriptor.TYPE_BYTES: "bytes",
+    FieldDescriptor.TYPE_ENUM: "enum",
 }
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Metadata.typed_filter_metadata: Envoy keeps values of types it has no factory for opaque, so
@@ -372,6 +438,8 @@ _OPAQUE_ANY_FIELDS = frozenset({"envoy.config.core.v3.Metadata.typed_filter_meta
 
 _Raw = tuple[Any, Any, int, Any]
 """A violation while walking: (path parent, path segment, rule id, raw value)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Rule:
     name: str
@@ -410,8 +478,9 @@ def _value_kind(field: FieldDescriptor) -> str:
 
 
 def _is_map(field: FieldDescriptor) -> bool:
-    return (field.is_repeated and field.type == FieldDescriptor.TYPE_MESSAGE
-            and _message_type(field).GetOptions().map_entry)
+    return (
+        field.is_repeated and field.type == FieldDescriptor.TYPE_MESSAGE and _message_type(field).GetOptions().map_entry
+    )
 
 
 def _message_flags(desc: Descriptor) -> tuple[bool, bool]:
@@ -455,8 +524,9 @@ class RuleChecker:
         self._namespace[function](message, None, found)
         return tuple(self._violation(raw) for raw in found)
 
-    def check_resource(self, rtype: ResourceType, resource: EncodedResource,
-                       message: Message | None = None) -> tuple[Violation, ...]:
+    def check_resource(
+        self, rtype: ResourceType, resource: EncodedResource, message: Message | None = None
+    ) -> tuple[Violation, ...]:
         """:meth:`check_message` for a resource, remembered by its content hash.
 
         ``message`` is the decoded resource when the caller has it; otherwise the encoding is
@@ -471,8 +541,11 @@ class RuleChecker:
             memo.put(resource.hash, found)
         return found
 
-    def check_resources(self, rtype: ResourceType, resources: Iterable[EncodedResource],
-                        ) -> Iterator[tuple[EncodedResource, tuple[Violation, ...] | RuleNotUnderstood]]:
+    def check_resources(
+        self,
+        rtype: ResourceType,
+        resources: Iterable[EncodedResource],
+    ) -> Iterator[tuple[EncodedResource, tuple[Violation, ...] | RuleNotUnderstood]]:
         """:meth:`check_resource` for many: yields those that break a rule with their violations,
         and those it cannot check with why. What the last build checked costs a lookup each."""
         memo = self._memo(rtype)
@@ -539,8 +612,18 @@ class RuleChecker:
         if cls is None:
             if opaque:
                 return ()
-            return (("", self._rule_id("", "must hold a message type of the Envoy API (check its @type and "
-                                           "package) so that its rules can be checked", _text), type_url),)
+            return (
+                (
+                    "",
+                    self._rule_id(
+                        "",
+                        "must hold a message type of the Envoy API (check its @type and "
+                        "package) so that its rules can be checked",
+                        _text,
+                    ),
+                    type_url,
+                ),
+            )
         try:
             message = cls.FromString(value)
         except DecodeError:
@@ -601,8 +684,11 @@ class RuleChecker:
                 continue
             if target.full_name == _ANY:
                 has_work = True
-            elif (target.full_name not in _WRAPPERS and target.full_name not in (_DURATION, _TIMESTAMP)
-                  and (rules is None or not _skipped(rules, field))):
+            elif (
+                target.full_name not in _WRAPPERS
+                and target.full_name not in (_DURATION, _TIMESTAMP)
+                and (rules is None or not _skipped(rules, field))
+            ):
                 kids.append(target)
         return has_work, kids
 
@@ -627,9 +713,7 @@ class RuleChecker:
         while changed:
             changed = False
             for full_name, names in children.items():
-                if not needs[full_name] and any(
-                    needs.get(kid, self._functions.get(kid) is not None) for kid in names
-                ):
+                if not needs[full_name] and any(needs.get(kid, self._functions.get(kid) is not None) for kid in names):
                     needs[full_name] = True
                     changed = True
         # Names first (the functions call each other), then every source; only when all of them
@@ -683,15 +767,19 @@ def _skipped(rules: pgv.FieldRules, field: FieldDescriptor) -> bool:
 def _check_understood(rules: Message, field: FieldDescriptor, prefix: str = "") -> None:
     where = field.full_name
     if len(unknown_fields.UnknownFieldSet(rules)):
-        raise RuleNotUnderstood(f"{where}: validate rule {prefix or 'rules'} has fields this checker's "
-                                "validate.proto does not know (a newer protoc-gen-validate?)")
+        raise RuleNotUnderstood(
+            f"{where}: validate rule {prefix or 'rules'} has fields this checker's "
+            "validate.proto does not know (a newer protoc-gen-validate?)"
+        )
     for kind_field, kind_rules in rules.ListFields():
         kind = kind_field.name
         if kind not in _UNDERSTOOD:
             raise RuleNotUnderstood(f"{where}: validate rule kind {prefix}{kind} is not understood")
         if len(unknown_fields.UnknownFieldSet(kind_rules)):
-            raise RuleNotUnderstood(f"{where}: validate rule {prefix}{kind} has fields this checker's "
-                                    "validate.proto does not know (a newer protoc-gen-validate?)")
+            raise RuleNotUnderstood(
+                f"{where}: validate rule {prefix}{kind} has fields this checker's "
+                "validate.proto does not know (a newer protoc-gen-validate?)"
+            )
         for rule_field, value in kind_rules.ListFields():
             rule = rule_field.name
             if rule not in _UNDERSTOOD[kind]:
@@ -716,8 +804,16 @@ class _Writer:
     numbers written by us appear in the source.
     """
 
-    def __init__(self, checker: RuleChecker, desc: Descriptor, function: str, *, m: str = "m", p: str = "p",
-                 outer: _Writer | None = None) -> None:
+    def __init__(
+        self,
+        checker: RuleChecker,
+        desc: Descriptor,
+        function: str,
+        *,
+        m: str = "m",
+        p: str = "p",
+        outer: _Writer | None = None,
+    ) -> None:
         self.checker = checker
         self.desc = desc
         self.function = function
@@ -744,8 +840,16 @@ class _Writer:
     def fail(self, field: FieldDescriptor, what: str) -> RuleNotUnderstood:
         return RuleNotUnderstood(f"{self.desc.full_name}.{field.name}: {what}")
 
-    def bad(self, indent: int, parent: str, segment: str, rule: str, text: str,
-            show: Callable[[Any], str | None], value: str) -> None:
+    def bad(
+        self,
+        indent: int,
+        parent: str,
+        segment: str,
+        rule: str,
+        text: str,
+        show: Callable[[Any], str | None],
+        value: str,
+    ) -> None:
         rule_id = self.checker._rule_id(rule, text, show)
         self.emit(indent, f"out.append(({parent}, {segment}, {rule_id}, {value}))")
 
@@ -800,8 +904,15 @@ class _Writer:
         if required:
             self.emit(indent, f"{keyword_} {which} is None:")
             names = ", ".join(f.name for f in members)
-            self.bad(indent + 1, self.p, repr("." + oneof.name), "oneof.required",
-                     f"exactly one of {names} must be set", _absent, "None")
+            self.bad(
+                indent + 1,
+                self.p,
+                repr("." + oneof.name),
+                "oneof.required",
+                f"exactly one of {names} must be set",
+                _absent,
+                "None",
+            )
 
     def field(self, field: FieldDescriptor, indent: int) -> None:
         """A field outside any oneof."""
@@ -821,7 +932,8 @@ class _Writer:
             self.present(field, indent)
             return
         required = rules is not None and (
-            rules.message.required or rules.duration.required or rules.timestamp.required or rules.any.required)
+            rules.message.required or rules.duration.required or rules.timestamp.required or rules.any.required
+        )
         saved, self.lines = self.lines, []
         self.present(field, indent + 1)
         lines, self.lines = self.lines, saved
@@ -831,8 +943,11 @@ class _Writer:
         self.lines.extend(lines or ["    " * (indent + 1) + "pass"])
         if required:
             kind = _value_kind(field)
-            rule = f"{kind}.required" if kind in ("duration", "timestamp", "any") and getattr(
-                rules, kind).required else "message.required"
+            rule = (
+                f"{kind}.required"
+                if kind in ("duration", "timestamp", "any") and getattr(rules, kind).required
+                else "message.required"
+            )
             self.emit(indent, "else:")
             self.bad(indent + 1, self.p, repr("." + field.name), rule, "is required: set it", _absent, "None")
 
@@ -841,8 +956,15 @@ class _Writer:
         rules = _rules_of(field)
         value = self.fresh("v")
         saved, self.lines = self.lines, []
-        self.value(field, rules, value, self.p, repr("." + field.name), indent,
-                   field.message_type if field.type == FieldDescriptor.TYPE_MESSAGE else None)
+        self.value(
+            field,
+            rules,
+            value,
+            self.p,
+            repr("." + field.name),
+            indent,
+            field.message_type if field.type == FieldDescriptor.TYPE_MESSAGE else None,
+        )
         lines, self.lines = self.lines, saved
         if lines:
             self.emit(indent, f"{value} = {self.attribute(self.m, field.name)}")
@@ -867,12 +989,26 @@ class _Writer:
             unit = "pair(s)" if is_map else "item(s)"
             if own.HasField(low) and getattr(own, low):
                 self.emit(inner, f"if {count} < {getattr(own, low)}:")
-                self.bad(inner + 1, self.p, seg, f"{kind}.{low}", f"must have at least {getattr(own, low)} {unit}",
-                         _counted(unit), count)
+                self.bad(
+                    inner + 1,
+                    self.p,
+                    seg,
+                    f"{kind}.{low}",
+                    f"must have at least {getattr(own, low)} {unit}",
+                    _counted(unit),
+                    count,
+                )
             if own.HasField(high):
                 self.emit(inner, f"if {count} > {getattr(own, high)}:")
-                self.bad(inner + 1, self.p, seg, f"{kind}.{high}", f"must have at most {getattr(own, high)} {unit}",
-                         _counted(unit), count)
+                self.bad(
+                    inner + 1,
+                    self.p,
+                    seg,
+                    f"{kind}.{high}",
+                    f"must have at most {getattr(own, high)} {unit}",
+                    _counted(unit),
+                    count,
+                )
             if not is_map and own.unique:
                 self.unique(field, items, seg, inner)
         parent = self.fresh("q")
@@ -886,16 +1022,22 @@ class _Writer:
             value_rules = own.values if own is not None and own.HasField("values") else None
             key, item = self.fresh("k"), self.fresh("x")
             self.value(key_field, key_rules, key, parent, f"_Key({key})", inner + 1, None)
-            self.value(value_field, value_rules, item, parent, f"_Key({key})", inner + 1,
-                       value_field.message_type if value_field.type == FieldDescriptor.TYPE_MESSAGE else None,
-                       opaque=f"{self.desc.full_name}.{field.name}" in _OPAQUE_ANY_FIELDS)
+            self.value(
+                value_field,
+                value_rules,
+                item,
+                parent,
+                f"_Key({key})",
+                inner + 1,
+                value_field.message_type if value_field.type == FieldDescriptor.TYPE_MESSAGE else None,
+                opaque=f"{self.desc.full_name}.{field.name}" in _OPAQUE_ANY_FIELDS,
+            )
             header = f"for {key}, {item} in {items}.items():"
         else:
             item_rules = own.items if own is not None and own.HasField("items") else None
             skip = rules is not None and rules.message.skip
             index, item = self.fresh("i"), self.fresh("x")
-            self.value(field, item_rules, item, parent, index, inner + 1,
-                       None if skip else target)
+            self.value(field, item_rules, item, parent, index, inner + 1, None if skip else target)
             header = f"for {index}, {item} in enumerate({items}):"
         self.lines = body
         if loop:
@@ -921,14 +1063,31 @@ class _Writer:
         self.emit(indent + 1, f"{first} = set()")
         self.emit(indent + 1, f"for {index}, {item} in enumerate({seen}):")
         self.emit(indent + 2, f"if {item} in {first}:")
-        self.bad(indent + 3, f"({self.p}, {seg})", index, "repeated.unique", "must not repeat an earlier item", _text,
-                 f"{items}[{index}]" if field.type != FieldDescriptor.TYPE_MESSAGE else "None")
+        self.bad(
+            indent + 3,
+            f"({self.p}, {seg})",
+            index,
+            "repeated.unique",
+            "must not repeat an earlier item",
+            _text,
+            f"{items}[{index}]" if field.type != FieldDescriptor.TYPE_MESSAGE else "None",
+        )
         self.emit(indent + 2, f"{first}.add({item})")
 
     # one value
 
-    def value(self, field: FieldDescriptor, rules: pgv.FieldRules | None, var: str, parent: str,
-              seg: str, indent: int, target: Descriptor | None, *, opaque: bool = False) -> None:
+    def value(
+        self,
+        field: FieldDescriptor,
+        rules: pgv.FieldRules | None,
+        var: str,
+        parent: str,
+        seg: str,
+        indent: int,
+        target: Descriptor | None,
+        *,
+        opaque: bool = False,
+    ) -> None:
         """Checks of one value ``var`` (a field's, an item's, a map key's or value's)."""
         kind = _value_kind(field)
         if rules is not None:
@@ -956,17 +1115,22 @@ class _Writer:
             elif name != kind and not _only_required(rules, name, field):
                 raise self.fail(field, f"validate rule {name} on a {kind} value is not understood")
 
-    def scalar(self, field: FieldDescriptor, kind: str, own: Any, var: str, parent: str, seg: str,
-               indent: int) -> None:
+    def scalar(self, field: FieldDescriptor, kind: str, own: Any, var: str, parent: str, seg: str, indent: int) -> None:
         """The rules ``own`` of a number, bool, string, bytes, enum, duration or timestamp value."""
         if kind in _NUMBER_KINDS:
-            self.number(own, kind, self.unwrapped(field, var, indent), parent, seg, indent, _number_text,
-                        lambda x: x)
+            self.number(own, kind, self.unwrapped(field, var, indent), parent, seg, indent, _number_text, lambda x: x)
         elif kind == "bool":
             if own.HasField("const"):
                 self.emit(indent, f"if {self.unwrapped(field, var, indent)} != {own.const!r}:")
-                self.bad(indent + 1, parent, seg, "bool.const", f"must be {str(own.const).lower()}",
-                         lambda v: str(v).lower(), self.unwrapped(field, var, indent))
+                self.bad(
+                    indent + 1,
+                    parent,
+                    seg,
+                    "bool.const",
+                    f"must be {str(own.const).lower()}",
+                    lambda v: str(v).lower(),
+                    self.unwrapped(field, var, indent),
+                )
         elif kind == "string":
             self.string(own, self.unwrapped(field, var, indent), parent, seg, indent)
         elif kind == "bytes":
@@ -989,13 +1153,15 @@ class _Writer:
         if getattr(own, "in"):
             allowed = self.const(frozenset(getattr(own, "in")))
             self.emit(indent, f"if {url} not in {allowed}:")
-            self.bad(indent + 1, parent, seg, "any.in",
-                     f"must hold one of the types {list(getattr(own, 'in'))}", _text, url)
+            self.bad(
+                indent + 1, parent, seg, "any.in", f"must hold one of the types {list(getattr(own, 'in'))}", _text, url
+            )
         if own.not_in:
             denied = self.const(frozenset(own.not_in))
             self.emit(indent, f"if {url} in {denied}:")
-            self.bad(indent + 1, parent, seg, "any.not_in",
-                     f"must not hold any of the types {list(own.not_in)}", _text, url)
+            self.bad(
+                indent + 1, parent, seg, "any.not_in", f"must not hold any of the types {list(own.not_in)}", _text, url
+            )
 
     def message(self, field: FieldDescriptor, target: Descriptor, var: str, path: str, indent: int) -> None:
         """A sub-message: its type's checks, in place or called."""
@@ -1023,8 +1189,17 @@ class _Writer:
             return f"{var}.value"
         return var
 
-    def number(self, own: Any, kind: str, var: str, parent: str, seg: str, indent: int,
-               show: Callable[[Any], str], convert: Callable[[Any], Any]) -> None:
+    def number(
+        self,
+        own: Any,
+        kind: str,
+        var: str,
+        parent: str,
+        seg: str,
+        indent: int,
+        show: Callable[[Any], str],
+        convert: Callable[[Any], Any],
+    ) -> None:
         def has(name: str) -> bool:
             return bool(own.HasField(name))
 
@@ -1042,23 +1217,41 @@ class _Writer:
         low = "gt" if has("gt") else "gte" if has("gte") else None
         high = "lt" if has("lt") else "lte" if has("lte") else None
         ops = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
-        words = {"gt": "greater than", "gte": "greater than or equal to", "lt": "less than",
-                 "lte": "less than or equal to"}
+        words = {
+            "gt": "greater than",
+            "gte": "greater than or equal to",
+            "lt": "less than",
+            "lte": "less than or equal to",
+        }
         if low and high:
             lo, hi = self.const(bound(low)), self.const(bound(high))
             rule = f"{kind}.{low}+{high}"
             if bound(high) > bound(low):
                 left, right = ("(" if low == "gt" else "["), (")" if high == "lt" else "]")
                 self.emit(indent, f"if not ({var} {ops[low]} {lo} and {var} {ops[high]} {hi}):")
-                self.bad(indent + 1, parent, seg, rule,
-                         f"must be inside range {left}{shown(low)}, {shown(high)}{right}", show, var)
+                self.bad(
+                    indent + 1,
+                    parent,
+                    seg,
+                    rule,
+                    f"must be inside range {left}{shown(low)}, {shown(high)}{right}",
+                    show,
+                    var,
+                )
             else:
                 # lt <= gt: an exclusive range, the value must be outside [lt, gt] (ends per rule).
                 left, right = ("[" if high == "lt" else "("), ("]" if low == "gt" else ")")
                 inverse = {"lt": ">=", "lte": ">", "gt": "<=", "gte": "<"}
                 self.emit(indent, f"if {var} {inverse[high]} {hi} and {var} {inverse[low]} {lo}:")
-                self.bad(indent + 1, parent, seg, rule,
-                         f"must be outside range {left}{shown(high)}, {shown(low)}{right}", show, var)
+                self.bad(
+                    indent + 1,
+                    parent,
+                    seg,
+                    rule,
+                    f"must be outside range {left}{shown(high)}, {shown(low)}{right}",
+                    show,
+                    var,
+                )
         elif low or high:
             name = low or high
             assert name is not None
@@ -1068,14 +1261,22 @@ class _Writer:
         if members:
             values = [convert(v) for v in members]
             self.emit(indent, f"if {var} not in {self.const(frozenset(values))}:")
-            self.bad(indent + 1, parent, seg, f"{kind}.in", f"must be one of {', '.join(show(v) for v in values)}",
-                     show, var)
+            self.bad(
+                indent + 1, parent, seg, f"{kind}.in", f"must be one of {', '.join(show(v) for v in values)}", show, var
+            )
         excluded = own.not_in if kind != "timestamp" else None
         if excluded:
             values = [convert(v) for v in excluded]
             self.emit(indent, f"if {var} in {self.const(frozenset(values))}:")
-            self.bad(indent + 1, parent, seg, f"{kind}.not_in",
-                     f"must not be any of {', '.join(show(v) for v in values)}", show, var)
+            self.bad(
+                indent + 1,
+                parent,
+                seg,
+                f"{kind}.not_in",
+                f"must not be any of {', '.join(show(v) for v in values)}",
+                show,
+                var,
+            )
         self.lines = saved
         if body:
             if kind in _NUMBER_KINDS and own.ignore_empty:
@@ -1095,8 +1296,15 @@ class _Writer:
         if own.HasField("within"):
             window = _nanos(own.within)
             self.emit(indent, f"if abs({nanos} - {now}) > {window}:")
-            self.bad(indent + 1, parent, seg, "timestamp.within",
-                     f"must be within {_duration_text(window)} of now", _timestamp_text, nanos)
+            self.bad(
+                indent + 1,
+                parent,
+                seg,
+                "timestamp.within",
+                f"must be within {_duration_text(window)} of now",
+                _timestamp_text,
+                nanos,
+            )
 
     def string(self, own: pgv.StringRules, var: str, parent: str, seg: str, indent: int) -> None:
         def more(check: Callable[[str, str, str], None]) -> None:
@@ -1106,21 +1314,31 @@ class _Writer:
                 if own.HasField("len_bytes"):
                     check(f"{size} != {own.len_bytes}", "len_bytes", f"must be exactly {own.len_bytes} bytes long")
                 if own.HasField("min_bytes") and own.min_bytes:
-                    check(f"{size} < {own.min_bytes}", "min_bytes", "must not be empty" if own.min_bytes == 1
-                          else f"must be at least {own.min_bytes} bytes long")
+                    check(
+                        f"{size} < {own.min_bytes}",
+                        "min_bytes",
+                        "must not be empty" if own.min_bytes == 1 else f"must be at least {own.min_bytes} bytes long",
+                    )
                 if own.HasField("max_bytes"):
                     check(f"{size} > {own.max_bytes}", "max_bytes", f"must be at most {own.max_bytes} bytes long")
             if own.HasField("not_contains"):
-                check(f"{self.const(own.not_contains)} in {var}", "not_contains",
-                      f"must not contain {own.not_contains!r}")
+                check(
+                    f"{self.const(own.not_contains)} in {var}", "not_contains", f"must not contain {own.not_contains!r}"
+                )
             well_known = own.WhichOneof("well_known")
             if well_known == "well_known_regex":
                 if own.well_known_regex == pgv.HTTP_HEADER_NAME:
-                    pattern, text = (_HEADER_NAME, "must be a valid HTTP header name") if own.strict else (
-                        _HEADER_STRING, "must not contain NUL, CR or LF")
+                    pattern, text = (
+                        (_HEADER_NAME, "must be a valid HTTP header name")
+                        if own.strict
+                        else (_HEADER_STRING, "must not contain NUL, CR or LF")
+                    )
                 elif own.well_known_regex == pgv.HTTP_HEADER_VALUE:
-                    pattern, text = (_HEADER_VALUE, "must be a valid HTTP header value (no control characters)") \
-                        if own.strict else (_HEADER_STRING, "must not contain NUL, CR or LF")
+                    pattern, text = (
+                        (_HEADER_VALUE, "must be a valid HTTP header value (no control characters)")
+                        if own.strict
+                        else (_HEADER_STRING, "must not contain NUL, CR or LF")
+                    )
                 else:
                     raise RuleNotUnderstood(f"well_known_regex {own.well_known_regex} is not understood")
                 check(f"{self.const(pattern)}.fullmatch({var}) is None", "well_known_regex", text)
@@ -1134,16 +1352,25 @@ class _Writer:
         def more(check: Callable[[str, str, str], None]) -> None:
             well_known = own.WhichOneof("well_known")
             if well_known is not None and getattr(own, well_known):
-                sizes, text = {"ip": ((4, 16), "must be an IP address (4 or 16 bytes)"),
-                               "ipv4": ((4,), "must be an IPv4 address (4 bytes)"),
-                               "ipv6": ((16,), "must be an IPv6 address (16 bytes)")}[well_known]
+                sizes, text = {
+                    "ip": ((4, 16), "must be an IP address (4 or 16 bytes)"),
+                    "ipv4": ((4,), "must be an IPv4 address (4 bytes)"),
+                    "ipv6": ((16,), "must be an IPv6 address (16 bytes)"),
+                }[well_known]
                 check(f"len({var}) not in {sizes!r}", well_known, text)
 
         self._sized(own, bytes, var, parent, seg, indent, more)
 
-    def _sized(self, own: pgv.StringRules | pgv.BytesRules, kind: type[str] | type[bytes],
-               var: str, parent: str, seg: str, indent: int, more: Callable[[Callable[[str, str, str], None]], None],
-               ) -> None:
+    def _sized(
+        self,
+        own: pgv.StringRules | pgv.BytesRules,
+        kind: type[str] | type[bytes],
+        var: str,
+        parent: str,
+        seg: str,
+        indent: int,
+        more: Callable[[Callable[[str, str, str], None]], None],
+    ) -> None:
         """The rules strings and bytes share (const, in, lengths, affixes, pattern), then ``more``;
         all of them skipped for an empty value under ``ignore_empty``."""
         rule, unit = ("string.", "characters") if kind is str else ("bytes.", "bytes")
@@ -1164,8 +1391,11 @@ class _Writer:
         if own.HasField("len"):
             check(f"len({var}) != {own.len}", "len", f"must be exactly {own.len} {unit} long")
         if own.HasField("min_len") and own.min_len:
-            check(f"len({var}) < {own.min_len}", "min_len",
-                  "must not be empty" if own.min_len == 1 else f"must be at least {own.min_len} {unit} long")
+            check(
+                f"len({var}) < {own.min_len}",
+                "min_len",
+                "must not be empty" if own.min_len == 1 else f"must be at least {own.min_len} {unit} long",
+            )
         if own.HasField("max_len"):
             check(f"len({var}) > {own.max_len}", "max_len", f"must be at most {own.max_len} {unit} long")
         if own.HasField("prefix"):
@@ -1180,8 +1410,11 @@ class _Writer:
                 compiled = re.compile(source if kind is str else source.encode())
             except re.error as exc:
                 raise RuleNotUnderstood(f"pattern {own.pattern!r} cannot be checked: {exc}") from exc
-            check(f"{self.const(compiled)}.fullmatch({var}) is None", "pattern",
-                  f"must match the regular expression {own.pattern!r}")
+            check(
+                f"{self.const(compiled)}.fullmatch({var}) is None",
+                "pattern",
+                f"must match the regular expression {own.pattern!r}",
+            )
         more(check)
         self.lines = saved
         if body:
@@ -1206,8 +1439,15 @@ class _Writer:
             defined = sorted(enum.values_by_number)
             self.emit(indent, f"if {var} not in {self.const(frozenset(defined))}:")
             listed = names(defined) if len(defined) <= 12 else names(defined[:12]) + ", ..."
-            self.bad(indent + 1, parent, seg, "enum.defined_only",
-                     f"must be a defined value of {enum.full_name} ({listed})", show, var)
+            self.bad(
+                indent + 1,
+                parent,
+                seg,
+                "enum.defined_only",
+                f"must be a defined value of {enum.full_name} ({listed})",
+                show,
+                var,
+            )
         if getattr(own, "in"):
             self.emit(indent, f"if {var} not in {self.const(frozenset(getattr(own, 'in')))}:")
             self.bad(indent + 1, parent, seg, "enum.in", f"must be one of {names(getattr(own, 'in'))}", show, var)
@@ -1268,9 +1508,14 @@ def check_rules(
 
     def report(where: str, outcome: tuple[Violation, ...] | RuleNotUnderstood) -> None:
         if isinstance(outcome, RuleNotUnderstood):
-            problems.append(Problem(where, f"internal error: pilotfish cannot check the validate rules here "
-                                           f"({outcome}); please report it, or serve with validation off to let "
-                                           "it through"))
+            problems.append(
+                Problem(
+                    where,
+                    f"internal error: pilotfish cannot check the validate rules here "
+                    f"({outcome}); please report it, or serve with validation off to let "
+                    "it through",
+                )
+            )
         else:
             problems.extend(Problem(f"{where}{v.path}", v.message()) for v in outcome)
 
@@ -1292,28 +1537,34 @@ def check_rules(
 
 # Network filters Envoy 1.40 treats as terminal (isTerminalFilterByProto), by typed_config type:
 # the last filter of a chain must be one of them, and none of them may come before the last.
-TERMINAL_NETWORK_FILTERS = frozenset({
-    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-    "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
-    "envoy.extensions.filters.network.direct_response.v3.Config",
-    "envoy.extensions.filters.network.redis_proxy.v3.RedisProxy",
-    "envoy.extensions.filters.network.thrift_proxy.v3.ThriftProxy",
-    "envoy.extensions.filters.network.dubbo_proxy.v3.DubboProxy",
-    "envoy.extensions.filters.network.echo.v3.Echo",
-    "envoy.extensions.filters.network.generic_proxy.v3.GenericProxy",
-    "envoy.extensions.filters.network.reverse_tunnel.v3.ReverseTunnel",
-})
+TERMINAL_NETWORK_FILTERS = frozenset(
+    {
+        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+        "envoy.extensions.filters.network.direct_response.v3.Config",
+        "envoy.extensions.filters.network.redis_proxy.v3.RedisProxy",
+        "envoy.extensions.filters.network.thrift_proxy.v3.ThriftProxy",
+        "envoy.extensions.filters.network.dubbo_proxy.v3.DubboProxy",
+        "envoy.extensions.filters.network.echo.v3.Echo",
+        "envoy.extensions.filters.network.generic_proxy.v3.GenericProxy",
+        "envoy.extensions.filters.network.reverse_tunnel.v3.ReverseTunnel",
+    }
+)
 # HTTP filters that end a connection manager's chain (checked with `envoy --mode validate`).
-TERMINAL_HTTP_FILTERS = frozenset({
-    "envoy.extensions.filters.http.router.v3.Router",
-    "envoy.extensions.filters.http.mcp_router.v3.McpRouter",
-    "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec",
-})
+TERMINAL_HTTP_FILTERS = frozenset(
+    {
+        "envoy.extensions.filters.http.router.v3.Router",
+        "envoy.extensions.filters.http.mcp_router.v3.McpRouter",
+        "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec",
+    }
+)
 # Filters whose configuration says whether they are terminal: not judged here.
-_EITHER = frozenset({
-    "envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
-    "envoy.extensions.filters.network.dynamic_modules.v3.DynamicModuleNetworkFilter",
-})
+_EITHER = frozenset(
+    {
+        "envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+        "envoy.extensions.filters.network.dynamic_modules.v3.DynamicModuleNetworkFilter",
+    }
+)
 
 
 def _served_by_xds(source: config_source_pb2.ConfigSource) -> bool:
@@ -1355,8 +1606,10 @@ def _filter_type(network_filter: Any) -> str | None:
     return None  # config_discovery (ECDS): the type arrives later; not ours to check here
 
 
-_UNTYPED = ("has neither typed_config nor config_discovery: Envoy finds a filter by the @type of its "
-            "typed_config (the name alone is not enough) and would reject the listener")
+_UNTYPED = (
+    "has neither typed_config nor config_discovery: Envoy finds a filter by the @type of its "
+    "typed_config (the name alone is not enough) and would reject the listener"
+)
 
 
 def _untyped(any_filter: Any) -> bool:
@@ -1366,9 +1619,12 @@ def _untyped(any_filter: Any) -> bool:
 def _check_chain(where: str, chain: listener_components_pb2.FilterChain) -> Iterator[Problem]:
     if not chain.filters:
         # Envoy accepts it, then closes every connection the chain matches.
-        yield Problem(f"{where}.filters", "has no filters, so every connection it matches would be closed: end it "
-                                          "with a terminal filter such as envoy.filters.network."
-                                          "http_connection_manager or tcp_proxy")
+        yield Problem(
+            f"{where}.filters",
+            "has no filters, so every connection it matches would be closed: end it "
+            "with a terminal filter such as envoy.filters.network."
+            "http_connection_manager or tcp_proxy",
+        )
         return
     last = len(chain.filters) - 1
     for index, network_filter in enumerate(chain.filters):
@@ -1380,13 +1636,16 @@ def _check_chain(where: str, chain: listener_components_pb2.FilterChain) -> Iter
             continue
         terminal = kind in TERMINAL_NETWORK_FILTERS
         if index == last and not terminal:
-            yield Problem(f"{where}.filters[{index}] (name {network_filter.name!r})",
-                          f"the last network filter must be a terminal filter (such as http_connection_manager "
-                          f"or tcp_proxy), got {kind}: Envoy would reject the listener")
+            yield Problem(
+                f"{where}.filters[{index}] (name {network_filter.name!r})",
+                f"the last network filter must be a terminal filter (such as http_connection_manager "
+                f"or tcp_proxy), got {kind}: Envoy would reject the listener",
+            )
         elif index != last and terminal:
-            yield Problem(f"{where}.filters[{index}] (name {network_filter.name!r})",
-                          f"terminal filter {kind} must be the last filter of its chain: Envoy would reject "
-                          "the listener")
+            yield Problem(
+                f"{where}.filters[{index}] (name {network_filter.name!r})",
+                f"terminal filter {kind} must be the last filter of its chain: Envoy would reject the listener",
+            )
 
 
 def _check_http_filters(where: str, hcm: hcm_pb2.HttpConnectionManager) -> Iterator[Problem]:
@@ -1401,12 +1660,16 @@ def _check_http_filters(where: str, hcm: hcm_pb2.HttpConnectionManager) -> Itera
             continue
         terminal = kind in TERMINAL_HTTP_FILTERS
         if index == last and not terminal:
-            yield Problem(f"{where}.http_filters[{index}] (name {http_filter.name!r})",
-                          f"the last HTTP filter must be the router (envoy.filters.http.router), got {kind}: "
-                          "Envoy would reject the listener")
+            yield Problem(
+                f"{where}.http_filters[{index}] (name {http_filter.name!r})",
+                f"the last HTTP filter must be the router (envoy.filters.http.router), got {kind}: "
+                "Envoy would reject the listener",
+            )
         elif index != last and terminal:
-            yield Problem(f"{where}.http_filters[{index}] (name {http_filter.name!r})",
-                          f"terminal HTTP filter {kind} must be the last one: Envoy would reject the listener")
+            yield Problem(
+                f"{where}.http_filters[{index}] (name {http_filter.name!r})",
+                f"terminal HTTP filter {kind} must be the last one: Envoy would reject the listener",
+            )
 
 
 def check_references(
@@ -1439,8 +1702,9 @@ def check_references(
         problems.extend(_cluster_problems(f"clusters[{index}] (name {cluster.name!r})", cluster, endpoint_names))
     for index, listener in enumerate(resources.get(LISTENER, ())):
         assert isinstance(listener, listener_pb2.Listener)
-        problems.extend(_listener_problems(f"listeners[{index}] (name {listener.name!r})", listener,
-                                           cluster_names, route_names))
+        problems.extend(
+            _listener_problems(f"listeners[{index}] (name {listener.name!r})", listener, cluster_names, route_names)
+        )
     for index, config in enumerate(resources.get(ROUTE, ())):
         assert isinstance(config, route_pb2.RouteConfiguration)
         for where, name in _route_clusters(config):
@@ -1450,8 +1714,11 @@ def check_references(
 
 
 def _missing_cluster(where: str, name: str) -> Problem:
-    return Problem(where, f"cluster {name!r} does not exist: add it under 'clusters' (or define service "
-                          f"{name!r}); Envoy would answer 503")
+    return Problem(
+        where,
+        f"cluster {name!r} does not exist: add it under 'clusters' (or define service "
+        f"{name!r}); Envoy would answer 503",
+    )
 
 
 def _cluster_problems(label: str, cluster: cluster_pb2.Cluster, endpoint_names: set[str]) -> Iterator[Problem]:
@@ -1463,12 +1730,14 @@ def _cluster_problems(label: str, cluster: cluster_pb2.Cluster, endpoint_names: 
         return
     wanted = eds.service_name or cluster.name
     if wanted not in endpoint_names:
-        yield Problem(label, f"EDS cluster needs endpoints: add an entry with cluster_name {wanted!r} "
-                             "under 'endpoints'")
+        yield Problem(
+            label, f"EDS cluster needs endpoints: add an entry with cluster_name {wanted!r} under 'endpoints'"
+        )
 
 
-def _listener_problems(label: str, listener: listener_pb2.Listener, cluster_names: set[str],
-                       route_names: set[str]) -> Iterator[Problem]:
+def _listener_problems(
+    label: str, listener: listener_pb2.Listener, cluster_names: set[str], route_names: set[str]
+) -> Iterator[Problem]:
     """A listener's filter chains, the clusters its tcp proxies and inline routes name, and the
     route configurations it asks RDS for."""
     for chain_where, chain in _chains(listener):
@@ -1477,8 +1746,9 @@ def _listener_problems(label: str, listener: listener_pb2.Listener, cluster_name
             if _filter_type(network_filter) == tcp_proxy_pb2.TcpProxy.DESCRIPTOR.full_name:
                 proxy = tcp_proxy_pb2.TcpProxy()
                 network_filter.typed_config.Unpack(proxy)
-                yield from _tcp_proxy_problems(f"{label}.{chain_where}.filters[{fi}].typed_config", proxy,
-                                               cluster_names)
+                yield from _tcp_proxy_problems(
+                    f"{label}.{chain_where}.filters[{fi}].typed_config", proxy, cluster_names
+                )
     for where, hcm in connection_managers(listener):
         hcm_where = f"{label}.{where}.typed_config" if where != "api_listener" else f"{label}.api_listener"
         yield from _check_http_filters(hcm_where, hcm)
@@ -1491,8 +1761,10 @@ def _listener_problems(label: str, listener: listener_pb2.Listener, cluster_name
             continue
         wanted = hcm.rds.route_config_name
         if wanted not in route_names:
-            yield Problem(f"{label}.{where}",
-                          f"RDS route_config_name {wanted!r} has no route configuration: add it under 'routes'")
+            yield Problem(
+                f"{label}.{where}",
+                f"RDS route_config_name {wanted!r} has no route configuration: add it under 'routes'",
+            )
 
 
 def _tcp_proxy_problems(where: str, proxy: tcp_proxy_pb2.TcpProxy, cluster_names: set[str]) -> Iterator[Problem]:

@@ -90,8 +90,9 @@ MAX_RECENT_EVENTS = 100_000
 def _recent_events(value: str) -> int:
     count = _positive_int(value)
     if count > MAX_RECENT_EVENTS:
-        raise argparse.ArgumentTypeError(f"{value!r} is more than {MAX_RECENT_EVENTS:,} events (each up to 4 KB of "
-                                         "memory)")
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is more than {MAX_RECENT_EVENTS:,} events (each up to 4 KB of memory)"
+        )
     return count
 
 
@@ -138,192 +139,429 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="serve a snapshot file over xDS, following its changes")
-    serve.add_argument("--snapshot", type=Path, metavar="FILE",
-                       help="JSON or YAML file of services and Envoy resources (clusters, endpoints, listeners, "
-                            "routes, secrets), watched for changes")
-    serve.add_argument("--registry", type=_address, metavar="HOST:PORT",
-                       help="serve the registry HTTP API here (register instances, heartbeats, TTLs); with --etcd "
-                            "registrations are stored in etcd (TTLs as leases), otherwise in memory and lost on "
-                            "restart")
-    serve.add_argument("--registry-tokens", type=Path, metavar="FILE",
-                       help="require bearer tokens on the registry API, with the scopes this file gives them "
-                            "(followed as it changes; see `pilotfish token`)")
-    serve.add_argument("--registry-self-preservation", choices=("on", "off"), default="on",
-                       help="pause TTL expiry when more than --registry-self-preservation-share of the instances "
-                            "lapse at once, as in a network partition (default: %(default)s)")
-    serve.add_argument("--registry-self-preservation-share", type=_share, default=0.5, metavar="SHARE",
-                       help="(default: %(default)s)")
-    serve.add_argument("--etcd", type=_address, metavar="HOST:PORT",
-                       help="read services and instances from etcd's client API here, watched (and with "
-                            "--registry, store registrations there: replicas on one etcd serve one fleet)")
-    serve.add_argument("--etcd-prefix", default="/pilotfish/", metavar="PREFIX",
-                       help="etcd key prefix: PREFIX/services/NAME, PREFIX/instances/SERVICE/ID (default: %(default)s)")
-    serve.add_argument("--etcd-keepalive-s", type=_seconds, default=DEFAULT_KEEPALIVE, metavar="S",
-                       help="notice an etcd watch that stopped answering (a stalled etcd, a half-open connection) "
-                            "within this long: after S/2 of silence etcd is probed, and must answer within S/2; "
-                            "then the watch is made again (default: %(default)s)")
-    serve.add_argument("--quiet-ms", type=_positive_int, default=100, metavar="MS",
-                       help="debounce: build once changes have been quiet this long (default: %(default)s)")
-    serve.add_argument("--max-delay-ms", type=_positive_int, default=1000, metavar="MS",
-                       help="debounce: build at the latest this long after a burst began (default: %(default)s)")
-    serve.add_argument("--flap-hold-ms", type=_positive_int, default=1000, metavar="MS",
-                       help="an endpoint that comes back soon after leaving is re-added after staying this "
-                            "long (default: %(default)s)")
-    serve.add_argument("--validate", choices=("on", "off"), default="on",
-                       help="check every resource against Envoy's own proto rules (validate.rules) before it is "
-                            "served; off lets it through for Envoy to NACK (default: %(default)s)")
-    serve.add_argument("--guard", choices=("on", "off"), default="on",
-                       help="hold a snapshot that removes every listener or cluster, or too much at once, until "
-                            "confirmed (`pilotfish confirm`, or SIGUSR1) (default: %(default)s)")
-    serve.add_argument("--guard-max-removed", type=_share, default=0.5, metavar="SHARE",
-                       help="the guard holds a snapshot removing more than this share of a type's resources or of "
-                            "a service's endpoints at once (default: %(default)s)")
-    serve.add_argument("--guard-min-count", type=_positive_int, default=10, metavar="N",
-                       help="...of a type or service that had at least N of them (default: %(default)s)")
-    serve.add_argument("--xds", type=_address, default="127.0.0.1:18000", metavar="HOST:PORT",
-                       help="where to serve xDS over gRPC (default: %(default)s)")
-    serve.add_argument("--admin", type=_admin_address, default=DEFAULT_ADMIN, metavar="HOST:PORT|off",
-                       help="serve the admin API here (HTTP; without --admin-tokens keep it on loopback): the status "
-                            "page at /, and JSON: /healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, "
-                            "/v1/held, /v1/fleet, /v1/events (default: %(default)s)")
-    serve.add_argument("--admin-tokens", type=Path, metavar="FILE",
-                       help="require bearer tokens on the admin API (the --registry-tokens format, followed as it "
-                            "changes): read: true to read status and config, admin: true to confirm a held snapshot "
-                            "too; /, /healthz and /readyz stay open")
-    serve.add_argument("--rest", type=_address, metavar="HOST:PORT",
-                       help="also serve REST xDS here: POST /v3/discovery:clusters (:endpoints, :listeners, :routes, "
-                            ":secrets) with a JSON DiscoveryRequest, for Envoy's api_type REST (same TLS, grants); "
-                            "polls join the node groups of kind rest (built in: 'rest')")
-    serve.add_argument("--rest-refresh-ms", type=_positive_int, default=int(DEFAULT_REST_REFRESH * 1000),
-                       metavar="MS",
-                       help="with --rest: clusters and listeners served to REST pollers poll their endpoints and "
-                            "routes every MS milliseconds; give the --refresh-ms of their bootstraps "
-                            "(default: %(default)s)")
-    serve.add_argument("--event-log", type=Path, metavar="FILE",
-                       help="append every xDS request, response and snapshot change here, as JSON lines")
-    serve.add_argument("--event-log-level", choices=("all", "changes"), default="all",
-                       help="all: every request and response too; changes: only snapshots, NACKs, streams and "
-                            "sources, for large fleets (default: %(default)s)")
-    serve.add_argument("--subset-size", type=_positive_int, metavar="K",
-                       help="give each proxy its own K endpoints of every service (Ringsteady subsetting; a "
-                            "service's subset_size overrides it); default: only services that set subset_size")
-    serve.add_argument("--state-dir", type=Path, metavar="DIR",
-                       help="keep the subsetting indices in DIR/pilotfish-subsets.json across restarts (default: "
-                            "the snapshot file's directory)")
-    serve.add_argument("--subset-grace-s", type=float, default=300.0, metavar="S",
-                       help="a disconnected proxy keeps its subset this long, e.g. for a hot restart "
-                            "(default: %(default)s)")
-    serve.add_argument("--status-forget-after", type=_seconds, default=600.0, metavar="S",
-                       help="a disconnected proxy's status (/v1/proxies?all=true) is forgotten this many seconds "
-                            "after its last stream closed (default: %(default)s)")
-    serve.add_argument("--status-max-disconnected", type=_whole_number, default=10_000, metavar="N",
-                       help="remember at most N disconnected proxies, about 1 KB each; past it the one gone longest "
-                            "is forgotten (0: none; default: %(default)s)")
-    serve.add_argument("--recent-events", type=_recent_events, default=RECENT_EVENTS, metavar="N",
-                       help="events kept in memory for /v1/events and the status page, up to 4 KB each "
-                            f"(1 to {MAX_RECENT_EVENTS:,}; default: %(default)s)")
-    serve.add_argument("--node-group", type=_node_group, action="append", default=[],
-                       metavar="NAME[:KIND][@ZONE]=RULE",
-                       help="clients whose node matches RULE (cluster:PATTERN, id:PATTERN, metadata:KEY=PATTERN, "
-                            "agent:PATTERN, zone:PATTERN; '*': any characters but '/') are served the snapshot of "
-                            "group NAME, of KIND envoy (socket listeners; the default), grpc (API listeners for "
-                            "proxyless gRPC) or rest (for REST polls: EDS and RDS over REST too), in ZONE (they "
-                            "get only that zone's endpoints of zone_local "
-                            "services); repeatable, first match wins (REST polls: among rest groups; gRPC streams: "
-                            "among the others); then built in: gRPC clients to 'grpc', REST polls to 'rest', "
-                            "others to 'default'")
+    serve.add_argument(
+        "--snapshot",
+        type=Path,
+        metavar="FILE",
+        help="JSON or YAML file of services and Envoy resources (clusters, endpoints, listeners, "
+        "routes, secrets), watched for changes",
+    )
+    serve.add_argument(
+        "--registry",
+        type=_address,
+        metavar="HOST:PORT",
+        help="serve the registry HTTP API here (register instances, heartbeats, TTLs); with --etcd "
+        "registrations are stored in etcd (TTLs as leases), otherwise in memory and lost on "
+        "restart",
+    )
+    serve.add_argument(
+        "--registry-tokens",
+        type=Path,
+        metavar="FILE",
+        help="require bearer tokens on the registry API, with the scopes this file gives them "
+        "(followed as it changes; see `pilotfish token`)",
+    )
+    serve.add_argument(
+        "--registry-self-preservation",
+        choices=("on", "off"),
+        default="on",
+        help="pause TTL expiry when more than --registry-self-preservation-share of the instances "
+        "lapse at once, as in a network partition (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--registry-self-preservation-share", type=_share, default=0.5, metavar="SHARE", help="(default: %(default)s)"
+    )
+    serve.add_argument(
+        "--etcd",
+        type=_address,
+        metavar="HOST:PORT",
+        help="read services and instances from etcd's client API here, watched (and with "
+        "--registry, store registrations there: replicas on one etcd serve one fleet)",
+    )
+    serve.add_argument(
+        "--etcd-prefix",
+        default="/pilotfish/",
+        metavar="PREFIX",
+        help="etcd key prefix: PREFIX/services/NAME, PREFIX/instances/SERVICE/ID (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--etcd-keepalive-s",
+        type=_seconds,
+        default=DEFAULT_KEEPALIVE,
+        metavar="S",
+        help="notice an etcd watch that stopped answering (a stalled etcd, a half-open connection) "
+        "within this long: after S/2 of silence etcd is probed, and must answer within S/2; "
+        "then the watch is made again (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--quiet-ms",
+        type=_positive_int,
+        default=100,
+        metavar="MS",
+        help="debounce: build once changes have been quiet this long (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-delay-ms",
+        type=_positive_int,
+        default=1000,
+        metavar="MS",
+        help="debounce: build at the latest this long after a burst began (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--flap-hold-ms",
+        type=_positive_int,
+        default=1000,
+        metavar="MS",
+        help="an endpoint that comes back soon after leaving is re-added after staying this "
+        "long (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--validate",
+        choices=("on", "off"),
+        default="on",
+        help="check every resource against Envoy's own proto rules (validate.rules) before it is "
+        "served; off lets it through for Envoy to NACK (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--guard",
+        choices=("on", "off"),
+        default="on",
+        help="hold a snapshot that removes every listener or cluster, or too much at once, until "
+        "confirmed (`pilotfish confirm`, or SIGUSR1) (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--guard-max-removed",
+        type=_share,
+        default=0.5,
+        metavar="SHARE",
+        help="the guard holds a snapshot removing more than this share of a type's resources or of "
+        "a service's endpoints at once (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--guard-min-count",
+        type=_positive_int,
+        default=10,
+        metavar="N",
+        help="...of a type or service that had at least N of them (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--xds",
+        type=_address,
+        default="127.0.0.1:18000",
+        metavar="HOST:PORT",
+        help="where to serve xDS over gRPC (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--admin",
+        type=_admin_address,
+        default=DEFAULT_ADMIN,
+        metavar="HOST:PORT|off",
+        help="serve the admin API here (HTTP; without --admin-tokens keep it on loopback): the status "
+        "page at /, and JSON: /healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, "
+        "/v1/held, /v1/fleet, /v1/events (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--admin-tokens",
+        type=Path,
+        metavar="FILE",
+        help="require bearer tokens on the admin API (the --registry-tokens format, followed as it "
+        "changes): read: true to read status and config, admin: true to confirm a held snapshot "
+        "too; /, /healthz and /readyz stay open",
+    )
+    serve.add_argument(
+        "--rest",
+        type=_address,
+        metavar="HOST:PORT",
+        help="also serve REST xDS here: POST /v3/discovery:clusters (:endpoints, :listeners, :routes, "
+        ":secrets) with a JSON DiscoveryRequest, for Envoy's api_type REST (same TLS, grants); "
+        "polls join the node groups of kind rest (built in: 'rest')",
+    )
+    serve.add_argument(
+        "--rest-refresh-ms",
+        type=_positive_int,
+        default=int(DEFAULT_REST_REFRESH * 1000),
+        metavar="MS",
+        help="with --rest: clusters and listeners served to REST pollers poll their endpoints and "
+        "routes every MS milliseconds; give the --refresh-ms of their bootstraps "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--event-log",
+        type=Path,
+        metavar="FILE",
+        help="append every xDS request, response and snapshot change here, as JSON lines",
+    )
+    serve.add_argument(
+        "--event-log-level",
+        choices=("all", "changes"),
+        default="all",
+        help="all: every request and response too; changes: only snapshots, NACKs, streams and "
+        "sources, for large fleets (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--subset-size",
+        type=_positive_int,
+        metavar="K",
+        help="give each proxy its own K endpoints of every service (Ringsteady subsetting; a "
+        "service's subset_size overrides it); default: only services that set subset_size",
+    )
+    serve.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep the subsetting indices in DIR/pilotfish-subsets.json across restarts (default: "
+        "the snapshot file's directory)",
+    )
+    serve.add_argument(
+        "--subset-grace-s",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a disconnected proxy keeps its subset this long, e.g. for a hot restart (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--status-forget-after",
+        type=_seconds,
+        default=600.0,
+        metavar="S",
+        help="a disconnected proxy's status (/v1/proxies?all=true) is forgotten this many seconds "
+        "after its last stream closed (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--status-max-disconnected",
+        type=_whole_number,
+        default=10_000,
+        metavar="N",
+        help="remember at most N disconnected proxies, about 1 KB each; past it the one gone longest "
+        "is forgotten (0: none; default: %(default)s)",
+    )
+    serve.add_argument(
+        "--recent-events",
+        type=_recent_events,
+        default=RECENT_EVENTS,
+        metavar="N",
+        help="events kept in memory for /v1/events and the status page, up to 4 KB each "
+        f"(1 to {MAX_RECENT_EVENTS:,}; default: %(default)s)",
+    )
+    serve.add_argument(
+        "--node-group",
+        type=_node_group,
+        action="append",
+        default=[],
+        metavar="NAME[:KIND][@ZONE]=RULE",
+        help="clients whose node matches RULE (cluster:PATTERN, id:PATTERN, metadata:KEY=PATTERN, "
+        "agent:PATTERN, zone:PATTERN; '*': any characters but '/') are served the snapshot of "
+        "group NAME, of KIND envoy (socket listeners; the default), grpc (API listeners for "
+        "proxyless gRPC) or rest (for REST polls: EDS and RDS over REST too), in ZONE (they "
+        "get only that zone's endpoints of zone_local "
+        "services); repeatable, first match wins (REST polls: among rest groups; gRPC streams: "
+        "among the others); then built in: gRPC clients to 'grpc', REST polls to 'rest', "
+        "others to 'default'",
+    )
     tls = serve.add_argument_group(
-        "TLS", "serve xDS (and the registry API) over TLS; the files are reloaded when they change, without "
-               "dropping open streams")
-    tls.add_argument("--tls-cert", type=Path, metavar="FILE",
-                     help="PEM certificate chain the server presents (with --tls-key: TLS only, ALPN h2, TLS 1.2+)")
+        "TLS",
+        "serve xDS (and the registry API) over TLS; the files are reloaded when they change, without "
+        "dropping open streams",
+    )
+    tls.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="PEM certificate chain the server presents (with --tls-key: TLS only, ALPN h2, TLS 1.2+)",
+    )
     tls.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key of --tls-cert")
-    tls.add_argument("--client-ca", type=Path, metavar="FILE",
-                     help="mTLS on xDS: proxies must present a certificate issued by this PEM CA bundle")
-    tls.add_argument("--registry-client-ca", type=Path, metavar="FILE",
-                     help="mTLS on the registry API: its clients must present a certificate issued by this CA")
-    tls.add_argument("--admin-client-ca", type=Path, metavar="FILE",
-                     help="mTLS on the admin API: its clients (`pilotfish status --tls-cert ...`) must present a "
-                          "certificate issued by this CA")
-    tls.add_argument("--authorize-node", type=_node_rule, action="append", default=[], metavar="IDENTITY=NODE",
-                     help="with --client-ca: a proxy whose certificate identity (SPIFFE URI SAN, else DNS SAN) "
-                          "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'; a "
-                          "capture {name} in IDENTITY takes a non-empty run without '/', and in NODE stands for "
-                          "what it took: 'spiffe://mesh/ns/{ns}/sa/{sa}={sa}'); repeatable; once given, any other "
-                          "claim is refused (PERMISSION_DENIED)")
-    tls.add_argument("--grant-secret", type=_grant, action="append", default=[],
-                     metavar="SECRET=identity:PATTERN|SECRET=node:PATTERN",
-                     help="SDS secrets whose names match SECRET go to proxies whose certificate identity (needs "
-                          "--client-ca) or claimed node id (proven only with --authorize-node) matches PATTERN "
-                          "('*': any characters but '/'); repeatable; a secret no grant covers goes to no proxy")
-    tls.add_argument("--grants-file", type=Path, metavar="FILE",
-                     help="more SDS grants, in force beside --grant-secret: YAML (JSON if it ends in .json) "
-                          "'grants: [SECRET=identity:PATTERN, SECRET=node:PATTERN, ...]'; followed as it changes "
-                          "(within a second; a bad edit is reported, grants_error, and the last good grants kept)")
-    tls.add_argument("--tls-reload-ms", type=_positive_int, default=1000, metavar="MS",
-                     help="check the certificate, key and CA files for changes this often (default: %(default)s)")
+    tls.add_argument(
+        "--client-ca",
+        type=Path,
+        metavar="FILE",
+        help="mTLS on xDS: proxies must present a certificate issued by this PEM CA bundle",
+    )
+    tls.add_argument(
+        "--registry-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="mTLS on the registry API: its clients must present a certificate issued by this CA",
+    )
+    tls.add_argument(
+        "--admin-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="mTLS on the admin API: its clients (`pilotfish status --tls-cert ...`) must present a "
+        "certificate issued by this CA",
+    )
+    tls.add_argument(
+        "--authorize-node",
+        type=_node_rule,
+        action="append",
+        default=[],
+        metavar="IDENTITY=NODE",
+        help="with --client-ca: a proxy whose certificate identity (SPIFFE URI SAN, else DNS SAN) "
+        "matches IDENTITY may claim node ids matching NODE ('*': any characters but '/'; a "
+        "capture {name} in IDENTITY takes a non-empty run without '/', and in NODE stands for "
+        "what it took: 'spiffe://mesh/ns/{ns}/sa/{sa}={sa}'); repeatable; once given, any other "
+        "claim is refused (PERMISSION_DENIED)",
+    )
+    tls.add_argument(
+        "--grant-secret",
+        type=_grant,
+        action="append",
+        default=[],
+        metavar="SECRET=identity:PATTERN|SECRET=node:PATTERN",
+        help="SDS secrets whose names match SECRET go to proxies whose certificate identity (needs "
+        "--client-ca) or claimed node id (proven only with --authorize-node) matches PATTERN "
+        "('*': any characters but '/'); repeatable; a secret no grant covers goes to no proxy",
+    )
+    tls.add_argument(
+        "--grants-file",
+        type=Path,
+        metavar="FILE",
+        help="more SDS grants, in force beside --grant-secret: YAML (JSON if it ends in .json) "
+        "'grants: [SECRET=identity:PATTERN, SECRET=node:PATTERN, ...]'; followed as it changes "
+        "(within a second; a bad edit is reported, grants_error, and the last good grants kept)",
+    )
+    tls.add_argument(
+        "--tls-reload-ms",
+        type=_positive_int,
+        default=1000,
+        metavar="MS",
+        help="check the certificate, key and CA files for changes this often (default: %(default)s)",
+    )
     conns = serve.add_argument_group(
-        "xDS connections", "what one peer, or all of them, may hold; a connection over a cap is accepted and closed "
-                           "at once (a failed connection attempt: gRPC clients and Envoy back off)")
-    conns.add_argument("--max-connections", type=_positive_int, metavar="N",
-                       help="xDS connections held at once, from all peers (default: the open-file limit, which "
-                            "serve raises to its hard limit, less a tenth of it, at least 128)")
-    conns.add_argument("--max-connections-per-address", type=_positive_int, metavar="N",
-                       help="xDS connections held at once from one source IP address (default: 4096, or half of "
-                            "--max-connections if less; raise it for a larger fleet behind one NAT address)")
-    conns.add_argument("--handshake-timeout-ms", type=_positive_int, default=10_000, metavar="MS",
-                       help="close a connection that has not sent the HTTP/2 preface (magic and SETTINGS) this long "
-                            "after it was accepted (default: %(default)s)")
-    conns.add_argument("--idle-timeout-ms", type=_whole_number, default=3_600_000, metavar="MS",
-                       help="close (GOAWAY NO_ERROR) a connection without streams for this long; 0: never "
-                            "(default: %(default)s, one hour, as Envoy's idle_timeout)")
+        "xDS connections",
+        "what one peer, or all of them, may hold; a connection over a cap is accepted and closed "
+        "at once (a failed connection attempt: gRPC clients and Envoy back off)",
+    )
+    conns.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        metavar="N",
+        help="xDS connections held at once, from all peers (default: the open-file limit, which "
+        "serve raises to its hard limit, less a tenth of it, at least 128)",
+    )
+    conns.add_argument(
+        "--max-connections-per-address",
+        type=_positive_int,
+        metavar="N",
+        help="xDS connections held at once from one source IP address (default: 4096, or half of "
+        "--max-connections if less; raise it for a larger fleet behind one NAT address)",
+    )
+    conns.add_argument(
+        "--handshake-timeout-ms",
+        type=_positive_int,
+        default=10_000,
+        metavar="MS",
+        help="close a connection that has not sent the HTTP/2 preface (magic and SETTINGS) this long "
+        "after it was accepted (default: %(default)s)",
+    )
+    conns.add_argument(
+        "--idle-timeout-ms",
+        type=_whole_number,
+        default=3_600_000,
+        metavar="MS",
+        help="close (GOAWAY NO_ERROR) a connection without streams for this long; 0: never "
+        "(default: %(default)s, one hour, as Envoy's idle_timeout)",
+    )
     http_conns = serve.add_argument_group(
-        "HTTP connections", "what one peer, or all of them, may hold on the registry API, REST xDS and the admin "
-                            "API; over a cap a connection is accepted and closed at once (as on the xDS port)")
-    for port, what, total, per_address in (("registry", "registry API", "as --max-connections", "as xDS"),
-                                           ("rest", "REST xDS", "as --max-connections", "as xDS"),
-                                           ("admin", "admin API", "256", "64")):
-        http_conns.add_argument(f"--{port}-max-connections", type=_positive_int, metavar="N",
-                                help=f"{what} connections held at once, from all peers (default: {total})")
-        http_conns.add_argument(f"--{port}-max-connections-per-address", type=_positive_int, metavar="N",
-                                help=f"{what} connections held at once from one source IP address "
-                                     f"(default: {per_address})")
-    serve.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop",
-                       help="uvloop (libuv, faster sockets) or Python's own asyncio loop (default: %(default)s)")
+        "HTTP connections",
+        "what one peer, or all of them, may hold on the registry API, REST xDS and the admin "
+        "API; over a cap a connection is accepted and closed at once (as on the xDS port)",
+    )
+    for port, what, total, per_address in (
+        ("registry", "registry API", "as --max-connections", "as xDS"),
+        ("rest", "REST xDS", "as --max-connections", "as xDS"),
+        ("admin", "admin API", "256", "64"),
+    ):
+        http_conns.add_argument(
+            f"--{port}-max-connections",
+            type=_positive_int,
+            metavar="N",
+            help=f"{what} connections held at once, from all peers (default: {total})",
+        )
+        http_conns.add_argument(
+            f"--{port}-max-connections-per-address",
+            type=_positive_int,
+            metavar="N",
+            help=f"{what} connections held at once from one source IP address (default: {per_address})",
+        )
+    serve.add_argument(
+        "--event-loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="uvloop (libuv, faster sockets) or Python's own asyncio loop (default: %(default)s)",
+    )
 
     admin_client = argparse.ArgumentParser(add_help=False)
-    admin_client.add_argument("--admin", type=_address, default=DEFAULT_ADMIN, metavar="HOST:PORT",
-                              help="the admin API of `pilotfish serve` (default: %(default)s)")
-    admin_client.add_argument("--tls-ca", type=Path, metavar="FILE",
-                              help="the admin API is served over TLS (serve --tls-cert): trust this PEM CA bundle "
-                                   "(its certificate must name HOST)")
-    admin_client.add_argument("--tls-cert", type=Path, metavar="FILE",
-                              help="mTLS (serve --admin-client-ca): the PEM certificate chain to present")
+    admin_client.add_argument(
+        "--admin",
+        type=_address,
+        default=DEFAULT_ADMIN,
+        metavar="HOST:PORT",
+        help="the admin API of `pilotfish serve` (default: %(default)s)",
+    )
+    admin_client.add_argument(
+        "--tls-ca",
+        type=Path,
+        metavar="FILE",
+        help="the admin API is served over TLS (serve --tls-cert): trust this PEM CA bundle "
+        "(its certificate must name HOST)",
+    )
+    admin_client.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="mTLS (serve --admin-client-ca): the PEM certificate chain to present",
+    )
     admin_client.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
-    admin_client.add_argument("--token-file", type=Path, metavar="FILE",
-                              help="the admin API wants a token (serve --admin-tokens): send the one in FILE (its "
-                                   "first line); default: the environment variable PILOTFISH_ADMIN_TOKEN, if set")
+    admin_client.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="the admin API wants a token (serve --admin-tokens): send the one in FILE (its "
+        "first line); default: the environment variable PILOTFISH_ADMIN_TOKEN, if set",
+    )
 
-    status = commands.add_parser("status", parents=[admin_client],
-                                 help="print every connected proxy and, per type, whether it has the latest "
-                                      "configuration (SYNCED, STALE, NACKED, NOT_SENT)")
+    status = commands.add_parser(
+        "status",
+        parents=[admin_client],
+        help="print every connected proxy and, per type, whether it has the latest "
+        "configuration (SYNCED, STALE, NACKED, NOT_SENT)",
+    )
     status.add_argument("--node", metavar="GLOB", help="only proxies whose node id matches ('*' any characters)")
     status.add_argument("--cluster", metavar="GLOB", help="only proxies whose node cluster matches")
-    status.add_argument("--state", choices=("SYNCED", "STALE", "NACKED", "NOT_SENT"), type=str.upper,
-                        help="only proxies with a type in this state")
+    status.add_argument(
+        "--state",
+        choices=("SYNCED", "STALE", "NACKED", "NOT_SENT"),
+        type=str.upper,
+        help="only proxies with a type in this state",
+    )
 
-    wait = commands.add_parser("wait", parents=[admin_client],
-                               help="wait until every connected proxy has ACKed the configuration; exit non-zero "
-                                    "naming the laggards and NACK reasons otherwise")
+    wait = commands.add_parser(
+        "wait",
+        parents=[admin_client],
+        help="wait until every connected proxy has ACKed the configuration; exit non-zero "
+        "naming the laggards and NACK reasons otherwise",
+    )
     target = wait.add_mutually_exclusive_group()
-    target.add_argument("--version", metavar="V",
-                        help="wait for the snapshot labelled V (a snapshot file's `version`) to be served and ACKed")
-    target.add_argument("--for-current", action="store_true",
-                        help="wait for the current snapshot (the default), once a change being debounced is built")
-    wait.add_argument("--timeout", type=_seconds, default=60.0, metavar="S",
-                      help="give up after S seconds (default: %(default)s)")
-    wait.add_argument("--min-proxies", type=_whole_number, default=0, metavar="N",
-                      help="and until at least N proxies are connected (default: %(default)s)")
+    target.add_argument(
+        "--version",
+        metavar="V",
+        help="wait for the snapshot labelled V (a snapshot file's `version`) to be served and ACKed",
+    )
+    target.add_argument(
+        "--for-current",
+        action="store_true",
+        help="wait for the current snapshot (the default), once a change being debounced is built",
+    )
+    wait.add_argument(
+        "--timeout", type=_seconds, default=60.0, metavar="S", help="give up after S seconds (default: %(default)s)"
+    )
+    wait.add_argument(
+        "--min-proxies",
+        type=_whole_number,
+        default=0,
+        metavar="N",
+        help="and until at least N proxies are connected (default: %(default)s)",
+    )
 
     commands.add_parser("confirm", parents=[admin_client], help="publish the snapshot the blast-radius guard holds")
 
@@ -333,40 +571,72 @@ def _parser() -> argparse.ArgumentParser:
     boot = commands.add_parser("bootstrap", help="print an Envoy bootstrap that gets everything over ADS (or REST)")
     boot.add_argument("--node-id", required=True, metavar="ID")
     boot.add_argument("--cluster", default="pilotfish", metavar="NAME", help="node cluster (default: %(default)s)")
-    boot.add_argument("--xds", type=_addresses, action="extend", metavar="HOST:PORT[,HOST:PORT...]",
-                      help="where pilotfish serves xDS (default: 127.0.0.1:18000); several replicas: repeat "
-                           "the option or separate them by commas, and Envoy fails over between them")
-    boot.add_argument("--admin-port", type=int, default=9901, metavar="N",
-                      help="Envoy admin port on 127.0.0.1 (default: %(default)s)")
-    boot.add_argument("--tls-ca", metavar="FILE",
-                      help="reach pilotfish over TLS, trusting this PEM CA bundle for its certificate "
-                           "(path as Envoy sees it)")
+    boot.add_argument(
+        "--xds",
+        type=_addresses,
+        action="extend",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="where pilotfish serves xDS (default: 127.0.0.1:18000); several replicas: repeat "
+        "the option or separate them by commas, and Envoy fails over between them",
+    )
+    boot.add_argument(
+        "--admin-port", type=int, default=9901, metavar="N", help="Envoy admin port on 127.0.0.1 (default: %(default)s)"
+    )
+    boot.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="reach pilotfish over TLS, trusting this PEM CA bundle for its certificate (path as Envoy sees it)",
+    )
     boot.add_argument("--tls-cert", metavar="FILE", help="mTLS: the PEM certificate chain Envoy presents")
     boot.add_argument("--tls-key", metavar="FILE", help="mTLS: the PEM private key of --tls-cert")
-    boot.add_argument("--tls-server-name", metavar="NAME",
-                      help="SNI, and the name pilotfish's certificate must carry (default: the host of --xds; "
-                           "with several replicas give a name every replica's certificate carries)")
-    boot.add_argument("--delta", action="store_true",
-                      help="incremental xDS (DELTA_GRPC): only what changed is sent (default: state of the world)")
-    boot.add_argument("--rest", type=_addresses, action="extend", metavar="HOST:PORT[,HOST:PORT...]",
-                      help="poll pilotfish's REST xDS here for clusters and listeners (api_type REST) instead "
-                           "of ADS over gRPC (--xds is then not used); several replicas as for --xds")
-    boot.add_argument("--refresh-ms", type=_positive_int, default=int(DEFAULT_REST_REFRESH * 1000), metavar="MS",
-                      help="with --rest: poll every MS milliseconds, plus up to as much again of jitter "
-                           "(default: %(default)s)")
-    boot.add_argument("--lrs", action="store_true",
-                      help="report load to pilotfish over LRS on the xDS port (per cluster: requests that "
-                           "succeeded, failed and are in flight), which rollouts gate on")
-    boot.add_argument("--grpc", action="store_true",
-                      help="print the JSON bootstrap of a proxyless gRPC client (GRPC_XDS_BOOTSTRAP) instead; it "
-                           "then resolves xds:///NAME to the services with 'grpc: true' (or 'grpc: NAME')")
+    boot.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="SNI, and the name pilotfish's certificate must carry (default: the host of --xds; "
+        "with several replicas give a name every replica's certificate carries)",
+    )
+    boot.add_argument(
+        "--delta",
+        action="store_true",
+        help="incremental xDS (DELTA_GRPC): only what changed is sent (default: state of the world)",
+    )
+    boot.add_argument(
+        "--rest",
+        type=_addresses,
+        action="extend",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="poll pilotfish's REST xDS here for clusters and listeners (api_type REST) instead "
+        "of ADS over gRPC (--xds is then not used); several replicas as for --xds",
+    )
+    boot.add_argument(
+        "--refresh-ms",
+        type=_positive_int,
+        default=int(DEFAULT_REST_REFRESH * 1000),
+        metavar="MS",
+        help="with --rest: poll every MS milliseconds, plus up to as much again of jitter (default: %(default)s)",
+    )
+    boot.add_argument(
+        "--lrs",
+        action="store_true",
+        help="report load to pilotfish over LRS on the xDS port (per cluster: requests that "
+        "succeeded, failed and are in flight), which rollouts gate on",
+    )
+    boot.add_argument(
+        "--grpc",
+        action="store_true",
+        help="print the JSON bootstrap of a proxyless gRPC client (GRPC_XDS_BOOTSTRAP) instead; it "
+        "then resolves xds:///NAME to the services with 'grpc: true' (or 'grpc: NAME')",
+    )
     boot.add_argument("--zone", default="", metavar="ZONE", help="--grpc: the node's locality zone")
     boot.add_argument("--region", default="", metavar="REGION", help="--grpc: the node's locality region")
 
     token = commands.add_parser("token", help="make a registry API token, or hash one for --registry-tokens")
-    token.add_argument("action", choices=("new", "hash"),
-                       help="new: print a fresh token and its tokens-file entry; hash: print the sha256 of the "
-                            "token read from stdin (one line)")
+    token.add_argument(
+        "action",
+        choices=("new", "hash"),
+        help="new: print a fresh token and its tokens-file entry; hash: print the sha256 of the "
+        "token read from stdin (one line)",
+    )
 
     demo = commands.add_parser("demo", help="run pilotfish, two upstreams and a real Envoy on examples/demo.yaml")
     demo.add_argument("--snapshot", type=Path, default=Path("examples/demo.yaml"), metavar="FILE")
@@ -418,39 +688,71 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = ServeSettings(
         snapshot=args.snapshot,
-        xds=XdsSettings(address=args.xds, connections=ConnectionLimits(
-            max_connections=args.max_connections, max_connections_per_address=args.max_connections_per_address,
-            handshake_timeout=args.handshake_timeout_ms / 1000,
-            idle_timeout=args.idle_timeout_ms / 1000 if args.idle_timeout_ms else None)),
-        rest=RestSettings(address=args.rest, refresh=args.rest_refresh_ms / 1000,
-                          connections=HttpConnectionLimits(
-                              max_connections=args.rest_max_connections,
-                              max_connections_per_address=args.rest_max_connections_per_address)),
-        registry=RegistrySettings(address=args.registry, tokens=args.registry_tokens,
-                                  self_preservation=SelfPreservation(enabled=args.registry_self_preservation == "on",
-                                                                     share=args.registry_self_preservation_share),
-                                  connections=HttpConnectionLimits(
-                                      max_connections=args.registry_max_connections,
-                                      max_connections_per_address=args.registry_max_connections_per_address)),
-        admin=AdminSettings(address=args.admin, tokens=args.admin_tokens, connections=HttpConnectionLimits(
-            max_connections=args.admin_max_connections or ADMIN_CONNECTIONS.max_connections,
-            max_connections_per_address=args.admin_max_connections_per_address
-            or ADMIN_CONNECTIONS.max_connections_per_address)),
+        xds=XdsSettings(
+            address=args.xds,
+            connections=ConnectionLimits(
+                max_connections=args.max_connections,
+                max_connections_per_address=args.max_connections_per_address,
+                handshake_timeout=args.handshake_timeout_ms / 1000,
+                idle_timeout=args.idle_timeout_ms / 1000 if args.idle_timeout_ms else None,
+            ),
+        ),
+        rest=RestSettings(
+            address=args.rest,
+            refresh=args.rest_refresh_ms / 1000,
+            connections=HttpConnectionLimits(
+                max_connections=args.rest_max_connections,
+                max_connections_per_address=args.rest_max_connections_per_address,
+            ),
+        ),
+        registry=RegistrySettings(
+            address=args.registry,
+            tokens=args.registry_tokens,
+            self_preservation=SelfPreservation(
+                enabled=args.registry_self_preservation == "on", share=args.registry_self_preservation_share
+            ),
+            connections=HttpConnectionLimits(
+                max_connections=args.registry_max_connections,
+                max_connections_per_address=args.registry_max_connections_per_address,
+            ),
+        ),
+        admin=AdminSettings(
+            address=args.admin,
+            tokens=args.admin_tokens,
+            connections=HttpConnectionLimits(
+                max_connections=args.admin_max_connections or ADMIN_CONNECTIONS.max_connections,
+                max_connections_per_address=args.admin_max_connections_per_address
+                or ADMIN_CONNECTIONS.max_connections_per_address,
+            ),
+        ),
         etcd=EtcdSettings(address=args.etcd, prefix=args.etcd_prefix, keepalive=args.etcd_keepalive_s),
-        tls=TlsSettings(cert=args.tls_cert, key=args.tls_key, client_ca=args.client_ca,
-                        registry_client_ca=args.registry_client_ca, admin_client_ca=args.admin_client_ca,
-                        reload_every=args.tls_reload_ms / 1000),
-        policy=PolicySettings(authorize_nodes=tuple(args.authorize_node), secret_grants=tuple(args.grant_secret),
-                              grants_file=args.grants_file, node_groups=tuple(args.node_group)),
+        tls=TlsSettings(
+            cert=args.tls_cert,
+            key=args.tls_key,
+            client_ca=args.client_ca,
+            registry_client_ca=args.registry_client_ca,
+            admin_client_ca=args.admin_client_ca,
+            reload_every=args.tls_reload_ms / 1000,
+        ),
+        policy=PolicySettings(
+            authorize_nodes=tuple(args.authorize_node),
+            secret_grants=tuple(args.grant_secret),
+            grants_file=args.grants_file,
+            node_groups=tuple(args.node_group),
+        ),
         subsets=SubsetSettings(size=args.subset_size, state_dir=args.state_dir, grace=args.subset_grace_s),
         events=EventSettings(log=args.event_log, level=args.event_log_level, recent=args.recent_events),
-        status_limits=StatusLimits(forget_after=args.status_forget_after,
-                                   max_disconnected=args.status_max_disconnected),
-        debounce=DebounceSettings(quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000,
-                                  hold=args.flap_hold_ms / 1000),
-        guard=GuardSettings(enabled=args.guard == "on", max_removed_share=args.guard_max_removed,
-                            min_count=args.guard_min_count),
-        validate_rules=args.validate == "on")
+        status_limits=StatusLimits(
+            forget_after=args.status_forget_after, max_disconnected=args.status_max_disconnected
+        ),
+        debounce=DebounceSettings(
+            quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000, hold=args.flap_hold_ms / 1000
+        ),
+        guard=GuardSettings(
+            enabled=args.guard == "on", max_removed_share=args.guard_max_removed, min_count=args.guard_min_count
+        ),
+        validate_rules=args.validate == "on",
+    )
     try:
         settings.validate()
     except ConfigError as exc:
@@ -480,16 +782,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _validate(args.file)
     if args.command == "bootstrap":
         try:
-            settings = BootstrapSettings(node_id=args.node_id, cluster=args.cluster,
-                                         xds=tuple(args.xds or ("127.0.0.1:18000",)),
-                                         admin_port=args.admin_port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                                         tls_key=args.tls_key, tls_server_name=args.tls_server_name,
-                                         delta=args.delta, rest=None if args.rest is None else tuple(args.rest),
-                                         refresh=args.refresh_ms / 1000, lrs=args.lrs,
-                                         zone=args.zone, region=args.region)
+            settings = BootstrapSettings(
+                node_id=args.node_id,
+                cluster=args.cluster,
+                xds=tuple(args.xds or ("127.0.0.1:18000",)),
+                admin_port=args.admin_port,
+                tls_ca=args.tls_ca,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+                tls_server_name=args.tls_server_name,
+                delta=args.delta,
+                rest=None if args.rest is None else tuple(args.rest),
+                refresh=args.refresh_ms / 1000,
+                lrs=args.lrs,
+                zone=args.zone,
+                region=args.region,
+            )
             if args.grpc and (args.delta or args.rest):
-                raise ValueError("--delta and --rest are for Envoy bootstraps; gRPC clients choose their xDS "
-                                 "variant themselves")
+                raise ValueError(
+                    "--delta and --rest are for Envoy bootstraps; gRPC clients choose their xDS variant themselves"
+                )
             text = grpc_bootstrap_json(settings) if args.grpc else bootstrap_yaml(settings)
         except ValueError as exc:
             print(f"pilotfish bootstrap: {exc}", file=sys.stderr)
@@ -509,11 +821,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         admin = operate.AdminClient(args.admin, tls=tls, token=token)
         if args.command == "status":
-            return operate.status_command(admin, node=args.node, cluster=args.cluster, state=args.state,
-                                          out=sys.stdout, err=sys.stderr)
+            return operate.status_command(
+                admin, node=args.node, cluster=args.cluster, state=args.state, out=sys.stdout, err=sys.stderr
+            )
         if args.command == "wait":
-            return operate.wait_command(admin, version=args.version, timeout=args.timeout,
-                                        min_proxies=args.min_proxies, out=sys.stdout, err=sys.stderr)
+            return operate.wait_command(
+                admin,
+                version=args.version,
+                timeout=args.timeout,
+                min_proxies=args.min_proxies,
+                out=sys.stdout,
+                err=sys.stderr,
+            )
         return operate.confirm_command(admin, out=sys.stdout, err=sys.stderr)
     if args.command == "token":
         from pilotfish.api.tokens import token_command

@@ -269,8 +269,7 @@ def _stop(child: _Child) -> None:
         try:
             process.wait(STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
-            print(f"{child.name} (pid {process.pid}) did not stop in {STOP_TIMEOUT:.0f}s; killing it",
-                  file=sys.stderr)
+            print(f"{child.name} (pid {process.pid}) did not stop in {STOP_TIMEOUT:.0f}s; killing it", file=sys.stderr)
             process.kill()
             process.wait()
 
@@ -338,8 +337,21 @@ class _Demo:
             await self.upstreams.start(address)
 
     async def start_pilotfish(self) -> str:
-        argv = [sys.executable, "-m", "pilotfish", "-v", "serve", "--snapshot", str(self.snapshot_path),
-                "--xds", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--event-log", str(self.event_log)]
+        argv = [
+            sys.executable,
+            "-m",
+            "pilotfish",
+            "-v",
+            "serve",
+            "--snapshot",
+            str(self.snapshot_path),
+            "--xds",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--event-log",
+            str(self.event_log),
+        ]
         self.children.append(_spawn("pilotfish serve", argv, output_to=None))
 
         server_address = _ServerAddress(self.event_log)
@@ -354,7 +366,11 @@ class _Demo:
     async def start_envoy(self, xds: str) -> str:
         # Admin port 0: Envoy picks a free one and writes it to its admin address file.
         settings = EnvoySettings(
-            work_dir=self.workdir, name="envoy", concurrency=2, flush_interval_ms=500, new_session=True,
+            work_dir=self.workdir,
+            name="envoy",
+            concurrency=2,
+            flush_interval_ms=500,
+            new_session=True,
             # Code between fork and exec is only safe while the process has a single thread; the
             # demo spawns its children before anything starts one (see _Demo.run).
             preexec_fn=_parent_death_signal() if threading.active_count() == 1 else None,
@@ -502,8 +518,10 @@ async def _main(snapshot_path: Path, snapshot: Snapshot, envoy: str) -> int:
 def run_demo(snapshot: Path) -> int:
     """Run the demo on ``snapshot`` until Ctrl-C or SIGTERM; return the exit code."""
     if not snapshot.is_file():
-        print(f"demo: no snapshot file at {snapshot} (run the demo from the repository root, "
-              "or pass --snapshot FILE)", file=sys.stderr)
+        print(
+            f"demo: no snapshot file at {snapshot} (run the demo from the repository root, or pass --snapshot FILE)",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     try:
         loaded = load_snapshot(snapshot)
@@ -517,8 +535,11 @@ def run_demo(snapshot: Path) -> int:
         return EXIT_FAILED
     busy = list(_busy_ports(loaded))
     if busy:
-        print("demo: ports the snapshot needs are in use; stop what uses them (`ss -ltnp` shows it) "
-              "or change the snapshot:", file=sys.stderr)
+        print(
+            "demo: ports the snapshot needs are in use; stop what uses them (`ss -ltnp` shows it) "
+            "or change the snapshot:",
+            file=sys.stderr,
+        )
         for line in busy:
             print(f"  {line}", file=sys.stderr)
         return EXIT_FAILED

@@ -38,8 +38,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["TOKEN_VARIABLE", "AdminClient", "AdminUnreachable", "Verdict", "admin_token", "client_context",
-           "confirm_command", "fleet_verdict", "laggards", "status_command", "status_table", "wait_command"]
+__all__ = [
+    "TOKEN_VARIABLE",
+    "AdminClient",
+    "AdminUnreachable",
+    "Verdict",
+    "admin_token",
+    "client_context",
+    "confirm_command",
+    "fleet_verdict",
+    "laggards",
+    "status_command",
+    "status_table",
+    "wait_command",
+]
 
 TYPES = ("CDS", "EDS", "LDS", "RDS", "SDS")
 """Table columns, in ADS order."""
@@ -146,8 +158,15 @@ def status_table(proxies: Sequence[Mapping[str, Any]]) -> str:
     for proxy in proxies:
         types = proxy["types"]
         agent = " ".join(part for part in (proxy["user_agent"], proxy["user_agent_version"]) if part)
-        rows.append((proxy["node"], proxy["cluster"] or "-", proxy["group"], *(_cell(types.get(t)) for t in TYPES),
-                     agent or "-"))
+        rows.append(
+            (
+                proxy["node"],
+                proxy["cluster"] or "-",
+                proxy["group"],
+                *(_cell(types.get(t)) for t in TYPES),
+                agent or "-",
+            )
+        )
         for short, status in types.items():
             if status["state"] == "NACKED":
                 nack = status["nack"]
@@ -159,11 +178,13 @@ def status_table(proxies: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def status_command(admin: AdminClient, *, node: str | None, cluster: str | None, state: str | None, out: TextIO,
-                   err: TextIO) -> int:
+def status_command(
+    admin: AdminClient, *, node: str | None, cluster: str | None, state: str | None, out: TextIO, err: TextIO
+) -> int:
     """Print the proxies table (filters are globs; ``state``: rows with a type in that state)."""
-    query = urllib.parse.urlencode({key: value for key, value in
-                                    (("node", node), ("cluster", cluster), ("state", state)) if value})
+    query = urllib.parse.urlencode(
+        {key: value for key, value in (("node", node), ("cluster", cluster), ("state", state)) if value}
+    )
     try:
         code, body = admin.get_json("/v1/proxies" + (f"?{query}" if query else ""))
     except AdminUnreachable as exc:
@@ -198,8 +219,10 @@ def _waiting_on(snapshots: Mapping[str, Any], *, version: str | None) -> list[st
     if version is None and snapshots.get("pending"):
         problems.append("a change is still being built (debounce)")
     if snapshots.get("held"):
-        problems.append(f"snapshot {snapshots['held']['version']} is held by the blast-radius guard: "
-                        "`pilotfish confirm` publishes it")
+        problems.append(
+            f"snapshot {snapshots['held']['version']} is held by the blast-radius guard: "
+            "`pilotfish confirm` publishes it"
+        )
     return problems
 
 
@@ -224,13 +247,20 @@ def fleet_verdict(snapshots: Mapping[str, Any], *, version: str | None = None, m
             if progress["nacked"]:
                 rejected = True
             if progress["current"] < progress["proxies"]:
-                problems.append(f"node group {group!r}: {short} {progress['version']}: {progress['current']} of "
-                                f"{progress['proxies']} proxies have it, {progress['nacked']} rejected it")
+                problems.append(
+                    f"node group {group!r}: {short} {progress['version']}: {progress['current']} of "
+                    f"{progress['proxies']} proxies have it, {progress['nacked']} rejected it"
+                )
     return Verdict(not problems, rejected, tuple(problems), total)
 
 
-def laggards(proxies: Sequence[Mapping[str, Any]], snapshots: Mapping[str, Any], *, version: str | None = None,
-             min_proxies: int = 0) -> Verdict:
+def laggards(
+    proxies: Sequence[Mapping[str, Any]],
+    snapshots: Mapping[str, Any],
+    *,
+    version: str | None = None,
+    min_proxies: int = 0,
+) -> Verdict:
     """Judge ``/v1/proxies`` (connected ones) against ``/v1/snapshots``: see the module docstring."""
     groups = snapshots["groups"]
     problems = _waiting_on(snapshots, version=version)
@@ -266,9 +296,18 @@ def laggards(proxies: Sequence[Mapping[str, Any]], snapshots: Mapping[str, Any],
     return Verdict(not problems, rejected, tuple(problems), len(connected))
 
 
-def wait_command(admin: AdminClient, *, version: str | None, timeout: float, min_proxies: int, out: TextIO,
-                 err: TextIO, every: float = 0.5, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> int:
+def wait_command(
+    admin: AdminClient,
+    *,
+    version: str | None,
+    timeout: float,
+    min_proxies: int,
+    out: TextIO,
+    err: TextIO,
+    every: float = 0.5,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
     """Poll until :func:`fleet_verdict` says done (0), a proxy rejected the configuration (1), or
     the timeout passed (1, naming the laggards: :func:`laggards`); 3 if the admin API cannot be
     reached; 2 if it refuses the request (a token is missing or falls short)."""
@@ -282,8 +321,10 @@ def wait_command(admin: AdminClient, *, version: str | None, timeout: float, min
             verdict = fleet_verdict(snapshots, version=version, min_proxies=min_proxies)
             if verdict.done:
                 served = sorted(snapshots["connected"])
-                labels = ", ".join(f"{snapshots['groups'][group]['label']}" + (f" ({group})" if len(served) > 1 else "")
-                                   for group in served)
+                labels = ", ".join(
+                    f"{snapshots['groups'][group]['label']}" + (f" ({group})" if len(served) > 1 else "")
+                    for group in served
+                )
                 count = verdict.proxies
                 print(f"{count} prox{'y has' if count == 1 else 'ies have'} {labels or 'nothing'}", file=out)
                 return 0

@@ -142,12 +142,15 @@ class EtcdClient:
                 answer = await response.json(content_type=None)
                 if response.status != 200 or not isinstance(answer, dict):
                     message = answer.get("message") if isinstance(answer, dict) else None
-                    raise EtcdUnavailable(f"etcd at {self.endpoint} answered {path} with HTTP {response.status}"
-                                          + (f": {message}" if message else ""))
+                    raise EtcdUnavailable(
+                        f"etcd at {self.endpoint} answered {path} with HTTP {response.status}"
+                        + (f": {message}" if message else "")
+                    )
                 return answer
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            raise EtcdUnavailable(f"etcd at {self.endpoint} unreachable ({path}): "
-                                  f"{str(exc) or type(exc).__name__}") from exc
+            raise EtcdUnavailable(
+                f"etcd at {self.endpoint} unreachable ({path}): {str(exc) or type(exc).__name__}"
+            ) from exc
 
     @staticmethod
     def revision(answer: dict[str, Any]) -> int:
@@ -163,11 +166,14 @@ class EtcdClient:
         """(etcd's revision, the revision the newest key under ``prefix`` was changed at; 0: no
         key), answered within ``timeout`` seconds or :class:`EtcdUnavailable`."""
         try:
-            answer = await asyncio.wait_for(self.range(prefix, prefix=True, keys_only=True, limit=1,
-                                                       sort_order="DESCEND", sort_target="MOD"), timeout)
+            answer = await asyncio.wait_for(
+                self.range(prefix, prefix=True, keys_only=True, limit=1, sort_order="DESCEND", sort_target="MOD"),
+                timeout,
+            )
         except TimeoutError:
-            raise EtcdUnavailable(f"etcd at {self.endpoint} did not answer within {timeout:g}s "
-                                  "(stalled, or the network dropped it)") from None
+            raise EtcdUnavailable(
+                f"etcd at {self.endpoint} did not answer within {timeout:g}s (stalled, or the network dropped it)"
+            ) from None
         newest = max((int(kv.get("mod_revision", 0)) for kv in answer.get("kvs", [])), default=0)
         return self.revision(answer), newest
 
@@ -195,18 +201,22 @@ class EtcdClient:
         put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             put["lease"] = str(lease)
-        answer = await self.call("/v3/kv/txn", {
-            "compare": [{"key": b64(key), "target": "CREATE", "create_revision": "0"}],
-            "success": [{"request_put": put}],
-            "failure": [{"request_range": {"key": b64(key)}}],
-        })
+        answer = await self.call(
+            "/v3/kv/txn",
+            {
+                "compare": [{"key": b64(key), "target": "CREATE", "create_revision": "0"}],
+                "success": [{"request_put": put}],
+                "failure": [{"request_range": {"key": b64(key)}}],
+            },
+        )
         if answer.get("succeeded"):
             return True, answer
         kvs = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
         return False, kvs[0] if kvs else {}
 
-    async def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
-                  failure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    async def txn(
+        self, compare: list[dict[str, Any]], success: list[dict[str, Any]], failure: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """A transaction: ``success`` if every ``compare`` holds, else ``failure`` (see :func:`compare`,
         :func:`put_op`, :func:`delete_op`); etcd's answer."""
         body: dict[str, Any] = {"compare": compare, "success": success}
@@ -248,7 +258,9 @@ Change = tuple[str, str | None, Lease, int]
 
 
 async def follow_prefix(
-    client: EtcdClient, prefix: str, *,
+    client: EtcdClient,
+    prefix: str,
+    *,
     listed: Callable[[list[KeyValue], int], Awaitable[None]],
     changed: Callable[[list[Change], int], Awaitable[None]],
     lost: Callable[[Exception], None],
@@ -271,8 +283,18 @@ async def follow_prefix(
             try:
                 answer = await client.range(prefix, prefix=True)
                 revision = int(answer["header"]["revision"])
-                await listed([(unb64(kv["key"]), unb64(kv.get("value", "")), int(kv.get("lease", 0)),
-                               int(kv.get("mod_revision", 0))) for kv in answer.get("kvs", [])], revision)
+                await listed(
+                    [
+                        (
+                            unb64(kv["key"]),
+                            unb64(kv.get("value", "")),
+                            int(kv.get("lease", 0)),
+                            int(kv.get("mod_revision", 0)),
+                        )
+                        for kv in answer.get("kvs", [])
+                    ],
+                    revision,
+                )
                 delay = backoff[0]
                 await _Watch(http, client, prefix, revision, changed, keepalive).run()
             except asyncio.CancelledError:
@@ -287,8 +309,15 @@ class _Watch:
     """One watch stream from ``listed + 1``, kept alive by probes (see the module docstring); ends
     by raising why."""
 
-    def __init__(self, http: aiohttp.ClientSession, client: EtcdClient, prefix: str, listed: int,
-                 changed: Callable[[list[Change], int], Awaitable[None]], keepalive: float) -> None:
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        client: EtcdClient,
+        prefix: str,
+        listed: int,
+        changed: Callable[[list[Change], int], Awaitable[None]],
+        keepalive: float,
+    ) -> None:
         self.http, self.client, self.prefix, self.changed = http, client, prefix, changed
         self.half = keepalive / 2
         self.delivered = listed
@@ -297,8 +326,14 @@ class _Watch:
         """A revision the last probe showed a key changed at, not delivered then (0: none)."""
 
     async def run(self) -> None:
-        body = {"create_request": {"key": b64(self.prefix), "range_end": b64(prefix_end(self.prefix)),
-                                   "start_revision": self.delivered + 1, "progress_notify": True}}
+        body = {
+            "create_request": {
+                "key": b64(self.prefix),
+                "range_end": b64(prefix_end(self.prefix)),
+                "start_revision": self.delivered + 1,
+                "progress_notify": True,
+            }
+        }
         async with self.http.post(self.client.base + "/v3/watch", json=body) as response:
             response.raise_for_status()
             # One read at a time, never cancelled while the stream lives (a cancelled readline
@@ -327,9 +362,11 @@ class _Watch:
         a change the last probe saw must have come through the stream by now."""
         _, newest = await self.client.latest(self.prefix, timeout=self.half)
         if self.owed and self.delivered < self.owed:
-            raise EtcdUnavailable(f"the watch on etcd at {self.client.endpoint} did not deliver the change at "
-                                  f"revision {self.owed} within {self.half * 2:g}s (its connection is dead); "
-                                  "watching again")
+            raise EtcdUnavailable(
+                f"the watch on etcd at {self.client.endpoint} did not deliver the change at "
+                f"revision {self.owed} within {self.half * 2:g}s (its connection is dead); "
+                "watching again"
+            )
         self.owed = newest if newest > self.delivered else 0
 
     async def handle(self, message: dict[str, Any]) -> None:
@@ -354,7 +391,8 @@ class _Watch:
             modified = int(kv.get("mod_revision", 0))
             revision = max(revision, modified)
             deleted = event.get("type") == "DELETE"
-            changes.append((unb64(kv["key"]), None if deleted else unb64(kv.get("value", "")),
-                            int(kv.get("lease", 0)), modified))
+            changes.append(
+                (unb64(kv["key"]), None if deleted else unb64(kv.get("value", "")), int(kv.get("lease", 0)), modified)
+            )
         self.delivered = max(self.delivered, revision)
         await self.changed(changes, revision)

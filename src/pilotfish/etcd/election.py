@@ -55,11 +55,18 @@ class Election:
     never both believe they hold it for longer than a renewal round trip.
     """
 
-    def __init__(self, client: EtcdClient, key: str, identity: str, *, ttl: float = 6.0,
-                 on_event: Callable[..., None] | None = None,
-                 on_change: Callable[[bool], None] | None = None,
-                 leadership: Leadership | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        key: str,
+        identity: str,
+        *,
+        ttl: float = 6.0,
+        on_event: Callable[..., None] | None = None,
+        on_change: Callable[[bool], None] | None = None,
+        leadership: Leadership | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.client = client
         self.key = key
         self.identity = identity
@@ -88,8 +95,12 @@ class Election:
         self._leader = leader
         if leader:
             self.holder = self.identity
-        _log.warning("%s %s (%s)", self.identity, "now runs the singleton duties" if leader else
-                     "no longer runs the singleton duties", reason)
+        _log.warning(
+            "%s %s (%s)",
+            self.identity,
+            "now runs the singleton duties" if leader else "no longer runs the singleton duties",
+            reason,
+        )
         self._emit("leader_elected" if leader else "leader_lost", replica=self.identity, reason=reason)
         self._on_change(leader)
 

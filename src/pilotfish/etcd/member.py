@@ -41,8 +41,9 @@ def find_etcd() -> str:
     return found
 
 
-def member_argv(binary: str, *, name: str, data_dir: Path, client_port: int, peer_port: int,
-                token: str = "pilotfish") -> list[str]:
+def member_argv(
+    binary: str, *, name: str, data_dir: Path, client_port: int, peer_port: int, token: str = "pilotfish"
+) -> list[str]:
     """A single-member etcd on 127.0.0.1 (see the module docstring); ``token`` prefixes the cluster token."""
     client = f"http://127.0.0.1:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"
@@ -64,8 +65,9 @@ def member_argv(binary: str, *, name: str, data_dir: Path, client_port: int, pee
 def serves(address: str, *, timeout: float = 2.0) -> bool:
     """Whether etcd at ``host:port`` answers a read through its JSON gateway."""
     body = json.dumps({"key": base64.b64encode(b"/").decode()}).encode()
-    request = urllib.request.Request(f"http://{address}/v3/kv/range", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{address}/v3/kv/range", data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with _OPENER.open(request, timeout=timeout) as response:
             return response.status == 200 and "header" in json.loads(response.read())

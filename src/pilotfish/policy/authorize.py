@@ -65,8 +65,11 @@ def glob_match(pattern: str, value: str) -> bool:
     if first < 0:
         return pattern == value
     after = pattern.rfind("*") + 1  # the text before the first '*' and after the last is the value's own:
-    if (first + len(pattern) - after > len(value) or not value.startswith(pattern[:first])
-            or not value.endswith(pattern[after:])):  # most values that do not match fail here, at once
+    if (
+        first + len(pattern) - after > len(value)
+        or not value.startswith(pattern[:first])
+        or not value.endswith(pattern[after:])
+    ):  # most values that do not match fail here, at once
         return False
     segments = pattern.split("/")  # '*' never crosses '/'
     if value.count("/") != len(segments) - 1:  # (before splitting a value of 100,000 '/')
@@ -104,9 +107,12 @@ class _CaptureSegment:
 
     def take(self, value: str) -> str | None:
         """What the capture takes of ``value`` (None: ``value`` does not match, or leaves it empty)."""
-        if (len(value) > len(self.prefix) + len(self.suffix) and value.startswith(self.prefix)
-                and value.endswith(self.suffix)):
-            return value[len(self.prefix):len(value) - len(self.suffix)]
+        if (
+            len(value) > len(self.prefix) + len(self.suffix)
+            and value.startswith(self.prefix)
+            and value.endswith(self.suffix)
+        ):
+            return value[len(self.prefix) : len(value) - len(self.suffix)]
         return None
 
 
@@ -119,11 +125,13 @@ def _split_braces(text: str, where: str) -> list[str | tuple[str]]:
     pieces: list[str | tuple[str]] = []
     position = 0
     for match in _BRACED.finditer(text):
-        pieces.extend(_literal_and_stars(text[position:match.start()], where))
+        pieces.extend(_literal_and_stars(text[position : match.start()], where))
         name = match[1]
         if not _NAME.fullmatch(name):
-            raise ValueError(f"{where}: {match[0]!r} is not a capture: a capture is {{name}}, the name letters, "
-                             "digits and '_', not starting with a digit")
+            raise ValueError(
+                f"{where}: {match[0]!r} is not a capture: a capture is {{name}}, the name letters, "
+                "digits and '_', not starting with a digit"
+            )
         pieces.append((name,))
         position = match.end()
     pieces.extend(_literal_and_stars(text[position:], where))
@@ -132,8 +140,9 @@ def _split_braces(text: str, where: str) -> list[str | tuple[str]]:
 
 def _literal_and_stars(text: str, where: str) -> list[str]:
     if "{" in text or "}" in text:
-        raise ValueError(f"{where}: a '{{' or '}}' that is not part of a capture {{name}} (braces are reserved "
-                         "for captures)")
+        raise ValueError(
+            f"{where}: a '{{' or '}}' that is not part of a capture {{name}} (braces are reserved for captures)"
+        )
     pieces: list[str] = []
     for i, run in enumerate(text.split("*")):
         if i:
@@ -168,13 +177,17 @@ class NodeRule:
                 continue
             for name in captures:
                 if name in defined:
-                    raise ValueError(f"{rule}: the capture {{{name}}} appears twice in IDENTITY; name each "
-                                     "capture once (the node id can use it as often as needed)")
+                    raise ValueError(
+                        f"{rule}: the capture {{{name}}} appears twice in IDENTITY; name each "
+                        "capture once (the node id can use it as often as needed)"
+                    )
                 defined.add(name)
             if len(captures) > 1 or "*" in pieces:
-                raise ValueError(f"{rule}: {text!r} holds {'two captures' if len(captures) > 1 else 'a capture and *'}"
-                                 f"; a capture ({{{captures[0]}}}) must be the only capture and wildcard between "
-                                 "two '/' of IDENTITY, or what it takes would be ambiguous")
+                raise ValueError(
+                    f"{rule}: {text!r} holds {'two captures' if len(captures) > 1 else 'a capture and *'}"
+                    f"; a capture ({{{captures[0]}}}) must be the only capture and wildcard between "
+                    "two '/' of IDENTITY, or what it takes would be ambiguous"
+                )
             prefix, suffix = text.split("{" + captures[0] + "}")
             segments.append(_CaptureSegment(prefix, captures[0], suffix))
         node: list[tuple[_Piece, ...]] = []
@@ -186,9 +199,11 @@ class NodeRule:
                     uses = True
                     if piece[0] not in defined:
                         known = ", ".join(f"{{{n}}}" for n in sorted(defined)) or "none"
-                        raise ValueError(f"{rule}: the capture {{{piece[0]}}} in NODE is not defined in IDENTITY "
-                                         f"(it captures: {known}); capture it there (e.g. "
-                                         f"spiffe://mesh/ns/*/sa/{{{piece[0]}}}) or take it out of NODE")
+                        raise ValueError(
+                            f"{rule}: the capture {{{piece[0]}}} in NODE is not defined in IDENTITY "
+                            f"(it captures: {known}); capture it there (e.g. "
+                            f"spiffe://mesh/ns/*/sa/{{{piece[0]}}}) or take it out of NODE"
+                        )
             node.append(tuple(pieces))
         object.__setattr__(self, "_identity", tuple(segments))
         object.__setattr__(self, "_node", tuple(node) if uses else None)
@@ -215,15 +230,16 @@ class NodeRule:
             return glob_match(self.node, node_id)
         if node_id.count("/") != len(self._node) - 1:  # (a captured value holds no '/')
             return False
-        return all(_runs_match(_runs(pieces, captures), value)
-                   for pieces, value in zip(self._node, node_id.split("/"), strict=True))
+        return all(
+            _runs_match(_runs(pieces, captures), value)
+            for pieces, value in zip(self._node, node_id.split("/"), strict=True)
+        )
 
     def expected(self, captures: Mapping[str, str]) -> str:
         """NODE with ``captures`` filled in (for a refusal's message)."""
         if self._node is None:
             return self.node
-        return "/".join("".join(captures[p[0]] if isinstance(p, tuple) else p for p in pieces)
-                        for pieces in self._node)
+        return "/".join("".join(captures[p[0]] if isinstance(p, tuple) else p for p in pieces) for pieces in self._node)
 
 
 def _runs(pieces: Sequence[_Piece], captures: Mapping[str, str]) -> list[str]:
@@ -245,8 +261,10 @@ def parse_rule(text: str) -> NodeRule:
     ``=`` (a SPIFFE id may hold one; node ids rarely do)."""
     identity, sep, node = text.rpartition("=")
     if not sep or not identity or not node:
-        raise ValueError(f"{text!r} is not IDENTITY=NODE (e.g. 'spiffe://mesh/ns/*/sa/edge=edge-*', "
-                         "or with captures 'spiffe://mesh/ns/{ns}/sa/{sa}={sa}')")
+        raise ValueError(
+            f"{text!r} is not IDENTITY=NODE (e.g. 'spiffe://mesh/ns/*/sa/edge=edge-*', "
+            "or with captures 'spiffe://mesh/ns/{ns}/sa/{sa}={sa}')"
+        )
     return NodeRule(identity, node)
 
 
@@ -274,8 +292,10 @@ class NodeAuthorizer:
                 expected.append(rule.expected(captures))
         shown = _shown(node_id)
         if not identity:
-            return (f"node id {shown} refused: the connection has no verified client certificate, and "
-                    "--authorize-node rules admit certificate identities only")
+            return (
+                f"node id {shown} refused: the connection has no verified client certificate, and "
+                "--authorize-node rules admit certificate identities only"
+            )
         if not matched:
             return f"node id {shown} refused: no --authorize-node rule names the identity {_shown(identity)}"
         hint = f" (its rules allow node ids matching {', '.join(map(_shown, expected))})" if expected else ""

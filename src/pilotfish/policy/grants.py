@@ -64,8 +64,16 @@ from pilotfish.events import EventLog
 from pilotfish.followed_file import FollowedFile
 from pilotfish.policy.authorize import glob_match
 
-__all__ = ["MAX_GRANTS", "GrantsFile", "ProxyGrants", "SecretGrant", "SecretGrants", "Subject", "parse_grant",
-           "parse_grants"]
+__all__ = [
+    "MAX_GRANTS",
+    "GrantsFile",
+    "ProxyGrants",
+    "SecretGrant",
+    "SecretGrants",
+    "Subject",
+    "parse_grant",
+    "parse_grants",
+]
 
 _IDENTITIES_KEPT = 4096
 """Identities whose granted secrets :class:`SecretGrants` remembers (then it starts afresh)."""
@@ -104,8 +112,10 @@ def parse_grant(text: str) -> SecretGrant:
     is wrong. The split is at the first ``=identity:`` or ``=node:``."""
     match = _GRANT.fullmatch(text)
     if match is None:
-        raise ValueError(f"{text!r} is not SECRET=identity:PATTERN or SECRET=node:PATTERN "
-                         "(e.g. 'edge-cert=identity:spiffe://mesh/ns/edge/sa/*' or 'edge-*-cert=node:edge-*')")
+        raise ValueError(
+            f"{text!r} is not SECRET=identity:PATTERN or SECRET=node:PATTERN "
+            "(e.g. 'edge-cert=identity:spiffe://mesh/ns/edge/sa/*' or 'edge-*-cert=node:edge-*')"
+        )
     return SecretGrant(match["secret"], Subject(match["subject"]), match["pattern"])
 
 
@@ -189,15 +199,30 @@ def parse_grants(document: Any, source: str, *, mtls: bool) -> tuple[SecretGrant
     or ``SECRET=node:PATTERN``); :class:`ConfigError` naming every problem. ``mtls``: whether
     proxies present certificates (without, an ``identity:`` grant could never match: an error)."""
     if not isinstance(document, dict):
-        raise ConfigError(source, [Problem("", "the file must be a mapping with 'grants' (a list of "
-                                               f"SECRET=identity:PATTERN or SECRET=node:PATTERN); found "
-                                               f"{type(document).__name__}")])
-    problems = [Problem(str(key), "unknown setting; the file has 'grants'")
-                for key in sorted(set(document) - {"grants"}, key=str)]
+        raise ConfigError(
+            source,
+            [
+                Problem(
+                    "",
+                    "the file must be a mapping with 'grants' (a list of "
+                    f"SECRET=identity:PATTERN or SECRET=node:PATTERN); found "
+                    f"{type(document).__name__}",
+                )
+            ],
+        )
+    problems = [
+        Problem(str(key), "unknown setting; the file has 'grants'")
+        for key in sorted(set(document) - {"grants"}, key=str)
+    ]
     listed = document.get("grants")
     if not isinstance(listed, list):
-        problems.append(Problem("grants", "a list of SECRET=identity:PATTERN or SECRET=node:PATTERN is required "
-                                          "(an empty list [] grants nothing)"))
+        problems.append(
+            Problem(
+                "grants",
+                "a list of SECRET=identity:PATTERN or SECRET=node:PATTERN is required "
+                "(an empty list [] grants nothing)",
+            )
+        )
         listed = []
     elif len(listed) > MAX_GRANTS:
         problems.append(Problem("grants", f"{len(listed)} grants; at most {MAX_GRANTS} are read"))
@@ -206,8 +231,13 @@ def parse_grants(document: Any, source: str, *, mtls: bool) -> tuple[SecretGrant
     for i, text in enumerate(listed):
         where = f"grants[{i}]"
         if not isinstance(text, str):
-            problems.append(Problem(where, f"a string SECRET=identity:PATTERN or SECRET=node:PATTERN is required, "
-                                           f"not {type(text).__name__} (quote it if YAML read it otherwise)"))
+            problems.append(
+                Problem(
+                    where,
+                    f"a string SECRET=identity:PATTERN or SECRET=node:PATTERN is required, "
+                    f"not {type(text).__name__} (quote it if YAML read it otherwise)",
+                )
+            )
             continue
         try:
             grant = parse_grant(text)
@@ -215,8 +245,13 @@ def parse_grants(document: Any, source: str, *, mtls: bool) -> tuple[SecretGrant
             problems.append(Problem(where, str(exc)))
             continue
         if grant.subject is Subject.IDENTITY and not mtls:
-            problems.append(Problem(where, f"{text!r}: identity: grants name certificate identities: they need "
-                                           "mTLS (serve with --client-ca FILE), or use node: grants"))
+            problems.append(
+                Problem(
+                    where,
+                    f"{text!r}: identity: grants name certificate identities: they need "
+                    "mTLS (serve with --client-ca FILE), or use node: grants",
+                )
+            )
             continue
         grants.append(grant)
     if problems:
@@ -232,9 +267,16 @@ class GrantsFile(FollowedFile[tuple[SecretGrant, ...]]):
     keeper = "the last good grants stay in force"
     empty = "write 'grants: []' to grant nothing"
 
-    def __init__(self, path: Path, *, mtls: bool, events: EventLog | None = None, every: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[tuple[SecretGrant, ...]], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        mtls: bool,
+        events: EventLog | None = None,
+        every: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[tuple[SecretGrant, ...]], None] | None = None,
+    ) -> None:
         self.mtls = mtls
         super().__init__(path, events=events, every=every, clock=clock, on_change=on_change)
 

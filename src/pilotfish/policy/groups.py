@@ -59,7 +59,6 @@ MAX_GROUPS = 64
 """Node groups a server accepts: each is one more snapshot per build."""
 
 
-
 @dataclass(frozen=True, slots=True)
 class NodeGroupRule:
     """Nodes whose ``field`` (for ``metadata``: the value under ``key``) matches ``pattern`` join ``group``."""
@@ -86,8 +85,10 @@ class NodeGroupRule:
 def parse_node_group(text: str) -> NodeGroupRule:
     """``NAME[:KIND][@ZONE]=FIELD:PATTERN`` (``metadata:KEY=PATTERN``) -> a rule; ValueError saying
     what is wrong."""
-    example = ("e.g. 'proxyless:grpc=cluster:payments-*', 'edge:rest=cluster:rest-*' or "
-               "'east@us-east-1=metadata:zone=us-east-1'")
+    example = (
+        "e.g. 'proxyless:grpc=cluster:payments-*', 'edge:rest=cluster:rest-*' or "
+        "'east@us-east-1=metadata:zone=us-east-1'"
+    )
     head, sep, rule = text.partition("=")
     if not sep or not head or not rule:
         raise ValueError(f"{text!r} is not NAME[:KIND][@ZONE]=RULE ({example})")
@@ -145,22 +146,29 @@ class NodeGroups:
             views[REST_GROUP] = View(kind=ClientKind.REST)
         for rule in (built_in, *self.rules):
             if rule.kind is ClientKind.REST and not rest:
-                raise ValueError(f"--node-group {rule}: a group of kind rest serves REST polls: give --rest "
-                                 "HOST:PORT too")
+                raise ValueError(
+                    f"--node-group {rule}: a group of kind rest serves REST polls: give --rest HOST:PORT too"
+                )
             known = views.setdefault(rule.group, rule.view)
             if known.kind is not rule.kind:
-                raise ValueError(f"--node-group {rule}: the group {rule.group} is of kind {known.kind.value} "
-                                 f"(by an earlier rule or built in), not {rule.kind.value}")
+                raise ValueError(
+                    f"--node-group {rule}: the group {rule.group} is of kind {known.kind.value} "
+                    f"(by an earlier rule or built in), not {rule.kind.value}"
+                )
             if known.zone != rule.zone:
-                raise ValueError(f"--node-group {rule}: the group {rule.group} is in zone {known.zone!r} "
-                                 f"(by an earlier rule or built in), not {rule.zone!r}")
+                raise ValueError(
+                    f"--node-group {rule}: the group {rule.group} is in zone {known.zone!r} "
+                    f"(by an earlier rule or built in), not {rule.zone!r}"
+                )
         if len(views) > MAX_GROUPS:
             raise ValueError(f"--node-group: {len(views)} groups, more than the {MAX_GROUPS} a server builds")
         self._views = views
-        self._matchers = [(rule.group, rule.field, rule.key, rule.pattern) for rule in self.rules
-                          if rule.kind is not ClientKind.REST]
-        self._rest_matchers = [(rule.group, rule.field, rule.key, rule.pattern) for rule in self.rules
-                               if rule.kind is ClientKind.REST]
+        self._matchers = [
+            (rule.group, rule.field, rule.key, rule.pattern) for rule in self.rules if rule.kind is not ClientKind.REST
+        ]
+        self._rest_matchers = [
+            (rule.group, rule.field, rule.key, rule.pattern) for rule in self.rules if rule.kind is ClientKind.REST
+        ]
 
     def group_of(self, node: base_pb2.Node) -> NodeGroup:
         """The group of a gRPC stream's node: the first rule of a group not of kind rest that

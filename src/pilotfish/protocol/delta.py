@@ -168,7 +168,8 @@ class DeltaStream:
             raise PeerOverLimit(
                 f"this {rtype.short} delta request names {count:,} resources, over the limit of "
                 f"{limits.max_resource_names:,} per request (XdsLimits.max_resource_names): subscribe to "
-                "fewer at a time, or raise the limit")
+                "fewer at a time, or raise the limit"
+            )
         if self.node is None:
             self.node = kept_node(request.node, limits) if request.HasField("node") else base_pb2.Node()
 
@@ -185,8 +186,9 @@ class DeltaStream:
             self._subscribe(state, subscribe, unsubscribe)
 
         nonce = request.response_nonce
-        error = shorten(request.error_detail.message, limits.max_error_chars) if request.HasField(
-            "error_detail") else None
+        error = (
+            shorten(request.error_detail.message, limits.max_error_chars) if request.HasField("error_detail") else None
+        )
         version = None
         if not nonce:
             kind = DeltaKind.REQUEST
@@ -203,8 +205,16 @@ class DeltaStream:
             clusters = self.types.get(CLUSTER.url)
             if clusters is not None and clusters.started:
                 watches += (self._watch(clusters),)  # clusters held back for the routes may now go
-        return DeltaOutcome(kind, type_url, shorten(nonce, limits.echo_chars), error, tuple(subscribe),
-                            tuple(unsubscribe), watches, version)
+        return DeltaOutcome(
+            kind,
+            type_url,
+            shorten(nonce, limits.echo_chars),
+            error,
+            tuple(subscribe),
+            tuple(unsubscribe),
+            watches,
+            version,
+        )
 
     def _subscribe(self, state: DeltaTypeState, subscribe: Iterable[str], unsubscribe: Iterable[str]) -> None:
         names = set(state.names)
@@ -228,7 +238,8 @@ class DeltaStream:
             raise PeerOverLimit(
                 f"this stream subscribes to {len(names):,} {state.type_url.rsplit('.', 1)[-1]} names, over "
                 f"the limit of {self.limits.max_resource_names:,} (XdsLimits.max_resource_names): "
-                "unsubscribe from some, or raise the limit")
+                "unsubscribe from some, or raise the limit"
+            )
         if forgotten:
             # The client no longer runs what it unsubscribed from: it counts neither as had nor as
             # ACKed (a listener it dropped must not hold back the removal of a cluster it used,

@@ -65,7 +65,8 @@ def kept_node(node: base_pb2.Node, limits: XdsLimits) -> base_pb2.Node:
         raise PeerError(
             f"node.id {shorten(node.id, limits.echo_chars)!r} is {len(node.id):,} characters long, over the "
             f"limit of {limits.max_node_id_chars:,} (XdsLimits.max_node_id_chars): give the proxy a shorter "
-            "node id (Envoy: --service-node or node.id in its bootstrap)")
+            "node id (Envoy: --service-node or node.id in its bootstrap)"
+        )
     kept = base_pb2.Node(id=node.id, cluster=node.cluster, user_agent_name=node.user_agent_name)
     if node.HasField("metadata"):
         kept.metadata.CopyFrom(node.metadata)
@@ -81,7 +82,8 @@ def kept_node(node: base_pb2.Node, limits: XdsLimits) -> base_pb2.Node:
         raise PeerOverLimit(
             f"node {shorten(node.id, limits.echo_chars)!r}: its id, cluster, metadata, locality and user agent "
             f"take {size:,} bytes, over the limit of {limits.max_node_bytes:,} (XdsLimits.max_node_bytes): "
-            "send less node metadata, or raise the limit")
+            "send less node metadata, or raise the limit"
+        )
     return kept
 
 
@@ -93,10 +95,14 @@ def requested_type(type_url: str, served: TypeUrl | None, limits: XdsLimits) -> 
     if not url:
         raise PeerError("an aggregated (ADS) request must carry type_url")
     if served is not None and url != served:
-        raise PeerError(f"this stream serves {served}, not {shorten(url, limits.echo_chars)!r}: "
-                        "send that type on its own service or on ADS")
+        raise PeerError(
+            f"this stream serves {served}, not {shorten(url, limits.echo_chars)!r}: "
+            "send that type on its own service or on ADS"
+        )
     rtype = type_by_url(url)
     if rtype is None:
-        raise PeerError(f"unsupported type_url {shorten(url, limits.echo_chars)!r}: pilotfish serves "
-                        "the v3 Cluster, ClusterLoadAssignment, Listener, RouteConfiguration and Secret types")
+        raise PeerError(
+            f"unsupported type_url {shorten(url, limits.echo_chars)!r}: pilotfish serves "
+            "the v3 Cluster, ClusterLoadAssignment, Listener, RouteConfiguration and Secret types"
+        )
     return url, rtype

@@ -57,14 +57,17 @@ def read_poll(request: discovery_pb2.DiscoveryRequest, rtype: ResourceType, limi
     """Check a request POSTed to ``rtype``'s path. Raises :class:`PeerError` naming the field at
     fault (:class:`PeerOverLimit` when over a limit)."""
     if request.type_url and request.type_url != rtype.url:
-        raise PeerError(f"type_url {shorten(request.type_url, limits.echo_chars)!r} is not the type of this path "
-                        f"({rtype.url}): POST it to the path of its type, or leave type_url out")
+        raise PeerError(
+            f"type_url {shorten(request.type_url, limits.echo_chars)!r} is not the type of this path "
+            f"({rtype.url}): POST it to the path of its type, or leave type_url out"
+        )
     count = len(request.resource_names)
     if count > limits.max_resource_names:
         raise PeerOverLimit(
             f"resource_names: this {rtype.short} poll names {count:,} resources, over the limit of "
             f"{limits.max_resource_names:,} per request (XdsLimits.max_resource_names): subscribe to fewer, "
-            "or raise the limit")
+            "or raise the limit"
+        )
     node = kept_node(request.node, limits)
     version_info = request.version_info
     if len(version_info) > limits.max_version_chars:

@@ -184,12 +184,14 @@ class SotwStream:
                 raise PeerError(f"undecodable DiscoveryRequest: {exc}") from None
         type_url = request.type_url
         # Not for a made-up type_url of megabytes: the span encodes (and caches a few) type URLs.
-        names_wire = (request_names_span(data, type_url, request.response_nonce)
-                      if len(type_url) <= _TYPE_URL_CHARS else None)
+        names_wire = (
+            request_names_span(data, type_url, request.response_nonce) if len(type_url) <= _TYPE_URL_CHARS else None
+        )
         return DecodedRequest(request, names_wire)
 
-    def on_request(self, request: discovery_pb2.DiscoveryRequest, *, names_wire: bytes | None = None,
-                   names_as_before: bool = False) -> RequestOutcome:
+    def on_request(
+        self, request: discovery_pb2.DiscoveryRequest, *, names_wire: bytes | None = None, names_as_before: bool = False
+    ) -> RequestOutcome:
         """Classify a request and decide what to watch. Raises :class:`PeerError` on bad input.
 
         ``names_wire``: the encoded bytes of the request's ``resource_names``, if the caller has
@@ -201,8 +203,9 @@ class SotwStream:
         type_url = state.type_url
         nonce = request.response_nonce
         if nonce and nonce != state.nonce:
-            return RequestOutcome(RequestKind.STALE, type_url, version_info, shorten(nonce, limits.echo_chars),
-                                  error, ())
+            return RequestOutcome(
+                RequestKind.STALE, type_url, version_info, shorten(nonce, limits.echo_chars), error, ()
+            )
 
         previous = state.subscription
         if names_as_before:
@@ -212,7 +215,9 @@ class SotwStream:
             subscription = previous
         else:
             subscription = next_subscription(
-                request.resource_names, wildcard_capable=state.wildcard_capable, ever_named=state.ever_named,
+                request.resource_names,
+                wildcard_capable=state.wildcard_capable,
+                ever_named=state.ever_named,
                 wire=names_wire,
             )
             if subscription.names:
@@ -275,7 +280,8 @@ class SotwStream:
             raise PeerOverLimit(
                 f"this {rtype.short} request names {count:,} resources, over the limit of "
                 f"{limits.max_resource_names:,} per request (XdsLimits.max_resource_names): subscribe to "
-                "fewer, or raise the limit")
+                "fewer, or raise the limit"
+            )
         if self.node is None:
             # Envoy may send the node only on a stream's first request.
             self.node = kept_node(request.node, limits) if request.HasField("node") else base_pb2.Node()
@@ -285,8 +291,9 @@ class SotwStream:
         state = self.types.get(type_url)
         if state is None:
             state = self.types[type_url] = TypeState(type_url, wildcard_capable=rtype.wildcard)
-        error = shorten(request.error_detail.message, limits.max_error_chars) if request.HasField(
-            "error_detail") else None
+        error = (
+            shorten(request.error_detail.message, limits.max_error_chars) if request.HasField("error_detail") else None
+        )
         return state, version_info, error
 
     def _routing_acked(self) -> tuple[str | None, str | None]:

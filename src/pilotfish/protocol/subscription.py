@@ -102,10 +102,12 @@ def _list_cost(names: Collection[str]) -> int:
 def interned_size() -> tuple[int, int]:
     """(entries, estimated bytes) the intern tables hold now, live entries: for tests and metrics."""
     entries = len(_NAME_SETS.refs) + len(_BY_WIRE.refs) + len(_SUBSCRIPTIONS.refs) + len(_SETS.refs)
-    size = (sum(_list_cost(key) for key in list(_NAME_SETS.refs))
-            + sum(len(key) + _PER_NAME * ref.count for key, ref in list(_BY_WIRE.refs.items()))
-            + sum(_list_cost(names) for _, names in list(_SUBSCRIPTIONS.refs))
-            + sum(_list_cost(names) for ref in list(_SETS.refs.values()) if (names := ref()) is not None))
+    size = (
+        sum(_list_cost(key) for key in list(_NAME_SETS.refs))
+        + sum(len(key) + _PER_NAME * ref.count for key, ref in list(_BY_WIRE.refs.items()))
+        + sum(_list_cost(names) for _, names in list(_SUBSCRIPTIONS.refs))
+        + sum(_list_cost(names) for ref in list(_SETS.refs.values()) if (names := ref()) is not None)
+    )
     return entries, size
 
 

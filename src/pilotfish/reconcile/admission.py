@@ -34,8 +34,9 @@ class Admission:
     """Checks proposed states against ``states`` (every source's current state, as the reconciler
     holds it). ``labels``: how problems name each source (e.g. "file" -> the file's path)."""
 
-    def __init__(self, states: Mapping[str, DesiredState], trial: Trial, *,
-                 labels: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, states: Mapping[str, DesiredState], trial: Trial, *, labels: Mapping[str, str] | None = None
+    ) -> None:
         self._states = states
         self._trial = trial
         self._labels = dict(labels or {})
@@ -60,8 +61,10 @@ class Admission:
         if a.services != b.services or a.version != b.version or a.resources != b.resources:
             return False
         others = [state for name, state in self._states.items() if name != source]
-        return all(name in b.services or any(name in o.services or name in o.endpoints for o in others)
-                   for name in a.endpoints.keys() ^ b.endpoints.keys())
+        return all(
+            name in b.services or any(name in o.services or name in o.endpoints for o in others)
+            for name in a.endpoints.keys() ^ b.endpoints.keys()
+        )
 
 
 _SERVICE_MENTION = re.compile(r"services\.([\w.-]+)")
@@ -70,6 +73,7 @@ _RESOURCE_MENTION = re.compile(r"\b(" + "|".join(t.key for t in TYPES) + r")\[(\
 
 def _attributed(problem: Problem, states: Mapping[str, DesiredState], labels: Mapping[str, str]) -> Problem:
     """``problem`` with the sources of the services and raw resources it names appended."""
+
     def label(source: str) -> str:
         return labels.get(source, source)
 

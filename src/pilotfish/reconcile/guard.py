@@ -51,8 +51,13 @@ def endpoint_counts(merged: Merged) -> dict[str, int]:
     return counts
 
 
-def blast_radius(previous: Snapshot, new: Snapshot, previous_endpoints: dict[str, int],
-                 new_endpoints: dict[str, int], settings: GuardSettings) -> tuple[list[str], dict[str, dict[str, int]]]:
+def blast_radius(
+    previous: Snapshot,
+    new: Snapshot,
+    previous_endpoints: dict[str, int],
+    new_endpoints: dict[str, int],
+    settings: GuardSettings,
+) -> tuple[list[str], dict[str, dict[str, int]]]:
     """Why publishing ``new`` over ``previous`` removes too much (empty: it does not), and the
     counts before and after of what it removes. Pure."""
     reasons: list[str] = []
@@ -71,16 +76,22 @@ def blast_radius(previous: Snapshot, new: Snapshot, previous_endpoints: dict[str
         if after == 0 and rtype in (LISTENER, CLUSTER):
             reasons.append(f"it removes every {rtype.key[:-1]} ({before})")
         elif before >= settings.min_count and removed > settings.max_removed_share * before:
-            reasons.append(f"it removes {removed} of {before} {rtype.key} "
-                           f"(more than {settings.max_removed_share:.0%} at once)")
+            reasons.append(
+                f"it removes {removed} of {before} {rtype.key} (more than {settings.max_removed_share:.0%} at once)"
+            )
     share, least = settings.max_removed_share, settings.min_count
-    shrunk = [name for name, before in previous_endpoints.items()
-              if before >= least and before - new_endpoints.get(name, 0) > share * before]
+    shrunk = [
+        name
+        for name, before in previous_endpoints.items()
+        if before >= least and before - new_endpoints.get(name, 0) > share * before
+    ]
     for name in sorted(shrunk):
         before, after = previous_endpoints[name], new_endpoints.get(name, 0)
         counts[f"endpoints of {name}"] = {"before": before, "after": after, "removed": before - after}
-        reasons.append(f"it removes {before - after} of the {before} endpoints of {name!r} "
-                       f"(more than {settings.max_removed_share:.0%} at once)")
+        reasons.append(
+            f"it removes {before - after} of the {before} endpoints of {name!r} "
+            f"(more than {settings.max_removed_share:.0%} at once)"
+        )
     return reasons, counts
 
 
@@ -102,15 +113,22 @@ class Held:
 
     def same_content(self, snapshots: Mapping[NodeGroup, Snapshot]) -> bool:
         return self.snapshots.keys() == snapshots.keys() and all(
-            held.same_content(snapshots[group]) for group, held in self.snapshots.items())
+            held.same_content(snapshots[group]) for group, held in self.snapshots.items()
+        )
 
 
 class Guard:
     """What the guard holds, and how the operator is told. ``current``: a group's published
     snapshot (the cache's); ``confirm_hint``: how the operator confirms (printed with a hold)."""
 
-    def __init__(self, settings: GuardSettings | None = None, *, current: Callable[[NodeGroup], Snapshot | None],
-                 events: EventLog | None = None, confirm_hint: str | Callable[[], str] = "") -> None:
+    def __init__(
+        self,
+        settings: GuardSettings | None = None,
+        *,
+        current: Callable[[NodeGroup], Snapshot | None],
+        events: EventLog | None = None,
+        confirm_hint: str | Callable[[], str] = "",
+    ) -> None:
         self.settings = settings or GuardSettings()
         self._current = current
         self._events = events or EventLog()
@@ -126,8 +144,9 @@ class Guard:
         hint = self._confirm_hint
         return hint if isinstance(hint, str) else hint()
 
-    def assess(self, changed: Mapping[NodeGroup, Snapshot], published_endpoints: dict[str, int],
-               endpoints: dict[str, int]) -> tuple[list[str], dict[str, dict[str, int]]]:
+    def assess(
+        self, changed: Mapping[NodeGroup, Snapshot], published_endpoints: dict[str, int], endpoints: dict[str, int]
+    ) -> tuple[list[str], dict[str, dict[str, int]]]:
         """Why publishing ``changed`` (each group's new snapshot) removes too much (empty: it
         does not, or the guard is off), and the counts of what it removes. The default group
         first: a reason every group shares is said once, plainly."""
@@ -140,8 +159,7 @@ class Guard:
             current = self._current(group)
             if current is None:
                 continue
-            found, found_counts = blast_radius(current, changed[group], published_endpoints, endpoints,
-                                               self.settings)
+            found, found_counts = blast_radius(current, changed[group], published_endpoints, endpoints, self.settings)
             prefix = "" if group == DEFAULT_GROUP else f"node group {group}: "
             reasons.extend(prefix + reason for reason in found if reason not in seen)
             seen.update(found)
@@ -149,8 +167,14 @@ class Guard:
                 counts.setdefault(what, count)
         return reasons, counts
 
-    def hold(self, snapshots: Mapping[NodeGroup, Snapshot], reasons: list[str], counts: dict[str, dict[str, int]],
-             endpoints: dict[str, int], tables: Mapping[str, IndexTable]) -> None:
+    def hold(
+        self,
+        snapshots: Mapping[NodeGroup, Snapshot],
+        reasons: list[str],
+        counts: dict[str, dict[str, int]],
+        endpoints: dict[str, int],
+        tables: Mapping[str, IndexTable],
+    ) -> None:
         """Keep ``snapshots`` back, and say so (once per content)."""
         if self.held is not None and self.held.same_content(snapshots):
             return  # already held and reported
@@ -160,8 +184,13 @@ class Guard:
         self._events.emit("snapshot_held", version=snapshot.label(), reasons=reasons, counts=counts)
         hint = self.confirm_hint
         hint = f"\nto publish it anyway: {hint}" if hint else ""
-        _log.error("snapshot %s is HELD, not published: %s.\nstill serving the last good snapshot; if this is "
-                   "a mistake, fix the source and it is dropped%s", snapshot.label(), "; ".join(reasons), hint)
+        _log.error(
+            "snapshot %s is HELD, not published: %s.\nstill serving the last good snapshot; if this is "
+            "a mistake, fix the source and it is dropped%s",
+            snapshot.label(),
+            "; ".join(reasons),
+            hint,
+        )
 
     def release(self, why: str) -> None:
         """Drop what is held (the sources changed again), saying ``why``."""
@@ -177,8 +206,13 @@ class Guard:
         if held is None:
             return None
         self.held = None
-        self._events.emit("snapshot_confirmed", version=held.snapshot.label(), reasons=list(held.reasons),
-                          **({"by": by} if by else {}))
-        _log.warning("publishing snapshot %s as confirmed by the operator (%s)", held.snapshot.label(),
-                     "; ".join(held.reasons))
+        self._events.emit(
+            "snapshot_confirmed",
+            version=held.snapshot.label(),
+            reasons=list(held.reasons),
+            **({"by": by} if by else {}),
+        )
+        _log.warning(
+            "publishing snapshot %s as confirmed by the operator (%s)", held.snapshot.label(), "; ".join(held.reasons)
+        )
         return held

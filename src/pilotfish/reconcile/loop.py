@@ -239,11 +239,19 @@ class Reconciler:
     def _source_names(self) -> str:
         return " + ".join(self._labels.get(name, name) for name in sorted(self._states)) or "no sources"
 
-    def _snapshots(self, merged: Merged, sources: str, tables: Mapping[str, IndexTable], *,
-                   memo: ResourceMemo) -> dict[NodeGroup, Snapshot]:
-        return build_snapshots(merged, sources, self._groups, memo=memo, rules=self._rules,
-                               rest_refresh=self._rest_refresh, subsets=tables,
-                               subset_size=self.tables.default_size)
+    def _snapshots(
+        self, merged: Merged, sources: str, tables: Mapping[str, IndexTable], *, memo: ResourceMemo
+    ) -> dict[NodeGroup, Snapshot]:
+        return build_snapshots(
+            merged,
+            sources,
+            self._groups,
+            memo=memo,
+            rules=self._rules,
+            rest_refresh=self._rest_refresh,
+            subsets=tables,
+            subset_size=self.tables.default_size,
+        )
 
     def _trial(self, states: Mapping[str, DesiredState]) -> list[Problem]:
         """Build ``states`` merged, publishing nothing: the problems (admission's trial)."""
@@ -258,8 +266,9 @@ class Reconciler:
         if self.readiness.waiting_for():
             return None  # publishing now would serve "empty because not yet known"
         self.stats.builds += 1
-        merged, self._hold_until = self.damping.damped(merge_states(self._states, memo=self._merge_memo),
-                                                       self._clock.now())
+        merged, self._hold_until = self.damping.damped(
+            merge_states(self._states, memo=self._merge_memo), self._clock.now()
+        )
         tables = self.tables.for_build(merged)
         try:
             built = self._snapshots(merged, self._source_names(), tables, memo=self._memo)
@@ -274,9 +283,18 @@ class Reconciler:
                 continue
             if same_version and snapshot.explicit_version is not None:
                 # Proxies at that version would never be sent the new content: refuse, loudly.
-                self._refuse(ConfigError(self._source_names(), [Problem(
-                    "version", f"the content changed but the version is still {snapshot.explicit_version!r}: "
-                               "set a new version, or remove it to version by content")]))
+                self._refuse(
+                    ConfigError(
+                        self._source_names(),
+                        [
+                            Problem(
+                                "version",
+                                f"the content changed but the version is still {snapshot.explicit_version!r}: "
+                                "set a new version, or remove it to version by content",
+                            )
+                        ],
+                    )
+                )
             changed[group] = snapshot
         self.stats.last_error = None
         first = next(iter(snapshots.values()))
@@ -309,8 +327,9 @@ class Reconciler:
         _log.error("%s\nstill serving the last good snapshot", error.describe())
         raise error
 
-    def _publish(self, snapshots: Mapping[NodeGroup, Snapshot], endpoints: dict[str, int],
-                 tables: Mapping[str, IndexTable]) -> None:
+    def _publish(
+        self, snapshots: Mapping[NodeGroup, Snapshot], endpoints: dict[str, int], tables: Mapping[str, IndexTable]
+    ) -> None:
         """Hand each group's new snapshot to the cache; one ``snapshot_loaded`` event names the
         default group's (else the first changed group's) snapshot and, with several groups, each
         group's."""
@@ -319,15 +338,26 @@ class Reconciler:
         status = self._status
         if status is not None:  # before the fan-out: ACKs are measured from here
             for group, snapshot in snapshots.items():
-                status.published(group, label=snapshot.label(),
-                                 versions={url: ts.version for url, ts in snapshot.types.items()})
+                status.published(
+                    group, label=snapshot.label(), versions={url: ts.version for url, ts in snapshot.types.items()}
+                )
         answered = sum(self.cache.set_snapshot(snapshot, group) for group, snapshot in snapshots.items())
         pushed_ms = round((time.perf_counter() - started) * 1000, 3)
         self._published_endpoints = endpoints
         self.stats.published += 1
         shown = self.cache.snapshot(DEFAULT_GROUP) or next(iter(snapshots.values()))
         more = {"groups": {group: s.label() for group, s in snapshots.items()}} if len(self._groups) > 1 else {}
-        self._events.emit("snapshot_loaded", version=shown.label(), versions=shown.versions(),
-                          watches_answered=answered, push_ms=pushed_ms, **more)
-        _log.info("snapshot %s published (%s)%s", shown.label(), shown.versions(),
-                  f", node groups {', '.join(sorted(snapshots))}" if len(self._groups) > 1 else "")
+        self._events.emit(
+            "snapshot_loaded",
+            version=shown.label(),
+            versions=shown.versions(),
+            watches_answered=answered,
+            push_ms=pushed_ms,
+            **more,
+        )
+        _log.info(
+            "snapshot %s published (%s)%s",
+            shown.label(),
+            shown.versions(),
+            f", node groups {', '.join(sorted(snapshots))}" if len(self._groups) > 1 else "",
+        )

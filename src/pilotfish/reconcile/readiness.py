@@ -38,8 +38,13 @@ class Readiness:
     """Which expected sources have reported, and which are failing (see the module docstring).
     ``after``: source -> the source it is awaited after; ``wall_clock``: when a refusal happened."""
 
-    def __init__(self, expect: Iterable[str] = (), *, after: Mapping[str, str] | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        expect: Iterable[str] = (),
+        *,
+        after: Mapping[str, str] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._after = dict(after or {})
         self._expected = frozenset(expect) | self._after.keys()
         self._reported: set[str] = set()

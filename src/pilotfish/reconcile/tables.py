@@ -22,8 +22,9 @@ class SubsetTables:
     """The tables in force. ``default_size``: the subset size of services that set none (None:
     only those that do are subsetted)."""
 
-    def __init__(self, tables: Mapping[str, IndexTable] | None = None, *, shared: bool = False,
-                 default_size: int | None = None) -> None:
+    def __init__(
+        self, tables: Mapping[str, IndexTable] | None = None, *, shared: bool = False, default_size: int | None = None
+    ) -> None:
         self.tables: Mapping[str, IndexTable] = dict(tables or {})
         """The backend indices of each subsetted service, as last published (or as etcd has them)."""
         self.shared = shared

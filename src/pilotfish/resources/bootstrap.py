@@ -56,9 +56,19 @@ from typing import Any
 
 import yaml
 
-__all__ = ["DEFAULT_REST_REFRESH", "FAILOVER_OUTLIER_DETECTION", "XDS_CLUSTER", "BootstrapSettings", "bootstrap",
-           "bootstrap_yaml", "grpc_bootstrap", "grpc_bootstrap_json", "rest_config_source", "split_address",
-           "split_addresses"]
+__all__ = [
+    "DEFAULT_REST_REFRESH",
+    "FAILOVER_OUTLIER_DETECTION",
+    "XDS_CLUSTER",
+    "BootstrapSettings",
+    "bootstrap",
+    "bootstrap_yaml",
+    "grpc_bootstrap",
+    "grpc_bootstrap_json",
+    "rest_config_source",
+    "split_address",
+    "split_addresses",
+]
 
 XDS_CLUSTER = "xds_cluster"
 """The static cluster of a bootstrap that reaches pilotfish; REST config sources name it."""
@@ -175,13 +185,17 @@ class BootstrapSettings:
         if not self.refresh > 0:
             raise ValueError("the REST refresh delay must be positive")
         if self.rest is not None and self.lrs:
-            raise ValueError("--lrs needs a gRPC connection to the xDS port (load reports are a gRPC stream): "
-                             "it does not go with --rest")
+            raise ValueError(
+                "--lrs needs a gRPC connection to the xDS port (load reports are a gRPC stream): "
+                "it does not go with --rest"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("give both a TLS certificate and key (--tls-cert, --tls-key), or neither")
         if self.tls_ca is None and (self.tls_cert is not None or self.tls_server_name is not None):
-            raise ValueError("a client certificate or server name needs TLS: give --tls-ca FILE (the CA of "
-                             "pilotfish's certificate) too")
+            raise ValueError(
+                "a client certificate or server name needs TLS: give --tls-ca FILE (the CA of "
+                "pilotfish's certificate) too"
+            )
 
 
 def _tls_transport_socket(settings: BootstrapSettings, hosts: list[str]) -> dict[str, Any]:
@@ -192,16 +206,17 @@ def _tls_transport_socket(settings: BootstrapSettings, hosts: list[str]) -> dict
         "validation_context": {
             "trusted_ca": {"filename": settings.tls_ca},
             "match_typed_subject_alt_names": [
-                {"san_type": "IP_ADDRESS" if _is_ip(name) else "DNS", "matcher": {"exact": name}}
-                for name in names
+                {"san_type": "IP_ADDRESS" if _is_ip(name) else "DNS", "matcher": {"exact": name}} for name in names
             ],
         },
     }
     if settings.tls_cert is not None:
-        common["tls_certificates"] = [{
-            "certificate_chain": {"filename": settings.tls_cert},
-            "private_key": {"filename": settings.tls_key},
-        }]
+        common["tls_certificates"] = [
+            {
+                "certificate_chain": {"filename": settings.tls_cert},
+                "private_key": {"filename": settings.tls_key},
+            }
+        ]
     tls: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
         "common_tls_context": common,
@@ -255,10 +270,14 @@ def _xds_cluster(settings: BootstrapSettings, addresses: tuple[str, ...], *, htt
         }
     cluster["load_assignment"] = {
         "cluster_name": XDS_CLUSTER,
-        "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
-            for host, port in hosts
-        ]}],
+        "endpoints": [
+            {
+                "lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+                    for host, port in hosts
+                ]
+            }
+        ],
     }
     if len(hosts) > 1:
         cluster["outlier_detection"] = dict(FAILOVER_OUTLIER_DETECTION)
@@ -279,12 +298,14 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
                 "api_type": "DELTA_GRPC" if settings.delta else "GRPC",
                 "transport_api_version": "V3",
                 "set_node_on_first_message_only": True,
-                "grpc_services": [{
-                    "envoy_grpc": {
-                        "cluster_name": XDS_CLUSTER,
-                        "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}},
-                    },
-                }],
+                "grpc_services": [
+                    {
+                        "envoy_grpc": {
+                            "cluster_name": XDS_CLUSTER,
+                            "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}},
+                        },
+                    }
+                ],
             },
             "cds_config": {"ads": {}, "resource_api_version": "V3"},
             "lds_config": {"ads": {}, "resource_api_version": "V3"},
@@ -292,11 +313,13 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
         "static_resources": {"clusters": [_xds_cluster(settings, settings.xds_addresses, http2=True)]},
     }
     if settings.lrs:
-        config["cluster_manager"] = {"load_stats_config": {
-            "api_type": "GRPC",
-            "transport_api_version": "V3",
-            "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
-        }}
+        config["cluster_manager"] = {
+            "load_stats_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+            }
+        }
     return config
 
 
@@ -323,11 +346,15 @@ def grpc_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     TLS server name (it checks the host of ``xds``), so :attr:`BootstrapSettings.tls_server_name`
     is refused here."""
     if settings.tls_server_name is not None:
-        raise ValueError("a gRPC bootstrap cannot set the TLS server name: gRPC checks pilotfish's certificate "
-                         "against the host of --xds")
+        raise ValueError(
+            "a gRPC bootstrap cannot set the TLS server name: gRPC checks pilotfish's certificate "
+            "against the host of --xds"
+        )
     if settings.lrs:
-        raise ValueError("a gRPC client reports load for the clusters that ask it to (lrs_server in CDS), not "
-                         "from its bootstrap: leave out --lrs with --grpc")
+        raise ValueError(
+            "a gRPC client reports load for the clusters that ask it to (lrs_server in CDS), not "
+            "from its bootstrap: leave out --lrs with --grpc"
+        )
     creds: dict[str, Any] = {"type": "insecure"}
     if settings.tls_ca is not None:
         config = {"ca_certificate_file": settings.tls_ca}
@@ -335,8 +362,10 @@ def grpc_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
             config.update(certificate_file=settings.tls_cert, private_key_file=settings.tls_key)
         creds = {"type": "tls", "config": config}
     return {
-        "xds_servers": [{"server_uri": address, "channel_creds": [creds], "server_features": ["xds_v3"]}
-                        for address in settings.xds_addresses],
+        "xds_servers": [
+            {"server_uri": address, "channel_creds": [creds], "server_features": ["xds_v3"]}
+            for address in settings.xds_addresses
+        ],
         "node": {
             "id": settings.node_id,
             "cluster": settings.cluster,

@@ -64,8 +64,17 @@ from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, ResourceType
 from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, length_delimited
 
-__all__ = ["ClientKind", "ResourceMemo", "ServicesPatch", "build_api_listener", "build_assignment", "build_cluster",
-           "build_listener", "encode_for_views", "encode_services"]
+__all__ = [
+    "ClientKind",
+    "ResourceMemo",
+    "ServicesPatch",
+    "build_api_listener",
+    "build_assignment",
+    "build_cluster",
+    "build_listener",
+    "encode_for_views",
+    "encode_services",
+]
 
 
 class ClientKind(enum.Enum):
@@ -78,6 +87,7 @@ class ClientKind(enum.Enum):
     REST = "rest"
     """Envoys polling REST xDS: what ``ENVOY`` gets, with EDS and RDS through the REST config
     source instead of ADS."""
+
 
 _RETRY_ON = "connect-failure,refused-stream,reset-before-request"
 _HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -114,14 +124,16 @@ def build_cluster(spec: ServiceSpec, *, eds: config_source_pb2.ConfigSource | No
         lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
         ignore_health_on_host_removal=True,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=eds or _ads()),
-        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[
-            circuit_breaker_pb2.CircuitBreakers.Thresholds(
-                max_connections=wrappers_pb2.UInt32Value(value=100_000),
-                max_pending_requests=wrappers_pb2.UInt32Value(value=100_000),
-                max_requests=wrappers_pb2.UInt32Value(value=100_000),
-                max_retries=wrappers_pb2.UInt32Value(value=1_000),
-            ),
-        ]),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                    max_connections=wrappers_pb2.UInt32Value(value=100_000),
+                    max_pending_requests=wrappers_pb2.UInt32Value(value=100_000),
+                    max_requests=wrappers_pb2.UInt32Value(value=100_000),
+                    max_retries=wrappers_pb2.UInt32Value(value=1_000),
+                ),
+            ]
+        ),
         outlier_detection=outlier_detection_pb2.OutlierDetection(
             consecutive_5xx=wrappers_pb2.UInt32Value(value=5),
             interval=_duration(5),
@@ -138,13 +150,15 @@ def build_cluster(spec: ServiceSpec, *, eds: config_source_pb2.ConfigSource | No
         cluster.typed_extension_protocol_options[_HTTP_OPTIONS_KEY].CopyFrom(_packed(options))
     if spec.health_check is not None:
         check = spec.health_check
-        cluster.health_checks.append(health_check_pb2.HealthCheck(
-            timeout=_duration(check.timeout),
-            interval=_duration(check.interval),
-            unhealthy_threshold=wrappers_pb2.UInt32Value(value=check.unhealthy_threshold),
-            healthy_threshold=wrappers_pb2.UInt32Value(value=check.healthy_threshold),
-            http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=check.path),
-        ))
+        cluster.health_checks.append(
+            health_check_pb2.HealthCheck(
+                timeout=_duration(check.timeout),
+                interval=_duration(check.interval),
+                unhealthy_threshold=wrappers_pb2.UInt32Value(value=check.unhealthy_threshold),
+                healthy_threshold=wrappers_pb2.UInt32Value(value=check.healthy_threshold),
+                http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=check.path),
+            )
+        )
     return cluster
 
 
@@ -170,12 +184,20 @@ def build_assignment(name: str, endpoints: Iterable[Endpoint]) -> endpoint_pb2.C
         weights = {"": 1}
     return endpoint_pb2.ClusterLoadAssignment(
         cluster_name=name,
-        endpoints=[endpoint_components_pb2.LocalityLbEndpoints(
-            locality=base_pb2.Locality(zone=zone),
-            lb_endpoints=by_zone[zone],
-            load_balancing_weight=wrappers_pb2.UInt32Value(value=weights[zone]),
-        ) for zone in sorted(by_zone)] if ordered else [endpoint_components_pb2.LocalityLbEndpoints(
-            locality=base_pb2.Locality(), load_balancing_weight=wrappers_pb2.UInt32Value(value=1))],
+        endpoints=[
+            endpoint_components_pb2.LocalityLbEndpoints(
+                locality=base_pb2.Locality(zone=zone),
+                lb_endpoints=by_zone[zone],
+                load_balancing_weight=wrappers_pb2.UInt32Value(value=weights[zone]),
+            )
+            for zone in sorted(by_zone)
+        ]
+        if ordered
+        else [
+            endpoint_components_pb2.LocalityLbEndpoints(
+                locality=base_pb2.Locality(), load_balancing_weight=wrappers_pb2.UInt32Value(value=1)
+            )
+        ],
     )
 
 
@@ -185,30 +207,37 @@ def _route_config(spec: ServiceSpec) -> route_pb2.RouteConfiguration:
         timeout=_duration(spec.timeout),
     )
     if spec.retries:
-        action.retry_policy.CopyFrom(route_components_pb2.RetryPolicy(
-            retry_on=_RETRY_ON, num_retries=wrappers_pb2.UInt32Value(value=spec.retries),
-        ))
+        action.retry_policy.CopyFrom(
+            route_components_pb2.RetryPolicy(
+                retry_on=_RETRY_ON,
+                num_retries=wrappers_pb2.UInt32Value(value=spec.retries),
+            )
+        )
     return route_pb2.RouteConfiguration(
         name=spec.name,
-        virtual_hosts=[route_components_pb2.VirtualHost(
-            name=spec.name,
-            domains=["*"],
-            routes=[route_components_pb2.Route(
-                match=route_components_pb2.RouteMatch(prefix="/"),
-                route=action,
-            )],
-        )],
+        virtual_hosts=[
+            route_components_pb2.VirtualHost(
+                name=spec.name,
+                domains=["*"],
+                routes=[
+                    route_components_pb2.Route(
+                        match=route_components_pb2.RouteMatch(prefix="/"),
+                        route=action,
+                    )
+                ],
+            )
+        ],
     )
 
 
 def _connection_manager(
-    spec: ServiceSpec, rds: config_source_pb2.ConfigSource | None = None,
+    spec: ServiceSpec,
+    rds: config_source_pb2.ConfigSource | None = None,
 ) -> hcm_pb2.HttpConnectionManager:
     return hcm_pb2.HttpConnectionManager(
         stat_prefix=spec.name,
         rds=hcm_pb2.Rds(route_config_name=spec.name, config_source=rds or _ads()),
-        http_filters=[hcm_pb2.HttpFilter(name="envoy.filters.http.router",
-                                         typed_config=_packed(router_pb2.Router()))],
+        http_filters=[hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_packed(router_pb2.Router()))],
     )
 
 
@@ -269,8 +298,7 @@ def encode_assignment(name: str, endpoints: Iterable[Endpoint]) -> bytes:
 class _Service:
     """One service's resources for the views of a build, and what they were made from."""
 
-    __slots__ = ("api", "cluster", "every", "found", "rest_cluster", "rest_socket", "route", "socket", "spec",
-                 "zonal")
+    __slots__ = ("api", "cluster", "every", "found", "rest_cluster", "rest_socket", "route", "socket", "spec", "zonal")
 
     def __init__(self, spec: ServiceSpec, found: tuple[Endpoint, ...]) -> None:
         self.spec = spec
@@ -371,15 +399,24 @@ class ResourceMemo:
     def continues(self, patch: ServicesPatch | None) -> bool:
         """Whether ``patch`` starts from the very mappings the last build was made from."""
         made_from = self._made_from
-        return (patch is not None and made_from is not None and made_from[0] is patch.specs
-                and made_from[1] is patch.endpoints)
+        return (
+            patch is not None
+            and made_from is not None
+            and made_from[0] is patch.specs
+            and made_from[1] is patch.endpoints
+        )
 
     def services(self) -> Mapping[str, _Service]:
         """What the last build made of each service."""
         return self._services
 
-    def finish(self, names: tuple[str, ...], services: dict[str, _Service], lists: dict[_ListKey, list[Resource]],
-               made_from: tuple[Mapping[str, ServiceSpec], Mapping[str, Iterable[Endpoint]]]) -> None:
+    def finish(
+        self,
+        names: tuple[str, ...],
+        services: dict[str, _Service],
+        lists: dict[_ListKey, list[Resource]],
+        made_from: tuple[Mapping[str, ServiceSpec], Mapping[str, Iterable[Endpoint]]],
+    ) -> None:
         """End a build: its services and lists (and the mappings they were made from) are what
         the next one starts from."""
         self._names, self._services, self._lists, self._made_from = names, services, lists, made_from
@@ -444,9 +481,13 @@ def encode_for_views(
 class _ViewsBuild:
     """One :func:`encode_for_views`: what its views want, the services visited, the output lists."""
 
-    def __init__(self, memo: ResourceMemo, wanted: tuple[ViewKey, ...],
-                 rest_source: config_source_pb2.ConfigSource | None,
-                 endpoints: Mapping[str, Iterable[Endpoint]]) -> None:
+    def __init__(
+        self,
+        memo: ResourceMemo,
+        wanted: tuple[ViewKey, ...],
+        rest_source: config_source_pb2.ConfigSource | None,
+        endpoints: Mapping[str, Iterable[Endpoint]],
+    ) -> None:
         if rest_source is None and any(kind is ClientKind.REST for kind, _ in wanted):
             raise ValueError("a rest view needs the REST config source its clients poll (rest_source)")
         self.memo, self.wanted, self.rest_source, self.endpoints = memo, wanted, rest_source, endpoints
@@ -512,8 +553,11 @@ class _ViewsBuild:
             # Every kind gets the same routes (clients ask for routes by name, so one no listener
             # of theirs uses is never sent); made of the name, timeout and retries only, so a
             # change of listener settings keeps the route object.
-            if old is not None and old.route is not None and (old.spec.timeout, old.spec.retries) == (
-                    spec.timeout, spec.retries):
+            if (
+                old is not None
+                and old.route is not None
+                and (old.spec.timeout, old.spec.retries) == (spec.timeout, spec.retries)
+            ):
                 entry.route = old.route
             else:
                 entry.route = make(self._route, spec)
@@ -583,14 +627,20 @@ class _ViewsBuild:
             entries = self._entries
             if entries is None:
                 entries = self._entries = list(map(self.services.__getitem__, self.names))
-            picked = map(operator.attrgetter(key), entries) if isinstance(key, str) else (
-                entry.zonal[key] for entry in entries)
+            picked = (
+                map(operator.attrgetter(key), entries)
+                if isinstance(key, str)
+                else (entry.zonal[key] for entry in entries)
+            )
             made = [r for r in picked if r is not None]
         self._lists[key] = made
         return made
 
-    def outputs(self, specs: Mapping[str, ServiceSpec], endpoints: Mapping[str, Iterable[Endpoint]],
-                ) -> dict[ViewKey, dict[ResourceType, list[Resource]]]:
+    def outputs(
+        self,
+        specs: Mapping[str, ServiceSpec],
+        endpoints: Mapping[str, Iterable[Endpoint]],
+    ) -> dict[ViewKey, dict[ResourceType, list[Resource]]]:
         output = self._output
         ads_clusters = output("cluster") if self.want_ads else []
         rest_clusters = output("rest_cluster") if self.want_rest else []
@@ -607,6 +657,12 @@ class _ViewsBuild:
         }
         routes = output("route")
         self.memo.finish(self.names, self.services, self._lists, (specs, endpoints))
-        return {(kind, zone): {CLUSTER: rest_clusters if kind is ClientKind.REST else ads_clusters,
-                               ENDPOINT: by_zone[zone], LISTENER: by_kind[kind], ROUTE: routes}
-                for kind, zone in self.wanted}
+        return {
+            (kind, zone): {
+                CLUSTER: rest_clusters if kind is ClientKind.REST else ads_clusters,
+                ENDPOINT: by_zone[zone],
+                LISTENER: by_kind[kind],
+                ROUTE: routes,
+            }
+            for kind, zone in self.wanted
+        }

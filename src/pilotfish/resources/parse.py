@@ -53,8 +53,16 @@ def read_document(path: Path) -> Any:
     try:
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
-            raise ConfigError(source, [Problem("", f"the file is {size} bytes; the most pilotfish reads is "
-                                                   f"{MAX_FILE_BYTES} (split the configuration across sources)")])
+            raise ConfigError(
+                source,
+                [
+                    Problem(
+                        "",
+                        f"the file is {size} bytes; the most pilotfish reads is "
+                        f"{MAX_FILE_BYTES} (split the configuration across sources)",
+                    )
+                ],
+            )
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(source, [Problem("", f"cannot read: {exc.strerror or exc}")]) from exc
@@ -62,9 +70,15 @@ def read_document(path: Path) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(source, [Problem(
-            f"byte {exc.start} (line {line})",
-            f"not UTF-8 (byte 0x{data[exc.start]:02x}): save the file as UTF-8")]) from exc
+        raise ConfigError(
+            source,
+            [
+                Problem(
+                    f"byte {exc.start} (line {line})",
+                    f"not UTF-8 (byte 0x{data[exc.start]:02x}): save the file as UTF-8",
+                )
+            ],
+        ) from exc
     if not text.strip():
         raise ConfigError(source, [Problem("", _EMPTY.format(what="empty"))])
     try:
@@ -84,8 +98,10 @@ def read_document(path: Path) -> Any:
     return document
 
 
-_EMPTY = ("the file is {what}: refusing to read that as 'remove everything'. To serve nothing, write "
-          "the empty sections explicitly, e.g. 'clusters: []' and 'listeners: []'")
+_EMPTY = (
+    "the file is {what}: refusing to read that as 'remove everything'. To serve nothing, write "
+    "the empty sections explicitly, e.g. 'clusters: []' and 'listeners: []'"
+)
 
 
 def _short(error: Exception) -> str:
@@ -129,7 +145,7 @@ def parse_document(document: Any, source: str) -> ParsedDocument:
     raw_version = document.get("version")
     if raw_version is not None:
         if isinstance(raw_version, bool) or not isinstance(raw_version, str | int):
-            problems.append(Problem("version", "must be a string such as \"7\""))
+            problems.append(Problem("version", 'must be a string such as "7"'))
         else:
             version = str(raw_version)
             if not version:
@@ -137,8 +153,13 @@ def parse_document(document: Any, source: str) -> ParsedDocument:
 
     sections = ", ".join(t.key for t in TYPES)
     if not any(key == "services" or type_by_key(str(key)) is not None for key in document):
-        problems.append(Problem("", f"no section to serve: expected services or {sections} (to serve nothing, "
-                                    "write the empty sections explicitly, e.g. 'clusters: []')"))
+        problems.append(
+            Problem(
+                "",
+                f"no section to serve: expected services or {sections} (to serve nothing, "
+                "write the empty sections explicitly, e.g. 'clusters: []')",
+            )
+        )
     for key in document:
         if key not in ("version", "services") and type_by_key(str(key)) is None:
             problems.append(Problem(str(key), f"unknown section; expected version, services, {sections}"))
@@ -165,8 +186,10 @@ def parse_document(document: Any, source: str) -> ParsedDocument:
             name = getattr(message, rtype.name_field)
             if name in first_index:
                 problems.append(
-                    Problem(f"{where} ({rtype.name_field} {name!r})",
-                            f"duplicate name: {rtype.key}[{first_index[name]}] has the same {rtype.name_field}")
+                    Problem(
+                        f"{where} ({rtype.name_field} {name!r})",
+                        f"duplicate name: {rtype.key}[{first_index[name]}] has the same {rtype.name_field}",
+                    )
                 )
                 continue
             first_index[name] = index

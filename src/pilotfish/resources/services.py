@@ -188,8 +188,12 @@ def parse_endpoint(value: Any, where: str, problems: list[Problem]) -> Endpoint 
         metadata = tuple(sorted(metadata_value.items()))
     zone = value.get("zone", "")
     if not is_zone(zone):
-        problems.append(Problem(_where(where, "zone"), f"expected a zone name (letters, digits, '-', '_', '.', at most "
-                                                       f"{MAX_ZONE}), got {zone!r}"))
+        problems.append(
+            Problem(
+                _where(where, "zone"),
+                f"expected a zone name (letters, digits, '-', '_', '.', at most {MAX_ZONE}), got {zone!r}",
+            )
+        )
     if len(problems) > found or host is None or port is None or weight is None:
         return None
     return Endpoint(host, port, weight, metadata, zone)
@@ -204,8 +208,19 @@ def is_zone(value: Any) -> bool:
     return isinstance(value, str) and len(value) <= MAX_ZONE and all(c.isalnum() or c in "-_." for c in value)
 
 
-_SERVICE_FIELDS = ("listen", "protocol", "endpoints", "connect_timeout", "timeout", "retries",
-                   "upstream_protocol", "health_check", "grpc", "zone_local", "subset_size")
+_SERVICE_FIELDS = (
+    "listen",
+    "protocol",
+    "endpoints",
+    "connect_timeout",
+    "timeout",
+    "retries",
+    "upstream_protocol",
+    "health_check",
+    "grpc",
+    "zone_local",
+    "subset_size",
+)
 MAX_SUBSET = 1000
 """The largest ``subset_size`` accepted (a proxy connecting to more endpoints gains nothing by a subset)."""
 MAX_NAME = 253
@@ -218,10 +233,19 @@ def _grpc_target(value: Any, name: str, where: str, problems: list[Problem]) -> 
         return None
     if value is True:
         return name
-    if not isinstance(value, str) or not value or len(value) > MAX_NAME or not all(
-            c.isalnum() or c in "-_.:" for c in value):
-        problems.append(Problem(where, "expected true, false or the name gRPC clients resolve (xds:///NAME): "
-                                       f"letters, digits, '-', '_', '.' and ':', at most {MAX_NAME}, got {value!r}"))
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > MAX_NAME
+        or not all(c.isalnum() or c in "-_.:" for c in value)
+    ):
+        problems.append(
+            Problem(
+                where,
+                "expected true, false or the name gRPC clients resolve (xds:///NAME): "
+                f"letters, digits, '-', '_', '.' and ':', at most {MAX_NAME}, got {value!r}",
+            )
+        )
         return None
     return value
 
@@ -237,8 +261,9 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     if unknown:
         problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; expected {', '.join(_SERVICE_FIELDS)}"))
     if not name or len(name) > MAX_NAME or not all(c.isalnum() or c in "-_." for c in name):
-        problems.append(Problem(where, f"a service name uses letters, digits, '-', '_' and '.' only, at most "
-                                       f"{MAX_NAME} of them"))
+        problems.append(
+            Problem(where, f"a service name uses letters, digits, '-', '_' and '.' only, at most {MAX_NAME} of them")
+        )
     listen = None
     if value.get("listen") is not None:
         listen = _host_port(value["listen"], _where(where, "listen"), problems)
@@ -247,15 +272,19 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
         problems.append(Problem(_where(where, "protocol"), f"must be one of {', '.join(PROTOCOLS)}, got {protocol!r}"))
     upstream = value.get("upstream_protocol", "http1")
     if upstream not in UPSTREAM_PROTOCOLS:
-        problems.append(Problem(_where(where, "upstream_protocol"),
-                                f"must be one of {', '.join(UPSTREAM_PROTOCOLS)}, got {upstream!r}"))
+        problems.append(
+            Problem(
+                _where(where, "upstream_protocol"), f"must be one of {', '.join(UPSTREAM_PROTOCOLS)}, got {upstream!r}"
+            )
+        )
     connect_timeout = _seconds(value.get("connect_timeout", 1.0), _where(where, "connect_timeout"), problems)
     timeout = _seconds(value.get("timeout", 15.0), _where(where, "timeout"), problems, allow_zero=True)
     retries = _int(value.get("retries", 2), _where(where, "retries"), problems, 0, 10)
     grpc = _grpc_target(value.get("grpc"), name, _where(where, "grpc"), problems)
     if grpc is not None and protocol == "tcp":
-        problems.append(Problem(_where(where, "grpc"), "gRPC clients need protocol http (gRPC runs over HTTP/2), "
-                                                       "not tcp"))
+        problems.append(
+            Problem(_where(where, "grpc"), "gRPC clients need protocol http (gRPC runs over HTTP/2), not tcp")
+        )
     zone_local = value.get("zone_local", False)
     if not isinstance(zone_local, bool):
         problems.append(Problem(_where(where, "zone_local"), f"expected true or false, got {zone_local!r}"))
@@ -268,9 +297,19 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     endpoints = _endpoints(value.get("endpoints", []), where, problems)
     if problems or connect_timeout is None or timeout is None or retries is None:
         return None, (), problems
-    spec = ServiceSpec(name=name, listen=listen, protocol=protocol, connect_timeout=connect_timeout,
-                       timeout=timeout, retries=retries, upstream_protocol=upstream, health_check=health, grpc=grpc,
-                       zone_local=zone_local is True, subset_size=subset_size)
+    spec = ServiceSpec(
+        name=name,
+        listen=listen,
+        protocol=protocol,
+        connect_timeout=connect_timeout,
+        timeout=timeout,
+        retries=retries,
+        upstream_protocol=upstream,
+        health_check=health,
+        grpc=grpc,
+        zone_local=zone_local is True,
+        subset_size=subset_size,
+    )
     return spec, endpoints, problems
 
 
@@ -287,8 +326,11 @@ def _endpoints(raw: Any, where: str, problems: list[Problem]) -> tuple[Endpoint,
             continue
         if endpoint.address in seen:
             first = seen[endpoint.address]
-            problems.append(Problem(f"{where}.endpoints[{index}]",
-                                    f"{endpoint.address} is listed twice (first at endpoints[{first}])"))
+            problems.append(
+                Problem(
+                    f"{where}.endpoints[{index}]", f"{endpoint.address} is listed twice (first at endpoints[{first}])"
+                )
+            )
             continue
         seen[endpoint.address] = index
         endpoints.append(endpoint)
@@ -306,8 +348,9 @@ def _health_check(value: Any, where: str, problems: list[Problem]) -> HealthChec
         return None
     unknown = sorted(set(map(str, value)) - set(_HEALTH_CHECK_FIELDS))
     if unknown:
-        problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; "
-                                       f"expected {', '.join(_HEALTH_CHECK_FIELDS)}"))
+        problems.append(
+            Problem(where, f"unknown field(s) {', '.join(unknown)}; expected {', '.join(_HEALTH_CHECK_FIELDS)}")
+        )
         return None
     path = value.get("path", "/healthz")
     if not isinstance(path, str) or not path.startswith("/"):

@@ -80,12 +80,16 @@ _RESOURCE_NAME = 3
 
 def delta_resource(name: str, version: str, encoded_any: bytes) -> bytes:
     """An encoded ``discovery.v3.Resource``: name, version and the resource as an encoded Any."""
-    return (length_delimited(_RESOURCE_NAME, name.encode()) + length_delimited(_RESOURCE_VERSION, version.encode())
-            + length_delimited(_RESOURCE_ANY, encoded_any))
+    return (
+        length_delimited(_RESOURCE_NAME, name.encode())
+        + length_delimited(_RESOURCE_VERSION, version.encode())
+        + length_delimited(_RESOURCE_ANY, encoded_any)
+    )
 
 
-def delta_discovery_response(system_version: str, type_url: str, resources: Iterable[bytes],
-                             removed: Iterable[str]) -> bytes:
+def delta_discovery_response(
+    system_version: str, type_url: str, resources: Iterable[bytes], removed: Iterable[str]
+) -> bytes:
     """A DeltaDiscoveryResponse without its nonce (field 5, as in a DiscoveryResponse: a stream
     appends :func:`nonce_field`); ``resources`` are encoded ``Resource`` messages."""
     parts = [length_delimited(_DELTA_SYSTEM_VERSION, system_version.encode())]
@@ -120,8 +124,16 @@ def lb_endpoint(host: str, port: int, weight: int) -> bytes:
     port_bytes, weight_bytes = _varint(port), _varint(weight)
     size = 3 + len(raw_host) + len(port_bytes)  # of the SocketAddress
     if size < 124:  # every length below fits one byte: one formatting, no intermediate bytes
-        return _LB_ENDPOINT % (size + 4, size + 2, size, len(raw_host), raw_host, port_bytes,
-                               len(weight_bytes) + 1, weight_bytes)
+        return _LB_ENDPOINT % (
+            size + 4,
+            size + 2,
+            size,
+            len(raw_host),
+            raw_host,
+            port_bytes,
+            len(weight_bytes) + 1,
+            weight_bytes,
+        )
     socket = b"\x12" + small[len(raw_host)] + raw_host + b"\x18" + port_bytes
     address = b"\x0a" + small[len(socket)] + socket
     endpoint = b"\x0a" + small[len(address)] + address

@@ -182,21 +182,31 @@ class AckGate:
         not_sent = tuple(n for n in open_ if self._members[n].connected)
         if lost and len(lost) > self.settings.max_lost * len(self._members):
             shown = ", ".join(lost[:3]) + (", ..." if len(lost) > 3 else "")
-            return AckResult(Gate.FAIL, f"{len(lost)} of {len(self._members)} proxies disconnected before ACKing "
-                             f"({shown}); at most {self.settings.max_lost:.0%} may", lost=lost, not_sent=not_sent)
+            return AckResult(
+                Gate.FAIL,
+                f"{len(lost)} of {len(self._members)} proxies disconnected before ACKing "
+                f"({shown}); at most {self.settings.max_lost:.0%} may",
+                lost=lost,
+                not_sent=not_sent,
+            )
         return AckResult(Gate.PASS, lost=lost, not_sent=not_sent)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"started": self.started, "members": {
-            n: {"connected": m.connected, "sent": sorted(m.sent), "acked": sorted(m.acked)}
-            for n, m in sorted(self._members.items())}}
+        return {
+            "started": self.started,
+            "members": {
+                n: {"connected": m.connected, "sent": sorted(m.sent), "acked": sorted(m.acked)}
+                for n, m in sorted(self._members.items())
+            },
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], settings: AckSettings) -> AckGate:
         gate = cls((), float(data["started"]), settings)
         for node, member in dict(data["members"]).items():
-            gate._members[str(node)] = _Member(connected=bool(member["connected"]), sent=set(member["sent"]),
-                                               acked=set(member["acked"]))
+            gate._members[str(node)] = _Member(
+                connected=bool(member["connected"]), sent=set(member["sent"]), acked=set(member["acked"])
+            )
         return gate
 
 
@@ -222,8 +232,12 @@ class Counts:
         return self.errors / self.completed if self.completed else 0.0
 
     def __add__(self, other: Counts) -> Counts:
-        return Counts(self.successful + other.successful, self.errors + other.errors, self.issued + other.issued,
-                      self.dropped + other.dropped)
+        return Counts(
+            self.successful + other.successful,
+            self.errors + other.errors,
+            self.issued + other.issued,
+            self.dropped + other.dropped,
+        )
 
     def to_list(self) -> list[int]:
         return [self.successful, self.errors, self.issued, self.dropped]
@@ -254,8 +268,9 @@ class HealthSettings:
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_increase < 1:
-            raise ValueError(f"the error-ratio margin is in [0, 1) (0.01 is one percentage point), not "
-                             f"{self.max_increase}")
+            raise ValueError(
+                f"the error-ratio margin is in [0, 1) (0.01 is one percentage point), not {self.max_increase}"
+            )
         if self.max_factor is not None and not self.max_factor >= 1:
             raise ValueError(f"the error-ratio factor is at least 1, not {self.max_factor}")
         if self.min_requests < 1:
@@ -296,8 +311,13 @@ def _exceeds(wave: float, reference: float, settings: HealthSettings) -> bool:
     return settings.max_factor is None or wave > reference * settings.max_factor
 
 
-def judge_health(wave: Mapping[str, Counts], baseline: Mapping[str, Counts], settings: HealthSettings, *,
-                 before: Mapping[str, Counts] | None = None) -> HealthResult:
+def judge_health(
+    wave: Mapping[str, Counts],
+    baseline: Mapping[str, Counts],
+    settings: HealthSettings,
+    *,
+    before: Mapping[str, Counts] | None = None,
+) -> HealthResult:
     """Judge the wave's requests per cluster against the baseline's of the same window (``before``:
     the baseline's in the window before the wave, the reference when the baseline has too few)."""
     enough = settings.min_requests
@@ -307,31 +327,57 @@ def judge_health(wave: Mapping[str, Counts], baseline: Mapping[str, Counts], set
         reference, label = before, "baseline before the wave"
     reference_total = _sum(reference.values())
     if reference_total.completed < enough:
-        return HealthResult(Gate.NOT_ENOUGH, f"the baseline completed {reference_total.completed} requests, at least "
-                            f"{enough} are needed to compare with", wave=wave_total, reference=reference_total)
+        return HealthResult(
+            Gate.NOT_ENOUGH,
+            f"the baseline completed {reference_total.completed} requests, at least "
+            f"{enough} are needed to compare with",
+            wave=wave_total,
+            reference=reference_total,
+        )
     findings = []
     if wave_total.completed >= enough:
-        findings.append(Finding("", wave_total, reference_total, label,
-                                _exceeds(wave_total.ratio, reference_total.ratio, settings)))
+        findings.append(
+            Finding("", wave_total, reference_total, label, _exceeds(wave_total.ratio, reference_total.ratio, settings))
+        )
     for cluster in sorted(wave):
         counts = wave[cluster]
         if counts.completed < enough:
             continue
         own = reference.get(cluster)
         if own is not None and own.completed >= enough:
-            findings.append(Finding(cluster, counts, own, f"{label} on cluster {cluster}",
-                                    _exceeds(counts.ratio, own.ratio, settings)))
+            findings.append(
+                Finding(
+                    cluster, counts, own, f"{label} on cluster {cluster}", _exceeds(counts.ratio, own.ratio, settings)
+                )
+            )
         else:
-            findings.append(Finding(cluster, counts, reference_total, f"{label} overall",
-                                    _exceeds(counts.ratio, reference_total.ratio, settings)))
+            findings.append(
+                Finding(
+                    cluster,
+                    counts,
+                    reference_total,
+                    f"{label} overall",
+                    _exceeds(counts.ratio, reference_total.ratio, settings),
+                )
+            )
     failed = [f for f in findings if f.failed]
     if failed:
         worst = max(failed, key=lambda f: (f.wave.ratio - f.reference.ratio, bool(f.cluster)))  # a tie: the cluster
         where = f" on cluster {worst.cluster}" if worst.cluster else " overall"
         against = worst.against.removesuffix(f" on cluster {worst.cluster}") if worst.cluster else worst.against
-        return HealthResult(Gate.FAIL, f"error ratio {_percent(worst.wave.ratio)} vs {_percent(worst.reference.ratio)} "
-                            f"{against}{where}", tuple(findings), wave_total, reference_total)
+        return HealthResult(
+            Gate.FAIL,
+            f"error ratio {_percent(worst.wave.ratio)} vs {_percent(worst.reference.ratio)} {against}{where}",
+            tuple(findings),
+            wave_total,
+            reference_total,
+        )
     if wave_total.completed < enough:
-        return HealthResult(Gate.NOT_ENOUGH, f"the wave completed {wave_total.completed} requests, at least {enough} "
-                            "are needed to judge", tuple(findings), wave_total, reference_total)
+        return HealthResult(
+            Gate.NOT_ENOUGH,
+            f"the wave completed {wave_total.completed} requests, at least {enough} are needed to judge",
+            tuple(findings),
+            wave_total,
+            reference_total,
+        )
     return HealthResult(Gate.PASS, "", tuple(findings), wave_total, reference_total)

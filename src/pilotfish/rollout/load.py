@@ -49,8 +49,16 @@ from envoy.service.load_stats.v3 import lrs_pb2
 
 from pilotfish.rollout.gates import Counts
 
-__all__ = ["MAX_COUNT", "OTHER", "ClusterLoad", "Ingested", "LoadReport", "LoadSettings", "LoadStore",
-           "decode_load_report"]
+__all__ = [
+    "MAX_COUNT",
+    "OTHER",
+    "ClusterLoad",
+    "Ingested",
+    "LoadReport",
+    "LoadSettings",
+    "LoadStore",
+    "decode_load_report",
+]
 
 OTHER = "(other clusters)"
 """The series that clusters beyond a proxy's bounds are counted in."""
@@ -106,10 +114,18 @@ def decode_load_report(message: lrs_pb2.LoadStatsRequest) -> LoadReport:
         if stats.HasField("load_report_interval"):
             duration = stats.load_report_interval
             interval = max(0.0, duration.seconds + duration.nanos / 1e9)
-        clusters.append(ClusterLoad(
-            cluster=stats.cluster_name, service=stats.cluster_service_name, successful=_count(successful),
-            errors=_count(errors), issued=_count(issued), in_progress=_count(in_progress),
-            dropped=_count(stats.total_dropped_requests), interval=interval))
+        clusters.append(
+            ClusterLoad(
+                cluster=stats.cluster_name,
+                service=stats.cluster_service_name,
+                successful=_count(successful),
+                errors=_count(errors),
+                issued=_count(issued),
+                in_progress=_count(in_progress),
+                dropped=_count(stats.total_dropped_requests),
+                interval=interval,
+            )
+        )
     node_id = message.node.id if message.HasField("node") else None
     return LoadReport(node_id=node_id, clusters=tuple(clusters))
 
@@ -136,8 +152,10 @@ class LoadSettings:
 
     def __post_init__(self) -> None:
         if not (self.bucket > 0 and self.retention >= self.bucket and math.isfinite(self.retention)):
-            raise ValueError(f"load store: bucket {self.bucket} s and retention {self.retention} s: both positive, "
-                             "retention at least one bucket")
+            raise ValueError(
+                f"load store: bucket {self.bucket} s and retention {self.retention} s: both positive, "
+                "retention at least one bucket"
+            )
         if min(self.max_proxies, self.max_clusters, self.max_series, self.max_name, self.max_node_id) < 1:
             raise ValueError("load store: every bound must be at least 1")
 
@@ -238,7 +256,8 @@ class LoadStore:
         proxy = self._proxies.get(node_id)
         if proxy is None:
             if len(node_id) > self.settings.max_node_id or (
-                    len(self._proxies) >= self.settings.max_proxies and not self._evict(now)):
+                len(self._proxies) >= self.settings.max_proxies and not self._evict(now)
+            ):
                 self.refused += 1
                 return Ingested(kept=0, folded=0, refused=True)
             proxy = self._proxies[node_id] = _Proxy()
@@ -252,8 +271,9 @@ class LoadStore:
             else:
                 kept += 1
             start = now - min(load.interval, self.settings.retention)
-            series.add(math.floor(start / self.settings.bucket), load.successful, load.errors, load.issued,
-                       load.dropped)
+            series.add(
+                math.floor(start / self.settings.bucket), load.successful, load.errors, load.issued, load.dropped
+            )
             series.in_progress = load.in_progress
         self.folded += folded
         return Ingested(kept=kept, folded=folded, refused=False)
@@ -262,9 +282,12 @@ class LoadStore:
         series = proxy.series.get(cluster)
         if series is not None or cluster == OTHER:
             return series
-        if (not cluster or len(cluster) > self.settings.max_name
-                or len(proxy.series) - (OTHER in proxy.series) >= self.settings.max_clusters
-                or self._series >= self.settings.max_series):
+        if (
+            not cluster
+            or len(cluster) > self.settings.max_name
+            or len(proxy.series) - (OTHER in proxy.series) >= self.settings.max_clusters
+            or self._series >= self.settings.max_series
+        ):
             return None
         series = proxy.series[cluster] = _Series(self.settings.slots)
         self._series += 1

@@ -113,27 +113,39 @@ STATE_VERSION = 1
 _SHOWN = 10  # node ids listed in an event; the count says how many there were
 _OPERATOR = "operator"  # RolloutMachine.paused when the operator paused
 
-EVENTS: Mapping[str, tuple[str, tuple[str, ...]]] = MappingProxyType({
-    "rollout_baseline_set": ("the first change is the baseline of every proxy", ("baseline",)),
-    "rollout_started": ("a new candidate rolls out", ("candidate", "baseline", "waves", "types")),
-    "rollout_wave_started": ("a wave is served the candidate",
-                             ("candidate", "wave", "index", "proxies", "skipped", "skipped_proxies")),
-    "rollout_wave_acked": ("every member of the wave ACKed (or was dropped at the timeout); the bake starts",
-                           ("candidate", "wave", "proxies", "lost", "lost_proxies", "not_sent", "not_sent_proxies")),
-    "rollout_wave_passed": ("a wave passed its gates", ("candidate", "wave", "result", "error_ratio",
-                                                        "baseline_error_ratio", "requests")),
-    "rollout_completed": ("the last wave passed: the candidate is the baseline", ("candidate", "previous")),
-    "rollout_failed": ("a gate failed", ("candidate", "wave", "reason")),
-    "rollout_rolled_back": ("the proxies that had the candidate are served the baseline; the candidate is held",
-                            ("candidate", "baseline", "proxies", "reason")),
-    "rollout_superseded": ("a newer change replaced the candidate in progress", ("candidate", "by", "wave",
-                                                                                   "baseline")),
-    "rollout_held": ("a held candidate was offered again: not served", ("candidate", "reason")),
-    "rollout_paused": ("no further wave starts until resumed", ("candidate", "wave", "reason")),
-    "rollout_resumed": ("the operator resumed the rollout", ("candidate", "wave")),
-    "rollout_promoted": ("the operator sent the rollout to its next wave now", ("candidate", "wave", "phase")),
-    "rollout_aborted": ("the operator rolled the candidate back", ("candidate", "wave", "reason")),
-})
+EVENTS: Mapping[str, tuple[str, tuple[str, ...]]] = MappingProxyType(
+    {
+        "rollout_baseline_set": ("the first change is the baseline of every proxy", ("baseline",)),
+        "rollout_started": ("a new candidate rolls out", ("candidate", "baseline", "waves", "types")),
+        "rollout_wave_started": (
+            "a wave is served the candidate",
+            ("candidate", "wave", "index", "proxies", "skipped", "skipped_proxies"),
+        ),
+        "rollout_wave_acked": (
+            "every member of the wave ACKed (or was dropped at the timeout); the bake starts",
+            ("candidate", "wave", "proxies", "lost", "lost_proxies", "not_sent", "not_sent_proxies"),
+        ),
+        "rollout_wave_passed": (
+            "a wave passed its gates",
+            ("candidate", "wave", "result", "error_ratio", "baseline_error_ratio", "requests"),
+        ),
+        "rollout_completed": ("the last wave passed: the candidate is the baseline", ("candidate", "previous")),
+        "rollout_failed": ("a gate failed", ("candidate", "wave", "reason")),
+        "rollout_rolled_back": (
+            "the proxies that had the candidate are served the baseline; the candidate is held",
+            ("candidate", "baseline", "proxies", "reason"),
+        ),
+        "rollout_superseded": (
+            "a newer change replaced the candidate in progress",
+            ("candidate", "by", "wave", "baseline"),
+        ),
+        "rollout_held": ("a held candidate was offered again: not served", ("candidate", "reason")),
+        "rollout_paused": ("no further wave starts until resumed", ("candidate", "wave", "reason")),
+        "rollout_resumed": ("the operator resumed the rollout", ("candidate", "wave")),
+        "rollout_promoted": ("the operator sent the rollout to its next wave now", ("candidate", "wave", "phase")),
+        "rollout_aborted": ("the operator rolled the candidate back", ("candidate", "wave", "reason")),
+    }
+)
 """Every event the machine returns: what it means, and its fields (some only sometimes: the
 health figures of ``rollout_wave_passed``). The event log's contract takes these in when the
 machine is wired."""
@@ -146,8 +158,10 @@ def parse_rollout_types(text: str) -> frozenset[str]:
     for part in (p.strip().lower() for p in text.split(",")):
         if part not in names:
             known = ", ".join(t.short for t in TYPES)
-            raise ValueError(f"--rollout-types {text!r}: {part!r} is not a type; use {known} (or clusters, "
-                             f"endpoints, listeners, routes, secrets), comma-separated")
+            raise ValueError(
+                f"--rollout-types {text!r}: {part!r} is not a type; use {known} (or clusters, "
+                f"endpoints, listeners, routes, secrets), comma-separated"
+            )
         found.add(names[part])
     return frozenset(found)
 
@@ -278,8 +292,9 @@ class RolloutMachine:
     ``loads``: where the health gate reads requests (None, or ``settings.health`` None: no health
     gate). ``state``: a dict from :meth:`to_dict` to start from."""
 
-    def __init__(self, settings: RolloutSettings, *, loads: LoadWindow | None = None,
-                 state: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, settings: RolloutSettings, *, loads: LoadWindow | None = None, state: Mapping[str, Any] | None = None
+    ) -> None:
         self.settings = settings
         self._loads = loads
         self._connected: dict[str, _Proxy] = {}
@@ -299,8 +314,10 @@ class RolloutMachine:
         self.last_health: HealthResult | None = None
         needed = settings.ack.timeout + settings.bake
         if loads is not None and settings.health is not None and loads.retention < needed:
-            raise ValueError(f"the load store keeps {loads.retention:g} s of load reports, and a wave reads up to "
-                             f"its ACK timeout plus its bake time ({needed:g} s) of them: keep at least that much")
+            raise ValueError(
+                f"the load store keeps {loads.retention:g} s of load reports, and a wave reads up to "
+                f"its ACK timeout plus its bake time ({needed:g} s) of them: keep at least that much"
+            )
         if state is not None:
             self._restore(state)
 
@@ -351,14 +368,22 @@ class RolloutMachine:
                 frozen = self.paused == _OPERATOR
                 self._supersede(step, change_id)
                 self.candidate = change_id
-                step.event("rollout_started", candidate=change_id, baseline=self.baseline,
-                           waves=[w.name for w in self.settings.waves.waves],
-                           types=sorted(short_type(t) for t in rolled))
+                step.event(
+                    "rollout_started",
+                    candidate=change_id,
+                    baseline=self.baseline,
+                    waves=[w.name for w in self.settings.waves.waves],
+                    types=sorted(short_type(t) for t in rolled),
+                )
                 self._start_wave(step, 0, now)
                 if frozen:  # the operator's pause outlives the rollout it was given in, as a freeze
                     self.paused = _OPERATOR
-                    step.event("rollout_paused", candidate=change_id, wave=self.wave_name,
-                               reason="still paused by the operator: the superseded rollout was")
+                    step.event(
+                        "rollout_paused",
+                        candidate=change_id,
+                        wave=self.wave_name,
+                        reason="still paused by the operator: the superseded rollout was",
+                    )
                 self._advance(step, now)
                 step.decision = Decision.ROLL_OUT
         return step.done()
@@ -446,8 +471,7 @@ class RolloutMachine:
         rollout from the last wave."""
         self._refuse_idle("promote")
         with _Recorder(self) as step:
-            step.event("rollout_promoted", candidate=self.candidate, wave=self.wave_name,
-                       phase=self.phase.value)
+            step.event("rollout_promoted", candidate=self.candidate, wave=self.wave_name, phase=self.phase.value)
             self.paused, self._paused_for_traffic = None, False
             self._pass_wave(step, now, how="promoted by the operator")
             self._advance(step, now)
@@ -489,8 +513,9 @@ class RolloutMachine:
 
     def _supersede(self, step: _Recorder, by: str) -> None:
         if self.running:
-            step.event("rollout_superseded", candidate=self.candidate, by=by, wave=self.wave_name,
-                       baseline=self.baseline)
+            step.event(
+                "rollout_superseded", candidate=self.candidate, by=by, wave=self.wave_name, baseline=self.baseline
+            )
             self._stop()
 
     def _stop(self) -> None:
@@ -510,8 +535,15 @@ class RolloutMachine:
         if self._health_on and self._loads is not None:
             on_baseline = [n for n, p in self._connected.items() if p.wave >= index]
             self._before = self._loads.window(on_baseline, now - self.settings.bake, now)
-        step.event("rollout_wave_started", candidate=self.candidate, wave=self.wave_name, index=index,
-                   proxies=len(members), skipped=len(skipped), skipped_proxies=_node_list(skipped))
+        step.event(
+            "rollout_wave_started",
+            candidate=self.candidate,
+            wave=self.wave_name,
+            index=index,
+            proxies=len(members),
+            skipped=len(skipped),
+            skipped_proxies=_node_list(skipped),
+        )
 
     @property
     def _health_on(self) -> bool:
@@ -532,10 +564,16 @@ class RolloutMachine:
                 if result.verdict is Gate.PENDING:
                     return
                 self.phase, self.bake_started = Phase.BAKING, now
-                step.event("rollout_wave_acked", candidate=self.candidate, wave=self.wave_name,
-                           proxies=len(self._gate.members), lost=len(result.lost),
-                           lost_proxies=list(result.lost[:_SHOWN]), not_sent=len(result.not_sent),
-                           not_sent_proxies=list(result.not_sent[:_SHOWN]))
+                step.event(
+                    "rollout_wave_acked",
+                    candidate=self.candidate,
+                    wave=self.wave_name,
+                    proxies=len(self._gate.members),
+                    lost=len(result.lost),
+                    lost_proxies=list(result.lost[:_SHOWN]),
+                    not_sent=len(result.not_sent),
+                    not_sent_proxies=list(result.not_sent[:_SHOWN]),
+                )
                 continue
             health = self._judge(now)
             if health is not None and health.verdict is Gate.FAIL:
@@ -545,11 +583,20 @@ class RolloutMachine:
                 return
             if health is not None and health.verdict is Gate.NOT_ENOUGH and self.settings.too_little_traffic == "pause":
                 self.paused, self._paused_for_traffic = health.reason, True
-                step.event("rollout_paused", candidate=self.candidate, wave=self.wave_name,
-                           reason=f"wave {self.wave_name}: {health.reason}; promote to go on, abort to roll back")
+                step.event(
+                    "rollout_paused",
+                    candidate=self.candidate,
+                    wave=self.wave_name,
+                    reason=f"wave {self.wave_name}: {health.reason}; promote to go on, abort to roll back",
+                )
                 return
-            self._pass_wave(step, now, how="healthy" if health is not None and health.verdict is Gate.PASS
-                            else (f"health not judged: {health.reason}" if health is not None else "baked"))
+            self._pass_wave(
+                step,
+                now,
+                how="healthy"
+                if health is not None and health.verdict is Gate.PASS
+                else (f"health not judged: {health.reason}" if health is not None else "baked"),
+            )
 
     def _judge(self, now: float) -> HealthResult | None:
         if not self._health_on or self._gate is None:
@@ -586,8 +633,9 @@ class RolloutMachine:
         while len(self.held) > self.settings.max_held:
             self.held.popitem(last=False)
         had = [n for n, p in self._connected.items() if p.wave <= self.wave]
-        step.event("rollout_rolled_back", candidate=self.candidate, baseline=self.baseline, proxies=len(had),
-                   reason=full)
+        step.event(
+            "rollout_rolled_back", candidate=self.candidate, baseline=self.baseline, proxies=len(had), reason=full
+        )
         self.last_health = None
         self._stop()
 
@@ -612,16 +660,19 @@ class RolloutMachine:
         }
 
     @classmethod
-    def from_dict(cls, state: Mapping[str, Any], settings: RolloutSettings, *,
-                  loads: LoadWindow | None = None) -> RolloutMachine:
+    def from_dict(
+        cls, state: Mapping[str, Any], settings: RolloutSettings, *, loads: LoadWindow | None = None
+    ) -> RolloutMachine:
         return cls(settings, loads=loads, state=state)
 
     def _restore(self, state: Mapping[str, Any]) -> None:
         where = "stored rollout state"
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"{where}: version {version!r}, this pilotfish reads version {STATE_VERSION}; "
-                             "delete the key to start from the next change as the baseline")
+            raise ValueError(
+                f"{where}: version {version!r}, this pilotfish reads version {STATE_VERSION}; "
+                "delete the key to start from the next change as the baseline"
+            )
         try:
             self.baseline = None if state["baseline"] is None else str(state["baseline"])
             for entry in state["held"]:

@@ -102,8 +102,9 @@ def _share(text: str, whole: str) -> float:
     try:
         value = float(number)
     except ValueError:
-        raise ValueError(f"{FLAG} {whole!r}: {text!r} is not a share; write a percentage such as '5%' "
-                         f"({_EXAMPLE})") from None
+        raise ValueError(
+            f"{FLAG} {whole!r}: {text!r} is not a share; write a percentage such as '5%' ({_EXAMPLE})"
+        ) from None
     if not math.isfinite(value) or not 0 < value <= 100:
         raise ValueError(f"{FLAG} {whole!r}: {text!r}: a share is above 0% and at most 100%")
     return value / 100
@@ -124,26 +125,32 @@ def parse_waves(text: str) -> WavePlan:
             share = _share(part, text)
             previous = [w.share for w in waves if not w.named]
             if previous and share <= previous[-1]:
-                raise ValueError(f"{FLAG} {text!r}: {part!r} follows {previous[-1] * 100:g}%; shares are cumulative "
-                                 "and must increase (e.g. '5%,25%,100%')")
+                raise ValueError(
+                    f"{FLAG} {text!r}: {part!r} follows {previous[-1] * 100:g}%; shares are cumulative "
+                    "and must increase (e.g. '5%,25%,100%')"
+                )
             wave = Wave(name=f"{share * 100:g}%", share=share)
         else:
             name, sep, rule = part.partition("=")
             name, rule = name.strip(), rule.strip()
             if not sep or not name or not rule:
-                raise ValueError(f"{FLAG} {text!r}: {part!r} is neither NAME=PATTERN, NAME=group:GROUP nor a "
-                                 f"share like '5%' ({_EXAMPLE})")
+                raise ValueError(
+                    f"{FLAG} {text!r}: {part!r} is neither NAME=PATTERN, NAME=group:GROUP nor a "
+                    f"share like '5%' ({_EXAMPLE})"
+                )
             if not set(name) <= _NAME_CHARS:
-                raise ValueError(f"{FLAG} {text!r}: the wave name {name!r} uses letters, digits, '-', '_' and '.' "
-                                 "only")
+                raise ValueError(f"{FLAG} {text!r}: the wave name {name!r} uses letters, digits, '-', '_' and '.' only")
             if any(not w.named for w in waves):
-                raise ValueError(f"{FLAG} {text!r}: the named wave {name!r} follows a share; named waves come "
-                                 f"first ({_EXAMPLE})")
+                raise ValueError(
+                    f"{FLAG} {text!r}: the named wave {name!r} follows a share; named waves come first ({_EXAMPLE})"
+                )
             if rule.startswith("group:"):
                 group = rule.removeprefix("group:").strip()
                 if not group or not set(group) <= _NAME_CHARS:
-                    raise ValueError(f"{FLAG} {text!r}: {part!r}: a group name (as in --node-group) uses letters, "
-                                     "digits, '-', '_' and '.'")
+                    raise ValueError(
+                        f"{FLAG} {text!r}: {part!r}: a group name (as in --node-group) uses letters, "
+                        "digits, '-', '_' and '.'"
+                    )
                 wave = Wave(name=name, group=group)
             else:
                 wave = Wave(name=name, pattern=rule)
@@ -152,6 +159,7 @@ def parse_waves(text: str) -> WavePlan:
         names.add(wave.name)
         waves.append(wave)
     if waves[-1].named or waves[-1].share != 1.0:
-        raise ValueError(f"{FLAG} {text!r}: the last wave must be '100%' (every proxy gets the change in the end); "
-                         f"add ',100%'")
+        raise ValueError(
+            f"{FLAG} {text!r}: the last wave must be '100%' (every proxy gets the change in the end); add ',100%'"
+        )
     return WavePlan(tuple(waves))

@@ -93,7 +93,7 @@ class EtcdView:
         """Apply a key's new value; return the problem if it was left out."""
         self.delete(key)
         self.raw[key] = (value, lease)
-        rest = key[len(self.prefix):]
+        rest = key[len(self.prefix) :]
         kind, _, name = rest.partition("/")
         try:
             document: Any = json.loads(value)
@@ -109,8 +109,9 @@ class EtcdView:
         elif kind == "instances" and name.count("/") == 1 and all(name.split("/")):
             service = name.split("/")[0]
             ttl = document.pop("ttl", None) if isinstance(document, dict) else None
-            if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
-                                    or not math.isfinite(ttl) or ttl <= 0):
+            if ttl is not None and (
+                isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) or ttl <= 0
+            ):
                 problems.append(Problem("ttl", f"expected a positive number of seconds, got {ttl!r}"))
             endpoint = parse_endpoint(document, "", problems)
             if endpoint is not None and not problems:
@@ -120,8 +121,9 @@ class EtcdView:
                     self.ttls[key] = float(ttl)
                 return None
         else:
-            return self._bad(key, f"unknown key: expected {self.prefix}services/NAME or "
-                                  f"{self.prefix}instances/SERVICE/ID")
+            return self._bad(
+                key, f"unknown key: expected {self.prefix}services/NAME or {self.prefix}instances/SERVICE/ID"
+            )
         return self._bad(key, "; ".join(f"{p.where.lstrip('.') or 'value'}: {p.message}" for p in problems))
 
     def _bad(self, key: str, reason: str) -> str:
@@ -139,7 +141,7 @@ class EtcdView:
             del by_key[key]
             if not by_key:
                 del self._by_service[service]
-        rest = key[len(self.prefix):]
+        rest = key[len(self.prefix) :]
         kind, _, name = rest.partition("/")
         self._stale.add(name if kind == "services" else name.partition("/")[0])
         if kind == "services":
@@ -187,8 +189,9 @@ class EtcdView:
             endpoints[name] = tuple(sorted({e.address: e for e in found}.values()))
         self._stale.clear()
         last = self._last
-        self._last = DesiredState(services=dict(self.services), endpoints=dict(endpoints),
-                                  known=last.endpoints if last is not None else None)
+        self._last = DesiredState(
+            services=dict(self.services), endpoints=dict(endpoints), known=last.endpoints if last is not None else None
+        )
         return self._last
 
 
@@ -228,9 +231,11 @@ class EtcdSource:
 
     async def caught_up(self, revision: int, timeout: float) -> bool:
         """Wait until the view has applied ``revision``; False if ``timeout`` seconds pass first."""
+
         async def reached() -> None:
             async with self._advanced:
                 await self._advanced.wait_for(lambda: self.view.revision >= revision)
+
         if self.view.revision >= revision:
             return True
         try:
@@ -242,8 +247,13 @@ class EtcdSource:
     async def status(self) -> dict[str, Any]:
         """This replica's etcd revision, and how far it is behind etcd's latest change under the
         prefix (puts only: etcd keeps no record of deleted keys to compare with)."""
-        out: dict[str, Any] = {"endpoint": self.client.endpoint, "prefix": self.prefix, "revision": self.revision,
-                               "connected": self.problem is None, "problem": self.problem}
+        out: dict[str, Any] = {
+            "endpoint": self.client.endpoint,
+            "prefix": self.prefix,
+            "revision": self.revision,
+            "connected": self.problem is None,
+            "problem": self.problem,
+        }
         try:  # (within the keepalive: a health check must answer while etcd is stalled)
             revision, latest = await self.client.latest(self.prefix, timeout=self.keepalive / 2)
         except EtcdUnavailable as exc:
@@ -262,14 +272,22 @@ class EtcdSource:
     async def run(self) -> None:
         """List and watch until cancelled; on any failure, wait a little and start over."""
         try:
-            await follow_prefix(self.client, self.prefix, listed=self._listed, changed=self._changed, lost=self._lost,
-                                backoff=self._backoff, keepalive=self.keepalive)
+            await follow_prefix(
+                self.client,
+                self.prefix,
+                listed=self._listed,
+                changed=self._changed,
+                lost=self._lost,
+                backoff=self._backoff,
+                keepalive=self.keepalive,
+            )
         finally:
             await self.client.close()
 
     def _lost(self, exc: Exception) -> None:
-        expected = isinstance(exc, EtcdUnavailable | aiohttp.ClientError | OSError | ValueError | KeyError
-                              | TimeoutError)
+        expected = isinstance(
+            exc, EtcdUnavailable | aiohttp.ClientError | OSError | ValueError | KeyError | TimeoutError
+        )
         reason = (str(exc) or type(exc).__name__) if expected else f"internal error: {exc!r}"
         if not expected:
             _log.exception("etcd at %s: unexpected error; retrying", self.base)

@@ -20,10 +20,18 @@ from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import parse_document, read_document
 from pilotfish.snapshot import Snapshot
 
-__all__ = ["FileSignature", "file_signature", "load_desired", "load_snapshot", "read_desired", "watch_file",
-           "watch_snapshot_file"]
+__all__ = [
+    "FileSignature",
+    "file_signature",
+    "load_desired",
+    "load_snapshot",
+    "read_desired",
+    "watch_file",
+    "watch_snapshot_file",
+]
 
 _log = logging.getLogger("pilotfish.sources.file")
+
 
 def load_desired(path: Path) -> DesiredState:
     """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem."""
@@ -49,8 +57,9 @@ def file_signature(path: Path) -> FileSignature | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-async def watch_file(path: Path, *, quiet_ms: int = 20,
-                     loaded: FileSignature | None = None) -> AsyncGenerator[DesiredState | ConfigError, None]:
+async def watch_file(
+    path: Path, *, quiet_ms: int = 20, loaded: FileSignature | None = None
+) -> AsyncGenerator[DesiredState | ConfigError, None]:
     """Yield the file's new desired state (or the error that kept it out) on each change.
 
     ``quiet_ms``: how long the directory must be quiet before a burst of writes is read.
@@ -70,8 +79,13 @@ async def watch_file(path: Path, *, quiet_ms: int = 20,
     # With yield_on_timeout, an (empty) batch arrives each second without changes: the first one
     # says the watch is in place.
     async for changes in awatch(
-        path.parent, watch_filter=only_target, step=quiet_ms, debounce=1_000, recursive=False,
-        rust_timeout=1_000, yield_on_timeout=not caught_up,
+        path.parent,
+        watch_filter=only_target,
+        step=quiet_ms,
+        debounce=1_000,
+        recursive=False,
+        rust_timeout=1_000,
+        yield_on_timeout=not caught_up,
     ):
         if not caught_up:
             caught_up = True
@@ -80,9 +94,18 @@ async def watch_file(path: Path, *, quiet_ms: int = 20,
         elif not changes:
             continue
         if not path.exists():
-            yield ConfigError(target, [Problem("", (
-                "the file was deleted or moved away; still serving its last good content. Put it back to "
-                "change what is served (to serve nothing, write the empty sections, e.g. 'clusters: []')"))])
+            yield ConfigError(
+                target,
+                [
+                    Problem(
+                        "",
+                        (
+                            "the file was deleted or moved away; still serving its last good content. Put it back to "
+                            "change what is served (to serve nothing, write the empty sections, e.g. 'clusters: []')"
+                        ),
+                    )
+                ],
+            )
             continue
         yield await asyncio.to_thread(read_desired, path)
 
@@ -96,8 +119,10 @@ def read_desired(path: Path) -> DesiredState | ConfigError:
         return exc
     except Exception as exc:
         _log.exception("reading %s failed unexpectedly", path)
-        return ConfigError(str(path), [Problem("", f"internal error while reading the file ({exc!r}); "
-                                                   "still serving the last good content")])
+        return ConfigError(
+            str(path),
+            [Problem("", f"internal error while reading the file ({exc!r}); still serving the last good content")],
+        )
 
 
 async def watch_snapshot_file(path: Path, *, quiet_ms: int = 20) -> AsyncIterator[Snapshot | ConfigError]:

@@ -97,8 +97,9 @@ class SelfPreservation:
     recheck: float = 1.0
     """While paused, look again this often (seconds), besides on every heartbeat and change."""
 
-    def verdict(self, lapsed: Counter[str], ttl_instances: Counter[str],
-                recently_expired: Counter[str]) -> tuple[bool, list[str], int, int]:
+    def verdict(
+        self, lapsed: Counter[str], ttl_instances: Counter[str], recently_expired: Counter[str]
+    ) -> tuple[bool, list[str], int, int]:
         """Which services' lapsed instances to keep (the rule of the module docstring), from the
         counts per service of lapsed instances, of TTL instances (lapsed included) and of those
         expired within the window: (everywhere, the services held, instances lost within the
@@ -109,10 +110,12 @@ class SelfPreservation:
         total = sum(ttl_instances.values()) + sum(recently_expired.values())
         if lost >= self.min_lapsed and lost > self.share * total:
             return True, sorted(lapsed), lost, total
-        held = sorted(service for service, count in lapsed.items()
-                      if count + recently_expired[service] >= self.min_lapsed
-                      and count + recently_expired[service] > self.share * (ttl_instances[service]
-                                                                            + recently_expired[service]))
+        held = sorted(
+            service
+            for service, count in lapsed.items()
+            if count + recently_expired[service] >= self.min_lapsed
+            and count + recently_expired[service] > self.share * (ttl_instances[service] + recently_expired[service])
+        )
         return False, held, lost, total
 
 
@@ -167,9 +170,14 @@ class Preservation:
     """TTL instances, current plus expired within the window (overall)."""
 
     def describe(self) -> dict[str, Any]:
-        return {"everywhere": self.everywhere, "services": list(self.services[:20]),
-                "service_count": len(self.services), "lapsed": self.lapsed,
-                "lost_in_window": self.lost_in_window, "ttl_instances": self.ttl_instances}
+        return {
+            "everywhere": self.everywhere,
+            "services": list(self.services[:20]),
+            "service_count": len(self.services),
+            "lapsed": self.lapsed,
+            "lost_in_window": self.lost_in_window,
+            "ttl_instances": self.ttl_instances,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,9 +201,13 @@ def _spec_fields(spec: ServiceSpec) -> dict[str, Any]:
         "timeout": spec.timeout,
         "retries": spec.retries,
         "upstream_protocol": spec.upstream_protocol,
-        "health_check": None if spec.health_check is None else {
-            "path": spec.health_check.path, "interval": spec.health_check.interval,
-            "timeout": spec.health_check.timeout},
+        "health_check": None
+        if spec.health_check is None
+        else {
+            "path": spec.health_check.path,
+            "interval": spec.health_check.interval,
+            "timeout": spec.health_check.timeout,
+        },
         "grpc": spec.grpc,
         "zone_local": spec.zone_local,
         "subset_size": spec.subset_size,
@@ -229,10 +241,16 @@ def parse_registration(service: str, body: Any) -> tuple[Endpoint, float | None]
             else:
                 ttl = float(raw_ttl)
         metadata = body.get("metadata")
-        if isinstance(metadata, dict) and sum(len(str(k)) + len(str(v)) for k, v in metadata.items()) > \
-                MAX_METADATA_CHARS:
-            problems.append(Problem("metadata", f"keys and values may hold {MAX_METADATA_CHARS} characters "
-                                                "in all; keep large data elsewhere"))
+        if (
+            isinstance(metadata, dict)
+            and sum(len(str(k)) + len(str(v)) for k, v in metadata.items()) > MAX_METADATA_CHARS
+        ):
+            problems.append(
+                Problem(
+                    "metadata",
+                    f"keys and values may hold {MAX_METADATA_CHARS} characters in all; keep large data elsewhere",
+                )
+            )
     if not isinstance(body, dict):
         problems.append(Problem("", "the body must be a JSON object with address and port"))
         endpoint = None
@@ -257,8 +275,9 @@ def endpoint_document(endpoint: Endpoint, ttl: float | None) -> dict[str, Any]:
     return document
 
 
-def describe_services(names: list[str], specs: dict[str, ServiceSpec], instances: dict[str, list[Instance]],
-                      now: float) -> dict[str, Any]:
+def describe_services(
+    names: list[str], specs: dict[str, ServiceSpec], instances: dict[str, list[Instance]], now: float
+) -> dict[str, Any]:
     """The registry API's view of ``names``: definition fields and instances (sorted by id)."""
     out = {}
     for service in names:
@@ -319,8 +338,10 @@ class Registry:
 
     def _make_room_for_service(self, name: str) -> None:
         if not self.knows(name) and len(set(self._specs) | set(self._instances)) >= self.limits.max_services:
-            raise RegistryFull(f"the registry holds its limit of {self.limits.max_services} services "
-                               "(max_services): remove unused services or raise the limit")
+            raise RegistryFull(
+                f"the registry holds its limit of {self.limits.max_services} services "
+                "(max_services): remove unused services or raise the limit"
+            )
 
     # -- instances -------------------------------------------------------------------------
 
@@ -331,8 +352,10 @@ class Registry:
         if endpoint.address not in by_id:
             self._make_room_for_service(service)
             if self._instance_count >= self.limits.max_instances:
-                raise RegistryFull(f"the registry holds its limit of {self.limits.max_instances} instances "
-                                   "(max_instances): deregister unused instances or raise the limit")
+                raise RegistryFull(
+                    f"the registry holds its limit of {self.limits.max_instances} instances "
+                    "(max_instances): deregister unused instances or raise the limit"
+                )
         now = self._clock()
         instance = Instance(service, endpoint, ttl, None if ttl is None else now + ttl)
         self._put(instance)
@@ -418,8 +441,10 @@ class Registry:
                     if instance.expires <= now:
                         lapsed.setdefault(service, []).append(instance)
         everywhere, held, lost, ttl_total = rule.verdict(
-            Counter({service: len(found) for service, found in lapsed.items()}), ttl_per_service,
-            Counter(service for _, service in self._recent))
+            Counter({service: len(found) for service, found in lapsed.items()}),
+            ttl_per_service,
+            Counter(service for _, service in self._recent),
+        )
         expired: list[Instance] = []
         for service, found in lapsed.items():
             if service in held:
@@ -430,18 +455,33 @@ class Registry:
                 expired.append(instance)
         before = self._preservation
         self._recheck_at = now + rule.recheck
-        self._preservation = None if not held else Preservation(
-            everywhere=everywhere, services=tuple(held), lapsed=sum(len(lapsed[s]) for s in held),
-            lost_in_window=lost, ttl_instances=ttl_total)
-        return ExpiryPass(expired, self._preservation,
-                          entered=before is None and self._preservation is not None,
-                          exited=before is not None and self._preservation is None)
+        self._preservation = (
+            None
+            if not held
+            else Preservation(
+                everywhere=everywhere,
+                services=tuple(held),
+                lapsed=sum(len(lapsed[s]) for s in held),
+                lost_in_window=lost,
+                ttl_instances=ttl_total,
+            )
+        )
+        return ExpiryPass(
+            expired,
+            self._preservation,
+            entered=before is None and self._preservation is not None,
+            exited=before is not None and self._preservation is None,
+        )
 
     def next_expiry(self) -> float | None:
         """When :meth:`expire` next has something to do (None: nothing until a change)."""
         now = self._clock()
-        times = [i.expires for by_id in self._instances.values() for i in by_id.values()
-                 if i.expires is not None and (self._preservation is None or i.expires > now)]
+        times = [
+            i.expires
+            for by_id in self._instances.values()
+            for i in by_id.values()
+            if i.expires is not None and (self._preservation is None or i.expires > now)
+        ]
         if self._preservation is not None:
             times.append(self._recheck_at)
         return min(times) if times else None
@@ -455,14 +495,19 @@ class Registry:
             if name not in cached:
                 cached[name] = tuple(sorted(i.endpoint for i in by_id.values()))
         last = self._last
-        self._last = DesiredState(services=dict(self._specs), endpoints=dict(cached),
-                                  known=last.endpoints if last is not None else None)
+        self._last = DesiredState(
+            services=dict(self._specs), endpoints=dict(cached), known=last.endpoints if last is not None else None
+        )
         return self._last
 
     def describe(self, name: str | None = None) -> dict[str, Any]:
         names = sorted(set(self._specs) | set(self._instances)) if name is None else [name]
-        return describe_services(names, self._specs, {n: list(by_id.values()) for n, by_id in self._instances.items()
-                                                      if n in names}, self._clock())
+        return describe_services(
+            names,
+            self._specs,
+            {n: list(by_id.values()) for n, by_id in self._instances.items() if n in names},
+            self._clock(),
+        )
 
     def knows(self, name: str) -> bool:
         return name in self._specs or name in self._instances

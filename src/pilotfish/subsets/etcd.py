@@ -90,8 +90,16 @@ class EtcdProxyIndices:
     """Proxies' indices shared through etcd; the interface of
     :class:`~pilotfish.build.subsetting.ProxyIndices` (``acquire``, ``release``, ``index``, ``expire``)."""
 
-    def __init__(self, client: EtcdClient, keys: SubsetKeys, *, grace: float = 300.0, limit: int = 200_000,
-                 keepalive: float = DEFAULT_KEEPALIVE, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: SubsetKeys,
+        *,
+        grace: float = 300.0,
+        limit: int = 200_000,
+        keepalive: float = DEFAULT_KEEPALIVE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.client = client
         self.keys = keys
         self.grace = grace
@@ -202,8 +210,13 @@ class EtcdProxyIndices:
 
     # -- etcd -------------------------------------------------------------------------------------
 
-    async def run(self, into: SharedTables, *, on_moved: Callable[[str], None] | None = None,
-                  on_listed: Callable[[], None] | None = None) -> None:
+    async def run(
+        self,
+        into: SharedTables,
+        *,
+        on_moved: Callable[[str], None] | None = None,
+        on_listed: Callable[[], None] | None = None,
+    ) -> None:
         """Follow the keys, keep this replica's lease, and write what acquire/expire queued.
         ``into`` (the reconciler) is told the backend tables and when the keys are first listed;
         ``on_moved`` a node whose index changed under its open streams (the xDS server sends
@@ -211,11 +224,21 @@ class EtcdProxyIndices:
         self._into = into
         self._on_moved = on_moved or (lambda _: None)
         self._on_listed = on_listed or (lambda: None)
-        tasks = [asyncio.create_task(follow_prefix(self.client, self.keys.base, listed=self._listed,
-                                                   changed=self._changed, lost=self._lost,
-                                                   keepalive=self.keepalive), name="subset-keys"),
-                 asyncio.create_task(self._keep_lease(), name="subset-lease"),
-                 asyncio.create_task(self._write_forever(), name="subset-writes")]
+        tasks = [
+            asyncio.create_task(
+                follow_prefix(
+                    self.client,
+                    self.keys.base,
+                    listed=self._listed,
+                    changed=self._changed,
+                    lost=self._lost,
+                    keepalive=self.keepalive,
+                ),
+                name="subset-keys",
+            ),
+            asyncio.create_task(self._keep_lease(), name="subset-lease"),
+            asyncio.create_task(self._write_forever(), name="subset-writes"),
+        ]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -255,21 +278,25 @@ class EtcdProxyIndices:
         """One key's news; True if it was a backend table."""
         keys = self.keys
         if key.startswith(keys.backends()):
-            service = key[len(keys.backends()):]
+            service = key[len(keys.backends()) :]
             if value is None:
                 self._backends.pop(service, None)
             else:
                 try:
                     self._backends[service] = (IndexTable.from_json(json.loads(value), source=key), revision)
                 except (ValueError, ConfigError) as exc:
-                    _log.error("etcd key %s is not a backend index table (%s); the replica holding the election "
-                               "writes it again", key, exc)
+                    _log.error(
+                        "etcd key %s is not a backend index table (%s); the replica holding the election "
+                        "writes it again",
+                        key,
+                        exc,
+                    )
                     # An empty table at the bad key's revision: the service is served whole until
                     # the elected replica writes it again (over exactly that revision).
                     self._backends[service] = (IndexTable(), revision)
             return True
         if key.startswith(keys.proxy()):
-            node = key[len(keys.proxy()):]
+            node = key[len(keys.proxy()) :]
             old = self._nodes.pop(node, None)
             if old is not None and self._holders.get(old[0]) == node:
                 del self._holders[old[0]]
@@ -278,8 +305,12 @@ class EtcdProxyIndices:
                 self._nodes[node] = (index, lease, revision)
                 self._holders[index] = node
             elif value is not None:
-                _log.error("etcd key %s is not a proxy index (%r): left out; the replica serving %r writes it "
-                           "again", key, value[:100], node)
+                _log.error(
+                    "etcd key %s is not a proxy index (%r): left out; the replica serving %r writes it again",
+                    key,
+                    value[:100],
+                    node,
+                )
                 if node in self._mine:
                     self._queue(node)
             return False
@@ -357,24 +388,31 @@ class EtcdProxyIndices:
             adopted = Index(int(text))
         elif kvs:  # a value that is not an index: overwrite it (if it is still that value)
             _log.error("etcd key %s is not a proxy index (%r); writing it again", keys.proxy(node), text[:100])
-            await self.client.txn([compare(keys.proxy(node), "MOD", kvs[0].get("mod_revision", "0"))],
-                                  [delete_op(keys.proxy(node))])
+            await self.client.txn(
+                [compare(keys.proxy(node), "MOD", kvs[0].get("mod_revision", "0"))], [delete_op(keys.proxy(node))]
+            )
             self._queue(node)
             return
         else:
             self._holders.setdefault(mine, "")  # taken: skip it (the watch says by whom)
             adopted = self._lowest_free()
         self._mine[node] = adopted
-        _log.info("subsetting: proxy %r moved from index %d to %d (another replica indexed it at the same "
-                  "moment); it is sent its new subset", node, mine, adopted)
+        _log.info(
+            "subsetting: proxy %r moved from index %d to %d (another replica indexed it at the same "
+            "moment); it is sent its new subset",
+            node,
+            mine,
+            adopted,
+        )
         self._on_moved(node)
         self._queue(node)
 
     async def _delete_if_ours(self, node: str, index: Index) -> None:
         keys = self.keys
-        await self.client.txn([compare(keys.proxy(node), "LEASE", self.lease),
-                               compare(keys.proxy(node), "VALUE", str(index))],
-                              [delete_op(keys.proxy(node)), delete_op(keys.index(index))])
+        await self.client.txn(
+            [compare(keys.proxy(node), "LEASE", self.lease), compare(keys.proxy(node), "VALUE", str(index))],
+            [delete_op(keys.proxy(node)), delete_op(keys.index(index))],
+        )
 
     # -- backends (the elected replica) -------------------------------------------------------------
 
@@ -393,8 +431,9 @@ class BackendIndexWriter:
     keeps in step), at most one write per service at a time. ``default_size``: the subset size of
     services that set none; ``leading``: whether this replica holds the election now."""
 
-    def __init__(self, client: EtcdClient, keys: SubsetKeys, *, leading: Callable[[], bool],
-                 default_size: int | None = None) -> None:
+    def __init__(
+        self, client: EtcdClient, keys: SubsetKeys, *, leading: Callable[[], bool], default_size: int | None = None
+    ) -> None:
         self.client = client
         self.keys = keys
         self.default_size = default_size
@@ -431,16 +470,15 @@ class BackendIndexWriter:
 
     async def _write(self, merged: Merged, indices: EtcdProxyIndices) -> None:
         current = indices.backend_tables()
-        wanted = subset_tables(merged, {service: table for service, (table, _) in current.items()},
-                               default_size=self.default_size)
+        wanted = subset_tables(
+            merged, {service: table for service, (table, _) in current.items()}, default_size=self.default_size
+        )
         for service, table in sorted(wanted.items()):
             known = current.get(service)
             if known is not None and known[0] == table:
                 continue
             key = self.keys.backends(service)
-            compares = ([compare(key, "MOD", known[1])]
-                        if known is not None else
-                        [compare(key, "CREATE", 0)])
+            compares = [compare(key, "MOD", known[1])] if known is not None else [compare(key, "CREATE", 0)]
             answer = await self.client.txn(compares, [put_op(key, json.dumps(table.to_json(), sort_keys=True))])
             if not answer.get("succeeded"):
                 # The key changed since this replica read it (another leader wrote, or the watch
@@ -449,7 +487,6 @@ class BackendIndexWriter:
                 raise _Stale(service)
         for service in sorted(current.keys() - wanted.keys()):
             known = current[service]
-            await self.client.txn([compare(self.keys.backends(service), "MOD", known[1])],
-                                  [delete_op(self.keys.backends(service))])
-
-
+            await self.client.txn(
+                [compare(self.keys.backends(service), "MOD", known[1])], [delete_op(self.keys.backends(service))]
+            )

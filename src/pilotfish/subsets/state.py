@@ -26,8 +26,15 @@ from typing import Protocol
 from pilotfish.build.subsetting import IndexTable, ProxyIndices
 from pilotfish.errors import ConfigError, Problem
 
-__all__ = ["STATE_FILE", "BackendTables", "SubsetState", "keep_saving", "load_or_start_fresh", "load_subset_state",
-           "save_subset_state"]
+__all__ = [
+    "STATE_FILE",
+    "BackendTables",
+    "SubsetState",
+    "keep_saving",
+    "load_or_start_fresh",
+    "load_subset_state",
+    "save_subset_state",
+]
 
 _log = logging.getLogger("pilotfish.subsets")
 
@@ -56,19 +63,31 @@ def load_subset_state(path: Path) -> SubsetState:
     except ValueError as exc:
         raise ConfigError(str(path), [Problem("", f"not valid JSON: {exc}")]) from None
     if not isinstance(data, dict) or data.get("version") != _FORMAT or not isinstance(data.get("backends"), dict):
-        raise ConfigError(str(path), [Problem("", f"expected {{'version': {_FORMAT}, 'backends': {{...}}, "
-                                                  "'proxies': {...}} as pilotfish writes it")])
-    backends = {str(service): IndexTable.from_json(table, source=f"{path}: backends[{service!r}]")
-                for service, table in data["backends"].items()}
+        raise ConfigError(
+            str(path),
+            [
+                Problem(
+                    "",
+                    f"expected {{'version': {_FORMAT}, 'backends': {{...}}, "
+                    "'proxies': {...}} as pilotfish writes it",
+                )
+            ],
+        )
+    backends = {
+        str(service): IndexTable.from_json(table, source=f"{path}: backends[{service!r}]")
+        for service, table in data["backends"].items()
+    }
     proxies = IndexTable.from_json(data.get("proxies"), source=f"{path}: proxies")
     return SubsetState(backends, proxies)
 
 
 def save_subset_state(path: Path, state: SubsetState) -> None:
     """Write ``state`` to ``path`` atomically (a temporary file renamed over it)."""
-    document = {"version": _FORMAT,
-                "backends": {service: state.backends[service].to_json() for service in sorted(state.backends)},
-                "proxies": state.proxies.to_json()}
+    document = {
+        "version": _FORMAT,
+        "backends": {service: state.backends[service].to_json() for service in sorted(state.backends)},
+        "proxies": state.proxies.to_json(),
+    }
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(json.dumps(document, indent=1) + "\n")
     os.replace(temporary, path)
@@ -80,8 +99,11 @@ def load_or_start_fresh(path: Path) -> SubsetState:
         return load_subset_state(path)
     except ConfigError as exc:
         aside = path.with_name(path.name + ".bad")
-        _log.error("%s\nstarting with fresh subsetting indices (subsets re-balance once); the file is kept as %s",
-                   exc.describe(), aside)
+        _log.error(
+            "%s\nstarting with fresh subsetting indices (subsets re-balance once); the file is kept as %s",
+            exc.describe(),
+            aside,
+        )
         try:
             os.replace(path, aside)
         except OSError as move:

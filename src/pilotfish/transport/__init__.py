@@ -27,6 +27,14 @@ from pilotfish.transport.h2 import (
 )
 
 __all__ = [
-    "Connection", "ConnectionTerminated", "Event", "HeadersReceived", "Limits", "MessageReceived",
-    "MessageRejected", "Role", "StreamEnded", "StreamReset",
+    "Connection",
+    "ConnectionTerminated",
+    "Event",
+    "HeadersReceived",
+    "Limits",
+    "MessageReceived",
+    "MessageRejected",
+    "Role",
+    "StreamEnded",
+    "StreamReset",
 ]

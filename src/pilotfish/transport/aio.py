@@ -102,9 +102,23 @@ from pilotfish.transport.h2 import (
 )
 from pilotfish.transport.tls import peer_identity
 
-__all__ = ["LISTEN_BACKLOG", "WARN_EVERY", "Call", "ConnectionLimits", "GrpcServer", "HTTP2Core", "Handler",
-           "MethodFactory", "RateLimitedLog", "RpcError", "accept_waiting", "listening_sockets", "refuse",
-           "reset", "source_address"]
+__all__ = [
+    "LISTEN_BACKLOG",
+    "WARN_EVERY",
+    "Call",
+    "ConnectionLimits",
+    "GrpcServer",
+    "HTTP2Core",
+    "Handler",
+    "MethodFactory",
+    "RateLimitedLog",
+    "RpcError",
+    "accept_waiting",
+    "listening_sockets",
+    "refuse",
+    "reset",
+    "source_address",
+]
 
 _log = logging.getLogger("pilotfish.server.grpc")
 
@@ -142,8 +156,15 @@ class RateLimitedLog:
 
     __slots__ = ("_clock", "_every", "_gate", "_level", "_logger", "_what")
 
-    def __init__(self, logger: logging.Logger, *, what: str, level: int = logging.WARNING,
-                 every: float = WARN_EVERY, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        what: str,
+        level: int = logging.WARNING,
+        every: float = WARN_EVERY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._logger = logger
         self._what = what
         """What a left-out line is about, in the plural ("such streams")."""
@@ -247,8 +268,11 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
             try:
                 sock.bind(address)
             except OSError as exc:
-                raise OSError(exc.errno, f"error while attempting to bind on address {address!r}: "
-                                         f"{exc.strerror.lower() if exc.strerror else exc}") from None
+                raise OSError(
+                    exc.errno,
+                    f"error while attempting to bind on address {address!r}: "
+                    f"{exc.strerror.lower() if exc.strerror else exc}",
+                ) from None
             sock.listen(LISTEN_BACKLOG)
             sock.setblocking(False)
     except BaseException:
@@ -282,8 +306,14 @@ def _unsent(transport: asyncio.BaseTransport) -> int:
     return queued
 
 
-def accept_waiting(listener: socket.socket, take: Callable[[socket.socket, str], None], *, log: RateLimitedLog,
-                   what: str, listen_again: Callable[[socket.socket], None]) -> None:
+def accept_waiting(
+    listener: socket.socket,
+    take: Callable[[socket.socket, str], None],
+    *,
+    log: RateLimitedLog,
+    what: str,
+    listen_again: Callable[[socket.socket], None],
+) -> None:
     """Accept what waits on a listening socket, :data:`ACCEPT_BATCH` at most (then other work
     runs), giving each socket and its source address to ``take``. Out of descriptors (EMFILE,
     ENFILE) or memory: stop reading the listener for :data:`ACCEPT_RETRY` seconds, as asyncio
@@ -367,12 +397,15 @@ class HTTP2Core(Protocol):
     @property
     def closed(self) -> bool:
         """We have ended the connection (GOAWAY sent) or its socket is gone."""
+
     @property
     def terminated(self) -> ConnectionTerminated | None:
         """Why we ended it, once we have."""
+
     @property
     def preface_received(self) -> bool:
         """The peer's preface (magic and first SETTINGS) has arrived."""
+
     @property
     def open_streams(self) -> int: ...
     @property
@@ -380,8 +413,9 @@ class HTTP2Core(Protocol):
     def receive(self, data: bytes) -> list[Event]: ...
     def take_output(self) -> list[bytes | bytearray | memoryview]: ...
     def acknowledge(self, stream_id: int, size: int) -> None: ...
-    def send_header_block(self, stream_id: int, block: bytes, *, end_stream: bool = False,
-                          abandon_pending: bool = False) -> None: ...
+    def send_header_block(
+        self, stream_id: int, block: bytes, *, end_stream: bool = False, abandon_pending: bool = False
+    ) -> None: ...
     def send_message(self, stream_id: int, *parts: bytes) -> None: ...
     def close(self, code: int = ..., reason: str = "") -> None: ...
     def resume_writing(self) -> None: ...
@@ -453,8 +487,22 @@ class Call:
 class _Connection(asyncio.Protocol):
     """One client connection: the asyncio side of a :class:`~pilotfish.transport.h2.Connection`."""
 
-    __slots__ = ("__weakref__", "_calls", "_closer", "_dirty", "_reading", "_server", "address", "goaway_at", "h2",
-                 "identity", "idle_mark", "idle_since", "peer", "transport")  # one per proxy: no __dict__
+    __slots__ = (
+        "__weakref__",
+        "_calls",
+        "_closer",
+        "_dirty",
+        "_reading",
+        "_server",
+        "address",
+        "goaway_at",
+        "h2",
+        "identity",
+        "idle_mark",
+        "idle_since",
+        "peer",
+        "transport",
+    )  # one per proxy: no __dict__
 
     def __init__(self, server: GrpcServer, address: str = "") -> None:
         self._server = server
@@ -555,15 +603,19 @@ class _Connection(asyncio.Protocol):
                 call = calls.pop(event.stream_id, None)
                 if call is not None:
                     call.closed = True
-                    call.release_handler(f"reset by the client (error code {event.error_code})" if event.remote
-                                         else f"stream error: {event.reason[:_REASON_LIMIT]}")
+                    call.release_handler(
+                        f"reset by the client (error code {event.error_code})"
+                        if event.remote
+                        else f"stream error: {event.reason[:_REASON_LIMIT]}"
+                    )
             elif isinstance(event, MessageRejected):
                 call = calls.get(event.stream_id)
                 if call is not None:
                     call.finish(event.grpc_status, event.reason)
             elif isinstance(event, ConnectionTerminated) and not event.remote:
-                self._server.error_log.log("closing HTTP/2 connection from %s: %s", self.peer,
-                                           event.reason[:_REASON_LIMIT])
+                self._server.error_log.log(
+                    "closing HTTP/2 connection from %s: %s", self.peer, event.reason[:_REASON_LIMIT]
+                )
         if conn.closed:
             self._close()
 
@@ -618,8 +670,9 @@ class _Connection(asyncio.Protocol):
             self.transport.writelines(out)  # uvloop: one writev, no joined copy
         if h2.closed and self.goaway_at < 0:  # ended by what we sent (a limit), not by a read
             if h2.terminated is not None:
-                self._server.error_log.log("closing HTTP/2 connection from %s: %s", self.peer,
-                                           h2.terminated.reason[:_REASON_LIMIT])
+                self._server.error_log.log(
+                    "closing HTTP/2 connection from %s: %s", self.peer, h2.terminated.reason[:_REASON_LIMIT]
+                )
             self._close()
 
     # -- ending ---------------------------------------------------------------------------------
@@ -650,16 +703,23 @@ class _Connection(asyncio.Protocol):
             transport.close()  # the peer has the GOAWAY: whatever it sent since is not read
         loop = asyncio.get_running_loop()
         # Closed (TLS may still say goodbye): at the deadline; else look again soon.
-        self._closer = loop.call_at(deadline, self._check_closing) if transport.is_closing() else \
-            loop.call_later(CLOSE_POLL, self._check_closing)
+        self._closer = (
+            loop.call_at(deadline, self._check_closing)
+            if transport.is_closing()
+            else loop.call_later(CLOSE_POLL, self._check_closing)
+        )
 
     def end_handshake_timed_out(self, timeout: float) -> None:
         """No HTTP/2 preface within ``timeout``: GOAWAY PROTOCOL_ERROR and the descriptor is
         released at once (what the kernel holds of the GOAWAY still goes out, then FIN)."""
         if self.transport.is_closing() or self.h2.preface_received:
             return
-        self._server.timeout_log.log("closed a connection from %s: no HTTP/2 connection preface within %g s "
-                                     "(ConnectionLimits.handshake_timeout)", self.peer, timeout)
+        self._server.timeout_log.log(
+            "closed a connection from %s: no HTTP/2 connection preface within %g s "
+            "(ConnectionLimits.handshake_timeout)",
+            self.peer,
+            timeout,
+        )
         self.h2.close(ErrorCode.PROTOCOL_ERROR, f"no HTTP/2 connection preface within {timeout:g} s")
         self.flush_out()
         self.transport.abort()
@@ -682,8 +742,9 @@ class _Connection(asyncio.Protocol):
             return
         if timeout is None or now - self.idle_since < timeout:
             return
-        self._server.idle_log.log("closed a connection from %s: no streams for %g s (ConnectionLimits.idle_timeout)",
-                                  self.peer, timeout)
+        self._server.idle_log.log(
+            "closed a connection from %s: no streams for %g s (ConnectionLimits.idle_timeout)", self.peer, timeout
+        )
         h2.close(ErrorCode.NO_ERROR, f"idle: no streams for {timeout:g} s")
         self._close()
 
@@ -702,9 +763,14 @@ class _Connection(asyncio.Protocol):
 class GrpcServer:
     """Listens on one address and serves the registered ``methods`` ({path: factory})."""
 
-    def __init__(self, methods: Mapping[str, MethodFactory], *, limits: Limits | None = None,
-                 connection_limits: ConnectionLimits | None = None,
-                 connection_factory: Callable[..., HTTP2Core] = Connection) -> None:
+    def __init__(
+        self,
+        methods: Mapping[str, MethodFactory],
+        *,
+        limits: Limits | None = None,
+        connection_limits: ConnectionLimits | None = None,
+        connection_factory: Callable[..., HTTP2Core] = Connection,
+    ) -> None:
         self.limits = limits or Limits()
         """What each connection lets a peer do (see :class:`~pilotfish.transport.h2.Limits`)."""
         self.connection_factory = connection_factory
@@ -776,11 +842,13 @@ class GrpcServer:
         limited) and counted out."""
         loop = self._loop or asyncio.get_running_loop()
         try:
-            await loop.connect_accepted_socket(lambda: conn, sock, ssl=self.tls,
-                                               ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT)
+            await loop.connect_accepted_socket(
+                lambda: conn, sock, ssl=self.tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT
+            )
         except Exception as exc:
-            self.tls_log.log("TLS handshake with %s failed: %s", conn.address,
-                             (str(exc) or type(exc).__name__)[:_REASON_LIMIT])
+            self.tls_log.log(
+                "TLS handshake with %s failed: %s", conn.address, (str(exc) or type(exc).__name__)[:_REASON_LIMIT]
+            )
         finally:
             if conn.h2 is None:  # connection_made never came: no connection_lost will either
                 self.release(conn)
@@ -790,12 +858,16 @@ class GrpcServer:
     def admit(self, conn: _Connection) -> str:
         """Count ``conn`` in, or say why it is refused (``""``: admitted)."""
         if len(self.connections) >= self.max_connections:
-            return (f"{len(self.connections)} connections are open, the limit "
-                    f"(--max-connections / ConnectionLimits.max_connections)")
+            return (
+                f"{len(self.connections)} connections are open, the limit "
+                f"(--max-connections / ConnectionLimits.max_connections)"
+            )
         count = self._per_address.get(conn.address, 0)
         if count >= self.max_connections_per_address:
-            return (f"{count} connections from this address are open, the limit "
-                    f"(--max-connections-per-address / ConnectionLimits.max_connections_per_address)")
+            return (
+                f"{count} connections from this address are open, the limit "
+                f"(--max-connections-per-address / ConnectionLimits.max_connections_per_address)"
+            )
         self._per_address[conn.address] = count + 1
         self.connections.add(conn)
         return ""
@@ -863,8 +935,9 @@ class GrpcServer:
         loop = self._loop = asyncio.get_running_loop()
         self.tls = tls
         if tls is None:  # asyncio's accept (in C on uvloop); the caps are checked in connection_made
-            self._server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                                    backlog=LISTEN_BACKLOG, reuse_address=True)
+            self._server = await loop.create_server(
+                lambda: _Connection(self), host or None, port, backlog=LISTEN_BACKLOG, reuse_address=True
+            )
             bound: int = self._server.sockets[0].getsockname()[1]
         else:  # our accept: the caps are checked before the TLS handshake
             self._listeners = await loop.run_in_executor(None, listening_sockets, host, port)

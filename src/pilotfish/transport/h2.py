@@ -62,8 +62,17 @@ from pilotfish.transport import frames as f
 from pilotfish.transport.frames import ErrorCode, Setting
 
 __all__ = [
-    "Connection", "ConnectionTerminated", "Event", "HeadersReceived", "Limits", "MessageReceived",
-    "MessageRejected", "ProtocolUsageError", "Role", "StreamEnded", "StreamReset",
+    "Connection",
+    "ConnectionTerminated",
+    "Event",
+    "HeadersReceived",
+    "Limits",
+    "MessageReceived",
+    "MessageRejected",
+    "ProtocolUsageError",
+    "Role",
+    "StreamEnded",
+    "StreamReset",
 ]
 
 _KiB = 1024
@@ -141,8 +150,7 @@ _DEFAULT_HEADER_TABLE = 4096
 OWED_PIECE_COST = 512
 """What holding one piece of an owed message costs beyond its bytes (its view, the queue's slot):
 counted in :attr:`Limits.max_owed_bytes`, so that many small messages count too."""
-_CONNECTION_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
-                                 b"upgrade"})
+_CONNECTION_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"})
 _REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":path", b":authority"})
 _RESPONSE_PSEUDO = frozenset({b":status"})
 # RFC 9113 section 8.2.1: a field name holds no uppercase letter, control, space or non-ASCII byte.
@@ -151,6 +159,7 @@ _SELF_DEPENDENT = 0x100  # not a wire flag: marks a HEADERS frame whose priority
 
 
 # -- events -----------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class HeadersReceived:
@@ -253,9 +262,22 @@ class _ControlFrames(bytearray):
 
 
 class _Stream:
-    __slots__ = ("headers_received", "id", "local_closed", "message", "message_have", "message_need",
-                 "message_parts", "pending",
-                 "pending_end", "recv_window", "rejected", "remote_closed", "send_window", "unacked")
+    __slots__ = (
+        "headers_received",
+        "id",
+        "local_closed",
+        "message",
+        "message_have",
+        "message_need",
+        "message_parts",
+        "pending",
+        "pending_end",
+        "recv_window",
+        "rejected",
+        "remote_closed",
+        "send_window",
+        "unacked",
+    )
 
     def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
         self.id = stream_id
@@ -282,21 +304,60 @@ class _Stream:
 
 # -- the connection ---------------------------------------------------------------------------------
 
+
 class Connection:
     """One HTTP/2 connection (see the module docstring)."""
 
-    __slots__ = ("_block", "_block_flags", "_block_frames", "_block_stream", "_buffer", "_clock", "_decoder",
-                 "_empty_frames", "_ended", "_goaway_sent", "_highest_remote", "_needed", "_next_local",
-                 "_on_output", "_out", "_owed",
-                 "_peer_initial_window", "_peer_max_frame", "_peer_max_streams", "_preface_pending",
-                 "_queued_control", "_queued_messages", "_recv_window", "_reset_by_us", "_reset_time", "_reset_tokens",
-                 "_send_window", "_settings_seen", "_settings_time", "_settings_tokens", "_streams", "_table_update",
-                 "_unacked", "_waiting",
-                 "closed", "limits", "role", "terminated", "writing_paused")
+    __slots__ = (
+        "_block",
+        "_block_flags",
+        "_block_frames",
+        "_block_stream",
+        "_buffer",
+        "_clock",
+        "_decoder",
+        "_empty_frames",
+        "_ended",
+        "_goaway_sent",
+        "_highest_remote",
+        "_needed",
+        "_next_local",
+        "_on_output",
+        "_out",
+        "_owed",
+        "_peer_initial_window",
+        "_peer_max_frame",
+        "_peer_max_streams",
+        "_preface_pending",
+        "_queued_control",
+        "_queued_messages",
+        "_recv_window",
+        "_reset_by_us",
+        "_reset_time",
+        "_reset_tokens",
+        "_send_window",
+        "_settings_seen",
+        "_settings_time",
+        "_settings_tokens",
+        "_streams",
+        "_table_update",
+        "_unacked",
+        "_waiting",
+        "closed",
+        "limits",
+        "role",
+        "terminated",
+        "writing_paused",
+    )
 
-    def __init__(self, *, role: Role, limits: Limits | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_output: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        role: Role,
+        limits: Limits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_output: Callable[[], None] | None = None,
+    ) -> None:
         self.role = role
         self.limits = limits = limits or Limits()
         self._clock = clock
@@ -379,9 +440,11 @@ class Connection:
         if self.writing_paused:
             self._queued_control += 1
             if self._queued_control > self.limits.max_queued_control_frames:
-                raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
-                                       f"more than {self.limits.max_queued_control_frames} control frames owed "
-                                       "to a peer that does not read (Limits.max_queued_control_frames)")
+                raise _ConnectionError(
+                    ErrorCode.ENHANCE_YOUR_CALM,
+                    f"more than {self.limits.max_queued_control_frames} control frames owed "
+                    "to a peer that does not read (Limits.max_queued_control_frames)",
+                )
 
     def data_to_send(self) -> bytes:
         """Everything queued since the last call, as one byte string."""
@@ -422,7 +485,7 @@ class Connection:
                 if len(data) - offset < take:
                     buffer += view[offset:]  # still short: appending keeps a trickled frame linear
                     return events
-                buffer += view[offset:offset + take]
+                buffer += view[offset : offset + take]
                 offset += take
                 if self._preface_pending or len(buffer) > 9:
                     break
@@ -446,9 +509,11 @@ class Connection:
         try:
             if self._preface_pending:
                 size = len(f.CONNECTION_PREFACE)
-                if not f.CONNECTION_PREFACE.startswith(data[offset:offset + size]):
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "the client did not send the HTTP/2 "
-                                           "connection preface (is it speaking HTTP/1.1 or TLS?)")
+                if not f.CONNECTION_PREFACE.startswith(data[offset : offset + size]):
+                    raise _ConnectionError(
+                        ErrorCode.PROTOCOL_ERROR,
+                        "the client did not send the HTTP/2 connection preface (is it speaking HTTP/1.1 or TLS?)",
+                    )
                 if end - offset < size:
                     self._buffer += data[offset:]
                     self._needed = size
@@ -459,8 +524,9 @@ class Connection:
             while end - offset >= 9 and not self.closed:
                 length, kind, flags, stream_id = f.parse_frame_header(data, offset)
                 if length > f.DEFAULT_MAX_FRAME:  # we never raise SETTINGS_MAX_FRAME_SIZE
-                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR,
-                                           f"frame of {length} bytes is over SETTINGS_MAX_FRAME_SIZE 16384")
+                    raise _ConnectionError(
+                        ErrorCode.FRAME_SIZE_ERROR, f"frame of {length} bytes is over SETTINGS_MAX_FRAME_SIZE 16384"
+                    )
                 if end - offset < 9 + length:
                     break
                 start = offset + 9
@@ -487,9 +553,11 @@ class Connection:
             self._settings_seen = True
         if self._block_stream:
             if kind != f.CONTINUATION or stream_id != self._block_stream:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR,
-                                       f"header block of stream {self._block_stream} interrupted by a frame of "
-                                       f"type {kind} on stream {stream_id}")
+                raise _ConnectionError(
+                    ErrorCode.PROTOCOL_ERROR,
+                    f"header block of stream {self._block_stream} interrupted by a frame of "
+                    f"type {kind} on stream {stream_id}",
+                )
             self._on_continuation(flags, payload, events)
             return
         try:
@@ -528,14 +596,17 @@ class Connection:
     def _spend_reset_token(self) -> None:
         now = self._clock()
         limits = self.limits
-        self._reset_tokens = min(float(limits.reset_burst),
-                                 self._reset_tokens + (now - self._reset_time) * limits.reset_rate)
+        self._reset_tokens = min(
+            float(limits.reset_burst), self._reset_tokens + (now - self._reset_time) * limits.reset_rate
+        )
         self._reset_time = now
         self._reset_tokens -= 1
         if self._reset_tokens < 0:
-            raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
-                                   f"more than {limits.reset_burst} stream resets at {limits.reset_rate}/s "
-                                   "(rapid reset; Limits.reset_burst, Limits.reset_rate)")
+            raise _ConnectionError(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"more than {limits.reset_burst} stream resets at {limits.reset_rate}/s "
+                "(rapid reset; Limits.reset_burst, Limits.reset_rate)",
+            )
 
     def _close_stream(self, stream: _Stream) -> None:
         self._streams.pop(stream.id, None)
@@ -588,12 +659,15 @@ class Connection:
         else:
             self._empty_frames += 1
             if self._empty_frames > self.limits.max_consecutive_empty_frames:
-                raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
-                                       f"more than {self.limits.max_consecutive_empty_frames} empty DATA frames in a "
-                                       "row (Limits.max_consecutive_empty_frames)")
+                raise _ConnectionError(
+                    ErrorCode.ENHANCE_YOUR_CALM,
+                    f"more than {self.limits.max_consecutive_empty_frames} empty DATA frames in a "
+                    "row (Limits.max_consecutive_empty_frames)",
+                )
         if size > self._recv_window:
-            raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR,
-                                   f"DATA of {size} bytes past the connection window ({self._recv_window})")
+            raise _ConnectionError(
+                ErrorCode.FLOW_CONTROL_ERROR, f"DATA of {size} bytes past the connection window ({self._recv_window})"
+            )
         self._recv_window -= size
         stream = self._streams.get(stream_id)
         if stream is None:
@@ -610,13 +684,16 @@ class Connection:
             raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"DATA on stream {stream_id} before its HEADERS")
         if size > stream.recv_window:
             self._give_back(None, size)
-            raise _StreamError(ErrorCode.FLOW_CONTROL_ERROR,
-                               f"DATA of {size} bytes past stream {stream_id}'s window ({stream.recv_window})")
+            raise _StreamError(
+                ErrorCode.FLOW_CONTROL_ERROR,
+                f"DATA of {size} bytes past stream {stream_id}'s window ({stream.recv_window})",
+            )
         stream.recv_window -= size
         content = f.frame_content(f.DATA, flags, payload) if flags & f.PADDED else payload
         if content is None:
-            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"DATA on stream {stream_id}: padding longer "
-                                   "than the frame")
+            raise _ConnectionError(
+                ErrorCode.PROTOCOL_ERROR, f"DATA on stream {stream_id}: padding longer than the frame"
+            )
         owed = self._on_messages(stream, content, events) if content else 0
         if owed != size:  # padding, a partial message, discarded data: consumed now
             self._give_back(stream, size - owed)
@@ -656,11 +733,11 @@ class Connection:
             # Small pieces share a bytearray, so a peer trickling one-byte frames costs no more
             # memory than the bytes it sent.
             if take >= _OWN_PIECE:
-                parts.append(bytes(data[offset:offset + take]))
+                parts.append(bytes(data[offset : offset + take]))
             elif parts and type(parts[-1]) is bytearray:
-                parts[-1] += data[offset:offset + take]
+                parts[-1] += data[offset : offset + take]
             else:
-                parts.append(bytearray(data[offset:offset + take]))
+                parts.append(bytearray(data[offset : offset + take]))
             offset += take
             stream.message_have += take
             if stream.message_have < stream.message_need:
@@ -677,15 +754,16 @@ class Connection:
             total = 5 + length
             if end - offset < total:
                 break
-            events.append(MessageReceived(stream.id, bytes(data[offset + 5:offset + total]), total))
+            events.append(MessageReceived(stream.id, bytes(data[offset + 5 : offset + total]), total))
             delivered += total
             offset += total
         if offset < end:
             if end - offset >= 5:  # the prefix here: the body in pieces (above)
-                stream.message = bytearray(data[offset:offset + 5])
+                stream.message = bytearray(data[offset : offset + 5])
                 stream.message_need, stream.message_have = 5 + f.parse_grpc_prefix(data, offset)[1], end - offset
-                stream.message_parts = [bytes(data[offset + 5:])] if end - offset >= 5 + _OWN_PIECE else \
-                    [bytearray(data[offset + 5:])]
+                stream.message_parts = (
+                    [bytes(data[offset + 5 :])] if end - offset >= 5 + _OWN_PIECE else [bytearray(data[offset + 5 :])]
+                )
             else:
                 stream.message = bytearray(data[offset:])
         return delivered
@@ -696,8 +774,10 @@ class Connection:
             reason = f"stream {stream.id}: a compressed message; pilotfish accepts uncompressed messages only"
             status = f.GrpcStatus.UNIMPLEMENTED
         elif length > self.limits.max_message_size:
-            reason = (f"stream {stream.id}: a message of {length} bytes is over the limit of "
-                      f"{self.limits.max_message_size} (Limits.max_message_size)")
+            reason = (
+                f"stream {stream.id}: a message of {length} bytes is over the limit of "
+                f"{self.limits.max_message_size} (Limits.max_message_size)"
+            )
             status = f.GrpcStatus.RESOURCE_EXHAUSTED
         stream.rejected = True
         stream.message, stream.message_need, stream.message_parts = None, 0, []
@@ -728,8 +808,9 @@ class Connection:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
         content = f.frame_content(f.HEADERS, flags, payload)
         if content is None:
-            raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"HEADERS on stream {stream_id}: padding longer "
-                                   "than the frame")
+            raise _ConnectionError(
+                ErrorCode.PROTOCOL_ERROR, f"HEADERS on stream {stream_id}: padding longer than the frame"
+            )
         self._block_flags = flags
         if flags & f.PRIORITY_FLAG and f.unpack_u32(payload, 1 if flags & f.PADDED else 0) & 0x7FFF_FFFF == stream_id:
             self._block_flags |= _SELF_DEPENDENT  # a stream error, once the block is decoded (HPACK state)
@@ -742,16 +823,19 @@ class Connection:
 
     def _check_block_size(self, size: int) -> None:
         if size > self.limits.max_header_block_size:
-            raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
-                                   f"header block over {self.limits.max_header_block_size} bytes "
-                                   "(Limits.max_header_block_size)")
+            raise _ConnectionError(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"header block over {self.limits.max_header_block_size} bytes (Limits.max_header_block_size)",
+            )
 
     def _on_continuation(self, flags: int, payload: memoryview, events: list[Event]) -> None:
         self._block_frames += 1
         if self._block_frames > self.limits.max_continuation_frames:
-            raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
-                                   f"more than {self.limits.max_continuation_frames} CONTINUATION frames in one "
-                                   "header block (Limits.max_continuation_frames)")
+            raise _ConnectionError(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"more than {self.limits.max_continuation_frames} CONTINUATION frames in one "
+                "header block (Limits.max_continuation_frames)",
+            )
         self._check_block_size(len(self._block) + len(payload))
         self._block += payload
         if flags & f.END_HEADERS:
@@ -764,12 +848,15 @@ class Connection:
         try:
             headers = [(bytes(name), bytes(value)) for name, value in self._decoder.decode(block, raw=True)]
         except hpack.OversizedHeaderListError as exc:
-            raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
-                                   f"stream {stream_id}: header list over {self.limits.max_header_list_size} "
-                                   f"bytes (Limits.max_header_list_size): {exc}") from None
+            raise _ConnectionError(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"stream {stream_id}: header list over {self.limits.max_header_list_size} "
+                f"bytes (Limits.max_header_list_size): {exc}",
+            ) from None
         except (hpack.HPACKError, UnicodeDecodeError, ValueError) as exc:
-            raise _ConnectionError(ErrorCode.COMPRESSION_ERROR,
-                                   f"stream {stream_id}: undecodable header block: {exc}") from None
+            raise _ConnectionError(
+                ErrorCode.COMPRESSION_ERROR, f"stream {stream_id}: undecodable header block: {exc}"
+            ) from None
         try:
             self._on_header_list(stream_id, flags, headers, events)
         except _StreamError as exc:
@@ -781,9 +868,11 @@ class Connection:
         while offset < end and block[offset] & 0xE0 == 0x20:
             count += 1
             if count > self.limits.max_table_size_updates:
-                raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
-                                       f"more than {self.limits.max_table_size_updates} HPACK table size updates "
-                                       "in one header block (Limits.max_table_size_updates)")
+                raise _ConnectionError(
+                    ErrorCode.ENHANCE_YOUR_CALM,
+                    f"more than {self.limits.max_table_size_updates} HPACK table size updates "
+                    "in one header block (Limits.max_table_size_updates)",
+                )
             first = block[offset] & 0x1F
             offset += 1
             if first == 0x1F:  # a multi-byte integer: continuation bytes have the high bit set
@@ -791,24 +880,29 @@ class Connection:
                     offset += 1
                 offset += 1
 
-    def _on_header_list(self, stream_id: int, flags: int, headers: list[tuple[bytes, bytes]],
-                        events: list[Event]) -> None:
+    def _on_header_list(
+        self, stream_id: int, flags: int, headers: list[tuple[bytes, bytes]], events: list[Event]
+    ) -> None:
         end_stream = bool(flags & f.END_STREAM)
         stream = self._streams.get(stream_id)
         if stream is None:
             if not self._is_idle(stream_id):
                 if stream_id not in self._ended and stream_id not in self._reset_by_us:
-                    raise _ConnectionError(ErrorCode.PROTOCOL_ERROR,
-                                           f"HEADERS opening stream {stream_id} after stream "
-                                           f"{self._highest_remote} (stream ids must increase)")
+                    raise _ConnectionError(
+                        ErrorCode.PROTOCOL_ERROR,
+                        f"HEADERS opening stream {stream_id} after stream "
+                        f"{self._highest_remote} (stream ids must increase)",
+                    )
                 self._closed_stream_frame(stream_id, "HEADERS")
                 return
             if self._is_local(stream_id):
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR,
-                                       f"HEADERS on stream {stream_id}, which we never opened")
+                raise _ConnectionError(
+                    ErrorCode.PROTOCOL_ERROR, f"HEADERS on stream {stream_id}, which we never opened"
+                )
             if self.role is Role.CLIENT:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR,
-                                       f"the server opened stream {stream_id} (servers never open streams)")
+                raise _ConnectionError(
+                    ErrorCode.PROTOCOL_ERROR, f"the server opened stream {stream_id} (servers never open streams)"
+                )
             self._highest_remote = stream_id  # a lower one later is a connection error (idle check)
             if self._goaway_sent:
                 return
@@ -839,8 +933,9 @@ class Connection:
         if not stream_id:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
         if len(payload) != 5:
-            raise _StreamError(ErrorCode.FRAME_SIZE_ERROR, f"PRIORITY of {len(payload)} bytes on stream "
-                               f"{stream_id} (must be 5)")
+            raise _StreamError(
+                ErrorCode.FRAME_SIZE_ERROR, f"PRIORITY of {len(payload)} bytes on stream {stream_id} (must be 5)"
+            )
         if f.unpack_u32(payload) & 0x7FFF_FFFF == stream_id:
             raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id} depends on itself")
         # Priorities are advice (RFC 9113 deprecates them): otherwise ignored.
@@ -849,8 +944,9 @@ class Connection:
         if not stream_id:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on stream 0")
         if len(payload) != 4:
-            raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR,
-                                   f"RST_STREAM of {len(payload)} bytes on stream {stream_id} (must be 4)")
+            raise _ConnectionError(
+                ErrorCode.FRAME_SIZE_ERROR, f"RST_STREAM of {len(payload)} bytes on stream {stream_id} (must be 4)"
+            )
         if self._is_idle(stream_id):
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
         self._spend_reset_token()
@@ -868,21 +964,30 @@ class Connection:
                 raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
             return
         if len(payload) % 6:
-            raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR,
-                                   f"SETTINGS of {len(payload)} bytes (not a multiple of 6)")
+            raise _ConnectionError(
+                ErrorCode.FRAME_SIZE_ERROR, f"SETTINGS of {len(payload)} bytes (not a multiple of 6)"
+            )
         limits = self.limits
         now = self._clock()
-        self._settings_tokens = min(float(limits.settings_burst),
-                                    self._settings_tokens + (now - self._settings_time) * limits.settings_rate) - 1
+        self._settings_tokens = (
+            min(
+                float(limits.settings_burst), self._settings_tokens + (now - self._settings_time) * limits.settings_rate
+            )
+            - 1
+        )
         self._settings_time = now
         if self._settings_tokens < 0:
-            raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
-                                   f"more than {limits.settings_burst} SETTINGS frames at {limits.settings_rate}/s "
-                                   "(a SETTINGS flood; Limits.settings_burst, Limits.settings_rate)")
+            raise _ConnectionError(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"more than {limits.settings_burst} SETTINGS frames at {limits.settings_rate}/s "
+                "(a SETTINGS flood; Limits.settings_burst, Limits.settings_rate)",
+            )
         if len(payload) // 6 > self.limits.max_settings_entries:
-            raise _ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
-                                   f"SETTINGS with {len(payload) // 6} entries, over "
-                                   f"{self.limits.max_settings_entries} (Limits.max_settings_entries)")
+            raise _ConnectionError(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"SETTINGS with {len(payload) // 6} entries, over "
+                f"{self.limits.max_settings_entries} (Limits.max_settings_entries)",
+            )
         for key, value in f.parse_settings(payload):
             self._apply_setting(key, value)
         self._queue_control(f.frame(f.SETTINGS, f.ACK, 0))
@@ -895,19 +1000,22 @@ class Connection:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {value}")
         elif key == Setting.INITIAL_WINDOW_SIZE:
             if value > f.MAX_WINDOW:
-                raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR,
-                                       f"SETTINGS_INITIAL_WINDOW_SIZE {value} over 2^31-1")
+                raise _ConnectionError(
+                    ErrorCode.FLOW_CONTROL_ERROR, f"SETTINGS_INITIAL_WINDOW_SIZE {value} over 2^31-1"
+                )
             delta, self._peer_initial_window = value - self._peer_initial_window, value
             for stream in self._streams.values():
                 stream.send_window += delta
                 if stream.send_window > f.MAX_WINDOW:
-                    raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR,
-                                           f"SETTINGS_INITIAL_WINDOW_SIZE {value} overflows stream "
-                                           f"{stream.id}'s window")
+                    raise _ConnectionError(
+                        ErrorCode.FLOW_CONTROL_ERROR,
+                        f"SETTINGS_INITIAL_WINDOW_SIZE {value} overflows stream {stream.id}'s window",
+                    )
         elif key == Setting.MAX_FRAME_SIZE:
             if not f.DEFAULT_MAX_FRAME <= value <= f.MAX_FRAME_SIZE_LIMIT:
-                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR,
-                                       f"SETTINGS_MAX_FRAME_SIZE {value} outside 16384..16777215")
+                raise _ConnectionError(
+                    ErrorCode.PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} outside 16384..16777215"
+                )
             self._peer_max_frame = value
         elif key == Setting.MAX_CONCURRENT_STREAMS:
             self._peer_max_streams = value
@@ -929,23 +1037,25 @@ class Connection:
         if len(payload) < 8:
             raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"GOAWAY of {len(payload)} bytes (at least 8)")
         last, code = f.unpack_u32(payload) & 0x7FFF_FFFF, f.unpack_u32(payload, 4)
-        debug = bytes(payload[8:8 + 200]).decode("utf-8", "replace")
+        debug = bytes(payload[8 : 8 + 200]).decode("utf-8", "replace")
         events.append(ConnectionTerminated(code, last, True, f"GOAWAY from the peer: {debug}"))
         if code != ErrorCode.NO_ERROR:
             self.closed = True
 
     def _on_window_update(self, stream_id: int, payload: memoryview, events: list[Event]) -> None:
         if len(payload) != 4:
-            raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR,
-                                   f"WINDOW_UPDATE of {len(payload)} bytes on stream {stream_id} (must be 4)")
+            raise _ConnectionError(
+                ErrorCode.FRAME_SIZE_ERROR, f"WINDOW_UPDATE of {len(payload)} bytes on stream {stream_id} (must be 4)"
+            )
         increment = f.unpack_u32(payload) & 0x7FFF_FFFF
         if not stream_id:
             if not increment:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0 on the connection")
             self._send_window += increment
             if self._send_window > f.MAX_WINDOW:
-                raise _ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "WINDOW_UPDATE overflows the connection "
-                                       "window past 2^31-1")
+                raise _ConnectionError(
+                    ErrorCode.FLOW_CONTROL_ERROR, "WINDOW_UPDATE overflows the connection window past 2^31-1"
+                )
             self._drain_waiting()
             return
         if self._is_idle(stream_id):
@@ -957,8 +1067,9 @@ class Connection:
             return  # a closed stream: allowed for a short while (RFC 9113 section 6.9)
         stream.send_window += increment
         if stream.send_window > f.MAX_WINDOW:
-            raise _StreamError(ErrorCode.FLOW_CONTROL_ERROR, f"WINDOW_UPDATE overflows stream {stream_id}'s "
-                               "window past 2^31-1")
+            raise _StreamError(
+                ErrorCode.FLOW_CONTROL_ERROR, f"WINDOW_UPDATE overflows stream {stream_id}'s window past 2^31-1"
+            )
         self._drain(stream)
 
     # -- sending -----------------------------------------------------------------------------------
@@ -967,8 +1078,10 @@ class Connection:
         """(Client) the id of a new stream; send its headers with :meth:`send_headers`."""
         if self.role is not Role.CLIENT:
             raise ProtocolUsageError("a server does not open streams")
-        if sum(1 for s in self._streams.values() if not s.local_closed or not s.remote_closed) >= \
-                self._peer_max_streams:
+        if (
+            sum(1 for s in self._streams.values() if not s.local_closed or not s.remote_closed)
+            >= self._peer_max_streams
+        ):
             raise ProtocolUsageError(f"the peer allows {self._peer_max_streams} concurrent streams")
         stream_id, self._next_local = self._next_local, self._next_local + 2
         self._streams[stream_id] = _Stream(stream_id, self._peer_initial_window, self.limits.initial_window_size)
@@ -980,16 +1093,24 @@ class Connection:
             return None
         return stream
 
-    def send_headers(self, stream_id: int, headers: Iterable[tuple[bytes, bytes]], *,
-                     end_stream: bool = False, abandon_pending: bool = False) -> None:
+    def send_headers(
+        self,
+        stream_id: int,
+        headers: Iterable[tuple[bytes, bytes]],
+        *,
+        end_stream: bool = False,
+        abandon_pending: bool = False,
+    ) -> None:
         """Queue a header block (literals, see :func:`frames.header_block`): HEADERS, then
         CONTINUATION frames when it is larger than the peer's SETTINGS_MAX_FRAME_SIZE.
         With ``end_stream`` (trailers) it waits behind the stream's pending DATA."""
-        self.send_header_block(stream_id, f.header_block(headers), end_stream=end_stream,
-                               abandon_pending=abandon_pending)
+        self.send_header_block(
+            stream_id, f.header_block(headers), end_stream=end_stream, abandon_pending=abandon_pending
+        )
 
-    def send_header_block(self, stream_id: int, block: bytes, *, end_stream: bool = False,
-                          abandon_pending: bool = False) -> None:
+    def send_header_block(
+        self, stream_id: int, block: bytes, *, end_stream: bool = False, abandon_pending: bool = False
+    ) -> None:
         """:meth:`send_headers` of a header block encoded beforehand (literals, never indexed).
         With ``abandon_pending``, DATA still waiting for window is dropped (a server that stops)."""
         stream = self._stream_for_send(stream_id)
@@ -1037,8 +1158,13 @@ class Connection:
         for part in parts:
             length += len(part)
         size = length + 5
-        if (stream.pending is None and size <= stream.send_window and size <= self._send_window
-                and size <= self._peer_max_frame and not self.writing_paused):
+        if (
+            stream.pending is None
+            and size <= stream.send_window
+            and size <= self._send_window
+            and size <= self._peer_max_frame
+            and not self.writing_paused
+        ):
             # The usual case: one frame the peer's windows take whole (Envoy opens 256 MiB ones).
             stream.send_window -= size
             self._send_window -= size
@@ -1051,9 +1177,12 @@ class Connection:
         if self.writing_paused:
             self._queued_messages += 1
             if self._queued_messages > self.limits.max_queued_messages:
-                self._terminate(ErrorCode.ENHANCE_YOUR_CALM,
-                                f"more than {self.limits.max_queued_messages} messages queued for a peer that does "
-                                "not read (Limits.max_queued_messages)", [])
+                self._terminate(
+                    ErrorCode.ENHANCE_YOUR_CALM,
+                    f"more than {self.limits.max_queued_messages} messages queued for a peer that does "
+                    "not read (Limits.max_queued_messages)",
+                    [],
+                )
                 return
         if stream.pending is None:
             stream.pending = deque()
@@ -1064,8 +1193,12 @@ class Connection:
         self._owed += size + OWED_PIECE_COST * (len(pending) - before)
         self._drain(stream)
         if self._owed > self.limits.max_owed_bytes:
-            self._terminate(ErrorCode.ENHANCE_YOUR_CALM, f"more than {self.limits.max_owed_bytes} bytes of messages "
-                            "owed to a peer that does not take them (Limits.max_owed_bytes)", [])
+            self._terminate(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"more than {self.limits.max_owed_bytes} bytes of messages "
+                "owed to a peer that does not take them (Limits.max_owed_bytes)",
+                [],
+            )
 
     def end_stream(self, stream_id: int) -> None:
         """(Client) half-close: an empty DATA frame with END_STREAM, after any pending DATA."""
@@ -1200,37 +1333,52 @@ def _check_fields(headers: Sequence[tuple[bytes, bytes]], stream_id: int, role: 
     regular = False
     for name, value in headers:
         if not name or name.translate(None, _BAD_NAME_BYTES) != name:
-            raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: header name {name[:64]!r} is "
-                               "empty or has uppercase, space, control or non-ASCII bytes")
-        if b"\0" in value or b"\r" in value or b"\n" in value or value[:1] in (b" ", b"\t") or \
-                value[-1:] in (b" ", b"\t"):
-            raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: header {name[:64]!r} has a value "
-                               "with NUL, CR, LF or surrounding whitespace")
+            raise _StreamError(
+                ErrorCode.PROTOCOL_ERROR,
+                f"stream {stream_id}: header name {name[:64]!r} is "
+                "empty or has uppercase, space, control or non-ASCII bytes",
+            )
+        if (
+            b"\0" in value
+            or b"\r" in value
+            or b"\n" in value
+            or value[:1] in (b" ", b"\t")
+            or value[-1:] in (b" ", b"\t")
+        ):
+            raise _StreamError(
+                ErrorCode.PROTOCOL_ERROR,
+                f"stream {stream_id}: header {name[:64]!r} has a value with NUL, CR, LF or surrounding whitespace",
+            )
         if name.startswith(b":"):
             if trailers or regular:
-                raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: pseudo-header {name!r} "
-                                   "after regular headers or in trailers")
+                raise _StreamError(
+                    ErrorCode.PROTOCOL_ERROR,
+                    f"stream {stream_id}: pseudo-header {name!r} after regular headers or in trailers",
+                )
             if name not in allowed:
-                raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: unknown pseudo-header "
-                                   f"{name[:64]!r}")
+                raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: unknown pseudo-header {name[:64]!r}")
             if name in seen:
                 raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: duplicate {name!r}")
             seen.add(name)
             continue
         regular = True
         if name in _CONNECTION_HEADERS:
-            raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: connection-specific header "
-                               f"{name!r} (not allowed in HTTP/2)")
+            raise _StreamError(
+                ErrorCode.PROTOCOL_ERROR,
+                f"stream {stream_id}: connection-specific header {name!r} (not allowed in HTTP/2)",
+            )
         if name == b"te" and value != b"trailers":
-            raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: te {value[:64]!r} (only "
-                               "'trailers' is allowed)")
+            raise _StreamError(
+                ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: te {value[:64]!r} (only 'trailers' is allowed)"
+            )
     if trailers:
         return
     if role is Role.SERVER:
         missing = {b":method", b":scheme", b":path"} - seen
         if missing:
-            raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: request without "
-                               f"{b', '.join(sorted(missing)).decode()}")
+            raise _StreamError(
+                ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: request without {b', '.join(sorted(missing)).decode()}"
+            )
         if not dict(headers).get(b":path"):
             raise _StreamError(ErrorCode.PROTOCOL_ERROR, f"stream {stream_id}: empty :path")
     elif b":status" not in seen:

@@ -55,8 +55,21 @@ from pilotfish.transport.aio import (
     source_address,
 )
 
-__all__ = ["ADMIN_API", "ADMIN_CONNECTIONS", "REGISTRY_API", "REST_XDS", "XDS", "CappedSite", "HttpConnectionLimits",
-           "ListenError", "Listener", "check_addresses", "is_loopback", "naming_failures", "serve_app"]
+__all__ = [
+    "ADMIN_API",
+    "ADMIN_CONNECTIONS",
+    "REGISTRY_API",
+    "REST_XDS",
+    "XDS",
+    "CappedSite",
+    "HttpConnectionLimits",
+    "ListenError",
+    "Listener",
+    "check_addresses",
+    "is_loopback",
+    "naming_failures",
+    "serve_app",
+]
 
 _log = logging.getLogger("pilotfish.http")
 
@@ -171,8 +184,9 @@ class HttpConnectionLimits:
 
     def caps(self, descriptors: int) -> tuple[int, int]:
         """(total, per address) with the defaults resolved, as :meth:`ConnectionLimits.caps`."""
-        return ConnectionLimits(max_connections=self.max_connections,
-                                max_connections_per_address=self.max_connections_per_address).caps(descriptors)
+        return ConnectionLimits(
+            max_connections=self.max_connections, max_connections_per_address=self.max_connections_per_address
+        ).caps(descriptors)
 
 
 ADMIN_CONNECTIONS = HttpConnectionLimits(max_connections=256, max_connections_per_address=64)
@@ -229,8 +243,15 @@ class CappedSite(web.BaseSite):
     """An aiohttp site on listening sockets of its own that holds at most so many connections; one
     over a cap is refused before any byte (see the module docstring)."""
 
-    def __init__(self, runner: web.BaseRunner, listeners: list[socket.socket], *, listener: Listener,
-                 limits: HttpConnectionLimits, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        listeners: list[socket.socket],
+        *,
+        listener: Listener,
+        limits: HttpConnectionLimits,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         super().__init__(runner, ssl_context=ssl_context)
         self._listeners = listeners
         self._listener = listener
@@ -257,8 +278,9 @@ class CappedSite(web.BaseSite):
         assert server is not None
         for sock in self._listeners:
             if self._ssl_context is None:  # asyncio's accept (in C on uvloop); counted in connection_made
-                self._servers.append(await loop.create_server(lambda: _Counted(server(), self), sock=sock,
-                                                              backlog=LISTEN_BACKLOG))
+                self._servers.append(
+                    await loop.create_server(lambda: _Counted(server(), self), sock=sock, backlog=LISTEN_BACKLOG)
+                )
             else:  # our accept: the caps are checked before the TLS handshake
                 loop.add_reader(sock, self._accept, sock)
 
@@ -307,8 +329,9 @@ class CappedSite(web.BaseSite):
 
     def _accept(self, listener: socket.socket) -> None:
         self.refused_log.flush()
-        accept_waiting(listener, self._take, log=self.refused_log, what=self._listener.name,
-                       listen_again=self._listen_again)
+        accept_waiting(
+            listener, self._take, log=self.refused_log, what=self._listener.name, listen_again=self._listen_again
+        )
 
     def _take(self, sock: socket.socket, address: str) -> None:
         if not self.admitted(address):
@@ -333,11 +356,18 @@ class CappedSite(web.BaseSite):
         protocol = _Counted(server(), self, address)
         try:
             await loop.connect_accepted_socket(
-                lambda: protocol, sock, ssl=self._ssl_context,
-                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if self._ssl_context is not None else None)
+                lambda: protocol,
+                sock,
+                ssl=self._ssl_context,
+                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if self._ssl_context is not None else None,
+            )
         except Exception as exc:
-            self._tls_log.log("TLS handshake with %s on the %s failed: %s", address, self._listener.name,
-                              (str(exc) or type(exc).__name__)[:200])
+            self._tls_log.log(
+                "TLS handshake with %s on the %s failed: %s",
+                address,
+                self._listener.name,
+                (str(exc) or type(exc).__name__)[:200],
+            )
         finally:
             if not protocol.made:  # no connection_lost will come: count it out here
                 self.release(address)
@@ -345,9 +375,14 @@ class CappedSite(web.BaseSite):
                     sock.close()
 
 
-async def serve_app(app: web.Application, address: str, *, tls: ssl.SSLContext | None = None,
-                    listener: Listener = ADMIN_API,
-                    limits: HttpConnectionLimits | None = None) -> tuple[web.AppRunner, str]:
+async def serve_app(
+    app: web.Application,
+    address: str,
+    *,
+    tls: ssl.SSLContext | None = None,
+    listener: Listener = ADMIN_API,
+    limits: HttpConnectionLimits | None = None,
+) -> tuple[web.AppRunner, str]:
     """Serve ``app`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
     given, holding at most ``limits`` connections (default: :class:`HttpConnectionLimits`'s);
     returns the runner (``cleanup()`` stops it) and the bound ``host:port``. A failure to bind is
@@ -358,8 +393,9 @@ async def serve_app(app: web.Application, address: str, *, tls: ssl.SSLContext |
     runner = web.AppRunner(app, access_log=None)
     try:
         await runner.setup()
-        await CappedSite(runner, listeners, listener=listener, limits=limits or HttpConnectionLimits(),
-                         ssl_context=tls).start()
+        await CappedSite(
+            runner, listeners, listener=listener, limits=limits or HttpConnectionLimits(), ssl_context=tls
+        ).start()
     except BaseException:
         for sock in listeners:
             sock.close()

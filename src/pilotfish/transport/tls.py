@@ -71,19 +71,24 @@ def build_context(files: TlsFiles) -> ssl.SSLContext:
     try:
         context.load_cert_chain(files.cert, files.key)
     except FileNotFoundError as exc:
-        raise _bad(Path(exc.filename or files.cert),
-                   "no such file (the TLS certificate or key); give an existing PEM file") from None
+        raise _bad(
+            Path(exc.filename or files.cert), "no such file (the TLS certificate or key); give an existing PEM file"
+        ) from None
     except (ssl.SSLError, OSError, ValueError) as exc:
-        raise _bad(files.cert, f"cannot load it with the key {files.key} ({exc}); both must be PEM, the key "
-                               "unencrypted and matching the certificate's public key") from None
+        raise _bad(
+            files.cert,
+            f"cannot load it with the key {files.key} ({exc}); both must be PEM, the key "
+            "unencrypted and matching the certificate's public key",
+        ) from None
     if files.client_ca is not None:
         try:
             context.load_verify_locations(cafile=files.client_ca)
         except FileNotFoundError:
             raise _bad(files.client_ca, "no such file (the client CA); give an existing PEM CA bundle") from None
         except (ssl.SSLError, OSError, ValueError) as exc:
-            raise _bad(files.client_ca, f"cannot load it as the client CA bundle ({exc}); it must hold PEM "
-                                        "CA certificates") from None
+            raise _bad(
+                files.client_ca, f"cannot load it as the client CA bundle ({exc}); it must hold PEM CA certificates"
+            ) from None
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 
@@ -103,8 +108,7 @@ def _signature(paths: tuple[Path, ...]) -> tuple[bytes, ...]:
 class ReloadingServerContext:
     """The context to give a listener (:attr:`context`), following its files (:meth:`run`)."""
 
-    def __init__(self, files: TlsFiles, *, on_event: Callable[..., None] | None = None,
-                 name: str = "TLS") -> None:
+    def __init__(self, files: TlsFiles, *, on_event: Callable[..., None] | None = None, name: str = "TLS") -> None:
         self.files = files
         self.name = name
         """Which listener this is, for log lines and events (``xds``, ``registry``)."""

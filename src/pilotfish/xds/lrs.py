@@ -78,10 +78,16 @@ class LoadSink(Protocol):
 class LoadReporting:
     """The LRS service: :meth:`methods` for the gRPC server."""
 
-    def __init__(self, sink: LoadSink, *, settings: LrsSettings | None = None,
-                 authorize: Callable[[str, str], str | None] | None = None, limits: XdsLimits | None = None,
-                 clusters_for: Callable[[base_pb2.Node], Sequence[str]] = lambda _: (),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        sink: LoadSink,
+        *,
+        settings: LrsSettings | None = None,
+        authorize: Callable[[str, str], str | None] | None = None,
+        limits: XdsLimits | None = None,
+        clusters_for: Callable[[base_pb2.Node], Sequence[str]] = lambda _: (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.sink = sink
         self.settings = settings or LrsSettings()
         self.authorize = authorize
@@ -131,9 +137,11 @@ class _LoadStream:
         if self.node_id is None:
             self._first(request)
         elif request.HasField("node") and request.node.id != self.node_id:
-            self._refuse(GrpcStatus.INVALID_ARGUMENT,
-                         f"node.id {shorten(request.node.id, 100)!r} on a stream opened as "
-                         f"{shorten(self.node_id, 100)!r}: a load reporting stream reports for one node")
+            self._refuse(
+                GrpcStatus.INVALID_ARGUMENT,
+                f"node.id {shorten(request.node.id, 100)!r} on a stream opened as "
+                f"{shorten(self.node_id, 100)!r}: a load reporting stream reports for one node",
+            )
         self._last = now
         if request.cluster_stats:
             server.reports += 1
@@ -164,8 +172,12 @@ class _LoadStream:
 
     def _refuse(self, code: int, message: str) -> NoReturn:
         message = shorten(message, _MESSAGE_CHARS)
-        self._server._warnings.log("load reporting stream from %s (node %r) refused: %s", self._call.peer,
-                                   shorten(self.node_id or "", 200), message)
+        self._server._warnings.log(
+            "load reporting stream from %s (node %r) refused: %s",
+            self._call.peer,
+            shorten(self.node_id or "", 200),
+            message,
+        )
         self._end()
         raise RpcError(code, message)
 

@@ -116,8 +116,18 @@ def _error(status: int, message: str, *, field: str | None = None, **extra: Any)
     return web.json_response(body, status=status)
 
 
-_NODE_KEPT = frozenset({"id", "cluster", "metadata", "locality", "user_agent_name", "userAgentName",
-                        "user_agent_version", "userAgentVersion"})
+_NODE_KEPT = frozenset(
+    {
+        "id",
+        "cluster",
+        "metadata",
+        "locality",
+        "user_agent_name",
+        "userAgentName",
+        "user_agent_version",
+        "userAgentVersion",
+    }
+)
 """The node fields a poll is read with (what :func:`~pilotfish.protocol.limits.kept_node` keeps), in
 proto and JSON spelling."""
 
@@ -215,9 +225,15 @@ class RestXds:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         rtype = PATHS.get(request.path)
         if rtype is None:
-            return self._refuse(request, _error(
-                404, f"no REST xDS resource at {shorten(request.path, 200)!r}; POST a JSON DiscoveryRequest to "
-                     "one of the paths listed", paths=list(PATHS)))
+            return self._refuse(
+                request,
+                _error(
+                    404,
+                    f"no REST xDS resource at {shorten(request.path, 200)!r}; POST a JSON DiscoveryRequest to "
+                    "one of the paths listed",
+                    paths=list(PATHS),
+                ),
+            )
         if request.method != "POST":
             response = _error(405, f"{request.method} {request.path}: REST xDS takes POST (a JSON DiscoveryRequest)")
             response.headers["Allow"] = "POST"
@@ -225,14 +241,21 @@ class RestXds:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return self._refuse(request, _error(
-                413, f"the body of POST {request.path} is larger than {self.max_body:,} bytes (Envoy's polls are "
-                     "about 60 KB: send less node metadata)"))
+            return self._refuse(
+                request,
+                _error(
+                    413,
+                    f"the body of POST {request.path} is larger than {self.max_body:,} bytes (Envoy's polls are "
+                    "about 60 KB: send less node metadata)",
+                ),
+            )
         try:
             message = parse_request(raw)
         except (json_format.ParseError, orjson.JSONDecodeError, RecursionError) as exc:
-            return self._refuse(request, _error(400, f"the body is not a JSON DiscoveryRequest: "
-                                                     f"{shorten(str(exc), 400)}", field=_field_of(exc)))
+            return self._refuse(
+                request,
+                _error(400, f"the body is not a JSON DiscoveryRequest: {shorten(str(exc), 400)}", field=_field_of(exc)),
+            )
         try:
             poll = read_poll(message, rtype, self.policy.limits)
         except PeerOverLimit as exc:
@@ -250,8 +273,9 @@ class RestXds:
             refusal = policy.authorize(identity, node_id)
             if refusal is not None:
                 if self._first_time("node_refused", identity, node_id):
-                    policy.events.emit("node_refused", rest=True, node=node_id, identity=identity, peer=request.remote,
-                                     reason=refusal)
+                    policy.events.emit(
+                        "node_refused", rest=True, node=node_id, identity=identity, peer=request.remote, reason=refusal
+                    )
                 return self._refuse(request, _error(403, refusal, field="node.id"))
         group = self.group_of(poll.node)
         snapshot = self.cache.snapshot(group)
@@ -260,8 +284,11 @@ class RestXds:
             current = snapshot.endpoints_for(policy.proxy_indices.touch(node_id))  # its own subsets
         if current is None:
             self._record(poll, answer=503)
-            response = _error(503, "no configuration is published yet (pilotfish is waiting for its sources); "
-                                   "keep what you have and poll again")
+            response = _error(
+                503,
+                "no configuration is published yet (pilotfish is waiting for its sources); "
+                "keep what you have and poll again",
+            )
             response.headers["Retry-After"] = "1"
             return response
         subscription = poll.subscription
@@ -290,8 +317,9 @@ class RestXds:
             status.stream_closed(node_id)
         self._record(poll, answer=200)
         if policy.events.conversation:
-            policy.events.emit("sent", node=node_id, type=type_url, version=encoded.version, rest=True,
-                             resources=encoded.carried)
+            policy.events.emit(
+                "sent", node=node_id, type=type_url, version=encoded.version, rest=True, resources=encoded.carried
+            )
         return web.Response(body=body, status=200, content_type="application/json")
 
     def _granted(self, poll: RestPoll, identity: str, peer: str | None) -> Subscription:
@@ -307,10 +335,16 @@ class RestXds:
         for name in denied:
             if not self._first_time("secret_denied", poll.node.id, name):
                 continue
-            self.policy.events.emit("secret_denied", rest=True, node=poll.node.id, identity=identity, peer=peer,
-                             secret=name)
-            _log.warning("node %r (identity %r, %s) asked over REST for secret %r, not granted to it: not sent",
-                         shorten(poll.node.id, 200), identity, peer, shorten(name, 200))
+            self.policy.events.emit(
+                "secret_denied", rest=True, node=poll.node.id, identity=identity, peer=peer, secret=name
+            )
+            _log.warning(
+                "node %r (identity %r, %s) asked over REST for secret %r, not granted to it: not sent",
+                shorten(poll.node.id, 200),
+                identity,
+                peer,
+                shorten(name, 200),
+            )
         return next_subscription(names, wildcard_capable=False, ever_named=True)
 
     # -- records ----------------------------------------------------------------------------------
@@ -332,8 +366,14 @@ class RestXds:
             return
         subscription = poll.subscription
         names = {} if subscription.wildcard else {"resource_names": sorted(subscription.names)}
-        events.emit("rest_request", node=poll.node.id, type=poll.rtype.url, version_info=poll.version_info,
-                         answer=answer, **names)
+        events.emit(
+            "rest_request",
+            node=poll.node.id,
+            type=poll.rtype.url,
+            version_info=poll.version_info,
+            answer=answer,
+            **names,
+        )
 
     def _refuse(self, request: web.Request, response: web.Response) -> web.Response:
         """Log and record a refused poll, at most once per ``report_every`` seconds."""
@@ -341,12 +381,24 @@ class RestXds:
         if left_out is None:
             return response
         reason = response.text or ""
-        _log.warning("REST xDS refused %s %s from %s: %d %s%s", request.method, shorten(request.path, 200),
-                     request.remote, response.status, shorten(reason, 400),
-                     f" ({left_out} more refusal(s) since the last one logged)" if left_out else "")
-        self.policy.events.emit("rest_refused", method=request.method, path=shorten(request.path, 200),
-                         status=response.status, peer=request.remote, reason=shorten(reason, 1000),
-                         unreported_before=left_out)
+        _log.warning(
+            "REST xDS refused %s %s from %s: %d %s%s",
+            request.method,
+            shorten(request.path, 200),
+            request.remote,
+            response.status,
+            shorten(reason, 400),
+            f" ({left_out} more refusal(s) since the last one logged)" if left_out else "",
+        )
+        self.policy.events.emit(
+            "rest_refused",
+            method=request.method,
+            path=shorten(request.path, 200),
+            status=response.status,
+            peer=request.remote,
+            reason=shorten(reason, 1000),
+            unreported_before=left_out,
+        )
         return response
 
 
@@ -368,8 +420,9 @@ def _field_of(exc: Exception) -> str | None:
     return match[1] if match else None
 
 
-async def start_rest_server(rest: RestXds, address: str, *, tls: ssl.SSLContext | None = None,
-                            limits: HttpConnectionLimits | None = None) -> tuple[web.AppRunner, str]:
+async def start_rest_server(
+    rest: RestXds, address: str, *, tls: ssl.SSLContext | None = None, limits: HttpConnectionLimits | None = None
+) -> tuple[web.AppRunner, str]:
     """Serve ``rest`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
     given, holding at most ``limits`` connections; returns the runner (``cleanup()`` stops it)
     and the bound ``host:port``."""

@@ -89,8 +89,16 @@ from pilotfish.transport.aio import (
 )
 from pilotfish.transport.frames import GrpcStatus
 
-__all__ = ["MAX_DENIED_RECORDED", "WARN_EVERY", "GrantsInForce", "XdsLimits", "XdsPolicy", "XdsServer", "node_info",
-           "start_xds_server"]
+__all__ = [
+    "MAX_DENIED_RECORDED",
+    "WARN_EVERY",
+    "GrantsInForce",
+    "XdsLimits",
+    "XdsPolicy",
+    "XdsServer",
+    "node_info",
+    "start_xds_server",
+]
 
 _log = logging.getLogger("pilotfish.server")
 
@@ -123,8 +131,14 @@ def node_info(node: base_pb2.Node, *, address: str, group: str, protocol: str) -
     if not version and node.HasField("user_agent_build_version"):
         semver = node.user_agent_build_version.version
         version = f"{semver.major_number}.{semver.minor_number}.{semver.patch}"
-    return NodeInfo(cluster=node.cluster, user_agent=node.user_agent_name, user_agent_version=version,
-                    address=address, group=group, protocol=protocol)
+    return NodeInfo(
+        cluster=node.cluster,
+        user_agent=node.user_agent_name,
+        user_agent_version=version,
+        address=address,
+        group=group,
+        protocol=protocol,
+    )
 
 
 MAX_DENIED_RECORDED = 100
@@ -230,12 +244,15 @@ class XdsServer:
 
     def methods(self) -> dict[str, MethodFactory]:
         """``{path: factory}`` for every xDS method pilotfish serves, SotW and delta."""
+
         def factory(kind: type[_SotwConnection | _DeltaConnection], type_url: TypeUrl | None) -> MethodFactory:
             return lambda call: kind(self, call, type_url)
 
-        return {f"/{service}/{kind.method_prefix}{what}": factory(kind, type_url)
-                for kind in (_SotwConnection, _DeltaConnection)
-                for service, what, type_url in _SERVICES}
+        return {
+            f"/{service}/{kind.method_prefix}{what}": factory(kind, type_url)
+            for kind in (_SotwConnection, _DeltaConnection)
+            for service, what, type_url in _SERVICES
+        }
 
 
 class _State(Protocol):
@@ -254,8 +271,23 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
     :class:`_DeltaConnection`) says how a request is decoded and fed to its state machine, how a
     request and a response are recorded, and what of a secrets watch is granted."""
 
-    __slots__ = ("_asked_secrets", "_call", "_cancels", "_create", "_current", "_denied", "_grants", "_last_nack",
-                 "_server", "closed", "group", "id", "node_id", "opened", "type_url")
+    __slots__ = (
+        "_asked_secrets",
+        "_call",
+        "_cancels",
+        "_create",
+        "_current",
+        "_denied",
+        "_grants",
+        "_last_nack",
+        "_server",
+        "closed",
+        "group",
+        "id",
+        "node_id",
+        "opened",
+        "type_url",
+    )
 
     service = "ads"
     """How ``stream_open`` names an aggregated stream of this kind."""
@@ -265,8 +297,13 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
     """Its methods' names: ``StreamClusters``... (see :data:`_SERVICES`)."""
     state: _State
 
-    def __init__(self, server: XdsServer, call: Call, type_url: TypeUrl | None,
-                 create: Callable[[_Watch, Callable[[_Watch, _Answer], None], NodeGroup], Cancel]) -> None:
+    def __init__(
+        self,
+        server: XdsServer,
+        call: Call,
+        type_url: TypeUrl | None,
+        create: Callable[[_Watch, Callable[[_Watch, _Answer], None], NodeGroup], Cancel],
+    ) -> None:
         self._server = server
         self._call = call
         self.type_url = type_url
@@ -314,8 +351,14 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         """End the stream with ``code``: the peer broke the protocol or a limit."""
         message = shorten(message, _MESSAGE_CHARS)
         what = "over a limit" if code == GrpcStatus.RESOURCE_EXHAUSTED else "protocol error"
-        self._server._warnings.log("stream %d from %s (node %r) ended, %s: %s", self.id, self._call.peer,
-                                    shorten(self.node_id, 200), what, message)
+        self._server._warnings.log(
+            "stream %d from %s (node %r) ended, %s: %s",
+            self.id,
+            self._call.peer,
+            shorten(self.node_id, 200),
+            what,
+            message,
+        )
         self._close(f"{what}: {message}")
         raise RpcError(code, message)
 
@@ -357,8 +400,9 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
             return
         refusal = policy.authorize(self._call.peer_identity, node_id)
         if refusal is not None:
-            policy.events.emit("node_refused", stream=self.id, identity=self._call.peer_identity,
-                               peer=self._call.peer, reason=refusal)
+            policy.events.emit(
+                "node_refused", stream=self.id, identity=self._call.peer_identity, peer=self._call.peer, reason=refusal
+            )
             _log.warning("%s: %s", self._call.peer, refusal)
             self._close(f"permission denied: {refusal}")
             raise RpcError(GrpcStatus.PERMISSION_DENIED, refusal)
@@ -371,12 +415,19 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         self.group = server._group_of(node)
         policy.proxy_indices.acquire(self.node_id)  # (its index is looked up when its endpoints are answered)
         server._by_node.setdefault(self.node_id, set()).add(self)
-        policy.status.stream_opened(self.node_id, node_info(node, address=self._call.peer, group=self.group,
-                                                              protocol=self.protocol))
+        policy.status.stream_opened(
+            self.node_id, node_info(node, address=self._call.peer, group=self.group, protocol=self.protocol)
+        )
         identity = self._call.peer_identity  # from the client's certificate (mTLS), else ""
-        policy.events.emit("stream_open", stream=self.id, node=self.node_id, peer=self._call.peer,
-                           service=self.service if self.type_url is None else self.type_url, group=self.group,
-                           **({"identity": identity} if identity else {}))
+        policy.events.emit(
+            "stream_open",
+            stream=self.id,
+            node=self.node_id,
+            peer=self._call.peer,
+            service=self.service if self.type_url is None else self.type_url,
+            group=self.group,
+            **({"identity": identity} if identity else {}),
+        )
 
     def _acked(self, type_url: TypeUrl, version: str) -> None:
         self._server.policy.status.acked(self.node_id, type_url, version)
@@ -386,8 +437,13 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         nack = (type_url, version)
         if nack != self._last_nack:  # a peer repeating its NACK does not fill the log
             self._last_nack = nack
-            _log.warning("%s rejected %s version %s: %s", self.node_id or f"stream {self.id}",
-                         type_url.rsplit(".", 1)[-1], version, error)
+            _log.warning(
+                "%s rejected %s version %s: %s",
+                self.node_id or f"stream {self.id}",
+                type_url.rsplit(".", 1)[-1],
+                version,
+                error,
+            )
 
     # -- watches --------------------------------------------------------------------------------
 
@@ -462,13 +518,19 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
             if name in self._denied:
                 continue
             self._denied.add(name)
-            server.policy.events.emit("secret_denied", stream=self.id, node=self.node_id, identity=identity,
-                                      peer=self._call.peer, secret=name)
+            server.policy.events.emit(
+                "secret_denied", stream=self.id, node=self.node_id, identity=identity, peer=self._call.peer, secret=name
+            )
         shown = shorten(", ".join(names[:_DENIED_SHOWN]), 400)
         if len(names) > _DENIED_SHOWN:
             shown += f" and {len(names) - _DENIED_SHOWN:,} more"
-        server._denials.log("node %r (identity %r, %s) asked for secrets not granted to it, not sent: %s",
-                             shorten(self.node_id, 200), identity, self._call.peer, shown)
+        server._denials.log(
+            "node %r (identity %r, %s) asked for secrets not granted to it, not sent: %s",
+            shorten(self.node_id, 200),
+            identity,
+            self._call.peer,
+            shown,
+        )
 
     def regrant(self) -> None:
         """The policy's grants changed: open the stream's SDS watch again, with what its proxy
@@ -527,8 +589,9 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
         return node_id
 
     def _step(self, decoded: DecodedRequest) -> RequestOutcome:
-        return self.state.on_request(decoded.request, names_wire=decoded.names_wire,
-                                     names_as_before=decoded.names_as_before)
+        return self.state.on_request(
+            decoded.request, names_wire=decoded.names_wire, names_as_before=decoded.names_as_before
+        )
 
     def _record(self, data: bytes, decoded: DecodedRequest, outcome: RequestOutcome) -> Sequence[Watch]:
         events = self._server.policy.events
@@ -538,13 +601,20 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
             names = None
             if kind is not RequestKind.ACK or outcome.subscription_changed:
                 # (Left undecoded if they were the previous request's: decoded for the record.)
-                names = list((discovery_pb2.DiscoveryRequest.FromString(data) if decoded.names_as_before
-                              else decoded.request).resource_names)
+                names = list(
+                    (
+                        discovery_pb2.DiscoveryRequest.FromString(data) if decoded.names_as_before else decoded.request
+                    ).resource_names
+                )
             events.emit(
                 "stale" if kind is RequestKind.STALE else kind.value,
-                stream=self.id, node=self.node_id, type=outcome.type_url,
-                version_info=outcome.version_info, response_nonce=outcome.response_nonce,
-                error=outcome.error, **({"resource_names": names} if names is not None else {}),
+                stream=self.id,
+                node=self.node_id,
+                type=outcome.type_url,
+                version_info=outcome.version_info,
+                response_nonce=outcome.response_nonce,
+                error=outcome.error,
+                **({"resource_names": names} if names is not None else {}),
             )
         if kind is RequestKind.ACK:
             self._acked(outcome.type_url, outcome.version_info)
@@ -565,8 +635,7 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
                 denied.sort()  # events in a stable order (when there are many, which are recorded is moot)
             if subscription.wildcard:
                 denied.append(WILDCARD)
-            granted = subscription if not denied else next_subscription(
-                names, wildcard_capable=False, ever_named=True)
+            granted = subscription if not denied else next_subscription(names, wildcard_capable=False, ever_named=True)
             self._granted = (grants, subscription, granted)
             if denied:
                 self._record_denied(denied)
@@ -577,8 +646,14 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
         return nonce, response, ()
 
     def _sent_event(self, response: EncodedResponse, nonce: str) -> dict[str, object]:
-        return {"stream": self.id, "node": self.node_id, "type": response.type_url, "version": response.version,
-                "nonce": nonce, "resources": response.carried}
+        return {
+            "stream": self.id,
+            "node": self.node_id,
+            "type": response.type_url,
+            "version": response.version,
+            "nonce": nonce,
+            "resources": response.carried,
+        }
 
 
 class _DeltaConnection(_Stream[DeltaWatch, discovery_pb2.DeltaDiscoveryRequest, DeltaChanges]):
@@ -609,8 +684,9 @@ class _DeltaConnection(_Stream[DeltaWatch, discovery_pb2.DeltaDiscoveryRequest, 
     def _step(self, decoded: discovery_pb2.DeltaDiscoveryRequest) -> DeltaOutcome:
         return self.state.on_request(decoded)
 
-    def _record(self, data: bytes, decoded: discovery_pb2.DeltaDiscoveryRequest,
-                outcome: DeltaOutcome) -> Sequence[DeltaWatch]:
+    def _record(
+        self, data: bytes, decoded: discovery_pb2.DeltaDiscoveryRequest, outcome: DeltaOutcome
+    ) -> Sequence[DeltaWatch]:
         events = self._server.policy.events
         kind = outcome.kind
         if kind is DeltaKind.NACK or events.conversation:
@@ -621,9 +697,17 @@ class _DeltaConnection(_Stream[DeltaWatch, discovery_pb2.DeltaDiscoveryRequest, 
                 changes["unsubscribe"] = list(outcome.unsubscribed)
             if decoded.initial_resource_versions:
                 changes["initial_resources"] = len(decoded.initial_resource_versions)
-            events.emit(kind.value, stream=self.id, node=self.node_id, type=outcome.type_url, delta=True,
-                        version=outcome.version, response_nonce=outcome.response_nonce,
-                        error=outcome.error, **changes)
+            events.emit(
+                kind.value,
+                stream=self.id,
+                node=self.node_id,
+                type=outcome.type_url,
+                delta=True,
+                version=outcome.version,
+                response_nonce=outcome.response_nonce,
+                error=outcome.error,
+                **changes,
+            )
         if kind is DeltaKind.ACK:
             self._acked(outcome.type_url, outcome.version or "")
         elif kind is DeltaKind.NACK:
@@ -645,19 +729,31 @@ class _DeltaConnection(_Stream[DeltaWatch, discovery_pb2.DeltaDiscoveryRequest, 
         granted = next_subscription(names, wildcard_capable=False, ever_named=True).names
         return watch._replace(wildcard=False, names=granted)
 
-    def _on_response(self, watch: DeltaWatch, changes: DeltaChanges
-                     ) -> tuple[str, DeltaChanges, Sequence[DeltaWatch]]:
+    def _on_response(self, watch: DeltaWatch, changes: DeltaChanges) -> tuple[str, DeltaChanges, Sequence[DeltaWatch]]:
         nonce, again = self.state.on_response(watch, changes)  # again: warming, what the clusters
         return nonce, changes, again  # (listeners) just sent wait for, now
 
     def _sent_event(self, changes: DeltaChanges, nonce: str) -> dict[str, object]:
-        return {"stream": self.id, "node": self.node_id, "type": changes.type_url, "delta": True,
-                "version": changes.version, "nonce": nonce, "resources": len(changes.sent),
-                "names": list(changes.sent), "removed": list(changes.removed)}
+        return {
+            "stream": self.id,
+            "node": self.node_id,
+            "type": changes.type_url,
+            "delta": True,
+            "version": changes.version,
+            "nonce": nonce,
+            "resources": len(changes.sent),
+            "names": list(changes.sent),
+            "removed": list(changes.removed),
+        }
 
 
-async def start_xds_server(xds: XdsServer, address: str, *, tls: ssl.SSLContext | None = None,
-                           connection_limits: ConnectionLimits | None = None) -> tuple[GrpcServer, int]:
+async def start_xds_server(
+    xds: XdsServer,
+    address: str,
+    *,
+    tls: ssl.SSLContext | None = None,
+    connection_limits: ConnectionLimits | None = None,
+) -> tuple[GrpcServer, int]:
     """Serve ``xds`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
     given, holding connections within ``connection_limits``; returns (server, port)."""
     host, _, port = address.rpartition(":")

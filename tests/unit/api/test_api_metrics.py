@@ -20,8 +20,10 @@ from pilotfish.status import ACK_BUCKETS, NodeInfo, SyncStatus
 
 CDS, EDS = CLUSTER.url, ENDPOINT.url
 UNKNOWN = "type.googleapis.com/envoy.config.foo.v3.Thing"
-WEB = DesiredState(services={"web": ServiceSpec(name="web", listen=("127.0.0.1", 10000))},
-                   endpoints={"web": (Endpoint("127.0.0.1", 9001),)})
+WEB = DesiredState(
+    services={"web": ServiceSpec(name="web", listen=("127.0.0.1", 10000))},
+    endpoints={"web": (Endpoint("127.0.0.1", 9001),)},
+)
 
 
 class Wall:
@@ -89,12 +91,26 @@ def test_the_publish_to_ack_histogram_counts_each_proxys_first_ack_of_the_curren
     lines = scrape(status, Reconciler(SnapshotCache()))
 
     histogram = [line for line in lines if line.startswith("pilotfish_publish_to_ack_seconds")]
-    cumulative = {0.01: 0, 0.025: 1, 0.05: 1, 0.1: 1, 0.25: 1, 0.5: 2, 1.0: 2, 2.5: 2, 5.0: 2, 10.0: 3,
-                  30.0: 3, 60.0: 3}
+    cumulative = {
+        0.01: 0,
+        0.025: 1,
+        0.05: 1,
+        0.1: 1,
+        0.25: 1,
+        0.5: 2,
+        1.0: 2,
+        2.5: 2,
+        5.0: 2,
+        10.0: 3,
+        30.0: 3,
+        60.0: 3,
+    }
     assert tuple(cumulative) == ACK_BUCKETS
     assert histogram[:-1] == [
-        *(f'pilotfish_publish_to_ack_seconds_bucket{{le="{bound}"}} {float(count)}'
-          for bound, count in cumulative.items()),
+        *(
+            f'pilotfish_publish_to_ack_seconds_bucket{{le="{bound}"}} {float(count)}'
+            for bound, count in cumulative.items()
+        ),
         'pilotfish_publish_to_ack_seconds_bucket{le="+Inf"} 3.0',
         "pilotfish_publish_to_ack_seconds_count 3.0",
     ]
@@ -119,12 +135,19 @@ def test_a_scrape_says_what_the_reconciler_published_held_and_which_sources_repo
     assert reconciler.build_now() is None and reconciler.held is not None
 
     lines = scrape(status, reconciler)  # two builds: waiting for a source is not one
-    for line in ("pilotfish_snapshots_published_total 1.0", "pilotfish_snapshots_held_total 1.0",
-                 "pilotfish_snapshot_held 1.0", "pilotfish_snapshots_refused_total 0.0",
-                 "pilotfish_snapshot_refused 0.0", "pilotfish_snapshot_build_seconds_count 2.0",
-                 'pilotfish_source_ready{source="etcd"} 1.0', 'pilotfish_source_failing{source="etcd"} 1.0',
-                 'pilotfish_source_failing{source="file"} 0.0', 'pilotfish_source_errors_total{source="etcd"} 1.0',
-                 'pilotfish_source_errors_total{source="file"} 0.0'):
+    for line in (
+        "pilotfish_snapshots_published_total 1.0",
+        "pilotfish_snapshots_held_total 1.0",
+        "pilotfish_snapshot_held 1.0",
+        "pilotfish_snapshots_refused_total 0.0",
+        "pilotfish_snapshot_refused 0.0",
+        "pilotfish_snapshot_build_seconds_count 2.0",
+        'pilotfish_source_ready{source="etcd"} 1.0',
+        'pilotfish_source_failing{source="etcd"} 1.0',
+        'pilotfish_source_failing{source="file"} 0.0',
+        'pilotfish_source_errors_total{source="etcd"} 1.0',
+        'pilotfish_source_errors_total{source="file"} 0.0',
+    ):
         assert line in lines, (line, lines)
 
     reconciler.confirm()

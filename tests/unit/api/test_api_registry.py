@@ -37,7 +37,8 @@ async def served() -> AsyncIterator[tuple[Client, Reconciler, Registry]]:
 
 
 async def test_a_write_clashing_with_what_is_served_is_409_and_changes_nothing(
-        served: tuple[Client, Reconciler, Registry]) -> None:
+    served: tuple[Client, Reconciler, Registry],
+) -> None:
     client, _, registry = served
     response = await client.put("/v1/services/api", json={"listen": "127.0.0.1:10000"})
     assert response.status == 409
@@ -48,7 +49,8 @@ async def test_a_write_clashing_with_what_is_served_is_409_and_changes_nothing(
 
 
 async def test_what_is_accepted_reaches_the_reconciler_and_an_unknown_instance_is_404(
-        served: tuple[Client, Reconciler, Registry]) -> None:
+    served: tuple[Client, Reconciler, Registry],
+) -> None:
     client, reconciler, registry = served
     assert (await client.put("/v1/services/api", json={"listen": "127.0.0.1:10001"})).status == 200
     response = await client.post("/v1/services/api/instances", json={"address": "127.0.0.1", "port": 9001})
@@ -65,14 +67,18 @@ async def test_what_is_accepted_reaches_the_reconciler_and_an_unknown_instance_i
     assert registry.describe("api")["api"]["instances"] == []
 
 
-@pytest.mark.parametrize(("body", "status", "says"), [
-    (b"{not json", 400, "the body is not valid JSON"),
-    (b'{"port": NaN}', 400, "the body is not valid JSON"),
-    (json.dumps({"a": [[[[[[[[[1]]]]]]]]]}).encode(), 400, "nests arrays or objects too deeply (at most 8 levels)"),
-    (b"[" * 100_000 + b"]" * 100_000, 413, "is larger than 4096 bytes"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        (b"{not json", 400, "the body is not valid JSON"),
+        (b'{"port": NaN}', 400, "the body is not valid JSON"),
+        (json.dumps({"a": [[[[[[[[[1]]]]]]]]]}).encode(), 400, "nests arrays or objects too deeply (at most 8 levels)"),
+        (b"[" * 100_000 + b"]" * 100_000, 413, "is larger than 4096 bytes"),
+    ],
+)
 async def test_a_bad_body_is_refused_by_its_bound_and_named(
-        served: tuple[Client, Reconciler, Registry], body: bytes, status: int, says: str) -> None:
+    served: tuple[Client, Reconciler, Registry], body: bytes, status: int, says: str
+) -> None:
     client, _, registry = served
     response = await client.put("/v1/services/api", data=body, headers={"Content-Type": "application/json"})
     assert response.status == status

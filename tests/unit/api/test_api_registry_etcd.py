@@ -46,7 +46,8 @@ async def test_a_definition_is_written_to_the_source_key_and_read_back_at_once(e
         written = await store.define("api", {"listen": "127.0.0.1:10001", "protocol": "http"})
         assert written.revision is not None and source.revision >= written.revision  # its own view has it
         assert await source.client.get(f"{PREFIX}services/api") == json.dumps(
-            {"listen": "127.0.0.1:10001", "protocol": "http"}, sort_keys=True)
+            {"listen": "127.0.0.1:10001", "protocol": "http"}, sort_keys=True
+        )
         assert store.knows("api") and written.body is not None and written.body["listen"] == "127.0.0.1:10001"
         assert reconciler.build_now() is not None  # it reached the reconciler through the watch
 

@@ -94,14 +94,20 @@ def test_an_uppercase_digest_is_the_same_digest() -> None:
         ({"tokens": {"a": {"sha256": "secret-token"}}}, "tokens.a.sha256", "the token itself never goes in the file"),
         ({"tokens": {"a": {"sha256": hash_token("x") + "0"}}}, "tokens.a.sha256", "64 hexadecimal"),
         ({"tokens": {"a": {"sha256": hash_token("x"), "write": "web"}}}, "tokens.a.write", "a list"),
-        ({"tokens": {"a": {"sha256": hash_token("x"), "write": ["web", "bad name"]}}}, "tokens.a.write[1]",
-         "'bad name'"),
+        (
+            {"tokens": {"a": {"sha256": hash_token("x"), "write": ["web", "bad name"]}}},
+            "tokens.a.write[1]",
+            "'bad name'",
+        ),
         ({"tokens": {"a": {"sha256": hash_token("x"), "write": [3]}}}, "tokens.a.write[0]", "not a service name"),
         ({"tokens": {"a": {"sha256": hash_token("x"), "read": "yes"}}}, "tokens.a.read", "true or false"),
         ({"tokens": {"a": {"sha256": hash_token("x"), "admin": 1}}}, "tokens.a.admin", "true or false"),
         ({"tokens": {"a": {"sha256": hash_token("x"), "writes": ["web"]}}}, "tokens.a.writes", "unknown field"),
-        ({"tokens": {"a": {"sha256": hash_token("x")}, "b": {"sha256": hash_token("x")}}}, "tokens.b.sha256",
-         "same digest as tokens.a"),
+        (
+            {"tokens": {"a": {"sha256": hash_token("x")}, "b": {"sha256": hash_token("x")}}},
+            "tokens.b.sha256",
+            "same digest as tokens.a",
+        ),
     ],
 )
 def test_each_mistake_names_its_field(doc: Any, field: str, words: str) -> None:
@@ -111,8 +117,13 @@ def test_each_mistake_names_its_field(doc: Any, field: str, words: str) -> None:
 
 def test_every_problem_is_reported_at_once() -> None:
     found = problems_of({"reads": 1, "tokens": {"a": {"sha256": "x", "read": "no"}, "b": {"write": [""]}}})
-    assert {where for where, _ in found} == {"reads", "tokens.a.sha256", "tokens.a.read", "tokens.b.sha256",
-                                             "tokens.b.write[0]"}
+    assert {where for where, _ in found} == {
+        "reads",
+        "tokens.a.sha256",
+        "tokens.a.read",
+        "tokens.b.sha256",
+        "tokens.b.write[0]",
+    }
 
 
 def test_load_reads_yaml_and_json(tmp_path: Path) -> None:
@@ -135,8 +146,9 @@ def test_load_reads_yaml_and_json(tmp_path: Path) -> None:
         ("t.yaml", b"#" * (MAX_TOKENS_FILE_BYTES + 1), "", "larger than"),
     ],
 )
-def test_an_unreadable_file_names_the_file_and_where(tmp_path: Path, name: str, content: bytes, where: str,
-                                                     words: str) -> None:
+def test_an_unreadable_file_names_the_file_and_where(
+    tmp_path: Path, name: str, content: bytes, where: str, words: str
+) -> None:
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(ConfigError) as caught:
@@ -174,16 +186,19 @@ def test_a_missing_file_says_it_cannot_be_read(tmp_path: Path) -> None:
         (("api", "web-*"), "web-9", True),
     ],
 )
-def test_write_scopes_are_names_and_globs_over_the_whole_name(patterns: tuple[str, ...], service: str,
-                                                              covered: bool) -> None:
+def test_write_scopes_are_names_and_globs_over_the_whole_name(
+    patterns: tuple[str, ...], service: str, covered: bool
+) -> None:
     assert TokenScope("t", b"\0" * 32, write=patterns).may_write(service) is covered
 
 
 NAME_CHARS = "ab.-_*?"
 
 
-@given(patterns=st.lists(st.text(NAME_CHARS, min_size=1, max_size=6), max_size=3),
-       service=st.text("ab.-_", min_size=1, max_size=8))
+@given(
+    patterns=st.lists(st.text(NAME_CHARS, min_size=1, max_size=6), max_size=3),
+    service=st.text("ab.-_", min_size=1, max_size=8),
+)
 def test_scope_matching_agrees_with_fnmatch(patterns: list[str], service: str) -> None:
     expected = any(fnmatch.fnmatchcase(service, p) for p in patterns)
     assert TokenScope("t", b"\0" * 32, write=tuple(patterns)).may_write(service) is expected
@@ -195,8 +210,9 @@ SCOPED = parse_tokens(document(), "t")
 OPEN_READS = parse_tokens(document(reads="open"), "t")
 
 
-def decide(access: Access, header: str | None, service: str | None = "web",
-           tokens: TokenSet = SCOPED) -> Allowed | Denied:
+def decide(
+    access: Access, header: str | None, service: str | None = "web", tokens: TokenSet = SCOPED
+) -> Allowed | Denied:
     return authorize(tokens, access, service, header, request="PUT /v1/services/web")
 
 
@@ -349,9 +365,21 @@ def test_a_bad_file_at_start_is_an_error(tmp_path: Path) -> None:
 # -- the open API's warning, and the token command --------------------------------------------------
 
 
-@pytest.mark.parametrize(("host", "warns"), [("127.0.0.1", False), ("::1", False), ("[::1]", False),
-                                             ("localhost", False), ("127.0.0.2", False), ("0.0.0.0", True),
-                                             ("", True), ("::", True), ("10.1.2.3", True), ("example.com", True)])
+@pytest.mark.parametrize(
+    ("host", "warns"),
+    [
+        ("127.0.0.1", False),
+        ("::1", False),
+        ("[::1]", False),
+        ("localhost", False),
+        ("127.0.0.2", False),
+        ("0.0.0.0", True),
+        ("", True),
+        ("::", True),
+        ("10.1.2.3", True),
+        ("example.com", True),
+    ],
+)
 def test_an_open_registry_warns_unless_on_loopback(host: str, warns: bool, caplog: pytest.LogCaptureFixture) -> None:
     assert warn_if_open(host) is warns
     assert ("accepts writes from anyone" in caplog.text) is warns

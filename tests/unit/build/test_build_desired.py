@@ -69,8 +69,10 @@ def _eds_source(cluster: cluster_pb2.Cluster) -> config_source_pb2.ConfigSource:
 def _bootstrap_source(refresh: float) -> config_source_pb2.ConfigSource:
     """What ``pilotfish bootstrap --rest`` polls CDS and LDS with."""
     config = bootstrap(BootstrapSettings(node_id="n", rest="127.0.0.1:18001", refresh=refresh))
-    cds, lds = (json_format.ParseDict(config["dynamic_resources"][key], config_source_pb2.ConfigSource())
-                for key in ("cds_config", "lds_config"))
+    cds, lds = (
+        json_format.ParseDict(config["dynamic_resources"][key], config_source_pb2.ConfigSource())
+        for key in ("cds_config", "lds_config")
+    )
     assert cds == lds
     return cds
 
@@ -142,11 +144,13 @@ WEB = {"listen": "127.0.0.1:10000", "grpc": True, "endpoints": ["127.0.0.1:9001"
 
 
 def test_envoys_get_the_socket_listener_and_grpc_clients_an_api_listener_of_the_same_name() -> None:
-    snapshots = build_snapshots(merge_states({"file": _state({"web": WEB})}), "test",
-                                {"envoy": ENVOYS, "grpc": GRPC})
+    snapshots = build_snapshots(merge_states({"file": _state({"web": WEB})}), "test", {"envoy": ENVOYS, "grpc": GRPC})
     envoy, grpc = snapshots["envoy"], snapshots["grpc"]
-    assert _names(envoy) == _names(grpc) == {"clusters": ["web"], "endpoints": ["web"], "listeners": ["web"],
-                                             "routes": ["web"]}
+    assert (
+        _names(envoy)
+        == _names(grpc)
+        == {"clusters": ["web"], "endpoints": ["web"], "listeners": ["web"], "routes": ["web"]}
+    )
     socket = envoy.get(LISTENER.url).resources["web"].message  # type: ignore[union-attr]
     assert isinstance(socket, listener_pb2.Listener) and socket.address.socket_address.port_value == 10000
     api = grpc.get(LISTENER.url).resources["web"].message  # type: ignore[union-attr]
@@ -176,8 +180,12 @@ def test_grpc_endpoints_carry_a_locality_with_a_non_zero_weight() -> None:
 
 
 def test_a_grpc_only_service_has_no_socket_listener_and_an_envoy_only_one_no_api_listener() -> None:
-    state = _state({"rpc": {"grpc": True, "endpoints": ["127.0.0.1:9001"]},
-                    "web": {"listen": "127.0.0.1:10000", "endpoints": ["127.0.0.1:9002"]}})
+    state = _state(
+        {
+            "rpc": {"grpc": True, "endpoints": ["127.0.0.1:9001"]},
+            "web": {"listen": "127.0.0.1:10000", "endpoints": ["127.0.0.1:9002"]},
+        }
+    )
     snapshots = build_snapshots(merge_states({"file": state}), "test", {"envoy": ENVOYS, "grpc": GRPC})
     assert sorted(snapshots["envoy"].get(LISTENER.url).resources) == ["web"]  # type: ignore[union-attr]
     assert sorted(snapshots["grpc"].get(LISTENER.url).resources) == ["rpc"]  # type: ignore[union-attr]
@@ -185,9 +193,17 @@ def test_a_grpc_only_service_has_no_socket_listener_and_an_envoy_only_one_no_api
 
 def test_raw_listeners_go_to_the_kind_they_are_for() -> None:
     router = {"name": "router", "typed_config": {"@type": f"{_TYPES}{router_pb2.Router.DESCRIPTOR.full_name}"}}
-    api: dict[str, object] = {"name": "raw-api", "api_listener": {"api_listener": {
-        "@type": f"{_TYPES}{hcm_pb2.HttpConnectionManager.DESCRIPTOR.full_name}", "stat_prefix": "x",
-        "rds": {"route_config_name": "web", "config_source": {"ads": {}}}, "http_filters": [router]}}}
+    api: dict[str, object] = {
+        "name": "raw-api",
+        "api_listener": {
+            "api_listener": {
+                "@type": f"{_TYPES}{hcm_pb2.HttpConnectionManager.DESCRIPTOR.full_name}",
+                "stat_prefix": "x",
+                "rds": {"route_config_name": "web", "config_source": {"ads": {}}},
+                "http_filters": [router],
+            }
+        },
+    }
     state = _state({"web": WEB}, listeners=[api])
     snapshots = build_snapshots(merge_states({"file": state}), "test", {"envoy": ENVOYS, "grpc": GRPC})
     assert sorted(snapshots["envoy"].get(LISTENER.url).resources) == ["web"]  # type: ignore[union-attr]
@@ -212,19 +228,28 @@ def test_building_two_groups_encodes_each_resource_once() -> None:
     assert memo.made == 5  # the next pass reuses every one of them
 
 
-ZONED = {"zone_local": True, "grpc": True, "endpoints": [
-    {"address": "127.0.0.1", "port": 9001, "zone": "east"},
-    {"address": "127.0.0.1", "port": 9002, "zone": "east", "weight": 3},
-    {"address": "127.0.0.1", "port": 9003, "zone": "west"}]}
+ZONED = {
+    "zone_local": True,
+    "grpc": True,
+    "endpoints": [
+        {"address": "127.0.0.1", "port": 9001, "zone": "east"},
+        {"address": "127.0.0.1", "port": 9002, "zone": "east", "weight": 3},
+        {"address": "127.0.0.1", "port": 9003, "zone": "west"},
+    ],
+}
 
 
 def _ports(snapshot: Snapshot, name: str) -> dict[str, tuple[int, list[int]]]:
     """Per locality zone: its weight and its endpoints' ports."""
     assignment = snapshot.get(ENDPOINT.url).resources[name].message  # type: ignore[union-attr]
     assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
-    return {group.locality.zone: (group.load_balancing_weight.value,
-                                  [e.endpoint.address.socket_address.port_value for e in group.lb_endpoints])
-            for group in assignment.endpoints}
+    return {
+        group.locality.zone: (
+            group.load_balancing_weight.value,
+            [e.endpoint.address.socket_address.port_value for e in group.lb_endpoints],
+        )
+        for group in assignment.endpoints
+    }
 
 
 def test_a_zone_group_gets_only_its_zones_endpoints_of_a_zone_local_service() -> None:
@@ -273,7 +298,10 @@ def test_an_http_service_becomes_listener_route_cluster_and_endpoints() -> None:
 def test_a_tcp_service_has_no_route_configuration() -> None:
     tcp = ServiceSpec(name="db", listen=("127.0.0.1", 15432), protocol="tcp")
     assert built(("file", DesiredState(services={"db": tcp}))) == {
-        "clusters": ["db"], "endpoints": ["db"], "listeners": ["db"]}
+        "clusters": ["db"],
+        "endpoints": ["db"],
+        "listeners": ["db"],
+    }
 
 
 def test_endpoints_from_several_sources_are_merged() -> None:
@@ -305,10 +333,13 @@ def test_a_service_clashing_with_a_raw_resource_is_an_error() -> None:
 
 
 def test_the_same_services_give_the_same_versions() -> None:
-    a = DesiredState(services={"web": WEB_SPEC},
-                     endpoints={"web": (Endpoint("127.0.0.1", 2), Endpoint("127.0.0.1", 1))})
-    b = DesiredState(services={"web": WEB_SPEC},
-                     endpoints={"web": (Endpoint("127.0.0.1", 1), Endpoint("127.0.0.1", 2))})
+    a = DesiredState(
+        services={"web": WEB_SPEC}, endpoints={"web": (Endpoint("127.0.0.1", 2), Endpoint("127.0.0.1", 1))}
+    )
+    b = DesiredState(
+        services={"web": WEB_SPEC}, endpoints={"web": (Endpoint("127.0.0.1", 1), Endpoint("127.0.0.1", 2))}
+    )
     assert a == b
-    assert (build_snapshot(merge_states({"x": a}), "t").versions()
-            == build_snapshot(merge_states({"y": b}), "t").versions())
+    assert (
+        build_snapshot(merge_states({"x": a}), "t").versions() == build_snapshot(merge_states({"y": b}), "t").versions()
+    )

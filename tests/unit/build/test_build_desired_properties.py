@@ -36,14 +36,28 @@ GROUPS = {
 
 specs = st.builds(
     lambda name, port, protocol, grpc, zone_local, timeout: ServiceSpec(
-        name=name, listen=("127.0.0.1", port) if port else None, protocol=protocol,
-        grpc=name if grpc else None, zone_local=zone_local, timeout=timeout),
-    st.sampled_from(NAMES), st.sampled_from([0, 10001, 10002]), st.sampled_from(["http", "tcp"]), st.booleans(),
-    st.booleans(), st.sampled_from([5.0, 15.0]),
+        name=name,
+        listen=("127.0.0.1", port) if port else None,
+        protocol=protocol,
+        grpc=name if grpc else None,
+        zone_local=zone_local,
+        timeout=timeout,
+    ),
+    st.sampled_from(NAMES),
+    st.sampled_from([0, 10001, 10002]),
+    st.sampled_from(["http", "tcp"]),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([5.0, 15.0]),
 )
 endpoint_tuples = st.lists(
-    st.builds(Endpoint, st.just("127.0.0.1"), st.integers(9001, 9006), st.sampled_from([1, 2]),
-              zone=st.sampled_from(["", "z1", "z2"])),
+    st.builds(
+        Endpoint,
+        st.just("127.0.0.1"),
+        st.integers(9001, 9006),
+        st.sampled_from([1, 2]),
+        zone=st.sampled_from(["", "z1", "z2"]),
+    ),
     max_size=4,
 ).map(tuple)
 edits = st.one_of(
@@ -81,13 +95,19 @@ def _apply(states: dict[str, DesiredState], edit: tuple[object, ...]) -> dict[st
 
 
 def _content(snapshots: Mapping[str, Snapshot]) -> dict[str, dict[str, tuple[str, dict[str, str]]]]:
-    return {group: {url: (ts.version, {name: r.hash for name, r in ts.resources.items()})
-                    for url, ts in snapshot.types.items()}
-            for group, snapshot in snapshots.items()}
+    return {
+        group: {
+            url: (ts.version, {name: r.hash for name, r in ts.resources.items()}) for url, ts in snapshot.types.items()
+        }
+        for group, snapshot in snapshots.items()
+    }
 
 
-def _build(states: Mapping[str, DesiredState], memo: ResourceMemo | None, merge_memo: MergeMemo | None,
-           ) -> object:
+def _build(
+    states: Mapping[str, DesiredState],
+    memo: ResourceMemo | None,
+    merge_memo: MergeMemo | None,
+) -> object:
     merged = merge_states(states, memo=merge_memo)
     try:
         return merged, _content(build_snapshots(merged, "test", GROUPS, memo=memo))
@@ -109,7 +129,8 @@ def test_one_changed_endpoint_makes_one_resource_and_keeps_the_other_types() -> 
     """What makes a change cheap: the other 199 services and the other types are reused as they are."""
     file = DesiredState(
         services={f"s{i}": ServiceSpec(name=f"s{i}", listen=("127.0.0.1", 20000 + i)) for i in range(200)},
-        endpoints={f"s{i}": (Endpoint("127.0.0.1", 9000 + i),) for i in range(200)})
+        endpoints={f"s{i}": (Endpoint("127.0.0.1", 9000 + i),) for i in range(200)},
+    )
     memo, merge_memo = ResourceMemo(), MergeMemo()
     first = build_snapshots(merge_states({"file": file}, memo=merge_memo), "t", {"envoy": View()}, memo=memo)
     made = memo.made

@@ -82,8 +82,9 @@ def test_a_subset_has_exactly_min_k_n_distinct_backends_of_the_set(backends: set
 
 
 @given(st.lists(indices, unique=True, max_size=60), indices, sizes, st.randoms(use_true_random=False))
-def test_a_subset_does_not_depend_on_the_order_of_the_backends(backends: list[int], proxy: int, k: int,
-                                                                rnd: random.Random) -> None:
+def test_a_subset_does_not_depend_on_the_order_of_the_backends(
+    backends: list[int], proxy: int, k: int, rnd: random.Random
+) -> None:
     shuffled = backends[:]
     rnd.shuffle(shuffled)
     assert Ring(backends).subset(proxy, k) == Ring(shuffled).subset(proxy, k)
@@ -109,8 +110,9 @@ def test_duplicate_backends_and_a_size_below_one_are_refused() -> None:
 
 @settings(max_examples=60)
 @given(backend_sets, indices, sizes, st.lists(indices, max_size=40))
-def test_adding_a_backend_changes_at_most_one_entry_per_proxy(backends: set[int], new: int, k: int,
-                                                               proxies: list[int]) -> None:
+def test_adding_a_backend_changes_at_most_one_entry_per_proxy(
+    backends: set[int], new: int, k: int, proxies: list[int]
+) -> None:
     if new in backends:
         return
     before, after = Ring(backends), Ring(backends | {new})
@@ -125,7 +127,8 @@ def test_adding_a_backend_changes_at_most_one_entry_per_proxy(backends: set[int]
 @settings(max_examples=60)
 @given(backend_sets.filter(bool), sizes, st.lists(indices, max_size=40), st.data())
 def test_removing_a_backend_changes_only_the_subsets_that_held_it_one_swap_each(
-        backends: set[int], k: int, proxies: list[int], data: st.DataObject) -> None:
+    backends: set[int], k: int, proxies: list[int], data: st.DataObject
+) -> None:
     gone = data.draw(st.sampled_from(sorted(backends)))
     before, after = Ring(backends), Ring(backends - {gone})
     for proxy in [*proxies, *range(20)]:
@@ -152,7 +155,8 @@ def test_a_power_of_two_of_backends_is_balanced_exactly(p: int, rounds: int, dat
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 120), st.integers(1, 3), st.data())
 def test_with_proxies_a_multiple_of_the_next_power_of_two_max_over_mean_is_the_balance_limit(
-        n: int, rounds: int, data: st.DataObject) -> None:
+    n: int, rounds: int, data: st.DataObject
+) -> None:
     k = data.draw(st.integers(1, n))
     m = rounds * (1 << (n - 1).bit_length())
     load = loads(proxies=m, backends=n, k=k)
@@ -213,10 +217,14 @@ def test_zone_rings_choose_within_the_proxys_zone_first() -> None:
         assert rings.subset(proxy, zone=None) == Ring(range(10)).subset(proxy, 3)  # zone unknown
 
 
-@given(st.dictionaries(st.integers(0, 200), st.sampled_from(["a", "b", "c", None]), max_size=40),
-       st.integers(1, 12), st.lists(st.tuples(indices, st.sampled_from(["a", "b", "c", "d", None])), max_size=20))
+@given(
+    st.dictionaries(st.integers(0, 200), st.sampled_from(["a", "b", "c", None]), max_size=40),
+    st.integers(1, 12),
+    st.lists(st.tuples(indices, st.sampled_from(["a", "b", "c", "d", None])), max_size=20),
+)
 def test_zone_subsets_have_min_k_n_distinct_backends_the_own_zones_first(
-        zones: dict[int, str | None], k: int, proxies: list[tuple[int, str | None]]) -> None:
+    zones: dict[int, str | None], k: int, proxies: list[tuple[int, str | None]]
+) -> None:
     rings = ZoneRings(zones, k=k)
     for proxy, zone in proxies:
         chosen = rings.subset(proxy, zone=zone)
@@ -270,7 +278,7 @@ def test_the_table_is_deterministic_order_independent_and_dense(history: list[se
         # New keys take the lowest indices the kept ones leave free, in sorted key order.
         new = sorted(present - set(previous.indices))
         kept = {previous.indices[key] for key in present & set(previous.indices)}
-        free = [i for i in range(len(present) + len(kept)) if i not in kept][:len(new)]
+        free = [i for i in range(len(present) + len(kept)) if i not in kept][: len(new)]
         assert [table.indices[key] for key in new] == free
         largest = max(largest, len(present))
         assert all(i < largest for i in values)  # holes are reused: never above the most keys seen
@@ -286,20 +294,23 @@ def test_a_table_round_trips_through_json(history: list[set[str]]) -> None:
     assert json.dumps(IndexTable.from_json(json.loads(text), source="state.json").to_json()) == text
 
 
-@pytest.mark.parametrize(("data", "where", "what"), [
-    ([1, 2], "", "expected an object"),
-    ({"indices": {}}, "version", "expected 1, got None"),
-    ({"version": 2, "indices": {}}, "version", "newer pilotfish"),
-    ({"version": 1}, "indices", "expected an object of key -> index"),
-    ({"version": 1, "indices": {}, "extra": 1}, "extra", "unknown field"),
-    ({"version": 1, "indices": {"a": "1"}}, "indices['a']", "must be an integer, got str"),
-    ({"version": 1, "indices": {"a": 1.0}}, "indices['a']", "must be an integer, got float"),
-    ({"version": 1, "indices": {"a": True}}, "indices['a']", "must be an integer, got bool"),
-    ({"version": 1, "indices": {"a": -1}}, "indices['a']", "outside [0, 2**32)"),
-    ({"version": 1, "indices": {"a": 2**32}}, "indices['a']", "outside [0, 2**32)"),
-    ({"version": 1, "indices": {"a": 3, "b": 3}}, "indices['b']", "also held by 'a'"),
-    ({"version": 1, "indices": {4: 3}}, "indices[4]", "key must be a string"),
-])
+@pytest.mark.parametrize(
+    ("data", "where", "what"),
+    [
+        ([1, 2], "", "expected an object"),
+        ({"indices": {}}, "version", "expected 1, got None"),
+        ({"version": 2, "indices": {}}, "version", "newer pilotfish"),
+        ({"version": 1}, "indices", "expected an object of key -> index"),
+        ({"version": 1, "indices": {}, "extra": 1}, "extra", "unknown field"),
+        ({"version": 1, "indices": {"a": "1"}}, "indices['a']", "must be an integer, got str"),
+        ({"version": 1, "indices": {"a": 1.0}}, "indices['a']", "must be an integer, got float"),
+        ({"version": 1, "indices": {"a": True}}, "indices['a']", "must be an integer, got bool"),
+        ({"version": 1, "indices": {"a": -1}}, "indices['a']", "outside [0, 2**32)"),
+        ({"version": 1, "indices": {"a": 2**32}}, "indices['a']", "outside [0, 2**32)"),
+        ({"version": 1, "indices": {"a": 3, "b": 3}}, "indices['b']", "also held by 'a'"),
+        ({"version": 1, "indices": {4: 3}}, "indices[4]", "key must be a string"),
+    ],
+)
 def test_a_corrupt_table_is_refused_naming_the_field(data: object, where: str, what: str) -> None:
     with pytest.raises(ConfigError) as caught:
         IndexTable.from_json(data, source="/var/lib/pilotfish/subsets.json")

@@ -61,8 +61,9 @@ def packed(message: Message) -> any_pb2.Any:
 
 
 def good_cluster(**changes: object) -> cluster_pb2.Cluster:
-    cluster = cluster_pb2.Cluster(name="web", type=cluster_pb2.Cluster.STATIC,
-                                  connect_timeout=duration_pb2.Duration(seconds=1))
+    cluster = cluster_pb2.Cluster(
+        name="web", type=cluster_pb2.Cluster.STATIC, connect_timeout=duration_pb2.Duration(seconds=1)
+    )
     for key, value in changes.items():
         if isinstance(value, Message):
             getattr(cluster, key).CopyFrom(value)
@@ -77,9 +78,14 @@ def socket(address: str = "10.0.0.1", port: int = 8080) -> address_pb2.Address:
 
 def route_config(**host_changes: object) -> route_pb2.RouteConfiguration:
     host = route_components_pb2.VirtualHost(
-        name="web", domains=["*"],
-        routes=[route_components_pb2.Route(match=route_components_pb2.RouteMatch(prefix="/"),
-                                           route=route_components_pb2.RouteAction(cluster="web"))])
+        name="web",
+        domains=["*"],
+        routes=[
+            route_components_pb2.Route(
+                match=route_components_pb2.RouteMatch(prefix="/"), route=route_components_pb2.RouteAction(cluster="web")
+            )
+        ],
+    )
     for key, value in host_changes.items():
         field = getattr(host, key)
         del field[:]
@@ -88,8 +94,9 @@ def route_config(**host_changes: object) -> route_pb2.RouteConfiguration:
 
 
 def manager(*http_filters: hcm_pb2.HttpFilter, stat_prefix: str = "in") -> hcm_pb2.HttpConnectionManager:
-    return hcm_pb2.HttpConnectionManager(stat_prefix=stat_prefix, route_config=route_config(),
-                                         http_filters=list(http_filters))
+    return hcm_pb2.HttpConnectionManager(
+        stat_prefix=stat_prefix, route_config=route_config(), http_filters=list(http_filters)
+    )
 
 
 ROUTER = hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=packed(router_pb2.Router()))
@@ -103,18 +110,29 @@ Case = tuple[str, Callable[[], Message], Callable[[], Message], str]
 
 def _lb_endpoint(weight: int | None = None, port: int = 8080, address: str = "10.0.0.1") -> Message:
     endpoint = endpoint_components_pb2.LbEndpoint(
-        endpoint=endpoint_components_pb2.Endpoint(address=socket(address, port)))
+        endpoint=endpoint_components_pb2.Endpoint(address=socket(address, port))
+    )
     if weight is not None:
         endpoint.load_balancing_weight.value = weight
-    return cast(Message, endpoint_pb2.ClusterLoadAssignment(
-        cluster_name="web", endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[endpoint])]))
+    return cast(
+        Message,
+        endpoint_pb2.ClusterLoadAssignment(
+            cluster_name="web", endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[endpoint])]
+        ),
+    )
 
 
 def _health(method: int) -> Message:
-    return cast(Message, health_check_pb2.HealthCheck(
-        timeout=duration_pb2.Duration(seconds=1), interval=duration_pb2.Duration(seconds=1),
-        unhealthy_threshold=wrappers_pb2.UInt32Value(value=1), healthy_threshold=wrappers_pb2.UInt32Value(value=1),
-        http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path="/", method=method)))
+    return cast(
+        Message,
+        health_check_pb2.HealthCheck(
+            timeout=duration_pb2.Duration(seconds=1),
+            interval=duration_pb2.Duration(seconds=1),
+            unhealthy_threshold=wrappers_pb2.UInt32Value(value=1),
+            healthy_threshold=wrappers_pb2.UInt32Value(value=1),
+            http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path="/", method=method),
+        ),
+    )
 
 
 def _redirect(headers: list[str]) -> Message:
@@ -130,10 +148,20 @@ def _with_metadata(key: str) -> Message:
 
 
 def _listener_with(http_filter: hcm_pb2.HttpFilter) -> Message:
-    return cast(Message, listener_pb2.Listener(
-        name="in", address=socket("0.0.0.0", 80),
-        filter_chains=[listener_components_pb2.FilterChain(filters=[listener_components_pb2.Filter(
-            name="hcm", typed_config=packed(manager(http_filter, ROUTER)))])]))
+    return cast(
+        Message,
+        listener_pb2.Listener(
+            name="in",
+            address=socket("0.0.0.0", 80),
+            filter_chains=[
+                listener_components_pb2.FilterChain(
+                    filters=[
+                        listener_components_pb2.Filter(name="hcm", typed_config=packed(manager(http_filter, ROUTER)))
+                    ]
+                )
+            ],
+        ),
+    )
 
 
 def _buffer(size: int) -> hcm_pb2.HttpFilter:
@@ -150,8 +178,9 @@ def _hits_addend(text: str) -> Message:
 
 
 def _http2(window: int) -> Message:
-    return cast(Message, protocol_pb2.Http2ProtocolOptions(
-        initial_stream_window_size=wrappers_pb2.UInt32Value(value=window)))
+    return cast(
+        Message, protocol_pb2.Http2ProtocolOptions(initial_stream_window_size=wrappers_pb2.UInt32Value(value=window))
+    )
 
 
 def _path_separated_prefix(prefix: str) -> Message:
@@ -172,61 +201,140 @@ def _header_value(raw: bytes) -> Message:
 
 
 CASES: list[Case] = [
-    ("duration.gt", lambda: good_cluster(), lambda: good_cluster(connect_timeout=duration_pb2.Duration()),
-     ".connect_timeout: must be greater than 0s (validate rule duration.gt), got 0s"),
-    ("enum.defined_only", lambda: good_cluster(lb_policy=cluster_pb2.Cluster.RING_HASH),
-     lambda: good_cluster(lb_policy=99),
-     ".lb_policy: must be a defined value of envoy.config.cluster.v3.Cluster.LbPolicy (ROUND_ROBIN, "),
-    ("string.min_len", lambda: _lb_endpoint(), lambda: _lb_endpoint(address=""),
-     ".endpoints[0].lb_endpoints[0].endpoint.address.socket_address.address: must not be empty "
-     "(validate rule string.min_len), got ''"),
-    ("uint32.lte", lambda: _lb_endpoint(port=65535), lambda: _lb_endpoint(port=65536),
-     ".endpoints[0].lb_endpoints[0].endpoint.address.socket_address.port_value: must be less than or equal to "
-     "65535 (validate rule uint32.lte), got 65536"),
-    ("uint32.gte on a wrapper", lambda: _lb_endpoint(weight=1), lambda: _lb_endpoint(weight=0),
-     ".endpoints[0].lb_endpoints[0].load_balancing_weight: must be greater than or equal to 1 "
-     "(validate rule uint32.gte), got 0"),
-    ("repeated.min_items", lambda: route_config(), lambda: route_config(domains=[]),
-     ".virtual_hosts[0].domains: must have at least 1 item(s) (validate rule repeated.min_items), got 0 item(s)"),
-    ("repeated.items.string.well_known_regex", lambda: route_config(domains=["a.example"]),
-     lambda: route_config(domains=["a.example", "b\nexample"]),
-     ".virtual_hosts[0].domains[1]: must not contain NUL, CR or LF (validate rule string.well_known_regex), "
-     "got 'b\\nexample'"),
-    ("message.required",
-     lambda: route_config(),
-     lambda: route_config(routes=[route_components_pb2.Route(route=route_components_pb2.RouteAction(cluster="w"))]),
-     ".virtual_hosts[0].routes[0].match: is required: set it (validate rule message.required)"),
-    ("oneof required", lambda: _lb_endpoint(),
-     lambda: endpoint_pb2.ClusterLoadAssignment(cluster_name="web", endpoints=[
-         endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[endpoint_components_pb2.LbEndpoint(
-             endpoint=endpoint_components_pb2.Endpoint(address=address_pb2.Address()))])]),
-     ".endpoints[0].lb_endpoints[0].endpoint.address.address: exactly one of socket_address, pipe, "
-     "envoy_internal_address must be set (validate rule oneof.required)"),
-    ("repeated.unique", lambda: _redirect(["x-a", "x-b"]), lambda: _redirect(["x-a", "x-b", "x-a"]),
-     ".virtual_hosts[0].routes[0].route.internal_redirect_policy.response_headers_to_copy[2]: must not repeat an "
-     "earlier item (validate rule repeated.unique), got 'x-a'"),
-    ("map.keys.string.min_len", lambda: _with_metadata("envoy.lb"), lambda: _with_metadata(""),
-     ".metadata.filter_metadata['']: must not be empty (validate rule string.min_len), got ''"),
-    ("Any in an HttpFilter's typed_config", lambda: _listener_with(_buffer(1024)), lambda: _listener_with(_buffer(0)),
-     ".filter_chains[0].filters[0].typed_config.http_filters[0].typed_config.max_request_bytes: must be greater "
-     "than 0 (validate rule uint32.gt), got 0"),
-    ("string.prefix with ignore_empty", lambda: _hits_addend(""), lambda: _hits_addend("abc%"),
-     ".virtual_hosts[0].rate_limits[0].hits_addend.format: must start with '%' (validate rule string.prefix), "
-     "got 'abc%'"),
-    ("double.gte+lte", lambda: percent_pb2.Percent(value=100.0), lambda: percent_pb2.Percent(value=100.5),
-     ".value: must be inside range [0.0, 100.0] (validate rule double.gte+lte), got 100.5"),
-    ("uint32.gte+lte on a wrapper", lambda: _http2(65535), lambda: _http2(100),
-     ".initial_stream_window_size: must be inside range [65535, 2147483647] (validate rule uint32.gte+lte), "
-     "got 100"),
-    ("string.pattern", lambda: _path_separated_prefix("/api"), lambda: _path_separated_prefix("/api/"),
-     ".virtual_hosts[0].routes[0].match.path_separated_prefix: must match the regular expression "
-     "'^[^?#]+[^?#/]$' (validate rule string.pattern), got '/api/'"),
-    ("enum.not_in", lambda: _health(base_pb2.GET), lambda: _health(base_pb2.CONNECT),
-     ".http_health_check.method: must not be any of CONNECT (validate rule enum.not_in), got CONNECT"),
-    ("bytes.max_len", lambda: _header_value(b"v" * 16384), lambda: _header_value(b"v" * 16385),
-     ".raw_value: must be at most 16384 bytes long (validate rule bytes.max_len), got b'vvvv"),
-    ("string.min_len in an SDS secret", lambda: _secret("/etc/cert.pem"), lambda: _secret(""),
-     ".tls_certificate.certificate_chain.filename: must not be empty (validate rule string.min_len), got ''"),
+    (
+        "duration.gt",
+        lambda: good_cluster(),
+        lambda: good_cluster(connect_timeout=duration_pb2.Duration()),
+        ".connect_timeout: must be greater than 0s (validate rule duration.gt), got 0s",
+    ),
+    (
+        "enum.defined_only",
+        lambda: good_cluster(lb_policy=cluster_pb2.Cluster.RING_HASH),
+        lambda: good_cluster(lb_policy=99),
+        ".lb_policy: must be a defined value of envoy.config.cluster.v3.Cluster.LbPolicy (ROUND_ROBIN, ",
+    ),
+    (
+        "string.min_len",
+        lambda: _lb_endpoint(),
+        lambda: _lb_endpoint(address=""),
+        ".endpoints[0].lb_endpoints[0].endpoint.address.socket_address.address: must not be empty "
+        "(validate rule string.min_len), got ''",
+    ),
+    (
+        "uint32.lte",
+        lambda: _lb_endpoint(port=65535),
+        lambda: _lb_endpoint(port=65536),
+        ".endpoints[0].lb_endpoints[0].endpoint.address.socket_address.port_value: must be less than or equal to "
+        "65535 (validate rule uint32.lte), got 65536",
+    ),
+    (
+        "uint32.gte on a wrapper",
+        lambda: _lb_endpoint(weight=1),
+        lambda: _lb_endpoint(weight=0),
+        ".endpoints[0].lb_endpoints[0].load_balancing_weight: must be greater than or equal to 1 "
+        "(validate rule uint32.gte), got 0",
+    ),
+    (
+        "repeated.min_items",
+        lambda: route_config(),
+        lambda: route_config(domains=[]),
+        ".virtual_hosts[0].domains: must have at least 1 item(s) (validate rule repeated.min_items), got 0 item(s)",
+    ),
+    (
+        "repeated.items.string.well_known_regex",
+        lambda: route_config(domains=["a.example"]),
+        lambda: route_config(domains=["a.example", "b\nexample"]),
+        ".virtual_hosts[0].domains[1]: must not contain NUL, CR or LF (validate rule string.well_known_regex), "
+        "got 'b\\nexample'",
+    ),
+    (
+        "message.required",
+        lambda: route_config(),
+        lambda: route_config(routes=[route_components_pb2.Route(route=route_components_pb2.RouteAction(cluster="w"))]),
+        ".virtual_hosts[0].routes[0].match: is required: set it (validate rule message.required)",
+    ),
+    (
+        "oneof required",
+        lambda: _lb_endpoint(),
+        lambda: endpoint_pb2.ClusterLoadAssignment(
+            cluster_name="web",
+            endpoints=[
+                endpoint_components_pb2.LocalityLbEndpoints(
+                    lb_endpoints=[
+                        endpoint_components_pb2.LbEndpoint(
+                            endpoint=endpoint_components_pb2.Endpoint(address=address_pb2.Address())
+                        )
+                    ]
+                )
+            ],
+        ),
+        ".endpoints[0].lb_endpoints[0].endpoint.address.address: exactly one of socket_address, pipe, "
+        "envoy_internal_address must be set (validate rule oneof.required)",
+    ),
+    (
+        "repeated.unique",
+        lambda: _redirect(["x-a", "x-b"]),
+        lambda: _redirect(["x-a", "x-b", "x-a"]),
+        ".virtual_hosts[0].routes[0].route.internal_redirect_policy.response_headers_to_copy[2]: must not repeat an "
+        "earlier item (validate rule repeated.unique), got 'x-a'",
+    ),
+    (
+        "map.keys.string.min_len",
+        lambda: _with_metadata("envoy.lb"),
+        lambda: _with_metadata(""),
+        ".metadata.filter_metadata['']: must not be empty (validate rule string.min_len), got ''",
+    ),
+    (
+        "Any in an HttpFilter's typed_config",
+        lambda: _listener_with(_buffer(1024)),
+        lambda: _listener_with(_buffer(0)),
+        ".filter_chains[0].filters[0].typed_config.http_filters[0].typed_config.max_request_bytes: must be greater "
+        "than 0 (validate rule uint32.gt), got 0",
+    ),
+    (
+        "string.prefix with ignore_empty",
+        lambda: _hits_addend(""),
+        lambda: _hits_addend("abc%"),
+        ".virtual_hosts[0].rate_limits[0].hits_addend.format: must start with '%' (validate rule string.prefix), "
+        "got 'abc%'",
+    ),
+    (
+        "double.gte+lte",
+        lambda: percent_pb2.Percent(value=100.0),
+        lambda: percent_pb2.Percent(value=100.5),
+        ".value: must be inside range [0.0, 100.0] (validate rule double.gte+lte), got 100.5",
+    ),
+    (
+        "uint32.gte+lte on a wrapper",
+        lambda: _http2(65535),
+        lambda: _http2(100),
+        ".initial_stream_window_size: must be inside range [65535, 2147483647] (validate rule uint32.gte+lte), got 100",
+    ),
+    (
+        "string.pattern",
+        lambda: _path_separated_prefix("/api"),
+        lambda: _path_separated_prefix("/api/"),
+        ".virtual_hosts[0].routes[0].match.path_separated_prefix: must match the regular expression "
+        "'^[^?#]+[^?#/]$' (validate rule string.pattern), got '/api/'",
+    ),
+    (
+        "enum.not_in",
+        lambda: _health(base_pb2.GET),
+        lambda: _health(base_pb2.CONNECT),
+        ".http_health_check.method: must not be any of CONNECT (validate rule enum.not_in), got CONNECT",
+    ),
+    (
+        "bytes.max_len",
+        lambda: _header_value(b"v" * 16384),
+        lambda: _header_value(b"v" * 16385),
+        ".raw_value: must be at most 16384 bytes long (validate rule bytes.max_len), got b'vvvv",
+    ),
+    (
+        "string.min_len in an SDS secret",
+        lambda: _secret("/etc/cert.pem"),
+        lambda: _secret(""),
+        ".tls_certificate.certificate_chain.filename: must not be empty (validate rule string.min_len), got ''",
+    ),
 ]
 
 
@@ -240,12 +348,15 @@ def test_rule_passes_good_value_and_names_path_rule_and_value_of_bad_one(case: C
 
 
 def test_any_of_an_unknown_type_is_a_problem_naming_the_type() -> None:
-    unknown = hcm_pb2.HttpFilter(name="mystery", typed_config=any_pb2.Any(
-        type_url="type.googleapis.com/acme.filters.v1.Mystery", value=b""))
+    unknown = hcm_pb2.HttpFilter(
+        name="mystery", typed_config=any_pb2.Any(type_url="type.googleapis.com/acme.filters.v1.Mystery", value=b"")
+    )
     found = problems_of(_listener_with(unknown))
-    assert found == [".filter_chains[0].filters[0].typed_config.http_filters[0].typed_config: must hold a message "
-                     "type of the Envoy API (check its @type and package) so that its rules can be checked, got "
-                     "'type.googleapis.com/acme.filters.v1.Mystery'"]
+    assert found == [
+        ".filter_chains[0].filters[0].typed_config.http_filters[0].typed_config: must hold a message "
+        "type of the Envoy API (check its @type and package) so that its rules can be checked, got "
+        "'type.googleapis.com/acme.filters.v1.Mystery'"
+    ]
 
 
 def test_unset_duration_passes_and_set_only_rules_apply_when_set() -> None:
@@ -367,20 +478,22 @@ def test_build_snapshot_refuses_a_raw_resource_breaking_a_rule_and_names_it() ->
     with pytest.raises(ConfigError) as raised:
         build_snapshot(merge_states({"file": _state(clusters=[good_cluster(name="ok"), bad])}), "snap.yaml")
     assert [str(p) for p in raised.value.problems] == [
-        "clusters[1] (name 'web').connect_timeout: must be greater than 0s (validate rule duration.gt), got 0s"]
+        "clusters[1] (name 'web').connect_timeout: must be greater than 0s (validate rule duration.gt), got 0s"
+    ]
     # With the rules off the same content builds (for Envoy to NACK).
     snapshot = build_snapshot(merge_states({"file": _state(clusters=[bad])}), "snap.yaml", rules=False)
     assert "web" in snapshot.types[CLUSTER.url].resources
 
 
 def test_build_snapshot_checks_resources_built_from_services() -> None:
-    state = DesiredState(services={"web": ServiceSpec(name="web", connect_timeout=0.0)},
-                         endpoints={"web": (Endpoint("10.0.0.1", 8080),)})
+    state = DesiredState(
+        services={"web": ServiceSpec(name="web", connect_timeout=0.0)}, endpoints={"web": (Endpoint("10.0.0.1", 8080),)}
+    )
     with pytest.raises(ConfigError) as raised:
         build_snapshot(merge_states({"registry": state}), "registry")
     assert [str(p) for p in raised.value.problems] == [
-        "services.web (its cluster 'web').connect_timeout: must be greater than 0s (validate rule duration.gt), "
-        "got 0s"]
+        "services.web (its cluster 'web').connect_timeout: must be greater than 0s (validate rule duration.gt), got 0s"
+    ]
 
 
 def test_an_unchanged_resource_is_checked_once_across_builds() -> None:
@@ -422,11 +535,17 @@ def test_a_rule_that_cannot_be_applied_refuses_the_resource_by_name() -> None:
     built = {ROUTE: [Resource.of(ROUTE, route_pb2.RouteConfiguration(name="api"))]}
     problems = check_rules(raw, built, checker=_Stumped())
     assert [(p.where, p.message) for p in problems] == [
-        ("clusters[0] (name 'web')", "internal error: pilotfish cannot check the validate rules here (a rule of "
-                                     "clusters); please report it, or serve with validation off to let it through"),
-        ("services.api (its route 'api')", "internal error: pilotfish cannot check the validate rules here (a rule "
-                                           "of routes); please report it, or serve with validation off to let it "
-                                           "through"),
+        (
+            "clusters[0] (name 'web')",
+            "internal error: pilotfish cannot check the validate rules here (a rule of "
+            "clusters); please report it, or serve with validation off to let it through",
+        ),
+        (
+            "services.api (its route 'api')",
+            "internal error: pilotfish cannot check the validate rules here (a rule "
+            "of routes); please report it, or serve with validation off to let it "
+            "through",
+        ),
     ]
 
 
@@ -436,39 +555,74 @@ def test_a_rule_that_cannot_be_applied_refuses_the_resource_by_name() -> None:
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
-ROUTER_FILTER = {"name": "envoy.filters.http.router",
-          "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+ROUTER_FILTER = {
+    "name": "envoy.filters.http.router",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+}
 
 
-BUFFER = {"name": "envoy.filters.http.buffer",
-          "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
-                           "max_request_bytes": 1024}}
+BUFFER = {
+    "name": "envoy.filters.http.buffer",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+        "max_request_bytes": 1024,
+    },
+}
 
 
 ECHO = {"name": "echo", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.network.echo.v3.Echo"}}
 
 
-CONNECTION_LIMIT = {"name": "limit", "typed_config": {
-    "@type": "type.googleapis.com/envoy.extensions.filters.network.connection_limit.v3.ConnectionLimit",
-    "stat_prefix": "limit", "max_connections": 10}}
+CONNECTION_LIMIT = {
+    "name": "limit",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.connection_limit.v3.ConnectionLimit",
+        "stat_prefix": "limit",
+        "max_connections": 10,
+    },
+}
 
 
 def static_cluster(name: str) -> Message:
-    return json_format.ParseDict({
-        "name": name, "type": "STATIC", "connect_timeout": "1s",
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-            "socket_address": {"address": "127.0.0.1", "port_value": 8080}}}}]}]},
-    }, CLUSTER.message())
+    return json_format.ParseDict(
+        {
+            "name": name,
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {
+                "cluster_name": name,
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 8080}}}}
+                        ]
+                    }
+                ],
+            },
+        },
+        CLUSTER.message(),
+    )
 
 
 def routes(*actions: dict[str, Any]) -> dict[str, Any]:
-    return {"name": "r", "virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
-        {"match": {"prefix": f"/{i}"}, "route": action} for i, action in enumerate(actions)]}]}
+    return {
+        "name": "r",
+        "virtual_hosts": [
+            {
+                "name": "v",
+                "domains": ["*"],
+                "routes": [{"match": {"prefix": f"/{i}"}, "route": action} for i, action in enumerate(actions)],
+            }
+        ],
+    }
 
 
 def hcm(route_config: dict[str, Any] | None = None, http_filters: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    config: dict[str, Any] = {"@type": HCM, "stat_prefix": "in",
-                              "http_filters": [ROUTER_FILTER] if http_filters is None else http_filters}
+    config: dict[str, Any] = {
+        "@type": HCM,
+        "stat_prefix": "in",
+        "http_filters": [ROUTER_FILTER] if http_filters is None else http_filters,
+    }
     if route_config is None:
         config["rds"] = {"route_config_name": "r", "config_source": {"ads": {}, "resource_api_version": "V3"}}
     else:
@@ -478,7 +632,8 @@ def hcm(route_config: dict[str, Any] | None = None, http_filters: list[dict[str,
 
 def listener(*filters: dict[str, Any]) -> Message:
     document = {
-        "name": "in", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
+        "name": "in",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
         "filter_chains": [{"filters": list(filters)}],
     }
     assert ensure_types_in(document) == []
@@ -494,17 +649,22 @@ def test_route_to_a_missing_cluster_is_refused_and_an_existing_one_is_not() -> N
     config = json_format.ParseDict(routes({"cluster": "web"}, {"cluster": "gone"}), route_pb2.RouteConfiguration())
     assert problems(clusters=[static_cluster("web")], routes=[config]) == [
         "routes[0] (name 'r').virtual_hosts[0].routes[1].route.cluster: cluster 'gone' does not exist: add it "
-        "under 'clusters' (or define service 'gone'); Envoy would answer 503"]
+        "under 'clusters' (or define service 'gone'); Envoy would answer 503"
+    ]
 
 
 def test_weighted_clusters_are_checked_and_per_request_choices_are_not() -> None:
-    config = json_format.ParseDict(routes(
-        {"weighted_clusters": {"clusters": [{"name": "web", "weight": 1}, {"name": "canary", "weight": 1}]}},
-        {"cluster_header": "x-cluster"},
-    ), route_pb2.RouteConfiguration())
+    config = json_format.ParseDict(
+        routes(
+            {"weighted_clusters": {"clusters": [{"name": "web", "weight": 1}, {"name": "canary", "weight": 1}]}},
+            {"cluster_header": "x-cluster"},
+        ),
+        route_pb2.RouteConfiguration(),
+    )
     assert problems(clusters=[static_cluster("web")], routes=[config]) == [
         "routes[0] (name 'r').virtual_hosts[0].routes[0].route.weighted_clusters.clusters[1].name: cluster 'canary' "
-        "does not exist: add it under 'clusters' (or define service 'canary'); Envoy would answer 503"]
+        "does not exist: add it under 'clusters' (or define service 'canary'); Envoy would answer 503"
+    ]
 
 
 def test_inline_route_config_of_a_connection_manager_is_checked() -> None:
@@ -512,24 +672,33 @@ def test_inline_route_config_of_a_connection_manager_is_checked() -> None:
     assert found == [
         "listeners[0] (name 'in').filter_chains[0].filters[0].typed_config.route_config.virtual_hosts[0].routes[0]"
         ".route.cluster: cluster 'gone' does not exist: add it under 'clusters' (or define service 'gone'); Envoy "
-        "would answer 503"]
+        "would answer 503"
+    ]
 
 
 def test_tcp_proxy_to_a_missing_cluster_is_refused() -> None:
-    proxy = {"name": "tcp", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
-        "stat_prefix": "tcp", "cluster": "db"}}
+    proxy = {
+        "name": "tcp",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+            "stat_prefix": "tcp",
+            "cluster": "db",
+        },
+    }
     assert problems(listeners=[listener(proxy)]) == [
         "listeners[0] (name 'in').filter_chains[0].filters[0].typed_config.cluster: cluster 'db' does not exist: add "
-        "it under 'clusters' (or define service 'db'); Envoy would answer 503"]
+        "it under 'clusters' (or define service 'db'); Envoy would answer 503"
+    ]
     assert problems(listeners=[listener(proxy)], clusters=[static_cluster("db")]) == []
 
 
 def test_clusters_built_from_services_count_as_existing() -> None:
     config = json_format.ParseDict(routes({"cluster": "web"}), route_pb2.RouteConfiguration())
-    state = DesiredState(services={"web": ServiceSpec(name="web")},
-                         endpoints={"web": (Endpoint("10.0.0.1", 8080),)},
-                         resources={ROUTE: (config,)})
+    state = DesiredState(
+        services={"web": ServiceSpec(name="web")},
+        endpoints={"web": (Endpoint("10.0.0.1", 8080),)},
+        resources={ROUTE: (config,)},
+    )
     snapshot = build_snapshot(merge_states({"file": state}), "snap.yaml")
     assert set(snapshot.types[ROUTE.url].resources) == {"r"}
 
@@ -546,7 +715,8 @@ def test_chain_ending_in_a_non_terminal_filter_is_refused() -> None:
     assert problems(listeners=[listener(CONNECTION_LIMIT)]) == [
         "listeners[0] (name 'in').filter_chains[0].filters[0] (name 'limit'): the last network filter must be a "
         "terminal filter (such as http_connection_manager or tcp_proxy), got envoy.extensions.filters.network."
-        "connection_limit.v3.ConnectionLimit: Envoy would reject the listener"]
+        "connection_limit.v3.ConnectionLimit: Envoy would reject the listener"
+    ]
 
 
 def test_terminal_filter_before_the_last_is_refused() -> None:
@@ -555,7 +725,8 @@ def test_terminal_filter_before_the_last_is_refused() -> None:
         "filters.network.echo.v3.Echo must be the last filter of its chain: Envoy would reject the listener",
         "listeners[0] (name 'in').filter_chains[0].filters[1] (name 'limit'): the last network filter must be a "
         "terminal filter (such as http_connection_manager or tcp_proxy), got envoy.extensions.filters.network."
-        "connection_limit.v3.ConnectionLimit: Envoy would reject the listener"]
+        "connection_limit.v3.ConnectionLimit: Envoy would reject the listener",
+    ]
 
 
 def test_non_terminal_then_terminal_filter_is_fine() -> None:
@@ -566,12 +737,17 @@ def test_empty_filter_chain_is_refused() -> None:
     assert problems(listeners=[listener()]) == [
         "listeners[0] (name 'in').filter_chains[0].filters: has no filters, so every connection it matches would "
         "be closed: end it with a terminal filter such as envoy.filters.network.http_connection_manager or "
-        "tcp_proxy"]
+        "tcp_proxy"
+    ]
 
 
 def test_http_filters_must_end_in_the_router() -> None:
-    inline = {"name": "r", "virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
-        {"match": {"prefix": "/"}, "direct_response": {"status": 200}}]}]}
+    inline = {
+        "name": "r",
+        "virtual_hosts": [
+            {"name": "v", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 200}}]}
+        ],
+    }
     assert problems(listeners=[listener(hcm(inline, [ROUTER_FILTER]))]) == []
     assert problems(listeners=[listener(hcm(inline, [BUFFER, ROUTER_FILTER]))]) == []
     assert problems(listeners=[listener(hcm(inline, []))]) == [], "no filters: Envoy uses the router"
@@ -581,7 +757,8 @@ def test_http_filters_must_end_in_the_router() -> None:
         "the last one: Envoy would reject the listener",
         "listeners[0] (name 'in').filter_chains[0].filters[0].typed_config.http_filters[1] (name "
         "'envoy.filters.http.buffer'): the last HTTP filter must be the router (envoy.filters.http.router), got "
-        "envoy.extensions.filters.http.buffer.v3.Buffer: Envoy would reject the listener"]
+        "envoy.extensions.filters.http.buffer.v3.Buffer: Envoy would reject the listener",
+    ]
 
 
 def test_a_filter_without_typed_config_is_refused() -> None:
@@ -591,10 +768,16 @@ def test_a_filter_without_typed_config_is_refused() -> None:
     assert problems(listeners=[listener(untyped)]) == [
         "listeners[0] (name 'in').filter_chains[0].filters[0] (name 'envoy.fil'): has neither typed_config nor "
         "config_discovery: Envoy finds a filter by the @type of its typed_config (the name alone is not enough) "
-        "and would reject the listener"]
-    inline = {"name": "r", "virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
-        {"match": {"prefix": "/"}, "direct_response": {"status": 200}}]}]}
+        "and would reject the listener"
+    ]
+    inline = {
+        "name": "r",
+        "virtual_hosts": [
+            {"name": "v", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 200}}]}
+        ],
+    }
     assert problems(listeners=[listener(hcm(inline, [{"name": "envoy.filters.http.rou"}]))]) == [
         "listeners[0] (name 'in').filter_chains[0].filters[0].typed_config.http_filters[0] (name "
         "'envoy.filters.http.rou'): has neither typed_config nor config_discovery: Envoy finds a filter by the "
-        "@type of its typed_config (the name alone is not enough) and would reject the listener"]
+        "@type of its typed_config (the name alone is not enough) and would reject the listener"
+    ]

@@ -46,6 +46,22 @@ def test_cli_refuses_incomplete_tls_options(tmp_path: Path, capsys: pytest.Captu
     assert main(["bootstrap", "--node-id", "n", "--tls-cert", "c.pem", "--tls-key", "k.pem"]) == 2
     assert "--tls-ca" in capsys.readouterr().err
     absent = str(tmp_path / "absent.pem")
-    assert main(["serve", "--snapshot", str(snapshot), "--xds", "127.0.0.1:0", "--event-loop", "asyncio",
-                 "--tls-cert", absent, "--tls-key", absent]) == 1
+    assert (
+        main(
+            [
+                "serve",
+                "--snapshot",
+                str(snapshot),
+                "--xds",
+                "127.0.0.1:0",
+                "--event-loop",
+                "asyncio",
+                "--tls-cert",
+                absent,
+                "--tls-key",
+                absent,
+            ]
+        )
+        == 1
+    )
     assert f"{absent}: 1 problem(s)\n  no such file" in capsys.readouterr().err

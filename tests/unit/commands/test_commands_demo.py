@@ -14,10 +14,12 @@ from pilotfish.commands.demo import EXIT_FAILED, run_demo
 
 
 def test_without_a_snapshot_file_it_says_where_to_run_it_from(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run_demo(tmp_path / "demo.yaml") == EXIT_FAILED
     assert f"no snapshot file at {tmp_path / 'demo.yaml'} (run the demo from the repository root" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
 
 
 def test_an_invalid_snapshot_is_refused_naming_its_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,7 +43,8 @@ def held() -> Iterator[list[int]]:
 
 @pytest.mark.e2e  # it looks for the Envoy binary before it checks the ports
 def test_ports_in_use_are_named_with_what_needs_them_and_nothing_starts(
-        tmp_path: Path, held: list[int], capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, held: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
     listen, upstream = held
     path = tmp_path / "demo.yaml"
     path.write_text(f"services:\n  web:\n    listen: 127.0.0.1:{listen}\n    endpoints: ['127.0.0.1:{upstream}']\n")

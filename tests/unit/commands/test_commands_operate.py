@@ -12,8 +12,16 @@ from pilotfish.commands.operate import TOKEN_VARIABLE, admin_token, fleet_verdic
 
 
 def proxy(node: str, *, protocol: str = "sotw", group: str = "default", **types: dict[str, Any]) -> dict[str, Any]:
-    return {"node": node, "cluster": "edge", "group": group, "user_agent": "envoy", "user_agent_version": "1.40.0",
-            "protocol": protocol, "connected": True, "types": types}
+    return {
+        "node": node,
+        "cluster": "edge",
+        "group": group,
+        "user_agent": "envoy",
+        "user_agent_version": "1.40.0",
+        "protocol": protocol,
+        "connected": True,
+        "types": types,
+    }
 
 
 def synced(version: str) -> dict[str, Any]:
@@ -21,22 +29,31 @@ def synced(version: str) -> dict[str, Any]:
 
 
 def snapshots(label: str = "v7", *, pending: bool = False, **versions: str) -> dict[str, Any]:
-    return {"groups": {"default": {"label": label, "types": {t: {"version": v} for t, v in versions.items()}}},
-            "pending": pending, "held": None}
+    return {
+        "groups": {"default": {"label": label, "types": {t: {"version": v} for t, v in versions.items()}}},
+        "pending": pending,
+        "held": None,
+    }
 
 
 def test_done_when_every_proxy_acked_its_groups_current_versions() -> None:
-    verdict = laggards([proxy("a", CDS=synced("c2"), EDS=synced("e2")), proxy("b", CDS=synced("c2"))],
-                       snapshots(CDS="c2", EDS="e2"))
+    verdict = laggards(
+        [proxy("a", CDS=synced("c2"), EDS=synced("e2")), proxy("b", CDS=synced("c2"))], snapshots(CDS="c2", EDS="e2")
+    )
     assert verdict.done and verdict.proxies == 2 and not verdict.problems
 
 
 def test_a_proxy_behind_stale_or_nacked_is_named_with_the_reason() -> None:
-    nacked = {"state": "NACKED", "sent_version": "c2", "acked_version": "c1",
-              "nack": {"version": "c2", "message": "dump of the cluster " * 50 + "value must be greater than 0s"}}
+    nacked = {
+        "state": "NACKED",
+        "sent_version": "c2",
+        "acked_version": "c1",
+        "nack": {"version": "c2", "message": "dump of the cluster " * 50 + "value must be greater than 0s"},
+    }
     stale = {"state": "STALE", "sent_version": "c2", "acked_version": "c1", "stale_for": 4.2}
-    verdict = laggards([proxy("a", CDS=nacked), proxy("b", CDS=stale), proxy("c", CDS=synced("c1"))],
-                       snapshots(CDS="c2"))
+    verdict = laggards(
+        [proxy("a", CDS=nacked), proxy("b", CDS=stale), proxy("c", CDS=synced("c1"))], snapshots(CDS="c2")
+    )
     assert not verdict.done and verdict.rejected
     assert verdict.problems[0].startswith("a: CDS NACKED c2: ...") and "greater than 0s" in verdict.problems[0]
     assert verdict.problems[1] == "b: CDS STALE c2 for 4.2s"
@@ -61,18 +78,36 @@ def test_a_version_not_yet_served_a_pending_build_and_too_few_proxies_keep_waiti
 
 
 def test_not_sent_types_do_not_count() -> None:
-    assert laggards([proxy("a", CDS=synced("c2"), SDS={"state": "NOT_SENT", "sent_version": None,
-                                                       "acked_version": None})], snapshots(CDS="c2", SDS="s1")).done
+    assert laggards(
+        [proxy("a", CDS=synced("c2"), SDS={"state": "NOT_SENT", "sent_version": None, "acked_version": None})],
+        snapshots(CDS="c2", SDS="s1"),
+    ).done
 
 
 def test_the_table_has_a_row_per_proxy_and_a_line_per_nack() -> None:
-    nacked = {"state": "NACKED", "sent_version": "3", "acked_version": "2",
-              "nack": {"version": "3", "message": "ClusterValidationError.ConnectTimeout"}}
+    nacked = {
+        "state": "NACKED",
+        "sent_version": "3",
+        "acked_version": "2",
+        "nack": {"version": "3", "message": "ClusterValidationError.ConnectTimeout"},
+    }
     table = status_table([proxy("edge-1", CDS=nacked, EDS=synced("2")), proxy("edge-2", CDS=synced("3"))])
     header, first, second, blank, nack = table.splitlines()
     assert header.split() == ["NAME", "CLUSTER", "GROUP", "CDS", "EDS", "LDS", "RDS", "SDS", "AGENT"]
-    assert first.split() == ["edge-1", "edge", "default", "NACKED", "3", "SYNCED", "2", "-", "-", "-", "envoy",
-                             "1.40.0"]
+    assert first.split() == [
+        "edge-1",
+        "edge",
+        "default",
+        "NACKED",
+        "3",
+        "SYNCED",
+        "2",
+        "-",
+        "-",
+        "-",
+        "envoy",
+        "1.40.0",
+    ]
     assert second.split()[3:6] == ["SYNCED", "3", "-"]
     assert blank == "" and nack == "edge-1 rejected CDS 3: ClusterValidationError.ConnectTimeout"
 
@@ -81,10 +116,15 @@ def progress(version: str, proxies: int, current: int, nacked: int = 0) -> dict[
     return {"version": version, "proxies": proxies, "current": current, "acked": current, "nacked": nacked}
 
 
-def fleet(label: str = "v7", *, connected: dict[str, int] | None = None, pending: bool = False,
-          **types: dict[str, Any]) -> dict[str, Any]:
-    return {"groups": {"default": {"label": label, "types": types}}, "connected": connected or {"default": 2},
-            "pending": pending, "held": None}
+def fleet(
+    label: str = "v7", *, connected: dict[str, int] | None = None, pending: bool = False, **types: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "groups": {"default": {"label": label, "types": types}},
+        "connected": connected or {"default": 2},
+        "pending": pending,
+        "held": None,
+    }
 
 
 def test_the_fleet_verdict_reads_the_counts_of_v1_snapshots() -> None:

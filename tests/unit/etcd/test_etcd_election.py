@@ -43,10 +43,17 @@ async def test_one_replica_holds_the_key_and_hands_over_when_it_stops(etcd: str)
     clients = [EtcdClient(etcd), EtcdClient(etcd)]
     changes: list[tuple[str, bool]] = []
     events: list[tuple[str, dict[str, object]]] = []
-    a, b = (Election(client, KEY, name, ttl=TTL,
-                     on_change=functools.partial(lambda n, up: changes.append((n, up)), name),
-                     on_event=lambda event, **fields: events.append((event, fields)))
-            for client, name in zip(clients, ("replica-a", "replica-b"), strict=True))
+    a, b = (
+        Election(
+            client,
+            KEY,
+            name,
+            ttl=TTL,
+            on_change=functools.partial(lambda n, up: changes.append((n, up)), name),
+            on_event=lambda event, **fields: events.append((event, fields)),
+        )
+        for client, name in zip(clients, ("replica-a", "replica-b"), strict=True)
+    )
     try:
         async with campaigning(a) as task_a:
             await until("replica-a to take the key", lambda: a.leader)
@@ -64,8 +71,12 @@ async def test_one_replica_holds_the_key_and_hands_over_when_it_stops(etcd: str)
                 assert time.monotonic() - started < TTL
                 assert b.holder == "replica-b"
         assert changes == [("replica-a", True), ("replica-a", False), ("replica-b", True), ("replica-b", False)]
-        assert [(e, f["replica"]) for e, f in events] == [("leader_elected", "replica-a"), ("leader_lost", "replica-a"),
-                                                          ("leader_elected", "replica-b"), ("leader_lost", "replica-b")]
+        assert [(e, f["replica"]) for e, f in events] == [
+            ("leader_elected", "replica-a"),
+            ("leader_lost", "replica-a"),
+            ("leader_elected", "replica-b"),
+            ("leader_lost", "replica-b"),
+        ]
     finally:
         for client in clients:
             await client.close()

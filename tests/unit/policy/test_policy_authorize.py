@@ -37,8 +37,9 @@ def test_one_capture_rule_lets_each_identity_claim_only_its_own_node_id() -> Non
 
 
 def test_captures_sit_beside_text_and_stars_and_are_matched_literally() -> None:
-    authorizer = NodeAuthorizer([parse_rule("spiffe://mesh/ns/{ns}/sa/{sa}={ns}.{sa}-*"),
-                                 parse_rule("{host}.mesh.example={host}/{host}")])
+    authorizer = NodeAuthorizer(
+        [parse_rule("spiffe://mesh/ns/{ns}/sa/{sa}={ns}.{sa}-*"), parse_rule("{host}.mesh.example={host}/{host}")]
+    )
     assert authorizer.refusal("spiffe://mesh/ns/prod/sa/web", "prod.web-7") is None
     assert authorizer.refusal("spiffe://mesh/ns/prod/sa/web", "prod.web-") is None  # '*' may take nothing
     assert authorizer.refusal("spiffe://mesh/ns/prod/sa/web", "dev.web-7") is not None
@@ -55,17 +56,21 @@ def test_captures_sit_beside_text_and_stars_and_are_matched_literally() -> None:
     assert plain.refusal("spiffe://mesh/ns/x/sa/edge", "edge") is None  # by the capture rule
 
 
-@pytest.mark.parametrize(("rule", "words"), [
-    ("spiffe://mesh/ns/{sa}/sa/{sa}={sa}", ["{sa}", "twice"]),
-    ("spiffe://mesh/ns/{ns}/sa/{sa}={name}", ["{name}", "not defined", "{ns}, {sa}"]),
-    ("spiffe://mesh/ns/*/sa/edge={sa}", ["{sa}", "not defined", "none"]),
-    ("spiffe://mesh/ns/{ns}-{sa}={sa}", ["two captures", "ambiguous"]),
-    ("spiffe://mesh/ns/{ns}*={ns}", ["a capture and *"]),
-    ("spiffe://mesh/ns/{1st}={1st}", ["'{1st}' is not a capture"]),
-    ("spiffe://mesh/ns/{ns={ns}", ["braces are reserved"]),
-])
+@pytest.mark.parametrize(
+    ("rule", "words"),
+    [
+        ("spiffe://mesh/ns/{sa}/sa/{sa}={sa}", ["{sa}", "twice"]),
+        ("spiffe://mesh/ns/{ns}/sa/{sa}={name}", ["{name}", "not defined", "{ns}, {sa}"]),
+        ("spiffe://mesh/ns/*/sa/edge={sa}", ["{sa}", "not defined", "none"]),
+        ("spiffe://mesh/ns/{ns}-{sa}={sa}", ["two captures", "ambiguous"]),
+        ("spiffe://mesh/ns/{ns}*={ns}", ["a capture and *"]),
+        ("spiffe://mesh/ns/{1st}={1st}", ["'{1st}' is not a capture"]),
+        ("spiffe://mesh/ns/{ns={ns}", ["braces are reserved"]),
+    ],
+)
 def test_a_malformed_capture_is_refused_at_start_naming_the_flag_and_capture(
-        rule: str, words: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rule: str, words: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(ValueError) as caught:
         parse_rule(rule)
     for word in words:
@@ -75,8 +80,7 @@ def test_a_malformed_capture_is_refused_at_start_naming_the_flag_and_capture(
     snapshot = tmp_path / "snap.yaml"
     snapshot.write_text(yaml.safe_dump({"clusters": []}))
     with pytest.raises(SystemExit) as exited:  # a usage error: nothing is started
-        main(["serve", "--snapshot", str(snapshot), "--xds", "127.0.0.1:0", "--admin", "off",
-              "--authorize-node", rule])
+        main(["serve", "--snapshot", str(snapshot), "--xds", "127.0.0.1:0", "--admin", "off", "--authorize-node", rule])
     assert exited.value.code == 2
     error = capsys.readouterr().err
     assert "argument --authorize-node" in error and all(word in error for word in words), error
@@ -84,6 +88,7 @@ def test_a_malformed_capture_is_refused_at_start_naming_the_flag_and_capture(
 
 def _reference(rule: NodeRule, identity: str, node_id: str) -> bool:
     """The definition: IDENTITY as an expression with named groups, NODE with what they took."""
+
     def expression(pattern: str, captured: dict[str, str] | None) -> str:
         out = []
         for piece in re.split(r"(\{[A-Za-z_][A-Za-z0-9_]*\}|\*)", pattern):
@@ -100,13 +105,25 @@ def _reference(rule: NodeRule, identity: str, node_id: str) -> bool:
     return matched is not None and re.fullmatch(expression(rule.node, matched.groupdict()), node_id) is not None
 
 
-_RULES = [parse_rule(text) for text in (
-    FLEET, "spiffe://mesh/ns/{ns}/sa/{sa}={ns}.{sa}-*", "a{x}b/*={x}*{x}", "{h}.m={h}/*/{h}", "*a*/{s}={s}a*")]
+_RULES = [
+    parse_rule(text)
+    for text in (
+        FLEET,
+        "spiffe://mesh/ns/{ns}/sa/{sa}={ns}.{sa}-*",
+        "a{x}b/*={x}*{x}",
+        "{h}.m={h}/*/{h}",
+        "*a*/{s}={s}a*",
+    )
+]
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.sampled_from(_RULES), st.text("ab/.-*", max_size=12), st.text("ab/.-*", max_size=12),
-       st.sampled_from(["", "spiffe://mesh/ns/", "spiffe://mesh/ns/x/sa/"]))
+@given(
+    st.sampled_from(_RULES),
+    st.text("ab/.-*", max_size=12),
+    st.text("ab/.-*", max_size=12),
+    st.sampled_from(["", "spiffe://mesh/ns/", "spiffe://mesh/ns/x/sa/"]),
+)
 def test_captures_agree_with_their_definition(rule: NodeRule, identity: str, node_id: str, prefix: str) -> None:
     identity = prefix + identity
     allowed = NodeAuthorizer([rule]).refusal(identity, node_id) is None
@@ -117,8 +134,10 @@ def test_captures_agree_with_their_definition(rule: NodeRule, identity: str, nod
 def test_a_hostile_node_id_and_identity_of_100000_characters_are_matched_at_once() -> None:
     # As regular expressions, these patterns backtrack for a time that grows as a power of the
     # length; the matcher takes a few passes over each value.
-    rules = [parse_rule("spiffe://mesh/ns/{ns}/sa/{sa}={sa}*a*a*a*a*a*a*a*a*c*{ns}"),
-             parse_rule("spiffe://mesh/ns/*a*a*a*a*a*a*a*a*c/sa/{sa}={sa}")]
+    rules = [
+        parse_rule("spiffe://mesh/ns/{ns}/sa/{sa}={sa}*a*a*a*a*a*a*a*a*c*{ns}"),
+        parse_rule("spiffe://mesh/ns/*a*a*a*a*a*a*a*a*c/sa/{sa}={sa}"),
+    ]
     authorizer = NodeAuthorizer(rules)
     long_identity = "spiffe://mesh/ns/" + "a" * 50_000 + "/sa/" + "a" * 50_000
     long_node = "a" * 100_000
@@ -135,8 +154,10 @@ def test_a_hostile_node_id_and_identity_of_100000_characters_are_matched_at_once
             reason = authorizer.refusal(identity, node)
             best = min(best, time.perf_counter() - started)
             assert reason is not None
-        print(f"refusing a {len(node):,}-character node id for a {len(identity):,}-character identity: "
-              f"{best * 1e6:.0f} us")
+        print(
+            f"refusing a {len(node):,}-character node id for a {len(identity):,}-character identity: "
+            f"{best * 1e6:.0f} us"
+        )
         assert best < 0.05  # quadratic matching would take seconds; exponential, forever
     # And the matcher still says yes where it should, as fast.
     assert authorizer.refusal(long_identity, "a" * 50_008 + "c" + "a" * 50_000) is None
@@ -149,8 +170,9 @@ def test_glob_match_agrees_with_the_pattern_expression(pattern: str, value: str)
 
 
 def test_node_rules_bind_identities_to_node_ids() -> None:
-    authorizer = NodeAuthorizer([parse_rule("spiffe://mesh/ns/*/sa/edge=edge-*"),
-                                 parse_rule("ingress.mesh.example=ingress")])
+    authorizer = NodeAuthorizer(
+        [parse_rule("spiffe://mesh/ns/*/sa/edge=edge-*"), parse_rule("ingress.mesh.example=ingress")]
+    )
     assert authorizer.refusal("spiffe://mesh/ns/prod/sa/edge", "edge-1") is None
     assert authorizer.refusal("ingress.mesh.example", "ingress") is None
     refused = {

@@ -20,22 +20,34 @@ EDGE = "spiffe://mesh/ns/prod/sa/edge"
 
 def test_a_grant_is_a_secret_pattern_and_an_identity_or_node_pattern() -> None:
     assert parse_grant("edge-*-cert=identity:spiffe://mesh/ns/*/sa/edge") == SecretGrant(
-        "edge-*-cert", Subject.IDENTITY, "spiffe://mesh/ns/*/sa/edge")
+        "edge-*-cert", Subject.IDENTITY, "spiffe://mesh/ns/*/sa/edge"
+    )
     assert parse_grant("edge-cert=node:edge-*") == SecretGrant("edge-cert", Subject.NODE, "edge-*")
     # The split is at the first '=identity:' or '=node:': a secret name or an identity may hold '='.
     assert parse_grant("a=b=node:n=1") == SecretGrant("a=b", Subject.NODE, "n=1")
-    for bad in ("edge-cert", "edge-cert=edge-*", "edge-cert=cluster:edge", "=node:edge", "edge-cert=node:",
-                "edge-cert=identity:"):
+    for bad in (
+        "edge-cert",
+        "edge-cert=edge-*",
+        "edge-cert=cluster:edge",
+        "=node:edge",
+        "edge-cert=node:",
+        "edge-cert=identity:",
+    ):
         with pytest.raises(ValueError, match="SECRET=identity:PATTERN"):
             parse_grant(bad)
 
 
 def test_a_secret_is_allowed_only_by_a_grant_naming_it_and_the_proxy() -> None:
-    grants = SecretGrants(map(parse_grant, (
-        f"edge-cert=identity:{EDGE}",
-        "edge-*-key=identity:spiffe://mesh/ns/*/sa/edge",
-        "api-cert=node:api-*",
-    )))
+    grants = SecretGrants(
+        map(
+            parse_grant,
+            (
+                f"edge-cert=identity:{EDGE}",
+                "edge-*-key=identity:spiffe://mesh/ns/*/sa/edge",
+                "api-cert=node:api-*",
+            ),
+        )
+    )
     assert grants.allows("edge-cert", identity=EDGE, node_id="anything")
     assert grants.allows("edge-1-key", identity=EDGE, node_id="")
     assert grants.allows("api-cert", identity="", node_id="api-7")
@@ -72,7 +84,8 @@ def test_no_grants_allow_nothing_and_name_the_uncovered_secrets() -> None:
 
 
 def test_cli_refuses_identity_grants_without_mtls_and_malformed_grants(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     snapshot = tmp_path / "snap.yaml"
     snapshot.write_text(yaml.safe_dump({"clusters": []}))
     assert main(["serve", "--snapshot", str(snapshot), "--grant-secret", f"edge-cert=identity:{EDGE}"]) == 2
@@ -97,26 +110,32 @@ class Clock:
 def test_a_grants_file_holds_grants_in_the_flags_grammar(tmp_path: Path) -> None:
     as_yaml = tmp_path / "grants.yaml"
     as_yaml.write_text(f"grants:\n  - edge-cert=identity:{EDGE}\n  - 'ingress-*=node:ingress-*'\n")
-    assert GrantsFile(as_yaml, mtls=True).value == (parse_grant(f"edge-cert=identity:{EDGE}"),
-                                                    parse_grant("ingress-*=node:ingress-*"))
+    assert GrantsFile(as_yaml, mtls=True).value == (
+        parse_grant(f"edge-cert=identity:{EDGE}"),
+        parse_grant("ingress-*=node:ingress-*"),
+    )
     as_json = tmp_path / "grants.json"
     as_json.write_text(json.dumps({"grants": []}))
     assert GrantsFile(as_json, mtls=False).value == ()  # an empty list grants nothing
 
 
-@pytest.mark.parametrize(("text", "where", "words"), [
-    ("grants:\n  - edge-cert=edge-1\n", "grants[0]", "SECRET=identity:PATTERN"),
-    ("grants:\n  - a=node:x\n  - 7\n", "grants[1]", "not int"),
-    (f"grants:\n  - edge-cert=identity:{EDGE}\n", "grants[0]", "need mTLS"),  # (mtls=False below)
-    ("grants: edge-cert=node:x\n", "grants", "a list"),
-    ("grant:\n  - a=node:x\n", "grant", "unknown setting"),
-    ("- a=node:x\n", "", "must be a mapping"),
-    ("", "", "write 'grants: []'"),
-    ("grants: [\n", "line 2", "invalid YAML"),
-    ("grants:\n" + "  - a=node:x\n" * (MAX_GRANTS + 1), "grants", f"at most {MAX_GRANTS}"),
-])
+@pytest.mark.parametrize(
+    ("text", "where", "words"),
+    [
+        ("grants:\n  - edge-cert=edge-1\n", "grants[0]", "SECRET=identity:PATTERN"),
+        ("grants:\n  - a=node:x\n  - 7\n", "grants[1]", "not int"),
+        (f"grants:\n  - edge-cert=identity:{EDGE}\n", "grants[0]", "need mTLS"),  # (mtls=False below)
+        ("grants: edge-cert=node:x\n", "grants", "a list"),
+        ("grant:\n  - a=node:x\n", "grant", "unknown setting"),
+        ("- a=node:x\n", "", "must be a mapping"),
+        ("", "", "write 'grants: []'"),
+        ("grants: [\n", "line 2", "invalid YAML"),
+        ("grants:\n" + "  - a=node:x\n" * (MAX_GRANTS + 1), "grants", f"at most {MAX_GRANTS}"),
+    ],
+)
 def test_a_bad_grants_file_at_start_is_an_error_naming_the_file_and_entry(
-        tmp_path: Path, text: str, where: str, words: str) -> None:
+    tmp_path: Path, text: str, where: str, words: str
+) -> None:
     path = tmp_path / "grants.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as caught:
@@ -126,7 +145,8 @@ def test_a_bad_grants_file_at_start_is_an_error_naming_the_file_and_entry(
 
 
 def test_an_edited_grants_file_applies_and_a_bad_edit_keeps_the_last_good_grants(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path, clock, log = tmp_path / "grants.yaml", Clock(), tmp_path / "events.jsonl"
     path.write_text("grants:\n  - edge-cert=node:edge-1\n")
     events = EventLog(log)
@@ -164,7 +184,23 @@ def test_serve_stops_at_start_on_a_bad_grants_file(tmp_path: Path, capsys: pytes
     snapshot, grants = tmp_path / "snap.yaml", tmp_path / "grants.yaml"
     snapshot.write_text(yaml.safe_dump({"clusters": []}))
     grants.write_text("grants:\n  - edge-cert=edge-1\n")
-    assert main(["serve", "--snapshot", str(snapshot), "--xds", "127.0.0.1:0", "--admin", "off",
-                 "--event-loop", "asyncio", "--grants-file", str(grants)]) == 1
+    assert (
+        main(
+            [
+                "serve",
+                "--snapshot",
+                str(snapshot),
+                "--xds",
+                "127.0.0.1:0",
+                "--admin",
+                "off",
+                "--event-loop",
+                "asyncio",
+                "--grants-file",
+                str(grants),
+            ]
+        )
+        == 1
+    )
     error = capsys.readouterr().err
     assert f"{grants}: 1 problem(s)" in error and "grants[0]" in error, error

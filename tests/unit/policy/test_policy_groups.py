@@ -32,13 +32,15 @@ def _node(**fields: object) -> base_pb2.Node:
 
 
 def test_the_first_matching_rule_picks_the_group_then_the_built_in_ones() -> None:
-    groups = NodeGroups([
-        parse_node_group("proxyless:grpc=cluster:payments-*"),
-        parse_node_group("edge=id:edge-*"),
-        parse_node_group("east=metadata:zone=us-east-*"),
-        parse_node_group("zonal=zone:eu-*"),
-        parse_node_group("canary=agent:envoy"),
-    ])
+    groups = NodeGroups(
+        [
+            parse_node_group("proxyless:grpc=cluster:payments-*"),
+            parse_node_group("edge=id:edge-*"),
+            parse_node_group("east=metadata:zone=us-east-*"),
+            parse_node_group("zonal=zone:eu-*"),
+            parse_node_group("canary=agent:envoy"),
+        ]
+    )
     assert groups.group_of(_node(cluster="payments-web", id="edge-1")) == "proxyless"
     assert groups.group_of(_node(cluster="other", id="edge-1")) == "edge"
     assert groups.group_of(_node(id="edge/1")) == DEFAULT_GROUP  # '*' does not cross '/'
@@ -107,8 +109,9 @@ def test_serve_refuses_a_bad_node_group_before_starting(capsys: pytest.CaptureFi
 
 
 def test_rest_polls_join_rest_groups_and_grpc_streams_the_others() -> None:
-    groups = NodeGroups([parse_node_group("edge:rest=cluster:rest-*"), parse_node_group("front=cluster:*-1")],
-                        rest=True)
+    groups = NodeGroups(
+        [parse_node_group("edge:rest=cluster:rest-*"), parse_node_group("front=cluster:*-1")], rest=True
+    )
     views = groups.views()
     assert views[REST_GROUP] == REST and views[NodeGroup("edge")] == REST and views[NodeGroup("front")] == ENVOYS
     # A poll is matched against the rules of rest groups only, else joins the built-in one.
@@ -140,6 +143,8 @@ def test_the_built_in_rest_group_counts_against_the_bound() -> None:
 def test_serve_refuses_a_rest_group_without_rest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "services.yaml"
     path.write_text("services:\n  web:\n    endpoints: ['127.0.0.1:9001']\n")
-    assert main(["serve", "--snapshot", str(path), "--xds", "127.0.0.1:0",
-                 "--node-group", "edge:rest=cluster:rest-*"]) != 0
+    assert (
+        main(["serve", "--snapshot", str(path), "--xds", "127.0.0.1:0", "--node-group", "edge:rest=cluster:rest-*"])
+        != 0
+    )
     assert "give --rest HOST:PORT too" in capsys.readouterr().err

@@ -65,17 +65,35 @@ class DeltaPair:
             if decoded.type_url in (CDS, EDS):
                 assert resource.resource.Unpack(message)
                 assert getattr(message, "name" if decoded.type_url == CDS else "cluster_name") == resource.name
-        self.inbox.append(Got(decoded.type_url, decoded.nonce, decoded.system_version_info,
-                              {r.name: r.version for r in decoded.resources}, list(decoded.removed_resources)))
+        self.inbox.append(
+            Got(
+                decoded.type_url,
+                decoded.nonce,
+                decoded.system_version_info,
+                {r.name: r.version for r in decoded.resources},
+                list(decoded.removed_resources),
+            )
+        )
         for due in again:  # as xds/server.py: warming watches open at once
             self._open(due)
 
-    def send(self, type_url: str, subscribe: Sequence[str] = (), unsubscribe: Sequence[str] = (), *,
-             nonce: str = "", error: str | None = None, initial: Mapping[str, str] | None = None) -> list[Got]:
+    def send(
+        self,
+        type_url: str,
+        subscribe: Sequence[str] = (),
+        unsubscribe: Sequence[str] = (),
+        *,
+        nonce: str = "",
+        error: str | None = None,
+        initial: Mapping[str, str] | None = None,
+    ) -> list[Got]:
         request = discovery_pb2.DeltaDiscoveryRequest(
-            type_url=type_url, resource_names_subscribe=list(subscribe),
-            resource_names_unsubscribe=list(unsubscribe), response_nonce=nonce,
-            initial_resource_versions=dict(initial or {}))
+            type_url=type_url,
+            resource_names_subscribe=list(subscribe),
+            resource_names_unsubscribe=list(unsubscribe),
+            response_nonce=nonce,
+            initial_resource_versions=dict(initial or {}),
+        )
         if error is not None:
             request.error_detail.message = error
         outcome = self.stream.on_request(request)
@@ -134,8 +152,10 @@ def test_eds_is_sent_only_what_is_named_and_told_once_what_does_not_exist(pair: 
     assert got.names == ["a"] and got.removed == ["missing"], "a named resource that does not exist"
     assert pair.ack(got) == []
     assert pair.send(EDS, ["missing"]) == [], "subscribing to it again: already told"
-    later = build(clusters=[cluster("a"), cluster("missing")],
-                  endpoints=[assignment("a", 1), assignment("b", 2), assignment("missing", 7)])
+    later = build(
+        clusters=[cluster("a"), cluster("missing")],
+        endpoints=[assignment("a", 1), assignment("b", 2), assignment("missing", 7)],
+    )
     [appeared] = pair.publish(later)
     assert appeared.names == ["missing"] and appeared.removed == []
 
@@ -143,8 +163,12 @@ def test_eds_is_sent_only_what_is_named_and_told_once_what_does_not_exist(pair: 
 def test_one_changed_resource_is_all_that_is_sent_and_a_removed_one_is_removed(pair: DeltaPair) -> None:
     pair.ack(pair.send(CDS)[0])
     pair.ack(pair.send(EDS, ["a", "b"])[0])
-    v2 = build(clusters=[cluster("a")], endpoints=[assignment("a", 1, 3)],
-               listeners=[listener("l", "r")], routes=[route("r", "a")])
+    v2 = build(
+        clusters=[cluster("a")],
+        endpoints=[assignment("a", 1, 3)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "a")],
+    )
     cds, eds = pair.publish(v2)
     assert (cds.type_url, cds.names, cds.removed) == (CDS, [], ["b"])
     assert (eds.type_url, eds.names, eds.removed) == (EDS, ["a"], ["b"])
@@ -222,8 +246,12 @@ def test_a_nack_is_recorded_and_the_rejected_content_is_not_sent_again(pair: Del
 def test_a_changed_cluster_is_followed_by_its_endpoints_even_if_they_did_not_change(pair: DeltaPair) -> None:
     pair.ack(pair.send(CDS)[0])
     pair.ack(pair.send(EDS, ["a", "b"])[0])
-    v2 = build(clusters=[cluster("a", "2s"), cluster("b")], endpoints=[assignment("a", 1), assignment("b", 2)],
-               listeners=[listener("l", "r")], routes=[route("r", "a")])
+    v2 = build(
+        clusters=[cluster("a", "2s"), cluster("b")],
+        endpoints=[assignment("a", 1), assignment("b", 2)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "a")],
+    )
     cds, eds = pair.publish(v2)
     assert cds.names == ["a"]
     assert eds.names == ["a"], "the re-created cluster's endpoints, unchanged, for its warming"
@@ -232,11 +260,16 @@ def test_a_changed_cluster_is_followed_by_its_endpoints_even_if_they_did_not_cha
 def test_a_removed_cluster_stays_until_the_routes_have_moved(pair: DeltaPair) -> None:
     for type_url, names in ((CDS, []), (EDS, ["a", "b"]), (LDS, []), (RDS, ["r"])):
         pair.ack(pair.send(type_url, names)[0])
-    v2 = build(clusters=[cluster("b")], endpoints=[assignment("b", 2)],
-               listeners=[listener("l", "r")], routes=[route("r", "b")])
+    v2 = build(
+        clusters=[cluster("b")],
+        endpoints=[assignment("b", 2)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "b")],
+    )
     pushed = pair.publish(v2)
     assert [(g.type_url, g.names, g.removed) for g in pushed] == [(EDS, [], ["a"]), (RDS, ["r"], [])], (
-        "cluster a stays while route r still sends traffic to it")
+        "cluster a stays while route r still sends traffic to it"
+    )
     [final] = pair.ack(pushed[1])
     assert (final.type_url, final.removed) == (CDS, ["a"])
 
@@ -249,9 +282,12 @@ def test_a_cluster_on_its_way_to_the_routes_comes_even_if_the_next_snapshot_drop
     c (the bridge: a later snapshot does not take it off its way), and c goes only once the route
     has moved and that is ACKed (make before break)."""
     cache.set_snapshot(V1)
-    v2 = build(clusters=[cluster("a"), cluster("b"), cluster("c")],
-               endpoints=[assignment("a", 1), assignment("b", 2), assignment("c", 3)],
-               listeners=[listener("l", "r")], routes=[route("r", "c")])
+    v2 = build(
+        clusters=[cluster("a"), cluster("b"), cluster("c")],
+        endpoints=[assignment("a", 1), assignment("b", 2), assignment("c", 3)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "c")],
+    )
     pair = DeltaPair(cache)
     [clusters] = pair.send(CDS, initial={**versions(V1, CDS), "a": "an older a"})
     assert pair.send(RDS, ["r"], initial=versions(V1, RDS)) == []
@@ -264,6 +300,7 @@ def test_a_cluster_on_its_way_to_the_routes_comes_even_if_the_next_snapshot_drop
     assert (to_a.type_url, to_a.versions) == (RDS, versions(V1, RDS))
     [final] = pair.ack(to_a)
     assert (final.type_url, final.names, final.removed) == (CDS, [], ["c"])
+
 
 # -- sharing and limits ----------------------------------------------------------------------------
 

@@ -34,13 +34,18 @@ def _pool() -> list[Snapshot]:
     pool = []
     for _ in range(8):
         clusters = [c for c in "abc" if rng.random() < 0.75] or ["a"]
-        pool.append(build(
-            clusters=[cluster(c, rng.choice(["1s", "2s"])) for c in clusters],
-            endpoints=[assignment(c, rng.choice([1, 2])) for c in "abc" if rng.random() < 0.8],
-            listeners=[listener(n, {"l": "r", "m": "s"}[n], port=10000 + rng.choice([0, 1]))
-                       for n in "lm" if rng.random() < 0.7],
-            routes=[route(r, rng.choice(clusters)) for r in "rs" if rng.random() < 0.8],
-        ))
+        pool.append(
+            build(
+                clusters=[cluster(c, rng.choice(["1s", "2s"])) for c in clusters],
+                endpoints=[assignment(c, rng.choice([1, 2])) for c in "abc" if rng.random() < 0.8],
+                listeners=[
+                    listener(n, {"l": "r", "m": "s"}[n], port=10000 + rng.choice([0, 1]))
+                    for n in "lm"
+                    if rng.random() < 0.7
+                ],
+                routes=[route(r, rng.choice(clusters)) for r in "rs" if rng.random() < 0.8],
+            )
+        )
     return pool + mixes(pool, rng, 6)
 
 
@@ -73,11 +78,22 @@ def _names(type_url: TypeUrl) -> st.SearchStrategy[tuple[str, ...]]:
     return st.lists(st.sampled_from((*UNIVERSE[type_url], "zz", "*")), max_size=3, unique=True).map(tuple)
 
 
-_REQUEST = st.sampled_from(TYPES).flatmap(lambda t: st.builds(
-    Request, type_url=st.just(t), subscribe=_names(t), unsubscribe=_names(t),
-    nonce=st.sampled_from(["", "latest", "latest", "latest", "stale"]), nack=st.booleans()))
-STEPS = st.lists(st.one_of(_REQUEST, _REQUEST, _REQUEST, st.builds(Publish, index=st.integers(0, len(POOL) - 1)),
-                           st.just(Reconnect())), max_size=30)
+_REQUEST = st.sampled_from(TYPES).flatmap(
+    lambda t: st.builds(
+        Request,
+        type_url=st.just(t),
+        subscribe=_names(t),
+        unsubscribe=_names(t),
+        nonce=st.sampled_from(["", "latest", "latest", "latest", "stale"]),
+        nack=st.booleans(),
+    )
+)
+STEPS = st.lists(
+    st.one_of(
+        _REQUEST, _REQUEST, _REQUEST, st.builds(Publish, index=st.integers(0, len(POOL) - 1)), st.just(Reconnect())
+    ),
+    max_size=30,
+)
 
 
 @dataclass
@@ -132,7 +148,8 @@ class Client:
         assert current is not None
         for name, version in got.versions.items():
             assert held.get(name) != version or self.warm[got.type_url], (
-                f"{got.type_url}: {name} re-sent at the version the client has")
+                f"{got.type_url}: {name} re-sent at the version the client has"
+            )
         for name in got.removed:
             assert name not in current.resources, f"{got.type_url}: {name} removed while it exists"
             held.pop(name, None)
@@ -187,8 +204,15 @@ class Run:
         self.client.subscribe(step.type_url, step.subscribe, step.unsubscribe)
         if step.type_url == CDS and latest is not None and nonce == latest.nonce:
             self.client.cds_in_flight = False
-        self.received(self.pair.send(step.type_url, step.subscribe, step.unsubscribe, nonce=nonce,
-                                     error="rejected" if step.nack and nonce else None))
+        self.received(
+            self.pair.send(
+                step.type_url,
+                step.subscribe,
+                step.unsubscribe,
+                nonce=nonce,
+                error="rejected" if step.nack and nonce else None,
+            )
+        )
 
     def publish(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
@@ -228,14 +252,22 @@ class Run:
         for started in self.client.started:
             current = self.snapshot.get(TypeUrl(started))
             assert current is not None
-            wanted = {n: r.version for n, r in current.resources.items()
-                      if self.client.wildcard[started] or n in self.client.names[started]}
+            wanted = {
+                n: r.version
+                for n, r in current.resources.items()
+                if self.client.wildcard[started] or n in self.client.names[started]
+            }
             assert self.client.held[started] == wanted, f"{started}: the client holds {self.client.held[started]}"
 
 
 ON_ITS_WAY: list[object] = [
-    Request(CDS, (), (), "", False), Request(RDS, ("*",), (), "", False), Request(RDS, (), (), "", False),
-    Publish(0), Publish(6), Request(EDS, ("c",), (), "", False)]
+    Request(CDS, (), (), "", False),
+    Request(RDS, ("*",), (), "", False),
+    Request(RDS, (), (), "", False),
+    Publish(0),
+    Publish(6),
+    Request(EDS, ("c",), (), "", False),
+]
 """From snapshot 6: the clusters answer is not ACKed when snapshot 0 adds cluster b and points
 route r at it; snapshot 6 again drops b before the ACK, while the client's route r still uses it."""
 
@@ -244,8 +276,16 @@ route r at it; snapshot 6 again drops b before the ACK, while the client's route
 @given(start=st.integers(0, len(POOL) - 1), steps=STEPS)
 # A reconnected client that unsubscribes from every listener no longer runs the ones it stated: they
 # must not hold back the removal of a cluster their routes used (no answer of them is ACKed again).
-@example(start=0, steps=[Request(LDS, (), (), "", False), Reconnect(), Request(CDS, (), (), "", False),
-                         Request(LDS, (), ("l", "m", "*"), "", False), Publish(9)])
+@example(
+    start=0,
+    steps=[
+        Request(LDS, (), (), "", False),
+        Reconnect(),
+        Request(CDS, (), (), "", False),
+        Request(LDS, (), ("l", "m", "*"), "", False),
+        Publish(9),
+    ],
+)
 # A route sent while the clusters answer is not ACKed names cluster b the client lacks; the next
 # snapshot drops b again: b is still on its way (the bridge brings it after the ACK, route r uses it).
 @example(start=6, steps=ON_ITS_WAY)

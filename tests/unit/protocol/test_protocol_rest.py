@@ -25,8 +25,10 @@ def request(*names: str, version: str = "", node: str = "edge-1", type_url: str 
 
 def snapshots(*steps: dict[str, int]) -> list[Snapshot]:
     """One snapshot per step: clusters and their endpoint port, versioned by content."""
-    return [build(clusters=[cluster(n) for n in ports], endpoints=[assignment(n, p) for n, p in ports.items()])
-            for ports in steps]
+    return [
+        build(clusters=[cluster(n) for n in ports], endpoints=[assignment(n, p) for n, p in ports.items()])
+        for ports in steps
+    ]
 
 
 def test_no_names_is_everything_for_clusters_and_nothing_for_endpoints() -> None:
@@ -110,11 +112,17 @@ def test_bootstrap_rest_polls_clusters_and_listeners_over_http1() -> None:
     assert "ads_config" not in dynamic
     for key in ("cds_config", "lds_config"):
         source = dynamic[key]["api_config_source"]
-        assert source == {"api_type": "REST", "transport_api_version": "V3", "cluster_names": ["xds_cluster"],
-                          "refresh_delay": "0.5s"}
+        assert source == {
+            "api_type": "REST",
+            "transport_api_version": "V3",
+            "cluster_names": ["xds_cluster"],
+            "refresh_delay": "0.5s",
+        }
     [xds] = config["static_resources"]["clusters"]
     assert xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == {
-        "address": "127.0.0.1", "port_value": 18001}
+        "address": "127.0.0.1",
+        "port_value": 18001,
+    }
     assert "typed_extension_protocol_options" not in xds, "HTTP/1.1, not HTTP/2"
     assert xds["transport_socket"]["typed_config"]["common_tls_context"]["alpn_protocols"] == ["http/1.1"]
     with pytest.raises(ValueError, match="--rest and --delta"):

@@ -51,8 +51,12 @@ def test_two_streams_with_the_same_node_id_are_both_served(cache: SnapshotCache)
     old, new = StreamPair(cache), StreamPair(cache)  # hot restart: two processes, one node id
     assert old.send(CDS, node_id="n")[0].names == ["a", "b"]
     assert new.send(CDS, node_id="n")[0].names == ["a", "b"]
-    v2 = build(clusters=[cluster("a")], endpoints=[assignment("a", 1)],
-               listeners=[listener("l", "r")], routes=[route("r", "a")])
+    v2 = build(
+        clusters=[cluster("a")],
+        endpoints=[assignment("a", 1)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "a")],
+    )
     old.ack(old.inbox[-1])
     new.ack(new.inbox[-1])
     cache.set_snapshot(v2)
@@ -155,8 +159,10 @@ def test_a_wildcard_after_names_that_already_cover_everything_sends_nothing(pair
     # and resending would repeat the very response (one it may have rejected).
     assert pair.ack(named, names=["*"]) == []
     assert pair.ack(named, names=["*", "a"]) == []
-    v2 = build(clusters=[cluster("a"), cluster("b"), cluster("c")],
-               endpoints=[assignment("a", 1), assignment("b", 2), assignment("c", 3)])
+    v2 = build(
+        clusters=[cluster("a"), cluster("b"), cluster("c")],
+        endpoints=[assignment("a", 1), assignment("b", 2), assignment("c", 3)],
+    )
     [everything] = pair.publish(v2)
     assert everything.names == ["a", "b", "c"]
 
@@ -183,8 +189,9 @@ def test_requested_names_are_sent_when_they_appear(pair: StreamPair) -> None:
     [eds] = pair.send(EDS, ["a", "later"])
     assert eds.names == ["a"]
     assert pair.ack(eds, names=["a", "later"]) == []
-    [appeared] = pair.publish(build(clusters=[cluster("a"), cluster("later")],
-                                    endpoints=[assignment("a", 1), assignment("later", 3)]))
+    [appeared] = pair.publish(
+        build(clusters=[cluster("a"), cluster("later")], endpoints=[assignment("a", 1), assignment("later", 3)])
+    )
     assert appeared.names == ["later"], "what appeared: the proxy holds the other, unchanged"
 
 
@@ -211,8 +218,12 @@ def test_one_change_is_sent_in_ads_order(pair: StreamPair) -> None:
     for type_url, names in ((RDS, ["r"]), (LDS, []), (EDS, ["a", "b"]), (CDS, [])):
         [response] = pair.send(type_url, names)
         pair.ack(response, names)
-    v2 = build(clusters=[cluster("a", "3s"), cluster("b")], endpoints=[assignment("a", 5), assignment("b", 2)],
-               listeners=[listener("l", "r", port=10001)], routes=[route("r", "b")])
+    v2 = build(
+        clusters=[cluster("a", "3s"), cluster("b")],
+        endpoints=[assignment("a", 5), assignment("b", 2)],
+        listeners=[listener("l", "r", port=10001)],
+        routes=[route("r", "b")],
+    )
     assert [r.type_url for r in pair.publish(v2)] == [CDS, EDS, LDS, RDS]
 
 
@@ -225,8 +236,12 @@ def test_endpoint_request_after_a_cluster_change_is_answered(pair: StreamPair) -
     [eds] = pair.send(EDS, ["a", "b"])
     pair.ack(eds, ["a", "b"])
     # Only cluster "a" changes; its endpoints do not.
-    v2 = build(clusters=[cluster("a", "5s"), cluster("b")], endpoints=[assignment("a", 1), assignment("b", 2)],
-               listeners=[listener("l", "r")], routes=[route("r", "a")])
+    v2 = build(
+        clusters=[cluster("a", "5s"), cluster("b")],
+        endpoints=[assignment("a", 1), assignment("b", 2)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "a")],
+    )
     [cds2] = pair.publish(v2)
     pair.ack(cds2)
     # Envoy re-creates "a" and asks for its endpoints again, repeating the last EDS nonce.
@@ -241,8 +256,12 @@ def test_route_request_after_a_listener_change_is_answered(pair: StreamPair) -> 
     pair.ack(lds)
     [rds] = pair.send(RDS, ["r"])
     pair.ack(rds, ["r"])
-    v2 = build(clusters=[cluster("a"), cluster("b")], endpoints=[assignment("a", 1), assignment("b", 2)],
-               listeners=[listener("l", "r", port=10002)], routes=[route("r", "a")])
+    v2 = build(
+        clusters=[cluster("a"), cluster("b")],
+        endpoints=[assignment("a", 1), assignment("b", 2)],
+        listeners=[listener("l", "r", port=10002)],
+        routes=[route("r", "a")],
+    )
     [lds2] = pair.publish(v2)
     pair.ack(lds2)
     [warm] = pair.send(RDS, ["r"], version=rds.version, nonce=rds.nonce)
@@ -270,8 +289,12 @@ def synced(pair: StreamPair) -> None:
 
 def test_a_removed_cluster_stays_until_routes_have_moved(pair: StreamPair) -> None:
     synced(pair)  # route "r" sends traffic to cluster "a"
-    v2 = build(clusters=[cluster("b")], endpoints=[assignment("b", 2)],
-               listeners=[listener("l", "r")], routes=[route("r", "b")])
+    v2 = build(
+        clusters=[cluster("b")],
+        endpoints=[assignment("b", 2)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "b")],
+    )
     pushed = pair.publish(v2)
     # The clusters the proxy has ("a" and "b") stay as they are: its routes still use "a". The
     # endpoints of "b" did not change: the EDS response is the new version, carrying nothing.
@@ -287,8 +310,12 @@ def test_a_removed_cluster_stays_until_routes_have_moved(pair: StreamPair) -> No
 
 def test_a_proxy_that_rejects_the_new_routes_keeps_the_cluster(pair: StreamPair) -> None:
     synced(pair)
-    v2 = build(clusters=[cluster("b")], endpoints=[assignment("b", 2)],
-               listeners=[listener("l", "r")], routes=[route("r", "b")])
+    v2 = build(
+        clusters=[cluster("b")],
+        endpoints=[assignment("b", 2)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "b")],
+    )
     eds, rds = pair.publish(v2)
     pair.ack(eds, ["a", "b"])
     assert pair.send(RDS, ["r"], version=rds.version, nonce=rds.nonce, error="rejected") == []
@@ -297,8 +324,12 @@ def test_a_proxy_that_rejects_the_new_routes_keeps_the_cluster(pair: StreamPair)
 
 def test_unused_clusters_are_removed_at_once(pair: StreamPair) -> None:
     synced(pair)  # nothing routes to "b"
-    v2 = build(clusters=[cluster("a")], endpoints=[assignment("a", 1)],
-               listeners=[listener("l", "r")], routes=[route("r", "a")])
+    v2 = build(
+        clusters=[cluster("a")],
+        endpoints=[assignment("a", 1)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "a")],
+    )
     cds, eds = pair.publish(v2)
     assert (cds.type_url, cds.names) == (CDS, ["a"])
     assert (eds.type_url, eds.names) == (EDS, ["a"])
@@ -306,16 +337,26 @@ def test_unused_clusters_are_removed_at_once(pair: StreamPair) -> None:
 
 def test_a_new_proxy_gets_the_final_clusters(cache: SnapshotCache) -> None:
     cache.set_snapshot(V1)
-    cache.set_snapshot(build(clusters=[cluster("b")], endpoints=[assignment("b", 2)],
-                             listeners=[listener("l", "r")], routes=[route("r", "b")]))
+    cache.set_snapshot(
+        build(
+            clusters=[cluster("b")],
+            endpoints=[assignment("b", 2)],
+            listeners=[listener("l", "r")],
+            routes=[route("r", "b")],
+        )
+    )
     [cds] = StreamPair(cache).send(CDS)
     assert cds.names == ["b"]
 
 
 def test_changed_clusters_arrive_at_once_while_a_used_one_is_kept(pair: StreamPair) -> None:
     synced(pair)
-    v2 = build(clusters=[cluster("b", "4s")], endpoints=[assignment("b", 2)],
-               listeners=[listener("l", "r")], routes=[route("r", "b")])
+    v2 = build(
+        clusters=[cluster("b", "4s")],
+        endpoints=[assignment("b", 2)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "b")],
+    )
     cds, _eds, rds = pair.publish(v2)
     assert (cds.type_url, cds.names) == (CDS, ["a", "b"])  # new "b", old "a" kept
     assert cds.version != v2.version(CDS)

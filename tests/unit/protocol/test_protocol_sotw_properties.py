@@ -35,8 +35,12 @@ TYPES = (CDS, EDS, LDS, RDS)
 FULL_STATE = frozenset({CDS, LDS})
 PARENT = {EDS: CDS, RDS: LDS}
 """A response of the parent type makes the child's next request due (warming, behaviour 13)."""
-UNIVERSE: dict[str, tuple[str, ...]] = {CDS: ("a", "b", "c"), EDS: ("a", "b", "c"), LDS: ("l", "m"),
-                                         RDS: ("r", "s", "t")}
+UNIVERSE: dict[str, tuple[str, ...]] = {
+    CDS: ("a", "b", "c"),
+    EDS: ("a", "b", "c"),
+    LDS: ("l", "m"),
+    RDS: ("r", "s", "t"),
+}
 NEVER = "zz"
 """A name no snapshot ever has."""
 
@@ -50,13 +54,16 @@ def _pool() -> list[Snapshot]:
         listeners = [name for name in "lm" if rng.random() < 0.7]
         routes = [r for r in "rst" if rng.random() < 0.75]
         targets = clusters or ["a"]
-        pool.append(build(
-            clusters=[cluster(c, rng.choice(["1s", "2s"])) for c in clusters],
-            endpoints=[assignment(c, rng.choice([1, 2])) for c in "abc" if rng.random() < 0.8],
-            listeners=[listener(name, {"l": "r", "m": "s"}[name], port=10000 + rng.choice([0, 1]))
-                       for name in listeners],
-            routes=[route(r, rng.choice(targets)) for r in routes],
-        ))
+        pool.append(
+            build(
+                clusters=[cluster(c, rng.choice(["1s", "2s"])) for c in clusters],
+                endpoints=[assignment(c, rng.choice([1, 2])) for c in "abc" if rng.random() < 0.8],
+                listeners=[
+                    listener(name, {"l": "r", "m": "s"}[name], port=10000 + rng.choice([0, 1])) for name in listeners
+                ],
+                routes=[route(r, rng.choice(targets)) for r in routes],
+            )
+        )
     pool.append(pool[0])  # the same content again
     return pool + mixes(pool, rng, 6)
 
@@ -70,6 +77,8 @@ def _content_at(type_url: str, version: str, names: frozenset[str]) -> dict[str,
     if at is None:
         return {}
     return {n: at.resources[n].hash for n in names if n in at.resources}
+
+
 VERSIONS = sorted({s.version(t) or "" for s in POOL for t in TYPES})
 
 
@@ -199,8 +208,12 @@ class Run:
             earlier = [n for n in self.nonces if n != model.latest_nonce]
             nonce = earlier[len(earlier) // 2] if earlier else "bogus-2"
         stale = bool(nonce) and nonce != model.latest_nonce
-        version = {"": "", "old": "old", "proxy": model.version_info(nonce, step.error),
-                   "current": self.snapshot.version(step.type_url) or ""}.get(step.version, step.version)
+        version = {
+            "": "",
+            "old": "old",
+            "proxy": model.version_info(nonce, step.error),
+            "current": self.snapshot.version(step.type_url) or "",
+        }.get(step.version, step.version)
         sent = self.pair.send(step.type_url, step.names, version=version, nonce=nonce, error=step.error)
         if stale:
             assert self.pair.outcomes[-1].kind is RequestKind.STALE
@@ -283,7 +296,8 @@ class Run:
             # (A wildcard EDS/RDS subscription, which Envoy never makes, is answered in full, and so is
             # a proxy at a version the cache does not keep.)
             assert not unchanged or model.warm or subscribed.wildcard or not self.kept(type_url, model.held_version), (
-                f"{type_url} response re-sends {unchanged}, which the proxy holds")
+                f"{type_url} response re-sends {unchanged}, which the proxy holds"
+            )
         elif response.version == current.version:
             assert names == expected, f"{type_url} response is not the whole subscribed set"
         else:
@@ -325,7 +339,8 @@ class Run:
             wanted = {name for name in current.resources if model.subscribed.wants(name)}
             assert model.held_version == current.version, f"{type_url}: the proxy is left at an old version"
             assert model.held_all or wanted <= model.held, (
-                f"{type_url}: subscribed {sorted(wanted - model.held)} never sent")
+                f"{type_url}: subscribed {sorted(wanted - model.held)} never sent"
+            )
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

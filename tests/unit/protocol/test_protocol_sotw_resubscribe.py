@@ -332,8 +332,10 @@ def test_a_restored_listener_gets_its_routes_after_a_reconnect(cache: SnapshotCa
     assert pair.send(LDS, version=current(LDS)) == []
     assert pair.send(RDS, ["r", "s"], version=current(RDS)) == []
     without_m = build(
-        clusters=[cluster("a"), cluster("b")], endpoints=[assignment("a", 1), assignment("b", 2)],
-        listeners=[listener("l", "r")], routes=[route("r", "a"), route("s", "b")],
+        clusters=[cluster("a"), cluster("b")],
+        endpoints=[assignment("a", 1), assignment("b", 2)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "a"), route("s", "b")],
     )
     [lds] = pair.publish(without_m)
     assert lds.names == ["l"]

@@ -15,8 +15,7 @@ EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 
 
 def wire_of(names: list[str]) -> bytes:
-    request = discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=names, version_info="1",
-                                             response_nonce="3")
+    request = discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=names, version_info="1", response_nonce="3")
     span = request_names_span(request.SerializeToString(), EDS, "3")
     assert span is not None
     return span

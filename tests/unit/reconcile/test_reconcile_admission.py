@@ -15,8 +15,10 @@ API = ServiceSpec(name="api", listen=("127.0.0.1", 10000))  # the same port: the
 
 
 def state(*specs: ServiceSpec, ports: tuple[int, ...] = (9001,)) -> DesiredState:
-    return DesiredState(services={s.name: s for s in specs},
-                        endpoints={s.name: tuple(Endpoint("127.0.0.1", p) for p in ports) for s in specs})
+    return DesiredState(
+        services={s.name: s for s in specs},
+        endpoints={s.name: tuple(Endpoint("127.0.0.1", p) for p in ports) for s in specs},
+    )
 
 
 class Trial:
@@ -44,8 +46,7 @@ def test_a_state_that_adds_a_problem_is_refused_with_the_sources_named() -> None
     trial = Trial()
     admission = Admission(states, trial, labels={"file": "snap.yaml", "registry": "the registry"})
     problems = admission.check("registry", state(API))
-    assert problems == [Problem("services.api.listen",
-                                "port taken by 'web' [services.api: defined by the registry]")]
+    assert problems == [Problem("services.api.listen", "port taken by 'web' [services.api: defined by the registry]")]
     assert states == {"file": state(WEB)}, "checking changes nothing"
 
 
@@ -62,6 +63,14 @@ def test_a_change_of_endpoints_alone_is_accepted_without_a_build() -> None:
     assert admission.check("registry", state(WEB, ports=(9001, 9002))) == []
     assert trial.calls == 0
     # Endpoints for a service no source defines would add its cluster: that is built.
-    assert admission.check("registry", DesiredState(services={"web": WEB}, endpoints={
-        "web": (Endpoint("127.0.0.1", 9001),), "new": (Endpoint("127.0.0.1", 9003),)})) == []
+    assert (
+        admission.check(
+            "registry",
+            DesiredState(
+                services={"web": WEB},
+                endpoints={"web": (Endpoint("127.0.0.1", 9001),), "new": (Endpoint("127.0.0.1", 9003),)},
+            ),
+        )
+        == []
+    )
     assert trial.calls == 1

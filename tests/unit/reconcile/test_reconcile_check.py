@@ -10,6 +10,8 @@ from pilotfish.reconcile import Reconciler
 from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import Endpoint, ServiceSpec
 
+TCP_PROXY = "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy"
+
 
 def service(name: str, port: int | None = None, **settings: Any) -> ServiceSpec:
     return ServiceSpec(name=name, listen=None if port is None else ("127.0.0.1", port), **settings)
@@ -67,9 +69,12 @@ def test_when_other_sources_already_clash_only_new_problems_count() -> None:
 
 
 def test_instances_for_a_cluster_name_a_raw_resource_uses_are_refused() -> None:
-    document = parse_document({
-        "clusters": [{"name": "legacy", "type": "STATIC", "connect_timeout": "1s"}],
-    }, "snapshot.yaml")
+    document = parse_document(
+        {
+            "clusters": [{"name": "legacy", "type": "STATIC", "connect_timeout": "1s"}],
+        },
+        "snapshot.yaml",
+    )
     checker = reconciler(file=DesiredState.of_document(document))
     problems = checker.check("registry", defines(endpoints={"legacy": (Endpoint("127.0.0.1", 9001),)}))
     assert [p.where for p in problems] == ["services.legacy"]
@@ -78,15 +83,33 @@ def test_instances_for_a_cluster_name_a_raw_resource_uses_are_refused() -> None:
 
 
 def test_a_listen_address_of_a_raw_listener_names_the_listener_and_its_source() -> None:
-    document = parse_document({"listeners": [{
-        "name": "edge", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
-        "filter_chains": [{"filters": [{"name": "tcp", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
-            "stat_prefix": "edge", "cluster": "web"}}]}],
-    }]}, "snapshot.yaml")
+    document = parse_document(
+        {
+            "listeners": [
+                {
+                    "name": "edge",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "tcp",
+                                    "typed_config": {
+                                        "@type": TCP_PROXY,
+                                        "stat_prefix": "edge",
+                                        "cluster": "web",
+                                    },
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ]
+        },
+        "snapshot.yaml",
+    )
     checker = reconciler(file=DesiredState.of_document(document), registry=defines(service("web")))
     problems = checker.check("registry", defines(service("web", 10000)))
     assert len(problems) == 1
     assert "listeners[0] (name 'edge')" in problems[0].message
     assert "listeners[0] of file" in problems[0].message
-

@@ -5,8 +5,14 @@ from __future__ import annotations
 from pilotfish.reconcile.debounce import Debouncer
 
 
-def run_debounce(change_times: list[float], quiet: float = 0.1, max_delay: float = 1.0,
-                 build_time: float = 0.0, until: float = 10.0, step: float = 0.001) -> list[float]:
+def run_debounce(
+    change_times: list[float],
+    quiet: float = 0.1,
+    max_delay: float = 1.0,
+    build_time: float = 0.0,
+    until: float = 10.0,
+    step: float = 0.001,
+) -> list[float]:
     """Feed changes at the given times; return when builds started."""
     debouncer = Debouncer(quiet=quiet, max_delay=max_delay)
     builds: list[float] = []

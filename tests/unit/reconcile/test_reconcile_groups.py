@@ -85,8 +85,10 @@ def _eds_source(cluster: cluster_pb2.Cluster) -> config_source_pb2.ConfigSource:
 def _bootstrap_source(refresh: float) -> config_source_pb2.ConfigSource:
     """What ``pilotfish bootstrap --rest`` polls CDS and LDS with."""
     config = bootstrap(BootstrapSettings(node_id="n", rest="127.0.0.1:18001", refresh=refresh))
-    cds, lds = (json_format.ParseDict(config["dynamic_resources"][key], config_source_pb2.ConfigSource())
-                for key in ("cds_config", "lds_config"))
+    cds, lds = (
+        json_format.ParseDict(config["dynamic_resources"][key], config_source_pb2.ConfigSource())
+        for key in ("cds_config", "lds_config")
+    )
     assert cds == lds
     return cds
 
@@ -105,7 +107,8 @@ def test_the_reconciler_builds_the_rest_group_with_the_servers_refresh_delay_and
     assert _eds_source(_cluster(envoy, "web")) == ADS
     # The blast-radius guard holds a change that would take the pollers' listeners away.
     unlistened: dict[str, object] = {
-        name: {**cast(dict[str, object], spec), "listen": None} for name, spec in SERVICES.items()}
+        name: {**cast(dict[str, object], spec), "listen": None} for name, spec in SERVICES.items()
+    }
     rec.update("file", _merged(unlistened))
     assert rec.build_now() is None
     assert rec.held is not None and "it removes every listener (2)" in rec.held.reasons

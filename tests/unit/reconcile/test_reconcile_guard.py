@@ -28,10 +28,10 @@ class Recorder(EventLog):
 
 
 def services(*names: str, ports: int = 1, listen: bool = True) -> DesiredState:
-    specs = {n: ServiceSpec(name=n, listen=("127.0.0.1", 10000 + i) if listen else None)
-             for i, n in enumerate(names)}
-    return DesiredState(services=specs,
-                        endpoints={n: tuple(Endpoint("127.0.0.1", 9000 + p) for p in range(ports)) for n in names})
+    specs = {n: ServiceSpec(name=n, listen=("127.0.0.1", 10000 + i) if listen else None) for i, n in enumerate(names)}
+    return DesiredState(
+        services=specs, endpoints={n: tuple(Endpoint("127.0.0.1", 9000 + p) for p in range(ports)) for n in names}
+    )
 
 
 def reconciler(**kwargs: object) -> tuple[Reconciler, SnapshotCache, Recorder]:
@@ -48,6 +48,7 @@ def names(cache: SnapshotCache, url: str) -> set[str]:
 
 # -- the blast-radius guard -------------------------------------------------------------------
 
+
 def test_removing_every_listener_is_held_and_reported() -> None:
     rec, cache, events = reconciler(confirm_hint="kill -USR1 1234")
     rec.update("file", services("web", "api"))
@@ -57,8 +58,10 @@ def test_removing_every_listener_is_held_and_reported() -> None:
     assert cache.snapshot() is first, "the last good snapshot keeps serving"
     assert rec.held is not None and rec.held.reasons == ("it removes every listener (2)",)
     [held] = events.named("snapshot_held")
-    assert held["counts"] == {"listeners": {"before": 2, "after": 0, "removed": 2},
-                              "routes": {"before": 2, "after": 0, "removed": 2}}
+    assert held["counts"] == {
+        "listeners": {"before": 2, "after": 0, "removed": 2},
+        "routes": {"before": 2, "after": 0, "removed": 2},
+    }
     # The same content again is not reported again.
     rec.update("file", services("web", "api", listen=False, ports=1))
     rec.build_now()
@@ -196,5 +199,6 @@ def test_a_released_hold_is_said_to_be_dropped() -> None:
     guard.hold({DEFAULT_GROUP: emptied}, ["why"], {}, {}, {})
     guard.release("the source went back")
     assert guard.held is None
-    assert events.named("snapshot_hold_released") == [{"event": "snapshot_hold_released",
-                                                       "version": emptied.label(), "reason": "the source went back"}]
+    assert events.named("snapshot_hold_released") == [
+        {"event": "snapshot_hold_released", "version": emptied.label(), "reason": "the source went back"}
+    ]

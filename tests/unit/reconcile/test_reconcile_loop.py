@@ -55,8 +55,7 @@ WEB = ServiceSpec(name="web", listen=("127.0.0.1", 10000))
 
 
 def state(*ports: int) -> DesiredState:
-    return DesiredState(services={"web": WEB},
-                        endpoints={"web": tuple(Endpoint("127.0.0.1", p) for p in ports)})
+    return DesiredState(services={"web": WEB}, endpoints={"web": tuple(Endpoint("127.0.0.1", p) for p in ports)})
 
 
 def published_ports(cache: SnapshotCache) -> list[int]:
@@ -65,8 +64,11 @@ def published_ports(cache: SnapshotCache) -> list[int]:
     eds = snapshot.get(ENDPOINT.url)
     assert eds is not None
     assignment = eds.resources["web"].message
-    return sorted(lb.endpoint.address.socket_address.port_value
-                  for group in assignment.endpoints for lb in group.lb_endpoints)  # type: ignore[attr-defined]
+    return sorted(
+        lb.endpoint.address.socket_address.port_value
+        for group in assignment.endpoints  # type: ignore[attr-defined]
+        for lb in group.lb_endpoints
+    )
 
 
 Running = tuple[Reconciler, FakeClock, SnapshotCache]
@@ -76,8 +78,7 @@ Running = tuple[Reconciler, FakeClock, SnapshotCache]
 async def running() -> AsyncIterator[Running]:
     clock = FakeClock()
     cache = SnapshotCache()
-    reconciler = Reconciler(cache, clock=clock,
-                            settings=DebounceSettings(quiet=0.1, max_delay=1.0, hold=1.0))
+    reconciler = Reconciler(cache, clock=clock, settings=DebounceSettings(quiet=0.1, max_delay=1.0, hold=1.0))
     reconciler.update("registry", state(9001, 9002))
     reconciler.build_now()
     task = asyncio.create_task(reconciler.run())
@@ -146,13 +147,15 @@ async def test_a_bad_state_keeps_the_last_good_snapshot(running: Running) -> Non
 async def test_changed_content_under_an_unchanged_explicit_version_is_refused(running: Running) -> None:
     reconciler, clock, cache = running
     reconciler.update("registry", DesiredState())
-    reconciler.update("file", DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 1),)},
-                                           version="7"))
+    reconciler.update(
+        "file", DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 1),)}, version="7")
+    )
     await clock.advance(0.5)
     first = cache.snapshot()
     assert first is not None and first.explicit_version == "7"
-    reconciler.update("file", DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 2),)},
-                                           version="7"))
+    reconciler.update(
+        "file", DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", 2),)}, version="7")
+    )
     await clock.advance(0.5)
     assert cache.snapshot() is first  # proxies at "7" would never get it: kept out, and said so
     assert reconciler.last_error is not None and "still '7'" in reconciler.last_error.describe()

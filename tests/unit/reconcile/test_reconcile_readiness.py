@@ -12,8 +12,7 @@ from pilotfish.resources.services import Endpoint, ServiceSpec
 
 
 def services(*names: str, listen: bool = True) -> DesiredState:
-    specs = {n: ServiceSpec(name=n, listen=("127.0.0.1", 10000 + i) if listen else None)
-             for i, n in enumerate(names)}
+    specs = {n: ServiceSpec(name=n, listen=("127.0.0.1", 10000 + i) if listen else None) for i, n in enumerate(names)}
     return DesiredState(services=specs, endpoints={n: (Endpoint("127.0.0.1", 9000),) for n in names})
 
 

@@ -11,8 +11,9 @@ WEB = ServiceSpec(name="web", listen=("127.0.0.1", 10000), subset_size=2)
 
 
 def merged(*ports: int) -> Merged:
-    return merge_states({"file": DesiredState(services={"web": WEB},
-                                              endpoints={"web": tuple(Endpoint("127.0.0.1", p) for p in ports)})})
+    return merge_states(
+        {"file": DesiredState(services={"web": WEB}, endpoints={"web": tuple(Endpoint("127.0.0.1", p) for p in ports)})}
+    )
 
 
 def test_alone_new_backends_are_allocated_and_kept_once_published() -> None:

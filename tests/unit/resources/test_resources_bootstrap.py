@@ -31,8 +31,11 @@ def xds_cluster(config: dict[str, Any]) -> dict[str, Any]:
 
 def endpoints(cluster: dict[str, Any]) -> list[str]:
     [locality] = cluster["load_assignment"]["endpoints"]
-    return [f"{e['endpoint']['address']['socket_address']['address']}:"
-            f"{e['endpoint']['address']['socket_address']['port_value']}" for e in locality["lb_endpoints"]]
+    return [
+        f"{e['endpoint']['address']['socket_address']['address']}:"
+        f"{e['endpoint']['address']['socket_address']['port_value']}"
+        for e in locality["lb_endpoints"]
+    ]
 
 
 def san_matchers(cluster: dict[str, Any]) -> list[tuple[str, str]]:
@@ -64,16 +67,20 @@ def test_addresses_come_as_a_tuple_or_separated_by_commas() -> None:
     assert split_addresses("10.0.0.1:1, 10.0.0.2:2") == ("10.0.0.1:1", "10.0.0.2:2")
     assert split_addresses(("[::1]:1", "a.example:2")) == ("[::1]:1", "a.example:2")
     assert bootstrap(BootstrapSettings(node_id="n", xds=",".join(REPLICAS))) == bootstrap(
-        BootstrapSettings(node_id="n", xds=REPLICAS))
+        BootstrapSettings(node_id="n", xds=REPLICAS)
+    )
 
 
-@pytest.mark.parametrize(("xds", "problem"), [
-    ("10.0.0.1:1,10.0.0.1:1", "given twice"),
-    ("10.0.0.1:1,", "one or more HOST:PORT"),
-    ((), "one or more HOST:PORT"),
-    ("10.0.0.1:1,10.0.0.2", "is not HOST:PORT"),
-    ("10.0.0.1:1,10.0.0.2:99999", "port must be"),
-])
+@pytest.mark.parametrize(
+    ("xds", "problem"),
+    [
+        ("10.0.0.1:1,10.0.0.1:1", "given twice"),
+        ("10.0.0.1:1,", "one or more HOST:PORT"),
+        ((), "one or more HOST:PORT"),
+        ("10.0.0.1:1,10.0.0.2", "is not HOST:PORT"),
+        ("10.0.0.1:1,10.0.0.2:99999", "port must be"),
+    ],
+)
 def test_a_bad_address_list_is_refused_naming_what_is_wrong(xds: str | tuple[str, ...], problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         BootstrapSettings(node_id="n", xds=xds)
@@ -109,8 +116,9 @@ def test_replicas_on_one_host_are_one_name() -> None:
 
 
 def test_a_common_server_name_is_the_one_name_every_replica_must_carry() -> None:
-    cluster = xds_cluster(bootstrap(BootstrapSettings(node_id="n", xds=REPLICAS, tls_ca="/ca.pem",
-                                                      tls_server_name="xds.example")))
+    cluster = xds_cluster(
+        bootstrap(BootstrapSettings(node_id="n", xds=REPLICAS, tls_ca="/ca.pem", tls_server_name="xds.example"))
+    )
     assert san_matchers(cluster) == [("DNS", "xds.example")]
     tls = cluster["transport_socket"]["typed_config"]
     assert tls["sni"] == "xds.example" and "auto_host_sni" not in tls
@@ -119,13 +127,18 @@ def test_a_common_server_name_is_the_one_name_every_replica_must_carry() -> None
 def test_a_grpc_bootstrap_lists_the_replicas_in_order() -> None:
     config = grpc_bootstrap(BootstrapSettings(node_id="c", xds=REPLICAS, tls_ca="ca.pem"))
     assert [s["server_uri"] for s in config["xds_servers"]] == list(REPLICAS)
-    assert all(s["channel_creds"] == [{"type": "tls", "config": {"ca_certificate_file": "ca.pem"}}]
-               and s["server_features"] == ["xds_v3"] for s in config["xds_servers"])
+    assert all(
+        s["channel_creds"] == [{"type": "tls", "config": {"ca_certificate_file": "ca.pem"}}]
+        and s["server_features"] == ["xds_v3"]
+        for s in config["xds_servers"]
+    )
 
 
 def test_the_cli_takes_replicas_repeated_or_separated_by_commas(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bootstrap", "--node-id", "edge-1", "--xds", "10.0.0.1:18000,10.0.0.2:18000",
-                 "--xds", "10.0.0.3:18000"]) == 0
+    assert (
+        main(["bootstrap", "--node-id", "edge-1", "--xds", "10.0.0.1:18000,10.0.0.2:18000", "--xds", "10.0.0.3:18000"])
+        == 0
+    )
     assert endpoints(xds_cluster(yaml.safe_load(capsys.readouterr().out))) == list(REPLICAS)
     assert main(["bootstrap", "--node-id", "edge-1", "--rest", ",".join(REPLICAS)]) == 0
     assert endpoints(xds_cluster(yaml.safe_load(capsys.readouterr().out))) == list(REPLICAS)
@@ -146,16 +159,21 @@ def test_the_grpc_bootstrap_names_the_server_and_a_node_with_a_locality(capsys: 
     assert main(["bootstrap", "--grpc", "--node-id", "client-1", "--xds", "127.0.0.1:18001", "--zone", "z1"]) == 0
     config = json.loads(capsys.readouterr().out)
     assert config == {
-        "xds_servers": [{"server_uri": "127.0.0.1:18001", "channel_creds": [{"type": "insecure"}],
-                         "server_features": ["xds_v3"]}],
+        "xds_servers": [
+            {"server_uri": "127.0.0.1:18001", "channel_creds": [{"type": "insecure"}], "server_features": ["xds_v3"]}
+        ],
         "node": {"id": "client-1", "cluster": "pilotfish", "locality": {"region": "", "zone": "z1"}},
     }
 
 
 def test_the_grpc_bootstrap_over_tls_names_the_files() -> None:
     config = grpc_bootstrap(BootstrapSettings(node_id="c", tls_ca="ca.pem", tls_cert="c.pem", tls_key="c.key"))
-    assert config["xds_servers"][0]["channel_creds"] == [{"type": "tls", "config": {
-        "ca_certificate_file": "ca.pem", "certificate_file": "c.pem", "private_key_file": "c.key"}}]
+    assert config["xds_servers"][0]["channel_creds"] == [
+        {
+            "type": "tls",
+            "config": {"ca_certificate_file": "ca.pem", "certificate_file": "c.pem", "private_key_file": "c.key"},
+        }
+    ]
     with pytest.raises(ValueError, match="server name"):
         grpc_bootstrap(BootstrapSettings(node_id="c", tls_ca="ca.pem", tls_server_name="x"))
 
@@ -167,12 +185,22 @@ def test_bootstrap_checks_the_server_name_and_sends_sni_for_host_names() -> None
     common = socket["common_tls_context"]
     assert common["alpn_protocols"] == ["h2"] and "tls_certificates" not in common
     assert common["validation_context"]["match_typed_subject_alt_names"] == [
-        {"san_type": "IP_ADDRESS", "matcher": {"exact": "127.0.0.1"}}]
-    by_name = bootstrap(BootstrapSettings(node_id="n", xds="127.0.0.1:18000", tls_ca="/ca.pem",
-                                          tls_server_name="xds.example", tls_cert="/c.pem", tls_key="/k.pem"))
+        {"san_type": "IP_ADDRESS", "matcher": {"exact": "127.0.0.1"}}
+    ]
+    by_name = bootstrap(
+        BootstrapSettings(
+            node_id="n",
+            xds="127.0.0.1:18000",
+            tls_ca="/ca.pem",
+            tls_server_name="xds.example",
+            tls_cert="/c.pem",
+            tls_key="/k.pem",
+        )
+    )
     socket = by_name["static_resources"]["clusters"][0]["transport_socket"]["typed_config"]
     assert socket["sni"] == "xds.example"
     assert socket["common_tls_context"]["tls_certificates"] == [
-        {"certificate_chain": {"filename": "/c.pem"}, "private_key": {"filename": "/k.pem"}}]
+        {"certificate_chain": {"filename": "/c.pem"}, "private_key": {"filename": "/k.pem"}}
+    ]
     plain = bootstrap(BootstrapSettings(node_id="n"))
     assert "transport_socket" not in plain["static_resources"]["clusters"][0]

@@ -15,8 +15,9 @@ from pilotfish.resources.encoded import Resource
 
 
 def web(seconds: int = 1) -> cluster_pb2.Cluster:
-    return cluster_pb2.Cluster(name="web", type=cluster_pb2.Cluster.EDS,
-                               connect_timeout=duration_pb2.Duration(seconds=seconds))
+    return cluster_pb2.Cluster(
+        name="web", type=cluster_pb2.Cluster.EDS, connect_timeout=duration_pb2.Duration(seconds=seconds)
+    )
 
 
 def test_the_encodings_are_protobufs_own_and_the_version_follows_the_content() -> None:

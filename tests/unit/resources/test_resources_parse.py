@@ -35,11 +35,17 @@ def problems(tmp_path: Path, document: object, name: str = "snap.yaml") -> list[
 def test_good_file_loads_with_every_type(tmp_path: Path) -> None:
     snapshot = load_snapshot(write(tmp_path, GOOD))
     assert {ts.rtype.key: len(ts.resources) for ts in snapshot.types.values()} == {
-        "clusters": 1, "endpoints": 1, "listeners": 1, "routes": 1, "secrets": 0}
+        "clusters": 1,
+        "endpoints": 1,
+        "listeners": 1,
+        "routes": 1,
+        "secrets": 0,
+    }
 
 
 def test_json_files_are_read_as_json(tmp_path: Path) -> None:
     import json
+
     path = tmp_path / "snap.json"
     path.write_text(json.dumps({**GOOD, "version": "9"}))
     assert load_snapshot(path).version("type.googleapis.com/envoy.config.cluster.v3.Cluster") == "9"
@@ -63,7 +69,8 @@ def test_unknown_nested_field_gives_its_path(tmp_path: Path) -> None:
 def test_unknown_type_is_named(tmp_path: Path) -> None:
     bad_listener = listener("http", "local")
     bad_listener["filter_chains"][0]["filters"][0]["typed_config"]["@type"] = (
-        "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConectionManager")
+        "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConectionManager"
+    )
     [problem] = problems(tmp_path, {**GOOD, "listeners": [bad_listener]})
     assert problem.startswith("listeners[0] (name 'http')")
     assert "HttpConectionManager" in problem and "unknown @type" in problem
@@ -155,7 +162,8 @@ def test_a_byte_that_is_not_utf8_names_its_offset(tmp_path: Path) -> None:
 
 
 def test_unknown_keys_inside_health_check_are_errors(tmp_path: Path) -> None:
-    document = {"services": {"web": {"endpoints": ["127.0.0.1:9001"],
-                                     "health_check": {"path": "/ready", "intervall": "2s"}}}}
+    document = {
+        "services": {"web": {"endpoints": ["127.0.0.1:9001"], "health_check": {"path": "/ready", "intervall": "2s"}}}
+    }
     [problem] = problems(tmp_path, document)
     assert problem.startswith("services.web.health_check: unknown field(s) intervall")

@@ -17,9 +17,13 @@ from pilotfish.errors import ConfigError
 from pilotfish.sources import load_snapshot
 
 GOOD: dict[str, Any] = {
-    "services": {"api": {"listen": "127.0.0.1:10001", "endpoints": ["127.0.0.1:9101", {"address": "127.0.0.1",
-                                                                                        "port": 9102, "weight": 2}],
-                         "health_check": {"path": "/healthz", "interval": "2s"}}},
+    "services": {
+        "api": {
+            "listen": "127.0.0.1:10001",
+            "endpoints": ["127.0.0.1:9101", {"address": "127.0.0.1", "port": 9102, "weight": 2}],
+            "health_check": {"path": "/healthz", "interval": "2s"},
+        }
+    },
     "clusters": [cluster("web")],
     "endpoints": [assignment("web", 9001, 9002)],
     "listeners": [listener("http", "local")],
@@ -28,16 +32,55 @@ GOOD: dict[str, Any] = {
 GOOD_TEXTS = {".yaml": yaml.safe_dump(GOOD).encode(), ".json": json.dumps(GOOD).encode()}
 
 # Keys that reach deep into the parsers: sections, service fields, and Envoy field names.
-KEYS = st.sampled_from([
-    "version", "services", "clusters", "endpoints", "listeners", "routes", "secrets", "name", "cluster_name",
-    "listen", "protocol", "connect_timeout", "timeout", "retries", "upstream_protocol", "health_check", "path",
-    "interval", "address", "port", "weight", "metadata", "type", "lb_endpoints", "endpoint", "socket_address",
-    "port_value", "filter_chains", "filters", "typed_config", "@type", "virtual_hosts", "domains", "web",
-]) | st.text(max_size=8)
-SCALARS = (st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
-           | st.sampled_from(["1s", "0s", "-1s", "nan", "infs", "1e999s", "127.0.0.1:9001", "::1", "EDS", "*", "V3"]))
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(KEYS, inner, max_size=5),
-                      max_leaves=30)
+KEYS = st.sampled_from(
+    [
+        "version",
+        "services",
+        "clusters",
+        "endpoints",
+        "listeners",
+        "routes",
+        "secrets",
+        "name",
+        "cluster_name",
+        "listen",
+        "protocol",
+        "connect_timeout",
+        "timeout",
+        "retries",
+        "upstream_protocol",
+        "health_check",
+        "path",
+        "interval",
+        "address",
+        "port",
+        "weight",
+        "metadata",
+        "type",
+        "lb_endpoints",
+        "endpoint",
+        "socket_address",
+        "port_value",
+        "filter_chains",
+        "filters",
+        "typed_config",
+        "@type",
+        "virtual_hosts",
+        "domains",
+        "web",
+    ]
+) | st.text(max_size=8)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=12)
+    | st.sampled_from(["1s", "0s", "-1s", "nan", "infs", "1e999s", "127.0.0.1:9001", "::1", "EDS", "*", "V3"])
+)
+VALUES = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(KEYS, inner, max_size=5), max_leaves=30
+)
 TOP = st.dictionaries(KEYS, VALUES, max_size=6)
 
 CHECKS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -60,15 +103,23 @@ def test_random_bytes_only_give_reported_problems(tmp_path: Path, data: bytes, s
 
 
 @CHECKS
-@given(suffix=st.sampled_from([".yaml", ".json"]), cuts=st.lists(
-    st.tuples(st.integers(min_value=0, max_value=10_000), st.integers(min_value=0, max_value=8), st.binary(max_size=4)),
-    min_size=1, max_size=4))
+@given(
+    suffix=st.sampled_from([".yaml", ".json"]),
+    cuts=st.lists(
+        st.tuples(
+            st.integers(min_value=0, max_value=10_000), st.integers(min_value=0, max_value=8), st.binary(max_size=4)
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+)
 def test_mutated_good_files_only_give_reported_problems(
-        tmp_path: Path, suffix: str, cuts: list[tuple[int, int, bytes]]) -> None:
+    tmp_path: Path, suffix: str, cuts: list[tuple[int, int, bytes]]
+) -> None:
     data = bytearray(GOOD_TEXTS[suffix])
     for at, remove, insert in cuts:  # delete some bytes and insert others, anywhere (truncation included)
         at %= len(data) + 1
-        data[at:at + remove] = insert
+        data[at : at + remove] = insert
     load(tmp_path, bytes(data), suffix)
 
 
@@ -83,8 +134,7 @@ def test_random_documents_only_give_reported_problems(tmp_path: Path, document: 
 
 @CHECKS
 @given(section=st.sampled_from(["clusters", "endpoints", "listeners", "routes", "services"]), value=VALUES)
-def test_random_values_in_a_good_document_only_give_reported_problems(tmp_path: Path, section: str,
-                                                                       value: Any) -> None:
+def test_random_values_in_a_good_document_only_give_reported_problems(tmp_path: Path, section: str, value: Any) -> None:
     document = dict(GOOD)
     if section == "services":
         document["services"] = {"api": value}

@@ -24,8 +24,16 @@ TCP = "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProx
 
 
 def routes(*actions: dict[str, Any]) -> dict[str, Any]:
-    return {"name": "r", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
-        {"match": {"prefix": f"/{i}"}, **action} for i, action in enumerate(actions)]}]}
+    return {
+        "name": "r",
+        "virtual_hosts": [
+            {
+                "name": "all",
+                "domains": ["*"],
+                "routes": [{"match": {"prefix": f"/{i}"}, **action} for i, action in enumerate(actions)],
+            }
+        ],
+    }
 
 
 def route_config(*actions: dict[str, Any]) -> route_pb2.RouteConfiguration:
@@ -56,22 +64,34 @@ def test_a_listener_names_the_clusters_of_its_inline_routes_and_tcp_proxies_not_
     inline = manager(route_config=routes({"route": {"cluster": "inline"}}))
     rds = manager(rds={"route_config_name": "r", "config_source": {"ads": {}}})
     tcp = {"name": "tcp", "typed_config": {"@type": TCP, "stat_prefix": "t", "cluster": "db"}}
-    weighted = {"name": "tcp", "typed_config": {"@type": TCP, "stat_prefix": "t", "weighted_clusters": {
-        "clusters": [{"name": "db-a", "weight": 1}, {"name": "db-b", "weight": 1}]}}}
-    socket = listener(filter_chains=[{"filters": [inline]}, {"filters": [rds]}, {"filters": [tcp]}],
-                      default_filter_chain={"filters": [weighted]})
+    weighted = {
+        "name": "tcp",
+        "typed_config": {
+            "@type": TCP,
+            "stat_prefix": "t",
+            "weighted_clusters": {"clusters": [{"name": "db-a", "weight": 1}, {"name": "db-b", "weight": 1}]},
+        },
+    }
+    socket = listener(
+        filter_chains=[{"filters": [inline]}, {"filters": [rds]}, {"filters": [tcp]}],
+        default_filter_chain={"filters": [weighted]},
+    )
     assert clusters_of_listener(socket) == {"inline", "db", "db-a", "db-b"}
-    assert [where for where, _ in connection_managers(socket)] == ["filter_chains[0].filters[0]",
-                                                                   "filter_chains[1].filters[0]"]
-    api = listener(api_listener={"api_listener": manager(route_config=routes({"route": {"cluster": "grpc"}}))[
-        "typed_config"]})
+    assert [where for where, _ in connection_managers(socket)] == [
+        "filter_chains[0].filters[0]",
+        "filter_chains[1].filters[0]",
+    ]
+    api = listener(
+        api_listener={"api_listener": manager(route_config=routes({"route": {"cluster": "grpc"}}))["typed_config"]}
+    )
     assert clusters_of_listener(api) == {"grpc"}
     assert [where for where, _ in connection_managers(api)] == ["api_listener"]
 
 
 def test_referenced_clusters_are_those_of_every_listener_and_route_config() -> None:
     tcp = {"name": "tcp", "typed_config": {"@type": TCP, "stat_prefix": "t", "cluster": "db"}}
-    assert referenced_clusters([listener(filter_chains=[{"filters": [tcp]}])],
-                               [route_config({"route": {"cluster": "web"}}),
-                                route_config({"route": {"cluster": "api"}})]) == {"db", "web", "api"}
+    assert referenced_clusters(
+        [listener(filter_chains=[{"filters": [tcp]}])],
+        [route_config({"route": {"cluster": "web"}}), route_config({"route": {"cluster": "api"}})],
+    ) == {"db", "web", "api"}
     assert referenced_clusters([], []) == set()

@@ -8,11 +8,18 @@ from pilotfish.resources.services import Endpoint, parse_services
 
 
 def test_services_section_parses_endpoints_and_settings() -> None:
-    specs, endpoints, problems = parse_services({
-        "playback": {"listen": "127.0.0.1:10000", "protocol": "http", "timeout": "2.5s", "retries": 3,
-                     "endpoints": ["127.0.0.1:9002", {"address": "127.0.0.1", "port": 9001, "weight": 5}]},
-        "db": {"listen": "127.0.0.1:15432", "protocol": "tcp", "endpoints": ["127.0.0.1:5432"]},
-    })
+    specs, endpoints, problems = parse_services(
+        {
+            "playback": {
+                "listen": "127.0.0.1:10000",
+                "protocol": "http",
+                "timeout": "2.5s",
+                "retries": 3,
+                "endpoints": ["127.0.0.1:9002", {"address": "127.0.0.1", "port": 9001, "weight": 5}],
+            },
+            "db": {"listen": "127.0.0.1:15432", "protocol": "tcp", "endpoints": ["127.0.0.1:5432"]},
+        }
+    )
     assert problems == []
     assert specs["playback"].listen == ("127.0.0.1", 10000) and specs["playback"].timeout == 2.5
     assert endpoints["playback"] == (Endpoint("127.0.0.1", 9001, 5), Endpoint("127.0.0.1", 9002))
@@ -60,10 +67,16 @@ def test_a_bad_grpc_field_is_named(service: dict[str, object], words: str) -> No
     ("service", "where", "words"),
     [
         ({"zone_local": "yes"}, "services.web.zone_local", "true or false"),
-        ({"endpoints": [{"address": "127.0.0.1", "port": 1, "zone": "a/b"}]}, "services.web.endpoints[0].zone",
-         "zone name"),
-        ({"endpoints": [{"address": "127.0.0.1", "port": 1, "zone": "z" * 129}]}, "services.web.endpoints[0].zone",
-         "at most 128"),
+        (
+            {"endpoints": [{"address": "127.0.0.1", "port": 1, "zone": "a/b"}]},
+            "services.web.endpoints[0].zone",
+            "zone name",
+        ),
+        (
+            {"endpoints": [{"address": "127.0.0.1", "port": 1, "zone": "z" * 129}]},
+            "services.web.endpoints[0].zone",
+            "at most 128",
+        ),
     ],
 )
 def test_bad_zone_settings_are_named(service: dict[str, object], where: str, words: str) -> None:

@@ -58,7 +58,7 @@ def test_other_fields_anywhere_are_walked_over(layout: str) -> None:
     }[layout]
     data = b"".join(parts)
     split = split_request_names(data, [names])
-    assert split is not None and data[split[0]:split[1]] == names
+    assert split is not None and data[split[0] : split[1]] == names
 
 
 def test_a_known_run_that_begins_another_does_not_hide_it() -> None:
@@ -86,10 +86,23 @@ def test_no_names_at_all_is_an_empty_run() -> None:
     assert split_request_names(b"", [fields(resource_names=["a"])]) == (0, 0)
 
 
-@pytest.mark.parametrize("case", [
-    "other names", "more names", "fewer names", "two runs", "the known run twice", "a name's tag in two bytes",
-    "truncated", "group", "field 0", "wire type 7", "varint of 11 bytes", "length past the end",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "other names",
+        "more names",
+        "fewer names",
+        "two runs",
+        "the known run twice",
+        "a name's tag in two bytes",
+        "truncated",
+        "group",
+        "field 0",
+        "wire type 7",
+        "varint of 11 bytes",
+        "length past the end",
+    ],
+)
 def test_anything_else_is_left_to_the_full_decode(case: str) -> None:
     names = fields(resource_names=NAMES)
     tail = fields(type_url=EDS, response_nonce="3")
@@ -163,15 +176,29 @@ SNAPSHOT = build(
     listeners=[listener("l", "r")],
     routes=[route("r", "a")],
 )
-LISTS = [(), ("a",), ("a", "b"), ("b", "a"), ("a", "b", "c"), ("*",), ("*", "a"), ("r",), ("l",), ("zz",),
-         tuple(f"n{i}" for i in range(12))]
+LISTS = [
+    (),
+    ("a",),
+    ("a", "b"),
+    ("b", "a"),
+    ("a", "b", "c"),
+    ("*",),
+    ("*", "a"),
+    ("r",),
+    ("l",),
+    ("zz",),
+    tuple(f"n{i}" for i in range(12)),
+]
 """Name lists, few enough that a request often repeats the previous one's (the shortcut)."""
 TYPE_URLS = [CDS, EDS, LDS, RDS, "", "type.googleapis.com/not.a.Type"]
 
 
 def _field(data: st.DataObject, previous: list[int]) -> bytes:
-    kind = data.draw(st.sampled_from(
-        ["version", "names", "names", "names", "type", "type", "nonce", "nonce", "error", "node", "unknown"]))
+    kind = data.draw(
+        st.sampled_from(
+            ["version", "names", "names", "names", "type", "type", "nonce", "nonce", "error", "node", "unknown"]
+        )
+    )
     if kind == "version":
         return fields(version_info=data.draw(st.sampled_from(["", "v1", SNAPSHOT.version(EDS) or "x"])))
     if kind == "names":
@@ -185,8 +212,18 @@ def _field(data: st.DataObject, previous: list[int]) -> bytes:
         return fields(error_detail={"message": data.draw(st.sampled_from(["", "rejected"])), "code": 3})
     if kind == "node":
         return fields(node={"id": data.draw(st.sampled_from(["p1", "p2", "x" * 40]))})
-    return data.draw(st.sampled_from([b"\x98\x06\x05", b"\x18\x01", b"\x25\x01\x02\x03\x04", b"\xfa\x3e\x02hi",
-                                      b"\x09" + bytes(8), b"\x32\x03\x0a\x01a"]))
+    return data.draw(
+        st.sampled_from(
+            [
+                b"\x98\x06\x05",
+                b"\x18\x01",
+                b"\x25\x01\x02\x03\x04",
+                b"\xfa\x3e\x02hi",
+                b"\x09" + bytes(8),
+                b"\x32\x03\x0a\x01a",
+            ]
+        )
+    )
 
 
 def _message(data: st.DataObject, previous: list[int], last: bytes | None) -> bytes:
@@ -200,22 +237,23 @@ def _message(data: st.DataObject, previous: list[int], last: bytes | None) -> by
         if damage == "truncate":
             message = message[:at]
         elif damage == "flip":
-            message = message[:at] + bytes([message[at] ^ data.draw(st.integers(1, 255))]) + message[at + 1:]
+            message = message[:at] + bytes([message[at] ^ data.draw(st.integers(1, 255))]) + message[at + 1 :]
         else:
             message = message[:at] + data.draw(st.binary(min_size=1, max_size=3)) + message[at:]
     return message
 
 
 def _state(stream: SotwStream) -> object:
-    types = {url: {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "names_wire"}
-             for url, state in stream.types.items()}
+    types = {
+        url: {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "names_wire"}
+        for url, state in stream.types.items()
+    }
     return stream.node, types, stream._sent
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), per_type=st.booleans(), few_names=st.booleans())
-def test_the_shortcut_decides_exactly_as_the_full_decode(data: st.DataObject, per_type: bool,
-                                                           few_names: bool) -> None:
+def test_the_shortcut_decides_exactly_as_the_full_decode(data: st.DataObject, per_type: bool, few_names: bool) -> None:
     limits = XdsLimits(max_resource_names=4 if few_names else 100_000)
     served = EDS if per_type else None
     fast = SotwStream(type_url=served, limits=limits)
@@ -227,8 +265,9 @@ def test_the_shortcut_decides_exactly_as_the_full_decode(data: st.DataObject, pe
         last = message
         try:
             decoded = fast.decode_request(message)
-            got: object = fast.on_request(decoded.request, names_wire=decoded.names_wire,
-                                          names_as_before=decoded.names_as_before)
+            got: object = fast.on_request(
+                decoded.request, names_wire=decoded.names_wire, names_as_before=decoded.names_as_before
+            )
         except PeerError as exc:
             got = (type(exc), str(exc))
         try:

@@ -30,8 +30,16 @@ class Clock:
 
 
 def load(cluster: str, successful: int = 0, errors: int = 0, interval: float = 5.0, issued: int = 0) -> ClusterLoad:
-    return ClusterLoad(cluster=cluster, service="", successful=successful, errors=errors, issued=issued,
-                       in_progress=0, dropped=0, interval=interval)
+    return ClusterLoad(
+        cluster=cluster,
+        service="",
+        successful=successful,
+        errors=errors,
+        issued=issued,
+        in_progress=0,
+        dropped=0,
+        interval=interval,
+    )
 
 
 def report(*clusters: ClusterLoad) -> LoadReport:
@@ -43,17 +51,32 @@ def test_a_load_stats_request_becomes_plain_values_with_localities_summed() -> N
     stats = message.cluster_stats.add(cluster_name="web", cluster_service_name="web-eds", total_dropped_requests=4)
     stats.load_report_interval.FromNanoseconds(2_500_000_000)
     for zone, ok, bad in (("a", 90, 10), ("b", 5, 1)):
-        stats.upstream_locality_stats.append(load_report_pb2.UpstreamLocalityStats(
-            locality=base_pb2.Locality(zone=zone), total_successful_requests=ok, total_error_requests=bad,
-            total_issued_requests=ok + bad + 2, total_requests_in_progress=2))
+        stats.upstream_locality_stats.append(
+            load_report_pb2.UpstreamLocalityStats(
+                locality=base_pb2.Locality(zone=zone),
+                total_successful_requests=ok,
+                total_error_requests=bad,
+                total_issued_requests=ok + bad + 2,
+                total_requests_in_progress=2,
+            )
+        )
     message.cluster_stats.add(cluster_name="api")  # no localities, no interval
     decoded = decode_load_report(lrs_pb2.LoadStatsRequest.FromString(message.SerializeToString()))
     assert decoded.node_id == "edge-1"
     assert decoded.clusters == (
-        ClusterLoad(cluster="web", service="web-eds", successful=95, errors=11, issued=110, in_progress=4, dropped=4,
-                    interval=2.5),
-        ClusterLoad(cluster="api", service="", successful=0, errors=0, issued=0, in_progress=0, dropped=0,
-                    interval=0.0),
+        ClusterLoad(
+            cluster="web",
+            service="web-eds",
+            successful=95,
+            errors=11,
+            issued=110,
+            in_progress=4,
+            dropped=4,
+            interval=2.5,
+        ),
+        ClusterLoad(
+            cluster="api", service="", successful=0, errors=0, issued=0, in_progress=0, dropped=0, interval=0.0
+        ),
     )
     assert decode_load_report(lrs_pb2.LoadStatsRequest()).node_id is None  # later messages leave the node out
 

@@ -45,8 +45,9 @@ def plan_waves(machine: RolloutMachine) -> dict[int, list[str]]:
     return waves
 
 
-def make(waves: str = "canary=canary-*,50%,100%", *, loads: LoadStore | None = None, connect: bool = True,
-         **kw: Any) -> RolloutMachine:
+def make(
+    waves: str = "canary=canary-*,50%,100%", *, loads: LoadStore | None = None, connect: bool = True, **kw: Any
+) -> RolloutMachine:
     kw.setdefault("health", None)
     machine = RolloutMachine(RolloutSettings(waves=parse_waves(waves), **kw), loads=loads)
     if connect:
@@ -57,8 +58,9 @@ def make(waves: str = "canary=canary-*,50%,100%", *, loads: LoadStore | None = N
     return machine
 
 
-def ack(machine: RolloutMachine, nodes: list[str], change: str = "v2", now: float = 1.0,
-        types: tuple[str, ...] = (CDS, LDS)) -> list[Step]:
+def ack(
+    machine: RolloutMachine, nodes: list[str], change: str = "v2", now: float = 1.0, types: tuple[str, ...] = (CDS, LDS)
+) -> list[Step]:
     steps = []
     for node in nodes:
         for t in types:
@@ -126,8 +128,12 @@ def test_a_new_candidate_goes_to_the_first_wave_only() -> None:
     step = machine.offer("v2", {CDS, LDS}, 1.0)
     assert step.decision is Decision.ROLL_OUT
     assert step.kinds == ["rollout_started", "rollout_wave_started"]
-    assert step.events[0].fields == {"candidate": "v2", "baseline": "v1", "waves": ["canary", "50%", "100%"],
-                                     "types": ["CDS", "LDS"]}
+    assert step.events[0].fields == {
+        "candidate": "v2",
+        "baseline": "v1",
+        "waves": ["canary", "50%", "100%"],
+        "types": ["CDS", "LDS"],
+    }
     assert step.events[1].fields["proxies"] == 2 and step.events[1].fields["wave"] == "canary"
     assert step.wake == {"canary-1", "canary-2"} == set(waves[0])
     assert {n for n, v in served(machine).items() if v == "v2"} == {"canary-1", "canary-2"}
@@ -163,8 +169,13 @@ def test_a_nack_rolls_back_holds_the_candidate_and_it_is_never_sent_again() -> N
     machine = make()
     machine.offer("v2", {CDS}, 0.0)
     machine.sent("canary-1", CDS, "v2", 1.0)
-    step = machine.nacked("canary-1", CDS, "v2", "Proto constraint validation failed (ClusterValidationError."
-                          "ConnectTimeout: value must be greater than 0s)", 2.0)
+    step = machine.nacked(
+        "canary-1",
+        CDS,
+        "v2",
+        "Proto constraint validation failed (ClusterValidationError.ConnectTimeout: value must be greater than 0s)",
+        2.0,
+    )
     assert step.kinds == ["rollout_failed", "rollout_rolled_back"]
     reason = step.events[0].fields["reason"]
     assert reason.startswith("wave canary: canary-1 NACKed CDS: Proto constraint validation failed")
@@ -211,8 +222,9 @@ def test_a_wave_that_loses_too_many_proxies_before_they_ack_fails() -> None:
     machine.disconnected("canary-2", 2.0)  # and never comes back: one of two is more than 10 %
     step = machine.tick(30.0)
     assert step.kinds == ["rollout_failed", "rollout_rolled_back"]
-    assert step.events[0].fields["reason"] == ("wave canary: 1 of 2 proxies disconnected before ACKing (canary-2); "
-                                               "at most 10% may")
+    assert step.events[0].fields["reason"] == (
+        "wave canary: 1 of 2 proxies disconnected before ACKing (canary-2); at most 10% may"
+    )
     assert step.wake == {"canary-1"}  # canary-2 is gone; it gets the baseline when it connects
 
 
@@ -273,7 +285,8 @@ def test_a_proxy_that_disconnects_mid_wave_may_come_back_and_ack() -> None:
 @settings(max_examples=30, deadline=None)
 @given(st.permutations(NODES), st.lists(st.sampled_from(NODES), max_size=6))
 def test_the_proxies_of_a_wave_do_not_depend_on_the_order_they_connect_or_reconnect_in(
-        order: list[str], reconnects: list[str]) -> None:
+    order: list[str], reconnects: list[str]
+) -> None:
     machine = make(connect=False)
     for node in order:
         machine.connected(node, "default", 0.0)
@@ -429,13 +442,29 @@ class Clock:
         return self.now
 
 
-def traffic(store: LoadStore, clock: Clock, nodes: list[str], at: float, requests: int, errors: int,
-            cluster: str = "web") -> None:
+def traffic(
+    store: LoadStore, clock: Clock, nodes: list[str], at: float, requests: int, errors: int, cluster: str = "web"
+) -> None:
     clock.now = at
     for node in nodes:
-        store.ingest(node, LoadReport(node_id=node, clusters=(ClusterLoad(
-            cluster=cluster, service="", successful=requests - errors, errors=errors, issued=requests,
-            in_progress=0, dropped=0, interval=5.0),)))
+        store.ingest(
+            node,
+            LoadReport(
+                node_id=node,
+                clusters=(
+                    ClusterLoad(
+                        cluster=cluster,
+                        service="",
+                        successful=requests - errors,
+                        errors=errors,
+                        issued=requests,
+                        in_progress=0,
+                        dropped=0,
+                        interval=5.0,
+                    ),
+                ),
+            ),
+        )
 
 
 def healthy_setup(**kw: Any) -> tuple[RolloutMachine, LoadStore, Clock, dict[int, list[str]]]:
@@ -471,8 +500,14 @@ def test_a_healthy_wave_passes_with_its_figures() -> None:
     traffic(store, clock, waves[1] + waves[2], 11.0, requests=1000, errors=2)
     step = machine.tick(31.0)
     assert step.kinds == ["rollout_wave_passed", "rollout_wave_started"]
-    assert step.events[0].fields == {"candidate": "v2", "wave": "canary", "result": "healthy",
-                                     "error_ratio": 0.002, "baseline_error_ratio": 0.002, "requests": 1000}
+    assert step.events[0].fields == {
+        "candidate": "v2",
+        "wave": "canary",
+        "result": "healthy",
+        "error_ratio": 0.002,
+        "baseline_error_ratio": 0.002,
+        "requests": 1000,
+    }
 
 
 def test_load_from_before_the_bake_is_not_the_waves() -> None:
@@ -492,8 +527,10 @@ def test_too_little_traffic_pauses_and_resume_bakes_again() -> None:
     traffic(store, clock, waves[1] + waves[2], 11.0, requests=1000, errors=0)
     step = machine.tick(31.0)
     assert step.kinds == ["rollout_paused"]
-    assert step.events[0].fields["reason"] == ("wave canary: the wave completed 6 requests, at least 100 are needed "
-                                               "to judge; promote to go on, abort to roll back")
+    assert step.events[0].fields["reason"] == (
+        "wave canary: the wave completed 6 requests, at least 100 are needed "
+        "to judge; promote to go on, abort to roll back"
+    )
     assert machine.tick(40.0).events == ()
     machine.resume(41.0)
     assert machine.bake_started == 41.0 and machine.deadline() == 71.0
@@ -519,8 +556,9 @@ def test_the_last_wave_is_judged_against_the_baseline_before_it_began() -> None:
     traffic(store, clock, waves[2], 21.0, requests=1000, errors=100)  # [16, 21]: 10 % on v2, no baseline left
     step = machine.tick(21.0)
     assert step.kinds == ["rollout_failed", "rollout_rolled_back"]
-    assert step.events[0].fields["reason"] == ("wave 100%: error ratio 10.0 % vs 0.1 % baseline before the wave "
-                                               "on cluster web")
+    assert step.events[0].fields["reason"] == (
+        "wave 100%: error ratio 10.0 % vs 0.1 % baseline before the wave on cluster web"
+    )
 
 
 # -- state -----------------------------------------------------------------------------------------------
@@ -582,9 +620,14 @@ def test_held_candidates_are_bounded_the_newest_kept() -> None:
 
 # -- properties ------------------------------------------------------------------------------------------
 
-commands = st.lists(st.tuples(
-    st.sampled_from(["offer", "ack", "nack", "tick", "promote", "pause", "resume", "abort", "drop", "join"]),
-    st.integers(0, 4), st.sampled_from(NODES)), max_size=40)
+commands = st.lists(
+    st.tuples(
+        st.sampled_from(["offer", "ack", "nack", "tick", "promote", "pause", "resume", "abort", "drop", "join"]),
+        st.integers(0, 4),
+        st.sampled_from(NODES),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=150, deadline=None)

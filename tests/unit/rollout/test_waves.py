@@ -26,25 +26,28 @@ def test_a_plan_of_named_and_share_waves() -> None:
     assert plan.assign("edge/canary-1") >= 2  # '*' does not cross '/', as in --authorize-node
 
 
-@pytest.mark.parametrize(("text", "says"), [
-    ("", "an empty wave"),
-    ("5%,,100%", "an empty wave"),
-    ("5%,25%", "the last wave must be '100%'"),
-    ("canary=edge-*", "the last wave must be '100%'"),
-    ("25%,5%,100%", "shares are cumulative and must increase"),
-    ("5%,5%,100%", "must increase"),
-    ("0%,100%", "above 0% and at most 100%"),
-    ("150%", "above 0% and at most 100%"),
-    ("nan%,100%", "above 0% and at most 100%"),
-    ("five%,100%", "is not a share"),
-    ("canary,100%", "neither NAME=PATTERN"),
-    ("=edge-*,100%", "neither NAME=PATTERN"),
-    ("can ary=edge-*,100%", "letters, digits"),
-    ("5%,canary=edge-*,100%", "named waves come first"),
-    ("a=x,a=y,100%", "two waves are called 'a'"),
-    ("a=group:,100%", "a group name"),
-    (",".join(f"w{i}=x{i}" for i in range(MAX_WAVES)) + ",100%", f"at most {MAX_WAVES}"),
-])
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "an empty wave"),
+        ("5%,,100%", "an empty wave"),
+        ("5%,25%", "the last wave must be '100%'"),
+        ("canary=edge-*", "the last wave must be '100%'"),
+        ("25%,5%,100%", "shares are cumulative and must increase"),
+        ("5%,5%,100%", "must increase"),
+        ("0%,100%", "above 0% and at most 100%"),
+        ("150%", "above 0% and at most 100%"),
+        ("nan%,100%", "above 0% and at most 100%"),
+        ("five%,100%", "is not a share"),
+        ("canary,100%", "neither NAME=PATTERN"),
+        ("=edge-*,100%", "neither NAME=PATTERN"),
+        ("can ary=edge-*,100%", "letters, digits"),
+        ("5%,canary=edge-*,100%", "named waves come first"),
+        ("a=x,a=y,100%", "two waves are called 'a'"),
+        ("a=group:,100%", "a group name"),
+        (",".join(f"w{i}=x{i}" for i in range(MAX_WAVES)) + ",100%", f"at most {MAX_WAVES}"),
+    ],
+)
 def test_a_bad_plan_names_the_flag_and_what_to_write(text: str, says: str) -> None:
     with pytest.raises(ValueError, match="--rollout") as error:
         parse_waves(text)

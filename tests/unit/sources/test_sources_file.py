@@ -24,8 +24,7 @@ def write(path: Path, text: str) -> None:
 
 
 def services(*names: str) -> str:
-    return "services:\n" + "".join(f"  {name}:\n    endpoints: ['127.0.0.1:900{i}']\n"
-                                   for i, name in enumerate(names))
+    return "services:\n" + "".join(f"  {name}:\n    endpoints: ['127.0.0.1:900{i}']\n" for i, name in enumerate(names))
 
 
 async def next_item(watch: AsyncIterator[DesiredState | ConfigError]) -> DesiredState | ConfigError:

@@ -28,8 +28,16 @@ def clock() -> Clock:
     return Clock()
 
 
-def fleet(clock: Clock, count: int, *, service: str = "web", ttl: float = 10.0, first_port: int = 9000,
-          registry: Registry | None = None, **rule: float) -> Registry:
+def fleet(
+    clock: Clock,
+    count: int,
+    *,
+    service: str = "web",
+    ttl: float = 10.0,
+    first_port: int = 9000,
+    registry: Registry | None = None,
+    **rule: float,
+) -> Registry:
     registry = registry or Registry(clock=clock, self_preservation=SelfPreservation(**rule))  # type: ignore[arg-type]
     for port in range(first_port, first_port + count):
         registry.register(service, {"address": "127.0.0.1", "port": port, "ttl": ttl})
@@ -182,10 +190,12 @@ def test_an_undo_point_puts_a_service_back(clock: Clock) -> None:
     registry = fleet(clock, 2)
     registry.define("web", {"listen": "127.0.0.1:10000"})
     before = registry.state()
-    for change in (lambda: registry.undefine("web"),
-                   lambda: registry.define("web", {"listen": "127.0.0.1:10001"}),
-                   lambda: registry.register("web", {"address": "127.0.0.1", "port": 1}),
-                   lambda: registry.deregister("web", "127.0.0.1:9000")):
+    for change in (
+        lambda: registry.undefine("web"),
+        lambda: registry.define("web", {"listen": "127.0.0.1:10001"}),
+        lambda: registry.register("web", {"address": "127.0.0.1", "port": 1}),
+        lambda: registry.deregister("web", "127.0.0.1:9000"),
+    ):
         undo = registry.undo_point("web")
         change()
         assert registry.state() != before
@@ -201,10 +211,22 @@ def test_an_undo_point_puts_a_service_back(clock: Clock) -> None:
 
 def test_a_last_instance_whose_expiry_would_break_the_merged_state_leaves_its_cluster_empty(clock: Clock) -> None:
     # The file's cluster takes its endpoints (EDS service name "web") from the registry.
-    document = parse_document({"clusters": [{
-        "name": "legacy-web", "type": "EDS", "connect_timeout": "1s",
-        "eds_cluster_config": {"service_name": "web", "eds_config": {"ads": {}, "resource_api_version": "V3"}},
-    }]}, "snapshot.yaml")
+    document = parse_document(
+        {
+            "clusters": [
+                {
+                    "name": "legacy-web",
+                    "type": "EDS",
+                    "connect_timeout": "1s",
+                    "eds_cluster_config": {
+                        "service_name": "web",
+                        "eds_config": {"ads": {}, "resource_api_version": "V3"},
+                    },
+                }
+            ]
+        },
+        "snapshot.yaml",
+    )
     reconciler = Reconciler(SnapshotCache())
     reconciler.update("file", DesiredState.of_document(document))
     registry = Registry(clock=clock)

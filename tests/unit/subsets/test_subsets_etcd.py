@@ -125,8 +125,7 @@ async def replicas(address: str, clock: Clock, count: int = 2) -> AsyncIterator[
 
 
 @pytest.mark.e2e
-async def test_a_new_proxy_gets_the_lowest_free_index_at_once_and_etcd_holds_both_keys_on_its_lease(
-        etcd: str) -> None:
+async def test_a_new_proxy_gets_the_lowest_free_index_at_once_and_etcd_holds_both_keys_on_its_lease(etcd: str) -> None:
     async with replicas(etcd, Clock()) as (a, b):
         assert a.indices.acquire("edge-1") == 0  # at once: its first response already carries its subset
         assert await until("edge-1's keys in etcd", lambda: a.settled("edge-1")) == ("0", a.indices.lease)
@@ -159,7 +158,8 @@ async def test_a_proxy_that_moves_to_another_replica_keeps_its_index_on_that_rep
 
 @pytest.mark.e2e
 async def test_after_the_grace_period_a_departed_proxys_keys_are_deleted_only_by_the_replica_holding_them(
-        etcd: str) -> None:
+    etcd: str,
+) -> None:
     clock = Clock()
     async with replicas(etcd, clock) as (a, b):
         a.indices.acquire("edge-1")
@@ -215,9 +215,14 @@ async def test_the_elected_replica_writes_the_backend_tables_the_merged_state_ne
         task = asyncio.create_task(writer.run(replica.indices))
         try:
             endpoints = tuple(Endpoint("127.0.0.1", port) for port in (9001, 9002, 9003))
-            merged = merge_states({"file": DesiredState(
-                services={"web": ServiceSpec(name="web", subset_size=2), "api": ServiceSpec(name="api")},
-                endpoints={"web": endpoints, "api": endpoints})})
+            merged = merge_states(
+                {
+                    "file": DesiredState(
+                        services={"web": ServiceSpec(name="web", subset_size=2), "api": ServiceSpec(name="api")},
+                        endpoints={"web": endpoints, "api": endpoints},
+                    )
+                }
+            )
             writer.merged(merged)
 
             async def written() -> IndexTable | None:

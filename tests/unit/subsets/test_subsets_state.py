@@ -30,12 +30,15 @@ from pilotfish.subsets.state import (
 
 def state(ports: range, *, k: int | None = 3, zones: dict[int, str] | None = None) -> DesiredState:
     endpoints = tuple(Endpoint("127.0.0.1", port, zone=(zones or {}).get(port, "")) for port in ports)
-    return DesiredState(services={"web": ServiceSpec(name="web", subset_size=k), "db": ServiceSpec(name="db")},
-                        endpoints={"web": endpoints, "db": (Endpoint("127.0.0.1", 5432),)})
+    return DesiredState(
+        services={"web": ServiceSpec(name="web", subset_size=k), "db": ServiceSpec(name="db")},
+        endpoints={"web": endpoints, "db": (Endpoint("127.0.0.1", 5432),)},
+    )
 
 
-def build(desired: DesiredState, tables: dict[str, IndexTable] | None = None, *,
-          view: View | None = None) -> tuple[Snapshot, dict[str, IndexTable]]:
+def build(
+    desired: DesiredState, tables: dict[str, IndexTable] | None = None, *, view: View | None = None
+) -> tuple[Snapshot, dict[str, IndexTable]]:
     merged = merge_states({"file": desired})
     tables = subset_tables(merged, tables or {})
     return build_snapshots(merged, "test", {"g": view or View()}, subsets=tables)["g"], tables
@@ -46,8 +49,11 @@ def addresses(snapshot: Snapshot, proxy: int | None, name: str = "web") -> set[s
     assert endpoints is not None
     assignment = endpoints.resources[name].message
     assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
-    return {f"{e.endpoint.address.socket_address.address}:{e.endpoint.address.socket_address.port_value}"
-            for group in assignment.endpoints for e in group.lb_endpoints}
+    return {
+        f"{e.endpoint.address.socket_address.address}:{e.endpoint.address.socket_address.port_value}"
+        for group in assignment.endpoints
+        for e in group.lb_endpoints
+    }
 
 
 def test_each_proxy_gets_its_own_k_endpoints_and_together_they_use_every_backend() -> None:
@@ -83,9 +89,10 @@ def test_a_new_backend_changes_at_most_one_endpoint_per_proxy_and_versions_follo
 def test_the_same_indices_give_the_same_subsets_and_versions_after_a_restart() -> None:
     first, tables = build(state(range(9000, 9012)))
     # A restart with the saved tables: another order of arrival changes nothing.
-    again, _ = build(state(range(9011, 8999, -1)), {name: IndexTable.from_json(json.loads(json.dumps(t.to_json())),
-                                                                                source="test")
-                                                     for name, t in tables.items()})
+    again, _ = build(
+        state(range(9011, 8999, -1)),
+        {name: IndexTable.from_json(json.loads(json.dumps(t.to_json())), source="test") for name, t in tables.items()},
+    )
     assert again.same_content(first)
     assert all(first.endpoints_for(p).version == again.endpoints_for(p).version for p in range(20))  # type: ignore[union-attr]
 
@@ -107,16 +114,18 @@ def test_the_cache_answers_a_proxy_with_its_subset_and_later_only_what_changed_f
     held = addresses(snapshot, 4)
     outside = next(p for p in range(9000, 9012) if f"127.0.0.1:{p}" not in held)
     later, tables = build(state(p for p in range(9000, 9012) if p != outside), tables)  # type: ignore[arg-type]
-    cache.create_watch(watch._replace(known_version=first.version, known_names=names),
-                       lambda _, response: answers.append(response))
+    cache.create_watch(
+        watch._replace(known_version=first.version, known_names=names), lambda _, response: answers.append(response)
+    )
     cache.set_snapshot(later)
     assert addresses(later, 4) == held, "removing a backend changes only the subsets that held it"
     assert len(answers) == 1, "its subset did not change: nothing is sent"
     inside = int(sorted(addresses(later, 4))[0].rsplit(":", 1)[1])
     last, _ = build(state(p for p in range(9000, 9012) if p not in (outside, inside)), tables)  # type: ignore[arg-type]
     version = answers[-1].version
-    cache.create_watch(watch._replace(known_version=version, known_names=names),
-                       lambda _, response: answers.append(response))
+    cache.create_watch(
+        watch._replace(known_version=version, known_names=names), lambda _, response: answers.append(response)
+    )
     cache.set_snapshot(last)
     response = discovery_pb2.DiscoveryResponse.FromString(answers[-1].body)
     assert [r.type_url for r in response.resources] == [ENDPOINT.url], "only web's assignment, not db's"

@@ -90,26 +90,39 @@ def message(body: bytes) -> bytes:
 def client_bytes() -> bytes:
     """A client conversation using what grpc core seldom does: Huffman-coded and indexed headers
     split over CONTINUATION, padding, several messages in one frame, a message over two frames."""
-    block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", "/svc/Method"),
-                                    (":authority", "localhost"), ("content-type", "application/grpc"),
-                                    ("te", "trailers")], huffman=True)
+    block = hpack.Encoder().encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/svc/Method"),
+            (":authority", "localhost"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ],
+        huffman=True,
+    )
     first, rest = block[:10], block[10:]
     two = message(b"one") + message(b"two")
     big = message(b"x" * 30_000)
     padded = bytes([7]) + two + b"\0" * 7
-    return (h2.CONNECTION_PREFACE + h2.settings({h2.Setting.INITIAL_WINDOW_SIZE: 1 << 20})
-            + h2.frame(h2.HEADERS, 0, 1, first) + h2.frame(h2.CONTINUATION, h2.END_HEADERS, 1, rest)
-            + h2.frame(h2.DATA, h2.PADDED, 1, padded)
-            + h2.frame(h2.DATA, 0, 1, big[:16_000]) + h2.frame(h2.DATA, 0, 1, big[16_000:])
-            + h2.frame(h2.PING, 0, 0, b"pingpong")
-            + h2.frame(h2.DATA, h2.END_STREAM, 1, message(b"echo")))
+    return (
+        h2.CONNECTION_PREFACE
+        + h2.settings({h2.Setting.INITIAL_WINDOW_SIZE: 1 << 20})
+        + h2.frame(h2.HEADERS, 0, 1, first)
+        + h2.frame(h2.CONTINUATION, h2.END_HEADERS, 1, rest)
+        + h2.frame(h2.DATA, h2.PADDED, 1, padded)
+        + h2.frame(h2.DATA, 0, 1, big[:16_000])
+        + h2.frame(h2.DATA, 0, 1, big[16_000:])
+        + h2.frame(h2.PING, 0, 0, b"pingpong")
+        + h2.frame(h2.DATA, h2.END_STREAM, 1, message(b"echo"))
+    )
 
 
 def frames(data: bytes | bytearray) -> list[tuple[int, int, int, bytes]]:
     out, offset = [], 0
     while offset < len(data):
         length, kind, flags, stream = h2.parse_frame_header(data, offset)
-        out.append((kind, flags, stream, bytes(data[offset + 9: offset + 9 + length])))
+        out.append((kind, flags, stream, bytes(data[offset + 9 : offset + 9 + length])))
         offset += 9 + length
     return out
 
@@ -123,7 +136,7 @@ async def test_messages_arrive_whole_however_the_bytes_are_cut(chunk: int) -> No
     conn.connection_made(transport)  # type: ignore[arg-type]
     data = client_bytes()
     for offset in range(0, len(data), chunk):
-        conn.data_received(data[offset: offset + chunk])
+        conn.data_received(data[offset : offset + chunk])
     await asyncio.sleep(0)  # writes go out at the end of the loop turn
     [handler] = calls
     assert handler.messages == [b"one", b"two", b"x" * 30_000, b"echo"]
@@ -210,7 +223,8 @@ async def test_a_client_that_does_not_read_is_still_read_and_its_answers_wait() 
 
 
 async def test_a_connection_error_is_logged_answered_with_goaway_and_frees_the_calls(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     calls.clear()
     conn = _Connection(GrpcServer({"/svc/Method": Recorder}))
     transport = RecordingTransport()
@@ -220,8 +234,9 @@ async def test_a_connection_error_is_logged_answered_with_goaway_and_frees_the_c
     assert transport.closed
     goaway = [p for kind, _, _, p in frames(transport.written) if kind == h2.GOAWAY]
     assert goaway and h2.unpack_u32(goaway[0], 4) == h2.ErrorCode.FRAME_SIZE_ERROR
-    assert any("RST_STREAM of 2 bytes" in r.getMessage() and "ipv4:127.0.0.1:5555" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "RST_STREAM of 2 bytes" in r.getMessage() and "ipv4:127.0.0.1:5555" in r.getMessage() for r in caplog.records
+    )
     conn.connection_lost(None)  # what the event loop does once the transport has closed
     [handler] = calls
     assert handler.closed_reason == "connection lost"
@@ -236,7 +251,8 @@ async def until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
 
 @pytest.mark.parametrize("peer_reads", [True, False], ids=["peer-takes-it", "peer-never-reads"])
 async def test_an_ended_connection_closes_once_the_peer_has_its_goaway_and_at_the_latest_on_time(
-        peer_reads: bool) -> None:
+    peer_reads: bool,
+) -> None:
     calls.clear()
     server = GrpcServer({"/svc/Method": Recorder}, connection_limits=ConnectionLimits(close_timeout=0.3))
     conn = _Connection(server)
@@ -247,7 +263,8 @@ async def test_an_ended_connection_closes_once_the_peer_has_its_goaway_and_at_th
     started = asyncio.get_running_loop().time()
     conn.data_received(h2.frame(h2.DATA, 0, 1) * 2)  # an empty DATA flood: GOAWAY
     assert [h2.unpack_u32(p, 4) for kind, _, _, p in frames(transport.written) if kind == h2.GOAWAY] == [
-        h2.ErrorCode.ENHANCE_YOUR_CALM]
+        h2.ErrorCode.ENHANCE_YOUR_CALM
+    ]
     assert not transport.reading and not transport.closed  # the GOAWAY is still behind the answers
     if peer_reads:
         transport.buffered = 0
@@ -259,12 +276,15 @@ async def test_an_ended_connection_closes_once_the_peer_has_its_goaway_and_at_th
     conn.connection_lost(None)
 
 
-@pytest.mark.parametrize(("descriptors", "total", "per_address"), [
-    (1024, 896, 448),  # the usual soft limit: 128 kept for the process, one address half of the rest
-    (20_000, 18_000, 4096),
-    (1 << 20, 943_719, 4096),  # a tenth kept
-    (200, 100, 50),  # a tiny limit: half of it, never less
-])
+@pytest.mark.parametrize(
+    ("descriptors", "total", "per_address"),
+    [
+        (1024, 896, 448),  # the usual soft limit: 128 kept for the process, one address half of the rest
+        (20_000, 18_000, 4096),
+        (1 << 20, 943_719, 4096),  # a tenth kept
+        (200, 100, 50),  # a tiny limit: half of it, never less
+    ],
+)
 def test_default_caps_leave_descriptors_for_the_process_and_no_address_takes_all(
     descriptors: int, total: int, per_address: int
 ) -> None:
@@ -295,6 +315,8 @@ def test_refusals_are_logged_at_most_once_per_interval_with_how_many_were_not(
         warnings.flush()
     assert WARN_EVERY == 10.0
     messages = [r.getMessage() for r in caplog.records]
-    assert messages == ["stream 0 ended: too many names",
-                        "stream 160 ended: too many names (and 159 more such streams since the last one logged)",
-                        "139 more such streams not logged in the last 10 s"]
+    assert messages == [
+        "stream 0 ended: too many names",
+        "stream 160 ended: too many names (and 159 more such streams since the last one logged)",
+        "139 more such streams not logged in the last 10 s",
+    ]

@@ -10,12 +10,15 @@ import pytest
 from pilotfish.transport import frames as h2
 
 
-@pytest.mark.parametrize(("value", "prefix", "encoded"), [
-    (10, 5, b"\x0a"),  # RFC 7541 C.1.1
-    (1337, 5, b"\x1f\x9a\x0a"),  # C.1.2
-    (42, 8, b"\x2a"),  # C.1.3
-    (31, 5, b"\x1f\x00"),  # exactly the prefix's limit: a zero continuation byte
-])
+@pytest.mark.parametrize(
+    ("value", "prefix", "encoded"),
+    [
+        (10, 5, b"\x0a"),  # RFC 7541 C.1.1
+        (1337, 5, b"\x1f\x9a\x0a"),  # C.1.2
+        (42, 8, b"\x2a"),  # C.1.3
+        (31, 5, b"\x1f\x00"),  # exactly the prefix's limit: a zero continuation byte
+    ],
+)
 def test_hpack_integers_are_encoded_as_rfc_7541_shows(value: int, prefix: int, encoded: bytes) -> None:
     assert h2.hpack_int(value, prefix) == encoded
 
@@ -37,7 +40,7 @@ def test_frames_and_their_headers_round_trip() -> None:
     values = {h2.Setting.INITIAL_WINDOW_SIZE: h2.MAX_WINDOW, h2.Setting.MAX_FRAME_SIZE: h2.MAX_FRAME_SIZE_LIMIT}
     length, kind, flags, stream = h2.parse_frame_header(h2.settings(values), 0)
     assert (length, kind, flags, stream) == (12, h2.SETTINGS, 0, 0)
-    assert h2.parse_settings(h2.settings(values)[h2.FRAME_HEADER_SIZE:]) == list(values.items())
+    assert h2.parse_settings(h2.settings(values)[h2.FRAME_HEADER_SIZE :]) == list(values.items())
     update = h2.window_update(3, 1000)
     assert h2.parse_frame_header(update, 0) == (4, h2.WINDOW_UPDATE, 0, 3) and h2.unpack_u32(update, 9) == 1000
     goaway = h2.goaway(5, h2.ErrorCode.ENHANCE_YOUR_CALM, b"too many")

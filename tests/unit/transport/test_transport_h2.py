@@ -33,8 +33,14 @@ from pilotfish.transport.h2 import (
     StreamReset,
 )
 
-REQUEST = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/pkg.Service/Method"),
-           (b":authority", b"pilotfish"), (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+REQUEST = [
+    (b":method", b"POST"),
+    (b":scheme", b"http"),
+    (b":path", b"/pkg.Service/Method"),
+    (b":authority", b"pilotfish"),
+    (b"content-type", b"application/grpc"),
+    (b"te", b"trailers"),
+]
 RESPONSE = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 Frame = tuple[int, int, int, bytes]
 
@@ -50,11 +56,11 @@ class FakeClock:
 def parse_frames(data: bytes) -> list[Frame]:
     """(type, flags, stream id, payload) of each frame in ``data`` (a client preface skipped)."""
     if data.startswith(f.CONNECTION_PREFACE):
-        data = data[len(f.CONNECTION_PREFACE):]
+        data = data[len(f.CONNECTION_PREFACE) :]
     out, offset = [], 0
     while offset < len(data):
         length, kind, flags, stream_id = f.parse_frame_header(data, offset)
-        out.append((kind, flags, stream_id, data[offset + 9:offset + 9 + length]))
+        out.append((kind, flags, stream_id, data[offset + 9 : offset + 9 + length]))
         offset += 9 + length
     assert offset == len(data), "a frame was cut short"
     return out
@@ -82,8 +88,9 @@ class Pair:
                 self.client_events += self.client.receive(to_client)
 
 
-def raw_server(*, limits: Limits | None = None, clock: FakeClock | None = None,
-               settings: dict[int, int] | None = None) -> Connection:
+def raw_server(
+    *, limits: Limits | None = None, clock: FakeClock | None = None, settings: dict[int, int] | None = None
+) -> Connection:
     """A server connection past the client's preface and SETTINGS, its own output taken."""
     server = Connection(role=Role.SERVER, limits=limits, clock=clock or FakeClock())
     assert server.receive(f.CONNECTION_PREFACE + f.settings(settings or {})) == []
@@ -91,8 +98,13 @@ def raw_server(*, limits: Limits | None = None, clock: FakeClock | None = None,
     return server
 
 
-def headers(stream_id: int, fields: Iterable[tuple[bytes, bytes]] = REQUEST, *, end_stream: bool = False,
-            end_headers: bool = True) -> bytes:
+def headers(
+    stream_id: int,
+    fields: Iterable[tuple[bytes, bytes]] = REQUEST,
+    *,
+    end_stream: bool = False,
+    end_headers: bool = True,
+) -> bytes:
     flags = (f.END_STREAM if end_stream else 0) | (f.END_HEADERS if end_headers else 0)
     return f.frame(f.HEADERS, flags, stream_id, f.header_block(fields))
 
@@ -117,6 +129,7 @@ def resets(output: bytes) -> dict[int, int]:
 
 
 # -- well-behaved peers -----------------------------------------------------------------------------
+
 
 def test_a_call_runs_from_request_to_trailers_between_our_two_roles() -> None:
     pair = Pair()
@@ -149,19 +162,22 @@ def test_messages_cut_anywhere_across_frames_and_reads_arrive_whole() -> None:
     stream_bytes = b"".join(message(body) for body in bodies)
     wire = headers(1)
     for start in range(0, len(stream_bytes), 7_001):  # frames that cut prefixes and bodies
-        wire += data(1, stream_bytes[start:start + 7_001])
+        wire += data(1, stream_bytes[start : start + 7_001])
     events: list[Event] = []
     for start in range(0, len(wire), 13):  # and reads that cut frames
-        events += server.receive(wire[start:start + 13])
+        events += server.receive(wire[start : start + 13])
     assert [e.data for e in events if isinstance(e, MessageReceived)] == bodies
 
 
 @settings(max_examples=200, deadline=None)
-@given(sizes=st.lists(st.integers(0, 40_000), min_size=1, max_size=4),
-       frame_cuts=st.lists(st.integers(1, 16_384), min_size=1, max_size=8),
-       read_cuts=st.lists(st.integers(1, 20_000), min_size=1, max_size=8))
+@given(
+    sizes=st.lists(st.integers(0, 40_000), min_size=1, max_size=4),
+    frame_cuts=st.lists(st.integers(1, 16_384), min_size=1, max_size=8),
+    read_cuts=st.lists(st.integers(1, 20_000), min_size=1, max_size=8),
+)
 def test_messages_cut_at_random_across_frames_and_reads_arrive_whole(
-        sizes: list[int], frame_cuts: list[int], read_cuts: list[int]) -> None:
+    sizes: list[int], frame_cuts: list[int], read_cuts: list[int]
+) -> None:
     # Reads that end inside a frame header, right after one, inside a prefix or a body, and
     # empty DATA frames: each message arrives once, whole, as sent.
     server = raw_server()
@@ -170,13 +186,13 @@ def test_messages_cut_at_random_across_frames_and_reads_arrive_whole(
     wire, start, i = headers(1), 0, 0
     while start < len(stream_bytes):
         cut = frame_cuts[i % len(frame_cuts)]
-        wire += data(1, stream_bytes[start:start + cut]) + (data(1, b"") if cut % 5 == 0 else b"")
+        wire += data(1, stream_bytes[start : start + cut]) + (data(1, b"") if cut % 5 == 0 else b"")
         start, i = start + cut, i + 1
     events: list[Event] = []
     start = i = 0
     while start < len(wire):
         cut = read_cuts[i % len(read_cuts)]
-        events += server.receive(wire[start:start + cut])
+        events += server.receive(wire[start : start + cut])
         start, i = start + cut, i + 1
     assert [e.data for e in events if isinstance(e, MessageReceived)] == bodies
     assert not server.closed
@@ -188,8 +204,9 @@ def test_a_header_block_larger_than_the_peers_max_frame_size_goes_out_in_continu
     pair.client.send_headers(stream, REQUEST, end_stream=True)
     pair.pump()
     long_message = b"x" * 40_000
-    pair.server.send_headers(stream, [*RESPONSE, (b"grpc-status", b"13"), (b"grpc-message", long_message)],
-                             end_stream=True)
+    pair.server.send_headers(
+        stream, [*RESPONSE, (b"grpc-status", b"13"), (b"grpc-message", long_message)], end_stream=True
+    )
     out = pair.server.data_to_send()
     sent = parse_frames(out)
     assert [kind for kind, *_ in sent] == [f.HEADERS, f.CONTINUATION, f.CONTINUATION]
@@ -239,7 +256,7 @@ def test_a_peer_that_lowers_its_hpack_table_hears_a_table_size_update() -> None:
     server = raw_server(settings={Setting.HEADER_TABLE_SIZE: 0})
     server.receive(headers(1))
     server.send_headers(1, RESPONSE)
-    (kind, _, _, block), = parse_frames(server.data_to_send())
+    ((kind, _, _, block),) = parse_frames(server.data_to_send())
     assert kind == f.HEADERS
     assert block[0] == 0x20  # size update to 0, first in the block
     decoder = hpack.Decoder()
@@ -281,23 +298,39 @@ CONNECTION_ERRORS: list[tuple[str, bytes, int]] = [
     ("a client opening an even stream", headers(2), ErrorCode.PROTOCOL_ERROR),
     ("a lower stream id after a higher", headers(5) + headers(3), ErrorCode.PROTOCOL_ERROR),
     ("CONTINUATION without HEADERS", f.frame(f.CONTINUATION, f.END_HEADERS, 1, b""), ErrorCode.PROTOCOL_ERROR),
-    ("a header block interrupted", headers(1, end_headers=False) + f.frame(f.PING, 0, 0, b"\0" * 8),
-     ErrorCode.PROTOCOL_ERROR),
-    ("CONTINUATION of another stream",
-     headers(1, end_headers=False) + f.frame(f.CONTINUATION, f.END_HEADERS, 3, b""), ErrorCode.PROTOCOL_ERROR),
+    (
+        "a header block interrupted",
+        headers(1, end_headers=False) + f.frame(f.PING, 0, 0, b"\0" * 8),
+        ErrorCode.PROTOCOL_ERROR,
+    ),
+    (
+        "CONTINUATION of another stream",
+        headers(1, end_headers=False) + f.frame(f.CONTINUATION, f.END_HEADERS, 3, b""),
+        ErrorCode.PROTOCOL_ERROR,
+    ),
     ("PUSH_PROMISE", headers(1) + f.frame(f.PUSH_PROMISE, f.END_HEADERS, 1, U32(2)), ErrorCode.PROTOCOL_ERROR),
     ("a frame over SETTINGS_MAX_FRAME_SIZE", data(1, b"x" * 16_385), ErrorCode.FRAME_SIZE_ERROR),
-    ("an undecodable header block", f.frame(f.HEADERS, f.END_HEADERS, 1, b"\xff\xff\xff\xff"),
-     ErrorCode.COMPRESSION_ERROR),
-    ("DATA padding longer than the frame", headers(1) + f.frame(f.DATA, f.PADDED, 1, b"\x09abc"),
-     ErrorCode.PROTOCOL_ERROR),
-    ("HEADERS padding longer than the frame", f.frame(f.HEADERS, f.PADDED | f.END_HEADERS, 1, b"\x09abc"),
-     ErrorCode.PROTOCOL_ERROR),
+    (
+        "an undecodable header block",
+        f.frame(f.HEADERS, f.END_HEADERS, 1, b"\xff\xff\xff\xff"),
+        ErrorCode.COMPRESSION_ERROR,
+    ),
+    (
+        "DATA padding longer than the frame",
+        headers(1) + f.frame(f.DATA, f.PADDED, 1, b"\x09abc"),
+        ErrorCode.PROTOCOL_ERROR,
+    ),
+    (
+        "HEADERS padding longer than the frame",
+        f.frame(f.HEADERS, f.PADDED | f.END_HEADERS, 1, b"\x09abc"),
+        ErrorCode.PROTOCOL_ERROR,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("frames", "code"), [(fr, c) for _, fr, c in CONNECTION_ERRORS],
-                         ids=[name for name, _, _ in CONNECTION_ERRORS])
+@pytest.mark.parametrize(
+    ("frames", "code"), [(fr, c) for _, fr, c in CONNECTION_ERRORS], ids=[name for name, _, _ in CONNECTION_ERRORS]
+)
 def test_a_connection_error_is_goaway_with_the_rfcs_code(frames: bytes, code: int) -> None:
     server = raw_server()
     events = server.receive(frames)
@@ -344,10 +377,13 @@ def test_a_client_resets_a_malformed_response_and_data_before_headers() -> None:
     client.send_headers(first, REQUEST)
     client.send_headers(second, REQUEST)
     client.data_to_send()
-    events = client.receive(f.settings({}) + headers(first, [(b"content-type", b"application/grpc")])
-                            + data(second, message(b"x")))
+    events = client.receive(
+        f.settings({}) + headers(first, [(b"content-type", b"application/grpc")]) + data(second, message(b"x"))
+    )
     assert [(e.stream_id, e.error_code) for e in events if isinstance(e, StreamReset)] == [
-        (first, ErrorCode.PROTOCOL_ERROR), (second, ErrorCode.PROTOCOL_ERROR)]
+        (first, ErrorCode.PROTOCOL_ERROR),
+        (second, ErrorCode.PROTOCOL_ERROR),
+    ]
     assert "without :status" in events[0].reason  # type: ignore[union-attr]
     assert not client.closed
 
@@ -355,20 +391,31 @@ def test_a_client_resets_a_malformed_response_and_data_before_headers() -> None:
 # -- stream errors ------------------------------------------------------------------------------------
 
 STREAM_ERRORS: list[tuple[str, bytes, int]] = [
-    ("DATA after the stream's END_STREAM", headers(1, end_stream=True) + data(1, message(b"x")),
-     ErrorCode.STREAM_CLOSED),
-    ("HEADERS after the stream's END_STREAM", headers(1, end_stream=True) + headers(1, [(b"x", b"y")], end_stream=True),
-     ErrorCode.STREAM_CLOSED),
+    (
+        "DATA after the stream's END_STREAM",
+        headers(1, end_stream=True) + data(1, message(b"x")),
+        ErrorCode.STREAM_CLOSED,
+    ),
+    (
+        "HEADERS after the stream's END_STREAM",
+        headers(1, end_stream=True) + headers(1, [(b"x", b"y")], end_stream=True),
+        ErrorCode.STREAM_CLOSED,
+    ),
     ("WINDOW_UPDATE of 0 on a stream", headers(1) + f.window_update(1, 0), ErrorCode.PROTOCOL_ERROR),
-    ("WINDOW_UPDATE past 2^31-1 on a stream", headers(1) + f.window_update(1, 2**31 - 1),
-     ErrorCode.FLOW_CONTROL_ERROR),
+    ("WINDOW_UPDATE past 2^31-1 on a stream", headers(1) + f.window_update(1, 2**31 - 1), ErrorCode.FLOW_CONTROL_ERROR),
     ("4-byte PRIORITY", headers(1) + f.frame(f.PRIORITY, 0, 1, U32(0)), ErrorCode.FRAME_SIZE_ERROR),
     ("PRIORITY on itself", headers(1) + f.frame(f.PRIORITY, 0, 1, U32(1) + b"\x10"), ErrorCode.PROTOCOL_ERROR),
-    ("HEADERS depending on itself", f.frame(f.HEADERS, f.END_HEADERS | f.PRIORITY_FLAG, 1,
-                                            U32(1) + b"\x10" + f.header_block(REQUEST)), ErrorCode.PROTOCOL_ERROR),
+    (
+        "HEADERS depending on itself",
+        f.frame(f.HEADERS, f.END_HEADERS | f.PRIORITY_FLAG, 1, U32(1) + b"\x10" + f.header_block(REQUEST)),
+        ErrorCode.PROTOCOL_ERROR,
+    ),
     ("trailers without END_STREAM", headers(1) + headers(1, [(b"x", b"y")]), ErrorCode.PROTOCOL_ERROR),
-    ("DATA after the trailers", headers(1) + headers(1, [(b"x", b"y")], end_stream=True)
-     + data(1, b""), ErrorCode.STREAM_CLOSED),
+    (
+        "DATA after the trailers",
+        headers(1) + headers(1, [(b"x", b"y")], end_stream=True) + data(1, b""),
+        ErrorCode.STREAM_CLOSED,
+    ),
 ]
 MALFORMED_REQUESTS: list[tuple[str, list[tuple[bytes, bytes]]]] = [
     ("an uppercase header name", [*REQUEST, (b"X-Trace", b"1")]),
@@ -387,12 +434,18 @@ MALFORMED_REQUESTS: list[tuple[str, list[tuple[bytes, bytes]]]] = [
     ("an empty header name", [*REQUEST, (b"", b"1")]),
 ]
 STREAM_ERRORS += [(name, headers(1, fields), ErrorCode.PROTOCOL_ERROR) for name, fields in MALFORMED_REQUESTS]
-STREAM_ERRORS.append(("a pseudo-header in trailers",
-                      headers(1) + headers(1, [(b":path", b"/x")], end_stream=True), ErrorCode.PROTOCOL_ERROR))
+STREAM_ERRORS.append(
+    (
+        "a pseudo-header in trailers",
+        headers(1) + headers(1, [(b":path", b"/x")], end_stream=True),
+        ErrorCode.PROTOCOL_ERROR,
+    )
+)
 
 
-@pytest.mark.parametrize(("frames", "code"), [(fr, c) for _, fr, c in STREAM_ERRORS],
-                         ids=[name for name, _, _ in STREAM_ERRORS])
+@pytest.mark.parametrize(
+    ("frames", "code"), [(fr, c) for _, fr, c in STREAM_ERRORS], ids=[name for name, _, _ in STREAM_ERRORS]
+)
 def test_a_stream_error_is_rst_stream_with_the_rfcs_code_and_the_connection_goes_on(frames: bytes, code: int) -> None:
     server = raw_server()
     events = server.receive(frames)
@@ -426,6 +479,7 @@ def test_a_peer_reset_ends_the_stream_and_is_reported() -> None:
 
 
 # -- limits -------------------------------------------------------------------------------------------
+
 
 def test_rapid_reset_is_answered_with_enhance_your_calm() -> None:
     clock = FakeClock()
@@ -490,15 +544,19 @@ def test_empty_data_frames_in_a_row_are_a_flood() -> None:
 def test_a_continuation_flood_is_cut_at_the_frame_limit_without_buffering_it() -> None:
     server = raw_server()
     flood = headers(1, end_headers=False) + b"".join(
-        f.frame(f.CONTINUATION, 0, 1, b"\0" * 100) for _ in range(Limits().max_continuation_frames + 1))
+        f.frame(f.CONTINUATION, 0, 1, b"\0" * 100) for _ in range(Limits().max_continuation_frames + 1)
+    )
     events = server.receive(flood)
     assert [e.error_code for e in events if isinstance(e, ConnectionTerminated)] == [ErrorCode.ENHANCE_YOUR_CALM]
 
 
 def test_a_header_block_over_the_size_limit_is_enhance_your_calm() -> None:
     server = raw_server(limits=Limits(max_header_block_size=20_000, max_continuation_frames=100))
-    big = headers(1, end_headers=False) + f.frame(f.CONTINUATION, 0, 1, b"\0" * 16_000) \
+    big = (
+        headers(1, end_headers=False)
         + f.frame(f.CONTINUATION, 0, 1, b"\0" * 16_000)
+        + f.frame(f.CONTINUATION, 0, 1, b"\0" * 16_000)
+    )
     server.receive(big)
     assert goaway_code(server) == ErrorCode.ENHANCE_YOUR_CALM
 
@@ -526,7 +584,7 @@ def test_hpack_table_size_updates_per_block_are_limited(updates: int, allowed: b
 def test_settings_with_too_many_entries_is_enhance_your_calm(entries: int, allowed: bool) -> None:
     server = raw_server()
     payload = struct.pack(">HL", Setting.MAX_CONCURRENT_STREAMS, 10) * entries
-    server.receive(f.frame(f.SETTINGS, 0, 0, payload[:16_384 - 16_384 % 6]))
+    server.receive(f.frame(f.SETTINGS, 0, 0, payload[: 16_384 - 16_384 % 6]))
     assert (goaway_code(server) is None) == allowed
 
 
@@ -631,8 +689,12 @@ def test_the_server_announces_its_limits_in_its_settings() -> None:
     server = Connection(role=Role.SERVER, limits=limits)
     (kind, _, _, payload), *_ = parse_frames(server.data_to_send())
     assert kind == f.SETTINGS
-    assert dict(f.parse_settings(payload)) == {Setting.MAX_CONCURRENT_STREAMS: 7, Setting.INITIAL_WINDOW_SIZE: 12_345,
-                                              Setting.MAX_HEADER_LIST_SIZE: 4_321, Setting.ENABLE_PUSH: 0}
+    assert dict(f.parse_settings(payload)) == {
+        Setting.MAX_CONCURRENT_STREAMS: 7,
+        Setting.INITIAL_WINDOW_SIZE: 12_345,
+        Setting.MAX_HEADER_LIST_SIZE: 4_321,
+        Setting.ENABLE_PUSH: 0,
+    }
 
 
 def test_a_message_over_the_size_limit_is_rejected_before_it_is_buffered() -> None:
@@ -665,8 +727,8 @@ def test_message_reassembly_is_linear_in_the_bytes_received() -> None:
     body = b"\7" * size
     wire = f.grpc_prefix(size) + body
     head, tail = wire[:-8_000], wire[-8_000:]
-    server.receive(headers(1) + b"".join(data(1, head[i:i + 16_384]) for i in range(0, len(head), 16_384)))
-    one_byte_frames = b"".join(data(1, tail[i:i + 1]) for i in range(len(tail)))
+    server.receive(headers(1) + b"".join(data(1, head[i : i + 16_384]) for i in range(0, len(head), 16_384)))
+    one_byte_frames = b"".join(data(1, tail[i : i + 1]) for i in range(len(tail)))
     started = time.perf_counter()
     events = server.receive(one_byte_frames)
     elapsed = time.perf_counter() - started
@@ -683,12 +745,12 @@ def test_a_message_trickled_in_one_byte_frames_is_held_in_about_its_own_size() -
     limits = Limits(initial_window_size=2 * size, connection_window_size=2 * size)
     server = raw_server(limits=limits)
     wire = f.grpc_prefix(size + 1) + b"\7" * size  # one byte short: held, not delivered
-    frames = headers(1) + data(1, wire[:16_000]) + b"".join(data(1, wire[i:i + 1]) for i in range(16_000, len(wire)))
+    frames = headers(1) + data(1, wire[:16_000]) + b"".join(data(1, wire[i : i + 1]) for i in range(16_000, len(wire)))
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         for start in range(0, len(frames), 65_536):
-            assert not [e for e in server.receive(frames[start:start + 65_536]) if isinstance(e, MessageReceived)]
+            assert not [e for e in server.receive(frames[start : start + 65_536]) if isinstance(e, MessageReceived)]
             server.data_to_send()  # (the window updates we owe: read, as a well-behaved peer does)
         held = tracemalloc.get_traced_memory()[0] - before
     finally:

@@ -26,8 +26,14 @@ from pilotfish.transport import frames as f
 from pilotfish.transport.frames import ErrorCode, Setting
 from pilotfish.transport.h2 import Connection, ConnectionTerminated, Role
 
-REQUEST = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/pkg.Service/Method"),
-           (b":authority", b"pilotfish"), (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+REQUEST = [
+    (b":method", b"POST"),
+    (b":scheme", b"http"),
+    (b":path", b"/pkg.Service/Method"),
+    (b":authority", b"pilotfish"),
+    (b"content-type", b"application/grpc"),
+    (b"te", b"trailers"),
+]
 STREAMS = st.sampled_from([0, 1, 3, 5])
 U32 = struct.Struct(">L").pack
 
@@ -38,42 +44,77 @@ def _flags(end_stream: bool) -> int:
 
 headers_frames = st.builds(
     lambda sid, end: f.frame(f.HEADERS, f.END_HEADERS | _flags(end), sid, f.header_block(REQUEST)),
-    st.sampled_from([1, 3, 5, 7]), st.booleans())
+    st.sampled_from([1, 3, 5, 7]),
+    st.booleans(),
+)
 # Never empty without END_STREAM: empty DATA frames in a row are a flood pilotfish limits
 # (Limits.max_consecutive_empty_frames, as Envoy does) and h2 has no rule for.
 data_frames = st.builds(
     lambda sid, payload, end: f.frame(f.DATA, _flags(end or not payload), sid, payload),
-    STREAMS, st.binary(max_size=8), st.booleans())
+    STREAMS,
+    st.binary(max_size=8),
+    st.booleans(),
+)
 window_updates = st.builds(
     lambda sid, increment, size: f.frame(f.WINDOW_UPDATE, 0, sid, U32(increment)[:size]),
-    STREAMS, st.sampled_from([0, 1, 1000, 2**31 - 1]), st.sampled_from([4, 4, 3]))
+    STREAMS,
+    st.sampled_from([0, 1, 1000, 2**31 - 1]),
+    st.sampled_from([4, 4, 3]),
+)
 rst_streams = st.builds(
-    lambda sid, size: f.frame(f.RST_STREAM, 0, sid, U32(ErrorCode.CANCEL)[:size]),
-    STREAMS, st.sampled_from([4, 4, 2]))
+    lambda sid, size: f.frame(f.RST_STREAM, 0, sid, U32(ErrorCode.CANCEL)[:size]), STREAMS, st.sampled_from([4, 4, 2])
+)
 pings = st.builds(
     lambda sid, size, ack: f.frame(f.PING, f.ACK if ack else 0, sid, b"\0" * size),
-    st.sampled_from([0, 0, 1]), st.sampled_from([8, 8, 7]), st.booleans())
-setting_entries = st.lists(st.sampled_from([
-    (Setting.ENABLE_PUSH, 0), (Setting.ENABLE_PUSH, 1), (Setting.ENABLE_PUSH, 2),
-    (Setting.INITIAL_WINDOW_SIZE, 100), (Setting.INITIAL_WINDOW_SIZE, 2**31 - 1), (Setting.INITIAL_WINDOW_SIZE, 2**31),
-    (Setting.MAX_FRAME_SIZE, 16_384), (Setting.MAX_FRAME_SIZE, 100), (Setting.MAX_FRAME_SIZE, 2**24),
-    (Setting.HEADER_TABLE_SIZE, 0), (Setting.MAX_CONCURRENT_STREAMS, 10),
-]), max_size=3, unique_by=lambda entry: entry[0])  # h2 keeps the last value of a repeated one
+    st.sampled_from([0, 0, 1]),
+    st.sampled_from([8, 8, 7]),
+    st.booleans(),
+)
+setting_entries = st.lists(
+    st.sampled_from(
+        [
+            (Setting.ENABLE_PUSH, 0),
+            (Setting.ENABLE_PUSH, 1),
+            (Setting.ENABLE_PUSH, 2),
+            (Setting.INITIAL_WINDOW_SIZE, 100),
+            (Setting.INITIAL_WINDOW_SIZE, 2**31 - 1),
+            (Setting.INITIAL_WINDOW_SIZE, 2**31),
+            (Setting.MAX_FRAME_SIZE, 16_384),
+            (Setting.MAX_FRAME_SIZE, 100),
+            (Setting.MAX_FRAME_SIZE, 2**24),
+            (Setting.HEADER_TABLE_SIZE, 0),
+            (Setting.MAX_CONCURRENT_STREAMS, 10),
+        ]
+    ),
+    max_size=3,
+    unique_by=lambda entry: entry[0],
+)  # h2 keeps the last value of a repeated one
 settings_frames = st.builds(
     lambda sid, ack, entries, extra: f.frame(
-        f.SETTINGS, f.ACK if ack else 0, sid,
-        (b"" if ack else b"".join(struct.pack(">HL", k, v) for k, v in entries)) + b"\0" * extra),
-    st.sampled_from([0, 0, 0, 1]), st.booleans(), setting_entries, st.sampled_from([0, 0, 0, 1, 6]))
+        f.SETTINGS,
+        f.ACK if ack else 0,
+        sid,
+        (b"" if ack else b"".join(struct.pack(">HL", k, v) for k, v in entries)) + b"\0" * extra,
+    ),
+    st.sampled_from([0, 0, 0, 1]),
+    st.booleans(),
+    setting_entries,
+    st.sampled_from([0, 0, 0, 1, 6]),
+)
 priority_frames = st.builds(
     lambda sid, dependency: f.frame(f.PRIORITY, 0, sid, U32(dependency) + b"\x10"),
-    st.sampled_from([0, 1, 3]), st.sampled_from([0, 5]))
+    st.sampled_from([0, 1, 3]),
+    st.sampled_from([0, 5]),
+)
 # On a stream that was never opened: h2 ignores any frame on a stream it has reset, even a
 # CONTINUATION outside a header block, which RFC 9113 section 6.10 makes a connection error.
-strays = st.sampled_from([
-    f.frame(f.CONTINUATION, f.END_HEADERS, 9, b""),
-    f.frame(f.PUSH_PROMISE, f.END_HEADERS, 9, U32(2) + f.header_block(REQUEST)),
-    f.frame(0xA0, 0, 0, b"unknown frame type"),
-])
+strays = st.sampled_from(
+    [
+        f.frame(f.CONTINUATION, f.END_HEADERS, 9, b""),
+        f.frame(f.PUSH_PROMISE, f.END_HEADERS, 9, U32(2) + f.header_block(REQUEST)),
+        f.frame(0xA0, 0, 0, b"unknown frame type"),
+    ]
+)
 
 
 def _where_both_have_a_rule(frames: list[bytes]) -> list[bytes]:
@@ -93,17 +134,20 @@ def _where_both_have_a_rule(frames: list[bytes]) -> list[bytes]:
                 continue
             seen.add(stream_id)
         elif stream_id and (
-                (kind == f.RST_STREAM and stream_id > max(seen, default=0))
-                or (kind == f.WINDOW_UPDATE and frame[9:] == b"\0\0\0\0")):
+            (kind == f.RST_STREAM and stream_id > max(seen, default=0))
+            or (kind == f.WINDOW_UPDATE and frame[9:] == b"\0\0\0\0")
+        ):
             continue
         kept.append(frame)
     return kept
 
 
 frame_sequences = st.lists(
-    st.one_of(headers_frames, data_frames, window_updates, rst_streams, pings, settings_frames,
-              priority_frames, strays),
-    max_size=12).map(_where_both_have_a_rule)
+    st.one_of(
+        headers_frames, data_frames, window_updates, rst_streams, pings, settings_frames, priority_frames, strays
+    ),
+    max_size=12,
+).map(_where_both_have_a_rule)
 
 
 def first_error_ours(frames: list[bytes]) -> int | None:

@@ -41,12 +41,15 @@ def test_free_addresses_pass_and_are_let_go() -> None:
         pass
 
 
-@pytest.mark.parametrize(("cause", "says"), [
-    (OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address"), "is not an address of this host"),
-    (OSError(errno.EACCES, "Permission denied"), "may not be listened on by this user (ports below 1024 need"),
-    (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), "cannot be resolved (Name or service"),
-    (OSError(errno.EMFILE, "Too many open files"), "cannot be listened on (too many open files)"),
-])
+@pytest.mark.parametrize(
+    ("cause", "says"),
+    [
+        (OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address"), "is not an address of this host"),
+        (OSError(errno.EACCES, "Permission denied"), "may not be listened on by this user (ports below 1024 need"),
+        (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), "cannot be resolved (Name or service"),
+        (OSError(errno.EMFILE, "Too many open files"), "cannot be listened on (too many open files)"),
+    ],
+)
 def test_other_failures_say_why_and_which_flag(cause: OSError, says: str) -> None:
     with pytest.raises(ListenError) as caught, naming_failures(REST_XDS, "example.invalid:8080"):
         raise cause

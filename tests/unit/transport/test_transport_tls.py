@@ -12,8 +12,13 @@ from pilotfish.transport.tls import ReloadingServerContext, TlsFiles, build_cont
 
 
 def test_identity_is_the_spiffe_uri_else_the_first_dns_name() -> None:
-    both = {"subjectAltName": (("DNS", "edge.example"), ("URI", "https://not-spiffe"),
-                               ("URI", "spiffe://example/ns/a/sa/edge"))}
+    both = {
+        "subjectAltName": (
+            ("DNS", "edge.example"),
+            ("URI", "https://not-spiffe"),
+            ("URI", "spiffe://example/ns/a/sa/edge"),
+        )
+    }
     assert peer_identity(both) == "spiffe://example/ns/a/sa/edge"
     assert peer_identity({"subjectAltName": (("IP Address", "10.0.0.1"), ("DNS", "edge.example"))}) == "edge.example"
     assert peer_identity({"subject": ((("commonName", "edge"),),)}) == ""  # a CN is not an identity
@@ -50,8 +55,9 @@ def test_a_changed_pair_is_loaded_only_once_it_matches(tmp_path: Path) -> None:
     ca = trustme.CA()
     cert, key = pair(tmp_path, ca)
     reported: list[str] = []
-    tls = ReloadingServerContext(TlsFiles(cert=cert, key=key, alpn=("h2",)),
-                                 on_event=lambda event, **fields: reported.append(event))
+    tls = ReloadingServerContext(
+        TlsFiles(cert=cert, key=key, alpn=("h2",)), on_event=lambda event, **fields: reported.append(event)
+    )
     first = tls.current
     assert not tls.reload_if_changed()  # nothing changed
     new = ca.issue_cert("127.0.0.1")

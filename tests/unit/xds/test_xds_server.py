@@ -24,8 +24,14 @@ TIMEOUT = 10.0
 
 
 def clusters(*names: str) -> Snapshot:
-    parsed = [parse_resource(CLUSTER, {"name": name, "type": "EDS", "connect_timeout": "1s",
-                                       "eds_cluster_config": {"eds_config": {"ads": {}}}}, "")[0] for name in names]
+    parsed = [
+        parse_resource(
+            CLUSTER,
+            {"name": name, "type": "EDS", "connect_timeout": "1s", "eds_cluster_config": {"eds_config": {"ads": {}}}},
+            "",
+        )[0]
+        for name in names
+    ]
     return Snapshot.build({CLUSTER: [message for message in parsed if message is not None]})
 
 
@@ -75,6 +81,7 @@ class WatcherDouble:
         def cancel() -> None:
             if self.held.pop(wid, None) is not None:
                 self.cancelled += 1
+
         return cancel
 
 
@@ -106,8 +113,11 @@ async def test_the_grpc_services_are_served_by_any_config_watcher() -> None:
             assert [r.type_url for r in first.resources] == [CLUSTER.url]
             assert first.version_info == watcher.current.version(CLUSTER.url)
             assert watcher.opened[0][1] == "blue", "the server chose the group and handed it to the watcher"
-            await call.write(discovery_pb2.DiscoveryRequest(type_url=CLUSTER.url, version_info=first.version_info,
-                                                            response_nonce=first.nonce))  # the ACK
+            await call.write(
+                discovery_pb2.DiscoveryRequest(
+                    type_url=CLUSTER.url, version_info=first.version_info, response_nonce=first.nonce
+                )
+            )  # the ACK
             await wait_until(lambda: len(watcher.held) == 1)  # nothing new: the watcher holds it
             record = status.get("edge-1")
             assert isinstance(record, ProxyStatus) and record.types[CLUSTER.url].acked_version == first.version_info
@@ -116,16 +126,20 @@ async def test_the_grpc_services_are_served_by_any_config_watcher() -> None:
             second = await call.read()
             assert second.version_info == watcher.current.version(CLUSTER.url) != first.version_info
             assert len(second.resources) == 2
-            await call.write(discovery_pb2.DiscoveryRequest(type_url=CLUSTER.url, version_info=second.version_info,
-                                                            response_nonce=second.nonce))
+            await call.write(
+                discovery_pb2.DiscoveryRequest(
+                    type_url=CLUSTER.url, version_info=second.version_info, response_nonce=second.nonce
+                )
+            )
             await wait_until(lambda: len(watcher.held) == 1)
 
             delta = stub.DeltaAggregatedResources()
             await delta.write(discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER.url, node={"id": "edge-2"}))
             answer = await delta.read()
             assert sorted(r.name for r in answer.resources) == ["a", "b"]
-            await delta.write(discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER.url,
-                                                                  response_nonce=answer.nonce))  # the ACK
+            await delta.write(
+                discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER.url, response_nonce=answer.nonce)
+            )  # the ACK
             await wait_until(lambda: len(watcher.held) == 2)
             assert isinstance(watcher.opened[-1][0], DeltaWatch)
 
