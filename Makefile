@@ -67,7 +67,7 @@ test: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(PYTHON) -m pytest --durations=20 $(PYTEST_WORKERS) $(PYTEST_ARGS) $(TEST_DIRS)
 
 # ruff on src, tests and bench (its rules, complexity and argument counts included, and its
-# formatter: `ruff format src tests bench` fixes what --check finds); mypy strict on src/pilotfish and bench (pyproject.toml's
+# formatter: `ruff format src tests bench` fixes what --check finds); mypy strict on src/pilotfish, bench and tests (pyproject.toml's
 # [tool.mypy]); the import layers of docs/architecture.md (import-linter contracts, [tool.importlinter]).
 # lint-imports finds pilotfish on sys.path: src/ first, so it reads this checkout's code even when
 # the venv's editable install points at another one (a worktree sharing a venv).
