@@ -5,13 +5,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.config.endpoint.v3 import load_report_pb2
 from envoy.service.load_stats.v3 import lrs_pb2, lrs_pb2_grpc
+from inprocess import serving
+from prometheus_client.parser import text_string_to_metric_families
 
+from pilotfish.app import ServeSettings
+from pilotfish.app.settings import XdsSettings
+from pilotfish.commands.cli import main
 from pilotfish.transport.aio import GrpcServer
 from pilotfish.xds.lrs import SEND_ALL_FEATURE, LoadReporting, LrsSettings
 
@@ -184,6 +191,35 @@ async def test_bytes_that_are_not_a_report_end_the_stream() -> None:
         await server.stop(0)
 
 
-def test_the_interval_is_checked() -> None:
-    with pytest.raises(ValueError, match=r"between 0\.1 s and 1 hour"):
-        LrsSettings(interval=0)
+async def test_serve_takes_load_reports_on_its_xds_port_and_counts_them_in_its_metrics(tmp_path: Path) -> None:
+    snapshot = tmp_path / "snap.yaml"
+    snapshot.write_text("services:\n  web:\n    endpoints: [127.0.0.1:9001]\n  api:\n    endpoints: [127.0.0.1:9002]\n")
+    settings = ServeSettings(snapshot=snapshot, xds=XdsSettings(lrs=LrsSettings(interval=0.2)))
+    async with serving(tmp_path, settings) as running, grpc.aio.insecure_channel(running.xds) as channel:
+        call = lrs_pb2_grpc.LoadReportingServiceStub(channel).StreamLoadStats()
+        await call.write(report("grpc-1", features=()))  # told its group's clusters, by name
+        answer = await asyncio.wait_for(call.read(), TIMEOUT)
+        assert sorted(answer.clusters) == ["api", "web"]
+        assert answer.load_reporting_interval.ToNanoseconds() == 200_000_000
+
+        async def scraped() -> dict[str, float]:
+            async with aiohttp.ClientSession() as session, session.get(f"http://{running.admin}/metrics") as r:
+                text = await r.text()
+            return {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if "lrs" in f.name}
+
+        deadline = asyncio.get_running_loop().time() + TIMEOUT
+        while (counts := await scraped()).get("pilotfish_lrs_reports", 0) < 1:
+            assert asyncio.get_running_loop().time() < deadline, f"no report was counted: {counts}"
+            await call.write(report(None, ok=10, errors=1))
+            await asyncio.sleep(0.1)
+        assert counts["pilotfish_lrs_streams"] == 1
+        call.cancel()
+
+
+def test_a_reporting_interval_out_of_range_is_refused_naming_its_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    snapshot = tmp_path / "snap.yaml"
+    snapshot.write_text("services:\n  web:\n    endpoints: [127.0.0.1:9001]\n")
+    assert main(["serve", "--snapshot", str(snapshot), "--lrs-interval-ms", "50"]) == 2
+    assert "--lrs-interval-ms" in capsys.readouterr().err

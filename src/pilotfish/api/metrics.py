@@ -26,6 +26,7 @@ from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.reconcile import PublishState
 from pilotfish.resources import type_by_url
 from pilotfish.status import ACK_BUCKETS, SyncStatus
+from pilotfish.xds.lrs import LoadReporting
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -46,7 +47,9 @@ class _Collector(Collector):
         cache: SnapshotCache,
         open_streams: Callable[[], int],
         subset_of: Callable[[str], int | None],
+        lrs: LoadReporting | None,
     ) -> None:
+        self._lrs = lrs
         self._subset_of = subset_of
         self._status = status
         self._reconciler = reconciler
@@ -81,6 +84,17 @@ class _Collector(Collector):
         yield responses
         yield acks
         yield nacks
+        if self._lrs is not None:
+            lrs = self._lrs
+            yield GaugeMetricFamily(
+                "pilotfish_lrs_streams", "Open load reporting (LRS) streams", value=lrs.open_streams
+            )
+            yield CounterMetricFamily("pilotfish_lrs_reports", "Load reports taken", value=lrs.reports)
+            yield CounterMetricFamily(
+                "pilotfish_lrs_reports_dropped",
+                "Load reports dropped unparsed: they came sooner than a quarter of the interval after the last one",
+                value=lrs.dropped,
+            )
         histogram = status.ack_latency
         buckets, running = [], 0
         for bound, count in zip((*map(str, ACK_BUCKETS), "+Inf"), histogram.counts, strict=True):
@@ -183,9 +197,10 @@ class Metrics:
         cache: SnapshotCache,
         open_streams: Callable[[], int],
         subset_of: Callable[[str], int | None] | None = None,
+        lrs: LoadReporting | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(status, reconciler, cache, open_streams, subset_of or (lambda _: None)))
+        self.registry.register(_Collector(status, reconciler, cache, open_streams, subset_of or (lambda _: None), lrs))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

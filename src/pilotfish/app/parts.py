@@ -21,19 +21,20 @@ from typing import Protocol
 from pilotfish.api.registry_etcd import LeaseGuard
 from pilotfish.app.components import Task
 from pilotfish.app.settings import EtcdSettings, ServeSettings, XdsSettings
-from pilotfish.cache import SnapshotCache
+from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.errors import ConfigError
 from pilotfish.etcd.client import EtcdClient
 from pilotfish.etcd.election import Election, Leadership
 from pilotfish.events import EventLog
 from pilotfish.policy.grants import SecretGrant, SecretGrants, Subject
 from pilotfish.reconcile import Reconciler
-from pilotfish.resources import SECRET
+from pilotfish.resources import CLUSTER, SECRET
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.subsets.etcd import READY_SOURCE as SUBSETS_READY
 from pilotfish.subsets.etcd import BackendIndexWriter
 from pilotfish.transport.site import XDS, naming_failures
 from pilotfish.transport.tls import ReloadingServerContext, TlsFiles
+from pilotfish.xds.lrs import LoadReporting
 from pilotfish.xds.server import XdsServer, start_xds_server
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "StopSignals",
     "TlsReload",
     "XdsListener",
+    "cluster_names",
     "raise_descriptor_limit",
     "say_what_we_wait_for",
     "secret_grants",
@@ -98,8 +100,18 @@ class XdsListener:
 
     name = "xds"
 
-    def __init__(self, xds: XdsServer, settings: XdsSettings, *, tls: TlsReload | None, events: EventLog) -> None:
+    def __init__(
+        self,
+        xds: XdsServer,
+        settings: XdsSettings,
+        *,
+        tls: TlsReload | None,
+        events: EventLog,
+        lrs: LoadReporting | None = None,
+    ) -> None:
         self.xds = xds
+        self.lrs = lrs
+        """Load reporting, served on the same port."""
         self._settings = settings
         self._tls = tls
         self._events = events
@@ -120,6 +132,7 @@ class XdsListener:
                 self._settings.address,
                 tls=None if self._tls is None else self._tls.context,
                 connection_limits=self._settings.connections,
+                beside=None if self.lrs is None else self.lrs.methods(),
             )
         self.max_connections = server.max_connections
         self.max_connections_per_address = server.max_connections_per_address
@@ -339,6 +352,14 @@ async def say_what_we_wait_for(
 
 
 # -- policy -----------------------------------------------------------------------------------------
+
+
+def cluster_names(cache: SnapshotCache, group: NodeGroup) -> list[str]:
+    """The names of the clusters ``group`` is served (what a client that cannot be told "all"
+    reports load on)."""
+    snapshot = cache.snapshot(group)
+    clusters = snapshot.get(CLUSTER.url) if snapshot is not None else None
+    return [] if clusters is None else sorted(clusters.resources)
 
 
 def secret_grants(settings: ServeSettings, from_file: tuple[SecretGrant, ...]) -> SecretGrants:

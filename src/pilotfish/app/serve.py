@@ -32,6 +32,7 @@ from pilotfish.app.parts import (
     StopSignals,
     TlsReload,
     XdsListener,
+    cluster_names,
     raise_descriptor_limit,
     say_what_we_wait_for,
     secret_grants,
@@ -50,6 +51,7 @@ from pilotfish.policy.grants import GrantsFile, SecretGrant
 from pilotfish.policy.groups import NodeGroups
 from pilotfish.reconcile import BuildOptions, Reconciler, SubsetOptions
 from pilotfish.resources.bootstrap import split_address
+from pilotfish.rollout.load import LoadStore
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry
 from pilotfish.status import SyncStatus
@@ -58,6 +60,7 @@ from pilotfish.subsets.etcd import BackendIndexWriter, EtcdProxyIndices, SubsetK
 from pilotfish.subsets.state import STATE_FILE, SubsetState, keep_saving, load_or_start_fresh
 from pilotfish.transport.site import ADMIN_API, REGISTRY_API, REST_XDS, XDS, check_addresses, serve_app
 from pilotfish.transport.tls import ALPN_H2
+from pilotfish.xds.lrs import LoadReporting
 from pilotfish.xds.rest import RestXds, start_rest_server
 from pilotfish.xds.server import GrantsInForce, XdsPolicy, XdsServer
 
@@ -184,7 +187,16 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         return None if files is None else TlsReload(name, files, events=events, every=tls.reload_every)
 
     xds_tls = tls_reload("xds", tls.client_ca, (ALPN_H2,))
-    xds_listener = XdsListener(xds, settings.xds, tls=xds_tls, events=events)
+    # Load reports on the xDS port, kept for the rollout's health gates (LoadStore bounds them).
+    load = LoadStore(clock=time.monotonic)
+    lrs = LoadReporting(
+        load,
+        settings=settings.xds.lrs,
+        authorize=authorize,
+        limits=settings.xds.limits,
+        clusters_for=lambda node: cluster_names(cache, groups.group_of(node)),
+    )
+    xds_listener = XdsListener(xds, settings.xds, tls=xds_tls, events=events, lrs=lrs)
     listening: list[Component | None] = [xds_tls, xds_listener]
 
     store = (
@@ -240,7 +252,12 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             tokens=admin_tokens,
             events=events,
             metrics=Metrics(
-                status, reconciler, cache=cache, open_streams=lambda: xds.open_streams, subset_of=proxy_indices.index
+                status,
+                reconciler,
+                cache=cache,
+                open_streams=lambda: xds.open_streams,
+                subset_of=proxy_indices.index,
+                lrs=lrs,
             ),
         )
         admin = _admin(

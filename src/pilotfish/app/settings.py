@@ -27,6 +27,7 @@ from pilotfish.status import StatusLimits
 from pilotfish.transport.aio import ConnectionLimits
 from pilotfish.transport.site import ADMIN_CONNECTIONS, HttpConnectionLimits
 from pilotfish.transport.tls import TlsFiles
+from pilotfish.xds.lrs import LrsSettings
 from pilotfish.xds.server import XdsLimits
 
 __all__ = [
@@ -56,6 +57,8 @@ class XdsSettings:
     go without its HTTP/2 preface or without streams (``--max-connections`` ...)."""
     grace: float = 1.0
     """On shutdown, how long open streams get to finish (seconds)."""
+    lrs: LrsSettings = field(default_factory=LrsSettings)
+    """Load reports (LRS) on the same port: how often a client reports (``--lrs-interval-ms``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,6 +276,14 @@ class ServeSettings:
                     "--grant-secret ...=identity: names certificate identities: "
                     "it needs mTLS, give --client-ca FILE (and --tls-cert, "
                     "--tls-key) too",
+                )
+            )
+        if not 0.1 <= self.xds.lrs.interval <= 3600:
+            problems.append(
+                Problem(
+                    "--lrs-interval-ms",
+                    f"--lrs-interval-ms asks proxies to report load every 100 ms to 1 hour, not every "
+                    f"{self.xds.lrs.interval * 1000:g} ms",
                 )
             )
         return problems

@@ -249,7 +249,13 @@ def _parser() -> argparse.ArgumentParser:
         type=_address,
         default="127.0.0.1:18000",
         metavar="HOST:PORT",
-        help="where to serve xDS over gRPC (default: %(default)s)",
+        help="where to serve xDS over gRPC (default: %(default)s); load reports (LRS) are taken on the same port",
+    )
+    serve.add_argument(
+        "--lrs-interval-ms",
+        type=_positive_int,
+        metavar="MS",
+        help="how often proxies that report load (bootstrap --lrs) are asked to report (default: 10000)",
     )
     serve.add_argument(
         "--admin",
@@ -685,11 +691,13 @@ def _serve(args: argparse.Namespace) -> int:
     from pilotfish.status import StatusLimits
     from pilotfish.transport.aio import ConnectionLimits
     from pilotfish.transport.site import ADMIN_CONNECTIONS, HttpConnectionLimits
+    from pilotfish.xds.lrs import LrsSettings
 
     settings = ServeSettings(
         snapshot=args.snapshot,
         xds=XdsSettings(
             address=args.xds,
+            lrs=LrsSettings() if args.lrs_interval_ms is None else LrsSettings(interval=args.lrs_interval_ms / 1000),
             connections=ConnectionLimits(
                 max_connections=args.max_connections,
                 max_connections_per_address=args.max_connections_per_address,

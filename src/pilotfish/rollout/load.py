@@ -250,6 +250,10 @@ class LoadStore:
     def series(self) -> int:
         return self._series
 
+    def report(self, node_id: str, request: lrs_pb2.LoadStatsRequest) -> None:
+        """One report as it arrived on ``node_id``'s load reporting stream (the LRS service's sink)."""
+        self.ingest(node_id, decode_load_report(request))
+
     def ingest(self, node_id: str, report: LoadReport) -> Ingested:
         """Count one report of ``node_id`` (the stream's node, whatever ``report.node_id`` says)."""
         now = self._clock()

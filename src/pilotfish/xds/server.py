@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import logging
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
@@ -753,10 +753,12 @@ async def start_xds_server(
     *,
     tls: ssl.SSLContext | None = None,
     connection_limits: ConnectionLimits | None = None,
+    beside: Mapping[str, MethodFactory] | None = None,
 ) -> tuple[GrpcServer, int]:
     """Serve ``xds`` on ``address`` (``host:port``; port 0 = any free), over TLS when ``tls`` is
-    given, holding connections within ``connection_limits``; returns (server, port)."""
+    given, holding connections within ``connection_limits``, and the methods ``beside`` on the
+    same port (load reporting); returns (server, port)."""
     host, _, port = address.rpartition(":")
-    server = GrpcServer(xds.methods(), connection_limits=connection_limits)
+    server = GrpcServer({**xds.methods(), **(beside or {})}, connection_limits=connection_limits)
     bound = await server.start(host.strip("[]"), int(port), tls=tls)
     return server, bound
