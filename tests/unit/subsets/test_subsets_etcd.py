@@ -137,7 +137,13 @@ async def test_a_new_proxy_gets_the_lowest_free_index_at_once_and_etcd_holds_bot
         await until("the other replica to read edge-1's index", seen_by_b)
         assert b.indices.acquire("edge-2") == 1  # 0 is taken, as etcd says
         assert await until("edge-2's keys in etcd", lambda: b.settled("edge-2")) == ("1", b.indices.lease)
-        assert a.indices.table() == b.indices.table() == IndexTable({"edge-1": Index(0), "edge-2": Index(1)})
+        both = IndexTable({"edge-1": Index(0), "edge-2": Index(1)})
+
+        async def seen_by_a() -> bool:  # through a's watch, a moment after etcd has the keys
+            return a.indices.table() == both
+
+        await until("the first replica to read edge-2's index", seen_by_a)
+        assert b.indices.table() == both
 
 
 @pytest.mark.e2e
@@ -193,10 +199,12 @@ async def test_two_replicas_giving_one_index_at_the_same_moment_agree_the_loser_
         assert (a.indices.acquire("edge-a"), b.indices.acquire("edge-b")) == (0, 0)
 
         async def agreed() -> dict[str, tuple[str, int] | None] | None:
-            keys = {node: await stored(a.client, KEYS.proxy(node)) for node in ("edge-a", "edge-b")}
             held = await a.settled("edge-a") and await b.settled("edge-b")
             same_view = a.indices.table() == b.indices.table()
-            return keys if held and same_view else None
+            if not (held and same_view):
+                return None
+            # Read once both hold their keys (read before, they could be from before the writes).
+            return {node: await stored(a.client, KEYS.proxy(node)) for node in ("edge-a", "edge-b")}
 
         keys = await until("the replicas to settle the race", agreed)
         index_of = {node: found[0] for node, found in keys.items() if found is not None}
