@@ -98,6 +98,9 @@ class SilentMiddlebox:
         self.dropped = 0
         self._watches: list[dict[str, bool]] = []
         self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        """Every connection's both ends, closed at :meth:`stop` (left to the garbage collector, a
+        writer of a closed loop warns in whatever test runs next)."""
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
@@ -106,6 +109,13 @@ class SilentMiddlebox:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        for writer in self._writers:
+            writer.close()
+        for writer in self._writers:
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        if self._server is not None:
+            await self._server.wait_closed()
 
     def drop_watches(self) -> None:
         """From now on, nothing more passes on the watch connections open now."""
@@ -114,7 +124,9 @@ class SilentMiddlebox:
             self.dropped += 1
 
     async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        self._writers.append(client_writer)
         etcd_reader, etcd_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers.append(etcd_writer)
         state = {"dropped": False}
         first = await client_reader.read(65536)
         if first.startswith(b"POST /v3/watch"):
