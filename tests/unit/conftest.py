@@ -11,11 +11,15 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import config_source_pb2
 from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf import json_format
 
 from pilotfish.cache import Cancel, SnapshotCache
 from pilotfish.protocol import RequestOutcome, SotwStream, Watch
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
+from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.resources.parse import parse_resource
 from pilotfish.resources.wire import nonce_field
 from pilotfish.snapshot import EncodedResponse, Snapshot
@@ -234,3 +238,23 @@ def etcd(tmp_path: Path) -> Iterator[str]:
         yield Etcd.start(group).address
     finally:
         group.close()
+
+
+def eds_source(cluster: cluster_pb2.Cluster) -> config_source_pb2.ConfigSource:
+    """Where a cluster gets its endpoints from."""
+    return cluster.eds_cluster_config.eds_config
+
+
+def bootstrap_source(refresh: float) -> config_source_pb2.ConfigSource:
+    """What ``pilotfish bootstrap --rest`` polls CDS and LDS with."""
+    config = bootstrap(BootstrapSettings(node_id="n", rest="127.0.0.1:18001", refresh=refresh))
+    cds, lds = (
+        json_format.ParseDict(config["dynamic_resources"][key], config_source_pb2.ConfigSource())
+        for key in ("cds_config", "lds_config")
+    )
+    assert cds == lds
+    return cds
+
+
+ADS_SOURCE = json_format.ParseDict({"ads": {}, "resource_api_version": "V3"}, config_source_pb2.ConfigSource())
+"""The config source of a resource that comes over the ADS stream."""

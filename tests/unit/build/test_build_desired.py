@@ -10,6 +10,7 @@ what Envoys on ADS get, shared."""
 from __future__ import annotations
 
 import pytest
+from conftest import ADS_SOURCE, bootstrap_source, eds_source
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import config_source_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
@@ -17,12 +18,11 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
-from google.protobuf import json_format
 
 from pilotfish.build.desired import DesiredState, View, build_snapshot, build_snapshots, merge_states
 from pilotfish.errors import ConfigError
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
-from pilotfish.resources.bootstrap import XDS_CLUSTER, BootstrapSettings, bootstrap
+from pilotfish.resources.bootstrap import XDS_CLUSTER
 from pilotfish.resources.builders import ClientKind, ResourceMemo
 from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_services
@@ -62,31 +62,13 @@ def _rds_source(listener: listener_pb2.Listener) -> config_source_pb2.ConfigSour
     return manager.rds.config_source
 
 
-def _eds_source(cluster: cluster_pb2.Cluster) -> config_source_pb2.ConfigSource:
-    return cluster.eds_cluster_config.eds_config
-
-
-def _bootstrap_source(refresh: float) -> config_source_pb2.ConfigSource:
-    """What ``pilotfish bootstrap --rest`` polls CDS and LDS with."""
-    config = bootstrap(BootstrapSettings(node_id="n", rest="127.0.0.1:18001", refresh=refresh))
-    cds, lds = (
-        json_format.ParseDict(config["dynamic_resources"][key], config_source_pb2.ConfigSource())
-        for key in ("cds_config", "lds_config")
-    )
-    assert cds == lds
-    return cds
-
-
-ADS = json_format.ParseDict({"ads": {}, "resource_api_version": "V3"}, config_source_pb2.ConfigSource())
-
-
 def test_a_rest_group_polls_eds_and_rds_like_its_bootstrap_polls_cds_and_lds() -> None:
     snapshots = _build({"rest": REST}, refresh=0.25)
     rest = snapshots["rest"]
-    expected = _bootstrap_source(0.25)
+    expected = bootstrap_source(0.25)
     assert list(expected.api_config_source.cluster_names) == [XDS_CLUSTER]
-    assert _eds_source(_cluster(rest, "web")) == expected
-    assert _eds_source(_cluster(rest, "db")) == expected
+    assert eds_source(_cluster(rest, "web")) == expected
+    assert eds_source(_cluster(rest, "db")) == expected
     assert _rds_source(_listener(rest, "web")) == expected
     # Socket listeners, as Envoys on ADS get: no API listener, and the TCP one as it is.
     assert sorted(rest.types[LISTENER.url].resources) == ["db", "web"]
@@ -96,8 +78,8 @@ def test_a_rest_group_polls_eds_and_rds_like_its_bootstrap_polls_cds_and_lds() -
 def test_envoy_and_grpc_groups_still_follow_ads_beside_a_rest_group() -> None:
     snapshots = _build({"default": ENVOYS, "grpc": GRPC, "rest": REST})
     for group in ("default", "grpc"):
-        assert _eds_source(_cluster(snapshots[group], "web")) == ADS, group
-        assert _rds_source(_listener(snapshots[group], "web")) == ADS, group
+        assert eds_source(_cluster(snapshots[group], "web")) == ADS_SOURCE, group
+        assert _rds_source(_listener(snapshots[group], "web")) == ADS_SOURCE, group
     alone = _build({"default": ENVOYS})["default"]
     for rtype in (CLUSTER, ENDPOINT, LISTENER, ROUTE):
         assert snapshots["default"].types[rtype.url].version == alone.types[rtype.url].version, rtype
@@ -122,7 +104,7 @@ def test_the_refresh_delay_shapes_the_rest_clusters_and_an_unchanged_build_reuse
     again = _build({"rest": REST}, refresh=0.5, memo=memo)["rest"]
     assert again.types[CLUSTER.url].resources["web"] is first.types[CLUSTER.url].resources["web"]
     slower = _build({"rest": REST}, refresh=2.0, memo=memo)["rest"]
-    assert _eds_source(_cluster(slower, "web")).api_config_source.refresh_delay.seconds == 2
+    assert eds_source(_cluster(slower, "web")).api_config_source.refresh_delay.seconds == 2
     assert slower.types[CLUSTER.url].version != first.types[CLUSTER.url].version
 
 

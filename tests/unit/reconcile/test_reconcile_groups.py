@@ -6,16 +6,14 @@ from __future__ import annotations
 
 from typing import cast
 
+from conftest import ADS_SOURCE, bootstrap_source, eds_source
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import config_source_pb2
-from google.protobuf import json_format
 
 from pilotfish.build.desired import DesiredState, View
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
 from pilotfish.policy.groups import GRPC_GROUP, REST_GROUP
 from pilotfish.reconcile import BuildOptions, Reconciler
 from pilotfish.resources import CLUSTER, LISTENER
-from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.resources.builders import ClientKind
 from pilotfish.resources.parse import parse_document
 from pilotfish.resources.services import parse_services
@@ -78,24 +76,6 @@ def _cluster(snapshot: Snapshot, name: str) -> cluster_pb2.Cluster:
     return cluster_pb2.Cluster.FromString(snapshot.types[CLUSTER.url].resources[name].value)
 
 
-def _eds_source(cluster: cluster_pb2.Cluster) -> config_source_pb2.ConfigSource:
-    return cluster.eds_cluster_config.eds_config
-
-
-def _bootstrap_source(refresh: float) -> config_source_pb2.ConfigSource:
-    """What ``pilotfish bootstrap --rest`` polls CDS and LDS with."""
-    config = bootstrap(BootstrapSettings(node_id="n", rest="127.0.0.1:18001", refresh=refresh))
-    cds, lds = (
-        json_format.ParseDict(config["dynamic_resources"][key], config_source_pb2.ConfigSource())
-        for key in ("cds_config", "lds_config")
-    )
-    assert cds == lds
-    return cds
-
-
-ADS = json_format.ParseDict({"ads": {}, "resource_api_version": "V3"}, config_source_pb2.ConfigSource())
-
-
 def test_the_reconciler_builds_the_rest_group_with_the_servers_refresh_delay_and_guards_it() -> None:
     cache = SnapshotCache()
     rec = Reconciler(cache, build=BuildOptions(groups={DEFAULT_GROUP: ENVOYS, REST_GROUP: REST}, rest_refresh=0.5))
@@ -103,8 +83,8 @@ def test_the_reconciler_builds_the_rest_group_with_the_servers_refresh_delay_and
     rec.build_now()
     rest, envoy = cache.snapshot(REST_GROUP), cache.snapshot(DEFAULT_GROUP)
     assert rest is not None and envoy is not None
-    assert _eds_source(_cluster(rest, "web")) == _bootstrap_source(0.5)
-    assert _eds_source(_cluster(envoy, "web")) == ADS
+    assert eds_source(_cluster(rest, "web")) == bootstrap_source(0.5)
+    assert eds_source(_cluster(envoy, "web")) == ADS_SOURCE
     # The blast-radius guard holds a change that would take the pollers' listeners away.
     unlistened: dict[str, object] = {
         name: {**cast(dict[str, object], spec), "listen": None} for name, spec in SERVICES.items()
