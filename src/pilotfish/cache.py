@@ -38,7 +38,7 @@ memos of every group and version it serves share one bound, and another cache in
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NewType, Protocol
 
 from pilotfish.protocol import DeltaWatch, Watch, needs_response
@@ -55,6 +55,8 @@ __all__ = [
     "NodeGroup",
     "Respond",
     "SnapshotCache",
+    "SnapshotPublisher",
+    "WatchRouting",
 ]
 
 NodeGroup = NewType("NodeGroup", str)
@@ -105,6 +107,32 @@ class ConfigFetcher(Protocol):
 
     def kept(self, type_url: TypeUrl, version: str, group: NodeGroup) -> TypeSnapshot | None:
         """``type_url`` as it was at ``version`` in ``group``, if that version is still kept."""
+        ...
+
+
+class SnapshotPublisher(Protocol):
+    """Where the reconciler hands its builds: the cache itself, or a rollout's delivery in front of
+    it (:class:`~pilotfish.rollout.delivery.Delivery`), which decides which proxies get them."""
+
+    def snapshot(self, group: NodeGroup = DEFAULT_GROUP) -> Snapshot | None:
+        """What was published last for ``group`` (the next build is compared with it)."""
+        ...
+
+    def publish(self, snapshots: Mapping[NodeGroup, Snapshot]) -> int:
+        """Serve the groups' new snapshots; how many watches were answered."""
+        ...
+
+
+class WatchRouting(Protocol):
+    """Which cache group answers a proxy's watches, when that is not simply its node group (a
+    rollout: its baseline or its candidate, :class:`~pilotfish.rollout.delivery.Delivery`)."""
+
+    def route(self, node_id: str, group: NodeGroup) -> NodeGroup:
+        """The cache group whose snapshot answers ``node_id`` (of node group ``group``) now."""
+        ...
+
+    def follow(self, on_moved: Callable[[frozenset[str]], None]) -> None:
+        """Call ``on_moved`` with the proxies that :meth:`route` answers otherwise for from now on."""
         ...
 
 
@@ -213,6 +241,35 @@ class SnapshotCache:
                 answered += 1
         return answered
 
+    def publish(self, snapshots: Mapping[NodeGroup, Snapshot]) -> int:
+        """:meth:`set_snapshot` for each group, in order; how many watches were answered."""
+        return sum(self.set_snapshot(snapshot, group) for group, snapshot in snapshots.items())
+
+    def adopt(self, *, into: NodeGroup, source: NodeGroup) -> None:
+        """Keep ``source``'s kept versions in ``into``'s history as well (as older than its own), and
+        make ``into``'s cluster bridge anew: proxies about to move from ``source``'s snapshot to
+        ``into``'s may run the listeners and routes of any of them (a rollout moving a wave between
+        its baseline and its candidate), and must not lose a cluster those still use."""
+        theirs = self._history.get(source)
+        if not theirs:
+            return
+        history = self._history.setdefault(into, {})
+        for url, versions in theirs.items():
+            own = history.get(url, {})
+            merged = {v: ts for v, ts in versions.items() if v not in own}
+            merged.update(own)
+            while len(merged) > HISTORY:
+                self._uses.pop(id(merged.pop(next(iter(merged)))), None)  # (found again if still kept elsewhere)
+            history[url] = merged
+        self._last_bridge.pop(into, None)
+        snapshot = self._snapshots.get(into)
+        if snapshot is not None:
+            bridge = self._bridge(into, snapshot)
+            if bridge is None:
+                self._bridges.pop(into, None)
+            else:
+                self._bridges[into] = bridge
+
     def create_watch(self, watch: Watch, respond: Respond, group: NodeGroup = DEFAULT_GROUP) -> Cancel:
         """Answer ``watch`` now if the snapshot has something for it, else when it does."""
         snapshot = self._snapshots.get(group)
@@ -251,10 +308,8 @@ class SnapshotCache:
             versions = history.setdefault(url, {})
             versions.pop(current.version, None)  # (re)entered as the newest
             versions[current.version] = current
-            if url in (LISTENER.url, ROUTE.url) and id(current) not in self._uses:
-                resources = (r.message for r in current.resources.values())
-                used = referenced_clusters(resources, ()) if url == LISTENER.url else referenced_clusters((), resources)
-                self._uses[id(current)] = (current, frozenset(used))
+            if url in (LISTENER.url, ROUTE.url):
+                self._used_by(current)
             while len(versions) > HISTORY:
                 gone = versions.pop(next(iter(versions)))
                 self._uses.pop(id(gone), None)
@@ -280,12 +335,25 @@ class SnapshotCache:
             used: set[str] = set()
             for url in (LISTENER.url, ROUTE.url):
                 for kept in history.get(url, {}).values():
-                    used |= self._uses[id(kept)][1]
+                    used |= self._used_by(kept)
             kept_clusters = {name: resource for name, resource in removed.items() if name in used}
             if kept_clusters:
                 bridge = with_kept(current, kept_clusters)
         self._last_bridge[group] = (key, bridge)
         return bridge
+
+    def _used_by(self, routing: TypeSnapshot) -> frozenset[str]:
+        """The clusters a kept listener or route version uses (found once per version)."""
+        entry = self._uses.get(id(routing))
+        if entry is not None and entry[0] is routing:
+            return entry[1]
+        resources = (r.message for r in routing.resources.values())
+        if routing.rtype.url == LISTENER.url:
+            used = frozenset(referenced_clusters(resources, ()))
+        else:
+            used = frozenset(referenced_clusters((), resources))
+        self._uses[id(routing)] = (routing, used)
+        return used
 
     def _response(self, group: NodeGroup, current: TypeSnapshot, watch: Watch) -> EncodedResponse:
         """What answers ``watch``: for EDS/RDS/SDS, the changes since the version the proxy holds,

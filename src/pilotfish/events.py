@@ -222,6 +222,48 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType(
             "this replica now runs the registry's singleton duties (etcd election)", "replica", "reason"
         ),
         "leader_lost": _spec("this replica no longer runs them", "replica", "reason"),
+        # progressive delivery (docs/rollout.md)
+        "rollout_baseline_set": _spec("the first change is the baseline of every proxy", "baseline"),
+        "rollout_started": _spec("a new candidate rolls out", "candidate", "baseline", "waves", "types"),
+        "rollout_wave_started": _spec(
+            "a wave is served the candidate", "candidate", "wave", "index", "proxies", "skipped", "skipped_proxies"
+        ),
+        "rollout_wave_acked": _spec(
+            "every member of the wave ACKed (or was dropped at the timeout); the bake starts",
+            "candidate",
+            "wave",
+            "proxies",
+            "lost",
+            "lost_proxies",
+            "not_sent",
+            "not_sent_proxies",
+        ),
+        "rollout_wave_passed": _spec(
+            "a wave passed its gates",
+            "candidate",
+            "wave",
+            "result",
+            "error_ratio",
+            "baseline_error_ratio",
+            "requests",
+        ),
+        "rollout_completed": _spec("the last wave passed: the candidate is the baseline", "candidate", "previous"),
+        "rollout_failed": _spec("a gate failed", "candidate", "wave", "reason"),
+        "rollout_rolled_back": _spec(
+            "the proxies that had the candidate are served the baseline; the candidate is held",
+            "candidate",
+            "baseline",
+            "proxies",
+            "reason",
+        ),
+        "rollout_superseded": _spec(
+            "a newer change replaced the candidate in progress", "candidate", "by", "wave", "baseline"
+        ),
+        "rollout_held": _spec("a held candidate was offered again: not served", "candidate", "reason"),
+        "rollout_paused": _spec("no further wave starts until resumed", "candidate", "wave", "reason"),
+        "rollout_resumed": _spec("the operator resumed the rollout", "candidate", "wave"),
+        "rollout_promoted": _spec("the operator sent the rollout to its next wave now", "candidate", "wave", "phase"),
+        "rollout_aborted": _spec("the operator rolled the candidate back", "candidate", "wave", "reason"),
     }
 )
 """Every event pilotfish writes, and its fields: the event log's contract with whoever reads it

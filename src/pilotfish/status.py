@@ -49,7 +49,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeAlias
+from typing import ClassVar, Protocol, TypeAlias
 
 from pilotfish.errors import shorten
 
@@ -69,6 +69,7 @@ __all__ = [
     "ProxyRecord",
     "ProxyStatus",
     "StatusLimits",
+    "StatusObserver",
     "SyncState",
     "SyncStatus",
     "TypeCounters",
@@ -389,6 +390,20 @@ class LatencyHistogram:
         self.total += seconds
 
 
+class StatusObserver(Protocol):
+    """Told what :class:`SyncStatus` is told, as it is told (a rollout's delivery: its gates)."""
+
+    def stream_opened(self, node_id: str, info: NodeInfo) -> None: ...
+
+    def stream_closed(self, node_id: str, streams_left: int) -> None: ...
+
+    def sent(self, node_id: str, type_url: str, version: str) -> None: ...
+
+    def acked(self, node_id: str, type_url: str, version: str) -> None: ...
+
+    def nacked(self, node_id: str, type_url: str, version: str | None, error: str) -> None: ...
+
+
 class SyncStatus:
     """What every connected (or recently connected) proxy has, by node id and type URL.
 
@@ -420,6 +435,13 @@ class SyncStatus:
         """Seconds from a version's publish to each proxy's first ACK of it (the metrics read it)."""
         self.groups: dict[str, GroupVersions] = {}
         """Per node group: what is published for it now (see :meth:`published`)."""
+        self._observer: StatusObserver | None = None
+
+    def observe(self, observer: StatusObserver) -> None:
+        """Tell ``observer`` everything recorded from now on (one observer: a rollout's delivery)."""
+        if self._observer is not None:
+            raise ValueError("the status has an observer already")
+        self._observer = observer
 
     @property
     def limits(self) -> StatusLimits:
@@ -468,6 +490,8 @@ class SyncStatus:
             proxy.info = info.bounded()
         proxy.streams += 1
         self.forget_gone()
+        if self._observer is not None:
+            self._observer.stream_opened(node_id, proxy.info)
 
     def stream_closed(self, node_id: str) -> None:
         proxy = self._proxies.get(node_id)
@@ -477,6 +501,8 @@ class SyncStatus:
         if proxy.streams == 0:
             self._went(proxy)
             self.forget_gone()
+        if self._observer is not None:
+            self._observer.stream_closed(node_id, proxy.streams)
 
     def _slow_type(self, node_id: str, type_url: str) -> TypeStatus:
         """The status of ``type_url`` of ``node_id``, made if new (off the hot path: once per
@@ -503,6 +529,8 @@ class SyncStatus:
         status.sent_version = version
         status.sent_at = status.updated = self._wall()
         self.counters[type_url].responses += 1
+        if self._observer is not None:
+            self._observer.sent(node_id, type_url, version)
 
     def acked(self, node_id: str, type_url: str, version: str) -> None:
         proxy = self._proxies.get(node_id)
@@ -520,6 +548,17 @@ class SyncStatus:
         if status.nacked_version is not None and status.nacked_version != version:
             status.nacked_version = status.nack_error = None
         self.counters[type_url].acks += 1
+        if self._observer is not None:
+            self._observer.acked(node_id, type_url, version)
+
+    def resumed(self, node_id: str, type_url: str, version: str) -> None:
+        """A new stream's first request of ``type_url`` states that the proxy holds ``version``
+        (docs/architecture.md, behaviour 11): if it is what was last sent to it, an ACK that its
+        broken stream never delivered."""
+        proxy = self._proxies.get(node_id)
+        status = proxy.types.get(type_url) if proxy is not None else None
+        if status is not None and status.sent_version == version and status.acked_version != version:
+            self.acked(node_id, type_url, version)
 
     def nacked(self, node_id: str, type_url: str, version: str | None, error: str) -> None:
         status = self._slow_type(node_id, type_url)
@@ -527,6 +566,8 @@ class SyncStatus:
         status.nacked_version = version
         status.nack_error = shorten(error, MAX_NACK_MESSAGE)
         self.counters[type_url].nacks += 1
+        if self._observer is not None:
+            self._observer.nacked(node_id, type_url, version, error)
 
     def published(self, group: str, *, label: str, versions: Mapping[str, str]) -> None:
         """The reconciler handed ``group`` a new snapshot: its label and version per type URL. A

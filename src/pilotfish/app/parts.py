@@ -14,6 +14,7 @@ import resource
 import signal
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
@@ -29,6 +30,7 @@ from pilotfish.events import EventLog
 from pilotfish.policy.grants import SecretGrant, SecretGrants, Subject
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import CLUSTER, SECRET
+from pilotfish.rollout.delivery import Delivery
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.subsets.etcd import READY_SOURCE as SUBSETS_READY
 from pilotfish.subsets.etcd import BackendIndexWriter
@@ -567,3 +569,16 @@ def raise_descriptor_limit() -> int:
         return target
     _log.info("open-file limit (RLIMIT_NOFILE): %d", soft)
     return soft
+
+
+async def drive_rollout(delivery: Delivery, *, health_every: float, every: float = 1.0) -> None:
+    """Run the rollout's timers: tick it at its deadline (an ACK timeout, the end of a bake), at
+    least every ``every`` seconds, and while a wave bakes every ``health_every`` seconds (its
+    health gate reads the load store, which costs more than a timer)."""
+    while True:
+        step = health_every if delivery.baking else every
+        deadline = delivery.deadline()
+        if deadline is not None:
+            step = min(step, deadline - time.time())
+        await asyncio.sleep(max(step, 0.01))
+        delivery.tick()

@@ -33,6 +33,7 @@ from pilotfish.app.parts import (
     TlsReload,
     XdsListener,
     cluster_names,
+    drive_rollout,
     raise_descriptor_limit,
     say_what_we_wait_for,
     secret_grants,
@@ -51,6 +52,7 @@ from pilotfish.policy.grants import GrantsFile, SecretGrant
 from pilotfish.policy.groups import NodeGroups
 from pilotfish.reconcile import BuildOptions, Reconciler, SubsetOptions
 from pilotfish.resources.bootstrap import split_address
+from pilotfish.rollout.delivery import Delivery
 from pilotfish.rollout.load import LoadStore
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry
@@ -122,12 +124,20 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     else:
         proxy_indices = ProxyIndices(kept.proxies, grace=settings.subsets.grace)
     cache = SnapshotCache(subset_of=proxy_indices.index)
+    # Load reports on the xDS port, kept for the rollout's health gates (LoadStore bounds them).
+    load = LoadStore(settings.rollout.load_settings(), clock=time.time)
+    rollout = settings.rollout.settings()
+    delivery = (
+        None
+        if rollout is None
+        else Delivery(cache, rollout, status=status, events=events, loads=load if rollout.health else None)
+    )  # between the reconciler and the cache: which proxies get each change
     hint = ConfirmHint()
     expected = [
         name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd.address)) if configured
     ]
     reconciler = Reconciler(
-        cache,
+        cache if delivery is None else delivery,
         settings=settings.debounce,
         events=events,
         expect=expected,
@@ -179,7 +189,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         limits=settings.xds.limits,
         proxy_indices=proxy_indices,
     )  # gRPC and REST xDS share it
-    xds = XdsServer(cache, policy, group_of=groups.group_of)
+    xds = XdsServer(cache, policy, group_of=groups.group_of, routing=delivery)
     tls = settings.tls
 
     def tls_reload(name: str, client_ca: Path | None, alpn: tuple[str, ...]) -> TlsReload | None:
@@ -187,8 +197,6 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         return None if files is None else TlsReload(name, files, events=events, every=tls.reload_every)
 
     xds_tls = tls_reload("xds", tls.client_ca, (ALPN_H2,))
-    # Load reports on the xDS port, kept for the rollout's health gates (LoadStore bounds them).
-    load = LoadStore(clock=time.monotonic)
     lrs = LoadReporting(
         load,
         settings=settings.xds.lrs,
@@ -323,6 +331,9 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         ),
         *subsets,
         Task("reconciler", reconciler.run),
+        None
+        if delivery is None
+        else Task("rollout", lambda: drive_rollout(delivery, health_every=load.settings.bucket)),
         HeapTidier(lambda: reconciler.idle),
         Task(
             "waiting",

@@ -22,6 +22,10 @@ from pilotfish.policy.grants import SecretGrant, Subject
 from pilotfish.policy.groups import NodeGroupRule
 from pilotfish.reconcile import DebounceSettings, GuardSettings
 from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH
+from pilotfish.rollout.gates import AckSettings, HealthSettings
+from pilotfish.rollout.load import LoadSettings
+from pilotfish.rollout.machine import RolloutSettings, parse_rollout_types
+from pilotfish.rollout.waves import parse_waves
 from pilotfish.sources.registry import RegistryLimits, SelfPreservation
 from pilotfish.status import StatusLimits
 from pilotfish.transport.aio import ConnectionLimits
@@ -37,6 +41,7 @@ __all__ = [
     "PolicySettings",
     "RegistrySettings",
     "RestSettings",
+    "RolloutFlags",
     "ServeSettings",
     "SubsetSettings",
     "TlsSettings",
@@ -224,6 +229,83 @@ class EventSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutFlags:
+    """Progressive delivery (docs/rollout.md), as the flags give it; :meth:`settings` makes the
+    machine's :class:`~pilotfish.rollout.machine.RolloutSettings` of it."""
+
+    waves: str | None = None
+    """The waves, e.g. ``canary=edge-canary-*,5%,25%,100%`` (``--rollout``); None: every change
+    reaches every proxy at once."""
+    types: str = "CDS,LDS,RDS,SDS"
+    """The types whose changes roll out in waves (``--rollout-types``); the others reach every
+    proxy at once."""
+    ack_timeout: float = 30.0
+    """Seconds a wave's proxies have to ACK the candidate (``--rollout-ack-timeout``)."""
+    bake: float = 30.0
+    """Seconds a wave bakes after it ACKed, its health watched (``--rollout-bake``)."""
+    health: bool = True
+    """Judge a bake by the proxies' load reports (``--rollout-health on|off``); off: a bake is
+    only time."""
+    min_requests: int = 100
+    """Requests a side needs before its error ratio decides anything (``--rollout-min-requests``)."""
+    max_error_increase: float = 1.0
+    """Percentage points a wave's error ratio may exceed the baseline's (``--rollout-max-error-increase``)."""
+    too_little_traffic: str = "pause"
+    """``pause`` or ``pass`` a wave whose bake saw too few requests (``--rollout-too-little-traffic``)."""
+
+    def settings(self) -> RolloutSettings | None:
+        """The machine's settings (None: no rollout); ValueError naming the flag at fault."""
+        if self.waves is None:
+            return None
+        try:
+            waves = parse_waves(self.waves)
+        except ValueError as exc:
+            message = str(exc)
+            raise ValueError(
+                message if message.startswith("--rollout") else f"--rollout {self.waves!r}: {message}"
+            ) from None
+        types = parse_rollout_types(self.types)
+        try:
+            ack = AckSettings(timeout=self.ack_timeout)
+        except ValueError as exc:
+            raise ValueError(f"--rollout-ack-timeout: {exc}") from None
+        if not 0 <= self.bake <= 86_400:
+            raise ValueError(f"--rollout-bake: a bake lasts 0 s to a day, not {self.bake:g} s")
+        try:
+            health = (
+                HealthSettings(max_increase=self.max_error_increase / 100, min_requests=self.min_requests)
+                if self.health
+                else None
+            )
+        except ValueError as exc:
+            raise ValueError(f"--rollout-max-error-increase / --rollout-min-requests: {exc}") from None
+        if self.too_little_traffic not in ("pause", "pass"):
+            raise ValueError(f"--rollout-too-little-traffic is pause or pass, not {self.too_little_traffic!r}")
+        return RolloutSettings(
+            waves=waves,
+            types=types,
+            ack=ack,
+            bake=self.bake,
+            health=health,
+            too_little_traffic="pause" if self.too_little_traffic == "pause" else "pass",
+        )
+
+    def load_settings(self) -> LoadSettings:
+        """A load store that keeps what the gates read: an ACK timeout and two bakes (the wave's, and
+        the baseline's before it), in buckets of a sixth of a bake (at most 5 s)."""
+        bucket = max(0.1, min(5.0, self.bake / 6))
+        return LoadSettings(bucket=bucket, retention=max(180.0, self.ack_timeout + 2 * self.bake + 2 * bucket))
+
+    def problems(self) -> list[Problem]:
+        try:
+            self.settings()
+        except ValueError as exc:
+            flag = str(exc).split(" ", 1)[0].split(":", 1)[0]
+            return [Problem(flag if flag.startswith("--") else "--rollout", str(exc))]
+        return []
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServeSettings:
     """How ``pilotfish serve`` runs: one part per component of the process."""
 
@@ -249,6 +331,8 @@ class ServeSettings:
     content through, for Envoy to NACK (``--validate``)."""
     waiting_log_every: float = 10.0
     """While a source has not reported its first state, say which and why this often (seconds)."""
+    rollout: RolloutFlags = field(default_factory=RolloutFlags)
+    """Progressive delivery: waves, gates (``--rollout`` and its companions)."""
 
     def problems(self) -> list[Problem]:
         """Every way the parts contradict each other (empty: none), each naming its flag."""
@@ -260,6 +344,7 @@ class ServeSettings:
                 )
             )
         problems += self.tls.problems()
+        problems += self.rollout.problems()
         if self.policy.authorize_nodes and self.tls.client_ca is None:
             problems.append(
                 Problem(

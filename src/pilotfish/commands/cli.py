@@ -257,6 +257,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="how often proxies that report load (bootstrap --lrs) are asked to report (default: 10000)",
     )
+    _rollout_flags(serve)
     serve.add_argument(
         "--admin",
         type=_admin_address,
@@ -649,6 +650,67 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _rollout_flags(serve: argparse.ArgumentParser) -> None:
+    """``serve --rollout`` and its companions (docs/rollout.md)."""
+    group = serve.add_argument_group("progressive delivery (docs/rollout.md)")
+    group.add_argument(
+        "--rollout",
+        metavar="WAVES",
+        help="roll each change out in waves, e.g. 'canary=edge-canary-*,5%%,25%%,100%%' (NAME=GLOB, "
+        "NAME=group:GROUP, then cumulative shares by a stable hash of the node id, the last 100%%); "
+        "default: every change reaches every proxy at once",
+    )
+    group.add_argument(
+        "--rollout-types",
+        default="CDS,LDS,RDS,SDS",
+        metavar="TYPES",
+        help="the types whose changes roll out in waves; changes to the others reach every proxy at once "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--rollout-ack-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="S",
+        help="seconds a wave's proxies have to ACK the candidate (default: %(default)s)",
+    )
+    group.add_argument(
+        "--rollout-bake",
+        type=_seconds,
+        default=30.0,
+        metavar="S",
+        help="seconds a wave bakes after it ACKed, its error ratio compared with the baseline's (default: %(default)s)",
+    )
+    group.add_argument(
+        "--rollout-health",
+        choices=["on", "off"],
+        default="on",
+        help="judge a bake by the proxies' load reports (bootstrap --lrs); off: a bake is only time "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--rollout-min-requests",
+        type=_positive_int,
+        default=100,
+        metavar="N",
+        help="requests a side needs before its error ratio decides anything (default: %(default)s)",
+    )
+    group.add_argument(
+        "--rollout-max-error-increase",
+        type=float,
+        default=1.0,
+        metavar="POINTS",
+        help="percentage points a wave's error ratio may exceed the baseline's (default: %(default)s)",
+    )
+    group.add_argument(
+        "--rollout-too-little-traffic",
+        choices=["pause", "pass"],
+        default="pause",
+        help="a bake that saw too few requests to judge pauses the rollout, or passes on its ACKs "
+        "(default: %(default)s)",
+    )
+
+
 def _validate(path: Path) -> int:
     from pilotfish.sources import load_snapshot
 
@@ -682,6 +744,7 @@ def _serve(args: argparse.Namespace) -> int:
         PolicySettings,
         RegistrySettings,
         RestSettings,
+        RolloutFlags,
         SubsetSettings,
         TlsSettings,
         XdsSettings,
@@ -760,6 +823,16 @@ def _serve(args: argparse.Namespace) -> int:
             enabled=args.guard == "on", max_removed_share=args.guard_max_removed, min_count=args.guard_min_count
         ),
         validate_rules=args.validate == "on",
+        rollout=RolloutFlags(
+            waves=args.rollout,
+            types=args.rollout_types,
+            ack_timeout=args.rollout_ack_timeout,
+            bake=args.rollout_bake,
+            health=args.rollout_health == "on",
+            min_requests=args.rollout_min_requests,
+            max_error_increase=args.rollout_max_error_increase,
+            too_little_traffic=args.rollout_too_little_traffic,
+        ),
     )
     try:
         settings.validate()

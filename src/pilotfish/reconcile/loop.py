@@ -24,7 +24,7 @@ from typing import NoReturn
 
 from pilotfish.build.desired import DesiredState, Merged, MergeMemo, View, build_snapshots, merge_states
 from pilotfish.build.subsetting import IndexTable
-from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
+from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotPublisher
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile.admission import Admission
@@ -81,7 +81,7 @@ class Reconciler:
 
     def __init__(
         self,
-        cache: SnapshotCache,
+        cache: SnapshotPublisher,
         *,
         settings: DebounceSettings | None = None,
         clock: Clock | None = None,
@@ -341,7 +341,7 @@ class Reconciler:
                 status.published(
                     group, label=snapshot.label(), versions={url: ts.version for url, ts in snapshot.types.items()}
                 )
-        answered = sum(self.cache.set_snapshot(snapshot, group) for group, snapshot in snapshots.items())
+        answered = self.cache.publish(snapshots)
         pushed_ms = round((time.perf_counter() - started) * 1000, 3)
         self._published_endpoints = endpoints
         self.stats.published += 1

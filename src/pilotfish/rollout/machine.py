@@ -77,6 +77,8 @@ from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
 from pilotfish.errors import shorten
+from pilotfish.events import EVENTS as ALL_EVENTS
+from pilotfish.events import EventSpec
 from pilotfish.resources.types import CLUSTER, LISTENER, ROUTE, SECRET, TYPES
 from pilotfish.rollout.gates import (
     AckGate,
@@ -113,42 +115,11 @@ STATE_VERSION = 1
 _SHOWN = 10  # node ids listed in an event; the count says how many there were
 _OPERATOR = "operator"  # RolloutMachine.paused when the operator paused
 
-EVENTS: Mapping[str, tuple[str, tuple[str, ...]]] = MappingProxyType(
-    {
-        "rollout_baseline_set": ("the first change is the baseline of every proxy", ("baseline",)),
-        "rollout_started": ("a new candidate rolls out", ("candidate", "baseline", "waves", "types")),
-        "rollout_wave_started": (
-            "a wave is served the candidate",
-            ("candidate", "wave", "index", "proxies", "skipped", "skipped_proxies"),
-        ),
-        "rollout_wave_acked": (
-            "every member of the wave ACKed (or was dropped at the timeout); the bake starts",
-            ("candidate", "wave", "proxies", "lost", "lost_proxies", "not_sent", "not_sent_proxies"),
-        ),
-        "rollout_wave_passed": (
-            "a wave passed its gates",
-            ("candidate", "wave", "result", "error_ratio", "baseline_error_ratio", "requests"),
-        ),
-        "rollout_completed": ("the last wave passed: the candidate is the baseline", ("candidate", "previous")),
-        "rollout_failed": ("a gate failed", ("candidate", "wave", "reason")),
-        "rollout_rolled_back": (
-            "the proxies that had the candidate are served the baseline; the candidate is held",
-            ("candidate", "baseline", "proxies", "reason"),
-        ),
-        "rollout_superseded": (
-            "a newer change replaced the candidate in progress",
-            ("candidate", "by", "wave", "baseline"),
-        ),
-        "rollout_held": ("a held candidate was offered again: not served", ("candidate", "reason")),
-        "rollout_paused": ("no further wave starts until resumed", ("candidate", "wave", "reason")),
-        "rollout_resumed": ("the operator resumed the rollout", ("candidate", "wave")),
-        "rollout_promoted": ("the operator sent the rollout to its next wave now", ("candidate", "wave", "phase")),
-        "rollout_aborted": ("the operator rolled the candidate back", ("candidate", "wave", "reason")),
-    }
+EVENTS: Mapping[str, EventSpec] = MappingProxyType(
+    {kind: spec for kind, spec in ALL_EVENTS.items() if kind.startswith("rollout_")}
 )
-"""Every event the machine returns: what it means, and its fields (some only sometimes: the
-health figures of ``rollout_wave_passed``). The event log's contract takes these in when the
-machine is wired."""
+"""Every event the machine returns, with what it means and its fields (some only sometimes: the
+health figures of ``rollout_wave_passed``): the rollout's part of the event log's contract."""
 
 
 def parse_rollout_types(text: str) -> frozenset[str]:

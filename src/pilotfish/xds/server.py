@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import logging
 import ssl
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
@@ -52,7 +52,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf.message import DecodeError
 
 from pilotfish.build.subsetting import ProxyIndexer, ProxyIndices
-from pilotfish.cache import DEFAULT_GROUP, Cancel, ConfigWatcher, NodeGroup
+from pilotfish.cache import DEFAULT_GROUP, Cancel, ConfigWatcher, NodeGroup, WatchRouting
 from pilotfish.errors import PeerError
 from pilotfish.events import EventLog
 from pilotfish.policy.grants import ProxyGrants, SecretGrants
@@ -74,7 +74,7 @@ from pilotfish.protocol import (
 )
 from pilotfish.protocol.limits import shorten
 from pilotfish.protocol.sotw import DecodedRequest
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
+from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field
 from pilotfish.snapshot import DeltaChanges, EncodedResponse
 from pilotfish.status import NodeInfo, SyncStatus
@@ -215,11 +215,17 @@ class XdsServer:
         policy: XdsPolicy | None = None,
         *,
         group_of: Callable[[base_pb2.Node], NodeGroup] = _default_group,
+        routing: WatchRouting | None = None,
     ) -> None:
         self.cache = cache
         self.policy = policy if policy is not None else XdsPolicy()
         self._group_of = group_of
         """A stream's node -> the group whose snapshot answers it."""
+        self._route = routing.route if routing is not None else None
+        """(node id, its group) -> the cache group that answers its watches now (a rollout's
+        baseline or candidate); None: its group."""
+        if routing is not None:
+            routing.follow(self.reroute)
         self._warnings = RateLimitedLog(_log, what="such streams")
         """A peer that breaks the rules in a loop must not fill the log (the event log has a
         ``stream_closed`` line per stream)."""
@@ -235,6 +241,12 @@ class XdsServer:
         own endpoints are looked up anew, so it is sent its new subset on the same stream)."""
         for stream in list(self._by_node.get(node, ())):
             stream.rewatch(ENDPOINT.url)
+
+    def reroute(self, nodes: Iterable[str]) -> None:
+        """The routing answers otherwise for ``nodes``: their streams open every watch again."""
+        for node in nodes:
+            for stream in list(self._by_node.get(node, ())):
+                stream.rewatch_all()
 
     def _regrant(self) -> None:
         """The policy's grants were replaced: every open stream opens its SDS watch again."""
@@ -465,7 +477,9 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         previous = self._cancels.pop(type_url, None)
         if previous is not None:
             previous()
-        self._cancels[type_url] = self._create(watch, self._send, self.group)
+        route = self._server._route
+        group = self.group if route is None else route(self.node_id, self.group)
+        self._cancels[type_url] = self._create(watch, self._send, group)
 
     def _send(self, watch: _Watch, answer: _Answer) -> None:
         """The cache's callback: write the answer now (the transport queues what flow control
@@ -491,6 +505,12 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
     def _sent_event(self, sent: _Answer, nonce: str) -> dict[str, object]:
         """The fields of the ``sent`` event."""
         raise NotImplementedError
+
+    def rewatch_all(self) -> None:
+        """Open every watch of the stream again (in ADS order: what is referred to first)."""
+        for type_url in ADS_ORDER:
+            if type_url in self._current:
+                self.rewatch(type_url)
 
     def rewatch(self, type_url: TypeUrl) -> None:
         """Open the stream's latest watch of ``type_url`` again (the cache looks at it anew)."""
@@ -616,7 +636,9 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
                 error=outcome.error,
                 **({"resource_names": names} if names is not None else {}),
             )
-        if kind is RequestKind.ACK:
+        if kind is RequestKind.REQUEST and outcome.version_info:
+            self._server.policy.status.resumed(self.node_id, outcome.type_url, outcome.version_info)
+        elif kind is RequestKind.ACK:
             self._acked(outcome.type_url, outcome.version_info)
         elif kind is RequestKind.NACK:
             self._nacked(outcome.type_url, outcome.rejected_version, outcome.error)

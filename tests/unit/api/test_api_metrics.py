@@ -36,7 +36,9 @@ class Wall:
 
 def scrape(status: SyncStatus, reconciler: Reconciler, *, streams: int = 0) -> list[str]:
     """The sample lines of one scrape (the ``# HELP`` and ``# TYPE`` lines left out)."""
-    text = Metrics(status, reconciler, cache=reconciler.cache, open_streams=lambda: streams).render().decode()
+    cache = reconciler.cache
+    assert isinstance(cache, SnapshotCache)
+    text = Metrics(status, reconciler, cache=cache, open_streams=lambda: streams).render().decode()
     return [line for line in text.splitlines() if not line.startswith("#")]
 
 

@@ -1,0 +1,331 @@
+"""Serving a rollout: the baseline and the candidate in the cache, which of them each proxy's
+watches are answered from, and the machine fed with what the proxies do (docs/rollout.md).
+
+With ``serve --rollout``, the reconciler publishes each build to a :class:`Delivery` instead of
+the cache (:meth:`Delivery.publish`, the :class:`~pilotfish.cache.SnapshotPublisher` Protocol).
+The delivery offers the build to the :class:`~pilotfish.rollout.machine.RolloutMachine` and keeps
+two snapshots per node group in the one :class:`~pilotfish.cache.SnapshotCache`:
+
+- the **baseline** under the group's own name, which every proxy outside the started waves
+  (and every REST poller, and the status page's config views) is served;
+- the **candidate** under :func:`candidate_group` of it (``web@candidate``: ``@`` is in no group
+  name), which the proxies of the started waves are served.
+
+Only the rollout types (``--rollout-types``) differ between the two: the build's other types
+(EDS by default) are served to both at once (:func:`spliced`), so an endpoint change never waits
+behind a bake, and a cluster the baseline has and the candidate removed keeps its last
+endpoints in the baseline.
+
+The xDS streams ask :meth:`Delivery.route` which of the two answers a watch, each time they open
+one; when the machine moves proxies between them (a wave starts, a rollback, a completion), the
+delivery tells its followers (:meth:`follow`: the xDS server, which opens those proxies' watches
+again). Before proxies move to a snapshot, its group in the cache takes in the history of the
+one they come from (:meth:`~pilotfish.cache.SnapshotCache.adopt`), so make-before-break holds
+across the move: a proxy whose routes still use a cluster the other snapshot lacks is sent a
+bridge until it ACKs the new routes.
+
+The delivery observes the proxies' status (:meth:`~pilotfish.status.SyncStatus.observe`):
+streams opening and closing, responses sent, ACKs and NACKs, each mapped to the candidate by its
+version (a NACK by the version it rejected, which the server knows from its nonce).
+
+No I/O and no clock of its own: time comes from ``clock`` (wall time: the state may be shared by
+replicas), and the composition root calls :meth:`tick` at :meth:`deadline` (and every few seconds
+while a wave bakes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
+from pilotfish.events import EventLog
+from pilotfish.resources.types import CLUSTER, ENDPOINT, TypeUrl
+from pilotfish.rollout.machine import Decision, LoadWindow, Phase, RolloutMachine, RolloutSettings, Step
+from pilotfish.snapshot import Snapshot, TypeSnapshot, with_kept
+from pilotfish.status import NodeInfo, SyncStatus
+
+__all__ = ["CANDIDATE", "Delivery", "candidate_group", "spliced"]
+
+_log = logging.getLogger(__name__)
+
+CANDIDATE = "@candidate"
+"""What :func:`candidate_group` appends to a group's name."""
+
+_WARN = frozenset({"rollout_failed", "rollout_rolled_back", "rollout_held", "rollout_aborted", "rollout_paused"})
+
+
+def candidate_group(group: str) -> NodeGroup:
+    """The cache's name for ``group``'s candidate snapshot."""
+    return NodeGroup(group + CANDIDATE)
+
+
+def spliced(base: Snapshot, latest: Snapshot, types: frozenset[str]) -> Snapshot:
+    """``base``'s rollout ``types`` with every other type of ``latest``. When EDS is not a rollout
+    type, the clusters of ``base`` that ``latest`` has no endpoints for keep ``base``'s."""
+    merged: dict[Any, TypeSnapshot] = {}
+    for url, current in latest.types.items():
+        merged[url] = base.types.get(url, current) if url in types else current
+    endpoints = merged.get(ENDPOINT.url)
+    clusters = merged.get(CLUSTER.url)
+    old = base.types.get(ENDPOINT.url)
+    if ENDPOINT.url not in types and endpoints is not None and clusters is not None and old is not None:
+        missing = {
+            name: old.resources[name]
+            for name in clusters.resources.keys() - endpoints.resources.keys()
+            if name in old.resources
+        }
+        if missing:
+            merged[ENDPOINT.url] = with_kept(endpoints, missing)
+    return Snapshot(types=merged, explicit_version=base.explicit_version, subsets=latest.subsets)
+
+
+class Delivery:
+    """A rollout served from ``cache`` (see the module's docstring)."""
+
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        settings: RolloutSettings,
+        *,
+        status: SyncStatus,
+        events: EventLog,
+        loads: LoadWindow | None = None,
+        clock: Callable[[], float] = time.time,
+        state: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.machine = RolloutMachine(settings, loads=loads, state=state)
+        self._cache = cache
+        self._status = status
+        self._events = events
+        self._clock = clock
+        self._types = settings.types
+        self._followers: list[Callable[[frozenset[str]], None]] = []
+        self._latest: dict[NodeGroup, Snapshot] = {}
+        """What the reconciler published last, per group: the sources' state as built."""
+        self._latest_change: str | None = None
+        self._by_change: dict[str, dict[NodeGroup, Snapshot]] = {}
+        """The snapshots of the baseline and of the candidate, as built, by change id."""
+        self._spliced: dict[NodeGroup, tuple[Snapshot, Snapshot, Snapshot]] = {}
+        """Per group, the last (baseline as built, latest, baseline served) made by :func:`spliced`."""
+        self._nodes: dict[str, NodeGroup] = {}
+        """Connected proxies (gRPC streams) and their groups."""
+        self._on_candidate: set[str] = set()
+        """Proxies whose watches were last opened on the candidate."""
+        status.observe(self)
+
+    # -- the reconciler's side (SnapshotPublisher) --------------------------------------------------
+
+    def snapshot(self, group: NodeGroup = DEFAULT_GROUP) -> Snapshot | None:
+        """What the reconciler published last for ``group`` (it compares its next build with it)."""
+        return self._latest.get(group)
+
+    def publish(self, snapshots: Mapping[NodeGroup, Snapshot]) -> int:
+        """Offer a build (the groups that changed) to the machine and serve what it decides;
+        returns how many watches were answered."""
+        before = {group: self._latest.get(group) for group in snapshots}
+        self._latest.update(snapshots)
+        changed: set[str] = set()
+        for group, snapshot in snapshots.items():
+            old = before[group]
+            for url, current in snapshot.types.items():
+                was = old.types.get(url) if old is not None else None
+                if was is None or was.content_hash != current.content_hash:
+                    changed.add(url)
+        self._latest_change = self._change_id()
+        step = self.machine.offer(self._latest_change, changed, self._clock())
+        answered = self._apply(step)
+        if step.decision is Decision.HELD:
+            _log.warning("the change %s is held: every proxy keeps the baseline", self._latest_change)
+        return answered
+
+    def _change_id(self) -> str:
+        """The content hash of the rollout types over every group."""
+        digest = hashlib.sha256()
+        for group in sorted(self._latest):
+            for url in sorted(self._types):
+                current = self._latest[group].types.get(TypeUrl(url))
+                digest.update(f"{group}\0{url}\0{current.content_hash if current else ''}\n".encode())
+        return digest.hexdigest()[:16]
+
+    # -- the streams' side --------------------------------------------------------------------------
+
+    def route(self, node_id: str, group: NodeGroup) -> NodeGroup:
+        """The cache group whose snapshot answers ``node_id``'s watches now."""
+        machine = self.machine
+        candidate = machine.candidate
+        if candidate is not None and candidate in self._by_change and machine.serves(node_id, group) == candidate:
+            self._on_candidate.add(node_id)
+            return candidate_group(group)
+        if self._on_candidate:
+            self._on_candidate.discard(node_id)
+        return group
+
+    def follow(self, on_moved: Callable[[frozenset[str]], None]) -> None:
+        """Call ``on_moved(node ids)`` when proxies must open their watches again (:meth:`route`
+        answers otherwise for them)."""
+        self._followers.append(on_moved)
+
+    # -- what the proxies do (the status's observer) ------------------------------------------------
+
+    def stream_opened(self, node_id: str, info: NodeInfo) -> None:
+        if info.protocol == "rest":
+            return  # a poller is served the baseline (REST xDS reads the group's snapshot)
+        group = NodeGroup(info.group)
+        self._nodes[node_id] = group
+        self._step(self.machine.connected(node_id, group, self._clock()))
+
+    def stream_closed(self, node_id: str, streams_left: int) -> None:
+        if node_id not in self._nodes:
+            return
+        if streams_left == 0:
+            del self._nodes[node_id]
+            self._on_candidate.discard(node_id)
+        self._step(self.machine.disconnected(node_id, self._clock()))
+
+    def _of_candidate(self, node_id: str, type_url: str, version: str | None) -> str | None:
+        """The candidate's change id if ``version`` is its ``type_url`` for ``node_id``'s group."""
+        candidate = self.machine.candidate
+        if candidate is None or version is None or type_url not in self._types:
+            return None
+        group = self._nodes.get(node_id)
+        snapshot = self._by_change.get(candidate, {}).get(group) if group is not None else None
+        if snapshot is None or snapshot.version(type_url) != version:
+            return None
+        return candidate
+
+    def sent(self, node_id: str, type_url: str, version: str) -> None:
+        change = self._of_candidate(node_id, type_url, version)
+        if change is not None:
+            self._step(self.machine.sent(node_id, type_url, change, self._clock()))
+
+    def acked(self, node_id: str, type_url: str, version: str) -> None:
+        change = self._of_candidate(node_id, type_url, version)
+        if change is not None:
+            self._step(self.machine.acked(node_id, type_url, change, self._clock()))
+
+    def nacked(self, node_id: str, type_url: str, version: str | None, error: str) -> None:
+        change = self._of_candidate(node_id, type_url, version)
+        if change is not None:
+            self._step(self.machine.nacked(node_id, type_url, change, error, self._clock()))
+
+    # -- time and the operator ----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Time passed: run the timers and the health gate."""
+        self._step(self.machine.tick(self._clock()))
+
+    def deadline(self) -> float | None:
+        """When :meth:`tick` is next due (the clock's time), or None."""
+        return self.machine.deadline()
+
+    @property
+    def baking(self) -> bool:
+        return self.machine.running and self.machine.phase is Phase.BAKING
+
+    def promote(self) -> None:
+        self._step(self.machine.promote(self._clock()))
+
+    def pause(self) -> None:
+        self._step(self.machine.pause(self._clock()))
+
+    def resume(self) -> None:
+        self._step(self.machine.resume(self._clock()))
+
+    def abort(self, reason: str = "") -> None:
+        self._step(self.machine.abort(self._clock(), reason))
+
+    def status(self) -> dict[str, Any]:
+        """For the admin API: the machine's status, and how many proxies are on the candidate."""
+        out = self.machine.status()
+        out["proxies"] = len(self._nodes)
+        out["on_candidate"] = len(self._on_candidate)
+        out["waves"] = [w.name for w in self.machine.settings.waves.waves]
+        out["types"] = sorted(type_url.rsplit(".", 1)[-1] for type_url in self._types)
+        return out
+
+    # -- serving what the machine decided ---------------------------------------------------------
+
+    def _step(self, step: Step) -> None:
+        for event in step.events:
+            self._events.emit(event.kind, **event.fields)
+            if event.kind in _WARN:
+                _log.warning("%s: %s", event.kind, event.fields.get("reason") or event.fields.get("candidate"))
+            elif event.kind != "rollout_wave_acked":
+                _log.info("%s: %s", event.kind, dict(event.fields))
+        if step.events or step.wake:
+            self._apply(step)
+
+    def _apply(self, step: Step) -> int:
+        """Make the cache serve what the machine says, then move the proxies that must move."""
+        machine = self.machine
+        live = {c for c in (machine.baseline, machine.candidate) if c is not None}
+        self._by_change = {c: s for c, s in self._by_change.items() if c in live}
+        if self._latest_change in live:
+            assert self._latest_change is not None
+            self._by_change[self._latest_change] = dict(self._latest)
+        baseline = self._by_change.get(machine.baseline or "", {})
+        candidate = self._by_change.get(machine.candidate or "") if machine.candidate is not None else None
+        answered = 0
+        moving = self._moving(step)
+        for group, latest in self._latest.items():
+            base = baseline.get(group)
+            served = latest if base is None or base is latest else self._splice(group, base, latest)
+            if candidate is not None:
+                wanted = candidate.get(group)
+                if wanted is not None:
+                    cand = candidate_group(group)
+                    fresh = self._cache.snapshot(cand) is None or step.decision is Decision.ROLL_OUT
+                    if fresh:  # proxies come from the baseline: bridge their clusters
+                        self._cache.adopt(into=cand, source=group)
+                    answered += self._set(cand, latest if wanted is latest else self._splice(cand, wanted, latest))
+            elif moving:  # proxies come back from the candidate: bridge their clusters
+                self._cache.adopt(into=group, source=candidate_group(group))
+            answered += self._set(group, served)
+        self._published_versions()
+        if moving:
+            for follower in self._followers:
+                follower(moving)
+        return answered
+
+    def _moving(self, step: Step) -> frozenset[str]:
+        """Proxies whose watches are on the other snapshot than the one that serves them now."""
+        machine = self.machine
+        moving = set(step.wake)
+        candidate = machine.candidate
+        for node in self._on_candidate:
+            group = self._nodes.get(node, NodeGroup(""))
+            if candidate is None or machine.serves(node, group) != candidate:
+                moving.add(node)
+        return frozenset(n for n in moving if n in self._nodes)
+
+    def _splice(self, group: NodeGroup, base: Snapshot, latest: Snapshot) -> Snapshot:
+        memo = self._spliced.get(group)
+        if memo is not None and memo[0] is base and memo[1] is latest:
+            return memo[2]
+        made = spliced(base, latest, self._types)
+        self._spliced[group] = (base, latest, made)
+        return made
+
+    def _set(self, group: NodeGroup, snapshot: Snapshot) -> int:
+        if self._cache.snapshot(group) is snapshot:
+            return 0
+        return self._cache.set_snapshot(snapshot, group)
+
+    def _published_versions(self) -> None:
+        """Tell the status what each group's proxies are to have when the rollout is over: the
+        candidate while one runs (``pilotfish wait`` waits for it to reach everyone), else the
+        baseline (after a rollback: what every proxy is served)."""
+        machine = self.machine
+        target = self._by_change.get(machine.candidate or machine.baseline or "", {})
+        for group in self._latest:
+            snapshot = self._cache.snapshot(candidate_group(group) if machine.candidate else group)
+            if snapshot is None or group not in target:
+                continue
+            current = self._status.groups.get(group)
+            versions: dict[str, str] = {url: ts.version for url, ts in snapshot.types.items()}
+            if current is None or {url: v for url, (v, _) in current.types.items()} != versions:
+                self._status.published(group, label=snapshot.label(), versions=versions)
