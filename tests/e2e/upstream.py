@@ -5,6 +5,9 @@
 in flight while it changes something (a hot restart, an endpoint removal). Only the standard
 library is used, so that starting one costs a few tens of milliseconds.
 
+``GET /status/NNN`` answers with that status code (and the name), so a test can make a route that
+is valid and wrong: one that rewrites to ``/status/503`` sends every request to a failure.
+
 ``GET /connections`` answers how many *other* connections are open (as a number), so a test can
 tell when Envoy has stopped using this upstream: Envoy closes its connections to an endpoint once
 every worker has applied the EDS update that removed it and the requests on them are done, while
@@ -50,6 +53,9 @@ def _handler_for(name: str) -> type[BaseHTTPRequestHandler]:
             if url.path == "/slow":
                 ms = int(parse_qs(url.query).get("ms", ["0"])[0])
                 time.sleep(ms / 1000)
+            elif url.path.startswith("/status/") and url.path[8:].isdigit() and 200 <= int(url.path[8:]) <= 599:
+                self._reply(int(url.path[8:]), body)
+                return
             elif url.path == "/connections":
                 server = self.server
                 assert isinstance(server, _Server)

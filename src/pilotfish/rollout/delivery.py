@@ -137,6 +137,7 @@ class Delivery:
                     changed.add(url)
         self._latest_change = self._change_id()
         step = self.machine.offer(self._latest_change, changed, self._clock())
+        self._emit(step)
         answered = self._apply(step)
         if step.decision is Decision.HELD:
             _log.warning("the change %s is held: every proxy keeps the baseline", self._latest_change)
@@ -250,14 +251,17 @@ class Delivery:
     # -- serving what the machine decided ---------------------------------------------------------
 
     def _step(self, step: Step) -> None:
+        self._emit(step)
+        if step.events or step.wake:
+            self._apply(step)
+
+    def _emit(self, step: Step) -> None:
         for event in step.events:
             self._events.emit(event.kind, **event.fields)
             if event.kind in _WARN:
                 _log.warning("%s: %s", event.kind, event.fields.get("reason") or event.fields.get("candidate"))
             elif event.kind != "rollout_wave_acked":
                 _log.info("%s: %s", event.kind, dict(event.fields))
-        if step.events or step.wake:
-            self._apply(step)
 
     def _apply(self, step: Step) -> int:
         """Make the cache serve what the machine says, then move the proxies that must move."""

@@ -1,0 +1,232 @@
+"""Progressive delivery through ``pilotfish serve --rollout``, in-process, with grpcio ADS clients
+playing the proxies: each asks for clusters and endpoints and ACKs (or NACKs) what it is sent,
+so the test decides every gate's outcome and sees what each proxy was sent, and when.
+
+The snapshot file has EDS clusters; a change to a cluster is a change to a rollout type (CDS),
+a change to an endpoint is not (EDS: it reaches the baseline and the candidate alike).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.rpc import status_pb2
+from inprocess import TIMEOUT, Running, serving
+
+from pilotfish.app import ServeSettings
+from pilotfish.app.settings import RolloutFlags
+from pilotfish.events import read_events
+from pilotfish.resources import CLUSTER, ENDPOINT
+
+pytestmark = pytest.mark.timeout(90)
+
+CDS, EDS = CLUSTER.url, ENDPOINT.url
+
+
+def document(clusters: dict[str, int], *, timeout: str = "1s") -> dict[str, Any]:
+    """EDS clusters (name -> the port of its one endpoint), each with ``timeout``."""
+    return {
+        "clusters": [
+            {
+                "name": name,
+                "type": "EDS",
+                "connect_timeout": timeout,
+                "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
+            }
+            for name in clusters
+        ],
+        "endpoints": [
+            {
+                "cluster_name": name,
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
+                        ]
+                    }
+                ],
+            }
+            for name, port in clusters.items()
+        ],
+    }
+
+
+@dataclass
+class Proxy:
+    """One SotW ADS stream that asks for every cluster and for the endpoints of ``a`` and ``b``;
+    ACKs every response unless ``refuse(response)`` says to NACK it."""
+
+    node: str
+    call: Any
+    refuse: Callable[[discovery_pb2.DiscoveryResponse], bool] = lambda _: False
+    versions: dict[str, str] = field(default_factory=dict)
+    """Type URL -> the version it last accepted."""
+    seen: dict[str, list[str]] = field(default_factory=dict)
+    """Type URL -> every version it was sent, in order."""
+    clusters: dict[str, str] = field(default_factory=dict)
+    """Cluster name -> its connect timeout, as last accepted."""
+
+    async def run(self) -> None:
+        while True:
+            response: discovery_pb2.DiscoveryResponse = await self.call.read()
+            if response is grpc.aio.EOF:
+                return
+            url = response.type_url
+            self.seen.setdefault(url, []).append(response.version_info)
+            if self.refuse(response):
+                await self.call.write(self._answer(url, self.versions.get(url, ""), response.nonce, error="no"))
+                continue
+            self.versions[url] = response.version_info
+            if url == CDS:
+                found = {}
+                for item in response.resources:
+                    cluster = cluster_pb2.Cluster()
+                    item.Unpack(cluster)
+                    found[cluster.name] = f"{cluster.connect_timeout.seconds}s"
+                self.clusters = found
+            await self.call.write(self._answer(url, response.version_info, response.nonce))
+
+    def _answer(self, url: str, version: str, nonce: str, *, error: str = "") -> discovery_pb2.DiscoveryRequest:
+        request = discovery_pb2.DiscoveryRequest(type_url=url, version_info=version, response_nonce=nonce)
+        if url == EDS:
+            request.resource_names.extend(["a", "b"])
+        if error:
+            request.error_detail.CopyFrom(status_pb2.Status(code=3, message=f"{self.node} says {error}"))
+        return request
+
+
+@asynccontextmanager
+async def proxy(running: Running, node: str, **kwargs: Any) -> AsyncIterator[Proxy]:
+    async with grpc.aio.insecure_channel(running.xds) as channel:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+        first = discovery_pb2.DiscoveryRequest(type_url=CDS)
+        first.node.id, first.node.cluster = node, "edge"
+        await call.write(first)
+        await call.write(discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=["a", "b"]))
+        p = Proxy(node, call, **kwargs)
+        task = asyncio.create_task(p.run())
+        try:
+            yield p
+        finally:
+            call.cancel()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def until(what: str, check: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+    return result
+
+
+def events(running: Running, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(running.events)[0] if e["event"] == kind]
+
+
+def rollout(**flags: Any) -> RolloutFlags:
+    defaults: dict[str, Any] = {"waves": "canary=c-*,100%", "ack_timeout": 10.0, "bake": 0.5, "health": False}
+    return RolloutFlags(**(defaults | flags))
+
+
+@asynccontextmanager
+async def served(tmp_path: Path, flags: RolloutFlags, clusters: dict[str, int]) -> AsyncIterator[tuple[Running, Path]]:
+    snapshot = tmp_path / "snapshot.yaml"
+    snapshot.write_text(yaml.safe_dump(document(clusters)))
+    async with serving(tmp_path, ServeSettings(snapshot=snapshot, rollout=flags)) as running:
+        yield running, snapshot
+
+
+async def test_a_good_change_reaches_the_canary_first_then_everyone(tmp_path: Path) -> None:
+    async with (
+        served(tmp_path, rollout(bake=1.5), {"a": 9001}) as (running, snapshot),
+        proxy(running, "c-1") as canary,
+        proxy(running, "p-1") as p1,
+        proxy(running, "p-2") as p2,
+    ):
+        fleet = (canary, p1, p2)
+        await until("every proxy on the baseline", lambda: all(p.clusters == {"a": "1s"} for p in fleet))
+        baseline = canary.versions[CDS]
+
+        snapshot.write_text(yaml.safe_dump(document({"a": 9001}, timeout="2s")))
+        await until("the canary has the candidate", lambda: canary.clusters == {"a": "2s"})
+        await until("the canary's wave passed its ACK gate", lambda: events(running, "rollout_wave_acked"))
+        # The canary ACKed; its wave bakes before the next starts: nobody else has it yet.
+        assert [p.clusters for p in (p1, p2)] == [{"a": "1s"}, {"a": "1s"}]
+        assert p1.seen[CDS] == [baseline]
+
+        await until("everyone has the candidate", lambda: all(p.clusters == {"a": "2s"} for p in fleet))
+        await until("the rollout completed", lambda: events(running, "rollout_completed"))
+        (started,) = events(running, "rollout_started")
+        assert started["baseline"] != started["candidate"] and started["types"] == ["CDS"]
+        waves = [(e["wave"], e["proxies"]) for e in events(running, "rollout_wave_started")]
+        assert waves == [("canary", 1), ("100%", 2)]
+        passed = [e["wave"] for e in events(running, "rollout_wave_passed")]
+        assert passed == ["canary", "100%"]
+
+
+async def test_a_nack_from_the_canary_rolls_it_back_and_nobody_else_gets_it(tmp_path: Path) -> None:
+    def bad(response: discovery_pb2.DiscoveryResponse) -> bool:
+        return response.type_url == CDS and b"bad" in response.SerializeToString()
+
+    async with (
+        served(tmp_path, rollout(bake=0.2), {"a": 9001}) as (running, snapshot),
+        proxy(running, "c-1", refuse=bad) as canary,
+        proxy(running, "p-1") as p1,
+    ):
+        await until("both on the baseline", lambda: canary.clusters == p1.clusters == {"a": "1s"})
+        baseline = canary.versions[CDS]
+
+        snapshot.write_text(yaml.safe_dump(document({"a": 9001, "bad": 9002})))
+        (rolled,) = await until("the rollback", lambda: events(running, "rollout_rolled_back"))
+        (failed,) = events(running, "rollout_failed")
+        assert failed["wave"] == "canary" and "c-1 NACKed CDS: c-1 says no" in failed["reason"], failed
+        assert rolled["proxies"] == 1
+        # The canary is sent the baseline again; the other proxy was never sent the candidate.
+        await until("the canary back on the baseline", lambda: canary.seen[CDS][-1] == baseline)
+        assert canary.clusters == {"a": "1s"}
+        assert set(p1.seen[CDS]) == {baseline}
+
+        # A proxy that connects later gets the baseline too: the candidate is held.
+        async with proxy(running, "c-2") as late:
+            await until("the late canary served", lambda: late.clusters)
+            assert late.clusters == {"a": "1s"} and late.versions[CDS] == baseline
+
+        # A different change starts a new rollout, from the baseline.
+        snapshot.write_text(yaml.safe_dump(document({"a": 9001}, timeout="3s")))
+        await until("the new candidate everywhere", lambda: canary.clusters == p1.clusters == {"a": "3s"})
+        await until("the rollout completed", lambda: events(running, "rollout_completed"))
+        assert len(events(running, "rollout_started")) == 2
+
+
+async def test_endpoint_changes_reach_the_baseline_and_the_candidate_at_once(tmp_path: Path) -> None:
+    async with (
+        served(tmp_path, rollout(bake=60.0), {"a": 9001}) as (running, snapshot),
+        proxy(running, "c-1") as canary,
+        proxy(running, "p-1") as p1,
+    ):
+        await until("both served", lambda: canary.clusters == p1.clusters == {"a": "1s"})
+        snapshot.write_text(yaml.safe_dump(document({"a": 9001}, timeout="2s")))
+        await until("the canary's wave baking", lambda: events(running, "rollout_wave_acked"))
+        eds_before = {p.node: p.versions[EDS] for p in (canary, p1)}
+
+        # Only an endpoint moves: both snapshots get it, while the canary's wave still bakes.
+        snapshot.write_text(yaml.safe_dump(document({"a": 9005}, timeout="2s")))
+        await until(
+            "both sent the new endpoints", lambda: all(p.versions[EDS] != eds_before[p.node] for p in (canary, p1))
+        )
+        assert canary.clusters == {"a": "2s"} and p1.clusters == {"a": "1s"}
+        assert not events(running, "rollout_superseded") and len(events(running, "rollout_started")) == 1
