@@ -82,6 +82,10 @@ def own_listener(port: int) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
+def serving(port: int) -> Callable[[], bool]:
+    return lambda: http_get(f"http://127.0.0.1:{port}/")[0] == 200
+
+
 def rds_sent_to(events: EventLog, node: str, *, after: int) -> list[Event]:
     return events.select(lambda e: e["event"] == "sent" and e.get("node") == node and e.get("type") == RDS, after=after)
 
@@ -119,10 +123,10 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
     }
     for node, port in ports.items():
         wait_until(
-            lambda port=port: http_get(f"http://127.0.0.1:{port}/")[0] == 200,
+            serving(port),
             timeout=20,
             what=f"{node} to serve through its own listener",
-            details=lambda node=node: envoys[node].log_tail(),
+            details=envoys[node].log_tail,
         )
     events = plane.events
     events.wait_for(lambda e: e["event"] == "rollout_baseline_set", what="the first snapshot as the baseline")
@@ -182,7 +186,7 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
         assert not result.problems(), f"{node}: {result.summary()}"
     running["c-1"].result()  # (the canary served the failures until its wave was rolled back)
     wait_until(
-        lambda: http_get(f"http://127.0.0.1:{ports['c-1']}/")[0] == 200,
+        serving(ports["c-1"]),
         timeout=20,
         what="the canary to serve again after the rollback",
     )

@@ -19,11 +19,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
+import orjson
+
 from pilotfish.api.registry_etcd import LeaseGuard
 from pilotfish.app.components import Task
 from pilotfish.app.settings import EtcdSettings, ServeSettings, XdsSettings
 from pilotfish.cache import NodeGroup, SnapshotCache
-from pilotfish.errors import ConfigError
+from pilotfish.errors import ConfigError, Problem
 from pilotfish.etcd.client import EtcdClient
 from pilotfish.etcd.election import Election, Leadership
 from pilotfish.events import EventLog
@@ -31,6 +33,7 @@ from pilotfish.policy.grants import SecretGrant, SecretGrants, Subject
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import CLUSTER, SECRET
 from pilotfish.rollout.delivery import Delivery
+from pilotfish.rollout.stored import Stored, decode
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.subsets.etcd import READY_SOURCE as SUBSETS_READY
 from pilotfish.subsets.etcd import BackendIndexWriter
@@ -582,3 +585,53 @@ async def drive_rollout(delivery: Delivery, *, health_every: float, every: float
             step = min(step, deadline - time.time())
         await asyncio.sleep(max(step, 0.01))
         delivery.tick()
+
+
+def load_rollout(path: Path | None) -> Stored | None:
+    """The rollout kept in ``path`` (None: no file, or no path); ConfigError naming the file when
+    it cannot be read: a rollout's held candidates must not be forgotten by accident."""
+    if path is None:
+        return None
+    try:
+        return decode(orjson.loads(path.read_bytes()), where=str(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            str(path),
+            [
+                Problem(
+                    "",
+                    f"the kept rollout cannot be read ({message}); move it away to start again from the "
+                    "next change as the baseline (its held candidates would be forgotten)",
+                )
+            ],
+        ) from None
+
+
+async def keep_rollout(path: Path, delivery: Delivery, *, every: float = 1.0) -> None:
+    """Write the rollout to ``path`` (atomically) whenever it changed, at most once per ``every``
+    seconds, and a last time when stopped."""
+    saved = -1
+
+    def save() -> None:
+        nonlocal saved
+        if delivery.changes == saved:
+            return
+        changes = delivery.changes
+        temporary = path.with_name(path.name + ".tmp")
+        try:
+            temporary.write_bytes(orjson.dumps(delivery.stored()))
+            os.replace(temporary, path)
+        except OSError as exc:
+            _log.error("could not write the rollout to %s: %s (retrying)", path, exc)
+            return
+        saved = changes
+
+    try:
+        while True:
+            save()
+            await asyncio.sleep(every)
+    finally:
+        save()

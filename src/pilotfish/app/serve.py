@@ -34,6 +34,8 @@ from pilotfish.app.parts import (
     XdsListener,
     cluster_names,
     drive_rollout,
+    keep_rollout,
+    load_rollout,
     raise_descriptor_limit,
     say_what_we_wait_for,
     secret_grants,
@@ -54,6 +56,7 @@ from pilotfish.reconcile import BuildOptions, Reconciler, SubsetOptions
 from pilotfish.resources.bootstrap import split_address
 from pilotfish.rollout.delivery import Delivery
 from pilotfish.rollout.load import LoadStore
+from pilotfish.rollout.stored import STATE_FILE as ROLLOUT_FILE
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry
 from pilotfish.status import SyncStatus
@@ -127,10 +130,19 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     # Load reports on the xDS port, kept for the rollout's health gates (LoadStore bounds them).
     load = LoadStore(settings.rollout.load_settings(), clock=time.time)
     rollout = settings.rollout.settings()
+    # A single server keeps its rollout in the state directory (held candidates, the baseline).
+    rollout_path = state_dir / ROLLOUT_FILE if rollout is not None and state_dir is not None and not on_etcd else None
     delivery = (
         None
         if rollout is None
-        else Delivery(cache, rollout, status=status, events=events, loads=load if rollout.health else None)
+        else Delivery(
+            cache,
+            rollout,
+            status=status,
+            events=events,
+            loads=load if rollout.health else None,
+            restored=load_rollout(rollout_path),
+        )
     )  # between the reconciler and the cache: which proxies get each change
     hint = ConfirmHint()
     expected = [
@@ -334,6 +346,9 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         None
         if delivery is None
         else Task("rollout", lambda: drive_rollout(delivery, health_every=load.settings.bucket)),
+        None
+        if delivery is None or rollout_path is None
+        else Task("rollout-state", lambda: keep_rollout(rollout_path, delivery)),
         HeapTidier(lambda: reconciler.idle),
         Task(
             "waiting",

@@ -45,6 +45,7 @@ from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.events import EventLog
 from pilotfish.resources.types import CLUSTER, ENDPOINT, TypeUrl
 from pilotfish.rollout.machine import Decision, LoadWindow, Phase, RolloutMachine, RolloutSettings, Step
+from pilotfish.rollout.stored import Stored, encode
 from pilotfish.snapshot import Snapshot, TypeSnapshot, with_kept
 from pilotfish.status import NodeInfo, SyncStatus
 
@@ -95,9 +96,9 @@ class Delivery:
         events: EventLog,
         loads: LoadWindow | None = None,
         clock: Callable[[], float] = time.time,
-        state: Mapping[str, Any] | None = None,
+        restored: Stored | None = None,
     ) -> None:
-        self.machine = RolloutMachine(settings, loads=loads, state=state)
+        self.machine = RolloutMachine(settings, loads=loads, state=None if restored is None else restored.machine)
         self._cache = cache
         self._status = status
         self._events = events
@@ -115,7 +116,16 @@ class Delivery:
         """Connected proxies (gRPC streams) and their groups."""
         self._on_candidate: set[str] = set()
         """Proxies whose watches were last opened on the candidate."""
+        self.changes = 0
+        """Counts the steps that changed what :meth:`stored` says (the state file is written when it moved)."""
+        if restored is not None and self.machine.baseline is not None:
+            self._by_change[self.machine.baseline] = dict(restored.baseline)
         status.observe(self)
+
+    def stored(self) -> dict[str, Any]:
+        """What is kept across a restart (:func:`pilotfish.rollout.stored.encode`)."""
+        baseline = self._by_change.get(self.machine.baseline or "", {})
+        return encode(self.machine.to_dict(), baseline)
 
     # -- the reconciler's side (SnapshotPublisher) --------------------------------------------------
 
@@ -265,6 +275,7 @@ class Delivery:
 
     def _apply(self, step: Step) -> int:
         """Make the cache serve what the machine says, then move the proxies that must move."""
+        self.changes += 1
         machine = self.machine
         live = {c for c in (machine.baseline, machine.candidate) if c is not None}
         self._by_change = {c: s for c, s in self._by_change.items() if c in live}
