@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 import yaml
@@ -138,6 +139,17 @@ def events(running: Running, kind: str, *, after: int = 0) -> list[dict[str, Any
     return [e for e in read_events(running.events)[0][after:] if e["event"] == kind]
 
 
+async def scrape(running: Running) -> dict[str, float]:
+    """The admin API's ``/metrics``: sample (with its labels) -> value."""
+    async with aiohttp.ClientSession() as session, session.get(f"http://{running.admin}/metrics") as response:
+        text = await response.text()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
 def rollout(**flags: Any) -> RolloutFlags:
     defaults: dict[str, Any] = {"waves": "canary=c-*,100%", "ack_timeout": 10.0, "bake": 0.5, "health": False}
     return RolloutFlags(**(defaults | flags))
@@ -181,6 +193,12 @@ async def test_a_good_change_reaches_the_canary_first_then_everyone(tmp_path: Pa
         assert waves == [("canary", 1), ("100%", 2)]
         passed = [e["wave"] for e in events(running, "rollout_wave_passed")]
         assert passed == ["canary", "100%"]
+        metrics = await scrape(running)
+        assert metrics['pilotfish_rollouts_total{outcome="completed"}'] == 1
+        assert metrics['pilotfish_rollouts_total{outcome="rolled_back"}'] == 0
+        assert metrics["pilotfish_rollout_wave_seconds_count"] == 2
+        assert metrics["pilotfish_rollout_wave_seconds_sum"] >= 2 * 1.5  # each wave baked 1.5 s at least
+        assert metrics["pilotfish_rollout_running"] == 0 and metrics["pilotfish_rollout_wave"] == -1
 
 
 async def test_a_nack_from_the_canary_rolls_it_back_and_nobody_else_gets_it(tmp_path: Path) -> None:
@@ -200,6 +218,9 @@ async def test_a_nack_from_the_canary_rolls_it_back_and_nobody_else_gets_it(tmp_
         (failed,) = events(running, "rollout_failed")
         assert failed["wave"] == "canary" and "c-1 NACKed CDS: c-1 says no" in failed["reason"], failed
         assert rolled["proxies"] == 1
+        metrics = await scrape(running)
+        assert metrics['pilotfish_rollouts_total{outcome="rolled_back"}'] == 1
+        assert metrics["pilotfish_rollout_held"] == 1
         # The canary is sent the baseline again; the other proxy was never sent the candidate.
         await until("the canary back on the baseline", lambda: canary.seen[CDS][-1] == baseline)
         assert canary.clusters == {"a": "1s"}

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.reconcile import PublishState
 from pilotfish.resources import type_by_url
+from pilotfish.rollout.delivery import WAVE_BUCKETS, Delivery
 from pilotfish.status import ACK_BUCKETS, SyncStatus
 from pilotfish.xds.lrs import LoadReporting
 
@@ -48,8 +49,10 @@ class _Collector(Collector):
         open_streams: Callable[[], int],
         subset_of: Callable[[str], int | None],
         lrs: LoadReporting | None,
+        rollout: Delivery | None,
     ) -> None:
         self._lrs = lrs
+        self._rollout = rollout
         self._subset_of = subset_of
         self._status = status
         self._reconciler = reconciler
@@ -95,6 +98,8 @@ class _Collector(Collector):
                 "Load reports dropped unparsed: they came sooner than a quarter of the interval after the last one",
                 value=lrs.dropped,
             )
+        if self._rollout is not None:
+            yield from self._rollouts(self._rollout)
         histogram = status.ack_latency
         buckets, running = [], 0
         for bound, count in zip((*map(str, ACK_BUCKETS), "+Inf"), histogram.counts, strict=True):
@@ -165,6 +170,51 @@ class _Collector(Collector):
         )
         yield self._subset_spread()
 
+    def _rollouts(self, rollout: Delivery) -> Iterator[Metric]:
+        """Progressive delivery: rollouts by outcome, where the current one is, its waves' durations
+        and the health gate's latest judgement."""
+        stats, machine = rollout.stats, rollout.machine
+        ended = CounterMetricFamily("pilotfish_rollouts", "Rollouts that ended, by outcome", labels=["outcome"])
+        for outcome, count in sorted(stats.outcomes.items()):
+            ended.add_metric([outcome], count)
+        yield ended
+        yield CounterMetricFamily(
+            "pilotfish_rollout_held_offers",
+            "Times a held candidate was offered again and not served",
+            value=stats.held_offers,
+        )
+        yield GaugeMetricFamily(
+            "pilotfish_rollout_running", "1 while a candidate rolls out", value=1 if machine.running else 0
+        )
+        yield GaugeMetricFamily(
+            "pilotfish_rollout_wave",
+            "The wave the candidate is in (0: the first), -1 with no rollout",
+            value=machine.wave if machine.running else -1,
+        )
+        yield GaugeMetricFamily(
+            "pilotfish_rollout_held", "Candidates held (remembered, never served again)", value=len(machine.held)
+        )
+        buckets, running = [], 0
+        for bound, count in zip((*map(str, WAVE_BUCKETS), "+Inf"), stats.wave_counts, strict=True):
+            running += count
+            buckets.append((bound, running))
+        yield HistogramMetricFamily(
+            "pilotfish_rollout_wave_seconds",
+            "Seconds from a wave's start to its pass (its ACKs and its bake)",
+            buckets=buckets,
+            sum_value=stats.wave_seconds,
+        )
+        health = machine.last_health
+        if health is not None:
+            ratio = GaugeMetricFamily(
+                "pilotfish_rollout_error_ratio",
+                "The health gate's latest error ratios over the bake so far: the wave's and its reference's",
+                labels=["side"],
+            )
+            ratio.add_metric(["wave"], health.wave.ratio)
+            ratio.add_metric(["baseline"], health.reference.ratio)
+            yield ratio
+
     def _subset_spread(self) -> Metric:
         """Per subsetted service and node group: the busiest backend's connected proxies over the mean."""
         spread = GaugeMetricFamily(
@@ -198,9 +248,12 @@ class Metrics:
         open_streams: Callable[[], int],
         subset_of: Callable[[str], int | None] | None = None,
         lrs: LoadReporting | None = None,
+        rollout: Delivery | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(status, reconciler, cache, open_streams, subset_of or (lambda _: None), lrs))
+        self.registry.register(
+            _Collector(status, reconciler, cache, open_streams, subset_of or (lambda _: None), lrs, rollout)
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -278,6 +278,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
                 open_streams=lambda: xds.open_streams,
                 subset_of=proxy_indices.index,
                 lrs=lrs,
+                rollout=delivery,
             ),
         )
         admin = _admin(

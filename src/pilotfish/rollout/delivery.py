@@ -35,10 +35,12 @@ while a wave bakes).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
@@ -49,7 +51,7 @@ from pilotfish.rollout.stored import Stored, encode
 from pilotfish.snapshot import Snapshot, TypeSnapshot, with_kept
 from pilotfish.status import NodeInfo, SyncStatus
 
-__all__ = ["CANDIDATE", "Delivery", "candidate_group", "spliced"]
+__all__ = ["CANDIDATE", "WAVE_BUCKETS", "Delivery", "RolloutStats", "candidate_group", "spliced"]
 
 _log = logging.getLogger(__name__)
 
@@ -84,6 +86,33 @@ def spliced(base: Snapshot, latest: Snapshot, types: frozenset[str]) -> Snapshot
     return Snapshot(types=merged, explicit_version=base.explicit_version, subsets=latest.subsets)
 
 
+WAVE_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+"""Upper bounds (seconds) of the wave-duration histogram's buckets."""
+
+
+@dataclass(slots=True)
+class RolloutStats:
+    """What ``/metrics`` shows of the rollouts so far."""
+
+    outcomes: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("completed", "rolled_back", "superseded"), 0)
+    )
+    """Rollouts that ended, by how: completed, rolled back (a failed gate or an abort), superseded."""
+    held_offers: int = 0
+    """Times a held candidate was offered again (and not served)."""
+    wave_counts: list[int] = field(default_factory=lambda: [0] * (len(WAVE_BUCKETS) + 1))
+    """Waves that passed, by duration (from their start to their pass), per :data:`WAVE_BUCKETS` (and +Inf)."""
+    wave_seconds: float = 0.0
+    """The sum of their durations."""
+
+    def wave_passed(self, seconds: float) -> None:
+        self.wave_counts[bisect.bisect_left(WAVE_BUCKETS, seconds)] += 1
+        self.wave_seconds += seconds
+
+
+_OUTCOMES = {"rollout_completed": "completed", "rollout_rolled_back": "rolled_back", "rollout_superseded": "superseded"}
+
+
 class Delivery:
     """A rollout served from ``cache`` (see the module's docstring)."""
 
@@ -116,6 +145,8 @@ class Delivery:
         """Connected proxies (gRPC streams) and their groups."""
         self._on_candidate: set[str] = set()
         """Proxies whose watches were last opened on the candidate."""
+        self.stats = RolloutStats()
+        self._wave_since = 0.0
         self.changes = 0
         """Counts the steps that changed what :meth:`stored` says (the state file is written when it moved)."""
         if restored is not None and self.machine.baseline is not None:
@@ -267,11 +298,23 @@ class Delivery:
 
     def _emit(self, step: Step) -> None:
         for event in step.events:
+            self._count(event.kind)
             self._events.emit(event.kind, **event.fields)
             if event.kind in _WARN:
                 _log.warning("%s: %s", event.kind, event.fields.get("reason") or event.fields.get("candidate"))
             elif event.kind != "rollout_wave_acked":
                 _log.info("%s: %s", event.kind, dict(event.fields))
+
+    def _count(self, kind: str) -> None:
+        stats = self.stats
+        if kind in _OUTCOMES:
+            stats.outcomes[_OUTCOMES[kind]] += 1
+        elif kind == "rollout_held":
+            stats.held_offers += 1
+        elif kind == "rollout_wave_started":
+            self._wave_since = self._clock()
+        elif kind == "rollout_wave_passed":
+            stats.wave_passed(max(0.0, self._clock() - self._wave_since))
 
     def _apply(self, step: Step) -> int:
         """Make the cache serve what the machine says, then move the proxies that must move."""
