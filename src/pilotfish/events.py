@@ -260,10 +260,12 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType(
             "a newer change replaced the candidate in progress", "candidate", "by", "wave", "baseline"
         ),
         "rollout_held": _spec("a held candidate was offered again: not served", "candidate", "reason"),
-        "rollout_paused": _spec("no further wave starts until resumed", "candidate", "wave", "reason"),
-        "rollout_resumed": _spec("the operator resumed the rollout", "candidate", "wave"),
-        "rollout_promoted": _spec("the operator sent the rollout to its next wave now", "candidate", "wave", "phase"),
-        "rollout_aborted": _spec("the operator rolled the candidate back", "candidate", "wave", "reason"),
+        "rollout_paused": _spec("no further wave starts until resumed", "candidate", "wave", "reason", "by"),
+        "rollout_resumed": _spec("the operator resumed the rollout", "candidate", "wave", "by"),
+        "rollout_promoted": _spec(
+            "the operator sent the rollout to its next wave now", "candidate", "wave", "phase", "by"
+        ),
+        "rollout_aborted": _spec("the operator rolled the candidate back", "candidate", "wave", "reason", "by"),
     }
 )
 """Every event pilotfish writes, and its fields: the event log's contract with whoever reads it

@@ -3,7 +3,8 @@ Envoy as SYNCED, shows its NACK of a rejected change (``--validate off`` and ``c
 0s``, the story of test_admin_status.py) without a reload, fits a phone's screen, shows what a
 hostile peer says as text, never as markup, and says why a change was refused or is held. With
 10,000 proxies (the admin API over a status filled in-process) it counts them all, draws the worst
-100 and filters through the server.
+100 and filters through the server. With a rollout (a delivery in-process) it shows the wave, the
+candidate and the pause, and a held candidate's reason (a hostile NACK) as text.
 """
 
 from __future__ import annotations
@@ -22,9 +23,15 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
 
 from pilotfish.api.admin import AdminApi
-from pilotfish.cache import SnapshotCache
-from pilotfish.events import RecentEvents
+from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
+from pilotfish.events import EventLog, RecentEvents
 from pilotfish.reconcile import Reconciler
+from pilotfish.resources import CLUSTER
+from pilotfish.resources.parse import parse_resource
+from pilotfish.rollout.delivery import Delivery, candidate_group
+from pilotfish.rollout.machine import RolloutSettings
+from pilotfish.rollout.waves import parse_waves
+from pilotfish.snapshot import Snapshot
 from pilotfish.status import NodeInfo, SyncStatus
 from pilotfish.transport.site import serve_app
 
@@ -274,3 +281,46 @@ def test_ten_thousand_proxies_counts_for_all_rows_for_the_worst_and_a_filter(bro
         _wait_on_page(page, lambda: len(_proxies(page)) == 10, "the ten proxies the filter matches")
         assert list(_proxies(page)) == ["edge-09757", *(f"edge-0975{n}" for n in (0, 1, 2, 3, 4, 5, 6, 8, 9))]
         assert page.evaluate("document.getElementById('shown').textContent").startswith("10 proxies matching")
+
+
+def _clusters(*names: str) -> Snapshot:
+    config = {"type": "EDS", "connect_timeout": "1s", "eds_cluster_config": {"eds_config": {"ads": {}}}}
+    parsed = [parse_resource(CLUSTER, {"name": name, **config}, "")[0] for name in names]
+    return Snapshot.build({CLUSTER: [message for message in parsed if message is not None]})
+
+
+ROLLOUT_JS = (
+    "document.getElementById('rollout').classList.contains('hidden') ? '' : "
+    "document.getElementById('rollout-body').innerText"
+)
+
+
+def test_the_rollout_shows_its_wave_its_pause_and_why_a_candidate_is_held(browser: Browser) -> None:
+    cache, status = SnapshotCache(), SyncStatus()
+    settings = RolloutSettings(waves=parse_waves("canary=c-*,100%"), bake=600.0, health=None)
+    delivery = Delivery(cache, settings, status=status, events=EventLog())
+    for node in ("c-1", "edge-1"):
+        status.stream_opened(node, NodeInfo(cluster="edge", user_agent="envoy"))
+    delivery.publish({DEFAULT_GROUP: _clusters("web")})  # the baseline
+    delivery.publish({DEFAULT_GROUP: _clusters("web", "api")})  # a candidate the canary NACKs: held
+    candidate = cache.snapshot(candidate_group(DEFAULT_GROUP))
+    assert candidate is not None
+    version = candidate.version(CLUSTER.url)
+    assert version is not None
+    status.sent("c-1", CLUSTER.url, version)
+    status.nacked("c-1", CLUSTER.url, version, HOSTILE_NACK)
+    delivery.publish({DEFAULT_GROUP: _clusters("web", "db")})  # the next candidate, paused in the canary wave
+    delivery.pause()
+    shown = delivery.status()
+    api = AdminApi(status, cache, Reconciler(cache), recent=RecentEvents(), rollout=delivery)
+    with _admin_api_on_a_thread(api) as address:
+        page = browser.open(f"http://{address}/")
+        text = _wait_on_page(page, lambda: page.evaluate(ROLLOUT_JS), "the rollout section")
+        assert "Wave canary (1 of 2): acking" in text, text
+        assert f"Candidate {shown['candidate'][:12]} over baseline {shown['baseline'][:12]}: 0 of 2 proxies" in text
+        assert "Waiting for 1 proxy to ACK: c-1" in text
+        assert "Paused: by the operator. To go on: pilotfish rollout resume." in text
+        assert "NACKed CDS: " + HOSTILE_NACK in text  # the held candidate's reason, as text
+        assert page.evaluate("document.getElementById('rollout').classList.contains('paused')") is True
+        assert page.evaluate("document.querySelectorAll('img, b.hostile').length") == 0
+        assert page.evaluate("window.__pwned === undefined") is True

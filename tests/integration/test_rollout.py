@@ -262,38 +262,49 @@ async def test_a_restart_keeps_the_held_candidate_away_and_the_baseline_served(t
     def bad(response: discovery_pb2.DiscoveryResponse) -> bool:
         return response.type_url == CDS and b"bad" in response.SerializeToString()
 
-    async with served(tmp_path, rollout(), {"a": 9001}) as (running, snapshot):
-        async with proxy(running, "c-1", refuse=bad) as canary:
-            await until("the canary on the baseline", lambda: canary.clusters == {"a": "1s"})
-            baseline = canary.versions[CDS]
-            snapshot.write_text(yaml.safe_dump(document({"a": 9001, "bad": 9002})))
-            await until("the rollback", lambda: events(running, "rollout_rolled_back"))
-            await until("the canary back on the baseline", lambda: canary.seen[CDS][-1] == baseline)
+    async with (
+        served(tmp_path, rollout(), {"a": 9001}) as (running, snapshot),
+        proxy(running, "c-1", refuse=bad) as canary,
+    ):
+        await until("the canary on the baseline", lambda: canary.clusters == {"a": "1s"})
+        baseline = canary.versions[CDS]
+        snapshot.write_text(yaml.safe_dump(document({"a": 9001, "bad": 9002})))
+        await until("the rollback", lambda: events(running, "rollout_rolled_back"))
+        await until("the canary back on the baseline", lambda: canary.seen[CDS][-1] == baseline)
     assert (tmp_path / "pilotfish-rollout.json").exists()
     before = len(read_events(tmp_path / "events.jsonl")[0])
 
     # Started again on the same file, which still says the held candidate: everyone gets the baseline.
-    async with served(tmp_path, rollout(), None) as (running, _):
-        async with proxy(running, "c-1") as canary, proxy(running, "p-1") as p1:
-            await until("both served", lambda: canary.clusters and p1.clusters)
-            assert canary.clusters == p1.clusters == {"a": "1s"}
-            assert canary.versions[CDS] == p1.versions[CDS] == baseline
-            held = await until("the held candidate reported", lambda: events(running, "rollout_held", after=before))
-            assert "c-1 NACKed CDS" in held[0]["reason"]
-            assert not events(running, "rollout_baseline_set", after=before)
+    async with (
+        served(tmp_path, rollout(), None) as (running, _),
+        proxy(running, "c-1") as canary,
+        proxy(running, "p-1") as p1,
+    ):
+        await until("both served", lambda: canary.clusters and p1.clusters)
+        assert canary.clusters == p1.clusters == {"a": "1s"}
+        assert canary.versions[CDS] == p1.versions[CDS] == baseline
+        held = await until("the held candidate reported", lambda: events(running, "rollout_held", after=before))
+        assert "c-1 NACKed CDS" in held[0]["reason"]
+        assert not events(running, "rollout_baseline_set", after=before)
 
 
 async def test_a_restart_mid_rollout_goes_on_with_the_candidate_in_its_wave(tmp_path: Path) -> None:
-    async with served(tmp_path, rollout(bake=3600.0), {"a": 9001}) as (running, snapshot):
-        async with proxy(running, "c-1") as canary, proxy(running, "p-1") as p1:
-            await until("both served", lambda: canary.clusters == p1.clusters == {"a": "1s"})
-            snapshot.write_text(yaml.safe_dump(document({"a": 9001}, timeout="2s")))
-            await until("the canary's wave baking", lambda: events(running, "rollout_wave_acked"))
+    async with (
+        served(tmp_path, rollout(bake=3600.0), {"a": 9001}) as (running, snapshot),
+        proxy(running, "c-1") as canary,
+        proxy(running, "p-1") as p1,
+    ):
+        await until("both served", lambda: canary.clusters == p1.clusters == {"a": "1s"})
+        snapshot.write_text(yaml.safe_dump(document({"a": 9001}, timeout="2s")))
+        await until("the canary's wave baking", lambda: events(running, "rollout_wave_acked"))
     before = len(read_events(tmp_path / "events.jsonl")[0])
 
-    async with served(tmp_path, rollout(bake=3600.0), None) as (running, _):
-        async with proxy(running, "c-1") as canary, proxy(running, "p-1") as p1:
-            await until("both served", lambda: canary.clusters and p1.clusters)
-            assert canary.clusters == {"a": "2s"} and p1.clusters == {"a": "1s"}
-            assert not events(running, "rollout_started", after=before)
-            assert not events(running, "rollout_baseline_set", after=before)
+    async with (
+        served(tmp_path, rollout(bake=3600.0), None) as (running, _),
+        proxy(running, "c-1") as canary,
+        proxy(running, "p-1") as p1,
+    ):
+        await until("both served", lambda: canary.clusters and p1.clusters)
+        assert canary.clusters == {"a": "2s"} and p1.clusters == {"a": "1s"}
+        assert not events(running, "rollout_started", after=before)
+        assert not events(running, "rollout_baseline_set", after=before)

@@ -1,4 +1,5 @@
-"""The admin API (aiohttp, JSON): is the server up, is it ready, and did a change reach every proxy.
+"""The admin API (aiohttp, JSON): is the server up, is it ready, did a change reach every proxy, and
+where its rollout is.
 
 =======  ======================  =================================================================
 GET      /                       the status page: the fleet at a glance, updating itself
@@ -13,7 +14,8 @@ GET      /v1/proxies             every connected proxy and, per type, what was s
 GET      /v1/snapshots           per node group and type: the current version, how many proxies
                                  ACKed it, and the time from its publish to the last ACK; per
                                  type, responses, ACKs and NACKs so far; whether a change is
-                                 waiting to be built (``pending``) or held
+                                 waiting to be built (``pending``) or held; the rollout (as
+                                 ``/v1/rollout``; null without ``--rollout``)
 GET      /v1/config?node=ID      the configuration that proxy is being served, as Envoy JSON
                                  (SDS secrets by name only: their keys never leave)
 GET      /v1/fleet               what the status page shows of the proxies: how many are in each
@@ -24,22 +26,37 @@ GET      /v1/events              the latest events (``after=SEQ``: only newer on
 GET      /v1/held                the snapshot the blast-radius guard holds back, if any
 GET      /metrics                Prometheus metrics (:mod:`pilotfish.api.metrics`)
 POST     /v1/held/confirm        publish it (as ``kill -USR1`` does; 404 when nothing is held)
+GET      /v1/rollout             where the rollout is (``serve --rollout``, docs/rollout.md): phase,
+                                 wave, candidate and baseline, who it waits for, the pause, the
+                                 bake's health, the held candidates; 404 without ``--rollout``
+POST     /v1/rollout/promote     the current wave passes now (the last: the rollout completes)
+POST     /v1/rollout/pause       no further wave starts until resumed
+POST     /v1/rollout/resume      go on after a pause
+POST     /v1/rollout/abort       roll the candidate back and hold it; ``reason`` (JSON body
+                                 ``{"reason": ...}`` or query, at most :data:`MAX_REASON`
+                                 characters) is recorded with it. A command that does not apply
+                                 now: 409 saying why and what does
 =======  ======================  =================================================================
 
 Everything here reads: :class:`~pilotfish.status.SyncStatus` (written by the xDS and REST
-servers), the cache and the reconciler; the one write is the confirmation of a held snapshot,
-which goes through :meth:`~pilotfish.reconcile.Reconciler.confirm` like the signal. It binds to
+servers), the cache and the reconciler; the writes are the confirmation of a held snapshot,
+which goes through :meth:`~pilotfish.reconcile.Reconciler.confirm` like the signal, and the
+rollout's commands (:class:`RolloutControl`: the server's
+:class:`~pilotfish.rollout.delivery.Delivery`). Each write records who gave it (``by``: ``admin
+API``, with the token's name when there are tokens) in its event. It binds to
 loopback by default, and pilotfish warns when it is told to listen elsewhere without tokens.
 With the server's certificate (``--tls-cert``) it is served over TLS only, and with
 ``--admin-client-ca`` its clients must present a certificate from that CA (mTLS), as the
 registry API. With a tokens file (``--admin-tokens``: the registry's format, followed as it
 changes, :mod:`pilotfish.api.tokens`), each route needs what :data:`ROUTES` says: a
-token with ``read: true`` reads, one with ``admin: true`` reads and confirms; a request without
-a usable token gets 401, one whose token's scope falls short 403 (event ``admin_denied``).
+token with ``read: true`` reads, one with ``admin: true`` reads, confirms and commands the
+rollout; a request without a usable token gets 401, one whose token's scope falls short 403
+(event ``admin_denied``).
 
 The status page is one static file of this package (HTML, CSS and a little JavaScript, no build
-step, nothing loaded from elsewhere); its script polls ``/v1/fleet``, ``/v1/snapshots`` and
-``/v1/events`` and writes what peers said (node ids, NACK messages) as text, never as markup. It
+step, nothing loaded from elsewhere); its script polls ``/v1/fleet``, ``/v1/snapshots`` (with the
+rollout in it) and ``/v1/events`` and writes what peers said (node ids, NACK messages, a held
+candidate's reason) as text, never as markup. It
 is served with a Content-Security-Policy that allows only its own script and style (by hash) and
 requests to this origin, so even a mistake there could not run a peer's script. With 10,000
 proxies it stays small: counts per state, then at most :data:`FLEET_ROWS` rows, worst first, and
@@ -67,13 +84,14 @@ import orjson
 from aiohttp import web
 
 from pilotfish.api.metrics import CONTENT_TYPE, Metrics
-from pilotfish.api.tokens import Access, TokenFile, TokenGate
+from pilotfish.api.tokens import TOKEN_NAME, Access, TokenFile, TokenGate
 from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.errors import shorten
 from pilotfish.events import EventLog, RecentEvents
 from pilotfish.reconcile import PublishState
 from pilotfish.resources import ENDPOINT, SECRET, type_by_url
 from pilotfish.resources.bootstrap import split_address
+from pilotfish.rollout.machine import CommandRefused
 from pilotfish.snapshot import Snapshot
 from pilotfish.status import DepartedProxy, ProxyRecord, SyncState, SyncStatus, TypeStatus
 from pilotfish.transport.site import ADMIN_API, ADMIN_CONNECTIONS, HttpConnectionLimits, is_loopback, serve_app
@@ -82,10 +100,15 @@ from pilotfish.xds.rest import response_json
 __all__ = [
     "FLEET_NACKS",
     "FLEET_ROWS",
+    "MAX_COMMAND_BODY",
     "MAX_FILTER",
+    "MAX_REASON",
+    "NO_ROLLOUT",
+    "ROLLOUT_COMMANDS",
     "ROUTES",
     "AdminApi",
     "HeldSnapshots",
+    "RolloutControl",
     "proxy_json",
     "short_type",
     "start_admin_server",
@@ -102,6 +125,17 @@ FLEET_NACKS = 20
 """The latest NACKs ``/v1/fleet`` lists."""
 MAX_FILTER = 256
 """Characters a ``/v1/fleet`` filter (``q``) may have."""
+MAX_REASON = 200
+"""Characters an abort's ``reason`` may have (the rollout keeps as many)."""
+MAX_COMMAND_BODY = 4096
+"""Bytes a request body may have (the one body read is a rollout command's ``{"reason": ...}``)."""
+ROLLOUT_COMMANDS = ("promote", "pause", "resume", "abort")
+"""``POST /v1/rollout/<command>``."""
+NO_ROLLOUT = (
+    "this server runs no rollout: every change reaches every proxy at once. To roll changes out in "
+    "waves, start it with --rollout WAVES, e.g. --rollout 'canary=edge-canary-*,5%,25%,100%' (docs/rollout.md)"
+)
+"""What the rollout routes answer (404) when ``serve`` was started without ``--rollout``."""
 _WORST_FIRST = {SyncState.NACKED: 0, SyncState.STALE: 1, SyncState.NOT_SENT: 2, SyncState.SYNCED: 3}
 """A proxy's rank on the status page: its worst state over its types."""
 _RANKED = sorted(_WORST_FIRST, key=_WORST_FIRST.__getitem__)
@@ -118,11 +152,19 @@ ROUTES: dict[tuple[str, str], Access] = {
     ("GET", "/v1/held"): Access.READ,
     ("GET", "/metrics"): Access.READ,
     ("POST", "/v1/held/confirm"): Access.ADMIN,
+    ("GET", "/v1/rollout"): Access.READ,
+    **{("POST", f"/v1/rollout/{command}"): Access.ADMIN for command in ROLLOUT_COMMANDS},
 }
 """What each route needs when the API has tokens (``serve --admin-tokens``): the status page
 itself (static; its data comes from the read routes), health and readiness are open (probes
-carry no token); the proxies' status, configuration, events and metrics are reads (``read:
-true``, or none with ``reads: open``); confirming a held snapshot needs ``admin: true``."""
+carry no token); the proxies' status, configuration, events, metrics and the rollout's status are
+reads (``read: true``, or none with ``reads: open``); confirming a held snapshot and commanding
+the rollout need ``admin: true``."""
+_ADMIN_ACTIONS = {
+    "/v1/held/confirm": "confirm a held snapshot",
+    **{f"/v1/rollout/{command}": f"{command} the rollout" for command in ROLLOUT_COMMANDS},
+}
+"""What a 403 says the token may not do, per admin route."""
 
 
 def status_page() -> tuple[bytes, str]:
@@ -207,11 +249,29 @@ class HeldSnapshots(PublishState, Protocol):
     def confirm(self, *, by: str = "") -> Snapshot | None: ...
 
 
+class RolloutControl(Protocol):
+    """What the admin API needs of a rollout (``serve --rollout``: the server's
+    :class:`~pilotfish.rollout.delivery.Delivery`): its status, JSON-able and bounded, and the
+    operator's commands, each raising :class:`~pilotfish.rollout.machine.CommandRefused` (saying
+    why, and what applies) when it does not apply now. ``by``: who gave the command, for its event."""
+
+    def status(self) -> dict[str, Any]: ...
+
+    def promote(self, *, by: str = "") -> None: ...
+
+    def pause(self, *, by: str = "") -> None: ...
+
+    def resume(self, *, by: str = "") -> None: ...
+
+    def abort(self, reason: str = "", *, by: str = "") -> None: ...
+
+
 class AdminApi:
     """The admin API's handlers over the server's status, cache and reconcile loop.
 
     ``waiting``: what the server waits for before it can publish (each source not yet reported,
-    with why), as :func:`pilotfish.app.serve` says it in its log.
+    with why), as :func:`pilotfish.app.serve` says it in its log. ``rollout``: the rollout its
+    ``/v1/rollout`` routes show and command (None: ``serve`` runs none, and they answer 404).
     """
 
     def __init__(
@@ -224,9 +284,9 @@ class AdminApi:
         metrics: Metrics | None = None,
         recent: RecentEvents | None = None,
         etcd: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-        subset_of: Callable[[str], int | None] | None = None,
         tokens: TokenFile | None = None,
         events: EventLog | None = None,
+        rollout: RolloutControl | None = None,
     ) -> None:
         self.status = status
         self.tokens = tokens
@@ -235,11 +295,18 @@ class AdminApi:
             None
             if tokens is None
             else TokenGate(
-                tokens, ROUTES, events=events or EventLog(), api="admin", admin_action="confirm a held snapshot"
+                tokens,
+                ROUTES,
+                events=events or EventLog(),
+                api="admin",
+                admin_action="confirm a held snapshot",
+                admin_actions=_ADMIN_ACTIONS,
             )
         )
-        self._subset_of = subset_of or (lambda _: None)
-        """Node id -> its subsetting index (None: none): which endpoints it is served."""
+        self.rollout = rollout
+        """The rollout (``serve --rollout``); None: none."""
+        self._subset_of = cache.subset_of
+        """Node id -> its subsetting index (None: none): which endpoints the cache serves it."""
         self._etcd = etcd
         """This replica's etcd revision and lag (and who leads), for ``/healthz``; None: no etcd."""
         self.cache = cache
@@ -253,7 +320,9 @@ class AdminApi:
         self._page, self._policy = status_page()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[] if self._gate is None else [self._gate.middleware])
+        app = web.Application(
+            middlewares=[] if self._gate is None else [self._gate.middleware], client_max_size=MAX_COMMAND_BODY
+        )
         app.router.add_get("/", self._status_page)
         app.router.add_get("/v1/fleet", self._fleet)
         app.router.add_get("/v1/events", self._events)
@@ -264,6 +333,9 @@ class AdminApi:
         app.router.add_get("/v1/config", self._config)
         app.router.add_get("/v1/held", self._held)
         app.router.add_post("/v1/held/confirm", self._confirm)
+        app.router.add_get("/v1/rollout", self._rollout_status)
+        for command in ROLLOUT_COMMANDS:
+            app.router.add_post(f"/v1/rollout/{command}", self._rollout_command)
         if self.metrics is not None:
             app.router.add_get("/metrics", self._metrics)
         return app
@@ -430,6 +502,7 @@ class AdminApi:
                 "pending": not self.reconciler.idle,
                 "held": self._held_json()["held"],
                 "refused": self._refused_json(),
+                "rollout": None if self.rollout is None else self.rollout.status(),
                 "now": self.status.now(),
             }
         )
@@ -496,10 +569,48 @@ class AdminApi:
 
     async def _confirm(self, request: web.Request) -> web.Response:
         held = self._held_json()
-        if self.reconciler.confirm(by="admin API") is None:
+        if self.reconciler.confirm(by=_by(request)) is None:
             return _error(404, "no snapshot is held: nothing to confirm")
-        _log.warning("the held snapshot was confirmed through the admin API by %s", request.remote)
+        _log.warning("the held snapshot was confirmed through the %s from %s", _by(request), request.remote)
         return _json({"confirmed": held["held"]})
+
+    # -- the rollout ----------------------------------------------------------------------------------
+
+    async def _rollout_status(self, request: web.Request) -> web.Response:
+        if self.rollout is None:
+            return _error(404, NO_ROLLOUT)
+        return _json(self.rollout.status())
+
+    async def _rollout_command(self, request: web.Request) -> web.Response:
+        command = request.path.rsplit("/", 1)[-1]
+        rollout = self.rollout
+        if rollout is None:
+            return _error(404, NO_ROLLOUT)
+        reason = await _reason(request, command)
+        if isinstance(reason, web.Response):
+            return reason
+        before = rollout.status()
+        by = _by(request)
+        try:
+            if command == "promote":
+                rollout.promote(by=by)
+            elif command == "pause":
+                rollout.pause(by=by)
+            elif command == "resume":
+                rollout.resume(by=by)
+            else:
+                rollout.abort(reason, by=by)
+        except CommandRefused as exc:
+            return _error(409, str(exc))
+        _log.warning(
+            "rollout %s (candidate %s) through the %s from %s%s",
+            command,
+            before["candidate"],
+            by,
+            request.remote,
+            f": {reason}" if reason else "",
+        )
+        return _json({"command": command, "candidate": before["candidate"], "rollout": rollout.status()})
 
 
 async def start_admin_server(
@@ -527,6 +638,48 @@ def _int_param(query: Any, name: str, *, default: int, low: int, high: int | Non
         bound = f"from {low} to {high}" if high is not None else f"at least {low}"
         return _error(400, f"{name} must be a whole number {bound}, not {shorten(raw, 40)!r}")
     return value
+
+
+def _by(request: web.Request) -> str:
+    """Who gave a command, as its event records it: ``admin API``, with the token's name when the
+    API has tokens (``admin API (token ops)``)."""
+    token = request.get(TOKEN_NAME)
+    return "admin API" if token is None else f"admin API (token {token})"
+
+
+async def _reason(request: web.Request, command: str) -> str | web.Response:
+    """An abort's reason, from the query (``reason=``) or the JSON body (``{"reason": ...}``),
+    its whitespace collapsed ("" when none); a 400 or 413 response saying what is wrong."""
+    where = f"POST {request.path}"
+    try:
+        raw = await request.read() if request.can_read_body else b""
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, f"{where}: the body may have at most {MAX_COMMAND_BODY} bytes")
+    given: list[Any] = []
+    if "reason" in request.query:
+        given.append(request.query["reason"])
+    if raw.strip():
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return _error(400, f'{where}: the body must be JSON, e.g. {{"reason": "..."}}')
+        if not isinstance(body, dict) or set(body) - {"reason"}:
+            return _error(400, f'{where}: the body is an object with at most "reason", e.g. {{"reason": "..."}}')
+        if "reason" in body:
+            given.append(body["reason"])
+    if not given:
+        return ""
+    if command != "abort":
+        return _error(400, f"{where}: only abort takes a reason")
+    if len(given) > 1:
+        return _error(400, f"{where}: give the reason once, in the body or the query, not both")
+    (reason,) = given
+    if not isinstance(reason, str):
+        return _error(400, f"{where}: the reason must be a string, not {type(reason).__name__}")
+    reason = " ".join(reason.split())
+    if len(reason) > MAX_REASON:
+        return _error(400, f"{where}: the reason may have at most {MAX_REASON} characters, not {len(reason)}")
+    return reason
 
 
 def _json(body: Any, *, status: int = 200) -> web.Response:

@@ -66,6 +66,7 @@ from pilotfish.transport.site import is_loopback
 __all__ = [
     "MAX_TOKENS",
     "MAX_TOKENS_FILE_BYTES",
+    "TOKEN_NAME",
     "Access",
     "AdminTokenFile",
     "Allowed",
@@ -410,6 +411,10 @@ def authorize(
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+TOKEN_NAME = web.RequestKey("pilotfish_token_name", str)
+"""Set by :class:`TokenGate` on a request it let through with a listed token: the token's name
+(what a handler records as who did it; never the token itself)."""
+
 
 class TokenGate:
     """The aiohttp middleware of an API with a tokens file: decides every request before its
@@ -419,7 +424,8 @@ class TokenGate:
     403: ``{"error": ..., "problems": [{"field": "Authorization", "message": ...}]}`` and
     ``WWW-Authenticate``. Refusals are logged and recorded (event ``<api>_denied``) at most once
     per ``report_every`` seconds, with the count of those left out, so a client guessing tokens
-    cannot fill the log."""
+    cannot fill the log. A request let through with a listed token carries the token's name
+    (``request[TOKEN_NAME]``), for its handler to record who did what."""
 
     def __init__(
         self,
@@ -429,6 +435,7 @@ class TokenGate:
         events: EventLog,
         api: str = "registry",
         admin_action: str = "change self-preservation",
+        admin_actions: Mapping[str, str] | None = None,
         report_every: float = 10.0,
     ) -> None:
         self.tokens = tokens
@@ -436,6 +443,8 @@ class TokenGate:
         self.events = events
         self.api = api
         self.admin_action = admin_action
+        self.admin_actions = admin_actions or {}
+        """Per canonical path, what ``admin: true`` allows there, when not ``admin_action``."""
         self._gate = ReportGate(report_every)
 
     @web.middleware
@@ -452,7 +461,7 @@ class TokenGate:
             request.headers.get("Authorization"),
             request=f"{request.method} {request.path}",
             api=self.api,
-            admin_action=self.admin_action,
+            admin_action=self.admin_actions.get(route.resource.canonical, self.admin_action),
         )
         if isinstance(decision, Denied):
             self._report(request, decision)
@@ -462,6 +471,8 @@ class TokenGate:
                 status=decision.status,
                 headers={"WWW-Authenticate": decision.challenge},
             )
+        if decision.token is not None:
+            request[TOKEN_NAME] = decision.token
         return await handler(request)
 
     def _report(self, request: web.Request, denied: Denied) -> None:

@@ -268,9 +268,9 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             waiting=_waiting(settings, reconciler, etcd),
             recent=recent,
             etcd=None if etcd is None else store.status if store is not None else etcd.status,
-            subset_of=proxy_indices.index,
             tokens=admin_tokens,
             events=events,
+            rollout=delivery,
             metrics=Metrics(
                 status,
                 reconciler,

@@ -1,5 +1,5 @@
-"""The ``pilotfish`` command: ``serve``, ``status``, ``wait``, ``confirm``, ``validate``, ``bootstrap``, ``token``,
-``demo``."""
+"""The ``pilotfish`` command: ``serve``, ``status``, ``wait``, ``confirm``, ``rollout``, ``validate``,
+``bootstrap``, ``token``, ``demo``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ __all__ = ["main"]
 EXIT_OK = 0
 EXIT_INVALID = 1
 EXIT_USAGE = 2
+ROLLOUT_ACTIONS = ("status", "promote", "pause", "resume", "abort")
+"""``pilotfish rollout ACTION`` (as :data:`pilotfish.commands.operate.ROLLOUT_ACTIONS`)."""
 
 
 def _address(value: str) -> str:
@@ -45,7 +47,7 @@ def _address(value: str) -> str:
 
 
 DEFAULT_ADMIN = "127.0.0.1:18001"
-"""Where ``serve`` serves the admin API, and where ``status``, ``wait`` and ``confirm`` look for it."""
+"""Where ``serve`` serves the admin API, and where ``status``, ``wait``, ``confirm`` and ``rollout`` look for it."""
 
 
 def _addresses(value: str) -> list[str]:
@@ -572,6 +574,25 @@ def _parser() -> argparse.ArgumentParser:
 
     commands.add_parser("confirm", parents=[admin_client], help="publish the snapshot the blast-radius guard holds")
 
+    rollout = commands.add_parser(
+        "rollout",
+        parents=[admin_client],
+        help="show where the rollout (serve --rollout) is, or promote, pause, resume or abort it",
+    )
+    rollout.add_argument(
+        "action",
+        nargs="?",
+        choices=ROLLOUT_ACTIONS,
+        default="status",
+        help="status (the default): phase, wave, candidate and baseline, who it waits for, what is "
+        "held; promote: the current wave passes now; pause: no further wave starts; resume: go on; "
+        "abort: roll the candidate back and hold it",
+    )
+    rollout.add_argument(
+        "--reason", metavar="TEXT", help="abort: why (at most 200 characters), recorded with the held candidate"
+    )
+    rollout.add_argument("--json", action="store_true", help="print the admin API's JSON answer as it is")
+
     validate = commands.add_parser("validate", help="check a snapshot file; print every problem")
     validate.add_argument("file", type=Path, metavar="FILE")
 
@@ -891,9 +912,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     if args.command == "serve":
         return _serve(args)
-    if args.command in ("status", "wait", "confirm"):
+    if args.command in ("status", "wait", "confirm", "rollout"):
         from pilotfish.commands import operate
 
+        if args.command == "rollout" and args.reason is not None and args.action != "abort":
+            print(f"pilotfish rollout {args.action}: --reason is for abort", file=sys.stderr)
+            return EXIT_USAGE
         try:
             tls = operate.client_context(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
             token = operate.admin_token(args.token_file, os.environ)
@@ -913,6 +937,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 min_proxies=args.min_proxies,
                 out=sys.stdout,
                 err=sys.stderr,
+            )
+        if args.command == "rollout":
+            return operate.rollout_command(
+                admin, args.action, reason=args.reason, as_json=args.json, out=sys.stdout, err=sys.stderr
             )
         return operate.confirm_command(admin, out=sys.stdout, err=sys.stderr)
     if args.command == "token":

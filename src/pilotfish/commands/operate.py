@@ -1,4 +1,5 @@
-"""``pilotfish status``, ``wait`` and ``confirm``: an operator's questions, asked of the admin API.
+"""``pilotfish status``, ``wait``, ``confirm`` and ``rollout``: an operator's questions, asked of the
+admin API.
 
 ``status`` prints the proxies table of ``/v1/proxies`` (as ``istioctl proxy-status`` does), one
 row per connected proxy and a column per type, then the message of every NACK.
@@ -16,11 +17,18 @@ first, for a snapshot labelled ``V`` (a snapshot file's ``version``) to be the c
 ``--for-current`` (the default) waits for whatever is current, and for a change still being
 debounced to be built first.
 
+``rollout`` prints where the rollout of ``serve --rollout`` is (``/v1/rollout``, as
+:func:`rollout_text`: phase, wave, candidate and baseline, who it waits for, the pause, the
+bake's health, the held candidates; ``--json``: the answer as it is), and ``rollout promote``,
+``pause``, ``resume`` and ``abort [--reason TEXT]`` command it (``POST /v1/rollout/<command>``).
+A command that does not apply now is refused (409) with why: exit status 1.
+
 When the admin API has tokens (``serve --admin-tokens``), each command sends one as
 ``Authorization: Bearer``: the first line of ``--token-file FILE``, else the environment variable
-:data:`TOKEN_VARIABLE` (``PILOTFISH_ADMIN_TOKEN``); ``status`` and ``wait`` need ``read: true``,
-``confirm`` needs ``admin: true``. A refusal (401, 403) ends the command at once with the
-server's reason and exit status 2.
+:data:`TOKEN_VARIABLE` (``PILOTFISH_ADMIN_TOKEN``); ``status``, ``wait`` and ``rollout [status]``
+need ``read: true``, ``confirm`` and the rollout's commands need ``admin: true``. A refusal (401,
+403) ends the command at once with the server's reason and exit status 2; an admin API that
+cannot be reached, exit status 3.
 
 Plain ``urllib``: the commands are one-shot and synchronous.
 """
@@ -39,6 +47,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = [
+    "ROLLOUT_ACTIONS",
     "TOKEN_VARIABLE",
     "AdminClient",
     "AdminUnreachable",
@@ -48,6 +57,8 @@ __all__ = [
     "confirm_command",
     "fleet_verdict",
     "laggards",
+    "rollout_command",
+    "rollout_text",
     "status_command",
     "status_table",
     "wait_command",
@@ -62,6 +73,11 @@ TOKEN_VARIABLE = "PILOTFISH_ADMIN_TOKEN"
 MAX_TOKEN_FILE = 4096
 """Bytes of a token file read (a token is 43 characters; `pilotfish token new`)."""
 EXIT_REFUSED = 2
+EXIT_UNREACHABLE = 3
+ROLLOUT_ACTIONS = ("status", "promote", "pause", "resume", "abort")
+"""What ``pilotfish rollout`` does: show the rollout, or one of the operator's commands."""
+_HELD_LINES = 5
+_REASON_CHARS = 300
 
 
 class AdminUnreachable(Exception):
@@ -109,10 +125,14 @@ class AdminClient:
     timeout: float = 10.0
     """Seconds one request may take."""
 
-    def get_json(self, path: str, *, method: str = "GET") -> tuple[int, Any]:
-        """(HTTP status, decoded body) of ``method path``. Raises :class:`AdminUnreachable`."""
+    def get_json(self, path: str, *, method: str = "GET", body: Any = None) -> tuple[int, Any]:
+        """(HTTP status, decoded body) of ``method path`` (sending ``body`` as JSON, if given).
+        Raises :class:`AdminUnreachable`."""
         url = f"{'http' if self.tls is None else 'https'}://{self.address}{path}"
-        request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+        data = json.dumps(body).encode() if body is not None else b"" if method == "POST" else None
+        request = urllib.request.Request(url, method=method, data=data)
+        if body is not None:
+            request.add_header("Content-Type", "application/json")
         if self.token is not None:
             request.add_header("Authorization", f"Bearer {self.token}")
         try:
@@ -356,4 +376,149 @@ def confirm_command(admin: AdminClient, *, out: TextIO, err: TextIO) -> int:
         return EXIT_REFUSED if code in (401, 403) else 1
     held = body["confirmed"]
     print(f"published {held['version']} ({'; '.join(held['reasons'])})", file=out)
+    return 0
+
+
+# -- the rollout -------------------------------------------------------------------------------------
+
+
+def _for(seconds: float) -> str:
+    """A duration as people read it: ``45s``, ``12 min``, ``3.5 h``."""
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _percent(ratio: float) -> str:
+    return f"{ratio * 100:.2f} %"
+
+
+def _clip(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
+
+
+def rollout_text(status: Mapping[str, Any]) -> str:
+    """``/v1/rollout`` as ``pilotfish rollout`` prints it: one line per thing an operator asks
+    (what rolls out over what, which wave and phase, the pause, who is awaited, the bake's health,
+    the proxies, the held candidates), a label first."""
+    now = status.get("now") or time.time()
+    waves = list(status.get("waves") or [])
+    lines: list[tuple[str, str]] = []
+    candidate, baseline = status.get("candidate"), status.get("baseline")
+    if candidate is None:
+        lines.append(
+            (
+                "rollout",
+                "none in progress: every proxy is served the baseline " + _short(baseline)
+                if baseline
+                else "none yet: nothing is published",
+            )
+        )
+        lines.append(("waves", f"{', '.join(waves)} (types {', '.join(status.get('types') or [])})"))
+        lines.append(("proxies", f"{status.get('proxies', 0)} connected"))
+    else:
+        lines.append(("rollout", f"{_short(candidate)} over baseline {_short(baseline)}"))
+        index = status.get("wave_index")
+        where = f" ({index + 1} of {len(waves)}: {', '.join(waves)})" if isinstance(index, int) else ""
+        started = status.get("wave_started")
+        since = f", for {_for(now - started)}" if started else ""
+        lines.append(("phase", f"{status['phase']}, wave {status.get('wave')}{where}{since}"))
+        paused = status.get("paused")
+        if paused == "operator":
+            lines.append(("paused", "by the operator: no further wave starts; `pilotfish rollout resume` goes on"))
+        elif paused:
+            lines.append(("paused", f"{_clip(paused)}; `pilotfish rollout promote` goes on, `abort` rolls back"))
+        deadline = status.get("deadline")
+        if status["phase"] == "acking":
+            count = status.get("waiting", 0)
+            named = list(status.get("waiting_proxies") or [])
+            more = f" and {count - len(named)} more" if count > len(named) else ""
+            timeout = f" (ACK timeout in {_for(deadline - now)})" if deadline else ""
+            who = f": {', '.join(named)}{more}" if named else ""
+            lines.append(("waiting", f"{count} prox{'y' if count == 1 else 'ies'} to ACK the candidate{timeout}{who}"))
+        elif status["phase"] == "baking":
+            ends = status.get("bake_ends")
+            if ends is None:
+                baked = "baking"
+            elif ends > now:
+                baked = f"the bake ends in {_for(ends - now)}"
+            else:
+                baked = f"the bake ended {_for(now - ends)} ago" + (
+                    ": the next wave waits for the pause" if paused else ""
+                )
+            lines.append(("baking", baked))
+            health = status.get("health")
+            if health:
+                text = (
+                    f"error ratio {_percent(health['error_ratio'])} of {health['requests']:,} requests; "
+                    f"baseline {_percent(health['baseline_error_ratio'])} of {health['baseline_requests']:,}"
+                )
+                if health.get("reason"):
+                    text += f" ({_clip(health['reason'])})"
+                lines.append(("health", text))
+        lines.append(("proxies", f"{status.get('on_candidate', 0)} of {status.get('proxies', 0)} on the candidate"))
+    held = list(status.get("held") or [])
+    count = status.get("held_count", len(held))
+    if held:
+        lines.append(("held", f"{count} candidate{'' if count == 1 else 's'}, never served again (the newest first):"))
+    width = max(len(label) for label, _ in lines)
+    out = [f"{label.ljust(width)}  {text}" for label, text in lines]
+    shown = held[:_HELD_LINES]
+    for entry in shown:
+        out.append(f"  {_short(entry['candidate'])}  {_for(now - entry['at'])} ago  {_clip(entry['reason'])}")
+    if count > len(shown):
+        listed = f" (--json lists the newest {len(held)})" if len(held) > len(shown) else ""
+        out.append(f"  ... and {count - len(shown)} older{listed}")
+    return "\n".join(out) + "\n"
+
+
+def _done(action: str, answer: Mapping[str, Any]) -> str:
+    """What a rollout command did, in a line, from its answer (the rollout after it)."""
+    was = _short(answer.get("candidate"))
+    after = answer["rollout"]
+    now_at = f"wave {after.get('wave')} ({after['phase']})"
+    if action == "abort":
+        baseline = _short(after.get("baseline"))
+        return f"aborted the rollout of {was}: every proxy is served the baseline {baseline}; {was} is held"
+    if after.get("candidate") is None:
+        return (
+            f"{action}d the rollout of {was}: it completed, {_short(after.get('baseline'))} is every proxy's baseline"
+        )
+    if action == "pause":
+        return f"paused the rollout of {was} at {now_at}: no further wave starts until `pilotfish rollout resume`"
+    return f"{action}d the rollout of {was}: now {now_at}"
+
+
+def rollout_command(
+    admin: AdminClient, action: str, *, reason: str | None = None, as_json: bool = False, out: TextIO, err: TextIO
+) -> int:
+    """``pilotfish rollout [status]``: print the rollout; ``promote``, ``pause``, ``resume``,
+    ``abort``: command it. 0 done; 1 refused (the command does not apply now, 409; or no rollout
+    runs, 404), with the server's reason on ``err``; 2 the token is missing or falls short; 3 the
+    admin API cannot be reached."""
+    name = f"pilotfish rollout {action}"
+    try:
+        if action == "status":
+            code, body = admin.get_json("/v1/rollout")
+        else:
+            code, body = admin.get_json(
+                f"/v1/rollout/{action}", method="POST", body={"reason": reason} if reason else None
+            )
+    except AdminUnreachable as exc:
+        print(f"{name}: {exc}", file=err)
+        return EXIT_UNREACHABLE
+    if code != 200:
+        message = body.get("error", body) if isinstance(body, dict) else body
+        print(f"{name}: {message}", file=err)
+        return EXIT_REFUSED if code in (401, 403) else 1
+    if as_json:
+        out.write(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    elif action == "status":
+        out.write(rollout_text(body))
+    else:
+        print(_done(action, body), file=out)
     return 0

@@ -46,12 +46,13 @@ from typing import Any
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.events import EventLog
 from pilotfish.resources.types import CLUSTER, ENDPOINT, TypeUrl
+from pilotfish.rollout.gates import HealthResult, short_type
 from pilotfish.rollout.machine import Decision, LoadWindow, Phase, RolloutMachine, RolloutSettings, Step
 from pilotfish.rollout.stored import Stored, encode
 from pilotfish.snapshot import Snapshot, TypeSnapshot, with_kept
 from pilotfish.status import NodeInfo, SyncStatus
 
-__all__ = ["CANDIDATE", "WAVE_BUCKETS", "Delivery", "RolloutStats", "candidate_group", "spliced"]
+__all__ = ["CANDIDATE", "HELD_SHOWN", "WAVE_BUCKETS", "Delivery", "RolloutStats", "candidate_group", "spliced"]
 
 _log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ CANDIDATE = "@candidate"
 """What :func:`candidate_group` appends to a group's name."""
 
 _WARN = frozenset({"rollout_failed", "rollout_rolled_back", "rollout_held", "rollout_aborted", "rollout_paused"})
+_COMMANDS = frozenset({"rollout_promoted", "rollout_paused", "rollout_resumed", "rollout_aborted"})
+HELD_SHOWN = 10
+"""Held candidates :meth:`Delivery.status` lists (the newest; ``held_count`` says how many there are)."""
 
 
 def candidate_group(group: str) -> NodeGroup:
@@ -268,38 +272,57 @@ class Delivery:
     def baking(self) -> bool:
         return self.machine.running and self.machine.phase is Phase.BAKING
 
-    def promote(self) -> None:
-        self._step(self.machine.promote(self._clock()))
+    # The operator's commands: each raises CommandRefused when it does not apply now. ``by``: who
+    # gave it (``admin API (token ops)``), added to the command's event.
 
-    def pause(self) -> None:
-        self._step(self.machine.pause(self._clock()))
+    def promote(self, *, by: str = "") -> None:
+        self._step(self.machine.promote(self._clock()), by=by)
 
-    def resume(self) -> None:
-        self._step(self.machine.resume(self._clock()))
+    def pause(self, *, by: str = "") -> None:
+        self._step(self.machine.pause(self._clock()), by=by)
 
-    def abort(self, reason: str = "") -> None:
-        self._step(self.machine.abort(self._clock(), reason))
+    def resume(self, *, by: str = "") -> None:
+        self._step(self.machine.resume(self._clock()), by=by)
+
+    def abort(self, reason: str = "", *, by: str = "") -> None:
+        self._step(self.machine.abort(self._clock(), reason), by=by)
 
     def status(self) -> dict[str, Any]:
-        """For the admin API: the machine's status, and how many proxies are on the candidate."""
-        out = self.machine.status()
+        """For the admin API: the machine's status (the newest :data:`HELD_SHOWN` held candidates),
+        how many proxies are on the candidate, the timers, and the last health figures of the bake."""
+        machine, settings = self.machine, self.machine.settings
+        out = machine.status()
+        running = machine.running
+        baking = running and machine.phase is Phase.BAKING
+        out["now"] = self._clock()
+        out["wave_index"] = machine.wave if running else None
+        out["wave_started"] = machine.wave_started if running else None
+        out["bake_ends"] = machine.bake_started + settings.bake if baking else None
+        out["health"] = _health_json(machine.last_health) if baking else None
+        out["held_count"] = len(machine.held)
+        out["held"] = out["held"][:HELD_SHOWN]
         out["proxies"] = len(self._nodes)
         out["on_candidate"] = len(self._on_candidate)
-        out["waves"] = [w.name for w in self.machine.settings.waves.waves]
-        out["types"] = sorted(type_url.rsplit(".", 1)[-1] for type_url in self._types)
+        out["waves"] = [w.name for w in settings.waves.waves]
+        out["types"] = sorted(short_type(type_url) for type_url in self._types)
+        out["bake"] = settings.bake
+        out["ack_timeout"] = settings.ack.timeout
         return out
 
     # -- serving what the machine decided ---------------------------------------------------------
 
-    def _step(self, step: Step) -> None:
-        self._emit(step)
+    def _step(self, step: Step, *, by: str = "") -> None:
+        self._emit(step, by=by)
         if step.events or step.wake:
             self._apply(step)
 
-    def _emit(self, step: Step) -> None:
-        for event in step.events:
+    def _emit(self, step: Step, *, by: str = "") -> None:
+        for n, event in enumerate(step.events):
             self._count(event.kind)
-            self._events.emit(event.kind, **event.fields)
+            fields = event.fields
+            if by and n == 0 and event.kind in _COMMANDS:  # the command's own event comes first
+                fields = {**fields, "by": by}
+            self._events.emit(event.kind, **fields)
             if event.kind in _WARN:
                 _log.warning("%s: %s", event.kind, event.fields.get("reason") or event.fields.get("candidate"))
             elif event.kind != "rollout_wave_acked":
@@ -387,3 +410,20 @@ class Delivery:
             versions: dict[str, str] = {url: ts.version for url, ts in snapshot.types.items()}
             if current is None or {url: v for url, (v, _) in current.types.items()} != versions:
                 self._status.published(group, label=snapshot.label(), versions=versions)
+
+
+def _health_json(health: HealthResult | None) -> dict[str, Any] | None:
+    """The health gate's last verdict in the bake: the wave's requests and error ratio, and its
+    reference's (the baseline's)."""
+    if health is None:
+        return None
+    wave, reference = health.wave, health.reference
+    return {
+        "verdict": health.verdict.value,
+        "reason": health.reason,
+        "requests": wave.completed,
+        "errors": wave.errors,
+        "error_ratio": round(wave.ratio, 6),
+        "baseline_requests": reference.completed,
+        "baseline_error_ratio": round(reference.ratio, 6),
+    }

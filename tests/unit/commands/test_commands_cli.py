@@ -65,3 +65,13 @@ def test_cli_refuses_incomplete_tls_options(tmp_path: Path, capsys: pytest.Captu
         == 1
     )
     assert f"{absent}: 1 problem(s)\n  no such file" in capsys.readouterr().err
+
+
+def test_rollout_takes_a_reason_only_to_abort(capsys: pytest.CaptureFixture[str]) -> None:
+    from pilotfish.commands.cli import _parser
+
+    assert _parser().parse_args(["rollout"]).action == "status"
+    assert main(["rollout", "promote", "--reason", "why not"]) == 2
+    assert "pilotfish rollout promote: --reason is for abort" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["rollout", "rewind"])

@@ -1,5 +1,5 @@
-"""``pilotfish wait``'s verdict and ``pilotfish status``'s table, from admin API answers; the token
-the commands send."""
+"""``pilotfish wait``'s verdict, ``pilotfish status``'s table and ``pilotfish rollout``'s text, from
+admin API answers; the token the commands send."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from pilotfish.commands.operate import TOKEN_VARIABLE, admin_token, fleet_verdict, laggards, status_table
+from pilotfish.commands.operate import (
+    TOKEN_VARIABLE,
+    admin_token,
+    fleet_verdict,
+    laggards,
+    rollout_text,
+    status_table,
+)
 
 
 def proxy(node: str, *, protocol: str = "sotw", group: str = "default", **types: dict[str, Any]) -> dict[str, Any]:
@@ -153,3 +160,78 @@ def test_the_token_comes_from_the_file_then_the_environment(tmp_path: Path) -> N
         admin_token(file, {})
     with pytest.raises(OSError):
         admin_token(tmp_path / "missing", {})
+
+
+def rollout(**fields: Any) -> dict[str, Any]:
+    """A ``/v1/rollout`` answer: a rollout of c2 over b1 in its second wave of four, at time 1000."""
+    status: dict[str, Any] = {
+        "now": 1000.0,
+        "phase": "acking",
+        "baseline": "b1b1b1b1b1b1b1b1",
+        "candidate": "c2c2c2c2c2c2c2c2",
+        "wave": "5%",
+        "wave_index": 1,
+        "wave_started": 950.0,
+        "paused": None,
+        "deadline": 980.0 + 30,
+        "waiting": 0,
+        "waiting_proxies": [],
+        "bake_ends": None,
+        "health": None,
+        "held": [],
+        "held_count": 0,
+        "proxies": 120,
+        "on_candidate": 7,
+        "waves": ["canary", "5%", "25%", "100%"],
+        "types": ["CDS", "LDS", "RDS", "SDS"],
+    }
+    status.update(fields)
+    return status
+
+
+def test_the_rollout_text_says_what_waits_for_what() -> None:
+    waiting = [f"edge-{n}" for n in range(10)]
+    text = rollout_text(rollout(waiting=14, waiting_proxies=waiting, paused="operator"))
+    assert text.splitlines() == [
+        "rollout  c2c2c2c2c2c2 over baseline b1b1b1b1b1b1",
+        "phase    acking, wave 5% (2 of 4: canary, 5%, 25%, 100%), for 50s",
+        "paused   by the operator: no further wave starts; `pilotfish rollout resume` goes on",
+        f"waiting  14 proxies to ACK the candidate (ACK timeout in 10s): {', '.join(waiting)} and 4 more",
+        "proxies  7 of 120 on the candidate",
+    ]
+    health = {
+        "verdict": "pass",
+        "reason": "",
+        "requests": 1500,
+        "errors": 3,
+        "error_ratio": 0.002,
+        "baseline_requests": 30000,
+        "baseline_error_ratio": 0.001,
+    }
+    baking = rollout_text(rollout(phase="baking", deadline=1012.0, bake_ends=1012.0, health=health))
+    assert "baking   the bake ends in 12s\n" in baking
+    assert "health   error ratio 0.20 % of 1,500 requests; baseline 0.10 % of 30,000\n" in baking
+    over = rollout_text(rollout(phase="baking", deadline=None, bake_ends=990.0, paused="12 requests of at least 100"))
+    assert "paused   12 requests of at least 100; `pilotfish rollout promote` goes on, `abort` rolls back" in over
+    assert "baking   the bake ended 10s ago: the next wave waits for the pause" in over
+
+
+def test_the_rollout_text_when_idle_lists_the_newest_held_candidates() -> None:
+    held = [
+        {"candidate": f"h{n}" * 8, "reason": f"wave canary: edge-{n} NACKed CDS:  {'x' * 400}", "at": 1000.0 - 60 * n}
+        for n in range(10)
+    ]
+    lines = rollout_text(rollout(phase="idle", candidate=None, wave=None, held=held, held_count=12)).splitlines()
+    assert lines[:4] == [
+        "rollout  none in progress: every proxy is served the baseline b1b1b1b1b1b1",
+        "waves    canary, 5%, 25%, 100% (types CDS, LDS, RDS, SDS)",
+        "proxies  120 connected",
+        "held     12 candidates, never served again (the newest first):",
+    ]
+    assert lines[4].startswith("  h0h0h0h0h0h0  0s ago  wave canary: edge-0 NACKed CDS: xxx") and lines[4].endswith(
+        "..."
+    )
+    assert len(lines[4]) < 330 and lines[6].startswith("  h2h2h2h2h2h2  2 min ago  ")
+    assert lines[9:] == ["  ... and 7 older (--json lists the newest 10)"]
+    first = rollout_text(rollout(phase="idle", candidate=None, baseline=None, wave=None))
+    assert first.splitlines()[0] == "rollout  none yet: nothing is published"
