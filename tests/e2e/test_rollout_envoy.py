@@ -1,16 +1,19 @@
 """Progressive delivery with real Envoys under real load (wrk): ``serve --rollout 'canary=c-*,100%'``.
 
-Three Envoys report their load over LRS (``pilotfish bootstrap --lrs``); ``c-1`` is the canary.
-Each has a static listener of its own (its route table, clusters and endpoints come over ADS), so
-the test can load each proxy apart. Three changes, each valid to pilotfish's checks:
+Six Envoys report their load over LRS (``pilotfish bootstrap --lrs``); ``c-1`` is the canary. Each
+has a static listener of its own whose routes (route table ``local``), cluster and endpoints come
+over ADS, so the test loads each proxy apart. Service ``web`` is defined in the snapshot file and
+its instances come from the registry API. Three changes, each valid to pilotfish's checks:
 
-1. a route whose RE2 pattern does not compile: the canary NACKs it, it is rolled back and held,
-   and the other Envoys are never sent it;
-2. a good change (a route timeout) under load: it reaches the canary, then everyone; not one
-   request fails, and ``pilotfish wait`` returns 0;
-3. a route that rewrites every request to an upstream path answering 503: the canary ACKs it, and
-   its load reports show the errors, so the health gate fails the canary's wave and rolls it back
-   before any other Envoy is sent it.
+1. a route whose RE2 pattern does not compile: the canary NACKs it, it is rolled back and held, the
+   other Envoys are never sent it, ``pilotfish wait`` says so, and an Envoy started afterwards is
+   served the baseline;
+2. a good change (a route timeout) under load, with an instance deregistered while the canary's
+   wave bakes: the endpoint change reaches all six at once, the route change the canary first and
+   then everyone; not one request fails, and ``pilotfish wait`` returns 0;
+3. a route that rewrites every request to an upstream path answering 503: the canary ACKs it, its
+   load reports show the errors, and the health gate fails the canary's wave and rolls it back;
+   no other Envoy is sent it, and their load sees no error.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from typing import Any
 import pytest
 import yaml
 
-from .event_log import RDS, Event, EventLog
-from .processes import Envoy, ProcessGroup, free_port, http_get, pilotfish, wait_until
-from .testbed import Testbed
+from .event_log import EDS, RDS, Event, EventLog
+from .processes import ControlPlane, Envoy, ProcessGroup, free_port, http_get, pilotfish, wait_until
+from .registry_client import RegistryClient
+from .testbed import WEB, Testbed
 from .wrk import Wrk
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -31,31 +35,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _ADS = {"ads": {}, "resource_api_version": "V3"}
-FLEET = ("c-1", "p-1", "p-2")
+FLEET = ("c-1", "p-1", "p-2", "p-3", "p-4", "p-5")
+OTHERS = FLEET[1:]
 GOOD = {"match": {"prefix": "/"}, "route": {"cluster": "web"}}
 
 
-def document(web_port: int, *routes: dict[str, Any]) -> dict[str, Any]:
+def document(listen: int, *routes: dict[str, Any]) -> dict[str, Any]:
+    """Service ``web`` (its instances from the registry) and the route table ``local`` of ``routes``."""
     return {
-        "clusters": [
-            {"name": "web", "type": "EDS", "connect_timeout": "1s", "eds_cluster_config": {"eds_config": _ADS}}
-        ],
-        "endpoints": [
-            {
-                "cluster_name": "web",
-                "endpoints": [
-                    {
-                        "lb_endpoints": [
-                            {
-                                "endpoint": {
-                                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": web_port}}
-                                }
-                            }
-                        ]
-                    }
-                ],
-            }
-        ],
+        "services": {"web": {"listen": f"127.0.0.1:{listen}", "protocol": "http"}},
         "routes": [{"name": "local", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": list(routes)}]}],
     }
 
@@ -86,6 +74,10 @@ def serving(port: int) -> Callable[[], bool]:
     return lambda: http_get(f"http://127.0.0.1:{port}/")[0] == 200
 
 
+def eds_ack(node: str) -> Callable[[Event], bool]:
+    return lambda e: e["event"] == "ack" and e.get("node") == node and e.get("type") == EDS
+
+
 def rds_sent_to(events: EventLog, node: str, *, after: int) -> list[Event]:
     return events.select(lambda e: e["event"] == "sent" and e.get("node") == node and e.get("type") == RDS, after=after)
 
@@ -101,40 +93,55 @@ def load(group: ProcessGroup, ports: dict[str, int], seconds: int) -> dict[str, 
     }
 
 
+def start_envoy(group: ProcessGroup, plane: ControlPlane, node: str, port: int) -> Envoy:
+    envoy = Envoy.start(
+        group,
+        name=node,
+        node_id=node,
+        xds_address=plane.address,
+        bootstrap_options=("--lrs",),
+        bootstrap_edit=own_listener(port),
+    )
+    wait_until(serving(port), timeout=20, what=f"{node} to serve through its own listener", details=envoy.log_tail)
+    return envoy
+
+
+def wait_command(plane: ControlPlane) -> tuple[int, str]:
+    done = pilotfish("wait", "--admin", plane.admin, "--timeout", "60", check=False, timeout=90)
+    return done.returncode, done.stdout + done.stderr
+
+
 def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbed: Testbed) -> None:
-    web = testbed.upstreams["web-a"].port
-    testbed.snapshot_path.write_text(yaml.safe_dump(document(web, GOOD)))
-    plane = testbed.control_plane
-    plane.options = (
-        "--rollout", "canary=c-*,100%",
-        "--rollout-bake", "4",
-        "--rollout-ack-timeout", "20",
-        "--rollout-min-requests", "50",
-        "--lrs-interval-ms", "500",
-        "--quiet-ms", "50",
+    group = testbed.group
+    listen = free_port()  # (the service's own listener, which this test does not load)
+    testbed.snapshot_path.write_text(yaml.safe_dump(document(listen, GOOD)))
+    plane = ControlPlane(
+        group,
+        testbed.snapshot_path,
+        free_port(),
+        registry_port=free_port(),
+        options=(
+            "--rollout", "canary=c-*,100%",
+            "--rollout-bake", "6",
+            "--rollout-ack-timeout", "30",
+            "--rollout-min-requests", "50",
+            "--lrs-interval-ms", "500",
+            "--quiet-ms", "50",
+        ),
     )  # fmt: skip
     plane.start()
+    registry = RegistryClient(plane.registry_url)
+    instances = {name: registry.register("web", "127.0.0.1", testbed.upstreams[name].port) for name in WEB}
     ports = {node: free_port() for node in FLEET}
-    envoys: dict[str, Envoy] = {
-        node: testbed.start_envoy(
-            name=node, node_id=node, bootstrap_options=("--lrs",), bootstrap_edit=own_listener(ports[node])
-        )
-        for node in FLEET
-    }
-    for node, port in ports.items():
-        wait_until(
-            serving(port),
-            timeout=20,
-            what=f"{node} to serve through its own listener",
-            details=envoys[node].log_tail,
-        )
+    envoys = {node: start_envoy(group, plane, node, port) for node, port in ports.items()}
     events = plane.events
     events.wait_for(lambda e: e["event"] == "rollout_baseline_set", what="the first snapshot as the baseline")
+    baseline_rds = rds_sent_to(events, "p-1", after=0)[-1]["version"]
 
     # 1. A route Envoy rejects (RE2 does not compile "(("): the canary NACKs it; nobody else gets it.
     mark = events.mark()
     broken = {"match": {"safe_regex": {"regex": "(("}}, "route": {"cluster": "web"}}
-    testbed.snapshot_path.write_text(yaml.safe_dump(document(web, broken, GOOD)))
+    testbed.snapshot_path.write_text(yaml.safe_dump(document(listen, broken, GOOD)))
     rolled = events.wait_for(lambda e: e["event"] == "rollout_rolled_back", after=mark, what="the NACK's rollback")
     failed = events.wait_for(lambda e: e["event"] == "rollout_failed", after=mark, what="the failed gate")
     assert failed["wave"] == "canary" and "c-1 NACKed RDS" in failed["reason"], failed
@@ -145,18 +152,37 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
         "rollout_failed",
         "rollout_rolled_back",
     ]
-    for node in ("p-1", "p-2"):
+    for node in OTHERS:
         assert rds_sent_to(events, node, after=mark) == [], f"{node} was sent the candidate"
+    code, said = wait_command(plane)
+    assert code == 1 and "rolled back and is held" in said, said
+    late = start_envoy(group, plane, "c-2", free_port())  # a canary, started after: the baseline
+    assert {e["version"] for e in rds_sent_to(events, "c-2", after=mark)} == {baseline_rds}
     assert all(http_get(f"http://127.0.0.1:{port}/")[0] == 200 for port in ports.values())
+    late.process.stop()
 
-    # 2. A good change under load: canary first, then everyone, and not one request fails.
+    # 2. A good change under load, and an instance leaving while the canary bakes: not one request fails.
     mark = events.mark()
-    running = load(testbed.group, ports, 14)
+    running = load(group, ports, 20)
     testbed.snapshot_path.write_text(
-        yaml.safe_dump(document(web, {**GOOD, "route": {"cluster": "web", "timeout": "7s"}}))
+        yaml.safe_dump(document(listen, {**GOOD, "route": {"cluster": "web", "timeout": "7s"}}))
     )
-    waited = pilotfish("wait", "--admin", plane.admin, "--timeout", "60", check=False, timeout=90)
-    assert waited.returncode == 0, waited.stdout + waited.stderr
+    events.wait_for(lambda e: e["event"] == "rollout_wave_acked", after=mark, what="the canary's wave to bake")
+    churn = events.mark()
+    registry.deregister("web", instances["web-b"])
+    for node in FLEET:  # every Envoy, on the baseline or the candidate, gets the endpoint change
+        events.wait_for(
+            eds_ack(node),
+            after=churn,
+            what=f"{node} to ACK the endpoints without web-b",
+        )
+    for node in OTHERS:  # ...on the baseline still: the endpoints did not wait for their wave
+        acked = events.find(eds_ack(node), after=churn)
+        candidate = rds_sent_to(events, node, after=mark)
+        assert acked is not None and (not candidate or events.index_of(acked) < events.index_of(candidate[0]))
+    testbed.upstreams["web-b"].retire()
+    code, said = wait_command(plane)
+    assert code == 0, said
     events.wait_for(
         lambda e: e["event"] == "rollout_completed", after=mark, what="the good change's rollout", timeout=60
     )
@@ -164,29 +190,26 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
     assert started == ["canary", "100%"]
     first_to = {node: events.index_of(rds_sent_to(events, node, after=mark)[0]) for node in FLEET}
     canary_passed = events.wait_for(lambda e: e["event"] == "rollout_wave_passed", after=mark, what="the canary's pass")
-    assert first_to["c-1"] < events.index_of(canary_passed) < min(first_to["p-1"], first_to["p-2"])
+    assert first_to["c-1"] < events.index_of(canary_passed) < min(first_to[node] for node in OTHERS)
     for node, wrk in running.items():
         result = wrk.result()
-        assert not result.problems(), f"{node}: {result.summary()}"
+        assert not result.problems(), f"{node}: {result.summary()}\n{envoys[node].log_tail()}"
 
     # 3. A route to a failure: the canary ACKs it, its load reports show 503s, its wave fails.
     mark = events.mark()
-    running = load(testbed.group, ports, 14)
+    running = load(group, ports, 20)
     failing = {"match": {"prefix": "/"}, "route": {"cluster": "web", "prefix_rewrite": "/status/503"}}
-    testbed.snapshot_path.write_text(yaml.safe_dump(document(web, failing)))
+    testbed.snapshot_path.write_text(yaml.safe_dump(document(listen, failing)))
     failed = events.wait_for(
         lambda e: e["event"] == "rollout_failed", after=mark, what="the health gate to fail the canary", timeout=40
     )
     assert failed["wave"] == "canary" and "error ratio" in failed["reason"], failed
     events.wait_for(lambda e: e["event"] == "rollout_rolled_back", after=mark, what="the rollback")
     assert "rollout_wave_acked" in kinds(events, after=mark)  # it was ACKed: only the load showed it
-    for node in ("p-1", "p-2"):
+    for node in OTHERS:
         assert rds_sent_to(events, node, after=mark) == [], f"{node} was sent the failing route"
         result = running[node].result()
         assert not result.problems(), f"{node}: {result.summary()}"
-    running["c-1"].result()  # (the canary served the failures until its wave was rolled back)
-    wait_until(
-        serving(ports["c-1"]),
-        timeout=20,
-        what="the canary to serve again after the rollback",
-    )
+    canary = running["c-1"].result()
+    assert canary.non_2xx_3xx > 0, canary.summary()  # (it served the failures until its wave was rolled back)
+    wait_until(serving(ports["c-1"]), timeout=20, what="the canary to serve again after the rollback")

@@ -255,6 +255,10 @@ def fleet_verdict(snapshots: Mapping[str, Any], *, version: str | None = None, m
     total = sum(connected.values())
     if total < min_proxies:
         problems.append(f"{total} of at least {min_proxies} proxies connected")
+    rollout = snapshots.get("rollout")
+    if rollout and rollout.get("latest_held"):
+        rejected = True  # (its proxies are served the baseline again: nothing else would say so)
+        problems.append(f"the change was rolled back and is held: {rollout['latest_held']}")
     for group in sorted(connected):
         current = snapshots["groups"].get(group)
         if current is None:

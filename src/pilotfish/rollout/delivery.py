@@ -299,6 +299,9 @@ class Delivery:
         out["wave_started"] = machine.wave_started if running else None
         out["bake_ends"] = machine.bake_started + settings.bake if baking else None
         out["health"] = _health_json(machine.last_health) if baking else None
+        out["latest"] = self._latest_change  # the sources' latest change; held: it was rolled back
+        latest_held = machine.held.get(self._latest_change or "")
+        out["latest_held"] = None if latest_held is None else latest_held.reason
         out["held_count"] = len(machine.held)
         out["held"] = out["held"][:HELD_SHOWN]
         out["proxies"] = len(self._nodes)

@@ -235,3 +235,11 @@ def test_the_rollout_text_when_idle_lists_the_newest_held_candidates() -> None:
     assert lines[9:] == ["  ... and 7 older (--json lists the newest 10)"]
     first = rollout_text(rollout(phase="idle", candidate=None, baseline=None, wave=None))
     assert first.splitlines()[0] == "rollout  none yet: nothing is published"
+
+
+def test_a_change_rolled_back_by_the_rollout_is_rejected_though_everyone_has_the_baseline() -> None:
+    everyone = fleet(CDS=progress("c1", 2, 2))  # every proxy has what it is served: the baseline again
+    assert fleet_verdict({**everyone, "rollout": {"latest_held": None}}).done
+    held = fleet_verdict({**everyone, "rollout": {"latest_held": "wave canary: c-1 NACKed CDS: no"}})
+    assert held.rejected and not held.done
+    assert held.problems == ("the change was rolled back and is held: wave canary: c-1 NACKed CDS: no",)
