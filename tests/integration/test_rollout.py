@@ -9,9 +9,10 @@ a change to an endpoint is not (EDS: it reaches the baseline and the candidate a
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from google.rpc import status_pb2
 from inprocess import TIMEOUT, Running, serving
 
 from pilotfish.app import ServeSettings
-from pilotfish.app.settings import RolloutFlags
+from pilotfish.app.settings import EtcdSettings, RolloutFlags
 from pilotfish.events import read_events
 from pilotfish.resources import CLUSTER, ENDPOINT
 
@@ -126,12 +127,17 @@ async def proxy(running: Running, node: str, **kwargs: Any) -> AsyncIterator[Pro
 
 
 async def until(what: str, check: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
+    """Poll ``check`` (a function, or one returning an awaitable) until its result is true."""
     deadline = time.monotonic() + timeout
-    while not (result := check()):
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
-    return result
 
 
 def events(running: Running, kind: str, *, after: int = 0) -> list[dict[str, Any]]:
@@ -308,3 +314,94 @@ async def test_a_restart_mid_rollout_goes_on_with_the_candidate_in_its_wave(tmp_
         assert canary.clusters == {"a": "2s"} and p1.clusters == {"a": "1s"}
         assert not events(running, "rollout_started", after=before)
         assert not events(running, "rollout_baseline_set", after=before)
+
+
+# -- replicas on etcd -------------------------------------------------------------------------------
+
+
+def leader_of(*replicas: Running) -> Running | None:
+    for running in replicas:
+        elected = events(running, "leader_elected")
+        lost = events(running, "leader_lost")
+        if len(elected) > len(lost):
+            return running
+    return None
+
+
+async def rollout_status(running: Running, field: str) -> Any:
+    async with aiohttp.ClientSession() as session, session.get(f"http://{running.admin}/v1/rollout") as r:
+        return (await r.json())[field]
+
+
+async def command(running: Running, name: str) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session, session.post(f"http://{running.admin}/v1/rollout/{name}") as r:
+        return r.status, await r.json()
+
+
+@pytest.mark.e2e
+async def test_on_etcd_the_elected_replica_decides_every_replica_serves_it_and_the_next_goes_on(
+    tmp_path: Path, etcd: str
+) -> None:
+    snapshot = tmp_path / "snapshot.yaml"
+    snapshot.write_text(yaml.safe_dump(document({"a": 9001})))
+    settings = ServeSettings(
+        snapshot=snapshot, etcd=EtcdSettings(address=etcd, election_ttl=2.0), rollout=rollout(bake=0.5)
+    )
+    refusing = {"on": False}
+
+    def bad(response: discovery_pb2.DiscoveryResponse) -> bool:
+        return refusing["on"] and response.type_url == CDS
+
+    stacks = {name: AsyncExitStack() for name in ("one", "two")}
+    replicas = {}
+    for name, stack in stacks.items():
+        (tmp_path / name).mkdir()
+        replicas[name] = await stack.enter_async_context(serving(tmp_path / name, settings))
+    try:
+        leader = await until("a replica elected", lambda: leader_of(*replicas.values()))
+        follower = next(r for r in replicas.values() if r is not leader)
+        async with proxy(follower, "c-1", refuse=bad) as canary:
+            async with proxy(leader, "p-1") as p1:
+                await until("both served the baseline", lambda: canary.clusters == p1.clusters == {"a": "1s"})
+                baseline = canary.versions[CDS]
+                await until("the leader knows the canary", lambda: rollout_status(leader, "proxies_elsewhere"))
+
+                # A good change: the canary (on the follower) first; its ACK reaches the leader; then p-1.
+                snapshot.write_text(yaml.safe_dump(document({"a": 9001}, timeout="2s")))
+                await until("the canary has the candidate", lambda: canary.clusters == {"a": "2s"})
+                await until("the rollout completed", lambda: events(leader, "rollout_completed"))
+                await until("p-1 has it", lambda: p1.clusters == {"a": "2s"})
+                assert [e["proxies"] for e in events(leader, "rollout_wave_started")] == [1, 1]
+                assert not events(follower, "rollout_started")  # the follower decides nothing
+                good = canary.versions[CDS]
+
+                # A NACK on the follower rolls the candidate back everywhere.
+                refusing["on"] = True
+                snapshot.write_text(yaml.safe_dump(document({"a": 9001}, timeout="3s")))
+                failed = await until("the rollback", lambda: events(leader, "rollout_failed"))
+                assert "c-1 NACKed CDS" in failed[0]["reason"]
+                await until("the canary back where it was", lambda: canary.seen[CDS][-1] == good)
+                assert set(p1.seen[CDS]) == {baseline, good}
+                refusing["on"] = False
+
+                # The next change: the operator pauses it at the canary; then the leader stops.
+                snapshot.write_text(yaml.safe_dump(document({"a": 9001}, timeout="4s")))
+                await until("the canary has the next candidate", lambda: canary.clusters == {"a": "4s"})
+                assert (await command(leader, "pause"))[0] == 200
+                await until("the follower to know it", lambda: rollout_status(follower, "paused"))
+            await stacks["one" if leader is replicas["one"] else "two"].aclose()
+
+            # The survivor takes the decisions over: the canary keeps the candidate, p-1 (back on
+            # the survivor) is served the baseline, and the paused rollout goes on when resumed.
+            await until("the survivor to decide", lambda: rollout_status(follower, "deciding"), timeout=20)
+            async with proxy(follower, "p-1") as p1:
+                await until("p-1 served again", lambda: p1.clusters)
+                assert p1.clusters == {"a": "2s"} and canary.clusters == {"a": "4s"}
+                assert set(canary.seen[CDS][-1:]) != {good}
+                status, body = await command(follower, "resume")
+                assert status == 200, body
+                await until("the rollout completed on the survivor", lambda: events(follower, "rollout_completed"))
+                await until("p-1 has the candidate", lambda: p1.clusters == {"a": "4s"})
+    finally:
+        for stack in stacks.values():
+            await stack.aclose()

@@ -4,9 +4,8 @@ member for the modules that talk to etcd."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -223,21 +222,6 @@ def cache() -> SnapshotCache:
 @pytest.fixture
 def pair(cache: SnapshotCache) -> StreamPair:
     return StreamPair(cache)
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[str]:
-    """A real etcd member's client address (``host:port``), started by the launcher of tests/e2e on
-    OS-picked ports in the test's temp dir, and stopped by PID at teardown. Tests using it carry
-    the ``e2e`` marker: they need the etcd binary."""
-    from e2e.etcd import Etcd
-    from e2e.processes import ProcessGroup
-
-    group = ProcessGroup(tmp_path)
-    try:
-        yield Etcd.start(group).address
-    finally:
-        group.close()
 
 
 def eds_source(cluster: cluster_pb2.Cluster) -> config_source_pb2.ConfigSource:

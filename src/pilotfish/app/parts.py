@@ -26,14 +26,14 @@ from pilotfish.app.components import Task
 from pilotfish.app.settings import EtcdSettings, ServeSettings, XdsSettings
 from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.etcd.client import EtcdClient
+from pilotfish.etcd.client import EtcdClient, EtcdUnavailable, unb64
 from pilotfish.etcd.election import Election, Leadership
 from pilotfish.events import EventLog
 from pilotfish.policy.grants import SecretGrant, SecretGrants, Subject
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import CLUSTER, SECRET
 from pilotfish.rollout.delivery import Delivery
-from pilotfish.rollout.stored import Stored, decode
+from pilotfish.rollout.stored import Stored, decode, decode_snapshots
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
 from pilotfish.subsets.etcd import READY_SOURCE as SUBSETS_READY
 from pilotfish.subsets.etcd import BackendIndexWriter
@@ -635,3 +635,187 @@ async def keep_rollout(path: Path, delivery: Delivery, *, every: float = 1.0) ->
             await asyncio.sleep(every)
     finally:
         save()
+
+
+ROLLOUT_CHUNK = 512 * 1024
+"""Characters per etcd value of a stored baseline (etcd refuses requests over 1.5 MiB by default)."""
+
+
+class Deciding:
+    """Whether this replica decides the rollout: made before the delivery that asks it, set by the
+    :class:`ReplicatedRollout` that takes the decisions over (after reading the stored ones)."""
+
+    def __init__(self) -> None:
+        self.now = False
+
+    def __call__(self) -> bool:
+        return self.now
+
+
+class ReplicatedRollout:
+    """``serve --rollout --etcd``: the elected replica decides the rollout and stores it in etcd;
+    every other replica serves from what is stored and reports its own proxies' sends, ACKs and
+    NACKs there for the elected one to count (docs/rollout.md, "Replicas").
+
+    Keys, beside the etcd prefix (like the election's ``<prefix>.leader``): ``<prefix>.rollout``
+    (the machine's state and the baseline's change id), ``<prefix>.rollout.baseline.<id>.<n>``
+    (the baseline's resources, in chunks) and ``<prefix>.rollout.replica.<replica>`` (a replica's
+    report, written when it changed and every ``heartbeat`` seconds; one older than ``stale`` is
+    taken as gone). Each replica looks every ``every`` seconds."""
+
+    name = "rollout-etcd"
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        delivery: Delivery,
+        leadership: Leadership,
+        deciding: Deciding,
+        *,
+        replica: Callable[[], str],
+        every: float = 0.25,
+        heartbeat: float = 2.0,
+        stale: float = 6.0,
+    ) -> None:
+        self._client = client
+        self._base = prefix.rstrip("/") + ".rollout"
+        self._delivery = delivery
+        self._leadership = leadership
+        self._deciding = deciding
+        self._replica = replica
+        self._every, self._heartbeat, self._stale = every, heartbeat, stale
+        self._leading = False
+        self._state_revision = 0
+        self._stored = -1  # delivery.changes when its state was last stored
+        self._stored_baseline: str | None = None
+        self._reported: tuple[str, float] = ("", 0.0)
+        self._reports: dict[str, int] = {}  # replica -> mod revision of its report taken
+        self._warned = 0.0
+        self._task: Task | None = None
+
+    async def start(self) -> None:
+        """Read the stored rollout before anything is built (a replica must not serve a guess), then
+        follow it."""
+        try:
+            await self._follow_state()
+        except EtcdUnavailable as exc:
+            _log.error("the rollout stored in etcd could not be read (%s): serving nothing until it is", exc)
+        self._task = Task(self.name, self._run)
+        await self._task.start()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await self._task.stop()
+        if self._leading:  # what was decided last (an operator's command a moment ago) is not lost
+            with contextlib.suppress(EtcdUnavailable):
+                await self._store()
+        await self._client.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._turn()
+            except (EtcdUnavailable, ValueError) as exc:
+                now = time.monotonic()
+                if now - self._warned > 10:
+                    self._warned = now
+                    _log.error("the rollout in etcd: %s (retrying)", exc)
+            await asyncio.sleep(self._every)
+
+    async def _turn(self) -> None:
+        leader = self._leadership.leader
+        if leader and not self._leading:
+            await self._follow_state()  # the last decisions stored, then this replica's own
+            self._leading = self._deciding.now = True
+            self._delivery.take_over()
+            status = self._delivery.machine.status()
+            _log.warning(
+                "this replica now decides the rollout: phase %s, candidate %s, wave %s",
+                status["phase"],
+                status["candidate"],
+                status["wave"],
+            )
+        elif not leader:
+            self._leading = self._deciding.now = False
+        if self._leading:
+            await self._store()
+            await self._absorb_reports()
+        else:
+            await self._follow_state()
+            await self._report()
+
+    async def _follow_state(self) -> None:
+        kvs = (await self._client.range(self._base)).get("kvs", [])
+        if not kvs:
+            return
+        revision = int(kvs[0].get("mod_revision", 0))
+        if revision == self._state_revision:
+            return
+        document = orjson.loads(unb64(kvs[0].get("value", "")))
+        baseline_id = document.get("baseline")
+        baseline = None
+        if baseline_id is not None and self._delivery.baseline_change != baseline_id:
+            chunks = [
+                await self._client.get(f"{self._base}.baseline.{baseline_id}.{n}") for n in range(document["chunks"])
+            ]
+            if any(chunk is None for chunk in chunks):
+                return  # (being written: looked at again next turn)
+            baseline = decode_snapshots(orjson.loads("".join(c or "" for c in chunks)), where=f"etcd {self._base}")
+        self._delivery.adopt(document["machine"], baseline)
+        self._state_revision = revision
+
+    async def _store(self) -> None:
+        delivery = self._delivery
+        if delivery.changes == self._stored:
+            return
+        changes = delivery.changes
+        baseline = delivery.baseline_change
+        chunks = 0
+        if baseline is not None:
+            text = orjson.dumps(delivery.baseline_document()).decode()
+            chunks = max(1, -(-len(text) // ROLLOUT_CHUNK))
+            if baseline != self._stored_baseline:
+                for n in range(chunks):
+                    await self._client.put(
+                        f"{self._base}.baseline.{baseline}.{n}", text[n * ROLLOUT_CHUNK : (n + 1) * ROLLOUT_CHUNK]
+                    )
+        document = {
+            "machine": delivery.machine.to_dict(),
+            "baseline": baseline,
+            "chunks": chunks,
+            "by": self._replica(),
+        }
+        self._state_revision = await self._client.put(self._base, orjson.dumps(document).decode())
+        if baseline != self._stored_baseline and self._stored_baseline is not None:
+            await self._client.delete(prefixes=(f"{self._base}.baseline.{self._stored_baseline}.",))
+        self._stored_baseline, self._stored = baseline, changes
+
+    async def _report(self) -> None:
+        report = self._delivery.report()
+        text = orjson.dumps({k: v for k, v in report.items() if k != "at"}).decode()
+        now = time.monotonic()
+        if text == self._reported[0] and now - self._reported[1] < self._heartbeat:
+            return
+        await self._client.put(f"{self._base}.replica.{self._replica()}", orjson.dumps(report).decode())
+        self._reported = (text, now)
+
+    async def _absorb_reports(self) -> None:
+        prefix = f"{self._base}.replica."
+        kvs = (await self._client.range(prefix, prefix=True)).get("kvs", [])
+        own, seen, now = self._replica(), set(), time.time()
+        for kv in kvs:
+            replica = unb64(kv["key"])[len(prefix) :]
+            if replica == own:
+                continue
+            report = orjson.loads(unb64(kv.get("value", "")))
+            if now - float(report.get("at", 0)) > self._stale:
+                continue  # its replica is gone (or stalled): its proxies count as disconnected
+            seen.add(replica)
+            revision = int(kv.get("mod_revision", 0))
+            if self._reports.get(replica) != revision:
+                self._reports[replica] = revision
+                self._delivery.absorb(replica, report)
+        for replica in set(self._reports) - seen:
+            del self._reports[replica]
+            self._delivery.absorb(replica, None)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -24,10 +27,12 @@ from pilotfish.app.components import Component, Step, Task, running
 from pilotfish.app.parts import (
     Announcement,
     ConfirmHint,
+    Deciding,
     ElectionDuties,
     FileSource,
     HeapTidier,
     HttpListener,
+    ReplicatedRollout,
     Runner,
     StopSignals,
     TlsReload,
@@ -130,6 +135,8 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     # Load reports on the xDS port, kept for the rollout's health gates (LoadStore bounds them).
     load = LoadStore(settings.rollout.load_settings(), clock=time.time)
     rollout = settings.rollout.settings()
+    deciding = Deciding()  # (on etcd: the elected replica decides, once it has read what is stored)
+    replica_name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # (two in a process: tests)
     # A single server keeps its rollout in the state directory (held candidates, the baseline).
     rollout_path = state_dir / ROLLOUT_FILE if rollout is not None and state_dir is not None and not on_etcd else None
     delivery = (
@@ -142,6 +149,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             events=events,
             loads=load if rollout.health else None,
             restored=load_rollout(rollout_path),
+            deciding=deciding if on_etcd else None,
         )
     )  # between the reconciler and the cache: which proxies get each change
     hint = ConfirmHint()
@@ -320,6 +328,17 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     components: list[Component | None] = [
         None if settings.snapshot is None else FileSource(settings.snapshot, reconciler, events),
         # The first snapshot, before any proxy can connect (if every source is in).
+        # On etcd, what the elected replica stored of the rollout is read before anything is built.
+        None
+        if delivery is None or settings.etcd.address is None
+        else ReplicatedRollout(
+            EtcdClient(settings.etcd.address),
+            settings.etcd.prefix,
+            delivery,
+            leadership,
+            deciding,
+            replica=lambda: replica_name,
+        ),
         Step("first-build", start=reconciler.build_now),
         Step("grant-warnings", start=lambda: warn_about_grants(settings, grants, cache)),
         Step(

@@ -44,11 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
+from pilotfish.errors import shorten
 from pilotfish.events import EventLog
 from pilotfish.resources.types import CLUSTER, ENDPOINT, TypeUrl
 from pilotfish.rollout.gates import HealthResult, short_type
-from pilotfish.rollout.machine import Decision, LoadWindow, Phase, RolloutMachine, RolloutSettings, Step
-from pilotfish.rollout.stored import Stored, encode
+from pilotfish.rollout.machine import CommandRefused, Decision, LoadWindow, Phase, RolloutMachine, RolloutSettings, Step
+from pilotfish.rollout.stored import Stored, encode, encode_snapshots
 from pilotfish.snapshot import Snapshot, TypeSnapshot, with_kept
 from pilotfish.status import NodeInfo, SyncStatus
 
@@ -114,6 +115,11 @@ class RolloutStats:
         self.wave_seconds += seconds
 
 
+MAX_NACKS = 100
+"""NACKs of one candidate a replica reports to the one that decides (one fails the rollout)."""
+MAX_NACK_MESSAGE = 1_000
+"""Characters of each reported NACK message."""
+
 _OUTCOMES = {"rollout_completed": "completed", "rollout_rolled_back": "rolled_back", "rollout_superseded": "superseded"}
 
 
@@ -130,6 +136,7 @@ class Delivery:
         loads: LoadWindow | None = None,
         clock: Callable[[], float] = time.time,
         restored: Stored | None = None,
+        deciding: Callable[[], bool] | None = None,
     ) -> None:
         self.machine = RolloutMachine(settings, loads=loads, state=None if restored is None else restored.machine)
         self._cache = cache
@@ -149,6 +156,20 @@ class Delivery:
         """Connected proxies (gRPC streams) and their groups."""
         self._on_candidate: set[str] = set()
         """Proxies whose watches were last opened on the candidate."""
+        self._deciding = deciding
+        """Whether this replica decides the rollout now (None: always; on etcd, the elected one)."""
+        self._seen: dict[str, tuple[set[str], set[str]]] = {}
+        """Proxies here, per node id: the candidate's types sent to them, and those they ACKed."""
+        self._nacks: list[tuple[str, str, str]] = []
+        """NACKs of the candidate here (node id, type URL, message): the first :data:`MAX_NACKS`."""
+        self._seen_of: str | None = None
+        """The candidate :attr:`_seen` and :attr:`_nacks` are about."""
+        self._followed = deciding is None
+        """A replica that does not decide serves nothing until it has the deciding one's state."""
+        self.observed = 0
+        """Counts what was seen here (a replica that does not decide reports it when it moved)."""
+        self._remote: dict[str, dict[str, str]] = {}
+        """Per other replica: the proxies it reported connected, and their groups (deciding only)."""
         self.stats = RolloutStats()
         self._wave_since = 0.0
         self.changes = 0
@@ -181,9 +202,11 @@ class Delivery:
                 if was is None or was.content_hash != current.content_hash:
                     changed.add(url)
         self._latest_change = self._change_id()
+        if not self.deciding:  # the deciding replica offers it (its own build of the same sources)
+            return self._apply(Step(), everyone=True) if self._followed else 0
         step = self.machine.offer(self._latest_change, changed, self._clock())
         self._emit(step)
-        answered = self._apply(step)
+        answered = self._apply(step, everyone=True)
         if step.decision is Decision.HELD:
             _log.warning("the change %s is held: every proxy keeps the baseline", self._latest_change)
         return answered
@@ -246,23 +269,126 @@ class Delivery:
     def sent(self, node_id: str, type_url: str, version: str) -> None:
         change = self._of_candidate(node_id, type_url, version)
         if change is not None:
-            self._step(self.machine.sent(node_id, type_url, change, self._clock()))
+            self._seen_here(change, node_id)[0].add(type_url)
+            if self.deciding:
+                self._step(self.machine.sent(node_id, type_url, change, self._clock()))
 
     def acked(self, node_id: str, type_url: str, version: str) -> None:
         change = self._of_candidate(node_id, type_url, version)
         if change is not None:
-            self._step(self.machine.acked(node_id, type_url, change, self._clock()))
+            self._seen_here(change, node_id)[1].add(type_url)
+            if self.deciding:
+                self._step(self.machine.acked(node_id, type_url, change, self._clock()))
 
     def nacked(self, node_id: str, type_url: str, version: str | None, error: str) -> None:
         change = self._of_candidate(node_id, type_url, version)
         if change is not None:
-            self._step(self.machine.nacked(node_id, type_url, change, error, self._clock()))
+            self._seen_here(change, node_id)
+            if len(self._nacks) < MAX_NACKS:
+                self._nacks.append((node_id, type_url, shorten(error, MAX_NACK_MESSAGE)))
+            if self.deciding:
+                self._step(self.machine.nacked(node_id, type_url, change, error, self._clock()))
+
+    def _seen_here(self, change: str, node_id: str) -> tuple[set[str], set[str]]:
+        if self._seen_of != change:
+            self._seen_of, self._seen, self._nacks = change, {}, []
+        self.observed += 1
+        seen = self._seen.get(node_id)
+        if seen is None:
+            seen = self._seen[node_id] = (set(), set())
+        return seen
+
+    # -- replicas (on etcd): one decides, every one serves ------------------------------------------
+
+    @property
+    def deciding(self) -> bool:
+        return self._deciding is None or self._deciding()
+
+    def report(self) -> dict[str, Any]:
+        """What this replica saw of its proxies, for the one that decides (JSON-able): the
+        proxies connected here with their groups, and for the candidate the types sent to each,
+        those ACKed, and the NACKs."""
+        seen = self._seen if self._seen_of == self.machine.candidate else {}
+        proxies = {}
+        for node, group in self._nodes.items():
+            sent, acked = seen.get(node, ((), ()))
+            proxies[node] = [group, sorted(sent), sorted(acked)]
+        nacks = self._nacks if self._seen_of == self.machine.candidate else []
+        return {"at": self._clock(), "candidate": self.machine.candidate, "proxies": proxies, "nacks": nacks}
+
+    def absorb(self, replica: str, report: Mapping[str, Any] | None) -> None:
+        """Take another replica's :meth:`report` (None: it is gone, or its report too old): its
+        proxies count in the gates as this replica's own do."""
+        machine, now = self.machine, self._clock()
+        before = self._remote.get(replica, {})
+        proxies: Mapping[str, Any] = {} if report is None else report.get("proxies", {})
+        for node in before.keys() - proxies.keys():
+            self._step(machine.disconnected(node, now))
+        current: dict[str, str] = {}
+        about = None if report is None else report.get("candidate")
+        for node, (group, sent, acked) in proxies.items():
+            current[node] = str(group)
+            if node not in before:
+                self._step(machine.connected(node, str(group), now))
+            if about is not None and about == machine.candidate:
+                for type_url in sent:
+                    self._step(machine.sent(node, type_url, about, now))
+                for type_url in acked:
+                    self._step(machine.acked(node, type_url, about, now))
+        if about is not None and report is not None:
+            for node, type_url, message in report.get("nacks", ()):
+                if about == machine.candidate:
+                    self._step(machine.nacked(node, type_url, about, message, now))
+        if current:
+            self._remote[replica] = current
+        else:
+            self._remote.pop(replica, None)
+
+    def adopt(self, machine_state: Mapping[str, Any], baseline: Mapping[NodeGroup, Snapshot] | None = None) -> None:
+        """Serve by the deciding replica's state (a replica that does not decide): its machine's
+        :meth:`~pilotfish.rollout.machine.RolloutMachine.to_dict`, and the baseline's snapshots
+        when this replica has not got them (it started after the baseline was set)."""
+        step = self.machine.adopt(machine_state)
+        if baseline is not None and self.machine.baseline is not None:
+            self._by_change.setdefault(self.machine.baseline, dict(baseline))
+        self._followed = True
+        self._apply(step, everyone=True)
+
+    def take_over(self) -> None:
+        """This replica now decides: offer what its sources say (the rollout goes on where the
+        state it adopted left it: the candidate goes on, a held one stays held)."""
+        self._followed = True
+        if self._latest_change is not None:
+            step = self.machine.offer(self._latest_change, self._types, self._clock())
+            self._emit(step)
+            self._apply(step, everyone=True)
+        machine, now = self.machine, self._clock()
+        candidate = machine.candidate
+        if candidate is not None and self._seen_of == candidate:  # what its own proxies did meanwhile
+            for node, (sent, acked) in list(self._seen.items()):
+                for type_url in sorted(sent):
+                    self._step(machine.sent(node, type_url, candidate, now))
+                for type_url in sorted(acked):
+                    self._step(machine.acked(node, type_url, candidate, now))
+            for node, type_url, message in list(self._nacks):
+                self._step(machine.nacked(node, type_url, candidate, message, now))
+
+    @property
+    def baseline_change(self) -> str | None:
+        """The baseline's change id, if this replica has its snapshots."""
+        baseline = self.machine.baseline
+        return baseline if baseline is not None and baseline in self._by_change else None
+
+    def baseline_document(self) -> dict[str, Any]:
+        """The baseline's snapshots as :func:`~pilotfish.rollout.stored.encode` writes them."""
+        return encode_snapshots(self._by_change.get(self.machine.baseline or "", {}))
 
     # -- time and the operator ----------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Time passed: run the timers and the health gate."""
-        self._step(self.machine.tick(self._clock()))
+        """Time passed: run the timers and the health gate (if this replica decides)."""
+        if self.deciding:
+            self._step(self.machine.tick(self._clock()))
 
     def deadline(self) -> float | None:
         """When :meth:`tick` is next due (the clock's time), or None."""
@@ -276,16 +402,27 @@ class Delivery:
     # gave it (``admin API (token ops)``), added to the command's event.
 
     def promote(self, *, by: str = "") -> None:
+        self._only_deciding("promote")
         self._step(self.machine.promote(self._clock()), by=by)
 
     def pause(self, *, by: str = "") -> None:
+        self._only_deciding("pause")
         self._step(self.machine.pause(self._clock()), by=by)
 
     def resume(self, *, by: str = "") -> None:
+        self._only_deciding("resume")
         self._step(self.machine.resume(self._clock()), by=by)
 
     def abort(self, reason: str = "", *, by: str = "") -> None:
+        self._only_deciding("abort")
         self._step(self.machine.abort(self._clock(), reason), by=by)
+
+    def _only_deciding(self, command: str) -> None:
+        if not self.deciding:
+            raise CommandRefused(
+                f"{command}: this replica does not decide the rollout; give the command to the elected "
+                "replica's admin API (its /healthz names the leader)"
+            )
 
     def status(self) -> dict[str, Any]:
         """For the admin API: the machine's status (the newest :data:`HELD_SHOWN` held candidates),
@@ -304,7 +441,9 @@ class Delivery:
         out["latest_held"] = None if latest_held is None else latest_held.reason
         out["held_count"] = len(machine.held)
         out["held"] = out["held"][:HELD_SHOWN]
+        out["deciding"] = self.deciding  # (on etcd only the elected replica does)
         out["proxies"] = len(self._nodes)
+        out["proxies_elsewhere"] = sum(len(nodes) for nodes in self._remote.values())  # (reported to it)
         out["on_candidate"] = len(self._on_candidate)
         out["waves"] = [w.name for w in settings.waves.waves]
         out["types"] = sorted(short_type(type_url) for type_url in self._types)
@@ -342,8 +481,10 @@ class Delivery:
         elif kind == "rollout_wave_passed":
             stats.wave_passed(max(0.0, self._clock() - self._wave_since))
 
-    def _apply(self, step: Step) -> int:
-        """Make the cache serve what the machine says, then move the proxies that must move."""
+    def _apply(self, step: Step, *, everyone: bool = False) -> int:
+        """Make the cache serve what the machine says, then move the proxies that must move
+        (``everyone``: look at every connected proxy, not only at those the step names and those
+        on the candidate: the candidate's snapshots may have just arrived)."""
         self.changes += 1
         machine = self.machine
         live = {c for c in (machine.baseline, machine.candidate) if c is not None}
@@ -354,7 +495,7 @@ class Delivery:
         baseline = self._by_change.get(machine.baseline or "", {})
         candidate = self._by_change.get(machine.candidate or "") if machine.candidate is not None else None
         answered = 0
-        moving = self._moving(step)
+        moving = self._moving(step, everyone=everyone)
         for group, latest in self._latest.items():
             base = baseline.get(group)
             served = latest if base is None or base is latest else self._splice(group, base, latest)
@@ -375,14 +516,14 @@ class Delivery:
                 follower(moving)
         return answered
 
-    def _moving(self, step: Step) -> frozenset[str]:
+    def _moving(self, step: Step, *, everyone: bool = False) -> frozenset[str]:
         """Proxies whose watches are on the other snapshot than the one that serves them now."""
         machine = self.machine
         moving = set(step.wake)
-        candidate = machine.candidate
-        for node in self._on_candidate:
-            group = self._nodes.get(node, NodeGroup(""))
-            if candidate is None or machine.serves(node, group) != candidate:
+        candidate = machine.candidate if machine.candidate in self._by_change else None
+        for node in self._nodes if everyone else self._on_candidate:
+            on_it = candidate is not None and machine.serves(node, self._nodes[node]) == candidate
+            if on_it != (node in self._on_candidate):
                 moving.add(node)
         return frozenset(n for n in moving if n in self._nodes)
 

@@ -270,6 +270,18 @@ class RolloutMachine:
         self._loads = loads
         self._connected: dict[str, _Proxy] = {}
         self._gone: OrderedDict[str, int] = OrderedDict()  # node id -> wave, oldest first
+        self._clear()
+        needed = settings.ack.timeout + settings.bake
+        if loads is not None and settings.health is not None and loads.retention < needed:
+            raise ValueError(
+                f"the load store keeps {loads.retention:g} s of load reports, and a wave reads up to "
+                f"its ACK timeout plus its bake time ({needed:g} s) of them: keep at least that much"
+            )
+        if state is not None:
+            self._restore(state)
+
+    def _clear(self) -> None:
+        """No baseline, no candidate, nothing held (the live connections are kept)."""
         self.baseline: str | None = None
         self.candidate: str | None = None
         self.phase = Phase.IDLE
@@ -283,14 +295,14 @@ class RolloutMachine:
         self._gate: AckGate | None = None
         self._before: dict[str, Counts] = {}
         self.last_health: HealthResult | None = None
-        needed = settings.ack.timeout + settings.bake
-        if loads is not None and settings.health is not None and loads.retention < needed:
-            raise ValueError(
-                f"the load store keeps {loads.retention:g} s of load reports, and a wave reads up to "
-                f"its ACK timeout plus its bake time ({needed:g} s) of them: keep at least that much"
-            )
-        if state is not None:
+
+    def adopt(self, state: Mapping[str, Any]) -> Step:
+        """Take ``state`` (another replica's :meth:`to_dict`: the one that decides) as this machine's,
+        keeping the live connections; the step says whose served change moved."""
+        with _Recorder(self) as step:
+            self._clear()
             self._restore(state)
+        return step.done()
 
     # -- what a proxy gets -------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from pilotfish.resources.encoded import Resource
 from pilotfish.resources.types import type_by_url
 from pilotfish.snapshot import Snapshot
 
-__all__ = ["FORMAT", "STATE_FILE", "Stored", "decode", "encode"]
+__all__ = ["FORMAT", "STATE_FILE", "Stored", "decode", "decode_snapshots", "encode", "encode_snapshots"]
 
 STATE_FILE = "pilotfish-rollout.json"
 """Its name in the state directory."""
@@ -43,7 +43,12 @@ class Stored:
 
 def encode(machine: Mapping[str, Any], baseline: Mapping[NodeGroup, Snapshot]) -> dict[str, Any]:
     """The JSON-able document of ``machine`` (its ``to_dict()``) and the ``baseline`` snapshots."""
-    groups = {}
+    return {"version": FORMAT, "machine": dict(machine), "baseline": encode_snapshots(baseline)}
+
+
+def encode_snapshots(baseline: Mapping[NodeGroup, Snapshot]) -> dict[str, Any]:
+    """Snapshots per group, JSON-able (every resource's protobuf encoding, in base64)."""
+    groups: dict[str, Any] = {}
     for group, snapshot in sorted(baseline.items()):
         groups[group] = {
             "explicit_version": snapshot.explicit_version,
@@ -55,7 +60,7 @@ def encode(machine: Mapping[str, Any], baseline: Mapping[NodeGroup, Snapshot]) -
                 for url, ts in snapshot.types.items()
             },
         }
-    return {"version": FORMAT, "machine": dict(machine), "baseline": groups}
+    return groups
 
 
 def decode(document: Any, *, where: str) -> Stored:
@@ -68,12 +73,17 @@ def decode(document: Any, *, where: str) -> Stored:
         )
     try:
         machine = dict(document["machine"])
-        baseline: dict[NodeGroup, Snapshot] = {}
-        for group, stored in dict(document["baseline"]).items():
-            baseline[NodeGroup(str(group))] = _snapshot(stored)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {type(exc).__name__}: {exc}; it is not what this pilotfish wrote") from exc
-    return Stored(machine, baseline)
+    return Stored(machine, decode_snapshots(document.get("baseline"), where=where))
+
+
+def decode_snapshots(groups: Any, *, where: str) -> dict[NodeGroup, Snapshot]:
+    """What :func:`encode_snapshots` wrote; ValueError naming ``where``."""
+    try:
+        return {NodeGroup(str(group)): _snapshot(stored) for group, stored in dict(groups).items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {type(exc).__name__}: {exc}; it is not what this pilotfish wrote") from exc
 
 
 def _snapshot(stored: Mapping[str, Any]) -> Snapshot:
