@@ -1,4 +1,5 @@
-"""Fixtures every kind of test may use."""
+"""The ``etcd`` fixture, for every kind of test: a pytest plugin (``-p etcd_fixture`` in pyproject.toml's
+``addopts``), so a test asks for ``etcd`` by name wherever it is."""
 
 from __future__ import annotations
 
