@@ -25,9 +25,10 @@ every stream's cluster, listener and route watches.
 
 Make before break (behaviour 12): when a new snapshot removes clusters that the previous one's
 listeners or routes used, the cache also keeps a *bridge* cluster set (new clusters plus those).
-A proxy whose ACKed listeners and routes are not yet the new ones gets the bridge, so no route
-points at a missing cluster; once it ACKs the new routing, its cluster watch is re-opened and it
-gets the final set.
+A proxy whose listeners and routes, those it runs and those it was last sent, are not all the new
+ones gets the bridge, so no route points at a missing cluster: the watch's stream says so when the
+watch is answered (``routing_moved``), not when it was made. Once the proxy ACKs the new routing,
+its cluster watch is re-opened and it gets the final set.
 
 Response memos: the cache makes one :class:`~pilotfish.snapshot.MemoBudget` (or is given one) and
 counts every snapshot it serves in it (:meth:`~pilotfish.snapshot.TypeSnapshot.count_in`), so the
@@ -304,7 +305,7 @@ class SnapshotCache:
         proxy's own endpoints (subsetting)."""
         if watch.type_url == CLUSTER.url:
             bridge = self._bridges.get(group)
-            if bridge is not None and not _routing_moved(watch, snapshot):
+            if bridge is not None and not watch.routing_moved(snapshot):
                 return bridge
         elif watch.type_url == ENDPOINT.url and watch.proxy is not None and snapshot.subsets is not None:
             own = snapshot.endpoints_for(self.subset_of(watch.proxy))
@@ -342,13 +343,3 @@ def _nothing_new(type_url: TypeUrl, previous: Snapshot, snapshot: Snapshot, brid
     if type_url == ENDPOINT.url:
         return previous.subsets is None and snapshot.subsets is None
     return True
-
-
-def _routing_moved(watch: Watch | DeltaWatch, snapshot: Snapshot) -> bool:
-    """Whether the proxy behind a cluster watch runs ``snapshot``'s listeners and routes."""
-    if isinstance(watch, DeltaWatch):
-        return watch.routing_moved(snapshot)
-    if watch.routing_acked is None:
-        return True
-    listeners, routes = watch.routing_acked
-    return listeners in (None, snapshot.version(LISTENER.url)) and routes in (None, snapshot.version(ROUTE.url))
