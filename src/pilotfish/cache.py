@@ -25,9 +25,14 @@ every stream's cluster, listener and route watches.
 
 Make before break (behaviour 12): when a new snapshot removes clusters that the previous one's
 listeners or routes used, the cache also keeps a *bridge* cluster set (new clusters plus those).
-A proxy whose ACKed listeners and routes are not yet the new ones gets the bridge, so no route
-points at a missing cluster; once it ACKs the new routing, its cluster watch is re-opened and it
-gets the final set.
+A proxy whose listeners and routes, those it runs and those it was last sent, are not all the new
+ones gets the bridge, so no route points at a missing cluster: the watch's stream says so when the
+watch is answered (``routing_moved``), not when it was made. Once the proxy ACKs the new routing,
+its cluster watch is re-opened and it gets the final set. A delta proxy's endpoint watches are
+answered likewise from an endpoint bridge, the new endpoints plus the last assignments of the
+clusters the bridge keeps: a delta response would otherwise tell it they are removed (and a kept
+cluster sent again, which warms, would get none). A SotW response removes no assignment; a proxy
+served its own endpoints (subsetting) is not bridged.
 
 Response memos: the cache makes one :class:`~pilotfish.snapshot.MemoBudget` (or is given one) and
 counts every snapshot it serves in it (:meth:`~pilotfish.snapshot.TypeSnapshot.count_in`), so the
@@ -38,12 +43,12 @@ memos of every group and version it serves share one bound, and another cache in
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NewType, Protocol
 
 from pilotfish.protocol import DeltaWatch, Watch, needs_response
 from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
-from pilotfish.resources.refs import referenced_clusters
+from pilotfish.resources.refs import assignment_names, referenced_clusters
 from pilotfish.snapshot import DeltaChanges, EncodedResponse, MemoBudget, Resource, Snapshot, TypeSnapshot, with_kept
 
 __all__ = [
@@ -170,14 +175,19 @@ class SnapshotCache:
         self._watches: dict[NodeGroup, dict[TypeUrl, dict[int, _Entry]]] = {}
         self._ids = itertools.count()
         self._bridges: dict[NodeGroup, TypeSnapshot] = {}
+        self._endpoint_bridges: dict[NodeGroup, TypeSnapshot] = {}
         # group -> type -> version -> its resources, oldest first (see HISTORY)
         self._history: dict[NodeGroup, dict[TypeUrl, dict[str, TypeSnapshot]]] = {}
         # id of a kept listener or route TypeSnapshot -> (it, the clusters it uses)
         self._uses: dict[int, tuple[TypeSnapshot, frozenset[str]]] = {}
         # group -> version -> a proxy's own endpoints (subsetting), oldest first (see OWN_HISTORY)
         self._own: dict[NodeGroup, dict[str, TypeSnapshot]] = {}
-        # group -> ((CDS, LDS, RDS versions), the bridge made for them)
-        self._last_bridge: dict[NodeGroup, tuple[tuple[str | None, str | None, str | None], TypeSnapshot | None]] = {}
+        # group -> ((CDS, LDS, RDS versions), the bridge made for them, the assignments it keeps)
+        self._last_bridge: dict[
+            NodeGroup, tuple[tuple[str | None, str | None, str | None], TypeSnapshot | None, Mapping[str, Resource]]
+        ] = {}
+        # group -> (endpoints, assignments kept, the endpoint bridge made of them)
+        self._last_endpoint_bridge: dict[NodeGroup, tuple[TypeSnapshot, Mapping[str, Resource], TypeSnapshot]] = {}
 
     def snapshot(self, group: NodeGroup = DEFAULT_GROUP) -> Snapshot | None:
         return self._snapshots.get(group)
@@ -206,11 +216,12 @@ class SnapshotCache:
         for own in self._own.get(group, {}).values():
             own.retire()  # kept to compare with; no longer served (the new snapshot makes its own)
         bridged = group in self._bridges
-        bridge = self._bridge(group, snapshot)
-        if bridge is None:
-            self._bridges.pop(group, None)
-        else:
-            self._bridges[group] = bridge
+        endpoints_bridged = group in self._endpoint_bridges
+        bridge, endpoint_bridge = self._bridge(group, snapshot)
+        _put(self._bridges, group, bridge)
+        _put(self._endpoint_bridges, group, endpoint_bridge)
+        bridged |= bridge is not None
+        endpoints_bridged |= endpoint_bridge is not None
         by_type = self._watches.get(group)
         if not by_type:
             return 0
@@ -218,7 +229,8 @@ class SnapshotCache:
         for type_url in ADS_ORDER:
             watches = by_type.get(type_url)
             if not watches or (
-                previous is not None and _nothing_new(type_url, previous, snapshot, bridged or bridge is not None)
+                previous is not None
+                and _nothing_new(type_url, previous, snapshot, bridged=bridged, endpoints_bridged=endpoints_bridged)
             ):
                 continue
             due: list[tuple[int, _Entry, TypeSnapshot]] = []
@@ -264,11 +276,9 @@ class SnapshotCache:
         self._last_bridge.pop(into, None)
         snapshot = self._snapshots.get(into)
         if snapshot is not None:
-            bridge = self._bridge(into, snapshot)
-            if bridge is None:
-                self._bridges.pop(into, None)
-            else:
-                self._bridges[into] = bridge
+            bridge, endpoint_bridge = self._bridge(into, snapshot)
+            _put(self._bridges, into, bridge)
+            _put(self._endpoint_bridges, into, endpoint_bridge)
 
     def create_watch(self, watch: Watch, respond: Respond, group: NodeGroup = DEFAULT_GROUP) -> Cancel:
         """Answer ``watch`` now if the snapshot has something for it, else when it does."""
@@ -314,23 +324,26 @@ class SnapshotCache:
                 gone = versions.pop(next(iter(versions)))
                 self._uses.pop(id(gone), None)
 
-    def _bridge(self, group: NodeGroup, new: Snapshot) -> TypeSnapshot | None:
-        """The new clusters plus the removed ones that the listeners or routes of any kept
-        version use (a proxy may still run any of them, not just the previous one's: it can lag
-        behind by more than one change); None if there are none."""
+    def _bridge(self, group: NodeGroup, new: Snapshot) -> tuple[TypeSnapshot | None, TypeSnapshot | None]:
+        """The cluster bridge, the new clusters plus the removed ones that the listeners or
+        routes of any kept version use (a proxy may still run any of them, not just the previous
+        one's: it can lag behind by more than one change), and the endpoint bridge, the new
+        endpoints plus the last assignments of those kept clusters; None if there are none."""
         current = new.get(CLUSTER.url)
         history = self._history.get(group, {})
         if current is None or len(history.get(CLUSTER.url, ())) < 2:
-            return None
+            return None, None
         key = (new.version(CLUSTER.url), new.version(LISTENER.url), new.version(ROUTE.url))
         last = self._last_bridge.get(group)
         if last is not None and last[0] == key:
-            return last[1]  # nothing it depends on changed (an endpoint change)
+            # Nothing the clusters kept depend on changed (an endpoint change).
+            return last[1], self._endpoint_bridge(group, new, last[2])
         removed: dict[str, Resource] = {}
         for old in history[CLUSTER.url].values():  # oldest first: the newest resource of a name wins
             for name in old.resources.keys() - current.resources.keys():
                 removed[name] = old.resources[name]
         bridge = None
+        assignments: Mapping[str, Resource] = {}
         if removed:
             used: set[str] = set()
             for url in (LISTENER.url, ROUTE.url):
@@ -339,7 +352,23 @@ class SnapshotCache:
             kept_clusters = {name: resource for name, resource in removed.items() if name in used}
             if kept_clusters:
                 bridge = with_kept(current, kept_clusters)
-        self._last_bridge[group] = (key, bridge)
+                assignments = _kept_assignments(history, new, kept_clusters.values())
+        self._last_bridge[group] = (key, bridge, assignments)
+        return bridge, self._endpoint_bridge(group, new, assignments)
+
+    def _endpoint_bridge(
+        self, group: NodeGroup, new: Snapshot, assignments: Mapping[str, Resource]
+    ) -> TypeSnapshot | None:
+        """``new``'s endpoints plus ``assignments`` (made again only when either changed)."""
+        endpoints = new.get(ENDPOINT.url)
+        if not assignments or endpoints is None:
+            self._last_endpoint_bridge.pop(group, None)
+            return None
+        last = self._last_endpoint_bridge.get(group)
+        if last is not None and last[0] is endpoints and last[1] is assignments:
+            return last[2]
+        bridge = with_kept(endpoints, assignments)
+        self._last_endpoint_bridge[group] = (endpoints, assignments, bridge)
         return bridge
 
     def _used_by(self, routing: TypeSnapshot) -> frozenset[str]:
@@ -368,17 +397,22 @@ class SnapshotCache:
         return current.changes(names, since=since, held=watch.known_names)
 
     def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch | DeltaWatch) -> TypeSnapshot | None:
-        """What ``watch`` should be answered from: the snapshot's type, the cluster bridge, or the
-        proxy's own endpoints (subsetting)."""
+        """What ``watch`` should be answered from: the snapshot's type, the cluster bridge, the
+        proxy's own endpoints (subsetting), or for a delta stream the endpoint bridge."""
         if watch.type_url == CLUSTER.url:
             bridge = self._bridges.get(group)
-            if bridge is not None and not _routing_moved(watch, snapshot):
+            if bridge is not None and not watch.routing_moved(snapshot):
                 return bridge
-        elif watch.type_url == ENDPOINT.url and watch.proxy is not None and snapshot.subsets is not None:
-            own = snapshot.endpoints_for(self.subset_of(watch.proxy))
-            if own is not None:
-                self._remember_own(group, own)
-            return own
+        elif watch.type_url == ENDPOINT.url:
+            if watch.proxy is not None and snapshot.subsets is not None:
+                own = snapshot.endpoints_for(self.subset_of(watch.proxy))
+                if own is not None:
+                    self._remember_own(group, own)
+                return own
+            if self._endpoint_bridges:
+                bridge = self._endpoint_bridges.get(group)
+                if bridge is not None and isinstance(watch, DeltaWatch) and not watch.routing_moved(snapshot):
+                    return bridge
         return snapshot.get(watch.type_url)
 
     def _remember_own(self, group: NodeGroup, own: TypeSnapshot) -> None:
@@ -397,26 +431,43 @@ class SnapshotCache:
         return found
 
 
-def _nothing_new(type_url: TypeUrl, previous: Snapshot, snapshot: Snapshot, bridged: bool) -> bool:
+def _put(bridges: dict[NodeGroup, TypeSnapshot], group: NodeGroup, bridge: TypeSnapshot | None) -> None:
+    if bridge is None:
+        bridges.pop(group, None)
+    else:
+        bridges[group] = bridge
+
+
+def _kept_assignments(
+    history: Mapping[TypeUrl, Mapping[str, TypeSnapshot]], new: Snapshot, clusters: Iterable[Resource]
+) -> Mapping[str, Resource]:
+    """The last assignment, among the kept endpoint versions, of each of ``clusters`` that
+    ``new`` has none of."""
+    names = assignment_names(resource.message for resource in clusters)
+    endpoints = new.get(ENDPOINT.url)
+    if endpoints is not None:
+        names -= endpoints.resources.keys()
+    kept: dict[str, Resource] = {}
+    for old in history.get(ENDPOINT.url, {}).values():  # oldest first: the newest of a name wins
+        for name in names:
+            found = old.resources.get(name)
+            if found is not None:
+                kept[name] = found
+    return kept
+
+
+def _nothing_new(
+    type_url: TypeUrl, previous: Snapshot, snapshot: Snapshot, *, bridged: bool, endpoints_bridged: bool
+) -> bool:
     """Whether ``snapshot`` answers every watch of ``type_url`` as ``previous`` did, so none that
     waited on ``previous`` is due: the very same resources (a build keeps an unchanged type's
-    object), and neither a cluster bridge (``bridged``: before or now) nor per-proxy endpoints
-    (subsetting), which depend on more than the type. An endpoint change then wakes no stream's
-    cluster, listener or route watch."""
+    object), and neither a cluster or endpoint bridge (``bridged``, ``endpoints_bridged``: before
+    or now) nor per-proxy endpoints (subsetting), which depend on more than the type. An endpoint
+    change then wakes no stream's cluster, listener or route watch."""
     if previous.types.get(type_url) is not snapshot.types.get(type_url):
         return False
     if type_url == CLUSTER.url:
         return not bridged
     if type_url == ENDPOINT.url:
-        return previous.subsets is None and snapshot.subsets is None
+        return not endpoints_bridged and previous.subsets is None and snapshot.subsets is None
     return True
-
-
-def _routing_moved(watch: Watch | DeltaWatch, snapshot: Snapshot) -> bool:
-    """Whether the proxy behind a cluster watch runs ``snapshot``'s listeners and routes."""
-    if isinstance(watch, DeltaWatch):
-        return watch.routing_moved(snapshot)
-    if watch.routing_acked is None:
-        return True
-    listeners, routes = watch.routing_acked
-    return listeners in (None, snapshot.version(LISTENER.url)) and routes in (None, snapshot.version(ROUTE.url))

@@ -30,6 +30,9 @@ https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol#incremental-xd
 - After a response that changes clusters, the next endpoints answer carries those clusters'
   endpoints even if unchanged (a re-created cluster waits for them: warming); likewise every
   subscribed route configuration after a listener change.
+- Make before break (behaviour 12): a removed cluster that the client's routes, ACKed or only
+  sent, still use is kept (the cache's bridge), and so are its endpoints: not told removed until
+  the routes have moved and the cluster has gone.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ _RESEND = "resend"
 _ROUTING_TYPES = (LISTENER.url, ROUTE.url)
 _NO_STATES: Mapping[TypeUrl, DeltaTypeState] = {}
 _ROUTING = frozenset(_ROUTING_TYPES)
+_HELD_BACK = frozenset({CLUSTER.url, ENDPOINT.url})
+"""Types whose removals wait for the routes to move (make before break)."""
 
 
 class DeltaKind(enum.Enum):
@@ -99,8 +104,9 @@ class DeltaWatch(NamedTuple):
     names: frozenset[str]
     state: DeltaTypeState
     routing: Mapping[TypeUrl, DeltaTypeState] | None = None
-    """CDS only: the stream's states by type (read when asked: the stream may subscribe to routes
-    after the watch was made), for make-before-break."""
+    """CDS and EDS: the stream's states by type (read when asked: the stream may subscribe to
+    routes after the watch was made), for make-before-break: until the routes moved, a removed
+    cluster they use is kept, and so is its assignment (not told removed)."""
     proxy: str | None = None
     """EDS: the node id whose own subsets of subsetted services are served (its index is looked up
     when the watch is answered: it may be given after the watch was made); None: the group's."""
@@ -251,14 +257,16 @@ class DeltaStream:
 
     def _watch(self, state: DeltaTypeState) -> DeltaWatch:
         routing = None
-        if state.type_url == CLUSTER.url:
+        if state.type_url in _HELD_BACK:
             routing = self.types
         return DeltaWatch(state.type_url, state.wildcard, state.names, state, routing)
 
     def on_response(self, watch: DeltaWatch, changes: DeltaChanges) -> tuple[Nonce, tuple[DeltaWatch, ...]]:
         """Record that ``changes`` go out for ``watch``; return the response's nonce (unique per
         stream) and the watches to open again now: after changed clusters (listeners), the
-        endpoints (routes) to send again for warming are due at once, not at the next request."""
+        endpoints (routes) to send again for warming are due at once, not at the next request;
+        after removed clusters, the removal of their endpoints (kept with them: make before
+        break)."""
         state = watch.state
         self._sent += 1
         nonce = Nonce(str(self._sent))
@@ -266,8 +274,13 @@ class DeltaStream:
         state.sent_version = changes.version
         state.known = changes.known
         again = None
-        if changes.type_url == CLUSTER.url and changes.sent:
-            again = self._resend(ENDPOINT.url, changes.sent)
+        if changes.type_url == CLUSTER.url:
+            if changes.sent:
+                again = self._resend(ENDPOINT.url, changes.sent)
+            if again is None and changes.removed:
+                # The endpoints of removed clusters, kept while they were, may go now.
+                endpoints = self.types.get(ENDPOINT.url)
+                again = endpoints if endpoints is not None and endpoints.started else None
         elif changes.type_url == LISTENER.url and changes.sent:
             again = self._resend(ROUTE.url, None)
         return nonce, (() if again is None else (self._watch(again),))

@@ -29,8 +29,10 @@ The rules (docs/architecture.md, behaviours 2-13, https://www.envoyproxy.io/docs
   cluster waits for its endpoints to warm); likewise RDS after LDS. This holds for a request with
   no nonce too: a proxy that reconnected and was sent new clusters asks again, nonce-less, for
   endpoints it already stated it holds.
-- A cluster watch carries the LDS and RDS versions the proxy has ACKed, so the cache can keep a
-  removed cluster until the routes that used it have moved; an ACK of LDS or RDS re-opens it.
+- A cluster watch carries the stream, which the cache asks when it answers the watch whether the
+  proxy's listeners and routes have moved: both the versions it says it runs (``version_info``)
+  and the ones it was last sent (it may be running them already) are the snapshot's. Until then
+  a removed cluster they used is kept; an ACK of LDS or RDS re-opens the cluster watch.
 
 Decoding is part of it (:meth:`SotwStream.decode_request`): an EDS ACK from a proxy subscribed to
 10,000 clusters repeats all 10,000 names (~110 KB) every time. When the request's names are, byte
@@ -58,7 +60,7 @@ from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, 
 from pilotfish.protocol.subscription import Subscription, Watch, checked_wire, next_subscription
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.wire import request_names_span, split_request_names
-from pilotfish.snapshot import EncodedResponse
+from pilotfish.snapshot import EncodedResponse, Snapshot
 
 __all__ = ["DecodedRequest", "Nonce", "RequestKind", "RequestOutcome", "SotwStream", "TypeState"]
 
@@ -67,7 +69,8 @@ Nonce = NewType("Nonce", str)
 # After a response of the key type, the value type's next request is answered (behaviour 13).
 _WARMS = {CLUSTER.url: ENDPOINT.url, LISTENER.url: ROUTE.url}
 # ACKs of these types may release clusters held back for make-before-break (behaviour 12).
-_ROUTING = frozenset({LISTENER.url, ROUTE.url})
+_ROUTING_TYPES = (LISTENER.url, ROUTE.url)
+_ROUTING = frozenset(_ROUTING_TYPES)
 
 
 class RequestKind(enum.Enum):
@@ -134,6 +137,9 @@ class TypeState:
     held_wildcard: bool = False
     """The proxy holds everything there was at ``held_version``."""
     acked_version: str | None = None
+    running_version: str | None = None
+    """The version the proxy says it runs: the ``version_info`` of its latest request of this type
+    that was not stale (its first, an ACK or a NACK); None: nothing."""
     last_acked_nonce: Nonce | None = None
     warm_pending: bool = False
     """A CDS (for EDS) or LDS (for RDS) response went out since this type's last response."""
@@ -224,6 +230,7 @@ class SotwStream:
                 state.ever_named = True
         changed = subscription is not previous and subscription != previous
 
+        state.running_version = version_info or None
         stated = False
         if nonce:
             kind = RequestKind.NACK if error is not None else RequestKind.ACK
@@ -259,7 +266,7 @@ class SotwStream:
             known_wildcard=state.held_wildcard,
             full_state=state.wildcard_capable,
             force=force,
-            routing_acked=self._routing_acked() if type_url == CLUSTER.url else None,
+            routing=self if type_url == CLUSTER.url else None,
         )
         watches: tuple[Watch, ...] = (watch,)
         if kind is RequestKind.ACK and type_url in _ROUTING:
@@ -296,9 +303,20 @@ class SotwStream:
         )
         return state, version_info, error
 
-    def _routing_acked(self) -> tuple[str | None, str | None]:
-        listeners, routes = self.types.get(LISTENER.url), self.types.get(ROUTE.url)
-        return (listeners.acked_version if listeners else None, routes.acked_version if routes else None)
+    def routing_moved(self, snapshot: Snapshot) -> bool:
+        """Whether the listeners and routes the proxy runs (as its latest request says) and those
+        it was last sent (it may be running them already, or reject them) are ``snapshot``'s, so
+        none uses a cluster ``snapshot`` removed (make before break, behaviour 12). Asked when a
+        cluster watch is answered. A type the stream has not asked for counts as moved (a
+        per-type CDS stream; a proxy that states its clusters before its routes)."""
+        types = self.types
+        for url in _ROUTING_TYPES:
+            state = types.get(url)
+            if state is not None:
+                version = snapshot.version(url)
+                if state.running_version not in (None, version) or state.held_version not in (None, version):
+                    return False
+        return True
 
     def _rewatch_clusters(self) -> Watch | None:
         state = self.types.get(CLUSTER.url)
@@ -311,7 +329,7 @@ class SotwStream:
             known_names=state.held_names,
             known_wildcard=state.held_wildcard,
             full_state=True,
-            routing_acked=self._routing_acked(),
+            routing=self,
         )
 
     def on_response(self, watch: Watch, response: EncodedResponse) -> tuple[Nonce, EncodedResponse]:

@@ -16,13 +16,22 @@ from __future__ import annotations
 import weakref
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from pilotfish.resources import TypeUrl
 from pilotfish.resources.wire import names_run_count
-from pilotfish.snapshot import TypeSnapshot
+from pilotfish.snapshot import Snapshot, TypeSnapshot
 
-__all__ = ["WILDCARD", "Subscription", "Watch", "checked_wire", "intern_names", "needs_response", "next_subscription"]
+__all__ = [
+    "WILDCARD",
+    "Routing",
+    "Subscription",
+    "Watch",
+    "checked_wire",
+    "intern_names",
+    "needs_response",
+    "next_subscription",
+]
 
 WILDCARD = "*"
 
@@ -174,6 +183,17 @@ def next_subscription(
     return _subscription(False, names)
 
 
+class Routing(Protocol):
+    """What a cluster watch asks its stream when the cache answers it, for make-before-break
+    (behaviour 12): read then, not copied into the watch (the proxy may have been sent listeners
+    or routes since the watch was made)."""
+
+    def routing_moved(self, snapshot: Snapshot) -> bool:
+        """Whether every listener and route the proxy runs, or was sent and may run, is
+        ``snapshot``'s (so none of them uses a cluster ``snapshot`` removed)."""
+        ...
+
+
 class Watch(NamedTuple):
     """A stream's standing question to the cache: tell me when I need a response of this type.
     (A NamedTuple: made for every request, and it is quicker to build than a frozen dataclass.)"""
@@ -192,11 +212,18 @@ class Watch(NamedTuple):
     """CDS/LDS: every response carries the whole subscribed set, so a smaller set is news too."""
     force: bool = False
     """Answer even if nothing changed: a cluster or listener is warming and waits for it."""
-    routing_acked: tuple[str | None, str | None] | None = None
-    """CDS only: the LDS and RDS versions the proxy has ACKed (None: never), for make-before-break."""
+    routing: Routing | None = None
+    """CDS only: the stream, asked when the watch is answered whether the proxy's listeners and
+    routes have moved (make before break); None: nothing to wait for."""
     proxy: str | None = None
     """EDS: the node id whose own subsets of subsetted services are served (its index is looked up
     when the watch is answered: it may be given after the watch was made); None: the group's."""
+
+    def routing_moved(self, snapshot: Snapshot) -> bool:
+        """Whether the proxy behind this (cluster) watch runs ``snapshot``'s listeners and routes
+        and was sent no others, as its stream says now."""
+        routing = self.routing
+        return routing is None or routing.routing_moved(snapshot)
 
 
 def needs_response(watch: Watch, current: TypeSnapshot) -> bool:

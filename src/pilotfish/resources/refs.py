@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -15,7 +16,13 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
 
-__all__ = ["clusters_of_listener", "clusters_of_route_config", "connection_managers", "referenced_clusters"]
+__all__ = [
+    "assignment_names",
+    "clusters_of_listener",
+    "clusters_of_route_config",
+    "connection_managers",
+    "referenced_clusters",
+]
 
 _HCM = hcm_pb2.HttpConnectionManager.DESCRIPTOR.full_name
 _TCP_PROXY = tcp_proxy_pb2.TcpProxy.DESCRIPTOR.full_name
@@ -78,3 +85,13 @@ def referenced_clusters(
     for config in route_configs:
         names |= clusters_of_route_config(config)
     return names
+
+
+def assignment_names(clusters: Iterable[cluster_pb2.Cluster]) -> set[str]:
+    """The endpoint (ClusterLoadAssignment) names these EDS clusters ask for: each one's EDS
+    service name, else its own name."""
+    return {
+        cluster.eds_cluster_config.service_name or cluster.name
+        for cluster in clusters
+        if cluster.WhichOneof("cluster_discovery_type") == "type" and cluster.type == cluster_pb2.Cluster.EDS
+    }

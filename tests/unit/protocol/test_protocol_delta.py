@@ -258,6 +258,8 @@ def test_a_changed_cluster_is_followed_by_its_endpoints_even_if_they_did_not_cha
 
 
 def test_a_removed_cluster_stays_until_the_routes_have_moved(pair: DeltaPair) -> None:
+    """Cluster a, and its endpoints (the bridge keeps both), stay while route r sends traffic to
+    it; once the client ACKs the route that no longer does, the cluster goes, then its endpoints."""
     for type_url, names in ((CDS, []), (EDS, ["a", "b"]), (LDS, []), (RDS, ["r"])):
         pair.ack(pair.send(type_url, names)[0])
     v2 = build(
@@ -266,12 +268,11 @@ def test_a_removed_cluster_stays_until_the_routes_have_moved(pair: DeltaPair) ->
         listeners=[listener("l", "r")],
         routes=[route("r", "b")],
     )
-    pushed = pair.publish(v2)
-    assert [(g.type_url, g.names, g.removed) for g in pushed] == [(EDS, [], ["a"]), (RDS, ["r"], [])], (
-        "cluster a stays while route r still sends traffic to it"
+    [to_b] = pair.publish(v2)
+    assert (to_b.type_url, to_b.names, to_b.removed) == (RDS, ["r"], []), (
+        "cluster a and its endpoints stay while route r still sends traffic to it"
     )
-    [final] = pair.ack(pushed[1])
-    assert (final.type_url, final.removed) == (CDS, ["a"])
+    assert [(g.type_url, g.names, g.removed) for g in pair.ack(to_b)] == [(CDS, [], ["a"]), (EDS, [], ["a"])]
 
 
 def test_a_cluster_on_its_way_to_the_routes_comes_even_if_the_next_snapshot_drops_it(cache: SnapshotCache) -> None:
@@ -300,6 +301,42 @@ def test_a_cluster_on_its_way_to_the_routes_comes_even_if_the_next_snapshot_drop
     assert (to_a.type_url, to_a.versions) == (RDS, versions(V1, RDS))
     [final] = pair.ack(to_a)
     assert (final.type_url, final.names, final.removed) == (CDS, [], ["c"])
+
+
+def test_a_kept_cluster_sent_again_warms_with_its_endpoints(cache: SnapshotCache) -> None:
+    """The client has not ACKed its clusters when cluster a changes and the next snapshot drops
+    it (route r, not yet moved, sends traffic to a): the clusters answer after its ACK brings the
+    changed a (the bridge), which Envoy warms and waits for its endpoints. They come, the last
+    ones a had: not a removal, which would leave the new a with no endpoints while r still sends
+    traffic to it."""
+    cache.set_snapshot(V1)
+    pair = DeltaPair(cache)
+    for type_url, names in ((EDS, ["a", "b"]), (LDS, []), (RDS, ["r"])):
+        pair.ack(pair.send(type_url, names)[0])
+    clusters, warming = pair.send(CDS)
+    assert (clusters.type_url, warming.type_url) == (CDS, EDS)
+    pair.ack(warming)
+    a_changed = build(
+        clusters=[cluster("a", "2s"), cluster("b")],
+        endpoints=[assignment("a", 1), assignment("b", 2)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "a")],
+    )
+    assert pair.publish(a_changed) == [], "the clusters answer waits for the client's ACK"
+    v3 = build(
+        clusters=[cluster("b")],
+        endpoints=[assignment("b", 2)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "b")],
+    )
+    [to_b] = pair.publish(v3)
+    assert (to_b.type_url, to_b.removed) == (RDS, [])
+    cds, eds = pair.ack(clusters)
+    assert (cds.type_url, cds.versions, cds.removed) == (CDS, {"a": versions(a_changed, CDS)["a"]}, [])
+    assert (eds.type_url, eds.versions, eds.removed) == (EDS, {"a": versions(V1, EDS)["a"]}, []), "a warms"
+    pair.ack(cds)
+    pair.ack(eds)
+    assert [(g.type_url, g.removed) for g in pair.ack(to_b)] == [(CDS, ["a"]), (EDS, ["a"])]
 
 
 # -- sharing and limits ----------------------------------------------------------------------------

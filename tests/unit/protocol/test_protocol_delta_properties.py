@@ -3,7 +3,8 @@ reconnects and snapshot changes, against a model of what an Envoy holds.
 
 Invariants: a response never re-sends a resource at the version the client has (except the
 endpoints of a changed cluster, or the routes after a listener change: warming), never removes a
-resource that exists, and once the client has ACKed everything, it holds exactly the current
+resource that exists, nor the endpoints of a removed cluster that the client has and its routes
+use (make before break), and once the client has ACKed everything, it holds exactly the current
 version of every resource it subscribes to and nothing else.
 """
 
@@ -46,7 +47,14 @@ def _pool() -> list[Snapshot]:
                 routes=[route(r, rng.choice(clusters)) for r in "rs" if rng.random() < 0.8],
             )
         )
-    return pool + mixes(pool, rng, 6)
+    # Last (the indexes of the examples below stay): cluster a goes with its endpoints.
+    without_a = build(
+        clusters=[cluster("b"), cluster("c")],
+        endpoints=[assignment("b", 1), assignment("c", 1)],
+        listeners=[listener("l", "r")],
+        routes=[route("r", "b")],
+    )
+    return [*pool, *mixes(pool, rng, 6), without_a]
 
 
 POOL = _pool()
@@ -150,6 +158,17 @@ class Client:
             assert held.get(name) != version or self.warm[got.type_url], (
                 f"{got.type_url}: {name} re-sent at the version the client has"
             )
+        if got.type_url == EDS and not self.reconnecting:
+            # Make before break: the endpoints of a removed cluster that the client's routes use
+            # are not removed while it has that cluster (the bridge keeps both), unless the
+            # current routes use it too (there is nothing to move to). (A cluster that exists
+            # without endpoints, which validation refuses, is not a removal.)
+            routes, clusters = snapshot.get(RDS), snapshot.get(CDS)
+            now = referenced_clusters((), (r.message for r in routes.resources.values())) if routes else set()
+            now |= set(clusters.resources) if clusters else set()
+            routed = referenced_clusters((), (ROUTES[(n, v)] for n, v in self.held[RDS].items()))
+            taken = (set(got.removed) & routed & set(self.held[CDS])) - now
+            assert not taken, f"the endpoints of {taken} removed while routes the client has use them"
         for name in got.removed:
             assert name not in current.resources, f"{got.type_url}: {name} removed while it exists"
             held.pop(name, None)
@@ -270,6 +289,16 @@ ON_ITS_WAY: list[object] = [
 ]
 """From snapshot 6: the clusters answer is not ACKed when snapshot 0 adds cluster b and points
 route r at it; snapshot 6 again drops b before the ACK, while the client's route r still uses it."""
+A_GOES: list[object] = [
+    *(
+        Request(type_url, names, (), nonce, False)
+        for type_url, names in ((CDS, ()), (EDS, ("a",)), (RDS, ("r",)))
+        for nonce in ("", "latest")
+    ),
+    Publish(len(POOL) - 1),
+]
+"""From snapshot 2 (route r sends traffic to cluster a), the last one removes cluster a and its
+endpoints: both stay (the bridge) until the client has ACKed route r sending traffic elsewhere."""
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -289,6 +318,7 @@ route r at it; snapshot 6 again drops b before the ACK, while the client's route
 # A route sent while the clusters answer is not ACKed names cluster b the client lacks; the next
 # snapshot drops b again: b is still on its way (the bridge brings it after the ACK, route r uses it).
 @example(start=6, steps=ON_ITS_WAY)
+@example(start=2, steps=A_GOES)
 def test_delta_streams_converge_without_resending_what_the_client_has(start: int, steps: list[object]) -> None:
     _play(start, steps).settle()
 

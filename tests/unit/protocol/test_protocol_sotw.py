@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CDS, EDS, LDS, RDS, StreamPair, assignment, build, cluster, listener, route
+from conftest import CDS, EDS, LDS, RDS, Received, StreamPair, assignment, build, cluster, listener, route
 from envoy.service.discovery.v3 import discovery_pb2
 
 from pilotfish.cache import SnapshotCache
@@ -363,6 +363,82 @@ def test_changed_clusters_arrive_at_once_while_a_used_one_is_kept(pair: StreamPa
     pair.ack(cds)
     [final] = pair.ack(rds, ["r"])
     assert (final.names, final.version) == (["b"], v2.version(CDS))
+
+
+ROUTES_TO_C = build(
+    clusters=[cluster("a"), cluster("b"), cluster("c")],
+    endpoints=[assignment("a", 1), assignment("b", 2), assignment("c", 3)],
+    listeners=[listener("l", "r")],
+    routes=[route("r", "c")],
+)
+"""V1 plus cluster c, and route r sends traffic to it."""
+ROUTES_TO_B = build(
+    clusters=[cluster("a"), cluster("b")],
+    endpoints=[assignment("a", 1), assignment("b", 2)],
+    listeners=[listener("l", "r")],
+    routes=[route("r", "b")],
+)
+"""No cluster c again, and route r sends traffic to b: routes neither V1's nor ROUTES_TO_C's."""
+
+
+def clusters_sent(sent: list[Received]) -> list[list[str]]:
+    return [r.names for r in sent if r.type_url == CDS]
+
+
+def test_a_cluster_that_sent_routes_use_stays_though_the_acked_routes_are_the_new_ones(pair: StreamPair) -> None:
+    """The proxy ACKs the clusters that bring c but not yet the routes sent with them (r -> c)
+    when a snapshot drops c and points r back at a: the very routes the proxy ACKed before. It
+    may be running r -> c already: c stays until it has ACKed routes that no longer use it."""
+    synced(pair)
+    cds, eds, rds = pair.publish(ROUTES_TO_C)
+    assert (cds.names, rds.names) == (["a", "b", "c"], ["r"])
+    pair.ack(cds)
+    pair.ack(eds, ["a", "b", "c"])
+    since = len(pair.inbox)
+    pushed = pair.publish(V1)
+    assert all("c" in names for names in clusters_sent(pushed)), "route r -> c was sent and may be in use"
+    [back_to_a] = pair.ack(rds, ["r"])  # r -> c ACKed: r -> a (V1's) goes out
+    assert (back_to_a.type_url, back_to_a.version) == (RDS, V1.version(RDS))
+    assert all("c" in names for names in clusters_sent(pair.inbox[since:])), "not ACKed: it may reject r -> a"
+    [final] = pair.ack(back_to_a, ["r"])
+    assert (final.type_url, final.names, final.version) == (CDS, ["a", "b"], V1.version(CDS))
+    assert pair.ack(final) == []
+
+
+def test_a_proxy_that_acked_no_routes_yet_keeps_the_clusters_its_sent_routes_use(cache: SnapshotCache) -> None:
+    """A new proxy ACKs its clusters before any listener or route: routes sent to it, not yet
+    ACKed, still count (r -> c here), and c stays when the next snapshot drops it."""
+    cache.set_snapshot(ROUTES_TO_C)
+    pair = StreamPair(cache)
+    [cds] = pair.send(CDS)
+    pair.ack(cds)
+    [lds] = pair.send(LDS)
+    [to_c] = pair.send(RDS, ["r"])
+    assert (cds.names, to_c.type_url) == (["a", "b", "c"], RDS)
+    since = len(pair.inbox)
+    pushed = pair.publish(ROUTES_TO_B)
+    assert all("c" in names for names in clusters_sent(pushed)), "route r -> c was sent and may be in use"
+    pair.ack(lds)
+    [to_b] = pair.ack(to_c, ["r"])
+    assert (to_b.type_url, to_b.version) == (RDS, ROUTES_TO_B.version(RDS))
+    assert all("c" in names for names in clusters_sent(pair.inbox[since:]))
+    [final] = pair.ack(to_b, ["r"])
+    assert (final.type_url, final.names) == (CDS, ["a", "b"])
+
+
+def test_routes_a_reconnecting_proxy_states_count_until_it_acks_others(cache: SnapshotCache) -> None:
+    """A proxy reconnects stating routes that use c (r -> c), which the current snapshot removed:
+    it is sent the current routes at once, but runs its own until it ACKs them, so its clusters
+    keep c until then."""
+    cache.set_snapshot(ROUTES_TO_C)
+    cache.set_snapshot(ROUTES_TO_B)
+    pair = StreamPair(cache)
+    [to_b] = pair.send(RDS, ["r"], version=ROUTES_TO_C.version(RDS) or "")
+    assert to_b.version == ROUTES_TO_B.version(RDS)
+    # The clusters it states (a, b and c) are the bridge's: nothing to send, c is not taken away.
+    assert pair.send(CDS, version=ROUTES_TO_C.version(CDS) or "") == [], "the proxy runs r -> c until it ACKs r -> b"
+    [final] = pair.ack(to_b, ["r"])
+    assert (final.type_url, final.names) == (CDS, ["a", "b"])
 
 
 def test_the_stream_keeps_the_nodes_identity_not_its_extension_list() -> None:

@@ -10,6 +10,8 @@ error_detail) while snapshots change under it. The test keeps its own simple mod
   that never saw those requests has been sent exactly the same responses;
 - nonces are unique on the stream; every response is at the type's current version (for
   clusters, or the make-before-break bridge), and carries the full subscribed set that exists;
+- make before break: a clusters response keeps every subscribed cluster that the routes the proxy
+  says it runs, or was last sent, use (if the cache still has those routes and that cluster);
 - NACKed content is not sent again unless it changed, the proxy named a resource it does not
   hold, or a cluster (listener) response since asks the endpoints (routes) to warm;
 - at the end a well-behaved proxy ACKs what it gets; the conversation goes quiet within a few
@@ -29,6 +31,7 @@ from hypothesis import strategies as st
 
 from pilotfish.cache import HISTORY, SnapshotCache
 from pilotfish.protocol import RequestKind
+from pilotfish.resources.refs import referenced_clusters
 from pilotfish.snapshot import Snapshot
 
 TYPES = (CDS, EDS, LDS, RDS)
@@ -152,6 +155,8 @@ class TypeModel:
     latest_version: str = ""
     accepted: str = ""
     """The version it runs (what it sends as version_info)."""
+    running: str = ""
+    """The version_info of its latest request that was not stale: the version it says it runs."""
     stated: bool = False
     """It has made a request without a nonce before seeing a response (its statement)."""
     held_version: str | None = None
@@ -230,6 +235,7 @@ class Run:
         wildcard = "*" in names or (type_url in FULL_STATE and not names and not model.ever_named)
         model.ever_named |= bool(named)
         model.requested, model.subscribed = names, Subscribed(wildcard, named)
+        model.running = version
         # Before any response: what the proxy holds is what it states (its first request); a later
         # request stating another version holds nothing we know of.
         if not nonce and model.latest_nonce is None and (not model.stated or (version or None) != model.held_version):
@@ -306,12 +312,31 @@ class Run:
             assert type_url == CDS and self.previous is not None, f"{type_url} at a version not current"
             earlier = {name for s in self.published for name in s.get(CDS).resources}  # type: ignore[union-attr]
             assert names >= expected and names - expected <= earlier, "not a bridge"
+        if type_url == CDS:
+            missing = self.routed_clusters() - names
+            assert not {n for n in missing if subscribed.wants(n)}, f"clusters {missing} taken from routes still in use"
         if model.nack is not None and response.version == model.nack:
             # Prompted: the proxy's set differs (full state), or it lacks a name sent (it dropped
             # it since, and asked for it again).
             prompted = names != model.held if type_url in FULL_STATE else not names <= model.held
             assert prompted or model.warm, f"NACKed {type_url} content {model.nack} sent again unprompted"
         model.nack = None
+
+    def routed_clusters(self) -> set[str]:
+        """The clusters that routes the proxy says it runs, or was last sent, send traffic to, if
+        they are not the current routes: those of them that a version of the clusters the cache
+        still keeps has (the bridge keeps them until the proxy runs the current routes)."""
+        snapshots = [*self.published, self.snapshot]
+        used: set[str] = set()
+        for type_url in (LDS, RDS):
+            model = self.models[type_url]
+            for version in {model.running, model.latest_version} - {"", self.snapshot.version(type_url)}:
+                at = next((s.get(type_url) for s in snapshots if s.version(type_url) == version), None)
+                if at is not None and self.kept(type_url, version):
+                    messages = [r.message for r in at.resources.values()]
+                    used |= referenced_clusters(messages, ()) if type_url == LDS else referenced_clusters((), messages)
+        kept = {n for s in snapshots if self.kept(CDS, s.version(CDS)) for n in s.get(CDS).resources}  # type: ignore[union-attr]
+        return used & kept
 
     def settle(self) -> None:
         """A well-behaved proxy: re-states each subscription with its latest nonce and ACKs all it

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from google.protobuf import json_format
 
 from pilotfish.resources.refs import (
+    assignment_names,
     clusters_of_listener,
     clusters_of_route_config,
     connection_managers,
@@ -95,3 +97,16 @@ def test_referenced_clusters_are_those_of_every_listener_and_route_config() -> N
         [route_config({"route": {"cluster": "web"}}), route_config({"route": {"cluster": "api"}})],
     ) == {"db", "web", "api"}
     assert referenced_clusters([], []) == set()
+
+
+def test_the_endpoints_an_eds_cluster_asks_for_are_named_by_its_service_name_else_its_own() -> None:
+    """What the endpoint bridge keeps for a kept cluster (make before break)."""
+    eds = {"type": "EDS", "eds_cluster_config": {"eds_config": {"ads": {}}}}
+    clusters = [
+        json_format.ParseDict({"name": "plain", **eds}, cluster_pb2.Cluster()),
+        json_format.ParseDict(
+            {"name": "named", "type": "EDS", "eds_cluster_config": {"service_name": "svc"}}, cluster_pb2.Cluster()
+        ),
+        json_format.ParseDict({"name": "dns", "type": "STRICT_DNS"}, cluster_pb2.Cluster()),
+    ]
+    assert assignment_names(clusters) == {"plain", "svc"}

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pilotfish.errors import PeerError
-from pilotfish.protocol import RequestKind, SotwStream, XdsLimits
+from pilotfish.protocol import RequestKind, RequestOutcome, SotwStream, XdsLimits
 from pilotfish.resources.wire import names_run_count, request_names_span, split_request_names
 
 
@@ -251,6 +251,15 @@ def _state(stream: SotwStream) -> object:
     return stream.node, types, stream._sent
 
 
+def _decided(outcome: object, stream: SotwStream) -> object:
+    """``outcome`` without its cluster watches' reference to their stream (each stream's own,
+    asked when the watch is answered: compared by :func:`_state`)."""
+    if not isinstance(outcome, RequestOutcome):
+        return outcome
+    assert all(watch.routing is None or watch.routing is stream for watch in outcome.watches)
+    return outcome._replace(watches=tuple(watch._replace(routing=None) for watch in outcome.watches))
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), per_type=st.booleans(), few_names=st.booleans())
 def test_the_shortcut_decides_exactly_as_the_full_decode(data: st.DataObject, per_type: bool, few_names: bool) -> None:
@@ -278,7 +287,7 @@ def test_the_shortcut_decides_exactly_as_the_full_decode(data: st.DataObject, pe
             expected: object = full.on_request(request)
         except PeerError as exc:
             expected = (type(exc), str(exc))
-        assert got == expected
+        assert _decided(got, fast) == _decided(expected, full)
         assert _state(fast) == _state(full)
         if isinstance(got, tuple) or not data.draw(st.booleans()):
             continue
