@@ -176,6 +176,9 @@ class SnapshotCache:
         self._ids = itertools.count()
         self._bridges: dict[NodeGroup, TypeSnapshot] = {}
         self._endpoint_bridges: dict[NodeGroup, TypeSnapshot] = {}
+        self._bridged_clusters: dict[NodeGroup, frozenset[str]] = {}
+        """Per group, the removed clusters its cluster bridge keeps (their endpoints are bridged only
+        to a delta client that holds one of them)."""
         # group -> type -> version -> its resources, oldest first (see HISTORY)
         self._history: dict[NodeGroup, dict[TypeUrl, dict[str, TypeSnapshot]]] = {}
         # id of a kept listener or route TypeSnapshot -> (it, the clusters it uses)
@@ -354,6 +357,7 @@ class SnapshotCache:
                 bridge = with_kept(current, kept_clusters)
                 assignments = _kept_assignments(history, new, kept_clusters.values())
         self._last_bridge[group] = (key, bridge, assignments)
+        self._bridged_clusters[group] = frozenset(kept_clusters) if bridge is not None else frozenset()
         return bridge, self._endpoint_bridge(group, new, assignments)
 
     def _endpoint_bridge(
@@ -411,7 +415,12 @@ class SnapshotCache:
                 return own
             if self._endpoint_bridges:
                 bridge = self._endpoint_bridges.get(group)
-                if bridge is not None and isinstance(watch, DeltaWatch) and not watch.routing_moved(snapshot):
+                if (
+                    bridge is not None
+                    and isinstance(watch, DeltaWatch)
+                    and watch.holds_any(CLUSTER.url, self._bridged_clusters.get(group, frozenset()))
+                    and not watch.routing_moved(snapshot)
+                ):
                     return bridge
         return snapshot.get(watch.type_url)
 

@@ -4,7 +4,7 @@ member for the modules that talk to etcd."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -15,7 +15,7 @@ from envoy.config.core.v3 import config_source_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
 
-from pilotfish.cache import Cancel, SnapshotCache
+from pilotfish.cache import DEFAULT_GROUP, Cancel, NodeGroup, SnapshotCache
 from pilotfish.protocol import RequestOutcome, SotwStream, Watch
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
@@ -155,6 +155,10 @@ class StreamPair:
     bodies: list[bytes] = field(default_factory=list)
     """The body objects of the responses, as the cache shared them (for tests of sharing)."""
     outcomes: list[RequestOutcome] = field(default_factory=list)
+    group: Callable[[], NodeGroup] = lambda: DEFAULT_GROUP
+    """The cache group each watch is opened on (a rollout routes a proxy to its baseline or candidate)."""
+    watches: dict[TypeUrl, Watch] = field(default_factory=dict)
+    """The latest watch of each type."""
     _cancels: dict[TypeUrl, Cancel] = field(default_factory=dict)
 
     def _respond(self, watch: Watch, response: EncodedResponse) -> None:
@@ -198,11 +202,16 @@ class StreamPair:
         self.outcomes.append(outcome)
         before = len(self.inbox)
         for watch in outcome.watches:
-            previous = self._cancels.pop(watch.type_url, None)
-            if previous:
-                previous()
-            self._cancels[watch.type_url] = self.cache.create_watch(watch, self._respond)
+            self.open(watch)
         return self.inbox[before:]
+
+    def open(self, watch: Watch) -> None:
+        """Open ``watch`` in place of the stream's previous one of its type (as the server does)."""
+        previous = self._cancels.pop(watch.type_url, None)
+        if previous:
+            previous()
+        self.watches[watch.type_url] = watch
+        self._cancels[watch.type_url] = self.cache.create_watch(watch, self._respond, self.group())
 
     def ack(self, received: Received, names: Sequence[str] = ()) -> list[Received]:
         return self.send(received.type_url, names, version=received.version, nonce=received.nonce)

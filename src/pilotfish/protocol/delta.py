@@ -115,6 +115,11 @@ class DeltaWatch(NamedTuple):
         """What ``current`` has for the client; None if nothing."""
         return current.delta(self.state.known, wildcard=self.wildcard, names=self.names)
 
+    def holds_any(self, type_url: TypeUrl, names: Iterable[str]) -> bool:
+        """Whether the client has (or was sent) any of ``names`` of ``type_url`` on this stream."""
+        state = (self.routing or _NO_STATES).get(type_url)
+        return state is not None and any(state.known.get(name, ABSENT) != ABSENT for name in names)
+
     def routing_moved(self, snapshot: Snapshot) -> bool:
         """Whether the listeners and routes the client has ACKed are ``snapshot``'s (so none of
         them uses a cluster ``snapshot`` removed). By content: a delta client is sent nothing,
