@@ -36,10 +36,20 @@ POST     /v1/rollout/abort       roll the candidate back and hold it; ``reason``
                                  ``{"reason": ...}`` or query, at most :data:`MAX_REASON`
                                  characters) is recorded with it. A command that does not apply
                                  now: 409 saying why and what does
+POST     /v1/plan                what serving the body (a proposed snapshot file, at most
+                                 :data:`MAX_PLAN_BODY` bytes; ``name=``: its file name, which
+                                 names it in problems and makes it JSON when it ends in ``.json``)
+                                 in place of the snapshot file would do, publishing nothing
+                                 (``pilotfish plan``, :mod:`pilotfish.reconcile.plan`): per group
+                                 and type what is added, removed, changed (field by field), the
+                                 problems, the guard, the rollout's decision, the proxies. One at
+                                 a time (429 while one is made); 413 over the bound
 =======  ======================  =================================================================
 
 Everything here reads: :class:`~pilotfish.status.SyncStatus` (written by the xDS and REST
-servers), the cache and the reconciler; the writes are the confirmation of a held snapshot,
+servers), the cache and the reconciler (a plan builds, but publishes and changes nothing: its
+build runs in a worker thread over what the reconciler read for it on the loop, with a memo of
+its own, so the loop goes on serving meanwhile); the writes are the confirmation of a held snapshot,
 which goes through :meth:`~pilotfish.reconcile.Reconciler.confirm` like the signal, and the
 rollout's commands (:class:`RolloutControl`: the server's
 :class:`~pilotfish.rollout.delivery.Delivery`). Each write records who gave it (``by``: ``admin
@@ -68,6 +78,7 @@ state is ``SYNCED``, ``STALE``, ``NACKED`` or ``NOT_SENT`` (:class:`~pilotfish.s
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import fnmatch
 import hashlib
@@ -77,22 +88,26 @@ import itertools
 import logging
 import re
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import orjson
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pilotfish.api.metrics import CONTENT_TYPE, Metrics
 from pilotfish.api.tokens import TOKEN_NAME, Access, TokenFile, TokenGate
+from pilotfish.build.desired import DesiredState
 from pilotfish.cache import NodeGroup, SnapshotCache
-from pilotfish.errors import shorten
+from pilotfish.errors import ConfigError, shorten
 from pilotfish.events import EventLog, RecentEvents
-from pilotfish.reconcile import PublishState
+from pilotfish.reconcile import Plan, PublishState
 from pilotfish.resources import ENDPOINT, SECRET, type_by_url
 from pilotfish.resources.bootstrap import split_address
 from pilotfish.rollout.machine import CommandRefused
 from pilotfish.snapshot import Snapshot
+from pilotfish.sources.file import SOURCE as FILE_SOURCE
+from pilotfish.sources.file import parse_desired
 from pilotfish.status import DepartedProxy, ProxyRecord, SyncState, SyncStatus, TypeStatus
 from pilotfish.transport.site import ADMIN_API, ADMIN_CONNECTIONS, HttpConnectionLimits, is_loopback, serve_app
 from pilotfish.xds.rest import response_json
@@ -102,8 +117,10 @@ __all__ = [
     "FLEET_ROWS",
     "MAX_COMMAND_BODY",
     "MAX_FILTER",
+    "MAX_PLAN_BODY",
     "MAX_REASON",
     "NO_ROLLOUT",
+    "PLAN_READ_SECONDS",
     "ROLLOUT_COMMANDS",
     "ROUTES",
     "AdminApi",
@@ -129,6 +146,10 @@ MAX_REASON = 200
 """Characters an abort's ``reason`` may have (the rollout keeps as many)."""
 MAX_COMMAND_BODY = 4096
 """Bytes a request body may have (the one body read is a rollout command's ``{"reason": ...}``)."""
+MAX_PLAN_BODY = 16 * 1024 * 1024
+"""Bytes a proposed file (``POST /v1/plan``) may have: read as it comes, refused (413) past it."""
+PLAN_READ_SECONDS = 60.0
+"""Seconds a proposed file may take to arrive (408 after: it holds the one plan slot)."""
 ROLLOUT_COMMANDS = ("promote", "pause", "resume", "abort")
 """``POST /v1/rollout/<command>``."""
 NO_ROLLOUT = (
@@ -154,12 +175,14 @@ ROUTES: dict[tuple[str, str], Access] = {
     ("POST", "/v1/held/confirm"): Access.ADMIN,
     ("GET", "/v1/rollout"): Access.READ,
     **{("POST", f"/v1/rollout/{command}"): Access.ADMIN for command in ROLLOUT_COMMANDS},
+    ("POST", "/v1/plan"): Access.READ,
 }
 """What each route needs when the API has tokens (``serve --admin-tokens``): the status page
 itself (static; its data comes from the read routes), health and readiness are open (probes
 carry no token); the proxies' status, configuration, events, metrics and the rollout's status are
-reads (``read: true``, or none with ``reads: open``); confirming a held snapshot and commanding
-the rollout need ``admin: true``."""
+reads (``read: true``, or none with ``reads: open``), and so is a plan (it changes nothing; what it
+costs is bounded: one at a time, :data:`MAX_PLAN_BODY`); confirming a held snapshot and
+commanding the rollout need ``admin: true``."""
 _ADMIN_ACTIONS = {
     "/v1/held/confirm": "confirm a held snapshot",
     **{f"/v1/rollout/{command}": f"{command} the rollout" for command in ROLLOUT_COMMANDS},
@@ -243,10 +266,14 @@ def warn_if_exposed(host: str) -> bool:
 
 
 class HeldSnapshots(PublishState, Protocol):
-    """What the admin API needs of the reconcile loop: to read it, and to publish the snapshot
-    its guard holds, as the operator confirms (the one write)."""
+    """What the admin API needs of the reconcile loop: to read it, to plan a proposed state
+    (:meth:`~pilotfish.reconcile.Reconciler.planner`: read on the loop, the returned function run
+    in a worker thread), and to publish the snapshot its guard holds, as the operator confirms
+    (the one write)."""
 
     def confirm(self, *, by: str = "") -> Snapshot | None: ...
+
+    def planner(self, source: str, state: DesiredState, *, label: str | None = None) -> Callable[[], Plan]: ...
 
 
 class RolloutControl(Protocol):
@@ -264,6 +291,10 @@ class RolloutControl(Protocol):
     def resume(self, *, by: str = "") -> None: ...
 
     def abort(self, reason: str = "", *, by: str = "") -> None: ...
+
+    def would_offer(self, snapshots: Mapping[NodeGroup, Snapshot]) -> dict[str, Any]:
+        """What publishing ``snapshots`` would make the rollout decide, changing nothing (a plan)."""
+        ...
 
 
 class AdminApi:
@@ -318,6 +349,8 @@ class AdminApi:
         """The latest events (the server's :class:`~pilotfish.events.EventLog` keeps them there);
         None: ``/v1/events`` answers 404."""
         self._page, self._policy = status_page()
+        self._planning = False
+        """A plan is being made (its body read, or its build run): the next waits (429)."""
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -336,6 +369,7 @@ class AdminApi:
         app.router.add_get("/v1/rollout", self._rollout_status)
         for command in ROLLOUT_COMMANDS:
             app.router.add_post(f"/v1/rollout/{command}", self._rollout_command)
+        app.router.add_post("/v1/plan", self._plan)
         if self.metrics is not None:
             app.router.add_get("/metrics", self._metrics)
         return app
@@ -611,6 +645,76 @@ class AdminApi:
             f": {reason}" if reason else "",
         )
         return _json({"command": command, "candidate": before["candidate"], "rollout": rollout.status()})
+
+    # -- plans ----------------------------------------------------------------------------------------
+
+    async def _plan(self, request: web.Request) -> web.Response:
+        if self._planning:
+            return web.Response(
+                body=orjson.dumps({"error": "POST /v1/plan: a plan is being made; one at a time: try again shortly"}),
+                status=429,
+                content_type="application/json",
+                headers={"Retry-After": "1"},
+            )
+        self._planning = True  # before the body is read: at most one proposed file in memory at once
+        try:
+            return await self._make_plan(request)
+        finally:
+            # (aiohttp does not cancel a handler whose client left: the slot is held until the build ends)
+            self._planning = False
+
+    async def _make_plan(self, request: web.Request) -> web.Response:
+        name = request.query.get("name", "")
+        if len(name) > MAX_FILTER:
+            return _error(400, f"name (the file's name) may have at most {MAX_FILTER} characters, not {len(name)}")
+        body = await _bounded_body(request, MAX_PLAN_BODY)
+        if isinstance(body, web.Response):
+            return body
+        label = name or "the proposed file"
+        as_json = True if request.content_type == "application/json" else None
+        try:
+            try:
+                state = await asyncio.to_thread(parse_desired, body, label, as_json=as_json)
+            except ConfigError as exc:
+                plan = Plan(sources=label, problems=exc.problems)
+            else:
+                plan = await asyncio.to_thread(self.reconciler.planner(FILE_SOURCE, state, label=label))
+            rollout = None
+            if self.rollout is not None and plan.changed and not plan.problems:
+                rollout = self.rollout.would_offer(plan.changed)
+        except Exception:  # our bug: say so as JSON (the CLI reads JSON), with the traceback in the log
+            _log.exception("planning %s failed", label)
+            return _error(500, "internal error while making the plan (see the server's log)")
+        answer = plan.to_json(proxies=self.status.connected(), rollout=rollout)
+        _log.info("plan of %s from %s: %s", label, request.remote, answer["verdict"])
+        return _json(answer)
+
+
+async def _bounded_body(request: web.Request, limit: int) -> bytes | web.Response:
+    """The request's body, read as it arrives and never more than ``limit`` bytes of it (a
+    declared length over it is refused before anything is read); a 413 or 408 response when it
+    is too large or too slow."""
+    where = f"POST {request.path}"
+    too_large = _error(
+        413, f"{where}: the proposed file may have at most {limit:,} bytes; split the configuration across sources"
+    )
+    if request.content_length is not None and request.content_length > limit:
+        return too_large
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(PLAN_READ_SECONDS):
+            while chunk := await request.content.read(1 << 16):
+                size += len(chunk)
+                if size > limit:
+                    return too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        return _error(408, f"{where}: the proposed file did not arrive within {PLAN_READ_SECONDS:g} s")
+    except (OSError, HttpProcessingError, ClientPayloadError) as exc:  # the client went, or broke the framing
+        _log.info("%s from %s: the body did not arrive whole (%s)", where, request.remote, exc)
+        return _error(400, f"{where}: the proposed file did not arrive whole ({exc})")
+    return b"".join(chunks)
 
 
 async def start_admin_server(

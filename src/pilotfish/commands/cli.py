@@ -1,5 +1,5 @@
-"""The ``pilotfish`` command: ``serve``, ``status``, ``wait``, ``confirm``, ``rollout``, ``validate``,
-``bootstrap``, ``token``, ``demo``."""
+"""The ``pilotfish`` command: ``serve``, ``status``, ``wait``, ``confirm``, ``rollout``, ``plan``,
+``validate``, ``bootstrap``, ``token``, ``demo``."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def _address(value: str) -> str:
 
 
 DEFAULT_ADMIN = "127.0.0.1:18001"
-"""Where ``serve`` serves the admin API, and where ``status``, ``wait``, ``confirm`` and ``rollout`` look for it."""
+"""Where ``serve`` serves the admin API, and where ``status``, ``wait``, ``confirm``, ``rollout`` and
+``plan`` look for it."""
 
 
 def _addresses(value: str) -> list[str]:
@@ -593,6 +594,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     rollout.add_argument("--json", action="store_true", help="print the admin API's JSON answer as it is")
 
+    plan = commands.add_parser(
+        "plan",
+        parents=[admin_client],
+        help="show what serving FILE in place of the server's snapshot file would do, publishing "
+        "nothing: per node group and type what is added, removed and changed (field by field), "
+        "the problems, whether the guard would hold it, what the rollout would do; exit 1 if it "
+        "would not be published",
+    )
+    plan.add_argument("file", type=Path, metavar="FILE", help="the proposed snapshot file (YAML, or JSON: *.json)")
+    plan.add_argument(
+        "--against",
+        type=Path,
+        metavar="OLD_FILE",
+        help="offline, asking no server (CI): compare with OLD_FILE as a server serving it alone "
+        "would; the diff and the validation only",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON (the admin API's answer)")
+
     validate = commands.add_parser("validate", help="check a snapshot file; print every problem")
     validate.add_argument("file", type=Path, metavar="FILE")
 
@@ -875,6 +894,44 @@ def _serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _operate(args: argparse.Namespace) -> int:
+    """``status``, ``wait``, ``confirm``, ``rollout`` and ``plan``: the commands asking the admin API."""
+    from pilotfish.commands import operate
+
+    if args.command == "plan" and args.against is not None:
+        return operate.plan_offline(args.file, args.against, as_json=args.json, out=sys.stdout, err=sys.stderr)
+    if args.command == "rollout" and args.reason is not None and args.action != "abort":
+        print(f"pilotfish rollout {args.action}: --reason is for abort", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        tls = operate.client_context(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+        token = operate.admin_token(args.token_file, os.environ)
+    except (OSError, ValueError) as exc:
+        print(f"pilotfish {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    admin = operate.AdminClient(args.admin, tls=tls, token=token)
+    if args.command == "status":
+        return operate.status_command(
+            admin, node=args.node, cluster=args.cluster, state=args.state, out=sys.stdout, err=sys.stderr
+        )
+    if args.command == "wait":
+        return operate.wait_command(
+            admin,
+            version=args.version,
+            timeout=args.timeout,
+            min_proxies=args.min_proxies,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+    if args.command == "rollout":
+        return operate.rollout_command(
+            admin, args.action, reason=args.reason, as_json=args.json, out=sys.stdout, err=sys.stderr
+        )
+    if args.command == "plan":
+        return operate.plan_command(admin, args.file, as_json=args.json, out=sys.stdout, err=sys.stderr)
+    return operate.confirm_command(admin, out=sys.stdout, err=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
@@ -912,37 +969,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     if args.command == "serve":
         return _serve(args)
-    if args.command in ("status", "wait", "confirm", "rollout"):
-        from pilotfish.commands import operate
-
-        if args.command == "rollout" and args.reason is not None and args.action != "abort":
-            print(f"pilotfish rollout {args.action}: --reason is for abort", file=sys.stderr)
-            return EXIT_USAGE
-        try:
-            tls = operate.client_context(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
-            token = operate.admin_token(args.token_file, os.environ)
-        except (OSError, ValueError) as exc:
-            print(f"pilotfish {args.command}: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        admin = operate.AdminClient(args.admin, tls=tls, token=token)
-        if args.command == "status":
-            return operate.status_command(
-                admin, node=args.node, cluster=args.cluster, state=args.state, out=sys.stdout, err=sys.stderr
-            )
-        if args.command == "wait":
-            return operate.wait_command(
-                admin,
-                version=args.version,
-                timeout=args.timeout,
-                min_proxies=args.min_proxies,
-                out=sys.stdout,
-                err=sys.stderr,
-            )
-        if args.command == "rollout":
-            return operate.rollout_command(
-                admin, args.action, reason=args.reason, as_json=args.json, out=sys.stdout, err=sys.stderr
-            )
-        return operate.confirm_command(admin, out=sys.stdout, err=sys.stderr)
+    if args.command in ("status", "wait", "confirm", "rollout", "plan"):
+        return _operate(args)
     if args.command == "token":
         from pilotfish.api.tokens import token_command
 

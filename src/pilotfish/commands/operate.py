@@ -1,5 +1,5 @@
-"""``pilotfish status``, ``wait``, ``confirm`` and ``rollout``: an operator's questions, asked of the
-admin API.
+"""``pilotfish status``, ``wait``, ``confirm``, ``rollout`` and ``plan``: an operator's questions, asked
+of the admin API.
 
 ``status`` prints the proxies table of ``/v1/proxies`` (as ``istioctl proxy-status`` does), one
 row per connected proxy and a column per type, then the message of every NACK.
@@ -23,9 +23,18 @@ bake's health, the held candidates; ``--json``: the answer as it is), and ``roll
 ``pause``, ``resume`` and ``abort [--reason TEXT]`` command it (``POST /v1/rollout/<command>``).
 A command that does not apply now is refused (409) with why: exit status 1.
 
+``plan FILE`` sends FILE (a proposed snapshot file) to ``POST /v1/plan`` and prints what serving it
+in place of the server's snapshot file would do, publishing nothing (:func:`plan_text`: per node
+group and type ``+ added``, ``- removed``, ``~ changed`` with ``path: old -> new`` lines; then the
+validation, the guard, the rollout; ``--json``: the answer as it is): exit 0 when it would be
+published (or changes nothing), 1 when it would be refused, held by the guard, not served (a
+candidate the rollout held) or not published yet. ``plan FILE --against OLD_FILE`` asks no server
+(:func:`plan_offline`): the diff against OLD_FILE and the validation only, as a server serving
+OLD_FILE alone would build them.
+
 When the admin API has tokens (``serve --admin-tokens``), each command sends one as
 ``Authorization: Bearer``: the first line of ``--token-file FILE``, else the environment variable
-:data:`TOKEN_VARIABLE` (``PILOTFISH_ADMIN_TOKEN``); ``status``, ``wait`` and ``rollout [status]``
+:data:`TOKEN_VARIABLE` (``PILOTFISH_ADMIN_TOKEN``); ``status``, ``wait``, ``plan`` and ``rollout [status]``
 need ``read: true``, ``confirm`` and the rollout's commands need ``admin: true``. A refusal (401,
 403) ends the command at once with the server's reason and exit status 2; an admin API that
 cannot be reached, exit status 3.
@@ -35,6 +44,7 @@ Plain ``urllib``: the commands are one-shot and synchronous.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import ssl
 import time
@@ -47,6 +57,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = [
+    "MAX_PLAN_BYTES",
     "ROLLOUT_ACTIONS",
     "TOKEN_VARIABLE",
     "AdminClient",
@@ -57,6 +68,9 @@ __all__ = [
     "confirm_command",
     "fleet_verdict",
     "laggards",
+    "plan_command",
+    "plan_offline",
+    "plan_text",
     "rollout_command",
     "rollout_text",
     "status_command",
@@ -78,6 +92,12 @@ ROLLOUT_ACTIONS = ("status", "promote", "pause", "resume", "abort")
 """What ``pilotfish rollout`` does: show the rollout, or one of the operator's commands."""
 _HELD_LINES = 5
 _REASON_CHARS = 300
+MAX_PLAN_BYTES = 16 * 1024 * 1024
+"""The largest file ``plan`` sends (the admin API's :data:`~pilotfish.api.admin.MAX_PLAN_BODY`)."""
+PLAN_TIMEOUT = 120.0
+"""Seconds ``plan`` waits for its answer (a large file takes a while to build), and for a busy
+server (429: one plan at a time) to take it."""
+_VALUE_CHARS = 120
 
 
 class AdminUnreachable(Exception):
@@ -128,11 +148,18 @@ class AdminClient:
     def get_json(self, path: str, *, method: str = "GET", body: Any = None) -> tuple[int, Any]:
         """(HTTP status, decoded body) of ``method path`` (sending ``body`` as JSON, if given).
         Raises :class:`AdminUnreachable`."""
-        url = f"{'http' if self.tls is None else 'https'}://{self.address}{path}"
         data = json.dumps(body).encode() if body is not None else b"" if method == "POST" else None
+        return self.request(path, method=method, data=data, content_type="application/json" if body is not None else "")
+
+    def request(
+        self, path: str, *, method: str = "GET", data: bytes | None = None, content_type: str = ""
+    ) -> tuple[int, Any]:
+        """(HTTP status, decoded JSON body) of ``method path`` sending ``data`` (as
+        ``content_type``). Raises :class:`AdminUnreachable`."""
+        url = f"{'http' if self.tls is None else 'https'}://{self.address}{path}"
         request = urllib.request.Request(url, method=method, data=data)
-        if body is not None:
-            request.add_header("Content-Type", "application/json")
+        if content_type:
+            request.add_header("Content-Type", content_type)
         if self.token is not None:
             request.add_header("Authorization", f"Bearer {self.token}")
         try:
@@ -526,3 +553,228 @@ def rollout_command(
     else:
         print(_done(action, body), file=out)
     return 0
+
+
+# -- plans -------------------------------------------------------------------------------------------
+
+
+def _value(value: Any) -> str:
+    """A JSON value of a field change, on one line (None: the field is absent)."""
+    if value is None:
+        return "(none)"
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= _VALUE_CHARS else text[: _VALUE_CHARS - 3] + "..."
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun.replace('proxy', 'proxie')}s"
+
+
+def _type_lines(short: str, diff: Mapping[str, Any]) -> list[str]:
+    counts, left_out = diff["counts"], diff["left_out"]
+    summary = ", ".join(f"{counts[what]} {what}" for what in ("added", "removed", "changed") if counts[what])
+    lines = [f"  {short}: {summary}"]
+    lines += [f"    + {name}" for name in diff["added"]]
+    lines += [f"    - {name}" for name in diff["removed"]]
+    for change in diff["changed"]:
+        lines.append(f"    ~ {change['name']}")
+        for field in change["changes"]:
+            lines.append(f"        {field['path']}: {_value(field['old'])} -> {_value(field['new'])}")
+        if change["changes_left_out"]:
+            lines.append(f"        ... and {change['changes_left_out']} more changes")
+    for what in ("added", "removed", "changed"):
+        if left_out[what]:
+            lines.append(f"    ... and {left_out[what]} more {what} (not listed)")
+    return lines
+
+
+def _guard_text(guard: Mapping[str, Any]) -> str:
+    if not guard["enabled"]:
+        return "off (serve --guard off): it would hold nothing"
+    removes = "; ".join(
+        f"removes {count['removed']} of {count['before']} {what}" for what, count in sorted(guard["counts"].items())
+    )
+    if guard["hold"]:
+        return f"would HOLD it: {'; '.join(guard['reasons'])} (`pilotfish confirm` would publish it)"
+    return "would not hold it" + (f" ({removes})" if removes else "")
+
+
+def _rollout_text(rollout: Mapping[str, Any] | None) -> str:
+    if rollout is None:
+        return "none (serve runs no --rollout): every proxy would get it at once"
+    decision = rollout["decision"]
+    supersedes = rollout.get("supersedes")
+    superseded = f"; the rollout of {_short(supersedes)} in progress would be superseded" if supersedes else ""
+    if decision == "roll out":
+        waves = ", ".join(f"{wave['name']} ({_counted(wave['proxies'], 'proxy')})" for wave in rollout["waves"])
+        types = ", ".join(rollout.get("types") or [])
+        paused = "; its first wave would stay paused (the operator paused the rollout)" if rollout.get("paused") else ""
+        return f"in waves ({types} changes): {waves}{superseded}{paused}"
+    if decision == "both":
+        return "all at once: only types that do not roll out change (endpoints); a rollout in progress goes on"
+    if decision == "initial":
+        return "all at once: the first change, every proxy's baseline"
+    if decision == "unchanged":
+        return "the candidate already rolling out: nothing moves"
+    if decision == "baseline":
+        return f"back to the baseline: every proxy would be served it{superseded}"
+    if decision == "held":
+        return (
+            f"NOT SERVED: this change was rolled back and is held ({_clip(rollout.get('held') or '')}); "
+            f"every proxy would keep the baseline{superseded}"
+        )
+    return str(decision)
+
+
+_VERDICTS = {
+    "publish": "would be published",
+    "no change": "no change: the server would serve what it serves now",
+    "refuse": "would be REFUSED (the last good snapshot keeps serving)",
+    "hold": "would be HELD by the blast-radius guard until confirmed",
+    "wait": "would not be published yet: the server waits for a source",
+    "not served": "would be published, but NOT SERVED: the rollout holds that change",
+}
+
+
+def plan_text(plan: Mapping[str, Any], *, file: str = "", against: str = "") -> str:
+    """A plan (``POST /v1/plan``'s answer) as ``pilotfish plan`` prints it: per node group and type
+    what is added (``+``), removed (``-``) and changed (``~``, with ``path: old -> new``), then
+    lines for the validation, the waiting, the guard, the rollout and the verdict."""
+    lines: list[str] = []
+    offline = plan.get("offline")
+    if offline:
+        lines.append(
+            f"offline plan: {file or 'FILE'} against {against or 'OLD_FILE'}: the diff and the validation only "
+            "(no guard, rollout or proxies: those are a server's; `pilotfish plan FILE` asks one)"
+        )
+    verdict = plan["verdict"]
+    problems = plan["problems"]
+    if not problems and verdict != "no change":
+        for group, entry in plan["groups"].items():
+            proxies = entry.get("proxies")
+            connected = "" if proxies is None else f" ({_counted(proxies, 'proxy')} connected)"
+            if not entry["changed"]:
+                lines.append(f"node group {group}{connected}: no change")
+                continue
+            before = _short(entry["before"]) if entry["before"] else "nothing"
+            lines.append(f"node group {group}{connected}: {before} -> {_short(entry['after'])}")
+            if not entry["types"]:
+                lines.append("  only which endpoints each proxy's subset holds")
+            for short, diff in entry["types"].items():
+                lines.extend(_type_lines(short, diff))
+    labels: list[tuple[str, str]] = []
+    if problems:
+        labels.append(("validation", f"{len(problems)} problem(s) in {plan['sources']}:"))
+    else:
+        labels.append(("validation", "ok"))
+    width = 10
+    lines += [f"{label.ljust(width)}  {text}" for label, text in labels]
+    lines += [
+        f"  {problem['where']}: {problem['message']}" if problem["where"] else f"  {problem['message']}"
+        for problem in problems
+    ]
+    more: list[tuple[str, str]] = []
+    if plan.get("waiting_for"):
+        more.append(("waiting", "for " + ", ".join(plan["waiting_for"]) + ": nothing is published before they report"))
+    if not problems and verdict != "no change":
+        if plan.get("guard") is not None:
+            more.append(("guard", _guard_text(plan["guard"])))
+        if not offline:
+            more.append(("rollout", _rollout_text(plan.get("rollout"))))
+    more.append(("verdict", _VERDICTS.get(verdict, verdict)))
+    lines += [f"{label.ljust(width)}  {text}" for label, text in more]
+    return "\n".join(lines) + "\n"
+
+
+def _plan_exit(verdict: str) -> int:
+    return 0 if verdict in ("publish", "no change") else 1
+
+
+def plan_command(
+    admin: AdminClient,
+    path: Path,
+    *,
+    as_json: bool = False,
+    out: TextIO,
+    err: TextIO,
+    timeout: float = PLAN_TIMEOUT,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """``pilotfish plan FILE``: what serving FILE in place of the server's snapshot file would do
+    (``POST /v1/plan``). 0: it would be published, or changes nothing; 1: it would be refused,
+    held, not served or not published yet (or the server refused the request: too large); 2: the
+    file cannot be read, or the token is missing or falls short; 3: the admin API cannot be reached."""
+    name = "pilotfish plan"
+    try:
+        size = path.stat().st_size
+        if size > MAX_PLAN_BYTES:
+            print(f"{name}: {path} is {size:,} bytes; a plan takes files of at most {MAX_PLAN_BYTES:,}", file=err)
+            return 1
+        data = path.read_bytes()
+    except OSError as exc:
+        print(f"{name}: cannot read {path}: {exc.strerror or exc}", file=err)
+        return EXIT_REFUSED
+    shown = str(path) if len(str(path)) <= 256 else path.name[-256:]
+    query = urllib.parse.urlencode({"name": shown})
+    content_type = "application/json" if path.suffix == ".json" else "application/yaml"
+    client = dataclasses.replace(admin, timeout=timeout)
+    deadline = clock() + timeout
+    try:
+        while True:
+            code, body = client.request(f"/v1/plan?{query}", method="POST", data=data, content_type=content_type)
+            if code != 429 or clock() >= deadline:
+                break
+            sleep(1.0)  # another plan is being made: one at a time
+    except AdminUnreachable as exc:
+        print(f"{name}: {exc}", file=err)
+        return EXIT_UNREACHABLE
+    if code != 200:
+        message = body.get("error", body) if isinstance(body, dict) else body
+        print(f"{name}: {message}", file=err)
+        return EXIT_REFUSED if code in (401, 403) else 1
+    out.write(json.dumps(body, indent=2, sort_keys=True) + "\n" if as_json else plan_text(body, file=str(path)))
+    return _plan_exit(body["verdict"])
+
+
+def plan_offline(path: Path, against: Path, *, as_json: bool = False, out: TextIO, err: TextIO) -> int:
+    """``pilotfish plan FILE --against OLD_FILE``, with no server: what a server serving OLD_FILE
+    alone would make of FILE, by the reconciler's own build (:meth:`~pilotfish.reconcile.Reconciler.plan`):
+    the diff and the validation, no guard, rollout or proxies. 0 and 1 as :func:`plan_command`;
+    2 when OLD_FILE cannot be read or built (there is nothing to compare with)."""
+    from pilotfish.cache import SnapshotCache
+    from pilotfish.errors import ConfigError
+    from pilotfish.reconcile import BuildOptions, GuardSettings, Plan, Reconciler
+    from pilotfish.sources.file import SOURCE, load_desired
+
+    for given in (path, against):
+        try:
+            given.stat()
+        except OSError as exc:
+            print(f"pilotfish plan: cannot read {given}: {exc.strerror or exc}", file=err)
+            return EXIT_REFUSED
+    reconciler = Reconciler(
+        SnapshotCache(), guard=GuardSettings(enabled=False), build=BuildOptions(labels={SOURCE: str(against)})
+    )
+    try:
+        old = load_desired(against)
+        # Checked before it is published: a refused build would be logged as a server's.
+        first = reconciler.plan(SOURCE, old)
+        if first.problems:
+            raise ConfigError(first.sources, first.problems)
+    except ConfigError as exc:
+        print(f"pilotfish plan: --against {against} cannot be built, so there is nothing to compare with:", file=err)
+        print(exc.describe(), file=err)
+        return EXIT_REFUSED
+    reconciler.update(SOURCE, old)
+    reconciler.build_now()
+    try:
+        plan = dataclasses.replace(reconciler.plan(SOURCE, load_desired(path), label=str(path)), guard=None)
+    except ConfigError as exc:
+        plan = Plan(sources=str(path), problems=exc.problems)
+    answer = plan.to_json(offline=True)
+    if as_json:
+        out.write(json.dumps(answer, indent=2, sort_keys=True) + "\n")
+    else:
+        out.write(plan_text(answer, file=str(path), against=str(against)))
+    return _plan_exit(answer["verdict"])

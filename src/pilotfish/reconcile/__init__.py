@@ -21,6 +21,9 @@ Sources report whole views of what they know (:meth:`Reconciler.update`). The lo
    a problem, or a held snapshot, in any group stops the whole pass.
 7. **admits** (:mod:`~pilotfish.reconcile.admission`): a source's proposed state is checked
    against the others' without publishing (:meth:`Reconciler.check`).
+8. **plans** (:mod:`~pilotfish.reconcile.plan`): what a source's proposed state would do, per
+   group and type, field by field, and whether it would be refused or held, publishing nothing
+   (:meth:`Reconciler.plan`, ``pilotfish plan``).
 
 The subsetting backend tables it builds with are :mod:`~pilotfish.reconcile.tables`; its counters
 :mod:`~pilotfish.reconcile.stats`; what readers see of it, :class:`PublishState`
@@ -38,6 +41,7 @@ from pilotfish.reconcile.damping import Damping, FlapDamper
 from pilotfish.reconcile.debounce import Clock, Debouncer, DebounceSettings, MonotonicClock
 from pilotfish.reconcile.guard import Guard, GuardSettings, Held, blast_radius
 from pilotfish.reconcile.loop import BuildOptions, Reconciler, SubsetOptions
+from pilotfish.reconcile.plan import Plan
 from pilotfish.reconcile.readiness import Readiness, ReadinessView
 from pilotfish.reconcile.stats import ReconcileStats
 from pilotfish.reconcile.tables import SubsetTables
@@ -55,6 +59,7 @@ __all__ = [
     "GuardSettings",
     "Held",
     "MonotonicClock",
+    "Plan",
     "PublishState",
     "Readiness",
     "ReadinessView",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pilotfish.build.desired import DesiredState, Merged
 from pilotfish.resources.services import Endpoint
 
-__all__ = ["Damping", "EndpointKey", "FlapDamper"]
+__all__ = ["Damping", "EndpointKey", "FlapDamper", "without_held"]
 
 EndpointKey = tuple[str, str]
 """(service, "host:port")."""
@@ -125,10 +125,15 @@ class Damping:
         """``merged`` without the endpoints the damper holds back (only the services that have
         one are rebuilt), and when a hold ends (None: nothing held)."""
         held, wake = self.damper.held(now)
-        if not held:
-            return merged, wake
-        services = {name for name, _ in held}
-        endpoints = dict(merged.endpoints)
-        for name in services & endpoints.keys():
-            endpoints[name] = tuple(e for e in endpoints[name] if (name, e.address) not in held)
-        return replace(merged, endpoints=endpoints, patch=None), wake  # (held ones differ from what it was made from)
+        return without_held(merged, held), wake
+
+
+def without_held(merged: Merged, held: set[EndpointKey]) -> Merged:
+    """``merged`` without the ``held`` endpoints (only the services that have one are rebuilt). Pure."""
+    if not held:
+        return merged
+    services = {name for name, _ in held}
+    endpoints = dict(merged.endpoints)
+    for name in services & endpoints.keys():
+        endpoints[name] = tuple(e for e in endpoints[name] if (name, e.address) not in held)
+    return replace(merged, endpoints=endpoints, patch=None)  # (held ones differ from what it was made from)

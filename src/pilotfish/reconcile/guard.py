@@ -54,8 +54,8 @@ def endpoint_counts(merged: Merged) -> dict[str, int]:
 def blast_radius(
     previous: Snapshot,
     new: Snapshot,
-    previous_endpoints: dict[str, int],
-    new_endpoints: dict[str, int],
+    previous_endpoints: Mapping[str, int],
+    new_endpoints: Mapping[str, int],
     settings: GuardSettings,
 ) -> tuple[list[str], dict[str, dict[str, int]]]:
     """Why publishing ``new`` over ``previous`` removes too much (empty: it does not), and the
@@ -145,21 +145,31 @@ class Guard:
         return hint if isinstance(hint, str) else hint()
 
     def assess(
-        self, changed: Mapping[NodeGroup, Snapshot], published_endpoints: dict[str, int], endpoints: dict[str, int]
+        self,
+        changed: Mapping[NodeGroup, Snapshot],
+        published_endpoints: Mapping[str, int],
+        endpoints: Mapping[str, int],
+        *,
+        current: Callable[[NodeGroup], Snapshot | None] | None = None,
     ) -> tuple[list[str], dict[str, dict[str, int]]]:
         """Why publishing ``changed`` (each group's new snapshot) removes too much (empty: it
         does not, or the guard is off), and the counts of what it removes. The default group
-        first: a reason every group shares is said once, plainly."""
+        first: a reason every group shares is said once, plainly. ``current``: each group's
+        published snapshot, as read earlier (a plan; default: as the cache has it now). Reads
+        nothing else but the settings: pure, given ``current``."""
         reasons: list[str] = []
         counts: dict[str, dict[str, int]] = {}
         if not self.settings.enabled:
             return reasons, counts
+        published = current or self._current
         seen: set[str] = set()
         for group in sorted(changed, key=lambda g: g != DEFAULT_GROUP):
-            current = self._current(group)
-            if current is None:
+            current_snapshot = published(group)
+            if current_snapshot is None:
                 continue
-            found, found_counts = blast_radius(current, changed[group], published_endpoints, endpoints, self.settings)
+            found, found_counts = blast_radius(
+                current_snapshot, changed[group], published_endpoints, endpoints, self.settings
+            )
             prefix = "" if group == DEFAULT_GROUP else f"node group {group}: "
             reasons.extend(prefix + reason for reason in found if reason not in seen)
             seen.update(found)

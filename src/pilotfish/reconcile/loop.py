@@ -10,12 +10,14 @@ view, take out what the damper holds back, build every node group's snapshot in 
 serving), skip groups whose content did not change, ask the
 :class:`~pilotfish.reconcile.guard.Guard` whether it removes too much, and publish. Nothing is
 built while an expected source has not reported. :meth:`Reconciler.check`
-(:class:`~pilotfish.reconcile.admission.Admission`) tries a proposed state without publishing.
+(:class:`~pilotfish.reconcile.admission.Admission`) tries a proposed state without publishing;
+:meth:`Reconciler.plan` says all a proposed state would do (:mod:`~pilotfish.reconcile.plan`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -28,9 +30,10 @@ from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotPublisher
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog
 from pilotfish.reconcile.admission import Admission
-from pilotfish.reconcile.damping import Damping
+from pilotfish.reconcile.damping import Damping, EndpointKey, without_held
 from pilotfish.reconcile.debounce import Clock, Debouncer, DebounceSettings, MonotonicClock
 from pilotfish.reconcile.guard import Guard, GuardSettings, Held, endpoint_counts
+from pilotfish.reconcile.plan import GroupPlan, GuardVerdict, Plan, TypeDiff, diff_snapshots
 from pilotfish.reconcile.readiness import Readiness
 from pilotfish.reconcile.stats import ReconcileStats
 from pilotfish.reconcile.tables import SubsetTables
@@ -72,6 +75,20 @@ class SubsetOptions:
     """Sources that report only once another has (the indices in etcd after the etcd source)."""
     on_merged: Callable[[Merged], None] | None = None
     """Told the merged state of every build served (the replica that writes the shared tables)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PlanInputs:
+    """What a plan's build starts from, read on the loop (:meth:`Reconciler.planner`): immutable
+    values, or mappings the loop replaces and never changes in place."""
+
+    states: Mapping[str, DesiredState]
+    sources: str
+    current: Mapping[NodeGroup, Snapshot | None]
+    held: frozenset[EndpointKey]
+    tables: Mapping[str, IndexTable]
+    published_endpoints: Mapping[str, int]
+    waiting: tuple[str, ...]
 
 
 class Reconciler:
@@ -153,6 +170,72 @@ class Reconciler:
         """The problems ``state`` would add if ``source`` reported it now (see
         :class:`~pilotfish.reconcile.admission.Admission`); empty: safe to accept."""
         return self._admission.check(source, state)
+
+    def plan(self, source: str, state: DesiredState, *, label: str | None = None) -> Plan:
+        """What would happen if ``source`` reported ``state`` now, publishing nothing and changing
+        nothing: :meth:`planner`'s plan, made here."""
+        return self.planner(source, state, label=label)()
+
+    def planner(self, source: str, state: DesiredState, *, label: str | None = None) -> Callable[[], Plan]:
+        """Read now (on the loop) what a build would start from with ``state`` as ``source``'s
+        state: every other source's state, each group's published snapshot, the endpoints the
+        damper holds back, the subsetting tables. Returns the function that builds it as
+        :meth:`_build` does (merge, damp, build every group, refuse on any problem, skip the
+        groups that did not change, ask the guard) and says what it found
+        (:class:`~pilotfish.reconcile.plan.Plan`). That function reads only what was read here
+        and settings that never change, and uses a memo of its own: it may run in another thread
+        while the loop goes on building and publishing. ``label``: how problems name ``source``
+        in this plan (default: as the server names it)."""
+        labels = {**self._labels, **({source: label} if label else {})}
+        states = {**self._states, source: state}
+        # (held() forgets the holds that ended by now, as the next build would: nothing else moves)
+        held, _ = self.damping.damper.held(self._clock.now())
+        inputs = _PlanInputs(
+            states=states,
+            sources=" + ".join(labels.get(name, name) for name in sorted(states)),
+            current={group: self.cache.snapshot(group) for group in self._groups},
+            held=frozenset(held),
+            tables=self.tables.tables,
+            published_endpoints=self._published_endpoints,
+            waiting=tuple(labels.get(name, name) for name in self.readiness.waiting_for() if name != source),
+        )
+        return functools.partial(self._plan, inputs)
+
+    def _plan(self, inputs: _PlanInputs) -> Plan:
+        """The build of ``inputs``, and its assessment; publishes nothing (see :meth:`planner`)."""
+        try:
+            merged = without_held(merge_states(inputs.states), set(inputs.held))
+            tables = self.tables.for_build(merged, inputs.tables)
+            built = self._snapshots(merged, inputs.sources, tables, memo=ResourceMemo())
+            snapshots = {group: built[group] for group in self._groups}
+            changed = _changed_groups(snapshots, inputs.current.get, inputs.sources)
+        except ConfigError as exc:
+            return Plan(sources=inputs.sources, problems=exc.problems, waiting_for=inputs.waiting)
+        diffs: dict[tuple[int, int], dict[str, TypeDiff]] = {}  # groups that share snapshots share a diff
+        groups: dict[NodeGroup, GroupPlan] = {}
+        for group, snapshot in snapshots.items():
+            before = inputs.current.get(group)
+            key = (id(before), id(snapshot))
+            if group in changed and key not in diffs:
+                diffs[key] = diff_snapshots(before, snapshot)
+            groups[group] = GroupPlan(
+                changed=group in changed,
+                before=None if before is None else before.label(),
+                after=snapshot.label(),
+                types=diffs[key] if group in changed else {},
+            )
+        reasons, counts = (
+            self.guard.assess(changed, inputs.published_endpoints, endpoint_counts(merged), current=inputs.current.get)
+            if changed
+            else ([], {})
+        )
+        return Plan(
+            sources=inputs.sources,
+            groups=groups,
+            changed=changed,
+            guard=GuardVerdict(enabled=self.guard.settings.enabled, reasons=tuple(reasons), counts=counts),
+            waiting_for=inputs.waiting,
+        )
 
     def confirm(self, *, by: str = "") -> Snapshot | None:
         """The operator says the held snapshot is meant: publish it. Returns it (None: nothing held)."""
@@ -272,30 +355,10 @@ class Reconciler:
         tables = self.tables.for_build(merged)
         try:
             built = self._snapshots(merged, self._source_names(), tables, memo=self._memo)
+            snapshots: dict[NodeGroup, Snapshot] = {group: built[group] for group in self._groups}
+            changed = _changed_groups(snapshots, self.cache.snapshot, self._source_names())
         except ConfigError as exc:
             self._refuse(exc)
-        snapshots: dict[NodeGroup, Snapshot] = {group: built[group] for group in self._groups}
-        changed: dict[NodeGroup, Snapshot] = {}
-        for group, snapshot in snapshots.items():
-            current = self.cache.snapshot(group)
-            same_version = current is not None and current.explicit_version == snapshot.explicit_version
-            if current is not None and same_version and current.same_content(snapshot):
-                continue
-            if same_version and snapshot.explicit_version is not None:
-                # Proxies at that version would never be sent the new content: refuse, loudly.
-                self._refuse(
-                    ConfigError(
-                        self._source_names(),
-                        [
-                            Problem(
-                                "version",
-                                f"the content changed but the version is still {snapshot.explicit_version!r}: "
-                                "set a new version, or remove it to version by content",
-                            )
-                        ],
-                    )
-                )
-            changed[group] = snapshot
         self.stats.last_error = None
         first = next(iter(snapshots.values()))
         if not changed:
@@ -361,3 +424,30 @@ class Reconciler:
             shown.versions(),
             f", node groups {', '.join(sorted(snapshots))}" if len(self._groups) > 1 else "",
         )
+
+
+def _changed_groups(
+    snapshots: Mapping[NodeGroup, Snapshot], current: Callable[[NodeGroup], Snapshot | None], sources: str
+) -> dict[NodeGroup, Snapshot]:
+    """The groups whose new snapshot differs from ``current``'s (the published one); raises
+    :class:`ConfigError` when one changed and kept its explicit version."""
+    changed: dict[NodeGroup, Snapshot] = {}
+    for group, snapshot in snapshots.items():
+        was = current(group)
+        same_version = was is not None and was.explicit_version == snapshot.explicit_version
+        if was is not None and same_version and was.same_content(snapshot):
+            continue
+        if same_version and snapshot.explicit_version is not None:
+            # Proxies at that version would never be sent the new content: refuse, loudly.
+            raise ConfigError(
+                sources,
+                [
+                    Problem(
+                        "version",
+                        f"the content changed but the version is still {snapshot.explicit_version!r}: "
+                        "set a new version, or remove it to version by content",
+                    )
+                ],
+            )
+        changed[group] = snapshot
+    return changed

@@ -32,10 +32,11 @@ class SubsetTables:
         self.changed = 0
         """Counts the times :attr:`tables` changed (whoever persists them watches it)."""
 
-    def for_build(self, merged: Merged) -> Mapping[str, IndexTable]:
-        """The tables ``merged`` is built with: :attr:`tables` with new backends allocated (alone),
-        or as they are (shared)."""
-        return subset_tables(merged, self.tables, default_size=self.default_size, allocate=not self.shared)
+    def for_build(self, merged: Merged, tables: Mapping[str, IndexTable] | None = None) -> Mapping[str, IndexTable]:
+        """The tables ``merged`` is built with: :attr:`tables` (or ``tables``, as they were read
+        earlier: a plan) with new backends allocated (alone), or as they are (shared). Pure."""
+        start = self.tables if tables is None else tables
+        return subset_tables(merged, start, default_size=self.default_size, allocate=not self.shared)
 
     def published(self, tables: Mapping[str, IndexTable]) -> None:
         """A build with ``tables`` was published: they are in force (alone; shared ones come from etcd)."""

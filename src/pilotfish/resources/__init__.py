@@ -4,7 +4,7 @@
 May import only ``followed_file``, ``events`` and ``errors`` (and protobuf); everything above builds on it.
 """
 
-from pilotfish.resources.parse import ParsedDocument, parse_document, read_document
+from pilotfish.resources.parse import ParsedDocument, decode_document, parse_document, read_document
 from pilotfish.resources.types import (
     ADS_ORDER,
     CLUSTER,
@@ -30,6 +30,7 @@ __all__ = [
     "ParsedDocument",
     "ResourceType",
     "TypeUrl",
+    "decode_document",
     "parse_document",
     "read_document",
     "type_by_key",

@@ -25,7 +25,7 @@ from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_services
 from pilotfish.resources.types import TYPES, ResourceType, type_by_key
 
-__all__ = ["ParsedDocument", "parse_document", "parse_resource", "read_document"]
+__all__ = ["ParsedDocument", "decode_document", "parse_document", "parse_resource", "read_document"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +66,12 @@ def read_document(path: Path) -> Any:
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(source, [Problem("", f"cannot read: {exc.strerror or exc}")]) from exc
+    return decode_document(data, source, as_json=path.suffix == ".json")
+
+
+def decode_document(data: bytes, source: str, *, as_json: bool) -> Any:
+    """A file's bytes (JSON with ``as_json``, else YAML) into plain values, as :func:`read_document`
+    decodes them; errors name ``source`` and where in it."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -82,7 +88,7 @@ def read_document(path: Path) -> Any:
     if not text.strip():
         raise ConfigError(source, [Problem("", _EMPTY.format(what="empty"))])
     try:
-        document = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        document = json.loads(text) if as_json else yaml.safe_load(text)
     except json.JSONDecodeError as exc:
         where = f"line {exc.lineno}, column {exc.colno}"
         raise ConfigError(source, [Problem(where, f"invalid JSON: {exc.msg}")]) from exc

@@ -192,16 +192,9 @@ class Delivery:
     def publish(self, snapshots: Mapping[NodeGroup, Snapshot]) -> int:
         """Offer a build (the groups that changed) to the machine and serve what it decides;
         returns how many watches were answered."""
-        before = {group: self._latest.get(group) for group in snapshots}
+        changed = self._changed_types(snapshots)
         self._latest.update(snapshots)
-        changed: set[str] = set()
-        for group, snapshot in snapshots.items():
-            old = before[group]
-            for url, current in snapshot.types.items():
-                was = old.types.get(url) if old is not None else None
-                if was is None or was.content_hash != current.content_hash:
-                    changed.add(url)
-        self._latest_change = self._change_id()
+        self._latest_change = _change_id(self._latest, self._types)
         if not self.deciding:  # the deciding replica offers it (its own build of the same sources)
             return self._apply(Step(), everyone=True) if self._followed else 0
         step = self.machine.offer(self._latest_change, changed, self._clock())
@@ -211,14 +204,44 @@ class Delivery:
             _log.warning("the change %s is held: every proxy keeps the baseline", self._latest_change)
         return answered
 
-    def _change_id(self) -> str:
-        """The content hash of the rollout types over every group."""
-        digest = hashlib.sha256()
-        for group in sorted(self._latest):
-            for url in sorted(self._types):
-                current = self._latest[group].types.get(TypeUrl(url))
-                digest.update(f"{group}\0{url}\0{current.content_hash if current else ''}\n".encode())
-        return digest.hexdigest()[:16]
+    def _changed_types(self, snapshots: Mapping[NodeGroup, Snapshot]) -> set[str]:
+        """The type URLs whose content ``snapshots`` change from what was published last."""
+        changed: set[str] = set()
+        for group, snapshot in snapshots.items():
+            old = self._latest.get(group)
+            for url, current in snapshot.types.items():
+                was = old.types.get(url) if old is not None else None
+                if was is None or was.content_hash != current.content_hash:
+                    changed.add(url)
+        return changed
+
+    def would_offer(self, snapshots: Mapping[NodeGroup, Snapshot]) -> dict[str, Any]:
+        """What publishing ``snapshots`` (the groups a build changed) would make the rollout do,
+        changing nothing (``pilotfish plan``), JSON-able: the machine's ``decision``, the change id,
+        the rollout ``types`` it changes; rolling out: each wave with its connected proxies, and the
+        candidate it would supersede; held: why that candidate was held."""
+        machine = self.machine
+        changed = self._changed_types(snapshots)
+        change = _change_id({**self._latest, **snapshots}, self._types)
+        decision = machine.would_offer(change, changed)
+        out: dict[str, Any] = {
+            "decision": decision.value,
+            "change": change,
+            "types": sorted(short_type(url) for url in changed & self._types),
+            "baseline": machine.baseline,
+            "supersedes": machine.candidate
+            if decision in (Decision.ROLL_OUT, Decision.BASELINE, Decision.HELD)
+            else None,
+        }
+        if decision is Decision.ROLL_OUT:
+            waves = machine.settings.waves.waves
+            out["waves"] = [
+                {"name": wave.name, "proxies": size} for wave, size in zip(waves, machine.wave_sizes(), strict=True)
+            ]
+            out["paused"] = machine.paused_by_operator  # the first wave would start, and stay paused
+        if decision is Decision.HELD:
+            out["held"] = machine.held[change].reason
+        return out
 
     # -- the streams' side --------------------------------------------------------------------------
 
@@ -554,6 +577,16 @@ class Delivery:
             versions: dict[str, str] = {url: ts.version for url, ts in snapshot.types.items()}
             if current is None or {url: v for url, (v, _) in current.types.items()} != versions:
                 self._status.published(group, label=snapshot.label(), versions=versions)
+
+
+def _change_id(latest: Mapping[NodeGroup, Snapshot], types: frozenset[str]) -> str:
+    """The content hash of the rollout ``types`` over every group of ``latest``."""
+    digest = hashlib.sha256()
+    for group in sorted(latest):
+        for url in sorted(types):
+            current = latest[group].types.get(TypeUrl(url))
+            digest.update(f"{group}\0{url}\0{current.content_hash if current else ''}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def _health_json(health: HealthResult | None) -> dict[str, Any] | None:

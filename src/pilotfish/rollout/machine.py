@@ -332,22 +332,15 @@ class RolloutMachine:
         rollout types, ``changed`` are the type URLs that differ from the previous offer."""
         with _Recorder(self) as step:
             rolled = set(changed) & self.settings.types
-            if self.baseline is None:
+            decision = step.decision = self.would_offer(change_id, rolled)
+            if decision is Decision.INITIAL:
                 self.baseline = change_id
                 step.event("rollout_baseline_set", baseline=change_id)
-                step.decision = Decision.INITIAL
-            elif not rolled:
-                step.decision = Decision.BOTH
-            elif change_id == self.candidate:
-                step.decision = Decision.UNCHANGED
-            elif change_id == self.baseline:
+            elif decision in (Decision.BASELINE, Decision.HELD):
                 self._supersede(step, change_id)
-                step.decision = Decision.BASELINE
-            elif change_id in self.held:
-                self._supersede(step, change_id)
-                step.event("rollout_held", candidate=change_id, reason=self.held[change_id].reason)
-                step.decision = Decision.HELD
-            else:
+                if decision is Decision.HELD:
+                    step.event("rollout_held", candidate=change_id, reason=self.held[change_id].reason)
+            elif decision is Decision.ROLL_OUT:
                 frozen = self.paused == _OPERATOR
                 self._supersede(step, change_id)
                 self.candidate = change_id
@@ -368,8 +361,33 @@ class RolloutMachine:
                         reason="still paused by the operator: the superseded rollout was",
                     )
                 self._advance(step, now)
-                step.decision = Decision.ROLL_OUT
         return step.done()
+
+    def would_offer(self, change_id: str, changed: Iterable[str]) -> Decision:
+        """What :meth:`offer` would decide about this change now, changing nothing (``pilotfish plan``)."""
+        if self.baseline is None:
+            return Decision.INITIAL
+        if not set(changed) & self.settings.types:
+            return Decision.BOTH
+        if change_id == self.candidate:
+            return Decision.UNCHANGED
+        if change_id == self.baseline:
+            return Decision.BASELINE
+        if change_id in self.held:
+            return Decision.HELD
+        return Decision.ROLL_OUT
+
+    def wave_sizes(self) -> list[int]:
+        """How many connected proxies each wave has, in order."""
+        sizes = [0] * len(self.settings.waves)
+        for proxy in self._connected.values():
+            sizes[proxy.wave] += 1
+        return sizes
+
+    @property
+    def paused_by_operator(self) -> bool:
+        """The operator paused (a new rollout would stay paused at its first wave)."""
+        return self.paused == _OPERATOR
 
     def connected(self, node_id: str, group: str, now: float) -> Step:
         """A stream of ``node_id`` (in node group ``group``) opened."""

@@ -17,14 +17,16 @@ from pathlib import Path
 
 from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.resources import parse_document, read_document
+from pilotfish.resources import decode_document, parse_document, read_document
 from pilotfish.snapshot import Snapshot
 
 __all__ = [
+    "SOURCE",
     "FileSignature",
     "file_signature",
     "load_desired",
     "load_snapshot",
+    "parse_desired",
     "read_desired",
     "watch_file",
     "watch_snapshot_file",
@@ -32,10 +34,21 @@ __all__ = [
 
 _log = logging.getLogger("pilotfish.sources.file")
 
+SOURCE = "file"
+"""The name the snapshot file's state is reported under to the reconciler."""
+
 
 def load_desired(path: Path) -> DesiredState:
     """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem."""
     return DesiredState.of_document(parse_document(read_document(path), str(path)))
+
+
+def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> DesiredState:
+    """Parse a snapshot file's bytes, as :func:`load_desired` parses the file: as JSON when
+    ``as_json`` says so (None: when ``name`` ends in ``.json``, as a file is read), else YAML;
+    raise :class:`ConfigError` (naming ``name``) with every problem."""
+    json = name.endswith(".json") if as_json is None else as_json
+    return DesiredState.of_document(parse_document(decode_document(data, name, as_json=json), name))
 
 
 def load_snapshot(path: Path) -> Snapshot:

@@ -74,7 +74,7 @@ from pilotfish.protocol import WILDCARD, PeerOverLimit, Subscription, next_subsc
 from pilotfish.protocol.limits import shorten
 from pilotfish.protocol.rest import RestPoll, is_current, read_poll
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, ResourceType
-from pilotfish.resources.anytypes import ensure_type
+from pilotfish.resources.anytypes import message_dict
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.transport.site import REST_XDS, HttpConnectionLimits, serve_app
 from pilotfish.transport.tls import peer_identity
@@ -102,9 +102,6 @@ JSON_MEMO_BYTES = 64 * 1024 * 1024
 MAX_RECORDED = 10_000
 """(node, secret) pairs recorded as ``secret_denied`` and (identity, node) pairs as ``node_refused``
 (each once: a poller asks again every refresh delay); past it the record starts again."""
-_MAX_TYPE_IMPORTS = 64
-"""``Any`` types a response's JSON may need imported on the way (see :mod:`pilotfish.resources.anytypes`)."""
-_UNKNOWN_TYPE = re.compile(r"type_url: (\S+)")
 
 
 def _default_group(node: base_pb2.Node) -> NodeGroup:
@@ -148,15 +145,7 @@ def parse_request(raw: bytes) -> discovery_pb2.DiscoveryRequest:
 
 def response_json(response: EncodedResponse) -> bytes:
     """The JSON of an encoded DiscoveryResponse (proto field names; ``Any`` with ``@type``)."""
-    message = discovery_pb2.DiscoveryResponse.FromString(response.body)
-    for _ in range(_MAX_TYPE_IMPORTS):
-        try:
-            return orjson.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True))
-        except TypeError as exc:  # an Any whose message module is not imported yet
-            match = _UNKNOWN_TYPE.search(str(exc))
-            if match is None or not ensure_type(match[1]):
-                raise
-    raise RuntimeError(f"more than {_MAX_TYPE_IMPORTS} Any types to import for one {response.type_url} response")
+    return orjson.dumps(message_dict(discovery_pb2.DiscoveryResponse.FromString(response.body)))
 
 
 class _JsonMemo:

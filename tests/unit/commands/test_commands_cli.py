@@ -1,8 +1,9 @@
 """The command line (pilotfish.commands.cli): flags that need other flags are refused naming them,
-the admin API's address, and the proxyless gRPC example validates."""
+the admin API's address, the proxyless gRPC example validates, and an offline ``plan``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,75 @@ def test_rollout_takes_a_reason_only_to_abort(capsys: pytest.CaptureFixture[str]
     assert "pilotfish rollout promote: --reason is for abort" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _parser().parse_args(["rollout", "rewind"])
+
+
+def eds_file(path: Path, clusters: dict[str, str], **more: Any) -> Path:
+    """A snapshot file of EDS clusters (name -> connect timeout), each with an endpoint."""
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "clusters": [
+                    {"name": n, "type": "EDS", "connect_timeout": t, "eds_cluster_config": {"eds_config": {"ads": {}}}}
+                    for n, t in clusters.items()
+                ],
+                "endpoints": [
+                    {
+                        "cluster_name": n,
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {
+                                        "endpoint": {
+                                            "address": {"socket_address": {"address": "10.0.0.1", "port_value": 80}}
+                                        }
+                                    }
+                                ]
+                            }
+                        ],
+                    }
+                    for n in clusters
+                ],
+                **more,
+            }
+        )
+    )
+    return path
+
+
+def test_an_offline_plan_diffs_and_validates_against_the_old_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = eds_file(tmp_path / "old.yaml", {"a": "1s", "b": "1s"})
+    new = eds_file(tmp_path / "new.yaml", {"a": "2s", "c": "1s"})
+    assert main(["plan", str(new), "--against", str(old)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"offline plan: {new} against {old}: the diff and the validation only")
+    for line in (
+        "CDS: 1 added, 1 removed, 1 changed",
+        "+ c",
+        "- b",
+        'connect_timeout: "1s" -> "2s"',
+        "would be published",
+    ):
+        assert line in out
+    assert "guard " not in out.split("\n", 1)[1]
+
+    assert main(["plan", str(old), "--against", str(old), "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert (answer["verdict"], answer["offline"], answer["guard"], answer["rollout"]) == ("no change", True, None, None)
+
+    bad = eds_file(tmp_path / "bad.yaml", {"a": "-1s", "b": "-2s"})
+    assert main(["plan", str(bad), "--against", str(old)]) == 1
+    out = capsys.readouterr().out
+    assert f"validation  2 problem(s) in {bad}:" in out and "REFUSED" in out
+
+    # The same explicit version with another content: refused, as a server would.
+    versioned = eds_file(tmp_path / "v1.yaml", {"a": "1s"}, version="v1")
+    changed = eds_file(tmp_path / "v1b.yaml", {"a": "2s"}, version="v1")
+    assert main(["plan", str(changed), "--against", str(versioned)]) == 1
+    assert "version: the content changed but the version is still 'v1'" in capsys.readouterr().out
+
+    assert main(["plan", str(new), "--against", str(bad)]) == 2
+    assert f"--against {bad} cannot be built" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path / "absent.yaml"), "--against", str(old)]) == 2
+    assert "cannot read" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""``pilotfish wait``'s verdict, ``pilotfish status``'s table and ``pilotfish rollout``'s text, from
-admin API answers; the token the commands send."""
+"""``pilotfish wait``'s verdict, ``pilotfish status``'s table, ``pilotfish rollout``'s and ``pilotfish
+plan``'s text, from admin API answers; the token the commands send."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pilotfish.commands.operate import (
     admin_token,
     fleet_verdict,
     laggards,
+    plan_text,
     rollout_text,
     status_table,
 )
@@ -243,3 +244,150 @@ def test_a_change_rolled_back_by_the_rollout_is_rejected_though_everyone_has_the
     held = fleet_verdict({**everyone, "rollout": {"latest_held": "wave canary: c-1 NACKed CDS: no"}})
     assert held.rejected and not held.done
     assert held.problems == ("the change was rolled back and is held: wave canary: c-1 NACKed CDS: no",)
+
+
+# -- pilotfish plan ------------------------------------------------------------------------------------
+
+
+def a_plan(**changes: Any) -> dict[str, Any]:
+    """A plan as POST /v1/plan answers it: one group whose CDS changes."""
+    cds = {
+        "added": ["new"],
+        "removed": ["gone"],
+        "changed": [
+            {
+                "name": "web",
+                "changes": [
+                    {"path": "connect_timeout", "old": "1s", "new": "2s"},
+                    {"path": "circuit_breakers", "old": None, "new": {"thresholds": [{"max_connections": 9}]}},
+                ],
+                "changes_left_out": 3,
+            }
+        ],
+        "counts": {"added": 201, "removed": 1, "changed": 1},
+        "left_out": {"added": 200, "removed": 0, "changed": 0},
+    }
+    plan: dict[str, Any] = {
+        "verdict": "publish",
+        "published": True,
+        "offline": False,
+        "sources": "new.yaml",
+        "problems": [],
+        "waiting_for": [],
+        "groups": {
+            "default": {
+                "changed": True,
+                "before": "aaaabbbbccccdddd",
+                "after": "1111222233334444",
+                "proxies": 3,
+                "types": {"CDS": cds},
+            },
+            "canary": {"changed": False, "before": "x", "after": "x", "proxies": 1, "types": {}},
+        },
+        "guard": {
+            "enabled": True,
+            "hold": False,
+            "reasons": [],
+            "counts": {"clusters": {"before": 3, "after": 3, "removed": 1}},
+        },
+        "rollout": {
+            "decision": "roll out",
+            "types": ["CDS"],
+            "supersedes": None,
+            "waves": [{"name": "canary", "proxies": 1}, {"name": "100%", "proxies": 2}],
+            "paused": False,
+        },
+    }
+    plan.update(changes)
+    return plan
+
+
+def test_a_plan_prints_each_group_and_type_with_its_changes_then_the_verdicts() -> None:
+    lines = plan_text(a_plan()).splitlines()
+    assert lines[:11] == [
+        "node group default (3 proxies connected): aaaabbbbcccc -> 111122223333",
+        "  CDS: 201 added, 1 removed, 1 changed",
+        "    + new",
+        "    - gone",
+        "    ~ web",
+        '        connect_timeout: "1s" -> "2s"',
+        '        circuit_breakers: (none) -> {"thresholds": [{"max_connections": 9}]}',
+        "        ... and 3 more changes",
+        "    ... and 200 more added (not listed)",
+        "node group canary (1 proxy connected): no change",
+        "validation  ok",
+    ]
+    assert lines[11:] == [
+        "guard       would not hold it (removes 1 of 3 clusters)",
+        "rollout     in waves (CDS changes): canary (1 proxy), 100% (2 proxies)",
+        "verdict     would be published",
+    ]
+
+
+def test_a_plan_says_why_it_would_not_be_published() -> None:
+    refused = plan_text(
+        a_plan(
+            verdict="refuse", groups={}, guard=None, rollout=None, problems=[{"where": "clusters[0]", "message": "bad"}]
+        )
+    )
+    assert refused.splitlines() == [
+        "validation  1 problem(s) in new.yaml:",
+        "  clusters[0]: bad",
+        "verdict     would be REFUSED (the last good snapshot keeps serving)",
+    ]
+    held = plan_text(
+        a_plan(
+            verdict="hold",
+            guard={"enabled": True, "hold": True, "reasons": ["it removes every cluster (3)"], "counts": {}},
+        )
+    )
+    assert "guard       would HOLD it: it removes every cluster (3) (`pilotfish confirm` would publish it)" in held
+    assert "HELD by the blast-radius guard" in held
+    unchanged = plan_text(a_plan(verdict="no change"))
+    assert unchanged.splitlines() == [
+        "validation  ok",
+        "verdict     no change: the server would serve what it serves now",
+    ]
+    waiting = plan_text(a_plan(verdict="wait", waiting_for=["etcd at 127.0.0.1:2379"]))
+    assert "waiting     for etcd at 127.0.0.1:2379: nothing is published before they report" in waiting
+
+
+@pytest.mark.parametrize(
+    ("rollout", "says"),
+    [
+        (None, "rollout     none (serve runs no --rollout): every proxy would get it at once"),
+        ({"decision": "both", "types": []}, "rollout     all at once: only types that do not roll out change"),
+        ({"decision": "initial"}, "rollout     all at once: the first change"),
+        ({"decision": "unchanged"}, "rollout     the candidate already rolling out"),
+        (
+            {"decision": "baseline", "supersedes": "3f2a9c1d0e4b5a6c"},
+            "the rollout of 3f2a9c1d0e4b in progress would be superseded",
+        ),
+        (
+            {"decision": "held", "held": "wave canary: c-1 NACKed CDS"},
+            "NOT SERVED: this change was rolled back and is held (wave canary: c-1 NACKed CDS)",
+        ),
+        (
+            {
+                "decision": "roll out",
+                "types": ["CDS", "LDS"],
+                "supersedes": "77",
+                "paused": True,
+                "waves": [{"name": "100%", "proxies": 0}],
+            },
+            "in waves (CDS, LDS changes): 100% (0 proxies); the rollout of 77 in progress would be superseded; "
+            "its first wave would stay paused",
+        ),
+    ],
+)
+def test_each_rollout_decision_is_said_in_a_line(rollout: dict[str, Any] | None, says: str) -> None:
+    assert says in plan_text(a_plan(rollout=rollout))
+
+
+def test_an_offline_plan_says_what_it_leaves_out() -> None:
+    text = plan_text(a_plan(offline=True, guard=None, rollout=None), file="new.yaml", against="old.yaml")
+    assert text.startswith(
+        "offline plan: new.yaml against old.yaml: the diff and the validation only (no guard, rollout or proxies"
+    )
+    labels = [line.split()[0] for line in text.splitlines() if not line.startswith(" ")]
+    assert "guard" not in labels and "rollout" not in labels and labels[-2:] == ["validation", "verdict"]

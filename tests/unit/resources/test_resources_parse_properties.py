@@ -153,3 +153,15 @@ def test_a_deeply_nested_file_is_a_reported_problem(tmp_path: Path) -> None:
             assert exc.problems
         else:
             raise AssertionError(f"{suffix}: a deeply nested file must be refused")
+
+
+def test_a_type_name_outside_the_protobuf_packages_imports_nothing() -> None:
+    import sys
+
+    from pilotfish.resources.anytypes import ensure_type
+
+    assert "tabnanny" not in sys.modules
+    assert not ensure_type("type.googleapis.com/tabnanny.Thing")
+    assert not ensure_type("type.googleapis.com/.extensions.filters.http.router.v3.Router")
+    assert "tabnanny" not in sys.modules
+    assert ensure_type("type.googleapis.com/envoy.extensions.filters.http.router.v3.Router")

@@ -668,3 +668,41 @@ def test_no_proxy_is_ever_served_a_held_candidate_and_wake_says_who_moved(script
             moved = {n for n in connected & set(machine._connected) if before[n] != after[n]}
             assert moved <= step.wake
         assert round_trip(machine).serves(node) == machine.serves(node) or node not in machine._connected
+
+
+# -- what an offer would decide (pilotfish plan) ---------------------------------------------------------
+
+
+def test_would_offer_says_what_offer_decides_and_changes_nothing() -> None:
+    fresh = RolloutMachine(RolloutSettings(waves=parse_waves("canary=canary-*,50%,100%"), health=None))
+    assert fresh.would_offer("v1", {CDS}) is Decision.INITIAL and fresh.baseline is None
+    machine = make()
+    before = machine.to_dict()
+    assert machine.would_offer("v2", {EDS}) is Decision.BOTH
+    assert machine.would_offer("v2", {CDS, EDS}) is Decision.ROLL_OUT
+    assert machine.to_dict() == before and not machine.running
+    assert machine.offer("v2", {CDS}, 0.0).decision is Decision.ROLL_OUT
+    assert machine.would_offer("v2", {CDS}) is Decision.UNCHANGED
+    assert machine.would_offer("v1", {CDS}) is Decision.BASELINE
+    machine.sent("canary-1", CDS, "v2", 1.0)
+    machine.nacked("canary-1", CDS, "v2", "no", 2.0)
+    assert machine.would_offer("v2", {CDS}) is Decision.HELD
+    sizes = machine.wave_sizes()
+    assert len(sizes) == 3 and sizes[0] == 2 and sum(sizes) == len(NODES)
+    assert sizes == [len(plan_waves(machine).get(index, [])) for index in range(3)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from([{CDS}, {EDS}, {CDS, EDS}]), st.booleans()), max_size=20))
+def test_would_offer_always_agrees_with_the_offer_that_follows(script: list[tuple[int, set[str], bool]]) -> None:
+    machine = make(bake=5.0)
+    now = 0.0
+    for number, changed, nack in script:
+        now += 1.0
+        change = f"v{number + 1}"
+        state = machine.to_dict()
+        expected = machine.would_offer(change, changed)
+        assert machine.to_dict() == state
+        assert machine.offer(change, changed, now).decision is expected
+        if nack and machine.candidate is not None:
+            machine.nacked("canary-1", CDS, machine.candidate, "no", now)
