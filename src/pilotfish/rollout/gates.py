@@ -137,15 +137,31 @@ class AckGate:
         self.settings = settings
         self.started = started
         self._members = {node: _Member(connected=True) for node in members}
+        self._unproven = set(self._members)
+        """Members that have not proven the candidate yet (kept as ACKs come: one ACK costs O(1))."""
 
     @property
     def members(self) -> frozenset[str]:
         return frozenset(self._members)
 
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def decided(self, now: float) -> bool:
+        """Whether :meth:`judge` would say anything but PENDING at ``now`` (cheap: asked per ACK)."""
+        return not self._unproven or now >= self.started + self.settings.timeout
+
+    def _update(self, node_id: str, member: _Member) -> None:
+        if member.proven:
+            self._unproven.discard(node_id)
+        else:
+            self._unproven.add(node_id)
+
     def join(self, node_id: str) -> None:
         """A proxy of the wave connected (again) while the gate waits."""
         member = self._members.setdefault(node_id, _Member(connected=True))
         member.connected = True
+        self._update(node_id, member)
 
     def leave(self, node_id: str) -> None:
         member = self._members.get(node_id)
@@ -157,6 +173,7 @@ class AckGate:
         member = self._members.get(node_id)
         if member is not None:
             member.sent.add(type_url)
+            self._update(node_id, member)
 
     def acked(self, node_id: str, type_url: str) -> None:
         """``node_id`` ACKed the candidate's ``type_url`` (an ACK of a type not recorded as sent counts as
@@ -165,9 +182,10 @@ class AckGate:
         if member is not None:
             member.sent.add(type_url)
             member.acked.add(type_url)
+            self._update(node_id, member)
 
     def judge(self, now: float) -> AckResult:
-        open_ = sorted(n for n, m in self._members.items() if not m.proven)
+        open_ = sorted(self._unproven)
         if not open_:
             return AckResult(Gate.PASS)
         if now < self.started + self.settings.timeout:
@@ -207,6 +225,7 @@ class AckGate:
             gate._members[str(node)] = _Member(
                 connected=bool(member["connected"]), sent=set(member["sent"]), acked=set(member["acked"])
             )
+            gate._update(str(node), gate._members[str(node)])
         return gate
 
 

@@ -555,9 +555,11 @@ class RolloutMachine:
         while self.running:
             if self.phase is Phase.ACKING:
                 assert self._gate is not None
-                if not self._gate.members:
+                if not len(self._gate):
                     self._pass_wave(step, now, how="no connected proxy in the wave")
                     continue
+                if not self._gate.decided(now):
+                    return  # (asked per ACK: judging walks every member)
                 result = self._gate.judge(now)
                 if result.verdict is Gate.FAIL:
                     self._fail(step, result.reason, now)
@@ -569,7 +571,7 @@ class RolloutMachine:
                     "rollout_wave_acked",
                     candidate=self.candidate,
                     wave=self.wave_name,
-                    proxies=len(self._gate.members),
+                    proxies=len(self._gate),
                     lost=len(result.lost),
                     lost_proxies=list(result.lost[:_SHOWN]),
                     not_sent=len(result.not_sent),
