@@ -47,6 +47,7 @@ from bench.workload import Workload
 
 __all__ = [
     "FANOUT_COLUMNS",
+    "EndpointChanger",
     "FanoutOptions",
     "FanoutResult",
     "run_fanout",
@@ -172,7 +173,7 @@ def start_naive(workdir: Path, *, snapshot: Path, xds_port: int = 0, name: str =
     return server
 
 
-class _Changer:
+class EndpointChanger:
     """Makes one endpoint change at a time: through the registry API, or by rewriting the file."""
 
     def __init__(
@@ -385,7 +386,7 @@ def run_fanout(options: FanoutOptions) -> FanoutResult:
         result.simulator_rss_kb = fleet.rss_kb()
         received = fleet.bytes_received()
         changes_started = time.time()
-        changer = _Changer(
+        changer = EndpointChanger(
             change,
             proc,
             options.workload,

@@ -31,6 +31,7 @@ from bench import (
     bench_hardening,
     bench_incremental,
     bench_replicas,
+    bench_rollout,
     bench_side_by_side,
     bench_status,
     bench_storm,
@@ -120,6 +121,20 @@ class Scale:
     """How long they come."""
     churn_variants: tuple[bench_churn.ChurnVariant, ...] = bench_churn.VARIANTS
     """The servers and limits of that soak."""
+    rollout_proxies: int = 1000
+    """Proxies per server of the rollout benchmark (bench/bench_rollout.py)."""
+    rollout_lrs_seconds: float = 60.0
+    """Each of its LRS windows."""
+    rollout_lrs_interval: float = 10.0
+    """The load reporting interval its servers ask for."""
+    rollout_bake: float = 2.0
+    """The bake of its rollouts in waves."""
+    rollout_rollouts: int = 3
+    """CDS changes it rolls out."""
+    rollout_rounds: int = 10
+    """Endpoint changes per server during a bake (and without a rollout), interleaved."""
+    rollout_canary: str = "sim-0000*"
+    """Its canary wave's node-id glob."""
     side_by_side: str | None = None
     """Another commit to run beside this checkout (bench/bench_side_by_side.py: fan-outs, SotW and
     delta, and the snapshot build, in turn); None (the default, and in the smoke run): not run."""
@@ -176,6 +191,13 @@ QUICK = Scale(
         bench_churn.ChurnVariant(server="now", max_disconnected=20, subset_grace=2.0),
         bench_churn.ChurnVariant(server="before", max_disconnected=None, subset_grace=None),
     ),
+    rollout_proxies=5,
+    rollout_lrs_seconds=1.0,
+    rollout_lrs_interval=0.5,
+    rollout_bake=0.5,
+    rollout_rollouts=1,
+    rollout_rounds=2,
+    rollout_canary="sim-00000",
 )
 
 
@@ -211,6 +233,7 @@ class Results:
     replica_runs: list[bench_replicas.FanoutRun] = field(default_factory=list)
     write_rates: list[bench_replicas.WriteRate] = field(default_factory=list)
     churn: list[bench_churn.ChurnResult] = field(default_factory=list)
+    rollout: bench_rollout.RolloutBench | None = None
     side_by_side: bench_side_by_side.SideBySide | None = None
 
 
@@ -842,7 +865,81 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         bench_churn.notes(rate=scale.churn_rate, seconds=scale.churn_seconds),
     )
 
-    # 6h. another commit beside this checkout (only when asked for: --side-by-side COMMIT).
+    # 6h. progressive delivery: load report ingest, a rollout's waves, endpoint changes during a bake.
+    def rollout() -> list[list[Any]]:
+        done = bench_rollout.run_rollout_bench(
+            bench_rollout.RolloutOptions(
+                proxies=scale.rollout_proxies,
+                workload=wl,
+                lrs_seconds=scale.rollout_lrs_seconds,
+                lrs_interval=scale.rollout_lrs_interval,
+                canary=scale.rollout_canary,
+                bake=scale.rollout_bake,
+                rollouts=scale.rollout_rollouts,
+                rounds=scale.rollout_rounds,
+                workdir=workdir / "rollout",
+            )
+        )
+        results.rollout = done
+        rollout_notes[:] = done.common_notes() + done.lrs_notes()
+        return done.lrs_rows()
+
+    rollout_notes: list[str] = []
+    rollout_cmd = _cmd(
+        "bench.bench_rollout",
+        "--proxies",
+        scale.rollout_proxies,
+        "--lrs-seconds",
+        scale.rollout_lrs_seconds,
+        "--lrs-interval",
+        scale.rollout_lrs_interval,
+        "--canary",
+        scale.rollout_canary,
+        "--bake",
+        scale.rollout_bake,
+        "--rollouts",
+        scale.rollout_rollouts,
+        "--rounds",
+        scale.rollout_rounds,
+        *_wl(wl),
+    )
+    section(
+        f"Rollout: load reports (LRS) from {scale.rollout_proxies:,} proxies every "
+        f"{scale.rollout_lrs_interval:g} s, server CPU with and without",
+        rollout_cmd,
+        bench_rollout.LRS_COLUMNS,
+        rollout,
+    )
+    results.sections[-1].notes.extend(rollout_notes)
+
+    def rollout_part(rows: Callable[[bench_rollout.RolloutBench], list[list[Any]]]) -> Callable[[], list[list[Any]]]:
+        return lambda: rows(results.rollout) if results.rollout is not None else []
+
+    for title, columns, rows, notes in (
+        (
+            "Rollout: a CDS change in four waves, each wave's start to its members' ACKs",
+            bench_rollout.WAVE_COLUMNS,
+            bench_rollout.RolloutBench.wave_rows,
+            bench_rollout.RolloutBench.wave_notes,
+        ),
+        (
+            "Rollout: server CPU per CDS change, in waves vs to every proxy at once",
+            bench_rollout.ROLLOUT_COLUMNS,
+            bench_rollout.RolloutBench.rollout_rows,
+            bench_rollout.RolloutBench.cpu_notes,
+        ),
+        (
+            "Rollout: an endpoint change while a canary wave bakes vs without a rollout",
+            bench_rollout.EDS_COLUMNS,
+            bench_rollout.RolloutBench.eds_rows,
+            bench_rollout.RolloutBench.eds_notes,
+        ),
+    ):
+        section(title, f"(from the same run: {rollout_cmd})", columns, rollout_part(rows))
+        if results.rollout is not None:
+            results.sections[-1].notes.extend(notes(results.rollout))
+
+    # 6i. another commit beside this checkout (only when asked for: --side-by-side COMMIT).
     if scale.side_by_side is not None:
         _side_by_side(scale, scale.side_by_side, results, section)
 
@@ -1043,6 +1140,15 @@ def targets(results: Results) -> list[list[Any]]:
                 "-" if per is None else f"{per:.2f} KB",
                 None if per is None else per <= 1.0,
             )
+    if results.rollout is not None:
+        measured, met = results.rollout.target()
+        add(
+            f"endpoint change ACKed by {results.rollout.options.proxies:,} proxies while a rollout's canary wave "
+            "bakes, vs no rollout",
+            f"p99 <= {bench_rollout.TARGET_RATIO:.2f}x (medians of interleaved rounds)",
+            measured,
+            met,
+        )
     if results.build_rows:
         col = bench_build.BUILD_COLUMNS.index
         row = max(results.build_rows, key=lambda r: r[col("endpoints")])

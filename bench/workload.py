@@ -43,15 +43,23 @@ class Workload:
         )
 
     def services_section(
-        self, *, extra_endpoint: tuple[str, int] | None = None, extra_services: int = 0
+        self,
+        *,
+        extra_endpoint: tuple[str, int] | None = None,
+        extra_services: int = 0,
+        connect_timeout: str | None = None,
     ) -> dict[str, Any]:
-        """The ``services:`` mapping; ``extra_endpoint`` is added to the first service."""
+        """The ``services:`` mapping; ``extra_endpoint`` is added to the first service, and so is
+        ``connect_timeout`` (e.g. ``2s``: changing it changes that cluster and nothing else, a
+        CDS-only change)."""
         out: dict[str, Any] = {}
         for i in range(self.services + extra_services):
             endpoints: list[Any] = [f"{h}:{p}" for h, p in (endpoint_address(i, e) for e in range(self.endpoints))]
             if i == 0 and extra_endpoint is not None:
                 endpoints.append(f"{extra_endpoint[0]}:{extra_endpoint[1]}")
             service: dict[str, Any] = {"endpoints": endpoints}
+            if i == 0 and connect_timeout is not None:
+                service["connect_timeout"] = connect_timeout
             if i < self.listeners or i >= self.services:
                 service["listen"] = f"127.0.0.1:{self.listen_base_port + i}"
             out[service_name(i)] = service

@@ -41,6 +41,13 @@ Each ACK's send time (``time.time()``, just after the write was handed to the cl
 type and version, so the coordinator can ask "when had every proxy ACKed EDS version V?" after a
 change it made at time t0. Clocks are epoch seconds so they compare with the server's event log.
 
+Load reports (:mod:`~bench.fleet.lrs`, :meth:`Fleet.lrs_start`): each proxy may also keep a Load
+Reporting Service stream open, as Envoy with ``load_stats_config`` does: a ``LoadStatsRequest``
+with its node first, then, per the server's ``LoadStatsResponse`` (``send_all_clusters``,
+``load_reporting_interval``), a report every interval of a few of its clusters' request counts
+(:class:`LrsLoad`). :meth:`Fleet.lrs_stop` closes those streams; :meth:`Fleet.lrs_counts` says
+how many reports went out.
+
 One Python process cannot drive 10,000 streams quickly, so proxies are sharded over worker
 processes (``python -m bench.fleet.worker FD``, one socketpair each). The coordinator
 (:class:`Fleet`, synchronous) sends each worker a command over its socket and gathers the
@@ -48,6 +55,7 @@ answers; workers never poll their proxies, they are told by each ACK (a waiter c
 down).
 
 Modules: :mod:`~bench.fleet.proxy` (the simulated proxies' conversations, SotW and delta),
+:mod:`~bench.fleet.lrs` (their load reporting streams),
 :mod:`~bench.fleet.worker` (a worker process), :mod:`~bench.fleet.coordinator` (:class:`Fleet`),
 :mod:`~bench.fleet.messages` (what crosses between them). This package is a library: the
 command line that runs one fan-out with it is ``python -m bench.fanout``.
@@ -67,6 +75,8 @@ from bench.fleet.messages import (
     ChurnCounts,
     FleetError,
     FleetTls,
+    LrsCounts,
+    LrsLoad,
 )
 from bench.fleet.proxy import envoy_like_node
 
@@ -84,6 +94,8 @@ __all__ = [
     "Fleet",
     "FleetError",
     "FleetTls",
+    "LrsCounts",
+    "LrsLoad",
     "WaitResult",
     "envoy_like_node",
 ]

@@ -22,6 +22,8 @@ from bench.fleet.messages import (
     ErrorReport,
     FleetError,
     FleetTls,
+    LrsCounts,
+    LrsLoad,
     StreamReport,
 )
 from bench.procs import REPO, cpu_seconds, rss_kb
@@ -81,6 +83,10 @@ class Fleet:
             )
         self.workers = min(self.workers, max(1, self.proxies))
 
+    def node_id(self, index: int) -> str:
+        """The node id of proxy ``index`` (``{node_prefix}-00042``)."""
+        return f"{self.node_prefix}-{index:05d}"
+
     def start(self) -> None:
         # Workers are fresh interpreters (``python -m bench.fleet.worker FD``) talking over a
         # socketpair: no fork of a process with threads, no dependence on how __main__ was run.
@@ -98,7 +104,7 @@ class Fleet:
             self._procs.append(proc)
         shards: list[list[tuple[int, str]]] = [[] for _ in range(self.workers)]
         for i in range(self.proxies):
-            shards[i % self.workers].append((i, f"{self.node_prefix}-{i:05d}"))
+            shards[i % self.workers].append((i, self.node_id(i)))
         tls = self.tls.as_dict() if self.tls is not None else None
         targets = [self.target, *self.replicas]
         # A worker answers once it has started its last proxy: with a ramp, after len(shard) / rate
@@ -174,6 +180,28 @@ class Fleet:
     def streams_opened(self) -> int:
         reports: list[StreamReport] = self._all("streams")
         return sum(r["streams"] for r in reports)
+
+    def lrs_start(self, load: LrsLoad | None = None, *, timeout: float = 60.0) -> int:
+        """Every proxy opens a load reporting (LRS) stream and reports ``load`` as the server asks
+        (:mod:`bench.fleet.lrs`; h2 client only); returns once every stream has the server's
+        response, or after ``timeout`` s: how many have."""
+        load = load or LrsLoad()
+        return sum(self._all("lrs_start", load=load.as_dict(), timeout=timeout))
+
+    def lrs_stop(self) -> LrsCounts:
+        """Close every proxy's load reporting stream; the counts until then (:meth:`lrs_counts`)."""
+        return self._lrs_sum(self._all("lrs_stop"))
+
+    def lrs_counts(self) -> LrsCounts:
+        """Load reporting so far, over all the workers: streams, reports sent, how streams ended."""
+        return self._lrs_sum(self._all("lrs_counts"))
+
+    @staticmethod
+    def _lrs_sum(results: list[dict[str, Any]]) -> LrsCounts:
+        total = LrsCounts()
+        for counts in results:
+            total.add(LrsCounts(**counts))
+        return total
 
     def churn(
         self,

@@ -7,7 +7,7 @@ of client and xDS variant live here too, so the coordinator imports no proxy cod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypedDict
 
 __all__ = [
@@ -24,6 +24,8 @@ __all__ = [
     "ErrorReport",
     "FleetError",
     "FleetTls",
+    "LrsCounts",
+    "LrsLoad",
     "StreamReport",
 ]
 
@@ -62,6 +64,49 @@ class FleetTls:
 
     def as_dict(self) -> dict[str, str | None]:
         return {"ca": self.ca, "cert": self.cert, "key": self.key, "server_name": self.server_name}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LrsLoad:
+    """What each simulated proxy reports on its load reporting stream (:mod:`bench.fleet.lrs`)."""
+
+    clusters: int = 3
+    """Clusters per report (of those the proxy has, from its CDS), each with one locality."""
+    rps: float = 20.0
+    """Requests per second per cluster: a report's counts are this times the seconds it covers."""
+    error_ratio: float = 0.001
+    """Share of those requests counted as ``total_error_requests`` (rounded at random, so the
+    share holds on average)."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {"clusters": self.clusters, "rps": self.rps, "error_ratio": self.error_ratio}
+
+
+@dataclass(slots=True)
+class LrsCounts:
+    """How the proxies' load reporting went (:meth:`Fleet.lrs_counts`), in one worker or summed."""
+
+    reporting: int = 0
+    """Proxies with a load reporting stream (started and not stopped)."""
+    answered: int = 0
+    """...of them, those whose current stream has the server's ``LoadStatsResponse``."""
+    streams: int = 0
+    """Load reporting streams opened (reconnects included)."""
+    reports: int = 0
+    """``LoadStatsRequest`` messages with stats sent (not counting each stream's first)."""
+    report_bytes: int = 0
+    """Bytes of those messages (gRPC message bodies)."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """Streams that ended, by gRPC status (``CLOSED_BY_SERVER``: ended with status OK)."""
+
+    def add(self, other: LrsCounts) -> None:
+        self.reporting += other.reporting
+        self.answered += other.answered
+        self.streams += other.streams
+        self.reports += other.reports
+        self.report_bytes += other.report_bytes
+        for code, n in other.errors.items():
+            self.errors[code] = self.errors.get(code, 0) + n
 
 
 class ErrorReport(TypedDict):

@@ -2,8 +2,9 @@
 
 Started by the coordinator as ``python -m bench.fleet.worker FD`` (a fresh interpreter; FD is its
 end of a socketpair). Each command (``start``, ``wait``, ``errors``, ``bytes``, ``churn``,
-``churned``, ``streams``, ``stop``) is a ``cmd_`` coroutine; a wait is answered by counting down
-ACKs (:class:`_Waiter`), never by polling the proxies.
+``churned``, ``streams``, ``lrs_start``, ``lrs_stop``, ``lrs_counts``, ``stop``) is a ``cmd_``
+coroutine; a wait is answered by counting down ACKs (:class:`_Waiter`), or load reporting streams
+answered, never by polling the proxies.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from bench.fleet.messages import ChurnCounts, ErrorReport, FleetTls, StreamReport
+from bench.fleet.lrs import LoadReporter
+from bench.fleet.messages import ChurnCounts, ErrorReport, FleetTls, LrsCounts, LrsLoad, StreamReport
 from bench.fleet.proxy import DeltaHoldings, DeltaProxy, Names, SotwProxy, envoy_like_node
 from bench.procs import raise_fd_limit
 
@@ -74,6 +76,15 @@ class _Worker:
         self._tls_context: ssl.SSLContext | None = None
         self.churn = ChurnCounts()
         self._churn_task: asyncio.Task[None] | None = None
+        self.targets: list[str] = []
+        """The servers the proxies connect to (proxy i: ``targets[i % len(targets)]``)."""
+        self.client = "h2"
+        self.tls: FleetTls | None = None
+        self.reporters: list[tuple[LoadReporter, asyncio.Task[None]]] = []
+        """The proxies' load reporting streams (``lrs_start``), until ``lrs_stop``."""
+        self.lrs_done = LrsCounts()
+        """Counts of the reporters ``lrs_stop`` ended."""
+        self._lrs_waiting: asyncio.Event | None = None
 
     def tls_context(self, tls: FleetTls) -> ssl.SSLContext:
         """The worker's one client TLS context (ALPN h2), built from ``tls``'s files on first use."""
@@ -88,6 +99,10 @@ class _Worker:
             waiter.on_ack(proxy)
         if proxy.on_synced is not None and proxy.synced_at is not None:
             proxy.on_synced.set()
+
+    def on_lrs_answered(self, reporter: LoadReporter) -> None:
+        if self._lrs_waiting is not None and all(r.answered for r, _ in self.reporters):
+            self._lrs_waiting.set()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -128,6 +143,7 @@ class _Worker:
         :class:`FleetTls` as a dict (None: plaintext); ``xds``: ``sotw`` or ``delta``."""
         settings = FleetTls(**tls) if tls is not None else None  # type: ignore[arg-type]
         kind = DeltaProxy if xds == "delta" else SotwProxy
+        self.targets, self.client, self.tls = targets, client, settings
 
         async def launch() -> None:
             for n, (index, node_id) in enumerate(ids):
@@ -243,8 +259,70 @@ class _Worker:
     async def cmd_streams(self) -> StreamReport:
         return {"streams": sum(p.streams for p in self.proxies), "proxies": len(self.proxies)}
 
+    async def cmd_lrs_start(self, load: dict[str, float], timeout: float) -> int:
+        """Every proxy opens a load reporting stream to its server and reports ``load`` (an
+        :class:`LrsLoad` as a dict) as the server asks (:mod:`bench.fleet.lrs`); answers once every
+        stream has the server's response, or after ``timeout`` s: how many have."""
+        if self.client != "h2":
+            raise RuntimeError(f"load reports are simulated over the h2 client only, not {self.client!r}")
+        if self.reporters:
+            raise RuntimeError("this worker's proxies report load already (lrs_stop first)")
+        settings = LrsLoad(**load)  # type: ignore[arg-type]
+        tls = self.tls
+        context = self.tls_context(tls) if tls is not None else None
+        self._lrs_waiting = asyncio.Event()
+        for proxy in self.proxies:
+            reporter = LoadReporter(proxy, settings, self)
+            target = self.targets[proxy.index % len(self.targets)]
+            task = asyncio.create_task(reporter.run(target, context, tls.server_name if tls is not None else None))
+            self.reporters.append((reporter, task))
+        if not self.reporters:
+            self._lrs_waiting.set()
+        try:
+            await asyncio.wait_for(self._lrs_waiting.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._lrs_waiting = None
+        return sum(1 for r, _ in self.reporters if r.answered)
+
+    async def cmd_lrs_stop(self) -> dict[str, Any]:
+        """Close every load reporting stream (as an Envoy restarted without LRS); the counts so far."""
+        reporters, self.reporters = self.reporters, []
+        for _, task in reporters:
+            task.cancel()
+        await asyncio.gather(*(t for _, t in reporters), return_exceptions=True)
+        for reporter, _ in reporters:
+            self.lrs_done.add(self._counts_of([reporter]))
+        self.lrs_done.reporting = self.lrs_done.answered = 0
+        return await self.cmd_lrs_counts()
+
+    async def cmd_lrs_counts(self) -> dict[str, Any]:
+        """The load reporting counts (:class:`LrsCounts` as a dict): of the streams ``lrs_stop``
+        ended and of those still open."""
+        total = self._counts_of([r for r, _ in self.reporters])
+        total.add(self.lrs_done)
+        return dataclasses.asdict(total)
+
+    @staticmethod
+    def _counts_of(reporters: list[LoadReporter]) -> LrsCounts:
+        counts = LrsCounts(reporting=len(reporters))
+        errors: Counter[str] = Counter()
+        for r in reporters:
+            counts.answered += r.answered
+            counts.streams += r.streams
+            counts.reports += r.reports
+            counts.report_bytes += r.report_bytes
+            errors.update(r.errors)
+        counts.errors = dict(errors)
+        return counts
+
     async def stop(self) -> None:
-        tasks = [*self.tasks, *([self._churn_task] if self._churn_task is not None else [])]
+        tasks = [
+            *self.tasks,
+            *(t for _, t in self.reporters),
+            *([self._churn_task] if self._churn_task is not None else []),
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -28,6 +28,7 @@ from bench import (  # noqa: E402
     bench_hardening,
     bench_incremental,
     bench_replicas,
+    bench_rollout,
     bench_status,
     bench_storm,
     bench_subsetting,
@@ -161,6 +162,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert (churned.departed, churned.never_synced) == (churn_count, 0)
         assert churned.samples and all(rss > 0 for _, _, rss in churned.samples)
     assert [r.remembered for r in results.churn] == [20, churn_count]
+    _check_rollout(results.rollout)
     # Real Envoy: every change applied and ACKed.
     (envoy,) = results.envoy
     assert envoy.missed == 0
@@ -175,6 +177,10 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         bench_replicas.REPLICA_COLUMNS,
         bench_replicas.WRITE_COLUMNS,
         bench_churn.CHURN_COLUMNS,
+        bench_rollout.LRS_COLUMNS,
+        bench_rollout.WAVE_COLUMNS,
+        bench_rollout.ROLLOUT_COLUMNS,
+        bench_rollout.EDS_COLUMNS,
     ):
         assert _header(columns) in text
     for heading in (
@@ -196,6 +202,10 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         "## Replicas on etcd",
         "## Registry write rate",
         "## Churn",
+        "## Rollout: load reports (LRS)",
+        "## Rollout: a CDS change in four waves",
+        "## Rollout: server CPU per CDS change",
+        "## Rollout: an endpoint change while a canary wave bakes",
     ):
         assert heading in text
     assert _header(bench_status.ADMIN_COLUMNS) in text
@@ -212,6 +222,32 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     ):
         assert fact in text, fact
     assert "load average (1 min) during the run: not sampled" not in text
+
+
+def _check_rollout(rollout: bench_rollout.RolloutBench | None) -> None:
+    """Rollout: each fleet's load reports all taken, none dropped, in both LRS windows; the CDS
+    change went out in its four waves, every proxy ACKing the candidate in its own wave and not
+    before it; every endpoint change reached every proxy, with and without a rollout baking."""
+    assert rollout is not None
+    assert [w.reporting for w in rollout.lrs] == [bench_rollout.PLAIN, bench_rollout.OTHER]
+    for window in rollout.lrs:
+        assert window.answered == QUICK.rollout_proxies
+        assert window.sent > 0 and window.dropped == 0
+        assert window.total_taken == window.total_sent >= window.sent
+    assert [r.outcome for r in rollout.rollouts] == ["rollout_completed"] * QUICK.rollout_rollouts
+    waves = rollout.waves()
+    assert [w.wave for w in waves] == ["canary", "5%", "25%", "100%"]
+    assert sum(w.members for w in waves) == QUICK.rollout_proxies
+    assert waves[0].members == 1  # the canary: sim-00000
+    for wave in waves:
+        assert (wave.early, wave.missing, wave.announced) == (0, 0, wave.members)
+        assert len(wave.latencies) == wave.members * QUICK.rollout_rollouts
+    assert all(r.failures == 0 for r in rollout.plain_pushes)
+    assert rollout.still_baking
+    for runs in rollout.eds.values():
+        assert len(runs) == QUICK.rollout_rounds
+        assert all(r.failures == 0 and len(r.latencies) == QUICK.rollout_proxies for r in runs)
+    assert rollout.stream_errors == {}
 
 
 def test_grpc_floor_runs_every_round_to_completion() -> None:
