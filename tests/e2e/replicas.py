@@ -13,14 +13,20 @@ goes through that one Envoy and the clusters and endpoints the fleet is given.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 from .etcd import Etcd
 from .event_log import is_event
-from .processes import ControlPlane, ProcessGroup, free_port, http_json
+from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, front_listener, http_json, wait_until
+from .wrk import Wrk, WrkResult
 
 __all__ = [
+    "CHANGE_TIMEOUT_S",
+    "SERVICE",
+    "Fleet",
+    "address",
     "connected_nodes",
     "etcd_replicas",
     "etcd_revision",
@@ -85,3 +91,84 @@ def snapshot_versions(plane: ControlPlane, group: str = "default") -> dict[str, 
 def etcd_revision(plane: ControlPlane) -> int:
     """The etcd revision the replica has applied (its admin ``/healthz``)."""
     return int(_admin(plane, "/healthz")["etcd"]["revision"])
+
+
+SERVICE = "web"
+"""The service the fleet's Envoys take load for."""
+CHANGE_TIMEOUT_S = 10.0
+"""How long every Envoy may take to show an endpoint change (debounce, push, apply; under load,
+with Envoys reconnecting at the same time)."""
+
+
+def address(upstream: Upstream) -> str:
+    return f"127.0.0.1:{upstream.port}"
+
+
+class Fleet:
+    """Envoys, each with a listener of its own for ``web`` on ``ports[node]``, and wrk through each."""
+
+    def __init__(self) -> None:
+        self.envoys: dict[str, Envoy] = {}
+        self.ports: dict[str, int] = {}
+        self.loads: dict[str, Wrk] = {}
+
+    def start(self, processes: ProcessGroup, node: str, xds: str, *, delta: bool = False) -> Envoy:
+        port = free_port()
+        envoy = Envoy.start(
+            processes,
+            name=f"envoy-{node}",
+            node_id=node,
+            xds_address=xds,
+            bootstrap_options=("--delta",) if delta else (),
+            bootstrap_edit=front_listener(port, SERVICE),
+        )
+        self.envoys[node], self.ports[node] = envoy, port
+        return envoy
+
+    def wait_for_endpoints(self, expected: list[str], *, timeout: float = CHANGE_TIMEOUT_S) -> None:
+        for envoy in self.envoys.values():
+            envoy.wait_for_endpoints(SERVICE, expected, timeout=timeout)
+
+    def start_load(self, processes: ProcessGroup, duration_s: int) -> None:
+        for node, port in self.ports.items():
+            self.loads[node] = Wrk.start(
+                processes, f"http://127.0.0.1:{port}/", duration_s=duration_s, threads=1, connections=4
+            )
+        for envoy in self.envoys.values():
+            self.wait_for_requests(envoy)
+
+    @staticmethod
+    def wait_for_requests(envoy: Envoy, *, at_least: int = 50) -> None:
+        """Wait until ``at_least`` more requests went through ``envoy`` to ``web``."""
+
+        def sent() -> int:
+            return int(envoy.stat(f"cluster.{SERVICE}.upstream_rq_total") or 0)
+
+        before = sent()
+        wait_until(lambda: sent() >= before + at_least, timeout=15, what=f"load through {envoy.name}")
+
+    def wait_for_traffic_to(self, upstream: Upstream, *, at_least: int = 10) -> None:
+        for envoy in self.envoys.values():
+            wait_until(
+                functools.partial(lambda e: e.host_requests(SERVICE).get(address(upstream), 0) >= at_least, envoy),
+                timeout=CHANGE_TIMEOUT_S,
+                what=f"{envoy.name} to send requests to {upstream.name}",
+                details=functools.partial(lambda e: str(e.host_requests(SERVICE)), envoy),
+            )
+
+    def assert_under_load(self) -> None:
+        """Every wrk is still running: what the test did so far happened under load."""
+        assert all(load.running() for load in self.loads.values()), (
+            "the changes took longer than the load runs: they were not all made under load"
+        )
+
+    def check_loads(self) -> dict[str, WrkResult]:
+        """Every wrk finished clean: no non-2xx, no socket error."""
+        results = {node: load.result() for node, load in self.loads.items()}
+        for node, result in results.items():
+            print(f"\nwrk through {node}: {result.summary()}")
+        problems = {node: result.problems() for node, result in results.items() if result.problems()}
+        assert not problems, f"traffic through the Envoys: {problems}\n" + "\n".join(
+            results[node].output for node in problems
+        )
+        return results

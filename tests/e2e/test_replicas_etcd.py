@@ -28,104 +28,33 @@ from .etcd import Etcd
 from .event_log import CDS, EDS, LDS, RDS, is_event
 from .processes import (
     ControlPlane,
-    Envoy,
     ProcessGroup,
     Upstream,
     envoy_binary,
     free_port,
-    front_listener,
     http_json,
     wait_until,
 )
 from .registry_client import RegistryClient
-from .replicas import connected_nodes, etcd_replicas, etcd_revision, snapshot_versions, where_connected
-from .wrk import Wrk, WrkResult, wrk_binary
+from .replicas import (
+    SERVICE,
+    Fleet,
+    address,
+    connected_nodes,
+    etcd_replicas,
+    etcd_revision,
+    snapshot_versions,
+    where_connected,
+)
+from .wrk import wrk_binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
-SERVICE = "web"
 OTHER = "api"
 """A second service (a cluster without a listener): an EDS answer that re-sent what did not
 change would carry its assignment too."""
 TYPES = ("CDS", "EDS", "LDS", "RDS")
 TYPE_URLS = {"CDS": CDS, "EDS": EDS, "LDS": LDS, "RDS": RDS}
-CHANGE_TIMEOUT_S = 10.0
-"""How long every Envoy may take to show an endpoint change (debounce, push, apply; under load,
-with Envoys reconnecting at the same time)."""
-
-
-def address(upstream: Upstream) -> str:
-    return f"127.0.0.1:{upstream.port}"
-
-
-class Fleet:
-    """Envoys, each with a listener of its own for ``web`` on ``ports[node]``, and wrk through each."""
-
-    def __init__(self) -> None:
-        self.envoys: dict[str, Envoy] = {}
-        self.ports: dict[str, int] = {}
-        self.loads: dict[str, Wrk] = {}
-
-    def start(self, processes: ProcessGroup, node: str, xds: str, *, delta: bool = False) -> Envoy:
-        port = free_port()
-        envoy = Envoy.start(
-            processes,
-            name=f"envoy-{node}",
-            node_id=node,
-            xds_address=xds,
-            bootstrap_options=("--delta",) if delta else (),
-            bootstrap_edit=front_listener(port, SERVICE),
-        )
-        self.envoys[node], self.ports[node] = envoy, port
-        return envoy
-
-    def wait_for_endpoints(self, expected: list[str], *, timeout: float = CHANGE_TIMEOUT_S) -> None:
-        for envoy in self.envoys.values():
-            envoy.wait_for_endpoints(SERVICE, expected, timeout=timeout)
-
-    def start_load(self, processes: ProcessGroup, duration_s: int) -> None:
-        for node, port in self.ports.items():
-            self.loads[node] = Wrk.start(
-                processes, f"http://127.0.0.1:{port}/", duration_s=duration_s, threads=1, connections=4
-            )
-        for envoy in self.envoys.values():
-            self.wait_for_requests(envoy)
-
-    @staticmethod
-    def wait_for_requests(envoy: Envoy, *, at_least: int = 50) -> None:
-        """Wait until ``at_least`` more requests went through ``envoy`` to ``web``."""
-
-        def sent() -> int:
-            return int(envoy.stat(f"cluster.{SERVICE}.upstream_rq_total") or 0)
-
-        before = sent()
-        wait_until(lambda: sent() >= before + at_least, timeout=15, what=f"load through {envoy.name}")
-
-    def wait_for_traffic_to(self, upstream: Upstream, *, at_least: int = 10) -> None:
-        for envoy in self.envoys.values():
-            wait_until(
-                functools.partial(lambda e: e.host_requests(SERVICE).get(address(upstream), 0) >= at_least, envoy),
-                timeout=CHANGE_TIMEOUT_S,
-                what=f"{envoy.name} to send requests to {upstream.name}",
-                details=functools.partial(lambda e: str(e.host_requests(SERVICE)), envoy),
-            )
-
-    def assert_under_load(self) -> None:
-        """Every wrk is still running: what the test did so far happened under load."""
-        assert all(load.running() for load in self.loads.values()), (
-            "the changes took longer than the load runs: they were not all made under load"
-        )
-
-    def check_loads(self) -> dict[str, WrkResult]:
-        """Every wrk finished clean: no non-2xx, no socket error."""
-        results = {node: load.result() for node, load in self.loads.items()}
-        for node, result in results.items():
-            print(f"\nwrk through {node}: {result.summary()}")
-        problems = {node: result.problems() for node, result in results.items() if result.problems()}
-        assert not problems, f"traffic through the Envoys: {problems}\n" + "\n".join(
-            results[node].output for node in problems
-        )
-        return results
 
 
 def served(plane: ControlPlane) -> dict[str, str] | None:

@@ -1,7 +1,7 @@
 """Progressive delivery with real Envoys under real load (wrk): ``serve --rollout 'canary=c-*,100%'``.
 
 Six Envoys report their load over LRS (``pilotfish bootstrap --lrs``); ``c-1`` is the canary. Each
-has a static listener of its own whose routes (route table ``local``), cluster and endpoints come
+has a static listener of its own whose routes (route table ``edge``), cluster and endpoints come
 over ADS, so the test loads each proxy apart. Service ``web`` is defined in the snapshot file and
 its instances come from the registry API. Three changes, each valid to pilotfish's checks:
 
@@ -25,49 +25,26 @@ import pytest
 import yaml
 
 from .event_log import EDS, RDS, Event, EventLog
-from .processes import ControlPlane, Envoy, ProcessGroup, free_port, http_get, pilotfish, wait_until
+from .processes import ControlPlane, Envoy, ProcessGroup, free_port, front_listener, http_get, pilotfish, wait_until
 from .registry_client import RegistryClient
 from .testbed import WEB, Testbed
 from .wrk import Wrk
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
-_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-_ADS = {"ads": {}, "resource_api_version": "V3"}
 FLEET = ("c-1", "p-1", "p-2", "p-3", "p-4", "p-5")
 OTHERS = FLEET[1:]
 GOOD = {"match": {"prefix": "/"}, "route": {"cluster": "web"}}
+ROUTES = "edge"
+"""The route table the test changes, which each Envoy's own listener uses (the service's is ``web``)."""
 
 
 def document(listen: int, *routes: dict[str, Any]) -> dict[str, Any]:
-    """Service ``web`` (its instances from the registry) and the route table ``local`` of ``routes``."""
+    """Service ``web`` (its instances from the registry) and the route table ``edge`` of ``routes``."""
     return {
         "services": {"web": {"listen": f"127.0.0.1:{listen}", "protocol": "http"}},
-        "routes": [{"name": "local", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": list(routes)}]}],
+        "routes": [{"name": ROUTES, "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": list(routes)}]}],
     }
-
-
-def own_listener(port: int) -> Callable[[dict[str, Any]], None]:
-    """A bootstrap edit: a static listener on ``port`` whose routes come over ADS (route ``local``)."""
-
-    def edit(bootstrap: dict[str, Any]) -> None:
-        hcm = {
-            "@type": _HCM,
-            "stat_prefix": "own",
-            "rds": {"route_config_name": "local", "config_source": _ADS},
-            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
-        }
-        listener = {
-            "name": "own",
-            "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
-            "filter_chains": [
-                {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
-            ],
-        }
-        bootstrap.setdefault("static_resources", {}).setdefault("listeners", []).append(listener)
-
-    return edit
 
 
 def serving(port: int) -> Callable[[], bool]:
@@ -100,7 +77,7 @@ def start_envoy(group: ProcessGroup, plane: ControlPlane, node: str, port: int) 
         node_id=node,
         xds_address=plane.address,
         bootstrap_options=("--lrs",),
-        bootstrap_edit=own_listener(port),
+        bootstrap_edit=front_listener(port, ROUTES),
     )
     wait_until(serving(port), timeout=20, what=f"{node} to serve through its own listener", details=envoy.log_tail)
     return envoy
