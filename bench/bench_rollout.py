@@ -544,6 +544,10 @@ def _side(workdir: Path, name: str, options: RolloutOptions, extra: Sequence[str
     try:
         snapshot = workdir / f"{name}.json"
         options.workload.write(snapshot)
+        state = workdir / f"{name}-state"  # its own: a rollout server keeps its rollout there
+        state.mkdir(exist_ok=True)
+        for kept in state.iterdir():  # (a workdir used again: nothing of an earlier run)
+            kept.unlink()
         server = start_pilotfish(
             workdir,
             snapshot=snapshot,
@@ -556,6 +560,8 @@ def _side(workdir: Path, name: str, options: RolloutOptions, extra: Sequence[str
                 "changes",
                 "--lrs-interval-ms",
                 str(round(options.lrs_interval * 1000)),
+                "--state-dir",
+                str(state),
                 *extra,
             ),
         )
