@@ -22,6 +22,7 @@ import yaml
 from inprocess import serving as serve_in_process
 from test_tls import snapshot_doc
 
+from cluster_snapshots import clusters
 from pilotfish.api.admin import MAX_COMMAND_BODY, MAX_REASON, AdminApi
 from pilotfish.api.tokens import AdminTokenFile, hash_token
 from pilotfish.app import ServeSettings
@@ -31,11 +32,9 @@ from pilotfish.commands.operate import AdminClient, rollout_command
 from pilotfish.events import EventLog, check_event_log, read_events
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import CLUSTER
-from pilotfish.resources.parse import parse_resource
 from pilotfish.rollout.delivery import HELD_SHOWN, Delivery, candidate_group
 from pilotfish.rollout.machine import RolloutSettings
 from pilotfish.rollout.waves import parse_waves
-from pilotfish.snapshot import Snapshot
 from pilotfish.status import NodeInfo, SyncStatus
 from pilotfish.transport.site import serve_app
 
@@ -44,18 +43,6 @@ pytestmark = pytest.mark.timeout(60)
 CDS = CLUSTER.url
 CANARY, EDGE = "c-1", "edge-1"  # waves 'canary=c-*,100%': c-1 is the canary, edge-1 the rest
 READER, OPS = "reader-token", "ops-token"
-
-
-def clusters(*names: str) -> Snapshot:
-    parsed = [
-        parse_resource(
-            CLUSTER,
-            {"name": name, "type": "EDS", "connect_timeout": "1s", "eds_cluster_config": {"eds_config": {"ads": {}}}},
-            "",
-        )[0]
-        for name in names
-    ]
-    return Snapshot.build({CLUSTER: [message for message in parsed if message is not None]})
 
 
 @dataclass

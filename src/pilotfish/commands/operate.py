@@ -543,9 +543,7 @@ def rollout_command(
         print(f"{name}: {exc}", file=err)
         return EXIT_UNREACHABLE
     if code != 200:
-        message = body.get("error", body) if isinstance(body, dict) else body
-        print(f"{name}: {message}", file=err)
-        return EXIT_REFUSED if code in (401, 403) else 1
+        return _refused(name, code, body, err)
     if as_json:
         out.write(json.dumps(body, indent=2, sort_keys=True) + "\n")
     elif action == "status":
@@ -730,9 +728,7 @@ def plan_command(
         print(f"{name}: {exc}", file=err)
         return EXIT_UNREACHABLE
     if code != 200:
-        message = body.get("error", body) if isinstance(body, dict) else body
-        print(f"{name}: {message}", file=err)
-        return EXIT_REFUSED if code in (401, 403) else 1
+        return _refused(name, code, body, err)
     out.write(json.dumps(body, indent=2, sort_keys=True) + "\n" if as_json else plan_text(body, file=str(path)))
     return _plan_exit(body["verdict"])
 
@@ -778,3 +774,10 @@ def plan_offline(path: Path, against: Path, *, as_json: bool = False, out: TextI
     else:
         out.write(plan_text(answer, file=str(path), against=str(against)))
     return _plan_exit(answer["verdict"])
+
+
+def _refused(name: str, code: int, body: Any, err: TextIO) -> int:
+    """Say what the admin API answered instead of 200; the exit code for it (2: the token, 1: refused)."""
+    message = body.get("error", body) if isinstance(body, dict) else body
+    print(f"{name}: {message}", file=err)
+    return EXIT_REFUSED if code in (401, 403) else 1

@@ -11,28 +11,16 @@ from collections.abc import Callable
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from cluster_snapshots import clusters
 from pilotfish.cache import Cancel, ConfigWatcher, DeltaRespond, NodeGroup, Respond
 from pilotfish.protocol import DeltaWatch, Watch, needs_response
 from pilotfish.resources import CLUSTER
-from pilotfish.resources.parse import parse_resource
 from pilotfish.snapshot import Snapshot
 from pilotfish.status import ProxyStatus, SyncStatus
 from pilotfish.xds import XdsServer, start_xds_server
 from pilotfish.xds.server import XdsPolicy
 
 TIMEOUT = 10.0
-
-
-def clusters(*names: str) -> Snapshot:
-    parsed = [
-        parse_resource(
-            CLUSTER,
-            {"name": name, "type": "EDS", "connect_timeout": "1s", "eds_cluster_config": {"eds_config": {"ads": {}}}},
-            "",
-        )[0]
-        for name in names
-    ]
-    return Snapshot.build({CLUSTER: [message for message in parsed if message is not None]})
 
 
 class WatcherDouble:
