@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 
 from .etcd import Etcd
 from .event_log import RDS, is_event
-from .processes import ControlPlane, ProcessGroup, Upstream, envoy_binary, free_port, wait_until
+from .processes import ControlPlane, ProcessGroup, Upstream, envoy_binary, free_port, http_json, wait_until
 from .registry_client import RegistryClient
 from .replicas import SERVICE, Fleet, address, etcd_replicas
 from .wrk import wrk_binary
@@ -46,6 +47,13 @@ def leader(planes: Iterable[ControlPlane]) -> ControlPlane | None:
         if len(events.select(is_event("leader_elected"))) > len(events.select(is_event("leader_lost"))):
             return plane
     return None
+
+
+def rollout_of(plane: ControlPlane) -> dict[str, Any]:
+    status, body = http_json("GET", f"http://{plane.admin}/v1/rollout")
+    assert status == 200, body
+    result: dict[str, Any] = body
+    return result
 
 
 def sent_to(planes: list[ControlPlane], node: str, version: str) -> Callable[[], bool]:
@@ -97,6 +105,12 @@ def test_the_deciding_replica_killed_mid_bake_leaves_every_proxy_where_it_was_an
         lambda: next((v for _, v in rds_versions(planes, "c-1") if v != baseline["c-1"]), None),
         timeout=10,
         what="the canary's candidate routes",
+    )
+    others = [plane for plane in planes if plane is not decider]
+    wait_until(  # what was decided is stored: the others serve by it
+        lambda: all(rollout_of(plane)["candidate"] == acked["candidate"] for plane in others),
+        timeout=10,
+        what="the other replicas to know the candidate",
     )
     killed_at = time.time()
     decider.process.stop(kill=True)

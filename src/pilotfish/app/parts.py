@@ -691,6 +691,8 @@ class ReplicatedRollout:
         self._stored_baseline: str | None = None
         self._reported: tuple[str, float] = ("", 0.0)
         self._reports: dict[str, int] = {}  # replica -> mod revision of its report taken
+        self._changed = asyncio.Event()
+        delivery.on_change(self._changed.set)  # a decision is stored at once, not at the next look
         self._warned = 0.0
         self._task: Task | None = None
 
@@ -721,7 +723,9 @@ class ReplicatedRollout:
                 if now - self._warned > 10:
                     self._warned = now
                     _log.error("the rollout in etcd: %s (retrying)", exc)
-            await asyncio.sleep(self._every)
+            with contextlib.suppress(TimeoutError):  # a decision is stored at once, else look again soon
+                await asyncio.wait_for(self._changed.wait(), self._every)
+            self._changed.clear()
 
     async def _turn(self) -> None:
         leader = self._leadership.leader

@@ -145,6 +145,7 @@ class Delivery:
         self._clock = clock
         self._types = settings.types
         self._followers: list[Callable[[frozenset[str]], None]] = []
+        self._on_change: list[Callable[[], None]] = []
         self._latest: dict[NodeGroup, Snapshot] = {}
         """What the reconciler published last, per group: the sources' state as built."""
         self._latest_change: str | None = None
@@ -255,6 +256,10 @@ class Delivery:
         if self._on_candidate:
             self._on_candidate.discard(node_id)
         return group
+
+    def on_change(self, changed: Callable[[], None]) -> None:
+        """Call ``changed()`` whenever :attr:`changes` moves (the etcd store writes at once)."""
+        self._on_change.append(changed)
 
     def follow(self, on_moved: Callable[[frozenset[str]], None]) -> None:
         """Call ``on_moved(node ids)`` when proxies must open their watches again (:meth:`route`
@@ -509,6 +514,8 @@ class Delivery:
         (``everyone``: look at every connected proxy, not only at those the step names and those
         on the candidate: the candidate's snapshots may have just arrived)."""
         self.changes += 1
+        for changed in self._on_change:
+            changed()
         machine = self.machine
         live = {c for c in (machine.baseline, machine.candidate) if c is not None}
         self._by_change = {c: s for c, s in self._by_change.items() if c in live}
