@@ -327,11 +327,11 @@ def free_port() -> int:
     127.0.0.1 that is free right now, outside the kernel's ephemeral range (see
     :data:`_PORTS_FROM`), and not handed out before by this process: picked at random, then
     checked by binding it."""
-    high = _ephemeral_low()
-    if len(_GIVEN) > (high - _PORTS_FROM) // 2:
+    low, high = _share_of_ports(_PORTS_FROM, _ephemeral_low())
+    if len(_GIVEN) > (high - low) // 2:
         _GIVEN.clear()  # a long session: start over (the earliest tests' ports are long closed)
     for _ in range(200):
-        port = random.randrange(_PORTS_FROM, high)
+        port = random.randrange(low, high)
         if port in _GIVEN:
             continue
         _GIVEN.add(port)
@@ -341,4 +341,15 @@ def free_port() -> int:
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free TCP port on 127.0.0.1 in {_PORTS_FROM}-{high - 1} after 200 tries")
+    raise RuntimeError(f"no free TCP port on 127.0.0.1 in {low}-{high - 1} after 200 tries")
+
+
+def _share_of_ports(low: int, high: int) -> tuple[int, int]:
+    """This test process's own slice of [low, high) when pytest-xdist runs several
+    (``PYTEST_XDIST_WORKER`` gwN of ``PYTEST_XDIST_WORKER_COUNT``): two workers never pick the same
+    port (one could pick a port the other has picked and not yet bound); the whole range otherwise."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1):
+        return low, high
+    index, size = int(worker[2:]) % int(count), (high - low) // int(count)
+    return low + index * size, low + (index + 1) * size
