@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from cluster_snapshots import eds_document
 from pilotfish.commands.cli import main
 
 
@@ -80,34 +81,7 @@ def test_rollout_takes_a_reason_only_to_abort(capsys: pytest.CaptureFixture[str]
 
 def eds_file(path: Path, clusters: dict[str, str], **more: Any) -> Path:
     """A snapshot file of EDS clusters (name -> connect timeout), each with an endpoint."""
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "clusters": [
-                    {"name": n, "type": "EDS", "connect_timeout": t, "eds_cluster_config": {"eds_config": {"ads": {}}}}
-                    for n, t in clusters.items()
-                ],
-                "endpoints": [
-                    {
-                        "cluster_name": n,
-                        "endpoints": [
-                            {
-                                "lb_endpoints": [
-                                    {
-                                        "endpoint": {
-                                            "address": {"socket_address": {"address": "10.0.0.1", "port_value": 80}}
-                                        }
-                                    }
-                                ]
-                            }
-                        ],
-                    }
-                    for n in clusters
-                ],
-                **more,
-            }
-        )
-    )
+    path.write_text(yaml.safe_dump({**eds_document(clusters), **more}))
     return path
 
 

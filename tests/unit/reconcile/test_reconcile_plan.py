@@ -8,6 +8,7 @@ from typing import Any
 
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 
+from cluster_snapshots import eds_document
 from pilotfish.build.desired import DesiredState
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotCache
 from pilotfish.reconcile import BuildOptions, GuardSettings, Reconciler
@@ -152,25 +153,7 @@ def document(clusters: dict[str, str], *, version: str | None = None, port: int 
     """EDS clusters (name -> connect timeout), each with one endpoint on ``port``, as YAML."""
     import yaml
 
-    doc: dict[str, Any] = {
-        "clusters": [
-            {"name": n, "type": "EDS", "connect_timeout": t, "eds_cluster_config": {"eds_config": {"ads": {}}}}
-            for n, t in clusters.items()
-        ],
-        "endpoints": [
-            {
-                "cluster_name": n,
-                "endpoints": [
-                    {
-                        "lb_endpoints": [
-                            {"endpoint": {"address": {"socket_address": {"address": "10.0.0.1", "port_value": port}}}}
-                        ]
-                    }
-                ],
-            }
-            for n in clusters
-        ],
-    }
+    doc = eds_document(clusters, port=port)
     if version is not None:
         doc["version"] = version
     return yaml.safe_dump(doc).encode()
