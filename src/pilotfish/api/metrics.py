@@ -10,7 +10,7 @@ everything per type is labelled by the short type name (CDS, EDS, LDS, RDS, SDS)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -38,6 +38,17 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 def _short(type_url: str) -> str:
     rtype = type_by_url(type_url)
     return rtype.short if rtype is not None else type_url.rsplit(".", 1)[-1]
+
+
+def _histogram(
+    name: str, documentation: str, bounds: Sequence[float], counts: Sequence[int], total: float
+) -> HistogramMetricFamily:
+    """A histogram from per-bucket ``counts`` (one per bound, then +Inf): Prometheus's buckets are cumulative."""
+    buckets, running = [], 0
+    for bound, count in zip((*map(str, bounds), "+Inf"), counts, strict=True):
+        running += count
+        buckets.append((bound, running))
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=total)
 
 
 class _Collector(Collector):
@@ -101,15 +112,12 @@ class _Collector(Collector):
         if self._rollout is not None:
             yield from self._rollouts(self._rollout)
         histogram = status.ack_latency
-        buckets, running = [], 0
-        for bound, count in zip((*map(str, ACK_BUCKETS), "+Inf"), histogram.counts, strict=True):
-            running += count
-            buckets.append((bound, running))
-        yield HistogramMetricFamily(
+        yield _histogram(
             "pilotfish_publish_to_ack_seconds",
             "Seconds from a version's publish to each proxy's first ACK of it",
-            buckets=buckets,
-            sum_value=histogram.total,
+            ACK_BUCKETS,
+            histogram.counts,
+            histogram.total,
         )
         yield SummaryMetricFamily(
             "pilotfish_snapshot_build_seconds",
@@ -194,15 +202,12 @@ class _Collector(Collector):
         yield GaugeMetricFamily(
             "pilotfish_rollout_held", "Candidates held (remembered, never served again)", value=len(machine.held)
         )
-        buckets, running = [], 0
-        for bound, count in zip((*map(str, WAVE_BUCKETS), "+Inf"), stats.wave_counts, strict=True):
-            running += count
-            buckets.append((bound, running))
-        yield HistogramMetricFamily(
+        yield _histogram(
             "pilotfish_rollout_wave_seconds",
             "Seconds from a wave's start to its pass (its ACKs and its bake)",
-            buckets=buckets,
-            sum_value=stats.wave_seconds,
+            WAVE_BUCKETS,
+            stats.wave_counts,
+            stats.wave_seconds,
         )
         health = machine.last_health
         if health is not None:
