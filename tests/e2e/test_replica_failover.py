@@ -276,12 +276,24 @@ def test_a_proxyless_grpc_client_uses_its_replicas_as_grfc_a71_says(processes: P
     )
     wait_until(lambda: len(client.calls()) >= 20, timeout=30, what="calls answered through the second's config")
     # The primary comes up: the client goes back to it.
+    before_primary = second.events.mark()
     primary.start()
     wait_until(
         lambda: _grpc_stream_open(primary),
         timeout=90,
         what="the client back on the primary",
         details=client.process.output_tail,
+    )
+    # Back means answered: the primary's config ACKed and the fallback stream closed (killed before
+    # that, the client still holds its stream to the second, and the change comes through it).
+    wait_for_acks(
+        primary.events, node="client-1", what="the client on the primary", types=[LDS, RDS, CDS, EDS], timeout=60
+    )
+    second.events.wait_for(
+        is_event("stream_closed", node="client-1"),
+        what="the client's fallback stream closed",
+        after=before_primary,
+        timeout=60,
     )
     # The primary dies; the client has everything and stays with it: its calls go on, and no stream
     # opens on the second although it is up and serving a change.
