@@ -133,8 +133,12 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         proxy_indices = ProxyIndices(kept.proxies, grace=settings.subsets.grace)
     cache = SnapshotCache(subset_of=proxy_indices.index)
     # Load reports on the xDS port, kept for the rollout's health gates (LoadStore bounds them).
-    load = LoadStore(settings.rollout.load_settings(), clock=time.time)
     rollout = settings.rollout.settings()
+    load = LoadStore(  # (counted by the proxy's wave, which its node id and group fix)
+        settings.rollout.load_settings(),
+        clock=time.time,
+        classify=(lambda _node, _group: 0) if rollout is None else rollout.waves.assign,
+    )
     deciding = Deciding()  # (on etcd: the elected replica decides, once it has read what is stored)
     replica_name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # (two in a process: tests)
     # A single server keeps its rollout in the state directory (held candidates, the baseline).
@@ -223,6 +227,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         authorize=authorize,
         limits=settings.xds.limits,
         clusters_for=lambda node: cluster_names(cache, groups.group_of(node)),
+        group_of=groups.group_of,
     )
     xds_listener = XdsListener(xds, settings.xds, tls=xds_tls, events=events, lrs=lrs)
     listening: list[Component | None] = [xds_tls, xds_listener]
