@@ -19,10 +19,12 @@ from typing import Any, NamedTuple
 from pilotfish.errors import Problem
 
 __all__ = [
+    "MAX_WEIGHT",
     "MAX_ZONE",
     "Endpoint",
     "HealthCheck",
     "ServiceSpec",
+    "is_service_name",
     "is_zone",
     "parse_endpoint",
     "parse_service",
@@ -177,7 +179,7 @@ def parse_endpoint(value: Any, where: str, problems: list[Problem]) -> Endpoint 
         problems.append(Problem(_where(where, "port"), "is required"))
     host = _host(value.get("address"), _where(where, "address"), problems) if "address" in value else None
     port = _int(value.get("port"), _where(where, "port"), problems, 1, 65535) if "port" in value else None
-    weight = _int(value.get("weight", 1), _where(where, "weight"), problems, 1, 128)
+    weight = _int(value.get("weight", 1), _where(where, "weight"), problems, 1, MAX_WEIGHT)
     metadata_value = value.get("metadata", {})
     metadata: tuple[tuple[str, str], ...] = ()
     if not isinstance(metadata_value, dict) or not all(
@@ -201,6 +203,8 @@ def parse_endpoint(value: Any, where: str, problems: list[Problem]) -> Endpoint 
 
 MAX_ZONE = 128
 """The longest zone name accepted."""
+MAX_WEIGHT = 128
+"""The largest endpoint weight accepted (Envoy's load balancers take 1 to 128)."""
 
 
 def is_zone(value: Any) -> bool:
@@ -225,6 +229,11 @@ MAX_SUBSET = 1000
 """The largest ``subset_size`` accepted (a proxy connecting to more endpoints gains nothing by a subset)."""
 MAX_NAME = 253
 """The longest service or gRPC target name accepted (a DNS name's limit)."""
+
+
+def is_service_name(name: Any) -> bool:
+    """Whether ``name`` may name a service (and so its cluster, listener and route)."""
+    return isinstance(name, str) and 0 < len(name) <= MAX_NAME and all(c.isalnum() or c in "-_." for c in name)
 
 
 def _grpc_target(value: Any, name: str, where: str, problems: list[Problem]) -> str | None:
@@ -260,7 +269,7 @@ def parse_service(name: str, value: Any, where: str) -> tuple[ServiceSpec | None
     unknown = sorted(set(map(str, value)) - set(_SERVICE_FIELDS))
     if unknown:
         problems.append(Problem(where, f"unknown field(s) {', '.join(unknown)}; expected {', '.join(_SERVICE_FIELDS)}"))
-    if not name or len(name) > MAX_NAME or not all(c.isalnum() or c in "-_." for c in name):
+    if not is_service_name(name):
         problems.append(
             Problem(where, f"a service name uses letters, digits, '-', '_' and '.' only, at most {MAX_NAME} of them")
         )

@@ -1,0 +1,237 @@
+"""A real Docker engine for the end-to-end tests, with no network of its own.
+
+:class:`DockerDaemon` runs ``dockerd`` (Debian package docker.io; the tests run as root, as CI does)
+through the test's :class:`ProcessGroup`, with its own ``--data-root``, ``--exec-root``, pid file
+and socket, and with ``--bridge=none --iptables=false --ip6tables=false --ip-forward=false
+--ip-masq=false``: no bridge, no private-range address, no firewall rule is made, so every
+container runs with ``--network host`` and listens on 127.0.0.1 only. ``--live-restore`` keeps
+containers running while the daemon restarts (:meth:`DockerDaemon.restart`), as a production
+engine configured for upgrades does.
+
+The one image is built here from a static busybox (Debian package busybox-static): ``FROM scratch``,
+busybox and its applet links; nothing is pulled. :meth:`DockerDaemon.run_httpd` starts a container
+serving HTTP on a port of 127.0.0.1 whose answers name it, with the labels given, optionally a
+HEALTHCHECK (healthy while a file exists: :meth:`DockerDaemon.set_healthy`), and a stop that drains:
+on SIGTERM it keeps serving ``drain_s`` seconds, then exits (what a well-behaved service does).
+
+At teardown every container is removed (``docker rm -f``), then the daemon is stopped with SIGTERM
+and waited for (SIGKILL after 20 s), and what it left mounted under its directories is unmounted,
+so no container, shim or mount outlives the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from .processes import Process, ProcessGroup, wait_until
+
+__all__ = ["IMAGE", "DockerDaemon", "dockerd_binary"]
+
+IMAGE = "pilotfish-e2e-busybox"
+
+_DRAINING_HTTPD = (
+    # PID 1 gets SIGTERM only with a handler: the trap keeps httpd serving a while, then stops it.
+    'mkdir -p /www && echo "$NAME" > /www/index.html && '
+    'httpd -f -p "127.0.0.1:$PORT" -h /www & pid=$!; '
+    'trap "sleep $DRAIN; kill $pid; exit 0" TERM; wait $pid'
+)
+
+
+def dockerd_binary() -> str:
+    """``dockerd`` on PATH; fail (never skip) saying how to get it."""
+    found = shutil.which("dockerd")
+    if found is None:
+        pytest.fail("the Docker tests need a real engine: apt-get install docker.io (make setup does)", pytrace=False)
+    return found
+
+
+def _docker_cli() -> str:
+    found = shutil.which("docker")
+    if found is None:
+        pytest.fail("the Docker tests need the docker CLI: apt-get install docker.io (make setup does)", pytrace=False)
+    return found
+
+
+def _static_busybox() -> Path:
+    for candidate in ("/usr/bin/busybox", "/bin/busybox"):
+        path = Path(candidate)
+        if path.exists():
+            linked = subprocess.run(["ldd", str(path)], capture_output=True, text=True, check=False)
+            if "not a dynamic executable" in linked.stdout + linked.stderr:
+                return path
+    pytest.fail(
+        "the Docker tests need a static busybox: apt-get install busybox-static (make setup does)", pytrace=False
+    )
+
+
+@dataclass
+class DockerDaemon:
+    """One ``dockerd``; ``runs`` holds each start of it (a restart adds one)."""
+
+    group: ProcessGroup
+    root: Path
+    """A short directory of its own (socket paths are limited to 107 bytes): exec root, socket."""
+    data_root: Path
+    runs: list[Process] = field(default_factory=list)
+    containers: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, group: ProcessGroup, *, timeout: float = 60.0) -> DockerDaemon:
+        root = Path(tempfile.mkdtemp(prefix="pfdk", dir="/tmp"))
+        daemon = cls(group, root, group.workdir / "docker-data")
+        daemon.run(timeout=timeout)
+        daemon._build_image()
+        return daemon
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "docker.sock"
+
+    @property
+    def url(self) -> str:
+        """What ``pilotfish serve --docker`` takes."""
+        return f"unix://{self.socket}"
+
+    @property
+    def process(self) -> Process:
+        return self.runs[-1]
+
+    def _argv(self) -> list[str]:
+        return [
+            dockerd_binary(),
+            "--host",
+            self.url,
+            "--data-root",
+            str(self.data_root),
+            "--exec-root",
+            str(self.root / "exec"),
+            "--pidfile",
+            str(self.root / "docker.pid"),
+            "--bridge=none",
+            "--iptables=false",
+            "--ip6tables=false",
+            "--ip-forward=false",
+            "--ip-masq=false",
+            "--live-restore",
+        ]
+
+    def run(self, *, timeout: float = 60.0) -> None:
+        """Start (or start again) and wait until it answers."""
+        if self.runs and self.process.alive():
+            raise RuntimeError("dockerd is already running")
+        process = self.group.start("dockerd", self._argv())
+        self.runs.append(process)
+
+        def ready() -> bool:
+            if not process.alive():
+                pytest.fail(f"dockerd exited with {process.popen.returncode}\n{process.output_tail()}", pytrace=False)
+            return self.socket.exists() and self.cli("version", check=False).returncode == 0
+
+        wait_until(ready, timeout=timeout, what=f"dockerd to answer on {self.url}", details=process.output_tail)
+
+    def stop(self) -> None:
+        """SIGTERM and wait (its containers go on running: ``--live-restore``)."""
+        self.process.stop(timeout=20.0)
+        self.socket.unlink(missing_ok=True)
+
+    def restart(self) -> None:
+        self.stop()
+        self.run()
+
+    def _cli_env(self) -> dict[str, str]:
+        return {**os.environ, "DOCKER_BUILDKIT": "0", "DOCKER_CONFIG": str(self.root / "cli")}
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [_docker_cli(), "--host", self.url, *args],
+            capture_output=True,
+            text=True,
+            env=self._cli_env(),
+            timeout=timeout,
+        )
+        if check and result.returncode != 0:
+            pytest.fail(f"docker {' '.join(args)} failed ({result.returncode}):\n{result.stderr}", pytrace=False)
+        return result
+
+    def _build_image(self) -> None:
+        context = self.root / "image"
+        context.mkdir()
+        shutil.copy(_static_busybox(), context / "busybox")
+        (context / "Dockerfile").write_text(
+            'FROM scratch\nCOPY busybox /bin/busybox\nRUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
+        )
+        self.cli("build", "--quiet", "--tag", IMAGE, str(context), timeout=120)
+
+    def run_httpd(
+        self,
+        name: str,
+        port: int,
+        labels: dict[str, str],
+        *,
+        health: bool = False,
+        drain_s: float = 1.0,
+    ) -> str:
+        """Start a container ``name`` answering its name over HTTP on 127.0.0.1:``port``; with
+        ``health``, a HEALTHCHECK that passes while :meth:`set_healthy` says so (unhealthy at first).
+        Returns its id."""
+        argv = ["run", "--detach", "--name", name, "--network", "host", "--stop-timeout", "20"]
+        argv += ["--env", f"NAME={name}", "--env", f"PORT={port}", "--env", f"DRAIN={drain_s:g}"]
+        for key, value in labels.items():
+            argv += ["--label", f"{key}={value}"]
+        if health:
+            argv += ["--health-cmd", "test -f /www/healthy", "--health-interval", "1s", "--health-retries", "1"]
+            argv += ["--health-start-period", "0s", "--health-timeout", "1s"]
+        argv += [IMAGE, "sh", "-c", _DRAINING_HTTPD]
+        container = self.cli(*argv).stdout.strip()
+        self.containers.append(container)
+        return container
+
+    def cli_in_background(self, *args: str) -> subprocess.Popen[bytes]:
+        """A docker command that may take a while (``stop`` waits for the container to exit)."""
+        return subprocess.Popen(
+            [_docker_cli(), "--host", self.url, *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=self._cli_env(),
+        )
+
+    def running(self, name: str) -> bool:
+        return self.cli("inspect", "--format", "{{.State.Running}}", name).stdout.strip() == "true"
+
+    def set_healthy(self, name: str, healthy: bool) -> None:
+        self.cli("exec", name, "sh", "-c", "touch /www/healthy" if healthy else "rm -f /www/healthy")
+
+    def health(self, name: str) -> str:
+        return self.cli("inspect", "--format", "{{.State.Health.Status}}", name).stdout.strip()
+
+    def close(self) -> None:
+        """Remove every container, stop the daemon, remove its directory."""
+        if self.containers and self.runs and not self.process.alive():
+            with contextlib.suppress(BaseException):  # (containers live on without it: --live-restore)
+                self.run(timeout=30.0)
+        with contextlib.suppress(subprocess.SubprocessError):
+            if self.runs and self.process.alive():
+                listed = self.cli("ps", "--all", "--quiet", check=False).stdout.split()
+                if listed:
+                    self.cli("rm", "--force", *listed, check=False)
+        if self.runs:
+            self.process.stop(timeout=20.0)
+        self._unmount()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _unmount(self) -> None:
+        """Undo what dockerd left mounted under its directories: it bind-mounts its data root onto
+        itself, and a daemon that stops with containers running (``--live-restore``) leaves that."""
+        ours = (str(self.data_root), str(self.root))
+        with open("/proc/self/mounts") as mounts:
+            points = [line.split()[1] for line in mounts]
+        for point in sorted((p for p in points if p.startswith(ours)), key=len, reverse=True):
+            subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)
