@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from .processes import Process, ProcessGroup, wait_until
+from .processes import Process, ProcessGroup, free_port, wait_until
 
-__all__ = ["IMAGE", "DockerDaemon", "dockerd_binary"]
+__all__ = ["IMAGE", "DockerDaemon", "TlsFiles", "dockerd_binary"]
 
 IMAGE = "pilotfish-e2e-busybox"
 
@@ -72,6 +72,15 @@ def _static_busybox() -> Path:
     )
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files: the CA both sides trust, and one side's certificate and key."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
 @dataclass
 class DockerDaemon:
     """One ``dockerd``; ``runs`` holds each start of it (a restart adds one)."""
@@ -82,11 +91,16 @@ class DockerDaemon:
     data_root: Path
     runs: list[Process] = field(default_factory=list)
     containers: list[str] = field(default_factory=list)
+    tls: TlsFiles | None = None
+    """With TLS files, it also listens on ``tcp://127.0.0.1:<tcp_port>``, verifying clients."""
+    tcp_port: int = 0
 
     @classmethod
-    def start(cls, group: ProcessGroup, *, timeout: float = 60.0) -> DockerDaemon:
+    def start(
+        cls, group: ProcessGroup, *, name: str = "docker", tls: TlsFiles | None = None, timeout: float = 60.0
+    ) -> DockerDaemon:
         root = Path(tempfile.mkdtemp(prefix="pfdk", dir="/tmp"))
-        daemon = cls(group, root, group.workdir / "docker-data")
+        daemon = cls(group, root, group.workdir / f"{name}-data", tls=tls, tcp_port=free_port() if tls else 0)
         daemon.run(timeout=timeout)
         daemon._build_image()
         return daemon
@@ -99,6 +113,11 @@ class DockerDaemon:
     def url(self) -> str:
         """What ``pilotfish serve --docker`` takes."""
         return f"unix://{self.socket}"
+
+    @property
+    def tcp_url(self) -> str:
+        """Its TLS listener, as ``pilotfish serve --docker`` takes it."""
+        return f"tcp://127.0.0.1:{self.tcp_port}"
 
     @property
     def process(self) -> Process:
@@ -121,6 +140,21 @@ class DockerDaemon:
             "--ip-forward=false",
             "--ip-masq=false",
             "--live-restore",
+            *(
+                ()
+                if self.tls is None
+                else (
+                    "--host",
+                    self.tcp_url,
+                    "--tlsverify",
+                    "--tlscacert",
+                    str(self.tls.ca),
+                    "--tlscert",
+                    str(self.tls.cert),
+                    "--tlskey",
+                    str(self.tls.key),
+                )
+            ),
         ]
 
     def run(self, *, timeout: float = 60.0) -> None:

@@ -10,10 +10,12 @@ exit, so Envoy drains them), turn healthy, carry bad labels, and while the engin
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import trustme
 
-from .docker_engine import DockerDaemon
+from .docker_engine import DockerDaemon, TlsFiles
 from .event_log import is_event
 from .processes import ControlPlane, Envoy, ProcessGroup, free_port, http_get, wait_until
 from .snapshot_file import write_services
@@ -38,11 +40,15 @@ def _labels(port: int) -> dict[str, str]:
     return {"pilotfish.service": f"web:{port}", "pilotfish.zone": "local"}
 
 
-def _fleet(processes: ProcessGroup, docker: DockerDaemon, listen: int) -> tuple[ControlPlane, Envoy]:
-    """pilotfish with the file (``web``'s listener) and the engine; an Envoy on it."""
+def _fleet(
+    processes: ProcessGroup, docker: DockerDaemon, listen: int, *, more: tuple[str, ...] = ()
+) -> tuple[ControlPlane, Envoy]:
+    """pilotfish with the file (``web``'s listener) and the engine (``more``: further options);
+    an Envoy on it."""
     path = processes.workdir / "services.yaml"
     write_services(path, {"web": {"listen": f"127.0.0.1:{listen}"}})
-    control_plane = ControlPlane(processes, path, free_port(), options=("--docker", docker.url, "--quiet-ms", "20"))
+    options = ("--docker", docker.url, "--quiet-ms", "20", *more)
+    control_plane = ControlPlane(processes, path, free_port(), options=options)
     control_plane.start()
     envoy = Envoy.start(processes, name="envoy", node_id=NODE, xds_address=control_plane.address)
     return control_plane, envoy
@@ -95,34 +101,69 @@ def test_labelled_containers_serve_and_leave_without_a_failed_request(
     assert status == 200 and '"container":"web-bad"' in body and '"serving":false' in body, body
 
 
-def test_an_engine_that_restarts_keeps_its_endpoints_served_and_is_listed_again(
+def _tls_files(directory: Path, ca: trustme.CA, who: str) -> TlsFiles:
+    leaf = ca.issue_cert(who)
+    files = TlsFiles(directory / "ca.pem", directory / f"{who}.pem", directory / f"{who}.key")
+    ca.cert_pem.write_to_path(str(files.ca))
+    leaf.cert_chain_pems[0].write_to_path(str(files.cert))
+    leaf.private_key_pem.write_to_path(str(files.key))
+    return files
+
+
+def test_engines_are_independent_and_one_that_restarts_keeps_its_endpoints_and_is_listed_again(
     processes: ProcessGroup, docker: DockerDaemon
 ) -> None:
+    """Two engines, the second over TCP with mutual TLS: while the first restarts (its containers
+    run on, --live-restore), its endpoints stay, the second's changes go on reaching Envoy, and
+    once back the first is listed again and followed."""
     wrk_binary()
-    first = free_port()
-    docker.run_httpd("web-1", first, _labels(first))
-    listen = free_port()
-    control_plane, envoy = _fleet(processes, docker, listen)
-    envoy.wait_for_endpoints("web", [f"127.0.0.1:{first}"], timeout=30)
-    synced = len(control_plane.events.select(is_event("docker_synced")))
+    ca = trustme.CA()
+    remote = DockerDaemon.start(processes, name="docker-tcp", tls=_tls_files(processes.workdir, ca, "127.0.0.1"))
+    try:
+        client = _tls_files(processes.workdir, ca, "pilotfish")
+        first, far = free_port(), free_port()
+        docker.run_httpd("web-1", first, _labels(first))
+        remote.run_httpd("web-far-1", far, _labels(far))
+        listen = free_port()
+        tls = (
+            "--docker-tls-ca",
+            str(client.ca),
+            "--docker-tls-cert",
+            str(client.cert),
+            "--docker-tls-key",
+            str(client.key),
+        )
+        control_plane, envoy = _fleet(processes, docker, listen, more=("--docker", remote.tcp_url, *tls))
+        serving = [f"127.0.0.1:{first}", f"127.0.0.1:{far}"]
+        envoy.wait_for_endpoints("web", serving, timeout=30)
+        synced = len(control_plane.events.select(is_event("docker_synced", engine=docker.url)))
 
-    wrk = Wrk.start(processes, f"http://127.0.0.1:{listen}/", duration_s=15, connections=4, threads=1)
-    mark = control_plane.events.mark()
-    docker.stop()  # (its containers run on: --live-restore)
-    control_plane.events.wait_for(is_event("docker_disconnected"), after=mark, what="the engine lost", timeout=20)
-    assert envoy.cluster_endpoints("web") == [f"127.0.0.1:{first}"], "the last state serves"
-    docker.run()
-    second = free_port()
-    docker.run_httpd("web-2", second, _labels(second))
-    envoy.wait_for_endpoints("web", [f"127.0.0.1:{first}", f"127.0.0.1:{second}"], timeout=30)
-    wait_until(
-        lambda: len(control_plane.events.select(is_event("docker_synced"))) > synced,
-        timeout=30,
-        what="the engine listed again",
-    )
-    result = wrk.result()
-    print(f"\nwrk through Envoy while the engine restarted: {result.summary()}")
-    assert not result.problems(), result.summary()
+        wrk = Wrk.start(processes, f"http://127.0.0.1:{listen}/", duration_s=20, connections=4, threads=1)
+        mark = control_plane.events.mark()
+        docker.stop()  # (its containers run on: --live-restore)
+        lost = control_plane.events.wait_for(
+            is_event("docker_disconnected"), after=mark, what="the engine lost", timeout=20
+        )
+        assert lost["engine"] == docker.url
+        far_2 = free_port()
+        remote.run_httpd("web-far-2", far_2, _labels(far_2))
+        serving.append(f"127.0.0.1:{far_2}")
+        envoy.wait_for_endpoints("web", serving, timeout=30)  # the first's endpoint kept, the second's added
+        docker.run()
+        second = free_port()
+        docker.run_httpd("web-2", second, _labels(second))
+        serving.append(f"127.0.0.1:{second}")
+        envoy.wait_for_endpoints("web", serving, timeout=30)
+        wait_until(
+            lambda: len(control_plane.events.select(is_event("docker_synced", engine=docker.url))) > synced,
+            timeout=30,
+            what="the engine listed again",
+        )
+        result = wrk.result()
+        print(f"\nwrk through Envoy while an engine restarted: {result.summary()}")
+        assert not result.problems(), result.summary()
+    finally:
+        remote.close()
 
 
 def test_nothing_is_published_until_an_engine_that_is_down_answers(processes: ProcessGroup) -> None:
