@@ -1,18 +1,18 @@
 """A real Docker engine for the end-to-end tests, with no network of its own.
 
 :class:`DockerDaemon` runs ``dockerd`` (Debian package docker.io; the tests run as root, as CI does)
-through the test's :class:`ProcessGroup`, with its own ``--data-root``, ``--exec-root``, pid file
-and socket, and with ``--bridge=none --iptables=false --ip6tables=false --ip-forward=false
---ip-masq=false``: no bridge, no private-range address, no firewall rule is made, so every
-container runs with ``--network host`` and listens on 127.0.0.1 only. ``--live-restore`` keeps
-containers running while the daemon restarts (:meth:`DockerDaemon.restart`), as a production
-engine configured for upgrades does.
+through the test's :class:`ProcessGroup`, with its own data root, exec root, pid file and socket,
+and no network of its own: every container runs with ``--network host`` and listens on 127.0.0.1
+only. ``--live-restore`` keeps containers running while the daemon restarts
+(:meth:`DockerDaemon.restart`), as a production engine configured for upgrades does.
 
-The one image is built here from a static busybox (Debian package busybox-static): ``FROM scratch``,
-busybox and its applet links; nothing is pulled. :meth:`DockerDaemon.run_httpd` starts a container
-serving HTTP on a port of 127.0.0.1 whose answers name it, with the labels given, optionally a
-HEALTHCHECK (healthy while a file exists: :meth:`DockerDaemon.set_healthy`), and a stop that drains:
-on SIGTERM it keeps serving ``drain_s`` seconds, then exits (what a well-behaved service does).
+The command line, the readiness ping and the one image's build context are
+:mod:`pilotfish.sources.dockerd`'s, which bench/ uses too: ``FROM scratch``, a static busybox
+(Debian package busybox-static) and its applet links; nothing is pulled.
+:meth:`DockerDaemon.run_httpd` starts a container serving HTTP on a port of 127.0.0.1 whose
+answers name it, with the labels given, optionally a HEALTHCHECK (healthy while a file exists:
+:meth:`DockerDaemon.set_healthy`), and a stop that drains: on SIGTERM it keeps serving
+``drain_s`` seconds, then exits (what a well-behaved service does).
 
 At teardown every container is removed (``docker rm -f``), then the daemon is stopped with SIGTERM
 and waited for (SIGKILL after 20 s), and what it left mounted under its directories is unmounted,
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import pytest
 
+from pilotfish.sources.dockerd import IMAGE, DockerdNotFound, answers, dockerd_argv, find_dockerd, image_context
+
 from .processes import Process, ProcessGroup, free_port, wait_until
 
-__all__ = ["IMAGE", "DockerDaemon", "TlsFiles", "dockerd_binary"]
-
-IMAGE = "pilotfish-e2e-busybox"
+__all__ = ["DockerDaemon", "TlsFiles"]
 
 _DRAINING_HTTPD = (
     # PID 1 gets SIGTERM only with a handler: the trap keeps httpd serving a while, then stops it.
@@ -45,31 +45,12 @@ _DRAINING_HTTPD = (
 )
 
 
-def dockerd_binary() -> str:
-    """``dockerd`` on PATH; fail (never skip) saying how to get it."""
-    found = shutil.which("dockerd")
-    if found is None:
-        pytest.fail("the Docker tests need a real engine: apt-get install docker.io (make setup does)", pytrace=False)
-    return found
-
-
-def _docker_cli() -> str:
-    found = shutil.which("docker")
-    if found is None:
-        pytest.fail("the Docker tests need the docker CLI: apt-get install docker.io (make setup does)", pytrace=False)
-    return found
-
-
-def _static_busybox() -> Path:
-    for candidate in ("/usr/bin/busybox", "/bin/busybox"):
-        path = Path(candidate)
-        if path.exists():
-            linked = subprocess.run(["ldd", str(path)], capture_output=True, text=True, check=False)
-            if "not a dynamic executable" in linked.stdout + linked.stderr:
-                return path
-    pytest.fail(
-        "the Docker tests need a static busybox: apt-get install busybox-static (make setup does)", pytrace=False
-    )
+def _binaries() -> tuple[str, str]:
+    """``dockerd`` and ``docker``; fail (never skip) saying how to get them."""
+    try:
+        return find_dockerd()
+    except DockerdNotFound as exc:
+        pytest.fail(f"the Docker tests need a real engine: {exc}", pytrace=False)
 
 
 @dataclass(frozen=True)
@@ -124,38 +105,8 @@ class DockerDaemon:
         return self.runs[-1]
 
     def _argv(self) -> list[str]:
-        return [
-            dockerd_binary(),
-            "--host",
-            self.url,
-            "--data-root",
-            str(self.data_root),
-            "--exec-root",
-            str(self.root / "exec"),
-            "--pidfile",
-            str(self.root / "docker.pid"),
-            "--bridge=none",
-            "--iptables=false",
-            "--ip6tables=false",
-            "--ip-forward=false",
-            "--ip-masq=false",
-            "--live-restore",
-            *(
-                ()
-                if self.tls is None
-                else (
-                    "--host",
-                    self.tcp_url,
-                    "--tlsverify",
-                    "--tlscacert",
-                    str(self.tls.ca),
-                    "--tlscert",
-                    str(self.tls.cert),
-                    "--tlskey",
-                    str(self.tls.key),
-                )
-            ),
-        ]
+        tcp = None if self.tls is None else (self.tcp_port, self.tls.ca, self.tls.cert, self.tls.key)
+        return dockerd_argv(_binaries()[0], root=self.root, data_root=self.data_root, tcp=tcp)
 
     def run(self, *, timeout: float = 60.0) -> None:
         """Start (or start again) and wait until it answers."""
@@ -167,7 +118,7 @@ class DockerDaemon:
         def ready() -> bool:
             if not process.alive():
                 pytest.fail(f"dockerd exited with {process.popen.returncode}\n{process.output_tail()}", pytrace=False)
-            return self.socket.exists() and self.cli("version", check=False).returncode == 0
+            return answers(self.socket)
 
         wait_until(ready, timeout=timeout, what=f"dockerd to answer on {self.url}", details=process.output_tail)
 
@@ -185,7 +136,7 @@ class DockerDaemon:
 
     def cli(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            [_docker_cli(), "--host", self.url, *args],
+            [_binaries()[1], "--host", self.url, *args],
             capture_output=True,
             text=True,
             env=self._cli_env(),
@@ -196,12 +147,10 @@ class DockerDaemon:
         return result
 
     def _build_image(self) -> None:
-        context = self.root / "image"
-        context.mkdir()
-        shutil.copy(_static_busybox(), context / "busybox")
-        (context / "Dockerfile").write_text(
-            'FROM scratch\nCOPY busybox /bin/busybox\nRUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
-        )
+        try:
+            context = image_context(self.root / "image")
+        except DockerdNotFound as exc:
+            pytest.fail(f"the Docker tests need a static busybox: {exc}", pytrace=False)
         self.cli("build", "--quiet", "--tag", IMAGE, str(context), timeout=120)
 
     def run_httpd(
@@ -231,7 +180,7 @@ class DockerDaemon:
     def cli_in_background(self, *args: str) -> subprocess.Popen[bytes]:
         """A docker command that may take a while (``stop`` waits for the container to exit)."""
         return subprocess.Popen(
-            [_docker_cli(), "--host", self.url, *args],
+            [_binaries()[1], "--host", self.url, *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=self._cli_env(),
