@@ -9,6 +9,7 @@ through the STRICT_DNS cluster Envoy resolves it in.
 
 from __future__ import annotations
 
+import http.client
 from collections import Counter
 from typing import Any
 
@@ -206,3 +207,56 @@ def test_an_endpoint_named_localhost_serves_through_a_dns_cluster(processes: Pro
     assert envoy.cluster_endpoints("named") == [f"127.0.0.1:{named.port}"], "localhost resolved, IPv4 first"
     dump = envoy.admin("/config_dump?resource=dynamic_active_clusters")
     assert '"type": "STRICT_DNS"' in dump, dump[:2000]
+
+
+def _request(port: int, path: str, headers: dict[str, str]) -> tuple[int, str, str | None]:
+    """GET with headers, redirects not followed: (status, body, Location)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", path, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read().decode(), response.getheader("Location")
+    finally:
+        connection.close()
+
+
+def test_host_header_and_regex_matchers_and_a_redirect_route_as_written(processes: ProcessGroup) -> None:
+    a, b, c = (Upstream.start(processes, name) for name in ("a", "b", "c"))
+    listen = free_port()
+    _, envoy = _serving(
+        processes,
+        {
+            "edge": {
+                "listen": f"127.0.0.1:{listen}",
+                "routes": [
+                    {"prefix": "/old/", "redirect": {"prefix": "/new/", "code": 308}},
+                    {"host": ["API.example.com", "*.internal"], "to": "a"},
+                    {"headers": {"x-canary": "1", "x-debug": False}, "to": "b"},
+                    {"regex": "/s[a-z]ow", "to": "c"},  # the whole path: /slow, not /slow/x
+                    {"direct_response": {"status": 404, "body": "no route"}},
+                ],
+            },
+            "a": {"endpoints": [f"127.0.0.1:{a.port}"]},
+            "b": {"endpoints": [f"127.0.0.1:{b.port}"]},
+            "c": {"endpoints": [f"127.0.0.1:{c.port}"]},
+        },
+    )
+    wait_until(
+        lambda: _request(listen, "/", {})[:2] == (404, "no route"),
+        timeout=20,
+        what="Envoy to serve the routes",
+        details=envoy.log_tail,
+    )
+    cases = {
+        ("/old/x?y=1", ()): (308, "", "http://localhost/new/x?y=1"),
+        ("/", (("Host", f"api.example.com:{listen}"),)): (200, "a", None),
+        ("/", (("Host", "API.EXAMPLE.COM"),)): (200, "a", None),
+        ("/", (("Host", "db.eu.internal"),)): (200, "a", None),
+        ("/", (("Host", "example.com"),)): (404, "no route", None),
+        ("/", (("x-canary", "1"),)): (200, "b", None),
+        ("/", (("x-canary", "1"), ("x-debug", "on"))): (404, "no route", None),
+        ("/slow", ()): (200, "c", None),
+        ("/slow/x", ()): (404, "no route", None),
+    }
+    seen = {case: _request(listen, case[0], {"Host": "localhost", **dict(case[1])}) for case in cases}
+    assert seen == cases
