@@ -1,7 +1,7 @@
 """Routes and DNS endpoints of the services model, served to a real Envoy.
 
 The seed-002 lab's route table (``/marker`` answered by Envoy itself, ``/slow`` to one service,
-everything else to a pool) written in a few lines of ``services:`` serves the answers it should,
+everything else to a pool) as examples/routes.yaml writes it in ``services:`` serves the answers it should,
 and the same answers as the hand-written Envoy form of that table; a weighted split sends each
 service its share of 2,000 requests; an endpoint written as a host name (``localhost``) serves
 through the STRICT_DNS cluster Envoy resolves it in.
@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import http.client
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+
+from lab_routes import lab_route_config
 
 from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, http_get, wait_until
 from .snapshot_file import write_document, write_services
@@ -22,6 +26,7 @@ from .testbed import wait_for_acks
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 NODE = "edge-1"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "routes.yaml"
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 RDS = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 
@@ -40,23 +45,17 @@ def _get(port: int, path: str) -> tuple[int, str]:
 
 
 def _lab(listen: int, slow: Upstream, pool: list[Upstream]) -> dict[str, Any]:
-    """The seed-002 lab in ``services:``: what the README's example says."""
-    return {
-        "edge": {
-            "listen": f"127.0.0.1:{listen}",
-            "routes": [
-                {"path": "/marker", "direct_response": {"status": 200, "body": "marker\n"}},
-                {"prefix": "/slow", "to": "slow", "timeout": "1s"},
-                {"to": "pool"},
-            ],
-        },
-        "slow": {"endpoints": [f"127.0.0.1:{slow.port}"]},
-        "pool": {"endpoints": [f"127.0.0.1:{u.port}" for u in pool]},
-    }
+    """The seed-002 lab as examples/routes.yaml writes it, on this test's ports."""
+    services: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())["services"]
+    services["edge"]["listen"] = f"127.0.0.1:{listen}"
+    services["slow"]["endpoints"] = [f"127.0.0.1:{slow.port}"]
+    services["pool"]["endpoints"] = [f"127.0.0.1:{u.port}" for u in pool]
+    return services
 
 
 def _lab_raw(listen: int, slow: Upstream, pool: list[Upstream]) -> dict[str, Any]:
     """The same table as hand-written Envoy resources (what the lab needed before ``routes``)."""
+    assert [r.get("timeout") for r in _lab(listen, slow, pool)["edge"]["routes"]] == [None, "1s", None]
 
     def cluster(name: str) -> dict[str, Any]:
         return {
@@ -103,25 +102,7 @@ def _lab_raw(listen: int, slow: Upstream, pool: list[Upstream]) -> dict[str, Any
                 ],
             }
         ],
-        "routes": [
-            {
-                "name": "edge",
-                "virtual_hosts": [
-                    {
-                        "name": "edge",
-                        "domains": ["*"],
-                        "routes": [
-                            {
-                                "match": {"path": "/marker"},
-                                "direct_response": {"status": 200, "body": {"inline_string": "marker\n"}},
-                            },
-                            {"match": {"prefix": "/slow"}, "route": {"cluster": "slow", "timeout": "1s"}},
-                            {"match": {"prefix": "/"}, "route": {"cluster": "pool"}},
-                        ],
-                    }
-                ],
-            }
-        ],
+        "routes": [lab_route_config(slow_timeout="1s")],
     }
 
 
@@ -196,7 +177,12 @@ def test_an_endpoint_named_localhost_serves_through_a_dns_cluster(processes: Pro
     named = Upstream.start(processes, "named")
     listen = free_port()
     _, envoy = _serving(
-        processes, {"named": {"listen": f"127.0.0.1:{listen}", "endpoints": [f"localhost:{named.port}"]}}
+        processes,
+        {
+            "edge": {"listen": f"127.0.0.1:{listen}", "routes": [{"prefix": "/gone", "to": "gone"}, {"to": "named"}]},
+            "named": {"endpoints": [f"localhost:{named.port}"]},
+            "gone": {"endpoints": ["no-such-host.invalid:80"]},  # a name nothing resolves (RFC 2606)
+        },
     )
     wait_until(
         lambda: _get(listen, "/") == (200, "named"),
@@ -206,7 +192,16 @@ def test_an_endpoint_named_localhost_serves_through_a_dns_cluster(processes: Pro
     )
     assert envoy.cluster_endpoints("named") == [f"127.0.0.1:{named.port}"], "localhost resolved, IPv4 first"
     dump = envoy.admin("/config_dump?resource=dynamic_active_clusters")
-    assert '"type": "STRICT_DNS"' in dump, dump[:2000]
+    assert dump.count('"type": "STRICT_DNS"') == 2, dump[:2000]
+    # A name that does not resolve leaves its cluster without hosts: its route answers 503, the
+    # others serve on.
+    wait_until(
+        lambda: int(envoy.stat("cluster.gone.update_attempt") or 0) >= 1,
+        timeout=20,
+        what="Envoy's first lookup of no-such-host.invalid",
+    )
+    assert _get(listen, "/gone") == (503, "no healthy upstream")
+    assert _get(listen, "/") == (200, "named")
 
 
 def _request(port: int, path: str, headers: dict[str, str]) -> tuple[int, str, str | None]:

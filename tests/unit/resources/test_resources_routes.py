@@ -4,13 +4,16 @@ names, which make a STRICT_DNS cluster (pilotfish.resources.builders, pilotfish.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.route.v3 import route_pb2
 from google.protobuf import json_format
 
+from lab_routes import lab_route_config
 from pilotfish.build.desired import DesiredState, build_snapshot, merge_states, subset_tables
 from pilotfish.errors import ConfigError
 from pilotfish.resources import CLUSTER, ENDPOINT, ROUTE
@@ -19,7 +22,7 @@ from pilotfish.resources.routes import DirectResponse, HeaderMatch, Redirect, Ro
 from pilotfish.resources.services import Endpoint, parse_services
 from pilotfish.snapshot import Snapshot
 
-LAB = {
+LAB: dict[str, Any] = {
     "edge": {
         "listen": "127.0.0.1:10000",
         "routes": [
@@ -70,6 +73,15 @@ def test_the_lab_table_parses_into_its_routes() -> None:
         Route(match_kind="prefix", match="/slow", to=(("slow", 1),), timeout=30.0),
         Route(to=(("pool", 1),)),
     )
+
+
+def test_the_example_is_the_lab_and_builds() -> None:
+    example = Path(__file__).resolve().parents[3] / "examples" / "routes.yaml"
+    services = yaml.safe_load(example.read_text())["services"]
+    lab_routes = [dict(r) for r in LAB["edge"]["routes"]]
+    lab_routes[1]["timeout"] = "1s"
+    assert services["edge"]["routes"] == lab_routes
+    assert set(_snapshot(services).types[CLUSTER.url].resources) == {"edge", "slow", "pool"}
 
 
 def test_every_matcher_and_action_parses() -> None:
@@ -215,30 +227,7 @@ def test_the_lab_table_builds_what_its_hand_written_form_says() -> None:
     built = _route_config(_snapshot(LAB), "edge")
     retry = {"retry_on": "connect-failure,refused-stream,reset-before-request", "num_retries": 2}
     expected = json_format.ParseDict(
-        {
-            "name": "edge",
-            "virtual_hosts": [
-                {
-                    "name": "edge",
-                    "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {"path": "/marker"},
-                            "direct_response": {"status": 200, "body": {"inline_string": "marker\n"}},
-                        },
-                        {
-                            "match": {"prefix": "/slow"},
-                            "route": {"cluster": "slow", "timeout": "30s", "retry_policy": retry},
-                        },
-                        {
-                            "match": {"prefix": "/"},
-                            "route": {"cluster": "pool", "timeout": "15s", "retry_policy": retry},
-                        },
-                    ],
-                }
-            ],
-        },
-        route_pb2.RouteConfiguration(),
+        lab_route_config(slow_timeout="30s", rest_timeout="15s", retry=retry), route_pb2.RouteConfiguration()
     )
     assert built == expected
 
@@ -263,7 +252,7 @@ def test_an_entry_without_routes_builds_what_it_always_did() -> None:
 
 
 def test_matchers_split_redirect_and_rewrite_are_built_as_envoy_spells_them() -> None:
-    services = {
+    services: dict[str, Any] = {
         "edge": {
             "listen": "127.0.0.1:10000",
             "routes": [
@@ -272,7 +261,6 @@ def test_matchers_split_redirect_and_rewrite_are_built_as_envoy_spells_them() ->
                     "host": ["api.example.com", "*.example.org"],
                     "headers": {"x-canary": "1", "x-old": False},
                     "to": {"pool": 3, "canary": 1},
-                    "prefix_rewrite": None,
                 },
                 {
                     "prefix": "/old/",
@@ -284,7 +272,6 @@ def test_matchers_split_redirect_and_rewrite_are_built_as_envoy_spells_them() ->
         "pool": {"endpoints": ["127.0.0.1:9001"]},
         "canary": {"endpoints": ["127.0.0.1:9002"]},
     }
-    del services["edge"]["routes"][0]["prefix_rewrite"]  # type: ignore[attr-defined]
     routes = json_format.MessageToDict(_route_config(_snapshot(services), "edge"))["virtualHosts"][0]["routes"]
     assert routes[0]["match"] == {
         "safeRegex": {"regex": "/v[0-9]+/.*"},
@@ -423,3 +410,16 @@ def test_a_dns_service_is_not_subsetted_and_refuses_what_needs_its_addresses() -
         "services.echo.grpc",
         "services.front.routes[0].to",
     ], problems
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/sources.md"])
+def test_the_route_tables_the_docs_show_build(page: str) -> None:
+    text = (Path(__file__).resolve().parents[3] / page).read_text()
+    blocks = [b for b in text.split("```yaml\n")[1:] if b.startswith("services:\n  edge:")]
+    assert blocks, f"{page} shows no route table"
+    for block in blocks:
+        services = yaml.safe_load(block.split("```", 1)[0])["services"]
+        snapshot = _snapshot(services)
+        assert (
+            _route_config(snapshot, "edge").virtual_hosts[0].routes[0].direct_response.body.inline_string == "marker\n"
+        )
