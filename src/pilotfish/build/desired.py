@@ -339,9 +339,9 @@ def subset_tables(
     etcd), those that went keep theirs (it frees them)."""
     out = {}
     for name, spec in merged.services.items():
-        if has_host_names(merged.endpoints.get(name, ())):
-            continue  # Envoy resolves its names, each proxy all of them: not subsetted
         if (spec.subset_size or default_size) is not None:
+            if has_host_names(merged.endpoints.get(name, ())):
+                continue  # Envoy resolves its names, each proxy all of them: not subsetted
             previous = tables.get(name, _NO_INDICES)
             out[name] = (
                 previous.update(present=(e.address for e in merged.endpoints.get(name, ()))) if allocate else previous
@@ -607,13 +607,26 @@ def _route_problems(merged: Merged) -> list[Problem]:
     STRICT_DNS cluster (they take EDS clusters only); a DNS service asks for no subsetting or
     zone-local routing (Envoy resolves its names: pilotfish never sees their addresses)."""
     problems: list[Problem] = []
+    concerned = sorted(
+        name
+        for name, spec in merged.services.items()
+        if spec.routes or spec.grpc is not None or spec.subset_size is not None or spec.zone_local
+    )
+    if not concerned:  # (a build looks at its 10,000 services once here, and only at their settings)
+        return problems
     clusters = {c.name for c in merged.resources.get(CLUSTER, ())}  # type: ignore[attr-defined]
-    dns = {name for name, found in merged.endpoints.items() if has_host_names(found)}
-    for name in sorted(merged.services):
+    dns: dict[str, bool] = {}
+
+    def is_dns(name: str) -> bool:
+        if name not in dns:
+            dns[name] = has_host_names(merged.endpoints.get(name, ()))
+        return dns[name]
+
+    for name in concerned:
         spec = merged.services[name]
-        if name in dns:
+        if spec.subset_size is not None or spec.zone_local or (spec.grpc is not None and not spec.routes):
             for field_name, value in (("subset_size", spec.subset_size), ("zone_local", spec.zone_local or None)):
-                if value is not None:
+                if value is not None and is_dns(name):
                     problems.append(
                         Problem(
                             f"services.{name}.{field_name}",
@@ -621,14 +634,14 @@ def _route_problems(merged: Merged) -> list[Problem]:
                             f"pilotfish cannot apply {field_name} to them; leave it out or list IP addresses",
                         )
                     )
-        if spec.grpc is not None and name in dns and not spec.routes:
-            problems.append(
-                Problem(
-                    f"services.{name}.grpc",
-                    "gRPC clients take EDS clusters only, and this service's endpoints include host names "
-                    "(a STRICT_DNS cluster): list IP addresses",
+            if spec.grpc is not None and not spec.routes and is_dns(name):
+                problems.append(
+                    Problem(
+                        f"services.{name}.grpc",
+                        "gRPC clients take EDS clusters only, and this service's endpoints include host names "
+                        "(a STRICT_DNS cluster): list IP addresses",
+                    )
                 )
-            )
         for index, route in enumerate(spec.routes):
             for target in route.targets():
                 where = f"services.{name}.routes[{index}].to"
@@ -640,7 +653,7 @@ def _route_problems(merged: Merged) -> list[Problem]:
                             f"define services.{target} or fix the name",
                         )
                     )
-                elif spec.grpc is not None and target in dns:
+                elif spec.grpc is not None and target in merged.services and is_dns(target):
                     problems.append(
                         Problem(
                             where,

@@ -1,7 +1,9 @@
 """Services -> Envoy resources, with production defaults.
 
-For each service: an EDS cluster and its ClusterLoadAssignment; with ``listen``, a listener
-(HTTP: connection manager using RDS plus a route configuration; TCP: tcp_proxy); with ``grpc``, an
+For each service: an EDS cluster and its ClusterLoadAssignment (a service with an endpoint that is
+a host name: a STRICT_DNS cluster holding its endpoints, which Envoy resolves, and no assignment);
+with ``listen``, a listener (HTTP: connection manager using RDS plus a route configuration: the
+service's ``routes``, or one route sending everything to the service; TCP: tcp_proxy); with ``grpc``, an
 *API listener* for proxyless gRPC clients: a Listener named as the target a client resolves
 (``xds:///NAME``) with no address, only an ``api_listener`` holding an HTTP connection manager
 that uses RDS (the service's route configuration) and the router filter, which is what gRPC
