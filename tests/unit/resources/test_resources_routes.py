@@ -14,10 +14,10 @@ from envoy.config.route.v3 import route_pb2
 from google.protobuf import json_format
 
 from lab_routes import lab_route_config
-from pilotfish.build.desired import DesiredState, build_snapshot, merge_states, subset_tables
+from pilotfish.build.desired import DesiredState, View, build_snapshot, build_snapshots, merge_states, subset_tables
 from pilotfish.errors import ConfigError
 from pilotfish.resources import CLUSTER, ENDPOINT, ROUTE
-from pilotfish.resources.builders import ResourceMemo
+from pilotfish.resources.builders import ClientKind, ResourceMemo
 from pilotfish.resources.routes import DirectResponse, HeaderMatch, Redirect, Route, regex_problem, route_document
 from pilotfish.resources.services import Endpoint, parse_services
 from pilotfish.snapshot import Snapshot
@@ -423,3 +423,20 @@ def test_the_route_tables_the_docs_show_build(page: str) -> None:
         assert (
             _route_config(snapshot, "edge").virtual_hosts[0].routes[0].direct_response.body.inline_string == "marker\n"
         )
+
+
+def test_every_view_gets_the_same_dns_cluster_rest_pollers_too() -> None:
+    specs, endpoints, _ = parse_services(
+        {
+            "api": {"endpoints": ["localhost:9001"]},
+            "web": {"listen": "127.0.0.1:10000", "endpoints": ["127.0.0.1:9002"]},
+        }
+    )
+    merged = merge_states({"file": DesiredState(services=specs, endpoints=endpoints)})
+    views = {"envoys": View(), "rest": View(kind=ClientKind.REST), "zone": View(zone="us-east-1a")}
+    snapshots = build_snapshots(merged, "test", views)
+    clusters = {name: s.types[CLUSTER.url].resources["api"] for name, s in snapshots.items()}
+    assert clusters["envoys"] is clusters["rest"] is clusters["zone"], "one STRICT_DNS cluster, no config source in it"
+    assert _cluster(snapshots["rest"], "api").type == cluster_pb2.Cluster.STRICT_DNS
+    assert _cluster(snapshots["rest"], "web").eds_cluster_config.eds_config.HasField("api_config_source")
+    assert all(set(s.types[ENDPOINT.url].resources) == {"web"} for s in snapshots.values())
