@@ -59,7 +59,7 @@ MAX_REGEX = 1024
 """The longest regex accepted (Envoy's RE2 refuses large programs anyway)."""
 MAX_BODY = 4096
 """The largest direct response body, in bytes (Envoy's default ``max_direct_response_body_size_bytes``)."""
-MAX_WEIGHT = 10_000
+MAX_SPLIT_WEIGHT = 10_000
 """The largest weight of one service in a split."""
 REDIRECT_CODES = (301, 302, 303, 307, 308)
 
@@ -401,8 +401,8 @@ def _targets(value: Any, where: str, problems: list[Problem]) -> tuple[tuple[str
         at = f"{where}.{name}"
         if not is_service_name(str(name)):
             problems.append(Problem(at, f"expected a service name, got {name!r}"))
-        elif isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= MAX_WEIGHT:
-            problems.append(Problem(at, f"a weight is a whole number from 0 to {MAX_WEIGHT}, got {weight!r}"))
+        elif isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= MAX_SPLIT_WEIGHT:
+            problems.append(Problem(at, f"a weight is a whole number from 0 to {MAX_SPLIT_WEIGHT}, got {weight!r}"))
         else:
             targets.append((str(name), weight))
     if len(targets) == len(value) and sum(w for _, w in targets) == 0:
