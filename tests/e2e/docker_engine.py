@@ -31,7 +31,15 @@ from pathlib import Path
 
 import pytest
 
-from pilotfish.sources.dockerd import IMAGE, DockerdNotFound, answers, dockerd_argv, find_dockerd, image_context
+from pilotfish.sources.dockerd import (
+    IMAGE,
+    DockerdNotFound,
+    answers,
+    dockerd_argv,
+    find_dockerd,
+    image_context,
+    unmount_under,
+)
 
 from .processes import Process, ProcessGroup, free_port, wait_until
 
@@ -207,14 +215,5 @@ class DockerDaemon:
                     self.cli("rm", "--force", *listed, check=False)
         if self.runs:
             self.process.stop(timeout=20.0)
-        self._unmount()
+        unmount_under(self.data_root, self.root)
         shutil.rmtree(self.root, ignore_errors=True)
-
-    def _unmount(self) -> None:
-        """Undo what dockerd left mounted under its directories: it bind-mounts its data root onto
-        itself, and a daemon that stops with containers running (``--live-restore``) leaves that."""
-        ours = (str(self.data_root), str(self.root))
-        with open("/proc/self/mounts") as mounts:
-            points = [line.split()[1] for line in mounts]
-        for point in sorted((p for p in points if p.startswith(ours)), key=len, reverse=True):
-            subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)

@@ -13,7 +13,8 @@ context of the one image the callers use, ``FROM scratch`` with a static busybox
 busybox-static) and its applet links, so nothing is pulled from a registry.
 
 The caller starts the process (and stops it by its PID), and builds the image with the ``docker``
-CLI, so each keeps its own process bookkeeping: the tests' process group, the benchmarks' own.
+CLI, so each keeps its own process bookkeeping: the tests' process group, the benchmarks' own;
+once it has stopped the engine, :func:`unmount_under` undoes what the engine left mounted.
 
 Plain blocking code, like :mod:`pilotfish.envoy` and :mod:`pilotfish.etcd.member`.
 """
@@ -26,7 +27,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-__all__ = ["IMAGE", "DockerdNotFound", "answers", "dockerd_argv", "find_dockerd", "image_context"]
+__all__ = ["IMAGE", "DockerdNotFound", "answers", "dockerd_argv", "find_dockerd", "image_context", "unmount_under"]
 
 IMAGE = "pilotfish-busybox"
 """The tag callers give the image built from :func:`image_context`."""
@@ -120,3 +121,15 @@ def image_context(directory: Path) -> Path:
         'FROM scratch\nCOPY busybox /bin/busybox\nRUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
     )
     return directory
+
+
+def unmount_under(*directories: Path) -> None:
+    """Unmount what a stopped engine left mounted under ``directories`` (deepest first): it
+    bind-mounts its data root onto itself and keeps a network namespace under its exec root, and
+    one stopped with containers running (``--live-restore``) leaves them. Call it once the engine
+    has exited, before removing the directories."""
+    ours = tuple(str(d) for d in directories)
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    for point in sorted((p for p in points if p.startswith(ours)), key=len, reverse=True):
+        subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)
