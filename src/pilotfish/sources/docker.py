@@ -483,12 +483,14 @@ class DockerView:
                     endpoints.setdefault(service, []).append(endpoint)
         return DesiredState(endpoints={name: tuple(found) for name, found in endpoints.items()})
 
-    def describe(self) -> list[dict[str, Any]]:
-        """Every labelled container and what it serves (for the admin API)."""
-        out = []
+    def describe(self, limit: int = 1_000) -> list[dict[str, Any]]:
+        """The first ``limit`` labelled containers by name and what each serves (the admin API's)."""
+        out: list[dict[str, Any]] = []
         for container_id, serves in sorted(self.serves.items(), key=lambda item: self.containers[item[0]].name):
             if not serves.labelled:
                 continue
+            if len(out) >= limit:
+                break
             container = self.containers[container_id]
             out.append(
                 {
@@ -719,6 +721,7 @@ class DockerSource:
             "left_out": self.view.left_out,
             "events": self.events,
             "listings": self.listings,
+            "labelled_containers": sum(1 for serves in self.view.serves.values() if serves.labelled),
             "labelled": self.view.describe(),
         }
 
