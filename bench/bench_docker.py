@@ -80,13 +80,13 @@ class Dockerd:
 
     def start(self) -> None:
         dockerd, self.cli = find_dockerd()
-        log = (self.root / "dockerd.log").open("wb")
-        self.proc = subprocess.Popen(
-            dockerd_argv(dockerd, root=self.root, data_root=self.data_root),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
+        with (self.root / "dockerd.log").open("wb") as log:  # (the child keeps its own descriptor)
+            self.proc = subprocess.Popen(
+                dockerd_argv(dockerd, root=self.root, data_root=self.data_root),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         deadline = time.monotonic() + 60
         while not answers(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -259,30 +259,29 @@ def _run(work: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(work)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--containers", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight to the engine or registry")
-    parser.add_argument("--workdir", help="keep logs here (default: a temp dir, removed)")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class DockerOptions:
+    containers: int = 200
+    rounds: int = 3
+    concurrency: int = 16
+    """Requests in flight to the engine or the registry."""
+    workdir: Path | None = None
+    """Keep the servers' files here (None: a temp dir, removed)."""
+
+
+def run_docker_bench(options: DockerOptions) -> list[Phase]:
+    """The four phases (see the module's docstring), each with a measurement per round."""
+    n = options.containers
 
     def ports(round_: int, source: int) -> list[int]:
         """Fresh endpoints each time (flap damping would hold back an address that just left)."""
-        first = 20_000 + (2 * round_ + source) * args.containers
-        return list(range(first, first + args.containers))
+        first = 20_000 + (2 * round_ + source) * n
+        return list(range(first, first + n))
 
-    phases = {
-        key: Phase(source, phase, args.containers)
-        for key, (source, phase) in {
-            "docker-up": ("docker", "start"),
-            "docker-down": ("docker", "stop"),
-            "registry-up": ("registry", "register"),
-            "registry-down": ("registry", "deregister"),
-        }.items()
-    }
+    up, down = Phase("docker", "start", n), Phase("docker", "stop", n)
+    registered, deregistered = Phase("registry", "register", n), Phase("registry", "deregister", n)
     with contextlib.ExitStack() as stack:
-        workdir = work_dir(stack, args.workdir, "bench-docker-")
+        workdir = work_dir(stack, options.workdir, "bench-docker-")
         root = Path(tempfile.mkdtemp(prefix="pfdkb", dir="/tmp"))
         stack.callback(shutil.rmtree, root, ignore_errors=True)
         engine = Dockerd(root, workdir / "docker-data")
@@ -297,47 +296,51 @@ def main(argv: Sequence[str] | None = None) -> int:
             admin="127.0.0.1:0",
         )
         stack.callback(server.stop)
-        assert server.registry is not None
+        registry = server.registry
+        assert registry is not None
         config = bootstrap(BootstrapSettings(node_id="bench-docker", xds=server.xds, admin_port=0))
         envoy = EnvoyProcess(workdir, config)
         stack.callback(envoy.stop)
         envoy.start()
         wait_hosts(envoy, 0)
-        for round_ in range(args.rounds):
-            print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr)
-            ids = measure(
-                phases["docker-up"],
-                server,
-                envoy,
-                functools.partial(_run, start_containers(engine.socket, ports(round_, 0), args.concurrency)),
-                args.containers,
-            )
-            measure(
-                phases["docker-down"],
-                server,
-                envoy,
-                functools.partial(_run, stop_containers(engine.socket, ids, args.concurrency)),
-                0,
-            )
-            asyncio.run(stop_containers(engine.socket, ids, args.concurrency, remove=True))
-            registry = server.registry
-            assert registry is not None
+        concurrency = options.concurrency
+        for round_ in range(options.rounds):
+            print(f"docker bench: round {round_ + 1}/{options.rounds}", file=sys.stderr)
+            started = functools.partial(_run, start_containers(engine.socket, ports(round_, 0), concurrency))
+            ids = measure(up, server, envoy, started, n)
+            measure(down, server, envoy, functools.partial(_run, stop_containers(engine.socket, ids, concurrency)), 0)
+            asyncio.run(stop_containers(engine.socket, ids, concurrency, remove=True))
             instances = measure(
-                phases["registry-up"],
-                server,
-                envoy,
-                functools.partial(_run, register(registry, ports(round_, 1), args.concurrency)),
-                args.containers,
+                registered, server, envoy, functools.partial(_run, register(registry, ports(round_, 1), concurrency)), n
             )
             measure(
-                phases["registry-down"],
-                server,
-                envoy,
-                functools.partial(_run, deregister(registry, instances, args.concurrency)),
-                0,
+                deregistered, server, envoy, functools.partial(_run, deregister(registry, instances, concurrency)), 0
             )
-    print(f"\n{args.containers} endpoints in a burst, {args.rounds} rounds, {args.concurrency} requests in flight")
-    print_table(COLUMNS, [p.row() for p in phases.values()])
+    return [up, down, registered, deregistered]
+
+
+def notes(options: DockerOptions) -> list[str]:
+    return [
+        f"{options.containers} endpoints in a burst, {options.rounds} rounds, {options.concurrency} requests in "
+        "flight; one dockerd of the benchmark's own (no network of its own, containers on the host network), "
+        "one pilotfish serve (--docker, the registry API, --guard off), one real Envoy. Medians over rounds; "
+        "'taken': until the engine (or the registry) answered the last request."
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--containers", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight to the engine or registry")
+    parser.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir, removed)")
+    args = parser.parse_args(argv)
+    options = DockerOptions(
+        containers=args.containers, rounds=args.rounds, concurrency=args.concurrency, workdir=args.workdir
+    )
+    phases = run_docker_bench(options)
+    print("\n" + notes(options)[0])
+    print_table(COLUMNS, [p.row() for p in phases])
     return 0
 
 

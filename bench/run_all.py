@@ -27,6 +27,7 @@ from typing import Any
 from bench import (
     bench_build,
     bench_churn,
+    bench_docker,
     bench_envoy,
     bench_hardening,
     bench_incremental,
@@ -135,6 +136,9 @@ class Scale:
     """Endpoint changes per server during a bake (and without a rollout), interleaved."""
     rollout_canary: str = "sim-0000*"
     """Its canary wave's node-id glob."""
+    docker_containers: int = 200
+    """Containers started and stopped in a burst (bench/bench_docker.py)."""
+    docker_rounds: int = 3
     side_by_side: str | None = None
     """Another commit to run beside this checkout (bench/bench_side_by_side.py: fan-outs, SotW and
     delta, and the snapshot build, in turn); None (the default, and in the smoke run): not run."""
@@ -198,6 +202,8 @@ QUICK = Scale(
     rollout_rollouts=1,
     rollout_rounds=2,
     rollout_canary="sim-00000",
+    docker_containers=3,
+    docker_rounds=1,
 )
 
 
@@ -234,6 +240,7 @@ class Results:
     write_rates: list[bench_replicas.WriteRate] = field(default_factory=list)
     churn: list[bench_churn.ChurnResult] = field(default_factory=list)
     rollout: bench_rollout.RolloutBench | None = None
+    docker: list[bench_docker.Phase] = field(default_factory=list)
     side_by_side: bench_side_by_side.SideBySide | None = None
 
 
@@ -939,7 +946,25 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         if results.rollout is not None:
             results.sections[-1].notes.extend(notes(results.rollout))
 
-    # 6i. another commit beside this checkout (only when asked for: --side-by-side COMMIT).
+    # 6i. Docker discovery: a burst of containers started and stopped, beside the registry.
+    docker_options = bench_docker.DockerOptions(
+        containers=scale.docker_containers, rounds=scale.docker_rounds, workdir=workdir / "docker"
+    )
+
+    def docker() -> list[list[Any]]:
+        results.docker = bench_docker.run_docker_bench(docker_options)
+        return [phase.row() for phase in results.docker]
+
+    section(
+        f"Docker: {scale.docker_containers} containers started, then stopped, in a burst on one engine "
+        f"(vs {scale.docker_containers} registry registrations)",
+        _cmd("bench.bench_docker", "--containers", scale.docker_containers, "--rounds", scale.docker_rounds),
+        bench_docker.COLUMNS,
+        docker,
+        bench_docker.notes(docker_options),
+    )
+
+    # 6j. another commit beside this checkout (only when asked for: --side-by-side COMMIT).
     if scale.side_by_side is not None:
         _side_by_side(scale, scale.side_by_side, results, section)
 

@@ -24,6 +24,7 @@ from bench.run_all import QUICK, run_all  # noqa: E402
 from bench import (  # noqa: E402
     bench_build,
     bench_churn,
+    bench_docker,
     bench_envoy,
     bench_hardening,
     bench_incremental,
@@ -163,6 +164,14 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert churned.samples and all(rss > 0 for _, _, rss in churned.samples)
     assert [r.remembered for r in results.churn] == [20, churn_count]
     _check_rollout(results.rollout)
+    assert [(p.source, p.phase) for p in results.docker] == [
+        ("docker", "start"),
+        ("docker", "stop"),
+        ("registry", "register"),
+        ("registry", "deregister"),
+    ]
+    for phase in results.docker:  # every round reached Envoy, the burst in at least one build
+        assert len(phase.to_envoy) == QUICK.docker_rounds and min(phase.builds) >= 1, phase
     # Real Envoy: every change applied and ACKed.
     (envoy,) = results.envoy
     assert envoy.missed == 0
@@ -181,6 +190,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         bench_rollout.WAVE_COLUMNS,
         bench_rollout.ROLLOUT_COLUMNS,
         bench_rollout.EDS_COLUMNS,
+        bench_docker.COLUMNS,
     ):
         assert _header(columns) in text
     for heading in (
