@@ -77,7 +77,7 @@ from pilotfish.protocol.sotw import DecodedRequest
 from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field
 from pilotfish.snapshot import DeltaChanges, EncodedResponse
-from pilotfish.status import NodeInfo, SyncStatus
+from pilotfish.status import NodeInfo, SyncStatus, nack_summary
 from pilotfish.transport.aio import (
     WARN_EVERY,
     Call,
@@ -230,6 +230,8 @@ class XdsServer:
         """A peer that breaks the rules in a loop must not fill the log (the event log has a
         ``stream_closed`` line per stream)."""
         self._denials = RateLimitedLog(_log, what="such requests for secrets")
+        self.nack_log = RateLimitedLog(_log, what="NACKs (each is in the event log and the status)")
+        """One line per NACK (the resource's name and Envoy's reason), not a fleet's worth at once."""
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
         self._by_node: dict[str, set[_Stream[Any, Any, Any]]] = {}
@@ -449,12 +451,12 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         nack = (type_url, version)
         if nack != self._last_nack:  # a peer repeating its NACK does not fill the log
             self._last_nack = nack
-            _log.warning(
+            self._server.nack_log.log(
                 "%s rejected %s version %s: %s",
                 self.node_id or f"stream {self.id}",
                 type_url.rsplit(".", 1)[-1],
                 version,
-                error,
+                nack_summary(error or ""),
             )
 
     # -- watches --------------------------------------------------------------------------------
