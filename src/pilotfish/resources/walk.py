@@ -167,7 +167,7 @@ def _echo(text: str) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _suggest(word: str, choices: tuple[str, ...]) -> str:
-    """" (did you mean 'x'?)" naming the choices closest to ``word``, or "". Remembered: a file
+    """ " (did you mean 'x'?)" naming the choices closest to ``word``, or "". Remembered: a file
     of 10,000 resources tends to repeat one mistake, and each comparison costs ~1 ms."""
     close = difflib.get_close_matches(word, choices, n=3, cutoff=0.6)
     if not close:
@@ -197,7 +197,7 @@ def _message(descriptor: Descriptor, value: Any, path: JsonPath, depth: int) -> 
     if full_name == _VALUE:
         return  # any JSON value
     if not isinstance(value, dict):
-        yield path, f"expected a mapping (a {full_name}), got {_kind(value)}"
+        yield path, f"expected a mapping ({full_name}), got {_kind(value)}"
         return
     if full_name == _ANY:
         yield from _any(value, path, depth)
