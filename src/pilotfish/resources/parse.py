@@ -134,11 +134,11 @@ def _walked(rtype: ResourceType, value: dict[str, Any], label: str, rules: RuleC
     problems = [Problem(f"{label}.{path_text(path)}" if path else label, what) for path, what in found]
     if not problems or rules is None or len(found) > MAX_PROBLEMS:
         return problems
-    rest = without(value, (path for path, _ in found))
-    if rest is None:
-        return problems
     message = rtype.message()
     try:
+        rest = without(value, (path for path, _ in found))
+        if rest is None:
+            return problems
         json_format.ParseDict(rest, message)
     except (json_format.ParseError, TypeError, ValueError, RecursionError):
         return problems  # what is left does not parse either: the walk's problems are what we know

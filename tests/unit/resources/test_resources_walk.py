@@ -259,3 +259,13 @@ def test_the_walk_finds_nothing_in_resources_protobuf_parses() -> None:
             assert json_problems(ts.rtype.message, value) == [], (ts.rtype.key, value)
             walked += 1
     assert walked >= 8
+
+
+def test_a_deeply_nested_value_beside_a_mistake_is_reported_not_a_crash() -> None:
+    deep: Any = 1
+    for _ in range(900):
+        deep = {"k": deep}
+    value = cluster(lb_policy="ROUND_ROBN", metadata={"filter_metadata": {"x": deep}})
+    with pytest.raises(ConfigError) as caught:
+        parse_document({"clusters": [value]}, "test.yaml", rules=lambda message: [])
+    assert [p.where for p in caught.value.problems] == ["clusters[0] (name 'web').lb_policy"]
