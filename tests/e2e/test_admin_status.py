@@ -11,9 +11,11 @@ import re
 from typing import Any
 
 import pytest
+import yaml
 
-from .event_log import CDS, is_event
+from .event_log import CDS, RDS, is_event
 from .processes import http_json, pilotfish
+from .snapshot_file import ROUTE_NAME
 from .testbed import Testbed, wait_for_acks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -109,3 +111,21 @@ def test_wait_and_status_after_a_good_change_and_a_rejected_one(testbed: Testbed
     assert {cluster["name"] for cluster in clusters} >= {"web", "api"}
     assert all(cluster["@type"].endswith("envoy.config.cluster.v3.Cluster") for cluster in clusters)
     assert clusters[0]["connect_timeout"] == "0s"
+
+
+def test_a_nack_whose_message_names_no_resource_is_shown_with_the_rejected_ones(testbed: Testbed) -> None:
+    """Envoy rejects a route whose regex RE2 does not compile with only ``missing ): ((``: the
+    status names the route configuration the rejected response carried."""
+    testbed.control_plane.options = ("--validate", "off")
+    testbed.start(version="1")
+    mark = testbed.events.mark()
+    document = testbed.write_snapshot(version="2")
+    routes = document["routes"][0]["virtual_hosts"][0]["routes"]
+    routes.insert(0, {"match": {"safe_regex": {"regex": "(("}}, "route": {"cluster": "web"}})
+    testbed.snapshot_path.write_text(yaml.safe_dump(document))
+    nack = testbed.events.wait_for(is_event("nack", node="edge-1", type=RDS), after=mark, what="Envoy's NACK of RDS")
+    assert nack["error"] == "missing ): ((", "the event log keeps Envoy's own message"
+    table = pilotfish("status", "--admin", testbed.control_plane.admin)
+    assert f"edge-1 rejected RDS 2: '{ROUTE_NAME}': missing ): ((" in table.stdout.splitlines(), table.stdout
+    rds = _proxies(testbed)["edge-1"]["types"]["RDS"]
+    assert rds["state"] == "NACKED" and rds["nack"]["summary"] == f"'{ROUTE_NAME}': missing ): ((", rds
