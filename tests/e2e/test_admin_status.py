@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from .event_log import CDS, RDS, is_event
-from .processes import http_json, pilotfish
+from .processes import http_json, pilotfish, wait_until
 from .snapshot_file import ROUTE_NAME
 from .testbed import Testbed, wait_for_acks
 
@@ -129,3 +129,12 @@ def test_a_nack_whose_message_names_no_resource_is_shown_with_the_rejected_ones(
     assert f"edge-1 rejected RDS 2: '{ROUTE_NAME}': missing ): ((" in table.stdout.splitlines(), table.stdout
     rds = _proxies(testbed)["edge-1"]["types"]["RDS"]
     assert rds["state"] == "NACKED" and rds["nack"]["summary"] == f"'{ROUTE_NAME}': missing ): ((", rds
+    # The warning on stderr: one line, with the name and the reason.
+    stderr = testbed.control_plane.process.stderr_path
+
+    def warned() -> list[str]:
+        return [line for line in stderr.read_text().splitlines() if "rejected" in line]
+
+    wait_until(lambda: bool(warned()), timeout=10, what="the NACK's warning on stderr")
+    [line] = warned()
+    assert line.endswith(f"edge-1 rejected RouteConfiguration version 2: '{ROUTE_NAME}': missing ): (("), line
