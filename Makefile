@@ -26,6 +26,8 @@ missing_packages = $(strip \
 	$(if $(shell command -v wrk),,wrk) \
 	$(if $(shell command -v etcd),,etcd-server) \
 	$(if $(shell command -v chromium),,chromium) \
+	$(if $(shell command -v dockerd),,docker.io) \
+	$(if $(wildcard /usr/share/doc/busybox-static),,busybox-static) \
 	$(if $(wildcard $(BIN)/pip),,$(if $(shell python3 -c 'import ensurepip' 2>/dev/null && echo ok),,python3-venv)))
 
 .PHONY: setup system-packages run test lint bench
@@ -38,7 +40,7 @@ system-packages:
 	@missing='$(missing_packages)'; \
 	if [ -n "$$missing" ]; then \
 		if ! command -v apt-get >/dev/null; then \
-			echo "setup: please install: $$missing (wrk, etcd, chromium, python3 venv support), then run make again" >&2; exit 1; \
+			echo "setup: please install: $$missing (wrk, etcd, chromium, docker.io, busybox-static, python3 venv support), then run make again" >&2; exit 1; \
 		fi; \
 		if [ "$$(id -u)" = 0 ]; then sudo=; \
 		elif command -v sudo >/dev/null; then sudo=sudo; \

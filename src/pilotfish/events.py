@@ -218,6 +218,13 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType(
         "etcd_synced": _spec("etcd was listed", "revision", "keys", "bad"),
         "etcd_disconnected": _spec("the etcd watch broke, or stopped answering", "reason"),
         "etcd_bad_value": _spec("a value in etcd was left out", "key", "reason"),
+        "docker_synced": _spec("a Docker engine's containers were listed", "engine", "containers", "endpoints", "bad"),
+        "docker_disconnected": _spec(
+            "a Docker engine's event stream broke, or it stopped answering; its last state serves", "engine", "reason"
+        ),
+        "docker_bad_label": _spec(
+            "a container's labels cannot be used: it serves nothing", "engine", "container", "label", "reason"
+        ),
         "leader_elected": _spec(
             "this replica now runs the registry's singleton duties (etcd election)", "replica", "reason"
         ),

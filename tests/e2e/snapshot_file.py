@@ -28,7 +28,7 @@ import yaml
 
 from pilotfish.resources.bootstrap import rest_config_source
 
-__all__ = ["LISTENER_NAME", "ROUTE_NAME", "snapshot_document", "write_services", "write_snapshot"]
+__all__ = ["LISTENER_NAME", "ROUTE_NAME", "snapshot_document", "write_document", "write_services", "write_snapshot"]
 
 LISTENER_NAME = "ingress"
 ROUTE_NAME = "local_route"
@@ -144,6 +144,11 @@ def write_services(path: Path, services: Mapping[str, Mapping[str, Any]]) -> dic
     document = {"services": {name: dict(spec) for name, spec in services.items()}}
     _replace(path, document)
     return document
+
+
+def write_document(path: Path, document: Mapping[str, Any]) -> None:
+    """Replace ``path`` (by rename) with ``document`` as YAML: any snapshot, raw resources or services."""
+    _replace(path, document)
 
 
 def many_services(listen_port: int, ports: Mapping[str, Sequence[int]]) -> dict[str, dict[str, Any]]:

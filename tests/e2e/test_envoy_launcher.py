@@ -8,6 +8,7 @@ bench rely on when they start one.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 
 from pilotfish.envoy import EnvoyError, EnvoySettings, envoy_shared_memory_files, start_envoy
 
-from .processes import envoy_binary
+from .processes import envoy_binary, pilotfish
 
 pytestmark = pytest.mark.e2e
 
@@ -57,3 +58,19 @@ def test_an_envoy_that_cannot_start_fails_the_wait_with_its_reason(tmp_path: Pat
             envoy.wait_for_admin(timeout=60)
     finally:
         envoy.stop()
+
+
+@pytest.mark.parametrize("node_id", ["n", "Y", "on", "null", "0x1F", "edge-1"])
+def test_envoy_takes_every_node_id_pilotfish_bootstrap_writes_as_a_string(tmp_path: Path, node_id: str) -> None:
+    """Envoy's YAML parser reads ``n``, ``y``, ``on``, ``null`` ... bare as booleans and nulls
+    (YAML 1.1): ``pilotfish bootstrap`` must quote them, or Envoy refuses the bootstrap."""
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text(pilotfish("bootstrap", "--node-id", node_id).stdout)
+    checked = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

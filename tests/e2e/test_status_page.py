@@ -23,7 +23,7 @@ from aiohttp import web
 from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
 
-from pilotfish.api.admin import AdminApi
+from pilotfish.api.admin import AdminApi, SourceStatus
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
 from pilotfish.events import EventLog, RecentEvents
 from pilotfish.reconcile import Reconciler
@@ -33,6 +33,7 @@ from pilotfish.rollout.delivery import Delivery, candidate_group
 from pilotfish.rollout.machine import RolloutSettings
 from pilotfish.rollout.waves import parse_waves
 from pilotfish.snapshot import Snapshot
+from pilotfish.sources.docker import DockerSource, container_of_summary, parse_engine
 from pilotfish.status import NodeInfo, SyncStatus
 from pilotfish.transport.site import serve_app
 
@@ -326,5 +327,57 @@ def test_the_rollout_shows_its_wave_its_pause_and_why_a_candidate_is_held(browse
         assert "Paused: by the operator. To go on: pilotfish rollout resume." in text
         assert "NACKed CDS: " + HOSTILE_NACK in text  # the held candidate's reason, as text
         assert page.evaluate("document.getElementById('rollout').classList.contains('paused')") is True
+        assert page.evaluate("document.querySelectorAll('img, b.hostile').length") == 0
+        assert page.evaluate("window.__pwned === undefined") is True
+
+
+DOCKER_JS = """Array.from(document.querySelectorAll('#docker tr.container')).map(row => ({
+  container: row.querySelector('.node').textContent, state: row.cells[2].textContent,
+  serves: row.cells[3].textContent, problems: row.querySelector('.reason').textContent}))"""
+
+
+def test_docker_engines_show_each_labelled_container_what_it_serves_and_its_bad_labels(browser: Browser) -> None:
+    """A container's name and labels are whoever started it's: shown as text, never run."""
+    source = DockerSource(parse_engine("unix:///run/pilotfish-e2e-no-such.sock"), on_state=lambda _: None)
+    hostile = HOSTILE_NACK.replace(" ", "")
+    source.view.replace(
+        [
+            container_of_summary(
+                {
+                    "Id": "a" * 64,
+                    "Names": ["/web-1"],
+                    "Labels": {"pilotfish.service": "web:8081"},
+                    "State": "running",
+                    "Status": "Up 2 minutes (healthy)",
+                    "HostConfig": {"NetworkMode": "host"},
+                }
+            ),
+            container_of_summary(
+                {
+                    "Id": "b" * 64,
+                    "Names": [f"/{hostile}"],
+                    "Labels": {"pilotfish.service": f"web:{hostile}"},
+                    "State": "running",
+                    "Status": "Up 1 second",
+                    "HostConfig": {"NetworkMode": "host"},
+                }
+            ),
+        ]
+    )
+    source.problem = None  # (listed: as after a listing of the engine)
+    cache = SnapshotCache()
+    api = AdminApi(
+        SyncStatus(), cache, Reconciler(cache), recent=RecentEvents(), sources=SourceStatus(docker=[source.status])
+    )
+    with _admin_api_on_a_thread(api) as address:
+        page = browser.open(f"http://{address}/")
+        shown = _wait_on_page(page, lambda: page.evaluate(DOCKER_JS), "the Docker section")
+        by_name = {row["container"]: row for row in shown}
+        assert by_name["web-1"]["state"] == "healthy" and by_name["web-1"]["serves"] == "web 127.0.0.1:8081"
+        bad = by_name[hostile]
+        assert bad["serves"] == "nothing" and "label pilotfish.service" in bad["problems"], bad
+        assert "unix:///run/pilotfish-e2e-no-such.sock" in page.evaluate(
+            "document.getElementById('docker-engines').innerText"
+        )
         assert page.evaluate("document.querySelectorAll('img, b.hostile').length") == 0
         assert page.evaluate("window.__pwned === undefined") is True

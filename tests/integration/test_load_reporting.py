@@ -31,7 +31,7 @@ class Received:
 
     reports: list[tuple[str, lrs_pb2.LoadStatsRequest]] = field(default_factory=list)
 
-    def report(self, node_id: str, request: lrs_pb2.LoadStatsRequest) -> None:
+    def report(self, node_id: str, group: str, request: lrs_pb2.LoadStatsRequest) -> None:
         self.reports.append((node_id, request))
 
 

@@ -117,7 +117,7 @@ async def test_registered_instances_reach_xds_and_leave_on_deregister(running: R
         ({"address": "127.0.0.1"}, "port", "required"),
         ({"address": "127.0.0.1", "port": 70000}, "port", "65535"),
         ({"address": "127.0.0.1", "port": "80"}, "port", "whole number"),
-        ({"address": "not-an-ip", "port": 80}, "address", "IP address"),
+        ({"address": "not_a_host", "port": 80}, "address", "IP address or a host name"),
         ({"address": "127.0.0.1", "port": 80, "ttl": -1}, "ttl", "seconds"),
         ({"address": "127.0.0.1", "port": 80, "colour": "red"}, "", "colour"),
     ],
@@ -218,6 +218,26 @@ async def test_a_redefinition_that_moves_a_listener_onto_another_is_refused_and_
         assert moved.status == 409
         kept = await (await http.get(running.url("/v1/services/b"))).json()
         assert kept["listen"] == "127.0.0.1:10011"
+
+
+async def test_a_definition_with_routes_is_checked_against_every_service_and_shown_as_written(
+    running: Running,
+) -> None:
+    routes = [{"prefix": "/slow", "to": "slow", "timeout": 1.5}, {"to": {"pool": 3, "canary": 1}}]
+    async with aiohttp.ClientSession() as http:
+        early = await http.put(running.url("/v1/services/edge"), json={"listen": "127.0.0.1:10020", "routes": routes})
+        assert early.status == 409
+        fields = [p["field"] for p in (await early.json())["problems"]]
+        assert fields == ["services.edge.routes[0].to", "services.edge.routes[1].to", "services.edge.routes[1].to"]
+        for name in ("slow", "pool", "canary"):
+            assert (await http.put(running.url(f"/v1/services/{name}"), json={})).status == 200
+        # An instance may be a host name: Envoy resolves it.
+        named = await http.post(running.url("/v1/services/slow/instances"), json={"address": "localhost", "port": 9003})
+        assert named.status == 201
+        put = await http.put(running.url("/v1/services/edge"), json={"listen": "127.0.0.1:10020", "routes": routes})
+        assert put.status == 200, await put.text()
+        shown = await (await http.get(running.url("/v1/services/edge"))).json()
+        assert shown["routes"] == routes
 
 
 # -- bodies that are too big, too deep or not JSON get a 4xx, never a 500 ----------------------------

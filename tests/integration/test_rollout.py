@@ -22,14 +22,17 @@ import grpc
 import pytest
 import yaml
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from envoy.service.load_stats.v3 import lrs_pb2, lrs_pb2_grpc
 from google.rpc import status_pb2
 from inprocess import TIMEOUT, Running, serving
 
 from pilotfish.app import ServeSettings
-from pilotfish.app.settings import EtcdSettings, RolloutFlags
+from pilotfish.app.settings import EtcdSettings, RolloutFlags, XdsSettings
 from pilotfish.events import read_events
 from pilotfish.resources import CLUSTER, ENDPOINT
+from pilotfish.xds.lrs import SEND_ALL_FEATURE, LrsSettings
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -405,3 +408,72 @@ async def test_on_etcd_the_elected_replica_decides_every_replica_serves_it_and_t
     finally:
         for stack in stacks.values():
             await stack.aclose()
+
+
+@asynccontextmanager
+async def reporting(running: Running, node: str, load: Callable[[], tuple[int, int]]) -> AsyncIterator[None]:
+    """``node``'s load reporting stream to ``running``: every 0.1 s a report of cluster ``a``'s
+    requests, ``load()`` saying how many succeeded and how many failed since the last one."""
+    async with grpc.aio.insecure_channel(running.xds) as channel:
+        call = lrs_pb2_grpc.LoadReportingServiceStub(channel).StreamLoadStats()
+        await call.write(lrs_pb2.LoadStatsRequest(node=base_pb2.Node(id=node, client_features=[SEND_ALL_FEATURE])))
+
+        async def report() -> None:
+            while True:
+                await asyncio.sleep(0.1)
+                ok, errors = load()
+                request = lrs_pb2.LoadStatsRequest()
+                stats = request.cluster_stats.add(cluster_name="a")
+                stats.upstream_locality_stats.add(
+                    total_successful_requests=ok, total_error_requests=errors, total_issued_requests=ok + errors
+                )
+                await call.write(request)
+
+        task = asyncio.create_task(report())
+        try:
+            yield
+        finally:
+            task.cancel()
+            call.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.e2e
+async def test_on_etcd_load_reported_to_a_replica_that_does_not_decide_counts_in_the_gate(
+    tmp_path: Path, etcd: str
+) -> None:
+    """The canary's ADS stream is on the deciding replica, its load reporting stream on the other
+    (Envoy picks a replica per stream): the errors it reports there after the change fail the
+    wave on the deciding one, which has no report of its own from the canary."""
+    snapshot = tmp_path / "snapshot.yaml"
+    snapshot.write_text(yaml.safe_dump(document({"a": 9001})))
+    flags = rollout(bake=30.0, health=True, min_requests=20)
+    settings = ServeSettings(
+        snapshot=snapshot,
+        etcd=EtcdSettings(address=etcd, election_ttl=2.0),
+        rollout=flags,
+        xds=XdsSettings(lrs=LrsSettings(interval=0.1)),
+    )
+    async with AsyncExitStack() as stack:
+        replicas = []
+        for name in ("one", "two"):
+            (tmp_path / name).mkdir()
+            replicas.append(await stack.enter_async_context(serving(tmp_path / name, settings)))
+        leader = await until("a replica elected", lambda: leader_of(*replicas))
+        follower = next(r for r in replicas if r is not leader)
+        canary = await stack.enter_async_context(proxy(leader, "c-1"))
+        p1 = await stack.enter_async_context(proxy(leader, "p-1"))
+        await until("both served the baseline", lambda: canary.clusters == p1.clusters == {"a": "1s"})
+        baseline = p1.versions[CDS]
+        # The canary's requests fail once it runs the candidate (connect timeout 2s); p-1's never do.
+        await stack.enter_async_context(
+            reporting(follower, "c-1", lambda: (10, 10) if canary.clusters == {"a": "2s"} else (20, 0))
+        )
+        await stack.enter_async_context(reporting(leader, "p-1", lambda: (20, 0)))
+        snapshot.write_text(yaml.safe_dump(document({"a": 9001}, timeout="2s")))
+        await until("the canary has the candidate", lambda: canary.clusters == {"a": "2s"})
+        failed = await until("the wave failed on the load", lambda: events(leader, "rollout_failed"), timeout=30)
+        assert "wave canary: error ratio 50" in failed[0]["reason"], failed[0]["reason"]
+        await until("the canary rolled back", lambda: canary.clusters == {"a": "1s"})
+        assert set(p1.seen[CDS]) == {baseline}, "p-1 never got the candidate"
+        assert not events(follower, "rollout_failed")  # (the follower decides nothing)

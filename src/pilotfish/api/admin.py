@@ -24,6 +24,9 @@ GET      /v1/fleet               what the status page shows of the proxies: how 
 GET      /v1/events              the latest events (``after=SEQ``: only newer ones; ``limit``),
                                  from the server's in-memory ring (:class:`~pilotfish.events.RecentEvents`)
 GET      /v1/held                the snapshot the blast-radius guard holds back, if any
+GET      /v1/docker              each Docker engine followed (``serve --docker``): connected or why
+                                 not, and every labelled container with the endpoints it serves
+                                 (or the problems with its labels)
 GET      /metrics                Prometheus metrics (:mod:`pilotfish.api.metrics`)
 POST     /v1/held/confirm        publish it (as ``kill -USR1`` does; 404 when nothing is held)
 GET      /v1/rollout             where the rollout is (``serve --rollout``, docs/rollout.md): phase,
@@ -88,7 +91,8 @@ import itertools
 import logging
 import re
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
@@ -126,6 +130,7 @@ __all__ = [
     "AdminApi",
     "HeldSnapshots",
     "RolloutControl",
+    "SourceStatus",
     "proxy_json",
     "short_type",
     "start_admin_server",
@@ -171,6 +176,7 @@ ROUTES: dict[tuple[str, str], Access] = {
     ("GET", "/v1/snapshots"): Access.READ,
     ("GET", "/v1/config"): Access.READ,
     ("GET", "/v1/held"): Access.READ,
+    ("GET", "/v1/docker"): Access.READ,
     ("GET", "/metrics"): Access.READ,
     ("POST", "/v1/held/confirm"): Access.ADMIN,
     ("GET", "/v1/rollout"): Access.READ,
@@ -302,6 +308,16 @@ class RolloutControl(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class SourceStatus:
+    """How the sources that have a status of their own are doing (``serve`` gives what it runs)."""
+
+    etcd: Callable[[], Awaitable[dict[str, Any]]] | None = None
+    """This replica's etcd revision and lag (and who leads), for ``/healthz``; None: no etcd."""
+    docker: Sequence[Callable[[], dict[str, Any]]] = ()
+    """Each Docker engine's status (``/v1/docker``)."""
+
+
 class AdminApi:
     """The admin API's handlers over the server's status, cache and reconcile loop.
 
@@ -319,7 +335,7 @@ class AdminApi:
         waiting: Callable[[], list[str]] | None = None,
         metrics: Metrics | None = None,
         recent: RecentEvents | None = None,
-        etcd: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        sources: SourceStatus | None = None,
         tokens: TokenFile | None = None,
         events: EventLog | None = None,
         rollout: RolloutControl | None = None,
@@ -343,8 +359,7 @@ class AdminApi:
         """The rollout (``serve --rollout``); None: none."""
         self._subset_of = cache.subset_of
         """Node id -> its subsetting index (None: none): which endpoints the cache serves it."""
-        self._etcd = etcd
-        """This replica's etcd revision and lag (and who leads), for ``/healthz``; None: no etcd."""
+        self._sources = sources or SourceStatus()
         self.cache = cache
         self.reconciler = reconciler
         self._waiting = waiting or reconciler.readiness.waiting_for
@@ -370,6 +385,7 @@ class AdminApi:
         app.router.add_get("/v1/snapshots", self._snapshots)
         app.router.add_get("/v1/config", self._config)
         app.router.add_get("/v1/held", self._held)
+        app.router.add_get("/v1/docker", self._docker_engines)
         app.router.add_post("/v1/held/confirm", self._confirm)
         app.router.add_get("/v1/rollout", self._rollout_status)
         for command in ROLLOUT_COMMANDS:
@@ -477,7 +493,9 @@ class AdminApi:
     # -- health -------------------------------------------------------------------------------------
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        return _json({"status": "serving", **({"etcd": await self._etcd()} if self._etcd is not None else {})})
+        return _json(
+            {"status": "serving", **({"etcd": await self._sources.etcd()} if self._sources.etcd is not None else {})}
+        )
 
     async def _readyz(self, request: web.Request) -> web.Response:
         waiting = self._waiting()
@@ -606,6 +624,9 @@ class AdminApi:
 
     async def _held(self, request: web.Request) -> web.Response:
         return _json(self._held_json())
+
+    async def _docker_engines(self, request: web.Request) -> web.Response:
+        return _json({"engines": [status() for status in self._sources.docker]})
 
     async def _confirm(self, request: web.Request) -> web.Response:
         held = self._held_json()

@@ -660,8 +660,8 @@ class ReplicatedRollout:
     Keys, beside the etcd prefix (like the election's ``<prefix>.leader``): ``<prefix>.rollout``
     (the machine's state and the baseline's change id), ``<prefix>.rollout.baseline.<id>.<n>``
     (the baseline's resources, in chunks) and ``<prefix>.rollout.replica.<replica>`` (a replica's
-    report, written when it changed and every ``heartbeat`` seconds; one older than ``stale`` is
-    taken as gone). Each replica looks every ``every`` seconds."""
+    report, written when it changed and every ``heartbeat`` seconds, with the load its proxies
+    reported to it lately; one older than ``stale`` is taken as gone). Each replica looks every ``every`` seconds."""
 
     name = "rollout-etcd"
 
@@ -801,6 +801,9 @@ class ReplicatedRollout:
         now = time.monotonic()
         if text == self._reported[0] and now - self._reported[1] < self._heartbeat:
             return
+        load = self._delivery.load_report()  # (new load is reported at heartbeats, not at every look)
+        if load is not None:
+            report["load"] = load
         await self._client.put(f"{self._base}.replica.{self._replica()}", orjson.dumps(report).decode())
         self._reported = (text, now)
 

@@ -8,6 +8,7 @@ constructors only, each given its collaborators), then runs the list of componen
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pilotfish.api.admin import AdminApi, start_admin_server
+from pilotfish.api.admin import AdminApi, SourceStatus, start_admin_server
 from pilotfish.api.metrics import Metrics
 from pilotfish.api.registry import RegistryApi
 from pilotfish.api.registry_etcd import EtcdRegistry
@@ -62,6 +63,7 @@ from pilotfish.resources.bootstrap import split_address
 from pilotfish.rollout.delivery import Delivery
 from pilotfish.rollout.load import LoadStore
 from pilotfish.rollout.stored import STATE_FILE as ROLLOUT_FILE
+from pilotfish.sources.docker import DockerSource, client_tls
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import Registry
 from pilotfish.status import SyncStatus
@@ -133,8 +135,12 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         proxy_indices = ProxyIndices(kept.proxies, grace=settings.subsets.grace)
     cache = SnapshotCache(subset_of=proxy_indices.index)
     # Load reports on the xDS port, kept for the rollout's health gates (LoadStore bounds them).
-    load = LoadStore(settings.rollout.load_settings(), clock=time.time)
     rollout = settings.rollout.settings()
+    load = LoadStore(  # (counted by the proxy's wave, which its node id and group fix)
+        settings.rollout.load_settings(),
+        clock=time.time,
+        classify=(lambda _node, _group: 0) if rollout is None else rollout.waves.assign,
+    )
     deciding = Deciding()  # (on etcd: the elected replica decides, once it has read what is stored)
     replica_name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # (two in a process: tests)
     # A single server keeps its rollout in the state directory (held candidates, the baseline).
@@ -155,7 +161,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     hint = ConfirmHint()
     expected = [
         name for name, configured in (("file", settings.snapshot), ("etcd", settings.etcd.address)) if configured
-    ]
+    ] + [engine.source for engine in settings.docker.parsed()]
     reconciler = Reconciler(
         cache if delivery is None else delivery,
         settings=settings.debounce,
@@ -199,6 +205,26 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         )
     )
 
+    docker_tls = (
+        client_tls(
+            *(
+                None if f is None else str(f)
+                for f in (settings.docker.tls_ca, settings.docker.tls_cert, settings.docker.tls_key)
+            )
+        )
+        if settings.docker.uses_tls
+        else None
+    )
+    dockers = [
+        DockerSource(
+            engine,
+            on_state=functools.partial(reconciler.update, engine.source),
+            on_event=events.emit,
+            tls=docker_tls,
+        )
+        for engine in settings.docker.parsed()
+    ]
+
     authorize = NodeAuthorizer(settings.policy.authorize_nodes).refusal if settings.policy.authorize_nodes else None
     grants = secret_grants(settings, () if grants_file is None else grants_file.value)
     policy = XdsPolicy(
@@ -223,6 +249,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         authorize=authorize,
         limits=settings.xds.limits,
         clusters_for=lambda node: cluster_names(cache, groups.group_of(node)),
+        group_of=groups.group_of,
     )
     xds_listener = XdsListener(xds, settings.xds, tls=xds_tls, events=events, lrs=lrs)
     listening: list[Component | None] = [xds_tls, xds_listener]
@@ -273,9 +300,12 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             status,
             cache,
             reconciler,
-            waiting=_waiting(settings, reconciler, etcd),
+            waiting=_waiting(settings, reconciler, etcd, dockers),
             recent=recent,
-            etcd=None if etcd is None else store.status if store is not None else etcd.status,
+            sources=SourceStatus(
+                etcd=None if etcd is None else store.status if store is not None else etcd.status,
+                docker=[source.status for source in dockers],
+            ),
             tokens=admin_tokens,
             events=events,
             rollout=delivery,
@@ -327,6 +357,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     signals = StopSignals(reconciler)
     components: list[Component | None] = [
         None if settings.snapshot is None else FileSource(settings.snapshot, reconciler, events),
+        *(Task(f"docker {source.engine.url}", source.run) for source in dockers),
         # The first snapshot, before any proxy can connect (if every source is in).
         # On etcd, what the elected replica stored of the rollout is read before anything is built.
         None
@@ -373,7 +404,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         Task(
             "waiting",
             lambda: say_what_we_wait_for(
-                reconciler, _waiting(settings, reconciler, etcd), events, every=settings.waiting_log_every
+                reconciler, _waiting(settings, reconciler, etcd, dockers), events, every=settings.waiting_log_every
             ),
         ),
         signals,
@@ -461,18 +492,26 @@ def _admin(
     return _Part(listener, [tls, listener, None if tokens is None else Task("admin-tokens", tokens.follow)])
 
 
-def _waiting(settings: ServeSettings, reconciler: Reconciler, etcd: EtcdSource | None) -> Callable[[], list[str]]:
+def _waiting(
+    settings: ServeSettings, reconciler: Reconciler, etcd: EtcdSource | None, dockers: list[DockerSource]
+) -> Callable[[], list[str]]:
     """Why each source the reconciler waits for has not reported yet."""
     at = settings.etcd.address
-    reasons = {
+    reasons: dict[str, Callable[[], str]] = {
         "etcd": lambda: f"etcd at {at}: {etcd.problem if etcd and etcd.problem else 'listing'}",
         SUBSETS_READY: lambda: f"the subsetting indices in etcd at {at}: listing",
     }
+    for docker in dockers:
+        reasons[docker.engine.source] = functools.partial(_docker_waiting, docker)
 
     def waiting() -> list[str]:
         return [reasons[name]() if name in reasons else name for name in reconciler.waiting_for()]
 
     return waiting
+
+
+def _docker_waiting(docker: DockerSource) -> str:
+    return f"the Docker engine at {docker.engine.url}: {docker.problem or 'listing'}"
 
 
 async def _expire_forever(indices: EtcdProxyIndices, *, every: float = 1.0) -> None:

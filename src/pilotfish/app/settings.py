@@ -26,6 +26,7 @@ from pilotfish.rollout.gates import AckSettings, HealthSettings
 from pilotfish.rollout.load import LoadSettings
 from pilotfish.rollout.machine import RolloutSettings, parse_rollout_types
 from pilotfish.rollout.waves import parse_waves
+from pilotfish.sources.docker import DockerEngine, parse_engine
 from pilotfish.sources.registry import RegistryLimits, SelfPreservation
 from pilotfish.status import StatusLimits
 from pilotfish.transport.aio import ConnectionLimits
@@ -130,6 +131,52 @@ class EtcdSettings:
     election_ttl: float = 6.0
     """The lease (seconds) of the election for the singleton duties; a replica that dies hands
     them over within about 4/3 of it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DockerSettings:
+    """Docker engines as sources (see :mod:`pilotfish.sources.docker`)."""
+
+    engines: tuple[str, ...] = ()
+    """``--docker URL[@ADDRESS]`` values, as given (checked by :meth:`problems`)."""
+    tls_ca: Path | None = None
+    """The CA that signs ``tcp://`` engines' certificates (None: the system's)."""
+    tls_cert: Path | None = None
+    """A client certificate for ``tcp://`` engines (with :attr:`tls_key`)."""
+    tls_key: Path | None = None
+    tls: bool = False
+    """Speak TLS to ``tcp://`` engines (implied by any of the files)."""
+
+    def parsed(self) -> list[DockerEngine]:
+        """The engines (ValueError naming the first bad one; :meth:`problems` names them all)."""
+        return [parse_engine(text) for text in self.engines]
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or any(f is not None for f in (self.tls_ca, self.tls_cert, self.tls_key))
+
+    def problems(self) -> list[Problem]:
+        problems = []
+        urls = set()
+        for text in self.engines:
+            try:
+                engine = parse_engine(text)
+            except ValueError as exc:
+                problems.append(Problem("--docker", str(exc)))
+                continue
+            if engine.url in urls:
+                problems.append(Problem("--docker", f"--docker {engine.url} is given twice"))
+            urls.add(engine.url)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            problems.append(Problem("--docker-tls-cert", "--docker-tls-cert and --docker-tls-key go together"))
+        for flag, path in (
+            ("--docker-tls-ca", self.tls_ca),
+            ("--docker-tls-cert", self.tls_cert),
+            ("--docker-tls-key", self.tls_key),
+        ):
+            if path is not None and not path.is_file():
+                problems.append(Problem(flag, f"{flag} {path}: no such file"))
+        return problems
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -316,6 +363,7 @@ class ServeSettings:
     registry: RegistrySettings = field(default_factory=RegistrySettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
     etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    docker: DockerSettings = field(default_factory=DockerSettings)
     tls: TlsSettings = field(default_factory=TlsSettings)
     policy: PolicySettings = field(default_factory=PolicySettings)
     subsets: SubsetSettings = field(default_factory=SubsetSettings)
@@ -337,12 +385,19 @@ class ServeSettings:
     def problems(self) -> list[Problem]:
         """Every way the parts contradict each other (empty: none), each naming its flag."""
         problems = []
-        if self.snapshot is None and self.registry.address is None and self.etcd.address is None:
+        if (
+            self.snapshot is None
+            and self.registry.address is None
+            and self.etcd.address is None
+            and not self.docker.engines
+        ):
             problems.append(
                 Problem(
-                    "--snapshot", "give at least one source: --snapshot FILE, --registry HOST:PORT or --etcd HOST:PORT"
+                    "--snapshot",
+                    "give at least one source: --snapshot FILE, --registry HOST:PORT, --etcd HOST:PORT or --docker URL",
                 )
             )
+        problems += self.docker.problems()
         problems += self.tls.problems()
         problems += self.rollout.problems()
         if self.policy.authorize_nodes and self.tls.client_ca is None:

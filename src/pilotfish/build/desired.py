@@ -52,7 +52,7 @@ from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType, TypeUrl
 from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH, rest_config_source
 from pilotfish.resources.builders import ClientKind, ResourceMemo, ServicesPatch, encode_for_views
-from pilotfish.resources.services import Endpoint, ServiceSpec
+from pilotfish.resources.services import Endpoint, ServiceSpec, has_host_names
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from pilotfish.snapshot import Resource, Snapshot, SubsetPlan, SubsetService, TypeSnapshot
 
@@ -342,6 +342,8 @@ def subset_tables(
     out = {}
     for name, spec in merged.services.items():
         if (spec.subset_size or default_size) is not None:
+            if has_host_names(merged.endpoints.get(name, ())):
+                continue  # Envoy resolves its names, each proxy all of them: not subsetted
             previous = tables.get(name, _NO_INDICES)
             out[name] = (
                 previous.update(present=(e.address for e in merged.endpoints.get(name, ()))) if allocate else previous
@@ -446,6 +448,7 @@ def build_snapshots(
     problems.extend(_name_clashes(raw, {kind: by_type for (kind, _), by_type in built.items()}))
     problems.extend(_api_listener_clashes(merged))
     problems.extend(_address_clashes(merged))
+    problems.extend(_route_problems(merged))
     problems.extend(
         check_references(
             merged.resources,
@@ -597,4 +600,67 @@ def _address_clashes(merged: Merged) -> list[Problem]:
             )
         else:
             owners[address] = f"services.{name}"
+    return problems
+
+
+def _route_problems(merged: Merged) -> list[Problem]:
+    """What a service's routes and DNS endpoints need of the other services (of every source):
+    each route's ``to`` names a service, or a raw cluster; what gRPC clients are sent has no
+    STRICT_DNS cluster (they take EDS clusters only); a DNS service asks for no subsetting or
+    zone-local routing (Envoy resolves its names: pilotfish never sees their addresses)."""
+    problems: list[Problem] = []
+    concerned = sorted(
+        name
+        for name, spec in merged.services.items()
+        if spec.routes or spec.grpc is not None or spec.subset_size is not None or spec.zone_local
+    )
+    if not concerned:  # (a build looks at its 10,000 services once here, and only at their settings)
+        return problems
+    clusters = {c.name for c in merged.resources.get(CLUSTER, ())}  # type: ignore[attr-defined]
+    dns: dict[str, bool] = {}
+
+    def is_dns(name: str) -> bool:
+        if name not in dns:
+            dns[name] = has_host_names(merged.endpoints.get(name, ()))
+        return dns[name]
+
+    for name in concerned:
+        spec = merged.services[name]
+        if spec.subset_size is not None or spec.zone_local or (spec.grpc is not None and not spec.routes):
+            for field_name, value in (("subset_size", spec.subset_size), ("zone_local", spec.zone_local or None)):
+                if value is not None and is_dns(name):
+                    problems.append(
+                        Problem(
+                            f"services.{name}.{field_name}",
+                            "its endpoints include host names, which Envoy resolves (a STRICT_DNS cluster): "
+                            f"pilotfish cannot apply {field_name} to them; leave it out or list IP addresses",
+                        )
+                    )
+            if spec.grpc is not None and not spec.routes and is_dns(name):
+                problems.append(
+                    Problem(
+                        f"services.{name}.grpc",
+                        "gRPC clients take EDS clusters only, and this service's endpoints include host names "
+                        "(a STRICT_DNS cluster): list IP addresses",
+                    )
+                )
+        for index, route in enumerate(spec.routes):
+            for target in route.targets():
+                where = f"services.{name}.routes[{index}].to"
+                if target not in merged.services and target not in clusters:
+                    problems.append(
+                        Problem(
+                            where,
+                            f"services.{name} routes to {target!r}, which is no service (nor cluster): "
+                            f"define services.{target} or fix the name",
+                        )
+                    )
+                elif spec.grpc is not None and target in merged.services and is_dns(target):
+                    problems.append(
+                        Problem(
+                            where,
+                            f"gRPC clients (grpc: {spec.grpc}) take EDS clusters only, and services.{target}'s "
+                            "endpoints include host names (a STRICT_DNS cluster)",
+                        )
+                    )
     return problems

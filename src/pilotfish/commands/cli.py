@@ -197,6 +197,30 @@ def _parser() -> argparse.ArgumentParser:
         "then the watch is made again (default: %(default)s)",
     )
     serve.add_argument(
+        "--docker",
+        action="append",
+        default=[],
+        metavar="URL[@ADDRESS]",
+        help="discover endpoints from a Docker engine's labelled containers (repeatable): "
+        "unix:///var/run/docker.sock, or tcp://HOST:PORT; @ADDRESS is the address its containers "
+        "are reached at (default: 127.0.0.1 for a socket, HOST for tcp). Labels: docs/sources.md",
+    )
+    serve.add_argument(
+        "--docker-tls",
+        action="store_true",
+        help="speak TLS to tcp:// Docker engines (implied by the --docker-tls-* files)",
+    )
+    serve.add_argument(
+        "--docker-tls-ca",
+        type=Path,
+        metavar="FILE",
+        help="the CA that signs tcp:// Docker engines' certificates (default: the system's)",
+    )
+    serve.add_argument(
+        "--docker-tls-cert", type=Path, metavar="FILE", help="client certificate for tcp:// Docker engines"
+    )
+    serve.add_argument("--docker-tls-key", type=Path, metavar="FILE", help="the key of --docker-tls-cert")
+    serve.add_argument(
         "--quiet-ms",
         type=_positive_int,
         default=100,
@@ -779,6 +803,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pilotfish.app import ServeSettings, serve
     from pilotfish.app.settings import (
         AdminSettings,
+        DockerSettings,
         EtcdSettings,
         EventSettings,
         PolicySettings,
@@ -837,6 +862,13 @@ def _serve(args: argparse.Namespace) -> int:
             ),
         ),
         etcd=EtcdSettings(address=args.etcd, prefix=args.etcd_prefix, keepalive=args.etcd_keepalive_s),
+        docker=DockerSettings(
+            engines=tuple(args.docker),
+            tls=args.docker_tls,
+            tls_ca=args.docker_tls_ca,
+            tls_cert=args.docker_tls_cert,
+            tls_key=args.docker_tls_key,
+        ),
         tls=TlsSettings(
             cert=args.tls_cert,
             key=args.tls_key,

@@ -337,8 +337,23 @@ def _rest_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     }
 
 
+class _EnvoyYamlDumper(yaml.SafeDumper):
+    """PyYAML writes ``y`` and ``n`` bare (its resolver follows YAML 1.2 there), but Envoy's YAML
+    parser reads them as booleans, as YAML 1.1 does: a node id ``n`` became ``false``. Those are
+    quoted too."""
+
+
+def _string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "'" if value in _YAML11_BOOLEANS else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_YAML11_BOOLEANS = frozenset({"y", "Y", "n", "N"})
+_EnvoyYamlDumper.add_representer(str, _string)
+
+
 def bootstrap_yaml(settings: BootstrapSettings) -> str:
-    return yaml.safe_dump(bootstrap(settings), sort_keys=False)
+    return yaml.dump(bootstrap(settings), Dumper=_EnvoyYamlDumper, sort_keys=False)
 
 
 def grpc_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:

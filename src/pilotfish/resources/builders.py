@@ -1,7 +1,9 @@
 """Services -> Envoy resources, with production defaults.
 
-For each service: an EDS cluster and its ClusterLoadAssignment; with ``listen``, a listener
-(HTTP: connection manager using RDS plus a route configuration; TCP: tcp_proxy); with ``grpc``, an
+For each service: an EDS cluster and its ClusterLoadAssignment (a service with an endpoint that is
+a host name: a STRICT_DNS cluster holding its endpoints, which Envoy resolves, and no assignment);
+with ``listen``, a listener (HTTP: connection manager using RDS plus a route configuration: the
+service's ``routes``, or one route sending everything to the service; TCP: tcp_proxy); with ``grpc``, an
 *API listener* for proxyless gRPC clients: a Listener named as the target a client resolves
 (``xds:///NAME``) with no address, only an ``api_listener`` holding an HTTP connection manager
 that uses RDS (the service's route configuration) and the router filter, which is what gRPC
@@ -56,11 +58,13 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from pilotfish.resources.encoded import Resource
-from pilotfish.resources.services import Endpoint, ServiceSpec
+from pilotfish.resources.routes import Route, host_regex
+from pilotfish.resources.services import Endpoint, ServiceSpec, has_host_names
 from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, ResourceType
 from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, length_delimited
 
@@ -115,15 +119,25 @@ def _socket(host: str, port: int) -> address_pb2.Address:
     return address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port))
 
 
-def build_cluster(spec: ServiceSpec, *, eds: config_source_pb2.ConfigSource | None = None) -> cluster_pb2.Cluster:
-    """The service's EDS cluster; its endpoints come over ``eds`` (default: ADS)."""
+DNS_REFRESH = 5.0
+"""Seconds between Envoy's lookups of a STRICT_DNS cluster's names (Envoy's default, said explicitly)."""
+
+
+def build_cluster(
+    spec: ServiceSpec,
+    *,
+    eds: config_source_pb2.ConfigSource | None = None,
+    dns_endpoints: tuple[Endpoint, ...] | None = None,
+) -> cluster_pb2.Cluster:
+    """The service's EDS cluster; its endpoints come over ``eds`` (default: ADS). With
+    ``dns_endpoints`` (a service some of whose endpoints are host names) a STRICT_DNS cluster
+    instead, holding them: Envoy resolves the names itself (IPv4 first, every
+    :data:`DNS_REFRESH` seconds) and balances over every address they resolve to."""
     cluster = cluster_pb2.Cluster(
         name=spec.name,
-        type=cluster_pb2.Cluster.EDS,
         connect_timeout=_duration(spec.connect_timeout),
         lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
         ignore_health_on_host_removal=True,
-        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=eds or _ads()),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
             thresholds=[
                 circuit_breaker_pb2.CircuitBreakers.Thresholds(
@@ -141,6 +155,16 @@ def build_cluster(spec: ServiceSpec, *, eds: config_source_pb2.ConfigSource | No
             max_ejection_percent=wrappers_pb2.UInt32Value(value=50),
         ),
     )
+    if dns_endpoints is None:
+        cluster.type = cluster_pb2.Cluster.EDS
+        cluster.eds_cluster_config.CopyFrom(cluster_pb2.Cluster.EdsClusterConfig(eds_config=eds or _ads()))
+    else:
+        # V4_PREFERRED, not Envoy's AUTO (IPv6 first): a name such as localhost that resolves to
+        # both ::1 and 127.0.0.1 would otherwise reach only ::1, where most services do not listen.
+        cluster.type = cluster_pb2.Cluster.STRICT_DNS
+        cluster.dns_lookup_family = cluster_pb2.Cluster.V4_PREFERRED
+        cluster.dns_refresh_rate.CopyFrom(_duration(DNS_REFRESH))
+        cluster.load_assignment.CopyFrom(build_assignment(spec.name, dns_endpoints))
     if spec.protocol == "http" and spec.upstream_protocol == "http2":
         options = http_protocol_options_pb2.HttpProtocolOptions(
             explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
@@ -201,33 +225,111 @@ def build_assignment(name: str, endpoints: Iterable[Endpoint]) -> endpoint_pb2.C
     )
 
 
-def _route_config(spec: ServiceSpec) -> route_pb2.RouteConfiguration:
-    action = route_components_pb2.RouteAction(
-        cluster=spec.name,
-        timeout=_duration(spec.timeout),
-    )
-    if spec.retries:
+def _route_action(cluster: str, timeout: float, retries: int) -> route_components_pb2.RouteAction:
+    action = route_components_pb2.RouteAction(cluster=cluster, timeout=_duration(timeout))
+    if retries:
         action.retry_policy.CopyFrom(
             route_components_pb2.RetryPolicy(
                 retry_on=_RETRY_ON,
-                num_retries=wrappers_pb2.UInt32Value(value=spec.retries),
+                num_retries=wrappers_pb2.UInt32Value(value=retries),
             )
         )
+    return action
+
+
+def _route_config(spec: ServiceSpec) -> route_pb2.RouteConfiguration:
+    if spec.routes:
+        routes = [_route(spec, route) for route in spec.routes]
+    else:  # every request to the service itself
+        routes = [
+            route_components_pb2.Route(
+                match=route_components_pb2.RouteMatch(prefix="/"),
+                route=_route_action(spec.name, spec.timeout, spec.retries),
+            )
+        ]
     return route_pb2.RouteConfiguration(
         name=spec.name,
-        virtual_hosts=[
-            route_components_pb2.VirtualHost(
-                name=spec.name,
-                domains=["*"],
-                routes=[
-                    route_components_pb2.Route(
-                        match=route_components_pb2.RouteMatch(prefix="/"),
-                        route=action,
-                    )
-                ],
-            )
-        ],
+        virtual_hosts=[route_components_pb2.VirtualHost(name=spec.name, domains=["*"], routes=routes)],
     )
+
+
+def _regex(pattern: str) -> regex_pb2.RegexMatcher:
+    return regex_pb2.RegexMatcher(regex=pattern)
+
+
+_REDIRECT_CODES = {
+    301: route_components_pb2.RedirectAction.MOVED_PERMANENTLY,
+    302: route_components_pb2.RedirectAction.FOUND,
+    303: route_components_pb2.RedirectAction.SEE_OTHER,
+    307: route_components_pb2.RedirectAction.TEMPORARY_REDIRECT,
+    308: route_components_pb2.RedirectAction.PERMANENT_REDIRECT,
+}
+
+
+def _route_match(route: Route) -> route_components_pb2.RouteMatch:
+    match = route_components_pb2.RouteMatch()
+    if route.match_kind == "regex":
+        match.safe_regex.CopyFrom(_regex(route.match))
+    else:
+        setattr(match, route.match_kind, route.match)
+    if route.hosts:
+        # On ``:authority`` rather than virtual hosts: the list's order alone decides (see routes.py).
+        match.headers.append(
+            route_components_pb2.HeaderMatcher(
+                name=":authority", string_match=string_pb2.StringMatcher(safe_regex=_regex(host_regex(route.hosts)))
+            )
+        )
+    for header in route.headers:
+        matcher = route_components_pb2.HeaderMatcher(name=header.name)
+        if header.kind in ("present", "absent"):
+            matcher.present_match = True
+            matcher.invert_match = header.kind == "absent"
+        elif header.kind == "regex":
+            matcher.string_match.safe_regex.CopyFrom(_regex(header.value))
+        else:
+            setattr(matcher.string_match, header.kind, header.value)
+        match.headers.append(matcher)
+    return match
+
+
+def _route(spec: ServiceSpec, route: Route) -> route_components_pb2.Route:
+    """One route of a service's table (see :mod:`pilotfish.resources.routes`)."""
+    built = route_components_pb2.Route(match=_route_match(route))
+    if route.direct_response is not None:
+        built.direct_response.status = route.direct_response.status
+        if route.direct_response.body:
+            built.direct_response.body.inline_string = route.direct_response.body
+    elif route.redirect is not None:
+        redirect = route.redirect
+        action = built.redirect
+        if redirect.scheme is not None:
+            action.scheme_redirect = redirect.scheme
+        if redirect.host is not None:
+            action.host_redirect = redirect.host
+        if redirect.port is not None:
+            action.port_redirect = redirect.port
+        if redirect.path is not None:
+            action.path_redirect = redirect.path
+        if redirect.prefix is not None:
+            action.prefix_rewrite = redirect.prefix
+        action.response_code = _REDIRECT_CODES[redirect.code]
+        action.strip_query = redirect.strip_query
+    else:
+        timeout = spec.timeout if route.timeout is None else route.timeout
+        retries = spec.retries if route.retries is None else route.retries
+        forward = _route_action(route.to[0][0], timeout, retries)
+        if route.split:
+            forward.ClearField("cluster")
+            forward.weighted_clusters.clusters.extend(
+                route_components_pb2.WeightedCluster.ClusterWeight(
+                    name=name, weight=wrappers_pb2.UInt32Value(value=weight)
+                )
+                for name, weight in route.to
+            )
+        if route.prefix_rewrite is not None:
+            forward.prefix_rewrite = route.prefix_rewrite
+        built.route.CopyFrom(forward)
+    return built
 
 
 def _connection_manager(
@@ -281,8 +383,8 @@ def _cluster_template(settings: ServiceSpec, eds: bytes) -> bytes:
 
 
 def encode_cluster(spec: ServiceSpec, eds: config_source_pb2.ConfigSource | None = None) -> bytes:
-    # What does not shape the cluster (its listeners) is left out of the template's key.
-    settings = dataclasses.replace(spec, name="", listen=None, grpc=None)
+    # What does not shape the cluster (its listeners and routes) is left out of the template's key.
+    settings = dataclasses.replace(spec, name="", listen=None, grpc=None, routes=())
     source = b"" if eds is None else eds.SerializeToString(deterministic=True)
     return length_delimited(1, spec.name.encode()) + _cluster_template(settings, source)
 
@@ -307,8 +409,9 @@ class _Service:
         self.cluster: Resource | None = None
         self.rest_cluster: Resource | None = None
         self.every: Resource | None = None
-        self.zonal: tuple[Resource, ...] = ()
-        """Per zone of the build's views (in their order): the assignment its clients get."""
+        self.zonal: tuple[Resource | None, ...] = ()
+        """Per zone of the build's views (in their order): the assignment its clients get (None,
+        as :attr:`every`, for a STRICT_DNS cluster: its endpoints are in the cluster)."""
         self.socket: Resource | None = None
         self.rest_socket: Resource | None = None
         self.api: Resource | None = None
@@ -511,6 +614,10 @@ class _ViewsBuild:
     def _cluster(self, spec: ServiceSpec) -> Resource:
         return Resource(CLUSTER, spec.name, encode_cluster(spec))
 
+    @staticmethod
+    def _dns_cluster(spec: ServiceSpec, found: tuple[Endpoint, ...]) -> Resource:
+        return Resource.of(CLUSTER, build_cluster(spec, dns_endpoints=found))
+
     def _rest_cluster(self, spec: ServiceSpec) -> Resource:
         return Resource(CLUSTER, spec.name, encode_cluster(spec, self.rest_source))
 
@@ -556,7 +663,7 @@ class _ViewsBuild:
             if (
                 old is not None
                 and old.route is not None
-                and (old.spec.timeout, old.spec.retries) == (spec.timeout, spec.retries)
+                and (old.spec.timeout, old.spec.retries, old.spec.routes) == (spec.timeout, spec.retries, spec.routes)
             ):
                 entry.route = old.route
             else:
@@ -566,12 +673,29 @@ class _ViewsBuild:
         """The service's resources, each taken from ``old`` (its last build) where its input is the same."""
         entry = _Service(spec, found)
         same_spec = old is not None and old.spec == spec
+        dns = has_host_names(found)
         if old is not None and same_spec:
             entry.cluster, entry.rest_cluster = old.cluster, old.rest_cluster
             entry.socket, entry.rest_socket, entry.api, entry.route = old.socket, old.rest_socket, old.api, old.route
         else:
             self._make_config(entry, spec, old)
-        if old is not None and old.found == found and (same_spec or old.spec.zone_local == spec.zone_local):
+        if dns:
+            # Envoy resolves the names: the endpoints are in a STRICT_DNS cluster, the same for
+            # every view (no config source in it; not zone-local, not subsetted), and no EDS.
+            cluster = self.memo.make(self._dns_cluster, spec, found)
+            entry.cluster = cluster if self.want_ads else None
+            entry.rest_cluster = cluster if self.want_rest else None
+            entry.every, entry.zonal = None, (None,) * len(self.zones)
+            return entry
+        if old is not None and old.every is None:  # it was a DNS service: its clusters were STRICT_DNS
+            entry.cluster = self.memo.make(self._cluster, spec) if self.want_ads else None
+            entry.rest_cluster = self.memo.make(self._rest_cluster, spec) if self.want_rest else None
+        if (
+            old is not None
+            and old.every is not None
+            and old.found == found
+            and (same_spec or old.spec.zone_local == spec.zone_local)
+        ):
             entry.every, entry.zonal = old.every, old.zonal
             return entry
         ordered = tuple(sorted(found))

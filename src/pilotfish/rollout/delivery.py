@@ -48,7 +48,8 @@ from pilotfish.errors import shorten
 from pilotfish.events import EventLog
 from pilotfish.resources.types import CLUSTER, ENDPOINT, TypeUrl
 from pilotfish.rollout.gates import HealthResult, short_type
-from pilotfish.rollout.machine import CommandRefused, Decision, LoadWindow, Phase, RolloutMachine, RolloutSettings, Step
+from pilotfish.rollout.load import LoadStore
+from pilotfish.rollout.machine import CommandRefused, Decision, Phase, RolloutMachine, RolloutSettings, Step
 from pilotfish.rollout.stored import Stored, encode, encode_snapshots
 from pilotfish.snapshot import Snapshot, TypeSnapshot, with_kept
 from pilotfish.status import NodeInfo, SyncStatus
@@ -119,6 +120,8 @@ MAX_NACKS = 100
 """NACKs of one candidate a replica reports to the one that decides (one fails the rollout)."""
 MAX_NACK_MESSAGE = 1_000
 """Characters of each reported NACK message."""
+MAX_REFUSED_REPLICAS = 64
+"""Replicas whose refused load exports are remembered (each is warned about once per reason)."""
 
 _OUTCOMES = {"rollout_completed": "completed", "rollout_rolled_back": "rolled_back", "rollout_superseded": "superseded"}
 
@@ -133,7 +136,7 @@ class Delivery:
         *,
         status: SyncStatus,
         events: EventLog,
-        loads: LoadWindow | None = None,
+        loads: LoadStore | None = None,
         clock: Callable[[], float] = time.time,
         restored: Stored | None = None,
         deciding: Callable[[], bool] | None = None,
@@ -143,6 +146,8 @@ class Delivery:
         self._status = status
         self._events = events
         self._clock = clock
+        self._loads = loads
+        self._load_refused: dict[str, str] = {}
         self._types = settings.types
         self._followers: list[Callable[[frozenset[str]], None]] = []
         self._on_change: list[Callable[[], None]] = []
@@ -344,10 +349,31 @@ class Delivery:
         nacks = self._nacks if self._seen_of == self.machine.candidate else []
         return {"at": self._clock(), "candidate": self.machine.candidate, "proxies": proxies, "nacks": nacks}
 
+    def load_report(self) -> dict[str, Any] | None:
+        """The load reports this replica received lately, for the one that decides (JSON-able;
+        None without health gates): a bake and two buckets of them, what a replica that starts to
+        decide needs for the next wave's comparison (the one deciding keeps what it took before)."""
+        if self._loads is None:
+            return None
+        bucket = self._loads.settings.bucket
+        return self._loads.export(self._clock() - self.machine.settings.bake - 2 * bucket)
+
     def absorb(self, replica: str, report: Mapping[str, Any] | None) -> None:
         """Take another replica's :meth:`report` (None: it is gone, or its report too old): its
-        proxies count in the gates as this replica's own do."""
+        proxies count in the gates as this replica's own do, and so does the load its proxies
+        reported to it (``load``: its :meth:`load_report`; kept when the replica is gone, as the
+        requests were made)."""
         machine, now = self.machine, self._clock()
+        load = None if report is None else report.get("load")
+        if load is not None and self._loads is not None:
+            try:
+                self._loads.merge(replica, load)
+            except (ValueError, TypeError, AttributeError) as exc:
+                if self._load_refused.get(replica) != str(exc):  # (said once per replica and reason)
+                    if len(self._load_refused) >= MAX_REFUSED_REPLICAS:
+                        self._load_refused.clear()
+                    self._load_refused[replica] = str(exc)
+                    _log.warning("the load reported by replica %s is not counted: %s", replica, exc)
         before = self._remote.get(replica, {})
         proxies: Mapping[str, Any] = {} if report is None else report.get("proxies", {})
         for node in before.keys() - proxies.keys():

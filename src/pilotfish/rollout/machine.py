@@ -194,13 +194,14 @@ class CommandRefused(ValueError):
 
 
 class LoadWindow(Protocol):
-    """Request counts per cluster over a window (:class:`~pilotfish.rollout.load.LoadStore`)."""
+    """Request counts per cluster over a window, by the proxies' waves
+    (:class:`~pilotfish.rollout.load.LoadStore`)."""
 
     @property
     def retention(self) -> float:
         """Seconds of history it keeps."""
 
-    def window(self, nodes: Iterable[str], start: float, end: float | None = None) -> dict[str, Counts]: ...
+    def window(self, waves: Iterable[int], start: float, end: float | None = None) -> dict[str, Counts]: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -534,7 +535,7 @@ class RolloutMachine:
         self._gate = AckGate(members, now, self.settings.ack)
         self._before = {}
         if self._health_on and self._loads is not None:
-            on_baseline = [n for n, p in self._connected.items() if p.wave >= index]
+            on_baseline = range(index, len(self.settings.waves))
             self._before = self._loads.window(on_baseline, now - self.settings.bake, now)
         step.event(
             "rollout_wave_started",
@@ -605,9 +606,8 @@ class RolloutMachine:
         if not self._health_on or self._gate is None:
             return None
         assert self.settings.health is not None and self._loads is not None
-        wave = self._loads.window(self._gate.members, self.bake_started, now)
-        later = [n for n, p in self._connected.items() if p.wave > self.wave]
-        baseline = self._loads.window(later, self.bake_started, now)
+        wave = self._loads.window((self.wave,), self.bake_started, now)
+        baseline = self._loads.window(range(self.wave + 1, len(self.settings.waves)), self.bake_started, now)
         self.last_health = judge_health(wave, baseline, self.settings.health, before=self._before)
         return self.last_health
 

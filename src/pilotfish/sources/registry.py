@@ -35,6 +35,7 @@ from typing import Any
 
 from pilotfish.build.desired import DesiredState
 from pilotfish.errors import ConfigError, Problem
+from pilotfish.resources.routes import route_document
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_endpoint, parse_service
 
 __all__ = [
@@ -211,6 +212,7 @@ def _spec_fields(spec: ServiceSpec) -> dict[str, Any]:
         "grpc": spec.grpc,
         "zone_local": spec.zone_local,
         "subset_size": spec.subset_size,
+        "routes": [route_document(route) for route in spec.routes] or None,
     }
 
 

@@ -68,8 +68,9 @@ class LrsSettings:
 class LoadSink(Protocol):
     """Where reports go (the rollout's load store)."""
 
-    def report(self, node_id: str, request: lrs_pb2.LoadStatsRequest) -> None:
-        """One report of ``node_id``'s clusters (``request.cluster_stats``), as it arrived."""
+    def report(self, node_id: str, group: str, request: lrs_pb2.LoadStatsRequest) -> None:
+        """One report of ``node_id``'s clusters (``request.cluster_stats``), as it arrived;
+        ``group``: the node group its node belongs to (``group_of``)."""
 
 
 class LoadReporting:
@@ -83,6 +84,7 @@ class LoadReporting:
         authorize: Callable[[str, str], str | None] | None = None,
         limits: XdsLimits | None = None,
         clusters_for: Callable[[base_pb2.Node], Sequence[str]] = lambda _: (),
+        group_of: Callable[[base_pb2.Node], str] = lambda _: "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.sink = sink
@@ -92,6 +94,8 @@ class LoadReporting:
         self.limits = limits or XdsLimits()
         self.clusters_for = clusters_for
         """The names of the clusters a client that cannot be told "all" reports on."""
+        self.group_of = group_of
+        """The node group of a stream's node (the xDS server's: a rollout's waves may name groups)."""
         self.clock = clock
         self.open_streams = 0
         self.reports = 0
@@ -110,12 +114,13 @@ class LoadReporting:
 class _LoadStream:
     """One client's stream of reports."""
 
-    __slots__ = ("_call", "_last", "_server", "closed", "node_id")
+    __slots__ = ("_call", "_last", "_server", "closed", "group", "node_id")
 
     def __init__(self, server: LoadReporting, call: Call) -> None:
         self._server = server
         self._call = call
         self.node_id: str | None = None
+        self.group = ""
         self._last = 0.0
         self.closed = False
         server.open_streams += 1
@@ -143,7 +148,7 @@ class _LoadStream:
         if request.cluster_stats:
             server.reports += 1
             assert self.node_id is not None
-            server.sink.report(self.node_id, request)
+            server.sink.report(self.node_id, self.group, request)
 
     def _first(self, request: lrs_pb2.LoadStatsRequest) -> None:
         """Who reports (the node, as the policy lets its certificate claim), and what it is to report."""
@@ -158,7 +163,7 @@ class _LoadStream:
             refusal = server.authorize(self._call.peer_identity, node.id)
             if refusal is not None:
                 self._refuse(GrpcStatus.PERMISSION_DENIED, refusal)
-        self.node_id = node.id
+        self.node_id, self.group = node.id, str(server.group_of(node))
         response = lrs_pb2.LoadStatsResponse()
         response.load_reporting_interval.FromNanoseconds(round(server.settings.interval * 1e9))
         if SEND_ALL_FEATURE in request.node.client_features:

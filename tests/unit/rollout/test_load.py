@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tracemalloc
 
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.config.endpoint.v3 import load_report_pb2
 from envoy.service.load_stats.v3 import lrs_pb2
@@ -12,6 +13,7 @@ from envoy.service.load_stats.v3 import lrs_pb2
 from pilotfish.rollout.gates import Counts
 from pilotfish.rollout.load import (
     MAX_COUNT,
+    MAX_EXPORTED,
     OTHER,
     ClusterLoad,
     LoadReport,
@@ -89,19 +91,43 @@ def test_counts_beyond_reason_are_bounded() -> None:
     assert decode_load_report(message).clusters[0].errors == MAX_COUNT
 
 
-def test_a_window_counts_the_reports_that_began_in_it_per_cluster_summed_over_proxies() -> None:
+WAVES = {"a": 0, "b": 1, "c": 1}
+
+
+def by_name(node_id: str, group: str) -> int:
+    """A wave per proxy as a rollout's plan would assign it (here: by a table; unknown: the last)."""
+    return WAVES.get(node_id, 2)
+
+
+def test_a_window_counts_the_reports_that_began_in_it_per_cluster_summed_over_a_waves_proxies() -> None:
     clock = Clock(1000.0)
-    store = LoadStore(LoadSettings(bucket=1.0, retention=120.0), clock=clock)
+    store = LoadStore(LoadSettings(bucket=1.0, retention=120.0), clock=clock, classify=by_name)
     clock.now = 1010.0
     store.ingest("a", report(load("web", 90, 10, interval=10)))  # covers [1000, 1010]
     clock.now = 1020.0
     store.ingest("a", report(load("web", 50, 0, interval=10)))  # [1010, 1020]
     store.ingest("b", report(load("web", 100, 0, interval=10), load("api", 7, 1, interval=10)))
-    assert store.window(["a"], 1000.0) == {"web": Counts(successful=140, errors=10)}
-    assert store.window(["a"], 1005.0) == {"web": Counts(successful=50)}  # began before 1005: not counted
-    assert store.window(["a", "b"], 1010.0) == {"web": Counts(successful=150), "api": Counts(successful=7, errors=1)}
-    assert store.window(["a"], 1000.0, 1010.0) == {"web": Counts(successful=90, errors=10)}
-    assert store.window(["nobody"], 0.0) == {}
+    store.ingest("c", report(load("web", 1, 1, interval=10)))
+    assert store.window([0], 1000.0) == {"web": Counts(successful=140, errors=10)}
+    assert store.window([0], 1005.0) == {"web": Counts(successful=50)}  # began before 1005: not counted
+    assert store.window([1], 1010.0) == {"web": Counts(successful=101, errors=1), "api": Counts(successful=7, errors=1)}
+    assert store.window([0, 1], 1010.0)["web"] == Counts(successful=151, errors=1)
+    assert store.window([0], 1000.0, 1010.0) == {"web": Counts(successful=90, errors=10)}
+    assert store.window([2], 0.0) == {}
+
+
+def test_a_proxys_wave_is_asked_once_with_its_group() -> None:
+    asked: list[tuple[str, str]] = []
+
+    def classify(node_id: str, group: str) -> int:
+        asked.append((node_id, group))
+        return 1 if group == "canary" else 0
+
+    store = LoadStore(LoadSettings(bucket=1.0), clock=Clock(), classify=classify)
+    for _ in range(3):
+        store.ingest("edge-1", report(load("web", 1, interval=1)), group="canary")
+    assert asked == [("edge-1", "canary")]
+    assert store.window([1], 0.0) == {"web": Counts(successful=3)}
 
 
 def test_a_window_never_counts_load_from_before_it_began() -> None:
@@ -109,8 +135,8 @@ def test_a_window_never_counts_load_from_before_it_began() -> None:
     store = LoadStore(LoadSettings(bucket=5.0, retention=60.0), clock=clock)
     clock.now = 1012.5
     store.ingest("a", report(load("web", 10, 0, interval=10)))  # began at 1002.5, bucket [1000, 1005)
-    assert store.window(["a"], 1001.0) == {}  # a window from 1001 starts counting at the bucket of 1005
-    assert store.window(["a"], 1000.0) == {"web": Counts(successful=10)}
+    assert store.window([0], 1001.0) == {}  # a window from 1001 starts counting at the bucket of 1005
+    assert store.window([0], 1000.0) == {"web": Counts(successful=10)}
 
 
 def test_history_older_than_the_retention_is_gone() -> None:
@@ -118,34 +144,35 @@ def test_history_older_than_the_retention_is_gone() -> None:
     store = LoadStore(LoadSettings(bucket=1.0, retention=30.0), clock=clock)
     clock.now = 10.0
     store.ingest("a", report(load("web", 5, 0, interval=1)))
-    assert store.window(["a"], 0.0) == {"web": Counts(successful=5)}
+    assert store.window([0], 0.0) == {"web": Counts(successful=5)}
     clock.now = 100.0
     store.ingest("a", report(load("web", 1, 0, interval=1)))
-    assert store.window(["a"], 0.0) == {"web": Counts(successful=1)}
+    assert store.window([0], 0.0) == {"web": Counts(successful=1)}
 
 
-def test_clusters_beyond_a_proxys_bound_are_folded_so_they_still_count() -> None:
+def test_clusters_beyond_a_waves_bound_are_folded_so_they_still_count() -> None:
     clock = Clock(100.0)
     store = LoadStore(LoadSettings(max_clusters=3, max_name=20), clock=clock)
     clusters = [load(f"c{i}", 10, 1) for i in range(10)] + [load("x" * 21, 10, 1), load("", 10, 1)]
     done = store.ingest("hostile", report(*clusters))
     assert (done.kept, done.folded, done.refused) == (3, 9, False)
     assert store.series == 3
-    totals = store.window(["hostile"], 0.0)
+    totals = store.window([0], 0.0)
     assert set(totals) == {"c0", "c1", "c2", OTHER}
     assert totals[OTHER] == Counts(successful=90, errors=9)
     assert sum(c.errors for c in totals.values()) == 12  # flooding with names hides no error
+    done = store.ingest("other", report(load("c1", 1, 1), load("new", 1, 1)))
+    assert (done.kept, done.folded) == (1, 1)  # the wave's three are taken: a new name is folded
 
 
 def test_the_store_keeps_at_most_max_series_in_all() -> None:
     clock = Clock(100.0)
-    store = LoadStore(LoadSettings(max_series=50, max_clusters=10), clock=clock)
+    store = LoadStore(LoadSettings(max_series=50, max_clusters=40), clock=clock, classify=lambda n, _: int(n[1:]) % 3)
     for p in range(20):
-        store.ingest(f"p{p}", report(*(load(f"c{i}", 1) for i in range(10))))
+        store.ingest(f"p{p}", report(*(load(f"c{p}-{i}", 1) for i in range(10))))
     assert store.series == 50
     assert store.folded == 150
-    store.forget("p0")
-    assert store.series == 40
+    assert sum(c.successful for c in store.window(range(3), 0.0).values()) == 200
 
 
 def test_a_proxy_beyond_max_proxies_is_refused_until_a_stale_one_makes_room() -> None:
@@ -171,20 +198,75 @@ def test_a_node_id_beyond_reason_is_refused() -> None:
 
 def test_a_flood_of_proxies_and_clusters_stays_within_the_memory_bound() -> None:
     clock = Clock(100.0)
-    settings = LoadSettings(max_proxies=200, max_clusters=100, max_series=2_000, bucket=5.0, retention=300.0)
-    store = LoadStore(settings, clock=clock)
+    settings = LoadSettings(max_proxies=2_000, max_clusters=100, max_series=300, bucket=5.0, retention=300.0)
+    store = LoadStore(settings, clock=clock, classify=lambda n, _: hash(n) % 4)
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        flood = report(*(load(f"cluster-{i}", 10, 1) for i in range(150)))
         for step in range(2):
             clock.now = 100.0 + step * 5
-            for p in range(250):  # beyond max_proxies, each beyond max_clusters, together beyond max_series
-                store.ingest(f"p{p}-{'x' * 100}", flood)
+            for p in range(2_500):  # beyond max_proxies, each naming clusters of its own: beyond max_series
+                store.ingest(f"p{p}-{'x' * 100}", report(*(load(f"cluster-{p}-{i}", 10, 1) for i in range(20))))
         used = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
-    assert store.proxies == 200 and store.series == 2_000
-    # the bound the module states: (max_series + max_proxies) series of slots * 40 bytes, plus overheads
-    bound = (settings.max_series + settings.max_proxies) * (settings.slots * 40 + 400)
+    assert store.proxies == 2_000 and store.series == 300
+    # the bound the module states: (max_series + waves) series of slots * 40 bytes, plus overheads,
+    # and a proxy's id and two numbers
+    bound = (settings.max_series + 4) * (settings.slots * 40 + 400) + settings.max_proxies * 500
     assert used < bound, (used, bound)
+
+
+def test_another_replicas_export_counts_in_the_windows_and_replaces_what_it_said_before() -> None:
+    clock = Clock(1000.0)
+    follower = LoadStore(LoadSettings(bucket=1.0, retention=120.0), clock=clock, classify=by_name)
+    leader = LoadStore(LoadSettings(bucket=1.0, retention=120.0), clock=clock, classify=by_name)
+    clock.now = 1010.0
+    follower.ingest("a", report(load("web", 90, 10, interval=1)))
+    leader.ingest("b", report(load("web", 5, 0, interval=1)))
+    leader.merge("follower", follower.export(1000.0))
+    assert leader.window([0], 1000.0) == {"web": Counts(successful=90, errors=10)}
+    assert leader.window([1], 1000.0) == {"web": Counts(successful=5)}
+    follower.ingest("a", report(load("web", 10, 0, interval=1)))  # the same bucket, later
+    for _ in range(2):  # (taking the same export twice counts it once)
+        leader.merge("follower", follower.export(1000.0))
+    assert leader.window([0], 1000.0) == {"web": Counts(successful=100, errors=10)}
+    assert follower.window([1], 1000.0) == {}  # (the follower counts only its own)
+
+
+def test_an_export_is_bounded_and_what_it_leaves_out_still_counts_in_other() -> None:
+    clock = Clock(1000.0)
+    follower = LoadStore(LoadSettings(bucket=1.0, max_clusters=5_000, max_series=5_000), clock=clock)
+    follower.ingest("a", report(*(load(f"c{i}", 1, 1, interval=1) for i in range(MAX_EXPORTED + 100))))
+    exported = follower.export(0.0)
+    assert len(exported["series"]) == MAX_EXPORTED + 1
+    leader = LoadStore(LoadSettings(bucket=1.0), clock=clock)
+    leader.merge("follower", exported)
+    totals = leader.window([0], 0.0)
+    assert totals[OTHER] == Counts(successful=100, errors=100)
+    assert sum(c.errors for c in totals.values()) == MAX_EXPORTED + 100
+
+
+def test_an_export_that_is_not_one_is_refused_whole() -> None:
+    leader = LoadStore(LoadSettings(bucket=1.0), clock=Clock())
+    good = [0, "web", 1000, 1, 0, 1, 0]
+    for bad in (
+        {"bucket": 5.0, "series": [good]},  # another bucket width: counts would be misfiled
+        {"bucket": 1.0, "series": "web"},
+        {"bucket": 1.0, "series": [good, [0, "web", 1000, -1, 0, 0, 0]]},
+        {"bucket": 1.0, "series": [good, [0, 7, 1000, 1, 0, 0, 0]]},
+        {"bucket": 1.0, "series": [good, [0, "web", 1000, 1.5, 0, 0, 0]]},
+        {"bucket": 1.0, "series": [good, [0, "web", 1000]]},
+    ):
+        with pytest.raises(ValueError):
+            leader.merge("r", bad)
+    assert leader.window([0], 0.0) == {}
+
+
+def test_the_exports_of_at_most_max_replicas_are_kept() -> None:
+    clock = Clock(1000.0)
+    leader = LoadStore(LoadSettings(bucket=1.0, max_replicas=3), clock=clock)
+    for r in range(5):
+        clock.now = 1000.0 + r
+        leader.merge(f"r{r}", {"bucket": 1.0, "series": [[0, "web", 999, 1, 0, 1, 0]]})
+    assert leader.window([0], 0.0) == {"web": Counts(successful=3, issued=3)}  # r2, r3, r4

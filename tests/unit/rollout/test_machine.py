@@ -469,9 +469,14 @@ def traffic(
 
 def healthy_setup(**kw: Any) -> tuple[RolloutMachine, LoadStore, Clock, dict[int, list[str]]]:
     clock = Clock()
-    store = LoadStore(LoadSettings(bucket=1.0, retention=300.0), clock=clock)
-    machine = make(loads=store, bake=30.0, health=HealthSettings(min_requests=100), **kw)
-    return machine, store, clock, plan_waves(machine)
+    made: list[RolloutMachine] = []  # (the store counts by the machine's waves; the machine reads the store)
+    store = LoadStore(
+        LoadSettings(bucket=1.0, retention=300.0),
+        clock=clock,
+        classify=lambda n, g: made[0].settings.waves.assign(n, g),
+    )
+    made.append(make(loads=store, bake=30.0, health=HealthSettings(min_requests=100), **kw))
+    return made[0], store, clock, plan_waves(made[0])
 
 
 def test_a_load_store_that_forgets_before_a_wave_is_judged_is_refused() -> None:

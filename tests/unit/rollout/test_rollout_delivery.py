@@ -9,12 +9,16 @@ every watch opened again when the delivery says the proxy moved.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import pytest
 from conftest import CDS, EDS, LDS, RDS, Received, StreamPair, assignment, build, cluster, listener, route
 
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
 from pilotfish.events import EventLog
 from pilotfish.rollout.delivery import Delivery, candidate_group, spliced
+from pilotfish.rollout.gates import Counts
+from pilotfish.rollout.load import ClusterLoad, LoadReport, LoadSettings, LoadStore
 from pilotfish.rollout.machine import RolloutSettings
 from pilotfish.rollout.waves import parse_waves
 from pilotfish.snapshot import Snapshot
@@ -117,3 +121,30 @@ def test_a_rollback_keeps_the_candidates_cluster_until_the_baselines_routes_are_
     canary.ack(canary.latest(CDS))
     canary.ack(canary.latest(RDS), ["local"])
     assert canary.latest(CDS).names == ["old"]
+
+
+def test_another_replicas_load_counts_and_a_bad_export_is_said_once_and_loses_nothing_else(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = [1000.0]
+    settings = RolloutSettings(waves=parse_waves("canary=c-*,100%"), bake=30.0)
+    loads = LoadStore(LoadSettings(bucket=5.0), clock=lambda: clock[0], classify=settings.waves.assign)
+    delivery = Delivery(
+        SnapshotCache(), settings, status=SyncStatus(), events=EventLog(), loads=loads, clock=lambda: clock[0]
+    )
+    follower = LoadStore(LoadSettings(bucket=5.0), clock=lambda: clock[0], classify=settings.waves.assign)
+    follower.ingest(
+        "c-1",
+        LoadReport(
+            None, (ClusterLoad("web", "", successful=5, errors=5, issued=10, in_progress=0, dropped=0, interval=0),)
+        ),
+    )
+    clock[0] = 1006.0  # (the bucket it began in, [1000, 1005), is over)
+    good: dict[str, Any] = {"at": clock[0], "candidate": None, "proxies": {"p-1": ["default", [], []]}, "nacks": []}
+    delivery.absorb("two", good | {"load": follower.export(900.0)})
+    assert loads.window([0], 900.0) == {"web": Counts(successful=5, errors=5, issued=10)}
+    for _ in range(3):
+        delivery.absorb("three", good | {"load": {"bucket": 1.0, "series": []}})
+    refused = [r.getMessage() for r in caplog.records if "not counted" in r.getMessage()]
+    assert len(refused) == 1 and "replica three" in refused[0] and "--rollout-bake" in refused[0], refused
+    assert delivery.status()["proxies_elsewhere"] == 2  # (both replicas' proxies are taken)
