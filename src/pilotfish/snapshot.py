@@ -42,7 +42,7 @@ import hashlib
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 from types import MappingProxyType
 
 from google.protobuf.message import Message
@@ -614,6 +614,26 @@ class Snapshot:
             other.types.get(url) is not None and other.types[url].content_hash == ts.content_hash
             for url, ts in self.types.items()
         )
+
+    def keeping_versions_of(self, was: Snapshot) -> Snapshot:
+        """This snapshot with each type whose content is the same as in ``was`` replaced by
+        ``was``'s (its version, and its memo of encoded responses): with explicit versions, a
+        new file version names the types that changed, and a type that did not keeps the version
+        its proxies hold, so it is not sent again. Only when both set an explicit version (by
+        content, an unchanged type has the same version anyway).
+
+        So a type's version is the file version at which its content last changed: it names one
+        content of that type, as the file version names one content of the file (docs/sources.md, explicit versions)."""
+        if self.explicit_version is None or was.explicit_version is None:
+            return self
+        types = dict(self.types)
+        kept = 0
+        for url, ts in self.types.items():
+            before = was.types.get(url)
+            if before is not None and before is not ts and before.content_hash == ts.content_hash:
+                types[url] = before
+                kept += 1
+        return self if not kept else replace(self, types=MappingProxyType(types))
 
     def get(self, type_url: str) -> TypeSnapshot | None:
         return self.types.get(TypeUrl(type_url))

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import re
 import struct
 import sys
 import time
@@ -62,6 +63,7 @@ __all__ = [
     "DEPARTED_VERSION",
     "MAX_NACK_MESSAGE",
     "MAX_NODE_FIELD",
+    "NACK_SUMMARY",
     "DepartedProxy",
     "GroupVersions",
     "LatencyHistogram",
@@ -75,6 +77,7 @@ __all__ = [
     "TypeCounters",
     "TypeStatus",
     "VersionProgress",
+    "nack_summary",
 ]
 
 MAX_NODE_FIELD = 256
@@ -95,6 +98,35 @@ NACKed types), beside what every record shares (type URLs, the snapshot's versio
 node fields): what the unit tests hold :class:`DepartedProxy` to."""
 DEPARTED_BYTES_MAX = 2048
 """...and whatever a peer sends (every field, version and type's NACK long)."""
+
+
+NACK_SUMMARY = 300
+"""Characters of a NACK's one-line summary (:func:`nack_summary`)."""
+_DUMPED_NAME = re.compile(r'^(?:name|cluster_name): "((?:[^"\\]|\\.){1,256})"', re.MULTILINE)
+"""The rejected resource's name in Envoy's dump of it (its ``name`` field, or an assignment's
+``cluster_name``), at the start of a line: a nested message's ``name`` is indented."""
+
+
+def nack_summary(message: str, limit: int = NACK_SUMMARY) -> str:
+    """A NACK's message in one line of at most ``limit`` characters that keeps which resource
+    was rejected and Envoy's reason: what ``pilotfish status``, the status page and the warning
+    show (the event log and ``/v1/proxies`` keep the message whole).
+
+    Envoy writes two shapes. A resource that breaks its proto rules is dumped whole (many lines)
+    and followed by ``\n: `` and the reason: the summary is the resource's name and the reason
+    (``'api': Proto constraint validation failed (ClusterValidationError.ConnectTimeout: ...)``).
+    Anything else (``Error adding/updating listener(s) ingress: ...``, an invalid regex) names
+    the resource first and the reason last: it is kept whole if short, else shortened in the
+    middle, so both ends stay."""
+    text = message.strip()
+    head, dumped, reason = text.rpartition("\n: ")
+    if dumped:
+        found = _DUMPED_NAME.search(head)
+        text = f"{found[1]!r}: {reason}" if found else reason
+    text = " ".join(text.split())
+    if text.endswith(" ."):
+        text = text[:-2]
+    return shorten(text, limit, tail=limit // 2)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

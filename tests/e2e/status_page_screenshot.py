@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .browser import Browser
-from .event_log import CDS, is_event
+from .event_log import CDS, EDS, RDS, is_event
 from .processes import ProcessGroup, wait_until
 from .test_admin_status import V2, V2B, V3
 from .testbed import Testbed, wait_for_acks
@@ -116,7 +116,9 @@ def main(out: Path) -> None:
             mark = testbed.events.mark()
             testbed.write_snapshot(**V2B)
             for node in NODES:
-                wait_for_acks(testbed.events, node=node, version="2b", after=mark, what=f"{node} at 2b")
+                wait_for_acks(  # the types 2b changed (versions are per type)
+                    testbed.events, node=node, types=(EDS, RDS), version="2b", after=mark, what=f"{node} at 2b"
+                )
             testbed.write_snapshot(**V3)
             for node in NODES:
                 testbed.events.wait_for(is_event("nack", node=node, type=CDS), after=mark, what=f"{node}'s NACK")

@@ -7,12 +7,15 @@ The snapshot story is test_envoy_snapshot.py's: version "2" is good; "3" breaks 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
+import yaml
 
-from .event_log import CDS, is_event
-from .processes import http_json, pilotfish
+from .event_log import CDS, RDS, is_event
+from .processes import http_json, pilotfish, wait_until
+from .snapshot_file import ROUTE_NAME
 from .testbed import Testbed, wait_for_acks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -22,6 +25,7 @@ V2: dict[str, Any] = {"version": "2", "web": ["web-a"], "direct_body": "direct v
 V2B: dict[str, Any] = V2 | {"version": "2b", "web": ["web-a", "web-b"], "direct_body": "direct v2b"}
 V3: dict[str, Any] = V2B | {"version": "3", "connect_timeout": "0s", "stat_prefix": "ingress_v3"}
 ADS_TYPES = ("CDS", "EDS", "LDS", "RDS")
+V2B_VERSIONS = {"CDS": "2", "EDS": "2b", "LDS": "2", "RDS": "2b"}
 
 
 def _proxies(testbed: Testbed) -> dict[str, Any]:
@@ -54,12 +58,16 @@ def test_wait_and_status_after_a_good_change_and_a_rejected_one(testbed: Testbed
         assert proxy["streams"] == 1 and proxy["group"] == "default" and proxy["protocol"] == "sotw"
         for short in ADS_TYPES:
             assert proxy["types"][short]["state"] == "SYNCED", (node, short, proxy["types"][short])
-            assert proxy["types"][short]["acked_version"] == "2b"
+            # Versions are per type: 2b changed the endpoints and the routes; the rest stay at 2.
+            assert proxy["types"][short]["acked_version"] == V2B_VERSIONS[short], (node, short)
     assert proxies["edge-2"]["cluster"] == "edge-pool"
     status, snapshots = http_json("GET", f"http://{admin}/v1/snapshots")
     assert status == 200
+    assert snapshots["groups"]["default"]["label"] == "2b"
+    eds = snapshots["groups"]["default"]["types"]["EDS"]
+    assert (eds["version"], eds["acked"], eds["proxies"], eds["summary"]) == ("2b", 2, 2, "2b: 2 of 2")
     cds = snapshots["groups"]["default"]["types"]["CDS"]
-    assert (cds["version"], cds["acked"], cds["proxies"], cds["summary"]) == ("2b", 2, 2, "2b: 2 of 2")
+    assert (cds["version"], cds["acked"], cds["proxies"], cds["summary"]) == ("2", 2, 2, "2: 2 of 2")
     assert cds["seconds_to_last_ack"] is not None and cds["seconds_to_last_ack"] >= 0
     assert events.find(is_event("snapshot_loaded", version="2b"), after=mark) is not None
 
@@ -75,7 +83,7 @@ def test_wait_and_status_after_a_good_change_and_a_rejected_one(testbed: Testbed
     proxies = _proxies(testbed)
     for node in NODES:
         cds_status = proxies[node]["types"]["CDS"]
-        assert cds_status["state"] == "NACKED" and cds_status["acked_version"] == "2b", cds_status
+        assert cds_status["state"] == "NACKED" and cds_status["acked_version"] == "2", cds_status
         assert cds_status["nack"]["version"] == "3" and "ConnectTimeout" in cds_status["nack"]["message"]
     table = pilotfish("status", "--admin", admin, "--state", "nacked")
     lines = table.stdout.splitlines()
@@ -83,6 +91,16 @@ def test_wait_and_status_after_a_good_change_and_a_rejected_one(testbed: Testbed
     assert any(line.startswith("edge-1 ") and "NACKED 3" in line for line in lines), table.stdout
     assert any(line.startswith("edge-2 ") and "edge-pool" in line for line in lines), table.stdout
     assert "edge-1 rejected CDS 3: " in table.stdout and "ConnectTimeout" in table.stdout
+    # Envoy's message is a dump of the rejected cluster, then the reason: the line shows the
+    # cluster's name and the reason, on one line.
+    nack_lines = [line for line in lines if " rejected CDS 3: " in line]
+    assert len(nack_lines) == 2, table.stdout
+    for line in nack_lines:
+        assert re.search(r"rejected CDS 3: '(web|api)': Proto constraint validation failed \(", line), line
+        assert line.endswith("ConnectTimeout: value must be greater than 0s)"), line
+    for node in NODES:  # the admin API's one-line summary, as the status page shows it
+        summary = proxies[node]["types"]["CDS"]["nack"]["summary"]
+        assert summary == nack_lines[0].split(": ", 1)[1], (summary, nack_lines)
     only_one = pilotfish("status", "--admin", admin, "--node", "edge-2")
     assert "edge-1" not in only_one.stdout and "edge-2" in only_one.stdout
 
@@ -93,3 +111,30 @@ def test_wait_and_status_after_a_good_change_and_a_rejected_one(testbed: Testbed
     assert {cluster["name"] for cluster in clusters} >= {"web", "api"}
     assert all(cluster["@type"].endswith("envoy.config.cluster.v3.Cluster") for cluster in clusters)
     assert clusters[0]["connect_timeout"] == "0s"
+
+
+def test_a_nack_whose_message_names_no_resource_is_shown_with_the_rejected_ones(testbed: Testbed) -> None:
+    """Envoy rejects a route whose regex RE2 does not compile with only ``missing ): ((``: the
+    status names the route configuration the rejected response carried."""
+    testbed.control_plane.options = ("--validate", "off")
+    testbed.start(version="1")
+    mark = testbed.events.mark()
+    document = testbed.write_snapshot(version="2")
+    routes = document["routes"][0]["virtual_hosts"][0]["routes"]
+    routes.insert(0, {"match": {"safe_regex": {"regex": "(("}}, "route": {"cluster": "web"}})
+    testbed.snapshot_path.write_text(yaml.safe_dump(document))
+    nack = testbed.events.wait_for(is_event("nack", node="edge-1", type=RDS), after=mark, what="Envoy's NACK of RDS")
+    assert nack["error"] == "missing ): ((", "the event log keeps Envoy's own message"
+    table = pilotfish("status", "--admin", testbed.control_plane.admin)
+    assert f"edge-1 rejected RDS 2: '{ROUTE_NAME}': missing ): ((" in table.stdout.splitlines(), table.stdout
+    rds = _proxies(testbed)["edge-1"]["types"]["RDS"]
+    assert rds["state"] == "NACKED" and rds["nack"]["summary"] == f"'{ROUTE_NAME}': missing ): ((", rds
+    # The warning on stderr: one line, with the name and the reason.
+    stderr = testbed.control_plane.process.stderr_path
+
+    def warned() -> list[str]:
+        return [line for line in stderr.read_text().splitlines() if "rejected" in line]
+
+    wait_until(lambda: bool(warned()), timeout=10, what="the NACK's warning on stderr")
+    [line] = warned()
+    assert line.endswith(f"edge-1 rejected RouteConfiguration version 2: '{ROUTE_NAME}': missing ): (("), line

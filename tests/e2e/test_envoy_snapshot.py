@@ -108,6 +108,27 @@ def test_renamed_snapshot_is_applied_without_restart(testbed: Testbed) -> None:
     assert envoy.process.alive() and envoy.process.pid == pid, "applied live, not by a restart"
 
 
+def test_with_explicit_versions_only_the_types_that_changed_are_sent(testbed: Testbed) -> None:
+    """A file's ``version`` is per type: an edit of the clusters alone sends Envoy the clusters at
+    the new version; its listeners stay at the version they had and are not sent again."""
+    envoy = testbed.start(version="1")
+    events = testbed.events
+    mark = events.mark()
+
+    testbed.write_snapshot(version="2", connect_timeout="2s")  # only the clusters change
+    sent_then_acked(testbed, CDS, "2", after=mark)
+    testbed.write_snapshot(version="3", connect_timeout="2s", direct_body="direct v3")  # only the routes
+    sent_then_acked(testbed, RDS, "3", after=mark)
+    wait_until(lambda: testbed.request("/direct") == (200, "direct v3"), timeout=10, what="the new direct body")
+
+    # LDS goes out before RDS (ADS order): a re-send of the listeners would be in the log by now.
+    assert events.select(is_event("sent", node=NODE, type=LDS), after=mark) == [], events.describe(after=mark)
+    assert envoy.stat("listener_manager.lds.version_text") == "1"
+    assert envoy.stat("cluster_manager.cds.version_text") == "2"
+    done = pilotfish("wait", "--admin", testbed.control_plane.admin, "--version", "3", "--timeout", "20", check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_rejected_clusters_keep_last_good_version(testbed: Testbed) -> None:
     testbed.control_plane.options = WITHOUT_VALIDATION
     envoy = testbed.start(**V2)

@@ -106,9 +106,10 @@ def test_an_envoy_on_rest_polling_is_served_every_type_and_every_change(processe
     answered(
         events, EDS, 200, after=mark, what="web's endpoints at version 2", resource_names=["web"], version_info="1"
     )
+    # Versions are per type: the clusters and the listener did not change, and stay at "1".
     mark = events.mark()
-    for type_url in (CDS, EDS, LDS, RDS):
-        answered(events, type_url, 304, after=mark, what=f"a 304 to {type_url} at version 2", version_info="2")
+    for type_url, version in ((CDS, "1"), (EDS, "2"), (LDS, "1"), (RDS, "2")):
+        answered(events, type_url, 304, after=mark, what=f"a 304 to {type_url} at {version}", version_info=version)
     assert through_envoy("/api") == "a", "api's endpoints, unchanged, still route"
 
     # Only web's endpoints change (version 3): web's poll is answered 200, api's 304: it states

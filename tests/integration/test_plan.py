@@ -95,7 +95,9 @@ async def test_an_invalid_file_lists_every_problem_and_nothing_is_published(tmp_
 
         code, unparsable = await plan(running, "clusters: [{name: a, bogus: 1}]\n")
         assert code == 200 and unparsable["verdict"] == "refuse"
-        assert "bogus" in unparsable["problems"][0]["message"]
+        [problem] = unparsable["problems"]
+        assert problem["where"] == "clusters[0] (name 'a').bogus", problem
+        assert problem["message"].startswith("unknown field of envoy.config.cluster.v3.Cluster"), problem
 
         new = tmp_path / "new.yaml"
         new.write_text(broken({"a": 9001}))

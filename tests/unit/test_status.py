@@ -25,6 +25,7 @@ from pilotfish.status import (
     SyncState,
     SyncStatus,
     TypeStatus,
+    nack_summary,
 )
 from pilotfish.xds.server import node_info
 
@@ -336,6 +337,8 @@ def test_a_departed_proxy_shows_what_it_showed_when_it_left() -> None:
     kept = after["types"]["LDS"]["nack"].pop("message")
     assert len(kept) <= DEPARTED_NACK + 40 and kept.startswith("dump dump") and kept.endswith("greater than 0s)")
     assert len(message) > 4000
+    for summary in (shown["types"]["LDS"]["nack"].pop("summary"), after["types"]["LDS"]["nack"].pop("summary")):
+        assert len(summary) <= 340 and summary.startswith("dump dump") and summary.endswith("greater than 0s)")
     assert after == shown  # every other field as it was: node, versions, states, times
     # It comes back: its history is there to write to again.
     status.stream_opened("edge-1")
@@ -396,3 +399,42 @@ def test_serve_refuses_a_bad_memory_limit_naming_the_flag(
         main(["serve", "--snapshot", "x.yaml", flag, value])
     assert exited.value.code == 2
     assert f"argument {flag}: {value!r} {says}" in capsys.readouterr().err
+
+
+# Envoy 1.40's message for a cluster that breaks its proto rules: the cluster dumped, then why.
+ENVOY_CDS_NACK = """goo.gle/debugonly\x20\x20
+name: "api"
+type: EDS
+eds_cluster_config {
+  eds_config {
+    ads {
+    }
+    resource_api_version: V3
+  }
+  service_name: "not-this-name"
+}
+connect_timeout {
+}
+: Proto constraint validation failed (ClusterValidationError.ConnectTimeout: value must be greater than 0s)
+."""
+
+
+def test_a_nack_summary_names_the_dumped_resource_and_keeps_the_reason() -> None:
+    assert nack_summary(ENVOY_CDS_NACK) == (
+        "'api': Proto constraint validation failed "
+        "(ClusterValidationError.ConnectTimeout: value must be greater than 0s)"
+    )
+    assignment = 'cluster_name: "web"\nendpoints {\n  lb_endpoints {\n  }\n}\n: Proto constraint validation failed (x)'
+    assert nack_summary(assignment) == "'web': Proto constraint validation failed (x)"
+    # A nested message's name (indented) is not taken for the resource's.
+    assert nack_summary('filter_chains {\n  name: "inner"\n}\n: bad') == "bad"
+
+
+def test_a_long_nack_is_shortened_in_the_middle_keeping_the_name_and_the_reason() -> None:
+    message = "Error adding/updating listener(s) ingress: " + "filler " * 200 + "the reason at the end"
+    summary = nack_summary(message, 300)
+    assert len(summary) <= 340 and "\n" not in summary
+    assert summary.startswith("Error adding/updating listener(s) ingress: ")
+    assert summary.endswith("the reason at the end")
+    short = "Error adding/updating listener(s) ingress: invalid regex"
+    assert nack_summary(short) == short

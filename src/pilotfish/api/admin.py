@@ -112,7 +112,7 @@ from pilotfish.rollout.machine import CommandRefused
 from pilotfish.snapshot import Snapshot
 from pilotfish.sources.file import SOURCE as FILE_SOURCE
 from pilotfish.sources.file import parse_desired
-from pilotfish.status import DepartedProxy, ProxyRecord, SyncState, SyncStatus, TypeStatus
+from pilotfish.status import DepartedProxy, ProxyRecord, SyncState, SyncStatus, TypeStatus, nack_summary
 from pilotfish.transport.site import ADMIN_API, ADMIN_CONNECTIONS, HttpConnectionLimits, is_loopback, serve_app
 from pilotfish.xds.rest import response_json
 
@@ -235,7 +235,12 @@ def _type_json(status: TypeStatus, now: float) -> dict[str, Any]:
     if state is SyncState.STALE:
         out["stale_for"] = round(max(0.0, now - status.sent_at), 3)
     if status.nack_error is not None:
-        out["nack"] = {"version": status.nacked_version, "message": status.nack_error, "at": status.nacked_at}
+        out["nack"] = {
+            "version": status.nacked_version,
+            "message": status.nack_error,
+            "summary": nack_summary(status.nack_error),
+            "at": status.nacked_at,
+        }
     return out
 
 
@@ -461,6 +466,7 @@ class AdminApi:
                         "type": short_type(url),
                         "version": status.nacked_version,
                         "message": status.nack_error,
+                        "summary": nack_summary(status.nack_error or ""),
                         "at": at,
                         "state": status.state.value,
                     }

@@ -246,8 +246,10 @@ def _merged_resources(ordered: list[DesiredState]) -> dict[ResourceType, tuple[M
 
 
 def _version(states: Mapping[str, DesiredState]) -> str | None:
-    """The explicit version of the only source with something in it, if it set one."""
-    contributing = [s for s in states.values() if not s.is_empty()]
+    """The explicit version of the only source with something in it, if it set one. A source
+    that sets a version contributes even when it serves nothing (``version: X`` with only
+    ``clusters: []`` is served as X)."""
+    contributing = [s for s in states.values() if not s.is_empty() or s.version is not None]
     versions = {s.version for s in contributing}
     return versions.pop() if len(contributing) == 1 and len(versions) == 1 else None
 

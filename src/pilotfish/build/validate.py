@@ -67,6 +67,7 @@ __all__ = [
     "check_references",
     "check_rules",
     "default_checker",
+    "rule_problems",
     "understands",
 ]
 
@@ -1488,6 +1489,18 @@ def default_checker() -> RuleChecker:
     if _default is None:
         _default = RuleChecker()
     return _default
+
+
+def rule_problems(message: Message) -> list[tuple[str, str, bool]]:
+    """Every ``validate.rules`` violation of one message, as :data:`pilotfish.resources.parse.RuleCheck`
+    wants them: (path from the message, what is wrong, whether it is about an absent value). For
+    the part of a resource that parses when the rest does not; a rule the checker cannot apply
+    reports nothing here (the resource is refused for its other problems anyway)."""
+    try:
+        found = default_checker().check_message(message)
+    except RuleNotUnderstood:
+        return []
+    return [(v.path, v.message(), v.value is None) for v in found]
 
 
 def check_rules(

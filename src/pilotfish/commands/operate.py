@@ -56,6 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from pilotfish.status import nack_summary
+
 __all__ = [
     "MAX_PLAN_BYTES",
     "ROLLOUT_ACTIONS",
@@ -192,9 +194,8 @@ def _cell(status: Mapping[str, Any] | None) -> str:
 
 
 def _reason(message: str) -> str:
-    """The end of a NACK message, where Envoy says why (its start is a dump of the resource)."""
-    message = " ".join(message.split())
-    return message if len(message) <= _NACK_CHARS else "..." + message[-_NACK_CHARS:]
+    """A NACK message in one line that keeps the resource's name and Envoy's reason."""
+    return nack_summary(message, _NACK_CHARS)
 
 
 def status_table(proxies: Sequence[Mapping[str, Any]]) -> str:

@@ -430,7 +430,8 @@ def _changed_groups(
     snapshots: Mapping[NodeGroup, Snapshot], current: Callable[[NodeGroup], Snapshot | None], sources: str
 ) -> dict[NodeGroup, Snapshot]:
     """The groups whose new snapshot differs from ``current``'s (the published one); raises
-    :class:`ConfigError` when one changed and kept its explicit version."""
+    :class:`ConfigError` when one changed and kept its explicit version. With explicit versions,
+    the types that did not change keep the published version (not sent again)."""
     changed: dict[NodeGroup, Snapshot] = {}
     for group, snapshot in snapshots.items():
         was = current(group)
@@ -449,5 +450,5 @@ def _changed_groups(
                     )
                 ],
             )
-        changed[group] = snapshot
+        changed[group] = snapshot if was is None else snapshot.keeping_versions_of(was)
     return changed

@@ -11,7 +11,7 @@ so one run of ``pilotfish validate`` shows everything to fix.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,9 @@ from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_services
 from pilotfish.resources.types import TYPES, ResourceType, type_by_key
+from pilotfish.resources.walk import MAX_PROBLEMS, json_problems, path_text, without
 
-__all__ = ["ParsedDocument", "decode_document", "parse_document", "parse_resource", "read_document"]
+__all__ = ["ParsedDocument", "RuleCheck", "decode_document", "parse_document", "parse_resource", "read_document"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +117,52 @@ def _short(error: Exception) -> str:
     return text.rstrip(".")
 
 
-def parse_resource(rtype: ResourceType, value: Any, where: str) -> tuple[Message | None, list[Problem]]:
-    """Parse one resource; return it (or None) and the problems found."""
+RuleCheck = Callable[[Message], Iterable[tuple[str, str, bool]]]
+"""Envoy's proto rules (``validate.rules``) applied to a message: (path from the message, such as
+``.connect_timeout``, what is wrong, whether it is about an absent value) per rule broken. Given
+by the layer that has the checker (:func:`pilotfish.build.validate.rule_problems`)."""
+
+
+def _walked(rtype: ResourceType, value: dict[str, Any], label: str, rules: RuleCheck | None) -> list[Problem]:
+    """Every problem :func:`~pilotfish.resources.walk.json_problems` finds, at ``label`` and its
+    path; with ``rules``, also the rules broken by what is left once those parts are dropped (a
+    port of 99999 is a rule's, not the parser's: it would otherwise wait for the next round)."""
+    try:
+        found = json_problems(rtype.message, value)
+    except RecursionError:
+        return []
+    problems = [Problem(f"{label}.{path_text(path)}" if path else label, what) for path, what in found]
+    if not problems or rules is None or len(found) > MAX_PROBLEMS:
+        return problems
+    message = rtype.message()
+    try:
+        rest = without(value, (path for path, _ in found))
+        if rest is None:
+            return problems
+        json_format.ParseDict(rest, message)
+    except (json_format.ParseError, TypeError, ValueError, RecursionError):
+        return problems  # what is left does not parse either: the walk's problems are what we know
+    dropped = ["." + path_text(path) for path, _ in found]
+    for path, what, absent in rules(message):
+        # Not what the walk reported already: a rule on a part it dropped, or on a missing value
+        # (a required field or oneof) that is missing because a part below it was dropped.
+        if any(_within(path, part) or (absent and _within(part, path)) for part in dropped):
+            continue
+        problems.append(Problem(f"{label}{path}", what))
+    return problems
+
+
+def _within(path: str, outer: str) -> bool:
+    """Whether rule path ``path`` is ``outer`` or inside it (``.a.b[0]`` is inside ``.a``)."""
+    return path == outer or path.startswith((outer + ".", outer + "[")) or not outer
+
+
+def parse_resource(
+    rtype: ResourceType, value: Any, where: str, *, rules: RuleCheck | None = None
+) -> tuple[Message | None, list[Problem]]:
+    """Parse one resource; return it (or None) and the problems found. ``rules``: applied to
+    what parses of a resource that does not (see :func:`_walked`); the rules of a resource that
+    parses are checked with the whole snapshot's."""
     if not isinstance(value, dict):
         kind = rtype.message.DESCRIPTOR.name
         return None, [Problem(where, f"expected a mapping (an Envoy {kind}), got {type(value).__name__}")]
@@ -125,7 +170,8 @@ def parse_resource(rtype: ResourceType, value: Any, where: str) -> tuple[Message
     label = f"{where} ({rtype.name_field} {name!r})" if isinstance(name, str) else where
     unknown = ensure_types_in(value)
     if unknown:
-        return None, [
+        walked = _walked(rtype, value, label, rules)
+        return None, walked or [
             Problem(label, f"unknown @type {t!r}: no such message in the Envoy API (check spelling and v3 package)")
             for t in unknown
         ]
@@ -133,7 +179,9 @@ def parse_resource(rtype: ResourceType, value: Any, where: str) -> tuple[Message
     try:
         json_format.ParseDict(value, message)
     except (json_format.ParseError, TypeError, ValueError) as exc:
-        return None, [Problem(label, _short(exc))]
+        # ParseDict stops at the first problem: walk the resource for every one (only now, so a
+        # valid file costs nothing more); protobuf's own message when the walk finds none.
+        return None, _walked(rtype, value, label, rules) or [Problem(label, _short(exc))]
     except RecursionError:
         return None, [Problem(label, "nested too deeply")]
     if not getattr(message, rtype.name_field):
@@ -141,8 +189,9 @@ def parse_resource(rtype: ResourceType, value: Any, where: str) -> tuple[Message
     return message, []
 
 
-def parse_document(document: Any, source: str) -> ParsedDocument:
-    """Parse a whole snapshot document; raise :class:`ConfigError` listing every problem."""
+def parse_document(document: Any, source: str, *, rules: RuleCheck | None = None) -> ParsedDocument:
+    """Parse a whole snapshot document; raise :class:`ConfigError` listing every problem.
+    ``rules``: see :func:`parse_resource`."""
     problems: list[Problem] = []
     if not isinstance(document, dict):
         raise ConfigError(source, [Problem("", f"the top level must be a mapping, got {type(document).__name__}")])
@@ -185,7 +234,7 @@ def parse_document(document: Any, source: str) -> ParsedDocument:
         first_index: dict[str, int] = {}
         for index, item in enumerate(items):
             where = f"{rtype.key}[{index}]"
-            message, found = parse_resource(rtype, item, where)
+            message, found = parse_resource(rtype, item, where, rules=rules)
             problems.extend(found)
             if message is None:
                 continue

@@ -20,6 +20,7 @@ __all__ = [
     "names_run_count",
     "nonce_field",
     "request_names_span",
+    "response_names",
     "split_request_names",
 ]
 
@@ -304,3 +305,45 @@ def _decode_varint(data: bytes, offset: int, limit: int = 10) -> tuple[int, int]
             return value, offset
         shift += 7
     raise ValueError("varint too long")
+
+
+def _fields(data: bytes) -> Iterable[tuple[int, bytes]]:
+    """(tag, payload) of each length-delimited field of ``data``, the others skipped; stops at
+    what it cannot read."""
+    pos, end = 0, len(data)
+    while pos < end:
+        start = pos
+        try:
+            tag, pos = _next_field(data, pos)
+        except (ValueError, IndexError):
+            return
+        if pos > end:
+            return
+        if tag & 7 == 2:
+            _, payload_at = _decode_varint(data, start + (1 if data[start] < 0x80 else len(_varint(tag))))
+            yield tag, data[payload_at:pos]
+
+
+_LEN = 2
+_NAME_TAG = 1 << 3 | _LEN
+"""Field 1, length-delimited: the name of every resource type pilotfish serves (Cluster.name,
+ClusterLoadAssignment.cluster_name, Listener.name, RouteConfiguration.name, Secret.name)."""
+
+
+def response_names(body: bytes, limit: int) -> tuple[list[str], int]:
+    """The names of the first ``limit`` resources a DiscoveryResponse ``body`` carries, and how
+    many it carries: read off the wire (each resource's field 1), nothing decoded. For naming
+    what a proxy rejected when its message does not."""
+    names: list[str] = []
+    count = 0
+    for tag, resource in _fields(body):
+        if tag != (_RESOURCES << 3 | _LEN):
+            continue
+        count += 1
+        if len(names) >= limit:
+            continue
+        value = next((payload for t, payload in _fields(resource) if t == (_ANY_VALUE << 3 | _LEN)), b"")
+        name = next((payload for t, payload in _fields(value) if t == _NAME_TAG), None)
+        if name is not None:
+            names.append(name.decode("utf-8", "replace"))
+    return names, count

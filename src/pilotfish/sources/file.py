@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.build.validate import rule_problems
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import decode_document, parse_document, read_document
 from pilotfish.snapshot import Snapshot
@@ -40,7 +41,7 @@ SOURCE = "file"
 
 def load_desired(path: Path) -> DesiredState:
     """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem."""
-    return DesiredState.of_document(parse_document(read_document(path), str(path)))
+    return DesiredState.of_document(parse_document(read_document(path), str(path), rules=rule_problems))
 
 
 def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> DesiredState:
@@ -48,7 +49,9 @@ def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> Des
     ``as_json`` says so (None: when ``name`` ends in ``.json``, as a file is read), else YAML;
     raise :class:`ConfigError` (naming ``name``) with every problem."""
     json = name.endswith(".json") if as_json is None else as_json
-    return DesiredState.of_document(parse_document(decode_document(data, name, as_json=json), name))
+    return DesiredState.of_document(
+        parse_document(decode_document(data, name, as_json=json), name, rules=rule_problems)
+    )
 
 
 def load_snapshot(path: Path) -> Snapshot:

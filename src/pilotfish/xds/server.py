@@ -75,9 +75,9 @@ from pilotfish.protocol import (
 from pilotfish.protocol.limits import shorten
 from pilotfish.protocol.sotw import DecodedRequest
 from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
-from pilotfish.resources.wire import nonce_field
+from pilotfish.resources.wire import nonce_field, response_names
 from pilotfish.snapshot import DeltaChanges, EncodedResponse
-from pilotfish.status import NodeInfo, SyncStatus
+from pilotfish.status import NodeInfo, SyncStatus, nack_summary
 from pilotfish.transport.aio import (
     WARN_EVERY,
     Call,
@@ -144,6 +144,10 @@ def node_info(node: base_pb2.Node, *, address: str, group: str, protocol: str) -
 MAX_DENIED_RECORDED = 100
 """Distinct denied secret names a stream records as ``secret_denied`` events; a peer cycling
 through made-up names gets no more events (it is still denied every one)."""
+_NACK_NAMES = 16
+"""A NACK whose message names no resource is shown after the names of the resources of the
+response it rejects, when that response carried at most this many (EDS, RDS and SDS responses
+carry what changed: usually one or a few)."""
 _DENIED_SHOWN = 10
 """Denied names a warning repeats."""
 _MESSAGE_CHARS = 1024
@@ -230,6 +234,8 @@ class XdsServer:
         """A peer that breaks the rules in a loop must not fill the log (the event log has a
         ``stream_closed`` line per stream)."""
         self._denials = RateLimitedLog(_log, what="such requests for secrets")
+        self.nack_log = RateLimitedLog(_log, what="NACKs (each is in the event log and the status)")
+        """One line per NACK (the resource's name and Envoy's reason), not a fleet's worth at once."""
         self._stream_ids = itertools.count(1)
         self.open_streams = 0
         self._by_node: dict[str, set[_Stream[Any, Any, Any]]] = {}
@@ -444,17 +450,35 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
     def _acked(self, type_url: TypeUrl, version: str) -> None:
         self._server.policy.status.acked(self.node_id, type_url, version)
 
+    def _rejected_body(self, type_url: TypeUrl) -> bytes | None:
+        """The body of the response a NACK of ``type_url`` rejects, if known and small enough to
+        name its resources (None: not known)."""
+        return None
+
+    def _named(self, type_url: TypeUrl, error: str) -> str:
+        """Envoy's message, after the names of the rejected resources when it names none of them:
+        an RDS NACK for an invalid regex says only ``missing ): ((``, not which route config."""
+        body = self._rejected_body(type_url)
+        if body is None:
+            return error
+        names, count = response_names(body, _NACK_NAMES)
+        if not names or any(name in error for name in names):
+            return error
+        shown = ", ".join(repr(name) for name in names[:3])
+        return f"{shown}{f' (and {count - 3} more)' if count > 3 else ''}: {error}"
+
     def _nacked(self, type_url: TypeUrl, version: str | None, error: str | None) -> None:
-        self._server.policy.status.nacked(self.node_id, type_url, version, error or "")
+        error = self._named(type_url, error or "")
+        self._server.policy.status.nacked(self.node_id, type_url, version, error)
         nack = (type_url, version)
         if nack != self._last_nack:  # a peer repeating its NACK does not fill the log
             self._last_nack = nack
-            _log.warning(
+            self._server.nack_log.log(
                 "%s rejected %s version %s: %s",
                 self.node_id or f"stream {self.id}",
                 type_url.rsplit(".", 1)[-1],
                 version,
-                error,
+                nack_summary(error or ""),
             )
 
     # -- watches --------------------------------------------------------------------------------
@@ -603,6 +627,12 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
 
     def _decode(self, data: bytes) -> DecodedRequest:
         return self.state.decode_request(data)
+
+    def _rejected_body(self, type_url: TypeUrl) -> bytes | None:
+        state = self.state.types.get(type_url)
+        sent = state.sent if state is not None else None
+        # A NACK's nonce is the latest: the last response sent of its type is the one rejected.
+        return sent.body if sent is not None and 0 < sent.carried <= _NACK_NAMES else None
 
     def _node_id(self, decoded: DecodedRequest) -> str:
         node_id: str = decoded.request.node.id

@@ -325,3 +325,14 @@ def test_the_same_services_give_the_same_versions() -> None:
     assert (
         build_snapshot(merge_states({"x": a}), "t").versions() == build_snapshot(merge_states({"y": b}), "t").versions()
     )
+
+
+def test_an_explicit_version_is_honoured_for_a_file_that_serves_nothing() -> None:
+    document = parse_document({"version": "X", "clusters": []}, "test")
+    snapshot = build_snapshot(merge_states({"file": DesiredState.of_document(document)}), "t")
+    assert snapshot.label() == "X" and set(snapshot.versions().values()) == {"X"}
+    # Beside an empty registry too; a registry with content makes versions content hashes.
+    both = merge_states({"file": DesiredState.of_document(document), "registry": DesiredState()})
+    assert build_snapshot(both, "t").label() == "X"
+    filled = merge_states({"file": DesiredState.of_document(document), "registry": _merged()})
+    assert build_snapshot(filled, "t").explicit_version is None

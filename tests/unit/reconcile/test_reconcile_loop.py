@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import itertools
 from collections.abc import AsyncIterator
@@ -13,7 +14,7 @@ import pytest
 from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
 from pilotfish.reconcile import DebounceSettings, Reconciler
-from pilotfish.resources import ENDPOINT
+from pilotfish.resources import ENDPOINT, LISTENER
 from pilotfish.resources.services import Endpoint, ServiceSpec
 
 
@@ -159,6 +160,51 @@ async def test_changed_content_under_an_unchanged_explicit_version_is_refused(ru
     await clock.advance(0.5)
     assert cache.snapshot() is first  # proxies at "7" would never get it: kept out, and said so
     assert reconciler.last_error is not None and "still '7'" in reconciler.last_error.describe()
+
+
+def versioned(version: str, *, connect_timeout: float = 1.0) -> DesiredState:
+    web = dataclasses.replace(WEB, connect_timeout=connect_timeout)
+    return DesiredState(services={"web": web}, endpoints=state(9001, 9002).endpoints, version=version)
+
+
+async def test_with_explicit_versions_a_type_that_did_not_change_keeps_its_version(running: Running) -> None:
+    reconciler, clock, cache = running
+    reconciler.update("file", state(9001, 9002))  # the file takes over the registry's endpoints
+    reconciler.update("registry", DesiredState())
+    await clock.advance(3.0)  # past the damping's hold
+    reconciler.update("file", versioned("1"))
+    await clock.advance(0.5)
+    first = cache.snapshot()
+    assert first is not None and set(first.versions().values()) == {"1"}, reconciler.last_error
+    reconciler.update("file", versioned("2", connect_timeout=2.0))  # only the cluster changes
+    await clock.advance(0.5)
+    second = cache.snapshot()
+    assert second is not None and second.label() == "2", reconciler.last_error
+    assert second.versions() == {"CDS": "2", "EDS": "1", "LDS": "1", "RDS": "1", "SDS": "1"}
+    # The very published TypeSnapshot: nothing waiting on the listeners is answered again.
+    assert second.get(LISTENER.url) is first.get(LISTENER.url)
+    reconciler.update("file", versioned("3", connect_timeout=2.0))  # nothing changes
+    await clock.advance(0.5)
+    third = cache.snapshot()
+    assert third is not None and third.label() == "3" and third.versions() == second.versions()
+    reconciler.update("file", versioned("4"))  # back to the clusters of "1"
+    await clock.advance(0.5)
+    fourth = cache.snapshot()
+    assert fourth is not None and fourth.versions()["CDS"] == "4", "a new version, never an old one reused"
+
+
+async def test_a_refused_edit_does_not_lend_its_version_to_the_next(running: Running) -> None:
+    reconciler, clock, cache = running
+    reconciler.update("registry", DesiredState())
+    reconciler.update("file", dataclasses.replace(state(9001), version="1"))
+    await clock.advance(0.5)
+    reconciler.update("file", dataclasses.replace(state(9002), version="1"))  # refused: still "1"
+    await clock.advance(2.0)
+    assert reconciler.last_error is not None
+    reconciler.update("file", dataclasses.replace(state(9002), version="2"))
+    await clock.advance(2.0)
+    snapshot = cache.snapshot()
+    assert snapshot is not None and snapshot.versions()["EDS"] == "2", "proxies hold EDS '1' with port 9001"
 
 
 def endpoints_only(*ports: int) -> DesiredState:

@@ -15,6 +15,8 @@ import dataclasses
 
 import pytest
 from conftest import CDS, EDS, LDS, RDS, assignment, build, cluster, listener, route
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.route.v3 import route_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +24,14 @@ from hypothesis import strategies as st
 
 from pilotfish.errors import PeerError
 from pilotfish.protocol import RequestKind, RequestOutcome, SotwStream, XdsLimits
-from pilotfish.resources.wire import names_run_count, request_names_span, split_request_names
+from pilotfish.resources.wire import (
+    any_bytes,
+    discovery_response,
+    names_run_count,
+    request_names_span,
+    response_names,
+    split_request_names,
+)
 
 
 def fields(**values: object) -> bytes:
@@ -329,3 +338,17 @@ def test_request_names_span_finds_the_encoded_names_or_declines() -> None:
     # the shortcut gives the very set the decoded names give
     via_wire = next_subscription(["a", "b"], wildcard_capable=False, ever_named=True, wire=ack)
     assert via_wire is next_subscription(["a", "b"], wildcard_capable=False, ever_named=True)
+
+
+def test_the_names_a_response_carries_are_read_off_the_wire() -> None:
+    resources = [
+        any_bytes(
+            "t", route_pb2.RouteConfiguration(name="local_route", validate_clusters={"value": True}).SerializeToString()
+        ),
+        any_bytes("t", endpoint_pb2.ClusterLoadAssignment(cluster_name="w" * 300).SerializeToString()),
+        any_bytes("t", b""),  # no name at all
+    ]
+    body = discovery_response("7", "t", resources) + b"\x2a\x03abc"  # and a nonce field after
+    assert response_names(body, 16) == (["local_route", "w" * 300], 3)
+    assert response_names(body, 1) == (["local_route"], 3)
+    assert response_names(body[:-10], 16)[1] == 2, "a truncated body: what could be read"
