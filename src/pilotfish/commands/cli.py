@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -206,6 +208,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="read serve's settings from this YAML (or .json) file: its keys are these flags without "
         "'--' (quiet: 100ms, node-group: [a=cluster:a]); flags given here win over it; an unknown key "
         "is refused",
+    )
+    serve.add_argument(
+        "--print-settings",
+        action="store_true",
+        help="print the settings in effect (the file's and the flags', checked) as JSON and exit, serving nothing",
     )
     serve.add_argument(
         "--snapshot",
@@ -1060,6 +1067,10 @@ def _serve(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"pilotfish serve: {problem.message}", file=sys.stderr)
         return EXIT_USAGE
+    if args.print_settings:
+        shown = {**dataclasses.asdict(settings), "event_loop": args.event_loop}
+        print(json.dumps(shown, indent=2, sort_keys=True, default=str))
+        return EXIT_OK
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))
