@@ -573,7 +573,7 @@ class Envoy:
             "--node-id", node_id,
             "--cluster", cluster,
             "--xds", xds_address,
-            "--admin-port", "0",
+            "--envoy-admin-port", "0",
             *bootstrap_options,
         ).stdout  # fmt: skip
         if bootstrap_edit is not None:

@@ -84,7 +84,7 @@ def _checked(text: str, *, bare_seconds: bool, zero: bool) -> float:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if value < 0 or (value == 0 and not zero):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a duration {'of 0 or more' if zero else 'above 0'}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration {'of 0 or more' if zero else 'above 0'}")
     if value > MAX_DURATION:
         raise argparse.ArgumentTypeError(f"{text!r} is longer than a year")
     return value
