@@ -346,15 +346,23 @@ def pilotfish_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pilotfish", *args]
 
 
-def pilotfish(*args: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run a short pilotfish command (bootstrap, validate) and return its result."""
+def pilotfish(
+    *args: str,
+    check: bool = True,
+    timeout: float = 30.0,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run a short pilotfish command (bootstrap, validate) and return its result (``env``: variables
+    set on top of :func:`pilotfish_env`; ``cwd``: where it runs)."""
     result = subprocess.run(
         pilotfish_argv(*args),
         capture_output=True,
         text=True,
-        env=pilotfish_env(),
+        env={**pilotfish_env(), **(env or {})},
         timeout=timeout,
         check=False,
+        cwd=cwd,
     )
     if check and result.returncode != 0:
         pytest.fail(

@@ -28,6 +28,7 @@ from .processes import (
     ProcessGroup,
     free_port,
     http_get,
+    pilotfish,
     pilotfish_argv,
     pilotfish_env,
     port_accepts,
@@ -113,15 +114,7 @@ NOT_SETTINGS = {"help", "config", "print-settings"}
 
 
 def run(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        pilotfish_argv(*args),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=cwd,
-        env={**pilotfish_env(), **(env or {})},
-    )
+    return pilotfish(*args, check=False, timeout=60, env=env, cwd=cwd)
 
 
 def test_the_table_names_every_flag_of_serve() -> None:

@@ -618,36 +618,21 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="HOST:PORT",
         help="the admin API of `pilotfish serve` (default: $PILOTFISH_ADMIN, else 127.0.0.1:18001)",
     )
-    admin_client.add_argument(
-        "--tls-ca",
-        type=Path,
-        default=environ.get(ADMIN_VARIABLES["tls_ca"]) or None,
-        metavar="FILE",
-        help="the admin API is served over TLS (serve --tls-cert): trust this PEM CA bundle "
-        "(its certificate must name HOST; default: $PILOTFISH_TLS_CA)",
-    )
-    admin_client.add_argument(
-        "--tls-cert",
-        type=Path,
-        default=environ.get(ADMIN_VARIABLES["tls_cert"]) or None,
-        metavar="FILE",
-        help="mTLS (serve --admin-client-ca): the PEM certificate chain to present (default: $PILOTFISH_TLS_CERT)",
-    )
-    admin_client.add_argument(
-        "--tls-key",
-        type=Path,
-        default=environ.get(ADMIN_VARIABLES["tls_key"]) or None,
-        metavar="FILE",
-        help="the PEM private key of --tls-cert (default: $PILOTFISH_TLS_KEY)",
-    )
-    admin_client.add_argument(
-        "--token-file",
-        type=Path,
-        default=environ.get(ADMIN_VARIABLES["token_file"]) or None,
-        metavar="FILE",
-        help="the admin API wants a token (serve --admin-tokens): send the one in FILE (its "
-        "first line); default: $PILOTFISH_TOKEN_FILE, else the token in $PILOTFISH_ADMIN_TOKEN",
-    )
+    for flag, key, what in (
+        ("--tls-ca", "tls_ca", "the admin API is served over TLS (serve --tls-cert): trust this PEM CA bundle (its "
+         "certificate must name HOST)"),
+        ("--tls-cert", "tls_cert", "mTLS (serve --admin-client-ca): the PEM certificate chain to present"),
+        ("--tls-key", "tls_key", "the PEM private key of --tls-cert"),
+        ("--token-file", "token_file", "the admin API wants a token (serve --admin-tokens): send the one in FILE (its "
+         "first line); without one, the token in $PILOTFISH_ADMIN_TOKEN"),
+    ):  # fmt: skip
+        admin_client.add_argument(
+            flag,
+            type=Path,
+            default=environ.get(ADMIN_VARIABLES[key]) or None,
+            metavar="FILE",
+            help=f"{what} (default: ${ADMIN_VARIABLES[key]})",
+        )
 
     status = commands.add_parser(
         "status",
