@@ -380,7 +380,7 @@ class ControlPlane:
     Its admin API listens on ``admin_port`` (chosen free when the control plane is made, kept
     across restarts). Its sources are the snapshot file (``snapshot_path``), the registry API (served on
     ``registry_port``) and etcd (``etcd``, ``host:port``), any of them or several; ``options`` are
-    further ``serve`` arguments (``--quiet-ms 50``, ...). A restart keeps all of them, ports
+    further ``serve`` arguments (``--quiet 50ms``, ...). A restart keeps all of them, ports
     included, as a restarted deployment would.
 
     Each run writes its own event log (``events.<run>.jsonl``), so a test reads what the current
