@@ -200,7 +200,9 @@ def test_the_startup_block_names_the_ports_bound_for_port_0_and_json_logs_parse(
         )
     )
     server = processes.start(
-        "pilotfish", pilotfish_argv("--log-format", "json", "serve", "--config", str(config)), env=pilotfish_env()
+        "pilotfish",
+        pilotfish_argv("--log-format", "json", "serve", "--config", str(config), "--quiet-ms", "50"),
+        env=pilotfish_env(),
     )
 
     def started() -> dict[str, Any] | None:
@@ -217,9 +219,10 @@ def test_the_startup_block_names_the_ports_bound_for_port_0_and_json_logs_parse(
         assert port_accepts(port), name
         assert f"127.0.0.1:{port}" in block["message"], block["message"]  # the text names the same ports
     assert http_get(f"http://127.0.0.1:{ports['admin']}/healthz")[0] == 200
-    # Every line on stderr is a JSON object (the registry's in-memory warning among them).
+    # Every line on stderr is a JSON object (the registry's in-memory warning and a deprecated flag's among them).
     lines = _json_lines(server.stderr_path)
     assert any(line["level"] == "WARNING" and "memory" in line["message"] for line in lines), lines
+    assert any(line["level"] == "WARNING" and "give --quiet 50ms" in line["message"] for line in lines), lines
     assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
 
 

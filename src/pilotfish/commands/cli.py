@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from pilotfish.commands.flags import (
     duration_or_zero,
     format_duration,
     read_settings,
+    report_warnings,
     seconds_or_zero,
 )
 from pilotfish.commands.flags import seconds as _seconds
@@ -1138,6 +1140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         args = with_file
     configure_logging(verbose=args.verbose, json_lines=args.log_format == "json")
+    report_warnings(logging.getLogger("pilotfish"))
     if args.command == "validate":
         given = [path for path in (args.snapshot, args.file) if path is not None]
         if len(given) != 1:

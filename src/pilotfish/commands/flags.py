@@ -7,7 +7,8 @@ Durations are written with a unit, everywhere: ``500ms``, ``1s``, ``2m``, ``1h``
 (:func:`seconds`); a flag renamed from ``--NAME-ms`` or ``--NAME-s`` takes a unit only
 (:func:`duration`), so ``--quiet 100`` is refused rather than read as 100 seconds by someone who
 meant milliseconds. The old names stay, as :class:`Deprecated` aliases: the same value, stored
-where the new flag stores it, and one warning on stderr naming the new form.
+where the new flag stores it, and one warning naming the new form (logged once the logs are set
+up, in their format: :func:`report_warnings`).
 
 The settings file (:func:`file_arguments`) is a mapping of ``serve``'s flags without their
 ``--`` (``quiet: 100ms``, ``node-group: [...]``): each key becomes the flag and goes through
@@ -20,12 +21,12 @@ to it).
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 __all__ = [
     "Deprecated",
@@ -36,6 +37,8 @@ __all__ = [
     "file_arguments",
     "format_duration",
     "parse_duration",
+    "pending_warnings",
+    "report_warnings",
     "seconds",
     "warn_once",
 ]
@@ -110,15 +113,27 @@ def seconds_or_zero(text: str) -> float:
     return _checked(text, bare_seconds=True, zero=True)
 
 
-_warned: set[str] = set()
+_warned: dict[str, str] = {}
+_reported: set[str] = set()
 
 
-def warn_once(key: str, message: str, *, err: TextIO | None = None) -> None:
-    """Print ``message`` on stderr, once per process for ``key``."""
-    if key in _warned:
-        return
-    _warned.add(key)
-    print(f"pilotfish: {message}", file=err or sys.stderr)
+def warn_once(key: str, message: str) -> None:
+    """Keep ``message`` for :func:`report_warnings`, once per process for ``key``. (Flags are
+    parsed before the logs are set up: the warning waits, to be logged in the chosen format.)"""
+    _warned.setdefault(key, message)
+
+
+def pending_warnings() -> list[str]:
+    """The warnings kept by :func:`warn_once` and not reported yet."""
+    return [message for key, message in _warned.items() if key not in _reported]
+
+
+def report_warnings(logger: logging.Logger) -> None:
+    """Log the pending warnings (once each), as warnings of ``logger``."""
+    for key, message in _warned.items():
+        if key not in _reported:
+            _reported.add(key)
+            logger.warning("%s", message)
 
 
 class Deprecated(argparse.Action):
