@@ -142,6 +142,15 @@ def test_a_settings_files_keys_are_serves_flags() -> None:
         file_arguments({"config": "other.yaml"}, serve, refused=("config",))
 
 
+def test_the_example_settings_file_is_the_service_units_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    example = Path(__file__).resolve().parents[3] / "examples" / "deploy" / "pilotfish.yaml"
+    assert main(["serve", "--config", str(example), "--print-settings"]) == 0, capsys.readouterr().err
+    settings = json.loads(capsys.readouterr().out)
+    assert settings["etcd"]["address"] == "10.0.0.10:2379" and settings["xds"]["address"] == "0.0.0.0:18000"
+    assert settings["tls"]["cert"] == "/etc/pilotfish/tls/xds.pem" and settings["events"]["level"] == "changes"
+    assert settings["debounce"]["quiet"] == 0.1
+
+
 def test_a_settings_file_that_is_not_a_mapping_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "pilotfish.yaml"
     config.write_text("- xds\n")
