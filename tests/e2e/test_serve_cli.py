@@ -51,6 +51,18 @@ EVERY_KEY: dict[str, tuple[Any, Check, object]] = {
     "etcd": ("127.0.0.1:2379", lambda s: s["etcd"]["address"], "127.0.0.1:2379"),
     "etcd-prefix": ("/pf/", lambda s: s["etcd"]["prefix"], "/pf/"),
     "etcd-keepalive": ("4s", lambda s: s["etcd"]["keepalive"], 4.0),
+    "docker": (
+        ["unix:///run/docker.sock", "tcp://10.0.0.5:2376@10.0.0.5"],
+        lambda s: s["docker"]["engines"],
+        [
+            "unix:///run/docker.sock",
+            "tcp://10.0.0.5:2376@10.0.0.5",
+        ],
+    ),
+    "docker-tls": (True, lambda s: s["docker"]["tls"], True),
+    "docker-tls-ca": ("docker-ca.pem", lambda s: s["docker"]["tls_ca"], "docker-ca.pem"),
+    "docker-tls-cert": ("docker.pem", lambda s: s["docker"]["tls_cert"], "docker.pem"),
+    "docker-tls-key": ("docker.key", lambda s: s["docker"]["tls_key"], "docker.key"),
     "quiet": ("50ms", lambda s: s["debounce"]["quiet"], 0.05),
     "max-delay": ("2s", lambda s: s["debounce"]["max_delay"], 2.0),
     "flap-hold": ("3s", lambda s: s["debounce"]["hold"], 3.0),
@@ -130,6 +142,8 @@ def test_the_table_names_every_flag_of_serve() -> None:
 
 
 def test_a_settings_file_sets_every_key_and_the_command_line_wins(tmp_path: Path) -> None:
+    for name in ("docker-ca.pem", "docker.pem", "docker.key"):  # (serve checks that these exist)
+        (tmp_path / name).write_text("")
     config = tmp_path / "pilotfish.yaml"
     config.write_text(yaml.safe_dump({key: value for key, (value, _, _) in EVERY_KEY.items()}))
     shown = run("serve", "--config", str(config), "--print-settings", cwd=tmp_path)
@@ -214,7 +228,10 @@ def test_the_startup_block_names_the_ports_bound_for_port_0_and_json_logs_parse(
     assert block["level"] == "INFO" and re.match(r"\d{4}-\d\d-\d\dT", block["time"]), block
     ports = {name: int(block[name].rsplit(":", 1)[1]) for name in ("xds", "admin", "registry", "rest")}
     assert all(port > 0 for port in ports.values()) and len(set(ports.values())) == 4, ports
-    assert block["sources"] == {"file": "snapshot.yaml", "registry": f"http://{block['registry']}"}
+    assert block["sources"] == [
+        {"kind": "file", "at": "snapshot.yaml"},
+        {"kind": "registry", "at": f"http://{block['registry']}"},
+    ]
     for name, port in ports.items():
         assert port_accepts(port), name
         assert f"127.0.0.1:{port}" in block["message"], block["message"]  # the text names the same ports

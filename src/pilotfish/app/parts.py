@@ -242,6 +242,8 @@ def startup_block(
         sources.append(("etcd", settings.etcd.address, f"prefix {settings.etcd.prefix}, watched"))
     if registry is not None:
         sources.append(("registry", _url(registry), "instances registered with TTLs"))
+    for engine in settings.docker.engines:
+        sources.append(("docker", engine, "labelled containers, followed"))
     rows = [(f"{what} on", where, note) for what, where, note in bound]
     rows += [(f"source {what}", where, note) for what, where, note in sources]
     width = max(len(label) for label, _, _ in rows)
@@ -253,7 +255,7 @@ def startup_block(
         "admin": None if admin is None else admin.address,
         "registry": None if registry is None else registry.address,
         "rest": None if rest is None else rest.address,
-        "sources": {what: where for what, where, _ in sources},
+        "sources": [{"kind": what, "at": where} for what, where, _ in sources],
     }
     return f"pilotfish serve started (pid {os.getpid()}):\n" + "\n".join(lines), fields
 

@@ -207,7 +207,8 @@ def file_arguments(
     settings: Mapping[Any, Any], parser: argparse.ArgumentParser, *, refused: Sequence[str] = ()
 ) -> list[str]:
     """The flags of ``parser`` that a settings file's ``settings`` stands for, in the file's order:
-    ``key: value`` is ``--key value``, a list is the flag repeated (for repeatable flags).
+    ``key: value`` is ``--key value``, a list is the flag repeated (for repeatable flags), ``key:
+    true`` a flag that takes no value (false: left out).
     ``refused``: flags a file may not set (``config`` itself). Raises :class:`SettingsFileError`
     naming the key (every unknown key at once)."""
     flags = {option[2:]: action for action in parser._actions for option in action.option_strings}
@@ -222,6 +223,11 @@ def file_arguments(
         action = flags[key]
         if value is None:
             raise SettingsFileError(f"{key}: no value (remove the key to keep its default)")
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise SettingsFileError(f"{key}: true or false, not {value!r}")
+            words += [f"--{key}"] if value else []
+            continue
         if action.nargs == 0:
             raise SettingsFileError(f"{key}: not a setting")
         if isinstance(value, list):
@@ -244,7 +250,7 @@ def read_settings(path: Path, parser: argparse.ArgumentParser) -> argparse.Names
         settings = read_settings_file(path)
     except ConfigError as exc:
         raise SettingsFileError(" ".join(p.message for p in exc.problems)) from None
-    words = file_arguments(settings, parser, refused=("config", "help"))
+    words = file_arguments(settings, parser, refused=("config", "help", "print-settings"))
     exit_on_error = parser.exit_on_error
     parser.exit_on_error = False  # (an error names the file, not the command line)
     try:

@@ -136,8 +136,11 @@ def test_a_settings_files_keys_are_serves_flags() -> None:
         file_arguments({"quiet_ms": 1, "xds": "x:1", "nope": 2}, serve)
     with pytest.raises(SettingsFileError, match="takes one value, not a list"):
         file_arguments({"xds": ["a:1", "b:2"]}, serve)
+    assert file_arguments({"docker-tls": True, "print-settings": False}, serve) == ["--docker-tls"]
+    with pytest.raises(SettingsFileError, match="true or false"):
+        file_arguments({"docker-tls": "yes"}, serve)
     with pytest.raises(SettingsFileError, match="not a setting"):
-        file_arguments({"print-settings": True}, serve)
+        file_arguments({"help": "x"}, serve)
     with pytest.raises(SettingsFileError, match="unknown key 'config'"):
         file_arguments({"config": "other.yaml"}, serve, refused=("config",))
 
