@@ -249,7 +249,7 @@ def read_settings(path: Path, parser: argparse.ArgumentParser) -> argparse.Names
     try:
         settings = read_settings_file(path)
     except ConfigError as exc:
-        raise SettingsFileError(" ".join(p.message for p in exc.problems)) from None
+        raise SettingsFileError("; ".join(str(problem) for problem in exc.problems)) from None
     words = file_arguments(settings, parser, refused=("config", "help", "print-settings"))
     exit_on_error = parser.exit_on_error
     parser.exit_on_error = False  # (an error names the file, not the command line)

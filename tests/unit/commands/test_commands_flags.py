@@ -160,6 +160,11 @@ def test_a_settings_file_that_is_not_a_mapping_is_refused(tmp_path: Path, capsys
     assert main(["serve", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert str(config) in err and "must be a mapping" in err
+    config.write_text("xds: [\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "line 2, column 1: invalid YAML" in capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "absent.yaml")]) == 2
+    assert "absent.yaml: cannot read" in capsys.readouterr().err
     config.write_text(yaml.safe_dump({"guard-min-count": "ten"}))
     assert main(["serve", "--config", str(config)]) == 2
     assert "guard-min-count: 'ten' is not a positive whole number" in capsys.readouterr().err
