@@ -40,6 +40,7 @@ __all__ = [
     "pending_warnings",
     "report_warnings",
     "seconds",
+    "seconds_or_zero",
     "warn_once",
 ]
 
@@ -191,15 +192,15 @@ class SettingsFileError(Exception):
     """The settings file cannot be used: unreadable, not a mapping, an unknown key, a bad value."""
 
 
-def _tokens(key: str, value: Any, action: argparse.Action) -> list[str]:
-    """The command-line words of ``key: value`` for ``action``'s flag."""
+def _word(key: str, value: Any, action: argparse.Action) -> str:
+    """The command-line word of ``key: value`` for ``action``'s flag: ``--key=value`` (a value may
+    start with ``-``)."""
     if isinstance(value, bool):
-        choices = tuple(action.choices or ())
-        if choices == ("on", "off") or set(choices) == {"on", "off"}:
-            return ["on" if value else "off"]  # (YAML reads an unquoted on/off as a boolean)
+        if set(action.choices or ()) == {"on", "off"}:
+            return f"--{key}={'on' if value else 'off'}"  # (YAML reads an unquoted on/off as a boolean)
         raise SettingsFileError(f"{key}: {value!r} is not a value of --{key}")
     if isinstance(value, str | int | float):
-        return [str(value)]
+        return f"--{key}={value}"
     raise SettingsFileError(f"{key}: give a single value (a string or a number), not {type(value).__name__}")
 
 
@@ -207,7 +208,7 @@ def file_arguments(
     settings: Mapping[Any, Any], parser: argparse.ArgumentParser, *, refused: Sequence[str] = ()
 ) -> list[str]:
     """The flags of ``parser`` that a settings file's ``settings`` stands for, in the file's order:
-    ``key: value`` is ``--key value``, a list is the flag repeated (for repeatable flags), ``key:
+    ``key: value`` is ``--key=value``, a list is the flag repeated (for repeatable flags), ``key:
     true`` a flag that takes no value (false: left out).
     ``refused``: flags a file may not set (``config`` itself). Raises :class:`SettingsFileError`
     naming the key (every unknown key at once)."""
@@ -233,10 +234,9 @@ def file_arguments(
         if isinstance(value, list):
             if not isinstance(action, Repeatable):
                 raise SettingsFileError(f"{key}: --{key} takes one value, not a list")
-            for item in value:
-                words += [f"--{key}", *_tokens(key, item, action)]
+            words += [_word(key, item, action) for item in value]
         else:
-            words += [f"--{key}", *_tokens(key, value, action)]
+            words.append(_word(key, value, action))
     return words
 
 

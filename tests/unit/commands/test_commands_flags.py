@@ -122,16 +122,9 @@ def test_old_flag_names_are_aliases_that_warn_once(capsys: pytest.CaptureFixture
 def test_a_settings_files_keys_are_serves_flags() -> None:
     _, serve = _parsers()
     words = file_arguments({"xds": "0.0.0.0:18000", "guard": False, "node-group": ["a=cluster:a", "b=id:b-*"]}, serve)
-    assert words == [
-        "--xds",
-        "0.0.0.0:18000",
-        "--guard",
-        "off",
-        "--node-group",
-        "a=cluster:a",
-        "--node-group",
-        "b=id:b-*",
-    ]
+    assert words == ["--xds=0.0.0.0:18000", "--guard=off", "--node-group=a=cluster:a", "--node-group=b=id:b-*"]
+    assert file_arguments({"etcd-prefix": "-p/"}, serve) == ["--etcd-prefix=-p/"]  # (a value may start with '-')
+    assert _parser().parse_args(["serve", *file_arguments({"etcd-prefix": "-p/"}, serve)]).etcd_prefix == "-p/"
     with pytest.raises(SettingsFileError, match=r"unknown keys 'quiet_ms', 'nope'"):
         file_arguments({"quiet_ms": 1, "xds": "x:1", "nope": 2}, serve)
     with pytest.raises(SettingsFileError, match="takes one value, not a list"):
