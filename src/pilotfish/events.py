@@ -37,8 +37,10 @@ import orjson
 from pilotfish.errors import shorten
 
 __all__ = [
+    "ANNOUNCE",
     "CONVERSATION",
     "EVENTS",
+    "LOG_FIELDS",
     "MAX_FIELD",
     "MAX_ITEMS",
     "MAX_LINE",
@@ -54,6 +56,13 @@ __all__ = [
     "read_lines",
     "shorten",
 ]
+
+ANNOUNCE = "pilotfish.announce"
+"""The logger of what ``serve`` tells its operator at any verbosity, at INFO: the startup block,
+and that a refused input was fixed (``pilotfish`` sets it to INFO whatever ``-v`` says)."""
+LOG_FIELDS = "fields"
+"""The ``extra`` key of a log record whose mapping ``--log-format json`` writes as fields of the
+line (``logger.info(..., extra={LOG_FIELDS: {"xds": ...}})``)."""
 
 CONVERSATION = frozenset({"request", "ack", "sent", "stale", "rest_request"})
 """Events of the routine xDS conversation: a line per request and response of every proxy (and

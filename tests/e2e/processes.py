@@ -346,15 +346,23 @@ def pilotfish_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pilotfish", *args]
 
 
-def pilotfish(*args: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run a short pilotfish command (bootstrap, validate) and return its result."""
+def pilotfish(
+    *args: str,
+    check: bool = True,
+    timeout: float = 30.0,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run a short pilotfish command (bootstrap, validate) and return its result (``env``: variables
+    set on top of :func:`pilotfish_env`; ``cwd``: where it runs)."""
     result = subprocess.run(
         pilotfish_argv(*args),
         capture_output=True,
         text=True,
-        env=pilotfish_env(),
+        env={**pilotfish_env(), **(env or {})},
         timeout=timeout,
         check=False,
+        cwd=cwd,
     )
     if check and result.returncode != 0:
         pytest.fail(
@@ -372,7 +380,7 @@ class ControlPlane:
     Its admin API listens on ``admin_port`` (chosen free when the control plane is made, kept
     across restarts). Its sources are the snapshot file (``snapshot_path``), the registry API (served on
     ``registry_port``) and etcd (``etcd``, ``host:port``), any of them or several; ``options`` are
-    further ``serve`` arguments (``--quiet-ms 50``, ...). A restart keeps all of them, ports
+    further ``serve`` arguments (``--quiet 50ms``, ...). A restart keeps all of them, ports
     included, as a restarted deployment would.
 
     Each run writes its own event log (``events.<run>.jsonl``), so a test reads what the current
@@ -573,7 +581,7 @@ class Envoy:
             "--node-id", node_id,
             "--cluster", cluster,
             "--xds", xds_address,
-            "--admin-port", "0",
+            "--envoy-admin-port", "0",
             *bootstrap_options,
         ).stdout  # fmt: skip
         if bootstrap_edit is not None:

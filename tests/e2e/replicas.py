@@ -40,7 +40,7 @@ def etcd_replicas(
     etcd: Etcd,
     count: int,
     *,
-    options: tuple[str, ...] = ("--quiet-ms", "50"),
+    options: tuple[str, ...] = ("--quiet", "50ms"),
 ) -> list[ControlPlane]:
     """``count`` replicas (``replica-0``, ...) on one etcd, each with its registry API, started and
     synced. Each has a name of its own, so each writes an event log of its own."""

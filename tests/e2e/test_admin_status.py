@@ -85,7 +85,8 @@ def test_wait_and_status_after_a_good_change_and_a_rejected_one(testbed: Testbed
         cds_status = proxies[node]["types"]["CDS"]
         assert cds_status["state"] == "NACKED" and cds_status["acked_version"] == "2", cds_status
         assert cds_status["nack"]["version"] == "3" and "ConnectTimeout" in cds_status["nack"]["message"]
-    table = pilotfish("status", "--admin", admin, "--state", "nacked")
+    table = pilotfish("status", "--admin", admin, "--state", "nacked", check=False)
+    assert table.returncode == 1 and "edge-1: CDS NACKED 3" in table.stderr, table.stderr  # a script sees the NACK
     lines = table.stdout.splitlines()
     assert lines[0].split()[:4] == ["NAME", "CLUSTER", "GROUP", "CDS"]
     assert any(line.startswith("edge-1 ") and "NACKED 3" in line for line in lines), table.stdout
@@ -101,7 +102,7 @@ def test_wait_and_status_after_a_good_change_and_a_rejected_one(testbed: Testbed
     for node in NODES:  # the admin API's one-line summary, as the status page shows it
         summary = proxies[node]["types"]["CDS"]["nack"]["summary"]
         assert summary == nack_lines[0].split(": ", 1)[1], (summary, nack_lines)
-    only_one = pilotfish("status", "--admin", admin, "--node", "edge-2")
+    only_one = pilotfish("status", "--admin", admin, "--node", "edge-2", check=False)
     assert "edge-1" not in only_one.stdout and "edge-2" in only_one.stdout
 
     # What edge-1 is being served: the snapshot of version 3, as Envoy JSON.

@@ -168,7 +168,7 @@ async def test_a_proxys_states_as_it_acks_and_nacks_and_what_wait_and_status_say
         code, out, _ = await run(
             status_command, AdminClient(running.admin), node="edge-*", cluster=None, state="NACKED"
         )
-        assert code == 0 and out.splitlines()[1].startswith("edge-1") and "NACKED" in out
+        assert code == 1 and out.splitlines()[1].startswith("edge-1") and "NACKED" in out  # (1: a proxy NACKED)
         assert "edge-1 rejected CDS" in out
         code, out, _ = await run(status_command, AdminClient(running.admin), node="other-*", cluster=None, state=None)
         assert code == 0 and out == "no proxy is connected that matches\n"

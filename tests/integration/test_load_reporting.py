@@ -221,5 +221,5 @@ def test_a_reporting_interval_out_of_range_is_refused_naming_its_flag(
 ) -> None:
     snapshot = tmp_path / "snap.yaml"
     snapshot.write_text("services:\n  web:\n    endpoints: [127.0.0.1:9001]\n")
-    assert main(["serve", "--snapshot", str(snapshot), "--lrs-interval-ms", "50"]) == 2
-    assert "--lrs-interval-ms" in capsys.readouterr().err
+    assert main(["serve", "--snapshot", str(snapshot), "--lrs-interval", "50ms"]) == 2
+    assert "--lrs-interval asks proxies to report load every 100ms to 1h" in capsys.readouterr().err

@@ -383,9 +383,9 @@ def test_with_no_disconnected_proxies_allowed_a_proxy_is_forgotten_as_it_leaves(
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [
-        ("--status-forget-after", "0", "is not a positive number of seconds"),
-        ("--status-forget-after", "nan", "is not a positive number of seconds"),
-        ("--status-forget-after", "soon", "is not a positive number of seconds"),
+        ("--status-forget-after", "0", "is not a duration above 0"),
+        ("--status-forget-after", "nan", "is not a duration: give a number and a unit"),
+        ("--status-forget-after", "soon", "is not a duration: give a number and a unit"),
         ("--status-max-disconnected", "-1", "is not a whole number (0 or more)"),
         ("--status-max-disconnected", "1e3", "is not a whole number (0 or more)"),
         ("--recent-events", "0", "is not a positive whole number"),

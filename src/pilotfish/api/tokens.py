@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import yaml
 from aiohttp import web
 
 from pilotfish.errors import ConfigError, Problem
@@ -71,6 +72,7 @@ __all__ = [
     "AdminTokenFile",
     "Allowed",
     "Denied",
+    "NewToken",
     "TokenFile",
     "TokenGate",
     "TokenScope",
@@ -172,20 +174,39 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def token_command(action: str, stdin: IO[str], stdout: IO[str]) -> int:
-    """``pilotfish token new|hash``: a fresh token with its file entry, or the digest of one read
-    from ``stdin`` (its line ending is not part of it). The exit status."""
+@dataclass(frozen=True, slots=True)
+class NewToken:
+    """What ``pilotfish token new`` makes the entry of: its name and scopes."""
+
+    name: str = "NAME"
+    write: tuple[str, ...] = ()
+    read: bool = False
+    admin: bool = False
+
+
+def token_command(
+    action: str, stdin: IO[str], stdout: IO[str], *, new: NewToken | None = None, stderr: IO[str] | None = None
+) -> int:
+    """``pilotfish token new|hash``. ``new``: YAML on ``stdout`` only — the fresh token (``token:``,
+    given to the client and stored nowhere) and its entry under ``tokens:``, named and scoped by
+    ``new`` — and what to do with them on ``stderr``. ``hash``: the digest of the token read from
+    ``stdin`` (its line ending is not part of it). The exit status."""
+    err = stderr or sys.stderr
     if action == "new":
+        new = new or NewToken()
         token = new_token()
-        stdout.write(
-            f"token (give it to the client; it is not stored anywhere): {token}\n"
-            f"its entry under 'tokens:' in the tokens file (name it, and set its scope):\n"
-            f"  NAME:\n    sha256: {hash_token(token)}\n    write: []\n    read: false\n"
+        entry: dict[str, Any] = {"sha256": hash_token(token), "write": list(new.write), "read": new.read}
+        if new.admin:
+            entry["admin"] = True
+        stdout.write(yaml.safe_dump({"token": token, "tokens": {new.name: entry}}, sort_keys=False))
+        err.write(
+            "pilotfish token new: give 'token' to the client (it is not stored anywhere); add the entry under "
+            "'tokens:' to the tokens file (without 'token')" + (", then name it" if new.name == "NAME" else "") + "\n"
         )
         return 0
     token = stdin.readline().rstrip("\r\n")
     if not token:
-        sys.stderr.write('pilotfish token hash: give the token on stdin: printf %s "$TOKEN" | pilotfish token hash\n')
+        err.write('pilotfish token hash: give the token on stdin: printf %s "$TOKEN" | pilotfish token hash\n')
         return 2
     stdout.write(hash_token(token) + "\n")
     return 0

@@ -28,7 +28,7 @@ from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.etcd.client import EtcdClient, EtcdUnavailable, unb64
 from pilotfish.etcd.election import Election, Leadership
-from pilotfish.events import EventLog
+from pilotfish.events import ANNOUNCE, LOG_FIELDS, EventLog
 from pilotfish.policy.grants import SecretGrant, SecretGrants, Subject
 from pilotfish.reconcile import Reconciler
 from pilotfish.resources import CLUSTER, SECRET
@@ -63,6 +63,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("pilotfish")
+_announce = logging.getLogger(ANNOUNCE)
 
 
 # -- TLS and the listeners -------------------------------------------------------------------------
@@ -201,8 +202,67 @@ class ConfirmHint:
         return self._admin + self.signal
 
 
+def _url(listener: HttpListener | None) -> str:
+    if listener is None or listener.address is None:
+        return ""
+    return f"{'http' if listener.tls is None else 'https'}://{listener.address}"
+
+
+def startup_block(
+    settings: ServeSettings,
+    xds: XdsListener,
+    *,
+    registry: HttpListener | None,
+    rest: HttpListener | None,
+    admin: HttpListener | None,
+) -> tuple[str, dict[str, object]]:
+    """What ``serve`` says once everything listens, at any verbosity: one line per address it
+    bound (the real ports, when ``:0`` was asked for) and per source; and the same as fields
+    (``--log-format json``)."""
+    tls = settings.tls.mode
+    on_etcd = settings.etcd.address is not None
+    bound: list[tuple[str, str, str]] = [
+        (
+            "xDS",
+            xds.address,
+            f"gRPC, TLS {tls}; load reports (LRS) too; at most {xds.max_connections} connections, "
+            f"{xds.max_connections_per_address} per address",
+        )
+    ]
+    if admin is not None:
+        bound.append(("admin API", _url(admin), "the status page at /; /healthz, /readyz, /v1/proxies, /metrics"))
+    if registry is not None:
+        bound.append(("registry API", _url(registry), "registrations in " + ("etcd" if on_etcd else "memory")))
+    if rest is not None:
+        bound.append(("REST xDS", _url(rest), "POST /v3/discovery:clusters ..."))
+    sources: list[tuple[str, str, str]] = []
+    if settings.snapshot is not None:
+        sources.append(("file", str(settings.snapshot), "followed as it changes"))
+    if settings.etcd.address is not None:
+        sources.append(("etcd", settings.etcd.address, f"prefix {settings.etcd.prefix}, watched"))
+    if registry is not None:
+        sources.append(("registry", _url(registry), "instances registered with TTLs"))
+    for engine in settings.docker.engines:
+        sources.append(("docker", engine, "labelled containers, followed"))
+    rows = [(f"{what} on", where, note) for what, where, note in bound]
+    rows += [(f"source {what}", where, note) for what, where, note in sources]
+    width = max(len(label) for label, _, _ in rows)
+    where_width = max(len(where) for _, where, _ in rows)
+    lines = [f"  {label.ljust(width)}  {where.ljust(where_width)}  ({note})" for label, where, note in rows]
+    fields: dict[str, object] = {
+        "xds": xds.address,
+        "tls": tls,
+        "admin": None if admin is None else admin.address,
+        "registry": None if registry is None else registry.address,
+        "rest": None if rest is None else rest.address,
+        "sources": [{"kind": what, "at": where} for what, where, _ in sources],
+    }
+    return f"pilotfish serve started (pid {os.getpid()}):\n" + "\n".join(lines), fields
+
+
 class Announcement:
-    """Once everything listens: the ``server_started`` event and the log lines naming each listener."""
+    """Once everything listens: the ``server_started`` event and the startup block naming every
+    listener and source (:func:`startup_block`)."""
 
     name = "announcement"
 
@@ -238,24 +298,8 @@ class Announcement:
             **({"rest": rest} if rest else {}),
             **({"admin": admin} if admin else {}),
         )
-        scheme = "http" if self._registry is None or self._registry.tls is None else "https"
-        _log.info(
-            "serving xDS on %s (TLS: %s; at most %d connections, %d per address)%s%s",
-            xds.address,
-            tls,
-            xds.max_connections,
-            xds.max_connections_per_address,
-            f", registry API on {scheme}://{registry}" if registry else "",
-            f", REST xDS on {'http' if tls == 'off' else 'https'}://{rest}" if rest else "",
-        )
-        if admin:
-            scheme = "http" if self._admin is None or self._admin.tls is None else "https"
-            _log.info(
-                "admin API on %s://%s (status page at /; /healthz, /readyz, /v1/proxies, /v1/snapshots, "
-                "/v1/config, /v1/held, /v1/events)",
-                scheme,
-                admin,
-            )
+        text, fields = startup_block(settings, xds, registry=self._registry, rest=self._rest, admin=self._admin)
+        _announce.info("%s", text, extra={LOG_FIELDS: fields})
 
     async def stop(self) -> None:
         pass

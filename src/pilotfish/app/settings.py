@@ -6,6 +6,12 @@ Every check that spans fields (TLS files given in pairs, a client CA needs TLS, 
 identity grants need mTLS, at least one source) is made in one place, :meth:`ServeSettings.validate`,
 which names the flag and what to do; ``pilotfish serve`` only parses flags into these classes and
 lets it speak. :func:`pilotfish.app.serve.serve` calls it too.
+
+The settings file of ``serve --config FILE`` (:func:`read_settings_file`) is a flat mapping of
+``serve``'s flags without their ``--`` (``xds: 0.0.0.0:18000``, ``quiet: 100ms``, a list for a
+repeatable flag); ``pilotfish serve`` feeds it through its own flag parser
+(:mod:`pilotfish.commands.flags`), so it is checked exactly as the flags are, and the command
+line wins over it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pilotfish.api.registry import DEFAULT_MAX_BODY
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.etcd.client import DEFAULT_KEEPALIVE
 from pilotfish.events import RECENT_EVENTS
+from pilotfish.followed_file import read_document
 from pilotfish.policy.authorize import NodeRule
 from pilotfish.policy.grants import SecretGrant, Subject
 from pilotfish.policy.groups import NodeGroupRule
@@ -47,7 +54,26 @@ __all__ = [
     "SubsetSettings",
     "TlsSettings",
     "XdsSettings",
+    "read_settings_file",
 ]
+
+MAX_SETTINGS_BYTES = 256 * 1024
+"""The largest settings file read (a file of every flag is a few KB)."""
+
+
+def read_settings_file(path: Path) -> dict[str, object]:
+    """The settings file of ``serve --config`` (YAML, or JSON when it ends in ``.json``): a
+    mapping of flag names (without ``--``) to values. :class:`ConfigError` naming the file when
+    it cannot be read or is not a mapping; its keys are checked by the flag parser."""
+    document = read_document(
+        path, max_bytes=MAX_SETTINGS_BYTES, empty="write serve's flags in it as keys, e.g. 'xds: 127.0.0.1:18000'"
+    )
+    if not isinstance(document, dict):
+        raise ConfigError(
+            str(path),
+            [Problem("", f"the file must be a mapping of serve's flags (without '--'), not {type(document).__name__}")],
+        )
+    return document
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -421,9 +447,9 @@ class ServeSettings:
         if not 0.1 <= self.xds.lrs.interval <= 3600:
             problems.append(
                 Problem(
-                    "--lrs-interval-ms",
-                    f"--lrs-interval-ms asks proxies to report load every 100 ms to 1 hour, not every "
-                    f"{self.xds.lrs.interval * 1000:g} ms",
+                    "--lrs-interval",
+                    f"--lrs-interval asks proxies to report load every 100ms to 1h, not every "
+                    f"{self.xds.lrs.interval * 1000:g}ms",
                 )
             )
         return problems

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import sys
@@ -12,6 +14,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pilotfish.commands.flags import (
+    Deprecated,
+    Repeatable,
+    SettingsFileError,
+    duration,
+    duration_or_zero,
+    format_duration,
+    read_settings,
+    report_warnings,
+    seconds_or_zero,
+)
+from pilotfish.commands.flags import seconds as _seconds
+from pilotfish.commands.logs import configure_logging
 from pilotfish.errors import ConfigError
 from pilotfish.etcd.client import DEFAULT_KEEPALIVE
 from pilotfish.events import RECENT_EVENTS
@@ -49,6 +64,15 @@ def _address(value: str) -> str:
 DEFAULT_ADMIN = "127.0.0.1:18001"
 """Where ``serve`` serves the admin API, and where ``status``, ``wait``, ``confirm``, ``rollout`` and
 ``plan`` look for it."""
+ADMIN_VARIABLES = {
+    "admin": "PILOTFISH_ADMIN",
+    "tls_ca": "PILOTFISH_TLS_CA",
+    "tls_cert": "PILOTFISH_TLS_CERT",
+    "tls_key": "PILOTFISH_TLS_KEY",
+    "token_file": "PILOTFISH_TOKEN_FILE",
+}
+"""The environment variables the admin API's clients (status, wait, confirm, rollout, plan) take
+their flags' defaults from; a flag given wins. (The token itself: ``PILOTFISH_ADMIN_TOKEN``.)"""
 
 
 def _addresses(value: str) -> list[str]:
@@ -62,16 +86,6 @@ def _addresses(value: str) -> list[str]:
 
 def _admin_address(value: str) -> str | None:
     return None if value == "off" else _address(value)
-
-
-def _seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0 or seconds == float("inf"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
-    return seconds
 
 
 def _positive_int(value: str) -> int:
@@ -136,12 +150,72 @@ def _node_group(value: str) -> NodeGroupRule:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _ms(value: int) -> float:
+    return value / 1000
+
+
+def _renamed(
+    group: argparse._ActionsContainer, old: str, new: str, *, unit: str, metavar: str = "MS", whole: bool = False
+) -> None:
+    """``old`` (a number of ``unit``: ``ms`` or ``s``) kept as a deprecated alias of the duration flag ``new``."""
+    group.add_argument(
+        old,
+        dest=new[2:].replace("-", "_"),
+        action=Deprecated,
+        instead=new,
+        type=(_whole_number if whole else _positive_int) if unit == "ms" else seconds_or_zero,
+        convert=_ms if unit == "ms" else float,
+        shown=format_duration,
+        metavar=metavar,
+        help=f"deprecated: {new} (this one takes {'milliseconds' if unit == 'ms' else 'seconds'})",
+    )
+
+
+def version() -> str:
+    """pilotfish's version, as installed (its package metadata)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("pilotfish")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``pilotfish`` parser, and its ``serve`` subparser (which ``--config`` files feed)."""
     parser = argparse.ArgumentParser(prog="pilotfish", description="An Envoy control plane (xDS over gRPC).")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: every event)")
+    parser.add_argument(
+        "--version", action="version", version=f"pilotfish {version()}", help="print pilotfish's version and exit"
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="the logs on stderr: text lines, or one JSON object a line (time, level, logger, message "
+        "and the record's fields) for log shippers (default: %(default)s)",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="serve a snapshot file over xDS, following its changes")
+    serve.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="read serve's settings from this YAML (or .json) file: its keys are these flags without "
+        "'--' (quiet: 100ms, node-group: [a=cluster:a]); flags given here win over it; an unknown key "
+        "is refused",
+    )
+    serve.add_argument(
+        "--print-settings",
+        action="store_true",
+        help="print the settings in effect (the file's and the flags', checked) as JSON and exit, serving nothing",
+    )
     serve.add_argument(
         "--snapshot",
         type=Path,
@@ -172,7 +246,11 @@ def _parser() -> argparse.ArgumentParser:
         "lapse at once, as in a network partition (default: %(default)s)",
     )
     serve.add_argument(
-        "--registry-self-preservation-share", type=_share, default=0.5, metavar="SHARE", help="(default: %(default)s)"
+        "--registry-self-preservation-share",
+        type=_share,
+        default=0.5,
+        metavar="SHARE",
+        help="the share of instances lapsing at once that pauses TTL expiry (default: %(default)s)",
     )
     serve.add_argument(
         "--etcd",
@@ -188,17 +266,18 @@ def _parser() -> argparse.ArgumentParser:
         help="etcd key prefix: PREFIX/services/NAME, PREFIX/instances/SERVICE/ID (default: %(default)s)",
     )
     serve.add_argument(
-        "--etcd-keepalive-s",
-        type=_seconds,
-        default=DEFAULT_KEEPALIVE,
-        metavar="S",
+        "--etcd-keepalive",
+        type=duration,
+        default=format_duration(DEFAULT_KEEPALIVE),
+        metavar="DURATION",
         help="notice an etcd watch that stopped answering (a stalled etcd, a half-open connection) "
-        "within this long: after S/2 of silence etcd is probed, and must answer within S/2; "
-        "then the watch is made again (default: %(default)s)",
+        "within this long: after half of it in silence etcd is probed, and must answer within the "
+        "other half; then the watch is made again (default: %(default)s)",
     )
+    _renamed(serve, "--etcd-keepalive-s", "--etcd-keepalive", unit="s", metavar="S")
     serve.add_argument(
         "--docker",
-        action="append",
+        action=Repeatable,
         default=[],
         metavar="URL[@ADDRESS]",
         help="discover endpoints from a Docker engine's labelled containers (repeatable): "
@@ -221,27 +300,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--docker-tls-key", type=Path, metavar="FILE", help="the key of --docker-tls-cert")
     serve.add_argument(
-        "--quiet-ms",
-        type=_positive_int,
-        default=100,
-        metavar="MS",
+        "--quiet",
+        type=duration,
+        default="100ms",
+        metavar="DURATION",
         help="debounce: build once changes have been quiet this long (default: %(default)s)",
     )
+    _renamed(serve, "--quiet-ms", "--quiet", unit="ms")
     serve.add_argument(
-        "--max-delay-ms",
-        type=_positive_int,
-        default=1000,
-        metavar="MS",
+        "--max-delay",
+        type=duration,
+        default="1s",
+        metavar="DURATION",
         help="debounce: build at the latest this long after a burst began (default: %(default)s)",
     )
+    _renamed(serve, "--max-delay-ms", "--max-delay", unit="ms")
     serve.add_argument(
-        "--flap-hold-ms",
-        type=_positive_int,
-        default=1000,
-        metavar="MS",
+        "--flap-hold",
+        type=duration,
+        default="1s",
+        metavar="DURATION",
         help="an endpoint that comes back soon after leaving is re-added after staying this "
         "long (default: %(default)s)",
     )
+    _renamed(serve, "--flap-hold-ms", "--flap-hold", unit="ms")
     serve.add_argument(
         "--validate",
         choices=("on", "off"),
@@ -279,11 +361,12 @@ def _parser() -> argparse.ArgumentParser:
         help="where to serve xDS over gRPC (default: %(default)s); load reports (LRS) are taken on the same port",
     )
     serve.add_argument(
-        "--lrs-interval-ms",
-        type=_positive_int,
-        metavar="MS",
-        help="how often proxies that report load (bootstrap --lrs) are asked to report (default: 10000)",
+        "--lrs-interval",
+        type=duration,
+        metavar="DURATION",
+        help="how often proxies that report load (bootstrap --lrs) are asked to report (default: 10s)",
     )
+    _renamed(serve, "--lrs-interval-ms", "--lrs-interval", unit="ms")
     _rollout_flags(serve)
     serve.add_argument(
         "--admin",
@@ -311,14 +394,14 @@ def _parser() -> argparse.ArgumentParser:
         "polls join the node groups of kind rest (built in: 'rest')",
     )
     serve.add_argument(
-        "--rest-refresh-ms",
-        type=_positive_int,
-        default=int(DEFAULT_REST_REFRESH * 1000),
-        metavar="MS",
+        "--rest-refresh",
+        type=duration,
+        default=format_duration(DEFAULT_REST_REFRESH),
+        metavar="DURATION",
         help="with --rest: clusters and listeners served to REST pollers poll their endpoints and "
-        "routes every MS milliseconds; give the --refresh-ms of their bootstraps "
-        "(default: %(default)s)",
+        "routes this often; give the --refresh of their bootstraps (default: %(default)s)",
     )
+    _renamed(serve, "--rest-refresh-ms", "--rest-refresh", unit="ms")
     serve.add_argument(
         "--event-log",
         type=Path,
@@ -347,19 +430,20 @@ def _parser() -> argparse.ArgumentParser:
         "the snapshot file's directory)",
     )
     serve.add_argument(
-        "--subset-grace-s",
-        type=float,
-        default=300.0,
-        metavar="S",
+        "--subset-grace",
+        type=duration_or_zero,
+        default="5m",
+        metavar="DURATION",
         help="a disconnected proxy keeps its subset this long, e.g. for a hot restart (default: %(default)s)",
     )
+    _renamed(serve, "--subset-grace-s", "--subset-grace", unit="s", metavar="S")
     serve.add_argument(
         "--status-forget-after",
         type=_seconds,
-        default=600.0,
-        metavar="S",
-        help="a disconnected proxy's status (/v1/proxies?all=true) is forgotten this many seconds "
-        "after its last stream closed (default: %(default)s)",
+        default="10m",
+        metavar="DURATION",
+        help="a disconnected proxy's status (/v1/proxies?all=true) is forgotten this long after its "
+        "last stream closed (a bare number: seconds; default: %(default)s)",
     )
     serve.add_argument(
         "--status-max-disconnected",
@@ -380,7 +464,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--node-group",
         type=_node_group,
-        action="append",
+        action=Repeatable,
         default=[],
         metavar="NAME[:KIND][@ZONE]=RULE",
         help="clients whose node matches RULE (cluster:PATTERN, id:PATTERN, metadata:KEY=PATTERN, "
@@ -426,7 +510,7 @@ def _parser() -> argparse.ArgumentParser:
     tls.add_argument(
         "--authorize-node",
         type=_node_rule,
-        action="append",
+        action=Repeatable,
         default=[],
         metavar="IDENTITY=NODE",
         help="with --client-ca: a proxy whose certificate identity (SPIFFE URI SAN, else DNS SAN) "
@@ -438,7 +522,7 @@ def _parser() -> argparse.ArgumentParser:
     tls.add_argument(
         "--grant-secret",
         type=_grant,
-        action="append",
+        action=Repeatable,
         default=[],
         metavar="SECRET=identity:PATTERN|SECRET=node:PATTERN",
         help="SDS secrets whose names match SECRET go to proxies whose certificate identity (needs "
@@ -454,12 +538,13 @@ def _parser() -> argparse.ArgumentParser:
         "(within a second; a bad edit is reported, grants_error, and the last good grants kept)",
     )
     tls.add_argument(
-        "--tls-reload-ms",
-        type=_positive_int,
-        default=1000,
-        metavar="MS",
+        "--tls-reload",
+        type=duration,
+        default="1s",
+        metavar="DURATION",
         help="check the certificate, key and CA files for changes this often (default: %(default)s)",
     )
+    _renamed(tls, "--tls-reload-ms", "--tls-reload", unit="ms")
     conns = serve.add_argument_group(
         "xDS connections",
         "what one peer, or all of them, may hold; a connection over a cap is accepted and closed "
@@ -480,21 +565,23 @@ def _parser() -> argparse.ArgumentParser:
         "--max-connections if less; raise it for a larger fleet behind one NAT address)",
     )
     conns.add_argument(
-        "--handshake-timeout-ms",
-        type=_positive_int,
-        default=10_000,
-        metavar="MS",
+        "--handshake-timeout",
+        type=duration,
+        default="10s",
+        metavar="DURATION",
         help="close a connection that has not sent the HTTP/2 preface (magic and SETTINGS) this long "
         "after it was accepted (default: %(default)s)",
     )
+    _renamed(conns, "--handshake-timeout-ms", "--handshake-timeout", unit="ms")
     conns.add_argument(
-        "--idle-timeout-ms",
-        type=_whole_number,
-        default=3_600_000,
-        metavar="MS",
-        help="close (GOAWAY NO_ERROR) a connection without streams for this long; 0: never "
-        "(default: %(default)s, one hour, as Envoy's idle_timeout)",
+        "--idle-timeout",
+        type=duration_or_zero,
+        default="1h",
+        metavar="DURATION",
+        help="close (GOAWAY NO_ERROR) a connection without streams for this long; 0s: never "
+        "(default: %(default)s, as Envoy's idle_timeout)",
     )
+    _renamed(conns, "--idle-timeout-ms", "--idle-timeout", unit="ms", whole=True)
     http_conns = serve.add_argument_group(
         "HTTP connections",
         "what one peer, or all of them, may hold on the registry API, REST xDS and the admin "
@@ -525,34 +612,29 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     admin_client = argparse.ArgumentParser(add_help=False)
+    environ = os.environ
     admin_client.add_argument(
         "--admin",
         type=_address,
-        default=DEFAULT_ADMIN,
+        default=environ.get(ADMIN_VARIABLES["admin"]) or DEFAULT_ADMIN,
         metavar="HOST:PORT",
-        help="the admin API of `pilotfish serve` (default: %(default)s)",
+        help="the admin API of `pilotfish serve` (default: $PILOTFISH_ADMIN, else 127.0.0.1:18001)",
     )
-    admin_client.add_argument(
-        "--tls-ca",
-        type=Path,
-        metavar="FILE",
-        help="the admin API is served over TLS (serve --tls-cert): trust this PEM CA bundle "
-        "(its certificate must name HOST)",
-    )
-    admin_client.add_argument(
-        "--tls-cert",
-        type=Path,
-        metavar="FILE",
-        help="mTLS (serve --admin-client-ca): the PEM certificate chain to present",
-    )
-    admin_client.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
-    admin_client.add_argument(
-        "--token-file",
-        type=Path,
-        metavar="FILE",
-        help="the admin API wants a token (serve --admin-tokens): send the one in FILE (its "
-        "first line); default: the environment variable PILOTFISH_ADMIN_TOKEN, if set",
-    )
+    for flag, key, what in (
+        ("--tls-ca", "tls_ca", "the admin API is served over TLS (serve --tls-cert): trust this PEM CA bundle (its "
+         "certificate must name HOST)"),
+        ("--tls-cert", "tls_cert", "mTLS (serve --admin-client-ca): the PEM certificate chain to present"),
+        ("--tls-key", "tls_key", "the PEM private key of --tls-cert"),
+        ("--token-file", "token_file", "the admin API wants a token (serve --admin-tokens): send the one in FILE (its "
+         "first line); without one, the token in $PILOTFISH_ADMIN_TOKEN"),
+    ):  # fmt: skip
+        admin_client.add_argument(
+            flag,
+            type=Path,
+            default=environ.get(ADMIN_VARIABLES[key]) or None,
+            metavar="FILE",
+            help=f"{what} (default: ${ADMIN_VARIABLES[key]})",
+        )
 
     status = commands.add_parser(
         "status",
@@ -567,6 +649,21 @@ def _parser() -> argparse.ArgumentParser:
         choices=("SYNCED", "STALE", "NACKED", "NOT_SENT"),
         type=str.upper,
         help="only proxies with a type in this state",
+    )
+    status.add_argument(
+        "--stale-grace",
+        type=duration_or_zero,
+        default="30s",
+        metavar="DURATION",
+        help="exit 1 when a proxy has NACKED, or has been STALE (sent a version it has not ACKed) "
+        "longer than this (default: %(default)s)",
+    )
+    status.add_argument(
+        "-o",
+        "--output",
+        choices=("table", "json"),
+        default="table",
+        help="table, or json: the proxies as the admin API gives them and the problems found (default: %(default)s)",
     )
 
     wait = commands.add_parser(
@@ -587,14 +684,19 @@ def _parser() -> argparse.ArgumentParser:
         help="wait for the current snapshot (the default), once a change being debounced is built",
     )
     wait.add_argument(
-        "--timeout", type=_seconds, default=60.0, metavar="S", help="give up after S seconds (default: %(default)s)"
+        "--timeout",
+        type=_seconds,
+        default="60s",
+        metavar="DURATION",
+        help="give up after this long (a bare number: seconds; default: %(default)s)",
     )
     wait.add_argument(
         "--min-proxies",
         type=_whole_number,
-        default=0,
+        default=1,
         metavar="N",
-        help="and until at least N proxies are connected (default: %(default)s)",
+        help="and until at least N proxies are connected: fewer at the timeout is a failure "
+        "(0: none needed; default: %(default)s)",
     )
 
     commands.add_parser("confirm", parents=[admin_client], help="publish the snapshot the blast-radius guard holds")
@@ -637,10 +739,17 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON (the admin API's answer)")
 
     validate = commands.add_parser("validate", help="check a snapshot file; print every problem")
-    validate.add_argument("file", type=Path, metavar="FILE")
+    validate.add_argument(
+        "--snapshot", type=Path, metavar="FILE", help="the snapshot file to check (as serve --snapshot takes it)"
+    )
+    validate.add_argument(
+        "file", type=Path, nargs="?", metavar="FILE", help="the snapshot file, given without --snapshot"
+    )
 
     boot = commands.add_parser("bootstrap", help="print an Envoy bootstrap that gets everything over ADS (or REST)")
-    boot.add_argument("--node-id", required=True, metavar="ID")
+    boot.add_argument(
+        "--node-id", required=True, metavar="ID", help="the Envoy's node id (what status and node groups match)"
+    )
     boot.add_argument("--cluster", default="pilotfish", metavar="NAME", help="node cluster (default: %(default)s)")
     boot.add_argument(
         "--xds",
@@ -651,7 +760,20 @@ def _parser() -> argparse.ArgumentParser:
         "the option or separate them by commas, and Envoy fails over between them",
     )
     boot.add_argument(
-        "--admin-port", type=int, default=9901, metavar="N", help="Envoy admin port on 127.0.0.1 (default: %(default)s)"
+        "--envoy-admin-port",
+        type=int,
+        default=9901,
+        metavar="N",
+        help="the Envoy's own admin port, on 127.0.0.1 (default: %(default)s)",
+    )
+    boot.add_argument(
+        "--admin-port",
+        dest="envoy_admin_port",
+        action=Deprecated,
+        instead="--envoy-admin-port",
+        type=int,
+        metavar="N",
+        help="deprecated: --envoy-admin-port (--admin is pilotfish's admin API everywhere else)",
     )
     boot.add_argument(
         "--tls-ca",
@@ -680,12 +802,13 @@ def _parser() -> argparse.ArgumentParser:
         "of ADS over gRPC (--xds is then not used); several replicas as for --xds",
     )
     boot.add_argument(
-        "--refresh-ms",
-        type=_positive_int,
-        default=int(DEFAULT_REST_REFRESH * 1000),
-        metavar="MS",
-        help="with --rest: poll every MS milliseconds, plus up to as much again of jitter (default: %(default)s)",
+        "--refresh",
+        type=duration,
+        default=format_duration(DEFAULT_REST_REFRESH),
+        metavar="DURATION",
+        help="with --rest: poll this often, plus up to as much again of jitter (default: %(default)s)",
     )
+    _renamed(boot, "--refresh-ms", "--refresh", unit="ms")
     boot.add_argument(
         "--lrs",
         action="store_true",
@@ -705,13 +828,33 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument(
         "action",
         choices=("new", "hash"),
-        help="new: print a fresh token and its tokens-file entry; hash: print the sha256 of the "
-        "token read from stdin (one line)",
+        help="new: a fresh token and its tokens-file entry (YAML on stdout, the token in it as a "
+        "comment; what to do on stderr); hash: print the sha256 of the token read from stdin (one line)",
+    )
+    token.add_argument(
+        "--name", metavar="NAME", help="new: the token's name in the tokens file (default: NAME, to edit)"
+    )
+    token.add_argument(
+        "--write",
+        action="append",
+        default=[],
+        metavar="SERVICE",
+        help="new: the token may register and deregister instances of SERVICE ('*' any characters); repeatable",
+    )
+    token.add_argument("--read", action="store_true", help="new: the token may read (status, config, the registry)")
+    token.add_argument(
+        "--admin", action="store_true", help="new: an admin API token that may also confirm and command rollouts"
     )
 
     demo = commands.add_parser("demo", help="run pilotfish, two upstreams and a real Envoy on examples/demo.yaml")
-    demo.add_argument("--snapshot", type=Path, default=Path("examples/demo.yaml"), metavar="FILE")
-    return parser
+    demo.add_argument(
+        "--snapshot",
+        type=Path,
+        default=Path("examples/demo.yaml"),
+        metavar="FILE",
+        help="the snapshot file the demo serves (default: %(default)s)",
+    )
+    return parser, serve
 
 
 def _rollout_flags(serve: argparse.ArgumentParser) -> None:
@@ -734,16 +877,17 @@ def _rollout_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--rollout-ack-timeout",
         type=_seconds,
-        default=30.0,
-        metavar="S",
-        help="seconds a wave's proxies have to ACK the candidate (default: %(default)s)",
+        default="30s",
+        metavar="DURATION",
+        help="how long a wave's proxies have to ACK the candidate (a bare number: seconds; default: %(default)s)",
     )
     group.add_argument(
         "--rollout-bake",
         type=_seconds,
-        default=30.0,
-        metavar="S",
-        help="seconds a wave bakes after it ACKed, its error ratio compared with the baseline's (default: %(default)s)",
+        default="30s",
+        metavar="DURATION",
+        help="how long a wave bakes after it ACKed, its error ratio compared with the baseline's "
+        "(a bare number: seconds; default: %(default)s)",
     )
     group.add_argument(
         "--rollout-health",
@@ -825,17 +969,17 @@ def _serve(args: argparse.Namespace) -> int:
         snapshot=args.snapshot,
         xds=XdsSettings(
             address=args.xds,
-            lrs=LrsSettings() if args.lrs_interval_ms is None else LrsSettings(interval=args.lrs_interval_ms / 1000),
+            lrs=LrsSettings() if args.lrs_interval is None else LrsSettings(interval=args.lrs_interval),
             connections=ConnectionLimits(
                 max_connections=args.max_connections,
                 max_connections_per_address=args.max_connections_per_address,
-                handshake_timeout=args.handshake_timeout_ms / 1000,
-                idle_timeout=args.idle_timeout_ms / 1000 if args.idle_timeout_ms else None,
+                handshake_timeout=args.handshake_timeout,
+                idle_timeout=args.idle_timeout or None,
             ),
         ),
         rest=RestSettings(
             address=args.rest,
-            refresh=args.rest_refresh_ms / 1000,
+            refresh=args.rest_refresh,
             connections=HttpConnectionLimits(
                 max_connections=args.rest_max_connections,
                 max_connections_per_address=args.rest_max_connections_per_address,
@@ -861,7 +1005,7 @@ def _serve(args: argparse.Namespace) -> int:
                 or ADMIN_CONNECTIONS.max_connections_per_address,
             ),
         ),
-        etcd=EtcdSettings(address=args.etcd, prefix=args.etcd_prefix, keepalive=args.etcd_keepalive_s),
+        etcd=EtcdSettings(address=args.etcd, prefix=args.etcd_prefix, keepalive=args.etcd_keepalive),
         docker=DockerSettings(
             engines=tuple(args.docker),
             tls=args.docker_tls,
@@ -875,7 +1019,7 @@ def _serve(args: argparse.Namespace) -> int:
             client_ca=args.client_ca,
             registry_client_ca=args.registry_client_ca,
             admin_client_ca=args.admin_client_ca,
-            reload_every=args.tls_reload_ms / 1000,
+            reload_every=args.tls_reload,
         ),
         policy=PolicySettings(
             authorize_nodes=tuple(args.authorize_node),
@@ -883,14 +1027,12 @@ def _serve(args: argparse.Namespace) -> int:
             grants_file=args.grants_file,
             node_groups=tuple(args.node_group),
         ),
-        subsets=SubsetSettings(size=args.subset_size, state_dir=args.state_dir, grace=args.subset_grace_s),
+        subsets=SubsetSettings(size=args.subset_size, state_dir=args.state_dir, grace=args.subset_grace),
         events=EventSettings(log=args.event_log, level=args.event_log_level, recent=args.recent_events),
         status_limits=StatusLimits(
             forget_after=args.status_forget_after, max_disconnected=args.status_max_disconnected
         ),
-        debounce=DebounceSettings(
-            quiet=args.quiet_ms / 1000, max_delay=args.max_delay_ms / 1000, hold=args.flap_hold_ms / 1000
-        ),
+        debounce=DebounceSettings(quiet=args.quiet, max_delay=args.max_delay, hold=args.flap_hold),
         guard=GuardSettings(
             enabled=args.guard == "on", max_removed_share=args.guard_max_removed, min_count=args.guard_min_count
         ),
@@ -912,6 +1054,10 @@ def _serve(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"pilotfish serve: {problem.message}", file=sys.stderr)
         return EXIT_USAGE
+    if args.print_settings:
+        shown = {**dataclasses.asdict(settings), "event_loop": args.event_loop}
+        print(json.dumps(shown, indent=2, sort_keys=True, default=str))
+        return EXIT_OK
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(serve(settings))
@@ -944,7 +1090,14 @@ def _operate(args: argparse.Namespace) -> int:
     admin = operate.AdminClient(args.admin, tls=tls, token=token)
     if args.command == "status":
         return operate.status_command(
-            admin, node=args.node, cluster=args.cluster, state=args.state, out=sys.stdout, err=sys.stderr
+            admin,
+            node=args.node,
+            cluster=args.cluster,
+            state=args.state,
+            stale_grace=args.stale_grace,
+            as_json=args.output == "json",
+            out=sys.stdout,
+            err=sys.stderr,
         )
     if args.command == "wait":
         return operate.wait_command(
@@ -964,27 +1117,50 @@ def _operate(args: argparse.Namespace) -> int:
     return operate.confirm_command(admin, out=sys.stdout, err=sys.stderr)
 
 
+def _with_settings_file(
+    parser: argparse.ArgumentParser, serve: argparse.ArgumentParser, argv: Sequence[str] | None, config: Path
+) -> argparse.Namespace | None:
+    """``argv`` parsed again over the settings of ``serve --config FILE`` (the command line wins);
+    None (the reason printed) when the file cannot be used."""
+    try:
+        from_file = read_settings(config, serve)
+    except SettingsFileError as exc:
+        print(f"pilotfish serve: --config {config}: {exc}", file=sys.stderr)
+        return None
+    serve.set_defaults(**vars(from_file))
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("watchfiles").setLevel(logging.WARNING)
+    parser, serve = _parsers()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and args.config is not None:
+        with_file = _with_settings_file(parser, serve, argv, args.config)
+        if with_file is None:
+            return EXIT_USAGE
+        args = with_file
+    configure_logging(verbose=args.verbose, json_lines=args.log_format == "json")
+    report_warnings(logging.getLogger("pilotfish"))
     if args.command == "validate":
-        return _validate(args.file)
+        given = [path for path in (args.snapshot, args.file) if path is not None]
+        if len(given) != 1:
+            print("pilotfish validate: give the file once: --snapshot FILE (or FILE)", file=sys.stderr)
+            return EXIT_USAGE
+        return _validate(given[0])
     if args.command == "bootstrap":
         try:
             settings = BootstrapSettings(
                 node_id=args.node_id,
                 cluster=args.cluster,
                 xds=tuple(args.xds or ("127.0.0.1:18000",)),
-                admin_port=args.admin_port,
+                admin_port=args.envoy_admin_port,
                 tls_ca=args.tls_ca,
                 tls_cert=args.tls_cert,
                 tls_key=args.tls_key,
                 tls_server_name=args.tls_server_name,
                 delta=args.delta,
                 rest=None if args.rest is None else tuple(args.rest),
-                refresh=args.refresh_ms / 1000,
+                refresh=args.refresh,
                 lrs=args.lrs,
                 zone=args.zone,
                 region=args.region,
@@ -1004,9 +1180,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("status", "wait", "confirm", "rollout", "plan"):
         return _operate(args)
     if args.command == "token":
-        from pilotfish.api.tokens import token_command
+        from pilotfish.api.tokens import NewToken, token_command
 
-        return token_command(args.action, sys.stdin, sys.stdout)
+        if args.action == "hash" and (args.name or args.write or args.read or args.admin):
+            print("pilotfish token hash: --name, --write, --read and --admin are for `token new`", file=sys.stderr)
+            return EXIT_USAGE
+        new = NewToken(name=args.name or "NAME", write=tuple(args.write), read=args.read, admin=args.admin)
+        return token_command(args.action, sys.stdin, sys.stdout, new=new, stderr=sys.stderr)
     if args.command == "demo":
         from pilotfish.commands.demo import run_demo
 

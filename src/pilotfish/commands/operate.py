@@ -2,14 +2,18 @@
 of the admin API.
 
 ``status`` prints the proxies table of ``/v1/proxies`` (as ``istioctl proxy-status`` does), one
-row per connected proxy and a column per type, then the message of every NACK.
+row per connected proxy and a column per type, then the message of every NACK (``-o json``: the
+proxies as the admin API gives them); it exits 1 when a proxy has NACKED, or has been STALE past
+``--stale-grace``, so that a script can ask "is the fleet well?".
 
 ``wait`` is the step a deploy pipeline runs after changing the source of truth: it polls
 ``/v1/snapshots`` (per group and type, how many proxies have the current version: cheap at any
 fleet size, where listing 10,000 proxies costs the server ~0.1 s) until every connected proxy has
 taken the configuration (:func:`fleet_verdict`), and exits 0; at the timeout, or as soon as a
-proxy rejects (NACKs) that configuration, it reads ``/v1/proxies`` once and exits 1 naming the
-laggards and the NACK messages (:func:`laggards`). What "taken" means, per proxy and per type it
+proxy rejects (NACKs) that configuration, or when fewer than ``--min-proxies`` (default 1: a
+gate must not pass when the fleet is gone) are connected at the timeout, it reads
+``/v1/proxies`` once and exits 1 naming the laggards and the NACK messages (:func:`laggards`).
+What "taken" means, per proxy and per type it
 was sent: it ACKed the version of its node group's current snapshot; a delta stream is sent
 nothing when none of its resources changed, so there it is enough that it ACKed all it was sent
 (the server counts the same way: ``current`` in ``/v1/snapshots``). ``--version V`` waits,
@@ -77,6 +81,7 @@ __all__ = [
     "rollout_text",
     "status_command",
     "status_table",
+    "unhealthy",
     "wait_command",
 ]
 
@@ -226,10 +231,36 @@ def status_table(proxies: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def unhealthy(proxies: Sequence[Mapping[str, Any]], *, stale_grace: float) -> list[str]:
+    """One line per proxy and type that is NACKED, or STALE for longer than ``stale_grace`` seconds:
+    what makes ``status`` exit 1."""
+    problems = []
+    for proxy in proxies:
+        for short, status in sorted(proxy["types"].items()):
+            if status["state"] == "NACKED":
+                problems.append(f"{proxy['node']}: {short} NACKED {status['nack'].get('version')}")
+            elif status["state"] == "STALE" and status.get("stale_for", 0) > stale_grace:
+                problems.append(
+                    f"{proxy['node']}: {short} STALE {_short(status['sent_version'])} for {status['stale_for']:.0f}s"
+                )
+    return problems
+
+
 def status_command(
-    admin: AdminClient, *, node: str | None, cluster: str | None, state: str | None, out: TextIO, err: TextIO
+    admin: AdminClient,
+    *,
+    node: str | None,
+    cluster: str | None,
+    state: str | None,
+    out: TextIO,
+    err: TextIO,
+    stale_grace: float = 30.0,
+    as_json: bool = False,
 ) -> int:
-    """Print the proxies table (filters are globs; ``state``: rows with a type in that state)."""
+    """Print the proxies table (filters are globs; ``state``: rows with a type in that state), or
+    (``as_json``) ``{"proxies": [...], "problems": [...]}``. 0: every proxy shown is well; 1: one
+    has NACKED, or been STALE longer than ``stale_grace`` seconds (:func:`unhealthy`, named on
+    ``err``); 2: the token is missing or falls short; 3: the admin API cannot be reached."""
     query = urllib.parse.urlencode(
         {key: value for key, value in (("node", node), ("cluster", cluster), ("state", state)) if value}
     )
@@ -242,10 +273,18 @@ def status_command(
         print(f"pilotfish status: {body.get('error', body)}", file=err)
         return 2
     proxies = body["proxies"]
-    if not proxies:
+    problems = unhealthy(proxies, stale_grace=stale_grace)
+    if as_json:
+        out.write(json.dumps({"proxies": proxies, "problems": problems}, indent=2, sort_keys=True) + "\n")
+    elif not proxies:
         print("no proxy is connected" + (" that matches" if query else ""), file=out)
-        return 0
-    out.write(status_table(proxies))
+    else:
+        out.write(status_table(proxies))
+    if problems:
+        print(f"pilotfish status: {len(problems)} problem(s):", file=err)
+        for problem in problems:
+            print(f"  {problem}", file=err)
+        return 1
     return 0
 
 
@@ -389,7 +428,13 @@ def wait_command(
                 print(f"pilotfish wait: {exc}", file=err)
                 return 3
         sleep(every)
-    why = "a proxy rejected the configuration" if verdict.rejected else f"not every proxy has it after {timeout:g}s"
+    if verdict.rejected:
+        why = "a proxy rejected the configuration"
+    elif verdict.proxies < min_proxies:
+        needed = f"{min_proxies} prox{'y' if min_proxies == 1 else 'ies'}"
+        why = f"{verdict.proxies} of at least {needed} connected after {timeout:g}s"
+    else:
+        why = f"not every proxy has it after {timeout:g}s"
     print(f"pilotfish wait: {why}:", file=err)
     for problem in named.problems or verdict.problems:
         print(f"  {problem}", file=err)

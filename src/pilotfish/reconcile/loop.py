@@ -28,7 +28,7 @@ from pilotfish.build.desired import DesiredState, Merged, MergeMemo, View, build
 from pilotfish.build.subsetting import IndexTable
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup, SnapshotPublisher
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.events import EventLog
+from pilotfish.events import ANNOUNCE, EventLog
 from pilotfish.reconcile.admission import Admission
 from pilotfish.reconcile.damping import Damping, EndpointKey, without_held
 from pilotfish.reconcile.debounce import Clock, Debouncer, DebounceSettings, MonotonicClock
@@ -45,6 +45,7 @@ from pilotfish.status import SyncStatus
 __all__ = ["BuildOptions", "Reconciler", "SubsetOptions"]
 
 _log = logging.getLogger("pilotfish.reconcile")
+_announce = logging.getLogger(ANNOUNCE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +142,9 @@ class Reconciler:
         self._memo = ResourceMemo()
         self._merge_memo = MergeMemo()
         self._published_endpoints: dict[str, int] = {}
+        self._refused_input = False
+        """An input was refused (where it was read, or by a build) and no build has been accepted
+        since: the next accepted one is announced as the fix."""
 
     # -- what sources say -------------------------------------------------------------------------
 
@@ -149,6 +153,8 @@ class Reconciler:
         self.readiness.reported(source)
         previous = self._states.get(source)
         if previous == state:
+            if self._refused_input and self.stats.last_error is None:  # back to what is served
+                self._announce_fix(self.cache.snapshot(DEFAULT_GROUP))
             return
         self._states[source] = state
         self.stats.changes += 1
@@ -159,6 +165,7 @@ class Reconciler:
     def source_error(self, source: str, reason: str = "") -> None:
         """``source``'s latest input was refused (and reported) where it was read, for ``reason``."""
         self.readiness.refused(source, reason)
+        self._refused_input = True
 
     def set_subset_tables(self, tables: Mapping[str, IndexTable]) -> None:
         """Shared tables changed (etcd): build with them (and only them) from now on."""
@@ -361,6 +368,7 @@ class Reconciler:
             self._refuse(exc)
         self.stats.last_error = None
         first = next(iter(snapshots.values()))
+        self._announce_fix(snapshots.get(DEFAULT_GROUP, first))
         if not changed:
             self.guard.release("the sources are back to what is served")
             self._events.emit("snapshot_unchanged", version=first.label())
@@ -382,7 +390,19 @@ class Reconciler:
         if self._on_merged is not None:
             self._on_merged(merged)
 
+    def _announce_fix(self, snapshot: Snapshot | None) -> None:
+        """After a refused input, the first one accepted (no source failing): say so, once."""
+        if not self._refused_input or self.readiness.failing_sources:
+            return
+        self._refused_input = False
+        _announce.info(
+            "fixed: %s accepted again (snapshot %s); the refused input no longer stands",
+            self._source_names(),
+            "-" if snapshot is None else snapshot.label(),
+        )
+
     def _refuse(self, error: ConfigError) -> NoReturn:
+        self._refused_input = True
         self.stats.last_error = error
         self.stats.last_error_at = time.time()
         self.stats.refused += 1

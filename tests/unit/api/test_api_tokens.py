@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from pilotfish.api.tokens import (
     Access,
     Allowed,
     Denied,
+    NewToken,
     TokenFile,
     TokenScope,
     TokenSet,
@@ -385,15 +387,19 @@ def test_an_open_registry_warns_unless_on_loopback(host: str, warns: bool, caplo
     assert ("accepts writes from anyone" in caplog.text) is warns
 
 
-def test_token_new_prints_a_token_and_its_entry() -> None:
-    out = io.StringIO()
-    assert token_command("new", io.StringIO(), out) == 0
-    lines = out.getvalue().splitlines()
-    token = lines[0].rsplit(" ", 1)[1]
-    assert len(token) >= 40
-    entry = "\n".join(lines[2:])
-    assert f"sha256: {hash_token(token)}" in entry
-    assert parse_tokens({"tokens": {"t": {"sha256": hash_token(token)}}}, "t").find(token) is not None
+def test_token_new_prints_yaml_only_on_stdout_with_the_token_and_its_named_scoped_entry() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    new = NewToken(name="deploy-web", write=("web", "web-*"), read=True)
+    assert token_command("new", io.StringIO(), out, new=new, stderr=err) == 0
+    printed = yaml.safe_load(out.getvalue())
+    token = printed["token"]
+    assert len(token) >= 40 and token not in err.getvalue()
+    assert printed["tokens"] == {"deploy-web": {"sha256": hash_token(token), "write": ["web", "web-*"], "read": True}}
+    scope = parse_tokens({"tokens": printed["tokens"]}, "t").find(token)
+    assert scope is not None and scope.may_write("web-2") and not scope.may_write("api") and scope.read
+    assert "tokens file" in err.getvalue()
+    with pytest.raises(ConfigError, match="token"):  # stdout as a whole is not a tokens file: the secret stays out
+        parse_tokens(printed, "t")
 
 
 def test_token_hash_reads_one_line_without_its_ending() -> None:

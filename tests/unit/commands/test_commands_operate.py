@@ -16,6 +16,7 @@ from pilotfish.commands.operate import (
     plan_text,
     rollout_text,
     status_table,
+    unhealthy,
 )
 
 
@@ -393,3 +394,15 @@ def test_an_offline_plan_says_what_it_leaves_out() -> None:
     )
     labels = [line.split()[0] for line in text.splitlines() if not line.startswith(" ")]
     assert "guard" not in labels and "rollout" not in labels and labels[-2:] == ["validation", "verdict"]
+
+
+def test_status_fails_on_a_nack_and_on_stale_past_the_grace_only() -> None:
+    def stale(seconds: float) -> dict[str, Any]:
+        return {"state": "STALE", "sent_version": "c2", "acked_version": "c1", "stale_for": seconds}
+
+    nacked = {"state": "NACKED", "sent_version": "c2", "acked_version": "c1", "nack": {"version": "c2", "message": "m"}}
+    fleet = [proxy("a", CDS=synced("c2")), proxy("b", CDS=stale(10.0)), proxy("c", EDS=stale(45.0), CDS=nacked)]
+    assert unhealthy(fleet, stale_grace=30.0) == ["c: CDS NACKED c2", "c: EDS STALE c2 for 45s"]
+    assert unhealthy(fleet, stale_grace=60.0) == ["c: CDS NACKED c2"]
+    assert unhealthy(fleet[:2], stale_grace=0.0) == ["b: CDS STALE c2 for 10s"]
+    assert unhealthy(fleet[:1], stale_grace=0.0) == []

@@ -7,12 +7,14 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
 
 from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
+from pilotfish.events import ANNOUNCE
 from pilotfish.reconcile import DebounceSettings, Reconciler
 from pilotfish.resources import ENDPOINT, LISTENER
 from pilotfish.resources.services import Endpoint, ServiceSpec
@@ -205,6 +207,40 @@ async def test_a_refused_edit_does_not_lend_its_version_to_the_next(running: Run
     await clock.advance(2.0)
     snapshot = cache.snapshot()
     assert snapshot is not None and snapshot.versions()["EDS"] == "2", "proxies hold EDS '1' with port 9001"
+
+
+def _fixed_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == ANNOUNCE and r.getMessage().startswith("fixed:")]
+
+
+async def test_the_first_input_accepted_after_a_refused_one_is_announced_once(
+    running: Running, caplog: pytest.LogCaptureFixture
+) -> None:
+    reconciler, clock, cache = running
+    caplog.set_level(logging.INFO, logger=ANNOUNCE)
+    reconciler.update("registry", DesiredState())
+
+    def file(port: int, version: str) -> DesiredState:
+        return DesiredState(services={"web": WEB}, endpoints={"web": (Endpoint("127.0.0.1", port),)}, version=version)
+
+    reconciler.update("file", file(1, "7"))
+    await clock.advance(0.5)
+    assert _fixed_lines(caplog) == []  # nothing was refused: nothing to announce
+    reconciler.update("file", file(2, "7"))  # new content under the same version: refused
+    await clock.advance(0.5)
+    assert reconciler.last_error is not None and _fixed_lines(caplog) == []
+    reconciler.update("file", file(2, "8"))
+    await clock.advance(0.5)
+    served = cache.snapshot()
+    assert served is not None and served.label() == "8"
+    assert len(_fixed_lines(caplog)) == 1 and "(snapshot 8)" in _fixed_lines(caplog)[0]
+    # A file refused where it was read, then back to what is served: announced too, once.
+    reconciler.source_error("file", "invalid YAML")
+    reconciler.update("file", file(2, "8"))
+    await clock.advance(0.5)
+    assert len(_fixed_lines(caplog)) == 2
+    reconciler.update("file", file(2, "8"))
+    assert len(_fixed_lines(caplog)) == 2
 
 
 def endpoints_only(*ports: int) -> DesiredState:
