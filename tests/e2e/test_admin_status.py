@@ -126,7 +126,8 @@ def test_a_nack_whose_message_names_no_resource_is_shown_with_the_rejected_ones(
     testbed.snapshot_path.write_text(yaml.safe_dump(document))
     nack = testbed.events.wait_for(is_event("nack", node="edge-1", type=RDS), after=mark, what="Envoy's NACK of RDS")
     assert nack["error"] == "missing ): ((", "the event log keeps Envoy's own message"
-    table = pilotfish("status", "--admin", testbed.control_plane.admin)
+    table = pilotfish("status", "--admin", testbed.control_plane.admin, check=False)
+    assert table.returncode == 1, "a NACKED proxy fails the status"
     assert f"edge-1 rejected RDS 2: '{ROUTE_NAME}': missing ): ((" in table.stdout.splitlines(), table.stdout
     rds = _proxies(testbed)["edge-1"]["types"]["RDS"]
     assert rds["state"] == "NACKED" and rds["nack"]["summary"] == f"'{ROUTE_NAME}': missing ): ((", rds
