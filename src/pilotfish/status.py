@@ -64,6 +64,7 @@ __all__ = [
     "MAX_NACK_MESSAGE",
     "MAX_NODE_FIELD",
     "NACK_SUMMARY",
+    "WORST_FIRST",
     "DepartedProxy",
     "GroupVersions",
     "LatencyHistogram",
@@ -78,6 +79,7 @@ __all__ = [
     "TypeStatus",
     "VersionProgress",
     "nack_summary",
+    "worst_state",
 ]
 
 MAX_NODE_FIELD = 256
@@ -158,6 +160,18 @@ class SyncState(enum.Enum):
     """It rejected the latest version sent to it (and keeps running an older one)."""
     NOT_SENT = "NOT_SENT"
     """Nothing of this type was sent to it (it did not ask, or nothing is published yet)."""
+
+
+WORST_FIRST = (SyncState.NACKED, SyncState.STALE, SyncState.NOT_SENT, SyncState.SYNCED)
+"""The states, worst first: a proxy stands where its worst type does (the status page, the metrics)."""
+
+
+def worst_state(types: Mapping[str, TypeStatus]) -> SyncState:
+    """A proxy's state over all its types: the worst of theirs (``NOT_SENT`` with none)."""
+    if not types:
+        return SyncState.NOT_SENT
+    states = {status.state for status in types.values()}
+    return next(state for state in WORST_FIRST if state in states)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -649,6 +663,18 @@ class SyncStatus:
         for proxy in self._proxies.values():
             if proxy.streams:
                 counts[proxy.info.group] = counts.get(proxy.info.group, 0) + 1
+        return counts
+
+    def connected_states(self) -> dict[str, dict[SyncState, int]]:
+        """Connected proxies per node group and state (each at its :func:`worst_state`), every
+        state counted (0 included) for each group with a connected proxy."""
+        counts: dict[str, dict[SyncState, int]] = {}
+        for proxy in self._proxies.values():
+            if proxy.streams:
+                group = counts.get(proxy.info.group)
+                if group is None:
+                    group = counts[proxy.info.group] = dict.fromkeys(WORST_FIRST, 0)
+                group[worst_state(proxy.types)] += 1
         return counts
 
     def proxies(self) -> list[ProxyRecord]:

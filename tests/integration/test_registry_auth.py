@@ -151,6 +151,12 @@ async def test_a_token_writes_the_services_its_scope_covers_and_no_others(runnin
         # The api token writes its own service.
         assert (await http.put(running.url("/v1/services/api"), json={}, headers=bearer(API))).status == 200
         assert (await http.delete(running.url("/v1/services/web"), headers=bearer(WEB))).status == 204
+        # The token gate's refusals are counted with the registry's own, by status.
+        async with http.get(f"http://{running.server.admin}/metrics") as response:
+            metrics = await response.text()
+        assert 'pilotfish_registry_refused_requests_total{code="401"} 3.0' in metrics
+        assert 'pilotfish_registry_refused_requests_total{code="403"} 3.0' in metrics
+        assert "pilotfish_registry_registrations_total 1.0" in metrics
     denied = events_named(running.events, "registry_denied")
     assert denied and denied[0]["status"] == 403 and denied[0]["token"] == "deploy-web"
 

@@ -112,7 +112,16 @@ from pilotfish.rollout.machine import CommandRefused
 from pilotfish.snapshot import Snapshot
 from pilotfish.sources.file import SOURCE as FILE_SOURCE
 from pilotfish.sources.file import parse_desired
-from pilotfish.status import DepartedProxy, ProxyRecord, SyncState, SyncStatus, TypeStatus, nack_summary
+from pilotfish.status import (
+    WORST_FIRST,
+    DepartedProxy,
+    ProxyRecord,
+    SyncState,
+    SyncStatus,
+    TypeStatus,
+    nack_summary,
+    worst_state,
+)
 from pilotfish.transport.site import ADMIN_API, ADMIN_CONNECTIONS, HttpConnectionLimits, is_loopback, serve_app
 from pilotfish.xds.rest import response_json
 
@@ -162,9 +171,9 @@ NO_ROLLOUT = (
     "waves, start it with --rollout WAVES, e.g. --rollout 'canary=edge-canary-*,5%,25%,100%' (docs/rollout.md)"
 )
 """What the rollout routes answer (404) when ``serve`` was started without ``--rollout``."""
-_WORST_FIRST = {SyncState.NACKED: 0, SyncState.STALE: 1, SyncState.NOT_SENT: 2, SyncState.SYNCED: 3}
-"""A proxy's rank on the status page: its worst state over its types."""
-_RANKED = sorted(_WORST_FIRST, key=_WORST_FIRST.__getitem__)
+_RANKED = WORST_FIRST
+_RANK = {state: rank for rank, state in enumerate(WORST_FIRST)}
+"""A proxy's rank on the status page: its worst state over its types (:func:`~pilotfish.status.worst_state`)."""
 
 ROUTES: dict[tuple[str, str], Access] = {
     ("GET", "/"): Access.OPEN,
@@ -437,9 +446,8 @@ class AdminApi:
         for proxy in self.status.proxies():  # by node id
             if proxy.streams == 0:
                 continue
-            rank = _WORST_FIRST[SyncState.NOT_SENT] if not proxy.types else 3
+            rank = _RANK[worst_state(proxy.types)]
             for url, status in proxy.types.items():
-                rank = min(rank, _WORST_FIRST[status.state])
                 if status.nack_error is not None:
                     nacks.append((status.nacked_at, proxy.node_id, url, status))
             counts[_RANKED[rank].value] += 1

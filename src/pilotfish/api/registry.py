@@ -54,6 +54,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -68,6 +69,7 @@ from pilotfish.sources.registry import (
     Conflict,
     Preservation,
     Registry,
+    RegistryFigures,
     RegistryFull,
     SelfPreservation,
     StoreUnavailable,
@@ -171,6 +173,13 @@ class RegistryStore(Protocol):
     def knows(self, name: str) -> bool: ...
     def describe(self, name: str | None = None) -> dict[str, Any]: ...
 
+    def census(self) -> tuple[int, int]:
+        """(services defined or holding instances, instances), as this replica sees them."""
+
+    @property
+    def expired(self) -> int:
+        """Instances this process expired (TTL lapsed) since it started."""
+
     async def caught_up(self, revision: int, timeout: float) -> bool:
         """Wait until this replica has applied ``revision``; False if ``timeout`` passes first."""
 
@@ -213,6 +222,13 @@ class MemoryRegistry:
 
     def knows(self, name: str) -> bool:
         return self.registry.knows(name)
+
+    def census(self) -> tuple[int, int]:
+        return self.registry.census()
+
+    @property
+    def expired(self) -> int:
+        return self.registry.expired_count
 
     async def caught_up(self, revision: int, timeout: float) -> bool:
         return True  # one process: every read already sees every write
@@ -306,6 +322,10 @@ class RegistryApi:
         """The longest a ``GET ...?revision=N`` waits for this replica to catch up (seconds)."""
         self.tokens = tokens
         """Who may do what; None: anyone may do anything (the API without ``--registry-tokens``)."""
+        self.registrations = 0
+        """Registrations accepted (the metrics' ``pilotfish_registry_registrations_total``)."""
+        self.refused: Counter[int] = Counter()
+        """Requests answered with an error, per HTTP status (``pilotfish_registry_refused_requests_total``)."""
         self._gate = (
             None
             if tokens is None
@@ -328,6 +348,18 @@ class RegistryApi:
 
     def _changed(self, what: str, **fields: Any) -> None:
         self.events.emit("registry_" + what, **fields)
+
+    def figures(self) -> RegistryFigures:
+        """What the metrics show of the registry (read when scraped)."""
+        services, instances = self.store.census()
+        return RegistryFigures(
+            services=services,
+            instances=instances,
+            registrations=self.registrations,
+            expired=self.store.expired,
+            refused=dict(self.refused),
+            preserving=self.store.preservation is not None,
+        )
 
     async def expire_forever(self) -> None:
         """Remove instances whose TTL lapsed, as they lapse (self-preservation permitting)."""
@@ -400,6 +432,14 @@ class RegistryApi:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every error as JSON (the module docstring), each refusal counted by its status (those of
+        the token gate, inside this middleware, included)."""
+        response = await self._answer_errors(request, handler)
+        if response.status >= 400:
+            self.refused[response.status] += 1
+        return response
+
+    async def _answer_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except ConfigError as exc:
@@ -528,6 +568,7 @@ class RegistryApi:
         name = request.match_info["service"]
         written = await self.store.register(name, await self._body(request))
         assert written.body is not None
+        self.registrations += 1
         self._changed("registered", service=name, instance=written.body["id"], ttl=written.body["ttl"])
         return self._answer(written.body, status=201, revision=written.revision)
 

@@ -136,6 +136,15 @@ class EtcdRegistry:
         view = self.source.view
         return name in view.services or any(service == name for service, _ in view.instances.values())
 
+    def census(self) -> tuple[int, int]:
+        view = self.source.view
+        services = view.services.keys() | {service for service, _ in view.instances.values()}
+        return len(services), len(view.instances)
+
+    @property
+    def expired(self) -> int:
+        return 0 if self.guard is None else self.guard.expired
+
     def _instances(self) -> dict[str, list[Instance]]:
         view = self.source.view
         found: dict[str, list[Instance]] = {}
@@ -352,6 +361,8 @@ class LeaseGuard:
         self._expired: deque[tuple[float, str]] = deque(maxlen=registry.limits.max_instances)
         """(when, service) of each instance this guard expired, within the window."""
         self.preservation: Preservation | None = None
+        self.expired = 0
+        """Instances this guard expired (revoked their lease) since the process started."""
 
     async def run(self) -> None:
         """Guard until cancelled (when this replica stops leading)."""
@@ -425,6 +436,7 @@ class LeaseGuard:
                     self._kept[key] = (service, lease)
                 continue
             await client.revoke(lease)
+            self.expired += 1
             self._deadline.pop(lease, None)
             self._expired.append((now, service))
             instance_id = key.rsplit("/", 1)[1]

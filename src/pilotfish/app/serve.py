@@ -317,6 +317,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
                 subset_of=proxy_indices.index,
                 lrs=lrs,
                 rollout=delivery,
+                registry=None if registry.api is None else registry.api.figures,
             ),
         )
         admin = _admin(
@@ -419,6 +420,8 @@ class _Part:
 
     listener: HttpListener | None
     components: list[Component | None]
+    api: RegistryApi | None = None
+    """The registry API's, for the metrics."""
 
 
 def _registry(
@@ -440,6 +443,9 @@ def _registry(
             "the registry keeps registrations in this process's memory: a restart forgets them, "
             "and other replicas never see them. With --etcd they live in etcd"
         )
+        # Its whole state, empty, is known at once: a source ready from the start (on etcd, its
+        # registrations are the etcd source's).
+        reconciler.readiness.reported("registry")
     api = RegistryApi(registry, reconciler, events=events, max_body=settings.max_body, tokens=tokens, store=store)
     if tokens is None:
         warn_if_open(split_address(address)[0])
@@ -457,6 +463,7 @@ def _registry(
             Task("registry-expiry", api.expire_forever) if store is None else None,
             None if tokens is None else Task("registry-tokens", tokens.follow),
         ],
+        api,
     )
 
 

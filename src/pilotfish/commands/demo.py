@@ -48,7 +48,11 @@ from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.snapshot import Snapshot
 from pilotfish.sources import load_snapshot, watch_snapshot_file
 
-__all__ = ["run_demo"]
+__all__ = ["DEFAULT_SNAPSHOT", "run_demo"]
+
+DEFAULT_SNAPSHOT = Path("examples/demo.yaml")
+"""``demo``'s snapshot unless told (a checkout's). Elsewhere (pilotfish installed from a wheel) the
+demo serves a copy of the one in this package (``demo.yaml`` beside this module, kept equal to it)."""
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -516,7 +520,20 @@ async def _main(snapshot_path: Path, snapshot: Snapshot, envoy: str) -> int:
 
 
 def run_demo(snapshot: Path) -> int:
-    """Run the demo on ``snapshot`` until Ctrl-C or SIGTERM; return the exit code."""
+    """Run the demo on ``snapshot`` until Ctrl-C or SIGTERM; return the exit code. The default
+    snapshot, when this is no checkout: a copy of the packaged one, in a temp dir removed at the end."""
+    if snapshot == DEFAULT_SNAPSHOT and not snapshot.is_file():
+        import importlib.resources
+
+        with tempfile.TemporaryDirectory(prefix="pilotfish-demo-snapshot-") as directory:
+            copy = Path(directory) / "demo.yaml"
+            copy.write_bytes(importlib.resources.files("pilotfish.commands").joinpath("demo.yaml").read_bytes())
+            print(f"demo: no {snapshot} here (not a checkout): serving a copy of the packaged demo snapshot, {copy}")
+            return _run_demo(copy)
+    return _run_demo(snapshot)
+
+
+def _run_demo(snapshot: Path) -> int:
     if not snapshot.is_file():
         print(
             f"demo: no snapshot file at {snapshot} (run the demo from the repository root, or pass --snapshot FILE)",

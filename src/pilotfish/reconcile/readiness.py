@@ -22,6 +22,10 @@ class ReadinessView(Protocol):
 
     def expected_sources(self) -> list[str]: ...
 
+    def sources(self) -> list[str]: ...
+
+    def has_reported(self, source: str) -> bool: ...
+
     def waiting_for(self) -> list[str]: ...
 
     @property
@@ -71,6 +75,15 @@ class Readiness:
     def expected_sources(self) -> list[str]:
         """Every source awaited before anything is published (file, etcd, ...)."""
         return sorted(self._expected)
+
+    def sources(self) -> list[str]:
+        """Every source known: those awaited, and those that reported or were refused without
+        being awaited (the registry, whose state starts empty: it reports at start)."""
+        return sorted(self._expected | self._reported | self.source_errors.keys())
+
+    def has_reported(self, source: str) -> bool:
+        """Whether ``source`` has delivered a whole state (it is in)."""
+        return source in self._reported
 
     def waiting_for(self) -> list[str]:
         """The expected sources that have not reported their first complete state yet (one

@@ -29,7 +29,7 @@ mode is reported by the API (log warning, event ``registry_self_preservation``).
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,6 +44,7 @@ __all__ = [
     "Instance",
     "Preservation",
     "Registry",
+    "RegistryFigures",
     "RegistryFull",
     "RegistryLimits",
     "SelfPreservation",
@@ -128,6 +129,25 @@ class RegistryLimits:
     """Services defined or holding instances."""
     max_instances: int = 200_000
     """Instances, over all services."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistryFigures:
+    """What the metrics show of the registry (``pilotfish_registry_*``): its size now, and counts
+    since this process started."""
+
+    services: int
+    """Services defined or holding instances."""
+    instances: int
+    """Instances registered, over all services."""
+    registrations: int
+    """Registrations accepted by this process (a re-registration counts again)."""
+    expired: int
+    """Instances whose TTL lapsed and that this process removed (on etcd: the elected replica)."""
+    refused: Mapping[int, int]
+    """Requests answered with an error, per HTTP status (400, 401, 403, 404, 409, 413, 503, ...)."""
+    preserving: bool
+    """Self-preservation in force: lapsed instances are kept instead of expired."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +335,8 @@ class Registry:
         self._recent: deque[tuple[float, str]] = deque(maxlen=self.limits.max_instances)
         """(when, service) of each expiry within the self-preservation window, oldest first."""
         self._preservation: Preservation | None = None
+        self.expired_count = 0
+        """Instances :meth:`expire` removed since this registry was made."""
         self._recheck_at = 0.0
         """While self-preservation is in force: when to look again."""
 
@@ -455,6 +477,7 @@ class Registry:
                 self.deregister(service, instance.id)
                 self._recent.append((now, service))
                 expired.append(instance)
+        self.expired_count += len(expired)
         before = self._preservation
         self._recheck_at = now + rule.recheck
         self._preservation = (
@@ -513,3 +536,7 @@ class Registry:
 
     def knows(self, name: str) -> bool:
         return name in self._specs or name in self._instances
+
+    def census(self) -> tuple[int, int]:
+        """(services defined or holding instances, instances)."""
+        return len(self._specs.keys() | self._instances.keys()), self._instance_count

@@ -8,14 +8,22 @@ same endpoint over HTTP, with real ADS clients moving the counters: tests/integr
 
 from __future__ import annotations
 
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
 from prometheus_client.parser import text_string_to_metric_families
 
-from pilotfish.api.metrics import CONTENT_TYPE, Metrics
+from pilotfish.api.metrics import CONTENT_TYPE, Metrics, ProcessMetrics, build_version
 from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
-from pilotfish.reconcile import Reconciler
+from pilotfish.reconcile import Reconciler, SubsetOptions
 from pilotfish.resources import CLUSTER, ENDPOINT
 from pilotfish.resources.services import Endpoint, ServiceSpec
+from pilotfish.sources.registry import RegistryFigures
 from pilotfish.status import ACK_BUCKETS, NodeInfo, SyncStatus
 
 CDS, EDS = CLUSTER.url, ENDPOINT.url
@@ -38,7 +46,7 @@ def scrape(status: SyncStatus, reconciler: Reconciler, *, streams: int = 0) -> l
     """The sample lines of one scrape (the ``# HELP`` and ``# TYPE`` lines left out)."""
     cache = reconciler.cache
     assert isinstance(cache, SnapshotCache)
-    text = Metrics(status, reconciler, cache=cache, open_streams=lambda: streams).render().decode()
+    text = Metrics(status, reconciler, cache=cache, open_streams=lambda: streams, process=False).render().decode()
     return [line for line in text.splitlines() if not line.startswith("#")]
 
 
@@ -60,6 +68,11 @@ def test_a_scrape_counts_per_type_and_per_group_what_proxies_were_sent_acked_and
 
     assert [line for line in lines if line.startswith(("pilotfish_proxies", "pilotfish_xds"))] == [
         'pilotfish_proxies_connected{group="default"} 2.0',
+        # Each connected proxy at its worst state over its types: edge-2 NACKED EDS (its CDS is SYNCED).
+        'pilotfish_proxies_by_state{group="default",state="NACKED"} 1.0',
+        'pilotfish_proxies_by_state{group="default",state="STALE"} 0.0',
+        'pilotfish_proxies_by_state{group="default",state="NOT_SENT"} 0.0',
+        'pilotfish_proxies_by_state{group="default",state="SYNCED"} 1.0',
         "pilotfish_xds_streams 2.0",
         'pilotfish_xds_responses_total{type="CDS"} 2.0',
         'pilotfish_xds_responses_total{type="EDS"} 1.0',
@@ -164,9 +177,112 @@ def test_the_text_is_the_prometheus_exposition_format_its_own_parser_reads() -> 
     cache = SnapshotCache()
     text = Metrics(status, Reconciler(cache), cache=cache, open_streams=lambda: 1).render().decode()
     families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert families["process_cpu_seconds"].type == "counter"
+    assert families["pilotfish_build_info"].type == "gauge"
     assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
     assert families["pilotfish_xds_responses"].type == "counter"
     assert families["pilotfish_publish_to_ack_seconds"].type == "histogram"
     assert families["pilotfish_snapshot_build_seconds"].type == "summary"
     assert families["pilotfish_proxies_connected"].type == "gauge"
-    assert all(name.startswith("pilotfish_") for name in families)  # none of the client library's own
+    # pilotfish's and the standard process families only (none of the client library's python_* ones).
+    assert all(name.startswith(("pilotfish_", "process_")) for name in families), sorted(families)
+
+
+def families(metrics: Metrics) -> dict[str, Any]:
+    """The scrape parsed by prometheus-client's own parser: family name -> family."""
+    return {family.name: family for family in text_string_to_metric_families(metrics.render().decode())}
+
+
+def test_build_info_names_pilotfishs_version_and_pythons() -> None:
+    cache = SnapshotCache()
+    found = families(Metrics(SyncStatus(), Reconciler(cache), cache=cache, open_streams=lambda: 0, process=False))
+    [sample] = found["pilotfish_build_info"].samples
+    assert sample.labels == {"version": build_version(), "python": platform.python_version()} and sample.value == 1
+    assert build_version().split(".")[0].isdigit()
+
+
+def test_the_process_metrics_are_the_standard_ones_read_from_this_process() -> None:
+    cache = SnapshotCache()
+    started = time.time()
+    found = families(Metrics(SyncStatus(), Reconciler(cache), cache=cache, open_streams=lambda: 0))
+    value = {name: family.samples[0].value for name, family in found.items() if name.startswith("process_")}
+    assert sorted(value) == [
+        "process_cpu_seconds",
+        "process_max_fds",
+        "process_open_fds",
+        "process_resident_memory_bytes",
+        "process_start_time_seconds",
+        "process_virtual_memory_bytes",
+    ]
+    assert found["process_cpu_seconds"].type == "counter" and value["process_cpu_seconds"] > 0
+    assert value["process_max_fds"] == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert 3 <= value["process_open_fds"] <= len(os.listdir("/proc/self/fd")) + 5
+    assert 10 << 20 < value["process_resident_memory_bytes"] < value["process_virtual_memory_bytes"]
+    # The start time as /proc/stat's boot time gives it (what prometheus-client's collector reads).
+    btime = next(
+        int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+    )
+    ticks = int(Path("/proc/self/stat").read_bytes().rsplit(b")", 1)[1].split()[19])
+    assert abs(value["process_start_time_seconds"] - (btime + ticks / os.sysconf("SC_CLK_TCK"))) < 2
+    assert value["process_start_time_seconds"] <= started
+
+
+def test_the_process_metrics_need_nothing_of_proc_but_this_process_s_own_files(tmp_path: Path) -> None:
+    """The systemd unit's ProcSubset=pid hides /proc/stat (prometheus-client's collector reports
+    nothing without it): the start time needs no boot time from /proc. A command name with a
+    parenthesis and spaces does not shift the fields."""
+    fake = tmp_path / "self"
+    (fake / "fd").mkdir(parents=True)
+    for n in range(7):
+        (fake / "fd" / str(n)).touch()
+    after_name = ["S", *["0"] * 18, "4200", "123456789", "2500"]  # fields 3..24: starttime, vsize, rss
+    (fake / "stat").write_bytes(b"42 (py (odd) name) " + " ".join(after_name).encode() + b" 0 0\n")
+    collected = {family.name: family.samples[0].value for family in ProcessMetrics(fake).collect()}
+    assert collected["process_open_fds"] == 7
+    assert collected["process_virtual_memory_bytes"] == 123456789
+    assert collected["process_resident_memory_bytes"] == 2500 * resource.getpagesize()
+    booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    assert abs(collected["process_start_time_seconds"] - (booted + 4200 / os.sysconf("SC_CLK_TCK"))) < 1
+
+    # No /proc at all (not Linux, or hidden): CPU time and the file limit still.
+    assert sorted(f.name for f in ProcessMetrics(tmp_path / "missing").collect()) == [
+        "process_cpu_seconds",
+        "process_max_fds",
+    ]
+
+
+def test_every_source_is_listed_the_registry_too_and_one_awaited_after_another_is_not_ready_before_it() -> None:
+    reconciler = Reconciler(
+        SnapshotCache(), expect=("file", "etcd"), subsets=SubsetOptions(ready_after={"etcd-subsets": "etcd"})
+    )
+    reconciler.readiness.reported("registry")  # (what serve does for the in-memory registry)
+    reconciler.update("file", WEB)
+    lines = scrape(SyncStatus(), reconciler)
+    assert [line for line in lines if line.startswith("pilotfish_source_ready")] == [
+        'pilotfish_source_ready{source="etcd"} 0.0',
+        'pilotfish_source_ready{source="etcd-subsets"} 0.0',  # (waiting_for leaves it out until etcd is in)
+        'pilotfish_source_ready{source="file"} 1.0',
+        'pilotfish_source_ready{source="registry"} 1.0',
+    ]
+    assert 'pilotfish_source_failing{source="registry"} 0.0' in lines
+
+
+def test_the_registry_families_show_its_figures_and_are_absent_without_a_registry() -> None:
+    figures = RegistryFigures(
+        services=2, instances=5, registrations=9, expired=3, refused={409: 1, 400: 2}, preserving=True
+    )
+    cache = SnapshotCache()
+    reconciler = Reconciler(cache)
+    status = SyncStatus()
+    text = Metrics(status, reconciler, cache=cache, open_streams=lambda: 0, registry=lambda: figures, process=False)
+    lines = [line for line in text.render().decode().splitlines() if line.startswith("pilotfish_registry")]
+    assert lines == [
+        "pilotfish_registry_services 2.0",
+        "pilotfish_registry_instances 5.0",
+        "pilotfish_registry_registrations_total 9.0",
+        "pilotfish_registry_expired_instances_total 3.0",
+        'pilotfish_registry_refused_requests_total{code="400"} 2.0',
+        'pilotfish_registry_refused_requests_total{code="409"} 1.0',
+        "pilotfish_registry_self_preservation 1.0",
+    ]
+    assert not [line for line in scrape(status, reconciler) if line.startswith("pilotfish_registry")]

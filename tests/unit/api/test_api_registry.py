@@ -84,3 +84,32 @@ async def test_a_bad_body_is_refused_by_its_bound_and_named(
     assert response.status == status
     assert says in (await response.json())["error"]
     assert not registry.knows("api")
+
+
+async def test_the_figures_the_metrics_show_count_registrations_expiries_and_every_refusal_by_status() -> None:
+    now = [1000.0]
+    reconciler = Reconciler(SnapshotCache(), guard=None)
+    reconciler.update("file", FILE)
+    registry = Registry(clock=lambda: now[0])
+    api = RegistryApi(registry, reconciler, max_body=4096)
+    async with TestClient(TestServer(api.app(), host="127.0.0.1")) as client:
+        assert (await client.put("/v1/services/api", json={"listen": "127.0.0.1:10001"})).status == 200
+        for port in (9001, 9002, 9001):  # the third registers 9001 again: counted, one instance still
+            body = {"address": "127.0.0.1", "port": port, "ttl": 5}
+            assert (await client.post("/v1/services/api/instances", json=body)).status == 201
+        assert (await client.put("/v1/services/api", json={"listen": "127.0.0.1:10000"})).status == 409  # web's
+        assert (await client.post("/v1/services/api/instances", data=b"{not json")).status == 400
+        assert (await client.put("/v1/services/api/instances/127.0.0.1:1/heartbeat")).status == 404
+        assert (await client.get("/v1/no-such-route")).status == 404
+        figures = api.figures()
+        assert (figures.services, figures.instances, figures.registrations) == (1, 2, 3)
+        assert figures.refused == {400: 1, 404: 2, 409: 1}
+        assert figures.expired == 0 and not figures.preserving
+
+        assert (await client.put("/v1/services/api/instances/127.0.0.1:9001/heartbeat")).status == 200
+        now[0] += 4
+        assert (await client.put("/v1/services/api/instances/127.0.0.1:9001/heartbeat")).status == 200
+        now[0] += 2  # 9002 lapsed alone (churn: below self-preservation's minimum), 9001 did not
+        api.expire_once()
+        figures = api.figures()
+        assert (figures.instances, figures.expired) == (1, 1)

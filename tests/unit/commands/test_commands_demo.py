@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pilotfish.commands.demo import EXIT_FAILED, run_demo
+from pilotfish.commands import demo
+from pilotfish.commands.demo import DEFAULT_SNAPSHOT, EXIT_FAILED, run_demo
 
 
 def test_without_a_snapshot_file_it_says_where_to_run_it_from(
@@ -53,3 +54,23 @@ def test_ports_in_use_are_named_with_what_needs_them_and_nothing_starts(
     assert "ports the snapshot needs are in use; stop what uses them (`ss -ltnp` shows it)" in err
     assert f"  127.0.0.1:{listen} (Envoy listener 'web'): " in err
     assert f"  127.0.0.1:{upstream} (upstream): " in err
+
+
+def test_the_packaged_demo_snapshot_is_the_checkouts_and_is_served_outside_a_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An installed pilotfish has no examples/: ``pilotfish demo`` serves a copy of the packaged one."""
+    repo = Path(__file__).resolve().parents[3]
+    packaged = Path(demo.__file__).with_name("demo.yaml")
+    assert packaged.read_bytes() == (repo / DEFAULT_SNAPSHOT).read_bytes(), "copy examples/demo.yaml over it"
+    served: list[bytes] = []
+
+    def run(path: Path) -> int:
+        served.append(path.read_bytes())
+        return 0
+
+    monkeypatch.setattr(demo, "_run_demo", run)
+    monkeypatch.chdir(tmp_path)
+    assert run_demo(DEFAULT_SNAPSHOT) == 0
+    assert served == [packaged.read_bytes()]
+    assert "serving a copy of the packaged demo snapshot" in capsys.readouterr().out

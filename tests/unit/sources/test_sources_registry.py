@@ -238,3 +238,14 @@ def test_a_last_instance_whose_expiry_would_break_the_merged_state_leaves_its_cl
     assert registry.describe("web")["web"]["instances"] == []  # the instance is gone...
     published = reconciler.build_now()  # ...and the merged state still builds: "web" has no endpoints
     assert published is not None and reconciler.last_error is None
+
+
+def test_the_registry_counts_its_services_instances_and_expiries(clock: Clock) -> None:
+    registry = Registry(clock=clock, self_preservation=SelfPreservation(enabled=False))
+    registry.define("empty", {})
+    for port in (9000, 9001, 9002):
+        registry.register("web", {"address": "127.0.0.1", "port": port, "ttl": 5})
+    assert registry.census() == (2, 3) and registry.expired_count == 0
+    clock.time += 6
+    assert len(registry.expire().expired) == 3  # (self-preservation off: all at once expire)
+    assert registry.census() == (1, 0) and registry.expired_count == 3
