@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trustme
+from prometheus_client.parser import text_string_to_metric_families
 
 from .docker_engine import DockerDaemon, TlsFiles
 from .event_log import is_event
@@ -99,6 +100,17 @@ def test_labelled_containers_serve_and_leave_without_a_failed_request(
     assert not result.problems(), (result.summary(), envoy.stats(r"cluster\.web\.upstream_(cx|rq)_"))
     status, body = http_get(f"http://{control_plane.admin}/v1/docker")
     assert status == 200 and '"container":"web-bad"' in body and '"serving":false' in body, body
+    status, text = http_get(f"http://{control_plane.admin}/metrics")
+    figures = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("engine") == docker.url
+    }
+    # web-1, web-3, web-checked and web-bad run; three serve; web-bad's labels are bad
+    assert figures["pilotfish_docker_containers"] == 4, figures
+    assert figures["pilotfish_docker_endpoints"] == 3 and figures["pilotfish_docker_bad_label_containers"] == 1
+    assert figures["pilotfish_docker_connected"] == 1 and figures["pilotfish_docker_events_total"] > 0
 
 
 def _tls_files(directory: Path, ca: trustme.CA, who: str) -> TlsFiles:

@@ -35,11 +35,12 @@ from pilotfish.cache import NodeGroup, SnapshotCache
 from pilotfish.reconcile import PublishState
 from pilotfish.resources import type_by_url
 from pilotfish.rollout.delivery import WAVE_BUCKETS, Delivery
+from pilotfish.sources.docker import DockerFigures
 from pilotfish.sources.registry import RegistryFigures
 from pilotfish.status import ACK_BUCKETS, SyncStatus
 from pilotfish.xds.lrs import LoadReporting
 
-__all__ = ["CONTENT_TYPE", "Metrics", "ProcessMetrics", "build_version"]
+__all__ = ["CONTENT_TYPE", "DockerMetrics", "Metrics", "ProcessMetrics", "build_version"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The Prometheus text exposition format."""
@@ -364,6 +365,39 @@ class _Collector(Collector):
         return spread
 
 
+class DockerMetrics(Collector):
+    """Each Docker engine followed (``serve --docker``), labelled by its URL."""
+
+    def __init__(self, engines: Sequence[Callable[[], DockerFigures]]) -> None:
+        self._engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        figures = [engine() for engine in self._engines]
+        families = (
+            (
+                GaugeMetricFamily,
+                "pilotfish_docker_connected",
+                "1 while the engine's event stream is followed",
+                "connected",
+            ),
+            (GaugeMetricFamily, "pilotfish_docker_containers", "Running containers followed", "containers"),
+            (GaugeMetricFamily, "pilotfish_docker_endpoints", "Endpoints its serving containers give", "endpoints"),
+            (
+                GaugeMetricFamily,
+                "pilotfish_docker_bad_label_containers",
+                "Containers whose labels cannot be used",
+                "bad",
+            ),
+            (CounterMetricFamily, "pilotfish_docker_events", "Container events read from the engine", "events"),
+            (CounterMetricFamily, "pilotfish_docker_listings", "Times the engine's containers were listed", "listings"),
+        )
+        for kind, name, documentation, field in families:
+            family = kind(name, documentation, labels=["engine"])
+            for engine in figures:
+                family.add_metric([engine.engine], float(getattr(engine, field)))
+            yield family
+
+
 class Metrics:
     """The registry ``/metrics`` renders: pilotfish's collector, and the process metrics
     (``process=False``: none, for tests that compare whole scrapes)."""
@@ -379,12 +413,15 @@ class Metrics:
         lrs: LoadReporting | None = None,
         rollout: Delivery | None = None,
         registry: Callable[[], RegistryFigures] | None = None,
+        docker: Sequence[Callable[[], DockerFigures]] = (),
         process: bool = True,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(
             _Collector(status, reconciler, cache, open_streams, subset_of or (lambda _: None), lrs, rollout, registry)
         )
+        if docker:
+            self.registry.register(DockerMetrics(docker))
         if process:
             self.registry.register(ProcessMetrics())
 

@@ -318,6 +318,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
                 lrs=lrs,
                 rollout=delivery,
                 registry=None if registry.api is None else registry.api.figures,
+                docker=[source.figures for source in dockers],
             ),
         )
         admin = _admin(

@@ -65,6 +65,7 @@ __all__ = [
     "SOURCE_PREFIX",
     "Container",
     "DockerEngine",
+    "DockerFigures",
     "DockerLimits",
     "DockerSource",
     "DockerView",
@@ -513,6 +514,22 @@ def _state_of(container: Container, *, stopping: bool) -> str:
     return "running" if container.health is None else container.health
 
 
+@dataclass(frozen=True, slots=True)
+class DockerFigures:
+    """What ``/metrics`` shows of one engine."""
+
+    engine: str
+    connected: bool
+    containers: int
+    """Running containers followed."""
+    endpoints: int
+    """Endpoints served now (of containers serving)."""
+    bad: int
+    """Containers whose labels cannot be used."""
+    events: int
+    listings: int
+
+
 class EngineError(Exception):
     """The engine answered, but not as the API says (a status, a body too large, JSON that is not)."""
 
@@ -709,6 +726,18 @@ class DockerSource:
                 label=label,
                 reason=problem.message,
             )
+
+    def figures(self) -> DockerFigures:
+        view = self.view
+        return DockerFigures(
+            engine=self.engine.url,
+            connected=self.problem is None,
+            containers=len(view.containers),
+            endpoints=sum(len(found) for found in view.state().endpoints.values()),
+            bad=sum(1 for serves in view.serves.values() if serves.problems),
+            events=self.events,
+            listings=self.listings,
+        )
 
     def status(self) -> dict[str, Any]:
         """What the admin API shows of this engine."""

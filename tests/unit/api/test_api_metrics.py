@@ -23,6 +23,7 @@ from pilotfish.cache import SnapshotCache
 from pilotfish.reconcile import Reconciler, SubsetOptions
 from pilotfish.resources import CLUSTER, ENDPOINT
 from pilotfish.resources.services import Endpoint, ServiceSpec
+from pilotfish.sources.docker import Container, DockerSource, container_of_summary, parse_engine
 from pilotfish.sources.registry import RegistryFigures
 from pilotfish.status import ACK_BUCKETS, NodeInfo, SyncStatus
 
@@ -286,3 +287,39 @@ def test_the_registry_families_show_its_figures_and_are_absent_without_a_registr
         "pilotfish_registry_self_preservation 1.0",
     ]
     assert not [line for line in scrape(status, reconciler) if line.startswith("pilotfish_registry")]
+
+
+def test_each_docker_engine_has_its_containers_endpoints_bad_labels_and_events() -> None:
+    def running(container_id: str, labels: dict[str, str]) -> Container:
+        return container_of_summary(
+            {"Id": container_id, "Labels": labels, "State": "running", "HostConfig": {"NetworkMode": "host"}}
+        )
+
+    near = DockerSource(parse_engine("unix:///run/docker.sock"), on_state=lambda _: None)
+    near.view.replace(
+        [
+            running("a" * 64, {"pilotfish.service": "web:8081,api:9091"}),
+            running("b" * 64, {"pilotfish.service": "web:no"}),
+            running("c" * 64, {"com.example": "not ours"}),
+        ]
+    )
+    near.problem, near.events, near.listings = None, 7, 2
+    far = DockerSource(parse_engine("tcp://10.0.0.5:2376"), on_state=lambda _: None)  # never reached
+    cache = SnapshotCache()
+    metrics = Metrics(
+        SyncStatus(), Reconciler(cache), cache=cache, open_streams=lambda: 0, docker=[near.figures, far.figures]
+    )
+    found = families(metrics)
+
+    def values(name: str) -> dict[str, float]:
+        return {sample.labels["engine"]: sample.value for sample in found[name].samples}
+
+    near_url, far_url = "unix:///run/docker.sock", "tcp://10.0.0.5:2376"
+    assert values("pilotfish_docker_connected") == {near_url: 1, far_url: 0}
+    assert values("pilotfish_docker_containers") == {near_url: 3, far_url: 0}
+    assert values("pilotfish_docker_endpoints") == {near_url: 2, far_url: 0}
+    assert values("pilotfish_docker_bad_label_containers") == {near_url: 1, far_url: 0}
+    assert values("pilotfish_docker_events") == {near_url: 7, far_url: 0}
+    assert found["pilotfish_docker_listings"].type == "counter"
+    plain = families(Metrics(SyncStatus(), Reconciler(cache), cache=cache, open_streams=lambda: 0))
+    assert not [name for name in plain if name.startswith("pilotfish_docker")], "no --docker: no such families"
