@@ -53,7 +53,7 @@ def until(control_plane: ControlPlane, what: str, name: str, expected: float, **
 
     return wait_until(
         shown,
-        timeout=15,
+        timeout=60,
         what=what,
         details=lambda: "\n".join(
             f"{n}{dict(labels)} {v}" for (n, labels), v in sorted(scrape(control_plane)[0].items()) if n == name
@@ -154,6 +154,6 @@ def test_metrics_of_a_real_serve_have_process_build_source_registry_and_per_stat
         client.close()
     wait_until(  # a group without connected proxies has no series (as in pilotfish_proxies_connected)
         lambda: not [key for key in scrape(control_plane)[0] if key[0] == "pilotfish_proxies_by_state"],
-        timeout=15,
+        timeout=60,
         what="the proxy's leaving to take it out of the per-state series",
     )
