@@ -63,10 +63,12 @@ def test_a_stalled_etcd_is_reported_within_the_keepalive_and_followed_again_when
         status, health = http_json("GET", f"http://{plane.admin}/healthz", timeout=KEEPALIVE_S + 5)
         assert status == 200 and health["etcd"]["connected"] is False and health["etcd"]["problem"], health
         assert instance_ids(plane.registry_url) == ["127.0.0.1:9001"], "the last good state keeps serving"
+        # Marked before the resume: a listing in flight at the stall is answered the moment etcd
+        # goes on, and its event can be written before a mark taken after SIGCONT.
+        resumed = events.mark()
     finally:
         etcd.resume()
 
-    resumed = events.mark()
     events.wait_for(is_event("etcd_synced"), after=resumed, timeout=20, what="the replica to list etcd again")
     built = events.mark()
     revision = etcd.put_json("/pilotfish/instances/web/b", {"address": "127.0.0.1", "port": 9002})
