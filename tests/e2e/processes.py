@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from pilotfish.envoy import (
     EnvoyError,
@@ -57,6 +58,7 @@ __all__ = [
     "http_get",
     "http_json",
     "pilotfish",
+    "unlabelled_metrics",
     "wait_until",
 ]
 
@@ -146,6 +148,18 @@ def http_json(method: str, url: str, body: Any = None, *, timeout: float = 5.0) 
     return status, json.loads(raw) if raw.strip() else None
 
 
+def unlabelled_metrics(admin: str, prefix: str) -> dict[str, float]:
+    """The first sample of each metric family named ``prefix...`` on ``serve --admin``'s
+    ``/metrics`` (parsed by prometheus-client): ``{"pilotfish_lrs_reports": 12.0, ...}``."""
+    status, text = http_get(f"http://{admin}/metrics")
+    assert status == 200, text
+    return {
+        f.name: f.samples[0].value
+        for f in text_string_to_metric_families(text)
+        if f.name.startswith(prefix) and f.samples
+    }
+
+
 # -- processes ------------------------------------------------------------------------------------
 
 
@@ -229,10 +243,12 @@ class ProcessGroup:
 # -- upstream HTTP servers ------------------------------------------------------------------------
 
 
-def _start_backend(group: ProcessGroup, script: Path, label: str, name: str, timeout: float) -> tuple[int, Process]:
-    """Start ``script --port P --name NAME`` on a free port; wait until it accepts connections."""
+def _start_backend(
+    group: ProcessGroup, script: Path, label: str, name: str, timeout: float, *more: str
+) -> tuple[int, Process]:
+    """Start ``script --port P --name NAME [MORE...]`` on a free port; wait until it accepts connections."""
     port = free_port()
-    process = group.start(f"{label}-{name}", [sys.executable, str(script), "--port", str(port), "--name", name])
+    process = group.start(f"{label}-{name}", [sys.executable, str(script), "--port", str(port), "--name", name, *more])
     wait_until(
         lambda: port_accepts(port) or _raise_if_dead(process),
         timeout=timeout,
@@ -251,8 +267,10 @@ class Upstream:
     process: Process
 
     @classmethod
-    def start(cls, group: ProcessGroup, name: str, *, timeout: float = 10.0) -> Upstream:
-        return cls(name, *_start_backend(group, UPSTREAM_SCRIPT, "upstream", name, timeout))
+    def start(cls, group: ProcessGroup, name: str, *, timeout: float = 10.0, status: int | None = None) -> Upstream:
+        """``status``: answer every request with it (an upstream that is up and broken)."""
+        more = () if status is None else ("--status", str(status))
+        return cls(name, *_start_backend(group, UPSTREAM_SCRIPT, "upstream", name, timeout, *more))
 
     def connections(self) -> int:
         """How many connections its clients (Envoy) hold open to it now."""
@@ -286,8 +304,10 @@ class GrpcBackend:
     process: Process
 
     @classmethod
-    def start(cls, group: ProcessGroup, name: str, *, timeout: float = 10.0) -> GrpcBackend:
-        return cls(name, *_start_backend(group, GRPC_BACKEND_SCRIPT, "grpc-backend", name, timeout))
+    def start(cls, group: ProcessGroup, name: str, *, timeout: float = 10.0, fail: str | None = None) -> GrpcBackend:
+        """``fail``: fail every call with this gRPC status code name (``UNAVAILABLE``)."""
+        more = () if fail is None else ("--fail", fail)
+        return cls(name, *_start_backend(group, GRPC_BACKEND_SCRIPT, "grpc-backend", name, timeout, *more))
 
     @property
     def address(self) -> str:
@@ -303,10 +323,15 @@ class GrpcClient:
     process: Process
 
     @classmethod
-    def start(cls, group: ProcessGroup, name: str, *, target: str, bootstrap: Path) -> GrpcClient:
+    def start(
+        cls, group: ProcessGroup, name: str, *, target: str, bootstrap: Path, pause_ms: float = 0.0
+    ) -> GrpcClient:
+        """``pause_ms``: a pause after each call (keeps a long run's rate and CPU down)."""
         out = group.workdir / f"{name}.calls"
         env = {**os.environ, "GRPC_XDS_BOOTSTRAP": str(bootstrap)}
         argv = [sys.executable, str(GRPC_CLIENT_SCRIPT), "--target", target, "--out", str(out)]
+        if pause_ms:
+            argv += ["--pause-ms", str(pause_ms)]
         return cls(out, group.start(name, argv, env=env))
 
     def calls(self) -> list[str]:

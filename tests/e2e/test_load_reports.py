@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from .processes import http_get, wait_until
+from .processes import unlabelled_metrics, wait_until
 from .testbed import Testbed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
 
 def lrs_metrics(testbed: Testbed) -> dict[str, float]:
-    status, text = http_get(f"http://{testbed.control_plane.admin}/metrics")
-    assert status == 200, text
-    return {
-        f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.name.startswith("pilotfish_lrs")
-    }
+    return unlabelled_metrics(testbed.control_plane.admin, "pilotfish_lrs")
 
 
 def test_an_envoy_reports_its_load_on_the_xds_port_every_interval(testbed: Testbed) -> None:

@@ -6,7 +6,9 @@ in flight while it changes something (a hot restart, an endpoint removal). Only 
 library is used, so that starting one costs a few tens of milliseconds.
 
 ``GET /status/NNN`` answers with that status code (and the name), so a test can make a route that
-is valid and wrong: one that rewrites to ``/status/503`` sends every request to a failure.
+is valid and wrong: one that rewrites to ``/status/503`` sends every request to a failure. With
+``--status N`` every ``GET /`` (and any other path but ``/connections``) answers N: an upstream
+that is up and broken, for a route moved to a cluster that fails.
 
 ``GET /connections`` answers how many *other* connections are open (as a number), so a test can
 tell when Envoy has stopped using this upstream: Envoy closes its connections to an endpoint once
@@ -22,7 +24,7 @@ exits. Stopping at once instead would reset requests Envoy sent just before the 
 under load, counted as ``upstream_cx_destroy_remote_with_active_rq``). A second SIGTERM ends the
 drain.
 
-Usage: ``python upstream.py --port N --name NAME [--drain-s S]``
+Usage: ``python upstream.py --port N --name NAME [--drain-s S] [--status N]``
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 
-def _handler_for(name: str) -> type[BaseHTTPRequestHandler]:
+def _handler_for(name: str, status: int | None = None) -> type[BaseHTTPRequestHandler]:
     body = name.encode()
 
     class Handler(BaseHTTPRequestHandler):
@@ -50,6 +52,9 @@ def _handler_for(name: str) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             url = urlsplit(self.path)
+            if status is not None and url.path != "/connections":
+                self._reply(status, body)
+                return
             if url.path == "/slow":
                 ms = int(parse_qs(url.query).get("ms", ["0"])[0])
                 time.sleep(ms / 1000)
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--drain-s", type=float, default=5.0, help="on SIGTERM, wait at most this long for open connections to close"
     )
+    parser.add_argument("--status", type=int, choices=range(200, 600), metavar="N", help="answer every request with N")
     args = parser.parse_args(argv)
 
     # SIGTERM is taken by this thread (sigwait), never delivered while the server thread is
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     # cleanly, what the kernel queued is served, the listening socket closed (no new
     # connections) and the open ones are given time to finish.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # (inherited by the server thread)
-    server = _Server((args.host, args.port), _handler_for(args.name))
+    server = _Server((args.host, args.port), _handler_for(args.name, args.status))
     serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     serving.start()
     signal.sigwait({signal.SIGTERM})

@@ -175,6 +175,9 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             rules=settings.validate_rules,
             labels=source_labels(settings),
             rest_refresh=settings.rest.refresh,
+            # Proxyless gRPC clients report load only for clusters that ask them to: the health
+            # gate is the reports' one reader, so they are asked when it is on.
+            grpc_load_reports=rollout is not None and rollout.health is not None,
         ),
         subsets=SubsetOptions(
             size=settings.subsets.size,

@@ -408,6 +408,7 @@ def build_snapshots(
     rest_refresh: float = DEFAULT_REST_REFRESH,
     subsets: Mapping[str, IndexTable] | None = None,
     subset_size: int | None = None,
+    grpc_load_reports: bool = False,
 ) -> dict[G, Snapshot]:
     """The snapshot of each group (by its :class:`View`), all from ``merged`` in one pass; raise
     :class:`ConfigError` naming every problem. Groups with equal views share one snapshot.
@@ -422,6 +423,10 @@ def build_snapshots(
     ``subsets``: the backend index tables of :func:`subset_tables` (None: made afresh, as for a
     first build); ``subset_size``: the size of services that do not set theirs (None: only those
     that do are subsetted).
+
+    ``grpc_load_reports``: the built EDS clusters of ``grpc`` views ask their clients to report
+    load to the server they have them from (``lrs_server: {self: {}}``); the rollout's health
+    gate reads those reports. Raw clusters are served as they are.
     """
     views = list(dict.fromkeys(groups.values())) or [View()]
     memo = memo or ResourceMemo()
@@ -433,6 +438,7 @@ def build_snapshots(
         views=[(v.kind, v.zone) for v in views],
         rest_source=rest_source,
         patch=merged.patch,
+        grpc_load_reports=grpc_load_reports,
     )
     union: dict[ResourceType, list[Resource]] = {}
     for rtype in TYPES:

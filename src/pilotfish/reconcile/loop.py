@@ -60,6 +60,9 @@ class BuildOptions:
     """How errors name each source (e.g. "file" -> the file's path)."""
     rest_refresh: float = DEFAULT_REST_REFRESH
     """Seconds between the EDS and RDS polls of ``rest`` groups."""
+    grpc_load_reports: bool = False
+    """The built clusters of ``grpc`` groups ask proxyless gRPC clients to report their load to
+    this server (``lrs_server: {self: {}}``): on when a rollout judges its bakes by load reports."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +128,7 @@ class Reconciler:
         """How errors name each source (e.g. "file" -> the file's path)."""
         self._rest_refresh = build.rest_refresh
         """Seconds between the EDS and RDS polls of ``rest`` groups."""
+        self._grpc_load_reports = build.grpc_load_reports
         self._status = status
         """Told each group's versions as they are published (what proxies are measured against)."""
         self._on_merged = subsets.on_merged
@@ -339,6 +343,7 @@ class Reconciler:
             memo=memo,
             rules=self._rules,
             rest_refresh=self._rest_refresh,
+            grpc_load_reports=self._grpc_load_reports,
             subsets=tables,
             subset_size=self.tables.default_size,
         )

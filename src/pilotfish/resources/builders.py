@@ -30,6 +30,10 @@ Defaults, and why:
 - outlier detection: endpoints returning consecutive 5xx/gateway errors are ejected for a while.
 - one locality with ``load_balancing_weight`` 1: proxyless gRPC clients need a non-zero locality
   weight (without one their calls time out, and nothing is NACKed).
+- with ``grpc_load_reports`` (``serve --rollout`` with its health gate on), the EDS clusters of
+  gRPC views carry ``lrs_server: {self: {}}``: a proxyless gRPC client reports load only for
+  clusters that ask it to, to the server it has its xDS from (gRFC A27); Envoys report from
+  their bootstrap (``load_stats_config``) instead, so theirs stay as they are.
 
 Messages are built directly (no JSON round trip) and endpoints are sorted, so the same services
 always give the same bytes and so the same versions. :func:`encode_services` goes further for
@@ -123,16 +127,26 @@ DNS_REFRESH = 5.0
 """Seconds between Envoy's lookups of a STRICT_DNS cluster's names (Envoy's default, said explicitly)."""
 
 
+def _self_source() -> config_source_pb2.ConfigSource:
+    """``{self: {}}``: the server the client has this resource from."""
+    return config_source_pb2.ConfigSource(
+        self=config_source_pb2.SelfConfigSource(), resource_api_version=config_source_pb2.V3
+    )
+
+
 def build_cluster(
     spec: ServiceSpec,
     *,
     eds: config_source_pb2.ConfigSource | None = None,
     dns_endpoints: tuple[Endpoint, ...] | None = None,
+    load_reports: bool = False,
 ) -> cluster_pb2.Cluster:
     """The service's EDS cluster; its endpoints come over ``eds`` (default: ADS). With
     ``dns_endpoints`` (a service some of whose endpoints are host names) a STRICT_DNS cluster
     instead, holding them: Envoy resolves the names itself (IPv4 first, every
-    :data:`DNS_REFRESH` seconds) and balances over every address they resolve to."""
+    :data:`DNS_REFRESH` seconds) and balances over every address they resolve to. With
+    ``load_reports`` the cluster asks its (gRPC) clients to report its load to the server they
+    have it from (``lrs_server: {self: {}}``)."""
     cluster = cluster_pb2.Cluster(
         name=spec.name,
         connect_timeout=_duration(spec.connect_timeout),
@@ -183,6 +197,8 @@ def build_cluster(
                 http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=check.path),
             )
         )
+    if load_reports:
+        cluster.lrs_server.CopyFrom(_self_source())
     return cluster
 
 
@@ -373,20 +389,24 @@ def build_listener(spec: ServiceSpec, *, rds: config_source_pb2.ConfigSource | N
 
 
 @functools.lru_cache(maxsize=256)
-def _cluster_template(settings: ServiceSpec, eds: bytes) -> bytes:
+def _cluster_template(settings: ServiceSpec, eds: bytes, load_reports: bool) -> bytes:
     # ``settings`` has an empty name; the name (field 1) is prepended per cluster, which is
     # exactly where deterministic serialization puts it. ``eds``: the encoded config source
     # (b"": ADS), as a message is no cache key.
     source = config_source_pb2.ConfigSource.FromString(eds) if eds else None
-    encoded: bytes = build_cluster(settings, eds=source).SerializeToString(deterministic=True)
+    encoded: bytes = build_cluster(settings, eds=source, load_reports=load_reports).SerializeToString(
+        deterministic=True
+    )
     return encoded
 
 
-def encode_cluster(spec: ServiceSpec, eds: config_source_pb2.ConfigSource | None = None) -> bytes:
+def encode_cluster(
+    spec: ServiceSpec, eds: config_source_pb2.ConfigSource | None = None, *, load_reports: bool = False
+) -> bytes:
     # What does not shape the cluster (its listeners and routes) is left out of the template's key.
     settings = dataclasses.replace(spec, name="", listen=None, grpc=None, routes=())
     source = b"" if eds is None else eds.SerializeToString(deterministic=True)
-    return length_delimited(1, spec.name.encode()) + _cluster_template(settings, source)
+    return length_delimited(1, spec.name.encode()) + _cluster_template(settings, source, load_reports)
 
 
 def encode_assignment(name: str, endpoints: Iterable[Endpoint]) -> bytes:
@@ -400,13 +420,27 @@ def encode_assignment(name: str, endpoints: Iterable[Endpoint]) -> bytes:
 class _Service:
     """One service's resources for the views of a build, and what they were made from."""
 
-    __slots__ = ("api", "cluster", "every", "found", "rest_cluster", "rest_socket", "route", "socket", "spec", "zonal")
+    __slots__ = (
+        "api",
+        "cluster",
+        "every",
+        "found",
+        "grpc_cluster",
+        "rest_cluster",
+        "rest_socket",
+        "route",
+        "socket",
+        "spec",
+        "zonal",
+    )
 
     def __init__(self, spec: ServiceSpec, found: tuple[Endpoint, ...]) -> None:
         self.spec = spec
         self.found = found
         """The endpoints as given (the key: sources hand over the same tuple while they are unchanged)."""
         self.cluster: Resource | None = None
+        self.grpc_cluster: Resource | None = None
+        """The cluster of gRPC views when they report load (``lrs_server``); else None."""
         self.rest_cluster: Resource | None = None
         self.every: Resource | None = None
         self.zonal: tuple[Resource | None, ...] = ()
@@ -438,7 +472,7 @@ class ServicesPatch(NamedTuple):
 _ListKey = str | int
 """An output list of :func:`encode_for_views`: the :class:`_Service` attribute it is made of, or for
 the assignments of a zone, that zone's number (its place in :attr:`_Service.zonal`)."""
-_LISTS = ("cluster", "rest_cluster", "every", "socket", "api", "rest_socket", "route")
+_LISTS = ("cluster", "grpc_cluster", "rest_cluster", "every", "socket", "api", "rest_socket", "route")
 
 _T = TypeVar("_T")
 
@@ -457,7 +491,8 @@ class ResourceMemo:
 
     def __init__(self) -> None:
         self._views: tuple[object, ...] | None = None
-        """What the entries were made for: the views and the REST config source."""
+        """What the entries were made for: the views, the REST config source, and whether gRPC
+        views report load."""
         self._services: dict[str, _Service] = {}
         self._names: tuple[str, ...] = ()
         """The last build's service names, sorted."""
@@ -547,11 +582,15 @@ def encode_services(
     kind: ClientKind = ClientKind.ENVOY,
     zone: str = "",
     rest_source: config_source_pb2.ConfigSource | None = None,
+    grpc_load_reports: bool = False,
 ) -> dict[ResourceType, list[Resource]]:
     """The encoded resources of every service, by type (the bytes protobuf would give the messages
     :func:`build_cluster`, :func:`build_assignment` and the listener/route builders make), for
-    clients of ``kind`` in ``zone`` ("": none); ``rest_source``: see :func:`encode_for_views`."""
-    return encode_for_views(specs, endpoints, memo, views=((kind, zone),), rest_source=rest_source)[kind, zone]
+    clients of ``kind`` in ``zone`` ("": none); ``rest_source``, ``grpc_load_reports``: see
+    :func:`encode_for_views`."""
+    return encode_for_views(
+        specs, endpoints, memo, views=((kind, zone),), rest_source=rest_source, grpc_load_reports=grpc_load_reports
+    )[kind, zone]
 
 
 ViewKey = tuple[ClientKind, str]
@@ -566,17 +605,21 @@ def encode_for_views(
     views: Iterable[ViewKey] = ((ClientKind.ENVOY, ""),),
     rest_source: config_source_pb2.ConfigSource | None = None,
     patch: ServicesPatch | None = None,
+    grpc_load_reports: bool = False,
 ) -> dict[ViewKey, dict[ResourceType, list[Resource]]]:
     """:func:`encode_services` for several views in one pass over the services. Views share the
     very same lists where they do not differ: routes always; clusters between views that follow
-    ADS (``envoy``, ``grpc``) and between ``rest`` views; listeners between views of one kind;
+    ADS (``envoy``, ``grpc``; not when ``grpc_load_reports`` gives the EDS clusters of ``grpc``
+    views ``lrs_server: {self: {}}``) and between ``rest`` views; listeners between views of one kind;
     assignments between views of one zone, and the assignment of a service that is not
     ``zone_local`` (or has no endpoint in the zone) is the same object in every view.
     ``rest_source``: the config source ``rest`` views get EDS and RDS from (needed for them).
     ``patch``: how ``specs`` and ``endpoints`` were made from earlier ones; when those are what
     ``memo`` last built from, only the patch's names are looked at (a change to one service
     among 10,000 costs that service and the output lists it is in)."""
-    build = _ViewsBuild(memo or ResourceMemo(), tuple(dict.fromkeys(views)), rest_source, endpoints)
+    build = _ViewsBuild(
+        memo or ResourceMemo(), tuple(dict.fromkeys(views)), rest_source, endpoints, grpc_load_reports=grpc_load_reports
+    )
     build.visit_services(specs, patch)
     return build.outputs(specs, endpoints)
 
@@ -590,6 +633,8 @@ class _ViewsBuild:
         wanted: tuple[ViewKey, ...],
         rest_source: config_source_pb2.ConfigSource | None,
         endpoints: Mapping[str, Iterable[Endpoint]],
+        *,
+        grpc_load_reports: bool = False,
     ) -> None:
         if rest_source is None and any(kind is ClientKind.REST for kind, _ in wanted):
             raise ValueError("a rest view needs the REST config source its clients poll (rest_source)")
@@ -598,8 +643,16 @@ class _ViewsBuild:
         self.want_ads = bool(kinds - {ClientKind.REST})
         self.want_rest = ClientKind.REST in kinds
         self.want_sockets, self.want_apis = ClientKind.ENVOY in kinds, ClientKind.GRPC in kinds
+        self.want_grpc_reports = grpc_load_reports and self.want_apis
+        """gRPC views get clusters of their own, which ask for load reports."""
         self.zones = tuple(dict.fromkeys(zone for _, zone in wanted if zone))
-        memo.start((wanted, b"" if rest_source is None else rest_source.SerializeToString(deterministic=True)))
+        memo.start(
+            (
+                wanted,
+                b"" if rest_source is None else rest_source.SerializeToString(deterministic=True),
+                self.want_grpc_reports,
+            )
+        )
         self.last = memo.services()
         self.changed: set[_ListKey] = set()
         """The output lists in which some visited service's entry differs from the last build's."""
@@ -620,6 +673,10 @@ class _ViewsBuild:
 
     def _rest_cluster(self, spec: ServiceSpec) -> Resource:
         return Resource(CLUSTER, spec.name, encode_cluster(spec, self.rest_source))
+
+    @staticmethod
+    def _grpc_cluster(spec: ServiceSpec) -> Resource:
+        return Resource(CLUSTER, spec.name, encode_cluster(spec, load_reports=True))
 
     @staticmethod
     def _assignment(name: str, found: tuple[Endpoint, ...]) -> Resource:
@@ -647,6 +704,8 @@ class _ViewsBuild:
             entry.cluster = make(self._cluster, spec)
         if self.want_rest:
             entry.rest_cluster = make(self._rest_cluster, spec)
+        if self.want_grpc_reports:
+            entry.grpc_cluster = make(self._grpc_cluster, spec)
         if spec.listen is not None and self.want_sockets:
             entry.socket = make(self._listener, spec)
         if spec.listen is not None and self.want_rest:
@@ -675,21 +734,25 @@ class _ViewsBuild:
         same_spec = old is not None and old.spec == spec
         dns = has_host_names(found)
         if old is not None and same_spec:
-            entry.cluster, entry.rest_cluster = old.cluster, old.rest_cluster
+            entry.cluster, entry.rest_cluster, entry.grpc_cluster = old.cluster, old.rest_cluster, old.grpc_cluster
             entry.socket, entry.rest_socket, entry.api, entry.route = old.socket, old.rest_socket, old.api, old.route
         else:
             self._make_config(entry, spec, old)
         if dns:
             # Envoy resolves the names: the endpoints are in a STRICT_DNS cluster, the same for
-            # every view (no config source in it; not zone-local, not subsetted), and no EDS.
+            # every view (no config source in it; not zone-local, not subsetted), and no EDS. Not
+            # one for load reports: gRPC clients take EDS clusters only (build.desired refuses
+            # a gRPC service on one).
             cluster = self.memo.make(self._dns_cluster, spec, found)
             entry.cluster = cluster if self.want_ads else None
             entry.rest_cluster = cluster if self.want_rest else None
+            entry.grpc_cluster = cluster if self.want_grpc_reports else None
             entry.every, entry.zonal = None, (None,) * len(self.zones)
             return entry
         if old is not None and old.every is None:  # it was a DNS service: its clusters were STRICT_DNS
             entry.cluster = self.memo.make(self._cluster, spec) if self.want_ads else None
             entry.rest_cluster = self.memo.make(self._rest_cluster, spec) if self.want_rest else None
+            entry.grpc_cluster = self.memo.make(self._grpc_cluster, spec) if self.want_grpc_reports else None
         if (
             old is not None
             and old.every is not None
@@ -768,6 +831,7 @@ class _ViewsBuild:
         output = self._output
         ads_clusters = output("cluster") if self.want_ads else []
         rest_clusters = output("rest_cluster") if self.want_rest else []
+        grpc_clusters = output("grpc_cluster") if self.want_grpc_reports else ads_clusters
         every_list = output("every")
         by_zone: dict[str, list[Resource]] = {"": every_list}
         for number, zone in enumerate(self.zones):
@@ -783,7 +847,11 @@ class _ViewsBuild:
         self.memo.finish(self.names, self.services, self._lists, (specs, endpoints))
         return {
             (kind, zone): {
-                CLUSTER: rest_clusters if kind is ClientKind.REST else ads_clusters,
+                CLUSTER: rest_clusters
+                if kind is ClientKind.REST
+                else grpc_clusters
+                if kind is ClientKind.GRPC
+                else ads_clusters,
                 ENDPOINT: by_zone[zone],
                 LISTENER: by_kind[kind],
                 ROUTE: routes,

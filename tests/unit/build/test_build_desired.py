@@ -210,6 +210,31 @@ def test_building_two_groups_encodes_each_resource_once() -> None:
     assert memo.made == 5  # the next pass reuses every one of them
 
 
+def test_with_grpc_load_reports_only_grpc_groups_clusters_ask_for_load_reports_to_this_server() -> None:
+    # A proxyless gRPC client reports load only for a cluster with lrs_server, and only to
+    # "self" (the server it has the cluster from): the rollout's health gate reads those reports.
+    state = _state({"web": WEB, "names": {"listen": "127.0.0.1:10002", "endpoints": ["localhost:9003"]}})
+    groups = {"envoy": ENVOYS, "grpc": GRPC, "grpc-east": View(kind=ClientKind.GRPC, zone="east"), "rest": REST}
+    memo = ResourceMemo()
+    built = build_snapshots(merge_states({"file": state}), "test", groups, memo=memo, grpc_load_reports=True)
+    for group in ("grpc", "grpc-east"):
+        cluster = _cluster(built[group], "web")
+        assert cluster.lrs_server.WhichOneof("config_source_specifier") == "self", group
+        assert cluster.lrs_server.resource_api_version == config_source_pb2.V3
+        cluster.ClearField("lrs_server")
+        assert cluster == _cluster(built["envoy"], "web")  # the same cluster otherwise
+        # The STRICT_DNS cluster of a service with host names (no gRPC client can use one) as it is.
+        assert not _cluster(built[group], "names").HasField("lrs_server")
+    for group in ("envoy", "rest"):  # Envoys report from their bootstrap (bootstrap --lrs)
+        assert not _cluster(built[group], "web").HasField("lrs_server"), group
+    assert built["grpc"].get(CLUSTER.url) is built["grpc-east"].get(CLUSTER.url)  # one list for every gRPC view
+    # Off (the default): every group on ADS gets the very same clusters, none with lrs_server; the
+    # memo does not hand over the clusters made for load reports.
+    plain = build_snapshots(merge_states({"file": state}), "test", groups, memo=memo)
+    assert plain["grpc"].get(CLUSTER.url) is plain["envoy"].get(CLUSTER.url)
+    assert not _cluster(plain["grpc"], "web").HasField("lrs_server")
+
+
 ZONED = {
     "zone_local": True,
     "grpc": True,
