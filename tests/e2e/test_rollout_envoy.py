@@ -10,22 +10,38 @@ its instances come from the registry API. Three changes, each valid to pilotfish
    served the baseline;
 2. a good change (a route timeout) under load, with an instance deregistered while the canary's
    wave bakes: the endpoint change reaches all six at once, the route change the canary first and
-   then everyone; not one request fails, and ``pilotfish wait`` returns 0;
-3. a route that rewrites every request to an upstream path answering 503: the canary ACKs it, its
-   load reports show the errors, and the health gate fails the canary's wave and rolls it back;
-   no other Envoy is sent it, and their load sees no error.
+   then everyone; not one request fails, and ``pilotfish wait`` returns 0 once every Envoy has
+   ACKed the candidate (their status says so when it returns);
+3. a route moved to a new service ``broken`` whose upstream answers 503 to everything: the canary
+   ACKs it, its load reports show the errors on the new cluster, which no baseline proxy uses, so
+   the health gate judges it against the baseline's overall ratio, fails the canary's wave and
+   rolls it back; by the event log's clock the canary is back on the baseline's routes within a
+   bake (plus one reporting interval) of ACKing the candidate; no other Envoy is sent it, and
+   their load sees no error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import yaml
 
 from .event_log import EDS, RDS, Event, EventLog
-from .processes import ControlPlane, Envoy, ProcessGroup, free_port, front_listener, http_get, pilotfish, wait_until
+from .processes import (
+    ControlPlane,
+    Envoy,
+    ProcessGroup,
+    Upstream,
+    free_port,
+    front_listener,
+    http_get,
+    http_json,
+    pilotfish,
+    wait_until,
+)
 from .registry_client import RegistryClient
 from .testbed import WEB, Testbed
 from .wrk import Wrk
@@ -37,12 +53,15 @@ OTHERS = FLEET[1:]
 GOOD = {"match": {"prefix": "/"}, "route": {"cluster": "web"}}
 ROUTES = "edge"
 """The route table the test changes, which each Envoy's own listener uses (the service's is ``web``)."""
+BAKE = 6.0
+LRS_INTERVAL = 0.5
 
 
-def document(listen: int, *routes: dict[str, Any]) -> dict[str, Any]:
-    """Service ``web`` (its instances from the registry) and the route table ``edge`` of ``routes``."""
+def document(listen: int, *routes: dict[str, Any], more: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Service ``web`` (its instances from the registry), the services ``more``, and the route
+    table ``edge`` of ``routes``."""
     return {
-        "services": {"web": {"listen": f"127.0.0.1:{listen}", "protocol": "http"}},
+        "services": {"web": {"listen": f"127.0.0.1:{listen}", "protocol": "http"}, **(more or {})},
         "routes": [{"name": ROUTES, "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": list(routes)}]}],
     }
 
@@ -88,6 +107,15 @@ def wait_command(plane: ControlPlane) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+def wait_then_routes(plane: ControlPlane) -> tuple[int, str, dict[str, str]]:
+    """``pilotfish wait``, then at once the RDS version each connected proxy has ACKed (their
+    status the moment it returned)."""
+    code, said = wait_command(plane)
+    status, answer = http_json("GET", f"http://{plane.admin}/v1/proxies")
+    assert status == 200, answer
+    return code, said, {proxy["node"]: proxy["types"]["RDS"]["acked_version"] for proxy in answer["proxies"]}
+
+
 def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbed: Testbed) -> None:
     group = testbed.group
     listen = free_port()  # (the service's own listener, which this test does not load)
@@ -99,10 +127,10 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
         registry_port=free_port(),
         options=(
             "--rollout", "canary=c-*,100%",
-            "--rollout-bake", "6",
+            "--rollout-bake", str(BAKE),
             "--rollout-ack-timeout", "30",
             "--rollout-min-requests", "50",
-            "--lrs-interval-ms", "500",
+            "--lrs-interval-ms", str(round(LRS_INTERVAL * 1000)),
             "--quiet-ms", "50",
         ),
     )  # fmt: skip
@@ -144,6 +172,9 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
     testbed.snapshot_path.write_text(
         yaml.safe_dump(document(listen, {**GOOD, "route": {"cluster": "web", "timeout": "7s"}}))
     )
+    events.wait_for(lambda e: e["event"] == "rollout_started", after=mark, what="the good change's rollout to start")
+    pool = ThreadPoolExecutor(max_workers=1)
+    waited = pool.submit(wait_then_routes, plane)  # from the first wave on: it must not return before the last
     events.wait_for(lambda e: e["event"] == "rollout_wave_acked", after=mark, what="the canary's wave to bake")
     churn = events.mark()
     registry.deregister("web", instances["web-b"])
@@ -158,8 +189,12 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
         candidate = rds_sent_to(events, node, after=mark)
         assert acked is not None and (not candidate or events.index_of(acked) < events.index_of(candidate[0]))
     testbed.upstreams["web-b"].retire()
-    code, said = wait_command(plane)
+    code, said, routes_then = waited.result(timeout=120)
+    pool.shutdown()
     assert code == 0, said
+    # It returned once every Envoy had ACKed the candidate's routes, not before: their status then says so.
+    candidate_rds = rds_sent_to(events, "c-1", after=mark)[-1]["version"]
+    assert routes_then == dict.fromkeys(FLEET, candidate_rds), (said, routes_then)
     events.wait_for(
         lambda e: e["event"] == "rollout_completed", after=mark, what="the good change's rollout", timeout=60
     )
@@ -172,17 +207,34 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
         result = wrk.result()
         assert not result.problems(), f"{node}: {result.summary()}\n{envoys[node].log_tail()}"
 
-    # 3. A route to a failure: the canary ACKs it, its load reports show 503s, its wave fails.
+    # 3. A route to a new cluster that fails: the canary ACKs it, its load reports show 503s, its wave fails.
+    broken = Upstream.start(group, "broken", status=503)
     mark = events.mark()
     running = load(group, ports, 20)
-    failing = {"match": {"prefix": "/"}, "route": {"cluster": "web", "prefix_rewrite": "/status/503"}}
-    testbed.snapshot_path.write_text(yaml.safe_dump(document(listen, failing)))
+    failing = {"match": {"prefix": "/"}, "route": {"cluster": "broken"}}
+    testbed.snapshot_path.write_text(
+        yaml.safe_dump(document(listen, failing, more={"broken": {"endpoints": [f"127.0.0.1:{broken.port}"]}}))
+    )
     failed = events.wait_for(
         lambda e: e["event"] == "rollout_failed", after=mark, what="the health gate to fail the canary", timeout=40
     )
-    assert failed["wave"] == "canary" and "error ratio" in failed["reason"], failed
-    events.wait_for(lambda e: e["event"] == "rollout_rolled_back", after=mark, what="the rollback")
+    # No baseline proxy uses cluster broken: it is judged against the baseline's overall ratio.
+    assert failed["wave"] == "canary" and "baseline overall on cluster broken" in failed["reason"], failed
+    rolled = events.wait_for(lambda e: e["event"] == "rollout_rolled_back", after=mark, what="the rollback")
     assert "rollout_wave_acked" in kinds(events, after=mark)  # it was ACKed: only the load showed it
+    # The canary served errors from its ACK of the candidate until it ACKed the baseline's routes
+    # again: at most the bake (a failing ratio fails the wave as soon as a report shows it, and at
+    # the latest when the bake ends) and one reporting interval, by the event log's own clock.
+    acked = events.find(lambda e: e["event"] == "rollout_wave_acked", after=mark)
+    assert acked is not None
+    back = events.wait_for(
+        lambda e: e["event"] == "ack" and e.get("node") == "c-1" and e.get("type") == RDS,
+        after=events.index_of(rolled),
+        what="the canary to ACK the baseline's routes after the rollback",
+    )
+    assert back["version_info"] == candidate_rds  # the baseline now: the good change of step 2
+    errors_for = back["ts"] - acked["ts"]
+    assert errors_for <= BAKE + LRS_INTERVAL, (errors_for, failed, rolled)
     for node in OTHERS:
         assert rds_sent_to(events, node, after=mark) == [], f"{node} was sent the failing route"
         result = running[node].result()
@@ -190,3 +242,4 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
     canary = running["c-1"].result()
     assert canary.non_2xx_3xx > 0, canary.summary()  # (it served the failures until its wave was rolled back)
     wait_until(serving(ports["c-1"]), timeout=20, what="the canary to serve again after the rollback")
+    print(f"\n{failed['reason']}; the canary served errors for at most {errors_for:.2f} s (bake {BAKE:g} s)")
