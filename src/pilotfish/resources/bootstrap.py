@@ -367,8 +367,9 @@ def grpc_bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
         )
     if settings.lrs:
         raise ValueError(
-            "a gRPC client reports load for the clusters that ask it to (lrs_server in CDS), not "
-            "from its bootstrap: leave out --lrs with --grpc"
+            "a gRPC client reports load for the clusters that ask it to (lrs_server in CDS, which "
+            "serve --rollout gives the clusters of gRPC node groups), not from its bootstrap: "
+            "leave out --lrs with --grpc"
         )
     creds: dict[str, Any] = {"type": "insecure"}
     if settings.tls_ca is not None:

@@ -18,11 +18,18 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from pilotfish.api.metrics import CONTENT_TYPE, Metrics, ProcessMetrics, build_version
-from pilotfish.build.desired import DesiredState
-from pilotfish.cache import SnapshotCache
+from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
+from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
+from pilotfish.events import EventLog
 from pilotfish.reconcile import Reconciler, SubsetOptions
 from pilotfish.resources import CLUSTER, ENDPOINT
 from pilotfish.resources.services import Endpoint, ServiceSpec
+from pilotfish.rollout.delivery import Delivery, candidate_group
+from pilotfish.rollout.gates import HealthSettings
+from pilotfish.rollout.load import ClusterLoad, LoadReport, LoadSettings, LoadStore
+from pilotfish.rollout.machine import RolloutSettings
+from pilotfish.rollout.waves import parse_waves
+from pilotfish.snapshot import Snapshot
 from pilotfish.sources.docker import Container, DockerSource, container_of_summary, parse_engine
 from pilotfish.sources.registry import RegistryFigures
 from pilotfish.status import ACK_BUCKETS, NodeInfo, SyncStatus
@@ -323,3 +330,48 @@ def test_each_docker_engine_has_its_containers_endpoints_bad_labels_and_events()
     assert found["pilotfish_docker_listings"].type == "counter"
     plain = families(Metrics(SyncStatus(), Reconciler(cache), cache=cache, open_streams=lambda: 0))
     assert not [name for name in plain if name.startswith("pilotfish_docker")], "no --docker: no such families"
+
+
+def _web(connect_timeout: float) -> Snapshot:
+    state = DesiredState(
+        services={"web": ServiceSpec(name="web", listen=("127.0.0.1", 10000), connect_timeout=connect_timeout)},
+        endpoints=WEB.endpoints,
+    )
+    return build_snapshot(merge_states({"file": state}), "test")
+
+
+def test_the_rollout_error_ratio_is_the_health_gates_latest_judgement_while_a_wave_bakes() -> None:
+    wall = Wall()
+    settings = RolloutSettings(waves=parse_waves("canary=c-*,100%"), bake=60.0, health=HealthSettings(min_requests=10))
+    loads = LoadStore(LoadSettings(bucket=1.0, retention=300.0), clock=wall, classify=settings.waves.assign)
+    status, cache = SyncStatus(wall_clock=wall), SnapshotCache()
+    delivery = Delivery(cache, settings, status=status, events=EventLog(), loads=loads, clock=wall)
+    metrics = Metrics(status, Reconciler(cache), cache=cache, open_streams=lambda: 2, process=False, rollout=delivery)
+
+    def error_ratio() -> list[str]:
+        return [line for line in metrics.render().decode().splitlines() if line.startswith("pilotfish_rollout_error")]
+
+    def report(node: str, requests: int, errors: int) -> None:
+        load = ClusterLoad("web", "", requests - errors, errors, requests, in_progress=0, dropped=0, interval=5.0)
+        loads.ingest(node, LoadReport(node, (load,)))
+
+    for node in ("c-1", "p-1"):
+        status.stream_opened(node, NodeInfo(group="default"))
+    delivery.publish({DEFAULT_GROUP: _web(1.0)})  # the baseline
+    delivery.publish({DEFAULT_GROUP: _web(2.0)})  # a cluster change: the canary's wave is sent it
+    assert error_ratio() == []  # nothing judged yet: no series at all (not a made-up 0)
+    candidate = cache.snapshot(candidate_group(DEFAULT_GROUP))
+    assert candidate is not None
+    status.sent("c-1", CDS, candidate.version(CDS))
+    status.acked("c-1", CDS, candidate.version(CDS))  # the ACK gate passes: the bake starts now
+    wall.now += 10
+    report("c-1", 100, 2)  # 2 %
+    report("p-1", 400, 4)  # 1 %: within the default margin of one point, so the wave bakes on
+    wall.now += 1
+    delivery.tick()
+    assert error_ratio() == [
+        'pilotfish_rollout_error_ratio{side="wave"} 0.02',
+        'pilotfish_rollout_error_ratio{side="baseline"} 0.01',
+    ]
+    delivery.promote()  # the wave passes, the last one: the rollout completes, nothing is being judged
+    assert error_ratio() == []

@@ -204,3 +204,30 @@ def test_bootstrap_checks_the_server_name_and_sends_sni_for_host_names() -> None
     ]
     plain = bootstrap(BootstrapSettings(node_id="n"))
     assert "transport_socket" not in plain["static_resources"]["clusters"][0]
+
+
+def test_lrs_reports_load_over_the_xds_cluster_and_is_refused_where_it_cannot_work(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bootstrap", "--lrs", "--node-id", "edge-1", "--xds", ",".join(REPLICAS)]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    # Load reports go to the very cluster ADS uses: every replica, on the xDS port (gRPC, v3).
+    assert config["cluster_manager"] == {
+        "load_stats_config": {
+            "api_type": "GRPC",
+            "transport_api_version": "V3",
+            "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+        }
+    }
+    assert endpoints(xds_cluster(config)) == list(REPLICAS)
+    assert main(["bootstrap", "--node-id", "edge-1"]) == 0
+    assert "cluster_manager" not in yaml.safe_load(capsys.readouterr().out)  # only when asked
+    # REST polls have no gRPC stream to report on; a gRPC client reports where its CDS asks it to.
+    assert main(["bootstrap", "--lrs", "--node-id", "edge-1", "--rest", REPLICAS[0]]) == 2
+    refused = capsys.readouterr()
+    assert refused.out == ""
+    assert "--lrs needs a gRPC connection to the xDS port" in refused.err and "--rest" in refused.err
+    assert main(["bootstrap", "--lrs", "--grpc", "--node-id", "client-1"]) == 2
+    refused = capsys.readouterr()
+    assert refused.out == ""
+    assert "lrs_server in CDS" in refused.err and "leave out --lrs with --grpc" in refused.err
