@@ -112,14 +112,15 @@ class Fleet:
         self.ports: dict[str, int] = {}
         self.loads: dict[str, Wrk] = {}
 
-    def start(self, processes: ProcessGroup, node: str, xds: str, *, delta: bool = False) -> Envoy:
+    def start(self, processes: ProcessGroup, node: str, xds: str, *, delta: bool = False, lrs: bool = False) -> Envoy:
+        """``lrs``: the Envoy reports its load (``pilotfish bootstrap --lrs``, to the replicas it has ADS from)."""
         port = free_port()
         envoy = Envoy.start(
             processes,
             name=f"envoy-{node}",
             node_id=node,
             xds_address=xds,
-            bootstrap_options=("--delta",) if delta else (),
+            bootstrap_options=("--delta",) * delta + ("--lrs",) * lrs,
             bootstrap_edit=front_listener(port, SERVICE),
         )
         self.envoys[node], self.ports[node] = envoy, port

@@ -1,14 +1,16 @@
 """Progressive delivery on three replicas on etcd, with real Envoys under wrk: the elected replica,
 which decides the rollout, is SIGKILLed while the canary's wave bakes.
 
-Three ``pilotfish serve --etcd ... --rollout 'canary=c-*,100%'`` replicas, service ``web`` defined
-through the registry API, Envoys ``c-1`` (the canary), ``p-1`` and ``p-2`` whose bootstraps list
-every replica (each with a listener of its own for ``web``: see :mod:`.replicas`), wrk through each.
-A change to the service's route timeout (RDS) rolls out; once the canary ACKed it and its wave
-bakes, the deciding replica is killed. Another takes the election, reads what was decided, and the
-rollout goes on: no Envoy changes version because of the kill (the canary keeps the candidate,
-the others keep the baseline until their wave starts), the rollout completes on the new leader,
-and not one request fails.
+Three ``pilotfish serve --etcd ... --rollout 'canary=c-*,100%'`` replicas with the health gate on,
+service ``web`` defined through the registry API, Envoys ``c-1`` (the canary), ``p-1`` and ``p-2``
+whose bootstraps list every replica and report their load (``pilotfish bootstrap --lrs``; each
+with a listener of its own for ``web``: see :mod:`.replicas`), wrk through each. A change to the
+service's route timeout (RDS) rolls out; once the canary ACKed it and its wave bakes, the deciding
+replica is killed. Another takes the election, reads what was decided, and the rollout goes on:
+no Envoy changes version because of the kill (the canary keeps the candidate, the others keep the
+baseline until their wave starts), the canary's wave passes the health gate on the load the
+Envoys reported (to whichever replicas their load streams were on, the killed one included), the
+rollout completes on the new leader, and not one request fails.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ from .wrk import wrk_binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
+MIN_REQUESTS = 50
 OPTIONS = (
     "--quiet-ms", "50",
     "--rollout", "canary=c-*,100%",
     "--rollout-bake", "8",
     "--rollout-ack-timeout", "30",
-    "--rollout-health", "off",
+    "--rollout-health", "on",
+    "--rollout-min-requests", str(MIN_REQUESTS),
+    "--lrs-interval-ms", "500",
 )  # fmt: skip
 FLEET = ("c-1", "p-1", "p-2")
 
@@ -87,7 +92,7 @@ def test_the_deciding_replica_killed_mid_bake_leaves_every_proxy_where_it_was_an
     fleet = Fleet()
     xds = ",".join(plane.address for plane in planes)
     for node in FLEET:
-        fleet.start(processes, node, xds)
+        fleet.start(processes, node, xds, lrs=True)
     fleet.wait_for_endpoints([address(u) for u in upstreams], timeout=20)
     decider = wait_until(lambda: leader(planes), timeout=20, what="a replica elected")
     wait_until(lambda: all(rds_versions(planes, node) for node in FLEET), timeout=20, what="every Envoy's routes")
@@ -124,6 +129,10 @@ def test_the_deciding_replica_killed_mid_bake_leaves_every_proxy_where_it_was_an
     )
     started = successor.events.find(lambda e: e["event"] == "rollout_wave_started" and e["wave"] == "100%")
     assert started is not None and float(started["ts"]) > killed_at, started
+    # The canary's wave passed on its health, judged by the new leader on the reported load.
+    passed = successor.events.find(lambda e: e["event"] == "rollout_wave_passed" and e["wave"] == "canary")
+    assert passed is not None and passed["result"] == "healthy", passed
+    assert passed["requests"] >= MIN_REQUESTS and passed["error_ratio"] == 0, passed
     assert float(completed["ts"]) > float(started["ts"])
 
     # No flip: the canary is never sent the baseline again; the others get the candidate only in their wave.
