@@ -208,12 +208,12 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
         assert not result.problems(), f"{node}: {result.summary()}\n{envoys[node].log_tail()}"
 
     # 3. A route to a new cluster that fails: the canary ACKs it, its load reports show 503s, its wave fails.
-    broken = Upstream.start(group, "broken", status=503)
+    answers_503 = Upstream.start(group, "broken", status=503)
     mark = events.mark()
     running = load(group, ports, 20)
     failing = {"match": {"prefix": "/"}, "route": {"cluster": "broken"}}
     testbed.snapshot_path.write_text(
-        yaml.safe_dump(document(listen, failing, more={"broken": {"endpoints": [f"127.0.0.1:{broken.port}"]}}))
+        yaml.safe_dump(document(listen, failing, more={"broken": {"endpoints": [f"127.0.0.1:{answers_503.port}"]}}))
     )
     failed = events.wait_for(
         lambda e: e["event"] == "rollout_failed", after=mark, what="the health gate to fail the canary", timeout=40

@@ -361,9 +361,10 @@ def test_the_rollout_error_ratio_is_the_health_gates_latest_judgement_while_a_wa
     delivery.publish({DEFAULT_GROUP: _web(2.0)})  # a cluster change: the canary's wave is sent it
     assert error_ratio() == []  # nothing judged yet: no series at all (not a made-up 0)
     candidate = cache.snapshot(candidate_group(DEFAULT_GROUP))
-    assert candidate is not None
-    status.sent("c-1", CDS, candidate.version(CDS))
-    status.acked("c-1", CDS, candidate.version(CDS))  # the ACK gate passes: the bake starts now
+    version = None if candidate is None else candidate.version(CDS)
+    assert version is not None
+    status.sent("c-1", CDS, version)
+    status.acked("c-1", CDS, version)  # the ACK gate passes: the bake starts now
     wall.now += 10
     report("c-1", 100, 2)  # 2 %
     report("p-1", 400, 4)  # 1 %: within the default margin of one point, so the wave bakes on
