@@ -475,8 +475,8 @@ def _touched(source: str, previous: DesiredState | None, state: DesiredState) ->
     endpoints_changed = _differing(before.endpoints, state.endpoints)
     keys = set(endpoints_changed)
     keys.update(_differing(before.services, state.services))
-    if before.resources != state.resources or before.version != state.version:
-        keys.add(f"{source} resources")
+    if previous is None or before.resources != state.resources or before.version != state.version:
+        keys.add(f"{source} resources")  # (a source's first report is a change, even an empty one)
     return keys, endpoints_changed
 
 

@@ -353,3 +353,21 @@ def test_a_merge_with_the_memo_equals_a_fresh_merge_as_sources_change() -> None:
     for states in steps:
         assert merge_states(states, memo=memo) == merge_states(states)
     assert merge_states(steps[0], memo=memo).endpoints["web"] == eps(1, 2), "sorted, as without the memo"
+
+
+async def test_a_source_whose_first_report_is_empty_lets_the_waiting_build_go_out() -> None:
+    clock = FakeClock()
+    cache = SnapshotCache()
+    reconciler = Reconciler(cache, clock=clock, expect=("registry", "etcd"))
+    task = asyncio.create_task(reconciler.run())
+    try:
+        reconciler.update("registry", state(9001))
+        await clock.advance(5.0)
+        assert cache.snapshot() is None  # etcd has not reported: nothing may be published
+        reconciler.update("etcd", DesiredState())  # etcd holds nothing: that is its first report
+        await clock.advance(0)
+        assert published_ports(cache) == [9001]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
