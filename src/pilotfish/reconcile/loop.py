@@ -32,7 +32,7 @@ from pilotfish.events import ANNOUNCE, EventLog
 from pilotfish.reconcile.admission import Admission
 from pilotfish.reconcile.damping import Damping, EndpointKey, without_held
 from pilotfish.reconcile.debounce import Clock, Debouncer, DebounceSettings, MonotonicClock
-from pilotfish.reconcile.guard import Guard, GuardSettings, Held, endpoint_counts
+from pilotfish.reconcile.guard import EndpointCounter, Guard, GuardSettings, Held, endpoint_counts
 from pilotfish.reconcile.plan import GroupPlan, GuardVerdict, Plan, TypeDiff, diff_snapshots
 from pilotfish.reconcile.readiness import Readiness
 from pilotfish.reconcile.stats import ReconcileStats
@@ -145,6 +145,7 @@ class Reconciler:
         self._wake = asyncio.Event()
         self._memo = ResourceMemo()
         self._merge_memo = MergeMemo()
+        self._endpoint_counts = EndpointCounter()
         self._published_endpoints: dict[str, int] = {}
         self._refused_input = False
         """An input was refused (where it was read, or by a build) and no build has been accepted
@@ -390,7 +391,7 @@ class Reconciler:
             self._events.emit("snapshot_unchanged", version=first.label())
             self._merged_served(merged)
             return None
-        endpoints = endpoint_counts(merged)
+        endpoints = self._endpoint_counts(merged)
         reasons, counts = self.guard.assess(changed, self._published_endpoints, endpoints)
         if reasons:
             self.guard.hold(changed, reasons, counts, endpoints, tables)
