@@ -19,6 +19,7 @@ from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.build.validate import rule_problems
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import ParseMemo, decode_document, parse_document, read_document
+from pilotfish.resources.parse import without_collections
 from pilotfish.snapshot import Snapshot
 
 __all__ = [
@@ -43,7 +44,8 @@ def load_desired(path: Path, *, memo: ParseMemo | None = None) -> DesiredState:
     """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem.
     ``memo``: the resources of the file's last good content, not parsed again where their text
     is the same (:class:`~pilotfish.resources.ParseMemo`: what a followed file keeps)."""
-    return DesiredState.of_document(parse_document(read_document(path), str(path), rules=rule_problems, memo=memo))
+    with without_collections():
+        return DesiredState.of_document(parse_document(read_document(path), str(path), rules=rule_problems, memo=memo))
 
 
 def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> DesiredState:
@@ -51,9 +53,10 @@ def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> Des
     ``as_json`` says so (None: when ``name`` ends in ``.json``, as a file is read), else YAML;
     raise :class:`ConfigError` (naming ``name``) with every problem."""
     json = name.endswith(".json") if as_json is None else as_json
-    return DesiredState.of_document(
-        parse_document(decode_document(data, name, as_json=json), name, rules=rule_problems)
-    )
+    with without_collections():
+        return DesiredState.of_document(
+            parse_document(decode_document(data, name, as_json=json), name, rules=rule_problems)
+        )
 
 
 def load_snapshot(path: Path) -> Snapshot:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from conftest import assignment, cluster, listener, route
 
 from pilotfish.errors import ConfigError
 from pilotfish.resources import CLUSTER, ENDPOINT, ParseMemo, parse_document
+from pilotfish.resources.parse import without_collections
 from pilotfish.sources import load_desired, load_snapshot
 
 GOOD = {
@@ -242,3 +244,16 @@ def test_a_followed_file_is_parsed_per_resource(tmp_path: Path) -> None:
     second = load_desired(path, memo=memo)
     assert memo.parsed == 41
     assert sum(a is not b for a, b in zip(first.resources[ENDPOINT], second.resources[ENDPOINT], strict=True)) == 1
+
+
+def test_no_collection_runs_while_a_document_is_parsed_and_the_collector_comes_back_after() -> None:
+    seen: list[bool] = []
+    with without_collections():
+        seen.append(gc.isenabled())
+        with without_collections():  # (another thread's parse meanwhile)
+            seen.append(gc.isenabled())
+        seen.append(gc.isenabled())
+    assert seen == [False, False, False] and gc.isenabled()
+    with pytest.raises(ConfigError), without_collections():
+        parse_document({"clusters": 3}, "snapshot.yaml")
+    assert gc.isenabled()
