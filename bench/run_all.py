@@ -29,6 +29,7 @@ from bench import (
     bench_churn,
     bench_docker,
     bench_envoy,
+    bench_file,
     bench_hardening,
     bench_incremental,
     bench_replicas,
@@ -139,6 +140,9 @@ class Scale:
     docker_containers: int = 200
     """Containers started and stopped in a burst (bench/bench_docker.py)."""
     docker_rounds: int = 3
+    file_clusters: int = 10_000
+    """Raw clusters (and as many assignments) in the snapshot file of bench/bench_file.py."""
+    file_rounds: int = 5
     side_by_side: str | None = None
     """Another commit to run beside this checkout (bench/bench_side_by_side.py: fan-outs, SotW and
     delta, and the snapshot build, in turn); None (the default, and in the smoke run): not run."""
@@ -204,6 +208,8 @@ QUICK = Scale(
     rollout_canary="sim-00000",
     docker_containers=3,
     docker_rounds=1,
+    file_clusters=100,
+    file_rounds=1,
 )
 
 
@@ -241,6 +247,8 @@ class Results:
     churn: list[bench_churn.ChurnResult] = field(default_factory=list)
     rollout: bench_rollout.RolloutBench | None = None
     docker: list[bench_docker.Phase] = field(default_factory=list)
+    file: list[list[Any]] = field(default_factory=list)
+    """The rows of bench/bench_file.py."""
     side_by_side: bench_side_by_side.SideBySide | None = None
 
 
@@ -964,7 +972,23 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         bench_docker.notes(docker_options),
     )
 
-    # 6j. another commit beside this checkout (only when asked for: --side-by-side COMMIT).
+    # 6j. a snapshot file of raw resources at fleet size, one endpoint changed per edit.
+    def file_rows() -> list[list[Any]]:
+        results.file = bench_file.run_file_bench(
+            counts=[scale.file_clusters], formats=["json", "yaml"], rounds=scale.file_rounds
+        )
+        return results.file
+
+    section(
+        f"A snapshot file of {scale.file_clusters} raw clusters and {scale.file_clusters} assignments, "
+        "one endpoint changed per edit",
+        _cmd("bench.bench_file", "--clusters", scale.file_clusters, "--rounds", scale.file_rounds),
+        bench_file.COLUMNS,
+        file_rows,
+        [bench_file.NOTE],
+    )
+
+    # 6k. another commit beside this checkout (only when asked for: --side-by-side COMMIT).
     if scale.side_by_side is not None:
         _side_by_side(scale, scale.side_by_side, results, section)
 

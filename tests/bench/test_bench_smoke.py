@@ -26,6 +26,7 @@ from bench import (  # noqa: E402
     bench_churn,
     bench_docker,
     bench_envoy,
+    bench_file,
     bench_hardening,
     bench_incremental,
     bench_replicas,
@@ -172,6 +173,8 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     ]
     for phase in results.docker:  # every round reached Envoy, the burst in at least one build
         assert len(phase.to_envoy) == QUICK.docker_rounds and min(phase.builds) >= 1, phase
+    # The snapshot file: an edit of one endpoint parses that one resource, in each format.
+    assert [(row[1], row[-1]) for row in results.file] == [("json", 1), ("yaml", 1)]
     # Real Envoy: every change applied and ACKed.
     (envoy,) = results.envoy
     assert envoy.missed == 0
@@ -191,6 +194,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         bench_rollout.ROLLOUT_COLUMNS,
         bench_rollout.EDS_COLUMNS,
         bench_docker.COLUMNS,
+        bench_file.COLUMNS,
     ):
         assert _header(columns) in text
     for heading in (

@@ -65,6 +65,7 @@ EVERY_KEY: dict[str, tuple[Any, Check, object]] = {
     "docker-tls-key": ("docker.key", lambda s: s["docker"]["tls_key"], "docker.key"),
     "quiet": ("50ms", lambda s: s["debounce"]["quiet"], 0.05),
     "max-delay": ("2s", lambda s: s["debounce"]["max_delay"], 2.0),
+    "max-builds-per-s": (4, lambda s: s["debounce"]["max_builds_per_s"], 4.0),
     "flap-hold": ("3s", lambda s: s["debounce"]["hold"], 3.0),
     "validate": ("off", lambda s: s["validate_rules"], False),
     "guard": (False, lambda s: s["guard"]["enabled"], False),  # (YAML's unquoted off)

@@ -31,7 +31,7 @@ from pilotfish.etcd.election import Election, Leadership
 from pilotfish.events import ANNOUNCE, LOG_FIELDS, EventLog
 from pilotfish.policy.grants import SecretGrant, SecretGrants, Subject
 from pilotfish.reconcile import Reconciler
-from pilotfish.resources import CLUSTER, SECRET
+from pilotfish.resources import CLUSTER, SECRET, ParseMemo
 from pilotfish.rollout.delivery import Delivery
 from pilotfish.rollout.stored import Stored, decode, decode_snapshots
 from pilotfish.sources import FileSignature, file_signature, load_desired, watch_file
@@ -319,16 +319,19 @@ class FileSource:
         self._reconciler = reconciler
         self._events = events
         self._task: Task | None = None
+        self._memo = ParseMemo()
+        """The file's resources as last parsed: an edit costs the resources it changed."""
 
     async def start(self) -> None:
         path = self._path
         loaded = file_signature(path)
+        memo = self._memo
         try:
-            self._reconciler.update("file", load_desired(path))
+            self._reconciler.update("file", load_desired(path, memo=memo))
         except ConfigError as exc:
             self._events.emit("snapshot_error", file=str(path), reason=exc.describe())
             raise
-        self._task = Task(self.name, lambda: follow_file(path, loaded, self._reconciler, self._events))
+        self._task = Task(self.name, lambda: follow_file(path, loaded, self._reconciler, self._events, memo=memo))
         await self._task.start()
 
     async def stop(self) -> None:
@@ -337,13 +340,19 @@ class FileSource:
 
 
 async def follow_file(
-    path: Path, loaded: FileSignature | None, reconciler: Reconciler, events: EventLog, *, retry: float = 1.0
+    path: Path,
+    loaded: FileSignature | None,
+    reconciler: Reconciler,
+    events: EventLog,
+    *,
+    retry: float = 1.0,
+    memo: ParseMemo | None = None,
 ) -> None:
     """Feed the file's changes to the reconciler; report every bad one. Supervised: if the watch
     itself fails (e.g. the directory went away), say so and start it again; nothing ends it."""
     while True:
         try:
-            async for item in watch_file(path, loaded=loaded):
+            async for item in watch_file(path, loaded=loaded, memo=memo):
                 if isinstance(item, ConfigError):
                     reconciler.source_error("file", item.describe())
                     events.emit("snapshot_error", file=str(path), reason=item.describe())

@@ -449,7 +449,7 @@ def build_snapshots(
         else:
             union[rtype] = list({id(r): r for found in lists.values() for r in found}.values())
     # The user's own resources, encoded once for every check and view, with their messages.
-    raw = {t: [(Resource.of(t, m), m) for m in merged.resources.get(t, ())] for t in TYPES}
+    raw = {t: [(memo.raw(t, m), m) for m in merged.resources.get(t, ())] for t in TYPES}
     problems = list(merged.problems)
     problems.extend(_name_clashes(raw, {kind: by_type for (kind, _), by_type in built.items()}))
     problems.extend(_api_listener_clashes(merged))

@@ -1533,13 +1533,15 @@ def check_rules(
             problems.extend(Problem(f"{where}{v.path}", v.message()) for v in outcome)
 
     for rtype, items in raw.items():
+        check = checker.check_resource
         for index, (resource, message) in enumerate(items):
             outcome: tuple[Violation, ...] | RuleNotUnderstood
             try:
-                outcome = checker.check_resource(rtype, resource, message)
+                outcome = check(rtype, resource, message)
             except RuleNotUnderstood as exc:
                 outcome = exc
-            report(f"{rtype.key}[{index}] (name {resource.name!r})", outcome)
+            if outcome:  # (named only when reported: most resources break no rule)
+                report(f"{rtype.key}[{index}] (name {resource.name!r})", outcome)
     for rtype, resources in (built or {}).items():
         for resource, outcome in checker.check_resources(rtype, resources):
             report(f"services.{resource.name} (its {rtype.key[:-1]} {resource.name!r})", outcome)
@@ -1712,7 +1714,14 @@ def check_references(
 
     for index, cluster in enumerate(resources.get(CLUSTER, ())):
         assert isinstance(cluster, cluster_pb2.Cluster)
-        problems.extend(_cluster_problems(f"clusters[{index}] (name {cluster.name!r})", cluster, endpoint_names))
+        wanted = _eds_wanted(cluster)
+        if wanted is not None and wanted not in endpoint_names:
+            problems.append(
+                Problem(
+                    f"clusters[{index}] (name {cluster.name!r})",
+                    f"EDS cluster needs endpoints: add an entry with cluster_name {wanted!r} under 'endpoints'",
+                )
+            )
     for index, listener in enumerate(resources.get(LISTENER, ())):
         assert isinstance(listener, listener_pb2.Listener)
         problems.extend(
@@ -1734,18 +1743,15 @@ def _missing_cluster(where: str, name: str) -> Problem:
     )
 
 
-def _cluster_problems(label: str, cluster: cluster_pb2.Cluster, endpoint_names: set[str]) -> Iterator[Problem]:
-    """An EDS cluster served over xDS whose endpoints do not exist."""
-    if cluster.WhichOneof("cluster_discovery_type") != "type" or cluster.type != cluster_pb2.Cluster.EDS:
-        return
+def _eds_wanted(cluster: cluster_pb2.Cluster) -> str | None:
+    """The endpoints an EDS cluster served over xDS asks for (None: it asks for none)."""
+    if cluster.type != cluster_pb2.Cluster.EDS or cluster.WhichOneof("cluster_discovery_type") != "type":
+        return None
     eds = cluster.eds_cluster_config
     if eds.HasField("eds_config") and not _served_by_xds(eds.eds_config):
-        return
-    wanted = eds.service_name or cluster.name
-    if wanted not in endpoint_names:
-        yield Problem(
-            label, f"EDS cluster needs endpoints: add an entry with cluster_name {wanted!r} under 'endpoints'"
-        )
+        return None
+    wanted: str = eds.service_name or cluster.name
+    return wanted
 
 
 def _listener_problems(

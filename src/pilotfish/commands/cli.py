@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -92,6 +93,21 @@ def _positive_int(value: str) -> int:
     if not value.isdigit() or int(value) <= 0:
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
     return int(value)
+
+
+MAX_BUILDS_PER_S = (0.1, 1000.0)
+"""The range ``--max-builds-per-s`` takes: a build every 10 s at the slowest, a thousand a second at most."""
+
+
+def _builds_per_second(value: str) -> float:
+    low, high = MAX_BUILDS_PER_S
+    try:
+        rate = float(value)
+    except ValueError:
+        rate = math.nan
+    if not low <= rate <= high:  # (NaN fails both)
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of builds a second from {low:g} to {high:g}")
+    return rate
 
 
 def _whole_number(value: str) -> int:
@@ -315,6 +331,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="debounce: build at the latest this long after a burst began (default: %(default)s)",
     )
     _renamed(serve, "--max-delay-ms", "--max-delay", unit="ms")
+    serve.add_argument(
+        "--max-builds-per-s",
+        type=_builds_per_second,
+        default=10.0,
+        metavar="N",
+        help="debounce: start at most N builds a second, however many services change (default: %(default)g)",
+    )
     serve.add_argument(
         "--flap-hold",
         type=duration,
@@ -1032,7 +1055,9 @@ def _serve(args: argparse.Namespace) -> int:
         status_limits=StatusLimits(
             forget_after=args.status_forget_after, max_disconnected=args.status_max_disconnected
         ),
-        debounce=DebounceSettings(quiet=args.quiet, max_delay=args.max_delay, hold=args.flap_hold),
+        debounce=DebounceSettings(
+            quiet=args.quiet, max_delay=args.max_delay, max_builds_per_s=args.max_builds_per_s, hold=args.flap_hold
+        ),
         guard=GuardSettings(
             enabled=args.guard == "on", max_removed_share=args.guard_max_removed, min_count=args.guard_min_count
         ),

@@ -3,11 +3,12 @@
 Sources report whole views of what they know (:meth:`Reconciler.update`). The loop
 (:mod:`~pilotfish.reconcile.loop`, :class:`Reconciler`) composes small parts, each testable alone:
 
-1. **debounces** (:mod:`~pilotfish.reconcile.debounce`): a burst of changes becomes one build,
-   once the sources have been quiet for ``quiet`` seconds or ``max_delay`` after the burst's first
-   change, whichever is first. Builds never overlap; a change during a build is picked up right
-   after it; a change that leaves the content as it was costs nothing. Worst case latency:
-   max_delay plus two builds.
+1. **debounces** (:mod:`~pilotfish.reconcile.debounce`), each service on its own clock: a change
+   to a service that was quiet for ``quiet`` seconds is built at once; one that changes again
+   within ``quiet`` is gathered and built once quiet, or ``max_delay`` after its burst's first
+   change. Builds start at most ``max_builds_per_s`` times a second and never overlap; a change
+   during a build is picked up right after it; a change that leaves the content as it was costs
+   nothing. Worst case latency: max_delay plus the build interval plus two builds.
 2. **damps flapping endpoints** (:mod:`~pilotfish.reconcile.damping`): an endpoint that
    disappears is removed at once; one that comes back soon after is re-added only once it has
    stayed for ``hold`` seconds.

@@ -96,13 +96,17 @@ class Damping:
         self._providers: dict[EndpointKey, int] = {}
         """How many sources report each endpoint (it is present while one does)."""
 
-    def report(self, previous: DesiredState | None, state: DesiredState, now: float) -> None:
+    def report(
+        self, previous: DesiredState | None, state: DesiredState, now: float, *, changed: Iterable[str] | None = None
+    ) -> None:
         """A source went from ``previous`` to ``state``. Only which endpoints appeared or
         disappeared matters, and only for the services whose endpoints changed (sources reuse
-        the tuples of unchanged ones): no full merge or scan of every endpoint on each call."""
+        the tuples of unchanged ones): no full merge or scan of every endpoint on each call.
+        ``changed``: the services whose endpoints may differ, when the caller knows (None: any)."""
         appeared, disappeared = [], []
         before_all: Mapping[str, tuple[Endpoint, ...]] = previous.endpoints if previous is not None else {}
-        for name in before_all.keys() | state.endpoints.keys():
+        names = before_all.keys() | state.endpoints.keys() if changed is None else changed
+        for name in names:
             before, after = before_all.get(name, ()), state.endpoints.get(name, ())
             if before is after or before == after:
                 continue

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from envoy.config.endpoint.v3 import endpoint_pb2
+from google.protobuf.message import Message
 
 from pilotfish.build.desired import Merged
 from pilotfish.build.subsetting import IndexTable
@@ -22,7 +23,7 @@ from pilotfish.events import EventLog
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, TYPES
 from pilotfish.snapshot import Snapshot
 
-__all__ = ["Guard", "GuardSettings", "Held", "blast_radius", "endpoint_counts"]
+__all__ = ["EndpointCounter", "Guard", "GuardSettings", "Held", "blast_radius", "endpoint_counts"]
 
 _log = logging.getLogger("pilotfish.reconcile")
 
@@ -43,12 +44,31 @@ class GuardSettings:
 
 def endpoint_counts(merged: Merged) -> dict[str, int]:
     """Endpoints per cluster: the services' and those of raw ClusterLoadAssignments."""
-    counts = {name: len(found) for name, found in merged.endpoints.items()}
-    for assignment in merged.resources.get(ENDPOINT, ()):
-        assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
-        total = sum(len(group.lb_endpoints) for group in assignment.endpoints)
-        counts[assignment.cluster_name] = counts.get(assignment.cluster_name, 0) + total
-    return counts
+    return EndpointCounter()(merged)
+
+
+class EndpointCounter:
+    """:func:`endpoint_counts`, remembering the count of each raw ClusterLoadAssignment by the
+    identity of its message until the next call (a file whose one assignment changed hands over
+    the very messages of the others: they are not walked again)."""
+
+    def __init__(self) -> None:
+        self._counted: dict[int, tuple[Message, str, int]] = {}
+
+    def __call__(self, merged: Merged) -> dict[str, int]:
+        counts = {name: len(found) for name, found in merged.endpoints.items()}
+        before, counted = self._counted, {}
+        for assignment in merged.resources.get(ENDPOINT, ()):
+            entry = before.get(id(assignment))
+            if entry is None or entry[0] is not assignment:
+                assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
+                total = sum(len(group.lb_endpoints) for group in assignment.endpoints)
+                entry = (assignment, assignment.cluster_name, total)
+            counted[id(assignment)] = entry
+            _, name, total = entry
+            counts[name] = counts.get(name, 0) + total
+        self._counted = counted
+        return counts
 
 
 def blast_radius(

@@ -32,7 +32,7 @@ from pilotfish.events import ANNOUNCE, EventLog
 from pilotfish.reconcile.admission import Admission
 from pilotfish.reconcile.damping import Damping, EndpointKey, without_held
 from pilotfish.reconcile.debounce import Clock, Debouncer, DebounceSettings, MonotonicClock
-from pilotfish.reconcile.guard import Guard, GuardSettings, Held, endpoint_counts
+from pilotfish.reconcile.guard import EndpointCounter, Guard, GuardSettings, Held, endpoint_counts
 from pilotfish.reconcile.plan import GroupPlan, GuardVerdict, Plan, TypeDiff, diff_snapshots
 from pilotfish.reconcile.readiness import Readiness
 from pilotfish.reconcile.stats import ReconcileStats
@@ -140,11 +140,16 @@ class Reconciler:
         self.damping = Damping(flap_window=self.settings.flap_window, hold=self.settings.hold)
         self.stats = ReconcileStats()
         self._admission = Admission(self._states, self._trial, labels=self._labels)
-        self._debouncer = Debouncer(quiet=self.settings.quiet, max_delay=self.settings.max_delay)
+        self._debouncer = Debouncer(
+            quiet=self.settings.quiet,
+            max_delay=self.settings.max_delay,
+            min_interval=1.0 / self.settings.max_builds_per_s,
+        )
         self._hold_until: float | None = None
         self._wake = asyncio.Event()
         self._memo = ResourceMemo()
         self._merge_memo = MergeMemo()
+        self._endpoint_counts = EndpointCounter()
         self._published_endpoints: dict[str, int] = {}
         self._refused_input = False
         """An input was refused (where it was read, or by a build) and no build has been accepted
@@ -163,8 +168,9 @@ class Reconciler:
         self._states[source] = state
         self.stats.changes += 1
         now = self._clock.now()
-        self.damping.report(previous, state, now)
-        self._changed(now)
+        keys, endpoints_changed = _touched(source, previous, state)
+        self.damping.report(previous, state, now, changed=endpoints_changed)
+        self._changed(now, keys)
 
     def source_error(self, source: str, reason: str = "") -> None:
         """``source``'s latest input was refused (and reported) where it was read, for ``reason``."""
@@ -175,7 +181,7 @@ class Reconciler:
         """Shared tables changed (etcd): build with them (and only them) from now on."""
         if self.tables.set_shared(tables):
             self.stats.changes += 1
-            self._changed(self._clock.now())
+            self._changed(self._clock.now(), (_SUBSET_TABLES,))
 
     def check(self, source: str, state: DesiredState) -> list[Problem]:
         """The problems ``state`` would add if ``source`` reported it now (see
@@ -288,7 +294,7 @@ class Reconciler:
         """Build and publish at once, skipping the debounce (at start-up). Returns the snapshot
         handed over, or None if nothing changed or a source has not reported yet; raises
         :class:`ConfigError` if it is refused."""
-        self._debouncer.start_build()
+        self._debouncer.start_build(self._clock.now())
         started = time.perf_counter()
         try:
             return self._build()
@@ -297,19 +303,17 @@ class Reconciler:
             self._debouncer.finish_build()
 
     async def run(self) -> None:
-        """Build whenever the debounce (or a flap hold) says so, until cancelled."""
+        """Build whenever the debounce (or a flap hold) says so, until cancelled. A change that
+        arrives while the loop waits for a later deadline wakes it (it may be due at once)."""
         while True:
             deadline = self._next_deadline()
-            if deadline is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
             now = self._clock.now()
-            if now < deadline:
-                await self._clock.sleep(deadline - now)
+            if deadline is None or now < deadline:
+                self._wake.clear()
+                await self._wait(None if deadline is None else deadline - now)
                 continue
             self._hold_until = None
-            self._debouncer.start_build()
+            self._debouncer.start_build(now)
             started = time.perf_counter()
             try:
                 self._build()
@@ -322,8 +326,21 @@ class Reconciler:
                 self.stats.build_seconds += time.perf_counter() - started
                 self._debouncer.finish_build()
 
-    def _changed(self, now: float) -> None:
-        self._debouncer.change(now)
+    async def _wait(self, seconds: float | None) -> None:
+        """Until a change arrives, or ``seconds`` pass on the clock (None: no limit)."""
+        if seconds is None:
+            await self._wake.wait()
+            return
+        woken = asyncio.ensure_future(self._wake.wait())
+        slept = asyncio.ensure_future(self._clock.sleep(seconds))
+        try:
+            await asyncio.wait((woken, slept), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            slept.cancel()
+
+    def _changed(self, now: float, keys: Iterable[str]) -> None:
+        self._debouncer.change(now, keys)
         self._wake.set()
 
     def _next_deadline(self) -> float | None:
@@ -379,7 +396,7 @@ class Reconciler:
             self._events.emit("snapshot_unchanged", version=first.label())
             self._merged_served(merged)
             return None
-        endpoints = endpoint_counts(merged)
+        endpoints = self._endpoint_counts(merged)
         reasons, counts = self.guard.assess(changed, self._published_endpoints, endpoints)
         if reasons:
             self.guard.hold(changed, reasons, counts, endpoints, tables)
@@ -449,6 +466,36 @@ class Reconciler:
             shown.versions(),
             f", node groups {', '.join(sorted(snapshots))}" if len(self._groups) > 1 else "",
         )
+
+
+_SUBSET_TABLES = "subset tables"
+"""The debounce key of a change to the shared subsetting tables."""
+
+
+def _touched(source: str, previous: DesiredState | None, state: DesiredState) -> tuple[set[str], list[str]]:
+    """What a source's new state touches: the debounce keys (each service whose definition or
+    endpoints changed; the source's raw resources and version as one key of its own) and the
+    services whose endpoints changed. Unchanged services are the very objects they were (sources
+    reuse them), so this costs an identity check per service."""
+    before = previous or DesiredState()
+    endpoints_changed = _differing(before.endpoints, state.endpoints)
+    keys = set(endpoints_changed)
+    keys.update(_differing(before.services, state.services))
+    if previous is None or before.resources != state.resources or before.version != state.version:
+        keys.add(f"{source} resources")  # (a source's first report is a change, even an empty one)
+    return keys, endpoints_changed
+
+
+def _differing(before: Mapping[str, object], after: Mapping[str, object]) -> list[str]:
+    """The names whose values differ between ``before`` and ``after`` (present in one only included)."""
+    if before is after:
+        return []
+    missing = object()
+    return [
+        name
+        for name in before.keys() | after.keys()
+        if (was := before.get(name, missing)) is not (now := after.get(name, missing)) and was != now
+    ]
 
 
 def _changed_groups(

@@ -4,7 +4,7 @@
 May import only ``followed_file``, ``events`` and ``errors`` (and protobuf); everything above builds on it.
 """
 
-from pilotfish.resources.parse import ParsedDocument, decode_document, parse_document, read_document
+from pilotfish.resources.parse import ParsedDocument, ParseMemo, decode_document, parse_document, read_document
 from pilotfish.resources.types import (
     ADS_ORDER,
     CLUSTER,
@@ -27,6 +27,7 @@ __all__ = [
     "ROUTE",
     "SECRET",
     "TYPES",
+    "ParseMemo",
     "ParsedDocument",
     "ResourceType",
     "TypeUrl",

@@ -504,6 +504,10 @@ class ResourceMemo:
         self._derived_before: dict[Hashable, tuple[tuple[object, ...], Any]] = {}
         self._made_from: tuple[Mapping[str, ServiceSpec], Mapping[str, Iterable[Endpoint]]] | None = None
         """The mappings the last build was made from (a patch of them needs only its names looked at)."""
+        self._raw: dict[int, tuple[Message, Resource]] = {}
+        self._raw_before: dict[int, tuple[Message, Resource]] = {}
+        """The user's own resources encoded, by the identity of their message (held with it, so
+        the id is not reused): this build's, and the last build's."""
 
     def make(self, make: Callable[..., Resource], *args: Any) -> Resource:
         """``make(*args)``: one resource made because its input changed (counted in :attr:`made`)."""
@@ -513,6 +517,7 @@ class ResourceMemo:
     def start(self, views: tuple[object, ...]) -> None:
         """A build for ``views`` begins: entries made for other views are of no use."""
         self._derived_before, self._derived = self._derived, {}
+        self._raw_before, self._raw = self._raw, {}
         if views != self._views:
             self._views = views
             self._services = {}
@@ -561,6 +566,18 @@ class ResourceMemo:
 
     def previous_list(self, key: _ListKey) -> list[Resource] | None:
         return self._lists.get(key)
+
+    def raw(self, rtype: ResourceType, message: Message) -> Resource:
+        """A raw resource's encoding: the last build's when ``message`` is the very message it was
+        made from (a source that parsed nothing again hands over the same messages), else made.
+        Kept for one build."""
+        key = id(message)
+        entry = self._raw.get(key) or self._raw_before.get(key)
+        if entry is None or entry[0] is not message:
+            self.made += 1
+            entry = (message, Resource.of(rtype, message))
+        self._raw[key] = entry
+        return entry[1]
 
     def derived(self, key: Hashable, inputs: tuple[object, ...], make: Callable[[], _T]) -> _T:
         """``make()``, which derives something from ``inputs`` (e.g. this memo's output lists), or

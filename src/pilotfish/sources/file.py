@@ -18,7 +18,8 @@ from pathlib import Path
 from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.build.validate import rule_problems
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.resources import decode_document, parse_document, read_document
+from pilotfish.resources import ParseMemo, decode_document, parse_document, read_document
+from pilotfish.resources.parse import without_collections
 from pilotfish.snapshot import Snapshot
 
 __all__ = [
@@ -39,9 +40,12 @@ SOURCE = "file"
 """The name the snapshot file's state is reported under to the reconciler."""
 
 
-def load_desired(path: Path) -> DesiredState:
-    """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem."""
-    return DesiredState.of_document(parse_document(read_document(path), str(path), rules=rule_problems))
+def load_desired(path: Path, *, memo: ParseMemo | None = None) -> DesiredState:
+    """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem.
+    ``memo``: the resources of the file's last good content, not parsed again where their text
+    is the same (:class:`~pilotfish.resources.ParseMemo`: what a followed file keeps)."""
+    with without_collections():
+        return DesiredState.of_document(parse_document(read_document(path), str(path), rules=rule_problems, memo=memo))
 
 
 def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> DesiredState:
@@ -49,9 +53,10 @@ def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> Des
     ``as_json`` says so (None: when ``name`` ends in ``.json``, as a file is read), else YAML;
     raise :class:`ConfigError` (naming ``name``) with every problem."""
     json = name.endswith(".json") if as_json is None else as_json
-    return DesiredState.of_document(
-        parse_document(decode_document(data, name, as_json=json), name, rules=rule_problems)
-    )
+    with without_collections():
+        return DesiredState.of_document(
+            parse_document(decode_document(data, name, as_json=json), name, rules=rule_problems)
+        )
 
 
 def load_snapshot(path: Path) -> Snapshot:
@@ -74,14 +79,14 @@ def file_signature(path: Path) -> FileSignature | None:
 
 
 async def watch_file(
-    path: Path, *, quiet_ms: int = 20, loaded: FileSignature | None = None
+    path: Path, *, quiet_ms: int = 20, loaded: FileSignature | None = None, memo: ParseMemo | None = None
 ) -> AsyncGenerator[DesiredState | ConfigError, None]:
     """Yield the file's new desired state (or the error that kept it out) on each change.
 
     ``quiet_ms``: how long the directory must be quiet before a burst of writes is read.
     ``loaded``: the :func:`file_signature` of the file the caller already read. Once the watch is
     in place, a file that differs from it is read at once: a change made between the caller's read
-    and the start of the watch is not lost.
+    and the start of the watch is not lost. ``memo``: see :func:`load_desired` (one per file).
     """
     from watchfiles import awatch  # imported here: only the file source needs it
 
@@ -123,14 +128,14 @@ async def watch_file(
                 ],
             )
             continue
-        yield await asyncio.to_thread(read_desired, path)
+        yield await asyncio.to_thread(read_desired, path, memo=memo)
 
 
-def read_desired(path: Path) -> DesiredState | ConfigError:
+def read_desired(path: Path, *, memo: ParseMemo | None = None) -> DesiredState | ConfigError:
     """:func:`load_desired`, with every failure returned as a :class:`ConfigError`: a bug in a
     parser must not end the watch (it is logged with its traceback, and reported)."""
     try:
-        return load_desired(path)
+        return load_desired(path, memo=memo)
     except ConfigError as exc:
         return exc
     except Exception as exc:

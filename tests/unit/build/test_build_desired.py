@@ -361,3 +361,23 @@ def test_an_explicit_version_is_honoured_for_a_file_that_serves_nothing() -> Non
     assert build_snapshot(both, "t").label() == "X"
     filled = merge_states({"file": DesiredState.of_document(document), "registry": _merged()})
     assert build_snapshot(filled, "t").explicit_version is None
+
+
+def test_a_raw_resource_handed_over_again_is_not_encoded_again() -> None:
+    clusters = [
+        cluster_pb2.Cluster(name=f"c{i}", type=cluster_pb2.Cluster.STATIC, connect_timeout={"seconds": 1})
+        for i in range(10)
+    ]
+    memo = ResourceMemo()
+    groups = {"envoy": ENVOYS}
+    first = build_snapshots(
+        merge_states({"file": DesiredState(resources={CLUSTER: tuple(clusters)})}), "t", groups, memo=memo
+    )
+    assert memo.made == 10
+    changed = cluster_pb2.Cluster(name="c4", type=cluster_pb2.Cluster.STATIC, connect_timeout={"seconds": 2})
+    again = tuple(changed if c.name == "c4" else c for c in clusters)  # the same messages but one
+    second = build_snapshots(merge_states({"file": DesiredState(resources={CLUSTER: again})}), "t", groups, memo=memo)
+    assert memo.made == 11
+    before, after = (b["envoy"].types[CLUSTER.url].resources for b in (first, second))
+    assert [n for n in after if after[n] is not before[n]] == ["c4"]
+    assert after["c4"].message.connect_timeout.seconds == 2  # type: ignore[attr-defined]

@@ -92,14 +92,83 @@ async def running() -> AsyncIterator[Running]:
         await task
 
 
-async def test_a_change_is_published_after_the_quiet_period(running: Running) -> None:
-    reconciler, clock, cache = running
+async def test_a_change_right_after_another_is_published_after_the_quiet_period(running: Running) -> None:
+    reconciler, clock, cache = running  # (the start-up state of "web" changed just now)
     reconciler.update("registry", state(9001))
     await clock.advance(0.09)
     assert published_ports(cache) == [9001, 9002]
     await clock.advance(0.02)
     assert published_ports(cache) == [9001]
     assert reconciler.stats.published == 2
+
+
+async def test_a_lone_change_is_published_at_once(running: Running) -> None:
+    reconciler, clock, cache = running
+    await clock.advance(60.0)  # a quiet minute
+    reconciler.update("registry", state(9001))
+    await clock.advance(0)
+    assert published_ports(cache) == [9001]
+    # One right after it is gathered: published once the service has been quiet for 100 ms.
+    reconciler.update("registry", state(9001, 9003))
+    await clock.advance(0.09)
+    assert published_ports(cache) == [9001]
+    await clock.advance(0.02)
+    assert published_ports(cache) == [9001, 9003]
+    assert reconciler.stats.published == 3
+
+
+API = ServiceSpec(name="api", listen=("127.0.0.1", 10001))
+
+
+def two_services(web_port: int, api_port: int) -> DesiredState:
+    return DesiredState(
+        services={"web": WEB, "api": API},
+        endpoints={"web": (Endpoint("127.0.0.1", web_port),), "api": (Endpoint("127.0.0.1", api_port),)},
+    )
+
+
+def api_port(cache: SnapshotCache) -> int:
+    snapshot = cache.snapshot()
+    assert snapshot is not None
+    eds = snapshot.get(ENDPOINT.url)
+    assert eds is not None
+    assignment = eds.resources["api"].message
+    (lb,) = (lb for group in assignment.endpoints for lb in group.lb_endpoints)  # type: ignore[attr-defined]
+    return int(lb.endpoint.address.socket_address.port_value)
+
+
+async def test_a_noisy_service_does_not_delay_another() -> None:
+    clock = FakeClock()
+    cache = SnapshotCache()
+    reconciler = Reconciler(
+        cache, clock=clock, settings=DebounceSettings(quiet=0.1, max_delay=1.0, max_builds_per_s=20)
+    )
+    reconciler.update("registry", two_services(20000, 9000))
+    reconciler.build_now()
+    task = asyncio.create_task(reconciler.run())
+    try:
+        await clock.advance(5.0)
+        delays = []
+        for tick in range(1, 301):  # "web" moves to a new port every 10 ms for 3 s
+            api = 9000 + tick // 50  # "api" changes every 500 ms
+            reconciler.update("registry", two_services(20000 + tick, api))
+            if tick % 50 == 0:
+                changed_at = clock.now()
+                while api_port(cache) != api:
+                    await clock.advance(0.005)
+                delays.append(clock.now() - changed_at)
+            else:
+                await clock.advance(0.01)
+        # Each of api's changes went out within the build rate's interval (50 ms), never waiting
+        # for web's burst to end (it never does) or for the max delay (1 s).
+        assert delays and max(delays) <= 0.05 + 1e-9, delays
+        # web is built on its own clock meanwhile: at most every max delay when alone, plus the
+        # builds api's changes made: far fewer than its 300 changes.
+        assert reconciler.stats.published <= 1 + 1 + 3 + len(delays) + 1, reconciler.stats.published
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def test_100_changes_within_50ms_make_one_push(running: Running) -> None:
@@ -284,3 +353,21 @@ def test_a_merge_with_the_memo_equals_a_fresh_merge_as_sources_change() -> None:
     for states in steps:
         assert merge_states(states, memo=memo) == merge_states(states)
     assert merge_states(steps[0], memo=memo).endpoints["web"] == eps(1, 2), "sorted, as without the memo"
+
+
+async def test_a_source_whose_first_report_is_empty_lets_the_waiting_build_go_out() -> None:
+    clock = FakeClock()
+    cache = SnapshotCache()
+    reconciler = Reconciler(cache, clock=clock, expect=("registry", "etcd"))
+    task = asyncio.create_task(reconciler.run())
+    try:
+        reconciler.update("registry", state(9001))
+        await clock.advance(5.0)
+        assert cache.snapshot() is None  # etcd has not reported: nothing may be published
+        reconciler.update("etcd", DesiredState())  # etcd holds nothing: that is its first report
+        await clock.advance(0)
+        assert published_ports(cache) == [9001]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

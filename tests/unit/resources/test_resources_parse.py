@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import datetime
+import gc
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from conftest import assignment, cluster, listener, route
 
 from pilotfish.errors import ConfigError
-from pilotfish.sources import load_snapshot
+from pilotfish.resources import CLUSTER, ENDPOINT, ParseMemo, parse_document
+from pilotfish.resources.parse import without_collections
+from pilotfish.sources import load_desired, load_snapshot
 
 GOOD = {
     "clusters": [cluster("web")],
@@ -167,3 +173,87 @@ def test_unknown_keys_inside_health_check_are_errors(tmp_path: Path) -> None:
     }
     [problem] = problems(tmp_path, document)
     assert problem.startswith("services.web.health_check: unknown field(s) intervall")
+
+
+# -- the parse memo: an edit costs the resources it changed -------------------------------------
+
+
+def raw_document(ports: dict[str, int], **more: Any) -> dict[str, Any]:
+    return {
+        "clusters": [cluster(name) for name in ports],
+        "endpoints": [assignment(name, port) for name, port in ports.items()],
+        **more,
+    }
+
+
+def test_an_unchanged_resource_is_not_parsed_again_and_is_the_same_message() -> None:
+    memo = ParseMemo()
+    ports = {f"c{i}": 9000 + i for i in range(50)}
+    first = parse_document(raw_document(ports), "snapshot.yaml", memo=memo)
+    assert memo.parsed == 100
+    second = parse_document(raw_document({**ports, "c7": 7777}), "snapshot.yaml", memo=memo)
+    assert memo.parsed == 101  # the one assignment that changed
+    before, after = first.resources[CLUSTER], second.resources[CLUSTER]
+    assert all(a is b for a, b in zip(before, after, strict=True))  # (built from downstream by identity)
+    changed = [a for a, b in zip(first.resources[ENDPOINT], second.resources[ENDPOINT], strict=True) if a is not b]
+    assert [m.cluster_name for m in changed] == ["c7"]  # type: ignore[attr-defined]
+    assert second.resources[ENDPOINT][7].endpoints[0].lb_endpoints[0].endpoint.address.socket_address.port_value == 7777  # type: ignore[attr-defined]
+
+
+def test_a_refused_document_keeps_the_last_good_resources() -> None:
+    memo = ParseMemo()
+    ports = {f"c{i}": 9000 + i for i in range(10)}
+    parse_document(raw_document(ports), "snapshot.yaml", memo=memo)
+    broken = raw_document(ports)
+    broken["clusters"][3]["conect_timeout"] = "1s"
+    with pytest.raises(ConfigError, match="conect_timeout"):
+        parse_document(broken, "snapshot.yaml", memo=memo)
+    assert len(memo) == 20
+    parsed = memo.parsed
+    parse_document(raw_document(ports), "snapshot.yaml", memo=memo)  # fixed: nothing to parse again
+    assert memo.parsed == parsed
+
+
+def test_the_memo_holds_the_last_good_documents_resources_only() -> None:
+    memo = ParseMemo()
+    parse_document(raw_document({f"c{i}": 9000 + i for i in range(100)}), "snapshot.yaml", memo=memo)
+    assert len(memo) == 200
+    parse_document(raw_document({"c1": 9001}), "snapshot.yaml", memo=memo)
+    assert len(memo) == 2
+    small = ParseMemo(max_entries=5)  # a document larger than the bound is parsed; only 5 are kept
+    parse_document(raw_document({f"c{i}": 9000 + i for i in range(10)}), "snapshot.yaml", memo=small)
+    assert len(small) == 5
+
+
+def test_a_value_with_no_json_form_is_parsed_every_time() -> None:
+    memo = ParseMemo()
+    document = raw_document({"c1": 9001})
+    document["clusters"][0]["metadata"] = {"filter_metadata": {"x": {"when": datetime.date(2026, 1, 1)}}}
+    with pytest.raises(ConfigError):  # (protobuf takes no date: refused, not a crash)
+        parse_document(document, "snapshot.yaml", memo=memo)
+    assert ParseMemo.key(CLUSTER, document["clusters"][0]) is None
+
+
+def test_a_followed_file_is_parsed_per_resource(tmp_path: Path) -> None:
+    path = tmp_path / "snapshot.json"
+    memo = ParseMemo()
+    ports = {f"c{i}": 9000 + i for i in range(20)}
+    path.write_text(json.dumps(raw_document(ports)))
+    first = load_desired(path, memo=memo)
+    path.write_text(json.dumps(raw_document({**ports, "c3": 3333}), indent=2))  # reformatted too
+    second = load_desired(path, memo=memo)
+    assert memo.parsed == 41
+    assert sum(a is not b for a, b in zip(first.resources[ENDPOINT], second.resources[ENDPOINT], strict=True)) == 1
+
+
+def test_no_collection_runs_while_a_document_is_parsed_and_the_collector_comes_back_after() -> None:
+    seen: list[bool] = []
+    with without_collections():
+        seen.append(gc.isenabled())
+        with without_collections():  # (another thread's parse meanwhile)
+            seen.append(gc.isenabled())
+        seen.append(gc.isenabled())
+    assert seen == [False, False, False] and gc.isenabled()
+    with pytest.raises(ConfigError), without_collections():
+        parse_document({"clusters": 3}, "snapshot.yaml")
+    assert gc.isenabled()
