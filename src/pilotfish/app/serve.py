@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pilotfish.api.admin import AdminApi, SourceStatus, start_admin_server
-from pilotfish.api.metrics import Metrics
+from pilotfish.api.metrics import DockerMetrics, Metrics, NameMetrics
 from pilotfish.api.registry import RegistryApi
 from pilotfish.api.registry_etcd import EtcdRegistry
 from pilotfish.api.tokens import AdminTokenFile, TokenFile, warn_if_open
@@ -175,6 +175,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             rules=settings.validate_rules,
             labels=source_labels(settings),
             rest_refresh=settings.rest.refresh,
+            names=settings.dns,
         ),
         subsets=SubsetOptions(
             size=settings.subsets.size,
@@ -318,7 +319,10 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
                 lrs=lrs,
                 rollout=delivery,
                 registry=None if registry.api is None else registry.api.figures,
-                docker=[source.figures for source in dockers],
+                sources=[
+                    *([DockerMetrics([source.figures for source in dockers])] if dockers else []),
+                    *([NameMetrics(reconciler.names.figures)] if settings.dns.refresh > 0 else []),
+                ],
             ),
         )
         admin = _admin(
@@ -396,6 +400,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         ),
         *subsets,
         Task("reconciler", reconciler.run),
+        Task("dns-names", reconciler.names.run) if settings.dns.refresh > 0 else None,
         None
         if delivery is None
         else Task("rollout", lambda: drive_rollout(delivery, health_every=load.settings.bucket)),

@@ -325,6 +325,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     _renamed(serve, "--flap-hold-ms", "--flap-hold", unit="ms")
     serve.add_argument(
+        "--dns-refresh",
+        type=duration_or_zero,
+        default="2s",
+        metavar="DURATION",
+        help="look up the host names of DNS services this often; one that stops resolving is reported "
+        "and served by its last good addresses (0s: off; default: %(default)s)",
+    )
+    serve.add_argument(
         "--validate",
         choices=("on", "off"),
         default="on",
@@ -958,7 +966,7 @@ def _serve(args: argparse.Namespace) -> int:
         TlsSettings,
         XdsSettings,
     )
-    from pilotfish.reconcile import DebounceSettings, GuardSettings
+    from pilotfish.reconcile import DebounceSettings, GuardSettings, NameSettings
     from pilotfish.sources.registry import SelfPreservation
     from pilotfish.status import StatusLimits
     from pilotfish.transport.aio import ConnectionLimits
@@ -1033,6 +1041,7 @@ def _serve(args: argparse.Namespace) -> int:
             forget_after=args.status_forget_after, max_disconnected=args.status_max_disconnected
         ),
         debounce=DebounceSettings(quiet=args.quiet, max_delay=args.max_delay, hold=args.flap_hold),
+        dns=NameSettings(refresh=args.dns_refresh),
         guard=GuardSettings(
             enabled=args.guard == "on", max_removed_share=args.guard_max_removed, min_count=args.guard_min_count
         ),

@@ -59,7 +59,7 @@ import orjson
 
 from pilotfish.build.desired import DesiredState
 from pilotfish.errors import Problem, shorten
-from pilotfish.resources.services import MAX_WEIGHT, Endpoint, is_service_name, is_zone
+from pilotfish.resources.services import MAX_WEIGHT, UNRESOLVED_NAME, Endpoint, is_service_name, is_zone
 
 __all__ = [
     "SOURCE_PREFIX",
@@ -340,6 +340,10 @@ def _endpoint_labels(labels: Mapping[str, str], where: str, problems: list[Probl
         problems.append(Problem(f"{where} labels {prefix}*", f"at most {MAX_METADATA_CHARS} characters in all"))
     if "" in metadata:
         problems.append(Problem(f"{where} label {prefix}", f"a metadata label names its key: {prefix}KEY"))
+    if UNRESOLVED_NAME in metadata:
+        problems.append(
+            Problem(f"{where} label {prefix}{UNRESOLVED_NAME}", "pilotfish's own metadata key: use another")
+        )
     return weight, zone, metadata
 
 

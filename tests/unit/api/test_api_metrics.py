@@ -17,10 +17,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pilotfish.api.metrics import CONTENT_TYPE, Metrics, ProcessMetrics, build_version
+from pilotfish.api.metrics import CONTENT_TYPE, DockerMetrics, Metrics, NameMetrics, ProcessMetrics, build_version
 from pilotfish.build.desired import DesiredState
 from pilotfish.cache import SnapshotCache
-from pilotfish.reconcile import Reconciler, SubsetOptions
+from pilotfish.reconcile import NameFigures, Reconciler, SubsetOptions
 from pilotfish.resources import CLUSTER, ENDPOINT
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.sources.docker import Container, DockerSource, container_of_summary, parse_engine
@@ -307,7 +307,11 @@ def test_each_docker_engine_has_its_containers_endpoints_bad_labels_and_events()
     far = DockerSource(parse_engine("tcp://10.0.0.5:2376"), on_state=lambda _: None)  # never reached
     cache = SnapshotCache()
     metrics = Metrics(
-        SyncStatus(), Reconciler(cache), cache=cache, open_streams=lambda: 0, docker=[near.figures, far.figures]
+        SyncStatus(),
+        Reconciler(cache),
+        cache=cache,
+        open_streams=lambda: 0,
+        sources=[DockerMetrics([near.figures, far.figures])],
     )
     found = families(metrics)
 
@@ -323,3 +327,17 @@ def test_each_docker_engine_has_its_containers_endpoints_bad_labels_and_events()
     assert found["pilotfish_docker_listings"].type == "counter"
     plain = families(Metrics(SyncStatus(), Reconciler(cache), cache=cache, open_streams=lambda: 0))
     assert not [name for name in plain if name.startswith("pilotfish_docker")], "no --docker: no such families"
+
+
+def test_the_host_names_looked_up_are_counted_by_state() -> None:
+    figures = NameFigures(resolving=3, kept=1, unresolved=2, left_out=0, lookups=40, failures=6)
+    cache = SnapshotCache()
+    found = families(
+        Metrics(
+            SyncStatus(), Reconciler(cache), cache=cache, open_streams=lambda: 0, sources=[NameMetrics(lambda: figures)]
+        )
+    )
+    states = {sample.labels["state"]: sample.value for sample in found["pilotfish_dns_names"].samples}
+    assert states == {"resolving": 3, "kept": 1, "unresolved": 2, "left_out": 0}
+    assert found["pilotfish_dns_lookups"].samples[0].value == 40
+    assert found["pilotfish_dns_lookup_failures"].samples[0].value == 6
