@@ -371,6 +371,16 @@ def test_a_name_that_stops_resolving_is_served_by_its_last_good_address_until_it
         (kept,) = [e for group in cluster["load_assignment"]["endpoints"] for e in group["lb_endpoints"]]
         assert kept["metadata"]["filter_metadata"]["pilotfish"] == {"unresolved_name": "backend.test"}, kept
         assert _dns_names(control_plane)["kept"] == 1
+        status, looked_up = http_json("GET", f"http://{control_plane.admin}/v1/dns")
+        assert looked_up["names"] == [
+            {
+                "name": "backend.test",
+                "services": ["api"],
+                "resolves": False,
+                "last_good": ["127.0.0.1"],
+                "served": ["127.0.0.1"],
+            }
+        ], looked_up
 
         mark = control_plane.events.mark()
         dns.names["backend.test"] = ["127.0.0.1"]

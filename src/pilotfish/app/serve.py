@@ -306,6 +306,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             sources=SourceStatus(
                 etcd=None if etcd is None else store.status if store is not None else etcd.status,
                 docker=[source.status for source in dockers],
+                dns=reconciler.names.status if settings.dns.refresh > 0 else None,
             ),
             tokens=admin_tokens,
             events=events,

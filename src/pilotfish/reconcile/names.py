@@ -34,7 +34,7 @@ import logging
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from pilotfish.build.desired import Merged
 from pilotfish.events import EventLog
@@ -229,9 +229,9 @@ class LastGoodNames:
             failures=self.failures,
         )
 
-    def status(self) -> list[dict[str, object]]:
+    def status(self) -> list[dict[str, Any]]:
         """Each name looked up: its services, whether it resolves, and what is served for it."""
-        out: list[dict[str, object]] = []
+        out: list[dict[str, Any]] = []
         for name, state in sorted(self._names.items()):
             out.append(
                 {

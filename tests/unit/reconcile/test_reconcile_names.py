@@ -108,6 +108,15 @@ async def test_a_name_that_stops_resolving_is_served_by_its_last_good_addresses_
     assert "Name or service not known" in said["reason"]
     figures = reconciler.names.figures()
     assert (figures.resolving, figures.kept, figures.unresolved, figures.failures) == (0, 1, 0, 1)
+    assert reconciler.names.status() == [
+        {
+            "name": "api.internal",
+            "services": ["api"],
+            "resolves": False,
+            "last_good": ["10.0.0.1", "10.0.0.2"],
+            "served": ["10.0.0.1", "10.0.0.2"],
+        }
+    ]
 
     await reconciler.names.refresh()  # still failing: reported once, nothing changes
     assert len(events(recent, "dns_unresolved")) == 1 and reconciler.build_now() is None
