@@ -234,6 +234,17 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType(
         "docker_bad_label": _spec(
             "a container's labels cannot be used: it serves nothing", "engine", "container", "label", "reason"
         ),
+        "dns_unresolved": _spec(
+            "a host name of a DNS service does not resolve for pilotfish: served by its last good addresses "
+            "(kept), or as the name if it never resolved",
+            "name",
+            "services",
+            "reason",
+            "kept",
+        ),
+        "dns_resolved": _spec(
+            "a host name that did not resolve resolves again: served as the name", "name", "services", "addresses"
+        ),
         "leader_elected": _spec(
             "this replica now runs the registry's singleton duties (etcd election)", "replica", "reason"
         ),

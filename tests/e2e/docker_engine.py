@@ -4,7 +4,9 @@
 through the test's :class:`ProcessGroup`, with its own data root, exec root, pid file and socket,
 and no network of its own: every container runs with ``--network host`` and listens on 127.0.0.1
 only. ``--live-restore`` keeps containers running while the daemon restarts
-(:meth:`DockerDaemon.restart`), as a production engine configured for upgrades does.
+(:meth:`DockerDaemon.restart`), as a production engine configured for upgrades does. Run
+``unseen``, it listens on another socket (and no TCP port): its clients (pilotfish) cannot reach
+it, while the test works with it (:meth:`DockerDaemon.cli` speaks to the socket it listens on).
 
 The command line, the readiness ping and the one image's build context are
 :mod:`pilotfish.sources.dockerd`'s, which bench/ uses too: ``FROM scratch``, a static busybox
@@ -83,6 +85,8 @@ class DockerDaemon:
     tls: TlsFiles | None = None
     """With TLS files, it also listens on ``tcp://127.0.0.1:<tcp_port>``, verifying clients."""
     tcp_port: int = 0
+    listening: Path | None = None
+    """The socket the running daemon listens on (:attr:`socket`, or another one when unseen)."""
 
     @classmethod
     def start(
@@ -112,28 +116,32 @@ class DockerDaemon:
     def process(self) -> Process:
         return self.runs[-1]
 
-    def _argv(self) -> list[str]:
-        tcp = None if self.tls is None else (self.tcp_port, self.tls.ca, self.tls.cert, self.tls.key)
-        return dockerd_argv(_binaries()[0], root=self.root, data_root=self.data_root, tcp=tcp)
+    def _argv(self, socket_path: Path, *, unseen: bool) -> list[str]:
+        tcp = None if self.tls is None or unseen else (self.tcp_port, self.tls.ca, self.tls.cert, self.tls.key)
+        return dockerd_argv(_binaries()[0], root=self.root, data_root=self.data_root, tcp=tcp, socket_path=socket_path)
 
-    def run(self, *, timeout: float = 60.0) -> None:
-        """Start (or start again) and wait until it answers."""
+    def run(self, *, timeout: float = 60.0, unseen: bool = False) -> None:
+        """Start (or start again) and wait until it answers; ``unseen``: on a socket of another
+        name and no TCP port, so that nothing that knows :attr:`url` reaches it."""
         if self.runs and self.process.alive():
             raise RuntimeError("dockerd is already running")
-        process = self.group.start("dockerd", self._argv())
+        listening = self.root / "unseen.sock" if unseen else self.socket
+        process = self.group.start("dockerd", self._argv(listening, unseen=unseen))
         self.runs.append(process)
+        self.listening = listening
 
         def ready() -> bool:
             if not process.alive():
                 pytest.fail(f"dockerd exited with {process.popen.returncode}\n{process.output_tail()}", pytrace=False)
-            return answers(self.socket)
+            return answers(listening)
 
-        wait_until(ready, timeout=timeout, what=f"dockerd to answer on {self.url}", details=process.output_tail)
+        wait_until(ready, timeout=timeout, what=f"dockerd to answer on {listening}", details=process.output_tail)
 
     def stop(self) -> None:
         """SIGTERM and wait (its containers go on running: ``--live-restore``)."""
         self.process.stop(timeout=20.0)
-        self.socket.unlink(missing_ok=True)
+        if self.listening is not None:
+            self.listening.unlink(missing_ok=True)
 
     def restart(self) -> None:
         self.stop()
@@ -144,7 +152,7 @@ class DockerDaemon:
 
     def cli(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            [_binaries()[1], "--host", self.url, *args],
+            [_binaries()[1], "--host", f"unix://{self.listening or self.socket}", *args],
             capture_output=True,
             text=True,
             env=self._cli_env(),
@@ -188,7 +196,7 @@ class DockerDaemon:
     def cli_in_background(self, *args: str) -> subprocess.Popen[bytes]:
         """A docker command that may take a while (``stop`` waits for the container to exit)."""
         return subprocess.Popen(
-            [_binaries()[1], "--host", self.url, *args],
+            [_binaries()[1], "--host", f"unix://{self.listening or self.socket}", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=self._cli_env(),

@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,6 +61,7 @@ __all__ = [
     "pilotfish",
     "unlabelled_metrics",
     "wait_until",
+    "with_hosts_file",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -238,6 +240,22 @@ class ProcessGroup:
         for base_id in self.envoy_base_ids:
             for path in envoy_shared_memory_files(base_id):
                 path.unlink(missing_ok=True)
+
+
+# -- a hosts file of a process's own ---------------------------------------------------------------
+
+
+def with_hosts_file(hosts: Path, argv: list[str]) -> list[str]:
+    """``argv`` run with ``hosts`` as its ``/etc/hosts``, and nobody else's: in a mount namespace of
+    its own (``unshare --mount``, as root), the file is bind-mounted over ``/etc/hosts``; the
+    machine's stays as it is. Each ``exec``s the next (``unshare`` does not fork), so the PID is
+    the program's. Write ``hosts`` in place (``Path.write_text``; not a rename: the mount holds
+    the file's inode) and its next lookup reads the change (glibc's ``getaddrinfo`` reads the file
+    at each lookup; Envoy's c-ares reads it once, at its start)."""
+    if shutil.which("unshare") is None:
+        pytest.fail("a hosts file of a process's own needs unshare (util-linux)", pytrace=False)
+    script = 'mount --bind "$0" /etc/hosts && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(hosts), *argv]
 
 
 # -- upstream HTTP servers ------------------------------------------------------------------------
@@ -423,6 +441,8 @@ class ControlPlane:
     name: str = "pilotfish"
     """Names its process and event log files: several control planes of one test (replicas) need
     their own."""
+    hosts_file: Path | None = None
+    """Its own ``/etc/hosts`` (:func:`with_hosts_file`); None: the machine's."""
 
     @property
     def address(self) -> str:
@@ -448,7 +468,8 @@ class ControlPlane:
             args += ["--registry", f"127.0.0.1:{self.registry_port}"]
         if self.etcd is not None:
             args += ["--etcd", self.etcd]
-        return pilotfish_argv(*args, *self.options)
+        argv = pilotfish_argv(*args, *self.options)
+        return argv if self.hosts_file is None else with_hosts_file(self.hosts_file, argv)
 
     @property
     def process(self) -> Process:

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .docker_engine import DockerDaemon, TlsFiles
 from .event_log import is_event
-from .processes import ControlPlane, Envoy, ProcessGroup, free_port, http_get, wait_until
+from .processes import ControlPlane, Envoy, ProcessGroup, free_port, http_get, http_json, wait_until
 from .snapshot_file import write_services
 from .testbed import wait_for_acks
 from .wrk import Wrk, wrk_binary
@@ -68,7 +68,29 @@ def test_labelled_containers_serve_and_leave_without_a_failed_request(
     envoy.wait_for_endpoints("web", every, timeout=30)
     wait_for_acks(control_plane.events, node=NODE, what="Envoy's configuration")
 
+    # /v1/config says which engine and container each endpoint came from.
+    status, config = http_json("GET", f"http://{control_plane.admin}/v1/config?node={NODE}")
+    assert status == 200, config
+    (web,) = [a for a in config["types"]["EDS"]["resources"] if a["cluster_name"] == "web"]
+    origins = {
+        (
+            f"{e['endpoint']['address']['socket_address']['address']}:"
+            f"{e['endpoint']['address']['socket_address']['port_value']}"
+        ): e["metadata"]["filter_metadata"]["pilotfish"]
+        for locality in web["endpoints"]
+        for e in locality["lb_endpoints"]
+    }
+    assert origins == {
+        f"127.0.0.1:{port}": {"container": name, "engine": docker.url} for name, port in ports.items()
+    }, origins
+
     wrk = Wrk.start(processes, f"http://127.0.0.1:{listen}/", duration_s=20, connections=4, threads=1)
+    wait_until(
+        lambda: all(envoy.host_requests("web").get(address, 0) > 0 for address in every),
+        timeout=15,
+        what="requests to each of the three containers",
+        details=lambda: str(envoy.host_requests("web")),
+    )
     # A container being stopped leaves EDS on the kill, while it still runs and drains.
     stopping = docker.cli_in_background("stop", "web-2")
     envoy.wait_for_endpoints("web", [every[0], every[2]], timeout=10)
@@ -80,6 +102,7 @@ def test_labelled_containers_serve_and_leave_without_a_failed_request(
     docker.run_httpd("web-checked", checked, _labels(checked), health=True)
     wait_until(lambda: docker.health("web-checked") == "unhealthy", timeout=30, what="web-checked unhealthy")
     assert envoy.cluster_endpoints("web") == sorted([every[0], every[2]])
+    assert envoy.host_requests("web").get(f"127.0.0.1:{checked}", 0) == 0, "no request before it is healthy"
     docker.set_healthy("web-checked", True)
     envoy.wait_for_endpoints("web", [every[0], every[2], f"127.0.0.1:{checked}"], timeout=30)
     wait_until(
@@ -127,7 +150,9 @@ def test_engines_are_independent_and_one_that_restarts_keeps_its_endpoints_and_i
 ) -> None:
     """Two engines, the second over TCP with mutual TLS: while the first restarts (its containers
     run on, --live-restore), its endpoints stay, the second's changes go on reaching Envoy, and
-    once back the first is listed again and followed."""
+    once back the first is listed again and followed. A container started while pilotfish could
+    not reach the first engine (it ran on a socket pilotfish does not know) is found by that
+    listing: its start was never in an event stream pilotfish read."""
     wrk_binary()
     ca = trustme.CA()
     remote = DockerDaemon.start(processes, name="docker-tcp", tls=_tls_files(processes.workdir, ca, "127.0.0.1"))
@@ -148,7 +173,6 @@ def test_engines_are_independent_and_one_that_restarts_keeps_its_endpoints_and_i
         control_plane, envoy = _fleet(processes, docker, listen, more=("--docker", remote.tcp_url, *tls))
         serving = [f"127.0.0.1:{first}", f"127.0.0.1:{far}"]
         envoy.wait_for_endpoints("web", serving, timeout=30)
-        synced = len(control_plane.events.select(is_event("docker_synced", engine=docker.url)))
 
         wrk = Wrk.start(processes, f"http://127.0.0.1:{listen}/", duration_s=20, connections=4, threads=1)
         mark = control_plane.events.mark()
@@ -161,16 +185,21 @@ def test_engines_are_independent_and_one_that_restarts_keeps_its_endpoints_and_i
         remote.run_httpd("web-far-2", far_2, _labels(far_2))
         serving.append(f"127.0.0.1:{far_2}")
         envoy.wait_for_endpoints("web", serving, timeout=30)  # the first's endpoint kept, the second's added
-        docker.run()
+        # The engine runs again where pilotfish cannot reach it; a container starts there.
+        docker.run(unseen=True)
         second = free_port()
         docker.run_httpd("web-2", second, _labels(second))
+        docker.stop()
+        assert envoy.cluster_endpoints("web") == sorted(serving), "nothing of web-2 reached pilotfish"
+        back = control_plane.events.mark()
+        docker.run()
+        synced = control_plane.events.wait_for(
+            is_event("docker_synced", engine=docker.url), after=back, what="the engine listed again", timeout=30
+        )
+        # The listing, read before any event, has web-1 and web-2: the relist found it.
+        assert (synced["containers"], synced["endpoints"]) == (2, 2), synced
         serving.append(f"127.0.0.1:{second}")
         envoy.wait_for_endpoints("web", serving, timeout=30)
-        wait_until(
-            lambda: len(control_plane.events.select(is_event("docker_synced", engine=docker.url))) > synced,
-            timeout=30,
-            what="the engine listed again",
-        )
         result = wrk.result()
         print(f"\nwrk through Envoy while an engine restarted: {result.summary()}")
         assert not result.problems(), result.summary()

@@ -4,22 +4,28 @@ The seed-002 lab's route table (``/marker`` answered by Envoy itself, ``/slow`` 
 everything else to a pool) as examples/routes.yaml writes it in ``services:`` serves the answers it should,
 and the same answers as the hand-written Envoy form of that table; a weighted split sends each
 service its share of 2,000 requests; an endpoint written as a host name (``localhost``) serves
-through the STRICT_DNS cluster Envoy resolves it in.
+through the STRICT_DNS cluster Envoy resolves it in; a name that stops resolving is served by its
+last good address (pilotfish looks the names up too) until it resolves again.
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from lab_routes import lab_route_config
 
-from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, http_get, wait_until
+from .event_log import is_event
+from .name_server import NameServer, envoy_resolves_with
+from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, http_get, http_json, wait_until
 from .snapshot_file import write_document, write_services
 from .testbed import wait_for_acks
 
@@ -255,3 +261,149 @@ def test_host_header_and_regex_matchers_and_a_redirect_route_as_written(processe
     }
     seen = {case: _request(listen, case[0], {"Host": "localhost", **dict(case[1])}) for case in cases}
     assert seen == cases
+
+
+def _dns_cluster(envoy: Envoy, name: str) -> tuple[str, list[str]]:
+    """The type of Envoy's active cluster ``name`` and the addresses written in it (names or IPs)."""
+    dump = json.loads(envoy.admin("/config_dump?resource=dynamic_active_clusters"))
+    for entry in dump.get("configs", []):
+        cluster = entry["cluster"]
+        if cluster["name"] == name:
+            written = [
+                f"{e['endpoint']['address']['socket_address']['address']}:"
+                f"{e['endpoint']['address']['socket_address']['port_value']}"
+                for group in cluster.get("load_assignment", {}).get("endpoints", [])
+                for e in group.get("lb_endpoints", [])
+            ]
+            return cluster.get("type", ""), written
+    return "", []
+
+
+def _also_bare(name: str, port: int) -> Callable[[dict[str, Any]], None]:
+    """A bootstrap edit: a static STRICT_DNS cluster ``bare`` of ``name``, which pilotfish does not
+    serve: it shows what Envoy's own lookups make of the name (every second)."""
+
+    def edit(bootstrap: dict[str, Any]) -> None:
+        address = {"socket_address": {"address": name, "port_value": port}}
+        bootstrap["static_resources"]["clusters"].append(
+            {
+                "name": "bare",
+                "type": "STRICT_DNS",
+                "connect_timeout": "1s",
+                "dns_refresh_rate": "1s",
+                "dns_lookup_family": "V4_PREFERRED",
+                "load_assignment": {
+                    "cluster_name": "bare",
+                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+                },
+            }
+        )
+
+    return edit
+
+
+def test_a_name_that_stops_resolving_is_served_by_its_last_good_address_until_it_resolves_again(
+    processes: ProcessGroup,
+) -> None:
+    """``backend.test`` resolves, is deleted, and comes back, for pilotfish and for Envoy alike:
+    pilotfish reads a hosts file of the test's own as its /etc/hosts (a mount namespace of its
+    own; the machine's is untouched, and glibc reads it at each lookup), and Envoy asks a DNS
+    server of the test's own (c-ares reads /etc/hosts only once, so a hosts file cannot take a
+    name away from it), which then answers NXDOMAIN. Envoy's own lookups empty a cluster of the
+    name (``bare``); the service pilotfish serves keeps the name's last good address in its place
+    and serves on; once the name resolves again it is served as the name again."""
+    named = Upstream.start(processes, "named")
+    dns = NameServer.start({"backend.test": ["127.0.0.1"]})
+    try:
+        hosts = processes.workdir / "hosts"
+        with_name = "127.0.0.1 localhost\n127.0.0.1 backend.test\n"
+        hosts.write_text(with_name)
+        listen = free_port()
+        path = processes.workdir / "services.yaml"
+        write_services(path, {"api": {"listen": f"127.0.0.1:{listen}", "endpoints": [f"backend.test:{named.port}"]}})
+        options = ("--quiet", "20ms", "--dns-refresh", "200ms")
+        control_plane = ControlPlane(processes, path, free_port(), options=options, hosts_file=hosts)
+        control_plane.start()
+
+        def edit(bootstrap: dict[str, Any]) -> None:
+            envoy_resolves_with(dns)(bootstrap)
+            _also_bare("backend.test", named.port)(bootstrap)
+
+        envoy = Envoy.start(
+            processes, name="envoy", node_id=NODE, xds_address=control_plane.address, bootstrap_edit=edit
+        )
+        wait_until(
+            lambda: _get(listen, "/") == (200, "named"),
+            timeout=20,
+            what="Envoy to serve through backend.test",
+            details=envoy.log_tail,
+        )
+        assert _dns_cluster(envoy, "api") == ("STRICT_DNS", [f"backend.test:{named.port}"])
+        wait_until(lambda: _dns_names(control_plane).get("resolving") == 1, timeout=20, what="pilotfish's lookup")
+
+        mark = control_plane.events.mark()
+        hosts.write_text("127.0.0.1 localhost\n")  # (in place: the mount holds this very file)
+        del dns.names["backend.test"]
+        said = control_plane.events.wait_for(
+            is_event("dns_unresolved"), after=mark, what="the name reported", timeout=20
+        )
+        assert (said["name"], said["services"], said["kept"]) == ("backend.test", ["api"], ["127.0.0.1"]), said
+        # Served in the name's place: its last good address, in a cluster still STRICT_DNS.
+        wait_until(
+            lambda: _dns_cluster(envoy, "api") == ("STRICT_DNS", [f"127.0.0.1:{named.port}"]),
+            timeout=20,
+            what="Envoy to be served the last good address of backend.test",
+            details=lambda: str(_dns_cluster(envoy, "api")),
+        )
+        # Envoy's own lookups of the name now find nothing (the static cluster empties); once it has
+        # looked the service's hosts up again since, the service still serves.
+        wait_until(lambda: envoy.cluster_endpoints("bare") == [], timeout=20, what="Envoy's own lookup to empty bare")
+        attempts = int(envoy.stat("cluster.api.update_attempt") or 0)
+        wait_until(
+            lambda: int(envoy.stat("cluster.api.update_attempt") or 0) >= attempts + 2,
+            timeout=20,
+            what="Envoy to look the service's hosts up again",
+        )
+        assert _get(listen, "/") == (200, "named")
+        status, config = http_json("GET", f"http://{control_plane.admin}/v1/config?node={NODE}")
+        assert status == 200, config
+        (cluster,) = [c for c in config["types"]["CDS"]["resources"] if c["name"] == "api"]
+        (kept,) = [e for group in cluster["load_assignment"]["endpoints"] for e in group["lb_endpoints"]]
+        assert kept["metadata"]["filter_metadata"]["pilotfish"] == {"unresolved_name": "backend.test"}, kept
+        assert _dns_names(control_plane)["kept"] == 1
+        status, looked_up = http_json("GET", f"http://{control_plane.admin}/v1/dns")
+        assert looked_up["names"] == [
+            {
+                "name": "backend.test",
+                "services": ["api"],
+                "resolves": False,
+                "last_good": ["127.0.0.1"],
+                "served": ["127.0.0.1"],
+            }
+        ], looked_up
+
+        mark = control_plane.events.mark()
+        dns.names["backend.test"] = ["127.0.0.1"]
+        hosts.write_text(with_name)
+        back = control_plane.events.wait_for(is_event("dns_resolved"), after=mark, what="the name back", timeout=20)
+        assert (back["name"], back["addresses"]) == ("backend.test", ["127.0.0.1"]), back
+        wait_until(
+            lambda: _dns_cluster(envoy, "api") == ("STRICT_DNS", [f"backend.test:{named.port}"]),
+            timeout=20,
+            what="Envoy to be served the name again",
+        )
+        wait_until(lambda: _get(listen, "/") == (200, "named"), timeout=20, what="the service through the name again")
+    finally:
+        dns.close()
+
+
+def _dns_names(control_plane: ControlPlane) -> dict[str, float]:
+    """``pilotfish_dns_names`` by state, from /metrics."""
+    status, text = http_get(f"http://{control_plane.admin}/metrics")
+    assert status == 200, text
+    return {
+        sample.labels["state"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pilotfish_dns_names"
+    }

@@ -67,6 +67,7 @@ EVERY_KEY: dict[str, tuple[Any, Check, object]] = {
     "max-delay": ("2s", lambda s: s["debounce"]["max_delay"], 2.0),
     "max-builds-per-s": (4, lambda s: s["debounce"]["max_builds_per_s"], 4.0),
     "flap-hold": ("3s", lambda s: s["debounce"]["hold"], 3.0),
+    "dns-refresh": ("3s", lambda s: s["dns"]["refresh"], 3.0),
     "validate": ("off", lambda s: s["validate_rules"], False),
     "guard": (False, lambda s: s["guard"]["enabled"], False),  # (YAML's unquoted off)
     "guard-max-removed": (0.3, lambda s: s["guard"]["max_removed_share"], 0.3),

@@ -27,6 +27,9 @@ GET      /v1/held                the snapshot the blast-radius guard holds back,
 GET      /v1/docker              each Docker engine followed (``serve --docker``): connected or why
                                  not, and every labelled container with the endpoints it serves
                                  (or the problems with its labels)
+GET      /v1/dns                 each host name of DNS services pilotfish looks up (``serve
+                                 --dns-refresh``): its services, whether it resolves, its last
+                                 good addresses, and what is served for it (the name, or those)
 GET      /metrics                Prometheus metrics (:mod:`pilotfish.api.metrics`)
 POST     /v1/held/confirm        publish it (as ``kill -USR1`` does; 404 when nothing is held)
 GET      /v1/rollout             where the rollout is (``serve --rollout``, docs/rollout.md): phase,
@@ -186,6 +189,7 @@ ROUTES: dict[tuple[str, str], Access] = {
     ("GET", "/v1/config"): Access.READ,
     ("GET", "/v1/held"): Access.READ,
     ("GET", "/v1/docker"): Access.READ,
+    ("GET", "/v1/dns"): Access.READ,
     ("GET", "/metrics"): Access.READ,
     ("POST", "/v1/held/confirm"): Access.ADMIN,
     ("GET", "/v1/rollout"): Access.READ,
@@ -325,6 +329,8 @@ class SourceStatus:
     """This replica's etcd revision and lag (and who leads), for ``/healthz``; None: no etcd."""
     docker: Sequence[Callable[[], dict[str, Any]]] = ()
     """Each Docker engine's status (``/v1/docker``)."""
+    dns: Callable[[], list[dict[str, Any]]] | None = None
+    """The host names looked up (``/v1/dns``); None: none are (``--dns-refresh 0s``)."""
 
 
 class AdminApi:
@@ -395,6 +401,7 @@ class AdminApi:
         app.router.add_get("/v1/config", self._config)
         app.router.add_get("/v1/held", self._held)
         app.router.add_get("/v1/docker", self._docker_engines)
+        app.router.add_get("/v1/dns", self._dns_names)
         app.router.add_post("/v1/held/confirm", self._confirm)
         app.router.add_get("/v1/rollout", self._rollout_status)
         for command in ROLLOUT_COMMANDS:
@@ -635,6 +642,10 @@ class AdminApi:
 
     async def _docker_engines(self, request: web.Request) -> web.Response:
         return _json({"engines": [status() for status in self._sources.docker]})
+
+    async def _dns_names(self, request: web.Request) -> web.Response:
+        names = self._sources.dns
+        return _json({"looked_up": names is not None, "names": [] if names is None else names()})
 
     async def _confirm(self, request: web.Request) -> web.Response:
         held = self._held_json()

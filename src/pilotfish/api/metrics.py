@@ -32,7 +32,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from pilotfish.cache import NodeGroup, SnapshotCache
-from pilotfish.reconcile import PublishState
+from pilotfish.reconcile import NameFigures, PublishState
 from pilotfish.resources import type_by_url
 from pilotfish.rollout.delivery import WAVE_BUCKETS, Delivery
 from pilotfish.sources.docker import DockerFigures
@@ -40,7 +40,7 @@ from pilotfish.sources.registry import RegistryFigures
 from pilotfish.status import ACK_BUCKETS, SyncStatus
 from pilotfish.xds.lrs import LoadReporting
 
-__all__ = ["CONTENT_TYPE", "DockerMetrics", "Metrics", "ProcessMetrics", "build_version"]
+__all__ = ["CONTENT_TYPE", "DockerMetrics", "Metrics", "NameMetrics", "ProcessMetrics", "build_version"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The Prometheus text exposition format."""
@@ -398,6 +398,31 @@ class DockerMetrics(Collector):
             yield family
 
 
+class NameMetrics(Collector):
+    """The host names of DNS services pilotfish looks up (``serve --dns-refresh``)."""
+
+    def __init__(self, figures: Callable[[], NameFigures]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self._figures()
+        names = GaugeMetricFamily(
+            "pilotfish_dns_names",
+            "Host names of DNS services looked up: resolving; kept (served by their last good addresses); "
+            "unresolved (never resolved, served as names); left_out (beyond the names looked up)",
+            labels=["state"],
+        )
+        for state in ("resolving", "kept", "unresolved", "left_out"):
+            names.add_metric([state], float(getattr(figures, state)))
+        yield names
+        yield CounterMetricFamily("pilotfish_dns_lookups", "Lookups of those names", value=figures.lookups)
+        yield CounterMetricFamily(
+            "pilotfish_dns_lookup_failures",
+            "Lookups that found no address, failed or timed out",
+            value=figures.failures,
+        )
+
+
 class Metrics:
     """The registry ``/metrics`` renders: pilotfish's collector, and the process metrics
     (``process=False``: none, for tests that compare whole scrapes)."""
@@ -413,15 +438,15 @@ class Metrics:
         lrs: LoadReporting | None = None,
         rollout: Delivery | None = None,
         registry: Callable[[], RegistryFigures] | None = None,
-        docker: Sequence[Callable[[], DockerFigures]] = (),
+        sources: Sequence[Collector] = (),
         process: bool = True,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(
             _Collector(status, reconciler, cache, open_streams, subset_of or (lambda _: None), lrs, rollout, registry)
         )
-        if docker:
-            self.registry.register(DockerMetrics(docker))
+        for collector in sources:  # (Docker engines, DNS names)
+            self.registry.register(collector)
         if process:
             self.registry.register(ProcessMetrics())
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pilotfish.api.admin import AdminApi, SourceStatus, start_admin_server
-from pilotfish.api.metrics import Metrics
+from pilotfish.api.metrics import DockerMetrics, Metrics, NameMetrics
 from pilotfish.api.registry import RegistryApi
 from pilotfish.api.registry_etcd import EtcdRegistry
 from pilotfish.api.tokens import AdminTokenFile, TokenFile, warn_if_open
@@ -178,6 +178,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             # Proxyless gRPC clients report load only for clusters that ask them to: the health
             # gate is the reports' one reader, so they are asked when it is on.
             grpc_load_reports=rollout is not None and rollout.health is not None,
+            names=settings.dns,
         ),
         subsets=SubsetOptions(
             size=settings.subsets.size,
@@ -308,6 +309,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             sources=SourceStatus(
                 etcd=None if etcd is None else store.status if store is not None else etcd.status,
                 docker=[source.status for source in dockers],
+                dns=reconciler.names.status if settings.dns.refresh > 0 else None,
             ),
             tokens=admin_tokens,
             events=events,
@@ -321,7 +323,10 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
                 lrs=lrs,
                 rollout=delivery,
                 registry=None if registry.api is None else registry.api.figures,
-                docker=[source.figures for source in dockers],
+                sources=[
+                    *([DockerMetrics([source.figures for source in dockers])] if dockers else []),
+                    *([NameMetrics(reconciler.names.figures)] if settings.dns.refresh > 0 else []),
+                ],
             ),
         )
         admin = _admin(
@@ -399,6 +404,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         ),
         *subsets,
         Task("reconciler", reconciler.run),
+        Task("dns-names", reconciler.names.run) if settings.dns.refresh > 0 else None,
         None
         if delivery is None
         else Task("rollout", lambda: drive_rollout(delivery, health_every=load.settings.bucket)),

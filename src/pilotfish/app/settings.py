@@ -27,7 +27,7 @@ from pilotfish.followed_file import read_document
 from pilotfish.policy.authorize import NodeRule
 from pilotfish.policy.grants import SecretGrant, Subject
 from pilotfish.policy.groups import NodeGroupRule
-from pilotfish.reconcile import DebounceSettings, GuardSettings
+from pilotfish.reconcile import DebounceSettings, GuardSettings, NameSettings
 from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH
 from pilotfish.rollout.gates import AckSettings, HealthSettings
 from pilotfish.rollout.load import LoadSettings
@@ -398,6 +398,8 @@ class ServeSettings:
     """How long, and how many, proxies that have disconnected are remembered (``/v1/proxies?all=true``)."""
     debounce: DebounceSettings = field(default_factory=DebounceSettings)
     """How bursts of changes are batched and flapping endpoints damped."""
+    dns: NameSettings = field(default_factory=NameSettings)
+    """How the host names of DNS services are looked up, and their last good addresses kept."""
     guard: GuardSettings = field(default_factory=GuardSettings)
     """Which snapshots remove too much at once to publish without the operator's confirmation."""
     validate_rules: bool = True

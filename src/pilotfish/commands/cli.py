@@ -348,6 +348,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     _renamed(serve, "--flap-hold-ms", "--flap-hold", unit="ms")
     serve.add_argument(
+        "--dns-refresh",
+        type=duration_or_zero,
+        default="2s",
+        metavar="DURATION",
+        help="look up the host names of DNS services this often; one that stops resolving is reported "
+        "and served by its last good addresses (0s: off; default: %(default)s)",
+    )
+    serve.add_argument(
         "--validate",
         choices=("on", "off"),
         default="on",
@@ -981,7 +989,7 @@ def _serve(args: argparse.Namespace) -> int:
         TlsSettings,
         XdsSettings,
     )
-    from pilotfish.reconcile import DebounceSettings, GuardSettings
+    from pilotfish.reconcile import DebounceSettings, GuardSettings, NameSettings
     from pilotfish.sources.registry import SelfPreservation
     from pilotfish.status import StatusLimits
     from pilotfish.transport.aio import ConnectionLimits
@@ -1058,6 +1066,7 @@ def _serve(args: argparse.Namespace) -> int:
         debounce=DebounceSettings(
             quiet=args.quiet, max_delay=args.max_delay, max_builds_per_s=args.max_builds_per_s, hold=args.flap_hold
         ),
+        dns=NameSettings(refresh=args.dns_refresh),
         guard=GuardSettings(
             enabled=args.guard == "on", max_removed_share=args.guard_max_removed, min_count=args.guard_min_count
         ),

@@ -14,15 +14,18 @@ Sources report whole views of what they know (:meth:`Reconciler.update`). The lo
    stayed for ``hold`` seconds.
 3. **builds and checks** the snapshot; one that fails keeps the last good snapshot serving and
    is reported. A snapshot whose content hash equals the current one is not handed over.
-4. **waits for every source** (:mod:`~pilotfish.reconcile.readiness`) named in ``expect`` to report
+4. **keeps the last good addresses of host names** (:mod:`~pilotfish.reconcile.names`): the names
+   of DNS services are looked up; one that stops resolving is reported and served by the
+   addresses it last resolved to, until it resolves again.
+5. **waits for every source** (:mod:`~pilotfish.reconcile.readiness`) named in ``expect`` to report
    its first complete state before anything is published.
-5. **guards the blast radius** (:mod:`~pilotfish.reconcile.guard`): a snapshot that would remove
+6. **guards the blast radius** (:mod:`~pilotfish.reconcile.guard`): a snapshot that would remove
    too much at once is held until the operator confirms it or a later change makes it harmless.
-6. **serves every node group** its own snapshot, all built in one pass from the same merged state:
+7. **serves every node group** its own snapshot, all built in one pass from the same merged state:
    a problem, or a held snapshot, in any group stops the whole pass.
-7. **admits** (:mod:`~pilotfish.reconcile.admission`): a source's proposed state is checked
+8. **admits** (:mod:`~pilotfish.reconcile.admission`): a source's proposed state is checked
    against the others' without publishing (:meth:`Reconciler.check`).
-8. **plans** (:mod:`~pilotfish.reconcile.plan`): what a source's proposed state would do, per
+9. **plans** (:mod:`~pilotfish.reconcile.plan`): what a source's proposed state would do, per
    group and type, field by field, and whether it would be refused or held, publishing nothing
    (:meth:`Reconciler.plan`, ``pilotfish plan``).
 
@@ -42,6 +45,7 @@ from pilotfish.reconcile.damping import Damping, FlapDamper
 from pilotfish.reconcile.debounce import Clock, Debouncer, DebounceSettings, MonotonicClock
 from pilotfish.reconcile.guard import Guard, GuardSettings, Held, blast_radius
 from pilotfish.reconcile.loop import BuildOptions, Reconciler, SubsetOptions
+from pilotfish.reconcile.names import LastGoodNames, NameFigures, NameSettings, Resolver, SystemResolver
 from pilotfish.reconcile.plan import Plan
 from pilotfish.reconcile.readiness import Readiness, ReadinessView
 from pilotfish.reconcile.stats import ReconcileStats
@@ -59,14 +63,19 @@ __all__ = [
     "Guard",
     "GuardSettings",
     "Held",
+    "LastGoodNames",
     "MonotonicClock",
+    "NameFigures",
+    "NameSettings",
     "Plan",
     "PublishState",
     "Readiness",
     "ReadinessView",
     "ReconcileStats",
     "Reconciler",
+    "Resolver",
     "SubsetOptions",
     "SubsetTables",
+    "SystemResolver",
     "blast_radius",
 ]

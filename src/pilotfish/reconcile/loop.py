@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 from pilotfish.build.desired import DesiredState, Merged, MergeMemo, View, build_snapshots, merge_states
@@ -33,6 +33,7 @@ from pilotfish.reconcile.admission import Admission
 from pilotfish.reconcile.damping import Damping, EndpointKey, without_held
 from pilotfish.reconcile.debounce import Clock, Debouncer, DebounceSettings, MonotonicClock
 from pilotfish.reconcile.guard import EndpointCounter, Guard, GuardSettings, Held, endpoint_counts
+from pilotfish.reconcile.names import Kept, LastGoodNames, NameSettings, Resolver, with_last_good
 from pilotfish.reconcile.plan import GroupPlan, GuardVerdict, Plan, TypeDiff, diff_snapshots
 from pilotfish.reconcile.readiness import Readiness
 from pilotfish.reconcile.stats import ReconcileStats
@@ -63,6 +64,10 @@ class BuildOptions:
     grpc_load_reports: bool = False
     """The built clusters of ``grpc`` groups ask proxyless gRPC clients to report their load to
     this server (``lrs_server: {self: {}}``): on when a rollout judges its bakes by load reports."""
+    names: NameSettings = field(default_factory=NameSettings)
+    """How the host names of DNS services are looked up (their last good addresses kept)."""
+    resolver: Resolver | None = None
+    """What looks them up (None: the host's resolver)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +98,7 @@ class _PlanInputs:
     tables: Mapping[str, IndexTable]
     published_endpoints: Mapping[str, int]
     waiting: tuple[str, ...]
+    kept: Kept
 
 
 class Reconciler:
@@ -139,6 +145,11 @@ class Reconciler:
         self.tables = SubsetTables(subsets.tables, shared=subsets.shared, default_size=subsets.size)
         self.damping = Damping(flap_window=self.settings.flap_window, hold=self.settings.hold)
         self.stats = ReconcileStats()
+        self.names = LastGoodNames(
+            build.names, resolver=build.resolver, clock=self._clock, events=self._events, on_change=self._names_changed
+        )
+        """The host names of DNS services, looked up: the last good addresses of those that stopped
+        resolving are served in their place (run :meth:`LastGoodNames.run` beside :meth:`run`)."""
         self._admission = Admission(self._states, self._trial, labels=self._labels)
         self._debouncer = Debouncer(
             quiet=self.settings.quiet,
@@ -215,13 +226,14 @@ class Reconciler:
             tables=self.tables.tables,
             published_endpoints=self._published_endpoints,
             waiting=tuple(labels.get(name, name) for name in self.readiness.waiting_for() if name != source),
+            kept=replace(self.names.kept(), services=None),  # (the plan's services may use kept names too)
         )
         return functools.partial(self._plan, inputs)
 
     def _plan(self, inputs: _PlanInputs) -> Plan:
         """The build of ``inputs``, and its assessment; publishes nothing (see :meth:`planner`)."""
         try:
-            merged = without_held(merge_states(inputs.states), set(inputs.held))
+            merged = with_last_good(without_held(merge_states(inputs.states), set(inputs.held)), inputs.kept)
             tables = self.tables.for_build(merged, inputs.tables)
             built = self._snapshots(merged, inputs.sources, tables, memo=ResourceMemo())
             snapshots = {group: built[group] for group in self._groups}
@@ -326,6 +338,11 @@ class Reconciler:
                 self.stats.build_seconds += time.perf_counter() - started
                 self._debouncer.finish_build()
 
+    def _names_changed(self) -> None:
+        """A name stopped resolving, or resolves again: what is served in its place changes."""
+        self.stats.changes += 1
+        self._changed(self._clock.now(), (_DNS_NAMES,))
+
     async def _wait(self, seconds: float | None) -> None:
         """Until a change arrives, or ``seconds`` pass on the clock (None: no limit)."""
         if seconds is None:
@@ -381,6 +398,10 @@ class Reconciler:
         merged, self._hold_until = self.damping.damped(
             merge_states(self._states, memo=self._merge_memo), self._clock.now()
         )
+        self.names.note(merged)
+        # Kept addresses stand for their name: the guard counts the name, so its resolving again
+        # (a name's addresses back to the name) is no removal.
+        counted, merged = merged, self.names.served(merged)
         tables = self.tables.for_build(merged)
         try:
             built = self._snapshots(merged, self._source_names(), tables, memo=self._memo)
@@ -396,7 +417,7 @@ class Reconciler:
             self._events.emit("snapshot_unchanged", version=first.label())
             self._merged_served(merged)
             return None
-        endpoints = self._endpoint_counts(merged)
+        endpoints = self._endpoint_counts(counted)
         reasons, counts = self.guard.assess(changed, self._published_endpoints, endpoints)
         if reasons:
             self.guard.hold(changed, reasons, counts, endpoints, tables)
@@ -470,6 +491,8 @@ class Reconciler:
 
 _SUBSET_TABLES = "subset tables"
 """The debounce key of a change to the shared subsetting tables."""
+_DNS_NAMES = "dns names"
+"""The debounce key of a change in what is served for the host names of DNS services."""
 
 
 def _touched(source: str, previous: DesiredState | None, state: DesiredState) -> tuple[set[str], list[str]]:

@@ -27,10 +27,12 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_WEIGHT",
     "MAX_ZONE",
+    "UNRESOLVED_NAME",
     "Endpoint",
     "HealthCheck",
     "ServiceSpec",
     "has_host_names",
+    "host_names",
     "is_host_name",
     "is_service_name",
     "is_zone",
@@ -160,19 +162,34 @@ def is_ip(host: str) -> bool:
     return True
 
 
-def has_host_names(endpoints: Iterable[Endpoint]) -> bool:
-    """Whether any of a service's endpoints is a host name: its cluster is then STRICT_DNS, with the
-    endpoints in it (Envoy resolves them), not EDS (see :mod:`pilotfish.resources.builders`).
+UNRESOLVED_NAME = "unresolved_name"
+"""Endpoint metadata of an IP address served in place of a host name that stopped resolving (its
+last good address, :mod:`pilotfish.reconcile.names`): the name. Its service stays STRICT_DNS."""
 
-    Builds ask this of many services, so it does not parse addresses (``ipaddress`` costs 0.3 s
-    per 100,000 endpoints, this 0.02 s): a host :func:`parse_endpoint` accepted is an IPv6 address
-    (it has a ':'), an IPv4 address (digits and dots only) or a host name (anything else: a name's
-    last label is never all digits)."""
+
+def _is_name(host: str) -> bool:
+    """Whether a host :func:`parse_endpoint` accepted is a name, without parsing it (``ipaddress``
+    costs 0.3 s per 100,000 endpoints, this 0.02 s): an IPv6 address has a ':', an IPv4 address
+    is digits and dots only, and a name's last label is never all digits."""
+    return ":" not in host and not host.replace(".", "").isdigit()
+
+
+def has_host_names(endpoints: Iterable[Endpoint]) -> bool:
+    """Whether any of a service's endpoints is a host name (or the last good address of one,
+    :data:`UNRESOLVED_NAME`): its cluster is then STRICT_DNS, with the endpoints in it (Envoy
+    resolves them), not EDS (see :mod:`pilotfish.resources.builders`). Builds ask this of many
+    services: it parses no address."""
     for endpoint in endpoints:
-        host = endpoint.host
-        if ":" not in host and not host.replace(".", "").isdigit():
+        if _is_name(endpoint.host) or (
+            endpoint.metadata and any(key == UNRESOLVED_NAME for key, _ in endpoint.metadata)
+        ):
             return True
     return False
+
+
+def host_names(endpoints: Iterable[Endpoint]) -> set[str]:
+    """The host names among a service's endpoints."""
+    return {endpoint.host for endpoint in endpoints if _is_name(endpoint.host)}
 
 
 def is_host_name(value: Any) -> bool:
@@ -252,6 +269,13 @@ def parse_endpoint(value: Any, where: str, problems: list[Problem]) -> Endpoint 
         isinstance(k, str) and isinstance(v, str) for k, v in metadata_value.items()
     ):
         problems.append(Problem(_where(where, "metadata"), "expected a mapping of strings to strings"))
+    elif UNRESOLVED_NAME in metadata_value:
+        problems.append(
+            Problem(
+                _where(where, f"metadata.{UNRESOLVED_NAME}"),
+                "pilotfish's own key (it marks the last good address of a name that stopped resolving): use another",
+            )
+        )
     else:
         metadata = tuple(sorted(metadata_value.items()))
     zone = value.get("zone", "")

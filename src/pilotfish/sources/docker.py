@@ -59,7 +59,7 @@ import orjson
 
 from pilotfish.build.desired import DesiredState
 from pilotfish.errors import Problem, shorten
-from pilotfish.resources.services import MAX_WEIGHT, Endpoint, is_service_name, is_zone
+from pilotfish.resources.services import MAX_WEIGHT, UNRESOLVED_NAME, Endpoint, is_service_name, is_zone
 
 __all__ = [
     "SOURCE_PREFIX",
@@ -340,12 +340,17 @@ def _endpoint_labels(labels: Mapping[str, str], where: str, problems: list[Probl
         problems.append(Problem(f"{where} labels {prefix}*", f"at most {MAX_METADATA_CHARS} characters in all"))
     if "" in metadata:
         problems.append(Problem(f"{where} label {prefix}", f"a metadata label names its key: {prefix}KEY"))
+    if UNRESOLVED_NAME in metadata:
+        problems.append(
+            Problem(f"{where} label {prefix}{UNRESOLVED_NAME}", "pilotfish's own metadata key: use another")
+        )
     return weight, zone, metadata
 
 
-def read_labels(container: Container, host: str) -> Serves:
+def read_labels(container: Container, host: str, *, engine: str = "") -> Serves:
     """The services ``container`` serves and its endpoint in each, at ``host`` (the engine's
-    address); pilotfish's labels win over Sidecar's when a container has both."""
+    address); pilotfish's labels win over Sidecar's when a container has both. Each endpoint's
+    metadata names the container (``container``) and, when given, the engine's URL (``engine``)."""
     labels = container.labels
     where = f"container {container.name}"
     problems: list[Problem] = []
@@ -368,7 +373,8 @@ def read_labels(container: Container, host: str) -> Serves:
                 )
             )
             continue
-        pairs = tuple(sorted({**metadata, **extra, "container": container.name}.items()))
+        where_from = {"container": container.name, **({"engine": engine} if engine else {})}
+        pairs = tuple(sorted({**metadata, **extra, **where_from}.items()))
         endpoints.append((service, Endpoint(host, host_port, weight, pairs, zone)))
     if problems:
         return Serves(problems=tuple(problems), labelled=True)
@@ -381,6 +387,8 @@ class DockerView:
 
     host: str
     """The engine's host address (the endpoints')."""
+    engine: str = ""
+    """The engine's URL, in each endpoint's metadata ("": left out)."""
     max_containers: int = DockerLimits().max_containers
     containers: dict[str, Container] = field(default_factory=dict)
     serves: dict[str, Serves] = field(default_factory=dict)
@@ -432,7 +440,7 @@ class DockerView:
         ):
             self.serves[container.id] = old_serves  # (the same labels and ports: the same endpoints)
             return []
-        serves = self.serves[container.id] = read_labels(container, self.host)
+        serves = self.serves[container.id] = read_labels(container, self.host, engine=self.engine)
         said = set(old_serves.problems) if old_serves is not None else set()
         return [(container, p) for p in serves.problems if p not in said]
 
@@ -563,7 +571,7 @@ class DockerSource:
     ) -> None:
         self.engine = engine
         self.limits = limits or DockerLimits()
-        self.view = DockerView(engine.address, max_containers=self.limits.max_containers)
+        self.view = DockerView(engine.address, engine=engine.url, max_containers=self.limits.max_containers)
         self._on_state = on_state
         self._emit = on_event or (lambda *_, **__: None)
         self._tls = tls

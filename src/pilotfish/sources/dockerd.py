@@ -61,15 +61,16 @@ def dockerd_argv(
     root: Path,
     data_root: Path,
     tcp: tuple[int, Path, Path, Path] | None = None,
+    socket_path: Path | None = None,
 ) -> list[str]:
-    """The command line of an engine whose socket is ``root/docker.sock`` (keep ``root`` short:
-    a socket path has at most 107 bytes), its exec root and pid file in ``root``, its images and
-    containers in ``data_root``; ``tcp``: (port, CA, certificate, key) of a listener on 127.0.0.1
-    that takes only clients with a certificate the CA signed."""
+    """The command line of an engine whose socket is ``socket_path`` (default ``root/docker.sock``;
+    keep ``root`` short: a socket path has at most 107 bytes), its exec root and pid file in
+    ``root``, its images and containers in ``data_root``; ``tcp``: (port, CA, certificate, key) of
+    a listener on 127.0.0.1 that takes only clients with a certificate the CA signed."""
     argv = [
         dockerd,
         "--host",
-        f"unix://{root / 'docker.sock'}",
+        f"unix://{socket_path or root / 'docker.sock'}",
         "--data-root",
         str(data_root),
         "--exec-root",

@@ -17,11 +17,11 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pilotfish.api.metrics import CONTENT_TYPE, Metrics, ProcessMetrics, build_version
+from pilotfish.api.metrics import CONTENT_TYPE, DockerMetrics, Metrics, NameMetrics, ProcessMetrics, build_version
 from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
 from pilotfish.events import EventLog
-from pilotfish.reconcile import Reconciler, SubsetOptions
+from pilotfish.reconcile import NameFigures, Reconciler, SubsetOptions
 from pilotfish.resources import CLUSTER, ENDPOINT
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.rollout.delivery import Delivery, candidate_group
@@ -314,7 +314,11 @@ def test_each_docker_engine_has_its_containers_endpoints_bad_labels_and_events()
     far = DockerSource(parse_engine("tcp://10.0.0.5:2376"), on_state=lambda _: None)  # never reached
     cache = SnapshotCache()
     metrics = Metrics(
-        SyncStatus(), Reconciler(cache), cache=cache, open_streams=lambda: 0, docker=[near.figures, far.figures]
+        SyncStatus(),
+        Reconciler(cache),
+        cache=cache,
+        open_streams=lambda: 0,
+        sources=[DockerMetrics([near.figures, far.figures])],
     )
     found = families(metrics)
 
@@ -376,3 +380,17 @@ def test_the_rollout_error_ratio_is_the_health_gates_latest_judgement_while_a_wa
     ]
     delivery.promote()  # the wave passes, the last one: the rollout completes, nothing is being judged
     assert error_ratio() == []
+
+
+def test_the_host_names_looked_up_are_counted_by_state() -> None:
+    figures = NameFigures(resolving=3, kept=1, unresolved=2, left_out=0, lookups=40, failures=6)
+    cache = SnapshotCache()
+    found = families(
+        Metrics(
+            SyncStatus(), Reconciler(cache), cache=cache, open_streams=lambda: 0, sources=[NameMetrics(lambda: figures)]
+        )
+    )
+    states = {sample.labels["state"]: sample.value for sample in found["pilotfish_dns_names"].samples}
+    assert states == {"resolving": 3, "kept": 1, "unresolved": 2, "left_out": 0}
+    assert found["pilotfish_dns_lookups"].samples[0].value == 40
+    assert found["pilotfish_dns_lookup_failures"].samples[0].value == 6

@@ -107,6 +107,18 @@ def test_pilotfishs_labels_give_services_ports_weight_zone_and_metadata() -> Non
     )
 
 
+def test_each_endpoint_names_the_engine_and_the_container_it_came_from() -> None:
+    """What /v1/config shows of a Docker endpoint: its metadata says which engine and container."""
+    view = DockerView("127.0.0.1", engine="unix:///var/run/docker.sock")
+    view.replace([container({"pilotfish.service": "web:8080", "pilotfish.metadata.version": "v2"})])
+    (endpoint,) = view.state().endpoints["web"]
+    assert endpoint.metadata == (
+        ("container", "web-1"),
+        ("engine", "unix:///var/run/docker.sock"),
+        ("version", "v2"),
+    )
+
+
 def test_a_published_port_is_reached_at_the_host_port_on_the_engines_address() -> None:
     bridged = container({"pilotfish.service": "web:80"}, host_network=False, published={80: 32768})
     assert read_labels(bridged, "10.0.0.5").endpoints[0][1][:2] == ("10.0.0.5", 32768)
