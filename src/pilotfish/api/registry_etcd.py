@@ -51,6 +51,7 @@ from pilotfish.api.registry import Admitting, Written
 from pilotfish.etcd.client import EtcdUnavailable, Lease
 from pilotfish.etcd.election import Leadership
 from pilotfish.events import EventLog
+from pilotfish.resources.services import Endpoint
 from pilotfish.sources.etcd import EtcdSource
 from pilotfish.sources.registry import (
     Conflict,
@@ -280,12 +281,11 @@ class EtcdRegistry:
 
     @_store_errors
     async def heartbeat(self, service: str, instance_id: str) -> Written:
-        view = self.source.view
-        key = view.instance_key(service, instance_id)
-        lease = view.lease_of(key)
-        found = view.instances.get(key)
+        key = self.source.view.instance_key(service, instance_id)
+        lease, found = await self._instance(key)
         if lease is None or found is None:
             raise UnknownInstance(f"no instance {instance_id} of service {service!r}: register it again")
+        view = self.source.view
         ttl = view.ttls.get(key)
         left: float | None = None
         if lease:
@@ -296,6 +296,18 @@ class EtcdRegistry:
                 )
         expires = None if left is None else self._clock() + left
         return Written(Instance(service, found[1], ttl, expires).describe(self._clock()))
+
+    async def _instance(self, key: str) -> tuple[int | None, tuple[str, Endpoint] | None]:
+        """The lease and the instance at ``key`` in this replica's view. One the view has not
+        seen may have just been registered through another replica (its heartbeats may come
+        here at once): then the view is given until it has caught up with etcd's newest change
+        under the prefix (at most :attr:`local_wait`) before the instance is called unknown."""
+        view = self.source.view
+        if key not in view.instances:
+            _, newest = await self.client.latest(self.source.prefix, timeout=self.local_wait)
+            await self.source.caught_up(newest, self.local_wait)
+            view = self.source.view
+        return view.lease_of(key), view.instances.get(key)
 
     @_store_errors
     async def deregister(self, service: str, instance_id: str) -> Written:

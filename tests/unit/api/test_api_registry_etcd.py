@@ -76,3 +76,15 @@ async def test_an_instance_with_a_ttl_lives_on_a_lease_that_outlasts_it_and_goes
         await store.deregister("api", "127.0.0.1:9001")
         assert await source.client.get(key) is None
         assert await source.client.time_to_live(lease) <= 0  # revoked, not left to run out
+
+
+async def test_a_heartbeat_to_a_replica_that_has_not_seen_the_registration_yet_keeps_it_alive(etcd: str) -> None:
+    async with on_etcd(etcd) as (store, source, _):
+        await store.define("api", {"listen": "127.0.0.1:10001"})
+        # Another replica registers it, and a client's first heartbeat comes here at once: this
+        # replica's watch has (almost always) not delivered the write yet when it arrives.
+        lease, _ = await source.client.grant(15)
+        key = f"{PREFIX}instances/api/127.0.0.1:9002"
+        await source.client.put(key, json.dumps({"address": "127.0.0.1", "port": 9002, "ttl": 5}), lease=lease)
+        beat = await store.heartbeat("api", "127.0.0.1:9002")
+        assert beat.body is not None and 0 < beat.body["expires_in"] <= 5
