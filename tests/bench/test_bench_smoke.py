@@ -28,6 +28,7 @@ from bench import (  # noqa: E402
     bench_envoy,
     bench_hardening,
     bench_incremental,
+    bench_memo,
     bench_replicas,
     bench_rollout,
     bench_status,
@@ -164,6 +165,12 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert churned.samples and all(rss > 0 for _, _, rss in churned.samples)
     assert [r.remembered for r in results.churn] == [20, churn_count]
     _check_rollout(results.rollout)
+    # Response memos: the fleet at one version shares one encoding per push, with a peer asking
+    # for name sets beside it or not, the same bytes either way.
+    assert [run.peer for run in results.memo] == [False, True]
+    for memo in results.memo:
+        assert memo.encodings == [1] * QUICK.memo_pushes and memo.sync_encodings == 1
+    assert results.memo[0].encoded_bytes == results.memo[1].encoded_bytes
     assert [(p.source, p.phase) for p in results.docker] == [
         ("docker", "start"),
         ("docker", "stop"),
@@ -185,6 +192,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         bench_envoy.ENVOY_COLUMNS,
         bench_replicas.REPLICA_COLUMNS,
         bench_replicas.WRITE_COLUMNS,
+        bench_memo.MEMO_COLUMNS,
         bench_churn.CHURN_COLUMNS,
         bench_rollout.LRS_COLUMNS,
         bench_rollout.WAVE_COLUMNS,
@@ -211,6 +219,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         "## Admin API with 5 connected proxies",
         "## Replicas on etcd",
         "## Registry write rate",
+        "## Response memos",
         "## Churn",
         "## Rollout: load reports (LRS)",
         "## Rollout: a CDS change in four waves",
