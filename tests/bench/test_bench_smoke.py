@@ -165,12 +165,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert churned.samples and all(rss > 0 for _, _, rss in churned.samples)
     assert [r.remembered for r in results.churn] == [20, churn_count]
     _check_rollout(results.rollout)
-    # Response memos: the fleet at one version shares one encoding per push, with a peer asking
-    # for name sets beside it or not, the same bytes either way.
-    assert [run.peer for run in results.memo] == [False, True]
-    for memo in results.memo:
-        assert memo.encodings == [1] * QUICK.memo_pushes and memo.sync_encodings == 1
-    assert results.memo[0].encoded_bytes == results.memo[1].encoded_bytes
+    _check_memo(results.memo)
     assert [(p.source, p.phase) for p in results.docker] == [
         ("docker", "start"),
         ("docker", "stop"),
@@ -267,6 +262,15 @@ def _check_rollout(rollout: bench_rollout.RolloutBench | None) -> None:
         assert len(runs) == QUICK.rollout_rounds
         assert all(r.failures == 0 and len(r.latencies) == QUICK.rollout_proxies for r in runs)
     assert rollout.stream_errors == {}
+
+
+def _check_memo(runs: list[bench_memo.MemoRun]) -> None:
+    """Response memos: the fleet at one version shares one encoding per push, with a peer asking for
+    name sets beside it or not, the same bytes either way."""
+    assert [run.peer for run in runs] == [False, True]
+    for run in runs:
+        assert run.encodings == [1] * QUICK.memo_pushes and run.sync_encodings == 1
+    assert runs[0].encoded_bytes == runs[1].encoded_bytes
 
 
 def test_grpc_floor_runs_every_round_to_completion() -> None:
