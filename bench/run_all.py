@@ -988,6 +988,13 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path, only: Sequence[str
             bench_rollout.RolloutBench.eds_rows,
             bench_rollout.RolloutBench.eds_notes,
         ),
+        (
+            f"Rollout: load reports from {scale.rollout_proxies:,} proxies every {scale.rollout_lrs_interval:g} s "
+            "to a server with --rollout and its health gate on vs without --rollout, server CPU",
+            bench_rollout.GATE_COLUMNS,
+            bench_rollout.RolloutBench.gate_rows,
+            bench_rollout.RolloutBench.gate_notes,
+        ),
     ):
         section(title, f"(from the same run: {rollout_cmd})", columns, rollout_part(rows))
         if results.rollout is not None:

@@ -193,6 +193,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         bench_rollout.WAVE_COLUMNS,
         bench_rollout.ROLLOUT_COLUMNS,
         bench_rollout.EDS_COLUMNS,
+        bench_rollout.GATE_COLUMNS,
         bench_docker.COLUMNS,
     ):
         assert _header(columns) in text
@@ -220,6 +221,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         "## Rollout: a CDS change in four waves",
         "## Rollout: server CPU per CDS change",
         "## Rollout: an endpoint change while a canary wave bakes",
+        "## Rollout: load reports from 5 proxies every 0.5 s to a server with --rollout and its health gate on",
     ):
         assert heading in text
     assert _header(bench_status.ADMIN_COLUMNS) in text
@@ -262,6 +264,14 @@ def _check_rollout(rollout: bench_rollout.RolloutBench | None) -> None:
         assert len(runs) == QUICK.rollout_rounds
         assert all(r.failures == 0 and len(r.latencies) == QUICK.rollout_proxies for r in runs)
     assert rollout.stream_errors == {}
+    # LRS beside a health gate: the plain server and the rollout server took their fleets'
+    # reports over the same window while the canary wave baked, the gate's verdict read.
+    assert [w.server for w in rollout.gate] == [bench_rollout.PLAIN, bench_rollout.GATED]
+    for gated in rollout.gate:
+        assert gated.answered == QUICK.rollout_proxies
+        assert gated.sent > 0 and gated.taken > 0 and gated.dropped == 0 and gated.errors == {}
+    assert rollout.gate_baking
+    assert rollout.gate[1].health is not None and "verdict" in rollout.gate[1].health
 
 
 def _check_memo(runs: list[bench_memo.MemoRun]) -> None:
