@@ -83,7 +83,7 @@ lint: setup
 
 # The full benchmarks (fleet simulator fan-out to 100 / 1,000 / 10,000 proxies, snapshot
 # build, reconnect storm, real Envoy, the naive baseline and Sovereign side by side); writes
-# BENCHMARKS.md. Roughly 50 minutes on 2 cores (estimated from its sections; not timed whole). py-spy (profiles) goes into .venv, Sovereign into its own.
+# BENCHMARKS.md. Roughly 65 minutes on 2 cores (estimated from its sections; not timed whole). py-spy (profiles) goes into .venv, Sovereign into its own.
 bench: setup $(SOVEREIGN_VENV)/.installed
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(PYTHON) -m bench.run_all --out BENCHMARKS.md
 

@@ -59,6 +59,7 @@ CHURN_COLUMNS = [
     "server",
     "max disconnected",
     "subset grace s",
+    "node on",
     "steady",
     "churn / s",
     "departed",
@@ -87,17 +88,18 @@ class ChurnVariant:
     """``--status-max-disconnected`` (None: the default)."""
     subset_grace: float | None
     """``--subset-grace-s`` (None: the default)."""
+    node_every_request: bool = False
+    """The churning proxies send their node on every request (Envoy's default), not on a stream's
+    first only (``set_node_on_first_message_only``, as pilotfish's bootstraps set it)."""
 
 
 VARIANTS = (
-    ChurnVariant(server="now", max_disconnected=1000, subset_grace=5.0),
-    ChurnVariant(server="now", max_disconnected=None, subset_grace=5.0),
-    ChurnVariant(server="before", max_disconnected=None, subset_grace=5.0),
     ChurnVariant(server="now", max_disconnected=1000, subset_grace=None),
+    ChurnVariant(server="now", max_disconnected=None, subset_grace=None),
+    ChurnVariant(server="before", max_disconnected=None, subset_grace=None),
 )
-"""What ``make bench`` runs: the cap at 1,000 (RSS flat past it?), the defaults (RSS per remembered
-proxy) now and before, each with departed proxies' subsetting indices freed after 5 s; and the cap
-with the indices' default grace (300 s), which then grow beside it."""
+"""What ``make bench`` runs, every other limit at its default: the cap at 1,000 (RSS flat past it?),
+and the defaults (RSS per remembered proxy) now and before."""
 
 
 def notes(*, rate: float, seconds: float) -> list[str]:
@@ -109,7 +111,9 @@ def notes(*, rate: float, seconds: float) -> list[str]:
         "(all of them remembered); `MiB / 1,000 departed past the cap`: the slope from 1.5 x the cap on "
         "(one forgotten for each that leaves: flat means a forgotten proxy's memory is reused). `subset grace "
         "s`: `--subset-grace-s`, how long a departed proxy keeps its subsetting index (every proxy has one, "
-        "subsetting configured or not). `before`: the commit before departed proxies were compacted (its "
+        "subsetting configured or not). `node on`: the churning proxies send their node on a stream's first "
+        "request only (`set_node_on_first_message_only`, as pilotfish's bootstraps set it) or on every request "
+        "(Envoy's default, `--node-every-request`). `before`: the commit before departed proxies were compacted (its "
         "limits fixed at 10 minutes and 10,000). RSS is noisy on a shared machine: other work's load moves "
         "it by a few MiB."
     ]
@@ -128,6 +132,8 @@ class ChurnResult:
     """``--subset-grace-s`` (None: the server's default, 300 s)."""
     steady: int
     rate: float
+    node_every_request: bool = False
+    """The churning proxies sent their node on every request (else on a stream's first only)."""
     departed: int = 0
     never_synced: int = 0
     seconds: float = 0.0
@@ -169,6 +175,7 @@ class ChurnResult:
             self.server,
             cap,
             grace,
+            "every request" if self.node_every_request else "first request",
             self.steady,
             f"{self.rate:g}",
             self.departed,
@@ -209,16 +216,24 @@ def run_churn(
     every: float = 1.0,
     workdir: Path | None = None,
     server_args: Sequence[str] = (),
+    node_every_request: bool = False,
 ) -> ChurnResult:
     """One soak (see the module docstring): ``steady`` proxies stay, ``rate`` new ones a second for
     ``seconds`` connect, sync and leave; ``max_disconnected``: ``--status-max-disconnected`` (None:
     the default, and the only choice for ``server="before"``); ``subset_grace``:
     ``--subset-grace-s`` (None: the default), how long a departed proxy keeps its subsetting index
-    (every proxy gets one, subsetting configured or not: the other memory a departure leaves)."""
+    (every proxy gets one, subsetting configured or not: the other memory a departure leaves);
+    ``node_every_request``: the churning proxies send their node on every request, as Envoy does
+    by default, not on a stream's first only."""
     if server == "before" and max_disconnected is not None:
         raise ValueError("the server before has no --status-max-disconnected")
     result = ChurnResult(
-        server=server, max_disconnected=max_disconnected, subset_grace=subset_grace, steady=steady, rate=rate
+        server=server,
+        max_disconnected=max_disconnected,
+        subset_grace=subset_grace,
+        steady=steady,
+        rate=rate,
+        node_every_request=node_every_request,
     )
     count = int(rate * seconds)
     with contextlib.ExitStack() as stack:
@@ -250,7 +265,9 @@ def run_churn(
         proc.settle_cpu(quiet=0.3, limit=5)
         result.rss_before_kb = proc.rss_kb()
         began = time.monotonic()
-        fleet.churn(count=count, rate=rate, envoy_node=True, max_active=MAX_ACTIVE)
+        fleet.churn(
+            count=count, rate=rate, envoy_node=True, max_active=MAX_ACTIVE, node_every_request=node_every_request
+        )
         while True:
             counts = fleet.churned()
             result.samples.append((time.monotonic() - began, counts.departed, proc.rss_kb()))
@@ -275,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="how long they come (default: %(default)s)")
     parser.add_argument("--max-disconnected", type=int, help="--status-max-disconnected (default: the server's)")
     parser.add_argument("--subset-grace", type=float, help="--subset-grace-s (default: the server's)")
+    parser.add_argument(
+        "--node-every-request",
+        action="store_true",
+        help="the churning proxies send their node on every request, as Envoy does by default "
+        "(default: on a stream's first only, as with pilotfish's bootstraps)",
+    )
     parser.add_argument("--samples", type=Path, help="write the (seconds, departed, RSS KiB) samples here as JSON")
     args = parser.parse_args(argv)
     os.chdir(REPO)
@@ -285,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds=args.seconds,
         max_disconnected=args.max_disconnected,
         subset_grace=args.subset_grace,
+        node_every_request=args.node_every_request,
     )
     print(f"load 1 min: {load_1min():.2f}")
     print_table(CHURN_COLUMNS, [result.row()])

@@ -6,7 +6,7 @@ Theory of operation
 Real ``pilotfish serve`` processes (:func:`bench.procs.start_pilotfish`: the snapshot of
 :class:`~bench.workload.Workload`, the registry API, the event log at ``changes``, the admin API on
 for its ``/metrics``), each with a fleet of its own of ``proxies`` simulated proxies
-(bench/fleet/: SotW over bench/h2client.py). Three parts, in one run:
+(bench/fleet/: SotW over bench/h2client.py). Four parts, in one run:
 
 1. **LRS ingest.** Two servers started alike (no ``--rollout``; ``--lrs-interval-ms``), a fleet on
    each. In the first window every proxy of the first fleet keeps a load reporting stream open
@@ -42,11 +42,22 @@ for its ``/metrics``), each with a fleet of its own of ``proxies`` simulated pro
    proxy ACKed the new EDS version (the baseline's and the candidate's proxies alike). Per server,
    the median over rounds of each round's p50, p99 and max, and of its server CPU; the ratio
    rollout / plain of the median p99 is the target (at most 1.10).
+4. **LRS ingest with the health gate on.** A server with ``--rollout`` and ``--rollout-health on``
+   (its other gate settings at their defaults) and ``--rollout-bake`` ``long_bake`` s, a fleet of
+   its own: a CDS change starts a rollout whose canary wave then bakes throughout, its health
+   judged from the load reports every bucket (5 s: a sixth of the bake, at most 5 s, as with the
+   default 30 s bake). The plain server (no ``--rollout``) has the same change. First a quiet
+   window (no fleet reports), then both fleets report at once (as in part 1) over a window of the
+   same length: each server's CPU over the same wall time, reporting minus quiet per minute, is
+   its ingest, plus on the rollout server the gate's reading of the load store. The rollout
+   server's ``/v1/rollout`` is read at the end of the window (the gate's last verdict), and its
+   canary wave must still be baking (no wave passed, failed or paused).
 
-Health gates are off (``--rollout-health off``): with reports every 10 s a bake of 2 s sees none
+Health gates are off (``--rollout-health off``) in parts 2 and 3: with reports every 10 s a bake of 2 s sees none
 (a report is filed in the time bucket where the interval it covers *began*, before the bake), so
 every wave would pause for too little traffic; a bake that judges load needs reports a few times
-per bake, i.e. bakes of a minute or more at this interval. Part 1 measures what the reports cost.
+per bake, i.e. bakes of a minute or more at this interval. Part 1 measures what the reports cost,
+part 4 what they cost with the gate reading them.
 """
 
 from __future__ import annotations
@@ -77,6 +88,8 @@ from pilotfish.rollout.waves import parse_waves
 __all__ = [
     "BAKING",
     "EDS_COLUMNS",
+    "GATED",
+    "GATE_COLUMNS",
     "LRS_COLUMNS",
     "OTHER",
     "PARTS",
@@ -143,10 +156,25 @@ EDS_COLUMNS = [
     "p99 / plain",
 ]
 
-PLAIN, OTHER, ROLLOUT, BAKING = "plain", "second", "rollout", "baking"
+GATE_COLUMNS = [
+    "server",
+    "seconds",
+    "reports sent",
+    "reports taken",
+    "dropped",
+    "CPU s / min, reporting",
+    "CPU s / min, quiet",
+    "ingest CPU s / min",
+    "CPU us / report",
+    "health gate's last verdict",
+    "LRS stream errors",
+]
+
+PLAIN, OTHER, ROLLOUT, BAKING, GATED = "plain", "second", "rollout", "baking", "gated"
 """The servers' names (their event logs and logs in the working directory)."""
-PARTS = ("lrs", "waves", "eds")
-"""The three parts: LRS ingest, a CDS change in waves, endpoint changes during a bake."""
+PARTS = ("lrs", "waves", "eds", "gate")
+"""The four parts: LRS ingest, a CDS change in waves, endpoint changes during a bake, LRS ingest
+with a rollout's health gate reading the reports."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,7 +202,7 @@ class RolloutOptions:
     rollouts: int = 3
     """CDS changes rolled out in part 2 (each also pushed by the plain server)."""
     long_bake: float = 3600.0
-    """``--rollout-bake`` of part 3: the canary wave bakes throughout its rounds."""
+    """``--rollout-bake`` of parts 3 and 4: the canary wave bakes throughout their rounds and windows."""
     rounds: int = 10
     """Endpoint changes per server in part 3, interleaved."""
     quiet_ms: int = 100
@@ -242,6 +270,35 @@ class WaveRun:
 
 
 @dataclass
+class GateWindow:
+    """One server's part 4: a quiet window, then one with its fleet reporting (beside the other's)."""
+
+    server: str
+    seconds: float
+    """The reporting window's length."""
+    cpu: float
+    """The server's CPU seconds over it."""
+    quiet_seconds: float
+    quiet_cpu: float
+    """...and over the quiet window before it."""
+    sent: int
+    taken: int
+    dropped: int
+    answered: int
+    """Load reporting streams that had the server's response when the window began."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """LRS streams that ended other than by the simulator stopping them, by gRPC status."""
+    health: dict[str, Any] | None = None
+    """The rollout server's ``/v1/rollout`` ``health`` at the window's end (the gate's last verdict)."""
+
+    @property
+    def per_minute(self) -> tuple[float, float, float]:
+        """(CPU s / min reporting, quiet, the difference)."""
+        on, off = self.cpu / self.seconds * 60, self.quiet_cpu / self.quiet_seconds * 60
+        return on, off, on - off
+
+
+@dataclass
 class ChangeRun:
     """One timed change on one server."""
 
@@ -270,6 +327,10 @@ class RolloutBench:
     eds: dict[str, list[ChangeRun]] = field(default_factory=lambda: {PLAIN: [], BAKING: []})
     still_baking: bool = False
     """Part 3's canary wave was still baking after its rounds (no wave passed or failed meanwhile)."""
+    gate: list[GateWindow] = field(default_factory=list)
+    """Part 4: the plain server's window, then the rollout server's (same wall time)."""
+    gate_baking: bool = False
+    """Part 4's canary wave baked throughout its windows (no wave passed, failed or paused)."""
     stream_errors: dict[str, int] = field(default_factory=dict)
     """ADS streams that broke, by gRPC status, over every fleet."""
     loads: list[float] = field(default_factory=list)
@@ -400,6 +461,65 @@ class RolloutBench:
             r <= TARGET_RATIO and failures == 0 and self.still_baking,
         )
 
+    # -- part 4 ------------------------------------------------------------------------------
+
+    def gate_rows(self) -> list[list[Any]]:
+        o = self.options
+        names = {PLAIN: f"{PLAIN} (no --rollout)", GATED: f"--rollout '{o.waves}', health gate on, canary baking"}
+        rows: list[list[Any]] = []
+        for w in self.gate:
+            on, off, ingest = w.per_minute
+            rows.append(
+                [
+                    names.get(w.server, w.server),
+                    round(w.seconds, 1),
+                    w.sent,
+                    w.taken,
+                    w.dropped,
+                    round(on, 3),
+                    round(off, 3),
+                    round(ingest, 3),
+                    round(ingest / 60 * w.seconds / w.sent * 1e6, 1) if w.sent else "-",
+                    _verdict(w.health) if w.server == GATED else "-",
+                    sum(w.errors.values()),
+                ]
+            )
+        return rows
+
+    def gate_notes(self) -> list[str]:
+        o = self.options
+        out = [
+            f"A server with `--rollout '{o.waves}' --rollout-bake {o.long_bake:g} --rollout-health on` (minimum "
+            "requests, error increase and too-little-traffic at their defaults) and a fleet of its own: a CDS "
+            "change started a rollout whose canary wave then baked"
+            + (
+                " throughout"
+                if self.gate_baking
+                else " (**it did not bake throughout**: a wave passed, failed or paused)"
+            )
+            + ", its health gate reading the load store every 5 s (the store's bucket: a sixth of the bake, at "
+            "most 5 s, so the same as with the default 30 s bake; the window it reads grows with the bake, here "
+            "a few minutes of buckets). The plain server (no `--rollout`) had the same change. Over the same wall "
+            f"time, a quiet window of {o.lrs_seconds:g} s (no fleet reports), then both fleets report at once "
+            f"for {o.lrs_seconds:g} s, as in the first table ({o.lrs_load.clusters} clusters every "
+            f"{o.lrs_interval:g} s from each of {o.proxies:,} proxies, each on a connection of its own). `ingest "
+            "CPU s / min`: reporting minus quiet: on the rollout server the reports' ingest and the gate's reading "
+            "of them (its timers and judging with no reports are in the quiet window too). The last verdict: "
+            "`/v1/rollout`'s `health` at the window's end (the canary wave's requests and error ratio since its "
+            "bake began vs the baseline waves')."
+        ]
+        if len(self.gate) == 2:
+            plain, gated = (w.per_minute[2] for w in self.gate)
+            quiet = self.gate[1].per_minute[1] - self.gate[0].per_minute[1]
+            out.append(
+                f"The rollout server's ingest with its gate: {gated:.3f} CPU s per minute vs {plain:.3f} without "
+                f"`--rollout` ({ratio(gated, plain, suffix='x')}, {gated - plain:+.3f} s per minute); its quiet CPU "
+                f"{quiet:+.3f} s per minute beside the plain server's (the rollout's timers and the gate judging "
+                "no reports). CPU is read in clock ticks of 0.01 s: a difference of a few hundredths per minute "
+                "is within one window's resolution."
+            )
+        return out
+
     def common_notes(self) -> list[str]:
         o = self.options
         out = [
@@ -482,7 +602,24 @@ class RolloutBench:
 
     def notes(self) -> list[str]:
         """Every note, in the order of the tables."""
-        return [*self.common_notes(), *self.lrs_notes(), *self.wave_notes(), *self.cpu_notes(), *self.eds_notes()]
+        return [
+            *self.common_notes(),
+            *self.lrs_notes(),
+            *self.wave_notes(),
+            *self.cpu_notes(),
+            *self.eds_notes(),
+            *self.gate_notes(),
+        ]
+
+
+def _verdict(health: dict[str, Any] | None) -> str:
+    """The gate's last verdict in a cell: ``pass: wave 35,000 requests, 0.10 % errors; baseline ...``."""
+    if health is None:
+        return "none yet"
+    return (
+        f"{health['verdict']}: wave {health['requests']:,} requests, {health['error_ratio']:.2%} errors; "
+        f"baseline {health['baseline_requests']:,}, {health['baseline_error_ratio']:.2%}"
+    )
 
 
 def _lrs_row(label: str, reporting: str, windows: Sequence[LrsWindow]) -> list[Any]:
@@ -733,7 +870,7 @@ def _push(side: _Side, *, change: Any, wait_for: str, idle: float, timeout: floa
 _SHORT = {CDS: "CDS", EDS: "EDS"}
 
 
-def _rollout_flags(options: RolloutOptions, bake: float) -> list[str]:
+def _rollout_flags(options: RolloutOptions, bake: float, *, health: bool = False) -> list[str]:
     return [
         "--rollout",
         options.waves,
@@ -742,7 +879,7 @@ def _rollout_flags(options: RolloutOptions, bake: float) -> list[str]:
         "--rollout-ack-timeout",
         f"{options.ack_timeout:g}",
         "--rollout-health",
-        "off",
+        "on" if health else "off",
     ]
 
 
@@ -750,7 +887,7 @@ def _rollout_flags(options: RolloutOptions, bake: float) -> list[str]:
 
 
 def run_rollout_bench(options: RolloutOptions) -> RolloutBench:
-    """The three parts (see the module docstring), in one run."""
+    """The parts (see the module docstring), in one run."""
     result = RolloutBench(options)
     started = time.monotonic()
     sides: list[_Side] = []
@@ -816,6 +953,15 @@ def run_rollout_bench(options: RolloutOptions) -> RolloutBench:
         # 3. Endpoint changes while a canary wave bakes, interleaved with the same on the plain server.
         if "eds" in options.parts:
             _during_a_bake(result, plain, workdir, sides)
+            baking = sides[-1]
+            errors(baking)
+            sides.remove(baking)
+            baking.close()
+            result.loads.append(load_1min())
+
+        # 4. LRS ingest beside a rollout whose health gate reads the reports.
+        if "gate" in options.parts:
+            _gate_windows(result, plain, workdir, sides)
             errors(sides[-1])
             result.loads.append(load_1min())
         errors(plain)
@@ -848,6 +994,66 @@ def _during_a_bake(result: RolloutBench, plain: _Side, workdir: Path, sides: lis
     ended = {"rollout_wave_passed", "rollout_failed", "rollout_completed", "rollout_superseded"}
     result.still_baking = "rollout_wave_acked" in events and not ended & events
     print_table(EDS_COLUMNS, result.eds_rows())
+
+
+def _gate_windows(result: RolloutBench, plain: _Side, workdir: Path, sides: list[_Side]) -> None:
+    """Part 4: a rollout server with its health gate on and a canary wave baking, beside ``plain``:
+    a quiet window, then both fleets reporting load."""
+    options = result.options
+    gated = _side(workdir, GATED, options, _rollout_flags(options, options.long_bake, health=True))
+    sides.append(gated)
+    assert gated.server.tail is not None
+    gated.server.tail.skip_to_end()
+    changed = f"{options.rollouts + 3}s"
+    options.workload.write(gated.snapshot, connect_timeout=changed)
+    began = _events_until(gated.server, {"rollout_wave_acked", "rollout_failed"}, timeout=options.ack_timeout + 30)
+    if began[-1]["event"] != "rollout_wave_acked":
+        raise RuntimeError(f"{GATED}: the canary wave did not start baking: {began[-1]}")
+    _push(plain, change=lambda: options.workload.write(plain.snapshot, connect_timeout=changed), wait_for=CDS, idle=0)
+    pair = ((PLAIN, plain), (GATED, gated))
+    for _, side in pair:
+        side.server.settle_cpu(quiet=0.3, limit=5)
+    cpu0, t0 = [side.server.cpu_seconds() for _, side in pair], time.monotonic()
+    time.sleep(options.lrs_seconds)
+    quiet = [side.server.cpu_seconds() - c for (_, side), c in zip(pair, cpu0, strict=True)]
+    quiet_seconds = time.monotonic() - t0
+    answered = [side.fleet.lrs_start(options.lrs_load, timeout=max(60.0, options.proxies / 50)) for _, side in pair]
+    for (name, _), n in zip(pair, answered, strict=True):
+        if n < options.proxies:
+            raise RuntimeError(f"{name}: {n} of {options.proxies} LRS streams answered")
+    time.sleep(FIRST_REPORT[0] * options.lrs_interval + 0.5)  # then reports arrive evenly
+    metrics0 = [_lrs_metrics(side.server) for _, side in pair]
+    sent0 = [side.fleet.lrs_counts().reports for _, side in pair]
+    cpu0, t0 = [side.server.cpu_seconds() for _, side in pair], time.monotonic()
+    time.sleep(options.lrs_seconds)
+    cpu = [side.server.cpu_seconds() - c for (_, side), c in zip(pair, cpu0, strict=True)]
+    seconds = time.monotonic() - t0
+    sent = [side.fleet.lrs_counts().reports - n for (_, side), n in zip(pair, sent0, strict=True)]
+    metrics = [_lrs_metrics(side.server) for _, side in pair]
+    with _OPENER.open(f"http://{gated.server.started['admin']}/v1/rollout", timeout=10) as response:
+        health = json.loads(response.read()).get("health")
+    counts = [side.fleet.lrs_stop() for _, side in pair]
+    for k, (name, _) in enumerate(pair):
+        result.gate.append(
+            GateWindow(
+                server=name,
+                seconds=seconds,
+                cpu=cpu[k],
+                quiet_seconds=quiet_seconds,
+                quiet_cpu=quiet[k],
+                sent=sent[k],
+                taken=metrics[k][0] - metrics0[k][0],
+                dropped=metrics[k][1] - metrics0[k][1],
+                answered=answered[k],
+                errors=counts[k].errors,
+                health=health if name == GATED else None,
+            )
+        )
+    # The canary wave baked throughout: no wave passed, failed or paused since its gate passed.
+    events = {e["event"] for e in EventTail(gated.server.event_log).read(b'"event":"rollout_')}
+    ended = {"rollout_wave_passed", "rollout_failed", "rollout_completed", "rollout_superseded", "rollout_paused"}
+    result.gate_baking = "rollout_wave_acked" in events and not ended & events
+    print_table(GATE_COLUMNS, result.gate_rows())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -886,7 +1092,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         choices=PARTS,
         default=list(PARTS),
-        help="which parts run: LRS ingest, a CDS change in waves, endpoint changes during a bake (default: all)",
+        help="which parts run: LRS ingest, a CDS change in waves, endpoint changes during a bake, LRS ingest "
+        "with a rollout's health gate on (default: all)",
     )
     parser.add_argument("--workers", type=int, default=d.workers, help="client processes per fleet (default: auto)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the servers' files here")
@@ -917,6 +1124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(ROLLOUT_COLUMNS, result.rollout_rows())
     print()
     print_table(EDS_COLUMNS, result.eds_rows())
+    print()
+    print_table(GATE_COLUMNS, result.gate_rows())
     measured, met = result.target()
     print(
         f"\ntarget: endpoint change p99 during a bake <= {TARGET_RATIO:.2f}x without a rollout: {measured}: "
@@ -931,6 +1140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         all(r.outcome == "rollout_completed" and r.failures == 0 for r in result.rollouts)
         and all(r.failures == 0 for runs in result.eds.values() for r in runs)
         and all(w.early == 0 and w.missing == 0 and w.announced == w.members for w in result.waves())
+        and (not result.gate or result.gate_baking)
     )
     return 0 if ok else 1
 
@@ -949,6 +1159,8 @@ def _as_json(result: RolloutBench) -> dict[str, Any]:
         },
         "eds_ratio": result.eds_ratio,
         "still_baking": result.still_baking,
+        "gate": [vars(w) for w in result.gate],
+        "gate_baking": result.gate_baking,
         "loads": result.loads,
         "stream_errors": result.stream_errors,
     }

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from bench import (
     bench_file,
     bench_hardening,
     bench_incremental,
+    bench_memo,
     bench_replicas,
     bench_rollout,
     bench_side_by_side,
@@ -117,9 +118,15 @@ class Scale:
     """Registrations per run of the replicas' write rate (in-memory vs etcd)."""
     write_clients: int = 16
     """Concurrent HTTP clients of that write rate."""
+    memo_proxies: int = 1000
+    """Proxies at one version of the response memo benchmark (bench/bench_memo.py, in-process)."""
+    memo_services: int = 1000
+    """Clusters whose endpoints each of them subscribes to."""
+    memo_pushes: int = 5
+    """Endpoint changes pushed to them."""
     churn_rate: float = 60.0
     """New node ids a second in the churn soak (bench/bench_churn.py)."""
-    churn_seconds: float = 60.0
+    churn_seconds: float = 300.0
     """How long they come."""
     churn_variants: tuple[bench_churn.ChurnVariant, ...] = bench_churn.VARIANTS
     """The servers and limits of that soak."""
@@ -193,6 +200,9 @@ QUICK = Scale(
     replicas_rounds=1,
     write_count=40,
     write_clients=4,
+    memo_proxies=20,
+    memo_services=30,
+    memo_pushes=2,
     churn_rate=20.0,
     churn_seconds=5.0,
     churn_variants=(
@@ -225,6 +235,8 @@ class Section:
     """What pilotfish was when the section started (servers start fresh from the working tree)."""
     load: tuple[float, float] = (math.nan, math.nan)
     """The load average (1 min) when the section started and when it ended."""
+    skipped: bool = False
+    """Not run (``run_all(only=...)``): left out of the file."""
 
 
 @dataclass
@@ -244,6 +256,7 @@ class Results:
     status_admin_rows: list[list[Any]] = field(default_factory=list)
     replica_runs: list[bench_replicas.FanoutRun] = field(default_factory=list)
     write_rates: list[bench_replicas.WriteRate] = field(default_factory=list)
+    memo: list[bench_memo.MemoRun] = field(default_factory=list)
     churn: list[bench_churn.ChurnResult] = field(default_factory=list)
     rollout: bench_rollout.RolloutBench | None = None
     docker: list[bench_docker.Phase] = field(default_factory=list)
@@ -267,7 +280,9 @@ def _wl(workload: Workload) -> list[str]:
     ]
 
 
-def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
+def run_all(scale: Scale, *, out: Path | None, workdir: Path, only: Sequence[str] = ()) -> Results:
+    """Every section at ``scale`` (``only``: just the sections whose title contains one of these
+    words, case-insensitive; the others are neither run nor written)."""
     results = Results()
     wl = scale.workload
     client = scale.client
@@ -281,6 +296,9 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         body: Callable[[], list[list[Any]]],
         notes: list[str] | None = None,
     ) -> None:
+        if only and not any(word.lower() in title.lower() for word in only):
+            results.sections.append(Section(title, command, columns, [], skipped=True))  # (notes added after)
+            return
         print(f"\n## {title}\n$ {command}", flush=True)
         commit = _git_describe()
         load_before = load_1min()
@@ -851,7 +869,36 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
         replica_notes[1:],
     )
 
-    # 6g. proxies that come and go, RSS sampled (a departed proxy's record, the limits).
+    # 6g. response memos (in-process): does a fleet at one version share one encoded response per push,
+    # also while a peer asks for name sets by the dozen?
+    def memo() -> list[list[Any]]:
+        results.memo = [
+            bench_memo.run_memo(
+                proxies=scale.memo_proxies, services=scale.memo_services, pushes=scale.memo_pushes, peer=peer
+            )
+            for peer in (False, True)
+        ]
+        return [run.row() for run in results.memo]
+
+    section(
+        f"Response memos: bodies encoded per push to {scale.memo_proxies:,} proxies at one version, with and "
+        "without a peer asking for distinct name sets",
+        _cmd(
+            "bench.bench_memo",
+            "--proxies",
+            scale.memo_proxies,
+            "--services",
+            scale.memo_services,
+            "--pushes",
+            scale.memo_pushes,
+        )
+        + " (and again with --peer)",
+        bench_memo.MEMO_COLUMNS,
+        memo,
+        bench_memo.notes(),
+    )
+
+    # 6h. proxies that come and go, RSS sampled (a departed proxy's record, the limits).
     def churn() -> list[list[Any]]:
         for variant in scale.churn_variants:
             result = bench_churn.run_churn(
@@ -860,6 +907,7 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
                 seconds=scale.churn_seconds,
                 max_disconnected=variant.max_disconnected,
                 subset_grace=variant.subset_grace,
+                node_every_request=variant.node_every_request,
             )
             results.churn.append(result)
             print_table(bench_churn.CHURN_COLUMNS, [result.row()])
@@ -873,14 +921,14 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
             scale.churn_rate,
             "--seconds",
             scale.churn_seconds,
-            "[--server before] [--max-disconnected N] [--subset-grace S]",
+            "[--server before] [--max-disconnected N] [--subset-grace S] [--node-every-request]",
         ),
         bench_churn.CHURN_COLUMNS,
         churn,
         bench_churn.notes(rate=scale.churn_rate, seconds=scale.churn_seconds),
     )
 
-    # 6h. progressive delivery: load report ingest, a rollout's waves, endpoint changes during a bake.
+    # 6i. progressive delivery: load report ingest, a rollout's waves, endpoint changes during a bake.
     def rollout() -> list[list[Any]]:
         done = bench_rollout.run_rollout_bench(
             bench_rollout.RolloutOptions(
@@ -949,12 +997,19 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path) -> Results:
             bench_rollout.RolloutBench.eds_rows,
             bench_rollout.RolloutBench.eds_notes,
         ),
+        (
+            f"Rollout: load reports from {scale.rollout_proxies:,} proxies every {scale.rollout_lrs_interval:g} s "
+            "to a server with --rollout and its health gate on vs without --rollout, server CPU",
+            bench_rollout.GATE_COLUMNS,
+            bench_rollout.RolloutBench.gate_rows,
+            bench_rollout.RolloutBench.gate_notes,
+        ),
     ):
         section(title, f"(from the same run: {rollout_cmd})", columns, rollout_part(rows))
         if results.rollout is not None:
             results.sections[-1].notes.extend(notes(results.rollout))
 
-    # 6i. Docker discovery: a burst of containers started and stopped, beside the registry.
+    # 6j. Docker discovery: a burst of containers started and stopped, beside the registry.
     docker_options = bench_docker.DockerOptions(
         containers=scale.docker_containers, rounds=scale.docker_rounds, workdir=workdir / "docker"
     )
@@ -1170,23 +1225,37 @@ def targets(results: Results) -> list[list[Any]]:
                 f"median {row[col('median ms')]} ms, max {row[col('max ms')]} ms, {row[col('response KB')]} KB",
                 True,
             )
+    memo = {run.peer: run for run in results.memo}
+    if False in memo and True in memo:
+        alone, beside = memo[False], memo[True]
+        add(
+            f"{alone.proxies:,} proxies at one version, a peer asking for {bench_memo.PEER_SETS} distinct name sets "
+            "before each push",
+            "one encoded response per push, bytes encoded per push unchanged by the peer",
+            f"{bench_memo.encodings_text(beside)} with the peer, {bench_memo.encodings_text(alone)} without "
+            f"({len(beside.encodings)} pushes each)",
+            set(alone.encodings) == set(beside.encodings) == {1} and alone.encoded_bytes == beside.encoded_bytes,
+        )
     for churned in results.churn:
-        if churned.server != "now":
+        # The targets are the defaults' (every limit but the cap): a variant with a shorter
+        # --subset-grace-s, or nodes on every request, is a comparison beside them.
+        if churned.server != "now" or churned.subset_grace is not None or churned.node_every_request:
             continue
-        if churned.max_disconnected is not None and churned.subset_grace is not None:
+        run = f"{churned.departed:,} departed in {churned.seconds:.0f} s"
+        if churned.max_disconnected is not None:
             past = churned.mib_per_1000_past_cap
             add(
-                f"churn, --status-max-disconnected {churned.max_disconnected:,}",
+                f"churn, --status-max-disconnected {churned.max_disconnected:,}, other limits at their defaults",
                 "RSS flat: < 0.25 MiB per 1,000 departed past the cap",
-                "-" if past is None else f"{past:.3f} MiB per 1,000",
+                "-" if past is None else f"{past:.3f} MiB per 1,000 ({run})",
                 None if past is None else past < 0.25,
             )
-        elif churned.max_disconnected is None:
+        else:
             per = churned.kb_per_remembered
             add(
                 "churn, default limits: RSS per remembered proxy",
                 "<= 1 KB",
-                "-" if per is None else f"{per:.2f} KB",
+                "-" if per is None else f"{per:.2f} KB ({run}, {churned.remembered} remembered at the end)",
                 None if per is None else per <= 1.0,
             )
     if results.rollout is not None:
@@ -1257,6 +1326,8 @@ def render(results: Results, scale: Scale) -> str:
         "",
     ]
     for s in results.sections:
+        if s.skipped:
+            continue
         lines += [
             f"## {s.title}",
             "",
@@ -1304,6 +1375,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TITLE",
         help="that section's title (default: named after the commit)",
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="WORD",
+        help="run only the sections whose title contains one of these words (case-insensitive), e.g. "
+        "`--only Churn Rollout`; the file then has those sections and the targets they measure",
+    )
     args = parser.parse_args(argv)
     scale = replace(
         QUICK if args.quick else FULL,
@@ -1316,10 +1395,10 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO)
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        results = run_all(scale, out=args.out, workdir=args.workdir)
+        results = run_all(scale, out=args.out, workdir=args.workdir, only=args.only)
     else:
         with tempfile.TemporaryDirectory(prefix="pilotfish-bench-all-") as tmp:
-            results = run_all(scale, out=args.out, workdir=Path(tmp))
+            results = run_all(scale, out=args.out, workdir=Path(tmp), only=args.only)
     return 1 if results.errors else 0
 
 

@@ -212,10 +212,12 @@ class Fleet:
         envoy_node: bool = False,
         sync_timeout: float = 30.0,
         max_active: int = 0,
+        node_every_request: bool = False,
     ) -> None:
         """Start ``count`` more proxies, node ids ``{prefix}-N``, ``rate`` per second over all the
         workers, each leaving for good once synced (beside this fleet's steady proxies, which stay),
-        at most ``max_active`` at once over all the workers (0: no limit); it runs in the
+        at most ``max_active`` at once over all the workers (0: no limit), their node on every request
+        (``node_every_request``, Envoy's default) or on a stream's first only; it runs in the
         background: :meth:`churned` says how far it got."""
         ids = [f"{prefix}-{n:06d}" for n in range(count)]
         shards = [ids[n :: self.workers] for n in range(self.workers)]
@@ -231,6 +233,7 @@ class Fleet:
                     "envoy_node": envoy_node,
                     "sync_timeout": sync_timeout,
                     "max_active": math.ceil(max_active / self.workers) if max_active else 0,
+                    "node_every_request": node_every_request,
                 }
                 for shard in shards
             ],

@@ -213,6 +213,9 @@ class SotwProxy:
         """Bytes of the response messages received (gRPC message bodies), over all streams."""
         self._first = True
         """The stream's first request carries the node (``set_node_on_first_message_only``)."""
+        self.node_every_request = False
+        """Every request carries the node, as Envoy's do by default (``set_node_on_first_message_only``
+        false; pilotfish's bootstraps set it true)."""
         self._lds_requested = False
         self.on_synced: asyncio.Event | None = None
         """Set once the proxy is synced (churn proxies leave then)."""
@@ -227,7 +230,7 @@ class SotwProxy:
         self, type_url: str, version: str, nonce: str, resource_names: tuple[str, ...] = (), ack: bool = False
     ) -> _Send:
         node = None
-        if self._first:
+        if self._first or self.node_every_request:
             node = self.node
             self._first = False
         return _Req(type_url, version, nonce, resource_names, node), ack
@@ -594,7 +597,7 @@ class DeltaProxy(SotwProxy):
         ack: bool = False,
     ) -> _Send:
         node = None
-        if self._first:
+        if self._first or self.node_every_request:
             node = self.node
             self._first = False
         return _DeltaReq(type_url, nonce, subscribe, unsubscribe, initial or None, node, version), ack

@@ -195,11 +195,13 @@ class _Worker:
         envoy_node: bool = False,
         sync_timeout: float = 30.0,
         max_active: int = 0,
+        node_every_request: bool = False,
     ) -> None:
         """Start churning in the background: proxies ``ids`` connect one after another, ``rate`` per
         second, and each leaves for good (its stream and connection closed) once it is synced, or
         after ``sync_timeout`` s; ``envoy_node``: their node is as large as Envoy's (see
-        :func:`envoy_like_node`); ``max_active``: at most that many connected at once (0: no limit;
+        :func:`envoy_like_node`); ``node_every_request``: each request carries it (Envoy's default),
+        not only a stream's first; ``max_active``: at most that many connected at once (0: no limit;
         the next waits, so a server slowed down by other work is not buried in connections).
         :meth:`cmd_churned` says how far it got."""
         if self._churn_task is not None:
@@ -211,6 +213,7 @@ class _Worker:
             proxy = kind(-1, node_id, self)
             if envoy_node:
                 proxy.node = envoy_like_node(node_id)
+            proxy.node_every_request = node_every_request
             proxy.on_synced = asyncio.Event()
             task = asyncio.create_task(proxy.run(target, client, None))
             counts.active += 1

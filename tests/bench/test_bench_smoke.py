@@ -29,6 +29,7 @@ from bench import (  # noqa: E402
     bench_file,
     bench_hardening,
     bench_incremental,
+    bench_memo,
     bench_replicas,
     bench_rollout,
     bench_status,
@@ -165,6 +166,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         assert churned.samples and all(rss > 0 for _, _, rss in churned.samples)
     assert [r.remembered for r in results.churn] == [20, churn_count]
     _check_rollout(results.rollout)
+    _check_memo(results.memo)
     assert [(p.source, p.phase) for p in results.docker] == [
         ("docker", "start"),
         ("docker", "stop"),
@@ -188,11 +190,13 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         bench_envoy.ENVOY_COLUMNS,
         bench_replicas.REPLICA_COLUMNS,
         bench_replicas.WRITE_COLUMNS,
+        bench_memo.MEMO_COLUMNS,
         bench_churn.CHURN_COLUMNS,
         bench_rollout.LRS_COLUMNS,
         bench_rollout.WAVE_COLUMNS,
         bench_rollout.ROLLOUT_COLUMNS,
         bench_rollout.EDS_COLUMNS,
+        bench_rollout.GATE_COLUMNS,
         bench_docker.COLUMNS,
         bench_file.COLUMNS,
     ):
@@ -215,11 +219,13 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         "## Admin API with 5 connected proxies",
         "## Replicas on etcd",
         "## Registry write rate",
+        "## Response memos",
         "## Churn",
         "## Rollout: load reports (LRS)",
         "## Rollout: a CDS change in four waves",
         "## Rollout: server CPU per CDS change",
         "## Rollout: an endpoint change while a canary wave bakes",
+        "## Rollout: load reports from 5 proxies every 0.5 s to a server with --rollout and its health gate on",
     ):
         assert heading in text
     assert _header(bench_status.ADMIN_COLUMNS) in text
@@ -262,6 +268,23 @@ def _check_rollout(rollout: bench_rollout.RolloutBench | None) -> None:
         assert len(runs) == QUICK.rollout_rounds
         assert all(r.failures == 0 and len(r.latencies) == QUICK.rollout_proxies for r in runs)
     assert rollout.stream_errors == {}
+    # LRS beside a health gate: the plain server and the rollout server took their fleets'
+    # reports over the same window while the canary wave baked, the gate's verdict read.
+    assert [w.server for w in rollout.gate] == [bench_rollout.PLAIN, bench_rollout.GATED]
+    for gated in rollout.gate:
+        assert gated.answered == QUICK.rollout_proxies
+        assert gated.sent > 0 and gated.taken > 0 and gated.dropped == 0 and gated.errors == {}
+    assert rollout.gate_baking
+    assert rollout.gate[1].health is not None and "verdict" in rollout.gate[1].health
+
+
+def _check_memo(runs: list[bench_memo.MemoRun]) -> None:
+    """Response memos: the fleet at one version shares one encoding per push, with a peer asking for
+    name sets beside it or not, the same bytes either way."""
+    assert [run.peer for run in runs] == [False, True]
+    for run in runs:
+        assert run.encodings == [1] * QUICK.memo_pushes and run.sync_encodings == 1
+    assert runs[0].encoded_bytes == runs[1].encoded_bytes
 
 
 def test_grpc_floor_runs_every_round_to_completion() -> None:
