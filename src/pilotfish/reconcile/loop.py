@@ -172,14 +172,16 @@ class Reconciler:
         """A source's whole current view. Equal to what it said before: nothing happens."""
         self.readiness.reported(source)
         previous = self._states.get(source)
-        if previous == state:
+        # What it touches, field by field: nothing means it equals what the source said before
+        # (one comparison of the two states, not two).
+        keys, endpoints_changed = _touched(source, previous, state)
+        if not keys:
             if self._refused_input and self.stats.last_error is None:  # back to what is served
                 self._announce_fix(self.cache.snapshot(DEFAULT_GROUP))
             return
         self._states[source] = state
         self.stats.changes += 1
         now = self._clock.now()
-        keys, endpoints_changed = _touched(source, previous, state)
         self.damping.report(previous, state, now, changed=endpoints_changed)
         self._changed(now, keys)
 
@@ -497,9 +499,10 @@ _DNS_NAMES = "dns names"
 
 def _touched(source: str, previous: DesiredState | None, state: DesiredState) -> tuple[set[str], list[str]]:
     """What a source's new state touches: the debounce keys (each service whose definition or
-    endpoints changed; the source's raw resources and version as one key of its own) and the
-    services whose endpoints changed. Unchanged services are the very objects they were (sources
-    reuse them), so this costs an identity check per service."""
+    endpoints changed; the source's raw resources and version as one key of its own; every field
+    of the state is looked at, so no key means an equal state) and the services whose endpoints
+    changed. Unchanged services are the very objects they were (sources reuse them), so this
+    costs an identity check per service."""
     before = previous or DesiredState()
     endpoints_changed = _differing(before.endpoints, state.endpoints)
     keys = set(endpoints_changed)

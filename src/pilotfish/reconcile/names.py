@@ -32,7 +32,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -165,7 +165,10 @@ class LastGoodNames:
         self._events = events or EventLog()
         self._on_change = on_change
         self._of_service: dict[str, tuple[tuple[Endpoint, ...], frozenset[str]]] = {}
-        """Each service's endpoints as last noted, and the names among them (noted by identity)."""
+        """The services with a host name among their endpoints: their endpoints as last noted, and
+        the names among them (noted by identity)."""
+        self._noted_from: Mapping[str, tuple[Endpoint, ...]] | None = None
+        """The endpoints mapping last noted: a merge patched from it needs its changed names alone."""
         self._users: dict[str, list[str]] = {}
         """Each name in use (looked up), and the services that use it."""
         self._names: dict[str, _Name] = {}
@@ -183,16 +186,29 @@ class LastGoodNames:
         name not seen before is looked up at once; one no longer used is forgotten."""
         if self.settings.refresh <= 0:
             return  # (looking nothing up: nothing to note)
-        services = self._of_service
+        endpoints, patch = merged.endpoints, merged.patch
+        before = self._of_service
+        looked_at: Iterable[str]
+        if patch is not None and patch.endpoints is self._noted_from:
+            services, looked_at = before, patch.names  # (a build of one change costs that change)
+        else:
+            services, looked_at = {}, endpoints.keys()
+        for service in looked_at:
+            found = endpoints.get(service)
+            noted = before.get(service)
+            if found is None:
+                services.pop(service, None)
+            elif noted is not None and noted[0] is found:
+                services[service] = noted
+            elif hosts := frozenset(host_names(found)):
+                services[service] = (found, hosts)
+            else:
+                services.pop(service, None)
+        self._of_service, self._noted_from = services, endpoints
         users: dict[str, list[str]] = {}
-        for service, found in merged.endpoints.items():
-            noted = services.get(service)
-            if noted is None or noted[0] is not found:
-                noted = services[service] = (found, frozenset(host_names(found)))
-            for name in noted[1]:
+        for service, (_, hosts) in services.items():
+            for name in hosts:
                 users.setdefault(name, []).append(service)
-        for service in services.keys() - merged.endpoints.keys():
-            del services[service]
         watched = sorted(users)[: self.settings.max_names]
         self._left_out = len(users) - len(watched)
         if self._left_out and not self._said_left_out:

@@ -10,6 +10,9 @@ import json
 import socket
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from pilotfish.build.desired import DesiredState, merge_states
 from pilotfish.cache import SnapshotCache
 from pilotfish.events import EventLog, RecentEvents
@@ -230,3 +233,31 @@ def test_the_metadata_key_that_marks_a_kept_address_is_refused_in_input() -> Non
 
 async def test_the_hosts_resolver_answers_ipv4_first() -> None:
     assert await SystemResolver().addresses("localhost") == ("127.0.0.1",)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([f"s{i}" for i in range(6)]), st.sampled_from(["", "a.internal", "b.internal"])),
+        min_size=1,
+        max_size=20,
+    )
+)
+def test_noting_a_patched_merge_finds_the_names_a_fresh_look_finds(steps: list[tuple[str, str]]) -> None:
+    """A build patched from the last merge notes its changed services alone; what it finds in use
+    is what noting the whole merged state from scratch finds."""
+    from pilotfish.build.desired import MergeMemo
+    from pilotfish.reconcile.names import LastGoodNames
+
+    memo = MergeMemo()
+    incremental = LastGoodNames(NameSettings(), resolver=FakeResolver({}))
+    endpoints: dict[str, tuple[Endpoint, ...]] = {}
+    for service, host in steps:
+        if host:  # the service uses that name (beside an IP address), or only an IP address
+            endpoints = {**endpoints, service: (Endpoint("127.0.0.1", 9000), Endpoint(host, 9001))}
+        else:
+            endpoints = {**endpoints, service: (Endpoint("127.0.0.1", 9000),)}
+        merged = merge_states({"registry": DesiredState(endpoints=dict(endpoints))}, memo=memo)
+        incremental.note(merged)
+        fresh = LastGoodNames(NameSettings(), resolver=FakeResolver({}))
+        fresh.note(merged)
+        assert incremental._users == fresh._users
