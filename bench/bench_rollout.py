@@ -903,6 +903,13 @@ def run_rollout_bench(options: RolloutOptions) -> RolloutBench:
             for side in reversed(sides):
                 side.close()
 
+        def retire(side: _Side) -> None:
+            """A part is over: count its stream errors, stop its server and fleet."""
+            errors(side)
+            sides.remove(side)
+            side.close()
+            result.loads.append(load_1min())
+
         stack.callback(close_all)
 
         result.loads.append(load_1min())
@@ -916,10 +923,7 @@ def run_rollout_bench(options: RolloutOptions) -> RolloutBench:
             for on, off in ((plain, other), (other, plain)):
                 result.lrs.append(_lrs_window(on, off, options))
                 print_table(LRS_COLUMNS, [_lrs_row(str(len(result.lrs)), on.server.name, result.lrs[-1:])])
-            errors(other)
-            sides.remove(other)
-            other.close()
-            result.loads.append(load_1min())
+            retire(other)
 
         # 2. CDS changes in waves, and the same changes pushed by the plain server.
         if "waves" in options.parts:
@@ -945,19 +949,12 @@ def run_rollout_bench(options: RolloutOptions) -> RolloutBench:
                     break
             print_table(WAVE_COLUMNS, result.wave_rows())
             print_table(ROLLOUT_COLUMNS, result.rollout_rows())
-            errors(rollout)
-            sides.remove(rollout)
-            rollout.close()
-            result.loads.append(load_1min())
+            retire(rollout)
 
         # 3. Endpoint changes while a canary wave bakes, interleaved with the same on the plain server.
         if "eds" in options.parts:
             _during_a_bake(result, plain, workdir, sides)
-            baking = sides[-1]
-            errors(baking)
-            sides.remove(baking)
-            baking.close()
-            result.loads.append(load_1min())
+            retire(sides[-1])
 
         # 4. LRS ingest beside a rollout whose health gate reads the reports.
         if "gate" in options.parts:

@@ -16,6 +16,7 @@ or the event of a marker change made afterwards), then look at what lies before 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -192,3 +193,9 @@ def wait_until_built(events: EventLog, *, changes: int, after: int, what: str) -
     """
     logged = events.wait_for_count(is_registry_change, changes, what=f"{what}: the registry changes", after=after)
     return events.wait_for(is_event("snapshot_loaded"), what=what, after=events.index_of(logged[-1]) + 1)
+
+
+NEW_CLUSTER_JUDGED = re.compile(
+    r"error ratio [\d.]+ % vs [\d.]+ % baseline (before the wave )?overall on cluster broken$"
+)
+"""The gate's reason when it fails the new cluster ``broken`` against the baseline's overall ratio."""

@@ -22,7 +22,6 @@ its instances come from the registry API. Three changes, each valid to pilotfish
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .event_log import EDS, RDS, Event, EventLog
+from .event_log import EDS, NEW_CLUSTER_JUDGED, RDS, Event, EventLog
 from .processes import (
     ControlPlane,
     Envoy,
@@ -48,11 +47,6 @@ from .testbed import WEB, Testbed
 from .wrk import Wrk
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
-
-NEW_CLUSTER_JUDGED = re.compile(
-    r"error ratio [\d.]+ % vs [\d.]+ % baseline (before the wave )?overall on cluster broken$"
-)
-"""The gate's reason when it fails the new cluster ``broken`` against the baseline's overall ratio."""
 
 FLEET = ("c-1", "p-1", "p-2", "p-3", "p-4", "p-5")
 OTHERS = FLEET[1:]

@@ -15,14 +15,13 @@ canary's calls succeed again, and the other client was never sent the change and
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .event_log import CDS, RDS, Event
+from .event_log import CDS, NEW_CLUSTER_JUDGED, RDS, Event
 from .processes import (
     ControlPlane,
     GrpcBackend,
@@ -36,11 +35,6 @@ from .processes import (
 from .snapshot_file import write_services
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
-
-NEW_CLUSTER_JUDGED = re.compile(
-    r"error ratio [\d.]+ % vs [\d.]+ % baseline (before the wave )?overall on cluster broken$"
-)
-"""The gate's reason when it fails the new cluster ``broken`` against the baseline's overall ratio."""
 
 CANARY, OTHER = "grpc-c-1", "grpc-p-1"
 MIN_REQUESTS = 50
