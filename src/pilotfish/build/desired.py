@@ -47,7 +47,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from pilotfish.build.subsetting import IndexTable, Ring, ZoneRings
-from pilotfish.build.validate import check_references, check_rules
+from pilotfish.build.validate import check_rules, reference_names, references_problems
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType, TypeUrl
 from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH, rest_config_source
@@ -449,22 +449,28 @@ def build_snapshots(
         else:
             union[rtype] = list({id(r): r for found in lists.values() for r in found}.values())
     # The user's own resources, encoded once for every check and view, with their messages.
-    raw = {t: [(memo.raw(t, m), m) for m in merged.resources.get(t, ())] for t in TYPES}
+    raw = {t: memo.raw(t, tuple(merged.resources.get(t, ()))) for t in TYPES}
     problems = list(merged.problems)
     problems.extend(_name_clashes(raw, {kind: by_type for (kind, _), by_type in built.items()}))
     problems.extend(_api_listener_clashes(merged))
     problems.extend(_address_clashes(merged))
     problems.extend(_route_problems(merged))
-    problems.extend(
-        check_references(
-            merged.resources,
-            more_endpoints=(r.name for r in union[ENDPOINT]),
-            more_routes=(r.name for r in union[ROUTE]),
-            more_clusters=(r.name for r in union[CLUSTER]),
-        )
+    # Only clusters, listeners and route configurations refer to others: a build whose lists of
+    # those, and whose names, are the last build's has the same reference problems.
+    names = reference_names(
+        merged.resources,
+        more_endpoints=(r.name for r in union[ENDPOINT]),
+        more_routes=(r.name for r in union[ROUTE]),
+        more_clusters=(r.name for r in union[CLUSTER]),
     )
+    referring = tuple(merged.resources.get(t, ()) for t in (CLUSTER, LISTENER, ROUTE))
+    if any(merged.resources.values()):
+        check = functools.partial(references_problems, merged.resources, names)
+        problems.extend(memo.derived(("references",), (*referring, names), check))
     if rules:
-        problems.extend(check_rules(raw, union))
+        for rtype, items in raw.items():  # (a type whose list is the last build's: its outcome)
+            problems.extend(memo.derived(("rules", rtype), (items,), functools.partial(check_rules, {rtype: items})))
+        problems.extend(check_rules({}, union))
     if problems:
         raise ConfigError(source, list(dict.fromkeys(problems)))
     snapshots: dict[View, Snapshot] = {}
@@ -479,7 +485,11 @@ def build_snapshots(
             if key not in shared:
                 # The resources and their hash, derived once from the same list as the last build's
                 # (by identity: one endpoint changed leaves the clusters' list as it was).
-                served = tuple(r.hash for r, m in raw.get(rtype, ()) if _serves(view.kind, rtype, m))
+                served = memo.derived(
+                    ("served", rtype, view.kind),
+                    (raw[rtype],),
+                    functools.partial(_served, raw[rtype], view.kind, rtype),
+                )
                 derived = (rtype, view.kind, view.zone)
                 last = memo.derived(
                     derived, (by_type.get(rtype), served), functools.partial(_type_snapshot, raw, view, by_type, rtype)
@@ -509,6 +519,11 @@ def _rest_source(refresh: float) -> config_source_pb2.ConfigSource:
     source = config_source_pb2.ConfigSource()
     json_format.ParseDict(rest_config_source(refresh=refresh), source)
     return source
+
+
+def _served(raw: list[tuple[Resource, Message]], kind: ClientKind, rtype: ResourceType) -> tuple[str, ...]:
+    """The hashes of the raw resources of a type that clients of ``kind`` are served."""
+    return tuple(r.hash for r, m in raw if _serves(kind, rtype, m))
 
 
 def _serves(view_kind: ClientKind, rtype: ResourceType, message: Message) -> bool:

@@ -67,6 +67,8 @@ __all__ = [
     "check_references",
     "check_rules",
     "default_checker",
+    "reference_names",
+    "references_problems",
     "rule_problems",
     "understands",
 ]
@@ -1702,16 +1704,42 @@ def check_references(
     ``more_clusters`` name resources that exist besides ``resources`` (built from services, whose
     own references are right by construction).
     """
-    problems: list[Problem] = []
     if not any(resources.values()):
-        return problems  # only the resources given refer to others (the more_* ones are right by construction)
+        return []  # only the resources given refer to others (the more_* ones are right by construction)
+    return references_problems(
+        resources,
+        reference_names(resources, more_endpoints=more_endpoints, more_routes=more_routes, more_clusters=more_clusters),
+    )
+
+
+ReferenceNames = tuple[frozenset[str], frozenset[str], frozenset[str]]
+"""The names that exist to be referred to: endpoints (ClusterLoadAssignments), route
+configurations, clusters."""
+
+
+def reference_names(
+    resources: Mapping[ResourceType, tuple[Message, ...]],
+    *,
+    more_endpoints: Iterable[str] = (),
+    more_routes: Iterable[str] = (),
+    more_clusters: Iterable[str] = (),
+) -> ReferenceNames:
+    """What :func:`check_references` checks references against (see it)."""
     endpoint_names = {m.cluster_name for m in resources.get(ENDPOINT, ())}  # type: ignore[attr-defined]
     endpoint_names.update(more_endpoints)
     route_names = {m.name for m in resources.get(ROUTE, ())}  # type: ignore[attr-defined]
     route_names.update(more_routes)
     cluster_names = {m.name for m in resources.get(CLUSTER, ())}  # type: ignore[attr-defined]
     cluster_names.update(more_clusters)
+    return frozenset(endpoint_names), frozenset(route_names), frozenset(cluster_names)
 
+
+def references_problems(resources: Mapping[ResourceType, tuple[Message, ...]], names: ReferenceNames) -> list[Problem]:
+    """:func:`check_references` of ``resources`` against ``names``: a function of the clusters,
+    listeners and route configurations given and of the names alone (an edit of an endpoint
+    that renames nothing leaves it as it was)."""
+    endpoint_names, route_names, cluster_names = names
+    problems: list[Problem] = []
     for index, cluster in enumerate(resources.get(CLUSTER, ())):
         assert isinstance(cluster, cluster_pb2.Cluster)
         wanted = _eds_wanted(cluster)
@@ -1755,7 +1783,7 @@ def _eds_wanted(cluster: cluster_pb2.Cluster) -> str | None:
 
 
 def _listener_problems(
-    label: str, listener: listener_pb2.Listener, cluster_names: set[str], route_names: set[str]
+    label: str, listener: listener_pb2.Listener, cluster_names: frozenset[str], route_names: frozenset[str]
 ) -> Iterator[Problem]:
     """A listener's filter chains, the clusters its tcp proxies and inline routes name, and the
     route configurations it asks RDS for."""
@@ -1786,7 +1814,7 @@ def _listener_problems(
             )
 
 
-def _tcp_proxy_problems(where: str, proxy: tcp_proxy_pb2.TcpProxy, cluster_names: set[str]) -> Iterator[Problem]:
+def _tcp_proxy_problems(where: str, proxy: tcp_proxy_pb2.TcpProxy, cluster_names: frozenset[str]) -> Iterator[Problem]:
     if proxy.WhichOneof("cluster_specifier") == "cluster" and proxy.cluster not in cluster_names:
         yield _missing_cluster(f"{where}.cluster", proxy.cluster)
     for ci, weighted in enumerate(proxy.weighted_clusters.clusters):

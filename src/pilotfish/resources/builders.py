@@ -469,6 +469,14 @@ class ServicesPatch(NamedTuple):
     names: frozenset[str]
 
 
+class _RawList(NamedTuple):
+    """A type's raw resources as one build had them (see :meth:`ResourceMemo.raw`)."""
+
+    messages: tuple[Message, ...]
+    pairs: list[tuple[Resource, Message]]
+    encoded: dict[int, tuple[Message, Resource]]
+
+
 _ListKey = str | int
 """An output list of :func:`encode_for_views`: the :class:`_Service` attribute it is made of, or for
 the assignments of a zone, that zone's number (its place in :attr:`_Service.zonal`)."""
@@ -504,10 +512,10 @@ class ResourceMemo:
         self._derived_before: dict[Hashable, tuple[tuple[object, ...], Any]] = {}
         self._made_from: tuple[Mapping[str, ServiceSpec], Mapping[str, Iterable[Endpoint]]] | None = None
         """The mappings the last build was made from (a patch of them needs only its names looked at)."""
-        self._raw: dict[int, tuple[Message, Resource]] = {}
-        self._raw_before: dict[int, tuple[Message, Resource]] = {}
-        """The user's own resources encoded, by the identity of their message (held with it, so
-        the id is not reused): this build's, and the last build's."""
+        self._raw: dict[ResourceType, _RawList] = {}
+        """The user's own resources of each type as the last build had them: the messages, each
+        with its encoding, and the encodings by the identity of their message (held with it, so
+        the id is not reused)."""
 
     def make(self, make: Callable[..., Resource], *args: Any) -> Resource:
         """``make(*args)``: one resource made because its input changed (counted in :attr:`made`)."""
@@ -517,7 +525,6 @@ class ResourceMemo:
     def start(self, views: tuple[object, ...]) -> None:
         """A build for ``views`` begins: entries made for other views are of no use."""
         self._derived_before, self._derived = self._derived, {}
-        self._raw_before, self._raw = self._raw, {}
         if views != self._views:
             self._views = views
             self._services = {}
@@ -567,17 +574,28 @@ class ResourceMemo:
     def previous_list(self, key: _ListKey) -> list[Resource] | None:
         return self._lists.get(key)
 
-    def raw(self, rtype: ResourceType, message: Message) -> Resource:
-        """A raw resource's encoding: the last build's when ``message`` is the very message it was
-        made from (a source that parsed nothing again hands over the same messages), else made.
-        Kept for one build."""
-        key = id(message)
-        entry = self._raw.get(key) or self._raw_before.get(key)
-        if entry is None or entry[0] is not message:
-            self.made += 1
-            entry = (message, Resource.of(rtype, message))
-        self._raw[key] = entry
-        return entry[1]
+    def raw(self, rtype: ResourceType, messages: tuple[Message, ...]) -> list[tuple[Resource, Message]]:
+        """The raw resources of a type, each encoded with its message. A message that is the very
+        one an earlier build had (a source that parsed nothing again hands over the same messages)
+        keeps its encoding; the very list of the last build when every message is (compared in
+        one pass, by identity first). The encodings are indexed by message across builds: the
+        index is made anew once it holds twice the type's resources (amortized O(1) a resource;
+        memory: at most twice the current ones)."""
+        last = self._raw.get(rtype)
+        if last is not None and (last.messages is messages or last.messages == messages):
+            return last.pairs
+        encoded = last.encoded if last is not None else {}
+        pairs = []
+        for message in messages:
+            entry = encoded.get(id(message))
+            if entry is None or entry[0] is not message:
+                self.made += 1
+                entry = encoded[id(message)] = (message, Resource.of(rtype, message))
+            pairs.append((entry[1], message))
+        if len(encoded) > 2 * len(pairs) + 16:  # (the stale ones go)
+            encoded = {id(message): (message, resource) for resource, message in pairs}
+        self._raw[rtype] = _RawList(messages, pairs, encoded)
+        return pairs
 
     def derived(self, key: Hashable, inputs: tuple[object, ...], make: Callable[[], _T]) -> _T:
         """``make()``, which derives something from ``inputs`` (e.g. this memo's output lists), or

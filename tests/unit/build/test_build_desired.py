@@ -381,3 +381,37 @@ def test_a_raw_resource_handed_over_again_is_not_encoded_again() -> None:
     before, after = (b["envoy"].types[CLUSTER.url].resources for b in (first, second))
     assert [n for n in after if after[n] is not before[n]] == ["c4"]
     assert after["c4"].message.connect_timeout.seconds == 2  # type: ignore[attr-defined]
+
+
+def test_reference_and_rule_problems_follow_each_build_when_parts_are_reused() -> None:
+    """Reused per build (a list that is the last build's, names that are the same): a later build
+    that removes what a cluster needs, or breaks a rule, is refused all the same."""
+    eds = {"eds_config": {"ads": {}, "resource_api_version": "V3"}}
+    document = {
+        "clusters": [
+            {"name": f"c{i}", "type": "EDS", "connect_timeout": "1s", "eds_cluster_config": eds} for i in range(3)
+        ],
+        "endpoints": [{"cluster_name": f"c{i}"} for i in range(3)],
+    }
+    memo = ResourceMemo()
+    groups = {"envoy": ENVOYS}
+    good = DesiredState.of_document(parse_document(document, "t"))
+
+    def build(state: DesiredState) -> None:
+        build_snapshots(merge_states({"file": state}), "t", groups, memo=memo)
+
+    build(good)
+    without_c1 = DesiredState(
+        resources={**good.resources, ENDPOINT: tuple(m for m in good.resources[ENDPOINT] if m.cluster_name != "c1")}  # type: ignore[attr-defined]
+    )
+    with pytest.raises(ConfigError) as caught:
+        build(without_c1)  # the clusters' list is the last build's; the names are not
+    assert [p.where for p in caught.value.problems] == ["clusters[1] (name 'c1')"]
+    build(good)
+    zero = cluster_pb2.Cluster()
+    zero.CopyFrom(good.resources[CLUSTER][2])
+    zero.connect_timeout.seconds = 0
+    broken = DesiredState(resources={**good.resources, CLUSTER: (*good.resources[CLUSTER][:2], zero)})
+    with pytest.raises(ConfigError, match="connect_timeout"):
+        build(broken)
+    build(good)
