@@ -139,6 +139,15 @@ async def _serve(event_log: Path, endpoints: int) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, push)
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the benchmark was killed (e.g. a test's timeout): do not outlive it
+        if os.getppid() != parent:
+            stop.set()
+        else:
+            loop.call_later(1.0, orphaned)
+
+    orphaned()
     events = EventLog(event_log)
     events.emit("server_started", xds=f"127.0.0.1:{port}")
     events.flush()
