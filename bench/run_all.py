@@ -41,6 +41,7 @@ from bench import (
     bench_subsetting,
     fanout,
     h2_core_compare,
+    push_floor,
 )
 from bench.checkout import revision
 from bench.fleet import CLIENTS
@@ -77,6 +78,10 @@ class Scale:
     """Fleet sizes of pilotfish vs the naive server."""
     profile_proxies: int = 1000
     """Proxies of the py-spy profiled fan-out (0: none)."""
+    push_floor_rounds: int = 3
+    """Rounds of the push floor beside pilotfish (bench/push_floor.py), at the grpc.aio floor's fleet size."""
+    push_floor_pushes: int = 10
+    """Pushes per run of the push floor and of pilotfish beside it."""
     sovereign: bool = True
     """Run Sovereign beside the real Envoy (from bench/.venv-sovereign)."""
     client: str = "h2"
@@ -180,6 +185,8 @@ QUICK = Scale(
     envoy_quiet_ms=(20,),
     baseline_proxies=(5,),
     profile_proxies=0,
+    push_floor_rounds=1,
+    push_floor_pushes=2,
     sovereign=False,
     core_proxies=5,
     core_rounds=1,
@@ -399,6 +406,31 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path, only: Sequence[str
             "for the transport alone on grpc.aio, about 300 us of CPU per proxy per push; its own HTTP/2 "
             "transport (src/pilotfish/transport/aio.py) does the whole fan-out, xDS included, for less "
             "(`CPU s / push` above)."
+        ],
+    )
+
+    # 1c. the floor of a push on pilotfish's own transport, beside pilotfish (in turn).
+    section(
+        "The push floor: pilotfish's own transport writing shared bytes and reading ACKs, beside pilotfish",
+        _cmd(
+            "bench.push_floor",
+            "--proxies",
+            floor_n,
+            "--rounds",
+            scale.push_floor_rounds,
+            "--pushes",
+            scale.push_floor_pushes,
+        ),
+        push_floor.COLUMNS,
+        lambda: push_floor.run_push_floor(
+            proxies=floor_n, rounds=scale.push_floor_rounds, pushes=scale.push_floor_pushes
+        ),
+        [
+            "The floor: pilotfish's HTTP/2 and gRPC transport with N ADS streams (the same simulated fleet, "
+            "SotW or delta), one shared pre-encoded EDS response written to every stream per push and one ACK "
+            "per stream read and parsed; nothing else. pilotfish: one registry endpoint change per push "
+            f"({Workload().describe()}), at both event log levels. Runs in turn, the order flipped every "
+            "round; `x floor` is the ratio of the medians (issue 24's target: <= 2x)."
         ],
     )
 

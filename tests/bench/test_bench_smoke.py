@@ -300,6 +300,27 @@ def test_grpc_floor_runs_every_round_to_completion() -> None:
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]  # both rounds: every stream answered
 
 
+def test_push_floor_pushes_to_every_proxy_beside_pilotfish_sotw_and_delta() -> None:
+    """The floor server (pilotfish's own transport, shared bytes out, ACKs parsed) is ACKed by every
+    simulated proxy on every push, over SotW and delta, and pilotfish's fan-out runs beside it."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench.push_floor", "--proxies", "5", "--rounds", "1", "--pushes", "2"),
+            *("--event-log-levels", "changes"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr  # 0: no proxy missed a push
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in done.stdout.splitlines()]
+    table = {(row[0], row[1]): row for row in rows if len(row) == 10 and row[2] == "5"}
+    assert set(table) == {(s, x) for s in ("floor", "pilotfish (changes)") for x in ("sotw", "delta")}
+    for row in table.values():
+        assert row[-1] == "0" and float(row[5]) >= 0 and float(row[7]) > 100  # no failures; an EDS response each
+
+
 def test_bench_memo_counts_one_encoding_per_push_for_a_fleet() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench.bench_memo", "--proxies", "20", "--services", "30", "--pushes", "2", "--peer"],

@@ -1,0 +1,329 @@
+"""The floor of a push on pilotfish's own transport, beside pilotfish's fan-out, in turn.
+
+What a push cannot cost less than, on this machine, with pilotfish's HTTP/2 and gRPC transport
+(:class:`pilotfish.transport.aio.GrpcServer`) and the same simulated fleet (bench/fleet/) as
+``bench.fanout``: the same number of connections, each an ADS stream (SotW or delta); per push,
+one shared pre-encoded response (an EDS response carrying one ClusterLoadAssignment, as a
+one-endpoint change does) written to every connection, and one ACK per connection read and
+parsed (``DiscoveryRequest`` / ``DeltaDiscoveryRequest``). Nothing else: no snapshot, no build,
+no watches, no state machine, no status, no event log lines per request. ``bench.grpc_floor``
+is the same idea for grpc.aio.
+
+Theory of operation
+-------------------
+The floor server (``--serve``) runs in its own process, on uvloop as ``pilotfish serve`` does.
+It answers a stream's first CDS and LDS requests with empty responses (the simulated proxy is
+then synced, subscribed to no EDS name) and ignores other requests but parses each; SIGUSR1
+makes it push version ``k`` (the k-th push) to every stream. Its CPU seconds per push are read
+from /proc as ``bench.fanout`` reads pilotfish's: before the push, and once the server has gone
+quiet after every proxy ACKed it. ``rounds`` times, for each xDS variant, the floor and
+pilotfish (:func:`bench.fanout.run_fanout`, one registry endpoint change per push, event log
+level ``changes`` and ``all``) run in turn, the order flipped every round; a row gives the
+median over the rounds of each run's mean CPU seconds per push, the range, and the ratio to
+the floor.
+
+    .venv/bin/python -m bench.push_floor --proxies 1000 --rounds 3 --pushes 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.fanout import FanoutOptions, run_fanout
+from bench.fleet import EDS, XDS_VARIANTS, Fleet
+from bench.fleet.messages import CDS, LDS
+from bench.procs import REPO, ServerProcess, work_dir
+from bench.report import fmt_loads, print_table
+from bench.stats import load_1min, ratio, spread
+from bench.workload import Workload
+
+__all__ = ["COLUMNS", "FloorRun", "floor_response", "run_floor", "run_push_floor"]
+
+_ADS = "/envoy.service.discovery.v3.AggregatedDiscoveryService/"
+
+
+def floor_response(xds: str, version: str, endpoints: int) -> bytes:
+    """The pushed message: an EDS response (SotW or delta) with one ClusterLoadAssignment of
+    ``endpoints`` endpoints, as pilotfish sends for one endpoint changed in ``svc-00000``."""
+    from envoy.config.endpoint.v3 import endpoint_pb2
+    from envoy.service.discovery.v3 import discovery_pb2
+    from google.protobuf import any_pb2
+
+    assignment = endpoint_pb2.ClusterLoadAssignment(cluster_name="svc-00000")
+    locality = assignment.endpoints.add()
+    for n in range(endpoints):
+        address = locality.lb_endpoints.add().endpoint.address.socket_address
+        address.address, address.port_value = f"10.0.{n // 250}.{n % 250 + 1}", 8080
+    packed = any_pb2.Any(type_url=EDS, value=assignment.SerializeToString())
+    if xds == "delta":
+        delta = discovery_pb2.DeltaDiscoveryResponse(system_version_info=version, type_url=EDS, nonce=version)
+        delta.resources.add(name="svc-00000", version=version, resource=packed)
+        return bytes(delta.SerializeToString())
+    sotw = discovery_pb2.DiscoveryResponse(version_info=version, type_url=EDS, nonce=version, resources=[packed])
+    return bytes(sotw.SerializeToString())
+
+
+async def _serve(event_log: Path, endpoints: int) -> None:
+    """The floor server: see the module docstring."""
+    import uvloop  # noqa: F401 (the loop is chosen by the caller: uvloop.run)
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    from pilotfish.events import EventLog
+    from pilotfish.transport.aio import Call, GrpcServer
+
+    empty = {
+        "sotw": {
+            t: discovery_pb2.DiscoveryResponse(version_info="0", type_url=t, nonce="0").SerializeToString()
+            for t in (CDS, LDS)
+        },
+        "delta": {
+            t: discovery_pb2.DeltaDiscoveryResponse(system_version_info="0", type_url=t, nonce="0").SerializeToString()
+            for t in (CDS, LDS)
+        },
+    }
+    decoders = {
+        "sotw": discovery_pb2.DiscoveryRequest.FromString,
+        "delta": discovery_pb2.DeltaDiscoveryRequest.FromString,
+    }
+    calls: dict[str, set[Call]] = {"sotw": set(), "delta": set()}
+    acks = 0
+
+    class Stream:
+        __slots__ = ("call", "decode", "first", "xds")
+
+        def __init__(self, call: Call, xds: str) -> None:
+            self.call, self.xds, self.decode = call, xds, decoders[xds]
+            calls[xds].add(call)
+
+        def on_message(self, data: bytes) -> None:
+            nonlocal acks
+            request = self.decode(data)  # every request read and parsed
+            if request.response_nonce:
+                acks += 1
+            elif request.type_url in (CDS, LDS):
+                self.call.send(empty[self.xds][request.type_url])
+
+        def on_half_close(self) -> None:
+            calls[self.xds].discard(self.call)
+
+        def on_closed(self, reason: str) -> None:
+            calls[self.xds].discard(self.call)
+
+    server = GrpcServer(
+        {
+            _ADS + "StreamAggregatedResources": lambda call: Stream(call, "sotw"),
+            _ADS + "DeltaAggregatedResources": lambda call: Stream(call, "delta"),
+        }
+    )
+    port = await server.start("127.0.0.1", 0)
+    pushes = 0
+
+    def push() -> None:
+        nonlocal pushes
+        pushes += 1
+        for xds, streams in calls.items():
+            body = floor_response(xds, str(pushes), endpoints)  # encoded once per push
+            for call in streams:
+                call.send(body)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, push)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the benchmark was killed (e.g. a test's timeout): do not outlive it
+        if os.getppid() != parent:
+            stop.set()
+        else:
+            loop.call_later(1.0, orphaned)
+
+    orphaned()
+    events = EventLog(event_log)
+    events.emit("server_started", xds=f"127.0.0.1:{port}")
+    events.flush()
+    await stop.wait()
+    await server.stop(0.5)
+
+
+@dataclass
+class FloorRun:
+    """One floor run: CPU seconds of the floor server per push, and the bytes each proxy got."""
+
+    xds: str
+    proxies: int
+    cpu_per_push: list[float] = field(default_factory=list)
+    bytes_per_push: float = 0.0
+    failures: int = 0
+
+    @property
+    def cpu(self) -> float:
+        return sum(self.cpu_per_push) / len(self.cpu_per_push) if self.cpu_per_push else float("nan")
+
+
+def run_floor(
+    *, proxies: int, xds: str, pushes: int = 5, endpoints: int = 5, workdir: Path | None = None, gap: float = 0.3
+) -> FloorRun:
+    """One run of the floor server under a fleet of ``proxies``: ``pushes`` pushes, each timed
+    until every proxy ACKed it."""
+    run = FloorRun(xds=xds, proxies=proxies)
+    with contextlib.ExitStack() as stack:
+        workdir = work_dir(stack, workdir, "pilotfish-push-floor-")
+        event_log = workdir / "floor-events.jsonl"
+        argv = [sys.executable, "-m", "bench.push_floor", "--serve", str(event_log), "--endpoints", str(endpoints)]
+        server = ServerProcess(name="floor", argv=argv, workdir=workdir, event_log=event_log)
+        server.start()
+        stack.callback(server.stop)
+        fleet = Fleet(target=server.xds, proxies=proxies, xds=xds)
+        fleet.start()
+        stack.callback(fleet.close)
+        synced = fleet.wait_synced(timeout=max(60.0, proxies / 100))
+        if synced.failures:
+            run.failures = synced.failures
+            return run
+        server.settle_cpu(quiet=0.3, limit=5)
+        received = sum(fleet.bytes_received())
+        for k in range(1, pushes + 1):
+            before = server.cpu_seconds()
+            t0 = time.time()
+            os.kill(server.pid, signal.SIGUSR1)
+            acked = fleet.wait_acked({EDS: str(k)}, since=t0, timeout=60)
+            run.cpu_per_push.append(server.settle_cpu() - before)
+            run.failures = max(run.failures, acked.failures)
+            time.sleep(gap)
+        run.bytes_per_push = (sum(fleet.bytes_received()) - received) / pushes / proxies
+    return run
+
+
+COLUMNS = [
+    "server",
+    "xds",
+    "proxies",
+    "runs",
+    "load 1 min (each run)",
+    "CPU s / push (median)",
+    "CPU s / push (range)",
+    "bytes / proxy / push",
+    "x floor",
+    "failures",
+]
+
+
+def run_push_floor(
+    *,
+    proxies: int,
+    rounds: int = 3,
+    pushes: int = 5,
+    xds: Sequence[str] = XDS_VARIANTS,
+    levels: Sequence[str] = ("changes", "all"),
+    workdir: Path | None = None,
+) -> list[list[object]]:
+    """The floor and pilotfish (at each event log level in ``levels``) in turn, ``rounds`` times
+    per xDS variant: the table's rows (:data:`COLUMNS`); see the module docstring."""
+    workload = Workload()
+    servers = ["floor", *(f"pilotfish ({level})" for level in levels)]
+    cpus: dict[tuple[str, str], list[float]] = {}
+    loads: dict[tuple[str, str], list[float]] = {}
+    sizes: dict[tuple[str, str], list[float]] = {}
+    failures: dict[tuple[str, str], int] = {}
+    with contextlib.ExitStack() as stack:
+        workdir = work_dir(stack, workdir, "pilotfish-push-floor-")
+        for round_ in range(rounds):
+            order = servers if round_ % 2 == 0 else list(reversed(servers))
+            for variant in xds:
+                for who in order:
+                    key, load = (who, variant), load_1min()
+                    where = workdir / f"{who.split()[0]}-{variant}-{round_}-{len(cpus.get(key, []))}"
+                    if who == "floor":
+                        floor = run_floor(proxies=proxies, xds=variant, pushes=pushes, workdir=where)
+                        cpu, size, failed = floor.cpu, floor.bytes_per_push, floor.failures
+                    else:
+                        result = run_fanout(
+                            FanoutOptions(
+                                proxies=proxies,
+                                changes=pushes,
+                                workload=workload,
+                                xds=variant,
+                                event_log_level=who.split("(")[1].rstrip(")"),
+                                workdir=where,
+                            )
+                        )
+                        cpu, failed = result.cpu, result.failures
+                        size = sum(map(sum, result.change_bytes)) / max(1, len(result.change_bytes)) / proxies
+                    cpus.setdefault(key, []).append(cpu)
+                    loads.setdefault(key, []).append(load)
+                    sizes.setdefault(key, []).append(size)
+                    failures[key] = failures.get(key, 0) + failed
+                    print(f"  {who} {variant} round {round_ + 1} (load {load:.2f}): CPU {cpu:.4f} s/push", flush=True)
+    rows: list[list[object]] = []
+    for variant in xds:
+        floor_cpu = spread(cpus[("floor", variant)])[0]
+        for who in servers:
+            key = (who, variant)
+            median, low, high = spread(cpus[key])
+            rows.append(
+                [
+                    who,
+                    variant,
+                    proxies,
+                    len(cpus[key]),
+                    fmt_loads(loads[key]),
+                    round(median, 4),
+                    f"{low:.4f}-{high:.4f}",
+                    round(spread(sizes[key])[0]),
+                    "-" if who == "floor" else ratio(median, floor_cpu),
+                    failures[key],
+                ]
+            )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.push_floor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--proxies", type=int, default=1000, help="simulated proxies (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3, help="times each server runs, in turn (default: %(default)s)")
+    parser.add_argument("--pushes", type=int, default=10, help="pushes (changes) per run (default: %(default)s)")
+    parser.add_argument(
+        "--xds", nargs="*", choices=XDS_VARIANTS, default=list(XDS_VARIANTS), help="variants (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--event-log-levels",
+        nargs="*",
+        choices=("changes", "all"),
+        default=["changes", "all"],
+        help="pilotfish's --event-log-level, one run per level (none: the floor alone; default: %(default)s)",
+    )
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the servers' files here")
+    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # internal: the floor server, its event log
+    parser.add_argument("--endpoints", type=int, default=5, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        import uvloop
+
+        uvloop.run(_serve(args.serve, args.endpoints))
+        return 0
+    rows = run_push_floor(
+        proxies=args.proxies,
+        rounds=args.rounds,
+        pushes=args.pushes,
+        xds=args.xds,
+        levels=args.event_log_levels,
+        workdir=args.workdir,
+    )
+    print(f"\nworkload (pilotfish): {Workload().describe()}; load now {load_1min():.2f}")
+    print_table(COLUMNS, rows)
+    return 0 if all(row[-1] == 0 for row in rows) else 1
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    sys.exit(main())
