@@ -455,16 +455,17 @@ def build_snapshots(
     problems.extend(_api_listener_clashes(merged))
     problems.extend(_address_clashes(merged))
     problems.extend(_route_problems(merged))
-    # Only clusters, listeners and route configurations refer to others: a build whose lists of
-    # those, and whose names, are the last build's has the same reference problems.
-    names = reference_names(
-        merged.resources,
-        more_endpoints=(r.name for r in union[ENDPOINT]),
-        more_routes=(r.name for r in union[ROUTE]),
-        more_clusters=(r.name for r in union[CLUSTER]),
-    )
-    referring = tuple(merged.resources.get(t, ()) for t in (CLUSTER, LISTENER, ROUTE))
+    # Only raw clusters, listeners and route configurations refer to others (built ones are right
+    # by construction): a build whose lists of those, and whose names, are the last build's has
+    # the same reference problems. Without raw resources there is nothing to name or check.
     if any(merged.resources.values()):
+        names = reference_names(
+            merged.resources,
+            more_endpoints=(r.name for r in union[ENDPOINT]),
+            more_routes=(r.name for r in union[ROUTE]),
+            more_clusters=(r.name for r in union[CLUSTER]),
+        )
+        referring = tuple(merged.resources.get(t, ()) for t in (CLUSTER, LISTENER, ROUTE))
         check = functools.partial(references_problems, merged.resources, names)
         problems.extend(memo.derived(("references",), (*referring, names), check))
     if rules:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.build.validate import rule_problems
@@ -44,8 +45,7 @@ def load_desired(path: Path, *, memo: ParseMemo | None = None) -> DesiredState:
     """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem.
     ``memo``: the resources of the file's last good content, not parsed again where their text
     is the same (:class:`~pilotfish.resources.ParseMemo`: what a followed file keeps)."""
-    with without_collections():
-        return DesiredState.of_document(parse_document(read_document(path), str(path), rules=rule_problems, memo=memo))
+    return _desired(lambda: read_document(path), str(path), memo)
 
 
 def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> DesiredState:
@@ -53,10 +53,14 @@ def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> Des
     ``as_json`` says so (None: when ``name`` ends in ``.json``, as a file is read), else YAML;
     raise :class:`ConfigError` (naming ``name``) with every problem."""
     json = name.endswith(".json") if as_json is None else as_json
+    return _desired(lambda: decode_document(data, name, as_json=json), name, None)
+
+
+def _desired(decode: Callable[[], Any], name: str, memo: ParseMemo | None) -> DesiredState:
+    """The desired state of the document ``decode`` gives, decoded and parsed with no garbage
+    collection meanwhile (see :func:`~pilotfish.resources.parse.without_collections`)."""
     with without_collections():
-        return DesiredState.of_document(
-            parse_document(decode_document(data, name, as_json=json), name, rules=rule_problems)
-        )
+        return DesiredState.of_document(parse_document(decode(), name, rules=rule_problems, memo=memo))
 
 
 def load_snapshot(path: Path) -> Snapshot:
