@@ -415,3 +415,21 @@ def test_reference_and_rule_problems_follow_each_build_when_parts_are_reused() -
     with pytest.raises(ConfigError, match="connect_timeout"):
         build(broken)
     build(good)
+
+
+def test_the_raw_encodings_kept_across_builds_stay_within_twice_the_resources() -> None:
+    memo = ResourceMemo()
+    groups = {"envoy": ENVOYS}
+    clusters = [
+        cluster_pb2.Cluster(name=f"c{i}", type=cluster_pb2.Cluster.STATIC, connect_timeout={"seconds": 1})
+        for i in range(20)
+    ]
+    for edit in range(200):  # each build hands over one new message: the old ones must not pile up
+        clusters[edit % 20] = cluster_pb2.Cluster(
+            name=f"c{edit % 20}", type=cluster_pb2.Cluster.STATIC, connect_timeout={"seconds": 1 + edit}
+        )
+        build_snapshots(
+            merge_states({"file": DesiredState(resources={CLUSTER: tuple(clusters)})}), "t", groups, memo=memo
+        )
+        assert len(memo._raw[CLUSTER].encoded) <= 2 * 20 + 16
+    assert memo.made == 20 + 199  # (the first build's 20, then the one new message of each later build)
