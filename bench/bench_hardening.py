@@ -12,10 +12,12 @@ proxies connect to this checkout's pilotfish:
 
 Certificates come from a throwaway CA (:mod:`bench.tls_certs`) in a temporary directory. Each row is one
 :func:`bench.fanout.run_fanout` (registry change, event log ``all``), with the load average read
-before it; ``--rounds`` repeats the three in turn and pools each variant's results (latencies pooled,
-CPU averaged; RSS per idle stream is the lowest run's, each run's in brackets, since noise in RSS
-only adds), which evens out a machine whose load drifts. The ratio columns compare TLS and mTLS
-with plaintext.
+before it; ``--rounds`` repeats the variants in turn and pools each variant's results (latencies
+pooled, CPU averaged; RSS per idle stream is the lowest run's, each run's in brackets, since noise
+in RSS only adds), which evens out a machine whose load drifts. ``all synced s`` is the slowest
+run's time from starting every proxy at once to the last one synced, TLS handshakes included. The
+ratio columns compare TLS and mTLS with plaintext; with ``--before COMMIT``, TLS and mTLS also run
+on that commit's server (:mod:`bench.checkout`) and this checkout's are compared with those.
 
 The comparison with pilotfish before the hardening (commit b4fb69c, the hardening's cost in
 plaintext) is no longer run: that commit's ``serve`` has neither ``--max-connections-per-address``
@@ -30,11 +32,12 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench.checkout import checkout, pythonpath_env
 from bench.fanout import FanoutOptions, FanoutResult, run_fanout, stream_error_notes, stream_errors_cell
 from bench.procs import REPO, work_dir
 from bench.report import fmt_loads, fmt_ms
@@ -45,10 +48,12 @@ from bench.workload import Workload
 __all__ = ["HARDENING_COLUMNS", "VARIANTS", "Variant", "run_hardening"]
 
 HARDENING_COLUMNS = [
+    "server",
     "transport",
     "proxies",
     "runs",
     "load 1 min",
+    "all synced s",
     "p50 ms",
     "p99 ms",
     "CPU s / push",
@@ -73,6 +78,12 @@ class Variant:
     """The transport as :data:`bench.tls_certs.TLS_MODES` names it."""
     baseline: str | None
     """The transport this row's ratios compare with; None: none."""
+    server: str = "now"
+    """``now`` (this checkout) or ``before`` (``--before COMMIT``, run from a checkout of it)."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.server} {self.transport}"
 
 
 VARIANTS = (
@@ -116,22 +127,24 @@ class _Pooled:
 
     def notes(self) -> list[str]:
         """One line per gRPC status the proxies saw, with an example and how many came during the changes."""
-        return stream_error_notes(f"{self.variant.transport}, {self.proxies} proxies", self.runs)
+        return stream_error_notes(f"{self.variant.key}, {self.proxies} proxies", self.runs)
 
     def row(self, baseline: _Pooled | None) -> list[Any]:
         ratios: list[Any] = ["-", "-", "-", "-"]
         if baseline is not None:
             ratios = [
-                baseline.variant.transport,
+                baseline.variant.key,
                 ratio(self.p(99), baseline.p(99)),
                 ratio(self.cpu(), baseline.cpu()),
                 ratio(self.rss(), baseline.rss()),
             ]
         return [
+            self.variant.server,
             self.variant.transport,
             self.proxies,
             len(self.runs),
             fmt_loads(self.loads),
+            round(max(r.sync_seconds for r in self.runs), 2),
             fmt_ms(self.p(50)),
             fmt_ms(self.p(99)),
             round(self.cpu(), 3),
@@ -151,19 +164,28 @@ def run_hardening(
     rounds: int = 1,
     workdir: Path | None = None,
     variants: Sequence[Variant] = VARIANTS,
+    before: str | None = None,
 ) -> tuple[list[list[Any]], list[str]]:
     """The table (see the module docstring): one row per variant and fleet size, its runs pooled;
-    and notes on the stream errors the proxies saw."""
+    and notes on the stream errors the proxies saw. ``before``: the encrypted variants also run
+    on that commit's server, and this checkout's are compared with those."""
     with contextlib.ExitStack() as stack:
         workdir = work_dir(stack, workdir, "pilotfish-hardening-")
         certs = make_certs(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pilotfish-certs-"))))
+        envs: dict[str, Mapping[str, str] | None] = {"now": None}
+        if before is not None:
+            envs["before"] = pythonpath_env(stack.enter_context(checkout(before)))
+            variants = [
+                *(replace(v, server="before") for v in variants if v.mode != "off"),
+                *(replace(v, baseline=f"before {v.transport}") if v.mode != "off" else v for v in variants),
+            ]
         rows: list[list[Any]] = []
         notes: list[str] = []
         for n in proxies:
-            pooled = {v.transport: _Pooled(v, n) for v in variants}
+            pooled = {v.key: _Pooled(v, n) for v in variants}
             for round_ in range(rounds):
                 for variant in variants:
-                    key = variant.transport
+                    key = variant.key
                     load = load_1min()
                     result = run_fanout(
                         FanoutOptions(
@@ -172,7 +194,8 @@ def run_hardening(
                             workload=workload,
                             quiet_ms=100,
                             change="registry",
-                            workdir=workdir / f"{variant.transport}-{n}-{round_}",
+                            workdir=workdir / f"{variant.server}-{variant.transport}-{n}-{round_}",
+                            server_env=envs[variant.server],
                             server_args=certs.server_args(variant.mode),
                             tls=certs.fleet(variant.mode),
                         )
@@ -180,15 +203,17 @@ def run_hardening(
                     pooled[key].runs.append(result)
                     pooled[key].loads.append(load)
                     print(
-                        f"  {variant.transport} {n} proxies (round {round_ + 1}, load {load:.2f}): "
+                        f"  {variant.key} {n} proxies (round {round_ + 1}, load {load:.2f}): "
                         f"p99 {fmt_ms(result.p(99))} ms, CPU {result.cpu:.3f} s/push, "
                         f"{result.rss_per_stream_kb:.1f} KB/stream, failures {result.failures}",
                         flush=True,
                     )
             for variant in variants:
-                base = pooled.get(variant.baseline) if variant.baseline is not None else None
-                rows.append(pooled[variant.transport].row(base))
-                notes += pooled[variant.transport].notes()
+                base = None
+                if variant.baseline is not None:
+                    base = pooled.get(variant.baseline) or pooled.get(f"now {variant.baseline}")
+                rows.append(pooled[variant.key].row(base))
+                notes += pooled[variant.key].notes()
         return rows, notes
 
 
@@ -208,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants", nargs="+", choices=names, default=names, help="which rows to measure (default: all)"
     )
+    parser.add_argument(
+        "--before",
+        metavar="COMMIT",
+        help="also run TLS and mTLS on this commit's server; compare this checkout's with them",
+    )
     args = parser.parse_args(argv)
     workload = Workload(services=args.services, endpoints=args.endpoints, listeners=args.listeners)
     started = time.strftime("%H:%M:%S")
@@ -217,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         workload=workload,
         rounds=args.rounds,
         variants=[v for v in VARIANTS if v.mode in args.variants],
+        before=args.before,
     )
     print(f"\nworkload: {workload.describe()}; started {started}, load now {load_1min():.2f}")
     print_table(HARDENING_COLUMNS, rows)

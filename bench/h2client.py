@@ -319,7 +319,10 @@ class H2Channel(asyncio.Protocol):
             return
         out = self.h2.take_output()
         if out and self._transport is not None:
-            self._transport.writelines(out)
+            if self._scheme == b"https":  # one TLS record per flush, as Envoy writes (not one per piece)
+                self._transport.write(b"".join(out))
+            else:
+                self._transport.writelines(out)
 
 
 class H2Call:

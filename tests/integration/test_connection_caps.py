@@ -16,10 +16,12 @@ import ssl
 import time
 from collections.abc import AsyncIterator
 
+import pytest
 import trustme
 from aiohttp import web
 
 from loopback import connect_from
+from pilotfish.transport import aio
 from pilotfish.transport.aio import ConnectionLimits, GrpcServer
 from pilotfish.transport.site import REGISTRY_API, CappedSite, HttpConnectionLimits, serve_app
 
@@ -100,6 +102,67 @@ async def test_connections_in_their_tls_handshake_count_and_one_over_the_cap_get
         while server.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert not server.connections  # failed handshakes and closed connections are counted out
+
+
+async def test_tls_handshakes_in_progress_are_bounded_and_the_ones_behind_are_served_in_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reconnect storm: past MAX_HANDSHAKES in progress the listener is not read, so the
+    connections behind wait in the kernel's accept queue (no ServerHello yet) and get their
+    handshakes once half of those in progress are done."""
+    monkeypatch.setattr(aio, "MAX_HANDSHAKES", 2)
+    monkeypatch.setattr(aio, "HANDSHAKE_SLOT_HOLD", 3600.0)  # (the next test lets them age)
+    ca = trustme.CA()
+    async with tls_server(ca, ConnectionLimits()) as (server, port):
+        stalled = []  # send a ClientHello, then nothing: held in their handshakes
+        for _ in range(2):
+            sock = await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
+            sock.sendall(client_hello())
+            stalled.append(sock)
+        try:
+            for sock in stalled:
+                assert await asyncio.to_thread(first_bytes, sock)  # a ServerHello
+            waiting = await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
+            waiting.sendall(client_hello())
+            readable, _, _ = await asyncio.to_thread(select.select, [waiting], [], [], 0.5)
+            assert not readable  # not accepted yet: no handshake, no byte
+            assert len(server.connections) == 2
+        finally:
+            for sock in stalled:
+                sock.close()  # their handshakes fail: room again
+        with waiting:
+            assert await asyncio.to_thread(first_bytes, waiting)  # its ServerHello, now
+        # Whole handshakes go on being served while the bound holds.
+        for source in ("127.0.0.3", "127.0.0.4", "127.0.0.5"):
+            settings = await asyncio.to_thread(h2_over_tls, port, source, ca)
+            assert settings[3] == 0x4  # a SETTINGS frame
+
+
+async def test_peers_that_stall_in_their_handshakes_hold_their_slots_only_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ClientHello and then nothing: each such peer holds a handshake slot for
+    HANDSHAKE_SLOT_HOLD, not for the whole handshake timeout, so stalling peers cannot keep
+    everyone else from being accepted."""
+    monkeypatch.setattr(aio, "MAX_HANDSHAKES", 2)
+    monkeypatch.setattr(aio, "HANDSHAKE_SLOT_HOLD", 0.3)
+    ca = trustme.CA()
+    async with tls_server(ca, ConnectionLimits()) as (server, port):
+        stalled = []
+        for _ in range(2):
+            sock = await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
+            sock.sendall(client_hello())
+            stalled.append(sock)
+        try:
+            for sock in stalled:
+                assert await asyncio.to_thread(first_bytes, sock)  # a ServerHello: in their handshakes
+            # Accepted once their slots have aged, while they are still open and in their handshakes.
+            settings = await asyncio.to_thread(h2_over_tls, port, "127.0.0.3", ca)
+            assert settings[3] == 0x4
+            assert len(server.connections) >= 2  # the stalled two are still there (the third may be gone)
+        finally:
+            for sock in stalled:
+                sock.close()
 
 
 async def test_the_http_ports_count_tls_handshakes_too_and_refuse_over_the_cap_before_any_tls_byte() -> None:

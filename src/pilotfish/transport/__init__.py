@@ -4,7 +4,8 @@
 one sans-IO HTTP/2 connection (server or client role) that enforces RFC 9113 and explicit limits:
 bytes in, events out, bytes to send. Neither imports asyncio: an I/O adapter moves the bytes.
 :mod:`~pilotfish.transport.aio` is that adapter on asyncio (and the gRPC server on it),
-:mod:`~pilotfish.transport.tls` the TLS contexts and peer identities, :mod:`~pilotfish.transport.site`
+:mod:`~pilotfish.transport.tls` the TLS contexts and peer identities, :mod:`~pilotfish.transport.tlsio`
+TLS on the event loop with OpenSSL on the socket, :mod:`~pilotfish.transport.site`
 serving an aiohttp app with the same accept and connection caps as the xDS port.
 
 The core (frames, h2) imports nothing but the standard library; the adapters may import ``events``,

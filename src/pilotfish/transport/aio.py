@@ -31,11 +31,10 @@ with grpcio: attempts at 0, 1.0, 2.3 and 5.3 s). A GOAWAY after our SETTINGS wou
 grpc-core then reports the channel READY (a connection made), which resets its backoff, so a
 refused client would come back at once. On plaintext, asyncio accepts (in C, on uvloop) and the
 caps are checked in :meth:`_Connection.connection_made` (no HTTP/2 connection is made for a
-refused one). With TLS, asyncio would call the protocol only after the handshake, too late to
-refuse cheaply (and ``start_tls`` from ``connection_made`` loses the ClientHello on uvloop, which
-starts reading once ``connection_made`` returns), so :meth:`GrpcServer._accept` accepts itself,
-checks the caps, and hands the socket to ``loop.connect_accepted_socket``: a refused client gets
-no handshake, and one in its handshake counts (bounded by :data:`TLS_HANDSHAKE_TIMEOUT`).
+refused one). With TLS, :meth:`GrpcServer._accept` accepts itself, checks the caps, and runs the
+handshake on the event loop with OpenSSL on the socket (:mod:`pilotfish.transport.tlsio`, a
+third of the memory per connection of asyncio's TLS): a refused client gets no handshake, one in
+its handshake counts (bounded by :data:`TLS_HANDSHAKE_TIMEOUT`), and handshakes start in accept order.
 
 A connection that has not completed its HTTP/2 preface (magic and SETTINGS)
 :attr:`~ConnectionLimits.handshake_timeout` after it was accepted (after its TLS handshake, if
@@ -101,6 +100,7 @@ from pilotfish.transport.h2 import (
     StreamReset,
 )
 from pilotfish.transport.tls import peer_identity
+from pilotfish.transport.tlsio import HandshakeSlots, TlsHandshake
 
 __all__ = [
     "LISTEN_BACKLOG",
@@ -128,6 +128,16 @@ Measured at 1,000 proxies (p99 of an endpoint change): 8-32 ~210-230 ms, 128 ~26
 TLS_HANDSHAKE_TIMEOUT = 10.0  # seconds a TLS client gets to finish its handshake
 LISTEN_BACKLOG = 65_535  # the kernel caps it at net.core.somaxconn; a reconnect storm needs it
 ACCEPT_BATCH = 128  # connections accepted per readiness of a listening socket (then other work runs)
+MAX_HANDSHAKES = 256
+"""TLS handshakes in progress at most (counting those started within the last
+:data:`HANDSHAKE_SLOT_HOLD` seconds). Past it the listener is not read until half of them are
+done: the connections behind wait in the kernel's accept queue (their ClientHello with them), so
+each handshake that starts finishes well within :data:`TLS_HANDSHAKE_TIMEOUT`, instead of ten
+thousand of them crawling together past it (measured: 10,000 mTLS proxies connecting at once
+on 2 cores, 370 handshakes timed out and were retried without this bound)."""
+HANDSHAKE_SLOT_HOLD = 2.0
+"""Seconds a handshake in progress counts against :data:`MAX_HANDSHAKES`: peers that stall in
+their handshakes (a ClientHello, then nothing) cannot keep the listener unread for longer."""
 ACCEPT_RETRY = 1.0  # seconds without accepting after the process ran out of descriptors (as asyncio)
 # TCP keepalive: an idle peer that vanished (no FIN, no RST) is found within ~60 s.
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
@@ -313,13 +323,14 @@ def accept_waiting(
     log: RateLimitedLog,
     what: str,
     listen_again: Callable[[socket.socket], None],
+    batch: int = ACCEPT_BATCH,
 ) -> None:
-    """Accept what waits on a listening socket, :data:`ACCEPT_BATCH` at most (then other work
-    runs), giving each socket and its source address to ``take``. Out of descriptors (EMFILE,
+    """Accept what waits on a listening socket, ``batch`` at most (then other work runs), giving
+    each socket and its source address to ``take``. Out of descriptors (EMFILE,
     ENFILE) or memory: stop reading the listener for :data:`ACCEPT_RETRY` seconds, as asyncio
     does, then ``listen_again(listener)``; ``what`` names the listener in the log line."""
     loop = asyncio.get_running_loop()
-    for _ in range(ACCEPT_BATCH):
+    for _ in range(batch):
         try:
             sock, peer = listener.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
@@ -788,8 +799,13 @@ class GrpcServer:
         short connections would be)."""
         self._server: asyncio.Server | None = None
         self._listeners: list[socket.socket] = []
-        self._handshaking: set[asyncio.Task[None]] = set()
-        """Accepted connections until asyncio has set them up (for TLS: their handshakes)."""
+        self._handshaking: set[TlsHandshake] = set()
+        """Accepted TLS connections in their handshakes."""
+        self._slots = HandshakeSlots(HANDSHAKE_SLOT_HOLD)
+        self._accept_paused = False
+        """:data:`MAX_HANDSHAKES` are in progress: the listeners are not read."""
+        self._resume_check: asyncio.TimerHandle | None = None
+        """While paused: the next look at whether slots were given up by age."""
         self.tls: ssl.SSLContext | None = None
         self._dirty: list[_Connection] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -813,9 +829,47 @@ class GrpcServer:
     # -- connections ------------------------------------------------------------------------------
 
     def _accept(self, listener: socket.socket) -> None:
-        """A listening socket is readable: accept what waits (a batch), refuse what is over a cap
-        (closed with a reset, nothing else made for it), hand the rest to asyncio."""
-        accept_waiting(listener, self._take, log=self.refused_log, what="xDS", listen_again=self._listen_again)
+        """A TLS listening socket is readable: accept what waits (a batch, and no more than
+        :data:`MAX_HANDSHAKES` in their handshakes), refuse what is over a cap (closed with a
+        reset, nothing else made for it), start the others' handshakes."""
+        room = min(ACCEPT_BATCH, MAX_HANDSHAKES - self._slots.in_use(self.now()))
+        if room > 0:
+            accept_waiting(
+                listener, self._take, log=self.refused_log, what="xDS", listen_again=self._listen_again, batch=room
+            )
+        if not self._accept_paused and self._slots.in_use(self.now()) >= MAX_HANDSHAKES:
+            self._accept_paused = True
+            loop = self._loop or asyncio.get_running_loop()
+            for waiting in self._listeners:
+                loop.remove_reader(waiting)
+            self._maybe_resume()
+
+    def _handshake_ended(self, handshake: TlsHandshake) -> None:
+        self._handshaking.discard(handshake)
+        self._slots.release(handshake)
+        if self._accept_paused:
+            self._maybe_resume()
+
+    def _resume_tick(self) -> None:
+        self._resume_check = None
+        self._maybe_resume()
+
+    def _maybe_resume(self) -> None:
+        """While paused: read the listeners again once half the slots are free (handshakes
+        ended, or held too long); else look again in a while."""
+        if not self._accept_paused:
+            return
+        if self._slots.in_use(self.now()) > MAX_HANDSHAKES // 2:
+            if self._resume_check is None:
+                loop = self._loop or asyncio.get_running_loop()
+                self._resume_check = loop.call_later(self._slots.hold / 4, self._resume_tick)
+            return
+        self._accept_paused = False
+        if self._resume_check is not None:
+            self._resume_check.cancel()
+            self._resume_check = None
+        for listener in self._listeners:  # (none once stopping)
+            self._listen_again(listener)
 
     def _take(self, sock: socket.socket, address: str) -> None:
         conn = _Connection(self, address)
@@ -824,36 +878,39 @@ class GrpcServer:
             self.refused_log.log("refused a connection from %s: %s", conn.address, refusal)
             refuse(sock)
             return
-        with contextlib.suppress(OSError):
+        loop = self._loop or asyncio.get_running_loop()
+        try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _keep_alive(sock)
-        task = (self._loop or asyncio.get_running_loop()).create_task(self._set_up(conn, sock))
-        self._handshaking.add(task)
-        task.add_done_callback(self._handshaking.discard)
+            tls = self.tls
+            assert tls is not None  # only a TLS listener accepts here
+            wrapped = tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:  # the peer is gone already
+            self.release(conn)
+            sock.close()
+            self.tls_log.log("TLS connection from %s failed: %s", conn.address, str(exc)[:_REASON_LIMIT])
+            return
+        handshake = TlsHandshake(
+            loop,
+            wrapped,
+            conn,
+            timeout=TLS_HANDSHAKE_TIMEOUT,
+            on_failed=lambda reason: self._handshake_failed(conn, reason),
+            on_end=self._handshake_ended,
+        )
+        self._handshaking.add(handshake)
+        self._slots.take(handshake, self.now())
+        handshake.step()  # its ClientHello is most likely here already: in accept order
 
     def _listen_again(self, listener: socket.socket) -> None:
         if listener in self._listeners and listener.fileno() >= 0:
             (self._loop or asyncio.get_running_loop()).add_reader(listener, self._accept, listener)
 
-    async def _set_up(self, conn: _Connection, sock: socket.socket) -> None:
-        """Give an admitted socket to asyncio for its TLS handshake; then
-        :meth:`_Connection.connection_made`. A failed handshake is the peer's doing: logged (rate
-        limited) and counted out."""
-        loop = self._loop or asyncio.get_running_loop()
-        try:
-            await loop.connect_accepted_socket(
-                lambda: conn, sock, ssl=self.tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT
-            )
-        except Exception as exc:
-            self.tls_log.log(
-                "TLS handshake with %s failed: %s", conn.address, (str(exc) or type(exc).__name__)[:_REASON_LIMIT]
-            )
-        finally:
-            if conn.h2 is None:  # connection_made never came: no connection_lost will either
-                self.release(conn)
-                with contextlib.suppress(OSError):
-                    sock.close()
+    def _handshake_failed(self, conn: _Connection, reason: str) -> None:
+        """A failed TLS handshake is the peer's doing: logged (rate limited) and counted out."""
+        self.tls_log.log("TLS handshake with %s failed: %s", conn.address, reason[:_REASON_LIMIT])
+        self.release(conn)
 
     def admit(self, conn: _Connection) -> str:
         """Count ``conn`` in, or say why it is refused (``""``: admitted)."""
@@ -963,8 +1020,14 @@ class GrpcServer:
         for listener in listeners:
             loop.remove_reader(listener)
             listener.close()
-        for task in list(self._handshaking):
-            task.cancel()
+        if self._resume_check is not None:
+            self._resume_check.cancel()
+            self._resume_check = None
+        for handshake in list(self._handshaking):
+            handshake.cancel()
+        for conn in list(self.connections):
+            if conn.h2 is None:  # was in its TLS handshake
+                self.release(conn)
         for conn in list(self.connections):
             conn.shut_down("pilotfish is shutting down")
         deadline = asyncio.get_running_loop().time() + (grace or 0.0)
@@ -973,8 +1036,6 @@ class GrpcServer:
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.abort()
-        if self._handshaking:
-            await asyncio.wait(list(self._handshaking), timeout=1.0)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
