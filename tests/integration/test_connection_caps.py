@@ -104,6 +104,18 @@ async def test_connections_in_their_tls_handshake_count_and_one_over_the_cap_get
         assert not server.connections  # failed handshakes and closed connections are counted out
 
 
+async def stall_in_handshakes(port: int, count: int) -> list[socket.socket]:
+    """``count`` connections that send a ClientHello, get the ServerHello, then say nothing: held
+    in their handshakes. The caller closes them."""
+    stalled = []
+    for _ in range(count):
+        sock = await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
+        stalled.append(sock)
+        sock.sendall(client_hello())
+        assert await asyncio.to_thread(first_bytes, sock)  # a ServerHello
+    return stalled
+
+
 async def test_tls_handshakes_in_progress_are_bounded_and_the_ones_behind_are_served_in_turn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -114,14 +126,8 @@ async def test_tls_handshakes_in_progress_are_bounded_and_the_ones_behind_are_se
     monkeypatch.setattr(aio, "HANDSHAKE_SLOT_HOLD", 3600.0)  # (the next test lets them age)
     ca = trustme.CA()
     async with tls_server(ca, ConnectionLimits()) as (server, port):
-        stalled = []  # send a ClientHello, then nothing: held in their handshakes
-        for _ in range(2):
-            sock = await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
-            sock.sendall(client_hello())
-            stalled.append(sock)
+        stalled = await stall_in_handshakes(port, 2)
         try:
-            for sock in stalled:
-                assert await asyncio.to_thread(first_bytes, sock)  # a ServerHello
             waiting = await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
             waiting.sendall(client_hello())
             readable, _, _ = await asyncio.to_thread(select.select, [waiting], [], [], 0.5)
@@ -148,14 +154,8 @@ async def test_peers_that_stall_in_their_handshakes_hold_their_slots_only_for_a_
     monkeypatch.setattr(aio, "HANDSHAKE_SLOT_HOLD", 0.3)
     ca = trustme.CA()
     async with tls_server(ca, ConnectionLimits()) as (server, port):
-        stalled = []
-        for _ in range(2):
-            sock = await asyncio.to_thread(connect_from, port, "127.0.0.2", timeout=TIMEOUT)
-            sock.sendall(client_hello())
-            stalled.append(sock)
+        stalled = await stall_in_handshakes(port, 2)
         try:
-            for sock in stalled:
-                assert await asyncio.to_thread(first_bytes, sock)  # a ServerHello: in their handshakes
             # Accepted once their slots have aged, while they are still open and in their handshakes.
             settings = await asyncio.to_thread(h2_over_tls, port, "127.0.0.3", ca)
             assert settings[3] == 0x4
