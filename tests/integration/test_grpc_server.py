@@ -15,6 +15,7 @@ import pytest
 import yaml
 from envoy.service.cluster.v3 import cds_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from envoy.service.runtime.v3 import rtds_pb2, rtds_pb2_grpc
 
 from pilotfish.app import ServeSettings, serve
 from pilotfish.app.settings import EventSettings, XdsSettings
@@ -23,6 +24,7 @@ from pilotfish.sources import file_signature, load_desired, watch_file
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+RTDS = "type.googleapis.com/envoy.service.runtime.v3.Runtime"
 TIMEOUT = 10.0
 
 
@@ -172,6 +174,44 @@ async def test_per_type_cluster_service(server: tuple[str, Path, Events]) -> Non
         await call.done_writing()
     closed = await events.wait_for(lambda e: e["event"] == "stream_closed")
     assert closed["node"] == "cds-only"
+
+
+async def test_runtime_layers_over_the_per_type_rtds_service_sotw_and_delta(
+    server: tuple[str, Path, Events],
+) -> None:
+    """RTDS as Envoy asks for it: a layer by name, SotW (StreamRuntime) and delta (DeltaRuntime).
+    A layer named before it exists is sent when the file gains it; an ACK gets nothing more."""
+    address, snapshot, events = server
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = rtds_pb2_grpc.RuntimeDiscoveryServiceStub(channel)
+        sotw = stub.StreamRuntime()
+        await sotw.write(discovery_pb2.DiscoveryRequest(node={"id": "rt-sotw"}, resource_names=["flags"]))
+        delta = stub.DeltaRuntime()
+        await delta.write(
+            discovery_pb2.DeltaDiscoveryRequest(node={"id": "rt-delta"}, resource_names_subscribe=["flags"])
+        )
+        first = await read(sotw)  # nothing named "flags" yet: an empty response at the current version
+        assert first.type_url == RTDS and not first.resources
+        await sotw.write(
+            discovery_pb2.DiscoveryRequest(
+                resource_names=["flags"], version_info=first.version_info, response_nonce=first.nonce
+            )
+        )
+        absent = await read(delta)
+        assert list(absent.removed_resources) == ["flags"]  # told once that it does not exist
+        await delta.write(discovery_pb2.DeltaDiscoveryRequest(response_nonce=absent.nonce))
+        doc = {**document("2", 9001, 9002), "runtime": {"flags": {"feature.on": True, "percent": 25}}}
+        replace(snapshot, yaml.safe_dump(doc))
+        (layer,) = (await read(sotw)).resources
+        runtime = rtds_pb2.Runtime.FromString(layer.value)
+        assert runtime.name == "flags" and runtime.layer.fields["percent"].number_value == 25
+        assert runtime.layer.fields["feature.on"].bool_value is True
+        sent = await read(delta)
+        assert [r.name for r in sent.resources] == ["flags"] and sent.type_url == RTDS
+        await delta.write(discovery_pb2.DeltaDiscoveryRequest(response_nonce=sent.nonce))
+        await events.wait_for(lambda e: e["event"] == "ack" and e.get("node") == "rt-delta" and e.get("type") == RTDS)
+        await sotw.done_writing()
+        await delta.done_writing()
 
 
 async def test_nack_is_logged_and_not_answered_with_the_same_content(server: tuple[str, Path, Events]) -> None:

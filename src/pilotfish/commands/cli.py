@@ -852,6 +852,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="print the JSON bootstrap of a proxyless gRPC client (GRPC_XDS_BOOTSTRAP) instead; it "
         "then resolves xds:///NAME to the services with 'grpc: true' (or 'grpc: NAME')",
     )
+    boot.add_argument(
+        "--runtime-layer",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="ask pilotfish for this runtime layer (RTDS: the snapshot file's runtime section); "
+        "repeat for several, later ones override earlier ones; an admin layer comes last",
+    )
     boot.add_argument("--zone", default="", metavar="ZONE", help="--grpc: the node's locality zone")
     boot.add_argument("--region", default="", metavar="REGION", help="--grpc: the node's locality region")
 
@@ -1196,6 +1204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rest=None if args.rest is None else tuple(args.rest),
                 refresh=args.refresh,
                 lrs=args.lrs,
+                runtime_layers=tuple(args.runtime_layer),
                 zone=args.zone,
                 region=args.region,
             )

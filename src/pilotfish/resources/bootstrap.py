@@ -162,6 +162,10 @@ class BootstrapSettings:
     """Report load to pilotfish (LRS, on the xDS port: ``cluster_manager.load_stats_config``):
     per cluster, the requests that succeeded, failed and are in flight, every interval the
     server asks for (a rollout's gates compare a wave's error ratio with the baseline's)."""
+    runtime_layers: tuple[str, ...] = ()
+    """RTDS layers to ask pilotfish for (the snapshot file's ``runtime`` section), in order, each
+    overriding the ones before it; after them an admin layer, so that ``/runtime_modify`` on
+    Envoy's admin port still overrides for a test."""
     region: str = ""
     """The node's locality region (gRPC bootstraps)."""
     zone: str = ""
@@ -189,6 +193,12 @@ class BootstrapSettings:
                 "--lrs needs a gRPC connection to the xDS port (load reports are a gRPC stream): "
                 "it does not go with --rest"
             )
+        if self.runtime_layers and self.rest is not None:
+            raise ValueError(
+                "--runtime-layer needs ADS (runtime layers are served over gRPC): it does not go with --rest"
+            )
+        if len(set(self.runtime_layers)) != len(self.runtime_layers) or "admin" in self.runtime_layers:
+            raise ValueError("--runtime-layer names must differ from each other and from 'admin' (the admin layer)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("give both a TLS certificate and key (--tls-cert, --tls-key), or neither")
         if self.tls_ca is None and (self.tls_cert is not None or self.tls_server_name is not None):
@@ -312,6 +322,19 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
         },
         "static_resources": {"clusters": [_xds_cluster(settings, settings.xds_addresses, http2=True)]},
     }
+    if settings.runtime_layers:
+        config["layered_runtime"] = {
+            "layers": [
+                *(
+                    {
+                        "name": name,
+                        "rtds_layer": {"name": name, "rtds_config": {"ads": {}, "resource_api_version": "V3"}},
+                    }
+                    for name in settings.runtime_layers
+                ),
+                {"name": "admin", "admin_layer": {}},
+            ]
+        }
     if settings.lrs:
         config["cluster_manager"] = {
             "load_stats_config": {

@@ -26,7 +26,7 @@ from google.protobuf.message import Message
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_services
-from pilotfish.resources.types import TYPES, ResourceType, type_by_key
+from pilotfish.resources.types import RUNTIME, TYPES, ResourceType, type_by_key
 from pilotfish.resources.walk import MAX_PROBLEMS, json_problems, path_text, without
 
 __all__ = [
@@ -341,6 +341,38 @@ def parse_document(
         memo.end(good=good)
 
 
+def runtime_items(items: Any, problems: list[Problem]) -> Any:
+    """The ``runtime`` section as Envoy's Runtime resources: written either as Envoy writes them
+    (a list of ``{name, layer}``) or as a mapping of layer name to its keys and values. A value
+    must be a string, number or boolean (or a mapping, whose keys Envoy joins with dots); a list
+    or null is named in ``problems``, since Envoy would refuse the whole layer."""
+    if isinstance(items, dict):
+        items = [{"name": str(name), "layer": layer} for name, layer in items.items()]
+        where = [f"runtime.{item['name']}" for item in items]
+    elif isinstance(items, list):
+        where = [f"runtime[{index}].layer" for index in range(len(items))]
+    else:
+        return items  # named by the caller
+    for place, item in zip(where, items, strict=True):
+        layer = item.get("layer") if isinstance(item, dict) else None
+        if isinstance(layer, dict):  # (anything else is named when the resource is parsed)
+            _runtime_values(layer, place, problems)
+    return items
+
+
+def _runtime_values(layer: Mapping[Any, Any], place: str, problems: list[Problem]) -> None:
+    for key, value in layer.items():
+        at = f"{place}.{key}"
+        if isinstance(value, dict):
+            _runtime_values(value, at, problems)
+        elif value is None or isinstance(value, list):
+            problems.append(
+                Problem(
+                    at, f"a runtime value is a string, number or boolean, not {'null' if value is None else 'a list'}"
+                )
+            )
+
+
 def _parse_document(document: Any, source: str, rules: RuleCheck | None, memo: ParseMemo | None) -> ParsedDocument:
     problems: list[Problem] = []
     if not isinstance(document, dict):
@@ -377,6 +409,8 @@ def _parse_document(document: Any, source: str, rules: RuleCheck | None, memo: P
         if items is None:
             parsed[rtype] = ()
             continue
+        if rtype is RUNTIME:
+            items = runtime_items(items, problems)
         if not isinstance(items, list):
             problems.append(Problem(rtype.key, f"must be a list of resources, got {type(items).__name__}"))
             continue

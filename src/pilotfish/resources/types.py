@@ -1,6 +1,6 @@
 """Type URLs of the xDS resources pilotfish serves, in ADS order.
 
-ADS order (CDS, EDS, LDS, RDS, then SDS) is the order in which responses for one change go out
+ADS order (CDS, EDS, LDS, RDS, SDS, then RTDS) is the order in which responses for one change go out
 on an aggregated stream, so that everything a resource refers to exists before it does
 (https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol#eventual-consistency-considerations).
 """
@@ -15,6 +15,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
+from envoy.service.runtime.v3 import rtds_pb2
 from google.protobuf.message import Message
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ENDPOINT",
     "LISTENER",
     "ROUTE",
+    "RUNTIME",
     "SECRET",
     "TYPES",
     "ResourceType",
@@ -69,8 +71,11 @@ ENDPOINT = _make("endpoints", endpoint_pb2.ClusterLoadAssignment, "cluster_name"
 LISTENER = _make("listeners", listener_pb2.Listener, "name", True, "LDS")
 ROUTE = _make("routes", route_pb2.RouteConfiguration, "name", False, "RDS")
 SECRET = _make("secrets", secret_pb2.Secret, "name", False, "SDS")
+RUNTIME = _make("runtime", rtds_pb2.Runtime, "name", False, "RTDS")
+"""Runtime layers (RTDS): last in ADS order, since nothing else refers to them; Envoy asks for
+each ``rtds_layer`` of its bootstrap by name."""
 
-TYPES: tuple[ResourceType, ...] = (CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET)
+TYPES: tuple[ResourceType, ...] = (CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, RUNTIME)
 ADS_ORDER: tuple[TypeUrl, ...] = tuple(t.url for t in TYPES)
 
 _BY_URL = {t.url: t for t in TYPES}

@@ -74,7 +74,7 @@ from pilotfish.protocol import (
 )
 from pilotfish.protocol.limits import shorten
 from pilotfish.protocol.sotw import DecodedRequest
-from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
+from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, RUNTIME, SECRET, TypeUrl
 from pilotfish.resources.wire import nonce_field, response_names
 from pilotfish.snapshot import DeltaChanges, EncodedResponse
 from pilotfish.status import NodeInfo, SyncStatus, nack_summary
@@ -109,6 +109,7 @@ _SERVICES: tuple[tuple[str, str, TypeUrl | None], ...] = (
     ("envoy.service.listener.v3.ListenerDiscoveryService", "Listeners", LISTENER.url),
     ("envoy.service.route.v3.RouteDiscoveryService", "Routes", ROUTE.url),
     ("envoy.service.secret.v3.SecretDiscoveryService", "Secrets", SECRET.url),
+    ("envoy.service.runtime.v3.RuntimeDiscoveryService", "Runtime", RUNTIME.url),
 )
 """(service, what its methods serve, type served; None = any, i.e. aggregated): each has a SotW
 method ``Stream<what>`` and a delta one ``Delta<what>``."""

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import yaml
 from conftest import assignment, cluster, listener, route
+from envoy.service.runtime.v3 import rtds_pb2
 
 from pilotfish.errors import ConfigError
-from pilotfish.resources import CLUSTER, ENDPOINT, ParseMemo, parse_document
+from pilotfish.resources import CLUSTER, ENDPOINT, RUNTIME, ParseMemo, parse_document
 from pilotfish.resources.parse import without_collections
 from pilotfish.sources import load_desired, load_snapshot
 
@@ -46,7 +47,27 @@ def test_good_file_loads_with_every_type(tmp_path: Path) -> None:
         "listeners": 1,
         "routes": 1,
         "secrets": 0,
+        "runtime": 0,
     }
+
+
+def test_runtime_layers_are_written_by_name_or_as_envoy_writes_them_and_bad_values_are_named(
+    tmp_path: Path,
+) -> None:
+    by_name = load_snapshot(write(tmp_path, {**GOOD, "runtime": {"flags": {"a.b": 1, "c": {"d": "x"}, "e": True}}}))
+    as_envoy = load_snapshot(
+        write(tmp_path, {**GOOD, "runtime": [{"name": "flags", "layer": {"a.b": 1, "c": {"d": "x"}, "e": True}}]})
+    )
+    (encoded,) = by_name.get(RUNTIME.url).resources.values()  # type: ignore[union-attr]
+    layer = encoded.message
+    assert isinstance(layer, rtds_pb2.Runtime)
+    assert layer.name == "flags" and layer.layer.fields["a.b"].number_value == 1
+    assert by_name.get(RUNTIME.url).version == as_envoy.get(RUNTIME.url).version  # type: ignore[union-attr]
+    assert problems(tmp_path, {**GOOD, "runtime": {"flags": {"a": [1], "b": {"c": None}}, "other": 3}}) == [
+        "runtime.flags.a: a runtime value is a string, number or boolean, not a list",
+        "runtime.flags.b.c: a runtime value is a string, number or boolean, not null",
+        "runtime[1] (name 'other').layer: expected a mapping (a google.protobuf.Struct), got the number 3",
+    ]
 
 
 def test_json_files_are_read_as_json(tmp_path: Path) -> None:

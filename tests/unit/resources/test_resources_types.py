@@ -12,6 +12,7 @@ from pilotfish.resources.types import (
     ENDPOINT,
     LISTENER,
     ROUTE,
+    RUNTIME,
     SECRET,
     TYPES,
     type_by_key,
@@ -31,7 +32,7 @@ def test_each_type_is_found_by_its_url_and_its_section_and_nothing_else_is() -> 
 
 
 def test_ads_sends_clusters_before_endpoints_and_listeners_before_routes() -> None:
-    assert (CLUSTER.url, ENDPOINT.url, LISTENER.url, ROUTE.url, SECRET.url) == ADS_ORDER
-    assert [t.short for t in TYPES] == ["CDS", "EDS", "LDS", "RDS", "SDS"]
+    assert (CLUSTER.url, ENDPOINT.url, LISTENER.url, ROUTE.url, SECRET.url, RUNTIME.url) == ADS_ORDER
+    assert [t.short for t in TYPES] == ["CDS", "EDS", "LDS", "RDS", "SDS", "RTDS"]
     assert [t.key for t in TYPES if t.wildcard] == ["clusters", "listeners"]
     assert (ENDPOINT.name_field, CLUSTER.name_field) == ("cluster_name", "name")
