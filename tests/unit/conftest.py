@@ -17,7 +17,7 @@ from google.protobuf import json_format
 
 from pilotfish.cache import DEFAULT_GROUP, Cancel, NodeGroup, SnapshotCache
 from pilotfish.protocol import RequestOutcome, SotwStream, Watch
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
 from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.resources.parse import parse_resource
 from pilotfish.resources.wire import nonce_field
@@ -125,9 +125,17 @@ def build(
 def mixes(pool: Sequence[Snapshot], rng: random.Random, count: int) -> list[Snapshot]:
     """``count`` snapshots each made type by type of the very TypeSnapshot objects of snapshots of
     ``pool``, as builds keep the object of a type nothing changed in (so the cache sees types it
-    has served before, and answers only what is new)."""
+    has served before, and answers only what is new). Only the first five types (CDS, EDS, LDS,
+    RDS, SDS) are mixed; the others are ``pool[0]``'s: so the draws, and the examples property
+    tests index by position, stay the same as types are added."""
+    mixed = (CLUSTER.url, ENDPOINT.url, LISTENER.url, ROUTE.url, SECRET.url)
     return [
-        Snapshot(MappingProxyType({url: rng.choice(pool).types[url] for url in pool[0].types})) for _ in range(count)
+        Snapshot(
+            MappingProxyType(
+                {url: rng.choice(pool).types[url] if url in mixed else pool[0].types[url] for url in pool[0].types}
+            )
+        )
+        for _ in range(count)
     ]
 
 

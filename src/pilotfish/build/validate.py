@@ -54,7 +54,7 @@ from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescript
 from google.protobuf.message import DecodeError, Message
 
 from pilotfish.errors import Problem
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, ResourceType
+from pilotfish.resources import CLUSTER, ENDPOINT, EXTENSION_CONFIG, LISTENER, ROUTE, ResourceType
 from pilotfish.resources.anytypes import ensure_type
 from pilotfish.resources.refs import connection_managers
 
@@ -1712,9 +1712,9 @@ def check_references(
     )
 
 
-ReferenceNames = tuple[frozenset[str], frozenset[str], frozenset[str]]
+ReferenceNames = tuple[frozenset[str], frozenset[str], frozenset[str], frozenset[tuple[str, str]]]
 """The names that exist to be referred to: endpoints (ClusterLoadAssignments), route
-configurations, clusters."""
+configurations, clusters, and extension configs (each with the type of its typed_config)."""
 
 
 def reference_names(
@@ -1731,14 +1731,18 @@ def reference_names(
     route_names.update(more_routes)
     cluster_names = {m.name for m in resources.get(CLUSTER, ())}  # type: ignore[attr-defined]
     cluster_names.update(more_clusters)
-    return frozenset(endpoint_names), frozenset(route_names), frozenset(cluster_names)
+    extensions = frozenset(
+        (m.name, m.typed_config.TypeName())  # type: ignore[attr-defined]
+        for m in resources.get(EXTENSION_CONFIG, ())
+    )
+    return frozenset(endpoint_names), frozenset(route_names), frozenset(cluster_names), extensions
 
 
 def references_problems(resources: Mapping[ResourceType, tuple[Message, ...]], names: ReferenceNames) -> list[Problem]:
     """:func:`check_references` of ``resources`` against ``names``: a function of the clusters,
     listeners and route configurations given and of the names alone (an edit of an endpoint
     that renames nothing leaves it as it was)."""
-    endpoint_names, route_names, cluster_names = names
+    endpoint_names, route_names, cluster_names, extensions = names
     problems: list[Problem] = []
     for index, cluster in enumerate(resources.get(CLUSTER, ())):
         assert isinstance(cluster, cluster_pb2.Cluster)
@@ -1752,9 +1756,9 @@ def references_problems(resources: Mapping[ResourceType, tuple[Message, ...]], n
             )
     for index, listener in enumerate(resources.get(LISTENER, ())):
         assert isinstance(listener, listener_pb2.Listener)
-        problems.extend(
-            _listener_problems(f"listeners[{index}] (name {listener.name!r})", listener, cluster_names, route_names)
-        )
+        label = f"listeners[{index}] (name {listener.name!r})"
+        problems.extend(_listener_problems(label, listener, cluster_names, route_names))
+        problems.extend(_extension_problems(label, listener, extensions))
     for index, config in enumerate(resources.get(ROUTE, ())):
         assert isinstance(config, route_pb2.RouteConfiguration)
         for where, name in _route_clusters(config):
@@ -1812,6 +1816,41 @@ def _listener_problems(
                 f"{label}.{where}",
                 f"RDS route_config_name {wanted!r} has no route configuration: add it under 'routes'",
             )
+
+
+def _extension_problems(
+    label: str, listener: listener_pb2.Listener, extensions: frozenset[tuple[str, str]]
+) -> Iterator[Problem]:
+    """HTTP filters that take their config from ECDS: the extension config they name must exist
+    (unless the filter has a default config: Envoy then uses it meanwhile) and be of a type the
+    filter accepts (``type_urls``). Listener and network filters with ``config_discovery`` are not
+    checked."""
+    types = dict(extensions)
+    for where, hcm in connection_managers(listener):
+        hcm_where = f"{label}.{where}.typed_config" if where != "api_listener" else f"{label}.api_listener"
+        for index, http_filter in enumerate(hcm.http_filters):
+            if not http_filter.HasField("config_discovery"):
+                continue
+            discovery = http_filter.config_discovery
+            if not _served_by_xds(discovery.config_source):
+                continue
+            at = f"{hcm_where}.http_filters[{index}] (name {http_filter.name!r})"
+            kind = types.get(http_filter.name)
+            if kind is None:
+                if not discovery.HasField("default_config"):
+                    yield Problem(
+                        at,
+                        f"extension config {http_filter.name!r} does not exist: add it under 'extension_configs' "
+                        "(or give the filter a default_config); Envoy would hold the listener until it arrives",
+                    )
+                continue
+            accepted = {url.rpartition("/")[2] for url in discovery.type_urls}
+            if accepted and kind not in accepted:
+                yield Problem(
+                    at,
+                    f"extension config {http_filter.name!r} is a {kind}, but the filter accepts only "
+                    f"{', '.join(sorted(accepted))} (config_discovery.type_urls): Envoy would reject it",
+                )
 
 
 def _tcp_proxy_problems(where: str, proxy: tcp_proxy_pb2.TcpProxy, cluster_names: frozenset[str]) -> Iterator[Problem]:

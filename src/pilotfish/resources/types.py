@@ -1,6 +1,6 @@
 """Type URLs of the xDS resources pilotfish serves, in ADS order.
 
-ADS order (CDS, EDS, LDS, RDS, SDS, then RTDS) is the order in which responses for one change go out
+ADS order (CDS, EDS, ECDS, LDS, RDS, SDS, then RTDS) is the order in which responses for one change go out
 on an aggregated stream, so that everything a resource refers to exists before it does
 (https://www.envoyproxy.io/docs/envoy/latest/api-docs/xds_protocol#eventual-consistency-considerations).
 """
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import NewType
 
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import extension_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
@@ -22,6 +23,7 @@ __all__ = [
     "ADS_ORDER",
     "CLUSTER",
     "ENDPOINT",
+    "EXTENSION_CONFIG",
     "LISTENER",
     "ROUTE",
     "RUNTIME",
@@ -68,6 +70,9 @@ def _make(key: str, message: type[Message], name_field: str, wildcard: bool, sho
 
 CLUSTER = _make("clusters", cluster_pb2.Cluster, "name", True, "CDS")
 ENDPOINT = _make("endpoints", endpoint_pb2.ClusterLoadAssignment, "cluster_name", False, "EDS")
+EXTENSION_CONFIG = _make("extension_configs", extension_pb2.TypedExtensionConfig, "name", False, "ECDS")
+"""Extension configs (ECDS): a filter's config by name. Before LDS: a listener whose filter takes
+its config from ECDS waits (warming) until that config has arrived."""
 LISTENER = _make("listeners", listener_pb2.Listener, "name", True, "LDS")
 ROUTE = _make("routes", route_pb2.RouteConfiguration, "name", False, "RDS")
 SECRET = _make("secrets", secret_pb2.Secret, "name", False, "SDS")
@@ -75,7 +80,7 @@ RUNTIME = _make("runtime", rtds_pb2.Runtime, "name", False, "RTDS")
 """Runtime layers (RTDS): last in ADS order, since nothing else refers to them; Envoy asks for
 each ``rtds_layer`` of its bootstrap by name."""
 
-TYPES: tuple[ResourceType, ...] = (CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, RUNTIME)
+TYPES: tuple[ResourceType, ...] = (CLUSTER, ENDPOINT, EXTENSION_CONFIG, LISTENER, ROUTE, SECRET, RUNTIME)
 ADS_ORDER: tuple[TypeUrl, ...] = tuple(t.url for t in TYPES)
 
 _BY_URL = {t.url: t for t in TYPES}

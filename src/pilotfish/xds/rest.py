@@ -7,6 +7,7 @@ POST      /v3/discovery:listeners    LDS (no names: every listener)
 POST      /v3/discovery:routes       RDS (the named RouteConfigurations)
 POST      /v3/discovery:secrets      SDS (the named secrets granted to the poller)
 POST      /v3/discovery:runtime      RTDS (the named runtime layers)
+POST      /v3/discovery:extension_configs  ECDS (the named extension configs)
 ========  =========================  ==========================================
 
 These are the paths of the xDS services' ``google.api.http`` options, which Envoy with
@@ -74,7 +75,7 @@ from pilotfish.events import ReportGate
 from pilotfish.protocol import WILDCARD, PeerOverLimit, Subscription, next_subscription
 from pilotfish.protocol.limits import shorten
 from pilotfish.protocol.rest import RestPoll, is_current, read_poll
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, RUNTIME, SECRET, ResourceType
+from pilotfish.resources import CLUSTER, ENDPOINT, EXTENSION_CONFIG, LISTENER, ROUTE, RUNTIME, SECRET, ResourceType
 from pilotfish.resources.anytypes import message_dict
 from pilotfish.snapshot import EncodedResponse
 from pilotfish.transport.site import REST_XDS, HttpConnectionLimits, serve_app
@@ -92,6 +93,7 @@ PATHS: dict[str, ResourceType] = {
     "/v3/discovery:routes": ROUTE,
     "/v3/discovery:secrets": SECRET,
     "/v3/discovery:runtime": RUNTIME,
+    "/v3/discovery:extension_configs": EXTENSION_CONFIG,
 }
 """Path -> the type it serves (the ``google.api.http`` post paths of the v3 xDS services)."""
 

@@ -74,7 +74,17 @@ from pilotfish.protocol import (
 )
 from pilotfish.protocol.limits import shorten
 from pilotfish.protocol.sotw import DecodedRequest
-from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, RUNTIME, SECRET, TypeUrl
+from pilotfish.resources import (
+    ADS_ORDER,
+    CLUSTER,
+    ENDPOINT,
+    EXTENSION_CONFIG,
+    LISTENER,
+    ROUTE,
+    RUNTIME,
+    SECRET,
+    TypeUrl,
+)
 from pilotfish.resources.wire import nonce_field, response_names
 from pilotfish.snapshot import DeltaChanges, EncodedResponse
 from pilotfish.status import NodeInfo, SyncStatus, nack_summary
@@ -110,6 +120,7 @@ _SERVICES: tuple[tuple[str, str, TypeUrl | None], ...] = (
     ("envoy.service.route.v3.RouteDiscoveryService", "Routes", ROUTE.url),
     ("envoy.service.secret.v3.SecretDiscoveryService", "Secrets", SECRET.url),
     ("envoy.service.runtime.v3.RuntimeDiscoveryService", "Runtime", RUNTIME.url),
+    ("envoy.service.extension.v3.ExtensionConfigDiscoveryService", "ExtensionConfigs", EXTENSION_CONFIG.url),
 )
 """(service, what its methods serve, type served; None = any, i.e. aggregated): each has a SotW
 method ``Stream<what>`` and a delta one ``Delta<what>``."""

@@ -42,7 +42,7 @@ from google.protobuf.message import Message
 from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.build.validate import RuleChecker, RuleNotUnderstood, check_references, understands
 from pilotfish.errors import ConfigError
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, ResourceType
+from pilotfish.resources import CLUSTER, ENDPOINT, EXTENSION_CONFIG, LISTENER, ROUTE, SECRET, ResourceType
 from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.resources.services import Endpoint, ServiceSpec
 
@@ -641,7 +641,12 @@ def listener(*filters: dict[str, Any]) -> Message:
 
 
 def problems(**resources: list[Message]) -> list[str]:
-    types: dict[str, ResourceType] = {"clusters": CLUSTER, "listeners": LISTENER, "routes": ROUTE}
+    types: dict[str, ResourceType] = {
+        "clusters": CLUSTER,
+        "listeners": LISTENER,
+        "routes": ROUTE,
+        "extension_configs": EXTENSION_CONFIG,
+    }
     return [str(p) for p in check_references({types[k]: tuple(v) for k, v in resources.items()})]
 
 
@@ -674,6 +679,54 @@ def test_inline_route_config_of_a_connection_manager_is_checked() -> None:
         ".route.cluster: cluster 'gone' does not exist: add it under 'clusters' (or define service 'gone'); Envoy "
         "would answer 503"
     ]
+
+
+_HEADER_MUTATION = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
+_LUA = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
+
+
+def extension_config(name: str, kind: str = _HEADER_MUTATION) -> Message:
+    document = {"name": name, "typed_config": {"@type": kind}}
+    assert ensure_types_in(document) == []
+    message: Message = json_format.ParseDict(document, EXTENSION_CONFIG.message())
+    return message
+
+
+def test_an_http_filter_from_ecds_needs_its_extension_config_of_a_type_it_accepts() -> None:
+    def discovered(name: str, *, default: bool = False) -> dict[str, Any]:
+        discovery: dict[str, Any] = {
+            "config_source": {"ads": {}, "resource_api_version": "V3"},
+            "type_urls": [_HEADER_MUTATION],
+        }
+        if default:
+            discovery["default_config"] = {"@type": _HEADER_MUTATION}
+        return {"name": name, "config_discovery": discovery}
+
+    config = json_format.ParseDict(routes({"cluster": "web"}), route_pb2.RouteConfiguration())
+    filters = [discovered("headers"), discovered("fallback", default=True), discovered("script"), ROUTER_FILTER]
+    found = problems(
+        listeners=[listener(hcm(http_filters=filters))],
+        routes=[config],
+        clusters=[static_cluster("web")],
+        extension_configs=[extension_config("script", _LUA)],
+    )
+    where = "listeners[0] (name 'in').filter_chains[0].filters[0].typed_config.http_filters"
+    assert found == [
+        f"{where}[0] (name 'headers'): extension config 'headers' does not exist: add it under 'extension_configs' "
+        "(or give the filter a default_config); Envoy would hold the listener until it arrives",
+        f"{where}[2] (name 'script'): extension config 'script' is a envoy.extensions.filters.http.lua.v3.Lua, but "
+        "the filter accepts only envoy.extensions.filters.http.header_mutation.v3.HeaderMutation "
+        "(config_discovery.type_urls): Envoy would reject it",
+    ]
+    assert (
+        problems(
+            listeners=[listener(hcm(http_filters=filters))],
+            routes=[config],
+            clusters=[static_cluster("web")],
+            extension_configs=[extension_config("headers"), extension_config("script")],
+        )
+        == []
+    )
 
 
 def test_tcp_proxy_to_a_missing_cluster_is_refused() -> None:

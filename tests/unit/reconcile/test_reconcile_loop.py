@@ -251,7 +251,7 @@ async def test_with_explicit_versions_a_type_that_did_not_change_keeps_its_versi
     await clock.advance(0.5)
     second = cache.snapshot()
     assert second is not None and second.label() == "2", reconciler.last_error
-    assert second.versions() == {"CDS": "2", "EDS": "1", "LDS": "1", "RDS": "1", "SDS": "1", "RTDS": "1"}
+    assert second.versions() == {"CDS": "2", "EDS": "1", "ECDS": "1", "LDS": "1", "RDS": "1", "SDS": "1", "RTDS": "1"}
     # The very published TypeSnapshot: nothing waiting on the listeners is answered again.
     assert second.get(LISTENER.url) is first.get(LISTENER.url)
     reconciler.update("file", versioned("3", connect_timeout=2.0))  # nothing changes

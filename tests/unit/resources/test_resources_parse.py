@@ -44,6 +44,7 @@ def test_good_file_loads_with_every_type(tmp_path: Path) -> None:
     assert {ts.rtype.key: len(ts.resources) for ts in snapshot.types.values()} == {
         "clusters": 1,
         "endpoints": 1,
+        "extension_configs": 0,
         "listeners": 1,
         "routes": 1,
         "secrets": 0,

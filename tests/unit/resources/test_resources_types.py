@@ -10,6 +10,7 @@ from pilotfish.resources.types import (
     ADS_ORDER,
     CLUSTER,
     ENDPOINT,
+    EXTENSION_CONFIG,
     LISTENER,
     ROUTE,
     RUNTIME,
@@ -32,7 +33,9 @@ def test_each_type_is_found_by_its_url_and_its_section_and_nothing_else_is() -> 
 
 
 def test_ads_sends_clusters_before_endpoints_and_listeners_before_routes() -> None:
-    assert (CLUSTER.url, ENDPOINT.url, LISTENER.url, ROUTE.url, SECRET.url, RUNTIME.url) == ADS_ORDER
-    assert [t.short for t in TYPES] == ["CDS", "EDS", "LDS", "RDS", "SDS", "RTDS"]
+    assert (CLUSTER.url, ENDPOINT.url, EXTENSION_CONFIG.url, LISTENER.url, ROUTE.url, SECRET.url, RUNTIME.url) == (
+        ADS_ORDER
+    )
+    assert [t.short for t in TYPES] == ["CDS", "EDS", "ECDS", "LDS", "RDS", "SDS", "RTDS"]
     assert [t.key for t in TYPES if t.wildcard] == ["clusters", "listeners"]
     assert (ENDPOINT.name_field, CLUSTER.name_field) == ("cluster_name", "name")
