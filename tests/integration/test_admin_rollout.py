@@ -140,7 +140,7 @@ async def test_the_status_while_idle_and_while_a_wave_waits_then_bakes(tmp_path:
         baseline = idle["baseline"]
         assert (idle["phase"], idle["candidate"], idle["wave"], idle["wave_index"]) == ("idle", None, None, None)
         assert (idle["proxies"], idle["on_candidate"], idle["held"], idle["held_count"]) == (2, 0, [], 0)
-        assert idle["waves"] == ["canary", "100%"] and idle["types"] == ["CDS", "LDS", "RDS", "SDS"]
+        assert idle["waves"] == ["canary", "100%"] and idle["types"] == ["CDS", "ECDS", "LDS", "RDS", "RTDS", "SDS"]
         assert (idle["bake"], idle["bake_ends"], idle["health"], idle["paused"]) == (600.0, None, None, None)
 
         running.change("web", "api")  # a new candidate: the canary wave is served it

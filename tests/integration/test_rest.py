@@ -242,6 +242,14 @@ async def test_endpoints_routes_and_secrets_are_the_named_ones(tmp_path: Path) -
         assert (await rest.post("/v3/discovery:endpoints", poll(names=["web"], version="1")))[0] == 304
 
 
+async def test_runtime_layers_are_polled_by_name(tmp_path: Path) -> None:
+    doc = document() | {"runtime": [{"name": "flags", "layer": {"a.b": 1}}, {"name": "other", "layer": {}}]}
+    async with serving(tmp_path, doc=doc) as running, client(running) as rest:
+        layers = await rest.discover("runtime", poll(names=["flags"]))
+        assert names_of(layers) == ["flags"] and layers.type_url.endswith("envoy.service.runtime.v3.Runtime")
+        assert len((await rest.discover("runtime", poll())).resources) == 0, "no wildcard"
+
+
 async def test_a_named_poll_is_current_while_its_resources_are_unchanged(tmp_path: Path) -> None:
     """Only what changed is sent: after web's endpoints change, a poll for api at the old version
     gets 304, one for web gets web's new endpoints."""

@@ -17,13 +17,14 @@ from google.protobuf import json_format
 
 from pilotfish.cache import DEFAULT_GROUP, Cancel, NodeGroup, SnapshotCache
 from pilotfish.protocol import RequestOutcome, SotwStream, Watch
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET, TypeUrl
+from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, RUNTIME, SECRET, TypeUrl, type_by_url
 from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
 from pilotfish.resources.parse import parse_resource
 from pilotfish.resources.wire import nonce_field
 from pilotfish.snapshot import EncodedResponse, Snapshot
 
 CDS, EDS, LDS, RDS = CLUSTER.url, ENDPOINT.url, LISTENER.url, ROUTE.url
+RTDS = RUNTIME.url
 
 
 def cluster(name: str, timeout: str = "1s") -> dict[str, Any]:
@@ -97,12 +98,18 @@ def route(name: str, cluster_name: str) -> dict[str, Any]:
     }
 
 
+def layer(name: str, **keys: Any) -> dict[str, Any]:
+    """A runtime layer (RTDS) as the snapshot file's ``runtime:`` section writes it."""
+    return {"name": name, "layer": keys}
+
+
 def build(
     clusters: Iterable[dict[str, Any]] = (),
     endpoints: Iterable[dict[str, Any]] = (),
     listeners: Iterable[dict[str, Any]] = (),
     routes: Iterable[dict[str, Any]] = (),
     version: str | None = None,
+    runtime: Iterable[dict[str, Any]] = (),
 ) -> Snapshot:
     """A snapshot from resources in Envoy JSON shape."""
 
@@ -117,6 +124,7 @@ def build(
             ENDPOINT: parse(ENDPOINT, endpoints),
             LISTENER: parse(LISTENER, listeners),
             ROUTE: parse(ROUTE, routes),
+            RUNTIME: parse(RUNTIME, runtime),
         },
         version=version,
     )
@@ -175,17 +183,11 @@ class StreamPair:
         decoded = discovery_pb2.DiscoveryResponse.FromString(response.body + nonce_field(nonce))
         names = []
         for any_msg in decoded.resources:
-            message = (
-                CLUSTER
-                if decoded.type_url == CDS
-                else ENDPOINT
-                if decoded.type_url == EDS
-                else LISTENER
-                if decoded.type_url == LDS
-                else ROUTE
-            ).message()
-            any_msg.Unpack(message)
-            names.append(getattr(message, "cluster_name" if decoded.type_url == EDS else "name"))
+            rtype = type_by_url(decoded.type_url)
+            assert rtype is not None
+            message = rtype.message()
+            assert any_msg.Unpack(message)
+            names.append(getattr(message, rtype.name_field))
         self.inbox.append(Received(decoded.type_url, decoded.version_info, decoded.nonce, names))
 
     def send(

@@ -309,7 +309,7 @@ class RolloutFlags:
     waves: str | None = None
     """The waves, e.g. ``canary=edge-canary-*,5%,25%,100%`` (``--rollout``); None: every change
     reaches every proxy at once."""
-    types: str = "CDS,LDS,RDS,SDS"
+    types: str = "CDS,ECDS,LDS,RDS,SDS,RTDS"
     """The types whose changes roll out in waves (``--rollout-types``); the others reach every
     proxy at once."""
     ack_timeout: float = 30.0

@@ -908,7 +908,7 @@ def _rollout_flags(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--rollout-types",
-        default="CDS,LDS,RDS,SDS",
+        default="CDS,ECDS,LDS,RDS,SDS,RTDS",  # = RolloutFlags.types
         metavar="TYPES",
         help="the types whose changes roll out in waves; changes to the others reach every proxy at once "
         "(default: %(default)s)",

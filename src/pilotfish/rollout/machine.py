@@ -79,7 +79,7 @@ from typing import Any, Literal, Protocol
 from pilotfish.errors import shorten
 from pilotfish.events import EVENTS as ALL_EVENTS
 from pilotfish.events import EventSpec
-from pilotfish.resources.types import CLUSTER, LISTENER, ROUTE, SECRET, TYPES
+from pilotfish.resources.types import CLUSTER, EXTENSION_CONFIG, LISTENER, ROUTE, RUNTIME, SECRET, TYPES
 from pilotfish.rollout.gates import (
     AckGate,
     AckSettings,
@@ -108,8 +108,11 @@ __all__ = [
     "parse_rollout_types",
 ]
 
-DEFAULT_TYPES: frozenset[str] = frozenset({CLUSTER.url, LISTENER.url, ROUTE.url, SECRET.url})
-"""The types that roll out in waves unless ``--rollout-types`` says otherwise: all but EDS."""
+DEFAULT_TYPES: frozenset[str] = frozenset(
+    {CLUSTER.url, EXTENSION_CONFIG.url, LISTENER.url, ROUTE.url, SECRET.url, RUNTIME.url}
+)
+"""The types that roll out in waves unless ``--rollout-types`` says otherwise: all but EDS (a runtime
+flag flipped or a filter's config changed is a change like any other, and goes wave by wave too)."""
 STATE_VERSION = 1
 """The version of :meth:`RolloutMachine.to_dict`'s format."""
 _SHOWN = 10  # node ids listed in an event; the count says how many there were
@@ -131,7 +134,7 @@ def parse_rollout_types(text: str) -> frozenset[str]:
             known = ", ".join(t.short for t in TYPES)
             raise ValueError(
                 f"--rollout-types {text!r}: {part!r} is not a type; use {known} (or clusters, "
-                f"endpoints, listeners, routes, secrets), comma-separated"
+                f"endpoints, extension_configs, listeners, routes, secrets, runtime), comma-separated"
             )
         found.add(names[part])
     return frozenset(found)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import CDS, EDS, LDS, RDS, assignment, build, cluster, listener, route
+from conftest import CDS, EDS, LDS, RDS, RTDS, assignment, build, cluster, layer, listener, route
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
@@ -378,3 +378,16 @@ def test_a_request_over_the_names_limit_is_refused(cache: SnapshotCache) -> None
 def test_an_ads_request_without_type_url_is_a_protocol_error() -> None:
     with pytest.raises(PeerError, match="type_url"):
         DeltaStream().on_request(discovery_pb2.DeltaDiscoveryRequest())
+
+
+def test_runtime_layers_are_sent_by_name_and_a_removed_layer_is_removed(cache: SnapshotCache) -> None:
+    cache.set_snapshot(build(clusters=[cluster("a")], runtime=[layer("flags", x=1), layer("other", y=2)]))
+    p = DeltaPair(cache)
+    [got] = p.send(RTDS, ["flags", "missing"])
+    assert list(got.versions) == ["flags"] and got.removed == ["missing"]
+    assert p.ack(got) == [] and p.outcomes[-1].kind is DeltaKind.ACK
+    [changed] = p.publish(build(clusters=[cluster("a")], runtime=[layer("flags", x=0), layer("other", y=3)]))
+    assert list(changed.versions) == ["flags"] and changed.versions["flags"] != got.versions["flags"]
+    p.ack(changed)
+    [gone] = p.publish(build(clusters=[cluster("a")], runtime=[layer("other", y=3)]))
+    assert gone.versions == {} and gone.removed == ["flags"]

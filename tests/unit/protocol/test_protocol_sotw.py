@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CDS, EDS, LDS, RDS, Received, StreamPair, assignment, build, cluster, listener, route
+from conftest import CDS, EDS, LDS, RDS, RTDS, Received, StreamPair, assignment, build, cluster, layer, listener, route
 from envoy.service.discovery.v3 import discovery_pb2
 
 from pilotfish.cache import SnapshotCache
@@ -452,3 +452,42 @@ def test_the_stream_keeps_the_nodes_identity_not_its_extension_list() -> None:
     assert stream.node is not None
     assert (stream.node.id, stream.node.cluster, stream.node.metadata["zone"]) == ("edge-1", "edge", "a")
     assert len(stream.node.extensions) == 0
+
+
+# runtime layers (RTDS): named, never wildcard, sent last on ADS --------------------------
+
+
+def test_runtime_layers_are_sent_by_name_changed_at_once_and_nacks_are_kept(cache: SnapshotCache) -> None:
+    cache.set_snapshot(build(clusters=[cluster("a")], runtime=[layer("flags", x=1), layer("other", y=2)]))
+    p = StreamPair(cache)
+    [empty] = p.send(RTDS)
+    assert empty.names == [], "a runtime request naming nothing is not a wildcard"
+    [got] = p.send(RTDS, ["flags", "missing"])
+    assert got.type_url == RTDS and got.names == ["flags"]
+    names = ["flags", "missing"]
+    assert p.send(RTDS, names, version=got.version, nonce=got.nonce) == []
+    assert [o.kind for o in p.outcomes][-1] is RequestKind.ACK
+    [changed] = p.publish(build(clusters=[cluster("a")], runtime=[layer("flags", x=0), layer("other", y=2)]))
+    assert changed.names == ["flags"] and changed.version != got.version
+    assert p.send(RTDS, names, version=got.version, nonce=changed.nonce, error="bad layer") == []
+    assert [o.kind for o in p.outcomes][-1] is RequestKind.NACK
+    [appeared] = p.publish(build(clusters=[cluster("a")], runtime=[layer("flags", x=5), layer("missing", z=1)]))
+    assert sorted(appeared.names) == ["flags", "missing"]
+
+
+def test_one_change_sends_runtime_after_everything_else(pair: StreamPair) -> None:
+    seen = [pair.send(CDS)[0], pair.send(EDS, ["a", "b"])[0], pair.send(LDS)[0], pair.send(RDS, ["r"])[0]]
+    for got in seen:
+        pair.ack(got, ["a", "b"] if got.type_url == EDS else ["r"] if got.type_url == RDS else [])
+    [none] = pair.send(RTDS, ["flags"])
+    assert none.names == [], "a layer that does not exist yet"
+    pair.send(RTDS, ["flags"], version=none.version, nonce=none.nonce)
+    v2 = build(
+        clusters=[cluster("a", "2s"), cluster("b")],
+        endpoints=[assignment("a", 3), assignment("b", 2)],
+        listeners=[listener("l", "r", port=10001)],
+        routes=[route("r", "b")],
+        runtime=[layer("flags", on=True)],
+    )
+    sent = pair.publish(v2)
+    assert [g.type_url for g in sent][-1] == RTDS and sent[-1].names == ["flags"]

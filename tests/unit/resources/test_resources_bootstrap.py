@@ -231,3 +231,16 @@ def test_lrs_reports_load_over_the_xds_cluster_and_is_refused_where_it_cannot_wo
     refused = capsys.readouterr()
     assert refused.out == ""
     assert "lrs_server in CDS" in refused.err and "leave out --lrs with --grpc" in refused.err
+
+
+def test_runtime_layers_come_over_ads_and_the_admin_layer_stays_last(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "layered_runtime" not in bootstrap(BootstrapSettings(node_id="n")), "no layers: Envoy's default runtime"
+    assert main(["bootstrap", "--node-id", "n", "--runtime-layer", "flags", "--runtime-layer", "faults"]) == 0
+    layers = yaml.safe_load(capsys.readouterr().out)["layered_runtime"]["layers"]
+    assert [layer["name"] for layer in layers] == ["flags", "faults", "admin"]
+    assert layers[0]["rtds_layer"] == {"name": "flags", "rtds_config": {"ads": {}, "resource_api_version": "V3"}}
+    assert layers[-1] == {"name": "admin", "admin_layer": {}}
+    with pytest.raises(ValueError, match="does not go with --rest"):
+        BootstrapSettings(node_id="n", rest="127.0.0.1:1", runtime_layers=("flags",))
+    assert main(["bootstrap", "--node-id", "n", "--runtime-layer", "a", "--runtime-layer", "a"]) != 0
+    assert "--runtime-layer" in capsys.readouterr().err

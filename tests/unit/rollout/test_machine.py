@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET
+from pilotfish.resources import CLUSTER, ENDPOINT, EXTENSION_CONFIG, LISTENER, ROUTE, RUNTIME, SECRET
 from pilotfish.rollout.gates import AckSettings, HealthSettings
 from pilotfish.rollout.load import ClusterLoad, LoadReport, LoadSettings, LoadStore
 from pilotfish.rollout.machine import (
@@ -114,7 +114,7 @@ def test_a_change_to_endpoints_only_reaches_baseline_and_candidate_alike() -> No
 
 def test_rollout_types_are_configurable_and_parsed_with_a_clear_error() -> None:
     assert parse_rollout_types("CDS, lds,routes") == {CDS, LDS, RDS}
-    assert {CDS, LDS, RDS, SECRET.url} == DEFAULT_TYPES
+    assert {CDS, EXTENSION_CONFIG.url, LDS, RDS, SECRET.url, RUNTIME.url} == DEFAULT_TYPES
     with pytest.raises(ValueError, match="--rollout-types 'CDS,XDS': 'xds' is not a type"):
         parse_rollout_types("CDS,XDS")
     machine = make(types=parse_rollout_types("CDS"))
