@@ -57,7 +57,10 @@ def test_any_of_several_matchers_selects() -> None:
     ("matchers", "field"),
     [
         ([by_id()], "node_matchers[0].node_id sets no pattern"),
-        ([by_id(safe_regex=regex_pb2.RegexMatcher(regex="("))], "node_matchers[0].node_id.safe_regex.regex does not compile"),
+        (
+            [by_id(safe_regex=regex_pb2.RegexMatcher(regex="("))],
+            "node_matchers[0].node_id.safe_regex.regex does not compile",
+        ),
         ([by_id(safe_regex=regex_pb2.RegexMatcher(regex="a" * 257))], "is 257 characters; at most 256"),
         ([by_id(exact="x")] * 17, "node_matchers holds 17 matchers; at most 16"),
         (
@@ -66,7 +69,9 @@ def test_any_of_several_matchers_selects() -> None:
         ),
     ],
 )
-def test_a_matcher_it_cannot_apply_is_refused_naming_the_field(matchers: list[node_pb2.NodeMatcher], field: str) -> None:
+def test_a_matcher_it_cannot_apply_is_refused_naming_the_field(
+    matchers: list[node_pb2.NodeMatcher], field: str
+) -> None:
     with pytest.raises(ValueError, match=re.escape(field)):
         NodeSelector(matchers)
 
