@@ -18,7 +18,7 @@ from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from envoy.type.matcher.v3 import node_pb2, string_pb2
 from inprocess import TIMEOUT, Running
 from inprocess import serving as serve_in_process
-from test_admin_api import ack, ads, cds_of, get, nack, read, until
+from test_admin_api import ack, ads, cds_of, nack, read, until
 from test_tls import CDS, snapshot_doc, write_pair
 
 from pilotfish.api.tokens import hash_token
