@@ -18,12 +18,13 @@ from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from envoy.type.matcher.v3 import node_pb2, string_pb2
 from inprocess import TIMEOUT, Running
 from inprocess import serving as serve_in_process
-from test_admin_api import ack, ads, cds_of, nack, read, until
+from test_admin_api import ack, ads, cds_of, nack, read, run, until
 from test_tls import CDS, snapshot_doc, write_pair
 
 from pilotfish.api.tokens import hash_token
 from pilotfish.app import ServeSettings
 from pilotfish.app.settings import AdminSettings, TlsSettings, XdsSettings
+from pilotfish.commands.operate import client_context, csds_command
 from pilotfish.events import read_events
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,6 +90,14 @@ async def test_csds_on_the_xds_port_says_what_v1_proxies_says_acked_and_nacked(t
         assert nacked.error_state.details == listed["nack"]["message"]
         assert "no healthy upstream in this test" in nacked.error_state.details
         assert nacked.error_state.version_info == listed["nack"]["version"] == rejected.version_info
+
+        code, out, err = await run(csds_command, running.xds, tls=None, token=None, node=None)
+        assert code == 1 and "nacking NACKED Cluster: cluster 'web': no healthy upstream in this test" in err
+        rows = {tuple(line.split()[:4]) for line in out.splitlines()}
+        assert ("acking", "Cluster", first.version_info, "ACKED") in rows
+        assert ("nacking", "Cluster", "-", "NACKED") in rows
+        code, out, _ = await run(csds_command, running.xds, tls=None, token=None, node="ack*")
+        assert code == 0 and "nacking" not in out and "acking" in out
 
         stream = stub.StreamClientStatus()
         await stream.write(by_id("nacking"))
@@ -167,3 +176,8 @@ async def test_the_admin_grpc_port_takes_the_admin_apis_tls_and_read_tokens(tmp_
                     csds_pb2.ClientStatusRequest(), metadata=(("authorization", f"Bearer {READER}"),), timeout=TIMEOUT
                 )
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE  # plaintext is not answered
+        tls = client_context(ca=ca_file, cert=None, key=None)
+        code, out, _ = await run(csds_command, address, tls=tls, token=READER, node=None)
+        assert (code, out) == (0, "no proxy is connected\n")
+        code, _, err = await run(csds_command, address, tls=tls, token=None, node=None)
+        assert code == 2 and "needs a token" in err

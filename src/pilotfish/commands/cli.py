@@ -703,6 +703,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "longer than this (default: %(default)s)",
     )
     status.add_argument(
+        "--csds",
+        type=_address,
+        metavar="HOST:PORT",
+        help="read the proxies from this CSDS server (serve --admin-grpc, or the xDS port with --csds-on-xds) "
+        "instead of the admin API: what any CSDS client sees (--tls-* and the token as for the admin API; "
+        "--node only)",
+    )
+    status.add_argument(
         "-o",
         "--output",
         choices=("table", "json"),
@@ -1137,6 +1145,16 @@ def _operate(args: argparse.Namespace) -> int:
         print(f"pilotfish {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     admin = operate.AdminClient(args.admin, tls=tls, token=token)
+    if args.command == "status" and args.csds is not None:
+        return operate.csds_command(
+            args.csds,
+            tls=tls,
+            token=token,
+            node=args.node,
+            as_json=args.output == "json",
+            out=sys.stdout,
+            err=sys.stderr,
+        )
     if args.command == "status":
         return operate.status_command(
             admin,
