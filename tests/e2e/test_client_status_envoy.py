@@ -117,7 +117,7 @@ def test_a_csds_client_reads_two_envoys_acks_and_nacks_as_v1_proxies_has_them(te
     ):
         with pytest.raises(grpc.RpcError) as refused:
             _csds(admin_grpc, metadata)
-        assert refused.value.code() is code  # type: ignore[attr-defined]
+        assert refused.value.code() is code
 
     # `pilotfish status --csds` reads the same.
     table = pilotfish("status", "--csds", admin_grpc, check=False, env={"PILOTFISH_ADMIN_TOKEN": READER})

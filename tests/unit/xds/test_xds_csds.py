@@ -21,7 +21,7 @@ NODES = ["edge-1", "edge-2", "Edge-3", "mesh-a.sidecar", "mesh-b.sidecar"]
 
 
 def by_id(**matcher: object) -> node_pb2.NodeMatcher:
-    return node_pb2.NodeMatcher(node_id=string_pb2.StringMatcher(**matcher))  # type: ignore[arg-type]
+    return node_pb2.NodeMatcher(node_id=string_pb2.StringMatcher(**matcher))
 
 
 def selected(*matchers: node_pb2.NodeMatcher) -> list[str]:
