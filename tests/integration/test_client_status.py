@@ -26,6 +26,9 @@ from pilotfish.app import ServeSettings
 from pilotfish.app.settings import AdminSettings, TlsSettings, XdsSettings
 from pilotfish.commands.operate import client_context, csds_command
 from pilotfish.events import read_events
+from pilotfish.status import SyncStatus
+from pilotfish.transport.aio import GrpcServer
+from pilotfish.xds.csds import ClientStatus, CsdsLimits
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -181,3 +184,26 @@ async def test_the_admin_grpc_port_takes_the_admin_apis_tls_and_read_tokens(tmp_
         assert (code, out) == (0, "no proxy is connected\n")
         code, _, err = await run(csds_command, address, tls=tls, token=None, node=None)
         assert code == 2 and "needs a token" in err
+
+
+async def test_csds_calls_past_the_bound_are_refused_and_a_closed_one_frees_its_place() -> None:
+    service = ClientStatus(SyncStatus(), limits=CsdsLimits(max_streams=2))
+    server = GrpcServer(service.methods())
+    port = await server.start("127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = csds_pb2_grpc.ClientStatusDiscoveryServiceStub(channel)
+            held = [stub.StreamClientStatus() for _ in range(2)]
+            for stream in held:
+                await stream.write(csds_pb2.ClientStatusRequest())
+                await stream.read()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.FetchClientStatus(csds_pb2.ClientStatusRequest(), timeout=TIMEOUT)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            await held[0].done_writing()
+            assert await held[0].code() is grpc.StatusCode.OK
+            answer = await stub.FetchClientStatus(csds_pb2.ClientStatusRequest(), timeout=TIMEOUT)
+            assert list(answer.config) == []
+            held[1].cancel()
+    finally:
+        await server.stop(0)
