@@ -293,8 +293,18 @@ def _node_matcher(glob: str) -> Any:
     """``--node GLOB`` as a CSDS node matcher: exact without ``*``, else a regex of the glob."""
     from envoy.type.matcher.v3 import node_pb2, regex_pb2, string_pb2
 
+    inner = glob.strip("*")
     if "*" not in glob:
         return node_pb2.NodeMatcher(node_id=string_pb2.StringMatcher(exact=glob))
+    if "*" not in inner:  # edge-*, *.sidecar, *mesh*: no regex needed
+        kind = (
+            "contains"
+            if glob.startswith("*") and glob.endswith("*")
+            else "suffix"
+            if glob.startswith("*")
+            else "prefix"
+        )
+        return node_pb2.NodeMatcher(node_id=string_pb2.StringMatcher(**{kind: inner}))
     pattern = ".*".join(re.escape(part) for part in glob.split("*"))
     return node_pb2.NodeMatcher(node_id=string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=pattern)))
 

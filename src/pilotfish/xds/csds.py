@@ -23,19 +23,20 @@ response covers many proxies; the versions say which snapshot it runs.
 
 Bounds: a response holds at most :attr:`CsdsLimits.max_proxies` proxies (the first by node id;
 ask with matchers for others), a request at most :attr:`CsdsLimits.max_matchers` matchers, a
-regex at most :attr:`CsdsLimits.max_regex` characters (Python's ``re``, matched against node ids
-the transport already bounds), a stream at most one request per :attr:`CsdsLimits.min_gap`
+regex at most :attr:`CsdsLimits.max_regex` characters and one that cannot backtrack much
+(:data:`MAX_REGEX_COST`; node ids are bounded by ``XdsLimits.max_node_id_chars``), a stream at most one request per :attr:`CsdsLimits.min_gap`
 seconds, and at most :attr:`CsdsLimits.max_streams` calls are open at once.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from envoy.admin.v3 import config_dump_shared_pb2
 from envoy.service.status.v3 import csds_pb2
@@ -97,6 +98,67 @@ class _BadRequest(ValueError):
     """A request names something pilotfish cannot match on; the message names the field."""
 
 
+_parser: Any = importlib.import_module("re._parser")  # the stdlib's own regex parser (no stubs)
+_ID_CHARS = 1024
+"""What an unbounded repeat may span: a node id's length at most (``XdsLimits.max_node_id_chars``)."""
+MAX_REGEX_COST = 4 * _ID_CHARS
+"""A regex's backtracking bound at most: the product of its repeats' spans (an unbounded one:
+:data:`_ID_CHARS`) and its alternatives' count. Python's ``re`` backtracks and has no step
+limit, so a regex is admitted only if it cannot backtrack much: one unbounded repeat (``.*``)
+and a few small ones, never a repeated group that itself repeats or branches (``(a+)+``,
+``(a|a)*``), no back-references or look-arounds. Matching one node id then takes at most about
+this many steps times the id's length."""
+_REFUSED = {
+    "GROUPREF": "a back-reference",
+    "GROUPREF_EXISTS": "a conditional group",
+    "ASSERT": "a look-around",
+    "ASSERT_NOT": "a look-around",
+}
+
+
+def _regex_cost(items: Any, field: str) -> int:
+    """The backtracking bound of a parsed regex (see :data:`MAX_REGEX_COST`); raises
+    :class:`_BadRequest` naming ``field`` for what is refused outright."""
+    cost = 1
+    for op, value in items:
+        name = str(op)
+        if name in _REFUSED:
+            raise _BadRequest(
+                f"{field} holds {_REFUSED[name]}: pilotfish matches node ids with repeats and classes only"
+            )
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            low, high, body = value
+            if _regex_cost(body, field) > 1 or any(str(o).endswith("REPEAT") for o, _ in _flat(body)):
+                raise _BadRequest(
+                    f"{field} repeats a group that repeats or branches (as (a+)+ or (a|b)*): it could backtrack"
+                    " for ever"
+                )
+            cost *= _ID_CHARS if high is _parser.MAXREPEAT else max(1, min(high, _ID_CHARS) - low + 1)
+        elif name == "BRANCH":
+            cost *= sum(_regex_cost(branch, field) for branch in value[1])
+        elif name == "SUBPATTERN":
+            cost *= _regex_cost(value[-1], field)
+        if cost > MAX_REGEX_COST:
+            raise _BadRequest(
+                f"{field} could backtrack too much (more than one unbounded repeat, or too many repeats or "
+                "alternatives): use prefix, suffix or contains, or a simpler regex"
+            )
+    return cost
+
+
+def _flat(items: Any) -> list[tuple[Any, Any]]:
+    """Every (op, value) of a parsed regex, groups opened."""
+    out: list[tuple[Any, Any]] = []
+    for op, value in items:
+        out.append((op, value))
+        if str(op) == "SUBPATTERN":
+            out.extend(_flat(value[-1]))
+        elif str(op) == "BRANCH":
+            for branch in value[1]:
+                out.extend(_flat(branch))
+    return out
+
+
 def _string_matcher(matcher: string_pb2.StringMatcher, *, field: str, limits: CsdsLimits) -> Callable[[str], bool]:
     kind = matcher.WhichOneof("match_pattern")
     fold = matcher.ignore_case and kind != "safe_regex"
@@ -124,6 +186,7 @@ def _string_matcher(matcher: string_pb2.StringMatcher, *, field: str, limits: Cs
             compiled = re.compile(pattern)
         except re.error as exc:
             raise _BadRequest(f"{field}.safe_regex.regex does not compile: {exc}") from None
+        _regex_cost(_parser.parse(pattern), f"{field}.safe_regex.regex")
         return lambda text: compiled.fullmatch(text) is not None
     raise _BadRequest(f"{field} sets no pattern (exact, prefix, suffix, contains or safe_regex)")
 

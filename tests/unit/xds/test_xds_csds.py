@@ -43,6 +43,10 @@ def test_no_matcher_selects_every_proxy() -> None:
         (by_id(contains="b.side"), ["mesh-b.sidecar"]),
         (by_id(safe_regex=regex_pb2.RegexMatcher(regex="mesh-[a-z]\\.sidecar")), ["mesh-a.sidecar", "mesh-b.sidecar"]),
         (by_id(safe_regex=regex_pb2.RegexMatcher(regex="edge")), []),  # a regex matches the whole id
+        (
+            by_id(safe_regex=regex_pb2.RegexMatcher(regex="(edge|mesh)-[0-9a-z]+(\\.sidecar)?")),
+            ["edge-1", "edge-2", "mesh-a.sidecar", "mesh-b.sidecar"],
+        ),
     ],
 )
 def test_a_node_id_matcher_selects_the_proxies_it_matches(matcher: node_pb2.NodeMatcher, expected: list[str]) -> None:
@@ -63,6 +67,12 @@ def test_any_of_several_matchers_selects() -> None:
         ),
         ([by_id(safe_regex=regex_pb2.RegexMatcher(regex="a" * 257))], "is 257 characters; at most 256"),
         ([by_id(exact="x")] * 17, "node_matchers holds 17 matchers; at most 16"),
+        ([by_id(safe_regex=regex_pb2.RegexMatcher(regex="(a+)+$"))], "repeats a group that repeats or branches"),
+        ([by_id(safe_regex=regex_pb2.RegexMatcher(regex="(edge|e)*"))], "repeats a group that repeats or branches"),
+        ([by_id(safe_regex=regex_pb2.RegexMatcher(regex=".*-.*-x"))], "could backtrack too much"),
+        ([by_id(safe_regex=regex_pb2.RegexMatcher(regex="a?" * 16))], "could backtrack too much"),
+        ([by_id(safe_regex=regex_pb2.RegexMatcher(regex="(e)\\1"))], "holds a back-reference"),
+        ([by_id(safe_regex=regex_pb2.RegexMatcher(regex="(?!mesh).*"))], "holds a look-around"),
         (
             [node_pb2.NodeMatcher(node_metadatas=[struct_pb2.StructMatcher()])],
             "node_matchers[0].node_metadatas: pilotfish does not keep node metadata",
