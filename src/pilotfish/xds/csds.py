@@ -24,8 +24,9 @@ response covers many proxies; the versions say which snapshot it runs.
 Bounds: a response holds at most :attr:`CsdsLimits.max_proxies` proxies (the first by node id;
 ask with matchers for others), a request at most :attr:`CsdsLimits.max_matchers` matchers, a
 regex at most :attr:`CsdsLimits.max_regex` characters and one that cannot backtrack much
-(:data:`MAX_REGEX_COST`; node ids are bounded by ``XdsLimits.max_node_id_chars``), a stream at most one request per :attr:`CsdsLimits.min_gap`
-seconds, and at most :attr:`CsdsLimits.max_streams` calls are open at once.
+(:data:`MAX_REGEX_COST`; node ids are bounded by ``XdsLimits.max_node_id_chars``), a stream
+at most one request per :attr:`CsdsLimits.min_gap` seconds, and at most
+:attr:`CsdsLimits.max_streams` calls are open at once.
 """
 
 from __future__ import annotations
