@@ -272,13 +272,14 @@ class ClientStatus:
         }
 
     def answer(self, request: csds_pb2.ClientStatusRequest) -> csds_pb2.ClientStatusResponse:
-        """The response to ``request`` (raises :class:`ValueError` naming the field it cannot match on)."""
+        """The response to ``request``: the connected proxies its matchers select (raises
+        :class:`ValueError` naming the field it cannot match on)."""
         select = NodeSelector(list(request.node_matchers), limits=self.limits)
         response = csds_pb2.ClientStatusResponse()
         for proxy in self.status.proxies():
             if len(response.config) >= self.limits.max_proxies:
                 break
-            if select(proxy.node_id):
+            if proxy.streams and select(proxy.node_id):  # connected ones, as /v1/proxies
                 response.config.append(client_config(proxy))
         return response
 

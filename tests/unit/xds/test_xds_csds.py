@@ -142,12 +142,15 @@ def test_a_type_asked_for_and_never_sent_is_requested() -> None:
     assert (eds.client_status, eds.config_status) == (Status.REQUESTED, csds_pb2.NOT_SENT)
 
 
-def test_a_response_holds_the_matched_proxies_up_to_its_bound() -> None:
+def test_a_response_holds_the_matched_connected_proxies_up_to_its_bound() -> None:
     status = SyncStatus()
     for i in range(5):
         status.stream_opened(f"p{i}")
+    status.stream_opened("gone")
+    status.stream_closed("gone")  # remembered for a while, but not connected: not shown
     service = ClientStatus(status, limits=CsdsLimits(max_proxies=3))
     every = service.answer(csds_pb2.ClientStatusRequest())
     assert [c.node.id for c in every.config] == ["p0", "p1", "p2"]
     some = service.answer(csds_pb2.ClientStatusRequest(node_matchers=[by_id(prefix="p4")]))
     assert [c.node.id for c in some.config] == ["p4"]
+    assert not service.answer(csds_pb2.ClientStatusRequest(node_matchers=[by_id(exact="gone")])).config
