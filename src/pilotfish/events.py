@@ -137,7 +137,9 @@ _INSTANCE = ("everywhere", "services", "service_count", "lapsed", "lost_in_windo
 EVENTS: Mapping[str, EventSpec] = MappingProxyType(
     {
         # the server
-        "server_started": _spec("the servers listen", "xds", "registry", "snapshot", "tls", "rest", "admin"),
+        "server_started": _spec(
+            "the servers listen", "xds", "registry", "snapshot", "tls", "rest", "admin", "admin_grpc"
+        ),
         "server_stopped": _spec("the xDS server stopped"),
         "tls_reloaded": _spec("a certificate, key or CA file changed and is in force", "listener", "cert"),
         "tls_reload_failed": _spec(

@@ -62,6 +62,8 @@ from aiohttp import web
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.events import EventLog, ReportGate
 from pilotfish.followed_file import FollowedFile, read_document
+from pilotfish.transport.aio import Call
+from pilotfish.transport.frames import GrpcStatus
 from pilotfish.transport.site import is_loopback
 
 __all__ = [
@@ -78,6 +80,7 @@ __all__ = [
     "TokenScope",
     "TokenSet",
     "authorize",
+    "grpc_read_check",
     "hash_token",
     "load_tokens",
     "new_token",
@@ -530,3 +533,22 @@ def warn_if_open(host: str) -> bool:
         host or "every address",
     )
     return True
+
+
+def grpc_read_check(tokens: TokenFile | None, *, what: str) -> Callable[[Call], tuple[int, str] | None]:
+    """The bearer-token check of a gRPC service that reads what the admin API reads (CSDS on
+    the admin gRPC port): a call's ``authorization`` metadata must carry a token the admin
+    tokens file lets read (``read: true`` or ``admin: true``; anyone with ``reads: open``).
+    Returns the refusal as (gRPC status, message): UNAUTHENTICATED without a usable token,
+    PERMISSION_DENIED for a known token whose scope does not read. ``tokens`` None: no check."""
+
+    def check(call: Call) -> tuple[int, str] | None:
+        if tokens is None:
+            return None
+        decision = authorize(tokens.current(), Access.READ, None, call.authorization, request=what, api="admin")
+        if isinstance(decision, Allowed):
+            return None
+        code = GrpcStatus.UNAUTHENTICATED if decision.status == 401 else GrpcStatus.PERMISSION_DENIED
+        return code, decision.message.replace("the header 'Authorization: ", "the metadata 'authorization: ")
+
+    return check

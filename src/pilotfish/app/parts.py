@@ -39,6 +39,7 @@ from pilotfish.subsets.etcd import READY_SOURCE as SUBSETS_READY
 from pilotfish.subsets.etcd import BackendIndexWriter
 from pilotfish.transport.site import XDS, naming_failures
 from pilotfish.transport.tls import ReloadingServerContext, TlsFiles
+from pilotfish.xds.csds import ClientStatus
 from pilotfish.xds.lrs import LoadReporting
 from pilotfish.xds.server import XdsServer, start_xds_server
 
@@ -114,10 +115,13 @@ class XdsListener:
         tls: TlsReload | None,
         events: EventLog,
         lrs: LoadReporting | None = None,
+        csds: ClientStatus | None = None,
     ) -> None:
         self.xds = xds
         self.lrs = lrs
         """Load reporting, served on the same port."""
+        self.csds = csds
+        """Client status (CSDS), served on the same port when asked for (``--csds-on-xds``)."""
         self._settings = settings
         self._tls = tls
         self._events = events
@@ -138,7 +142,10 @@ class XdsListener:
                 self._settings.address,
                 tls=None if self._tls is None else self._tls.context,
                 connection_limits=self._settings.connections,
-                beside=None if self.lrs is None else self.lrs.methods(),
+                beside={
+                    **({} if self.lrs is None else self.lrs.methods()),
+                    **({} if self.csds is None else self.csds.methods()),
+                },
             )
         self.max_connections = server.max_connections
         self.max_connections_per_address = server.max_connections_per_address
@@ -275,8 +282,10 @@ class Announcement:
         registry: HttpListener | None,
         rest: HttpListener | None,
         admin: HttpListener | None,
+        admin_grpc: HttpListener | None = None,
     ) -> None:
         self._settings = settings
+        self._admin_grpc = admin_grpc
         self._events = events
         self._xds = xds
         self._registry = registry
@@ -288,6 +297,7 @@ class Announcement:
         registry = None if self._registry is None else self._registry.address
         rest = None if self._rest is None else self._rest.address
         admin = None if self._admin is None else self._admin.address
+        admin_grpc = None if self._admin_grpc is None else self._admin_grpc.address
         tls = settings.tls.mode
         self._events.emit(
             "server_started",
@@ -297,6 +307,7 @@ class Announcement:
             tls=tls,
             **({"rest": rest} if rest else {}),
             **({"admin": admin} if admin else {}),
+            **({"admin_grpc": admin_grpc} if admin_grpc else {}),
         )
         text, fields = startup_block(settings, xds, registry=self._registry, rest=self._rest, admin=self._admin)
         _announce.info("%s", text, extra={LOG_FIELDS: fields})

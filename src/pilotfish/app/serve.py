@@ -23,7 +23,7 @@ from pilotfish.api.admin import AdminApi, SourceStatus, start_admin_server
 from pilotfish.api.metrics import DockerMetrics, Metrics, NameMetrics
 from pilotfish.api.registry import RegistryApi
 from pilotfish.api.registry_etcd import EtcdRegistry
-from pilotfish.api.tokens import AdminTokenFile, TokenFile, warn_if_open
+from pilotfish.api.tokens import AdminTokenFile, TokenFile, grpc_read_check, warn_if_open
 from pilotfish.app.components import Component, Step, Task, running
 from pilotfish.app.parts import (
     Announcement,
@@ -70,8 +70,19 @@ from pilotfish.status import SyncStatus
 from pilotfish.subsets.etcd import READY_SOURCE as SUBSETS_READY
 from pilotfish.subsets.etcd import BackendIndexWriter, EtcdProxyIndices, SubsetKeys
 from pilotfish.subsets.state import STATE_FILE, SubsetState, keep_saving, load_or_start_fresh
-from pilotfish.transport.site import ADMIN_API, REGISTRY_API, REST_XDS, XDS, check_addresses, serve_app
+from pilotfish.transport.aio import ConnectionLimits, GrpcServer
+from pilotfish.transport.site import (
+    ADMIN_API,
+    ADMIN_GRPC,
+    REGISTRY_API,
+    REST_XDS,
+    XDS,
+    check_addresses,
+    naming_failures,
+    serve_app,
+)
 from pilotfish.transport.tls import ALPN_H2
+from pilotfish.xds.csds import ClientStatus
 from pilotfish.xds.lrs import LoadReporting
 from pilotfish.xds.rest import RestXds, start_rest_server
 from pilotfish.xds.server import GrantsInForce, XdsPolicy, XdsServer
@@ -255,7 +266,10 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         clusters_for=lambda node: cluster_names(cache, groups.group_of(node)),
         group_of=groups.group_of,
     )
-    xds_listener = XdsListener(xds, settings.xds, tls=xds_tls, events=events, lrs=lrs)
+    csds = ClientStatus(status)  # the admin API's tokens are not asked here: --csds-on-xds opens it to the port
+    xds_listener = XdsListener(
+        xds, settings.xds, tls=xds_tls, events=events, lrs=lrs, csds=csds if settings.xds.csds else None
+    )
     listening: list[Component | None] = [xds_tls, xds_listener]
 
     store = (
@@ -338,6 +352,14 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             mtls=tls.admin_client_ca is not None,
         )
         listening += admin.components
+    admin_grpc = None
+    if settings.admin.grpc_address is not None:
+        admin_grpc = _admin_grpc(
+            settings.admin,
+            ClientStatus(status, authorize=grpc_read_check(admin_tokens, what="CSDS on the admin gRPC port")),
+            tls=tls_reload("admin-grpc", tls.admin_client_ca, (ALPN_H2,)),
+        )
+        listening += admin_grpc.components
 
     if etcd is not None:
         assert isinstance(proxy_indices, EtcdProxyIndices) and writer is not None
@@ -390,6 +412,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
                     (REGISTRY_API, settings.registry.address),
                     (REST_XDS, settings.rest.address),
                     (ADMIN_API, settings.admin.address),
+                    (ADMIN_GRPC, settings.admin.grpc_address),
                 ]
             ),
         ),
@@ -401,6 +424,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
             registry=registry.listener,
             rest=None if rest_listener is None else rest_listener.listener,
             admin=None if admin is None else admin.listener,
+            admin_grpc=None if admin_grpc is None else admin_grpc.listener,
         ),
         *subsets,
         Task("reconciler", reconciler.run),
@@ -421,6 +445,37 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         signals,
     ]
     return _Process([c for c in components if c is not None], xds_listener, signals)
+
+
+@dataclass(frozen=True, slots=True)
+class _GrpcRunner:
+    """A gRPC server as :class:`HttpListener` stops it."""
+
+    server: GrpcServer
+
+    async def cleanup(self) -> None:
+        await self.server.stop(1.0)
+
+
+def _admin_grpc(settings: AdminSettings, csds: ClientStatus, *, tls: TlsReload | None) -> _Part:
+    """Client status (CSDS) on the admin gRPC port: the own HTTP/2 transport, the admin API's
+    TLS (its client CA: mTLS) and connection caps; the tokens are checked per call by ``csds``."""
+    address = settings.grpc_address
+    assert address is not None
+    total, per_address = settings.connections.caps(1 << 20)
+
+    async def serve_grpc(context: ssl.SSLContext | None) -> tuple[_GrpcRunner, str]:
+        server = GrpcServer(
+            csds.methods(),
+            connection_limits=ConnectionLimits(max_connections=total, max_connections_per_address=per_address),
+        )
+        host, _, port = address.rpartition(":")
+        with naming_failures(ADMIN_GRPC, address):
+            bound = await server.start(host.strip("[]"), int(port), tls=context)
+        return _GrpcRunner(server), f"{host}:{bound}"
+
+    listener = HttpListener("admin-grpc", serve_grpc, tls=tls)
+    return _Part(listener, [tls, listener])
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,9 @@ class XdsSettings:
     """On shutdown, how long open streams get to finish (seconds)."""
     lrs: LrsSettings = field(default_factory=LrsSettings)
     """Load reports (LRS) on the same port: how often a client reports (``--lrs-interval-ms``)."""
+    csds: bool = False
+    """Serve client status (CSDS) on this port too (``--csds-on-xds``). Off by default: it shows
+    every proxy's config versions and NACK messages to anyone who can open a stream here."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +144,9 @@ class AdminSettings:
     answers anyone who can reach it (``--admin-tokens``)."""
     connections: HttpConnectionLimits = ADMIN_CONNECTIONS
     """How many admin API connections are held (in total, per source address)."""
+    grpc_address: str | None = None
+    """``host:port`` of the admin gRPC port: client status (CSDS) with the admin API's TLS,
+    client CA and tokens, and its connection caps (``--admin-grpc``); None: not served."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

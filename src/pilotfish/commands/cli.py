@@ -398,6 +398,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="how often proxies that report load (bootstrap --lrs) are asked to report (default: 10s)",
     )
     _renamed(serve, "--lrs-interval-ms", "--lrs-interval", unit="ms")
+    serve.add_argument(
+        "--csds-on-xds",
+        action="store_true",
+        help="serve client status (CSDS) on the xDS port too: any client of that port may then read every "
+        "proxy's status (see docs/security.md)",
+    )
     _rollout_flags(serve)
     serve.add_argument(
         "--admin",
@@ -407,6 +413,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="serve the admin API here (HTTP; without --admin-tokens keep it on loopback): the status "
         "page at /, and JSON: /healthz, /readyz, /v1/proxies, /v1/snapshots, /v1/config, "
         "/v1/held, /v1/fleet, /v1/events (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--admin-grpc",
+        type=_address,
+        metavar="HOST:PORT",
+        help="serve client status (CSDS, envoy.service.status.v3) over gRPC here, with the admin API's "
+        "TLS, client CA and tokens (read: true) (default: not served)",
     )
     serve.add_argument(
         "--admin-tokens",
@@ -688,6 +701,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="DURATION",
         help="exit 1 when a proxy has NACKED, or has been STALE (sent a version it has not ACKed) "
         "longer than this (default: %(default)s)",
+    )
+    status.add_argument(
+        "--csds",
+        type=_address,
+        metavar="HOST:PORT",
+        help="read the proxies from this CSDS server (serve --admin-grpc, or the xDS port with --csds-on-xds) "
+        "instead of the admin API: what any CSDS client sees (--tls-* and the token as for the admin API; "
+        "--node only)",
     )
     status.add_argument(
         "-o",
@@ -1008,6 +1029,7 @@ def _serve(args: argparse.Namespace) -> int:
         snapshot=args.snapshot,
         xds=XdsSettings(
             address=args.xds,
+            csds=args.csds_on_xds,
             lrs=LrsSettings() if args.lrs_interval is None else LrsSettings(interval=args.lrs_interval),
             connections=ConnectionLimits(
                 max_connections=args.max_connections,
@@ -1037,6 +1059,7 @@ def _serve(args: argparse.Namespace) -> int:
         ),
         admin=AdminSettings(
             address=args.admin,
+            grpc_address=args.admin_grpc,
             tokens=args.admin_tokens,
             connections=HttpConnectionLimits(
                 max_connections=args.admin_max_connections or ADMIN_CONNECTIONS.max_connections,
@@ -1130,6 +1153,16 @@ def _operate(args: argparse.Namespace) -> int:
         print(f"pilotfish {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     admin = operate.AdminClient(args.admin, tls=tls, token=token)
+    if args.command == "status" and args.csds is not None:
+        return operate.csds_command(
+            args.csds,
+            tls=tls,
+            token=token,
+            node=args.node,
+            as_json=args.output == "json",
+            out=sys.stdout,
+            err=sys.stderr,
+        )
     if args.command == "status":
         return operate.status_command(
             admin,

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import ssl
 import time
 import urllib.error
@@ -280,6 +281,88 @@ def status_command(
         print("no proxy is connected" + (" that matches" if query else ""), file=out)
     else:
         out.write(status_table(proxies))
+    if problems:
+        print(f"pilotfish status: {len(problems)} problem(s):", file=err)
+        for problem in problems:
+            print(f"  {problem}", file=err)
+        return 1
+    return 0
+
+
+def _node_matcher(glob: str) -> Any:
+    """``--node GLOB`` as a CSDS node matcher: exact without ``*``, else a regex of the glob."""
+    from envoy.type.matcher.v3 import node_pb2, regex_pb2, string_pb2
+
+    inner = glob.strip("*")
+    if "*" not in glob:
+        return node_pb2.NodeMatcher(node_id=string_pb2.StringMatcher(exact=glob))
+    if "*" not in inner:  # edge-*, *.sidecar, *mesh*: no regex needed
+        kind = (
+            "contains"
+            if glob.startswith("*") and glob.endswith("*")
+            else "suffix"
+            if glob.startswith("*")
+            else "prefix"
+        )
+        return node_pb2.NodeMatcher(node_id=string_pb2.StringMatcher(**{kind: inner}))
+    pattern = ".*".join(re.escape(part) for part in glob.split("*"))
+    return node_pb2.NodeMatcher(node_id=string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=pattern)))
+
+
+def csds_command(
+    address: str,
+    *,
+    tls: ssl.SSLContext | None,
+    token: str | None,
+    node: str | None,
+    out: TextIO,
+    err: TextIO,
+    as_json: bool = False,
+    timeout: float = 10.0,
+) -> int:
+    """``pilotfish status --csds HOST:PORT``: the proxies as CSDS (FetchClientStatus) gives them,
+    on the admin gRPC port (or the xDS port with ``--csds-on-xds``); a row per proxy and type, or
+    (``as_json``) the ClientStatusResponse in proto3 JSON. 0: no type NACKED; 1: one is (named on
+    ``err``); 2: refused (token, bad matcher); 3: unreachable."""
+    from envoy.admin.v3 import config_dump_shared_pb2
+    from envoy.service.status.v3 import csds_pb2
+    from google.protobuf import json_format
+
+    from pilotfish.transport.unary import CallFailed, unary_call
+
+    request = csds_pb2.ClientStatusRequest()
+    if node:
+        request.node_matchers.append(_node_matcher(node))
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    path = "/envoy.service.status.v3.ClientStatusDiscoveryService/FetchClientStatus"
+    try:
+        data = unary_call(address, path, request.SerializeToString(), tls=tls, metadata=metadata, timeout=timeout)
+    except CallFailed as exc:
+        print(f"pilotfish status --csds {address}: {exc.message}", file=err)
+        return 3 if exc.code in (4, 14) else 2
+    response = csds_pb2.ClientStatusResponse.FromString(data)
+    names = config_dump_shared_pb2.ClientResourceStatus.Name
+    problems = []
+    rows = [("NODE", "TYPE", "VERSION", "STATUS", "ERROR")]
+    for config in response.config:
+        for xds in config.generic_xds_configs:
+            status = names(xds.client_status)
+            error = nack_summary(xds.error_state.details) if xds.HasField("error_state") else ""
+            rows.append((config.node.id, xds.type_url.rsplit(".", 1)[-1], xds.version_info or "-", status, error))
+            if status == "NACKED":
+                problems.append(f"{config.node.id} NACKED {xds.type_url.rsplit('.', 1)[-1]}: {error}")
+    if as_json:
+        out.write(json_format.MessageToJson(response, indent=2, sort_keys=True) + "\n")
+    elif not response.config:
+        print("no proxy is connected" + (" that matches" if node else ""), file=out)
+    else:
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        for row in rows:
+            out.write(
+                "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True))
+                + f"  {row[4]}".rstrip()
+                + "\n"
+            )
     if problems:
         print(f"pilotfish status: {len(problems)} problem(s):", file=err)
         for problem in problems:

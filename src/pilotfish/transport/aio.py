@@ -145,6 +145,9 @@ _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP
 _RESPONSE_HEADERS = h2.header_block([(b":status", b"200"), (b"content-type", b"application/grpc")])
 _REASON_LIMIT = 200
 """Characters of a peer-caused reason kept in a log line (a peer must not fill the log)."""
+_AUTHORIZATION_LIMIT = 1024
+"""Characters of a call's ``authorization`` metadata kept (a bearer token is far shorter; the
+header block itself is bounded by the HTTP/2 limits)."""
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST, keeps no TIME_WAIT
 
 WARN_EVERY = 10.0
@@ -436,7 +439,7 @@ class HTTP2Core(Protocol):
 class Call:
     """One gRPC call: one HTTP/2 stream of a connection."""
 
-    __slots__ = ("_conn", "_h2", "_headers_sent", "closed", "handler", "id")
+    __slots__ = ("_conn", "_h2", "_headers_sent", "authorization", "closed", "handler", "id")
 
     def __init__(self, conn: _Connection, stream_id: int) -> None:
         self._conn = conn
@@ -446,6 +449,8 @@ class Call:
         self.closed = False
         """We have ended the call (trailers queued) or it was reset."""
         self._headers_sent = False
+        self.authorization: str | None = None
+        """The call's ``authorization`` metadata (a bearer token), for services that check one."""
 
     @property
     def peer(self) -> str:
@@ -643,6 +648,9 @@ class _Connection(asyncio.Protocol):
             path = fields.get(b":path", b"")[:_REASON_LIMIT].decode(errors="replace")
             call.finish(GrpcStatus.UNIMPLEMENTED, f"unknown method {path}")
         else:
+            authorization = fields.get(b"authorization")
+            if authorization is not None:
+                call.authorization = authorization[:_AUTHORIZATION_LIMIT].decode(errors="replace")
             try:
                 call.handler = method(call)
             except RpcError as exc:

@@ -129,6 +129,7 @@ class GrpcStatus:
     UNIMPLEMENTED = 12
     INTERNAL = 13
     UNAVAILABLE = 14
+    UNAUTHENTICATED = 16
 
 
 # length (24 bits, as a high byte and a low 16-bit word), type, flags, stream id (31 bits)

@@ -96,6 +96,7 @@ class Listener:
 
 XDS = Listener("xDS", "--xds", caps_flag="-")
 ADMIN_API = Listener("admin API", "--admin", "--admin off")
+ADMIN_GRPC = Listener("admin gRPC (CSDS)", "--admin-grpc", "leave out --admin-grpc", caps_flag="--admin")
 REST_XDS = Listener("REST xDS", "--rest", "leave out --rest")
 REGISTRY_API = Listener("registry API", "--registry", "leave out --registry")
 
