@@ -281,12 +281,17 @@ def status_command(
         print("no proxy is connected" + (" that matches" if query else ""), file=out)
     else:
         out.write(status_table(proxies))
-    if problems:
-        print(f"pilotfish status: {len(problems)} problem(s):", file=err)
-        for problem in problems:
-            print(f"  {problem}", file=err)
-        return 1
-    return 0
+    return _report_problems(problems, err)
+
+
+def _report_problems(problems: list[str], err: TextIO) -> int:
+    """``pilotfish status``'s problems on stderr; its exit status (1: some, 0: none)."""
+    if not problems:
+        return 0
+    print(f"pilotfish status: {len(problems)} problem(s):", file=err)
+    for problem in problems:
+        print(f"  {problem}", file=err)
+    return 1
 
 
 def _node_matcher(glob: str) -> Any:
@@ -363,12 +368,7 @@ def csds_command(
                 + f"  {row[4]}".rstrip()
                 + "\n"
             )
-    if problems:
-        print(f"pilotfish status: {len(problems)} problem(s):", file=err)
-        for problem in problems:
-            print(f"  {problem}", file=err)
-        return 1
-    return 0
+    return _report_problems(problems, err)
 
 
 @dataclass(frozen=True, slots=True)
