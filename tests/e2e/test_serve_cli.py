@@ -84,6 +84,8 @@ EVERY_KEY: dict[str, tuple[Any, Check, object]] = {
     "rollout-too-little-traffic": ("pass", lambda s: s["rollout"]["too_little_traffic"], "pass"),
     "admin": ("127.0.0.1:0", lambda s: s["admin"]["address"], "127.0.0.1:0"),
     "admin-tokens": ("admin-tokens.yaml", lambda s: s["admin"]["tokens"], "admin-tokens.yaml"),
+    "admin-grpc": ("127.0.0.1:0", lambda s: s["admin"]["grpc_address"], "127.0.0.1:0"),
+    "csds-on-xds": (True, lambda s: s["xds"]["csds"], True),
     "rest": ("127.0.0.1:0", lambda s: s["rest"]["address"], "127.0.0.1:0"),
     "rest-refresh": ("2s", lambda s: s["rest"]["refresh"], 2.0),
     "event-log": ("events.jsonl", lambda s: s["events"]["log"], "events.jsonl"),
