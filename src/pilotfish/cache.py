@@ -398,9 +398,15 @@ class SnapshotCache:
         since = self._kept(group, watch.type_url, watch.known_version)
         if since is None:
             return current.response(names)
-        return current.changes(names, since=since, held=watch.known_names)
+        return current.changes(names, since=since if watch.ttl else since.plain(), held=watch.known_names)
 
     def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch | DeltaWatch) -> TypeSnapshot | None:
+        """What ``watch`` should be answered from (:meth:`_source`), without TTLs for a proxy
+        that does not take them."""
+        current = self._source(group, snapshot, watch)
+        return current if current is None or watch.ttl else current.plain()
+
+    def _source(self, group: NodeGroup, snapshot: Snapshot, watch: Watch | DeltaWatch) -> TypeSnapshot | None:
         """What ``watch`` should be answered from: the snapshot's type, the cluster bridge, the
         proxy's own endpoints (subsetting), or for a delta stream the endpoint bridge."""
         if watch.type_url == CLUSTER.url:

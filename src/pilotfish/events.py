@@ -156,7 +156,9 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType(
         "snapshot_hold_released": _spec("a held snapshot was dropped", "version", "reason"),
         "waiting_for_sources": _spec("nothing is published yet: a source has not reported", "sources", "reasons"),
         # streams and the xDS conversation
-        "stream_open": _spec("a stream's first request", "stream", "node", "peer", "service", "group", "identity"),
+        "stream_open": _spec(
+            "a stream's first request", "stream", "node", "peer", "service", "group", "identity", "ttls"
+        ),
         "stream_closed": _spec("a stream ended", "stream", "node", "reason"),
         "node_refused": _spec(
             "a certificate may not claim the node id it sent", "stream", "identity", "peer", "reason", "node", "rest"
@@ -180,6 +182,7 @@ EVENTS: Mapping[str, EventSpec] = MappingProxyType(
             "names",
             "removed",
             "rest",
+            "refresh",
         ),
         "rest_request": _spec("a REST poll", "node", "type", "version_info", "answer", "resource_names"),
         "rest_refused": _spec(

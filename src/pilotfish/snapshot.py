@@ -85,6 +85,9 @@ DEFAULT_MEMO_LIMITS = ResponseMemoLimits()
 
 # What keeping a name set costs beyond its characters (str object, set slot), an estimate.
 _PER_NAME = 100
+_HEARTBEATS_KEPT = 64
+"""Delta heartbeat bodies a type snapshot keeps (by what the clients have): a fleet at one version
+shares one; beyond it they are made anew (correct, only slower)."""
 
 
 @dataclass(frozen=True, slots=True, weakref_slot=True)
@@ -101,6 +104,9 @@ class EncodedResponse:
     """How many resources the body carries (-1: all of ``names``)."""
     source: TypeSnapshot | None = field(default=None, compare=False, repr=False)
     """For a response of changes: the snapshot that made it, which can make the whole one."""
+    expiring: TypeSnapshot | None = field(default=None, compare=False, repr=False)
+    """The snapshot that made it, if any of its resources has a TTL (the stream that sends it
+    renews those with heartbeats made by that snapshot); None: no TTLs."""
 
     def whole(self) -> EncodedResponse:
         """This response with every resource of ``names`` (itself if it has them all)."""
@@ -131,6 +137,8 @@ class DeltaChanges:
     known: Mapping[str, str]
     """Name -> version the client has afterwards (:data:`ABSENT`: told it does not exist). Shared
     between the streams it is given to: never changed in place."""
+    expiring: TypeSnapshot | None = field(default=None, compare=False, repr=False)
+    """As :attr:`EncodedResponse.expiring`: the snapshot that made it, if any resource has a TTL."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -159,13 +167,15 @@ class TypeSnapshot:
     def renewed(self, version: str | None = None) -> TypeSnapshot:
         """The same resources in a snapshot of their own (its own memo of responses, in the same
         budget), at ``version`` (None: by content)."""
-        return TypeSnapshot(
+        renewed = TypeSnapshot(
             self.rtype,
             version if version is not None else self.content_hash,
             self.resources,
             self.content_hash,
             memo_budget=self._memo.budget,
         )
+        renewed._memo.ttls = self._memo.ttls  # (the same resources: their TTLs, if found already)
+        return renewed
 
     def response(self, names: frozenset[str] | None) -> EncodedResponse:
         """The encoded response carrying ``names`` (those that exist), or everything for None."""
@@ -205,7 +215,9 @@ class TypeSnapshot:
             changed = sorted((content & names) | (resources.keys() & (names - held)))
             body = discovery_response(self.version, self.rtype.url, (resources[n].encoded for n in changed))
             existing = names if resources.keys() >= names else frozenset(resources.keys() & names)
-            return EncodedResponse(self.rtype.url, self.version, existing, body, len(changed), self)
+            return EncodedResponse(
+                self.rtype.url, self.version, existing, body, len(changed), self, self._expiring_self()
+            )
 
         return memo.miss(key, names, encode)
 
@@ -260,7 +272,9 @@ class TypeSnapshot:
             body = delta_discovery_response(
                 self.version, self.rtype.url, (resources[n].delta_encoded() for n in sent), removed
             )
-            result = DeltaChanges(self.rtype.url, self.version, body, tuple(sent), tuple(removed), after)
+            result = DeltaChanges(
+                self.rtype.url, self.version, body, tuple(sent), tuple(removed), after, self._expiring_self()
+            )
         if type(known) is not dict or not known:
             # A mapping answers hand out (read-only, shared by the streams that took the answer).
             # A plain dict is one stream's own (what it stated on reconnecting, or had after
@@ -278,6 +292,63 @@ class TypeSnapshot:
         memo = self._memo
         return len(memo.costs), sum(memo.costs.values())
 
+    # -- TTLs ------------------------------------------------------------------------------------
+
+    def ttls(self) -> Mapping[str, int]:
+        """Name -> TTL (milliseconds) of each resource that has one (found once)."""
+        memo = self._memo
+        if memo.ttls is None:
+            memo.ttls = MappingProxyType({n: r.ttl_ms for n, r in self.resources.items() if r.ttl_ms})
+        return memo.ttls
+
+    def _expiring_self(self) -> TypeSnapshot | None:
+        return self if self.ttls() else None
+
+    def plain(self) -> TypeSnapshot:
+        """These resources without their TTLs, for clients that do not take TTLs (itself if none
+        has one): the same version and content hash, made once."""
+        if not self.ttls():
+            return self
+        memo = self._memo
+        if memo.plain is None:
+            resources = dict(self.resources)
+            for name in memo.ttls or ():
+                resources[name] = resources[name].plain()
+            memo.plain = TypeSnapshot(
+                self.rtype, self.version, MappingProxyType(resources), self.content_hash, memo_budget=memo.budget
+            )
+        return memo.plain
+
+    def refresh(self, names: frozenset[str]) -> EncodedResponse:
+        """A SotW response at this version carrying those of ``names`` that have a TTL (for a
+        proxy that holds them: sent again whole, they are renewed; shared by the streams that
+        hold the same)."""
+        return self.response(frozenset(names & self.ttls().keys()))
+
+    def heartbeat(self, known: Mapping[str, str]) -> tuple[bytes, int] | None:
+        """A DeltaDiscoveryResponse body (without its nonce) renewing the TTL of each resource with
+        one that the client has at its current version (``known``): its name, version and TTL
+        without the resource; and how many it names. None if it has none. Memoized by the identity of ``known`` (clients
+        that took the same answers share it), a few at a time."""
+        memo = self._memo
+        found = memo.heartbeats.get(id(known))
+        if found is not None and found[0] is known:
+            return found[1]
+        resources = self.resources
+        names = sorted(n for n in self.ttls() if known.get(n) == resources[n].version)
+        body = (
+            (
+                delta_discovery_response(self.version, self.rtype.url, (resources[n].heartbeat() for n in names), ()),
+                len(names),
+            )
+            if names
+            else None
+        )
+        if len(memo.heartbeats) >= _HEARTBEATS_KEPT:
+            memo.heartbeats.clear()
+        memo.heartbeats[id(known)] = (known, body)
+        return body
+
     def _encode(self, names: frozenset[str] | None) -> EncodedResponse:
         if names is None:
             chosen = sorted(self.resources)
@@ -286,7 +357,7 @@ class TypeSnapshot:
         body = discovery_response(self.version, self.rtype.url, (self.resources[n].encoded for n in chosen))
         # Keep the caller's set when it is exactly what was sent: streams can then compare by identity.
         carried = names if names is not None and len(chosen) == len(names) else frozenset(chosen)
-        return EncodedResponse(self.rtype.url, self.version, carried, body)
+        return EncodedResponse(self.rtype.url, self.version, carried, body, expiring=self._expiring_self())
 
 
 _Key = frozenset[str] | tuple[str, frozenset[str], frozenset[str]] | int
@@ -330,7 +401,7 @@ class MemoBudget:
 class _ResponseMemo:
     """One type snapshot's encoded responses and delta answers (see the module's docstring)."""
 
-    __slots__ = ("budget", "costs", "delta", "everything", "held", "kept", "versions")
+    __slots__ = ("budget", "costs", "delta", "everything", "heartbeats", "held", "kept", "plain", "ttls", "versions")
 
     def __init__(self) -> None:
         self.kept: dict[_Key, EncodedResponse] = {}
@@ -345,6 +416,12 @@ class _ResponseMemo:
         its own, with the default limits)."""
         self.versions: Mapping[str, str] | None = None
         self.delta: dict[int, _DeltaEntry] = {}
+        self.ttls: Mapping[str, int] | None = None
+        """Name -> TTL of the resources that have one (found when first asked)."""
+        self.plain: TypeSnapshot | None = None
+        """The same resources without their TTLs (made when first asked)."""
+        self.heartbeats: dict[int, tuple[Mapping[str, str], tuple[bytes, int] | None]] = {}
+        """Delta heartbeat bodies by the identity of what the clients have."""
 
     def used(self, key: _Key) -> None:
         """A kept entry was asked for: it is now the most recently used."""
@@ -411,6 +488,9 @@ class _ResponseMemo:
         self.kept, self.costs, self.delta = {}, {}, {}
         self.held = None
         self.everything = None
+        self.heartbeats = {}
+        if self.plain is not None:
+            self.plain.retire()
 
 
 def _cost(names: frozenset[str], response: EncodedResponse) -> int:
@@ -555,6 +635,13 @@ class SubsetPlan:
             version = content if base.version == base.content_hash else f"{base.version}/{content}"
             found = TypeSnapshot(
                 base.rtype, version, _Overlay(base.resources, top), content, memo_budget=base._memo.budget
+            )
+            # The base's TTLs but those of its subsetted assignments (found once, not per view).
+            ttls = base.ttls()
+            found._memo.ttls = (
+                ttls
+                if not ttls or not ttls.keys() & top.keys()
+                else MappingProxyType({n: t for n, t in ttls.items() if n not in top})
             )
             if len(self._by_choice) >= _SUBSET_VIEWS:
                 self._by_choice.clear()

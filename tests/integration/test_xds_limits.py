@@ -159,7 +159,9 @@ async def test_requests_over_the_limits_end_their_stream_and_others_are_served(
     warnings = [r for r in caplog.records if r.name == "pilotfish.server" and "ended" in r.getMessage()]
     assert 1 <= len(warnings) <= 4  # rate limited: one per 10 s (more only on a very slow run)
     assert all(len(r.getMessage()) < 2 * SHORT for r in warnings)
-    assert not [r for r in caplog.records if r.exc_info], caplog.text  # no traceback
+    # No traceback from pilotfish. (grpcio's aio poller, shared by the process, may log one for the
+    # event loop of an earlier test that has closed: the client library's, not the server's.)
+    assert not [r for r in caplog.records if r.exc_info and r.name.startswith("pilotfish")], caplog.text
 
 
 async def test_a_peer_repeating_a_huge_nack_is_recorded_shortened_and_warned_about_once(

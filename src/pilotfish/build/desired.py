@@ -94,6 +94,8 @@ class DesiredState:
     """Raw Envoy resources, served as they are."""
     version: str | None = None
     """An explicit version for every type (snapshot files only)."""
+    ttls: Mapping[ResourceType, Mapping[str, int]] = field(default_factory=dict)
+    """The TTL in milliseconds of the raw resources that have one, by type and name."""
     known: InitVar[Mapping[str, tuple[Endpoint, ...]] | None] = None
     """The endpoints of the source's previous state: a tuple that is the very object found there
     is sorted already, and not looked at again (a source of 10,000 services that changed one
@@ -119,6 +121,7 @@ class DesiredState:
             endpoints=dict(document.endpoints),
             resources=dict(document.resources),
             version=document.version,
+            ttls=dict(document.ttls),
         )
 
     def is_empty(self) -> bool:
@@ -134,6 +137,8 @@ class Merged:
     resources: Mapping[ResourceType, tuple[Message, ...]]
     version: str | None
     problems: tuple[Problem, ...]
+    ttls: Mapping[ResourceType, Mapping[str, int]] = field(default_factory=dict)
+    """The TTLs of raw resources (milliseconds, by type and name)."""
     patch: ServicesPatch | None = field(default=None, compare=False)
     """How :attr:`services` and :attr:`endpoints` were made from the last merge's (None: not
     from it): a build that starts from that one looks at the changed services alone."""
@@ -168,8 +173,10 @@ class MergeMemo:
             old, state = before.get(source, _NO_STATE), states.get(source, _NO_STATE)
             if old is state:
                 continue
-            resources_changed = resources_changed or (
-                old.resources is not state.resources and old.resources != state.resources
+            resources_changed = (
+                resources_changed
+                or (old.resources is not state.resources and old.resources != state.resources)
+                or (old.ttls is not state.ttls and old.ttls != state.ttls)
             )
             _changed_keys(old.services, state.services, names)
             _changed_keys(old.endpoints, state.endpoints, names)
@@ -208,6 +215,7 @@ class MergeMemo:
             resources=resources,
             version=_version(states),
             problems=(),
+            ttls=_merged_ttls(ordered) if resources_changed else last.ttls,
             patch=ServicesPatch(last.services, last.endpoints, frozenset(names)),
         )
 
@@ -243,6 +251,16 @@ def _normalized(parts: list[tuple[Endpoint, ...]]) -> tuple[Endpoint, ...]:
 
 def _merged_resources(ordered: list[DesiredState]) -> dict[ResourceType, tuple[Message, ...]]:
     return {t: tuple(m for state in ordered for m in state.resources.get(t, ())) for t in TYPES}
+
+
+def _merged_ttls(ordered: list[DesiredState]) -> dict[ResourceType, Mapping[str, int]]:
+    """Every source's TTLs by type (a raw resource's name is unique across the sources: two of
+    one name are refused as a clash)."""
+    out: dict[ResourceType, dict[str, int]] = {}
+    for state in ordered:
+        for rtype, found in state.ttls.items():
+            out.setdefault(rtype, {}).update(found)
+    return dict(out)
 
 
 def _version(states: Mapping[str, DesiredState]) -> str | None:
@@ -297,6 +315,7 @@ def _merge_all(states: Mapping[str, DesiredState]) -> Merged:
         resources=_merged_resources([states[source] for source in sorted(states)]),
         version=_version(states),
         problems=tuple(problems),
+        ttls=_merged_ttls([states[source] for source in sorted(states)]),
     )
 
 
@@ -449,7 +468,7 @@ def build_snapshots(
         else:
             union[rtype] = list({id(r): r for found in lists.values() for r in found}.values())
     # The user's own resources, encoded once for every check and view, with their messages.
-    raw = {t: memo.raw(t, tuple(merged.resources.get(t, ()))) for t in TYPES}
+    raw = {t: memo.raw(t, tuple(merged.resources.get(t, ())), merged.ttls.get(t)) for t in TYPES}
     problems = list(merged.problems)
     problems.extend(_name_clashes(raw, {kind: by_type for (kind, _), by_type in built.items()}))
     problems.extend(_api_listener_clashes(merged))

@@ -45,7 +45,15 @@ from typing import NamedTuple
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
-from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, kept_node, requested_type, shorten
+from pilotfish.protocol.limits import (
+    DEFAULT_LIMITS,
+    PeerOverLimit,
+    XdsLimits,
+    kept_node,
+    requested_type,
+    shorten,
+    takes_ttls,
+)
 from pilotfish.protocol.sotw import Nonce
 from pilotfish.protocol.subscription import WILDCARD, intern_names
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
@@ -92,6 +100,9 @@ class DeltaTypeState:
     acked_version: str | None = None
     acked_known: Mapping[str, str] = field(default_factory=lambda: _NOTHING)
     """What the client had when it last ACKed (``known`` then)."""
+    settled: bool = False
+    """The latest response was ACKed: the client has ``known`` (not after a NACK, nor while a
+    response waits for its answer)."""
 
 
 class DeltaWatch(NamedTuple):
@@ -110,6 +121,8 @@ class DeltaWatch(NamedTuple):
     proxy: str | None = None
     """EDS: the node id whose own subsets of subsetted services are served (its index is looked up
     when the watch is answered: it may be given after the watch was made); None: the group's."""
+    ttl: bool = False
+    """The client takes resources with their TTLs; False: it is served them without."""
 
     def changes(self, current: TypeSnapshot) -> DeltaChanges | None:
         """What ``current`` has for the client; None if nothing."""
@@ -165,6 +178,8 @@ class DeltaStream:
     node: base_pb2.Node | None = None
     types: dict[TypeUrl, DeltaTypeState] = field(default_factory=dict)
     limits: XdsLimits = DEFAULT_LIMITS
+    ttl: bool = False
+    """The client takes resources with TTLs (its node announces ``xds.config.supports-resource-ttl``)."""
     _sent: int = 0
 
     def on_request(self, request: discovery_pb2.DeltaDiscoveryRequest) -> DeltaOutcome:
@@ -183,6 +198,7 @@ class DeltaStream:
             )
         if self.node is None:
             self.node = kept_node(request.node, limits) if request.HasField("node") else base_pb2.Node()
+            self.ttl = takes_ttls(request.node, sotw=False)
 
         state = self.types.get(type_url)
         if state is None:
@@ -207,10 +223,12 @@ class DeltaStream:
             kind = DeltaKind.STALE
         elif error is not None:
             kind, version = DeltaKind.NACK, state.sent_version
+            state.settled = False
         else:
             kind, version = DeltaKind.ACK, state.sent_version
             state.acked_version = version
             state.acked_known = state.known
+            state.settled = True
         watches: tuple[DeltaWatch, ...] = (self._watch(state),)
         if kind is DeltaKind.ACK and type_url in _ROUTING:
             clusters = self.types.get(CLUSTER.url)
@@ -264,7 +282,7 @@ class DeltaStream:
         routing = None
         if state.type_url in _HELD_BACK:
             routing = self.types
-        return DeltaWatch(state.type_url, state.wildcard, state.names, state, routing)
+        return DeltaWatch(state.type_url, state.wildcard, state.names, state, routing, ttl=self.ttl)
 
     def on_response(self, watch: DeltaWatch, changes: DeltaChanges) -> tuple[Nonce, tuple[DeltaWatch, ...]]:
         """Record that ``changes`` go out for ``watch``; return the response's nonce (unique per
@@ -278,6 +296,7 @@ class DeltaStream:
         state.nonce = nonce
         state.sent_version = changes.version
         state.known = changes.known
+        state.settled = False
         again = None
         if changes.type_url == CLUSTER.url:
             if changes.sent:
@@ -289,6 +308,19 @@ class DeltaStream:
         elif changes.type_url == LISTENER.url and changes.sent:
             again = self._resend(ROUTE.url, None)
         return nonce, (() if again is None else (self._watch(again),))
+
+    def on_refresh(self, type_url: TypeUrl) -> Nonce | None:
+        """A heartbeat renewing the TTLs of what the client has of ``type_url`` is to go out: its
+        nonce, or None if the type is not settled (:attr:`DeltaTypeState.settled`). What the
+        client has does not change; the heartbeat's ACK is an ACK of the same."""
+        state = self.types.get(type_url)
+        if state is None or not state.settled:
+            return None
+        self._sent += 1
+        nonce = Nonce(str(self._sent))
+        state.nonce = nonce
+        state.settled = False
+        return nonce
 
     def _resend(self, type_url: TypeUrl, names: Iterable[str] | None) -> DeltaTypeState | None:
         """Make the next answer of ``type_url`` send ``names`` (None: all) again, whatever their

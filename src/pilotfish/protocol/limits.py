@@ -25,8 +25,9 @@ from envoy.config.core.v3 import base_pb2
 
 from pilotfish.errors import PeerError, shorten
 from pilotfish.resources import ResourceType, TypeUrl, type_by_url
+from pilotfish.resources.types import RESOURCE_IN_SOTW, SUPPORTS_TTL
 
-__all__ = ["DEFAULT_LIMITS", "PeerOverLimit", "XdsLimits", "kept_node", "requested_type", "shorten"]
+__all__ = ["DEFAULT_LIMITS", "PeerOverLimit", "XdsLimits", "kept_node", "requested_type", "shorten", "takes_ttls"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +56,17 @@ DEFAULT_LIMITS = XdsLimits()
 
 class PeerOverLimit(PeerError):
     """A request over one of the :class:`XdsLimits` the server keeps memory by."""
+
+
+def takes_ttls(node: base_pb2.Node, *, sotw: bool) -> bool:
+    """Whether a client is sent resources with their TTLs: it announces :data:`SUPPORTS_TTL` and,
+    over SotW, :data:`RESOURCE_IN_SOTW` (a TTL travels in a Resource wrapper there). A client that
+    announces nothing gets them without: it keeps them until told otherwise, as it would any
+    resource (pilotfish's ``bootstrap`` writes both features into the node)."""
+    features = node.client_features
+    if not features or SUPPORTS_TTL not in features:
+        return False
+    return not sotw or any(feature in features for feature in RESOURCE_IN_SOTW)
 
 
 def kept_node(node: base_pb2.Node, limits: XdsLimits) -> base_pb2.Node:

@@ -56,7 +56,15 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf.message import DecodeError
 
 from pilotfish.errors import PeerError
-from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits, kept_node, requested_type, shorten
+from pilotfish.protocol.limits import (
+    DEFAULT_LIMITS,
+    PeerOverLimit,
+    XdsLimits,
+    kept_node,
+    requested_type,
+    shorten,
+    takes_ttls,
+)
 from pilotfish.protocol.subscription import Subscription, Watch, checked_wire, next_subscription
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.wire import request_names_span, split_request_names
@@ -157,6 +165,9 @@ class SotwStream:
     node: base_pb2.Node | None = None
     types: dict[TypeUrl, TypeState] = field(default_factory=dict)
     limits: XdsLimits = DEFAULT_LIMITS
+    ttl: bool = False
+    """The client takes resources with TTLs (by the features its node announces,
+    :func:`~pilotfish.protocol.limits.takes_ttls`): its watches say so."""
     _sent: int = 0
 
     def decode_request(self, data: bytes) -> DecodedRequest:
@@ -267,6 +278,7 @@ class SotwStream:
             full_state=state.wildcard_capable,
             force=force,
             routing=self if type_url == CLUSTER.url else None,
+            ttl=self.ttl,
         )
         watches: tuple[Watch, ...] = (watch,)
         if kind is RequestKind.ACK and type_url in _ROUTING:
@@ -292,6 +304,7 @@ class SotwStream:
         if self.node is None:
             # Envoy may send the node only on a stream's first request.
             self.node = kept_node(request.node, limits) if request.HasField("node") else base_pb2.Node()
+            self.ttl = takes_ttls(request.node, sotw=True)
         version_info = request.version_info
         if len(version_info) > limits.max_version_chars:
             version_info = shorten(version_info, limits.max_version_chars)
@@ -330,6 +343,7 @@ class SotwStream:
             known_wildcard=state.held_wildcard,
             full_state=True,
             routing=self,
+            ttl=self.ttl,
         )
 
     def on_response(self, watch: Watch, response: EncodedResponse) -> tuple[Nonce, EncodedResponse]:
@@ -361,6 +375,20 @@ class SotwStream:
             if warmed_state is not None:
                 warmed_state.warm_pending = True
         return nonce, response
+
+    def on_refresh(self, type_url: TypeUrl) -> Nonce | None:
+        """A response renewing the TTLs of what the proxy holds of ``type_url`` (the same
+        version, its resources with a TTL sent again) is to go out: its nonce, or None if the
+        type is not settled (a response is waiting for its ACK or NACK, or the last one was
+        NACKed: what the proxy runs is not what it was sent). Nothing else changes: the proxy
+        holds what it held, and the ACK of the refresh is an ACK of the same version."""
+        state = self.types.get(type_url)
+        if state is None or state.nonce is None or state.last_acked_nonce != state.nonce:
+            return None
+        self._sent += 1
+        nonce = Nonce(str(self._sent))
+        state.nonce = nonce
+        return nonce
 
 
 def _answers_warming(state: TypeState, nonce: str, changed: bool) -> bool:

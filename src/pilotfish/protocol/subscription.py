@@ -218,6 +218,9 @@ class Watch(NamedTuple):
     proxy: str | None = None
     """EDS: the node id whose own subsets of subsetted services are served (its index is looked up
     when the watch is answered: it may be given after the watch was made); None: the group's."""
+    ttl: bool = False
+    """The proxy takes resources with their TTLs; False: it is served them without
+    (:meth:`~pilotfish.snapshot.TypeSnapshot.plain`)."""
 
     def routing_moved(self, snapshot: Snapshot) -> bool:
         """Whether the proxy behind this (cluster) watch runs ``snapshot``'s listeners and routes

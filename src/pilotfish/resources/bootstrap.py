@@ -56,6 +56,8 @@ from typing import Any
 
 import yaml
 
+from pilotfish.resources.types import RESOURCE_IN_SOTW, SUPPORTS_TTL
+
 __all__ = [
     "DEFAULT_REST_REFRESH",
     "FAILOVER_OUTLIER_DETECTION",
@@ -301,7 +303,13 @@ def bootstrap(settings: BootstrapSettings) -> dict[str, Any]:
     if settings.rest is not None:
         return _rest_bootstrap(settings)
     config: dict[str, Any] = {
-        "node": {"id": settings.node_id, "cluster": settings.cluster},
+        # Envoy announces no client features of its own: these say it takes resources with TTLs
+        # (wrapped in a Resource over SotW), so pilotfish sends the TTLs the snapshot file sets.
+        "node": {
+            "id": settings.node_id,
+            "cluster": settings.cluster,
+            "client_features": [SUPPORTS_TTL, RESOURCE_IN_SOTW[0]],
+        },
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": settings.admin_port}}},
         "dynamic_resources": {
             "ads_config": {

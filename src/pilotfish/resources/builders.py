@@ -49,6 +49,7 @@ import enum
 import functools
 import operator
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple, TypeVar
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
@@ -475,6 +476,10 @@ class _RawList(NamedTuple):
     messages: tuple[Message, ...]
     pairs: list[tuple[Resource, Message]]
     encoded: dict[int, tuple[Message, Resource]]
+    ttls: Mapping[str, int]
+
+
+_NO_TTLS: Mapping[str, int] = MappingProxyType({})
 
 
 _ListKey = str | int
@@ -574,27 +579,33 @@ class ResourceMemo:
     def previous_list(self, key: _ListKey) -> list[Resource] | None:
         return self._lists.get(key)
 
-    def raw(self, rtype: ResourceType, messages: tuple[Message, ...]) -> list[tuple[Resource, Message]]:
-        """The raw resources of a type, each encoded with its message. A message that is the very
-        one an earlier build had (a source that parsed nothing again hands over the same messages)
-        keeps its encoding; the very list of the last build when every message is (compared in
-        one pass, by identity first). The encodings are indexed by message across builds: the
-        index is made anew once it holds twice the type's resources (amortized O(1) a resource;
-        memory: at most twice the current ones)."""
+    def raw(
+        self, rtype: ResourceType, messages: tuple[Message, ...], ttls: Mapping[str, int] | None = None
+    ) -> list[tuple[Resource, Message]]:
+        """The raw resources of a type, each encoded with its message (and its TTL in ``ttls``, by
+        name, if it has one). A message that is the very one an earlier build had (a source that
+        parsed nothing again hands over the same messages) keeps its encoding; the very list of
+        the last build when every message (and TTL) is (compared in one pass, by identity first).
+        The encodings are indexed by message across builds: the index is made anew once it holds
+        twice the type's resources (amortized O(1) a resource; memory: at most twice the current
+        ones)."""
+        ttls = ttls or _NO_TTLS
         last = self._raw.get(rtype)
-        if last is not None and (last.messages is messages or last.messages == messages):
+        if last is not None and (last.messages is messages or last.messages == messages) and last.ttls == ttls:
             return last.pairs
         encoded = last.encoded if last is not None else {}
         pairs = []
+        name_field = rtype.name_field
         for message in messages:
             entry = encoded.get(id(message))
-            if entry is None or entry[0] is not message:
+            ttl = ttls.get(getattr(message, name_field), 0) if ttls else 0
+            if entry is None or entry[0] is not message or entry[1].ttl_ms != ttl:
                 self.made += 1
-                entry = encoded[id(message)] = (message, Resource.of(rtype, message))
+                entry = encoded[id(message)] = (message, Resource.of(rtype, message, ttl_ms=ttl))
             pairs.append((entry[1], message))
         if len(encoded) > 2 * len(pairs) + 16:  # (the stale ones go)
             encoded = {id(message): (message, resource) for resource, message in pairs}
-        self._raw[rtype] = _RawList(messages, pairs, encoded)
+        self._raw[rtype] = _RawList(messages, pairs, encoded, ttls)
         return pairs
 
     def derived(self, key: Hashable, inputs: tuple[object, ...], make: Callable[[], _T]) -> _T:

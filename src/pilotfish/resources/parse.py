@@ -25,7 +25,7 @@ from google.protobuf.message import Message
 
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources.anytypes import ensure_types_in
-from pilotfish.resources.services import Endpoint, ServiceSpec, parse_services
+from pilotfish.resources.services import Endpoint, ServiceSpec, parse_seconds, parse_services
 from pilotfish.resources.types import RUNTIME, TYPES, ResourceType, type_by_key
 from pilotfish.resources.walk import MAX_PROBLEMS, json_problems, path_text, without
 
@@ -53,6 +53,14 @@ class ParsedDocument:
     resources: Mapping[ResourceType, tuple[Message, ...]]
     services: Mapping[str, ServiceSpec] = field(default_factory=dict)
     endpoints: Mapping[str, tuple[Endpoint, ...]] = field(default_factory=dict)
+    ttls: Mapping[ResourceType, Mapping[str, int]] = field(default_factory=dict)
+    """The TTL in milliseconds of each resource that has one (a ``ttl`` beside its fields), by
+    type and name; types without any are left out."""
+
+
+MIN_TTL_MS = 1000
+"""The shortest TTL a resource may have: heartbeats go out at two thirds of it, and a shorter
+one would leave no room for a busy server or network."""
 
 
 MAX_FILE_BYTES = 256 * 1024 * 1024
@@ -133,14 +141,38 @@ def _short(error: Exception) -> str:
     return text.rstrip(".")
 
 
+def _ttl_ms(value: Any, where: str, problems: list[Problem]) -> int | None:
+    """A resource's ``ttl`` in milliseconds; None (and a problem) if it is not a duration of at
+    least :data:`MIN_TTL_MS` and at most a day."""
+    seconds = parse_seconds(value, where, problems)
+    if seconds is None:
+        return None
+    if seconds * 1000 < MIN_TTL_MS:
+        problems.append(
+            Problem(where, f"must be at least {MIN_TTL_MS // 1000}s (heartbeats renew it at two thirds), got {value!r}")
+        )
+        return None
+    return round(seconds * 1000)
+
+
 def _parse_section(
-    rtype: ResourceType, items: list[Any], rules: RuleCheck | None, memo: ParseMemo | None, problems: list[Problem]
+    rtype: ResourceType,
+    items: list[Any],
+    rules: RuleCheck | None,
+    memo: ParseMemo | None,
+    problems: list[Problem],
+    ttls: dict[str, int] | None = None,
 ) -> tuple[Message, ...]:
     """One section's resources, parsed (or found in ``memo``), in order; adds what is wrong to
-    ``problems``."""
+    ``problems``. A resource's ``ttl`` (not a field of the resource: the xDS wrapper's) is taken
+    off before it is parsed and put in ``ttls`` by name."""
     messages: list[Message] = []
     first_index: dict[str, int] = {}
     for index, item in enumerate(items):
+        ttl = None
+        if isinstance(item, dict) and "ttl" in item:
+            item = dict(item)
+            ttl = _ttl_ms(item.pop("ttl"), f"{rtype.key}[{index}].ttl", problems)
         key = memo.key(rtype, item) if memo is not None and isinstance(item, dict) else None
         message = None if key is None or memo is None else memo.get(key)
         if message is None:
@@ -161,6 +193,8 @@ def _parse_section(
             continue
         first_index[name] = index
         messages.append(message)
+        if ttl is not None and ttls is not None:
+            ttls[name] = ttl
     return tuple(messages)
 
 
@@ -404,6 +438,7 @@ def _parse_document(document: Any, source: str, rules: RuleCheck | None, memo: P
     problems.extend(service_problems)
 
     parsed: dict[ResourceType, tuple[Message, ...]] = {}
+    ttls: dict[ResourceType, dict[str, int]] = {}
     for rtype in TYPES:
         items = document.get(rtype.key)
         if items is None:
@@ -414,8 +449,11 @@ def _parse_document(document: Any, source: str, rules: RuleCheck | None, memo: P
         if not isinstance(items, list):
             problems.append(Problem(rtype.key, f"must be a list of resources, got {type(items).__name__}"))
             continue
-        parsed[rtype] = _parse_section(rtype, items, rules, memo, problems)
+        found: dict[str, int] = {}
+        parsed[rtype] = _parse_section(rtype, items, rules, memo, problems, found)
+        if found:
+            ttls[rtype] = found
 
     if problems:
         raise ConfigError(source, problems)
-    return ParsedDocument(version=version, resources=parsed, services=services, endpoints=endpoints)
+    return ParsedDocument(version=version, resources=parsed, services=services, endpoints=endpoints, ttls=ttls)

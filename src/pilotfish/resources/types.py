@@ -25,9 +25,11 @@ __all__ = [
     "ENDPOINT",
     "EXTENSION_CONFIG",
     "LISTENER",
+    "RESOURCE_IN_SOTW",
     "ROUTE",
     "RUNTIME",
     "SECRET",
+    "SUPPORTS_TTL",
     "TYPES",
     "ResourceType",
     "TypeUrl",
@@ -95,3 +97,11 @@ def type_by_url(url: str) -> ResourceType | None:
 def type_by_key(key: str) -> ResourceType | None:
     """The resource type for a snapshot-file section name, or None."""
     return _BY_KEY.get(key)
+
+
+SUPPORTS_TTL = "xds.config.supports-resource-ttl"
+"""The client feature (``Node.client_features``) of a client that honours a resource's TTL and
+renews it from heartbeats."""
+RESOURCE_IN_SOTW = ("xds.config.resource-in-sotw", "xds.config.supports-resource-in-sotw")
+"""The client feature of a client that unwraps a ``discovery.v3.Resource`` in a SotW response
+(as Envoy's list of well-known features spells it, and the longer spelling some write)."""

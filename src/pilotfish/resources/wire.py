@@ -15,6 +15,7 @@ __all__ = [
     "delta_discovery_response",
     "delta_resource",
     "discovery_response",
+    "duration_bytes",
     "lb_endpoint",
     "length_delimited",
     "names_run_count",
@@ -77,15 +78,29 @@ _DELTA_REMOVED = 6
 _RESOURCE_VERSION = 1
 _RESOURCE_ANY = 2
 _RESOURCE_NAME = 3
+_RESOURCE_TTL = 6
+RESOURCE_URL = "type.googleapis.com/envoy.service.discovery.v3.Resource"
+"""The type URL of ``discovery.v3.Resource``: an Any of it in a SotW response wraps a resource
+with its TTL (clients that announce ``xds.config.resource-in-sotw`` unwrap it)."""
 
 
-def delta_resource(name: str, version: str, encoded_any: bytes) -> bytes:
-    """An encoded ``discovery.v3.Resource``: name, version and the resource as an encoded Any."""
-    return (
-        length_delimited(_RESOURCE_NAME, name.encode())
-        + length_delimited(_RESOURCE_VERSION, version.encode())
-        + length_delimited(_RESOURCE_ANY, encoded_any)
-    )
+def duration_bytes(milliseconds: int) -> bytes:
+    """An encoded ``google.protobuf.Duration`` of ``milliseconds``."""
+    seconds, millis = divmod(milliseconds, 1000)
+    return (_varint_field(1, seconds) if seconds else b"") + (_varint_field(2, millis * 1_000_000) if millis else b"")
+
+
+def delta_resource(name: str, version: str, encoded_any: bytes | None, ttl_ms: int = 0) -> bytes:
+    """An encoded ``discovery.v3.Resource``: name, version, the resource as an encoded Any
+    (None: none, a heartbeat) and its TTL (0: none)."""
+    out = length_delimited(_RESOURCE_NAME, name.encode())
+    if version:
+        out += length_delimited(_RESOURCE_VERSION, version.encode())
+    if encoded_any is not None:
+        out += length_delimited(_RESOURCE_ANY, encoded_any)
+    if ttl_ms:
+        out += length_delimited(_RESOURCE_TTL, duration_bytes(ttl_ms))
+    return out
 
 
 def delta_discovery_response(
@@ -325,6 +340,8 @@ def _fields(data: bytes) -> Iterable[tuple[int, bytes]]:
 
 
 _LEN = 2
+_WRAPPED = length_delimited(_ANY_TYPE_URL, RESOURCE_URL.encode())
+"""How an Any wrapping a ``discovery.v3.Resource`` starts."""
 _NAME_TAG = 1 << 3 | _LEN
 """Field 1, length-delimited: the name of every resource type pilotfish serves (Cluster.name,
 ClusterLoadAssignment.cluster_name, Listener.name, RouteConfiguration.name, Secret.name)."""
@@ -343,6 +360,9 @@ def response_names(body: bytes, limit: int) -> tuple[list[str], int]:
         if len(names) >= limit:
             continue
         value = next((payload for t, payload in _fields(resource) if t == (_ANY_VALUE << 3 | _LEN)), b"")
+        if resource.startswith(_WRAPPED):  # a resource with its TTL: the Any inside the Resource
+            inner = next((payload for t, payload in _fields(value) if t == (_RESOURCE_ANY << 3 | _LEN)), b"")
+            value = next((payload for t, payload in _fields(inner) if t == (_ANY_VALUE << 3 | _LEN)), b"")
         name = next((payload for t, payload in _fields(value) if t == _NAME_TAG), None)
         if name is not None:
             names.append(name.decode("utf-8", "replace"))

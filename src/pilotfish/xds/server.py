@@ -40,9 +40,11 @@ names) and warned about at most once per :data:`WARN_EVERY` seconds.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import ssl
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
@@ -86,7 +88,7 @@ from pilotfish.resources import (
     TypeUrl,
 )
 from pilotfish.resources.wire import nonce_field, response_names
-from pilotfish.snapshot import DeltaChanges, EncodedResponse
+from pilotfish.snapshot import DeltaChanges, EncodedResponse, TypeSnapshot
 from pilotfish.status import NodeInfo, SyncStatus, nack_summary
 from pilotfish.transport.aio import (
     WARN_EVERY,
@@ -98,6 +100,7 @@ from pilotfish.transport.aio import (
     RpcError,
 )
 from pilotfish.transport.frames import GrpcStatus
+from pilotfish.xds.heartbeats import Heartbeats
 
 __all__ = [
     "MAX_DENIED_RECORDED",
@@ -135,6 +138,11 @@ _Answer = TypeVar("_Answer", EncodedResponse, DeltaChanges)
 
 def _default_group(node: base_pb2.Node) -> NodeGroup:
     return DEFAULT_GROUP
+
+
+def _arm_timer(due: float, run: Callable[[], object]) -> Callable[[], object]:
+    """A timer on the running event loop that calls ``run`` at ``due`` (``time.monotonic``)."""
+    return asyncio.get_running_loop().call_later(max(0.0, due - time.monotonic()), run).cancel
 
 
 def node_info(node: base_pb2.Node, *, address: str, group: str, protocol: str) -> NodeInfo:
@@ -232,6 +240,7 @@ class XdsServer:
         *,
         group_of: Callable[[base_pb2.Node], NodeGroup] = _default_group,
         routing: WatchRouting | None = None,
+        heartbeats: Heartbeats | None = None,
     ) -> None:
         self.cache = cache
         self.policy = policy if policy is not None else XdsPolicy()
@@ -253,6 +262,8 @@ class XdsServer:
         self._by_node: dict[str, set[_Stream[Any, Any, Any]]] = {}
         """Open streams by node id (to end them when the node's subsetting index moved)."""
         self.policy.grants.follow(self._regrant)
+        self.heartbeats = heartbeats if heartbeats is not None else Heartbeats(clock=time.monotonic, arm=_arm_timer)
+        """Renews the TTLs the streams hold (:mod:`pilotfish.xds.heartbeats`)."""
 
     def refresh_endpoints(self, node: str) -> None:
         """``node``'s subsetting index changed: answer its streams' endpoint watches again (its
@@ -311,6 +322,7 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         "_grants",
         "_last_nack",
         "_server",
+        "_ttl_types",
         "closed",
         "group",
         "id",
@@ -357,6 +369,8 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         do not change)."""
         self._denied: set[str] = set()
         """Secret names denied on this stream so far (recorded once each, up to a bound)."""
+        self._ttl_types: set[TypeUrl] | None = None
+        """Types whose TTLs the server's heartbeats renew for this stream (None: none yet)."""
         server.open_streams += 1
 
     # -- the call's callbacks -------------------------------------------------------------------
@@ -457,7 +471,12 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
             service=self.service if self.type_url is None else self.type_url,
             group=self.group,
             **({"identity": identity} if identity else {}),
+            **({"ttls": True} if self._takes_ttls() else {}),
         )
+
+    def _takes_ttls(self) -> bool:
+        """Whether the proxy is sent resources with their TTLs (by the features it announced)."""
+        raise NotImplementedError
 
     def _acked(self, type_url: TypeUrl, version: str) -> None:
         self._server.policy.status.acked(self.node_id, type_url, version)
@@ -529,9 +548,58 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         policy.status.sent(self.node_id, sent.type_url, sent.version)
         if policy.events.conversation:
             policy.events.emit("sent", **self._sent_event(sent, nonce))
+        if sent.expiring is not None or self._ttl_types is not None:
+            self._expect_refresh(sent.type_url, sent.expiring)
         for again in due:
             self._current[again.type_url] = again
             self._replace_watch(again)
+
+    def _expect_refresh(self, type_url: TypeUrl, current: TypeSnapshot | None) -> None:
+        """Renew the TTLs of what was just sent of ``type_url`` from ``current`` (None: no TTLs)."""
+        if current is not None:
+            if self._ttl_types is None:
+                self._ttl_types = set()
+            self._ttl_types.add(type_url)
+        elif self._ttl_types is not None:
+            self._ttl_types.discard(type_url)
+        self._server.heartbeats.expect(self, type_url, current)
+
+    def refresh(self, type_url: TypeUrl, current: TypeSnapshot) -> bool | None:
+        """Send what renews the TTLs this stream holds of ``type_url`` (see
+        :class:`~pilotfish.xds.heartbeats.Refreshable`)."""
+        if self.closed:
+            return None
+        found = self._refresh_body(type_url, current)
+        if found is None:
+            return None
+        nonce = self._refresh_nonce(type_url)
+        if nonce is None:
+            return False
+        body, count = found
+        self._call.send(body, nonce_field(nonce))
+        events = self._server.policy.events
+        if events.conversation:
+            events.emit(
+                "sent",
+                stream=self.id,
+                node=self.node_id,
+                type=type_url,
+                version=current.version,
+                nonce=nonce,
+                resources=count,
+                refresh=True,
+                **({"delta": True} if self.protocol == "delta" else {}),
+            )
+        return True
+
+    def _refresh_body(self, type_url: TypeUrl, current: TypeSnapshot) -> tuple[bytes, int] | None:
+        """The body renewing what the stream holds of ``type_url`` with a TTL, and how many
+        resources it names; None if it holds none."""
+        raise NotImplementedError
+
+    def _refresh_nonce(self, type_url: TypeUrl) -> str | None:
+        """Tell the state machine a refresh goes out: its nonce (None: not now, the type is not settled)."""
+        raise NotImplementedError
 
     def _on_response(self, watch: _Watch, answer: _Answer) -> tuple[str, _Answer, Sequence[_Watch]]:
         """Tell the state machine: the nonce, what is sent (the answer, or what it became), and
@@ -610,6 +678,8 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         for cancel in self._cancels.values():
             cancel()
         self._cancels.clear()
+        if self._ttl_types:
+            server.heartbeats.forget(self, self._ttl_types)
         self._current.clear()
         self._asked_secrets = None
         if self.opened:
@@ -709,6 +779,24 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
         nonce, response = self.state.on_response(watch, response)
         return nonce, response, ()
 
+    def _takes_ttls(self) -> bool:
+        return self.state.ttl
+
+    def _refresh_body(self, type_url: TypeUrl, current: TypeSnapshot) -> tuple[bytes, int] | None:
+        # The resources again, at the same version: Envoy's SotW client renews a TTL only from
+        # the resource (module docstring of pilotfish.xds.heartbeats).
+        state = self.state.types.get(type_url)
+        if state is None or state.sent is None or state.held_version != current.version:
+            return None
+        if state.wildcard_capable:
+            response = state.sent.whole()  # full state: what it holds, as it was sent
+        else:
+            response = current.refresh(state.held_names)
+        return (response.body, response.carried) if response.carried else None
+
+    def _refresh_nonce(self, type_url: TypeUrl) -> str | None:
+        return self.state.on_refresh(type_url)
+
     def _sent_event(self, response: EncodedResponse, nonce: str) -> dict[str, object]:
         return {
             "stream": self.id,
@@ -796,6 +884,18 @@ class _DeltaConnection(_Stream[DeltaWatch, discovery_pb2.DeltaDiscoveryRequest, 
     def _on_response(self, watch: DeltaWatch, changes: DeltaChanges) -> tuple[str, DeltaChanges, Sequence[DeltaWatch]]:
         nonce, again = self.state.on_response(watch, changes)  # again: warming, what the clusters
         return nonce, changes, again  # (listeners) just sent wait for, now
+
+    def _takes_ttls(self) -> bool:
+        return self.state.ttl
+
+    def _refresh_body(self, type_url: TypeUrl, current: TypeSnapshot) -> tuple[bytes, int] | None:
+        state = self.state.types.get(type_url)
+        if state is None:
+            return None
+        return current.heartbeat(state.known)
+
+    def _refresh_nonce(self, type_url: TypeUrl) -> str | None:
+        return self.state.on_refresh(type_url)
 
     def _sent_event(self, changes: DeltaChanges, nonce: str) -> dict[str, object]:
         return {

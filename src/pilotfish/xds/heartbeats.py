@@ -1,0 +1,180 @@
+"""Heartbeats: what a stream holds with a TTL is renewed before the TTL runs out.
+
+A resource served with a TTL (``ttl:`` in the snapshot file) is dropped by the proxy that long
+after it last arrived, unless it arrives again: so when pilotfish goes away, an override goes
+with it. While pilotfish serves the proxy, each stream that holds such resources is sent a
+refresh at two thirds of the shortest TTL it holds (less up to a tenth, at random, so a fleet
+that was pushed at once spreads its refreshes out):
+
+- over delta xDS, a heartbeat: each such resource's name, version and TTL without the resource
+  (the client renews the TTL of the version it has);
+- over SotW, the resources themselves at the same version: Envoy's SotW client (without
+  ``envoy.reloadable_features.unified_mux``) does not renew a TTL from a heartbeat, only from
+  the resource. For clusters and listeners (full state) that is the whole response the proxy
+  holds; for the other types only the resources with a TTL.
+
+Either is one shared body per version and set held (made by the type snapshot, memoized there),
+with the stream's nonce appended: a fleet at one version costs one encoding. A refresh waits
+while the stream's latest response of the type is unanswered or was rejected (what the proxy
+runs is then not what it was sent); it is tried again shortly.
+
+One timer for the whole server, armed for the earliest refresh due. Streams register when they
+send a type snapshot that has TTLs (:meth:`Heartbeats.expect`) and leave when they end
+(:meth:`Heartbeats.forget`): at most one entry per stream and type.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from pilotfish.resources import TypeUrl
+from pilotfish.snapshot import TypeSnapshot
+
+__all__ = ["REFRESH_AT", "Heartbeats", "Refreshable"]
+
+REFRESH_AT = 2 / 3
+"""A refresh goes out at this share of the shortest TTL a stream holds (less up to
+:data:`_SPREAD` of it)."""
+_SPREAD = 0.1
+_RETRY = 1.0
+"""Seconds before a refresh that had to wait (its stream's latest response unanswered) is tried
+again, at most (less for short TTLs: a quarter of the period)."""
+
+
+class Refreshable(Protocol):
+    """A stream, as heartbeats see it."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def refresh(self, type_url: TypeUrl, current: TypeSnapshot) -> bool | None:
+        """Send what renews the TTLs the stream holds of ``type_url`` (from ``current``, the type
+        snapshot of its latest response): True if sent, False if it must wait (try again soon),
+        None if there is nothing to renew."""
+        ...
+
+
+class _Entry:
+    __slots__ = ("current", "due", "stream", "type_url")
+
+    def __init__(self, stream: Refreshable, type_url: TypeUrl, current: TypeSnapshot, due: float) -> None:
+        self.stream = stream
+        self.type_url = type_url
+        self.current = current
+        self.due = due
+
+
+class Heartbeats:
+    """When each stream's TTLs are to be renewed, and the one timer that does it."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        arm: Callable[[float, Callable[[], object]], Callable[[], object]] | None = None,
+        spread: Callable[[], float] = random.random,
+    ) -> None:
+        """``clock``: the time now (seconds, monotonic). ``arm(due, run)``: sets a timer that calls
+        ``run`` (:meth:`run`) at ``due``, the time of the earliest refresh (when it is earlier than
+        the one set before, which is cancelled), and returns what cancels it (None: the caller
+        calls :meth:`run` itself, as tests with a fake clock do).
+        ``spread``: a number in [0, 1) per refresh (how much of :data:`_SPREAD` it comes early)."""
+        self._clock = clock
+        self._arm = arm
+        self._spread = spread
+        self._entries: dict[tuple[int, TypeUrl], _Entry] = {}
+        self._heap: list[tuple[float, int, tuple[int, TypeUrl]]] = []
+        self._order = itertools.count()
+        self._armed: float | None = None
+        self._cancel: Callable[[], object] | None = None
+        self.sent = 0
+        """Refreshes sent, in all."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def period(self, current: TypeSnapshot) -> float:
+        """Seconds from one refresh of ``current``'s TTLs to the next (before the spread)."""
+        return min(current.ttls().values()) / 1000 * REFRESH_AT
+
+    def expect(self, stream: Refreshable, type_url: TypeUrl, current: TypeSnapshot | None) -> None:
+        """``stream`` sent a response of ``type_url`` from ``current`` (None: one without TTLs, or
+        none to renew): renew its TTLs from now on, no later than a period from now (an entry
+        due earlier keeps its time); for None, stop."""
+        key = (id(stream), type_url)
+        entry = self._entries.get(key)
+        if current is None:
+            if entry is not None:
+                del self._entries[key]  # (its place in the heap is skipped when it comes up)
+            return
+        due = self._clock() + self.period(current) * (1 - _SPREAD * self._spread())
+        if entry is None:
+            self._entries[key] = entry = _Entry(stream, type_url, current, due)
+        else:
+            entry.current = current
+            if entry.due <= due:
+                return
+            entry.due = due
+        self._push(key, due)
+
+    def forget(self, stream: Refreshable, type_urls: Iterable[TypeUrl]) -> None:
+        """``stream`` ended: no more refreshes of ``type_urls`` for it."""
+        for type_url in type_urls:
+            self._entries.pop((id(stream), type_url), None)
+
+    def run(self) -> int:
+        """Send every refresh that is due; arm the timer for the next. Returns how many went out."""
+        now = self._clock()
+        self._armed = self._cancel = None
+        heap, entries = self._heap, self._entries
+        sent = 0
+        while heap and heap[0][0] <= now:
+            due, _, key = heapq.heappop(heap)
+            entry = entries.get(key)
+            if entry is None or entry.due != due:
+                continue  # gone, or moved (its newer place is in the heap)
+            if entry.stream.closed:
+                del entries[key]
+                continue
+            outcome = entry.stream.refresh(entry.type_url, entry.current)
+            if outcome is None:
+                del entries[key]
+                continue
+            period = self.period(entry.current)
+            if outcome:
+                sent += 1
+                entry.due = now + period * (1 - _SPREAD * self._spread())
+            else:
+                entry.due = now + min(_RETRY, period / 4)
+            self._push(key, entry.due, arm=False)
+        self.sent += sent
+        if len(heap) > 2 * len(entries) + 64:  # places of entries that moved or went
+            self._heap = [(e.due, next(self._order), k) for k, e in entries.items()]
+            heapq.heapify(self._heap)
+        if self._heap:
+            self._arm_for(self._heap[0][0])
+        return sent
+
+    def _push(self, key: tuple[int, TypeUrl], due: float, *, arm: bool = True) -> None:
+        heapq.heappush(self._heap, (due, next(self._order), key))
+        if arm:
+            self._arm_for(due)
+
+    def _arm_for(self, due: float) -> None:
+        if self._arm is not None and (self._armed is None or due < self._armed):
+            if self._cancel is not None:
+                self._cancel()
+            self._armed = due
+            self._cancel = self._arm(due, self.run)
+
+    def close(self) -> None:
+        """Cancel the timer; forget every stream."""
+        if self._cancel is not None:
+            self._cancel()
+        self._cancel = self._armed = None
+        self._entries.clear()
+        self._heap.clear()
