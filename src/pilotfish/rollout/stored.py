@@ -56,6 +56,7 @@ def encode_snapshots(baseline: Mapping[NodeGroup, Snapshot]) -> dict[str, Any]:
                 url: {
                     "version": ts.version,
                     "resources": [base64.b64encode(r.value).decode() for _, r in sorted(ts.resources.items())],
+                    **({"ttls": dict(ts.ttls())} if ts.ttls() else {}),
                 }
                 for url, ts in snapshot.types.items()
             },
@@ -96,10 +97,12 @@ def _snapshot(stored: Mapping[str, Any]) -> Snapshot:
             raise ValueError(f"unknown type {url!r}")
         versions[rtype.url] = str(kept["version"])
         resources[rtype] = []
+        ttls = {str(name): int(ms) for name, ms in dict(kept.get("ttls") or {}).items()}
         for text in kept["resources"]:
             value = base64.b64decode(str(text), validate=True)
             message = rtype.message.FromString(value)
-            resources[rtype].append(Resource(rtype, getattr(message, rtype.name_field), value, message))
+            name = getattr(message, rtype.name_field)
+            resources[rtype].append(Resource(rtype, name, value, message, ttl_ms=ttls.get(name, 0)))
     snapshot = Snapshot.build(resources, version=None if explicit is None else str(explicit))
     types = {
         url: ts if ts.version == versions.get(url, ts.version) else ts.renewed(versions[url])

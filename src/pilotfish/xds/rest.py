@@ -301,7 +301,9 @@ class RestXds:
                 status.acked(node_id, type_url, poll.version_info)
                 self._record(poll, answer=304)
                 return web.Response(status=304)
-            encoded = current.response(subscription.names_to_send())
+            # Without TTLs: a poller renews nothing between polls (Envoy's REST client takes no
+            # Resource wrapper either); what it polled stays until a poll says otherwise.
+            encoded = current.plain().response(subscription.names_to_send())
             body = self._json.get(encoded)
             status.sent(node_id, type_url, encoded.version)
             if poll.version_info:

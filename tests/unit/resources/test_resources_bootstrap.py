@@ -244,3 +244,10 @@ def test_runtime_layers_come_over_ads_and_the_admin_layer_stays_last(capsys: pyt
         BootstrapSettings(node_id="n", rest="127.0.0.1:1", runtime_layers=("flags",))
     assert main(["bootstrap", "--node-id", "n", "--runtime-layer", "a", "--runtime-layer", "a"]) != 0
     assert "--runtime-layer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_the_node_announces_that_envoy_takes_resource_ttls(delta: bool) -> None:
+    # Envoy announces no client features of its own: without these, pilotfish sends no TTLs.
+    node = bootstrap(BootstrapSettings(node_id="edge-1", xds="127.0.0.1:18000", delta=delta))["node"]
+    assert node["client_features"] == ["xds.config.supports-resource-ttl", "xds.config.resource-in-sotw"]

@@ -279,3 +279,36 @@ def test_no_collection_runs_while_a_document_is_parsed_and_the_collector_comes_b
     with pytest.raises(ConfigError), without_collections():
         parse_document({"clusters": 3}, "snapshot.yaml")
     assert gc.isenabled()
+
+
+def test_a_ttl_beside_a_resource_is_served_with_it_and_a_bad_one_is_named(tmp_path: Path) -> None:
+    layer = {"name": "gameday", "layer": {"fault.abort": 100}}
+    snapshot = load_snapshot(write(tmp_path, {**GOOD, "runtime": [{**layer, "ttl": "30s"}]}))
+    without = load_snapshot(write(tmp_path, {**GOOD, "runtime": [layer]}))
+    resource = snapshot.get(RUNTIME.url).resources["gameday"]  # type: ignore[union-attr]
+    plain = without.get(RUNTIME.url).resources["gameday"]  # type: ignore[union-attr]
+    assert resource.ttl_ms == 30_000 and plain.ttl_ms == 0
+    assert resource.value == plain.value, "the TTL is not a field of the layer: it wraps it"
+    assert resource.hash != plain.hash, "a TTL that changes is a change"
+    # Any type may carry one; what the file says of each is kept by name.
+    desired = load_desired(write(tmp_path, {**GOOD, "clusters": [{**cluster("web"), "ttl": "1.5s"}]}))
+    assert desired.ttls == {CLUSTER: {"web": 1500}}
+
+    bad = {**GOOD, "runtime": [{**layer, "ttl": "500ms"}, {"name": "b", "layer": {}, "ttl": "soon"}]}
+    bad["clusters"] = [{**cluster("web"), "ttl": 90_000}]
+    assert problems(tmp_path, bad) == [
+        "clusters[0].ttl: must be at most 86400s (a day), got 90000",
+        "runtime[0].ttl: must be at least 1s (heartbeats renew it at two thirds), got '500ms'",
+        "runtime[1].ttl: expected a duration such as 250ms, 1.5s or 2, got 'soon'",
+    ]
+
+
+def test_a_resource_whose_ttl_alone_changed_is_not_parsed_again(tmp_path: Path) -> None:
+    memo = ParseMemo()
+    layer = {"name": "gameday", "layer": {"fault.abort": 100}}
+    first = load_desired(write(tmp_path, {**GOOD, "runtime": [{**layer, "ttl": "30s"}]}), memo=memo)
+    parsed = memo.parsed
+    second = load_desired(write(tmp_path, {**GOOD, "runtime": [{**layer, "ttl": "60s"}]}), memo=memo)
+    assert memo.parsed == parsed
+    assert second.resources[RUNTIME][0] is first.resources[RUNTIME][0]
+    assert second.ttls[RUNTIME] == {"gameday": 60_000}
