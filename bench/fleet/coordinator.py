@@ -66,6 +66,9 @@ class Fleet:
     replicas: tuple[str, ...] = ()
     """More servers' xDS addresses: the proxies are spread evenly, proxy i connecting to
     ``(target, *replicas)[i % (1 + len(replicas))]``."""
+    runtime_layers: tuple[str, ...] = ()
+    """RTDS layers every proxy asks for, announcing that it takes resources with TTLs (as
+    ``pilotfish bootstrap --runtime-layer`` writes an Envoy's node)."""
     error_examples: dict[str, str] = field(default_factory=dict)
     """One example message per gRPC status seen (filled by :meth:`errors`)."""
     _conns: list[Connection] = field(default_factory=list)
@@ -114,7 +117,15 @@ class Fleet:
         self._all(
             "start",
             per_worker=[
-                {"targets": targets, "ids": s, "rate": self.rate, "client": self.client, "tls": tls, "xds": self.xds}
+                {
+                    "targets": targets,
+                    "ids": s,
+                    "rate": self.rate,
+                    "client": self.client,
+                    "tls": tls,
+                    "xds": self.xds,
+                    "runtime_layers": list(self.runtime_layers),
+                }
                 for s in shards
             ],
             timeout=max(60.0, 2 * ramp),

@@ -18,7 +18,9 @@ __all__ = [
     "LDS",
     "MAX_PER_WORKER",
     "RDS",
+    "RTDS",
     "SHORT",
+    "TTL_FEATURES",
     "XDS_VARIANTS",
     "ChurnCounts",
     "ErrorReport",
@@ -34,7 +36,11 @@ CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
 RDS = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
-SHORT = {CDS: "CDS", EDS: "EDS", LDS: "LDS", RDS: "RDS"}
+RTDS = "type.googleapis.com/envoy.service.runtime.v3.Runtime"
+SHORT = {CDS: "CDS", EDS: "EDS", LDS: "LDS", RDS: "RDS", RTDS: "RTDS"}
+TTL_FEATURES = ("xds.config.supports-resource-ttl", "xds.config.resource-in-sotw")
+"""The client features of a node that takes resources with TTLs (as ``pilotfish bootstrap``
+writes them): proxies with runtime layers announce them."""
 BY_SHORT = {v: k for k, v in SHORT.items()}
 MAX_PER_WORKER = 2500
 """Proxies one worker process drives at most (more: more workers)."""

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from bench.fleet.messages import CDS, EDS, LDS, RDS, FleetTls
+from bench.fleet.messages import CDS, EDS, LDS, RDS, RTDS, TTL_FEATURES, FleetTls
 
 if TYPE_CHECKING:  # for annotations only: the workers import protobuf where they use it
     from google.protobuf.message import Message
@@ -255,7 +255,15 @@ class SotwProxy:
             sends.append(self._request(LDS, self.versions.get(LDS, ""), ""))
         if names[RDS]:
             sends.append(self._request(RDS, self.versions.get(RDS, ""), "", _in_order(names[RDS])))
+        if names.get(RTDS):
+            sends.append(self._request(RTDS, self.versions.get(RTDS, ""), "", _in_order(names[RTDS])))
         return sends
+
+    def subscribe_runtime(self, layers: tuple[str, ...]) -> None:
+        """Ask for these runtime layers (RTDS) on every stream, and announce that TTLs are taken
+        (as an Envoy bootstrapped by ``pilotfish bootstrap --runtime-layer``)."""
+        self.names[RTDS] = frozenset(layers)
+        self.node.client_features.extend(TTL_FEATURES)
 
     method = ADS_METHOD
     """The gRPC method the proxy's stream calls."""
@@ -568,7 +576,7 @@ class DeltaProxy(SotwProxy):
 
     def __init__(self, index: int, node_id: str, worker: ProxyHost) -> None:
         super().__init__(index, node_id, worker)
-        self.held: dict[str, _Held] = {CDS: _EMPTY, EDS: _EMPTY, LDS: _EMPTY, RDS: _EMPTY}
+        self.held: dict[str, _Held] = {CDS: _EMPTY, EDS: _EMPTY, LDS: _EMPTY, RDS: _EMPTY, RTDS: _EMPTY}
         self.subscribed: dict[str, frozenset[str]] = {EDS: frozenset(), RDS: frozenset()}
 
     @staticmethod
@@ -614,6 +622,8 @@ class DeltaProxy(SotwProxy):
             sends.append(self._delta(LDS, initial=held[LDS].versions))
         if subscribed[RDS]:
             sends.append(self._delta(RDS, subscribe=_in_order(subscribed[RDS]), initial=held[RDS].versions))
+        if self.names.get(RTDS):
+            sends.append(self._delta(RTDS, subscribe=_in_order(self.names[RTDS]), initial=held[RTDS].versions))
         return sends
 
     def on_response(self, response: Any) -> list[_Send]:

@@ -137,10 +137,12 @@ class _Worker:
         client: str,
         tls: dict[str, str | None] | None = None,
         xds: str = "sotw",
+        runtime_layers: tuple[str, ...] = (),
     ) -> int:
         """Start proxies ``ids`` (index, node id), proxy i connecting to ``targets[i % len(targets)]``;
         ``rate`` proxies per second (0: all at once); ``client``: ``h2`` or ``grpc``; ``tls``: a
-        :class:`FleetTls` as a dict (None: plaintext); ``xds``: ``sotw`` or ``delta``."""
+        :class:`FleetTls` as a dict (None: plaintext); ``xds``: ``sotw`` or ``delta``;
+        ``runtime_layers``: RTDS layers each proxy asks for (announcing that it takes TTLs)."""
         settings = FleetTls(**tls) if tls is not None else None  # type: ignore[arg-type]
         kind = DeltaProxy if xds == "delta" else SotwProxy
         self.targets, self.client, self.tls = targets, client, settings
@@ -148,6 +150,8 @@ class _Worker:
         async def launch() -> None:
             for n, (index, node_id) in enumerate(ids):
                 proxy = kind(index, node_id, self)
+                if runtime_layers:
+                    proxy.subscribe_runtime(tuple(runtime_layers))
                 self.proxies.append(proxy)
                 target = targets[index % len(targets)]
                 self.tasks.append(asyncio.create_task(proxy.run(target, client, settings)))

@@ -40,7 +40,15 @@ from pilotfish.sources.registry import RegistryFigures
 from pilotfish.status import ACK_BUCKETS, SyncStatus
 from pilotfish.xds.lrs import LoadReporting
 
-__all__ = ["CONTENT_TYPE", "DockerMetrics", "Metrics", "NameMetrics", "ProcessMetrics", "build_version"]
+__all__ = [
+    "CONTENT_TYPE",
+    "DockerMetrics",
+    "Metrics",
+    "NameMetrics",
+    "ProcessMetrics",
+    "RefreshMetrics",
+    "build_version",
+]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The Prometheus text exposition format."""
@@ -363,6 +371,20 @@ class _Collector(Collector):
                 for service, value in sorted(snapshot.subsets.spread(indices).items()):
                     spread.add_metric([group, service], value)
         return spread
+
+
+class RefreshMetrics(Collector):
+    """The refreshes that renew the TTLs streams hold (:mod:`pilotfish.xds.heartbeats`)."""
+
+    def __init__(self, refreshes: Callable[[], int]) -> None:
+        self._refreshes = refreshes
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "pilotfish_xds_ttl_refreshes",
+            "Refreshes sent to renew the TTLs streams hold (delta heartbeats, SotW resources sent again)",
+            value=self._refreshes(),
+        )
 
 
 class DockerMetrics(Collector):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pilotfish.api.admin import AdminApi, SourceStatus, start_admin_server
-from pilotfish.api.metrics import DockerMetrics, Metrics, NameMetrics
+from pilotfish.api.metrics import DockerMetrics, Metrics, NameMetrics, RefreshMetrics
 from pilotfish.api.registry import RegistryApi
 from pilotfish.api.registry_etcd import EtcdRegistry
 from pilotfish.api.tokens import AdminTokenFile, TokenFile, grpc_read_check, warn_if_open
@@ -338,6 +338,7 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
                 rollout=delivery,
                 registry=None if registry.api is None else registry.api.figures,
                 sources=[
+                    RefreshMetrics(lambda: xds.heartbeats.sent),
                     *([DockerMetrics([source.figures for source in dockers])] if dockers else []),
                     *([NameMetrics(reconciler.names.figures)] if settings.dns.refresh > 0 else []),
                 ],

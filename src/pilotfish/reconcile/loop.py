@@ -502,12 +502,17 @@ def _touched(source: str, previous: DesiredState | None, state: DesiredState) ->
     endpoints changed; the source's raw resources and version as one key of its own; every field
     of the state is looked at, so no key means an equal state) and the services whose endpoints
     changed. Unchanged services are the very objects they were (sources reuse them), so this
-    costs an identity check per service."""
+    costs an identity check per service. (Raw resources' TTLs count with the resources.)"""
     before = previous or DesiredState()
     endpoints_changed = _differing(before.endpoints, state.endpoints)
     keys = set(endpoints_changed)
     keys.update(_differing(before.services, state.services))
-    if previous is None or before.resources != state.resources or before.version != state.version:
+    if (
+        previous is None
+        or before.resources != state.resources
+        or before.version != state.version
+        or before.ttls != state.ttls
+    ):
         keys.add(f"{source} resources")  # (a source's first report is a change, even an empty one)
     return keys, endpoints_changed
 

@@ -59,7 +59,7 @@ class ParsedDocument:
 
 
 MIN_TTL_MS = 1000
-"""The shortest TTL a resource may have: heartbeats go out at two thirds of it, and a shorter
+"""The shortest TTL a resource may have: heartbeats renew it a third of it before it runs out, and a shorter
 one would leave no room for a busy server or network."""
 
 
@@ -149,7 +149,9 @@ def _ttl_ms(value: Any, where: str, problems: list[Problem]) -> int | None:
         return None
     if seconds * 1000 < MIN_TTL_MS:
         problems.append(
-            Problem(where, f"must be at least {MIN_TTL_MS // 1000}s (heartbeats renew it at two thirds), got {value!r}")
+            Problem(
+                where, f"must be at least {MIN_TTL_MS // 1000}s (heartbeats must have room to renew it), got {value!r}"
+            )
         )
         return None
     return round(seconds * 1000)

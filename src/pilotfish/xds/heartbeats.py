@@ -3,8 +3,8 @@
 A resource served with a TTL (``ttl:`` in the snapshot file) is dropped by the proxy that long
 after it last arrived, unless it arrives again: so when pilotfish goes away, an override goes
 with it. While pilotfish serves the proxy, each stream that holds such resources is sent a
-refresh at two thirds of the shortest TTL it holds (less up to a tenth, at random, so a fleet
-that was pushed at once spreads its refreshes out):
+refresh a little before the shortest TTL it holds runs out (:data:`MARGIN`; less up to a tenth
+of the period, at random, so a fleet that was pushed at once spreads its refreshes out):
 
 - over delta xDS, a heartbeat: each such resource's name, version and TTL without the resource
   (the client renews the TTL of the version it has);
@@ -34,12 +34,19 @@ from typing import Protocol
 from pilotfish.resources import TypeUrl
 from pilotfish.snapshot import TypeSnapshot
 
-__all__ = ["REFRESH_AT", "Heartbeats", "Refreshable"]
+__all__ = ["MARGIN", "Heartbeats", "Refreshable"]
 
-REFRESH_AT = 2 / 3
-"""A refresh goes out at this share of the shortest TTL a stream holds (less up to
-:data:`_SPREAD` of it)."""
+MARGIN = 5.0
+"""Seconds before the shortest TTL a stream holds runs out that its refresh is due, at most (and
+at most a third of the TTL): a refresh goes out ``ttl - min(ttl / 3, MARGIN)`` after the last one
+(less up to :data:`_SPREAD` of that). A 30 s TTL is renewed every 22.5-25 s; a 3 s one every
+1.8-2 s. Enough to absorb a busy event loop (its longest stalls are milliseconds to a few hundred
+of them), while a fleet's refreshes cost as little as they can: each is a write and an ACK per
+proxy, whatever the bytes."""
 _SPREAD = 0.1
+_TICK = 0.25
+"""Seconds between two runs of the timer, at least: a run sends every refresh due within this of
+now (a little early), so a fleet's refreshes go out in batches, not one timer wake-up each."""
 _RETRY = 1.0
 """Seconds before a refresh that had to wait (its stream's latest response unanswered) is tried
 again, at most (less for short TTLs: a quarter of the period)."""
@@ -77,12 +84,15 @@ class Heartbeats:
         clock: Callable[[], float],
         arm: Callable[[float, Callable[[], object]], Callable[[], object]] | None = None,
         spread: Callable[[], float] = random.random,
+        tick: float = _TICK,
     ) -> None:
         """``clock``: the time now (seconds, monotonic). ``arm(due, run)``: sets a timer that calls
         ``run`` (:meth:`run`) at ``due``, the time of the earliest refresh (when it is earlier than
         the one set before, which is cancelled), and returns what cancels it (None: the caller
         calls :meth:`run` itself, as tests with a fake clock do).
-        ``spread``: a number in [0, 1) per refresh (how much of :data:`_SPREAD` it comes early)."""
+        ``spread``: a number in [0, 1) per refresh (how much of :data:`_SPREAD` it comes early).
+        ``tick``: see :data:`_TICK` (0: each refresh at its time)."""
+        self._tick = tick
         self._clock = clock
         self._arm = arm
         self._spread = spread
@@ -99,7 +109,8 @@ class Heartbeats:
 
     def period(self, current: TypeSnapshot) -> float:
         """Seconds from one refresh of ``current``'s TTLs to the next (before the spread)."""
-        return min(current.ttls().values()) / 1000 * REFRESH_AT
+        ttl = min(current.ttls().values()) / 1000
+        return ttl - min(ttl / 3, MARGIN)
 
     def expect(self, stream: Refreshable, type_url: TypeUrl, current: TypeSnapshot | None) -> None:
         """``stream`` sent a response of ``type_url`` from ``current`` (None: one without TTLs, or
@@ -132,7 +143,9 @@ class Heartbeats:
         self._armed = self._cancel = None
         heap, entries = self._heap, self._entries
         sent = 0
-        while heap and heap[0][0] <= now:
+        horizon = now + self._tick
+        again: list[tuple[tuple[int, TypeUrl], float]] = []
+        while heap and heap[0][0] <= horizon:
             due, _, key = heapq.heappop(heap)
             entry = entries.get(key)
             if entry is None or entry.due != due:
@@ -150,13 +163,15 @@ class Heartbeats:
                 entry.due = now + period * (1 - _SPREAD * self._spread())
             else:
                 entry.due = now + min(_RETRY, period / 4)
-            self._push(key, entry.due, arm=False)
+            again.append((key, entry.due))  # (pushed after the loop: a retry may be due within the tick)
+        for key, due in again:
+            self._push(key, due, arm=False)
         self.sent += sent
         if len(heap) > 2 * len(entries) + 64:  # places of entries that moved or went
             self._heap = [(e.due, next(self._order), k) for k, e in entries.items()]
             heapq.heapify(self._heap)
         if self._heap:
-            self._arm_for(self._heap[0][0])
+            self._arm_for(max(self._heap[0][0], horizon))
         return sent
 
     def _push(self, key: tuple[int, TypeUrl], due: float, *, arm: bool = True) -> None:

@@ -371,3 +371,26 @@ async def test_a_source_whose_first_report_is_empty_lets_the_waiting_build_go_ou
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_a_change_of_a_resource_ttl_alone_is_published(running: Running) -> None:
+    from envoy.service.runtime.v3 import rtds_pb2
+
+    from pilotfish.resources import RUNTIME
+
+    reconciler, clock, cache = running
+    layer = rtds_pb2.Runtime(name="gameday")
+    with_ttl = DesiredState(resources={RUNTIME: (layer,)}, ttls={RUNTIME: {"gameday": 30_000}})
+    reconciler.update("file", with_ttl)
+    await clock.advance(2.0)
+    runtime = cache.snapshot().get(RUNTIME.url)  # type: ignore[union-attr]
+    assert runtime is not None and runtime.resources["gameday"].ttl_ms == 30_000
+    # The same layer (the very message: it was not parsed again), its TTL changed.
+    reconciler.update("file", dataclasses.replace(with_ttl, ttls={RUNTIME: {"gameday": 60_000}}))
+    await clock.advance(2.0)
+    runtime = cache.snapshot().get(RUNTIME.url)  # type: ignore[union-attr]
+    assert runtime is not None and runtime.resources["gameday"].ttl_ms == 60_000
+    reconciler.update("file", dataclasses.replace(with_ttl, ttls={}))
+    await clock.advance(2.0)
+    runtime = cache.snapshot().get(RUNTIME.url)  # type: ignore[union-attr]
+    assert runtime is not None and runtime.resources["gameday"].ttl_ms == 0

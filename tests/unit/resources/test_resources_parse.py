@@ -298,7 +298,7 @@ def test_a_ttl_beside_a_resource_is_served_with_it_and_a_bad_one_is_named(tmp_pa
     bad["clusters"] = [{**cluster("web"), "ttl": 90_000}]
     assert problems(tmp_path, bad) == [
         "clusters[0].ttl: must be at most 86400s (a day), got 90000",
-        "runtime[0].ttl: must be at least 1s (heartbeats renew it at two thirds), got '500ms'",
+        "runtime[0].ttl: must be at least 1s (heartbeats must have room to renew it), got '500ms'",
         "runtime[1].ttl: expected a duration such as 250ms, 1.5s or 2, got 'soon'",
     ]
 

@@ -2,10 +2,10 @@
 heartbeats (the test runs them when it has moved the clock: nothing waits for wall time).
 
 A client that announces ``xds.config.supports-resource-ttl`` (and over SotW
-``xds.config.resource-in-sotw``) gets a runtime layer with its TTL and is refreshed at two thirds
-of it while its latest response is ACKed: over SotW the layer again at the same version, over
-delta a heartbeat without the resource. A client that announces nothing gets the layer without a
-TTL and no refresh."""
+``xds.config.resource-in-sotw``) gets a runtime layer with its TTL and is refreshed a third of
+the TTL before it runs out (a 3 s TTL: after 2 s) while its latest response is ACKed: over SotW
+the layer again at the same version, over delta a heartbeat without the resource. A client that
+announces nothing gets the layer without a TTL and no refresh."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     clock = Clock()
     log = tmp_path / "events.jsonl"
     events = EventLog(log)
-    xds = XdsServer(cache, XdsPolicy(events=events), heartbeats=Heartbeats(clock=clock, spread=lambda: 0.0))
+    xds = XdsServer(cache, XdsPolicy(events=events), heartbeats=Heartbeats(clock=clock, spread=lambda: 0.0, tick=0))
     server, port = await start_xds_server(xds, "127.0.0.1:0")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -101,7 +101,7 @@ def sotw_request(features: list[str], **fields: object) -> discovery_pb2.Discove
     )
 
 
-PERIOD = TTL_MS / 1000 * 2 / 3
+PERIOD = TTL_MS / 1000 * 2 / 3  # (a 3 s TTL: renewed a third of it before it runs out)
 
 
 async def test_sotw_a_layer_with_a_ttl_is_wrapped_and_sent_again_at_two_thirds_of_it(served: Served) -> None:
@@ -127,7 +127,7 @@ async def test_sotw_a_layer_with_a_ttl_is_wrapped_and_sent_again_at_two_thirds_o
     assert list(refresh.resources) == list(first.resources), "the layer again, as it was, with its TTL"
     assert [e.get("refresh") for e in served.events("sent")] == [None, True]
 
-    # ACKed: the next refresh is two thirds of the TTL later, not before.
+    # ACKed: the next refresh is a period later, not before.
     await call.write(sotw_request([], version_info=refresh.version_info, response_nonce=refresh.nonce))
     await served.acked(2)
     assert served.advance(PERIOD - 0.1) == 0
@@ -176,7 +176,7 @@ async def test_delta_a_heartbeat_names_the_layer_and_its_version_without_the_lay
     assert not second.resources[0].HasField("resource") and second.resources[0].ttl.ToMilliseconds() == 6000
     await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=RUNTIME.url, response_nonce=second.nonce))
     await served.acked(4)
-    assert served.advance(4.0 - 0.1) == 0, "then two thirds of the new TTL"
+    assert served.advance(4.0 - 0.1) == 0, "then a period of the new TTL (6 s: 4 s)"
     assert served.advance(0.2) == 1
     call.cancel()
 
@@ -243,15 +243,15 @@ def test_one_timer_for_every_stream_armed_for_the_earliest_refresh_and_bounded_m
         armed.append(due)
         return lambda: cancelled.append(due)
 
-    beats = Heartbeats(clock=clock, arm=arm, spread=lambda: 0.0)
+    beats = Heartbeats(clock=clock, arm=arm, spread=lambda: 0.0, tick=0)
     slow = layer("on", ttl_ms=60_000).types[RUNTIME.url]
     fast = layer("on", ttl_ms=3_000).types[RUNTIME.url]
     streams = [StreamDouble() for _ in range(100)]
     for stream in streams:
         beats.expect(stream, RUNTIME.url, slow)
-    assert armed == [clock.now + 40.0], "one timer, however many streams"
+    assert armed == [clock.now + 55.0], "one timer, however many streams (60 s TTL: 5 s before it)"
     beats.expect(streams[0], RUNTIME.url, fast)
-    assert armed[-1] == clock.now + 2.0 and cancelled == [clock.now + 40.0], "re-armed earlier, the old one cancelled"
+    assert armed[-1] == clock.now + 2.0 and cancelled == [clock.now + 55.0], "re-armed earlier, the old one cancelled"
     # Streams answered again and again (every push) keep one entry each, and the heap stays bounded.
     for _ in range(50):
         clock.now += 1.0
