@@ -39,6 +39,7 @@ from bench import (
     bench_status,
     bench_storm,
     bench_subsetting,
+    bench_ttl,
     fanout,
     h2_core_compare,
     push_floor,
@@ -155,6 +156,12 @@ class Scale:
     file_clusters: int = 10_000
     """Raw clusters (and as many assignments) in the snapshot file of bench/bench_file.py."""
     file_rounds: int = 5
+    ttl_proxies: int = 10_000
+    """Proxies per server of the TTL heartbeat benchmark (bench/bench_ttl.py)."""
+    ttl_seconds: float = 30.0
+    """Its layer's TTL."""
+    ttl_window: float = 60.0
+    """Its measured windows (two per protocol)."""
     side_by_side: str | None = None
     """Another commit to run beside this checkout (bench/bench_side_by_side.py: fan-outs, SotW and
     delta, and the snapshot build, in turn); None (the default, and in the smoke run): not run."""
@@ -227,6 +234,9 @@ QUICK = Scale(
     docker_rounds=1,
     file_clusters=100,
     file_rounds=1,
+    ttl_proxies=5,
+    ttl_seconds=1.5,
+    ttl_window=1.0,
 )
 
 
@@ -266,6 +276,7 @@ class Results:
     memo: list[bench_memo.MemoRun] = field(default_factory=list)
     churn: list[bench_churn.ChurnResult] = field(default_factory=list)
     rollout: bench_rollout.RolloutBench | None = None
+    ttl: bench_ttl.TtlBench | None = None
     docker: list[bench_docker.Phase] = field(default_factory=list)
     file: list[list[Any]] = field(default_factory=list)
     """The rows of bench/bench_file.py."""
@@ -1041,7 +1052,35 @@ def run_all(scale: Scale, *, out: Path | None, workdir: Path, only: Sequence[str
         if results.rollout is not None:
             results.sections[-1].notes.extend(notes(results.rollout))
 
-    # 6j. Docker discovery: a burst of containers started and stopped, beside the registry.
+    # 6j. resource TTLs: what renewing them costs the server (heartbeats), beside a server without.
+    ttl_options = bench_ttl.TtlOptions(
+        proxies=scale.ttl_proxies, ttl=scale.ttl_seconds, seconds=scale.ttl_window, rounds=2, workload=wl
+    )
+
+    def ttl() -> list[list[Any]]:
+        results.ttl = bench_ttl.run_ttl_bench(ttl_options, workdir / "ttl")
+        return results.ttl.rows()
+
+    section(
+        f"TTLs: heartbeats for {scale.ttl_proxies:,} proxies at a {scale.ttl_seconds:g} s TTL, server CPU "
+        "beside a server without the TTL",
+        _cmd(
+            "bench.bench_ttl",
+            "--proxies",
+            scale.ttl_proxies,
+            "--ttl",
+            scale.ttl_seconds,
+            "--seconds",
+            scale.ttl_window,
+            *_wl(wl),
+        ),
+        bench_ttl.TtlBench.COLUMNS,
+        ttl,
+    )
+    if results.ttl is not None:
+        results.sections[-1].notes.extend(results.ttl.notes())
+
+    # 6k. Docker discovery: a burst of containers started and stopped, beside the registry.
     docker_options = bench_docker.DockerOptions(
         containers=scale.docker_containers, rounds=scale.docker_rounds, workdir=workdir / "docker"
     )

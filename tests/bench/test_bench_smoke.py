@@ -35,6 +35,7 @@ from bench import (  # noqa: E402
     bench_status,
     bench_storm,
     bench_subsetting,
+    bench_ttl,
     fanout,
 )
 
@@ -199,6 +200,7 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         bench_rollout.GATE_COLUMNS,
         bench_docker.COLUMNS,
         bench_file.COLUMNS,
+        bench_ttl.TtlBench.COLUMNS,
     ):
         assert _header(columns) in text
     for heading in (
@@ -226,8 +228,12 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
         "## Rollout: server CPU per CDS change",
         "## Rollout: an endpoint change while a canary wave bakes",
         "## Rollout: load reports from 5 proxies every 0.5 s to a server with --rollout and its health gate on",
+        "## TTLs: heartbeats for 5 proxies at a 1.5 s TTL",
     ):
         assert heading in text
+    # TTLs: both protocols measured, and the server with the TTL renewed it (counted by the server).
+    assert results.ttl is not None and {w.xds for w in results.ttl.windows} == {"sotw", "delta"}
+    assert all(w.refreshes > 0 for w in results.ttl.windows)
     assert _header(bench_status.ADMIN_COLUMNS) in text
     assert "Status page polls that failed" not in text
     # The machine is stated: cores, CPU, memory, OS, Python, the Envoy binary's version, the load during the run.

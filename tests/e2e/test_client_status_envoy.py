@@ -44,22 +44,29 @@ def _csds(address: str, metadata: tuple[tuple[str, str], ...] = ()) -> csds_pb2.
         return response
 
 
-def _matches(response: csds_pb2.ClientStatusResponse, proxies: dict[str, Any]) -> None:
-    """Every type of every Envoy reads in CSDS as ``/v1/proxies`` has it."""
+def _matches(response: csds_pb2.ClientStatusResponse, proxies: dict[str, Any], clusters: set[str]) -> None:
+    """Every type of every Envoy reads in CSDS as ``/v1/proxies`` has it, a resource at a time:
+    each resource of a type has the type's state and the version the Envoy runs; the clusters
+    are the snapshot file's."""
     assert {config.node.id for config in response.config} == set(proxies)
     for config in response.config:
         proxy = proxies[config.node.id]
         assert config.node.cluster == proxy["cluster"] and config.node.user_agent_name == "envoy"
-        by_type = {xds.type_url.rsplit(".", 1)[-1]: xds for xds in config.generic_xds_configs}
+        by_type: dict[str, list[Any]] = {}
+        for xds in config.generic_xds_configs:
+            by_type.setdefault(xds.type_url, []).append(xds)
         assert len(by_type) == len(proxy["types"]), (by_type.keys(), proxy["types"].keys())
         for short, status in proxy["types"].items():
-            (xds,) = [x for x in config.generic_xds_configs if x.type_url.endswith(_TYPE_NAMES[short])]
-            assert xds.version_info == (status["acked_version"] or ""), (config.node.id, short)
+            (entries,) = [found for url, found in by_type.items() if url.endswith(_TYPE_NAMES[short])]
+            assert all(xds.name for xds in entries), "a resource at a time"
             expected = {"SYNCED": Status.ACKED, "NACKED": Status.NACKED, "STALE": Status.UNKNOWN}[status["state"]]
-            assert xds.client_status == expected, (config.node.id, short, status)
-            if status["state"] == "NACKED":
-                assert xds.error_state.details == status["nack"]["message"]
-                assert xds.error_state.version_info == status["nack"]["version"]
+            for xds in entries:
+                assert xds.version_info == (status["acked_version"] or ""), (config.node.id, short, xds.name)
+                assert xds.client_status == expected, (config.node.id, short, xds.name, status)
+                if status["state"] == "NACKED":
+                    assert xds.error_state.details == status["nack"]["message"]
+                    assert xds.error_state.version_info == status["nack"]["version"]
+        assert {xds.name for xds in by_type[CDS]} == clusters
 
 
 _TYPE_NAMES = {
@@ -91,10 +98,11 @@ def test_a_csds_client_reads_two_envoys_acks_and_nacks_as_v1_proxies_has_them(te
     xds = testbed.control_plane.address
     reader = (("authorization", f"Bearer {READER}"),)
 
-    # Both synced: every type ACKED at the version /v1/proxies has.
+    # Both synced: every resource of every type ACKED at the version /v1/proxies has.
+    clusters = {c["name"] for c in yaml.safe_load(testbed.snapshot_path.read_text())["clusters"]}
     proxies = _admin_proxies(testbed)
-    _matches(_csds(xds), proxies)
-    _matches(_csds(admin_grpc, reader), proxies)
+    _matches(_csds(xds), proxies, clusters)
+    _matches(_csds(admin_grpc, reader), proxies, clusters)
 
     # A change Envoy rejects: NACKED, with Envoy's message, on both ports.
     mark = events.mark()
@@ -103,12 +111,14 @@ def test_a_csds_client_reads_two_envoys_acks_and_nacks_as_v1_proxies_has_them(te
         events.wait_for(is_event("nack", node=node, type=CDS), what=f"{node}'s NACK of the clusters", after=mark)
     proxies = _admin_proxies(testbed)
     response = _csds(xds)
-    _matches(response, proxies)
+    # (The rejected response carried version 3's clusters: those are the ones listed now.)
+    clusters = {c["name"] for c in yaml.safe_load(testbed.snapshot_path.read_text())["clusters"]}
+    _matches(response, proxies, clusters)
     for config in response.config:
-        (cds,) = [x for x in config.generic_xds_configs if x.type_url == CDS]
-        assert cds.client_status == Status.NACKED and cds.version_info == "2" and cds.error_state.version_info == "3"
-        assert "ConnectTimeout" in cds.error_state.details
-    _matches(_csds(admin_grpc, reader), proxies)
+        for cds in [x for x in config.generic_xds_configs if x.type_url == CDS]:
+            assert cds.client_status == Status.NACKED and cds.version_info == "2"
+            assert cds.error_state.version_info == "3" and "ConnectTimeout" in cds.error_state.details
+    _matches(_csds(admin_grpc, reader), proxies, clusters)
 
     # The admin gRPC port wants its token.
     for metadata, code in (

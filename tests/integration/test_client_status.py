@@ -87,7 +87,7 @@ async def test_csds_on_the_xds_port_says_what_v1_proxies_says_acked_and_nacked(t
         every = await stub.FetchClientStatus(csds_pb2.ClientStatusRequest(), timeout=TIMEOUT)
         assert sorted(c.node.id for c in every.config) == ["acking", "nacking"]
         acked = cds(every, "acking")
-        assert (acked.client_status, acked.version_info) == (Status.ACKED, first.version_info)
+        assert (acked.name, acked.client_status, acked.version_info) == ("web", Status.ACKED, first.version_info)
         nacked = cds(every, "nacking")
         assert nacked.client_status == Status.NACKED
         assert nacked.error_state.details == listed["nack"]["message"]
@@ -96,9 +96,9 @@ async def test_csds_on_the_xds_port_says_what_v1_proxies_says_acked_and_nacked(t
 
         code, out, err = await run(csds_command, running.xds, tls=None, token=None, node=None)
         assert code == 1 and "nacking NACKED Cluster: cluster 'web': no healthy upstream in this test" in err
-        rows = {tuple(line.split()[:4]) for line in out.splitlines()}
-        assert ("acking", "Cluster", first.version_info, "ACKED") in rows
-        assert ("nacking", "Cluster", "-", "NACKED") in rows
+        rows = {tuple(line.split()[:5]) for line in out.splitlines()}
+        assert ("acking", "Cluster", "1", first.version_info, "ACKED") in rows  # one resource, its version
+        assert ("nacking", "Cluster", "1", "-", "NACKED") in rows  # (it runs no version yet)
         code, out, _ = await run(csds_command, running.xds, tls=None, token=None, node="ack*")
         assert code == 0 and "nacking" not in out and "acking" in out
 

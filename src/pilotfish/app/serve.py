@@ -266,7 +266,8 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
         clusters_for=lambda node: cluster_names(cache, groups.group_of(node)),
         group_of=groups.group_of,
     )
-    csds = ClientStatus(status)  # the admin API's tokens are not asked here: --csds-on-xds opens it to the port
+    # (The admin API's tokens are not asked here: --csds-on-xds opens it to the port.)
+    csds = ClientStatus(status, resources=xds.resource_states)
     xds_listener = XdsListener(
         xds, settings.xds, tls=xds_tls, events=events, lrs=lrs, csds=csds if settings.xds.csds else None
     )
@@ -357,7 +358,11 @@ def _build(settings: ServeSettings, events: EventLog, recent: RecentEvents) -> _
     if settings.admin.grpc_address is not None:
         admin_grpc = _admin_grpc(
             settings.admin,
-            ClientStatus(status, authorize=grpc_read_check(admin_tokens, what="CSDS on the admin gRPC port")),
+            ClientStatus(
+                status,
+                authorize=grpc_read_check(admin_tokens, what="CSDS on the admin gRPC port"),
+                resources=xds.resource_states,
+            ),
             tls=tls_reload("admin-grpc", tls.admin_client_ca, (ALPN_H2,)),
         )
         listening += admin_grpc.components

@@ -56,6 +56,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -326,8 +327,9 @@ def csds_command(
     timeout: float = 10.0,
 ) -> int:
     """``pilotfish status --csds HOST:PORT``: the proxies as CSDS (FetchClientStatus) gives them,
-    on the admin gRPC port (or the xDS port with ``--csds-on-xds``); a row per proxy and type, or
-    (``as_json``) the ClientStatusResponse in proto3 JSON. 0: no type NACKED; 1: one is (named on
+    on the admin gRPC port (or the xDS port with ``--csds-on-xds``); a row per proxy and type (how
+    many resources, their version if they share one, their statuses counted), or (``as_json``)
+    the ClientStatusResponse in proto3 JSON, a resource at a time. 0: no type NACKED; 1: one is (named on
     ``err``); 2: refused (token, bad matcher); 3: unreachable."""
     from envoy.admin.v3 import config_dump_shared_pb2
     from envoy.service.status.v3 import csds_pb2
@@ -348,24 +350,34 @@ def csds_command(
     response = csds_pb2.ClientStatusResponse.FromString(data)
     names = config_dump_shared_pb2.ClientResourceStatus.Name
     problems = []
-    rows = [("NODE", "TYPE", "VERSION", "STATUS", "ERROR")]
+    rows = [("NODE", "TYPE", "RESOURCES", "VERSION", "STATUS", "ERROR")]
     for config in response.config:
+        # A row per type: its resources' statuses counted (a type listed whole counts as one).
+        by_type: dict[str, list[Any]] = {}
         for xds in config.generic_xds_configs:
-            status = names(xds.client_status)
-            error = nack_summary(xds.error_state.details) if xds.HasField("error_state") else ""
-            rows.append((config.node.id, xds.type_url.rsplit(".", 1)[-1], xds.version_info or "-", status, error))
-            if status == "NACKED":
-                problems.append(f"{config.node.id} NACKED {xds.type_url.rsplit('.', 1)[-1]}: {error}")
+            by_type.setdefault(xds.type_url.rsplit(".", 1)[-1], []).append(xds)
+        for short, entries in by_type.items():
+            statuses = Counter(names(xds.client_status) for xds in entries)
+            status = ", ".join(f"{name} {n}" for name, n in sorted(statuses.items())) if len(statuses) > 1 else ""
+            status = status or next(iter(statuses))
+            versions = {xds.version_info for xds in entries if xds.version_info}
+            version = versions.pop() if len(versions) == 1 else f"{len(versions)} versions" if versions else "-"
+            errors = [xds.error_state.details for xds in entries if xds.HasField("error_state")]
+            error = nack_summary(errors[0]) if errors and statuses.get("NACKED") else ""
+            count = "-" if len(entries) == 1 and not entries[0].name else str(len(entries))
+            rows.append((config.node.id, short, count, version, status, error))
+            if statuses.get("NACKED"):
+                problems.append(f"{config.node.id} NACKED {short}: {error}")
     if as_json:
         out.write(json_format.MessageToJson(response, indent=2, sort_keys=True) + "\n")
     elif not response.config:
         print("no proxy is connected" + (" that matches" if node else ""), file=out)
     else:
-        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
         for row in rows:
             out.write(
-                "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True))
-                + f"  {row[4]}".rstrip()
+                "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths, strict=True))
+                + f"  {row[5]}".rstrip()
                 + "\n"
             )
     return _report_problems(problems, err)

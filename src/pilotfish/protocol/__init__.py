@@ -5,6 +5,7 @@ from pilotfish.protocol.limits import DEFAULT_LIMITS, PeerOverLimit, XdsLimits
 from pilotfish.protocol.sotw import Nonce, RequestKind, RequestOutcome, SotwStream, TypeState
 from pilotfish.protocol.subscription import (
     WILDCARD,
+    ResourceState,
     Subscription,
     Watch,
     needs_response,
@@ -23,6 +24,7 @@ __all__ = [
     "PeerOverLimit",
     "RequestKind",
     "RequestOutcome",
+    "ResourceState",
     "SotwStream",
     "Subscription",
     "TypeState",

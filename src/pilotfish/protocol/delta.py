@@ -55,7 +55,7 @@ from pilotfish.protocol.limits import (
     takes_ttls,
 )
 from pilotfish.protocol.sotw import Nonce
-from pilotfish.protocol.subscription import WILDCARD, intern_names
+from pilotfish.protocol.subscription import WILDCARD, ResourceState, intern_names
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.snapshot import ABSENT, DeltaChanges, Snapshot, TypeSnapshot
 
@@ -103,6 +103,8 @@ class DeltaTypeState:
     settled: bool = False
     """The latest response was ACKed: the client has ``known`` (not after a NACK, nor while a
     response waits for its answer)."""
+    rejected: bool = False
+    """The latest response was NACKed."""
 
 
 class DeltaWatch(NamedTuple):
@@ -224,11 +226,13 @@ class DeltaStream:
         elif error is not None:
             kind, version = DeltaKind.NACK, state.sent_version
             state.settled = False
+            state.rejected = True
         else:
             kind, version = DeltaKind.ACK, state.sent_version
             state.acked_version = version
             state.acked_known = state.known
             state.settled = True
+            state.rejected = False
         watches: tuple[DeltaWatch, ...] = (self._watch(state),)
         if kind is DeltaKind.ACK and type_url in _ROUTING:
             clusters = self.types.get(CLUSTER.url)
@@ -297,6 +301,7 @@ class DeltaStream:
         state.sent_version = changes.version
         state.known = changes.known
         state.settled = False
+        state.rejected = False
         again = None
         if changes.type_url == CLUSTER.url:
             if changes.sent:
@@ -321,6 +326,32 @@ class DeltaStream:
         state.nonce = nonce
         state.settled = False
         return nonce
+
+    def resource_states(self, type_url: TypeUrl) -> list[ResourceState]:
+        """What the client has of each resource of ``type_url`` it subscribes to (by name, and
+        with a wildcard each it was sent), as CSDS says it: ACKED at the version it ACKed, NACKED
+        (the version it had before, "" if none), UNKNOWN (sent, not answered yet),
+        DOES_NOT_EXIST (it was told so) or REQUESTED (nothing sent yet)."""
+        state = self.types.get(type_url)
+        if state is None or not state.started:
+            return []
+        known, acked = state.known, state.acked_known
+        names = state.names | known.keys() if state.wildcard else state.names
+        out = []
+        for name in sorted(names):
+            version = known.get(name)
+            if version is None:
+                out.append(ResourceState(name, "", "REQUESTED"))
+            elif version == ABSENT:
+                out.append(ResourceState(name, "", "DOES_NOT_EXIST"))
+            elif acked.get(name) == version:
+                out.append(ResourceState(name, version, "ACKED"))
+            elif state.rejected:
+                had = acked.get(name)
+                out.append(ResourceState(name, had if had not in (None, ABSENT) else "", "NACKED"))
+            else:
+                out.append(ResourceState(name, version if version != _RESEND else acked.get(name, ""), "UNKNOWN"))
+        return out
 
     def _resend(self, type_url: TypeUrl, names: Iterable[str] | None) -> DeltaTypeState | None:
         """Make the next answer of ``type_url`` send ``names`` (None: all) again, whatever their

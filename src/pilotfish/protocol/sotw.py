@@ -65,7 +65,7 @@ from pilotfish.protocol.limits import (
     shorten,
     takes_ttls,
 )
-from pilotfish.protocol.subscription import Subscription, Watch, checked_wire, next_subscription
+from pilotfish.protocol.subscription import ResourceState, Subscription, Watch, checked_wire, next_subscription
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.wire import request_names_span, split_request_names
 from pilotfish.snapshot import EncodedResponse, Snapshot
@@ -149,6 +149,8 @@ class TypeState:
     """The version the proxy says it runs: the ``version_info`` of its latest request of this type
     that was not stale (its first, an ACK or a NACK); None: nothing."""
     last_acked_nonce: Nonce | None = None
+    rejected: bool = False
+    """The latest response was NACKed."""
     warm_pending: bool = False
     """A CDS (for EDS) or LDS (for RDS) response went out since this type's last response."""
     sent: EncodedResponse | None = None
@@ -263,8 +265,10 @@ class SotwStream:
         if kind is RequestKind.ACK:
             state.acked_version = version_info
             state.last_acked_nonce = Nonce(nonce)
+            state.rejected = False
         elif kind is RequestKind.NACK:
             rejected = state.sent_version
+            state.rejected = True
         state.subscription = subscription
         if not names_as_before:
             state.names_wire = checked_wire(names_wire) if names_wire is not None else None
@@ -364,6 +368,7 @@ class SotwStream:
         state.held_wildcard = watch.subscription.wildcard
         state.sent = response
         state.warm_pending = False
+        state.rejected = False
         warmed = _WARMS.get(response.type_url)
         if warmed is not None:
             warmed_state = self.types.get(warmed)
@@ -389,6 +394,31 @@ class SotwStream:
         nonce = Nonce(str(self._sent))
         state.nonce = nonce
         return nonce
+
+    def resource_states(self, type_url: TypeUrl) -> list[ResourceState]:
+        """What the proxy has of each resource of ``type_url`` it subscribes to (a wildcard: of
+        each it holds), by name, as CSDS says it: the version is the type's. A name it holds is
+        ACKED, NACKED (it runs the version before; the version is that one) or UNKNOWN (not
+        answered yet); one it asked for and does not hold is DOES_NOT_EXIST once a response
+        without it was answered, else REQUESTED."""
+        state = self.types.get(type_url)
+        if state is None or state.subscription is None:
+            return []
+        subscription, held = state.subscription, state.held_names
+        names = sorted(held | subscription.names if subscription.wildcard else subscription.names)
+        # Settled: the latest response was ACKed, or none was sent and the proxy stated what it has.
+        settled = state.last_acked_nonce == state.nonce if state.nonce is not None else state.held_version is not None
+        if settled:
+            status, version = "ACKED", state.held_version or ""
+        elif state.rejected:
+            status, version = "NACKED", state.running_version or ""
+        else:
+            status, version = "UNKNOWN", state.held_version or ""
+        # A name the last response left out does not exist, once the proxy answered it.
+        absent = "DOES_NOT_EXIST" if state.nonce is not None and (settled or state.rejected) else "REQUESTED"
+        return [
+            ResourceState(name, version, status) if name in held else ResourceState(name, "", absent) for name in names
+        ]
 
 
 def _answers_warming(state: TypeState, nonce: str, changed: bool) -> bool:

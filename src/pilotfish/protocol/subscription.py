@@ -24,6 +24,7 @@ from pilotfish.snapshot import Snapshot, TypeSnapshot
 
 __all__ = [
     "WILDCARD",
+    "ResourceState",
     "Routing",
     "Subscription",
     "Watch",
@@ -192,6 +193,18 @@ class Routing(Protocol):
         """Whether every listener and route the proxy runs, or was sent and may run, is
         ``snapshot``'s (so none of them uses a cluster ``snapshot`` removed)."""
         ...
+
+
+class ResourceState(NamedTuple):
+    """What one proxy has of one resource, as its stream knows it now (for CSDS): the
+    resource's name, the version it has (SotW: the type's; delta: the resource's; "": none), and
+    how it stands, in CSDS's words (``ClientResourceStatus``): ``ACKED``, ``NACKED`` (the latest
+    response was rejected), ``UNKNOWN`` (sent, not answered yet), ``REQUESTED`` (asked for,
+    nothing sent yet) or ``DOES_NOT_EXIST`` (asked for, and the server has none)."""
+
+    name: str
+    version: str
+    status: str
 
 
 class Watch(NamedTuple):

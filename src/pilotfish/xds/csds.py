@@ -5,9 +5,17 @@ matchers: which proxies) with a ``ClientStatusResponse``: one ``ClientConfig`` p
 the same :class:`~pilotfish.status.SyncStatus` that ``/v1/proxies`` and ``pilotfish status`` read,
 so any CSDS client (grpcdebug, grpcurl, a grpcio stub) sees what our CLI sees.
 
-pilotfish records status per proxy and *type* (the version of the type's response, not each
-resource's), so each ``GenericXdsConfig`` here is one type of one proxy: ``type_url``, ``name``
-empty (the whole type), ``version_info`` the version the proxy runs (ACKed), and the state:
+Each resource a connected proxy asked for is one ``GenericXdsConfig``, as its stream knows it
+(given by ``resources``: :meth:`~pilotfish.xds.server.XdsServer.resource_states`): ``type_url``,
+``name``, ``version_info`` (the version it has: over SotW the type's, over delta the resource's)
+and ``client_status``: ACKED, NACKED (``error_state`` {details, version_info, time}: the type's
+last NACK), UNKNOWN (sent, not answered yet), REQUESTED (asked for, nothing sent yet) or
+DOES_NOT_EXIST (asked for, and pilotfish has none: over SotW once a response without it was
+ACKed, over delta once the proxy was told). ``config_status`` is the type's.
+
+A type known only from the status (a REST poller, a proxy served by another replica, a response
+over the :attr:`CsdsLimits.max_resources` of one response) is one ``GenericXdsConfig`` for the
+whole type (``name`` empty): the version the proxy runs (ACKed), and the state:
 
 ============  =====================  ==========================================================
 ours          ``config_status``      ``client_status``
@@ -45,6 +53,7 @@ from envoy.type.matcher.v3 import node_pb2, string_pb2
 from google.protobuf.message import DecodeError
 
 from pilotfish.errors import shorten
+from pilotfish.protocol import ResourceState
 from pilotfish.status import ProxyRecord, SyncState, SyncStatus, TypeStatus
 from pilotfish.transport.aio import Call, MethodFactory, RateLimitedLog, RpcError
 from pilotfish.transport.frames import GrpcStatus
@@ -85,6 +94,9 @@ class CsdsLimits:
 
     max_proxies: int = 1000
     """Proxies per response at most (the first by node id; narrow with node matchers)."""
+    max_resources: int = 100_000
+    """Resources listed one by one per response at most: a proxy whose resources would go over
+    it is listed a type at a time."""
     max_matchers: int = 16
     """Node matchers per request at most."""
     max_regex: int = 256
@@ -222,19 +234,46 @@ def _xds_config(type_url: str, status: TypeStatus) -> csds_pb2.ClientConfig.Gene
         config_status=_CONFIG_STATUS[state],
         client_status=_CLIENT_STATUS[state],
     )
+    _type_times(config, status)
+    return config
+
+
+def _type_times(config: csds_pb2.ClientConfig.GenericXdsConfig, status: TypeStatus) -> None:
+    """The type's last ACK time, and its last NACK when it is NACKED now."""
     if status.acked_at:
         config.last_updated.FromNanoseconds(round(status.acked_at * 1e9))
-    if state is SyncState.NACKED:
+    if status.state is SyncState.NACKED:
         error = config.error_state
         error.details = status.nack_error or ""
         error.version_info = status.nacked_version or status.sent_version or ""
         error.last_update_attempt.FromNanoseconds(round(status.nacked_at * 1e9))
-    return config
 
 
-def client_config(proxy: ProxyRecord) -> csds_pb2.ClientConfig:
-    """One proxy's status as CSDS says it: its node (id, cluster, user agent) and one
-    ``GenericXdsConfig`` per type it asked for."""
+def _resource_configs(
+    type_url: str, found: list[ResourceState], status: TypeStatus | None
+) -> list[csds_pb2.ClientConfig.GenericXdsConfig]:
+    configs = []
+    for resource in found:
+        config = csds_pb2.ClientConfig.GenericXdsConfig(
+            type_url=type_url,
+            name=resource.name,
+            version_info=resource.version,
+            client_status=_Status.Value(resource.status),
+        )
+        if status is not None:
+            config.config_status = _CONFIG_STATUS[status.state]
+            if resource.status in ("ACKED", "NACKED"):
+                _type_times(config, status)
+        configs.append(config)
+    return configs
+
+
+def client_config(
+    proxy: ProxyRecord, resources: Mapping[str, list[ResourceState]] | None = None
+) -> csds_pb2.ClientConfig:
+    """One proxy's status as CSDS says it: its node (id, cluster, user agent) and, per type it
+    asked for, a ``GenericXdsConfig`` per resource when ``resources`` has the type (what its
+    stream knows), else one for the type."""
     config = csds_pb2.ClientConfig()
     info = proxy.info
     config.node.id = proxy.node_id
@@ -242,7 +281,13 @@ def client_config(proxy: ProxyRecord) -> csds_pb2.ClientConfig:
     config.node.user_agent_name = info.user_agent
     if info.user_agent_version:
         config.node.user_agent_version = info.user_agent_version
-    config.generic_xds_configs.extend(_xds_config(url, status) for url, status in sorted(proxy.types.items()))
+    resources = resources or {}
+    for url in sorted(proxy.types.keys() | resources.keys()):
+        status = proxy.types.get(url)
+        if url in resources:
+            config.generic_xds_configs.extend(_resource_configs(url, resources[url], status))
+        elif status is not None:
+            config.generic_xds_configs.append(_xds_config(url, status))
     return config
 
 
@@ -257,8 +302,11 @@ class ClientStatus:
         limits: CsdsLimits = CsdsLimits(),
         authorize: Callable[[Call], tuple[int, str] | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        resources: Callable[[str], Mapping[str, list[ResourceState]] | None] | None = None,
     ) -> None:
         self.status = status
+        self.resources = resources
+        """Node id -> what its open streams know of each resource, by type (None: not known here)."""
         self.limits = limits
         self.authorize = authorize
         self.clock = clock
@@ -276,11 +324,19 @@ class ClientStatus:
         :class:`ValueError` naming the field it cannot match on)."""
         select = NodeSelector(list(request.node_matchers), limits=self.limits)
         response = csds_pb2.ClientStatusResponse()
+        room = self.limits.max_resources
         for proxy in self.status.proxies():
             if len(response.config) >= self.limits.max_proxies:
                 break
             if proxy.streams and select(proxy.node_id):  # connected ones, as /v1/proxies
-                response.config.append(client_config(proxy))
+                found = self.resources(proxy.node_id) if self.resources is not None else None
+                if found is not None:
+                    count = sum(map(len, found.values()))
+                    if count > room:
+                        found = None  # over the response's bound: a type at a time
+                    else:
+                        room -= count
+                response.config.append(client_config(proxy, found))
         return response
 
 

@@ -68,6 +68,7 @@ from pilotfish.protocol import (
     PeerOverLimit,
     RequestKind,
     RequestOutcome,
+    ResourceState,
     SotwStream,
     Subscription,
     Watch,
@@ -283,6 +284,21 @@ class XdsServer:
             for stream in list(streams):
                 stream.regrant()
 
+    def resource_states(self, node_id: str) -> dict[str, list[ResourceState]] | None:
+        """What ``node_id`` has of each resource it asked for, by type, as its open streams know
+        it (:meth:`~pilotfish.protocol.SotwStream.resource_states`); None if it has no open
+        stream. With several streams (per-type services), each type from the newest that has it."""
+        streams = self._by_node.get(node_id)
+        if not streams:
+            return None
+        out: dict[str, list[ResourceState]] = {}
+        for stream in sorted(streams, key=lambda s: s.id):
+            for type_url in stream.state.types:
+                found = stream.state.resource_states(type_url)
+                if found or type_url not in out:
+                    out[type_url] = found
+        return out
+
     def methods(self) -> dict[str, MethodFactory]:
         """``{path: factory}`` for every xDS method pilotfish serves, SotW and delta."""
 
@@ -302,6 +318,11 @@ class _State(Protocol):
 
     @property
     def node(self) -> base_pb2.Node | None: ...
+
+    @property
+    def types(self) -> Mapping[TypeUrl, object]: ...
+
+    def resource_states(self, type_url: TypeUrl) -> list[ResourceState]: ...
 
 
 class _Stream(Generic[_Watch, _Decoded, _Answer]):

@@ -391,3 +391,23 @@ def test_runtime_layers_are_sent_by_name_and_a_removed_layer_is_removed(cache: S
     p.ack(changed)
     [gone] = p.publish(build(clusters=[cluster("a")], runtime=[layer("other", y=3)]))
     assert gone.versions == {} and gone.removed == ["flags"]
+
+
+# -- what CSDS reads: each resource's state ---------------------------------------------------------
+
+
+def test_each_resource_reads_requested_unknown_acked_nacked_or_does_not_exist(pair: DeltaPair) -> None:
+    def states() -> list[tuple[str, str, str]]:
+        return [tuple(state) for state in pair.stream.resource_states(TypeUrl(EDS))]  # type: ignore[misc]
+
+    assert states() == []
+    [got] = pair.send(EDS, ["a", "missing"])
+    a = got.versions["a"]
+    assert states() == [("a", a, "UNKNOWN"), ("missing", "", "DOES_NOT_EXIST")]
+    pair.ack(got)
+    assert states() == [("a", a, "ACKED"), ("missing", "", "DOES_NOT_EXIST")]
+    [changed] = pair.publish(build(clusters=[cluster("a")], endpoints=[assignment("a", 9)]))
+    pair.ack(changed, error="no")
+    assert states() == [("a", a, "NACKED"), ("missing", "", "DOES_NOT_EXIST")], "NACKED: the version it runs"
+    pair.stream.types[TypeUrl(EDS)].names = frozenset({"a", "missing", "new"})  # asked, not answered yet
+    assert states()[-1] == ("new", "", "REQUESTED")

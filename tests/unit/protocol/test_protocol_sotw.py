@@ -9,6 +9,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from pilotfish.cache import SnapshotCache
 from pilotfish.errors import PeerError
 from pilotfish.protocol import RequestKind, SotwStream
+from pilotfish.resources import TypeUrl
 
 V1 = build(
     clusters=[cluster("a"), cluster("b")],
@@ -491,3 +492,22 @@ def test_one_change_sends_runtime_after_everything_else(pair: StreamPair) -> Non
     )
     sent = pair.publish(v2)
     assert [g.type_url for g in sent][-1] == RTDS and sent[-1].names == ["flags"]
+
+
+# what CSDS reads: each resource's state ---------------------------------------------------------
+
+
+def test_each_resource_reads_as_its_types_state_or_requested_or_does_not_exist(pair: StreamPair) -> None:
+    def states() -> list[tuple[str, str, str]]:
+        return [tuple(state) for state in pair.stream.resource_states(TypeUrl(EDS))]  # type: ignore[misc]
+
+    [eds] = pair.send(EDS, ["a", "missing"])
+    assert states() == [("a", eds.version, "UNKNOWN"), ("missing", "", "REQUESTED")]
+    pair.ack(eds, names=["a", "missing"])
+    assert states() == [("a", eds.version, "ACKED"), ("missing", "", "DOES_NOT_EXIST")]
+    [changed] = pair.publish(build(clusters=[cluster("a")], endpoints=[assignment("a", 9)]))
+    pair.send(EDS, ["a", "missing"], version=eds.version, nonce=changed.nonce, error="no")
+    assert states() == [("a", eds.version, "NACKED"), ("missing", "", "DOES_NOT_EXIST")], "the version it runs"
+    [cds] = pair.send(CDS)
+    pair.ack(cds)
+    assert [s.name for s in pair.stream.resource_states(TypeUrl(CDS))] == ["a"], "a wildcard: what it holds"

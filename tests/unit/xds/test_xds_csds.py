@@ -9,6 +9,7 @@ from envoy.admin.v3 import config_dump_shared_pb2
 from envoy.service.status.v3 import csds_pb2
 from envoy.type.matcher.v3 import node_pb2, regex_pb2, string_pb2, struct_pb2
 
+from pilotfish.protocol import ResourceState
 from pilotfish.status import NodeInfo, SyncStatus
 from pilotfish.xds.csds import ClientStatus, CsdsLimits, NodeSelector, client_config
 
@@ -154,3 +155,31 @@ def test_a_response_holds_the_matched_connected_proxies_up_to_its_bound() -> Non
     some = service.answer(csds_pb2.ClientStatusRequest(node_matchers=[by_id(prefix="p4")]))
     assert [c.node.id for c in some.config] == ["p4"]
     assert not service.answer(csds_pb2.ClientStatusRequest(node_matchers=[by_id(exact="gone")])).config
+
+
+def test_a_connected_proxys_resources_are_listed_one_by_one_within_the_responses_bound() -> None:
+    resources = {
+        "synced": {
+            CDS: [ResourceState("api", "v1", "ACKED"), ResourceState("web", "v1", "ACKED")],
+            EDS: [ResourceState("web", "e1", "ACKED"), ResourceState("gone", "", "DOES_NOT_EXIST")],
+        },
+        "rejecting": {LDS: [ResourceState("http", "v1", "NACKED")], RDS: [ResourceState("r", "", "REQUESTED")]},
+    }
+    service = ClientStatus(fleet(), resources=resources.get)
+    by_node = {c.node.id: c for c in service.answer(csds_pb2.ClientStatusRequest()).config}
+    synced = [(c.type_url, c.name, c.version_info, c.client_status) for c in by_node["synced"].generic_xds_configs]
+    assert synced == [
+        (CDS, "api", "v1", Status.ACKED),
+        (CDS, "web", "v1", Status.ACKED),
+        (EDS, "web", "e1", Status.ACKED),
+        (EDS, "gone", "", Status.DOES_NOT_EXIST),
+    ]
+    (lds, rds) = by_node["rejecting"].generic_xds_configs
+    assert (lds.name, lds.client_status, lds.config_status) == ("http", Status.NACKED, csds_pb2.ERROR)
+    assert lds.error_state.details == "listener 'web': bad port" and lds.error_state.version_info == "v2"
+    assert (rds.name, rds.client_status) == ("r", Status.REQUESTED)
+    # Past the bound, a proxy is listed a type at a time (by node id: the first, 2 resources, fits in 5).
+    bounded = ClientStatus(fleet(), resources=resources.get, limits=CsdsLimits(max_resources=5))
+    by_node = {c.node.id: c for c in bounded.answer(csds_pb2.ClientStatusRequest()).config}
+    assert [c.name for c in by_node["rejecting"].generic_xds_configs] == ["http", "r"]
+    assert [(c.type_url, c.name) for c in by_node["synced"].generic_xds_configs] == [(CDS, "")]

@@ -139,16 +139,18 @@ async def test_sotw_a_layer_with_a_ttl_is_wrapped_and_sent_again_at_two_thirds_o
     assert len(xds.heartbeats) == 0, "a stream that ended is forgotten"
 
 
-async def test_delta_a_heartbeat_names_the_layer_and_its_version_without_the_layer(served: Served) -> None:
+async def delta_subscribed(served: Served) -> tuple[Any, Any]:
+    """A delta stream of a client that takes TTLs, subscribed to the layer; its first response."""
     call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(served.channel).DeltaAggregatedResources()
+    node = {"id": "edge-1", "client_features": [SUPPORTS_TTL]}
     await call.write(
-        discovery_pb2.DeltaDiscoveryRequest(
-            type_url=RUNTIME.url,
-            resource_names_subscribe=["gameday"],
-            node={"id": "edge-1", "client_features": [SUPPORTS_TTL]},
-        )
+        discovery_pb2.DeltaDiscoveryRequest(type_url=RUNTIME.url, resource_names_subscribe=["gameday"], node=node)
     )
-    first = await next_message(call)
+    return call, await next_message(call)
+
+
+async def test_delta_a_heartbeat_names_the_layer_and_its_version_without_the_layer(served: Served) -> None:
+    call, first = await delta_subscribed(served)
     (resource,) = first.resources
     assert resource.ttl.ToMilliseconds() == TTL_MS and resource.resource.type_url == RUNTIME.url
     await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=RUNTIME.url, response_nonce=first.nonce))
@@ -182,15 +184,7 @@ async def test_delta_a_heartbeat_names_the_layer_and_its_version_without_the_lay
 
 
 async def test_delta_a_rejected_layer_is_not_renewed(served: Served) -> None:
-    call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(served.channel).DeltaAggregatedResources()
-    await call.write(
-        discovery_pb2.DeltaDiscoveryRequest(
-            type_url=RUNTIME.url,
-            resource_names_subscribe=["gameday"],
-            node={"id": "edge-1", "client_features": [SUPPORTS_TTL]},
-        )
-    )
-    first = await next_message(call)
+    call, first = await delta_subscribed(served)
     await call.write(
         discovery_pb2.DeltaDiscoveryRequest(
             type_url=RUNTIME.url, response_nonce=first.nonce, error_detail={"message": "no"}
