@@ -1821,36 +1821,54 @@ def _listener_problems(
 def _extension_problems(
     label: str, listener: listener_pb2.Listener, extensions: frozenset[tuple[str, str]]
 ) -> Iterator[Problem]:
-    """HTTP filters that take their config from ECDS: the extension config they name must exist
-    (unless the filter has a default config: Envoy then uses it meanwhile) and be of a type the
-    filter accepts (``type_urls``). Listener and network filters with ``config_discovery`` are not
-    checked."""
+    """Filters that take their config from ECDS (HTTP, network and listener filters with
+    ``config_discovery`` over xDS): the extension config they name must exist (unless the filter
+    has a default config: Envoy then uses it meanwhile) and be of a type the filter accepts
+    (``type_urls``)."""
     types = dict(extensions)
+    for at, name, discovery in _discovered_filters(label, listener):
+        if not _served_by_xds(discovery.config_source):
+            continue
+        kind = types.get(name)
+        if kind is None:
+            if not discovery.HasField("default_config"):
+                yield Problem(
+                    at,
+                    f"extension config {name!r} does not exist: add it under 'extension_configs' "
+                    "(or give the filter a default_config); Envoy would hold the listener until it arrives",
+                )
+            continue
+        accepted = {url.rpartition("/")[2] for url in discovery.type_urls}
+        if accepted and kind not in accepted:
+            yield Problem(
+                at,
+                f"extension config {name!r} is a {kind}, but the filter accepts only "
+                f"{', '.join(sorted(accepted))} (config_discovery.type_urls): Envoy would reject it",
+            )
+
+
+def _discovered_filters(label: str, listener: listener_pb2.Listener) -> Iterator[tuple[str, str, Any]]:
+    """(where, name, its ``config_discovery``) of each filter of ``listener`` that has one: its
+    listener filters, the network filters of its filter chains, and the HTTP filters of its
+    connection managers."""
+    for index, listener_filter in enumerate(listener.listener_filters):
+        if listener_filter.HasField("config_discovery"):
+            at = f"{label}.listener_filters[{index}] (name {listener_filter.name!r})"
+            yield at, listener_filter.name, listener_filter.config_discovery
+    chains = [(f"filter_chains[{i}]", chain) for i, chain in enumerate(listener.filter_chains)]
+    if listener.HasField("default_filter_chain"):
+        chains.append(("default_filter_chain", listener.default_filter_chain))
+    for chain_where, chain in chains:
+        for index, network_filter in enumerate(chain.filters):
+            if network_filter.HasField("config_discovery"):
+                at = f"{label}.{chain_where}.filters[{index}] (name {network_filter.name!r})"
+                yield at, network_filter.name, network_filter.config_discovery
     for where, hcm in connection_managers(listener):
         hcm_where = f"{label}.{where}.typed_config" if where != "api_listener" else f"{label}.api_listener"
         for index, http_filter in enumerate(hcm.http_filters):
-            if not http_filter.HasField("config_discovery"):
-                continue
-            discovery = http_filter.config_discovery
-            if not _served_by_xds(discovery.config_source):
-                continue
-            at = f"{hcm_where}.http_filters[{index}] (name {http_filter.name!r})"
-            kind = types.get(http_filter.name)
-            if kind is None:
-                if not discovery.HasField("default_config"):
-                    yield Problem(
-                        at,
-                        f"extension config {http_filter.name!r} does not exist: add it under 'extension_configs' "
-                        "(or give the filter a default_config); Envoy would hold the listener until it arrives",
-                    )
-                continue
-            accepted = {url.rpartition("/")[2] for url in discovery.type_urls}
-            if accepted and kind not in accepted:
-                yield Problem(
-                    at,
-                    f"extension config {http_filter.name!r} is a {kind}, but the filter accepts only "
-                    f"{', '.join(sorted(accepted))} (config_discovery.type_urls): Envoy would reject it",
-                )
+            if http_filter.HasField("config_discovery"):
+                at = f"{hcm_where}.http_filters[{index}] (name {http_filter.name!r})"
+                yield at, http_filter.name, http_filter.config_discovery
 
 
 def _tcp_proxy_problems(where: str, proxy: tcp_proxy_pb2.TcpProxy, cluster_names: frozenset[str]) -> Iterator[Problem]:

@@ -729,6 +729,31 @@ def test_an_http_filter_from_ecds_needs_its_extension_config_of_a_type_it_accept
     )
 
 
+_RBAC = "type.googleapis.com/envoy.extensions.filters.network.rbac.v3.RBAC"
+_TLS_INSPECTOR = "type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector"
+
+
+def test_listener_and_network_filters_from_ecds_need_their_extension_configs_too() -> None:
+    def discovered(name: str, kind: str) -> dict[str, Any]:
+        source = {"config_source": {"ads": {}, "resource_api_version": "V3"}, "type_urls": [kind]}
+        return {"name": name, "config_discovery": source}
+
+    message = listener(discovered("authz", _RBAC), hcm(routes({"cluster": "web"})))
+    assert isinstance(message, listener_pb2.Listener)
+    json_format.ParseDict(discovered("inspect", _TLS_INSPECTOR), message.listener_filters.add())
+    found = problems(
+        listeners=[message], clusters=[static_cluster("web")], extension_configs=[extension_config("authz", _LUA)]
+    )
+    assert found == [
+        "listeners[0] (name 'in').listener_filters[0] (name 'inspect'): extension config 'inspect' does not exist: "
+        "add it under 'extension_configs' (or give the filter a default_config); Envoy would hold the listener "
+        "until it arrives",
+        "listeners[0] (name 'in').filter_chains[0].filters[0] (name 'authz'): extension config 'authz' is a "
+        "envoy.extensions.filters.http.lua.v3.Lua, but the filter accepts only "
+        "envoy.extensions.filters.network.rbac.v3.RBAC (config_discovery.type_urls): Envoy would reject it",
+    ]
+
+
 def test_tcp_proxy_to_a_missing_cluster_is_refused() -> None:
     proxy = {
         "name": "tcp",
