@@ -37,7 +37,8 @@ EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
 RDS = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 RTDS = "type.googleapis.com/envoy.service.runtime.v3.Runtime"
-SHORT = {CDS: "CDS", EDS: "EDS", LDS: "LDS", RDS: "RDS", RTDS: "RTDS"}
+SHORT = {CDS: "CDS", EDS: "EDS", LDS: "LDS", RDS: "RDS"}
+"""The four types every simulated proxy asks for (and a benchmark waits for); RTDS only when told."""
 TTL_FEATURES = ("xds.config.supports-resource-ttl", "xds.config.resource-in-sotw")
 """The client features of a node that takes resources with TTLs (as ``pilotfish bootstrap``
 writes them): proxies with runtime layers announce them."""

@@ -89,11 +89,15 @@ def test_every_benchmark_runs_at_smoke_scale(tmp_path: Path) -> None:
     # Fan-out (pilotfish through the registry, with either event log level; pilotfish and the
     # naive server through the file): every proxy ACKed every change, and nothing broke.
     assert set(results.fanouts) == {("pilotfish", 5), ("pilotfish-changes", 5), ("pilotfish-file", 5), ("naive", 5)}
-    for result in results.fanouts.values():
+    for key, result in results.fanouts.items():
         assert result.failures == 0
         assert len(result.latencies) == 5 * QUICK.changes
         assert len(result.cpu_per_push) == QUICK.changes
-        assert sum(result.errors_during_changes.values()) == 0
+        assert sum(result.errors_during_changes.values()) == 0, (
+            key,
+            result.errors_during_changes,
+            result.error_examples,
+        )
     # HTTP/2 cores: both served every proxy every change, both held the attack run.
     comparison = results.core_comparison
     assert comparison is not None
