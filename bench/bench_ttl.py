@@ -129,7 +129,8 @@ class TtlBench:
             "none on the other. Both servers' CPU is read over the same window of "
             f"{o.seconds:g} s, {o.rounds} windows per protocol, the TTL moving to the other process each window; "
             "heartbeats = on minus off, medians. Refreshes as the server counts them "
-            "(`pilotfish_xds_ttl_refreshes_total`): one per proxy every TTL less 5 s (less up to a tenth of that). "
+            "(`pilotfish_xds_ttl_refreshes_total`): one per proxy every TTL less min(TTL / 3, 5 s), "
+            "less up to a tenth of that. "
             "Target: under 1 % of a core for 10,000 proxies at a 30 s TTL.",
         ]
 
