@@ -147,7 +147,8 @@ class DeltaWatch(NamedTuple):
             if state is None or not state.started:
                 continue
             current = snapshot.get(state.type_url)
-            versions = current.versions() if current is not None else _NOTHING
+            # (What a client that takes no TTLs has are the versions of the resources without them.)
+            versions = (current if self.ttl else current.plain()).versions() if current is not None else _NOTHING
             # What it ACKed, and what it was sent since (it may be running that already).
             for known in (state.acked_known, state.known):
                 if any(v != ABSENT and versions.get(n) != v for n, v in known.items()):

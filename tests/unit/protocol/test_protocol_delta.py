@@ -14,13 +14,23 @@ from conftest import CDS, EDS, LDS, RDS, RTDS, assignment, build, cluster, layer
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf import json_format
 
 from pilotfish.cache import Cancel, SnapshotCache
 from pilotfish.errors import PeerError
-from pilotfish.protocol import DeltaKind, DeltaOutcome, DeltaStream, DeltaWatch, PeerOverLimit, XdsLimits
+from pilotfish.protocol import (
+    DeltaKind,
+    DeltaOutcome,
+    DeltaStream,
+    DeltaTypeState,
+    DeltaWatch,
+    PeerOverLimit,
+    XdsLimits,
+)
+from pilotfish.resources import LISTENER as LISTENER_TYPE
 from pilotfish.resources import TypeUrl
 from pilotfish.resources.wire import nonce_field
-from pilotfish.snapshot import DeltaChanges, Snapshot
+from pilotfish.snapshot import DeltaChanges, Resource, Snapshot
 
 V1 = build(
     clusters=[cluster("a"), cluster("b")],
@@ -411,3 +421,15 @@ def test_each_resource_reads_requested_unknown_acked_nacked_or_does_not_exist(pa
     assert states() == [("a", a, "NACKED"), ("missing", "", "DOES_NOT_EXIST")], "NACKED: the version it runs"
     pair.stream.types[TypeUrl(EDS)].names = frozenset({"a", "missing", "new"})  # asked, not answered yet
     assert states()[-1] == ("new", "", "REQUESTED")
+
+
+@pytest.mark.parametrize("ttl", [True, False])
+def test_routes_with_a_ttl_count_as_moved_by_the_versions_the_client_was_served(ttl: bool) -> None:
+    message = json_format.ParseDict(listener("l", "r"), LISTENER_TYPE.message())
+    listeners = [Resource.of(LISTENER_TYPE, message, ttl_ms=30_000)]
+    snapshot = Snapshot.build({LISTENER_TYPE: listeners})
+    served = snapshot.types[TypeUrl(LDS)] if ttl else snapshot.types[TypeUrl(LDS)].plain()
+    state = DeltaTypeState(TypeUrl(LDS), wildcard_capable=True, started=True, wildcard=True)
+    state.known = state.acked_known = dict(served.versions())
+    watch = DeltaWatch(TypeUrl(CDS), True, frozenset(), state, routing={TypeUrl(LDS): state}, ttl=ttl)
+    assert watch.routing_moved(snapshot), "its listeners are the snapshot's, as it was served them"
