@@ -393,7 +393,7 @@ class SnapshotCache:
         if that one is still kept; otherwise (and for CDS/LDS, which are full state) everything
         it subscribes to."""
         names = watch.subscription.names_to_send()
-        if names is None or watch.full_state or watch.force or watch.known_version is None:
+        if names is None or watch.full_state or watch.force or watch.renew or watch.known_version is None:
             return current.response(names)
         since = self._kept(group, watch.type_url, watch.known_version)
         if since is None:

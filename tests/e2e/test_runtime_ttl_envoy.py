@@ -118,3 +118,29 @@ def test_a_proxy_that_does_not_announce_ttls_keeps_the_layer(processes: ProcessG
     while time.monotonic() < deadline:
         assert runtime_value(bed) == "on", "the layer expired on a proxy that was sent it without a TTL"
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize("variant", ["sotw", "delta"])
+def test_a_layer_with_a_ttl_outlives_a_restart_of_pilotfish(processes: ProcessGroup, variant: str) -> None:
+    """Envoy reconnects to the restarted server holding the current version: it is sent the
+    layer again (renewing its TTL) and refreshed from then on, so the layer stays."""
+    bed = Testbed.create(processes)
+    write_document(bed.snapshot_path, document(bed))
+    bed.control_plane.start()
+    options = ("--runtime-layer", "gameday", *(("--delta",) if variant == "delta" else ()))
+    envoy = bed.start_envoy(bootstrap_options=options)
+    wait_until(lambda: runtime_value(bed) == "on", timeout=15, what=f"Envoy's /runtime to show {KEY}")
+    bed.control_plane.stop()
+    bed.control_plane.start()  # a new event log: its own conversation
+    started = time.monotonic()
+    missing: list[float] = []
+
+    def renewed_by_the_new_server() -> bool:
+        if runtime_value(bed) != "on":
+            missing.append(time.monotonic() - started)
+        return refreshes(bed, 0) >= 2 and acks(bed, 0) >= 3 and time.monotonic() - started > 2 * TTL_S
+
+    wait_until(
+        renewed_by_the_new_server, timeout=40, what="the restarted server to renew the layer", details=envoy.log_tail
+    )
+    assert not missing, f"{KEY} left Envoy's runtime after the restart ({missing[0]:.1f}s in)"

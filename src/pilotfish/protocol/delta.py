@@ -127,8 +127,16 @@ class DeltaWatch(NamedTuple):
     """The client takes resources with their TTLs; False: it is served them without."""
 
     def changes(self, current: TypeSnapshot) -> DeltaChanges | None:
-        """What ``current`` has for the client; None if nothing."""
-        return current.delta(self.state.known, wildcard=self.wildcard, names=self.names)
+        """What ``current`` has for the client; None if nothing. A client that takes TTLs and was
+        sent nothing of this type on this stream is sent again what it says it has with a TTL
+        (a client that reconnects to a restarted server renews them so, and their heartbeats start)."""
+        known = self.state.known
+        if self.ttl and self.state.nonce is None and known:
+            ttls = current.ttls()
+            held = [name for name in ttls if known.get(name, ABSENT) != ABSENT] if ttls else []
+            if held:
+                known = {**known, **dict.fromkeys(held, _RESEND)}
+        return current.delta(known, wildcard=self.wildcard, names=self.names)
 
     def holds_any(self, type_url: TypeUrl, names: Iterable[str]) -> bool:
         """Whether the client has (or was sent) any of ``names`` of ``type_url`` on this stream."""

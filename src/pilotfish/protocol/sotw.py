@@ -283,6 +283,7 @@ class SotwStream:
             force=force,
             routing=self if type_url == CLUSTER.url else None,
             ttl=self.ttl,
+            renew=self.ttl and state.nonce is None and state.held_version is not None,
         )
         watches: tuple[Watch, ...] = (watch,)
         if kind is RequestKind.ACK and type_url in _ROUTING:

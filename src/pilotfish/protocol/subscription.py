@@ -234,6 +234,11 @@ class Watch(NamedTuple):
     ttl: bool = False
     """The proxy takes resources with their TTLs; False: it is served them without
     (:meth:`~pilotfish.snapshot.TypeSnapshot.plain`)."""
+    renew: bool = False
+    """Nothing was sent of this type on this stream, and the proxy (taking TTLs) says it holds
+    ``known_version``: if what it holds has TTLs, it is sent again (whole), which renews them and
+    starts their heartbeats. Else a proxy that reconnects to a restarted server at the current
+    version would hold them unrenewed until they expire."""
 
     def routing_moved(self, snapshot: Snapshot) -> bool:
         """Whether the proxy behind this (cluster) watch runs ``snapshot``'s listeners and routes
@@ -242,9 +247,18 @@ class Watch(NamedTuple):
         return routing is None or routing.routing_moved(snapshot)
 
 
+def _holds_ttls(watch: Watch, current: TypeSnapshot) -> bool:
+    ttls = current.ttls()
+    if not ttls:
+        return False
+    return watch.known_wildcard or any(name in ttls for name in watch.known_names)
+
+
 def needs_response(watch: Watch, current: TypeSnapshot) -> bool:
     """Whether ``current`` has something for the stream behind ``watch`` (behaviours 7, 10, 13)."""
     if watch.force or watch.known_version != current.version:
+        return True
+    if watch.renew and _holds_ttls(watch, current):
         return True
     resources = current.resources
     known = watch.known_names

@@ -269,3 +269,45 @@ def test_one_timer_for_every_stream_armed_for_the_earliest_refresh_and_bounded_m
     assert len(beats) == 98
     beats.close()
     assert len(beats) == 0 and cancelled[-1] == armed[-1]
+
+
+async def test_a_proxy_that_reconnects_holding_the_current_version_is_sent_its_ttls_again(served: Served) -> None:
+    """After a restart of the server, a proxy states what it has: at the current version it would
+    be sent nothing, and its TTLs would run out while the server serves it. It is sent what has a
+    TTL again (renewing it), and refreshed from then on; SotW and delta."""
+    stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(served.channel)
+    version = served.cache.snapshot().version(RUNTIME.url)  # type: ignore[union-attr]
+    sotw = stub.StreamAggregatedResources()
+    await sotw.write(sotw_request(FEATURES, version_info=version))
+    again = await next_message(sotw)
+    assert again.version_info == version and [r.type_url for r in again.resources] == [RESOURCE_URL]
+    await sotw.write(sotw_request([], version_info=version, response_nonce=again.nonce))
+
+    resource = served.cache.snapshot().types[RUNTIME.url].resources["gameday"]  # type: ignore[union-attr]
+    delta = stub.DeltaAggregatedResources()
+    node = {"id": "edge-2", "client_features": [SUPPORTS_TTL]}
+    await delta.write(
+        discovery_pb2.DeltaDiscoveryRequest(
+            type_url=RUNTIME.url,
+            resource_names_subscribe=["gameday"],
+            initial_resource_versions={"gameday": resource.version},
+            node=node,
+        )
+    )
+    (resent,) = (await next_message(delta)).resources
+    assert resent.version == resource.version and resent.HasField("resource") and resent.ttl.ToMilliseconds() == TTL_MS
+    assert len(served.xds.heartbeats) == 2
+    sotw.cancel()
+    delta.cancel()
+
+
+async def test_a_proxy_that_reconnects_at_the_current_version_without_ttls_is_sent_nothing(served: Served) -> None:
+    served.cache.set_snapshot(layer("on", ttl_ms=0))
+    call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(served.channel).StreamAggregatedResources()
+    version = served.cache.snapshot().version(RUNTIME.url)  # type: ignore[union-attr]
+    await call.write(sotw_request(FEATURES, version_info=version))
+    await until(lambda: served.cache.watch_count() == 1)  # taken, and waiting: nothing to send
+    served.cache.set_snapshot(layer("off", ttl_ms=0))
+    first = await next_message(call)
+    assert first.version_info == served.cache.snapshot().version(RUNTIME.url) != version  # type: ignore[union-attr]
+    call.cancel()
