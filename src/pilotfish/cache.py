@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import NewType, Protocol
 
 from pilotfish.protocol import DeltaWatch, Watch, needs_response
+from pilotfish.protocol.subscription import holds_ttls
 from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.refs import assignment_names, referenced_clusters
 from pilotfish.snapshot import DeltaChanges, EncodedResponse, MemoBudget, Resource, Snapshot, TypeSnapshot, with_kept
@@ -393,8 +394,10 @@ class SnapshotCache:
         if that one is still kept; otherwise (and for CDS/LDS, which are full state) everything
         it subscribes to."""
         names = watch.subscription.names_to_send()
-        if names is None or watch.full_state or watch.force or watch.renew or watch.known_version is None:
+        if names is None or watch.full_state or watch.force or watch.known_version is None:
             return current.response(names)
+        if watch.renew and holds_ttls(watch, current):
+            return current.response(names)  # (whole: what it holds with a TTL is renewed)
         since = self._kept(group, watch.type_url, watch.known_version)
         if since is None:
             return current.response(names)

@@ -29,6 +29,7 @@ __all__ = [
     "Subscription",
     "Watch",
     "checked_wire",
+    "holds_ttls",
     "intern_names",
     "needs_response",
     "next_subscription",
@@ -247,7 +248,8 @@ class Watch(NamedTuple):
         return routing is None or routing.routing_moved(snapshot)
 
 
-def _holds_ttls(watch: Watch, current: TypeSnapshot) -> bool:
+def holds_ttls(watch: Watch, current: TypeSnapshot) -> bool:
+    """Whether the proxy behind ``watch`` holds (by its statement) resources that have a TTL in ``current``."""
     ttls = current.ttls()
     if not ttls:
         return False
@@ -258,7 +260,7 @@ def needs_response(watch: Watch, current: TypeSnapshot) -> bool:
     """Whether ``current`` has something for the stream behind ``watch`` (behaviours 7, 10, 13)."""
     if watch.force or watch.known_version != current.version:
         return True
-    if watch.renew and _holds_ttls(watch, current):
+    if watch.renew and holds_ttls(watch, current):
         return True
     resources = current.resources
     known = watch.known_names
