@@ -46,8 +46,7 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import NewType, Protocol
 
-from pilotfish.protocol import DeltaWatch, Watch, needs_response
-from pilotfish.protocol.subscription import holds_ttls
+from pilotfish.protocol import DeltaWatch, Watch, holds_ttls, needs_response
 from pilotfish.resources import ADS_ORDER, CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
 from pilotfish.resources.refs import assignment_names, referenced_clusters
 from pilotfish.snapshot import DeltaChanges, EncodedResponse, MemoBudget, Resource, Snapshot, TypeSnapshot, with_kept

@@ -312,7 +312,7 @@ class TypeSnapshot:
         memo = self._memo
         if memo.plain is None:
             resources = dict(self.resources)
-            for name in memo.ttls or ():
+            for name in self.ttls():
                 resources[name] = resources[name].plain()
             memo.plain = TypeSnapshot(
                 self.rtype, self.version, MappingProxyType(resources), self.content_hash, memo_budget=memo.budget
@@ -328,22 +328,18 @@ class TypeSnapshot:
     def heartbeat(self, known: Mapping[str, str]) -> tuple[bytes, int] | None:
         """A DeltaDiscoveryResponse body (without its nonce) renewing the TTL of each resource with
         one that the client has at its current version (``known``): its name, version and TTL
-        without the resource; and how many it names. None if it has none. Memoized by the identity of ``known`` (clients
-        that took the same answers share it), a few at a time."""
+        without the resource; and how many it names. None if it has none. Memoized by the
+        identity of ``known`` (clients that took the same answers share it), a few at a time."""
         memo = self._memo
         found = memo.heartbeats.get(id(known))
         if found is not None and found[0] is known:
             return found[1]
         resources = self.resources
         names = sorted(n for n in self.ttls() if known.get(n) == resources[n].version)
-        body = (
-            (
-                delta_discovery_response(self.version, self.rtype.url, (resources[n].heartbeat() for n in names), ()),
-                len(names),
-            )
-            if names
-            else None
-        )
+        body = None
+        if names:
+            beats = (resources[n].heartbeat() for n in names)
+            body = (delta_discovery_response(self.version, self.rtype.url, beats, ()), len(names))
         if len(memo.heartbeats) >= _HEARTBEATS_KEPT:
             memo.heartbeats.clear()
         memo.heartbeats[id(known)] = (known, body)

@@ -253,14 +253,14 @@ def _merged_resources(ordered: list[DesiredState]) -> dict[ResourceType, tuple[M
     return {t: tuple(m for state in ordered for m in state.resources.get(t, ())) for t in TYPES}
 
 
-def _merged_ttls(ordered: list[DesiredState]) -> dict[ResourceType, Mapping[str, int]]:
+def _merged_ttls(ordered: list[DesiredState]) -> dict[ResourceType, dict[str, int]]:
     """Every source's TTLs by type (a raw resource's name is unique across the sources: two of
     one name are refused as a clash)."""
     out: dict[ResourceType, dict[str, int]] = {}
     for state in ordered:
         for rtype, found in state.ttls.items():
             out.setdefault(rtype, {}).update(found)
-    return dict(out)
+    return out
 
 
 def _version(states: Mapping[str, DesiredState]) -> str | None:

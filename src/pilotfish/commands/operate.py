@@ -358,8 +358,10 @@ def csds_command(
             by_type.setdefault(xds.type_url.rsplit(".", 1)[-1], []).append(xds)
         for short, entries in by_type.items():
             statuses = Counter(names(xds.client_status) for xds in entries)
-            status = ", ".join(f"{name} {n}" for name, n in sorted(statuses.items())) if len(statuses) > 1 else ""
-            status = status or next(iter(statuses))
+            if len(statuses) == 1:
+                status = next(iter(statuses))
+            else:
+                status = ", ".join(f"{name} {n}" for name, n in sorted(statuses.items()))
             versions = {xds.version_info for xds in entries if xds.version_info}
             version = versions.pop() if len(versions) == 1 else f"{len(versions)} versions" if versions else "-"
             errors = [xds.error_state.details for xds in entries if xds.HasField("error_state")]

@@ -8,6 +8,7 @@ from pilotfish.protocol.subscription import (
     ResourceState,
     Subscription,
     Watch,
+    holds_ttls,
     needs_response,
     next_subscription,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "TypeState",
     "Watch",
     "XdsLimits",
+    "holds_ttls",
     "needs_response",
     "next_subscription",
 ]

@@ -10,8 +10,8 @@ Each resource a connected proxy asked for is one ``GenericXdsConfig``, as its st
 ``name``, ``version_info`` (the version it has: over SotW the type's, over delta the resource's)
 and ``client_status``: ACKED, NACKED (``error_state`` {details, version_info, time}: the type's
 last NACK), UNKNOWN (sent, not answered yet), REQUESTED (asked for, nothing sent yet) or
-DOES_NOT_EXIST (asked for, and pilotfish has none: over SotW once a response without it was
-ACKed, over delta once the proxy was told). ``config_status`` is the type's.
+DOES_NOT_EXIST (asked for, and pilotfish has none: over SotW once the proxy answered a response
+without it, over delta once it was told). ``config_status`` is the type's.
 
 A type known only from the status (a REST poller, a proxy served by another replica, a response
 over the :attr:`CsdsLimits.max_resources` of one response) is one ``GenericXdsConfig`` for the

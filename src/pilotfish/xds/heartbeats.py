@@ -112,16 +112,12 @@ class Heartbeats:
         ttl = min(current.ttls().values()) / 1000
         return ttl - min(ttl / 3, MARGIN)
 
-    def expect(self, stream: Refreshable, type_url: TypeUrl, current: TypeSnapshot | None) -> None:
-        """``stream`` sent a response of ``type_url`` from ``current`` (None: one without TTLs, or
-        none to renew): renew its TTLs from now on, no later than a period from now (an entry
-        due earlier keeps its time); for None, stop."""
+    def expect(self, stream: Refreshable, type_url: TypeUrl, current: TypeSnapshot) -> None:
+        """``stream`` sent a response of ``type_url`` from ``current``, which has TTLs: renew them
+        from now on, no later than a period from now (an entry due earlier keeps its time). A
+        stream whose later responses have none is dropped when its refresh finds nothing to renew."""
         key = (id(stream), type_url)
         entry = self._entries.get(key)
-        if current is None:
-            if entry is not None:
-                del self._entries[key]  # (its place in the heap is skipped when it comes up)
-            return
         due = self._clock() + self.period(current) * (1 - _SPREAD * self._spread())
         if entry is None:
             self._entries[key] = entry = _Entry(stream, type_url, current, due)

@@ -322,7 +322,12 @@ class _State(Protocol):
     @property
     def types(self) -> Mapping[TypeUrl, object]: ...
 
+    @property
+    def ttl(self) -> bool: ...
+
     def resource_states(self, type_url: TypeUrl) -> list[ResourceState]: ...
+
+    def on_refresh(self, type_url: TypeUrl) -> str | None: ...
 
 
 class _Stream(Generic[_Watch, _Decoded, _Answer]):
@@ -343,7 +348,6 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         "_grants",
         "_last_nack",
         "_server",
-        "_ttl_types",
         "closed",
         "group",
         "id",
@@ -390,8 +394,6 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         do not change)."""
         self._denied: set[str] = set()
         """Secret names denied on this stream so far (recorded once each, up to a bound)."""
-        self._ttl_types: set[TypeUrl] | None = None
-        """Types whose TTLs the server's heartbeats renew for this stream (None: none yet)."""
         server.open_streams += 1
 
     # -- the call's callbacks -------------------------------------------------------------------
@@ -492,12 +494,8 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
             service=self.service if self.type_url is None else self.type_url,
             group=self.group,
             **({"identity": identity} if identity else {}),
-            **({"ttls": True} if self._takes_ttls() else {}),
+            **({"ttls": True} if self.state.ttl else {}),
         )
-
-    def _takes_ttls(self) -> bool:
-        """Whether the proxy is sent resources with their TTLs (by the features it announced)."""
-        raise NotImplementedError
 
     def _acked(self, type_url: TypeUrl, version: str) -> None:
         self._server.policy.status.acked(self.node_id, type_url, version)
@@ -569,31 +567,20 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         policy.status.sent(self.node_id, sent.type_url, sent.version)
         if policy.events.conversation:
             policy.events.emit("sent", **self._sent_event(sent, nonce))
-        if sent.expiring is not None or self._ttl_types is not None:
-            self._expect_refresh(sent.type_url, sent.expiring)
+        if sent.expiring is not None:
+            # (A later response without TTLs needs no word: its refresh finds nothing to renew.)
+            self._server.heartbeats.expect(self, sent.type_url, sent.expiring)
         for again in due:
             self._current[again.type_url] = again
             self._replace_watch(again)
 
-    def _expect_refresh(self, type_url: TypeUrl, current: TypeSnapshot | None) -> None:
-        """Renew the TTLs of what was just sent of ``type_url`` from ``current`` (None: no TTLs)."""
-        if current is not None:
-            if self._ttl_types is None:
-                self._ttl_types = set()
-            self._ttl_types.add(type_url)
-        elif self._ttl_types is not None:
-            self._ttl_types.discard(type_url)
-        self._server.heartbeats.expect(self, type_url, current)
-
     def refresh(self, type_url: TypeUrl, current: TypeSnapshot) -> bool | None:
-        """Send what renews the TTLs this stream holds of ``type_url`` (see
+        """Send what renews the TTLs this (open) stream holds of ``type_url`` (see
         :class:`~pilotfish.xds.heartbeats.Refreshable`)."""
-        if self.closed:
-            return None
         found = self._refresh_body(type_url, current)
         if found is None:
             return None
-        nonce = self._refresh_nonce(type_url)
+        nonce = self.state.on_refresh(type_url)
         if nonce is None:
             return False
         body, count = found
@@ -616,10 +603,6 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
     def _refresh_body(self, type_url: TypeUrl, current: TypeSnapshot) -> tuple[bytes, int] | None:
         """The body renewing what the stream holds of ``type_url`` with a TTL, and how many
         resources it names; None if it holds none."""
-        raise NotImplementedError
-
-    def _refresh_nonce(self, type_url: TypeUrl) -> str | None:
-        """Tell the state machine a refresh goes out: its nonce (None: not now, the type is not settled)."""
         raise NotImplementedError
 
     def _on_response(self, watch: _Watch, answer: _Answer) -> tuple[str, _Answer, Sequence[_Watch]]:
@@ -699,8 +682,8 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         for cancel in self._cancels.values():
             cancel()
         self._cancels.clear()
-        if self._ttl_types:
-            server.heartbeats.forget(self, self._ttl_types)
+        if server.heartbeats:  # (streams of a server that renews no TTL need not look)
+            server.heartbeats.forget(self, self.state.types)
         self._current.clear()
         self._asked_secrets = None
         if self.opened:
@@ -800,9 +783,6 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
         nonce, response = self.state.on_response(watch, response)
         return nonce, response, ()
 
-    def _takes_ttls(self) -> bool:
-        return self.state.ttl
-
     def _refresh_body(self, type_url: TypeUrl, current: TypeSnapshot) -> tuple[bytes, int] | None:
         # The resources again, at the same version: Envoy's SotW client renews a TTL only from
         # the resource (module docstring of pilotfish.xds.heartbeats).
@@ -814,9 +794,6 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
         else:
             response = current.refresh(state.held_names)
         return (response.body, response.carried) if response.carried else None
-
-    def _refresh_nonce(self, type_url: TypeUrl) -> str | None:
-        return self.state.on_refresh(type_url)
 
     def _sent_event(self, response: EncodedResponse, nonce: str) -> dict[str, object]:
         return {
@@ -906,17 +883,9 @@ class _DeltaConnection(_Stream[DeltaWatch, discovery_pb2.DeltaDiscoveryRequest, 
         nonce, again = self.state.on_response(watch, changes)  # again: warming, what the clusters
         return nonce, changes, again  # (listeners) just sent wait for, now
 
-    def _takes_ttls(self) -> bool:
-        return self.state.ttl
-
     def _refresh_body(self, type_url: TypeUrl, current: TypeSnapshot) -> tuple[bytes, int] | None:
         state = self.state.types.get(type_url)
-        if state is None:
-            return None
-        return current.heartbeat(state.known)
-
-    def _refresh_nonce(self, type_url: TypeUrl) -> str | None:
-        return self.state.on_refresh(type_url)
+        return current.heartbeat(state.known) if state is not None else None
 
     def _sent_event(self, changes: DeltaChanges, nonce: str) -> dict[str, object]:
         return {

@@ -139,6 +139,21 @@ async def test_sotw_a_layer_with_a_ttl_is_wrapped_and_sent_again_at_two_thirds_o
     assert len(xds.heartbeats) == 0, "a stream that ended is forgotten"
 
 
+async def test_sotw_a_layer_that_loses_its_ttl_is_renewed_no_more(served: Served) -> None:
+    call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(served.channel).StreamAggregatedResources()
+    await call.write(sotw_request(FEATURES))
+    first = await next_message(call)
+    await call.write(sotw_request([], version_info=first.version_info, response_nonce=first.nonce))
+    await served.acked(1)
+    served.cache.set_snapshot(layer("on", ttl_ms=0))
+    plain = await next_message(call)
+    assert [r.type_url for r in plain.resources] == [RUNTIME.url], "sent as it is now: without a TTL"
+    await call.write(sotw_request([], version_info=plain.version_info, response_nonce=plain.nonce))
+    await served.acked(2)
+    assert served.advance(60) == 0 and len(served.xds.heartbeats) == 0
+    call.cancel()
+
+
 async def delta_subscribed(served: Served) -> tuple[Any, Any]:
     """A delta stream of a client that takes TTLs, subscribed to the layer; its first response."""
     call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(served.channel).DeltaAggregatedResources()
@@ -180,6 +195,17 @@ async def test_delta_a_heartbeat_names_the_layer_and_its_version_without_the_lay
     await served.acked(4)
     assert served.advance(4.0 - 0.1) == 0, "then a period of the new TTL (6 s: 4 s)"
     assert served.advance(0.2) == 1
+    third = await next_message(call)
+
+    # The layer without a TTL: sent as it is now, and renewed no more.
+    await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=RUNTIME.url, response_nonce=third.nonce))
+    await served.acked(5)
+    served.cache.set_snapshot(layer("off", ttl_ms=0))
+    plain = await next_message(call)
+    assert plain.resources[0].HasField("resource") and not plain.resources[0].HasField("ttl")
+    await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=RUNTIME.url, response_nonce=plain.nonce))
+    await served.acked(6)
+    assert served.advance(60) == 0 and len(served.xds.heartbeats) == 0
     call.cancel()
 
 
