@@ -96,3 +96,13 @@ def test_a_stored_baseline_keeps_the_ttls() -> None:
     ts = stored["default"].types[RUNTIME.url]  # type: ignore[index]
     original = snapshot().types[RUNTIME.url]
     assert dict(ts.ttls()) == {"gameday": 30_000} and ts.version == original.version
+
+
+def test_heartbeat_bodies_kept_per_type_snapshot_are_bounded() -> None:
+    ts = snapshot().types[RUNTIME.url]
+    versions = dict(ts.versions())
+    # Streams at as many distinct places as a peer likes: each its own mapping of what it has.
+    held = [dict(versions) for _ in range(500)]
+    for known in held:
+        assert ts.heartbeat(known) is not None
+    assert len(ts._memo.heartbeats) <= 64
