@@ -132,7 +132,12 @@ def test_the_deciding_replica_killed_mid_bake_leaves_every_proxy_where_it_was_an
     # The canary's wave passed on its health, judged by the new leader on the reported load.
     passed = successor.events.find(lambda e: e["event"] == "rollout_wave_passed" and e["wave"] == "canary")
     assert passed is not None and passed["result"] == "healthy", passed
-    assert passed["requests"] >= MIN_REQUESTS and passed["error_ratio"] == 0, passed
+    canary_upstream = {
+        name: value
+        for name, value in fleet.envoys["c-1"].stats(rf"cluster\.{SERVICE}\.upstream_(rq|cx)_").items()
+        if value and not isinstance(value, str)
+    }
+    assert passed["requests"] >= MIN_REQUESTS and passed["error_ratio"] == 0, (passed, canary_upstream)
     assert float(completed["ts"]) > float(started["ts"])
 
     # No flip: the canary is never sent the baseline again; the others get the candidate only in their wave.

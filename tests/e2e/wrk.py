@@ -29,10 +29,11 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import pytest
 
-from .processes import Process, ProcessGroup
+from .processes import Process, ProcessGroup, port_accepts, wait_until
 
 __all__ = ["Wrk", "WrkResult", "parse_wrk_output", "wrk_binary"]
 
@@ -132,13 +133,27 @@ class Wrk:
         threads: int = 2,
         connections: int = 50,
         timeout_s: int = 10,
+        ready_timeout_s: float = 15.0,
     ) -> Wrk:
         """Start ``wrk -t<threads> -c<connections> -d<duration_s>s --latency``.
 
         ``timeout_s``: wrk counts a response slower than this as a socket error (timeout). Its
         default, 2 s, turns a request merely slowed by a busy machine into an error (p99 reached
         1.35 s on a 2-CPU machine running other work); 10 s still catches a request that hangs.
+
+        wrk gives up at once when its first connect is refused, so this first waits (at most
+        ``ready_timeout_s``) until the URL's host and port accept connections: an Envoy that has
+        a cluster's endpoints may still be warming the listener (its workers open the socket only
+        once it is warm).
         """
+        target = urlsplit(url)
+        host, port = target.hostname, target.port
+        assert host is not None and port is not None, f"wrk needs a URL with a host and a port: {url}"
+        wait_until(
+            lambda: port_accepts(port, host),
+            timeout=ready_timeout_s,
+            what=f"{host}:{port} to accept connections before wrk starts on {url}",
+        )
         argv = [
             wrk_binary(),
             f"-t{threads}",
