@@ -584,13 +584,16 @@ def _name_clashes(raw: _Raw, built: Mapping[ClientKind, Mapping[ResourceType, li
     problems: list[Problem] = []
     for number, (kind, by_type) in enumerate(built.items()):
         for rtype in TYPES if number == 0 else (LISTENER,):
+            mine = by_type.get(rtype)
+            if not mine:  # (a file of raw resources alone: nothing to walk them for)
+                continue
             raw_names: dict[str, int] = {}
             for index, (resource, message) in enumerate(raw.get(rtype, ())):
                 if _serves(kind, rtype, message):
                     raw_names.setdefault(resource.name, index)
             if not raw_names:
                 continue
-            for resource in by_type.get(rtype, []):
+            for resource in mine:
                 if resource.name in raw_names:
                     problems.append(
                         Problem(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_seconds, parse_services
 from pilotfish.resources.types import RUNTIME, TYPES, ResourceType, type_by_key
 from pilotfish.resources.walk import MAX_PROBLEMS, json_problems, path_text, without
+from pilotfish.resources.yaml_items import split_items
 
 __all__ = [
     "ParseMemo",
@@ -40,6 +42,7 @@ __all__ = [
     "without_collections",
 ]
 
+_LIST_KEYS = frozenset(t.key for t in TYPES)
 _YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 """libyaml's safe loader where PyYAML has it (about 10x faster than the pure-Python one, which
 took 10 s for a file of 10,000 clusters and 10,000 endpoints); the same documents either way."""
@@ -67,8 +70,9 @@ MAX_FILE_BYTES = 256 * 1024 * 1024
 """A snapshot file larger than this is refused rather than read into memory."""
 
 
-def read_document(path: Path) -> Any:
+def read_document(path: Path, *, memo: ParseMemo | None = None) -> Any:
     """Read a JSON or YAML file into plain values; errors name the file and where in it.
+    ``memo``: see :func:`decode_document`.
 
     Fails closed: a file that cannot be read or decoded (not UTF-8), is empty or holds only
     comments, or nests too deeply is a :class:`ConfigError`, never "nothing to serve". A file that
@@ -91,12 +95,20 @@ def read_document(path: Path) -> Any:
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(source, [Problem("", f"cannot read: {exc.strerror or exc}")]) from exc
-    return decode_document(data, source, as_json=path.suffix == ".json")
+    return decode_document(data, source, as_json=path.suffix == ".json", memo=memo)
 
 
-def decode_document(data: bytes, source: str, *, as_json: bool) -> Any:
+def decode_document(data: bytes, source: str, *, as_json: bool, memo: ParseMemo | None = None) -> Any:
     """A file's bytes (JSON with ``as_json``, else YAML) into plain values, as :func:`read_document`
-    decodes them; errors name ``source`` and where in it."""
+    decodes them; errors name ``source`` and where in it.
+
+    ``memo``: a resource whose text the memo knows from the last good document stands in the
+    list as a :class:`Remembered` (which only :func:`parse_document` with the same memo takes),
+    and the texts of the others are noted for it (:class:`ParseMemo`). YAML: such a resource is
+    not decoded at all, and the others are decoded a few hundred at a time; a document that is
+    not in the plain block shape :func:`~pilotfish.resources.yaml_items.split_items` cuts is
+    decoded whole. JSON: each resource is decoded on its own (the decoder finds where its text
+    ends), so no one call holds the GIL for the whole document."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -113,7 +125,11 @@ def decode_document(data: bytes, source: str, *, as_json: bool) -> Any:
     if not text.strip():
         raise ConfigError(source, [Problem("", _EMPTY.format(what="empty"))])
     try:
-        document = json.loads(text) if as_json else yaml.load(text, Loader=_YAML_LOADER)
+        document = None
+        if memo is not None:
+            document = _decode_json_by_items(text, memo) if as_json else _decode_by_items(text, memo)
+        if document is None:
+            document = json.loads(text) if as_json else yaml.load(text, Loader=_YAML_LOADER)
     except json.JSONDecodeError as exc:
         where = f"line {exc.lineno}, column {exc.colno}"
         raise ConfigError(source, [Problem(where, f"invalid JSON: {exc.msg}")]) from exc
@@ -133,6 +149,157 @@ _EMPTY = (
     "the file is {what}: refusing to read that as 'remove everything'. To serve nothing, write "
     "the empty sections explicitly, e.g. 'clusters: []' and 'listeners: []'"
 )
+
+
+_GROUP = 256
+"""Items whose texts are new are decoded this many to a call: one call per item costs ~120 us of
+libyaml's set-up, one for thousands frees their whole node graph at its end in one C call that holds
+the GIL against the event loop (~45 ms for 20,000 resources)."""
+
+
+def _decode_by_items(text: str, memo: ParseMemo) -> Any:
+    """The YAML document ``text``, its resource lists decoded per item (only the texts ``memo``
+    does not know); None when it cannot be cut (:func:`split_items`) or its pieces do not decode
+    as the whole would: the caller decodes it whole, and names any error there.
+
+    An item that names an anchor (``*name``) of an item before it is decoded after that item's
+    text, and known by both texts together: a change to the anchor is a change to the item."""
+    cut = split_items(text, _LIST_KEYS)
+    if cut is None:
+        return None
+    try:
+        rest = yaml.load(cut.rest, Loader=_YAML_LOADER) if cut.rest.strip() else {}
+        if not isinstance(rest, dict):
+            return None
+        document = dict(rest)
+        anchors: dict[str, str] = {}  # anchor -> the text of the last item that defines it
+        for key, texts in cut.items.items():
+            items: list[Any] = []
+            new: list[_Pending] = []
+            for index, item_text in enumerate(texts):
+                context = _anchors_used(item_text, anchors) if "*" in item_text else ()
+                remembered = memo.remembered(key, "".join((*context, item_text)) if context else item_text)
+                items.append(remembered)
+                if remembered is None:
+                    new.append(_Pending(index, item_text, context))
+                for name in _ANCHOR.findall(item_text) if "&" in item_text else ():
+                    if name in anchors:
+                        return None  # an anchor twice in a document is an error: named whole
+                    anchors[name] = item_text
+            for batch in _batches(new):
+                context = batch[0].context
+                values = yaml.load("".join((*context, *(p.text for p in batch))), Loader=_YAML_LOADER)
+                if not isinstance(values, list) or len(values) != len(context) + len(batch):
+                    return None
+                for pending, value in zip(batch, values[len(context) :], strict=True):
+                    items[pending.index] = value
+                    memo.note_text(key, pending.known, value)
+            document[key] = items
+    except yaml.YAMLError:
+        return None
+    return document
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_JSON = json.JSONDecoder()
+
+
+def _skip(text: str, at: int) -> int:
+    """``at``, past any JSON whitespace there."""
+    found = _JSON_SPACE.match(text, at)
+    assert found is not None  # (the pattern matches the empty string)
+    return found.end()
+
+
+def _decode_json_by_items(text: str, memo: ParseMemo) -> Any:
+    """The JSON document ``text``, each resource of its lists decoded by a call of its own (and
+    known by its text when ``memo`` knows it); None when it is not an object whose keys are
+    each once, or does not decode: the caller decodes it whole, and names any error there."""
+    try:
+        at = _skip(text, 0)
+        if text[at : at + 1] != "{":
+            return None
+        document: dict[str, Any] = {}
+        at = _skip(text, at + 1)
+        while text[at : at + 1] != "}":
+            if document:
+                if text[at : at + 1] != ",":
+                    return None
+                at = _skip(text, at + 1)
+            key, at = _JSON.raw_decode(text, at)
+            at = _skip(text, at)
+            if not isinstance(key, str) or key in document or text[at : at + 1] != ":":
+                return None
+            at = _skip(text, at + 1)
+            if key in _LIST_KEYS and text[at : at + 1] == "[":
+                document[key], at = _json_items(text, _skip(text, at + 1), key, memo)
+            else:
+                document[key], at = _JSON.raw_decode(text, at)
+            at = _skip(text, at)
+        if _skip(text, at + 1) != len(text):
+            return None
+    except (ValueError, IndexError):  # (JSONDecodeError is a ValueError)
+        return None
+    return document
+
+
+def _json_items(text: str, at: int, key: str, memo: ParseMemo) -> tuple[list[Any], int]:
+    """The items of the JSON list whose first item starts at ``at``, and where the list ends."""
+    items: list[Any] = []
+    while text[at : at + 1] != "]":
+        if items:
+            if text[at : at + 1] != ",":
+                raise ValueError("expected ',' or ']'")
+            at = _skip(text, at + 1)
+        value, end = _JSON.raw_decode(text, at)
+        known = memo.remembered(key, text[at:end])
+        if known is None:
+            memo.note_text(key, text[at:end], value)
+        items.append(value if known is None else known)
+        at = _skip(text, end)
+    return items, at + 1
+
+
+_ANCHOR = re.compile(r"(?:^|(?<=[\s\[{,]))&([^\s\[\]{},]+)", re.MULTILINE)
+"""An anchor's name (``&name`` at the start of a node; may also match inside a string, which
+only costs a decode in context or of the whole)."""
+_ALIAS = re.compile(r"(?:^|(?<=[\s\[{,]))\*([^\s\[\]{},]+)", re.MULTILINE)
+"""An alias's name (``*name``), likewise."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """An item whose text the memo does not know: decoded after ``context``, the texts of the
+    items whose anchors it names."""
+
+    index: int
+    text: str
+    context: tuple[str, ...]
+
+    @property
+    def known(self) -> str:
+        """What the memo knows it by: its text, after those it is decoded after."""
+        return "".join((*self.context, self.text)) if self.context else self.text
+
+
+def _anchors_used(text: str, anchors: Mapping[str, str]) -> tuple[str, ...]:
+    """The texts of the items before that define the anchors ``text`` names (in their order)."""
+    if "*" not in text:
+        return ()
+    return tuple({anchors[name]: None for name in _ALIAS.findall(text) if name in anchors})
+
+
+def _batches(new: list[_Pending]) -> Iterator[list[_Pending]]:
+    """``new`` in runs decoded by one call each: at most :data:`_GROUP` items in a row decoded
+    after the same texts, none but the last defining an anchor (a later one would see it)."""
+    batch: list[_Pending] = []
+    for pending in new:
+        if batch and (len(batch) >= _GROUP or pending.context != batch[0].context or "&" in batch[-1].text):
+            yield batch
+            batch = []
+        batch.append(pending)
+    if batch:
+        yield batch
 
 
 def _short(error: Exception) -> str:
@@ -171,19 +338,30 @@ def _parse_section(
     messages: list[Message] = []
     first_index: dict[str, int] = {}
     for index, item in enumerate(items):
-        ttl = None
+        decoded = item
+        written_ttl = item.ttl if isinstance(item, Remembered) else _NO_TTL
         if isinstance(item, dict) and "ttl" in item:
             item = dict(item)
-            ttl = _ttl_ms(item.pop("ttl"), f"{rtype.key}[{index}].ttl", problems)
-        key = memo.key(rtype, item) if memo is not None and isinstance(item, dict) else None
-        message = None if key is None or memo is None else memo.get(key)
-        if message is None:
-            message, found = parse_resource(rtype, item, f"{rtype.key}[{index}]", rules=rules)
-            problems.extend(found)
+            written_ttl = item.pop("ttl")
+        ttl = None if written_ttl is _NO_TTL else _ttl_ms(written_ttl, f"{rtype.key}[{index}].ttl", problems)
+        message: Message | None = None
+        if isinstance(item, Remembered):
+            assert memo is not None  # (only a decode with the memo makes them)
+            message = memo.get(item.key)
+            assert message is not None  # (the memo keeps what it remembers until the document ends)
+            memo.keep_text(rtype.key, item)
+        else:
+            key = memo.key(rtype, item) if memo is not None and isinstance(item, dict) else None
+            message = None if key is None or memo is None else memo.get(key)
             if message is None:
-                continue
+                message, found = parse_resource(rtype, item, f"{rtype.key}[{index}]", rules=rules)
+                problems.extend(found)
+                if message is None:
+                    continue
+                if key is not None and memo is not None:
+                    memo.put(key, message)
             if key is not None and memo is not None:
-                memo.put(key, message)
+                memo.known_text(decoded, key, written_ttl)
         name = getattr(message, rtype.name_field)
         if name in first_index:
             problems.append(
@@ -200,16 +378,34 @@ def _parse_section(
     return tuple(messages)
 
 
+_NO_TTL: Any = object()
+"""A :class:`Remembered` resource written without a ``ttl``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Remembered:
+    """A resource that :func:`decode_document` did not decode: its YAML text is one the memo's
+    last good document had, and so is its parse."""
+
+    text: str
+    key: tuple[str, str]
+    """Its :meth:`ParseMemo.key` (the memo holds its message under it)."""
+    ttl: Any
+    """Its ``ttl`` as written (:data:`_NO_TTL`: none)."""
+
+
 class ParseMemo:
     """The resources of the last good document, by content: a resource whose text did not change
     is not parsed again, and is the very message it was (so what is built from it downstream is
     reused by identity too).
 
     A resource's key is its canonical JSON (sorted keys) with its type; only resources that
-    parsed without a problem are kept. Bounded: what the last document that parsed whole used
-    (a document is at most :data:`MAX_FILE_BYTES`), plus at most :attr:`max_entries` new ones
-    while the next is parsed. A document that fails keeps the last good one's entries. One
-    document at a time: not for concurrent use.
+    parsed without a problem are kept. A YAML document read with the memo is also known by its
+    items' texts (:func:`decode_document`): a resource whose text is the same is not even decoded,
+    nor keyed again. Bounded: what the last document that parsed whole used (a document is at most
+    :data:`MAX_FILE_BYTES`), plus at most :attr:`max_entries` new ones while the next is parsed. A
+    document that fails keeps the last good one's entries. One document at a time: not for
+    concurrent use.
     """
 
     def __init__(self, *, max_entries: int = 200_000) -> None:
@@ -218,20 +414,39 @@ class ParseMemo:
         """The last good document's resources."""
         self._used: dict[tuple[str, str], Message] = {}
         """The resources of the document being parsed."""
+        self._texts_kept: dict[str, dict[str, Remembered]] = {}
+        """Section -> item text -> the resource, of the last good document's items (by section
+        and not by pair: a pair per item would be a new container per item per document, which
+        the garbage collector then walks)."""
+        self._texts_used: dict[str, dict[str, Remembered]] = {}
+        """The same, of the document being parsed."""
+        self._texts_count = 0
+        """Entries in :attr:`_texts_used`."""
+        self._noted: dict[int, tuple[str, str, Any]] = {}
+        """id of an item decoded from its text -> (section, text, the item), until it is parsed."""
         self.parsed = 0
         """Resources parsed (not found here), in all: the tests count them."""
+        self.decoded = 0
+        """Items not known by their text, in all (YAML: the ones decoded; JSON decodes every
+        item, and keys and parses these)."""
 
     def __len__(self) -> int:
         return len(self._kept)
 
     def begin(self) -> None:
         self._used = {}
+        self._texts_used = {}
+        self._texts_count = 0
 
     def end(self, *, good: bool) -> None:
         """The document parsed whole (``good``): its resources are the ones kept from now on."""
         if good:
             self._kept = self._used
+            self._texts_kept = self._texts_used
         self._used = {}
+        self._texts_used = {}
+        self._texts_count = 0
+        self._noted = {}
 
     @staticmethod
     def key(rtype: ResourceType, value: Any) -> tuple[str, str] | None:
@@ -253,6 +468,32 @@ class ParseMemo:
         self.parsed += 1
         if len(self._used) < self.max_entries:
             self._used[key] = message
+
+    def remembered(self, section: str, text: str) -> Remembered | None:
+        """The resource of the last good document whose item in ``section`` had this text."""
+        found = self._texts_kept.get(section, {}).get(text)
+        return found if found is not None and found.key in self._kept else None
+
+    def note_text(self, section: str, text: str, item: Any) -> None:
+        """``item`` was decoded from ``text``: once it is parsed, that text is known."""
+        self.decoded += 1
+        if isinstance(item, dict) and len(self._noted) < self.max_entries:
+            self._noted[id(item)] = (section, text, item)
+
+    def known_text(self, item: Any, key: tuple[str, str], ttl: Any) -> None:
+        """``item`` (decoded, with ``ttl`` as written taken off) parsed under ``key``: remember its text."""
+        noted = self._noted.pop(id(item), None)
+        if noted is not None and noted[2] is item:
+            self.keep_text(noted[0], Remembered(noted[1], key, ttl))
+
+    def keep_text(self, section: str, remembered: Remembered) -> None:
+        """A remembered item is in the document being parsed: keep knowing its text."""
+        if self._texts_count < self.max_entries:
+            texts = self._texts_used.get(section)
+            if texts is None:
+                texts = self._texts_used[section] = {}
+            texts[remembered.text] = remembered
+            self._texts_count += 1
 
 
 RuleCheck = Callable[[Message], Iterable[tuple[str, str, bool]]]

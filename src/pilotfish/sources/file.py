@@ -45,7 +45,7 @@ def load_desired(path: Path, *, memo: ParseMemo | None = None) -> DesiredState:
     """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem.
     ``memo``: the resources of the file's last good content, not parsed again where their text
     is the same (:class:`~pilotfish.resources.ParseMemo`: what a followed file keeps)."""
-    return _desired(lambda: read_document(path), str(path), memo)
+    return _desired(lambda: read_document(path, memo=memo), str(path), memo)
 
 
 def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> DesiredState:
