@@ -98,16 +98,17 @@ TRICKY = [
 ]
 
 
+def _decoded(text: str, *, as_json: bool, memo: ParseMemo | None) -> Any:
+    """The document, or the problems that refuse it."""
+    try:
+        return decode_document(text.encode(), "s.json" if as_json else "s.yaml", as_json=as_json, memo=memo)
+    except ConfigError as exc:
+        return [str(p) for p in exc.problems]
+
+
 @pytest.mark.parametrize("text", TRICKY)
 def test_whatever_the_text_decoding_by_items_gives_what_decoding_it_whole_gives(text: str) -> None:
-    def decoded(memo: ParseMemo | None) -> Any:
-        try:
-            return decode_document(text.encode(), "s.yaml", as_json=False, memo=memo)
-        except ConfigError as exc:
-            return [str(p) for p in exc.problems]
-
-    whole = decoded(None)
-    assert decoded(ParseMemo()) == whole
+    assert _decoded(text, as_json=False, memo=ParseMemo()) == _decoded(text, as_json=False, memo=None)
 
 
 def test_a_generated_file_is_decoded_per_item_the_same_as_whole() -> None:
@@ -235,13 +236,7 @@ JSON_TEXTS = [
 
 @pytest.mark.parametrize("text", JSON_TEXTS)
 def test_a_json_document_decoded_by_items_is_what_decoding_it_whole_gives(text: str) -> None:
-    def decoded(memo: ParseMemo | None) -> Any:
-        try:
-            return decode_document(text.encode(), "s.json", as_json=True, memo=memo)
-        except ConfigError as exc:
-            return [str(p) for p in exc.problems]
-
-    assert decoded(ParseMemo()) == decoded(None)
+    assert _decoded(text, as_json=True, memo=ParseMemo()) == _decoded(text, as_json=True, memo=None)
 
 
 def test_a_json_resource_whose_text_did_not_change_is_not_keyed_or_parsed_again(tmp_path: Path) -> None:
