@@ -168,10 +168,15 @@ def _decode_by_items(text: str, memo: ParseMemo) -> Any:
     if cut is None:
         return None
     try:
-        rest = yaml.load(cut.rest, Loader=_YAML_LOADER) if cut.rest.strip() else {}
-        if not isinstance(rest, dict):
-            return None
-        document = dict(rest)
+        document: dict[str, Any] = {}
+        for section in cut.rest:  # (each alone: a value left open in one is an error, not the next's text)
+            value = yaml.load(section, Loader=_YAML_LOADER)
+            if not isinstance(value, dict) or len(value) != 1:
+                return None
+            document.update(value)
+        # An anchor twice in a document is an error (named when it is decoded whole); those of
+        # the sections decoded whole count too.
+        defined = {name for section in cut.rest if "&" in section for name in _ANCHOR.findall(section)}
         anchors: dict[str, str] = {}  # anchor -> the text of the last item that defines it
         for key, texts in cut.items.items():
             items: list[Any] = []
@@ -183,8 +188,8 @@ def _decode_by_items(text: str, memo: ParseMemo) -> Any:
                 if remembered is None:
                     new.append(_Pending(index, item_text, context))
                 for name in _ANCHOR.findall(item_text) if "&" in item_text else ():
-                    if name in anchors:
-                        return None  # an anchor twice in a document is an error: named whole
+                    if name in anchors or name in defined:
+                        return None
                     anchors[name] = item_text
             for batch in _batches(new):
                 context = batch[0].context
@@ -260,10 +265,10 @@ def _json_items(text: str, at: int, key: str, memo: ParseMemo) -> tuple[list[Any
     return items, at + 1
 
 
-_ANCHOR = re.compile(r"(?:^|(?<=[\s\[{,]))&([^\s\[\]{},]+)", re.MULTILINE)
+_ANCHOR = re.compile(r"(?:^|(?<=[\s\[{,:]))&([^\s\[\]{},]+)", re.MULTILINE)
 """An anchor's name (``&name`` at the start of a node; may also match inside a string, which
 only costs a decode in context or of the whole)."""
-_ALIAS = re.compile(r"(?:^|(?<=[\s\[{,]))\*([^\s\[\]{},]+)", re.MULTILINE)
+_ALIAS = re.compile(r"(?:^|(?<=[\s\[{,:]))\*([^\s\[\]{},]+)", re.MULTILINE)
 """An alias's name (``*name``), likewise."""
 
 
@@ -450,8 +455,12 @@ class ParseMemo:
 
     @staticmethod
     def key(rtype: ResourceType, value: Any) -> tuple[str, str] | None:
-        """``value``'s key (None: it has no JSON form, e.g. a YAML date: not memoized)."""
+        """``value``'s key (None: it has no JSON form, e.g. a YAML date, or a mapping key that is
+        not a string, which JSON would write as one (YAML's ``1:`` and ``"1":`` must not meet):
+        not memoized)."""
         try:
+            if _non_string_key(value):
+                return None
             return rtype.key, json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         except (TypeError, ValueError, RecursionError):
             return None
@@ -494,6 +503,34 @@ class ParseMemo:
                 texts = self._texts_used[section] = {}
             texts[remembered.text] = remembered
             self._texts_count += 1
+
+
+_SELF_REFERENCE = "nested too deeply, or refers to itself (a YAML alias inside its own anchor)"
+
+_MAX_WALK = 1_000_000
+"""Containers :func:`_non_string_key` looks at before it gives up (a value that contains itself,
+a YAML alias inside its own anchor, would have it walk forever)."""
+
+
+def _non_string_key(value: Any) -> bool:
+    """Whether a mapping anywhere in ``value`` has a key that is not a string (or it is too large
+    to tell: then it is not memoized either)."""
+    pending = [value]
+    walked = 0
+    while pending:
+        found = pending.pop()
+        walked += 1
+        if walked > _MAX_WALK:
+            return True
+        if isinstance(found, dict):
+            for key, inner in found.items():
+                if not isinstance(key, str):
+                    return True
+                if isinstance(inner, dict | list):
+                    pending.append(inner)
+        elif isinstance(found, list):
+            pending.extend(inner for inner in found if isinstance(inner, dict | list))
+    return False
 
 
 RuleCheck = Callable[[Message], Iterable[tuple[str, str, bool]]]
@@ -547,7 +584,10 @@ def parse_resource(
         return None, [Problem(where, f"expected a mapping (an Envoy {kind}), got {type(value).__name__}")]
     name = value.get(rtype.name_field)
     label = f"{where} ({rtype.name_field} {name!r})" if isinstance(name, str) else where
-    unknown = ensure_types_in(value)
+    try:
+        unknown = ensure_types_in(value)
+    except RecursionError:
+        return None, [Problem(label, _SELF_REFERENCE)]
     if unknown:
         walked = _walked(rtype, value, label, rules)
         return None, walked or [
@@ -633,7 +673,10 @@ def runtime_items(items: Any, problems: list[Problem]) -> Any:
     for place, item in zip(where, items, strict=True):
         layer = item.get("layer") if isinstance(item, dict) else None
         if isinstance(layer, dict):  # (anything else is named when the resource is parsed)
-            _runtime_values(layer, place, problems)
+            try:
+                _runtime_values(layer, place, problems)
+            except RecursionError:
+                problems.append(Problem(place, _SELF_REFERENCE))
     return items
 
 

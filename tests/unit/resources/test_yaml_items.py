@@ -53,7 +53,11 @@ def test_block_lists_are_cut_into_their_items_and_the_rest_is_left_whole() -> No
             "  - name: b   # a comment\n    script: |\n      - not an item\n",
         ]
     }
-    assert yaml.safe_load(cut.rest) == {"version": 3, "endpoints": [], "runtime": {"flags": {"a": 1}}}
+    assert [yaml.safe_load(section) for section in cut.rest] == [
+        {"version": 3},
+        {"endpoints": []},
+        {"runtime": {"flags": {"a": 1}}},
+    ]
 
 
 @pytest.mark.parametrize(
@@ -95,6 +99,28 @@ TRICKY = [
     "clusters:\n- name: a\n  text: |\n    - b\n    c: d\n- name: e\n  folded: >-\n    x\n\n    y\n",
     # Merge keys.
     "clusters:\n- &base {type: EDS, name: a}\n- <<: *base\n  name: b\n",
+    # (What an adversarial review found; each gave another document, or none, than decoding it whole.)
+    # A list indented by one space; one with an item back at column 0.
+    "clusters:\n - name: c1\n   type: STATIC\n",
+    "clusters:\n - name: c1\n- name: c2\n",
+    # A value left open in a section that is not cut, closed in a later one.
+    'services: {}\nversion: "7\nclusters:\n- name: c1\nendpoints: []"\n',
+    "version: [7,\nclusters:\n- name: c1\nendpoints: []]\n",
+    # Line breaks YAML knows beside \n: a lone \r, \x85, \u2028.
+    'clusters:\n- name: c0\r  type: STATIC\r- name: "c1\n- name: c2 #"\n',
+    "clusters:\n- name: a\u2028- name: b\n",
+    "clusters:\n- name: a\x85- name: b\n",
+    # Something indented before the first key.
+    ' version: "7"\nclusters:\n- name: c1\n',
+    "#c\n  version: 7\nclusters:\n- name: c1\n",
+    # An anchor twice: in a section decoded whole and in an item; after a colon in a flow mapping.
+    "clusters:\n- name: a\n  t: &t 1s\nversion: &t 2s\nruntime:\n- name: f\n  layer: {a: *t}\n",
+    'clusters:\n- name: a\n  t: &t 1s\n- {"name": "b", "t":&t 2s}\n- name: c\n  t: *t\n',
+    # A control character where the cut does not decode: the key's line, a comment before the items.
+    "clusters: # x\x01\n- name: c1\n",
+    "clusters:\n# \x1b\n- name: c1\n",
+    "clusters:\n# caf\u00e9 \x01\n- name: c1\n",  # (not ASCII: the other way of looking)
+    "clusters:\n- name: caf\u00e9\n- name: \u4e2d\n",
 ]
 
 
@@ -253,3 +279,39 @@ def test_a_json_resource_whose_text_did_not_change_is_not_keyed_or_parsed_again(
     path.write_text(json.dumps(raw({**ports, "c4": 4444}), indent=2))  # reformatted: new texts, same content
     load_desired(path, memo=memo)
     assert (memo.decoded, memo.parsed) == (121, 61)
+
+
+EDITS = [
+    # Non-string keys: JSON writes 1 as "1", so their canonical JSON is the same; the parse is not.
+    ['runtime:\n- name: flags\n  layer: {"1": a}\n', "runtime:\n- name: flags\n  layer: {1: a}\n"],
+    [
+        "clusters:\n- name: c\n  type: STATIC\n  metadata: {filter_metadata: {k: {'true': 1}}}\n",
+        "clusters:\n- name: c\n  type: STATIC\n  metadata: {filter_metadata: {k: {true: 1}}}\n",
+    ],
+    # A text first seen in a document with a lone \r, then alone.
+    [
+        'clusters:\n- name: c0\r  type: STATIC\r  connect_timeout: 1s\r- name: "c1\n- name: c2 #"\n'
+        "  type: STATIC\n  connect_timeout: 1s\n",
+        'clusters:\n- name: c2 #"\n  type: STATIC\n  connect_timeout: 1s\n',
+    ],
+    # An item that is its own alias (refers to itself).
+    ["runtime:\n- name: flags\n  layer: &m {a: *m}\n", "runtime:\n- name: flags\n  layer: {a: 1}\n"],
+]
+
+
+def _loaded(path: Path, memo: ParseMemo | None) -> Any:
+    """What the file serves (resources and TTLs), or the problems that refuse it."""
+    try:
+        desired = load_desired(path, memo=memo) if memo is not None else load_desired(path)
+    except ConfigError as exc:
+        return sorted(str(p) for p in exc.problems)
+    return desired.resources, desired.ttls
+
+
+@pytest.mark.parametrize("edits", EDITS)
+def test_every_edit_read_with_the_memo_serves_what_reading_it_alone_serves(tmp_path: Path, edits: list[str]) -> None:
+    path = tmp_path / "snapshot.yaml"
+    memo = ParseMemo()
+    for text in edits:
+        path.write_text(text, newline="")
+        assert _loaded(path, memo) == _loaded(path, None), text
