@@ -314,7 +314,7 @@ def run_fanout(options: FanoutOptions) -> FanoutResult:
     change = "file" if options.server == "naive" else options.change  # the naive server has no registry
     with ExitStack() as stack:
         workdir = work_dir(stack, options.workdir, "pilotfish-bench-")
-        snapshot = workdir / "snapshot.json"
+        snapshot = workdir / f"snapshot{options.workload.suffix}"
         options.workload.write(snapshot)
         procs: list[ServerProcess] = []
         if options.server == "pilotfish":
@@ -508,10 +508,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="pilotfish serves xDS and the registry over TLS (mtls: with client certificates), "
         "with certificates from a throwaway CA (default: %(default)s)",
     )
+    parser.add_argument(
+        "--raw",
+        choices=("json", "yaml"),
+        default=None,
+        help="write the snapshot file as raw Envoy EDS clusters and assignments in this form, no listeners "
+        "(default: the services model, as JSON)",
+    )
     args = parser.parse_args(argv)
     if args.tls != "off" and args.server != "pilotfish":
         parser.error("--tls needs --server pilotfish")
-    workload = Workload(services=args.services, endpoints=args.endpoints, listeners=min(args.listeners, args.services))
+    if args.raw and args.change != "file":
+        parser.error("--raw needs --change file (a raw file is changed by rewriting it)")
+    workload = Workload(
+        services=args.services,
+        endpoints=args.endpoints,
+        listeners=0 if args.raw else min(args.listeners, args.services),
+        raw=args.raw or "",
+    )
     results: list[FanoutResult] = []
     with tempfile.TemporaryDirectory(prefix="pilotfish-certs-") as tmp:
         certs = make_certs(Path(tmp))

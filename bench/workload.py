@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 __all__ = ["Workload", "endpoint_address", "service_name", "write_atomically"]
 
 
@@ -35,8 +37,18 @@ class Workload:
     """How many of the services get an HTTP listener (and so a route configuration)."""
     listen_base_port: int = 20000
     """Listener i listens on 127.0.0.1:(base + i); simulated proxies bind nothing."""
+    raw: str = ""
+    """The file's form: "" the ``services`` model (as JSON); ``json`` or ``yaml``: raw Envoy EDS
+    clusters and their ClusterLoadAssignments, as a generated file writes them (no listeners)."""
+
+    @property
+    def suffix(self) -> str:
+        """The snapshot file's suffix (pilotfish reads a ``.json`` file as JSON, others as YAML)."""
+        return ".yaml" if self.raw == "yaml" else ".json"
 
     def describe(self) -> str:
+        if self.raw:
+            return f"{self.services} raw EDS clusters x {self.endpoints} endpoints in {self.raw}"
         return (
             f"{self.services} clusters x {self.endpoints} endpoints, {self.listeners} HTTP listeners "
             f"(+ {self.listeners} route configs)"
@@ -66,10 +78,32 @@ class Workload:
         return out
 
     def document(self, **kwargs: Any) -> dict[str, Any]:
-        return {"services": self.services_section(**kwargs)}
+        services = self.services_section(**kwargs)
+        if not self.raw:
+            return {"services": services}
+        ads = {"eds_config": {"ads": {}, "resource_api_version": "V3"}}
+        clusters, assignments = [], []
+        for name, service in services.items():
+            clusters.append(
+                {
+                    "name": name,
+                    "type": "EDS",
+                    "connect_timeout": service.get("connect_timeout", "1s"),
+                    "eds_cluster_config": ads,
+                }
+            )
+            hosts = [endpoint.rsplit(":", 1) for endpoint in service["endpoints"]]
+            lb_endpoints = [
+                {"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}
+                for host, port in hosts
+            ]
+            assignments.append({"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]})
+        return {"clusters": clusters, "endpoints": assignments}
 
     def write(self, path: Path, **kwargs: Any) -> None:
-        write_atomically(path, json.dumps(self.document(**kwargs)))
+        document = self.document(**kwargs)
+        text = yaml.safe_dump(document, sort_keys=False) if self.raw == "yaml" else json.dumps(document)
+        write_atomically(path, text)
 
 
 def write_atomically(path: Path, text: str) -> None:
