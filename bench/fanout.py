@@ -4,7 +4,8 @@ One run: write the snapshot file, start the server (pilotfish, or the naive base
 process, read its RSS, connect N simulated proxies and wait until all are synced, read the RSS
 again (RSS per idle stream), then make ``changes`` endpoint changes one after another. For each:
 
-- t0 = just before the change is made (the registry API call, or the file's rename);
+- t0 = just before the change is made (the registry API call, or the file's rename: the new file
+  is written beside it before t0);
 - the server's ``snapshot_loaded`` event names the new EDS version (and when it was published);
 - each proxy's time = when it sent its ACK of that version (client side) minus t0;
 - server CPU seconds = /proc/<pid>/stat utime+stime after the server has gone quiet, minus before;
@@ -181,15 +182,25 @@ class EndpointChanger:
     ) -> None:
         self.how, self.server, self.workload, self.snapshot = how, server, workload, snapshot
         self.count = 0
+        self._next = snapshot
+        """The file :meth:`prepare` wrote, to be renamed over the snapshot."""
         self.registered: str | None = None
         self.tls = tls
         """The registry API is served over TLS (with the xDS port's certificate): trust this."""
 
-    def change(self) -> None:
-        self.count += 1
+    def prepare(self) -> None:
+        """What comes before the change and is not the server's work: the next file written
+        beside the snapshot (a large raw YAML file takes the simulator seconds to write)."""
         if self.how == "file":
             # A fresh endpoint each time, so each change is new content.
-            self.workload.write(self.snapshot, extra_endpoint=("10.255.0.1", 9000 + self.count))
+            extra = ("10.255.0.1", 9000 + self.count + 1)
+            self._next = self.workload.write_beside(self.snapshot, extra_endpoint=extra)
+
+    def change(self) -> None:
+        """Make the change (:meth:`prepare` first): the file's rename, or the registry API call."""
+        self.count += 1
+        if self.how == "file":
+            os.replace(self._next, self.snapshot)
             return
         scheme = "https" if self.tls is not None else "http"
         base = f"{scheme}://{self.server.registry}/v1/services/svc-00000/instances"
@@ -404,6 +415,7 @@ def run_fanout(options: FanoutOptions) -> FanoutResult:
             cpu_before = sum(p.cpu_seconds() for p in procs)
             etcd_before = options.etcd.cpu_seconds() if options.etcd is not None else 0.0
             client_before = fleet.cpu_seconds()
+            changer.prepare()
             t0 = time.time()
             changer.change()
             loaded = proc.tail.wait_for("snapshot_loaded", timeout=30, alive=proc.alive)

@@ -17,6 +17,8 @@ import yaml
 
 __all__ = ["Workload", "endpoint_address", "service_name", "write_atomically"]
 
+_DUMPER: Any = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
 
 def service_name(index: int) -> str:
     return f"svc-{index:05d}"
@@ -101,9 +103,16 @@ class Workload:
         return {"clusters": clusters, "endpoints": assignments}
 
     def write(self, path: Path, **kwargs: Any) -> None:
+        os.replace(self.write_beside(path, **kwargs), path)
+
+    def write_beside(self, path: Path, **kwargs: Any) -> Path:
+        """The file, written beside ``path`` (a temporary name in its directory): renaming it over
+        ``path`` is the change."""
         document = self.document(**kwargs)
-        text = yaml.safe_dump(document, sort_keys=False) if self.raw == "yaml" else json.dumps(document)
-        write_atomically(path, text)
+        text = yaml.dump(document, Dumper=_DUMPER, sort_keys=False) if self.raw == "yaml" else json.dumps(document)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        return tmp
 
 
 def write_atomically(path: Path, text: str) -> None:
