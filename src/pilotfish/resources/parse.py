@@ -140,6 +140,10 @@ def decode_document(data: bytes, source: str, *, as_json: bool, memo: ParseMemo 
         raise ConfigError(source, [Problem(where, f"invalid YAML: {reason}")]) from exc
     except RecursionError as exc:
         raise ConfigError(source, [Problem("", "nested too deeply to read")]) from exc
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        # A value that decodes but cannot be built (YAML's `!!int 0x`, `2001-02-30`; a number of
+        # more than 4,300 digits).
+        raise ConfigError(source, [Problem("", f"invalid value: {_short(exc) or type(exc).__name__}")]) from exc
     if document is None:
         raise ConfigError(source, [Problem("", _EMPTY.format(what="only comments (or null)"))])
     return document
@@ -176,7 +180,10 @@ def _decode_by_items(text: str, memo: ParseMemo) -> Any:
             document.update(value)
         # An anchor twice in a document is an error (named when it is decoded whole); those of
         # the sections decoded whole count too.
-        defined = {name for section in cut.rest if "&" in section for name in _ANCHOR.findall(section)}
+        found = [name for section in cut.rest if "&" in section for name in _ANCHOR.findall(section)]
+        defined = set(found)
+        if len(defined) < len(found):
+            return None
         anchors: dict[str, str] = {}  # anchor -> the text of the last item that defines it
         for key, texts in cut.items.items():
             items: list[Any] = []
@@ -200,7 +207,7 @@ def _decode_by_items(text: str, memo: ParseMemo) -> Any:
                     items[pending.index] = value
                     memo.note_text(key, pending.known, value)
             document[key] = items
-    except yaml.YAMLError:
+    except Exception:  # (a value libyaml cannot build, ...: decoded whole, where it is named)
         return None
     return document
 
@@ -265,10 +272,10 @@ def _json_items(text: str, at: int, key: str, memo: ParseMemo) -> tuple[list[Any
     return items, at + 1
 
 
-_ANCHOR = re.compile(r"(?:^|(?<=[\s\[{,:]))&([^\s\[\]{},]+)", re.MULTILINE)
+_ANCHOR = re.compile(r"(?<![0-9A-Za-z_-])&([0-9A-Za-z_-]+)")
 """An anchor's name (``&name`` at the start of a node; may also match inside a string, which
 only costs a decode in context or of the whole)."""
-_ALIAS = re.compile(r"(?:^|(?<=[\s\[{,:]))\*([^\s\[\]{},]+)", re.MULTILINE)
+_ALIAS = re.compile(r"(?<![0-9A-Za-z_-])\*([0-9A-Za-z_-]+)")
 """An alias's name (``*name``), likewise."""
 
 
@@ -404,7 +411,8 @@ class ParseMemo:
     is not parsed again, and is the very message it was (so what is built from it downstream is
     reused by identity too).
 
-    A resource's key is its canonical JSON (sorted keys) with its type; only resources that
+    A resource's key is its JSON (compact, keys in the order written: an ``Any`` keeps that order
+    in its bytes) with its type; only resources that
     parsed without a problem are kept. A YAML document read with the memo is also known by its
     items' texts (:func:`decode_document`): a resource whose text is the same is not even decoded,
     nor keyed again. Bounded: what the last document that parsed whole used (a document is at most
@@ -461,7 +469,7 @@ class ParseMemo:
         try:
             if _non_string_key(value):
                 return None
-            return rtype.key, json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            return rtype.key, json.dumps(value, separators=(",", ":"), ensure_ascii=False)
         except (TypeError, ValueError, RecursionError):
             return None
 
@@ -526,10 +534,10 @@ def _non_string_key(value: Any) -> bool:
             for key, inner in found.items():
                 if not isinstance(key, str):
                     return True
-                if isinstance(inner, dict | list):
+                if isinstance(inner, dict | list | tuple):
                     pending.append(inner)
-        elif isinstance(found, list):
-            pending.extend(inner for inner in found if isinstance(inner, dict | list))
+        elif isinstance(found, list | tuple):  # (YAML's !!omap and !!pairs are lists of pairs)
+            pending.extend(inner for inner in found if isinstance(inner, dict | list | tuple))
     return False
 
 
@@ -597,7 +605,7 @@ def parse_resource(
     message = rtype.message()
     try:
         json_format.ParseDict(value, message)
-    except (json_format.ParseError, TypeError, ValueError) as exc:
+    except (json_format.ParseError, TypeError, ValueError, KeyError, AttributeError, OverflowError, SystemError) as exc:
         # ParseDict stops at the first problem: walk the resource for every one (only now, so a
         # valid file costs nothing more); protobuf's own message when the walk finds none.
         return None, _walked(rtype, value, label, rules) or [Problem(label, _short(exc))]

@@ -121,6 +121,12 @@ TRICKY = [
     "clusters:\n# \x1b\n- name: c1\n",
     "clusters:\n# caf\u00e9 \x01\n- name: c1\n",  # (not ASCII: the other way of looking)
     "clusters:\n- name: caf\u00e9\n- name: \u4e2d\n",
+    # (A second review.) Anchors where the first look did not see them: after `?`, twice outside the lists.
+    "clusters:\n- name: a\n  t: &t 1s\n- name: b\n  m: {k: {?&t v: 1}}\n",
+    'version: &t "7"\nservices: &t {}\nclusters:\n- name: c1\n',
+    # A value libyaml cannot build, in an item before an error the whole read finds first; alone.
+    'clusters:\n- name: c1\n  x: !!int 0x\nendpoints:\n- cluster_name: "c1\n',
+    "clusters:\n- name: c1\n  x: !!int 0x\n- name: c2\n  d: 2001-02-30\n",
 ]
 
 
@@ -257,6 +263,7 @@ JSON_TEXTS = [
     '{"clusters": {"name": "a"}}',  # not a list: left to the parse to name
     '[{"name": "a"}]',
     '{"clusters": [NaN, {"a": Infinity}]}',
+    '{"clusters": [{"name": "a", "x": ' + "9" * 5000 + "}]}",  # (more digits than Python converts)
 ]
 
 
@@ -293,6 +300,18 @@ EDITS = [
         'clusters:\n- name: c0\r  type: STATIC\r  connect_timeout: 1s\r- name: "c1\n- name: c2 #"\n'
         "  type: STATIC\n  connect_timeout: 1s\n",
         'clusters:\n- name: c2 #"\n  type: STATIC\n  connect_timeout: 1s\n',
+    ],
+    # The order of keys inside an Any is kept in its bytes: another order is another resource.
+    [
+        "clusters:\n- name: c\n  type: STATIC\n  metadata:\n    typed_filter_metadata:\n      f: {'@type': "
+        "type.googleapis.com/xds.type.v3.TypedStruct, type_url: x/y, value: {k0: 1, k1: 1}}\n",
+        "clusters:\n- name: c\n  type: STATIC\n  metadata:\n    typed_filter_metadata:\n      f: {'@type': "
+        "type.googleapis.com/xds.type.v3.TypedStruct, type_url: x/y, value: {k1: 1, k0: 1}}\n",
+    ],
+    # Keys that are not strings inside YAML's ordered pairs.
+    [
+        "clusters:\n- name: c\n  type: STATIC\n  metadata: {filter_metadata: {k: {v: !!omap [a: {'1': x}]}}}\n",
+        "clusters:\n- name: c\n  type: STATIC\n  metadata: {filter_metadata: {k: {v: !!omap [a: {1: x}]}}}\n",
     ],
     # An item that is its own alias (refers to itself).
     ["runtime:\n- name: flags\n  layer: &m {a: *m}\n", "runtime:\n- name: flags\n  layer: {a: 1}\n"],
