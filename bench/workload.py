@@ -110,13 +110,16 @@ class Workload:
         ``path`` is the change."""
         document = self.document(**kwargs)
         text = yaml.dump(document, Dumper=_DUMPER, sort_keys=False) if self.raw == "yaml" else json.dumps(document)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        return tmp
+        return _write_beside(path, text)
+
+
+def _write_beside(path: Path, text: str) -> Path:
+    """``text`` in a temp file beside ``path`` (in its directory, so a rename over it is atomic)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    return tmp
 
 
 def write_atomically(path: Path, text: str) -> None:
     """Write to a temp file beside ``path``, then rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    os.replace(_write_beside(path, text), path)

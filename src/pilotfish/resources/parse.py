@@ -189,8 +189,8 @@ def _decode_by_items(text: str, memo: ParseMemo) -> Any:
             items: list[Any] = []
             new: list[_Pending] = []
             for index, item_text in enumerate(texts):
-                context = _anchors_used(item_text, anchors) if "*" in item_text else ()
-                remembered = memo.remembered(key, "".join((*context, item_text)) if context else item_text)
+                context = _anchors_used(item_text, anchors)
+                remembered = memo.remembered(key, _known(context, item_text))
                 items.append(remembered)
                 if remembered is None:
                     new.append(_Pending(index, item_text, context))
@@ -264,9 +264,10 @@ def _json_items(text: str, at: int, key: str, memo: ParseMemo) -> tuple[list[Any
                 raise ValueError("expected ',' or ']'")
             at = _skip(text, at + 1)
         value, end = _JSON.raw_decode(text, at)
-        known = memo.remembered(key, text[at:end])
+        item_text = text[at:end]
+        known = memo.remembered(key, item_text)
         if known is None:
-            memo.note_text(key, text[at:end], value)
+            memo.note_text(key, item_text, value)
         items.append(value if known is None else known)
         at = _skip(text, end)
     return items, at + 1
@@ -290,8 +291,12 @@ class _Pending:
 
     @property
     def known(self) -> str:
-        """What the memo knows it by: its text, after those it is decoded after."""
-        return "".join((*self.context, self.text)) if self.context else self.text
+        return _known(self.context, self.text)
+
+
+def _known(context: tuple[str, ...], text: str) -> str:
+    """What the memo knows an item by: its text, after the texts it is decoded after."""
+    return "".join((*context, text)) if context else text
 
 
 def _anchors_used(text: str, anchors: Mapping[str, str]) -> tuple[str, ...]:
@@ -396,8 +401,8 @@ _NO_TTL: Any = object()
 
 @dataclass(frozen=True, slots=True)
 class Remembered:
-    """A resource that :func:`decode_document` did not decode: its YAML text is one the memo's
-    last good document had, and so is its parse."""
+    """A resource whose text (YAML or JSON) is one the memo's last good document had, and so is
+    its parse: :func:`decode_document` gives it in place of its value (YAML: without decoding it)."""
 
     text: str
     key: tuple[str, str]
@@ -412,13 +417,12 @@ class ParseMemo:
     reused by identity too).
 
     A resource's key is its JSON (compact, keys in the order written: an ``Any`` keeps that order
-    in its bytes) with its type; only resources that
-    parsed without a problem are kept. A YAML document read with the memo is also known by its
-    items' texts (:func:`decode_document`): a resource whose text is the same is not even decoded,
-    nor keyed again. Bounded: what the last document that parsed whole used (a document is at most
-    :data:`MAX_FILE_BYTES`), plus at most :attr:`max_entries` new ones while the next is parsed. A
-    document that fails keeps the last good one's entries. One document at a time: not for
-    concurrent use.
+    in its bytes) with its type; only resources that parsed without a problem are kept. A
+    document read with the memo is also known by its items' texts (:func:`decode_document`): a
+    resource whose text is the same is not keyed again (nor, in YAML, decoded). Bounded: what
+    the last document that parsed whole used (a document is at most :data:`MAX_FILE_BYTES`), plus
+    at most :attr:`max_entries` new ones while the next is parsed. A document that fails keeps the
+    last good one's entries. One document at a time: not for concurrent use.
     """
 
     def __init__(self, *, max_entries: int = 200_000) -> None:
@@ -445,6 +449,11 @@ class ParseMemo:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    @property
+    def texts(self) -> int:
+        """Item texts known from the last good document."""
+        return sum(len(texts) for texts in self._texts_kept.values())
 
     def begin(self) -> None:
         self._used = {}

@@ -12,14 +12,15 @@ A generated or hand-kept snapshot file writes each resource list in block style,
 
 :func:`split_items` cuts such a document by its lines, without parsing it: each top-level key at
 column 0 opens a section, and a section whose key stands alone on its line and whose first line
-below it is a ``- `` item is cut into its items' texts; everything else (``version``,
+below it is a ``- `` item is cut into its items' texts; every other section (``version``,
 ``services``, a list written in flow style) is left whole, in :attr:`YamlItems.rest`. The caller
-parses each item's text on its own (only the ones whose text it has not seen), and the rest as one
-small document.
+decodes each item's text (only the ones whose text it has not seen) and each other section on
+its own.
 
-The cut is conservative: anything it does not recognise (a directive or document marker, a
-top-level line that is not a plain key, a key written twice, a tab or a line less indented than
-the list's items inside a list) gives None, and the caller parses the document whole. A cut in the
+The cut is conservative: anything it does not recognise (a directive or document marker, text
+before the first key, a top-level line that is not a plain key, a key written twice, a tab in an
+indentation, a character YAML refuses or a line break other than ``\n``, a line less indented
+than the list's items inside a list) gives None, and the caller decodes the document whole. A cut in the
 wrong place cannot go unnoticed: it leaves a quoted or flow value open (its text then fails to
 parse) or changes how many items a text holds (which the caller checks); either way the caller
 falls back to parsing the whole document, whose errors name the right lines. An alias (``*name``)

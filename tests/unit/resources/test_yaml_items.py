@@ -334,3 +334,15 @@ def test_every_edit_read_with_the_memo_serves_what_reading_it_alone_serves(tmp_p
     for text in edits:
         path.write_text(text, newline="")
         assert _loaded(path, memo) == _loaded(path, None), text
+
+
+def test_the_texts_known_are_bounded_like_the_resources(tmp_path: Path) -> None:
+    path = tmp_path / "snapshot.yaml"
+    document = raw({f"c{i}": 9000 + i for i in range(10)})
+    memo = ParseMemo(max_entries=5)  # a document larger than the bound is read; only 5 are kept
+    load_desired(_write(path, document), memo=memo)
+    assert (len(memo), memo.texts) == (5, 5)
+    again = load_desired(path, memo=memo)
+    assert memo.decoded == 20 + 15  # the 5 known by their text are not decoded again
+    assert again.resources == load_desired(path).resources
+    assert (len(memo), memo.texts) == (5, 5)
