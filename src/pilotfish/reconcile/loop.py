@@ -6,7 +6,8 @@ sees which endpoints came and went, :class:`~pilotfish.reconcile.readiness.Readi
 source is in, and the :class:`~pilotfish.reconcile.debounce.Debouncer` that a change arrived.
 :meth:`Reconciler.run` builds when the debounce (or a flap hold) says so: merge every source's
 view, take out what the damper holds back, build every node group's snapshot in one pass
-(:func:`pilotfish.build.desired.build_snapshots`), refuse it on any problem (the last good one keeps
+(:func:`pilotfish.build.desired.build_snapshots`, in a worker thread: the event loop goes on
+serving streams meanwhile), refuse it on any problem (the last good one keeps
 serving), skip groups whose content did not change, ask the
 :class:`~pilotfish.reconcile.guard.Guard` whether it removes too much, and publish. Nothing is
 built while an expected source has not reported. :meth:`Reconciler.check`
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -101,6 +103,29 @@ class _PlanInputs:
     kept: Kept
 
 
+@dataclass(frozen=True, slots=True)
+class _Inputs:
+    """What one build starts from (:meth:`Reconciler._inputs`), read on the loop."""
+
+    merged: Merged
+    """What is built: every source's state merged, less what the damper holds back, kept
+    addresses in place of the names that stopped resolving."""
+    counted: Merged
+    """What the guard counts (the names themselves)."""
+    tables: Mapping[str, IndexTable]
+    sources: str
+    """How problems name the sources ("file + registry")."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Built:
+    """What one build found (:meth:`Reconciler._computed`)."""
+
+    snapshots: dict[NodeGroup, Snapshot]
+    endpoints: dict[str, int]
+    """Endpoints per service, as the guard counts them."""
+
+
 class Reconciler:
     """Turns the desired state of all sources into the cache's snapshots, debounced and checked
     (see the module docstring). Its parts are public: :attr:`readiness`, :attr:`guard`,
@@ -159,6 +184,9 @@ class Reconciler:
         self._hold_until: float | None = None
         self._wake = asyncio.Event()
         self._memo = ResourceMemo()
+        self._memo_lock = threading.Lock()
+        """Held while a build (in :meth:`run`'s thread) or an admission trial (on the loop) uses
+        :attr:`_memo`."""
         self._merge_memo = MergeMemo()
         self._endpoint_counts = EndpointCounter()
         self._published_endpoints: dict[str, int] = {}
@@ -210,7 +238,7 @@ class Reconciler:
         """Read now (on the loop) what a build would start from with ``state`` as ``source``'s
         state: every other source's state, each group's published snapshot, the endpoints the
         damper holds back, the subsetting tables. Returns the function that builds it as
-        :meth:`_build` does (merge, damp, build every group, refuse on any problem, skip the
+        :meth:`run` does (merge, damp, build every group, refuse on any problem, skip the
         groups that did not change, ask the guard) and says what it found
         (:class:`~pilotfish.reconcile.plan.Plan`). That function reads only what was read here
         and settings that never change, and uses a memo of its own: it may run in another thread
@@ -305,20 +333,34 @@ class Reconciler:
     # -- the loop -----------------------------------------------------------------------------------
 
     def build_now(self) -> Snapshot | None:
-        """Build and publish at once, skipping the debounce (at start-up). Returns the snapshot
-        handed over, or None if nothing changed or a source has not reported yet; raises
-        :class:`ConfigError` if it is refused."""
+        """Build and publish at once, skipping the debounce, all on the calling thread (at
+        start-up). Returns the snapshot handed over, or None if nothing changed or a source has
+        not reported yet; raises :class:`ConfigError` if it is refused."""
         self._debouncer.start_build(self._clock.now())
         started = time.perf_counter()
         try:
-            return self._build()
+            inputs = self._inputs()
+            return None if inputs is None else self._conclude(inputs, self._computed(inputs))
         finally:
             self.stats.build_seconds += time.perf_counter() - started
             self._debouncer.finish_build()
 
+    @property
+    def building(self) -> bool:
+        """A build is under way (:meth:`run`'s, in its thread, or :meth:`build_now`'s)."""
+        return self._debouncer.building
+
     async def run(self) -> None:
         """Build whenever the debounce (or a flap hold) says so, until cancelled. A change that
-        arrives while the loop waits for a later deadline wakes it (it may be due at once)."""
+        arrives while the loop waits for a later deadline wakes it (it may be due at once).
+
+        Each build's heavy part (:meth:`_computed`: every group's snapshot, the endpoint counts)
+        runs in a worker thread, so the event loop keeps serving streams meanwhile: a thread that
+        holds the GIL gives it up to the loop every ``sys.getswitchinterval()`` (5 ms), so a build
+        of 20,000 raw resources stalls the loop for a few milliseconds at a time, not for the
+        whole build. What it starts from is read on the loop before (:meth:`_inputs`), and what
+        it found is checked and published on the loop after (:meth:`_conclude`); changes that
+        arrive meanwhile are the next build's."""
         while True:
             deadline = self._next_deadline()
             now = self._clock.now()
@@ -330,9 +372,11 @@ class Reconciler:
             self._debouncer.start_build(now)
             started = time.perf_counter()
             try:
-                self._build()
+                inputs = self._inputs()
+                if inputs is not None:
+                    self._conclude(inputs, await asyncio.to_thread(self._computed, inputs))
             except ConfigError:
-                pass  # reported in _build; the last good snapshot keeps serving
+                pass  # reported in _conclude; the last good snapshot keeps serving
             except Exception:
                 _log.exception("building the snapshot failed; keeping the last good one")
                 self._events.emit("snapshot_error", reason="internal error while building (see log)")
@@ -388,14 +432,22 @@ class Reconciler:
         """Build ``states`` merged, publishing nothing: the problems (admission's trial)."""
         try:
             merged = merge_states(states)
-            self._snapshots(merged, ", ".join(sorted(states)), self.tables.for_build(merged), memo=self._memo)
+            tables = self.tables.for_build(merged)
+            # (Waits for a build in its thread to be done with the memo: rare, and no longer than
+            # the same build would have held the loop.)
+            with self._memo_lock:
+                self._snapshots(merged, ", ".join(sorted(states)), tables, memo=self._memo)
         except ConfigError as exc:
             return list(exc.problems)
         return []
 
-    def _build(self) -> Snapshot | None:
+    def _inputs(self) -> _Inputs | None:
+        """What the next build starts from, read on the loop: every source's state merged, less
+        what the damper holds back, kept addresses in place of names that stopped resolving, the
+        subsetting tables. None: an expected source has not reported (publishing now would serve
+        "empty because not yet known")."""
         if self.readiness.waiting_for():
-            return None  # publishing now would serve "empty because not yet known"
+            return None
         self.stats.builds += 1
         merged, self._hold_until = self.damping.damped(
             merge_states(self._states, memo=self._merge_memo), self._clock.now()
@@ -404,11 +456,28 @@ class Reconciler:
         # Kept addresses stand for their name: the guard counts the name, so its resolving again
         # (a name's addresses back to the name) is no removal.
         counted, merged = merged, self.names.served(merged)
-        tables = self.tables.for_build(merged)
+        return _Inputs(merged, counted, self.tables.for_build(merged), self._source_names())
+
+    def _computed(self, inputs: _Inputs) -> _Built | ConfigError:
+        """The heavy part of a build: every group's snapshot, and the endpoints the guard counts;
+        or the problems that refuse it. Reads only ``inputs`` and memos that only builds use (the
+        resource memo also serves admission's trials, under a lock): it may run in a thread."""
+        with self._memo_lock:
+            try:
+                built = self._snapshots(inputs.merged, inputs.sources, inputs.tables, memo=self._memo)
+            except ConfigError as exc:
+                return exc
+        return _Built({group: built[group] for group in self._groups}, self._endpoint_counts(inputs.counted))
+
+    def _conclude(self, inputs: _Inputs, built: _Built | ConfigError) -> Snapshot | None:
+        """On the loop, after :meth:`_computed`: refuse the build on any problem, skip the groups
+        that did not change, ask the guard, publish. Returns the snapshot handed over (None:
+        nothing changed, or the guard holds it); raises :class:`ConfigError` when refused."""
+        if isinstance(built, ConfigError):
+            self._refuse(built)
+        snapshots = built.snapshots
         try:
-            built = self._snapshots(merged, self._source_names(), tables, memo=self._memo)
-            snapshots: dict[NodeGroup, Snapshot] = {group: built[group] for group in self._groups}
-            changed = _changed_groups(snapshots, self.cache.snapshot, self._source_names())
+            changed = _changed_groups(snapshots, self.cache.snapshot, inputs.sources)
         except ConfigError as exc:
             self._refuse(exc)
         self.stats.last_error = None
@@ -417,16 +486,15 @@ class Reconciler:
         if not changed:
             self.guard.release("the sources are back to what is served")
             self._events.emit("snapshot_unchanged", version=first.label())
-            self._merged_served(merged)
+            self._merged_served(inputs.merged)
             return None
-        endpoints = self._endpoint_counts(counted)
-        reasons, counts = self.guard.assess(changed, self._published_endpoints, endpoints)
+        reasons, counts = self.guard.assess(changed, self._published_endpoints, built.endpoints)
         if reasons:
-            self.guard.hold(changed, reasons, counts, endpoints, tables)
+            self.guard.hold(changed, reasons, counts, built.endpoints, inputs.tables)
             return None
         self.guard.release("a later change replaced it")
-        self._publish(changed, endpoints, tables)
-        self._merged_served(merged)
+        self._publish(changed, built.endpoints, inputs.tables)
+        self._merged_served(inputs.merged)
         return snapshots.get(DEFAULT_GROUP, first)
 
     def _merged_served(self, merged: Merged) -> None:

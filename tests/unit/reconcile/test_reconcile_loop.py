@@ -1,4 +1,5 @@
-"""The reconciler end to end on a fake clock: sources in, snapshots out, nothing sleeps."""
+"""The reconciler end to end on a fake clock: sources in, snapshots out, nothing sleeps (but a
+build, which runs in a thread, is waited for)."""
 
 from __future__ import annotations
 
@@ -8,25 +9,32 @@ import dataclasses
 import heapq
 import itertools
 import logging
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
-from pilotfish.build.desired import DesiredState
+from pilotfish.build.desired import DesiredState, build_snapshots
 from pilotfish.cache import SnapshotCache
 from pilotfish.events import ANNOUNCE
 from pilotfish.reconcile import DebounceSettings, Reconciler
+from pilotfish.reconcile import loop as loop_module
 from pilotfish.resources import ENDPOINT, LISTENER
 from pilotfish.resources.services import Endpoint, ServiceSpec
 
 
 class FakeClock:
-    """Virtual time: ``sleep`` waits until a test ``advance``s past its deadline."""
+    """Virtual time: ``sleep`` waits until a test ``advance``s past its deadline. Each step of
+    ``advance`` also waits, in real time, for ``building`` (the reconciler's build, which runs in
+    a thread) to be false."""
 
     def __init__(self) -> None:
         self.time = 1000.0
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
+        self.building: Callable[[], bool] = lambda: False
 
     def now(self) -> float:
         return self.time
@@ -38,20 +46,27 @@ class FakeClock:
 
     async def advance(self, seconds: float) -> None:
         target = self.time + seconds
-        await settle()
+        await settle(self.building)
         while self._sleepers and self._sleepers[0][0] <= target:
             deadline, _, future = heapq.heappop(self._sleepers)
             self.time = max(self.time, deadline)
             if not future.done():
                 future.set_result(None)
-            await settle()
+            await settle(self.building)
         self.time = target
-        await settle()
+        await settle(self.building)
 
 
-async def settle() -> None:
-    for _ in range(10):
-        await asyncio.sleep(0)
+async def settle(building: Callable[[], bool] = lambda: False) -> None:
+    """Let every task run until it waits, and a build under way (``building``) finish."""
+    give_up = time.monotonic() + 30
+    while True:
+        for _ in range(10):
+            await asyncio.sleep(0)
+        if not building():
+            return
+        assert time.monotonic() < give_up, "a build did not finish within 30 s"
+        await asyncio.sleep(0.001)
 
 
 WEB = ServiceSpec(name="web", listen=("127.0.0.1", 10000))
@@ -84,6 +99,7 @@ async def running() -> AsyncIterator[Running]:
     reconciler = Reconciler(cache, clock=clock, settings=DebounceSettings(quiet=0.1, max_delay=1.0, hold=1.0))
     reconciler.update("registry", state(9001, 9002))
     reconciler.build_now()
+    clock.building = lambda: reconciler.building
     task = asyncio.create_task(reconciler.run())
     await settle()
     yield reconciler, clock, cache
@@ -100,6 +116,33 @@ async def test_a_change_right_after_another_is_published_after_the_quiet_period(
     await clock.advance(0.02)
     assert published_ports(cache) == [9001]
     assert reconciler.stats.published == 2
+
+
+async def test_a_build_runs_beside_the_event_loop(running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every xDS stream is served on the event loop: a build (20,000 resources take tens of
+    milliseconds) must not hold it. Here the build waits until the loop, still running, lets it go."""
+    reconciler, clock, cache = running
+    release = threading.Event()
+    build_threads: list[int] = []
+
+    def build_when_released(*args: Any, **kwargs: Any) -> Any:
+        build_threads.append(threading.get_ident())
+        assert release.wait(30), "never let go: the event loop did not run while the build waited"
+        return build_snapshots(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "build_snapshots", build_when_released)
+    await clock.advance(60.0)
+    reconciler.update("registry", state(9001))
+    give_up = time.monotonic() + 30
+    while not build_threads:  # (the loop turns: the build starts)
+        assert time.monotonic() < give_up, "the build did not start"
+        await asyncio.sleep(0.001)
+    assert build_threads[0] != threading.get_ident()
+    assert reconciler.building
+    assert published_ports(cache) == [9001, 9002]
+    release.set()
+    await clock.advance(0)  # (waits for the build)
+    assert published_ports(cache) == [9001]
 
 
 async def test_a_lone_change_is_published_at_once(running: Running) -> None:
@@ -145,6 +188,7 @@ async def test_a_noisy_service_does_not_delay_another() -> None:
     )
     reconciler.update("registry", two_services(20000, 9000))
     reconciler.build_now()
+    clock.building = lambda: reconciler.building
     task = asyncio.create_task(reconciler.run())
     try:
         await clock.advance(5.0)
@@ -359,6 +403,7 @@ async def test_a_source_whose_first_report_is_empty_lets_the_waiting_build_go_ou
     clock = FakeClock()
     cache = SnapshotCache()
     reconciler = Reconciler(cache, clock=clock, expect=("registry", "etcd"))
+    clock.building = lambda: reconciler.building
     task = asyncio.create_task(reconciler.run())
     try:
         reconciler.update("registry", state(9001))
