@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.checkout import checkout, pythonpath_env
 from bench.fanout import FanoutOptions, run_fanout
 from bench.fleet import EDS, XDS_VARIANTS, Fleet
 from bench.fleet.messages import CDS, LDS
@@ -226,17 +227,22 @@ def run_push_floor(
     xds: Sequence[str] = XDS_VARIANTS,
     levels: Sequence[str] = ("changes", "all"),
     workdir: Path | None = None,
+    before: str | None = None,
 ) -> list[list[object]]:
-    """The floor and pilotfish (at each event log level in ``levels``) in turn, ``rounds`` times
-    per xDS variant: the table's rows (:data:`COLUMNS`); see the module docstring."""
+    """The floor and pilotfish (at each event log level in ``levels``; and the commit ``before``,
+    checked out beside this one, likewise) in turn, ``rounds`` times per xDS variant: the
+    table's rows (:data:`COLUMNS`); see the module docstring."""
     workload = Workload()
     servers = ["floor", *(f"pilotfish ({level})" for level in levels)]
+    if before is not None:
+        servers += [f"{before} ({level})" for level in levels]
     cpus: dict[tuple[str, str], list[float]] = {}
     loads: dict[tuple[str, str], list[float]] = {}
     sizes: dict[tuple[str, str], list[float]] = {}
     failures: dict[tuple[str, str], int] = {}
     with contextlib.ExitStack() as stack:
         workdir = work_dir(stack, workdir, "pilotfish-push-floor-")
+        before_env = pythonpath_env(stack.enter_context(checkout(before))) if before is not None else None
         for round_ in range(rounds):
             order = servers if round_ % 2 == 0 else list(reversed(servers))
             for variant in xds:
@@ -255,6 +261,7 @@ def run_push_floor(
                                 xds=variant,
                                 event_log_level=who.split("(")[1].rstrip(")"),
                                 workdir=where,
+                                server_env=None if who.startswith("pilotfish") else before_env,
                             )
                         )
                         cpu, failed = result.cpu, result.failures
@@ -303,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="pilotfish's --event-log-level, one run per level (none: the floor alone; default: %(default)s)",
     )
     parser.add_argument("--workdir", type=Path, default=None, help="keep the servers' files here")
+    parser.add_argument("--before", metavar="COMMIT", help="also run pilotfish at this commit, in turn with the others")
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # internal: the floor server, its event log
     parser.add_argument("--endpoints", type=int, default=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -318,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         xds=args.xds,
         levels=args.event_log_levels,
         workdir=args.workdir,
+        before=args.before,
     )
     print(f"\nworkload (pilotfish): {Workload().describe()}; load now {load_1min():.2f}")
     print_table(COLUMNS, rows)

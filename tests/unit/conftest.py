@@ -3,6 +3,7 @@ member for the modules that talk to etcd."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
 
 from pilotfish.cache import DEFAULT_GROUP, Cancel, NodeGroup, SnapshotCache
+from pilotfish.errors import PeerError
 from pilotfish.protocol import RequestOutcome, SotwStream, Watch
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, RUNTIME, SECRET, TypeUrl, type_by_url
 from pilotfish.resources.bootstrap import BootstrapSettings, bootstrap
@@ -161,12 +163,18 @@ class Received:
 class StreamPair:
     """A proxy's stream and the server side, wired through a real cache, with no I/O.
 
-    Mirrors what ``xds/server.py`` does per stream: each request's watch replaces the previous
-    one of its type; responses get their nonce from the state machine and are decoded here.
+    Mirrors what ``xds/server.py`` does per stream: each request is encoded and read back by
+    :meth:`SotwStream.decode_request` (which may find a plain ACK by its bytes alone), each
+    request's watch replaces the previous one of its type; responses get their nonce from the
+    state machine and are decoded here. A twin stream is fed every request as a decoded message
+    (:meth:`SotwStream.on_request`) and every response: after each request both must agree on
+    the outcome and on what the stream has seen.
     """
 
     cache: SnapshotCache
     stream: SotwStream = field(default_factory=SotwStream)
+    twin: SotwStream | None = None
+    """Fed what ``stream`` is fed, the requests decoded (None: made like ``stream``)."""
     inbox: list[Received] = field(default_factory=list)
     bodies: list[bytes] = field(default_factory=list)
     """The body objects of the responses, as the cache shared them (for tests of sharing)."""
@@ -177,7 +185,13 @@ class StreamPair:
     """The latest watch of each type."""
     _cancels: dict[TypeUrl, Cancel] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.twin is None:
+            self.twin = SotwStream(type_url=self.stream.type_url, limits=self.stream.limits)
+
     def _respond(self, watch: Watch, response: EncodedResponse) -> None:
+        assert self.twin is not None
+        self.twin.on_response(watch, response)
         nonce, response = self.stream.on_response(watch, response)
         self.bodies.append(response.body)
         decoded = discovery_pb2.DiscoveryResponse.FromString(response.body + nonce_field(nonce))
@@ -208,12 +222,27 @@ class StreamPair:
             request.node.id = node_id
         if error is not None:
             request.error_detail.message = error
-        outcome = self.stream.on_request(request)
+        outcome = self._step(request.SerializeToString())
         self.outcomes.append(outcome)
         before = len(self.inbox)
         for watch in outcome.watches:
             self.open(watch)
         return self.inbox[before:]
+
+    def _step(self, data: bytes) -> RequestOutcome:
+        """``data`` through the stream as the server reads it, and decoded through the twin: the
+        same outcome, and the same state after (or the same error)."""
+        twin = self.twin
+        assert twin is not None
+        try:
+            outcome = self.stream.on_decoded(self.stream.decode_request(data))
+        except PeerError as exc:
+            with pytest.raises(type(exc)):
+                twin.on_request(discovery_pb2.DiscoveryRequest.FromString(data))
+            raise
+        expected = twin.on_request(discovery_pb2.DiscoveryRequest.FromString(data))
+        assert _seen(outcome, self.stream) == _seen(expected, twin)
+        return outcome
 
     def open(self, watch: Watch) -> None:
         """Open ``watch`` in place of the stream's previous one of its type (as the server does)."""
@@ -231,6 +260,22 @@ class StreamPair:
         before = len(self.inbox)
         self.cache.set_snapshot(snapshot)
         return self.inbox[before:]
+
+
+def _seen(outcome: RequestOutcome, stream: SotwStream) -> tuple[object, ...]:
+    """A request's outcome and what its stream has seen after it, comparable across two streams
+    (a cluster watch carries its own stream; a response sent is known by its bytes; the names'
+    bytes are kept only when read from bytes)."""
+    watches = tuple((w._replace(routing=None), w.routing is stream) for w in outcome.watches)
+    states = {
+        url: tuple(
+            (value.body, value.version, value.carried) if isinstance(value, EncodedResponse) else value
+            for name, value in ((f.name, getattr(state, f.name)) for f in dataclasses.fields(state))
+            if name != "names_wire"
+        )
+        for url, state in stream.types.items()
+    }
+    return outcome._replace(watches=()), watches, states, stream.node, stream.ttl
 
 
 @pytest.fixture

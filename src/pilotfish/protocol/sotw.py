@@ -67,7 +67,7 @@ from pilotfish.protocol.limits import (
 )
 from pilotfish.protocol.subscription import ResourceState, Subscription, Watch, checked_wire, next_subscription
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
-from pilotfish.resources.wire import request_names_span, split_request_names
+from pilotfish.resources.wire import is_plain_ack, request_names_span, split_request_names
 from pilotfish.snapshot import EncodedResponse, Snapshot
 
 __all__ = ["DecodedRequest", "Nonce", "RequestKind", "RequestOutcome", "SotwStream", "TypeState"]
@@ -107,15 +107,18 @@ class RequestOutcome(NamedTuple):
 
 
 class DecodedRequest(NamedTuple):
-    """A request as :meth:`SotwStream.decode_request` read it, for :meth:`SotwStream.on_request`."""
+    """A request as :meth:`SotwStream.decode_request` read it, for :meth:`SotwStream.on_decoded`."""
 
-    request: discovery_pb2.DiscoveryRequest
-    """The request; without its ``resource_names`` if ``names_as_before``."""
+    request: discovery_pb2.DiscoveryRequest | None
+    """The request; without its ``resource_names`` if ``names_as_before``; None if ``acks``."""
     names_wire: bytes | None
     """The encoded ``resource_names``, if found without decoding them."""
     names_as_before: bool = False
     """The names are byte for byte those of the stream's previous request of the type, and were
     left undecoded."""
+    acks: TypeUrl | None = None
+    """The request is, byte for byte, the plain ACK of the latest response of this type (its
+    version, the names as before, no node, no error): nothing of it was decoded."""
 
 
 _TYPE_URL_CHARS = 256
@@ -180,6 +183,18 @@ class SotwStream:
         compared, :func:`~pilotfish.resources.wire.split_request_names`), only the rest of it is
         decoded, and ``names_as_before`` says so. Same outcome either way (a property test holds
         the two paths to it), at a fraction of the cost for a long list of names."""
+        if self.node is not None:
+            for seen in self.types.values():
+                nonce, wire = seen.nonce, seen.names_wire
+                if (
+                    nonce is not None
+                    and nonce != seen.last_acked_nonce
+                    and wire is not None
+                    and is_plain_ack(
+                        data, version=seen.sent_version or "", names=wire, type_url=seen.type_url, nonce=nonce
+                    )
+                ):
+                    return DecodedRequest(None, wire, names_as_before=True, acks=seen.type_url)
         known = [wire for state in self.types.values() if (wire := state.names_wire)]
         split = split_request_names(data, known)
         request = None
@@ -207,6 +222,26 @@ class SotwStream:
             request_names_span(data, type_url, request.response_nonce) if len(type_url) <= _TYPE_URL_CHARS else None
         )
         return DecodedRequest(request, names_wire)
+
+    def on_decoded(self, decoded: DecodedRequest) -> RequestOutcome:
+        """:meth:`on_request` for what :meth:`decode_request` read (a plain ACK that was not
+        decoded: :meth:`on_plain_ack`)."""
+        if decoded.acks is not None:
+            return self.on_plain_ack(decoded.acks)
+        assert decoded.request is not None
+        return self.on_request(decoded.request, names_wire=decoded.names_wire, names_as_before=decoded.names_as_before)
+
+    def on_plain_ack(self, type_url: TypeUrl) -> RequestOutcome:
+        """What :meth:`on_request` does with the plain ACK of the latest response of
+        ``type_url`` (as :meth:`decode_request` found it: its version, the names of the previous
+        request of the type, no node, no error), without the request: the same outcome."""
+        state = self.types[type_url]
+        nonce, version_info = state.nonce, state.sent_version or ""
+        assert nonce is not None and state.subscription is not None
+        if len(version_info) > self.limits.max_version_chars:
+            version_info = shorten(version_info, self.limits.max_version_chars)
+        state.running_version = version_info or None
+        return self._decided(state, RequestKind.ACK, version_info, nonce, None, state.subscription, changed=False)
 
     def on_request(
         self, request: discovery_pb2.DiscoveryRequest, *, names_wire: bytes | None = None, names_as_before: bool = False
@@ -259,7 +294,24 @@ class SotwStream:
                     stated = True
         if changed and not stated and not state.wildcard_capable:
             _narrow(state, subscription)
+        if not names_as_before:
+            state.names_wire = checked_wire(names_wire) if names_wire is not None else None
+        return self._decided(state, kind, version_info, nonce, error, subscription, changed=changed)
 
+    def _decided(
+        self,
+        state: TypeState,
+        kind: RequestKind,
+        version_info: str,
+        nonce: str,
+        error: str | None,
+        subscription: Subscription,
+        *,
+        changed: bool,
+    ) -> RequestOutcome:
+        """The rest of a request that is not stale, once what the proxy holds is known: the ACK
+        or NACK noted, the subscription kept, the watch to open."""
+        type_url = state.type_url
         force = state.warm_pending and _answers_warming(state, nonce, changed)
         rejected = None
         if kind is RequestKind.ACK:
@@ -270,8 +322,6 @@ class SotwStream:
             rejected = state.sent_version
             state.rejected = True
         state.subscription = subscription
-        if not names_as_before:
-            state.names_wire = checked_wire(names_wire) if names_wire is not None else None
 
         watch = Watch(
             type_url=type_url,

@@ -16,6 +16,7 @@ __all__ = [
     "delta_resource",
     "discovery_response",
     "duration_bytes",
+    "is_plain_ack",
     "lb_endpoint",
     "length_delimited",
     "names_run_count",
@@ -194,19 +195,37 @@ def request_names_span(data: bytes, type_url: str, nonce: str) -> bytes | None:
             start = after
     except (IndexError, ValueError):
         return None
-    tail = _TYPE_URL_FIELDS.get(type_url) if type_url else b""
-    if tail is None:
-        tail = length_delimited(_TYPE_URL, type_url.encode())
-        if len(_TYPE_URL_FIELDS) < 64:
-            _TYPE_URL_FIELDS[type_url] = tail
-    if nonce:
-        tail += length_delimited(_NONCE, nonce.encode())
+    tail = _request_tail(type_url, nonce)
     end -= len(tail)
     if end < start or not data.endswith(tail):
         return None
     if end > start and data[start] != _REQUEST_NAMES_TAG:
         return None
     return data[start:end]
+
+
+def _request_tail(type_url: str, nonce: str) -> bytes:
+    """A DiscoveryRequest's last fields as serializers write them: ``type_url``, ``response_nonce``."""
+    tail = _TYPE_URL_FIELDS.get(type_url) if type_url else b""
+    if tail is None:
+        tail = length_delimited(_TYPE_URL, type_url.encode())
+        if len(_TYPE_URL_FIELDS) < 64:
+            _TYPE_URL_FIELDS[type_url] = tail
+    return tail + length_delimited(_NONCE, nonce.encode()) if nonce else tail
+
+
+def is_plain_ack(data: bytes, *, version: str, names: bytes, type_url: str, nonce: str) -> bool:
+    """Whether ``data`` is, byte for byte, the DiscoveryRequest of a proxy that ACKs the response
+    of ``type_url`` at ``version`` sent with ``nonce``, asking for the names it asked for before
+    (``names``, encoded): ``version_info``, the names, ``type_url`` and ``response_nonce``, in
+    field order, and nothing else (no node, no error detail), as protobuf's serializers write
+    such an ACK (Envoy's, with ``set_node_on_first_message_only``). Found by comparing bytes,
+    nothing decoded: the reader of a fleet's ACKs need not parse any of them."""
+    tail = _request_tail(type_url, nonce)
+    head = len(data) - len(names) - len(tail)
+    if head < 0 or not data.endswith(tail) or not data.startswith(names, head):
+        return False
+    return data[:head] == (length_delimited(_VERSION_INFO, version.encode()) if version else b"")
 
 
 def names_run_count(span: bytes) -> int | None:

@@ -721,13 +721,12 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
         return sent.body if sent is not None and 0 < sent.carried <= _NACK_NAMES else None
 
     def _node_id(self, decoded: DecodedRequest) -> str:
+        assert decoded.request is not None  # (a stream's first request is decoded)
         node_id: str = decoded.request.node.id
         return node_id
 
     def _step(self, decoded: DecodedRequest) -> RequestOutcome:
-        return self.state.on_request(
-            decoded.request, names_wire=decoded.names_wire, names_as_before=decoded.names_as_before
-        )
+        return self.state.on_decoded(decoded)
 
     def _record(self, data: bytes, decoded: DecodedRequest, outcome: RequestOutcome) -> Sequence[Watch]:
         events = self._server.policy.events
@@ -737,11 +736,10 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
             names = None
             if kind is not RequestKind.ACK or outcome.subscription_changed:
                 # (Left undecoded if they were the previous request's: decoded for the record.)
-                names = list(
-                    (
-                        discovery_pb2.DiscoveryRequest.FromString(data) if decoded.names_as_before else decoded.request
-                    ).resource_names
-                )
+                request = decoded.request
+                if request is None or decoded.names_as_before:
+                    request = discovery_pb2.DiscoveryRequest.FromString(data)
+                names = list(request.resource_names)
             events.emit(
                 "stale" if kind is RequestKind.STALE else kind.value,
                 stream=self.id,
