@@ -44,7 +44,9 @@ from typing import NamedTuple
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf.message import DecodeError
 
+from pilotfish.errors import PeerError
 from pilotfish.protocol.limits import (
     DEFAULT_LIMITS,
     PeerOverLimit,
@@ -57,9 +59,10 @@ from pilotfish.protocol.limits import (
 from pilotfish.protocol.sotw import Nonce
 from pilotfish.protocol.subscription import WILDCARD, ResourceState, intern_names
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TypeUrl
+from pilotfish.resources.wire import is_plain_delta_ack
 from pilotfish.snapshot import ABSENT, DeltaChanges, Snapshot, TypeSnapshot
 
-__all__ = ["DeltaKind", "DeltaOutcome", "DeltaStream", "DeltaTypeState", "DeltaWatch"]
+__all__ = ["DecodedDeltaRequest", "DeltaKind", "DeltaOutcome", "DeltaStream", "DeltaTypeState", "DeltaWatch"]
 
 _NOTHING: Mapping[str, str] = {}
 _RESEND = "resend"
@@ -166,6 +169,16 @@ class DeltaWatch(NamedTuple):
         return True
 
 
+class DecodedDeltaRequest(NamedTuple):
+    """A request as :meth:`DeltaStream.decode_request` read it, for :meth:`DeltaStream.on_decoded`."""
+
+    request: discovery_pb2.DeltaDiscoveryRequest | None
+    """The request; None if ``acks``."""
+    acks: TypeUrl | None = None
+    """The request is, byte for byte, the plain ACK of the latest response of this type (its
+    type and nonce, nothing else): nothing of it was decoded."""
+
+
 class DeltaOutcome(NamedTuple):
     """What a request meant, and what the server should do about it."""
 
@@ -192,6 +205,29 @@ class DeltaStream:
     ttl: bool = False
     """The client takes resources with TTLs (its node announces ``xds.config.supports-resource-ttl``)."""
     _sent: int = 0
+
+    def decode_request(self, data: bytes) -> DecodedDeltaRequest:
+        """Decode an encoded DeltaDiscoveryRequest for :meth:`on_decoded`; raises
+        :class:`PeerError` if it is not one. A plain ACK of a type's latest response (what a
+        fleet sends after every push and heartbeat) is found by its bytes and not decoded."""
+        if self.node is not None:
+            for seen in self.types.values():
+                nonce = seen.nonce
+                if nonce is not None and is_plain_delta_ack(data, type_url=seen.type_url, nonce=nonce):
+                    return DecodedDeltaRequest(None, seen.type_url)
+        try:
+            return DecodedDeltaRequest(discovery_pb2.DeltaDiscoveryRequest.FromString(data))
+        except DecodeError as exc:
+            raise PeerError(f"undecodable DeltaDiscoveryRequest: {exc}") from None
+
+    def on_decoded(self, decoded: DecodedDeltaRequest) -> DeltaOutcome:
+        """:meth:`on_request` for what :meth:`decode_request` read."""
+        if decoded.acks is not None:
+            state = self.types[decoded.acks]
+            assert state.nonce is not None and state.started
+            return self._decided(state, state.nonce, None, (), ())
+        assert decoded.request is not None
+        return self.on_request(decoded.request)
 
     def on_request(self, request: discovery_pb2.DeltaDiscoveryRequest) -> DeltaOutcome:
         """Classify a request, apply its subscription changes and say what to watch. Raises
@@ -222,11 +258,17 @@ class DeltaStream:
                 state.wildcard = True  # the legacy wildcard: a first CDS/LDS request naming nothing
         if subscribe or unsubscribe:
             self._subscribe(state, subscribe, unsubscribe)
-
-        nonce = request.response_nonce
         error = (
             shorten(request.error_detail.message, limits.max_error_chars) if request.HasField("error_detail") else None
         )
+        return self._decided(state, request.response_nonce, error, subscribe, unsubscribe)
+
+    def _decided(
+        self, state: DeltaTypeState, nonce: str, error: str | None, subscribe: Iterable[str], unsubscribe: Iterable[str]
+    ) -> DeltaOutcome:
+        """The rest of a request, once its subscription changes are applied: what kind it is
+        (the ACK or NACK noted) and the watches to open."""
+        type_url = state.type_url
         version = None
         if not nonce:
             kind = DeltaKind.REQUEST
@@ -250,7 +292,7 @@ class DeltaStream:
         return DeltaOutcome(
             kind,
             type_url,
-            shorten(nonce, limits.echo_chars),
+            shorten(nonce, self.limits.echo_chars),
             error,
             tuple(subscribe),
             tuple(unsubscribe),
@@ -295,7 +337,8 @@ class DeltaStream:
         routing = None
         if state.type_url in _HELD_BACK:
             routing = self.types
-        return DeltaWatch(state.type_url, state.wildcard, state.names, state, routing, ttl=self.ttl)
+        proxy = self.node.id if state.type_url == ENDPOINT.url and self.node is not None else None
+        return DeltaWatch(state.type_url, state.wildcard, state.names, state, routing, proxy, self.ttl)
 
     def on_response(self, watch: DeltaWatch, changes: DeltaChanges) -> tuple[Nonce, tuple[DeltaWatch, ...]]:
         """Record that ``changes`` go out for ``watch``; return the response's nonce (unique per

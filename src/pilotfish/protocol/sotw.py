@@ -332,6 +332,7 @@ class SotwStream:
             full_state=state.wildcard_capable,
             force=force,
             routing=self if type_url == CLUSTER.url else None,
+            proxy=self.node.id if type_url == ENDPOINT.url and self.node is not None else None,
             ttl=self.ttl,
             renew=self.ttl and state.nonce is None and state.held_version is not None,
         )

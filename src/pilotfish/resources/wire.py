@@ -7,6 +7,7 @@ nonce field. Protobuf parsers accept fields in any order, so appending is valid 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterable
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "discovery_response",
     "duration_bytes",
     "is_plain_ack",
+    "is_plain_delta_ack",
     "lb_endpoint",
     "length_delimited",
     "names_run_count",
@@ -116,9 +118,16 @@ def delta_discovery_response(
     return b"".join(parts)
 
 
+@functools.lru_cache(maxsize=4096)
 def nonce_field(nonce: str) -> bytes:
-    """The nonce field a stream appends to a shared response body."""
+    """The nonce field a stream appends to a shared response body (the same field number as a
+    request's ``response_nonce``). Streams count their nonces alike, so most are made once."""
     return length_delimited(_NONCE, nonce.encode())
+
+
+@functools.lru_cache(maxsize=256)
+def _version_field(version: str) -> bytes:
+    return length_delimited(_VERSION_INFO, version.encode())
 
 
 def _varint_field(field: int, value: int) -> bytes:
@@ -204,14 +213,19 @@ def request_names_span(data: bytes, type_url: str, nonce: str) -> bytes | None:
     return data[start:end]
 
 
+def _type_url_field(type_url: str) -> bytes:
+    found = _TYPE_URL_FIELDS.get(type_url)
+    if found is None:
+        found = length_delimited(_TYPE_URL, type_url.encode())
+        if len(_TYPE_URL_FIELDS) < 64:
+            _TYPE_URL_FIELDS[type_url] = found
+    return found
+
+
 def _request_tail(type_url: str, nonce: str) -> bytes:
     """A DiscoveryRequest's last fields as serializers write them: ``type_url``, ``response_nonce``."""
-    tail = _TYPE_URL_FIELDS.get(type_url) if type_url else b""
-    if tail is None:
-        tail = length_delimited(_TYPE_URL, type_url.encode())
-        if len(_TYPE_URL_FIELDS) < 64:
-            _TYPE_URL_FIELDS[type_url] = tail
-    return tail + length_delimited(_NONCE, nonce.encode()) if nonce else tail
+    tail = _type_url_field(type_url) if type_url else b""
+    return tail + nonce_field(nonce) if nonce else tail
 
 
 def is_plain_ack(data: bytes, *, version: str, names: bytes, type_url: str, nonce: str) -> bool:
@@ -221,11 +235,37 @@ def is_plain_ack(data: bytes, *, version: str, names: bytes, type_url: str, nonc
     field order, and nothing else (no node, no error detail), as protobuf's serializers write
     such an ACK (Envoy's, with ``set_node_on_first_message_only``). Found by comparing bytes,
     nothing decoded: the reader of a fleet's ACKs need not parse any of them."""
-    tail = _request_tail(type_url, nonce)
-    head = len(data) - len(names) - len(tail)
-    if head < 0 or not data.endswith(tail) or not data.startswith(names, head):
+    last, before = nonce_field(nonce), _type_url_field(type_url)
+    end = len(data) - len(last) - len(before)
+    head = end - len(names)
+    if head < 0 or not data.endswith(last) or not data.startswith(before, end) or not data.startswith(names, head):
         return False
-    return data[:head] == (length_delimited(_VERSION_INFO, version.encode()) if version else b"")
+    return data[:head] == (_version_field(version) if version else b"")
+
+
+# DeltaDiscoveryRequest field numbers.
+_DELTA_REQUEST_TYPE_URL = 2
+_DELTA_REQUEST_NONCE = 6
+_DELTA_TYPE_URL_FIELDS: dict[str, bytes] = {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _delta_nonce_field(nonce: str) -> bytes:
+    return length_delimited(_DELTA_REQUEST_NONCE, nonce.encode())
+
+
+def is_plain_delta_ack(data: bytes, *, type_url: str, nonce: str) -> bool:
+    """Whether ``data`` is, byte for byte, the DeltaDiscoveryRequest of a client that ACKs the
+    response of ``type_url`` sent with ``nonce`` and says nothing else (no node, no subscription
+    change, no error detail): ``type_url`` and ``response_nonce``, as protobuf's serializers write
+    it."""
+    first = _DELTA_TYPE_URL_FIELDS.get(type_url)
+    if first is None:
+        first = length_delimited(_DELTA_REQUEST_TYPE_URL, type_url.encode())
+        if len(_DELTA_TYPE_URL_FIELDS) < 64:
+            _DELTA_TYPE_URL_FIELDS[type_url] = first
+    last = _delta_nonce_field(nonce)
+    return len(data) == len(first) + len(last) and data.startswith(first) and data.endswith(last)
 
 
 def names_run_count(span: bytes) -> int | None:

@@ -51,7 +51,6 @@ from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
-from google.protobuf.message import DecodeError
 
 from pilotfish.build.subsetting import ProxyIndexer, ProxyIndices
 from pilotfish.cache import DEFAULT_GROUP, Cancel, ConfigWatcher, NodeGroup, WatchRouting
@@ -75,6 +74,7 @@ from pilotfish.protocol import (
     XdsLimits,
     next_subscription,
 )
+from pilotfish.protocol.delta import DecodedDeltaRequest
 from pilotfish.protocol.limits import shorten
 from pilotfish.protocol.sotw import DecodedRequest
 from pilotfish.resources import (
@@ -539,8 +539,8 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         if watch.type_url == SECRET.url:
             self._asked_secrets = watch
             watch = self._granted_only(watch)
-        elif watch.type_url == ENDPOINT.url:
-            watch = watch._replace(proxy=self.node_id)
+        elif watch.type_url == ENDPOINT.url and watch.proxy != self.node_id:
+            watch = watch._replace(proxy=self.node_id)  # (the state machines name it already)
         self._current[watch.type_url] = watch
         self._replace_watch(watch)
 
@@ -804,7 +804,7 @@ class _SotwConnection(_Stream[Watch, DecodedRequest, EncodedResponse]):
         }
 
 
-class _DeltaConnection(_Stream[DeltaWatch, discovery_pb2.DeltaDiscoveryRequest, DeltaChanges]):
+class _DeltaConnection(_Stream[DeltaWatch, DecodedDeltaRequest, DeltaChanges]):
     """One incremental (delta) stream: :class:`~pilotfish.protocol.DeltaStream` decides, and the
     cache answers with what the client lacks."""
 
@@ -819,22 +819,18 @@ class _DeltaConnection(_Stream[DeltaWatch, discovery_pb2.DeltaDiscoveryRequest, 
         super().__init__(server, call, type_url, server.cache.create_delta_watch)
         self.state = DeltaStream(type_url=type_url, limits=server.policy.limits)
 
-    def _decode(self, data: bytes) -> discovery_pb2.DeltaDiscoveryRequest:
-        try:
-            return discovery_pb2.DeltaDiscoveryRequest.FromString(data)
-        except DecodeError as exc:
-            raise PeerError(f"undecodable DeltaDiscoveryRequest: {exc}") from None
+    def _decode(self, data: bytes) -> DecodedDeltaRequest:
+        return self.state.decode_request(data)
 
-    def _node_id(self, decoded: discovery_pb2.DeltaDiscoveryRequest) -> str:
-        node_id: str = decoded.node.id
+    def _node_id(self, decoded: DecodedDeltaRequest) -> str:
+        assert decoded.request is not None  # (a stream's first request is decoded)
+        node_id: str = decoded.request.node.id
         return node_id
 
-    def _step(self, decoded: discovery_pb2.DeltaDiscoveryRequest) -> DeltaOutcome:
-        return self.state.on_request(decoded)
+    def _step(self, decoded: DecodedDeltaRequest) -> DeltaOutcome:
+        return self.state.on_decoded(decoded)
 
-    def _record(
-        self, data: bytes, decoded: discovery_pb2.DeltaDiscoveryRequest, outcome: DeltaOutcome
-    ) -> Sequence[DeltaWatch]:
+    def _record(self, data: bytes, decoded: DecodedDeltaRequest, outcome: DeltaOutcome) -> Sequence[DeltaWatch]:
         events = self._server.policy.events
         kind = outcome.kind
         if kind is DeltaKind.NACK or events.conversation:
@@ -843,8 +839,9 @@ class _DeltaConnection(_Stream[DeltaWatch, discovery_pb2.DeltaDiscoveryRequest, 
                 changes["subscribe"] = list(outcome.subscribed)
             if outcome.unsubscribed:
                 changes["unsubscribe"] = list(outcome.unsubscribed)
-            if decoded.initial_resource_versions:
-                changes["initial_resources"] = len(decoded.initial_resource_versions)
+            request = decoded.request
+            if request is not None and request.initial_resource_versions:
+                changes["initial_resources"] = len(request.initial_resource_versions)
             events.emit(
                 kind.value,
                 stream=self.id,

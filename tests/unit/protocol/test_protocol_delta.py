@@ -58,17 +58,30 @@ class Got:
 
 @dataclass
 class DeltaPair:
+    """A delta stream and the server side, wired through a real cache, with no I/O. Each request
+    is encoded and read back by :meth:`DeltaStream.decode_request` (which may find a plain ACK by
+    its bytes alone); a twin stream is fed it decoded (:meth:`DeltaStream.on_request`) and every
+    response: after each request both must agree on the outcome and on what the stream has seen."""
+
     cache: SnapshotCache
     stream: DeltaStream = field(default_factory=DeltaStream)
     inbox: list[Got] = field(default_factory=list)
     outcomes: list[DeltaOutcome] = field(default_factory=list)
     _cancels: dict[TypeUrl, Cancel] = field(default_factory=dict)
     _current: dict[TypeUrl, DeltaWatch] = field(default_factory=dict)
+    twin: DeltaStream = field(default_factory=DeltaStream)
+    _twin_current: dict[TypeUrl, DeltaWatch] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.twin = DeltaStream(type_url=self.stream.type_url, limits=self.stream.limits)
 
     def _respond(self, watch: DeltaWatch, changes: DeltaChanges) -> None:
         if self._current.get(changes.type_url) is not watch:
             return
+        twin_nonce, twin_again = self.twin.on_response(self._twin_current[changes.type_url], changes)
+        self._twin_current.update((w.type_url, w) for w in twin_again)
         nonce, again = self.stream.on_response(watch, changes)
+        assert nonce == twin_nonce
         decoded = discovery_pb2.DeltaDiscoveryResponse.FromString(changes.body + nonce_field(nonce))
         for resource in decoded.resources:  # every resource carries a decodable message of its type
             message = cluster_pb2.Cluster() if decoded.type_url == CDS else endpoint_pb2.ClusterLoadAssignment()
@@ -106,7 +119,21 @@ class DeltaPair:
         )
         if error is not None:
             request.error_detail.message = error
-        outcome = self.stream.on_request(request)
+        data = request.SerializeToString()
+        try:
+            outcome = self.stream.on_decoded(self.stream.decode_request(data))
+        except PeerError as exc:
+            with pytest.raises(type(exc)):
+                self.twin.on_request(discovery_pb2.DeltaDiscoveryRequest.FromString(data))
+            raise
+        expected = self.twin.on_request(discovery_pb2.DeltaDiscoveryRequest.FromString(data))
+        assert (outcome, self.stream.types, self.stream.node, self.stream.ttl) == (
+            expected,
+            self.twin.types,
+            self.twin.node,
+            self.twin.ttl,
+        )
+        self._twin_current.update((w.type_url, w) for w in expected.watches)
         self.outcomes.append(outcome)
         before = len(self.inbox)
         for watch in outcome.watches:
