@@ -188,13 +188,13 @@ class SotwStream:
                 nonce, wire = seen.nonce, seen.names_wire
                 if (
                     nonce is not None
-                    and nonce != seen.last_acked_nonce
                     and wire is not None
+                    and nonce != seen.last_acked_nonce
                     and is_plain_ack(
                         data, version=seen.sent_version or "", names=wire, type_url=seen.type_url, nonce=nonce
                     )
                 ):
-                    return DecodedRequest(None, wire, names_as_before=True, acks=seen.type_url)
+                    return DecodedRequest(None, wire, True, seen.type_url)  # (by position: quicker)
         known = [wire for state in self.types.values() if (wire := state.names_wire)]
         split = split_request_names(data, known)
         request = None
@@ -323,18 +323,20 @@ class SotwStream:
             state.rejected = True
         state.subscription = subscription
 
+        # (By position: a NamedTuple of eleven fields is made several times faster so, and one
+        # is made for every request of a fleet.)
         watch = Watch(
-            type_url=type_url,
-            subscription=subscription,
-            known_version=state.held_version,
-            known_names=state.held_names,
-            known_wildcard=state.held_wildcard,
-            full_state=state.wildcard_capable,
-            force=force,
-            routing=self if type_url == CLUSTER.url else None,
-            proxy=self.node.id if type_url == ENDPOINT.url and self.node is not None else None,
-            ttl=self.ttl,
-            renew=self.ttl and state.nonce is None and state.held_version is not None,
+            type_url,
+            subscription,
+            state.held_version,  # known_version
+            state.held_names,  # known_names
+            state.held_wildcard,  # known_wildcard
+            state.wildcard_capable,  # full_state
+            force,
+            self if type_url == CLUSTER.url else None,  # routing
+            self.node.id if type_url == ENDPOINT.url and self.node is not None else None,  # proxy
+            self.ttl,
+            self.ttl and state.nonce is None and state.held_version is not None,  # renew
         )
         watches: tuple[Watch, ...] = (watch,)
         if kind is RequestKind.ACK and type_url in _ROUTING:
