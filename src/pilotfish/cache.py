@@ -237,10 +237,18 @@ class SnapshotCache:
             ):
                 continue
             due: list[tuple[int, _Entry, TypeSnapshot]] = []
+            # What answers a watch is the same for all of the type unless it depends on the
+            # stream (a bridge, per-proxy endpoints): then it is looked up per watch.
+            shared = self._shared_source(group, snapshot, type_url)
+            sources = {True: shared, False: shared.plain()} if shared is not None else None
             for wid, entry in watches.items():
-                current = self._current(group, snapshot, entry[0])
-                if current is not None and (isinstance(entry[0], DeltaWatch) or needs_response(entry[0], current)):
+                watch = entry[0]
+                current = self._current(group, snapshot, watch) if sources is None else sources[watch.ttl]
+                if current is not None and (isinstance(watch, DeltaWatch) or needs_response(watch, current)):
                     due.append((wid, entry, current))
+            # The SotW responses made in this pass, by what makes them: watches of one
+            # subscription at one version (the usual case) share one, looked up once.
+            responses: dict[tuple[object, ...], EncodedResponse] = {}
             for wid, entry, current in due:
                 if isinstance(entry[0], DeltaWatch):
                     # What a delta client lacks is read when it is its turn: an answer of an
@@ -251,8 +259,24 @@ class SnapshotCache:
                     del watches[wid]
                     entry[1](entry[0], changes)
                 else:
+                    watch = entry[0]
                     del watches[wid]
-                    entry[1](entry[0], self._response(group, current, entry[0]))
+                    # (Every object keyed by its id is alive until the pass ends.)
+                    key = (
+                        id(current),
+                        id(watch.subscription),
+                        watch.known_version,
+                        id(watch.known_names),
+                        watch.known_wildcard,
+                        watch.full_state,
+                        watch.force,
+                        watch.renew,
+                        watch.ttl,
+                    )
+                    response = responses.get(key)
+                    if response is None:
+                        response = responses[key] = self._response(group, current, watch)
+                    entry[1](entry[0], response)
                 answered += 1
         return answered
 
@@ -401,6 +425,16 @@ class SnapshotCache:
         if since is None:
             return current.response(names)
         return current.changes(names, since=since if watch.ttl else since.plain(), held=watch.known_names)
+
+    def _shared_source(self, group: NodeGroup, snapshot: Snapshot, type_url: TypeUrl) -> TypeSnapshot | None:
+        """What answers every watch of ``type_url`` (as :meth:`_source`), if that does not depend
+        on the watch: not for clusters while a cluster bridge stands, nor for endpoints that are
+        served per proxy or bridged. None: look it up per watch (or the type is not served)."""
+        if type_url == CLUSTER.url and group in self._bridges:
+            return None
+        if type_url == ENDPOINT.url and (snapshot.subsets is not None or self._endpoint_bridges):
+            return None
+        return snapshot.get(type_url)
 
     def _current(self, group: NodeGroup, snapshot: Snapshot, watch: Watch | DeltaWatch) -> TypeSnapshot | None:
         """What ``watch`` should be answered from (:meth:`_source`), without TTLs for a proxy

@@ -79,3 +79,27 @@ def test_two_caches_in_one_process_keep_budgets_of_their_own() -> None:
     assert memoized.memoized()[0] == 1, "another server's peer evicted this server's memoized response"
     assert busy.memo_budget.bytes <= LIMITS.bytes and len(busy.memo_budget.order) <= LIMITS.entries
     assert quiet.memo_budget.bytes <= LIMITS.bytes
+
+
+def test_one_push_answers_each_proxy_with_what_it_lacks_though_responses_are_shared() -> None:
+    # One pass of set_snapshot answers every waiting watch, and watches made alike (one
+    # subscription at one version) share the response looked up for the first of them; a
+    # proxy subscribed to other names gets its own.
+    def built(changed: dict[str, int]) -> Snapshot:
+        endpoints = [parse_resource(ENDPOINT, assignment(n, changed.get(n, 8000)), "")[0] for n in SERVICES[:40]]
+        return Snapshot.build({ENDPOINT: [e for e in endpoints if e is not None], CLUSTER: []})
+
+    cache = SnapshotCache()
+    cache.set_snapshot(built({}))
+    names, other = SERVICES[:20], SERVICES[10:30]
+    fleet = {"a": StreamPair(cache), "b": StreamPair(cache), "other": StreamPair(cache)}
+    for key, pair in fleet.items():
+        subscribed = other if key == "other" else names
+        pair.send(EDS, subscribed)
+        pair.ack(pair.inbox[-1], subscribed)
+    cache.set_snapshot(built({SERVICES[1]: 8001, SERVICES[15]: 8015}))
+    got = {key: pair.inbox[-1] for key, pair in fleet.items()}
+    assert got["a"].names == got["b"].names == [SERVICES[1], SERVICES[15]]
+    assert fleet["a"].bodies[-1] is fleet["b"].bodies[-1]  # one response, shared
+    assert got["other"].names == [SERVICES[15]]  # of its names, only svc-0015 changed
+    assert got["a"].version == got["other"].version
