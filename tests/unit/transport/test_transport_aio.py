@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ import hpack
 import pytest
 
 from pilotfish.transport import frames as h2
-from pilotfish.transport.aio import Call, ConnectionLimits, GrpcServer, _Connection
+from pilotfish.transport.aio import KEEPALIVE_IDLE, Call, ConnectionLimits, GrpcServer, _Connection
 
 
 class RecordingTransport:
@@ -320,3 +321,30 @@ def test_refusals_are_logged_at_most_once_per_interval_with_how_many_were_not(
         "stream 160 ended: too many names (and 159 more such streams since the last one logged)",
         "139 more such streams not logged in the last 10 s",
     ]
+
+
+async def test_each_accepted_connection_waits_its_own_idle_time_before_keepalive_probes() -> None:
+    # A fleet that connected at once must not be probed at one instant: each accepted socket
+    # draws its TCP keepalive idle time from KEEPALIVE_IDLE (aligned probes of 10,000 idle
+    # connections overflowed the kernel's queues, and 13 % were closed as dead peers).
+    server = GrpcServer({"/svc/Method": Recorder})
+    port = await server.start("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    clients = []
+    try:
+        for _ in range(24):
+            sock = socket.socket()
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            clients.append(sock)
+        assert await until(lambda: len(server.connections) == len(clients))
+        idle = [
+            conn.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+            for conn in server.connections
+        ]
+        assert all(KEEPALIVE_IDLE[0] <= seconds <= KEEPALIVE_IDLE[1] for seconds in idle), idle
+        assert len(set(idle)) > 1, f"24 connections, one idle time: {idle}"
+    finally:
+        for sock in clients:
+            sock.close()
+        await server.stop()
