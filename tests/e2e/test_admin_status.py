@@ -11,11 +11,10 @@ import re
 from typing import Any
 
 import pytest
-import yaml
 
 from .event_log import CDS, RDS, is_event
 from .processes import http_json, pilotfish, wait_until
-from .snapshot_file import ROUTE_NAME
+from .snapshot_file import ROUTE_NAME, write_document
 from .testbed import Testbed, wait_for_acks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -120,10 +119,10 @@ def test_a_nack_whose_message_names_no_resource_is_shown_with_the_rejected_ones(
     testbed.control_plane.options = ("--validate", "off")
     testbed.start(version="1")
     mark = testbed.events.mark()
-    document = testbed.write_snapshot(version="2")
+    document = testbed.snapshot_document(version="2")
     routes = document["routes"][0]["virtual_hosts"][0]["routes"]
     routes.insert(0, {"match": {"safe_regex": {"regex": "(("}}, "route": {"cluster": "web"}})
-    testbed.snapshot_path.write_text(yaml.safe_dump(document))
+    write_document(testbed.snapshot_path, document)
     nack = testbed.events.wait_for(is_event("nack", node="edge-1", type=RDS), after=mark, what="Envoy's NACK of RDS")
     assert nack["error"] == "missing ): ((", "the event log keeps Envoy's own message"
     table = pilotfish("status", "--admin", testbed.control_plane.admin, check=False)

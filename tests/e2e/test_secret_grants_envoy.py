@@ -33,7 +33,7 @@ _TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Downstream
 def write_snapshot(testbed: Testbed, pki: Pki, secure_port: int, *, version: str) -> None:
     """The testbed's snapshot plus the secret ``edge-cert`` (a fresh certificate from the test CA)
     and listener ``secure`` on ``secure_port``, which serves TLS with it."""
-    document = testbed.write_snapshot(version=version)
+    document = testbed.snapshot_document(version=version)
     leaf = pki.ca.issue_cert(f"secure-v{version}.pilotfish.test")
     secure = copy.deepcopy(document["listeners"][0])
     secure["name"] = "secure"

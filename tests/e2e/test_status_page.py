@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-import yaml
 from aiohttp import web
 from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
@@ -41,6 +40,7 @@ from .ads_client import AdsClient
 from .browser import Browser, Page
 from .event_log import CDS, is_event
 from .processes import http_get, wait_until
+from .snapshot_file import write_document
 from .test_admin_status import V2, V2B, V3
 from .testbed import Testbed
 
@@ -188,11 +188,9 @@ def test_refused_and_held_snapshots_are_shown_with_why_and_what_to_do(testbed: T
     assert "The latest change" in _wait_on_page(page, refused, "the refused change and why")
 
     # A change that removes every listener: held, with how to publish it anyway.
-    document = testbed.write_snapshot(**V2B)
+    document = testbed.snapshot_document(**V2B)
     without_listeners = {key: value for key, value in document.items() if key != "listeners"}
-    staged = testbed.snapshot_path.with_suffix(".staged")
-    staged.write_text(yaml.safe_dump(without_listeners))
-    staged.replace(testbed.snapshot_path)
+    write_document(testbed.snapshot_path, without_listeners)
 
     def held() -> str:
         panel = page.evaluate(

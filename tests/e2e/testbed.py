@@ -15,7 +15,7 @@ from typing import Any
 
 from .event_log import TYPE_URLS, Event, EventLog, is_event, short_type
 from .processes import ControlPlane, Envoy, ProcessGroup, Upstream, free_port, http_get, wait_until
-from .snapshot_file import write_snapshot
+from .snapshot_file import snapshot_document, write_document
 
 __all__ = ["WEB", "Testbed", "wait_for_acks"]
 
@@ -50,16 +50,22 @@ class Testbed:
         return f"127.0.0.1:{self.upstreams[upstream].port}"
 
     def write_snapshot(self, *, web: Sequence[str] = WEB, **params: Any) -> dict[str, Any]:
-        """Replace the snapshot file (by rename); ``web`` names the upstreams of cluster web.
+        """Replace the snapshot file (by rename) with :meth:`snapshot_document`'s document."""
+        document = self.snapshot_document(web=web, **params)
+        write_document(self.snapshot_path, document)
+        return document
 
-        Other parameters go to :func:`snapshot_file.snapshot_document` (version, direct_body,
-        connect_timeout, stat_prefix, reordered).
-        """
+    def snapshot_document(self, *, web: Sequence[str] = WEB, **params: Any) -> dict[str, Any]:
+        """The testbed's snapshot, not written: ``web`` names the upstreams of cluster web; other
+        parameters go to :func:`snapshot_file.snapshot_document` (version, direct_body,
+        connect_timeout, stat_prefix, reordered). A test that adds to it writes it once (a file
+        written twice under one explicit version may be read in between, and its second content
+        is then refused: the version did not change)."""
         endpoints = {
             "web": [self.upstreams[name].port for name in web],
             "api": [self.upstreams["api"].port],
         }
-        return write_snapshot(self.snapshot_path, listener_port=self.listener_port, endpoints=endpoints, **params)
+        return snapshot_document(listener_port=self.listener_port, endpoints=endpoints, **params)
 
     def start_envoy(self, *, name: str = "envoy", node_id: str = "edge-1", **options: Any) -> Envoy:
         envoy = Envoy.start(
