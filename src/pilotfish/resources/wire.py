@@ -125,9 +125,11 @@ def nonce_field(nonce: str) -> bytes:
     return length_delimited(_NONCE, nonce.encode())
 
 
-@functools.lru_cache(maxsize=256)
-def _version_field(version: str) -> bytes:
-    return length_delimited(_VERSION_INFO, version.encode())
+@functools.lru_cache(maxsize=4096)
+def _string_field(field: int, value: str) -> bytes:
+    """A string field, made once (the fields a request is compared with: versions, type URLs,
+    nonces; the cache is bounded, and a peer's made-up values only push out others)."""
+    return length_delimited(field, value.encode())
 
 
 def _varint_field(field: int, value: int) -> bytes:
@@ -181,9 +183,6 @@ _REQUEST_VERSION_TAG = 0x0A  # DiscoveryRequest.version_info (field 1, length-de
 _REQUEST_NAMES_TAG = 0x1A  # DiscoveryRequest.resource_names (field 3)
 
 
-_TYPE_URL_FIELDS: dict[str, bytes] = {}
-
-
 def request_names_span(data: bytes, type_url: str, nonce: str) -> bytes | None:
     """The encoded ``resource_names`` of a DiscoveryRequest, found without decoding them.
 
@@ -213,18 +212,9 @@ def request_names_span(data: bytes, type_url: str, nonce: str) -> bytes | None:
     return data[start:end]
 
 
-def _type_url_field(type_url: str) -> bytes:
-    found = _TYPE_URL_FIELDS.get(type_url)
-    if found is None:
-        found = length_delimited(_TYPE_URL, type_url.encode())
-        if len(_TYPE_URL_FIELDS) < 64:
-            _TYPE_URL_FIELDS[type_url] = found
-    return found
-
-
 def _request_tail(type_url: str, nonce: str) -> bytes:
     """A DiscoveryRequest's last fields as serializers write them: ``type_url``, ``response_nonce``."""
-    tail = _type_url_field(type_url) if type_url else b""
+    tail = _string_field(_TYPE_URL, type_url) if type_url else b""
     return tail + nonce_field(nonce) if nonce else tail
 
 
@@ -235,23 +225,17 @@ def is_plain_ack(data: bytes, *, version: str, names: bytes, type_url: str, nonc
     field order, and nothing else (no node, no error detail), as protobuf's serializers write
     such an ACK (Envoy's, with ``set_node_on_first_message_only``). Found by comparing bytes,
     nothing decoded: the reader of a fleet's ACKs need not parse any of them."""
-    last, before = nonce_field(nonce), _type_url_field(type_url)
+    last, before = nonce_field(nonce), _string_field(_TYPE_URL, type_url)
     end = len(data) - len(last) - len(before)
     head = end - len(names)
     if head < 0 or not data.endswith(last) or not data.startswith(before, end) or not data.startswith(names, head):
         return False
-    return data[:head] == (_version_field(version) if version else b"")
+    return data[:head] == (_string_field(_VERSION_INFO, version) if version else b"")
 
 
 # DeltaDiscoveryRequest field numbers.
 _DELTA_REQUEST_TYPE_URL = 2
 _DELTA_REQUEST_NONCE = 6
-_DELTA_TYPE_URL_FIELDS: dict[str, bytes] = {}
-
-
-@functools.lru_cache(maxsize=4096)
-def _delta_nonce_field(nonce: str) -> bytes:
-    return length_delimited(_DELTA_REQUEST_NONCE, nonce.encode())
 
 
 def is_plain_delta_ack(data: bytes, *, type_url: str, nonce: str) -> bool:
@@ -259,12 +243,7 @@ def is_plain_delta_ack(data: bytes, *, type_url: str, nonce: str) -> bool:
     response of ``type_url`` sent with ``nonce`` and says nothing else (no node, no subscription
     change, no error detail): ``type_url`` and ``response_nonce``, as protobuf's serializers write
     it."""
-    first = _DELTA_TYPE_URL_FIELDS.get(type_url)
-    if first is None:
-        first = length_delimited(_DELTA_REQUEST_TYPE_URL, type_url.encode())
-        if len(_DELTA_TYPE_URL_FIELDS) < 64:
-            _DELTA_TYPE_URL_FIELDS[type_url] = first
-    last = _delta_nonce_field(nonce)
+    first, last = _string_field(_DELTA_REQUEST_TYPE_URL, type_url), _string_field(_DELTA_REQUEST_NONCE, nonce)
     return len(data) == len(first) + len(last) and data.startswith(first) and data.endswith(last)
 
 
