@@ -4,7 +4,14 @@
 May import only ``followed_file``, ``events`` and ``errors`` (and protobuf); everything above builds on it.
 """
 
-from pilotfish.resources.parse import ParsedDocument, ParseMemo, decode_document, parse_document, read_document
+from pilotfish.resources.parse import (
+    ParsedDocument,
+    ParseMemo,
+    decode_document,
+    parse_document,
+    read_document,
+    read_parsed,
+)
 from pilotfish.resources.types import (
     ADS_ORDER,
     CLUSTER,
@@ -38,6 +45,7 @@ __all__ = [
     "decode_document",
     "parse_document",
     "read_document",
+    "read_parsed",
     "type_by_key",
     "type_by_url",
 ]

@@ -11,10 +11,12 @@ so one run of ``pilotfish validate`` shows everything to fix.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import re
 import threading
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +29,10 @@ from google.protobuf.message import Message
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources.anytypes import ensure_types_in
 from pilotfish.resources.services import Endpoint, ServiceSpec, parse_seconds, parse_services
+from pilotfish.resources.text_diff import changed_region
 from pilotfish.resources.types import RUNTIME, TYPES, ResourceType, type_by_key
 from pilotfish.resources.walk import MAX_PROBLEMS, json_problems, path_text, without
-from pilotfish.resources.yaml_items import split_items
+from pilotfish.resources.yaml_items import cut_piece, split_items
 
 __all__ = [
     "ParseMemo",
@@ -39,6 +42,7 @@ __all__ = [
     "parse_document",
     "parse_resource",
     "read_document",
+    "read_parsed",
     "without_collections",
 ]
 
@@ -79,6 +83,24 @@ def read_document(path: Path, *, memo: ParseMemo | None = None) -> Any:
     means to serve nothing writes the empty lists explicitly (``clusters: []``).
     """
     source = str(path)
+    return decode_document(_read_bytes(path, source), source, as_json=path.suffix == ".json", memo=memo)
+
+
+def read_parsed(path: Path, *, rules: RuleCheck | None = None, memo: ParseMemo) -> ParsedDocument:
+    """:func:`read_document` then :func:`parse_document`, the way a followed file is read: when the
+    file differs from ``memo``'s last good document only inside one run of a resource list's
+    items, only those items are decoded and parsed (:attr:`ParseMemo.edits` counts these), and
+    the rest of the document is the last one's as it was; anything else is read whole."""
+    source = str(path)
+    as_json = path.suffix == ".json"
+    text = _text(_read_bytes(path, source), source)
+    edited = _parse_edit(text, as_json, memo, rules)
+    if edited is not None:
+        return edited
+    return parse_document(_decode_text(text, source, as_json, memo), source, rules=rules, memo=memo)
+
+
+def _read_bytes(path: Path, source: str) -> bytes:
     try:
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
@@ -92,10 +114,9 @@ def read_document(path: Path, *, memo: ParseMemo | None = None) -> Any:
                     )
                 ],
             )
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as exc:
         raise ConfigError(source, [Problem("", f"cannot read: {exc.strerror or exc}")]) from exc
-    return decode_document(data, source, as_json=path.suffix == ".json", memo=memo)
 
 
 def decode_document(data: bytes, source: str, *, as_json: bool, memo: ParseMemo | None = None) -> Any:
@@ -109,6 +130,10 @@ def decode_document(data: bytes, source: str, *, as_json: bool, memo: ParseMemo 
     not in the plain block shape :func:`~pilotfish.resources.yaml_items.split_items` cuts is
     decoded whole. JSON: each resource is decoded on its own (the decoder finds where its text
     ends), so no one call holds the GIL for the whole document."""
+    return _decode_text(_text(data, source), source, as_json, memo)
+
+
+def _text(data: bytes, source: str) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -124,10 +149,16 @@ def decode_document(data: bytes, source: str, *, as_json: bool, memo: ParseMemo 
         ) from exc
     if not text.strip():
         raise ConfigError(source, [Problem("", _EMPTY.format(what="empty"))])
+    return text
+
+
+def _decode_text(text: str, source: str, as_json: bool, memo: ParseMemo | None) -> Any:
     try:
         document = None
         if memo is not None:
-            document = _decode_json_by_items(text, memo) if as_json else _decode_by_items(text, memo)
+            spans: dict[str, _Spans] = {}
+            document = _decode_json_by_items(text, memo, spans) if as_json else _decode_by_items(text, memo, spans)
+            memo.reading(text, as_json, document, spans)
         if document is None:
             document = json.loads(text) if as_json else yaml.load(text, Loader=_YAML_LOADER)
     except json.JSONDecodeError as exc:
@@ -161,7 +192,7 @@ libyaml's set-up, one for thousands frees their whole node graph at its end in o
 the GIL against the event loop (~45 ms for 20,000 resources)."""
 
 
-def _decode_by_items(text: str, memo: ParseMemo) -> Any:
+def _decode_by_items(text: str, memo: ParseMemo, spans: dict[str, _Spans]) -> Any:
     """The YAML document ``text``, its resource lists decoded per item (only the texts ``memo``
     does not know); None when it cannot be cut (:func:`split_items`) or its pieces do not decode
     as the whole would: the caller decodes it whole, and names any error there.
@@ -171,6 +202,9 @@ def _decode_by_items(text: str, memo: ParseMemo) -> Any:
     cut = split_items(text, _LIST_KEYS)
     if cut is None:
         return None
+    for key, cut_spans in cut.spans.items():
+        offsets = cut_spans.offsets
+        spans[key] = _Spans(offsets[:-1], offsets[1:], cut_spans.indent)
     try:
         document: dict[str, Any] = {}
         for section in cut.rest:  # (each alone: a value left open in one is an error, not the next's text)
@@ -198,14 +232,8 @@ def _decode_by_items(text: str, memo: ParseMemo) -> Any:
                     if name in anchors or name in defined:
                         return None
                     anchors[name] = item_text
-            for batch in _batches(new):
-                context = batch[0].context
-                values = yaml.load("".join((*context, *(p.text for p in batch))), Loader=_YAML_LOADER)
-                if not isinstance(values, list) or len(values) != len(context) + len(batch):
-                    return None
-                for pending, value in zip(batch, values[len(context) :], strict=True):
-                    items[pending.index] = value
-                    memo.note_text(key, pending.known, value)
+            if not _decode_pending(new, items, key, memo):
+                return None
             document[key] = items
     except Exception:  # (a value libyaml cannot build, ...: decoded whole, where it is named)
         return None
@@ -223,7 +251,21 @@ def _skip(text: str, at: int) -> int:
     return found.end()
 
 
-def _decode_json_by_items(text: str, memo: ParseMemo) -> Any:
+def _decode_pending(new: list[_Pending], items: list[Any], key: str, memo: ParseMemo) -> bool:
+    """Decode the items of list ``key`` whose texts are new into their places in ``items``, a few
+    hundred to a call; False if their texts do not decode as that many items."""
+    for batch in _batches(new):
+        context = batch[0].context
+        values = yaml.load("".join((*context, *(p.text for p in batch))), Loader=_YAML_LOADER)
+        if not isinstance(values, list) or len(values) != len(context) + len(batch):
+            return False
+        for pending, value in zip(batch, values[len(context) :], strict=True):
+            items[pending.index] = value
+            memo.note_text(key, pending.known, value)
+    return True
+
+
+def _decode_json_by_items(text: str, memo: ParseMemo, spans: dict[str, _Spans]) -> Any:
     """The JSON document ``text``, each resource of its lists decoded by a call of its own (and
     known by its text when ``memo`` knows it); None when it is not an object whose keys are
     each once, or does not decode: the caller decodes it whole, and names any error there."""
@@ -244,7 +286,8 @@ def _decode_json_by_items(text: str, memo: ParseMemo) -> Any:
                 return None
             at = _skip(text, at + 1)
             if key in _LIST_KEYS and text[at : at + 1] == "[":
-                document[key], at = _json_items(text, _skip(text, at + 1), key, memo)
+                found = spans[key] = _Spans([], [], -1)
+                document[key], at = _json_items(text, _skip(text, at + 1), key, memo, found)
             else:
                 document[key], at = _JSON.raw_decode(text, at)
             at = _skip(text, at)
@@ -255,22 +298,49 @@ def _decode_json_by_items(text: str, memo: ParseMemo) -> Any:
     return document
 
 
-def _json_items(text: str, at: int, key: str, memo: ParseMemo) -> tuple[list[Any], int]:
-    """The items of the JSON list whose first item starts at ``at``, and where the list ends."""
+def _json_items(text: str, at: int, key: str, memo: ParseMemo, spans: _Spans) -> tuple[list[Any], int]:
+    """The items of the JSON list whose first item starts at ``at``, and where the list ends;
+    where each item is goes in ``spans``."""
     items: list[Any] = []
     while text[at : at + 1] != "]":
         if items:
             if text[at : at + 1] != ",":
                 raise ValueError("expected ',' or ']'")
             at = _skip(text, at + 1)
-        value, end = _JSON.raw_decode(text, at)
-        item_text = text[at:end]
-        known = memo.remembered(key, item_text)
-        if known is None:
-            memo.note_text(key, item_text, value)
-        items.append(value if known is None else known)
-        at = _skip(text, end)
+        at = _json_item(text, at, key, memo, items, spans)
     return items, at + 1
+
+
+def _json_item(text: str, at: int, key: str, memo: ParseMemo, items: list[Any], spans: _Spans) -> int:
+    """Decode the item of list ``key`` at ``at`` (or know it by its text) into ``items``, note
+    where it is in ``spans``; where the next item (or the list's end) may be."""
+    value, end = _JSON.raw_decode(text, at)
+    item_text = text[at:end]
+    known = memo.remembered(key, item_text)
+    if known is None:
+        memo.note_text(key, item_text, value)
+    items.append(value if known is None else known)
+    spans.starts.append(at)
+    spans.ends.append(end)
+    return _skip(text, end)
+
+
+def _json_piece(text: str, start: int, end: int, key: str, memo: ParseMemo) -> tuple[list[Any], _Spans] | None:
+    """The items of list ``key`` in ``text[start:end]``, a run of whole items separated by commas,
+    and where they are; None if it is not one."""
+    items: list[Any] = []
+    spans = _Spans([], [], -1)
+    try:
+        at = start
+        while True:
+            at = _json_item(text, at, key, memo, items, spans)
+            if spans.ends[-1] >= end:
+                return (items, spans) if spans.ends[-1] == end else None
+            if text[at : at + 1] != ",":
+                return None
+            at = _skip(text, at + 1)
+    except ValueError:  # (JSONDecodeError is one)
+        return None
 
 
 _ANCHOR = re.compile(r"(?<![0-9A-Za-z_-])&([0-9A-Za-z_-]+)")
@@ -411,6 +481,51 @@ class Remembered:
     """Its ``ttl`` as written (:data:`_NO_TTL`: none)."""
 
 
+@dataclass(slots=True)
+class _Spans:
+    """Where the items of one list are in a document's text: item ``k`` is ``text[starts[k]:ends[k]]``."""
+
+    starts: list[int]
+    ends: list[int]
+    indent: int
+    """YAML: the column of the items' ``-`` (JSON: -1)."""
+
+
+@dataclass(slots=True)
+class _Reading:
+    """A document decoded with the memo, by items: what its last good record is made of once it
+    parses whole."""
+
+    text: str
+    as_json: bool
+    document: Any
+    spans: dict[str, _Spans]
+
+
+@dataclass(slots=True)
+class _LastList:
+    """One resource list of the last good document: where its items are, and what they are."""
+
+    rtype: ResourceType
+    spans: _Spans
+    items: list[Remembered]
+    """Each item's text and key, in order (one per resource: a good document has no other)."""
+    names: set[str]
+
+
+@dataclass(slots=True)
+class _LastGood:
+    """The last good document read by items: its text, what it parsed into, and where its
+    resource lists' items are (an edit inside one of them is parsed alone, :func:`_parse_edit`)."""
+
+    text: str
+    as_json: bool
+    parsed: ParsedDocument
+    lists: dict[str, _LastList]
+    anchors: bool
+    """YAML: whether the text has an anchor (``&name``) that an alias could name."""
+
+
 class ParseMemo:
     """The resources of the last good document, by content: a resource whose text did not change
     is not parsed again, and is the very message it was (so what is built from it downstream is
@@ -446,6 +561,13 @@ class ParseMemo:
         self.decoded = 0
         """Items not known by their text, in all (YAML: the ones decoded; JSON decodes every
         item, and keys and parses these)."""
+        self.edits = 0
+        """Documents read as an edit of the last good one (only the changed items decoded)."""
+        self._reading: _Reading | None = None
+        """The document being decoded, by items."""
+        self._order: dict[str, list[Remembered]] = {}
+        """Section -> its items, in order, of the document being parsed."""
+        self._last: _LastGood | None = None
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -455,20 +577,68 @@ class ParseMemo:
         """Item texts known from the last good document."""
         return sum(len(texts) for texts in self._texts_kept.values())
 
-    def begin(self) -> None:
+    def reading(self, text: str, as_json: bool, document: Any, spans: dict[str, _Spans]) -> None:
+        """``text`` was decoded by items into ``document`` (None: it could not be)."""
+        self._reading = None if document is None else _Reading(text, as_json, document, spans)
+
+    def begin(self, document: Any = None) -> None:
+        """``document`` is parsed next (None: the items of an edit)."""
         self._used = {}
         self._texts_used = {}
         self._texts_count = 0
+        self._order = {}
+        if self._reading is not None and self._reading.document is not document:
+            self._reading = None
 
-    def end(self, *, good: bool) -> None:
-        """The document parsed whole (``good``): its resources are the ones kept from now on."""
+    def end(self, *, good: bool, parsed: ParsedDocument | None = None) -> None:
+        """The document parsed whole (``good``, into ``parsed``): its resources are the ones kept
+        from now on, and an edit of it can be parsed alone."""
         if good:
             self._kept = self._used
             self._texts_kept = self._texts_used
+            self._last = None if parsed is None else self._last_good(parsed)
+        self._clear()
+
+    def _clear(self) -> None:
         self._used = {}
         self._texts_used = {}
         self._texts_count = 0
         self._noted = {}
+        self._order = {}
+        self._reading = None
+
+    def _last_good(self, parsed: ParsedDocument) -> _LastGood | None:
+        """The record of a document that parsed whole, if it was decoded by items and each of its
+        cut lists' items is remembered (none is past :attr:`max_entries`)."""
+        reading = self._reading
+        if reading is None:
+            return None
+        lists: dict[str, _LastList] = {}
+        for key, spans in reading.spans.items():
+            rtype = type_by_key(key)
+            if rtype is None or rtype is RUNTIME:
+                continue
+            messages = parsed.resources.get(rtype, ())
+            items = self._order.get(key, [])
+            if not (len(spans.starts) == len(items) == len(messages)):
+                return None  # (more items than the memo keeps)
+            lists[key] = _LastList(rtype, spans, items, {getattr(m, rtype.name_field) for m in messages})
+        return _LastGood(reading.text, reading.as_json, parsed, lists, not reading.as_json and "&" in reading.text)
+
+    def commit_edit(self, key: str, removed: list[Remembered]) -> list[Remembered]:
+        """An edit of ``last`` replaced ``removed`` in list ``key`` with the items just parsed:
+        forget the removed ones, keep the new ones; the new items, in order."""
+        texts = self._texts_kept.setdefault(key, {})
+        for item in removed:
+            self._kept.pop(item.key, None)
+            texts.pop(item.text, None)
+        self._kept.update(self._used)
+        for section, used in self._texts_used.items():
+            self._texts_kept.setdefault(section, {}).update(used)
+        added = self._order.get(key, [])
+        self._clear()
+        self.edits += 1
+        return added
 
     @staticmethod
     def key(rtype: ResourceType, value: Any) -> tuple[str, str] | None:
@@ -518,7 +688,9 @@ class ParseMemo:
             texts = self._texts_used.get(section)
             if texts is None:
                 texts = self._texts_used[section] = {}
+                self._order[section] = []
             texts[remembered.text] = remembered
+            self._order[section].append(remembered)
             self._texts_count += 1
 
 
@@ -665,14 +837,124 @@ def parse_document(
     (see :class:`ParseMemo`), updated by this one."""
     if memo is None:
         return _parse_document(document, source, rules, None)
-    memo.begin()
-    good = False
+    memo.begin(document)
+    parsed = None
     try:
         parsed = _parse_document(document, source, rules, memo)
-        good = True
         return parsed
     finally:
-        memo.end(good=good)
+        memo.end(good=parsed is not None, parsed=parsed)
+
+
+def _parse_edit(text: str, as_json: bool, memo: ParseMemo, rules: RuleCheck | None) -> ParsedDocument | None:
+    """``text`` parsed as an edit of the memo's last good document: when all that differs lies
+    within the items of one resource list, only the items there now are decoded and parsed, and
+    the others are the last document's. None when it is not such an edit, or those items do not
+    decode and parse without a problem (a name the list has elsewhere counts): the caller then
+    reads the document whole, and names any problem there."""
+    last = memo._last
+    if last is None or last.as_json != as_json:
+        return None
+    if text == last.text:
+        return last.parsed
+    start, old_end, new_end = changed_region(last.text, text)
+    before = [
+        (lst.spans.starts[0], key)
+        for key, lst in last.lists.items()
+        if lst.spans.starts and lst.spans.starts[0] <= start
+    ]
+    if not before:
+        return None
+    key = max(before)[1]
+    found = last.lists[key]
+    spans = found.spans
+    if old_end > spans.ends[-1]:
+        return None
+    first = bisect_left(spans.ends, start)
+    final = bisect_right(spans.starts, old_end) - 1
+    if first > final or spans.starts[first] > start or spans.ends[final] < old_end:
+        return None  # (between two JSON items: a comma or spaces changed)
+    shift = new_end - old_end
+    low, high = spans.starts[first], spans.ends[final] + shift
+    if low == high:
+        return None
+    removed = found.items[first : final + 1]
+    if last.anchors and any("&" in item.text for item in removed):
+        return None  # (an item after it may name its anchor)
+    piece = _edited_items(text, low, high, key, spans.indent, memo, last.anchors)
+    if piece is None:
+        return None
+    items, new_spans = piece
+    rtype = found.rtype
+    problems: list[Problem] = []
+    ttls: dict[str, int] = {}
+    memo.begin()
+    try:
+        messages = _parse_section(rtype, items, rules, memo, problems, ttls)
+    except Exception:
+        memo.end(good=False)
+        raise
+    old = last.parsed.resources[rtype]
+    removed_names = {getattr(m, rtype.name_field) for m in old[first : final + 1]}
+    names = [getattr(m, rtype.name_field) for m in messages]
+    if (
+        problems
+        or len(messages) != len(items)
+        or len(memo._order.get(key, ())) != len(items)
+        or any(name in found.names and name not in removed_names for name in names)
+    ):
+        memo.end(good=False)
+        return None
+    added = memo.commit_edit(key, removed)
+    resources = dict(last.parsed.resources)
+    resources[rtype] = old[:first] + messages + old[final + 1 :]
+    all_ttls = dict(last.parsed.ttls)
+    kept_ttls = {name: ms for name, ms in all_ttls.pop(rtype, {}).items() if name not in removed_names}
+    kept_ttls.update(ttls)
+    if kept_ttls:
+        all_ttls[rtype] = kept_ttls
+    for other in last.lists.values():
+        if other is not found and other.spans.starts and other.spans.starts[0] > low:
+            other.spans.starts = [at + shift for at in other.spans.starts]
+            other.spans.ends = [at + shift for at in other.spans.ends]
+    tail = final + 1
+    spans.starts = spans.starts[:first] + new_spans.starts + [at + shift for at in spans.starts[tail:]]
+    spans.ends = spans.ends[:first] + new_spans.ends + [at + shift for at in spans.ends[tail:]]
+    found.items = found.items[:first] + added + found.items[tail:]
+    found.names.difference_update(removed_names)
+    found.names.update(names)
+    last.text = text
+    last.parsed = dataclasses.replace(last.parsed, resources=resources, ttls=all_ttls)
+    return last.parsed
+
+
+def _edited_items(
+    text: str, low: int, high: int, key: str, indent: int, memo: ParseMemo, anchors: bool
+) -> tuple[list[Any], _Spans] | None:
+    """The items of list ``key`` that an edit put at ``text[low:high]`` (each known by its text
+    where the memo knows it, else decoded), and where they are; None if they are not whole
+    items of that list, or do not decode. YAML: nor if they define an anchor, or may name one
+    (``anchors``: the rest of the document defines some)."""
+    if indent < 0:
+        return _json_piece(text, low, high, key, memo)
+    starts = cut_piece(text, low, high, indent)
+    if starts is None or "&" in text[low:high] or (anchors and "*" in text[low:high]):
+        return None
+    ends = [*starts[1:], high]
+    items: list[Any] = []
+    new: list[_Pending] = []
+    for index, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        item_text = text[start:end]
+        remembered = memo.remembered(key, item_text)
+        items.append(remembered)
+        if remembered is None:
+            new.append(_Pending(index, item_text, ()))
+    try:
+        if not _decode_pending(new, items, key, memo):
+            return None
+    except Exception:  # (a value libyaml cannot build, ...: read whole, where it is named)
+        return None
+    return items, _Spans(starts, ends, indent)
 
 
 def runtime_items(items: Any, problems: list[Problem]) -> Any:

@@ -33,9 +33,10 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Literal
 
-__all__ = ["YamlItems", "split_items"]
+__all__ = ["ItemSpans", "YamlItems", "cut_piece", "split_items"]
 
 # Each pattern starts with a newline (a literal): the regular expression engine then skips to the
 # next newline at the speed of a byte search. Written with ``^`` and MULTILINE instead, each
@@ -86,6 +87,19 @@ class YamlItems:
     one): YAML of its own, each a mapping of that one key."""
     items: dict[str, list[str]]
     """Section key -> the text of each of its items, in order (each a one-item YAML sequence)."""
+    spans: dict[str, ItemSpans]
+    """Section key -> where its items are in the text."""
+
+
+@dataclass(frozen=True, slots=True)
+class ItemSpans:
+    """Where a cut list's items are: item ``k`` is ``text[offsets[k]:offsets[k + 1]]`` (each item's
+    text runs to the next one's, the last one's to the next top-level key)."""
+
+    indent: int
+    """The column of the items' ``-``."""
+    offsets: list[int]
+    """Each item's first character, then the end of the last one."""
 
 
 def split_items(text: str, list_keys: Collection[str]) -> YamlItems | None:
@@ -115,6 +129,7 @@ def split_items(text: str, list_keys: Collection[str]) -> YamlItems | None:
         return None  # (something before the first key: decoded whole, where it is named)
     rest: list[str] = []
     items: dict[str, list[str]] = {}
+    spans: dict[str, ItemSpans] = {}
     for at, (start, name) in enumerate(starts):
         end = starts[at + 1][0] if at + 1 < len(starts) else len(text)
         body = text.find("\n", start, end) + 1  # (0: the key is the last line)
@@ -127,25 +142,63 @@ def split_items(text: str, list_keys: Collection[str]) -> YamlItems | None:
         elif cut is False:
             return None
         else:
-            items[name] = cut
-    return YamlItems(rest, items) if items else None
+            offsets = cut.offsets
+            items[name] = [text[a:b] for a, b in pairwise(offsets)]
+            spans[name] = cut
+    return YamlItems(rest, items, spans) if items else None
 
 
-def _cut_list(text: str, start: int, end: int) -> list[str] | Literal[False] | None:
-    """The texts of the items of the block sequence in ``text[start:end]`` (``start`` begins a
+def _cut_list(text: str, start: int, end: int) -> ItemSpans | Literal[False] | None:
+    """Where the items of the block sequence in ``text[start:end]`` are (``start`` begins a
     line); None if it is not a block sequence (left whole), False if it is one this does not cut
     safely (parse it all)."""
     first = _SIGNIFICANT.search(text, start, end)
     if first is None:
         return None
     indent = len(first.group(1))
-    item = re.compile(rf"\n[ ]{{{indent}}}-(?=[ \r\n]|$)")
     newline = first.start() - 1  # (the items' patterns start at the newline before a line)
-    if not item.match(text, newline, end):
+    if not _item(indent).match(text, newline, end):
         return None
-    if indent and re.compile(rf"\n[ ]{{0,{indent - 1}}}[^ #\r\n]").search(text, newline, end):
-        return False  # a line less indented than the items, yet inside the list
-    if re.compile(rf"\n[ ]{{{indent}}}(?:[^ #\r\n-]|-[^ \r\n])").search(text, newline, end):
-        return False  # a line at the items' indentation that does not start an item
-    offsets = [found.start() + 1 for found in item.finditer(text, newline, end)]
-    return [text[a:b] for a, b in zip(offsets, [*offsets[1:], end], strict=True)]
+    if _out_of_list(text, newline, end, indent):
+        return False
+    return ItemSpans(indent, [*_item_starts(text, newline, end, indent), end])
+
+
+def _item(indent: int) -> re.Pattern[str]:
+    """The newline before an item's ``-`` at column ``indent``."""
+    return re.compile(rf"\n[ ]{{{indent}}}-(?=[ \r\n]|$)")
+
+
+def _item_starts(text: str, start: int, end: int, indent: int) -> list[int]:
+    """Where each item of a list at column ``indent`` in ``text[start:end]`` starts (``start``: a newline)."""
+    return [found.start() + 1 for found in _item(indent).finditer(text, start, end)]
+
+
+def _out_of_list(text: str, start: int, end: int, indent: int) -> bool:
+    """Whether a line of ``text[start:end]`` (``start``: a newline) cannot be inside a block list
+    at column ``indent``: a line less indented than the items, or one at the items' indentation
+    that does not start an item."""
+    if indent and re.compile(rf"\n[ ]{{0,{indent - 1}}}[^ #\r\n]").search(text, start, end):
+        return True
+    return re.compile(rf"\n[ ]{{{indent}}}(?:[^ #\r\n-]|-[^ \r\n])").search(text, start, end) is not None
+
+
+def cut_piece(text: str, start: int, end: int, indent: int) -> list[int] | None:
+    """Where the items of ``text[start:end]`` start, a run of whole items of a block list at column
+    ``indent`` that an edit put in place of others in a document :func:`split_items` cut (the text
+    around it is as it was); None if it is not one (empty, not starting with an item, not ending a
+    line, or any line that could not be inside such a list or that this cut would not trust)."""
+    piece = text[start:end]
+    if (
+        not _item(indent).match("\n" + piece[: indent + 2])
+        or (end < len(text) and not piece.endswith("\n"))
+        or "\n---" in piece
+        or "\n..." in piece
+        or ("\t" in piece and _TAB_INDENT.search(piece))
+        or _unusual(piece)
+        or _TOP.search(piece)
+    ):
+        return None
+    if _out_of_list(text, start - 1, end, indent):
+        return None
+    return [start, *_item_starts(text, start, end, indent)]

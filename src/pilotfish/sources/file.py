@@ -1,9 +1,11 @@
 """The snapshot file source: a JSON or YAML file of services and Envoy resources, watched.
 
 The file's directory is watched (inotify through watchfiles), not the file itself, so an editor's
-or deploy tool's write-to-temp-then-rename is seen like an in-place write. Each change is read and
-parsed in full; a half-written, undecodable, empty or invalid file is reported and ignored, and
-whatever was last good keeps serving. So is a deleted file: deleting the file is not a way to
+or deploy tool's write-to-temp-then-rename is seen like an in-place write. Each change is read
+whole and costs what it changed: a resource whose text is the one it was is not parsed again, and
+an edit inside one resource list is found by comparing the text with the last good one, so only
+the items there are decoded at all (:func:`~pilotfish.resources.read_parsed`). A half-written,
+undecodable, empty or invalid file is reported and ignored, and whatever was last good keeps serving. So is a deleted file: deleting the file is not a way to
 remove everything (write the empty sections for that). Reading never ends the watch: any error
 while reading, decoding or parsing becomes a reported :class:`ConfigError`.
 """
@@ -19,7 +21,7 @@ from typing import Any
 from pilotfish.build.desired import DesiredState, build_snapshot, merge_states
 from pilotfish.build.validate import rule_problems
 from pilotfish.errors import ConfigError, Problem
-from pilotfish.resources import ParseMemo, decode_document, parse_document, read_document
+from pilotfish.resources import ParseMemo, decode_document, parse_document, read_document, read_parsed
 from pilotfish.resources.parse import without_collections
 from pilotfish.snapshot import Snapshot
 
@@ -44,8 +46,12 @@ SOURCE = "file"
 def load_desired(path: Path, *, memo: ParseMemo | None = None) -> DesiredState:
     """Read and parse a snapshot file; raise :class:`ConfigError` naming every problem.
     ``memo``: the resources of the file's last good content, not parsed again where their text
-    is the same (:class:`~pilotfish.resources.ParseMemo`: what a followed file keeps)."""
-    return _desired(lambda: read_document(path, memo=memo), str(path), memo)
+    is the same (:class:`~pilotfish.resources.ParseMemo`: what a followed file keeps), and an
+    edit inside one resource list decodes and parses only the items there."""
+    if memo is None:
+        return _desired(lambda: read_document(path), str(path), None)
+    with without_collections():
+        return DesiredState.of_document(read_parsed(path, rules=rule_problems, memo=memo))
 
 
 def parse_desired(data: bytes, name: str, *, as_json: bool | None = None) -> DesiredState:
