@@ -5,9 +5,10 @@ or deploy tool's write-to-temp-then-rename is seen like an in-place write. Each 
 whole and costs what it changed: a resource whose text is the one it was is not parsed again, and
 an edit inside one resource list is found by comparing the text with the last good one, so only
 the items there are decoded at all (:func:`~pilotfish.resources.read_parsed`). A half-written,
-undecodable, empty or invalid file is reported and ignored, and whatever was last good keeps serving. So is a deleted file: deleting the file is not a way to
-remove everything (write the empty sections for that). Reading never ends the watch: any error
-while reading, decoding or parsing becomes a reported :class:`ConfigError`.
+undecodable, empty or invalid file is reported and ignored, and whatever was last good keeps
+serving. So is a deleted file: deleting the file is not a way to remove everything (write the
+empty sections for that). Reading never ends the watch: any error while reading, decoding or
+parsing becomes a reported :class:`ConfigError`.
 """
 
 from __future__ import annotations
