@@ -498,11 +498,12 @@ def with_kept(current: TypeSnapshot, kept: Mapping[str, Resource]) -> TypeSnapsh
     """``current`` plus resources ``kept`` from an earlier snapshot, versioned by content (its
     memo in ``current``'s budget)."""
     merged = {**kept, **current.resources}
-    content = _content_version(merged)
+    content = content_version(merged)
     return TypeSnapshot(current.rtype, content, MappingProxyType(merged), content, memo_budget=current._memo.budget)
 
 
-def _content_version(resources: Mapping[str, Resource]) -> str:
+def content_version(resources: Mapping[str, Resource]) -> str:
+    """The version of a type's resources by their content (their names and hashes, in name order)."""
     digest = hashlib.sha256()
     for name in sorted(resources):
         digest.update(name.encode())
@@ -583,7 +584,7 @@ class SubsetPlan:
         for known, digest in self._rest:
             if known is base:
                 return digest
-        digest = _content_version({n: r for n, r in base.resources.items() if n not in self.services})
+        digest = content_version({n: r for n, r in base.resources.items() if n not in self.services})
         self._rest[:] = [(base, digest)]
         return digest
 
@@ -681,7 +682,7 @@ class Snapshot:
             for item in resources.get(rtype, ()):
                 resource = item if isinstance(item, Resource) else Resource.of(rtype, item)
                 by_name[resource.name] = resource
-            content = _content_version(by_name)
+            content = content_version(by_name)
             type_version = version if version is not None else content
             types[rtype.url] = TypeSnapshot(
                 rtype, type_version, MappingProxyType(by_name), content, memo_budget=memo_budget

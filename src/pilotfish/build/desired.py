@@ -39,7 +39,7 @@ import itertools
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import InitVar, dataclass, field
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from envoy.config.core.v3 import config_source_pb2
 from envoy.config.listener.v3 import listener_pb2
@@ -47,14 +47,14 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from pilotfish.build.subsetting import IndexTable, Ring, ZoneRings
-from pilotfish.build.validate import check_rules, reference_names, references_problems
+from pilotfish.build.validate import ReferenceNames, check_rules, extension_names, references_problems
 from pilotfish.errors import ConfigError, Problem
 from pilotfish.resources import TYPES, ParsedDocument, ResourceType, TypeUrl
 from pilotfish.resources.bootstrap import DEFAULT_REST_REFRESH, rest_config_source
-from pilotfish.resources.builders import ClientKind, ResourceMemo, ServicesPatch, encode_for_views
+from pilotfish.resources.builders import ClientKind, RawPatch, ResourceMemo, ServicesPatch, encode_for_views
 from pilotfish.resources.services import Endpoint, ServiceSpec, has_host_names
-from pilotfish.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
-from pilotfish.snapshot import Resource, Snapshot, SubsetPlan, SubsetService, TypeSnapshot
+from pilotfish.resources.types import CLUSTER, ENDPOINT, EXTENSION_CONFIG, LISTENER, ROUTE
+from pilotfish.snapshot import Resource, Snapshot, SubsetPlan, SubsetService, TypeSnapshot, content_version
 
 G = TypeVar("G", bound=Hashable)
 """A node group's key."""
@@ -250,7 +250,13 @@ def _normalized(parts: list[tuple[Endpoint, ...]]) -> tuple[Endpoint, ...]:
 
 
 def _merged_resources(ordered: list[DesiredState]) -> dict[ResourceType, tuple[Message, ...]]:
-    return {t: tuple(m for state in ordered for m in state.resources.get(t, ())) for t in TYPES}
+    """Every source's resources by type, in source order (a source's own tuple when it is the only
+    one with resources of the type: consumers tell an unchanged list by identity)."""
+    merged: dict[ResourceType, tuple[Message, ...]] = {}
+    for rtype in TYPES:
+        lists = [found for state in ordered if (found := state.resources.get(rtype))]
+        merged[rtype] = tuple(lists[0]) if len(lists) == 1 else tuple(itertools.chain.from_iterable(lists))
+    return merged
 
 
 def _merged_ttls(ordered: list[DesiredState]) -> dict[ResourceType, dict[str, int]]:
@@ -478,18 +484,16 @@ def build_snapshots(
     # by construction): a build whose lists of those, and whose names, are the last build's has
     # the same reference problems. Without raw resources there is nothing to name or check.
     if any(merged.resources.values()):
-        names = reference_names(
-            merged.resources,
-            more_endpoints=(r.name for r in union[ENDPOINT]),
-            more_routes=(r.name for r in union[ROUTE]),
-            more_clusters=(r.name for r in union[CLUSTER]),
-        )
+        names: ReferenceNames = (
+            *(_names_with(_raw_names(memo, rtype, raw[rtype]), union[rtype]) for rtype in (ENDPOINT, ROUTE, CLUSTER)),
+            extension_names(merged.resources.get(EXTENSION_CONFIG, ())),
+        )  # type: ignore[assignment]
         referring = tuple(merged.resources.get(t, ()) for t in (CLUSTER, LISTENER, ROUTE))
         check = functools.partial(references_problems, merged.resources, names)
         problems.extend(memo.derived(("references",), (*referring, names), check))
     if rules:
         for rtype, items in raw.items():  # (a type whose list is the last build's: its outcome)
-            problems.extend(memo.derived(("rules", rtype), (items,), functools.partial(check_rules, {rtype: items})))
+            problems.extend(memo.derived(("rules", rtype), (items,), functools.partial(_raw_rules, memo, rtype, items)))
         problems.extend(check_rules({}, union))
     if problems:
         raise ConfigError(source, list(dict.fromkeys(problems)))
@@ -501,19 +505,22 @@ def build_snapshots(
         for rtype in TYPES:
             # Views that serve the same list (and, for listeners, the same raw ones) share one
             # TypeSnapshot: hashed once, and a response encoded for one group serves every group.
-            key = (rtype, view.kind if rtype is LISTENER else None, id(by_type.get(rtype)))
+            # (No list at all, or an empty one, is the same to every view.)
+            key = (rtype, view.kind if rtype is LISTENER else None, id(by_type.get(rtype)) if by_type.get(rtype) else 0)
             if key not in shared:
                 # The resources and their hash, derived once from the same list as the last build's
                 # (by identity: one endpoint changed leaves the clusters' list as it was).
                 served = memo.derived(
                     ("served", rtype, view.kind),
                     (raw[rtype],),
-                    functools.partial(_served, raw[rtype], view.kind, rtype),
+                    functools.partial(_served, memo, raw[rtype], view.kind, rtype),
                 )
                 derived = (rtype, view.kind, view.zone)
                 last = memo.derived(
-                    derived, (by_type.get(rtype), served), functools.partial(_type_snapshot, raw, view, by_type, rtype)
-                ).types[rtype.url]
+                    derived,
+                    (by_type.get(rtype), served),
+                    functools.partial(_type_snapshot, memo, derived, raw, view, by_type, rtype),
+                )
                 # At the same version too, the very TypeSnapshot of the last build: the cache
                 # then knows that nothing waiting on this type has news (and keeps its responses).
                 shared[key] = memo.derived(
@@ -541,8 +548,59 @@ def _rest_source(refresh: float) -> config_source_pb2.ConfigSource:
     return source
 
 
-def _served(raw: list[tuple[Resource, Message]], kind: ClientKind, rtype: ResourceType) -> tuple[str, ...]:
-    """The hashes of the raw resources of a type that clients of ``kind`` are served."""
+def _patch(memo: ResourceMemo, key: Hashable, rtype: ResourceType, items: _Pairs) -> tuple[RawPatch, Any] | None:
+    """How a type's raw list ``items`` differs from the last build's, with what that build derived
+    from the list before under ``key`` (its first input); None when ``items`` is not such a patch."""
+    patch = memo.raw_patch(rtype, items)
+    before = memo.derived_before(key) if patch is not None else None
+    if patch is None or before is None or before[0][0] is not patch.before:
+        return None
+    return patch, before[1]
+
+
+def _renames(patch: RawPatch, items: _Pairs) -> bool:
+    """Whether any resource a patch changed has another name than the one in its place before."""
+    return any(patch.before[i][0].name != items[i][0].name for i in patch.changed)
+
+
+def _raw_rules(memo: ResourceMemo, rtype: ResourceType, items: _Pairs) -> list[Problem]:
+    """:func:`check_rules` of a type's raw resources: of the changed ones alone when the list is
+    a patch of the last build's and that one broke no rule."""
+    patched = _patch(memo, ("rules", rtype), rtype, items)
+    if patched is not None and not patched[1]:
+        return check_rules({rtype: items}, positions={rtype: patched[0].changed})
+    return check_rules({rtype: items})
+
+
+def _raw_names(memo: ResourceMemo, rtype: ResourceType, items: _Pairs) -> frozenset[str]:
+    """The names of a type's raw resources: the last build's set when the list is a patch of its
+    list that renames nothing."""
+
+    def make() -> frozenset[str]:
+        patched = _patch(memo, key, rtype, items)
+        if patched is not None and not _renames(patched[0], items):
+            return patched[1]  # type: ignore[no-any-return]
+        return frozenset(r.name for r, _ in items)
+
+    key = ("names", rtype)
+    return memo.derived(key, (items,), make)
+
+
+def _names_with(names: frozenset[str], more: list[Resource]) -> frozenset[str]:
+    return names.union(r.name for r in more) if more else names
+
+
+def _served(memo: ResourceMemo, raw: _Pairs, kind: ClientKind, rtype: ResourceType) -> tuple[str, ...]:
+    """The hashes of the raw resources of a type that clients of ``kind`` are served (patched,
+    when the list is a patch of the last build's: every resource of a type other than listeners
+    is served, so the places match)."""
+    patched = _patch(memo, ("served", rtype, kind), rtype, raw) if rtype is not LISTENER else None
+    if patched is not None:
+        patch, before = patched
+        hashes = list(before)
+        for index in patch.changed:
+            hashes[index] = raw[index][0].hash
+        return tuple(hashes)
     return tuple(r.hash for r, m in raw if _serves(kind, rtype, m))
 
 
@@ -551,7 +609,8 @@ def _serves(view_kind: ClientKind, rtype: ResourceType, message: Message) -> boo
     return rtype is not LISTENER or _is_api_listener(message) == (view_kind is ClientKind.GRPC)
 
 
-_Raw = Mapping[ResourceType, list[tuple[Resource, Message]]]
+_Pairs = list[tuple[Resource, Message]]
+_Raw = Mapping[ResourceType, _Pairs]
 
 
 def _combined(
@@ -569,13 +628,42 @@ def _combined(
 
 
 def _type_snapshot(
+    memo: ResourceMemo,
+    key: Hashable,
     raw: _Raw,
     view: View,
     built: Mapping[ResourceType, list[Resource]],
     rtype: ResourceType,
-) -> Snapshot:
-    """A snapshot of ``rtype`` alone, as ``view`` is served it, versioned by content."""
-    return Snapshot.build(_combined(raw, view, built, (rtype,)))
+) -> TypeSnapshot:
+    """``rtype``'s resources as ``view`` is served them, versioned by content. When they are raw
+    alone and a patch of the last build's that renames nothing, the last build's are patched."""
+    items = raw[rtype]
+    patched = None
+    if rtype is not LISTENER and not built.get(rtype):
+        patch = memo.raw_patch(rtype, items)
+        before = memo.derived_before(key) if patch is not None else None
+        served_before = memo.derived_before(("served", rtype, view.kind))
+        if (
+            patch is not None
+            and before is not None
+            and served_before is not None
+            and served_before[0][0] is patch.before
+            and before[0][1] is served_before[1]
+            and not before[0][0]
+            and not _renames(patch, items)
+        ):
+            patched = patch, before[1]
+    if patched is None:
+        return Snapshot.build(_combined(raw, view, built, (rtype,))).types[rtype.url]
+    patch, last = patched
+    if len(last.resources) != len(items):
+        return Snapshot.build(_combined(raw, view, built, (rtype,))).types[rtype.url]  # (a name twice: the last wins)
+    resources = last.resources.copy()  # (a MappingProxyType's copy: its dict's, in C)
+    for index in patch.changed:
+        resource = items[index][0]
+        resources[resource.name] = resource
+    content = content_version(resources)
+    return TypeSnapshot(rtype, content, MappingProxyType(resources), content)
 
 
 def _name_clashes(raw: _Raw, built: Mapping[ClientKind, Mapping[ResourceType, list[Resource]]]) -> list[Problem]:

@@ -1510,6 +1510,7 @@ def check_rules(
     built: Mapping[ResourceType, Iterable[EncodedResource]] | None = None,
     *,
     checker: RuleChecker | None = None,
+    positions: Mapping[ResourceType, Iterable[int]] | None = None,
 ) -> list[Problem]:
     """Every ``validate.rules`` violation in a build, as problems.
 
@@ -1517,6 +1518,8 @@ def check_rules(
     ``clusters[3] (name 'web')``); ``built``: resources built from services (named
     ``services.web (its cluster 'web')``). A rule the checker cannot apply is reported as an
     internal error naming it (the snapshot is refused rather than served unchecked).
+    ``positions``: check only the raw resources at these places of their type's list (still
+    named by their place), e.g. the ones an edit changed.
     """
     checker = checker or default_checker()
     problems: list[Problem] = []
@@ -1536,7 +1539,8 @@ def check_rules(
 
     for rtype, items in raw.items():
         check = checker.check_resource
-        for index, (resource, message) in enumerate(items):
+        for index in positions.get(rtype, range(len(items))) if positions else range(len(items)):
+            resource, message = items[index]
             outcome: tuple[Violation, ...] | RuleNotUnderstood
             try:
                 outcome = check(rtype, resource, message)
@@ -1731,11 +1735,13 @@ def reference_names(
     route_names.update(more_routes)
     cluster_names = {m.name for m in resources.get(CLUSTER, ())}  # type: ignore[attr-defined]
     cluster_names.update(more_clusters)
-    extensions = frozenset(
-        (m.name, m.typed_config.TypeName())  # type: ignore[attr-defined]
-        for m in resources.get(EXTENSION_CONFIG, ())
-    )
+    extensions = extension_names(resources.get(EXTENSION_CONFIG, ()))
     return frozenset(endpoint_names), frozenset(route_names), frozenset(cluster_names), extensions
+
+
+def extension_names(configs: Iterable[Message]) -> frozenset[tuple[str, str]]:
+    """The extension configs that exist, each with the type of its typed_config."""
+    return frozenset((m.name, m.typed_config.TypeName()) for m in configs)  # type: ignore[attr-defined]
 
 
 def references_problems(resources: Mapping[ResourceType, tuple[Message, ...]], names: ReferenceNames) -> list[Problem]:

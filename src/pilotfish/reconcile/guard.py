@@ -50,24 +50,61 @@ def endpoint_counts(merged: Merged) -> dict[str, int]:
 class EndpointCounter:
     """:func:`endpoint_counts`, remembering the count of each raw ClusterLoadAssignment by the
     identity of its message until the next call (a file whose one assignment changed hands over
-    the very messages of the others: they are not walked again)."""
+    the very messages of the others: they are not walked again). When the assignments are the
+    last call's but for a few in the same places, each naming the cluster its place named, the
+    last counts are patched with those few."""
 
     def __init__(self) -> None:
         self._counted: dict[int, tuple[Message, str, int]] = {}
+        self._assignments: tuple[Message, ...] = ()
+        self._raw_counts: dict[str, int] = {}
 
     def __call__(self, merged: Merged) -> dict[str, int]:
         counts = {name: len(found) for name, found in merged.endpoints.items()}
-        before, counted = self._counted, {}
-        for assignment in merged.resources.get(ENDPOINT, ()):
-            entry = before.get(id(assignment))
-            if entry is None or entry[0] is not assignment:
-                assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
-                total = sum(len(group.lb_endpoints) for group in assignment.endpoints)
-                entry = (assignment, assignment.cluster_name, total)
-            counted[id(assignment)] = entry
-            _, name, total = entry
+        assignments = tuple(merged.resources.get(ENDPOINT, ()))
+        raw_counts = self._patched(assignments)
+        if raw_counts is None:
+            raw_counts, counted = {}, {}
+            for assignment in assignments:
+                _, name, total = counted[id(assignment)] = self._entry(assignment)
+                raw_counts[name] = raw_counts.get(name, 0) + total
+            self._counted = counted
+        self._assignments, self._raw_counts = assignments, raw_counts
+        if not counts:
+            return dict(raw_counts)
+        for name, total in raw_counts.items():
             counts[name] = counts.get(name, 0) + total
-        self._counted = counted
+        return counts
+
+    def _entry(self, assignment: Message) -> tuple[Message, str, int]:
+        entry = self._counted.get(id(assignment))
+        if entry is None or entry[0] is not assignment:
+            assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
+            total = sum(len(group.lb_endpoints) for group in assignment.endpoints)
+            entry = (assignment, assignment.cluster_name, total)
+        return entry
+
+    def _patched(self, assignments: tuple[Message, ...]) -> dict[str, int] | None:
+        """The raw counts of ``assignments`` from the last call's, when only a few changed in
+        place and none names another cluster (None: count them all)."""
+        before = self._assignments
+        if len(before) != len(assignments) or not before:
+            return None
+        changed = [i for i, (was, now) in enumerate(zip(before, assignments, strict=True)) if was is not now]
+        if len(changed) > len(assignments) // 4:
+            return None
+        entries = [(self._counted.get(id(before[i])), self._entry(assignments[i])) for i in changed]
+        if any(
+            old is None or old[0] is not before[i] or old[1] != new[1]
+            for i, (old, new) in zip(changed, entries, strict=True)
+        ):
+            return None
+        counts = dict(self._raw_counts)
+        for old, new in entries:
+            assert old is not None
+            counts[new[1]] += new[2] - old[2]
+            self._counted.pop(id(old[0]), None)
+            self._counted[id(new[0])] = new
         return counts
 
 

@@ -75,6 +75,7 @@ from pilotfish.resources.wire import cluster_load_assignment, lb_endpoint, lengt
 
 __all__ = [
     "ClientKind",
+    "RawPatch",
     "ResourceMemo",
     "ServicesPatch",
     "build_api_listener",
@@ -477,6 +478,21 @@ class _RawList(NamedTuple):
     pairs: list[tuple[Resource, Message]]
     encoded: dict[int, tuple[Message, Resource]]
     ttls: Mapping[str, int]
+    patch: RawPatch | None = None
+    """How :attr:`pairs` differs from the list before it, when only in some places."""
+
+
+class RawPatch(NamedTuple):
+    """A type's raw list that differs from the one before it (``before``, as long) only at
+    ``changed`` (positions, ascending): what is derived from the one before can be patched."""
+
+    before: list[tuple[Resource, Message]]
+    changed: tuple[int, ...]
+
+
+_PATCHED_SHARE = 0.25
+"""A raw list is patched (see :class:`RawPatch`) when at most this share of it changed (or one
+resource); more, and it is made whole."""
 
 
 _NO_TTLS: Mapping[str, int] = MappingProxyType({})
@@ -594,19 +610,45 @@ class ResourceMemo:
         if last is not None and (last.messages is messages or last.messages == messages) and last.ttls == ttls:
             return last.pairs
         encoded = last.encoded if last is not None else {}
-        pairs = []
-        name_field = rtype.name_field
-        for message in messages:
-            entry = encoded.get(id(message))
-            ttl = ttls.get(getattr(message, name_field), 0) if ttls else 0
-            if entry is None or entry[0] is not message or entry[1].ttl_ms != ttl:
-                self.made += 1
-                entry = encoded[id(message)] = (message, Resource.of(rtype, message, ttl_ms=ttl))
-            pairs.append((entry[1], message))
+        patch = None
+        if last is not None and len(last.messages) == len(messages) and last.ttls == ttls:
+            changed = [i for i, (was, now) in enumerate(zip(last.messages, messages, strict=True)) if was is not now]
+            if len(changed) <= max(1, _PATCHED_SHARE * len(messages)):
+                pairs = last.pairs.copy()
+                for index in changed:
+                    pairs[index] = self._raw_pair(rtype, messages[index], ttls, encoded)
+                patch = RawPatch(last.pairs, tuple(changed))
+        if patch is None:
+            pairs = [self._raw_pair(rtype, message, ttls, encoded) for message in messages]
         if len(encoded) > 2 * len(pairs) + 16:  # (the stale ones go)
             encoded = {id(message): (message, resource) for resource, message in pairs}
-        self._raw[rtype] = _RawList(messages, pairs, encoded, ttls)
+        self._raw[rtype] = _RawList(messages, pairs, encoded, ttls, patch)
         return pairs
+
+    def _raw_pair(
+        self,
+        rtype: ResourceType,
+        message: Message,
+        ttls: Mapping[str, int],
+        encoded: dict[int, tuple[Message, Resource]],
+    ) -> tuple[Resource, Message]:
+        """``message`` with its encoding: the one in ``encoded`` (by its identity) if it has the same TTL."""
+        entry = encoded.get(id(message))
+        ttl = ttls.get(getattr(message, rtype.name_field), 0) if ttls else 0
+        if entry is None or entry[0] is not message or entry[1].ttl_ms != ttl:
+            self.made += 1
+            entry = encoded[id(message)] = (message, Resource.of(rtype, message, ttl_ms=ttl))
+        return entry[1], message
+
+    def raw_patch(self, rtype: ResourceType, pairs: list[tuple[Resource, Message]]) -> RawPatch | None:
+        """How ``pairs`` (what :meth:`raw` gave for ``rtype``) differs from the list before it,
+        when it was made by patching that one (None: made whole, or not the latest)."""
+        last = self._raw.get(rtype)
+        return last.patch if last is not None and last.pairs is pairs else None
+
+    def derived_before(self, key: Hashable) -> tuple[tuple[object, ...], Any] | None:
+        """What the build before derived under ``key``: (its inputs, the result), if it did."""
+        return self._derived_before.get(key)
 
     def derived(self, key: Hashable, inputs: tuple[object, ...], make: Callable[[], _T]) -> _T:
         """``make()``, which derives something from ``inputs`` (e.g. this memo's output lists), or

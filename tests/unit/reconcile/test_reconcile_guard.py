@@ -3,14 +3,17 @@ the operator confirms it (:mod:`pilotfish.reconcile.guard`, alone and in the loo
 
 from __future__ import annotations
 
-import pytest
+import random
 
-from pilotfish.build.desired import DesiredState
+import pytest
+from envoy.config.endpoint.v3 import endpoint_pb2
+
+from pilotfish.build.desired import DesiredState, merge_states
 from pilotfish.cache import DEFAULT_GROUP, SnapshotCache
 from pilotfish.events import EventLog
 from pilotfish.reconcile import GuardSettings, Reconciler
-from pilotfish.reconcile.guard import Guard
-from pilotfish.resources import LISTENER
+from pilotfish.reconcile.guard import EndpointCounter, Guard, endpoint_counts
+from pilotfish.resources import ENDPOINT, LISTENER
 from pilotfish.resources.services import Endpoint, ServiceSpec
 from pilotfish.snapshot import Snapshot
 
@@ -202,3 +205,31 @@ def test_a_released_hold_is_said_to_be_dropped() -> None:
     assert events.named("snapshot_hold_released") == [
         {"event": "snapshot_hold_released", "version": emptied.label(), "reason": "the source went back"}
     ]
+
+
+def test_endpoint_counts_patched_from_the_last_call_are_the_counts_of_a_fresh_count() -> None:
+    """The counter patches its last counts when a few raw assignments changed in place; whatever
+    changed, its counts are what counting everything afresh gives."""
+
+    def assignment(name: str, endpoints: int) -> endpoint_pb2.ClusterLoadAssignment:
+        made = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+        for port in range(endpoints):
+            made.endpoints.add().lb_endpoints.add().endpoint.address.socket_address.port_value = 9000 + port
+        return made
+
+    rng = random.Random(5)
+    counter = EndpointCounter()
+    found = [assignment(f"c{i}", 2) for i in range(12)]
+    for _ in range(300):
+        at = rng.randrange(len(found) + 1)
+        roll = rng.random()
+        if roll < 0.6 and at < len(found):  # in place: more or fewer endpoints, rarely another name
+            name = found[at].cluster_name if rng.random() < 0.9 else rng.choice(["c1", "x", "y"])
+            found[at] = assignment(name, rng.randrange(4))
+        elif roll < 0.8:
+            found.insert(at, assignment(rng.choice(["c2", "z"]), 1))
+        elif found:
+            del found[min(at, len(found) - 1)]
+        state = DesiredState(resources={ENDPOINT: tuple(found)}, services={}, endpoints={"svc": ()})
+        merged = merge_states({"file": state})
+        assert counter(merged) == endpoint_counts(merged)
