@@ -66,13 +66,15 @@ class Refreshable(Protocol):
 
 
 class _Entry:
-    __slots__ = ("current", "due", "stream", "type_url")
+    __slots__ = ("current", "due", "period", "stream", "type_url")
 
-    def __init__(self, stream: Refreshable, type_url: TypeUrl, current: TypeSnapshot, due: float) -> None:
+    def __init__(self, stream: Refreshable, type_url: TypeUrl, current: TypeSnapshot, period: float) -> None:
         self.stream = stream
         self.type_url = type_url
         self.current = current
-        self.due = due
+        self.period = period
+        """:meth:`Heartbeats.period` of :attr:`current` (found when it is set, not per refresh)."""
+        self.due = 0.0
 
 
 class Heartbeats:
@@ -118,14 +120,15 @@ class Heartbeats:
         stream whose later responses have none is dropped when its refresh finds nothing to renew."""
         key = (id(stream), type_url)
         entry = self._entries.get(key)
-        due = self._clock() + self.period(current) * (1 - _SPREAD * self._spread())
+        period = self.period(current)
+        due = self._clock() + period * (1 - _SPREAD * self._spread())
         if entry is None:
-            self._entries[key] = entry = _Entry(stream, type_url, current, due)
+            self._entries[key] = entry = _Entry(stream, type_url, current, period)
         else:
-            entry.current = current
+            entry.current, entry.period = current, period
             if entry.due <= due:
                 return
-            entry.due = due
+        entry.due = due
         self._push(key, due)
 
     def forget(self, stream: Refreshable, type_urls: Iterable[TypeUrl]) -> None:
@@ -153,7 +156,7 @@ class Heartbeats:
             if outcome is None:
                 del entries[key]
                 continue
-            period = self.period(entry.current)
+            period = entry.period
             if outcome:
                 sent += 1
                 entry.due = now + period * (1 - _SPREAD * self._spread())
