@@ -340,7 +340,7 @@ def _json_piece(text: str, start: int, end: int, key: str, memo: ParseMemo) -> t
             if text[at : at + 1] != ",":
                 return None
             at = _skip(text, at + 1)
-    except ValueError:  # (JSONDecodeError is one)
+    except (ValueError, RecursionError):  # (JSONDecodeError is a ValueError; read whole, they are named there)
         return None
 
 
@@ -904,6 +904,7 @@ def _parse_edit(text: str, as_json: bool, memo: ParseMemo, rules: RuleCheck | No
         or len(messages) != len(items)
         or len(memo._order.get(key, ())) != len(items)
         or any(name in found.names and name not in removed_names for name in names)
+        or len(memo) - len(removed) + len(items) > memo.max_entries  # (read whole: the bound applies)
     ):
         memo.end(good=False)
         return None

@@ -163,3 +163,28 @@ def test_an_edit_that_names_or_defines_an_anchor_is_read_as_reading_it_whole_rea
     assert loaded(path, memo) == loaded(path, None)
     path.write_text(edited)
     assert loaded(path, memo) == loaded(path, None)
+
+
+def test_an_edit_nested_too_deeply_is_refused_as_reading_it_whole_refuses_it(tmp_path: Path) -> None:
+    path = tmp_path / "snapshot.json"
+    memo = ParseMemo()
+    path.write_text('{"clusters": [{"name": "a", "type": "STATIC"}, {"name": "b", "type": "STATIC"}]}')
+    load_desired(path, memo=memo)
+    deep = "[" * 5000 + "]" * 5000
+    path.write_text('{"clusters": [{"name": "a", "type": "STATIC"}, {"name": "b", "x": ' + deep + ', "type": "STATIC"}]}')
+    assert loaded(path, memo) == loaded(path, None)
+    assert any("nested too deeply" in problem for problem in loaded(path, memo))
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_edits_keep_the_memo_within_its_bound(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"snapshot{suffix}"
+    memo = ParseMemo(max_entries=12)
+    document = raw({f"c{i}": 9000 + i for i in range(5)})
+    load_desired(write(path, document), memo=memo)
+    for i in range(20):  # one cluster more each time
+        document["clusters"].append(cluster(f"x{i}"))
+        load_desired(write(path, document), memo=memo)
+        assert len(memo) <= len(document["clusters"]) + len(document["endpoints"])  # (the document's, no more)
+        assert loaded(path, memo) == loaded(path, None)
+    assert memo.edits == 2  # while the document fits the bound; past it, it is read whole
