@@ -171,7 +171,8 @@ def test_an_edit_nested_too_deeply_is_refused_as_reading_it_whole_refuses_it(tmp
     path.write_text('{"clusters": [{"name": "a", "type": "STATIC"}, {"name": "b", "type": "STATIC"}]}')
     load_desired(path, memo=memo)
     deep = "[" * 5000 + "]" * 5000
-    path.write_text('{"clusters": [{"name": "a", "type": "STATIC"}, {"name": "b", "x": ' + deep + ', "type": "STATIC"}]}')
+    edited = '{"clusters": [{"name": "a", "type": "STATIC"}, {"name": "b", "x": ' + deep + ', "type": "STATIC"}]}'
+    path.write_text(edited)
     assert loaded(path, memo) == loaded(path, None)
     assert any("nested too deeply" in problem for problem in loaded(path, memo))
 
