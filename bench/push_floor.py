@@ -79,7 +79,7 @@ async def _serve(event_log: Path, endpoints: int) -> None:
     from envoy.service.discovery.v3 import discovery_pb2
 
     from pilotfish.events import EventLog
-    from pilotfish.transport.aio import Call, GrpcServer
+    from pilotfish.transport.aio import Call, ConnectionLimits, GrpcServer
 
     empty = {
         "sotw": {
@@ -123,7 +123,10 @@ async def _serve(event_log: Path, endpoints: int) -> None:
         {
             _ADS + "StreamAggregatedResources": lambda call: Stream(call, "sotw"),
             _ADS + "DeltaAggregatedResources": lambda call: Stream(call, "delta"),
-        }
+        },
+        # Every simulated proxy connects from 127.0.0.1: lift the per-address cap (4,096 by
+        # default), as bench.procs does for pilotfish.
+        connection_limits=ConnectionLimits(max_connections_per_address=1_000_000),
     )
     port = await server.start("127.0.0.1", 0)
     pushes = 0
