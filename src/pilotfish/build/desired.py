@@ -506,7 +506,8 @@ def build_snapshots(
             # Views that serve the same list (and, for listeners, the same raw ones) share one
             # TypeSnapshot: hashed once, and a response encoded for one group serves every group.
             # (No list at all, or an empty one, is the same to every view.)
-            key = (rtype, view.kind if rtype is LISTENER else None, id(by_type.get(rtype)) if by_type.get(rtype) else 0)
+            listed = by_type.get(rtype)
+            key = (rtype, view.kind if rtype is LISTENER else None, id(listed) if listed else 0)
             if key not in shared:
                 # The resources and their hash, derived once from the same list as the last build's
                 # (by identity: one endpoint changed leaves the clusters' list as it was).
@@ -638,28 +639,21 @@ def _type_snapshot(
     """``rtype``'s resources as ``view`` is served them, versioned by content. When they are raw
     alone and a patch of the last build's that renames nothing, the last build's are patched."""
     items = raw[rtype]
-    patched = None
-    if rtype is not LISTENER and not built.get(rtype):
-        patch = memo.raw_patch(rtype, items)
-        before = memo.derived_before(key) if patch is not None else None
-        served_before = memo.derived_before(("served", rtype, view.kind))
-        if (
-            patch is not None
-            and before is not None
-            and served_before is not None
-            and served_before[0][0] is patch.before
-            and before[0][1] is served_before[1]
-            and not before[0][0]
-            and not _renames(patch, items)
-        ):
-            patched = patch, before[1]
-    if patched is None:
+    # The last build's snapshot was made from the served hashes of the list this one patches, with
+    # no built list, one resource per name (a name twice: the last wins, made whole).
+    served = _patch(memo, ("served", rtype, view.kind), rtype, items) if rtype is not LISTENER else None
+    before = memo.derived_before(key) if served is not None and not built.get(rtype) else None
+    if (
+        served is None
+        or before is None
+        or before[0][0]
+        or before[0][1] is not served[1]
+        or len(before[1].resources) != len(items)
+        or _renames(served[0], items)
+    ):
         return Snapshot.build(_combined(raw, view, built, (rtype,))).types[rtype.url]
-    patch, last = patched
-    if len(last.resources) != len(items):
-        return Snapshot.build(_combined(raw, view, built, (rtype,))).types[rtype.url]  # (a name twice: the last wins)
-    resources = last.resources.copy()  # (a MappingProxyType's copy: its dict's, in C)
-    for index in patch.changed:
+    resources = before[1].resources.copy()  # (a MappingProxyType's copy: its dict's, in C)
+    for index in served[0].changed:
         resource = items[index][0]
         resources[resource.name] = resource
     content = content_version(resources)

@@ -21,6 +21,7 @@ from pilotfish.build.subsetting import IndexTable
 from pilotfish.cache import DEFAULT_GROUP, NodeGroup
 from pilotfish.events import EventLog
 from pilotfish.resources import CLUSTER, ENDPOINT, LISTENER, TYPES
+from pilotfish.resources.builders import changed_places
 from pilotfish.snapshot import Snapshot
 
 __all__ = ["EndpointCounter", "Guard", "GuardSettings", "Held", "blast_radius", "endpoint_counts"]
@@ -88,10 +89,8 @@ class EndpointCounter:
         """The raw counts of ``assignments`` from the last call's, when only a few changed in
         place and none names another cluster (None: count them all)."""
         before = self._assignments
-        if len(before) != len(assignments) or not before:
-            return None
-        changed = [i for i, (was, now) in enumerate(zip(before, assignments, strict=True)) if was is not now]
-        if len(changed) > len(assignments) // 4:
+        changed = changed_places(before, assignments) if before else None
+        if changed is None:
             return None
         entries = [(self._counted.get(id(before[i])), self._entry(assignments[i])) for i in changed]
         if any(

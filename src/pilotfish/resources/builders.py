@@ -48,7 +48,7 @@ import dataclasses
 import enum
 import functools
 import operator
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple, TypeVar
 
@@ -82,6 +82,7 @@ __all__ = [
     "build_assignment",
     "build_cluster",
     "build_listener",
+    "changed_places",
     "encode_for_views",
     "encode_services",
 ]
@@ -495,6 +496,16 @@ _PATCHED_SHARE = 0.25
 resource); more, and it is made whole."""
 
 
+def changed_places(before: Sequence[object], after: Sequence[object]) -> tuple[int, ...] | None:
+    """The places (ascending) where ``after`` holds another object than ``before``, when it is as
+    long and at most :data:`_PATCHED_SHARE` of it (or one) changed; None otherwise: derive from
+    ``after`` whole rather than patch what was derived from ``before``."""
+    if len(before) != len(after):
+        return None
+    changed = tuple(i for i, (was, now) in enumerate(zip(before, after, strict=True)) if was is not now)
+    return changed if len(changed) <= max(1, _PATCHED_SHARE * len(after)) else None
+
+
 _NO_TTLS: Mapping[str, int] = MappingProxyType({})
 
 
@@ -611,13 +622,12 @@ class ResourceMemo:
             return last.pairs
         encoded = last.encoded if last is not None else {}
         patch = None
-        if last is not None and len(last.messages) == len(messages) and last.ttls == ttls:
-            changed = [i for i, (was, now) in enumerate(zip(last.messages, messages, strict=True)) if was is not now]
-            if len(changed) <= max(1, _PATCHED_SHARE * len(messages)):
-                pairs = last.pairs.copy()
-                for index in changed:
-                    pairs[index] = self._raw_pair(rtype, messages[index], ttls, encoded)
-                patch = RawPatch(last.pairs, tuple(changed))
+        changed = changed_places(last.messages, messages) if last is not None and last.ttls == ttls else None
+        if last is not None and changed is not None:
+            pairs = last.pairs.copy()
+            for index in changed:
+                pairs[index] = self._raw_pair(rtype, messages[index], ttls, encoded)
+            patch = RawPatch(last.pairs, changed)
         if patch is None:
             pairs = [self._raw_pair(rtype, message, ttls, encoded) for message in messages]
         if len(encoded) > 2 * len(pairs) + 16:  # (the stale ones go)

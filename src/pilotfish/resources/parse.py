@@ -567,8 +567,6 @@ class ParseMemo:
         """Documents read as an edit of the last good one (only the changed items decoded)."""
         self._reading: _Reading | None = None
         """The document being decoded, by items."""
-        self._order: dict[str, list[Remembered]] = {}
-        """Section -> its items, in order, of the document being parsed."""
         self._last: _LastGood | None = None
 
     def __len__(self) -> int:
@@ -588,7 +586,6 @@ class ParseMemo:
         self._used = {}
         self._texts_used = {}
         self._texts_count = 0
-        self._order = {}
         if self._reading is not None and self._reading.document is not document:
             self._reading = None
 
@@ -606,7 +603,6 @@ class ParseMemo:
         self._texts_used = {}
         self._texts_count = 0
         self._noted = {}
-        self._order = {}
         self._reading = None
 
     def _last_good(self, parsed: ParsedDocument) -> _LastGood | None:
@@ -621,15 +617,20 @@ class ParseMemo:
             if rtype is None or rtype is RUNTIME:
                 continue
             messages = parsed.resources.get(rtype, ())
-            items = self._order.get(key, [])
+            items = self._items_used(key)
             if not (len(spans.starts) == len(items) == len(messages)):
                 return None  # (more items than the memo keeps)
             lists[key] = _LastList(rtype, spans, items, {getattr(m, rtype.name_field) for m in messages})
         return _LastGood(reading.text, reading.as_json, parsed, lists, not reading.as_json and "&" in reading.text)
 
+    def _items_used(self, section: str) -> list[Remembered]:
+        """The items of ``section`` in the document being parsed, in order (its texts are kept in
+        the order the items came; a good document has no text twice)."""
+        return list(self._texts_used.get(section, {}).values())
+
     def commit_edit(self, key: str, removed: list[Remembered]) -> list[Remembered]:
-        """An edit of ``last`` replaced ``removed`` in list ``key`` with the items just parsed:
-        forget the removed ones, keep the new ones; the new items, in order."""
+        """An edit of the last good document replaced ``removed`` in list ``key`` with the items
+        just parsed: forget the removed ones, keep the new ones; the new items, in order."""
         texts = self._texts_kept.setdefault(key, {})
         for item in removed:
             self._kept.pop(item.key, None)
@@ -637,7 +638,7 @@ class ParseMemo:
         self._kept.update(self._used)
         for section, used in self._texts_used.items():
             self._texts_kept.setdefault(section, {}).update(used)
-        added = self._order.get(key, [])
+        added = self._items_used(key)
         self._clear()
         self.edits += 1
         return added
@@ -690,9 +691,7 @@ class ParseMemo:
             texts = self._texts_used.get(section)
             if texts is None:
                 texts = self._texts_used[section] = {}
-                self._order[section] = []
             texts[remembered.text] = remembered
-            self._order[section].append(remembered)
             self._texts_count += 1
 
 
@@ -902,7 +901,7 @@ def _parse_edit(text: str, as_json: bool, memo: ParseMemo, rules: RuleCheck | No
     if (
         problems
         or len(messages) != len(items)
-        or len(memo._order.get(key, ())) != len(items)
+        or len(memo._texts_used.get(key, ())) != len(items)
         or any(name in found.names and name not in removed_names for name in names)
         or len(memo) - len(removed) + len(items) > memo.max_entries  # (read whole: the bound applies)
     ):
