@@ -27,6 +27,11 @@ an upstream and are not counted at all (a route that no longer matches and yield
 ``errors / (successful + errors)``: completed requests only; ``total_issued_requests`` and
 ``total_requests_in_progress`` are kept for display. Localities are summed into their cluster.
 
+The control plane's own cluster is not the application's. Envoy reports every cluster it has
+(``send_all_clusters``), the bootstrap's ``xds_cluster`` too, and counts a gRPC stream cut under
+it as a failed request: a replica that dies or restarts under a wave would make the wave look
+broken. Its load is left out (:attr:`LoadSettings.ignored`).
+
 Windows. A report received at ``t`` covers ``[t - interval, t]``; it is filed in the bucket of its
 *start*, ``floor((t - interval) / bucket)``, and a window ``[start, end)`` counts the buckets that
 begin at or after ``start``. So a window never counts load from before it began (from before the
@@ -56,6 +61,7 @@ from typing import Any
 
 from envoy.service.load_stats.v3 import lrs_pb2
 
+from pilotfish.resources.bootstrap import XDS_CLUSTER
 from pilotfish.rollout.gates import Counts
 
 __all__ = [
@@ -163,6 +169,9 @@ class LoadSettings:
     """Longest cluster name kept apart (characters)."""
     max_node_id: int = 1024
     """Longest node id whose reports are taken (characters); a longer one's are refused."""
+    ignored: frozenset[str] = frozenset({XDS_CLUSTER})
+    """Clusters whose load is not counted: the one ``pilotfish bootstrap`` names for the xDS and
+    load reporting streams to pilotfish itself."""
 
     def __post_init__(self) -> None:
         if not (self.bucket > 0 and self.retention >= self.bucket and math.isfinite(self.retention)):
@@ -330,6 +339,8 @@ class LoadStore:
         proxy.last_report = now
         kept = folded = 0
         for load in report.clusters:
+            if load.cluster in self.settings.ignored:
+                continue
             series, apart = self._series_for(self._own, proxy.wave, load.cluster)
             if apart:
                 kept += 1

@@ -10,6 +10,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.config.endpoint.v3 import load_report_pb2
 from envoy.service.load_stats.v3 import lrs_pb2
 
+from pilotfish.resources.bootstrap import XDS_CLUSTER
 from pilotfish.rollout.gates import Counts
 from pilotfish.rollout.load import (
     MAX_COUNT,
@@ -114,6 +115,17 @@ def test_a_window_counts_the_reports_that_began_in_it_per_cluster_summed_over_a_
     assert store.window([0, 1], 1010.0)["web"] == Counts(successful=151, errors=1)
     assert store.window([0], 1000.0, 1010.0) == {"web": Counts(successful=90, errors=10)}
     assert store.window([2], 0.0) == {}
+
+
+def test_the_control_planes_own_cluster_is_not_the_applications_load() -> None:
+    """Envoy reports its bootstrap's ``xds_cluster`` too, and counts a cut xDS stream (a replica
+    killed) as a failed request there: that must not make a wave look broken."""
+    store = LoadStore(LoadSettings(bucket=1.0), clock=Clock())
+    store.ingest("a", report(load("web", 90, 0, interval=1), load(XDS_CLUSTER, 0, 1, interval=1)))
+    assert store.window([0], 0.0) == {"web": Counts(successful=90)}
+    store = LoadStore(LoadSettings(bucket=1.0, ignored=frozenset()), clock=Clock())
+    store.ingest("a", report(load(XDS_CLUSTER, 0, 1, interval=1)))
+    assert store.window([0], 0.0) == {XDS_CLUSTER: Counts(errors=1)}
 
 
 def test_a_proxys_wave_is_asked_once_with_its_group() -> None:
