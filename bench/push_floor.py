@@ -20,9 +20,17 @@ quiet after every proxy ACKed it. ``rounds`` times, for each xDS variant, the fl
 pilotfish (:func:`bench.fanout.run_fanout`, one registry endpoint change per push, event log
 level ``changes`` and ``all``) run in turn, the order flipped every round; a row gives the
 median over the rounds of each run's mean CPU seconds per push, the range, and the ratio to
-the floor.
+the floor, with the p99 of the ACKs (from the push to each proxy's ACK, pooled over a run's
+pushes; the median over the rounds).
+
+With ``--clusters N`` the floor serves N EDS clusters and every proxy subscribes to their N
+endpoint names, so each SotW ACK repeats the N names (about 110 KB at 10,000), as on the
+incremental benchmark's snapshot, which pilotfish then serves (N services of 10 endpoints). The
+floor checks such an ACK the cheapest way a server can: one compare of its bytes with the ACK it
+expects (the same for every proxy at one version), parsing it only when they differ.
 
     .venv/bin/python -m bench.push_floor --proxies 1000 --rounds 3 --pushes 10
+    .venv/bin/python -m bench.push_floor --proxies 10000 --clusters 10000 --xds sotw --event-log-levels changes
 """
 
 from __future__ import annotations
@@ -43,8 +51,9 @@ from bench.fanout import FanoutOptions, run_fanout
 from bench.fleet import EDS, XDS_VARIANTS, Fleet
 from bench.fleet.messages import CDS, LDS
 from bench.procs import REPO, ServerProcess, work_dir
-from bench.report import fmt_loads, print_table
-from bench.stats import load_1min, ratio, spread
+from bench.bench_incremental import RAMP_ABOVE, RAMP_RATE
+from bench.report import fmt_loads, fmt_ms, print_table
+from bench.stats import load_1min, percentile, ratio, spread
 from bench.workload import Workload
 
 __all__ = ["COLUMNS", "FloorRun", "floor_response", "run_floor", "run_push_floor"]
@@ -73,7 +82,47 @@ def floor_response(xds: str, version: str, endpoints: int) -> bytes:
     return bytes(sotw.SerializeToString())
 
 
-async def _serve(event_log: Path, endpoints: int) -> None:
+def _cluster_names(clusters: int) -> list[str]:
+    return [f"svc-{n:05d}" for n in range(clusters)]
+
+
+def _initial_responses(clusters: int) -> dict[str, dict[str, bytes]]:
+    """Per xDS variant, the first response to CDS, LDS and EDS: version "0", with ``clusters``
+    EDS clusters (their endpoints over ADS) and nothing else."""
+    from envoy.config.cluster.v3 import cluster_pb2
+    from envoy.service.discovery.v3 import discovery_pb2
+    from google.protobuf import any_pb2
+
+    packed = []
+    for name in _cluster_names(clusters):
+        cluster = cluster_pb2.Cluster(name=name, type=cluster_pb2.Cluster.EDS)
+        cluster.eds_cluster_config.eds_config.ads.SetInParent()
+        packed.append((name, any_pb2.Any(type_url=CDS, value=cluster.SerializeToString())))
+    sotw, delta = {}, {}
+    for t in (CDS, LDS, EDS):
+        resources = packed if t == CDS else []
+        sotw[t] = discovery_pb2.DiscoveryResponse(
+            version_info="0", type_url=t, nonce="0", resources=[r for _, r in resources]
+        ).SerializeToString()
+        response = discovery_pb2.DeltaDiscoveryResponse(system_version_info="0", type_url=t, nonce="0")
+        for name, resource in resources:
+            response.resources.add(name=name, version="0", resource=resource)
+        delta[t] = response.SerializeToString()
+    return {"sotw": sotw, "delta": delta}
+
+
+def expected_ack(version: str, clusters: int) -> bytes:
+    """The SotW ACK of push ``version`` from a proxy subscribed to the ``clusters`` names (in the
+    order a simulated proxy sends them)."""
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    request = discovery_pb2.DiscoveryRequest(
+        version_info=version, resource_names=_cluster_names(clusters), type_url=EDS, response_nonce=version
+    )
+    return bytes(request.SerializeToString())
+
+
+async def _serve(event_log: Path, endpoints: int, clusters: int) -> None:
     """The floor server: see the module docstring."""
     import uvloop  # noqa: F401 (the loop is chosen by the caller: uvloop.run)
     from envoy.service.discovery.v3 import discovery_pb2
@@ -81,16 +130,8 @@ async def _serve(event_log: Path, endpoints: int) -> None:
     from pilotfish.events import EventLog
     from pilotfish.transport.aio import Call, ConnectionLimits, GrpcServer
 
-    empty = {
-        "sotw": {
-            t: discovery_pb2.DiscoveryResponse(version_info="0", type_url=t, nonce="0").SerializeToString()
-            for t in (CDS, LDS)
-        },
-        "delta": {
-            t: discovery_pb2.DeltaDiscoveryResponse(system_version_info="0", type_url=t, nonce="0").SerializeToString()
-            for t in (CDS, LDS)
-        },
-    }
+    initial = _initial_responses(clusters)
+    expected = b""  # the SotW ACK of the last push, with clusters (compared, not parsed)
     decoders = {
         "sotw": discovery_pb2.DiscoveryRequest.FromString,
         "delta": discovery_pb2.DeltaDiscoveryRequest.FromString,
@@ -107,11 +148,14 @@ async def _serve(event_log: Path, endpoints: int) -> None:
 
         def on_message(self, data: bytes) -> None:
             nonlocal acks
-            request = self.decode(data)  # every request read and parsed
+            if data == expected:
+                acks += 1
+                return
+            request = self.decode(data)  # every other request read and parsed
             if request.response_nonce:
                 acks += 1
-            elif request.type_url in (CDS, LDS):
-                self.call.send(empty[self.xds][request.type_url])
+            elif request.type_url in (CDS, LDS, EDS):
+                self.call.send(initial[self.xds][request.type_url])
 
         def on_half_close(self) -> None:
             calls[self.xds].discard(self.call)
@@ -132,8 +176,10 @@ async def _serve(event_log: Path, endpoints: int) -> None:
     pushes = 0
 
     def push() -> None:
-        nonlocal pushes
+        nonlocal pushes, expected
         pushes += 1
+        if clusters:
+            expected = expected_ack(str(pushes), clusters)
         for xds, streams in calls.items():
             body = floor_response(xds, str(pushes), endpoints)  # encoded once per push
             for call in streams:
@@ -166,6 +212,8 @@ class FloorRun:
     xds: str
     proxies: int
     cpu_per_push: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    """Seconds from each push to each proxy's ACK of it, every push's."""
     bytes_per_push: float = 0.0
     failures: int = 0
 
@@ -174,23 +222,36 @@ class FloorRun:
         return sum(self.cpu_per_push) / len(self.cpu_per_push) if self.cpu_per_push else float("nan")
 
 
+def _rate(proxies: int) -> float:
+    """Proxies started per second per client process: as the incremental benchmark ramps a large fleet."""
+    return RAMP_RATE if proxies > RAMP_ABOVE else 0.0
+
+
 def run_floor(
-    *, proxies: int, xds: str, pushes: int = 5, endpoints: int = 5, workdir: Path | None = None, gap: float = 0.3
+    *,
+    proxies: int,
+    xds: str,
+    pushes: int = 5,
+    endpoints: int = 5,
+    clusters: int = 0,
+    workdir: Path | None = None,
+    gap: float = 0.3,
 ) -> FloorRun:
-    """One run of the floor server under a fleet of ``proxies``: ``pushes`` pushes, each timed
-    until every proxy ACKed it."""
+    """One run of the floor server under a fleet of ``proxies`` (subscribed to ``clusters``
+    endpoint names): ``pushes`` pushes, each timed until every proxy ACKed it."""
     run = FloorRun(xds=xds, proxies=proxies)
     with contextlib.ExitStack() as stack:
         workdir = work_dir(stack, workdir, "pilotfish-push-floor-")
         event_log = workdir / "floor-events.jsonl"
         argv = [sys.executable, "-m", "bench.push_floor", "--serve", str(event_log), "--endpoints", str(endpoints)]
+        argv += ["--clusters", str(clusters)]
         server = ServerProcess(name="floor", argv=argv, workdir=workdir, event_log=event_log)
         server.start()
         stack.callback(server.stop)
-        fleet = Fleet(target=server.xds, proxies=proxies, xds=xds)
+        fleet = Fleet(target=server.xds, proxies=proxies, xds=xds, rate=_rate(proxies))
         fleet.start()
         stack.callback(fleet.close)
-        synced = fleet.wait_synced(timeout=max(60.0, proxies / 100))
+        synced = fleet.wait_synced(timeout=max(60.0, proxies / 10 if clusters else proxies / 100))
         if synced.failures:
             run.failures = synced.failures
             return run
@@ -202,6 +263,7 @@ def run_floor(
             os.kill(server.pid, signal.SIGUSR1)
             acked = fleet.wait_acked({EDS: str(k)}, since=t0, timeout=60)
             run.cpu_per_push.append(server.settle_cpu() - before)
+            run.latencies += acked.latencies(t0)
             run.failures = max(run.failures, acked.failures)
             time.sleep(gap)
         run.bytes_per_push = (sum(fleet.bytes_received()) - received) / pushes / proxies
@@ -216,6 +278,7 @@ COLUMNS = [
     "load 1 min (each run)",
     "CPU s / push (median)",
     "CPU s / push (range)",
+    "p99 ms (median)",
     "bytes / proxy / push",
     "x floor",
     "failures",
@@ -231,17 +294,19 @@ def run_push_floor(
     levels: Sequence[str] = ("changes", "all"),
     workdir: Path | None = None,
     before: str | None = None,
+    clusters: int = 0,
 ) -> list[list[object]]:
     """The floor and pilotfish (at each event log level in ``levels``; and the commit ``before``,
     checked out beside this one, likewise) in turn, ``rounds`` times per xDS variant: the
     table's rows (:data:`COLUMNS`); see the module docstring."""
-    workload = Workload()
+    workload = Workload(services=clusters, endpoints=10) if clusters else Workload()
     servers = ["floor", *(f"pilotfish ({level})" for level in levels)]
     if before is not None:
         servers += [f"{before} ({level})" for level in levels]
     cpus: dict[tuple[str, str], list[float]] = {}
     loads: dict[tuple[str, str], list[float]] = {}
     sizes: dict[tuple[str, str], list[float]] = {}
+    p99s: dict[tuple[str, str], list[float]] = {}
     failures: dict[tuple[str, str], int] = {}
     with contextlib.ExitStack() as stack:
         workdir = work_dir(stack, workdir, "pilotfish-push-floor-")
@@ -253,8 +318,11 @@ def run_push_floor(
                     key, load = (who, variant), load_1min()
                     where = workdir / f"{who.split()[0]}-{variant}-{round_}-{len(cpus.get(key, []))}"
                     if who == "floor":
-                        floor = run_floor(proxies=proxies, xds=variant, pushes=pushes, workdir=where)
+                        floor = run_floor(
+                            proxies=proxies, xds=variant, pushes=pushes, clusters=clusters, workdir=where
+                        )
                         cpu, size, failed = floor.cpu, floor.bytes_per_push, floor.failures
+                        p99 = percentile(floor.latencies, 99)
                     else:
                         result = run_fanout(
                             FanoutOptions(
@@ -265,15 +333,22 @@ def run_push_floor(
                                 event_log_level=who.split("(")[1].rstrip(")"),
                                 workdir=where,
                                 server_env=None if who.startswith("pilotfish") else before_env,
+                                rate=_rate(proxies),
+                                sync_timeout=max(60.0, proxies / 10) if clusters else None,
                             )
                         )
-                        cpu, failed = result.cpu, result.failures
+                        cpu, failed, p99 = result.cpu, result.failures, result.p(99)
                         size = sum(map(sum, result.change_bytes)) / max(1, len(result.change_bytes)) / proxies
                     cpus.setdefault(key, []).append(cpu)
                     loads.setdefault(key, []).append(load)
                     sizes.setdefault(key, []).append(size)
                     failures[key] = failures.get(key, 0) + failed
-                    print(f"  {who} {variant} round {round_ + 1} (load {load:.2f}): CPU {cpu:.4f} s/push", flush=True)
+                    p99s.setdefault(key, []).append(p99)
+                    print(
+                        f"  {who} {variant} round {round_ + 1} (load {load:.2f}): CPU {cpu:.4f} s/push, "
+                        f"p99 {fmt_ms(p99)} ms",
+                        flush=True,
+                    )
     rows: list[list[object]] = []
     for variant in xds:
         floor_cpu = spread(cpus[("floor", variant)])[0]
@@ -289,6 +364,7 @@ def run_push_floor(
                     fmt_loads(loads[key]),
                     round(median, 4),
                     f"{low:.4f}-{high:.4f}",
+                    fmt_ms(spread(p99s[key])[0]),
                     round(spread(sizes[key])[0]),
                     "-" if who == "floor" else ratio(median, floor_cpu),
                     failures[key],
@@ -316,11 +392,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--before", metavar="COMMIT", help="also run pilotfish at this commit, in turn with the others")
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # internal: the floor server, its event log
     parser.add_argument("--endpoints", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--clusters",
+        type=int,
+        default=0,
+        help="EDS clusters every proxy subscribes to (0: none, and pilotfish on the default workload)",
+    )
     args = parser.parse_args(argv)
     if args.serve:
         import uvloop
 
-        uvloop.run(_serve(args.serve, args.endpoints))
+        uvloop.run(_serve(args.serve, args.endpoints, args.clusters))
         return 0
     rows = run_push_floor(
         proxies=args.proxies,
@@ -330,8 +412,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         levels=args.event_log_levels,
         workdir=args.workdir,
         before=args.before,
+        clusters=args.clusters,
     )
-    print(f"\nworkload (pilotfish): {Workload().describe()}; load now {load_1min():.2f}")
+    workload = Workload(services=args.clusters, endpoints=10) if args.clusters else Workload()
+    print(f"\nworkload (pilotfish): {workload.describe()}; load now {load_1min():.2f}")
     print_table(COLUMNS, rows)
     return 0 if all(row[-1] == 0 for row in rows) else 1
 
