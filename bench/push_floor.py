@@ -38,6 +38,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
+import math
 import os
 import signal
 import sys
@@ -45,16 +47,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from bench.bench_incremental import RAMP_ABOVE, RAMP_RATE
 from bench.checkout import checkout, pythonpath_env
 from bench.fanout import FanoutOptions, run_fanout
-from bench.fleet import EDS, XDS_VARIANTS, Fleet
+from bench.fleet import EDS, XDS_VARIANTS, Fleet, WaitResult
 from bench.fleet.messages import CDS, LDS
 from bench.procs import REPO, ServerProcess, work_dir
-from bench.bench_incremental import RAMP_ABOVE, RAMP_RATE
 from bench.report import fmt_loads, fmt_ms, print_table
 from bench.stats import load_1min, percentile, ratio, spread
 from bench.workload import Workload
+
+if TYPE_CHECKING:
+    from pilotfish.transport.aio import Call
 
 __all__ = ["COLUMNS", "FloorRun", "floor_response", "run_floor", "run_push_floor"]
 
@@ -122,13 +128,44 @@ def expected_ack(version: str, clusters: int) -> bytes:
     return bytes(request.SerializeToString())
 
 
-async def _serve(event_log: Path, endpoints: int, clusters: int) -> None:
-    """The floor server: see the module docstring."""
+REFRESH_TICK = 0.25
+"""Seconds between two batches of the floor's refreshes (as pilotfish's heartbeat timer batches them)."""
+
+
+class _Refresher:
+    """Sends every stream the shared response once per ``period`` seconds, in batches every
+    :data:`REFRESH_TICK`, stream after stream (the floor of heartbeats)."""
+
+    def __init__(self, calls: dict[str, set[Call]], period: float, bodies: dict[str, bytes]) -> None:
+        self.calls, self.period, self.bodies = calls, period, bodies
+        self.turn = 0
+        self.streams: list[tuple[Call, bytes]] = []
+
+    def start(self) -> None:
+        # The heap as pilotfish keeps it once the fleet is connected (app/parts.py, "gc"): what
+        # exists frozen, the youngest generation collected every 50,000 allocations.
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
+        self._tick(asyncio.get_running_loop().time())
+
+    def _tick(self, at: float) -> None:
+        if len(self.streams) != sum(map(len, self.calls.values())):  # (made anew when the fleet changed)
+            self.streams = [(call, self.bodies[xds]) for xds, group in self.calls.items() for call in group]
+        streams = self.streams
+        for _ in range(math.ceil(len(streams) * REFRESH_TICK / self.period) if streams else 0):
+            self.turn = (self.turn + 1) % len(streams)
+            call, body = streams[self.turn]
+            call.send(body)
+        asyncio.get_running_loop().call_at(at + REFRESH_TICK, self._tick, at + REFRESH_TICK)
+
+
+async def _serve(event_log: Path, endpoints: int, clusters: int, refresh: float = 0.0) -> None:
+    """The floor server: see the module docstring (``refresh``: see :func:`run_refresh_floor`)."""
     import uvloop  # noqa: F401 (the loop is chosen by the caller: uvloop.run)
     from envoy.service.discovery.v3 import discovery_pb2
 
     from pilotfish.events import EventLog
-    from pilotfish.transport.aio import Call, ConnectionLimits, GrpcServer
+    from pilotfish.transport.aio import ConnectionLimits, GrpcServer
 
     initial = _initial_responses(clusters)
     expected = b""  # the SotW ACK of the last push, with clusters (compared, not parsed)
@@ -188,6 +225,9 @@ async def _serve(event_log: Path, endpoints: int, clusters: int) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, push)
+    if refresh > 0:
+        refresher = _Refresher(calls, refresh, {x: floor_response(x, "refresh", endpoints) for x in calls})
+        loop.add_signal_handler(signal.SIGUSR2, refresher.start)
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     parent = os.getppid()
 
@@ -227,6 +267,22 @@ def _rate(proxies: int) -> float:
     return RAMP_RATE if proxies > RAMP_ABOVE else 0.0
 
 
+def _floor_and_fleet(
+    stack: contextlib.ExitStack, workdir: Path, args: Sequence[str], *, proxies: int, xds: str, sync_timeout: float
+) -> tuple[ServerProcess, Fleet, WaitResult]:
+    """The floor server (with ``args``) and a fleet of ``proxies`` connected to it, both stopped
+    when ``stack`` closes; how the fleet synced."""
+    event_log = workdir / "floor-events.jsonl"
+    argv = [sys.executable, "-m", "bench.push_floor", "--serve", str(event_log), *args]
+    server = ServerProcess(name="floor", argv=argv, workdir=workdir, event_log=event_log)
+    server.start()
+    stack.callback(server.stop)
+    fleet = Fleet(target=server.xds, proxies=proxies, xds=xds, rate=_rate(proxies))
+    fleet.start()
+    stack.callback(fleet.close)
+    return server, fleet, fleet.wait_synced(timeout=sync_timeout)
+
+
 def run_floor(
     *,
     proxies: int,
@@ -241,17 +297,14 @@ def run_floor(
     endpoint names): ``pushes`` pushes, each timed until every proxy ACKed it."""
     run = FloorRun(xds=xds, proxies=proxies)
     with contextlib.ExitStack() as stack:
-        workdir = work_dir(stack, workdir, "pilotfish-push-floor-")
-        event_log = workdir / "floor-events.jsonl"
-        argv = [sys.executable, "-m", "bench.push_floor", "--serve", str(event_log), "--endpoints", str(endpoints)]
-        argv += ["--clusters", str(clusters)]
-        server = ServerProcess(name="floor", argv=argv, workdir=workdir, event_log=event_log)
-        server.start()
-        stack.callback(server.stop)
-        fleet = Fleet(target=server.xds, proxies=proxies, xds=xds, rate=_rate(proxies))
-        fleet.start()
-        stack.callback(fleet.close)
-        synced = fleet.wait_synced(timeout=max(60.0, proxies / 10 if clusters else proxies / 100))
+        server, fleet, synced = _floor_and_fleet(
+            stack,
+            work_dir(stack, workdir, "pilotfish-push-floor-"),
+            ("--endpoints", str(endpoints), "--clusters", str(clusters)),
+            proxies=proxies,
+            xds=xds,
+            sync_timeout=max(60.0, proxies / 10 if clusters else proxies / 100),
+        )
         if synced.failures:
             run.failures = synced.failures
             return run
@@ -268,6 +321,59 @@ def run_floor(
             time.sleep(gap)
         run.bytes_per_push = (sum(fleet.bytes_received()) - received) / pushes / proxies
     return run
+
+
+REFRESH_COLUMNS = [
+    "server",
+    "xds",
+    "proxies",
+    "load 1 min",
+    "period s",
+    "refreshes / s",
+    "received / s",
+    "CPU % of a core",
+    "CPU per refresh (us)",
+]
+
+
+def run_refresh_floor(
+    *, proxies: int, xds: str, period: float, seconds: float = 40.0, workdir: Path | None = None
+) -> list[object]:
+    """The floor of heartbeats: the floor server sends every stream the shared response once per
+    ``period`` seconds, in batches every :data:`REFRESH_TICK` (as pilotfish renews TTLs), and
+    reads each ACK; its CPU over ``seconds`` once every proxy synced, as a share of a core and per
+    refresh (the row of :data:`REFRESH_COLUMNS`)."""
+    with contextlib.ExitStack() as stack:
+        server, fleet, synced = _floor_and_fleet(
+            stack,
+            work_dir(stack, workdir, "pilotfish-refresh-floor-"),
+            ("--refresh", str(period)),
+            proxies=proxies,
+            xds=xds,
+            sync_timeout=max(60.0, proxies / 100),
+        )
+        if synced.failures:
+            raise RuntimeError(f"refresh floor: {synced.failures} of {proxies} proxies never synced")
+        server.settle_cpu(quiet=0.3, limit=5)
+        load = load_1min()
+        os.kill(server.pid, signal.SIGUSR2)
+        time.sleep(min(period, 5.0))  # (the refreshes' ACKs flowing)
+        before, received, t0 = server.cpu_seconds(), sum(fleet.bytes_received()), time.monotonic()
+        time.sleep(seconds)
+        cpu, elapsed = server.cpu_seconds() - before, time.monotonic() - t0
+        received = sum(fleet.bytes_received()) - received
+        rate = proxies / period
+        return [
+            "floor",
+            xds,
+            proxies,
+            round(load, 2),
+            period,
+            round(rate),
+            round(received / len(floor_response(xds, "refresh", 5)) / elapsed),
+            round(100 * cpu / elapsed, 2),
+            round(1e6 * cpu / (rate * elapsed), 1),
+        ]
 
 
 COLUMNS = [
@@ -318,9 +424,7 @@ def run_push_floor(
                     key, load = (who, variant), load_1min()
                     where = workdir / f"{who.split()[0]}-{variant}-{round_}-{len(cpus.get(key, []))}"
                     if who == "floor":
-                        floor = run_floor(
-                            proxies=proxies, xds=variant, pushes=pushes, clusters=clusters, workdir=where
-                        )
+                        floor = run_floor(proxies=proxies, xds=variant, pushes=pushes, clusters=clusters, workdir=where)
                         cpu, size, failed = floor.cpu, floor.bytes_per_push, floor.failures
                         p99 = percentile(floor.latencies, 99)
                     else:
@@ -393,6 +497,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # internal: the floor server, its event log
     parser.add_argument("--endpoints", type=int, default=5, help=argparse.SUPPRESS)
     parser.add_argument(
+        "--refresh",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="instead: the floor of heartbeats, every stream sent the shared response once per SECONDS "
+        "(pilotfish renews a 30 s TTL every 22.5-25 s), its CPU over --seconds",
+    )
+    parser.add_argument("--seconds", type=float, default=40.0, help="with --refresh: the window (default: %(default)s)")
+    parser.add_argument(
         "--clusters",
         type=int,
         default=0,
@@ -402,7 +515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve:
         import uvloop
 
-        uvloop.run(_serve(args.serve, args.endpoints, args.clusters))
+        uvloop.run(_serve(args.serve, args.endpoints, args.clusters, args.refresh))
+        return 0
+    if args.refresh > 0:
+        rows = [
+            run_refresh_floor(proxies=args.proxies, xds=x, period=args.refresh, seconds=args.seconds) for x in args.xds
+        ]
+        print_table(REFRESH_COLUMNS, rows)
         return 0
     rows = run_push_floor(
         proxies=args.proxies,

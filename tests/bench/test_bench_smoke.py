@@ -37,6 +37,7 @@ from bench import (  # noqa: E402
     bench_subsetting,
     bench_ttl,
     fanout,
+    push_floor,
 )
 
 pytestmark = pytest.mark.e2e
@@ -311,12 +312,14 @@ def test_grpc_floor_runs_every_round_to_completion() -> None:
 
 
 def test_push_floor_pushes_to_every_proxy_beside_pilotfish_sotw_and_delta() -> None:
-    """The floor server (pilotfish's own transport, shared bytes out, ACKs parsed) is ACKed by every
-    simulated proxy on every push, over SotW and delta, and pilotfish's fan-out runs beside it."""
+    """The floor server (pilotfish's own transport, shared bytes out, ACKs compared or parsed) is
+    ACKed by every simulated proxy on every push, over SotW and delta, with every proxy subscribed
+    to the endpoints of 20 clusters, and pilotfish's fan-out runs beside it. (run_all's smoke runs
+    the floor without clusters.)"""
     done = subprocess.run(
         [
             *(sys.executable, "-m", "bench.push_floor", "--proxies", "5", "--rounds", "1", "--pushes", "2"),
-            *("--event-log-levels", "changes"),
+            *("--event-log-levels", "changes", "--clusters", "20"),
         ],
         cwd=REPO,
         capture_output=True,
@@ -325,10 +328,35 @@ def test_push_floor_pushes_to_every_proxy_beside_pilotfish_sotw_and_delta() -> N
     )
     assert done.returncode == 0, done.stdout + done.stderr  # 0: no proxy missed a push
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in done.stdout.splitlines()]
-    table = {(row[0], row[1]): row for row in rows if len(row) == 10 and row[2] == "5"}
+    col = push_floor.COLUMNS.index
+    table = {(row[0], row[1]): row for row in rows if len(row) == len(push_floor.COLUMNS) and row[2] == "5"}
     assert set(table) == {(s, x) for s in ("floor", "pilotfish (changes)") for x in ("sotw", "delta")}
     for row in table.values():
-        assert row[-1] == "0" and float(row[5]) >= 0 and float(row[7]) > 100  # no failures; an EDS response each
+        assert row[col("failures")] == "0"  # every proxy ACKed every push
+        assert float(row[col("CPU s / push (median)")]) >= 0 and float(row[col("p99 ms (median)")]) > 0
+        assert float(row[col("bytes / proxy / push")]) > 100  # an EDS response each
+
+
+def test_the_refresh_floor_sends_every_proxy_its_refreshes() -> None:
+    """The floor of heartbeats (``push_floor --refresh``) sends each proxy the shared response once
+    per period, and the proxies receive them, over SotW and delta."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench.push_floor", "--proxies", "5", "--refresh", "0.5", "--seconds", "2"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    col = push_floor.REFRESH_COLUMNS.index
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in done.stdout.splitlines()]
+    table = {row[1]: row for row in rows if len(row) == len(push_floor.REFRESH_COLUMNS) and row[0] == "floor"}
+    assert set(table) == {"sotw", "delta"}, done.stdout
+    for row in table.values():
+        assert row[col("refreshes / s")] == "10"  # 5 proxies, each every 0.5 s
+        assert float(row[col("received / s")]) >= 5, row  # they arrive (a margin for a busy machine)
 
 
 def test_bench_memo_counts_one_encoding_per_push_for_a_fleet() -> None:

@@ -346,6 +346,7 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         "_current",
         "_denied",
         "_grants",
+        "_held",
         "_last_nack",
         "_server",
         "closed",
@@ -385,6 +386,8 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         self._cancels: dict[TypeUrl, Cancel] = {}
         self._current: dict[TypeUrl, _Watch] = {}
         """The newest watch per type: a response to an older one is dropped unsent."""
+        self._held: dict[TypeUrl, _Watch] = {}
+        """The watch per type that the cache holds open now (one it answered leaves)."""
         self._asked_secrets: _Watch | None = None
         """The newest SDS watch as the proxy asked for it (before grants): for :meth:`regrant`."""
         self._last_nack: tuple[TypeUrl, str | None] | None = None
@@ -442,7 +445,7 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
             assert node is not None
             self._open(node)
         for watch in self._record(data, decoded, outcome):
-            self._watch(watch)
+            self._watch(watch, again=watch.type_url != outcome.type_url)
 
     def _decode(self, data: bytes) -> _Decoded:
         """The request (raises :class:`PeerError` for one that does not decode)."""
@@ -533,15 +536,27 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
 
     # -- watches --------------------------------------------------------------------------------
 
-    def _watch(self, watch: _Watch) -> None:
+    def _watch(self, watch: _Watch, *, again: bool = False) -> None:
         """Open a watch the request asks for, in place of the stream's previous one of its type:
-        a secrets watch only for what is granted, an endpoints watch for this proxy's own."""
-        if watch.type_url == SECRET.url:
+        a secrets watch only for what is granted, an endpoints watch for this proxy's own.
+
+        A watch equal to the one the cache holds open for the type is left open, unless
+        ``again`` (a watch of another type than the request's, opened so that the cache looks
+        again now at what the request changed: the clusters held back for the routes just
+        ACKed). So the ACK of a heartbeat, which changes nothing the cache reads, costs no new
+        watch; an open watch is looked at on every publish anyway."""
+        type_url = watch.type_url
+        if type_url == SECRET.url:
             self._asked_secrets = watch
             watch = self._granted_only(watch)
-        elif watch.type_url == ENDPOINT.url and watch.proxy != self.node_id:
+        elif type_url == ENDPOINT.url and watch.proxy != self.node_id:
             watch = watch._replace(proxy=self.node_id)  # (the state machines name it already)
-        self._current[watch.type_url] = watch
+        if not again:
+            held = self._held.get(type_url)
+            if held is not None and held == watch:
+                self._current[type_url] = held
+                return
+        self._current[type_url] = watch
         self._replace_watch(watch)
 
     def _replace_watch(self, watch: _Watch) -> None:
@@ -553,12 +568,15 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
             previous()
         route = self._server._route
         group = self.group if route is None else route(self.node_id, self.group)
+        self._held[type_url] = watch  # (before: the cache may answer it at once)
         self._cancels[type_url] = self._create(watch, self._send, group)
 
     def _send(self, watch: _Watch, answer: _Answer) -> None:
         """The cache's callback: write the answer now (the transport queues what flow control
         holds back) and record it, unless a newer request superseded the watch it answers; then
         open the watches it made due."""
+        if self._held.get(watch.type_url) is watch:
+            del self._held[watch.type_url]  # (answered: the cache no longer holds it)
         if self.closed or self._current.get(answer.type_url) is not watch:
             return
         nonce, sent, due = self._on_response(watch, answer)
@@ -682,6 +700,7 @@ class _Stream(Generic[_Watch, _Decoded, _Answer]):
         for cancel in self._cancels.values():
             cancel()
         self._cancels.clear()
+        self._held.clear()
         if server.heartbeats:  # (streams of a server that renews no TTL need not look)
             server.heartbeats.forget(self, self.state.types)
         self._current.clear()

@@ -134,6 +134,13 @@ async def test_sotw_a_layer_with_a_ttl_is_wrapped_and_sent_again_at_two_thirds_o
     assert served.advance(0.2) == 1
     again = await next_message(call)
     assert again.version_info == first.version_info and list(again.resources) == list(first.resources)
+
+    # The refreshes' ACKs leave the stream's watch standing: a change still goes out at once.
+    await call.write(sotw_request([], version_info=again.version_info, response_nonce=again.nonce))
+    await served.acked(3)
+    served.cache.set_snapshot(layer("off"))
+    changed = await next_message(call)
+    assert changed.version_info != first.version_info and changed.resources != first.resources
     call.cancel()
     await until(lambda: xds.open_streams == 0)
     assert len(xds.heartbeats) == 0, "a stream that ended is forgotten"
