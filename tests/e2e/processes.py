@@ -710,6 +710,20 @@ class Envoy:
                 counts[f"{address['address']}:{address['port_value']}"] = stats.get("rq_total", 0)
         return counts
 
+    def wait_for_requests(self, cluster: str, *, at_least: int = 200, timeout: float = 15.0) -> None:
+        """Wait until ``at_least`` more requests than now went through this Envoy to ``cluster``
+        (load flows: a load run reached it, or went on after a change)."""
+
+        def sent() -> int:
+            return int(self.stat(f"cluster.{cluster}.upstream_rq_total") or 0)
+
+        before = sent()
+        wait_until(
+            lambda: sent() >= before + at_least,
+            timeout=timeout,
+            what=f"{at_least} more requests through {self.name} to cluster {cluster!r}",
+        )
+
     def wait_for_endpoints(self, cluster: str, expected: Iterable[str], *, timeout: float = 10.0) -> None:
         """Wait until Envoy's /clusters lists exactly ``expected`` (``host:port``) for ``cluster``."""
         want = sorted(expected)

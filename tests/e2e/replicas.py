@@ -131,22 +131,13 @@ class Fleet:
             envoy.wait_for_endpoints(SERVICE, expected, timeout=timeout)
 
     def start_load(self, processes: ProcessGroup, duration_s: int) -> None:
+        """A wrk through every Envoy, for at most ``duration_s`` (:meth:`check_loads` ends them)."""
         for node, port in self.ports.items():
             self.loads[node] = Wrk.start(
                 processes, f"http://127.0.0.1:{port}/", duration_s=duration_s, threads=1, connections=4
             )
         for envoy in self.envoys.values():
-            self.wait_for_requests(envoy)
-
-    @staticmethod
-    def wait_for_requests(envoy: Envoy, *, at_least: int = 50) -> None:
-        """Wait until ``at_least`` more requests went through ``envoy`` to ``web``."""
-
-        def sent() -> int:
-            return int(envoy.stat(f"cluster.{SERVICE}.upstream_rq_total") or 0)
-
-        before = sent()
-        wait_until(lambda: sent() >= before + at_least, timeout=15, what=f"load through {envoy.name}")
+            envoy.wait_for_requests(SERVICE, at_least=50)
 
     def wait_for_traffic_to(self, upstream: Upstream, *, at_least: int = 10) -> None:
         for envoy in self.envoys.values():
@@ -164,8 +155,10 @@ class Fleet:
         )
 
     def check_loads(self) -> dict[str, WrkResult]:
-        """Every wrk finished clean: no non-2xx, no socket error."""
-        results = {node: load.result() for node, load in self.loads.items()}
+        """Every wrk, still running (what the test did happened under load), is ended and was
+        clean: no non-2xx, no socket error."""
+        self.assert_under_load()
+        results = {node: load.stop() for node, load in self.loads.items()}
         for node, result in results.items():
             print(f"\nwrk through {node}: {result.summary()}")
         problems = {node: result.problems() for node, result in results.items() if result.problems()}

@@ -64,7 +64,7 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
         timeout=10,
         what="Envoy to have the endpoints of every cluster",
     )
-    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=20, connections=10)
+    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=90, connections=10)
 
     # One service's endpoints change: exactly that one assignment goes out.
     mark = events.mark()
@@ -99,7 +99,7 @@ def test_only_what_changed_reaches_a_delta_envoy_under_load(processes: ProcessGr
         assert [e["names"] for e in delta_sent(events, EDS, after=mark)] == [["web"]]
 
     assert load.running(), "the changes took longer than the load run: they were not all under load"
-    result = load.result()
+    result = load.stop()
     problems = result.problems()
     assert not problems, f"traffic through web while services changed: {'; '.join(problems)}\n{result.output}"
     assert not events.select(is_event("nack")), "Envoy rejected nothing"

@@ -84,7 +84,7 @@ def test_labelled_containers_serve_and_leave_without_a_failed_request(
         f"127.0.0.1:{port}": {"container": name, "engine": docker.url} for name, port in ports.items()
     }, origins
 
-    wrk = Wrk.start(processes, f"http://127.0.0.1:{listen}/", duration_s=20, connections=4, threads=1)
+    wrk = Wrk.start(processes, f"http://127.0.0.1:{listen}/", duration_s=120, connections=4, threads=1)
     wait_until(
         lambda: all(envoy.host_requests("web").get(address, 0) > 0 for address in every),
         timeout=15,
@@ -118,7 +118,8 @@ def test_labelled_containers_serve_and_leave_without_a_failed_request(
     assert (bad["container"], bad["label"]) == ("web-bad", "label pilotfish.service"), bad
     assert envoy.cluster_endpoints("web") == sorted([every[0], every[2], f"127.0.0.1:{checked}"])
 
-    result = wrk.result()
+    assert wrk.running(), "the containers took longer than the load run: they did not all come and go under it"
+    result = wrk.stop()
     print(f"\nwrk through Envoy while containers came and went: {result.summary()}")
     assert not result.problems(), (result.summary(), envoy.stats(r"cluster\.web\.upstream_(cx|rq)_"))
     status, body = http_get(f"http://{control_plane.admin}/v1/docker")
@@ -174,7 +175,7 @@ def test_engines_are_independent_and_one_that_restarts_keeps_its_endpoints_and_i
         serving = [f"127.0.0.1:{first}", f"127.0.0.1:{far}"]
         envoy.wait_for_endpoints("web", serving, timeout=30)
 
-        wrk = Wrk.start(processes, f"http://127.0.0.1:{listen}/", duration_s=20, connections=4, threads=1)
+        wrk = Wrk.start(processes, f"http://127.0.0.1:{listen}/", duration_s=120, connections=4, threads=1)
         mark = control_plane.events.mark()
         docker.stop()  # (its containers run on: --live-restore)
         lost = control_plane.events.wait_for(
@@ -200,7 +201,8 @@ def test_engines_are_independent_and_one_that_restarts_keeps_its_endpoints_and_i
         assert (synced["containers"], synced["endpoints"]) == (2, 2), synced
         serving.append(f"127.0.0.1:{second}")
         envoy.wait_for_endpoints("web", serving, timeout=30)
-        result = wrk.result()
+        assert wrk.running(), "the engine's restart took longer than the load run: it was not all under load"
+        result = wrk.stop()
         print(f"\nwrk through Envoy while an engine restarted: {result.summary()}")
         assert not result.problems(), result.summary()
     finally:

@@ -53,8 +53,9 @@ NODE = "edge-1"
 SERVICE = "web"
 PREFIX = "/pilotfish/"
 
-LOAD_S = 22
-"""Duration of the wrk runs during which endpoints change."""
+LOAD_S = 60
+"""The longest the wrk runs during which endpoints change may take: each is stopped once its last
+endpoint set has carried load as long as the others (:class:`Pacer`)."""
 CHANGE_EVERY_S = 2.5
 """Changes under load are paced at most this often, so each endpoint set carries load a while."""
 CHANGE_TIMEOUT_S = 5.0
@@ -215,16 +216,6 @@ class Pacer:
             time.sleep(delay)  # pacing the schedule, not waiting for something to happen
 
 
-def wait_for_load(envoy: Envoy, *, at_least: int = 200) -> None:
-    """Wait until wrk's requests flow through Envoy to ``web``."""
-    before = int(envoy.stat(f"cluster.{SERVICE}.upstream_rq_total") or 0)
-    wait_until(
-        lambda: int(envoy.stat(f"cluster.{SERVICE}.upstream_rq_total") or 0) >= before + at_least,
-        timeout=10,
-        what=f"wrk's load to reach cluster {SERVICE}",
-    )
-
-
 ENVOY_ERROR_STATS = (
     r"(cluster\.web\.(upstream_rq_(5xx|503|504|pending_overflow|timeout|per_try_timeout|retry.*|rx_reset|tx_reset)"
     r"|upstream_cx_(connect_fail|connect_timeout|destroy_remote_with_active_rq|destroy_local_with_active_rq|overflow)"
@@ -338,7 +329,7 @@ def test_registry_endpoint_changes_under_load(processes: ProcessGroup) -> None:
     deployment.add("u1", register)
 
     wrk = Wrk.start(processes, deployment.url, duration_s=LOAD_S)
-    wait_for_load(envoy)
+    envoy.wait_for_requests(SERVICE)
     pacer = Pacer(CHANGE_EVERY_S)
 
     def slow_request_survives() -> None:
@@ -361,9 +352,10 @@ def test_registry_endpoint_changes_under_load(processes: ProcessGroup) -> None:
     deployment.wait_for_traffic_to("u4")
     pacer.next()
     deployment.remove("u2", deregister)
+    pacer.next()  # the last endpoint set carries load as long as the others
     assert wrk.running(), "the changes took longer than the load run: they were not all made under load"
 
-    check_clean(wrk.result(), "registry under load", deployment.changes, envoy)
+    check_clean(wrk.stop(), "registry under load", deployment.changes, envoy)
     assert envoy.cluster_endpoints(SERVICE) == deployment.expected()
     assert len(deployment.changes) >= 6
 
@@ -399,7 +391,7 @@ def test_etcd_endpoint_changes_under_load_across_an_etcd_restart(processes: Proc
     deployment.wait_for_envoy()
 
     wrk = Wrk.start(processes, deployment.url, duration_s=LOAD_S)
-    wait_for_load(envoy)
+    envoy.wait_for_requests(SERVICE)
     pacer = Pacer(CHANGE_EVERY_S)
 
     deployment.add("u2", put)
@@ -430,9 +422,11 @@ def test_etcd_endpoint_changes_under_load_across_an_etcd_restart(processes: Proc
     deployment.remove("u1", delete)
     pacer.next()
     deployment.add("u4", put)
+    deployment.wait_for_traffic_to("u4")
+    pacer.next()
     assert wrk.running(), "the changes took longer than the load run: they were not all made under load"
 
-    check_clean(wrk.result(), "etcd under load", deployment.changes, envoy)
+    check_clean(wrk.stop(), "etcd under load", deployment.changes, envoy)
     assert envoy.cluster_endpoints(SERVICE) == deployment.expected()
 
 
@@ -464,15 +458,15 @@ def test_control_plane_sigkill_under_load_then_restart_sends_nothing(processes: 
     deployment.wait_for_envoy()
     acked = {short_type(t): first.select(is_event("ack", node=NODE, type=t))[-1]["version_info"] for t in TYPE_URLS}
 
-    wrk = Wrk.start(processes, deployment.url, duration_s=10)
-    wait_for_load(envoy)
+    wrk = Wrk.start(processes, deployment.url, duration_s=LOAD_S)
+    envoy.wait_for_requests(SERVICE)
     control_plane.stop(kill=True)
     wait_until(
         lambda: envoy.stat("control_plane.connected_state") == 0,
         timeout=5,
         what="Envoy to notice the control plane is gone",
     )
-    wait_for_load(envoy)  # Envoy keeps proxying without its control plane
+    envoy.wait_for_requests(SERVICE)  # Envoy keeps proxying without its control plane
 
     second = control_plane.start()
     requests = {}
@@ -500,8 +494,9 @@ def test_control_plane_sigkill_under_load_then_restart_sends_nothing(processes: 
         "only the marker's endpoints were pushed\n" + second.describe()
     )
     assert not second.select(is_event("nack"))
+    deployment.wait_for_traffic_to("u2")  # the load went on through the restarted server's change
 
-    check_clean(wrk.result(), "control plane SIGKILL under load", [], envoy)
+    check_clean(wrk.stop(), "control plane SIGKILL under load", [], envoy)
     assert envoy.cluster_endpoints(SERVICE) == deployment.expected()
 
 

@@ -104,7 +104,7 @@ def test_envoy_fails_over_to_a_live_replica_and_is_sent_nothing_it_has(processes
         timeout=10,
         what="Envoy to route web to upstream a",
     )
-    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=20, connections=10)
+    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=90, connections=10)
 
     # The replica holding Envoy's stream dies.
     first.process.popen.send_signal(signal.SIGKILL)
@@ -177,9 +177,10 @@ def test_envoy_fails_over_to_a_live_replica_and_is_sent_nothing_it_has(processes
     assert events.index_of(sent[0]) >= mark and sent[0]["type"] == EDS
     assert sent[0]["names"] == ["web"] if delta else sent[0]["resources"] == 1, sent[0]
     events.wait_for(is_event("ack", node=NODE, type=EDS), after=mark, what="Envoy's ACK of the change")
+    envoy.wait_for_requests("web")  # the load goes on through the change
 
     assert load.running(), "the failover took longer than the load run"
-    result = load.result()
+    result = load.stop()
     problems = result.problems()
     assert not problems, f"traffic through Envoy while its replica died: {'; '.join(problems)}\n{result.output}"
     assert not events.select(is_event("nack")), "Envoy rejected nothing"
@@ -358,7 +359,7 @@ def test_an_envoy_polling_rest_from_several_replicas_moves_its_polls_to_a_live_o
     )
     for replica in replicas:  # round robin: both are polled
         replica.events.wait_for(is_event("rest_request", node=NODE, answer=304), what=f"a 304 from {replica.name}")
-    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=10, connections=10)
+    load = Wrk.start(processes, f"http://127.0.0.1:{listen_port}/", duration_s=90, connections=10)
 
     dead, survivor = replicas
     dead.process.popen.send_signal(signal.SIGKILL)
@@ -374,7 +375,8 @@ def test_an_envoy_polling_rest_from_several_replicas_moves_its_polls_to_a_live_o
         after=mark,
         what="the change polled from the survivor",
     )
+    envoy.wait_for_requests("web")  # the load goes on through the change
     assert load.running(), "the failover took longer than the load run"
-    result = load.result()
+    result = load.stop()
     assert not result.problems(), f"traffic while a REST replica died: {result.problems()}\n{result.output}"
     assert int(envoy.stat("cluster.xds_cluster.outlier_detection.ejections_enforced_total") or 0) >= 1

@@ -177,7 +177,7 @@ def test_a_replica_holding_two_envoys_is_killed_while_instances_change(processes
     assert len(orphans) >= 2, held  # four Envoys on three replicas
     writer = RegistryClient(next(plane for plane in planes if plane is not victim).registry_url)
 
-    fleet.start_load(processes, duration_s=25)
+    fleet.start_load(processes, duration_s=90)
     victim.process.stop(kill=True)
 
     # Meanwhile, through another replica: add u2 (already started), then remove u0.
@@ -247,7 +247,7 @@ def test_etcd_restarted_under_load(processes: ProcessGroup) -> None:
     before = sorted([address(u0), address(u1)])
     fleet.wait_for_endpoints(before, timeout=20)
     wait_until(lambda: same_versions(planes), timeout=15, what="the replicas to serve the same versions")
-    fleet.start_load(processes, duration_s=20)
+    fleet.start_load(processes, duration_s=90)
 
     marks = {plane.name: plane.events.mark() for plane in planes}
     etcd.stop()
@@ -263,7 +263,7 @@ def test_etcd_restarted_under_load(processes: ProcessGroup) -> None:
         status, answer = http_json("DELETE", plane.registry_url + f"/v1/services/{SERVICE}/instances/{address(u0)}")
         assert status == 503 and f"etcd at {etcd.address}" in answer["error"], answer
     for envoy in fleet.envoys.values():
-        fleet.wait_for_requests(envoy)  # the fleet keeps serving without etcd
+        envoy.wait_for_requests(SERVICE, at_least=50)  # the fleet keeps serving without etcd
 
     etcd.run()
     for plane in planes:

@@ -43,8 +43,9 @@ APPLY_TIMEOUT_S = 10.0
 """How long a restored listener or cluster may take to serve: a debounce (at most 1 s), a push
 and Envoy applying it take well under 2 s on a busy machine. Below Envoy's 15 s initial fetch
 timeout, so an unanswered request fails the wait instead of passing after the timeout."""
-LOAD_S = 40
-"""The main listener's load run: long enough for the restart and both remove/restore rounds."""
+LOAD_S = 120
+"""The longest the main listener's load run may take: long enough for the restart and both
+remove/restore rounds on a busy machine; it is ended once they are done."""
 CHECK_LOAD_S = 3
 """The load run on the restored listener and cluster."""
 
@@ -283,5 +284,5 @@ def test_restored_listener_and_cluster_are_served_at_once_after_a_restart(
     check_clean(spare_load.result(), f"restored cluster {SPARE}")
 
     assert main_load.running(), "the restart and the changes took longer than the main load run"
-    check_clean(main_load.result(), "main listener across the restart and every change")
+    check_clean(main_load.stop(), "main listener across the restart and every change")
     assert not events.select(is_event("nack")), "Envoy rejected nothing"

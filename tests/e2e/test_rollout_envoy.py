@@ -83,6 +83,7 @@ def kinds(events: EventLog, *, after: int) -> list[str]:
 
 
 def load(group: ProcessGroup, ports: dict[str, int], seconds: int) -> dict[str, Wrk]:
+    """A wrk through every Envoy for at most ``seconds`` (each is ended once its step is done)."""
     return {
         node: Wrk.start(group, f"http://127.0.0.1:{port}/", duration_s=seconds, threads=1, connections=4)
         for node, port in ports.items()
@@ -168,7 +169,7 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
 
     # 2. A good change under load, and an instance leaving while the canary bakes: not one request fails.
     mark = events.mark()
-    running = load(group, ports, 20)
+    running = load(group, ports, 90)
     testbed.snapshot_path.write_text(
         yaml.safe_dump(document(listen, {**GOOD, "route": {"cluster": "web", "timeout": "7s"}}))
     )
@@ -204,13 +205,15 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
     canary_passed = events.wait_for(lambda e: e["event"] == "rollout_wave_passed", after=mark, what="the canary's pass")
     assert first_to["c-1"] < events.index_of(canary_passed) < min(first_to[node] for node in OTHERS)
     for node, wrk in running.items():
-        result = wrk.result()
+        envoys[node].wait_for_requests("web", at_least=50)  # the load goes on through the last wave
+        assert wrk.running(), f"{node}: the rollout took longer than the load run"
+        result = wrk.stop()
         assert not result.problems(), f"{node}: {result.summary()}\n{envoys[node].log_tail()}"
 
     # 3. A route to a new cluster that fails: the canary ACKs it, its load reports show 503s, its wave fails.
     answers_503 = Upstream.start(group, "broken", status=503)
     mark = events.mark()
-    running = load(group, ports, 20)
+    running = load(group, ports, 90)
     failing = {"match": {"prefix": "/"}, "route": {"cluster": "broken"}}
     testbed.snapshot_path.write_text(
         yaml.safe_dump(document(listen, failing, more={"broken": {"endpoints": [f"127.0.0.1:{answers_503.port}"]}}))
@@ -238,9 +241,9 @@ def test_a_bad_change_stops_at_the_canary_and_a_good_one_reaches_everyone(testbe
     assert errors_for <= BAKE + LRS_INTERVAL, (errors_for, failed, rolled)
     for node in OTHERS:
         assert rds_sent_to(events, node, after=mark) == [], f"{node} was sent the failing route"
-        result = running[node].result()
+        result = running[node].stop()
         assert not result.problems(), f"{node}: {result.summary()}"
-    canary = running["c-1"].result()
+    canary = running["c-1"].stop()
     assert canary.non_2xx_3xx > 0, canary.summary()  # (it served the failures until its wave was rolled back)
     wait_until(serving(ports["c-1"]), timeout=20, what="the canary to serve again after the rollback")
     print(f"\n{failed['reason']}; the canary served errors for at most {errors_for:.2f} s (bake {BAKE:g} s)")

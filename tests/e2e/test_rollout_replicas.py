@@ -100,7 +100,7 @@ def test_the_deciding_replica_killed_mid_bake_leaves_every_proxy_where_it_was_an
     baseline = {node: rds_versions(planes, node)[-1][1] for node in FLEET}
     assert len(set(baseline.values())) == 1, baseline
 
-    fleet.start_load(processes, duration_s=45)
+    fleet.start_load(processes, duration_s=150)
     mark = decider.events.mark()
     # The route's timeout (RDS), raised from 15 s: a change that cannot itself fail a request, so
     # any error is the kill's. (A lower one, 7 s, fails a request that a busy machine holds that

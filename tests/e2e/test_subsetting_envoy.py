@@ -42,7 +42,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 ENVOYS = 6
 BACKENDS = 12
 K = 3
-LOAD_S = 40
+LOAD_S = 120
+"""The longest the load runs may take (they are ended once the subsets changed under them)."""
 TYPES = [t for t in TYPE_URLS if short_type(t) in ("CDS", "EDS", "LDS")]
 """What these Envoys ask for: no route configuration (their listener's routes are static)."""
 
@@ -150,7 +151,8 @@ def test_six_envoys_get_balanced_stable_subsets_under_load(processes: ProcessGro
     assert all(load.running() for load in loads), "the changes took longer than the load run"
 
     for envoy, load in zip(envoys, loads, strict=True):
-        result = load.result()
+        envoy.wait_for_requests("web", at_least=50)  # the load goes on through the last change
+        result = load.stop()
         assert not result.problems(), f"{envoy.name}: {result.summary()}\n{result.output}"
 
     # Restart pilotfish on the same state: the Envoys reconnect with what they have; nothing is sent.

@@ -2,7 +2,8 @@
 
 :class:`Wrk` starts ``wrk --latency`` in the background through the test's :class:`ProcessGroup`
 (so teardown kills it by PID), and :meth:`Wrk.result` waits for it and parses what it printed
-into a :class:`WrkResult`. A test checks the load went through cleanly with
+into a :class:`WrkResult`; :meth:`Wrk.stop` ends it first, once the test's changes are all made
+under it (its duration is then a bound, not a wait). A test checks the load went through cleanly with
 :meth:`WrkResult.problems`: no non-2xx/3xx response, no socket error, some requests at all.
 
 wrk prints (the last two error lines only when there were any)::
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -170,13 +172,25 @@ class Wrk:
 
     def result(self, *, slack_s: float = 30.0) -> WrkResult:
         """Wait for wrk to finish (its duration plus ``slack_s`` at most) and parse its report."""
+        return self._report(self.duration_s + slack_s)
+
+    def stop(self, *, slack_s: float = 30.0) -> WrkResult:
+        """End the run now and parse its report: what a test needed the load for is over, and the
+        rest of ``duration_s`` (an upper bound, then) would only hold the machine busy.
+
+        wrk takes SIGINT as the end of its duration: each thread leaves its event loop, and the
+        report covers the requests answered until then (one still in flight is not counted, not
+        an error). A run that already ended is only read."""
+        if self.running():
+            self.process.popen.send_signal(signal.SIGINT)
+        return self._report(slack_s)
+
+    def _report(self, within_s: float) -> WrkResult:
         try:
-            returncode = self.process.popen.wait(self.duration_s + slack_s)
+            returncode = self.process.popen.wait(within_s)
         except subprocess.TimeoutExpired:
             self.process.stop(kill=True)
-            pytest.fail(
-                f"wrk did not finish within {self.duration_s + slack_s:g}s\n{self.process.output_tail()}", pytrace=False
-            )
+            pytest.fail(f"wrk did not finish within {within_s:g}s\n{self.process.output_tail()}", pytrace=False)
         output = self.process.stdout_path.read_text(errors="replace")
         if returncode != 0:
             pytest.fail(f"wrk exited with {returncode}\n{self.process.output_tail()}", pytrace=False)
