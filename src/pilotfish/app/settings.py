@@ -59,6 +59,9 @@ __all__ = [
 
 MAX_SETTINGS_BYTES = 256 * 1024
 """The largest settings file read (a file of every flag is a few KB)."""
+MAX_IGNORED_CLUSTERS = 64
+"""The most clusters ``--rollout-ignore-cluster`` names (the control plane's own: one or two)."""
+_LOAD_DEFAULTS = LoadSettings()
 
 
 def read_settings_file(path: Path) -> dict[str, object]:
@@ -331,6 +334,9 @@ class RolloutFlags:
     """Percentage points a wave's error ratio may exceed the baseline's (``--rollout-max-error-increase``)."""
     too_little_traffic: str = "pause"
     """``pause`` or ``pass`` a wave whose bake saw too few requests (``--rollout-too-little-traffic``)."""
+    ignore_clusters: tuple[str, ...] = ()
+    """Clusters whose load reports the health gate leaves out, besides the bootstrap's
+    ``xds_cluster`` (``--rollout-ignore-cluster``): the control plane's own, under another name."""
 
     def settings(self) -> RolloutSettings | None:
         """The machine's settings (None: no rollout); ValueError naming the flag at fault."""
@@ -360,6 +366,13 @@ class RolloutFlags:
             raise ValueError(f"--rollout-max-error-increase / --rollout-min-requests: {exc}") from None
         if self.too_little_traffic not in ("pause", "pass"):
             raise ValueError(f"--rollout-too-little-traffic is pause or pass, not {self.too_little_traffic!r}")
+        if len(self.ignore_clusters) > MAX_IGNORED_CLUSTERS:
+            raise ValueError(f"--rollout-ignore-cluster: at most {MAX_IGNORED_CLUSTERS} clusters")
+        for name in self.ignore_clusters:
+            if not name.strip() or len(name) > _LOAD_DEFAULTS.max_name:
+                raise ValueError(
+                    f"--rollout-ignore-cluster {name!r}: a cluster's name, 1 to {_LOAD_DEFAULTS.max_name} characters"
+                )
         return RolloutSettings(
             waves=waves,
             types=types,
@@ -373,7 +386,11 @@ class RolloutFlags:
         """A load store that keeps what the gates read: an ACK timeout and two bakes (the wave's, and
         the baseline's before it), in buckets of a sixth of a bake (at most 5 s)."""
         bucket = max(0.1, min(5.0, self.bake / 6))
-        return LoadSettings(bucket=bucket, retention=max(180.0, self.ack_timeout + 2 * self.bake + 2 * bucket))
+        return LoadSettings(
+            bucket=bucket,
+            retention=max(180.0, self.ack_timeout + 2 * self.bake + 2 * bucket),
+            ignored=_LOAD_DEFAULTS.ignored | frozenset(self.ignore_clusters),
+        )
 
     def problems(self) -> list[Problem]:
         try:

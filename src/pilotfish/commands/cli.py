@@ -977,6 +977,15 @@ def _rollout_flags(serve: argparse.ArgumentParser) -> None:
         help="a bake that saw too few requests to judge pauses the rollout, or passes on its ACKs "
         "(default: %(default)s)",
     )
+    group.add_argument(
+        "--rollout-ignore-cluster",
+        action=Repeatable,
+        default=[],
+        metavar="NAME",
+        help="leave this cluster's load reports out of the health gate, as the bootstrap's xds_cluster "
+        "always is: the cluster of a hand-written bootstrap's streams to pilotfish (a stream cut there "
+        "counts as a failed request); repeatable",
+    )
 
 
 def _validate(path: Path) -> int:
@@ -1111,6 +1120,7 @@ def _serve(args: argparse.Namespace) -> int:
             min_requests=args.rollout_min_requests,
             max_error_increase=args.rollout_max_error_increase,
             too_little_traffic=args.rollout_too_little_traffic,
+            ignore_clusters=tuple(args.rollout_ignore_cluster),
         ),
     )
     try:

@@ -138,6 +138,21 @@ def test_a_settings_files_keys_are_serves_flags() -> None:
         file_arguments({"config": "other.yaml"}, serve, refused=("config",))
 
 
+def test_clusters_to_leave_out_of_the_health_gate_come_from_the_file_or_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "pilotfish.yaml"
+    config.write_text(yaml.safe_dump({"rollout": "canary=c-*,100%", "rollout-ignore-cluster": ["xds-grpc", "xds-b"]}))
+    snapshot = ["--snapshot", str(tmp_path / "config.yaml")]
+    assert main(["serve", *snapshot, "--config", str(config), "--print-settings"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["rollout"]["ignore_clusters"] == ["xds-grpc", "xds-b"]
+    command = ["--rollout-ignore-cluster", "xds-c"]  # the command line's replace the file's
+    assert main(["serve", *snapshot, "--config", str(config), *command, "--print-settings"]) == 0
+    assert json.loads(capsys.readouterr().out)["rollout"]["ignore_clusters"] == ["xds-c"]
+    assert main(["serve", *snapshot, "--rollout", "canary=c-*,100%", "--rollout-ignore-cluster", ""]) == 2
+    assert "--rollout-ignore-cluster '': a cluster's name" in capsys.readouterr().err
+
+
 def test_the_example_settings_file_is_the_service_units_flags(capsys: pytest.CaptureFixture[str]) -> None:
     example = Path(__file__).resolve().parents[3] / "examples" / "deploy" / "pilotfish.yaml"
     assert main(["serve", "--config", str(example), "--print-settings"]) == 0, capsys.readouterr().err

@@ -3,6 +3,7 @@ a hostile proxy tries to cross (docs/rollout.md, "Health from load reports")."""
 
 from __future__ import annotations
 
+import re
 import tracemalloc
 
 import pytest
@@ -10,6 +11,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.config.endpoint.v3 import load_report_pb2
 from envoy.service.load_stats.v3 import lrs_pb2
 
+from pilotfish.app.settings import MAX_IGNORED_CLUSTERS, RolloutFlags
 from pilotfish.resources.bootstrap import XDS_CLUSTER
 from pilotfish.rollout.gates import Counts
 from pilotfish.rollout.load import (
@@ -126,6 +128,36 @@ def test_the_control_planes_own_cluster_is_not_the_applications_load() -> None:
     store = LoadStore(LoadSettings(bucket=1.0, ignored=frozenset()), clock=Clock())
     store.ingest("a", report(load(XDS_CLUSTER, 0, 1, interval=1)))
     assert store.window([0], 0.0) == {XDS_CLUSTER: Counts(errors=1)}
+
+
+def test_a_bootstraps_own_cluster_under_another_name_is_left_out_when_named() -> None:
+    """A hand-written bootstrap may call the cluster of its streams to pilotfish otherwise
+    (``--rollout-ignore-cluster``): named, its cut streams are not the application's errors either;
+    unnamed, they are counted."""
+    named = RolloutFlags(waves="canary=c-*,100%", ignore_clusters=("xds-grpc",)).load_settings()
+    assert named.ignored == {XDS_CLUSTER, "xds-grpc"}
+    cut = report(
+        load("web", 90, 0, interval=1), load("xds-grpc", 0, 1, interval=1), load(XDS_CLUSTER, 0, 1, interval=1)
+    )
+    store = LoadStore(named, clock=Clock())
+    store.ingest("a", cut)
+    assert store.window([0], 0.0) == {"web": Counts(successful=90)}
+    store = LoadStore(RolloutFlags(waves="canary=c-*,100%").load_settings(), clock=Clock())
+    store.ingest("a", cut)
+    assert store.window([0], 0.0) == {"web": Counts(successful=90), "xds-grpc": Counts(errors=1)}
+
+
+@pytest.mark.parametrize(
+    ("names", "said"),
+    [
+        (("",), "--rollout-ignore-cluster '': a cluster's name, 1 to 256 characters"),
+        (("x" * 257,), "1 to 256 characters"),
+        (tuple(f"c{i}" for i in range(MAX_IGNORED_CLUSTERS + 1)), f"at most {MAX_IGNORED_CLUSTERS} clusters"),
+    ],
+)
+def test_a_cluster_to_leave_out_is_a_name_and_they_are_few(names: tuple[str, ...], said: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(said)):
+        RolloutFlags(waves="canary=c-*,100%", ignore_clusters=names).settings()
 
 
 def test_a_proxys_wave_is_asked_once_with_its_group() -> None:
