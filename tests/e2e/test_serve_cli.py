@@ -82,6 +82,7 @@ EVERY_KEY: dict[str, tuple[Any, Check, object]] = {
     "rollout-min-requests": (50, lambda s: s["rollout"]["min_requests"], 50),
     "rollout-max-error-increase": (2.5, lambda s: s["rollout"]["max_error_increase"], 2.5),
     "rollout-too-little-traffic": ("pass", lambda s: s["rollout"]["too_little_traffic"], "pass"),
+    "rollout-ignore-cluster": (["xds-grpc"], lambda s: s["rollout"]["ignore_clusters"], ["xds-grpc"]),
     "admin": ("127.0.0.1:0", lambda s: s["admin"]["address"], "127.0.0.1:0"),
     "admin-tokens": ("admin-tokens.yaml", lambda s: s["admin"]["tokens"], "admin-tokens.yaml"),
     "admin-grpc": ("127.0.0.1:0", lambda s: s["admin"]["grpc_address"], "127.0.0.1:0"),
