@@ -713,15 +713,19 @@ class Envoy:
     def wait_for_requests(self, cluster: str, *, at_least: int = 200, timeout: float = 15.0) -> None:
         """Wait until ``at_least`` more requests than now went through this Envoy to ``cluster``
         (load flows: a load run reached it, or went on after a change)."""
+        self.wait_for_more(f"cluster.{cluster}.upstream_rq_total", at_least=at_least, timeout=timeout)
 
-        def sent() -> int:
-            return int(self.stat(f"cluster.{cluster}.upstream_rq_total") or 0)
+    def wait_for_more(self, counter: str, *, at_least: int, timeout: float = 15.0) -> None:
+        """Wait until Envoy's ``counter`` (a stat's name) has grown by ``at_least`` from now."""
 
-        before = sent()
+        def value() -> int:
+            return int(self.stat(counter) or 0)
+
+        before = value()
         wait_until(
-            lambda: sent() >= before + at_least,
+            lambda: value() >= before + at_least,
             timeout=timeout,
-            what=f"{at_least} more requests through {self.name} to cluster {cluster!r}",
+            what=f"{self.name}'s {counter} to grow by {at_least}",
         )
 
     def wait_for_endpoints(self, cluster: str, expected: Iterable[str], *, timeout: float = 10.0) -> None:

@@ -180,11 +180,6 @@ def check_clean(result: WrkResult, label: str) -> None:
     assert not problems, f"{label}: {'; '.join(problems)}\n{result.output}"
 
 
-def wait_for_traffic(envoy: Envoy, stat: str, *, at_least: int = 100) -> None:
-    before = int(envoy.stat(stat) or 0)
-    wait_until(lambda: int(envoy.stat(stat) or 0) >= before + at_least, timeout=10, what=f"load to show in {stat}")
-
-
 # -- the test -------------------------------------------------------------------------------------
 
 
@@ -207,7 +202,7 @@ def test_restored_listener_and_cluster_are_served_at_once_after_a_restart(
     before = {t: control_plane.events.select(is_event("ack", node=NODE, type=t))[-1]["version_info"] for t in TYPE_URLS}
 
     main_load = Wrk.start(processes, f"http://127.0.0.1:{testbed.listener_port}/", duration_s=LOAD_S, connections=20)
-    wait_for_traffic(envoy, "http.ingress.downstream_rq_completed")
+    envoy.wait_for_more("http.ingress.downstream_rq_completed", at_least=100, timeout=10)
 
     # pilotfish restarts; Envoy reconnects at the versions it has and is sent nothing.
     control_plane.stop()
